@@ -1,0 +1,331 @@
+"""Pure cache-identity types and block hashing.
+
+This module is the vLLM ``kv_cache_utils.py`` of kvledger: it knows nothing of
+torch, storage or HTTP. Everything that decides *whether two requests may share
+a block* lives here, so it can be unit-tested with exact hash values and so the
+rest of the node cannot accidentally derive a key from client-supplied data.
+
+Key derivation (DESIGN §2)::
+
+    h_0 = H(namespace)
+    h_i = H(h_{i-1} ‖ scope_salt_i ‖ token_ids_i ‖ extra_i)
+
+Every field is length-prefixed and token ids are packed as little-endian u32, so
+the byte encoding is canonical (no str/pickle ambiguity between ``[1, 23]`` and
+``[12, 3]``). The salt is derived from :class:`Principal`, which is only ever
+built from a verified JWT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+HASH_BYTES = 32
+DEFAULT_BLOCK_SIZE = 16
+KV_LAYOUT_VERSION = 1
+
+_U32 = struct.Struct("<I")
+
+
+class CacheScope(IntEnum):
+    """Sharing scope of a prompt segment, ordered from widest to strictest.
+
+    The order matters: a block's scope is the *maximum* scope of any token in
+    the prefix up to the block's end (scope along a prompt is monotone).
+    """
+
+    PUBLIC = 0
+    TENANT = 1
+    USER = 2
+
+    @classmethod
+    def parse(cls, value: str) -> CacheScope:
+        try:
+            return cls[value.upper()]
+        except KeyError:
+            raise ValueError(f"unknown cache_scope {value!r}; expected public, tenant or user") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentRef:
+    """A versioned document whose tokens appear in the prompt."""
+
+    doc_id: str
+    version: int
+    auth_scope: str
+
+    @property
+    def tag(self) -> str:
+        return f"{self.doc_id}@{self.version}"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The caller, as established by a *verified* token. Never built from request bodies.
+
+    ``policy_versions`` maps an auth scope to the policy version the token was
+    issued under; ``default_policy_version`` covers tokens that carry a single
+    integer ``pv`` claim.
+    """
+
+    tenant_id: str
+    subject_id: str
+    scopes: frozenset[str] = frozenset()
+    policy_versions: Mapping[str, int] = field(default_factory=dict)
+    default_policy_version: int = 0
+    roles: frozenset[str] = frozenset()
+
+    def policy_version(self, auth_scope: str) -> int:
+        return self.policy_versions.get(auth_scope, self.default_policy_version)
+
+    def holds(self, auth_scope: str) -> bool:
+        return auth_scope in self.scopes
+
+
+# Auth scope recorded for tenant-scope messages that are not documents: they are
+# shared by the whole tenant, under the tenant-wide policy version.
+TENANT_WIDE_AUTH_SCOPE = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous token span of the rendered prompt with one cache scope."""
+
+    start: int
+    end: int
+    scope: CacheScope
+    document: DocumentRef | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"bad segment span [{self.start}, {self.end})")
+        if self.document is not None and self.scope != CacheScope.TENANT:
+            raise ValueError("a document segment is tenant scope")
+
+    @property
+    def auth_scope(self) -> str | None:
+        if self.document is not None:
+            return self.document.auth_scope
+        return TENANT_WIDE_AUTH_SCOPE if self.scope == CacheScope.TENANT else None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockProvenance:
+    """Whose data a block holds. Travels with the block to every tier and to the ledger."""
+
+    namespace: str
+    tenant_id: str | None
+    scope: CacheScope
+    auth_scopes: tuple[tuple[str, int], ...]
+    subject_id: str | None
+    documents: tuple[str, ...]
+    token_offset: int
+    created_at: float
+
+    def to_dict(self) -> dict:
+        return {
+            "namespace": self.namespace,
+            "tenant_id": self.tenant_id,
+            "scope": self.scope.label,
+            "auth_scopes": [[scope, version] for scope, version in self.auth_scopes],
+            "subject_id": self.subject_id,
+            "documents": list(self.documents),
+            "token_offset": self.token_offset,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> BlockProvenance:
+        return cls(
+            namespace=data["namespace"],
+            tenant_id=data["tenant_id"],
+            scope=CacheScope.parse(data["scope"]),
+            auth_scopes=tuple((scope, int(version)) for scope, version in data["auth_scopes"]),
+            subject_id=data["subject_id"],
+            documents=tuple(data["documents"]),
+            token_offset=int(data["token_offset"]),
+            created_at=float(data["created_at"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """Identity of one full block: its chained hash, parent, scope-free shadow hash and provenance."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    shadow_hash: bytes
+    index: int
+    provenance: BlockProvenance
+
+    @property
+    def hex(self) -> str:
+        return self.block_hash.hex()
+
+
+def _field(data: bytes) -> bytes:
+    return _U32.pack(len(data)) + data
+
+
+def _text(value: str | None) -> bytes:
+    return _field(b"" if value is None else value.encode())
+
+
+def namespace_root(namespace: str) -> bytes:
+    """``h_0``: the chain root. Different namespaces can never share any block."""
+    return hashlib.sha256(b"kvledger/ns/v1\x00" + namespace.encode()).digest()
+
+
+SHADOW_ROOT = hashlib.sha256(b"kvledger/shadow/v1").digest()
+
+
+def scope_salt(
+    scope: CacheScope,
+    principal: Principal,
+    auth_scopes: Sequence[tuple[str, int]],
+) -> bytes:
+    """Canonical salt bytes for one block, derived only from verified claims.
+
+    public → empty; tenant → tenant id + (auth scope, policy version) pairs;
+    user → tenant id + subject id.
+    """
+    if scope == CacheScope.PUBLIC:
+        return b""
+    if scope == CacheScope.TENANT:
+        parts = [b"T", _text(principal.tenant_id), _U32.pack(len(auth_scopes))]
+        for auth_scope, version in auth_scopes:
+            parts.append(_text(auth_scope))
+            parts.append(_U32.pack(version))
+        return b"".join(parts)
+    return b"U" + _text(principal.tenant_id) + _text(principal.subject_id)
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Little-endian u32 packing: the canonical byte form of token ids."""
+    packed = array("I", token_ids)
+    if packed.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
+        raise RuntimeError("array('I') is not 32-bit on this platform")
+    return packed.tobytes() if _LITTLE_ENDIAN else _byteswapped(packed)
+
+
+def _byteswapped(packed: array) -> bytes:  # pragma: no cover - big-endian hosts only
+    packed.byteswap()
+    return packed.tobytes()
+
+
+_LITTLE_ENDIAN = struct.pack("=I", 1) == struct.pack("<I", 1)
+
+
+def hash_block(parent: bytes, salt: bytes, packed_tokens: bytes, extra: bytes) -> bytes:
+    """``h_i = H(h_{i-1} ‖ salt ‖ tokens ‖ extra)`` with length-prefixed fields."""
+    assert len(parent) == HASH_BYTES, f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}"
+    h = hashlib.sha256(parent)
+    h.update(_U32.pack(len(salt)))
+    h.update(salt)
+    h.update(_U32.pack(len(packed_tokens)))
+    h.update(packed_tokens)
+    h.update(_U32.pack(len(extra)))
+    h.update(extra)
+    return h.digest()
+
+
+def validate_segments(segments: Sequence[Segment], num_tokens: int) -> None:
+    """Segments must tile ``[0, num_tokens)`` in order without gaps."""
+    position = 0
+    for segment in segments:
+        if segment.start != position:
+            raise ValueError(f"segments must be contiguous: expected start {position}, got {segment.start}")
+        position = segment.end
+    if position != num_tokens:
+        raise ValueError(f"segments cover {position} tokens, prompt has {num_tokens}")
+
+
+def num_cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks that may be cached: the last prompt token is always recomputed (its logits are needed)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    return max(num_tokens - 1, 0) // block_size
+
+
+def compute_block_keys(
+    namespace: str,
+    token_ids: Sequence[int],
+    segments: Sequence[Segment],
+    principal: Principal,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    adapter: str | None = None,
+    now: float | None = None,
+) -> list[BlockKey]:
+    """Chained keys and provenance for every cacheable full block of a prompt.
+
+    Scope is monotone along the prompt: block *i* takes the strictest scope of
+    any token in ``[0, end_i)``. Provenance accumulates every document and auth
+    scope seen so far, because a block's KV depends on all tokens before it.
+    """
+    validate_segments(segments, len(token_ids))
+    created_at = time.time() if now is None else now
+    packed = pack_token_ids(token_ids)
+    adapter_bytes = _text(adapter)
+
+    keys: list[BlockKey] = []
+    parent = namespace_root(namespace)
+    shadow_parent = SHADOW_ROOT
+    scope = CacheScope.PUBLIC
+    auth_scopes: dict[str, int] = {}
+    documents: dict[str, None] = {}
+    segment_index = 0
+    for index in range(num_cacheable_blocks(len(token_ids), block_size)):
+        start, end = index * block_size, (index + 1) * block_size
+        block_documents: list[str] = []
+        # Walk every segment that overlaps [start, end).
+        while segment_index < len(segments):
+            segment = segments[segment_index]
+            if segment.start >= end:
+                break
+            if segment.end > start and segment.end > segment.start:
+                scope = max(scope, segment.scope)
+                if segment.auth_scope is not None:
+                    auth_scopes.setdefault(segment.auth_scope, principal.policy_version(segment.auth_scope))
+                if segment.document is not None:
+                    block_documents.append(segment.document.tag)
+                    documents.setdefault(segment.document.tag, None)
+            if segment.end > end:
+                break
+            segment_index += 1
+        sorted_auth = tuple(sorted(auth_scopes.items()))
+        salt = scope_salt(scope, principal, sorted_auth)
+        extra = adapter_bytes + _field("\x00".join(block_documents).encode())
+        token_bytes = packed[start * 4 : end * 4]
+        block_hash = hash_block(parent, salt, token_bytes, extra)
+        shadow_hash = hash_block(shadow_parent, b"", token_bytes, b"")
+        keys.append(
+            BlockKey(
+                block_hash=block_hash,
+                parent_hash=parent,
+                shadow_hash=shadow_hash,
+                index=index,
+                provenance=BlockProvenance(
+                    namespace=namespace,
+                    tenant_id=None if scope == CacheScope.PUBLIC else principal.tenant_id,
+                    scope=scope,
+                    auth_scopes=sorted_auth,
+                    subject_id=principal.subject_id if scope == CacheScope.USER else None,
+                    documents=tuple(documents),
+                    token_offset=start,
+                    created_at=created_at,
+                ),
+            )
+        )
+        parent = block_hash
+        shadow_parent = shadow_hash
+    return keys

@@ -1,0 +1,45 @@
+"""GPU node settings (pydantic-settings, env prefix ``KVLEDGER_NODE_``, nested with ``__``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class AuthSettings(BaseModel):
+    """How bearer tokens are verified. Exactly one of the two keys is expected."""
+
+    jwt_secret: SecretStr | None = None
+    jwt_public_key_file: Path | None = None
+    audience: str | None = None
+    leeway_s: float = 5.0
+
+
+class CacheSettings(BaseModel):
+    block_size: int = Field(16, gt=0)
+    num_device_blocks: int = Field(4096, ge=0)
+    num_host_blocks: int = Field(8192, ge=0)
+    max_disk_blocks: int = Field(65536, ge=0)
+    ttl_public_s: float | None = 3600.0
+    ttl_tenant_s: float | None = 1800.0
+    ttl_user_s: float | None = 600.0
+    singleflight_wait_s: float = 30.0
+    enabled: bool = True
+
+
+class NodeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
+
+    node_id: str = "node-0"
+    model_dir: Path = Path(".kvledger/models/tiny")
+    model_name: str | None = None
+    data_dir: Path = Path(".kvledger/node-0")
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    warm_from: Path | None = None
+    auth: AuthSettings = AuthSettings()
+    cache: CacheSettings = CacheSettings()
