@@ -48,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--private-key", help="Ed25519 private key (PEM) to sign with instead of KVLEDGER_JWT_SECRET")
     token.set_defaults(func=_lazy("kvledger.tokens:cli"))
 
+    coordinator = commands.add_parser("coordinator", help="run the coordinator (ledger API and/or consumers)")
+    coordinator.add_argument("--role", choices=["api", "consumers", "all"], default="all")
+    coordinator.add_argument("--host")
+    coordinator.add_argument("--port", type=int)
+    coordinator.add_argument("--database-url")
+    coordinator.add_argument("--kafka-bootstrap")
+    coordinator.set_defaults(func=_lazy("coordinator.server:cli"))
+
+    migrate = commands.add_parser("migrate", help="apply Alembic migrations to the ledger database")
+    migrate.add_argument("--database-url")
+    migrate.add_argument("--revision", default="head")
+    migrate.add_argument("--downgrade", action="store_true")
+    migrate.set_defaults(func=_lazy("coordinator.migrate:cli"))
+
     up = commands.add_parser("up", help="run the whole stack on the embedded default")
     up.add_argument("--nodes", type=int, default=1)
     up.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny")
