@@ -25,12 +25,14 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 HASH_BYTES = 32
 DEFAULT_BLOCK_SIZE = 16
 KV_LAYOUT_VERSION = 1
 
 _U32 = struct.Struct("<I")
+_sha256 = hashlib.sha256
 
 
 class CacheScope(IntEnum):
@@ -129,7 +131,6 @@ class BlockProvenance:
     auth_scopes: tuple[tuple[str, int], ...]
     subject_id: str | None
     documents: tuple[str, ...]
-    token_offset: int
     created_at: float
 
     def to_dict(self) -> dict:
@@ -140,7 +141,6 @@ class BlockProvenance:
             "auth_scopes": [[scope, version] for scope, version in self.auth_scopes],
             "subject_id": self.subject_id,
             "documents": list(self.documents),
-            "token_offset": self.token_offset,
             "created_at": self.created_at,
         }
 
@@ -153,24 +153,31 @@ class BlockProvenance:
             auth_scopes=tuple((scope, int(version)) for scope, version in data["auth_scopes"]),
             subject_id=data["subject_id"],
             documents=tuple(data["documents"]),
-            token_offset=int(data["token_offset"]),
             created_at=float(data["created_at"]),
         )
 
 
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """Identity of one full block: its chained hash, parent, scope-free shadow hash and provenance."""
+class BlockKey(NamedTuple):
+    """Identity of one full block: its chained hash, parent, position and provenance.
+
+    A NamedTuple rather than a dataclass because a long prompt creates hundreds
+    of these per request and construction cost is part of the hashing budget.
+    Consecutive blocks with the same provenance share one provenance object.
+    """
 
     block_hash: bytes
     parent_hash: bytes
-    shadow_hash: bytes
     index: int
+    block_size: int
     provenance: BlockProvenance
 
     @property
     def hex(self) -> str:
         return self.block_hash.hex()
+
+    @property
+    def token_offset(self) -> int:
+        return self.index * self.block_size
 
 
 def _field(data: bytes) -> bytes:
@@ -229,14 +236,7 @@ _LITTLE_ENDIAN = struct.pack("=I", 1) == struct.pack("<I", 1)
 def hash_block(parent: bytes, salt: bytes, packed_tokens: bytes, extra: bytes) -> bytes:
     """``h_i = H(h_{i-1} ‖ salt ‖ tokens ‖ extra)`` with length-prefixed fields."""
     assert len(parent) == HASH_BYTES, f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}"
-    h = hashlib.sha256(parent)
-    h.update(_U32.pack(len(salt)))
-    h.update(salt)
-    h.update(_U32.pack(len(packed_tokens)))
-    h.update(packed_tokens)
-    h.update(_U32.pack(len(extra)))
-    h.update(extra)
-    return h.digest()
+    return _sha256(_field(salt).join((parent, _field(packed_tokens) + _field(extra)))).digest()
 
 
 def validate_segments(segments: Sequence[Segment], num_tokens: int) -> None:
@@ -274,58 +274,92 @@ def compute_block_keys(
     """
     validate_segments(segments, len(token_ids))
     created_at = time.time() if now is None else now
-    packed = pack_token_ids(token_ids)
-    adapter_bytes = _text(adapter)
+    num_blocks = num_cacheable_blocks(len(token_ids), block_size)
+    packed = pack_token_ids(token_ids[: num_blocks * block_size])
+    adapter_field = _text(adapter)
+    token_length = _U32.pack(block_size * 4)
+    stride = block_size * 4
 
     keys: list[BlockKey] = []
+    append = keys.append
     parent = namespace_root(namespace)
-    shadow_parent = SHADOW_ROOT
     scope = CacheScope.PUBLIC
     auth_scopes: dict[str, int] = {}
     documents: dict[str, None] = {}
+    provenance: BlockProvenance | None = None
+    salt_field = b""
     segment_index = 0
-    for index in range(num_cacheable_blocks(len(token_ids), block_size)):
+    index = 0
+    while index < num_blocks:
         start, end = index * block_size, (index + 1) * block_size
         block_documents: list[str] = []
-        # Walk every segment that overlaps [start, end).
+        changed = provenance is None
+        # Walk every segment that overlaps [start, end); a segment longer than
+        # the block stays current for the next block.
         while segment_index < len(segments):
             segment = segments[segment_index]
             if segment.start >= end:
                 break
-            if segment.end > start and segment.end > segment.start:
-                scope = max(scope, segment.scope)
-                if segment.auth_scope is not None:
-                    auth_scopes.setdefault(segment.auth_scope, principal.policy_version(segment.auth_scope))
+            if segment.end > start:
+                if segment.scope > scope:
+                    scope, changed = segment.scope, True
+                auth_scope = segment.auth_scope
+                if auth_scope is not None and auth_scope not in auth_scopes:
+                    auth_scopes[auth_scope] = principal.policy_version(auth_scope)
+                    changed = True
                 if segment.document is not None:
-                    block_documents.append(segment.document.tag)
-                    documents.setdefault(segment.document.tag, None)
+                    tag = segment.document.tag
+                    block_documents.append(tag)
+                    if tag not in documents:
+                        documents[tag] = None
+                        changed = True
             if segment.end > end:
                 break
             segment_index += 1
-        sorted_auth = tuple(sorted(auth_scopes.items()))
-        salt = scope_salt(scope, principal, sorted_auth)
-        extra = adapter_bytes + _field("\x00".join(block_documents).encode())
-        token_bytes = packed[start * 4 : end * 4]
-        block_hash = hash_block(parent, salt, token_bytes, extra)
-        shadow_hash = hash_block(shadow_parent, b"", token_bytes, b"")
-        keys.append(
-            BlockKey(
-                block_hash=block_hash,
-                parent_hash=parent,
-                shadow_hash=shadow_hash,
-                index=index,
-                provenance=BlockProvenance(
-                    namespace=namespace,
-                    tenant_id=None if scope == CacheScope.PUBLIC else principal.tenant_id,
-                    scope=scope,
-                    auth_scopes=sorted_auth,
-                    subject_id=principal.subject_id if scope == CacheScope.USER else None,
-                    documents=tuple(documents),
-                    token_offset=start,
-                    created_at=created_at,
-                ),
+        if changed:
+            sorted_auth = tuple(sorted(auth_scopes.items()))
+            salt_field = _field(scope_salt(scope, principal, sorted_auth))
+            provenance = BlockProvenance(
+                namespace=namespace,
+                tenant_id=None if scope == CacheScope.PUBLIC else principal.tenant_id,
+                scope=scope,
+                auth_scopes=sorted_auth,
+                subject_id=principal.subject_id if scope == CacheScope.USER else None,
+                documents=tuple(documents),
+                created_at=created_at,
             )
-        )
+        tail = token_length, _field(adapter_field + _field("\x00".join(block_documents).encode()))
+        block_hash = _sha256(b"".join((parent, salt_field, token_length, packed[start * 4 : end * 4], tail[1]))).digest()
+        append(BlockKey(block_hash, parent, index, block_size, provenance))
         parent = block_hash
-        shadow_parent = shadow_hash
+        index += 1
+        # Fast path: the following blocks lie wholly inside the current segment,
+        # so salt, provenance and extra are unchanged; only tokens and parent move.
+        if segment_index < len(segments):
+            last_inside = min(segments[segment_index].end // block_size, num_blocks)
+            prefix = salt_field + token_length
+            suffix = tail[1]
+            while index < last_inside:
+                offset = index * stride
+                block_hash = _sha256(b"".join((parent, prefix, packed[offset : offset + stride], suffix))).digest()
+                append(BlockKey(block_hash, parent, index, block_size, provenance))
+                parent = block_hash
+                index += 1
     return keys
+
+
+def compute_shadow_hashes(token_ids: Sequence[int], num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
+    """Scope-free, namespace-free chained hashes of the token prefix.
+
+    They feed the shadow index that explains misses (same tokens cached under
+    another namespace or salt → MODEL_VERSION_MISMATCH / AUTH_SCOPE_MISMATCH …).
+    Kept out of :func:`compute_block_keys` because only misses need them, so a
+    full hit pays nothing for diagnostics.
+    """
+    packed = pack_token_ids(token_ids[: num_blocks * block_size])
+    hashes: list[bytes] = []
+    parent = SHADOW_ROOT
+    for index in range(num_blocks):
+        parent = hash_block(parent, b"", packed[index * block_size * 4 : (index + 1) * block_size * 4], b"")
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,197 @@
+"""Block identity: exact hashes, and every component of the key changes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+
+import pytest
+
+from gpu_node.kv_cache_utils import (
+    BlockProvenance,
+    CacheScope,
+    DocumentRef,
+    Principal,
+    Segment,
+    compute_block_keys,
+    compute_shadow_hashes,
+    hash_block,
+    namespace_root,
+    num_cacheable_blocks,
+    pack_token_ids,
+)
+
+BLOCK = 4
+ALICE = Principal("acme", "alice", frozenset({"hr"}), {"hr": 3})
+HANDBOOK = DocumentRef("handbook", 7, "hr")
+
+
+def layout(public: int = 8, tenant: int = 8, user: int = 9, document: DocumentRef | None = HANDBOOK) -> list[Segment]:
+    """public system prompt, then a tenant document, then a user message."""
+    segments = [Segment(0, public, CacheScope.PUBLIC)]
+    segments.append(Segment(public, public + tenant, CacheScope.TENANT, document))
+    segments.append(Segment(public + tenant, public + tenant + user, CacheScope.USER))
+    return segments
+
+
+def tokens(n: int = 25, base: int = 100) -> list[int]:
+    return list(range(base, base + n))
+
+
+def keys_for(principal: Principal = ALICE, token_ids: list[int] | None = None, segments: list[Segment] | None = None, **kwargs):
+    token_ids = tokens() if token_ids is None else token_ids
+    segments = layout() if segments is None else segments
+    return compute_block_keys("ns-test", token_ids, segments, principal, block_size=BLOCK, now=0.0, **kwargs)
+
+
+def hashes(keys) -> list[str]:
+    return [key.hex for key in keys]
+
+
+def test_exact_hash_values_are_pinned():
+    keys = keys_for()
+    # 25 tokens: the last token is always recomputed, so 24 // 4 = 6 blocks.
+    assert len(keys) == 6
+    assert [key.hex[:16] for key in keys] == [
+        "ffc0c12fb518a0a9", "ffef3b9664139645", "935a3fb5a61a24d4",
+        "43201c19c9ce304b", "2d3a17a3362a1a08", "96cc206bcb9f0301",
+    ]
+    assert namespace_root("ns-test").hex()[:16] == "2fd4e2c62b645982"
+
+
+def _u32(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+def _field(data: bytes) -> bytes:
+    return _u32(len(data)) + data
+
+
+def test_hashes_follow_the_documented_encoding():
+    """Recompute blocks 0 and 2 from DESIGN §2 with raw hashlib, independent of the implementation."""
+    keys = keys_for()
+    root = hashlib.sha256(b"kvledger/ns/v1\x00ns-test").digest()
+    no_adapter_no_docs = _field(_field(b"") + _field(b""))
+    block0 = hashlib.sha256(root + _field(b"") + _field(struct.pack("<4I", 100, 101, 102, 103)) + no_adapter_no_docs)
+    assert keys[0].block_hash == block0.digest()
+    salt = b"T" + _field(b"acme") + _u32(1) + _field(b"hr") + _u32(3)
+    extra = _field(_field(b"") + _field(b"handbook@7"))
+    block2 = hashlib.sha256(keys[1].block_hash + _field(salt) + _field(struct.pack("<4I", 108, 109, 110, 111)) + extra)
+    assert keys[2].block_hash == block2.digest()
+
+
+def test_canonical_encoding_is_length_prefixed_little_endian():
+    assert pack_token_ids([1, 258]) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
+    parent = bytes(32)
+    assert hash_block(parent, b"", pack_token_ids([1, 23]), b"") != hash_block(parent, b"", pack_token_ids([12, 3]), b"")
+    # moving a byte between salt and extra must change the hash
+    assert hash_block(parent, b"ab", b"", b"c") != hash_block(parent, b"a", b"", b"bc")
+
+
+def test_scope_is_monotone_and_provenance_accumulates():
+    keys = keys_for()
+    assert [key.provenance.scope for key in keys] == [CacheScope.PUBLIC] * 2 + [CacheScope.TENANT] * 2 + [CacheScope.USER] * 2
+    assert keys[0].provenance.tenant_id is None and keys[0].provenance.auth_scopes == ()
+    assert keys[2].provenance.tenant_id == "acme"
+    assert keys[2].provenance.auth_scopes == (("hr", 3),)
+    assert keys[2].provenance.documents == ("handbook@7",)
+    assert keys[2].provenance.subject_id is None
+    # user blocks keep the document and auth scope they were derived from
+    assert keys[5].provenance.subject_id == "alice"
+    assert keys[5].provenance.documents == ("handbook@7",)
+    assert keys[5].provenance.auth_scopes == (("hr", 3),)
+    assert [key.token_offset for key in keys] == [0, 4, 8, 12, 16, 20]
+    assert [key.parent_hash for key in keys[1:]] == [key.block_hash for key in keys[:-1]]
+    assert keys[0].parent_hash == namespace_root("ns-test")
+
+
+def test_block_straddling_a_boundary_takes_the_stricter_scope():
+    segments = [Segment(0, 6, CacheScope.PUBLIC), Segment(6, 13, CacheScope.USER)]
+    keys = keys_for(token_ids=tokens(13), segments=segments)
+    assert [key.provenance.scope for key in keys] == [CacheScope.PUBLIC, CacheScope.USER, CacheScope.USER]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "namespace", "token", "tenant", "auth_scope", "policy_version", "subject", "document_version", "adapter",
+    ],
+)
+def test_every_component_changes_the_affected_keys(change):
+    base = keys_for()
+    kwargs: dict = {}
+    principal, token_ids, segments, namespace = ALICE, tokens(), layout(), "ns-test"
+    if change == "namespace":
+        namespace = "ns-other"
+    elif change == "token":
+        token_ids = tokens()
+        token_ids[1] += 1
+    elif change == "tenant":
+        principal = dataclasses.replace(ALICE, tenant_id="globex")
+    elif change == "auth_scope":
+        segments = layout(document=DocumentRef("handbook", 7, "finance"))
+        principal = dataclasses.replace(ALICE, scopes=frozenset({"finance"}))
+    elif change == "policy_version":
+        principal = dataclasses.replace(ALICE, policy_versions={"hr": 4})
+    elif change == "subject":
+        principal = dataclasses.replace(ALICE, subject_id="bob")
+    elif change == "document_version":
+        segments = layout(document=DocumentRef("handbook", 8, "hr"))
+    elif change == "adapter":
+        kwargs["adapter"] = "legal-lora@sha256:1"
+    other = compute_block_keys(namespace, token_ids, segments, principal, block_size=BLOCK, now=0.0, **kwargs)
+    changed = [a.block_hash != b.block_hash for a, b in zip(base, other, strict=True)]
+    expected = {
+        # public blocks depend only on namespace, tokens and adapter
+        "namespace": [True] * 6,
+        "token": [True] * 6,
+        "adapter": [True] * 6,
+        "tenant": [False, False, True, True, True, True],
+        "auth_scope": [False, False, True, True, True, True],
+        "policy_version": [False, False, True, True, True, True],
+        "document_version": [False, False, True, True, True, True],
+        "subject": [False, False, False, False, True, True],
+    }[change]
+    assert changed == expected
+
+
+def test_public_prefix_shared_across_tenants_tenant_part_is_not():
+    bob_at_globex = Principal("globex", "bob", frozenset({"hr"}), {"hr": 3})
+    a, b = keys_for(), keys_for(principal=bob_at_globex)
+    assert hashes(a)[:2] == hashes(b)[:2]
+    assert set(hashes(a)[2:]).isdisjoint(hashes(b)[2:])
+
+
+def test_two_subjects_never_share_user_blocks_but_share_tenant_blocks():
+    carol = dataclasses.replace(ALICE, subject_id="carol")
+    a, c = keys_for(), keys_for(principal=carol)
+    assert hashes(a)[:4] == hashes(c)[:4]
+    assert set(hashes(a)[4:]).isdisjoint(hashes(c)[4:])
+
+
+def test_shadow_hashes_ignore_scope_and_namespace():
+    token_ids = tokens()
+    shadow = compute_shadow_hashes(token_ids, 6, BLOCK)
+    assert len(shadow) == 6 and len(set(shadow)) == 6
+    assert compute_shadow_hashes(token_ids, 3, BLOCK) == shadow[:3]
+
+
+def test_segments_must_tile_the_prompt():
+    with pytest.raises(ValueError, match="contiguous"):
+        keys_for(segments=[Segment(0, 4, CacheScope.PUBLIC), Segment(5, 25, CacheScope.USER)])
+    with pytest.raises(ValueError, match="cover"):
+        keys_for(segments=[Segment(0, 24, CacheScope.PUBLIC)])
+    with pytest.raises(ValueError):
+        Segment(0, 4, CacheScope.USER, HANDBOOK)
+
+
+def test_last_token_is_always_recomputed():
+    assert num_cacheable_blocks(16, 16) == 0
+    assert num_cacheable_blocks(17, 16) == 1
+    assert num_cacheable_blocks(0, 16) == 0
+
+
+def test_provenance_round_trips():
+    provenance = keys_for()[5].provenance
+    assert BlockProvenance.from_dict(provenance.to_dict()) == provenance
