@@ -1,0 +1,986 @@
+"""The storage pool: tiers, entry states, refcounts, eviction, TTL and governed removal.
+
+This is kvledger's vLLM ``block_pool.py``: it only allocates, frees, moves,
+looks up and deletes blocks. What a request needs (longest prefix, singleflight,
+miss reasons) lives in the cache manager on top.
+
+Tiers (DESIGN §3): the *device* tier is one preallocated tensor
+``[num_device_blocks, *block_shape]`` on the model's device, the *host* tier the
+same on CPU (pinned under CUDA), the *disk* tier one file per block. Tenant and
+user blocks on disk are sealed with AES-256-GCM under their scope's data key;
+public blocks are plaintext with a sha256 checksum. Every block lives in exactly
+one tier at a time, and every slot or file it leaves is zeroed, so deleting a
+block in its current tier deletes all of its bytes held by the pool.
+
+Entry states follow the seed (§12/§15)::
+
+    ABSENT → BUILDING → READY (read under ref_count) → EVICTING → ABSENT
+             BUILDING → FAILED → ABSENT
+
+Only READY entries are returned by lookups. An entry whose bytes must go while a
+reader holds it (invalidation, TTL) is *tombstoned*: it turns EVICTING, is never
+returned again, and its bytes are deleted when the last reference is released —
+memory referenced by a reader is never freed, overwritten or moved by the pool.
+
+Every change of bytes is reported exactly once through :meth:`BlockPool.take_events`,
+which the node publishes to the ledger.
+
+One ``threading.RLock`` guards all state: the pool is called from the engine's
+worker thread and from the asyncio thread. Callers that must look up and lock
+atomically hold :attr:`BlockPool.lock` across both calls. Disk-tier file I/O
+happens under the lock too (one block file per demotion or disk hit), which
+keeps every tier change atomic with its event.
+
+TTL runs from commit and is not extended by hits: it bounds how long data may
+live, and expiry deletes bytes, not just the index entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import struct
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from pathlib import Path
+
+import torch
+
+from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink, seal, unseal
+from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_spec import KVBlockSpec
+
+
+class Tier(StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+_TIER_DEPTH = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
+
+
+class BlockState(Enum):
+    """Lifecycle of a pool entry; ABSENT is "not in the pool" and has no member."""
+
+    BUILDING = "building"
+    READY = "ready"
+    EVICTING = "evicting"
+    FAILED = "failed"
+
+
+class RemovalReason(StrEnum):
+    EVICTED = "evicted"
+    EXPIRED = "expired"
+    INVALIDATED = "invalidated"
+    RESTORE_FAILED = "restore_failed"
+
+
+class BlockRestoreError(Exception):
+    """A block's bytes could not be produced (corrupt, undecryptable, invalidated while held).
+
+    The pool has already removed a corrupt or undecryptable entry when this is
+    raised; the caller releases its references and falls back to prefill.
+    """
+
+    def __init__(self, block_hash: bytes, reason: str) -> None:
+        super().__init__(f"block {block_hash.hex()[:16]} cannot be restored: {reason}")
+        self.block_hash = block_hash
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Capacities per tier and per-scope TTLs (None: no TTL) for one namespace."""
+
+    namespace: str
+    num_device_blocks: int
+    num_host_blocks: int
+    max_disk_blocks: int
+    disk_dir: Path | None
+    ttl_s: Mapping[CacheScope, float | None]
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.namespace:
+            raise ValueError("namespace must not be empty")
+        for name in ("num_device_blocks", "num_host_blocks", "max_disk_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        missing = [scope.label for scope in CacheScope if scope not in self.ttl_s]
+        if missing:
+            # A forgotten scope must not silently mean "keep forever": retention is a privacy limit.
+            raise ValueError(f"ttl_s needs an entry (seconds or None) for every scope; missing {missing}")
+        for scope, ttl_s in self.ttl_s.items():
+            if ttl_s is not None and ttl_s <= 0:
+                raise ValueError(f"ttl for {CacheScope(scope).label} scope must be positive or None, got {ttl_s}")
+
+
+@dataclass(eq=False, slots=True)
+class CacheEntry:
+    """One block in the pool. ``tier``/``slot`` say where its bytes are (slot: device/host index)."""
+
+    key: BlockKey
+    state: BlockState
+    tier: Tier | None = None
+    slot: int | None = None
+    ref_count: int = 0
+    last_access: float = 0.0
+    expires_at: float | None = None
+    tombstoned: bool = False
+    removal_reason: RemovalReason | None = None
+
+    @property
+    def block_hash(self) -> bytes:
+        return self.key.block_hash
+
+    @property
+    def provenance(self) -> BlockProvenance:
+        return self.key.provenance
+
+
+METHOD_ZERO_FILL = "zero_fill"
+METHOD_OVERWRITE_UNLINK = "overwrite_unlink"
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalEvidence:
+    """How one block's bytes were deleted and the post-check result.
+
+    ``zero_fill``: the memory slot was overwritten with zeros and read back as
+    zero (NIST 800-88 Clear). ``overwrite_unlink``: the file was zeroed and
+    unlinked and its path checked absent; ``encrypted`` says whether it held
+    ciphertext, which destroying the scope key additionally purges.
+    """
+
+    block_hash: bytes
+    tier: Tier
+    method: str
+    encrypted: bool
+    verified: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    key: BlockKey
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Bytes of a block were deleted; ``evidence`` is set by the pool for every removal."""
+
+    block_hash: bytes
+    tier: Tier
+    reason: RemovalReason
+    evidence: RemovalEvidence | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMoved:
+    block_hash: bytes
+    from_tier: Tier
+    to_tier: Tier
+
+
+PoolEvent = BlockStored | BlockRemoved | BlockMoved
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalReport:
+    """Outcome of :meth:`BlockPool.remove_where`, the basis of a command ack.
+
+    ``removed`` had their bytes deleted now (``num_removed`` per tier,
+    ``evidence`` one per block); ``deferred`` are held by readers, tombstoned,
+    and deleted when released (their ``BlockRemoved`` event carries evidence);
+    ``discarded_building`` will be discarded at commit and never become READY.
+    """
+
+    reason: RemovalReason
+    num_removed: Mapping[Tier, int]
+    removed: tuple[bytes, ...]
+    deferred: tuple[bytes, ...]
+    discarded_building: tuple[bytes, ...]
+    evidence: tuple[RemovalEvidence, ...]
+
+    @property
+    def all_verified(self) -> bool:
+        return all(item.verified for item in self.evidence)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """Entries and bytes per tier (disk bytes are file sizes), plus lifetime counters."""
+
+    num_entries: Mapping[Tier, int]
+    tier_bytes: Mapping[Tier, int]
+    num_building: int
+    num_evictions: int
+    num_expired: int
+    num_demotions: int
+    num_promotions: int
+    num_restore_failures: int
+
+
+class LRUEvictionStrategy:
+    """Least recently used first, one instance per tier (SGLang's ``LRUStrategy``).
+
+    It only orders entries; the pool skips candidates it may not touch
+    (referenced ones), so the strategy needs no knowledge of refcounts.
+    """
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[bytes, CacheEntry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def insert(self, entry: CacheEntry) -> None:
+        assert entry.block_hash not in self._order, "an entry is ordered in one tier at most once"
+        self._order[entry.block_hash] = entry
+
+    def touch(self, entry: CacheEntry) -> None:
+        self._order.move_to_end(entry.block_hash)
+
+    def remove(self, entry: CacheEntry) -> None:
+        del self._order[entry.block_hash]
+
+    def candidates(self) -> Iterator[CacheEntry]:
+        """Entries in eviction order; the caller must stop iterating before it changes the order."""
+        return iter(self._order.values())
+
+
+# --- at-rest record format (disk files and snapshot shards) -------------------------------
+
+_MAGIC = b"KVLB"
+_RECORD_VERSION = 1
+_FLAG_PLAIN = 0
+_FLAG_SEALED = 1
+_HEADER = struct.Struct("<4sBB32s")
+_U32 = struct.Struct("<I")
+_CHECKSUM_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """A block as stored at rest: identity, KV format, wall-clock expiry and raw KV bytes."""
+
+    key: BlockKey
+    kv_format: str
+    expires_at_wall: float | None
+    payload: bytes
+
+
+def _key_to_dict(key: BlockKey) -> dict:
+    return {
+        "block_hash": key.block_hash.hex(),
+        "parent_hash": key.parent_hash.hex(),
+        "index": key.index,
+        "block_size": key.block_size,
+        "provenance": key.provenance.to_dict(),
+    }
+
+
+def _key_from_dict(data: Mapping) -> BlockKey:
+    return BlockKey(
+        block_hash=bytes.fromhex(data["block_hash"]),
+        parent_hash=bytes.fromhex(data["parent_hash"]),
+        index=int(data["index"]),
+        block_size=int(data["block_size"]),
+        provenance=BlockProvenance.from_dict(data["provenance"]),
+    )
+
+
+def encode_block_record(record: BlockRecord, key_provider: DataKeyProvider) -> bytes | None:
+    """Serialize a block for disk or a snapshot; None when its scope has no data key available.
+
+    Layout: ``KVLB ‖ version ‖ flags ‖ block_hash ‖ …``. Sealed (tenant/user):
+    ``len(key_id) ‖ key_id ‖ AES-GCM(meta ‖ payload)``; the provenance is inside
+    the ciphertext. Plain (public): ``meta ‖ payload ‖ sha256(everything before)``.
+    A block without a key is never written in plaintext.
+    """
+    block_hash = record.key.block_hash
+    meta = json.dumps(
+        {"key": _key_to_dict(record.key), "kv_format": record.kv_format, "expires_at_wall": record.expires_at_wall},
+        separators=(",", ":"),
+    ).encode()
+    body = _U32.pack(len(meta)) + meta + record.payload
+    if record.key.provenance.scope == CacheScope.PUBLIC:
+        head = _HEADER.pack(_MAGIC, _RECORD_VERSION, _FLAG_PLAIN, block_hash) + body
+        return head + hashlib.sha256(head).digest()
+    sealing = key_provider.key_for(record.key.provenance)
+    if sealing is None:
+        return None
+    key_id, key = sealing
+    key_id_bytes = key_id.encode("ascii")
+    header = _HEADER.pack(_MAGIC, _RECORD_VERSION, _FLAG_SEALED, block_hash) + bytes([len(key_id_bytes)]) + key_id_bytes
+    return header + seal(key, key_id, block_hash, body)
+
+
+def _record_block_hash(data: bytes) -> bytes | None:
+    """The block hash in a record's clear header; None if the header is malformed."""
+    if len(data) < _HEADER.size:
+        return None
+    magic, version, _, block_hash = _HEADER.unpack_from(data)
+    return block_hash if magic == _MAGIC and version == _RECORD_VERSION else None
+
+
+def decode_block_record(data: bytes, key_provider: DataKeyProvider) -> BlockRecord:
+    """Parse and authenticate a record; raises :class:`BlockRestoreError` with the reason it is unusable."""
+    block_hash = _record_block_hash(data)
+    if block_hash is None:
+        raise BlockRestoreError(b"", "bad_header")
+    flags = data[5]
+    if flags == _FLAG_PLAIN:
+        if len(data) < _HEADER.size + _CHECKSUM_BYTES or hashlib.sha256(data[:-_CHECKSUM_BYTES]).digest() != data[-_CHECKSUM_BYTES:]:
+            raise BlockRestoreError(block_hash, "checksum_mismatch")
+        body = data[_HEADER.size : -_CHECKSUM_BYTES]
+    elif flags == _FLAG_SEALED:
+        if len(data) <= _HEADER.size:
+            raise BlockRestoreError(block_hash, "bad_header")
+        key_id_end = _HEADER.size + 1 + data[_HEADER.size]
+        try:
+            key_id = data[_HEADER.size + 1 : key_id_end].decode("ascii")
+        except UnicodeDecodeError:
+            raise BlockRestoreError(block_hash, "bad_header") from None
+        key = key_provider.key_by_id(key_id)
+        if key is None:
+            raise BlockRestoreError(block_hash, "key_unavailable")
+        opened = unseal(key, key_id, block_hash, data[key_id_end:])
+        if opened is None:
+            raise BlockRestoreError(block_hash, "decrypt_failed")
+        body = opened
+    else:
+        raise BlockRestoreError(block_hash, "bad_header")
+    try:
+        (meta_len,) = _U32.unpack_from(body)
+        meta = json.loads(body[4 : 4 + meta_len])
+        key = _key_from_dict(meta["key"])
+        expires_at_wall = meta["expires_at_wall"]
+        record = BlockRecord(key, str(meta["kv_format"]), None if expires_at_wall is None else float(expires_at_wall), body[4 + meta_len :])
+    except (struct.error, ValueError, KeyError, TypeError):
+        raise BlockRestoreError(block_hash, "bad_metadata") from None
+    if key.block_hash != block_hash:
+        raise BlockRestoreError(block_hash, "hash_mismatch")
+    if (flags == _FLAG_PLAIN) != (key.provenance.scope == CacheScope.PUBLIC):
+        raise BlockRestoreError(block_hash, "scope_mismatch")
+    return record
+
+
+def _tensor_bytes(kv: torch.Tensor) -> bytes:
+    return kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class BlockPool:
+    """Three-tier block store with the entry state machine of DESIGN §3 (see module docstring)."""
+
+    def __init__(
+        self,
+        spec: KVBlockSpec,
+        config: PoolConfig,
+        key_provider: DataKeyProvider,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._spec = spec
+        self._config = config
+        self._key_provider = key_provider
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._lock = threading.RLock()
+        pin = torch.device(config.device).type == "cuda"
+        self._slots = {
+            Tier.DEVICE: torch.zeros((config.num_device_blocks, *spec.block_shape), dtype=spec.dtype, device=config.device),
+            Tier.HOST: torch.zeros((config.num_host_blocks, *spec.block_shape), dtype=spec.dtype, pin_memory=pin),
+        }
+        # Sorted lists are valid heaps: the lowest free slot is reused first, which keeps layouts deterministic.
+        self._free_slots = {Tier.DEVICE: list(range(config.num_device_blocks)), Tier.HOST: list(range(config.num_host_blocks))}
+        self._disk_dir = config.disk_dir if config.disk_dir is not None and config.max_disk_blocks > 0 else None
+        if self._disk_dir is not None:
+            self._disk_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._capacity = {
+            Tier.DEVICE: config.num_device_blocks,
+            Tier.HOST: config.num_host_blocks,
+            Tier.DISK: config.max_disk_blocks if self._disk_dir is not None else 0,
+        }
+        self._entries: dict[bytes, CacheEntry] = {}
+        self._lru = {tier: LRUEvictionStrategy() for tier in Tier}
+        self._num_entries = dict.fromkeys(Tier, 0)
+        self._disk_file_bytes: dict[bytes, int] = {}
+        self._events: list[PoolEvent] = []
+        self._num_evictions = 0
+        self._num_expired = 0
+        self._num_demotions = 0
+        self._num_promotions = 0
+        self._num_restore_failures = 0
+
+    # --- properties ------------------------------------------------------------------
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's re-entrant lock; hold it to look up and ``inc_lock_ref`` atomically."""
+        return self._lock
+
+    @property
+    def spec(self) -> KVBlockSpec:
+        return self._spec
+
+    @property
+    def config(self) -> PoolConfig:
+        return self._config
+
+    @property
+    def key_provider(self) -> DataKeyProvider:
+        return self._key_provider
+
+    # --- lookup ------------------------------------------------------------------------
+
+    def state_of(self, block_hash: bytes) -> BlockState | None:
+        """State of the entry for ``block_hash``; None when ABSENT."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            return None if entry is None else entry.state
+
+    def get_ready(self, block_hash: bytes) -> CacheEntry | None:
+        """The READY entry for a hash, or None. An expired entry is expired here (bytes deleted)."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None or entry.state is not BlockState.READY:
+                return None
+            if self._is_expired(entry, self._clock()):
+                self._expire_entry(entry)
+                return None
+            return entry
+
+    def longest_ready_prefix(self, block_hashes: Sequence[bytes]) -> list[CacheEntry]:
+        """The consecutive READY, unexpired run from index 0. Takes no references and updates nothing."""
+        with self._lock:
+            now = self._clock()
+            prefix: list[CacheEntry] = []
+            for block_hash in block_hashes:
+                entry = self._entries.get(block_hash)
+                if entry is None or entry.state is not BlockState.READY or self._is_expired(entry, now):
+                    break
+                prefix.append(entry)
+            return prefix
+
+    def ready_entries(self) -> list[CacheEntry]:
+        """Every READY, unexpired entry (all tiers), for snapshots and inventories. Updates nothing."""
+        with self._lock:
+            now = self._clock()
+            return [
+                entry
+                for entry in self._entries.values()
+                if entry.state is BlockState.READY and not self._is_expired(entry, now)
+            ]
+
+    # --- references --------------------------------------------------------------------
+
+    def inc_lock_ref(self, entries: Iterable[CacheEntry]) -> None:
+        """Reference READY entries so their bytes are neither freed, overwritten nor moved by the pool."""
+        entries = list(entries)
+        with self._lock:
+            for entry in entries:
+                if self._entries.get(entry.block_hash) is not entry or entry.state is not BlockState.READY:
+                    raise ValueError(f"block {entry.block_hash.hex()[:16]} is not a READY entry of this pool")
+            now = self._clock()
+            for entry in entries:
+                entry.ref_count += 1
+                entry.last_access = now
+                self._lru[entry.tier].touch(entry)
+
+    def dec_lock_ref(self, entries: Iterable[CacheEntry]) -> None:
+        """Release references; a tombstoned entry's bytes are deleted when its last reference goes."""
+        entries = list(entries)
+        with self._lock:
+            counts = Counter(id(entry) for entry in entries)
+            for entry in entries:
+                if entry.ref_count < counts[id(entry)]:
+                    raise ValueError(f"block {entry.block_hash.hex()[:16]} released more often than referenced")
+            for entry in entries:
+                entry.ref_count -= 1
+                if entry.ref_count == 0 and entry.tombstoned and entry.tier is not None:
+                    assert entry.removal_reason is not None, "a tombstoned entry records why"
+                    self._drop(entry, entry.removal_reason)
+
+    # --- building --------------------------------------------------------------------------
+
+    def begin_build(self, key: BlockKey) -> CacheEntry | None:
+        """Claim a hash for building; None when it is already present in any state."""
+        if len(key.block_hash) != HASH_BYTES:
+            raise ValueError(f"block hashes are {HASH_BYTES} bytes, got {len(key.block_hash)}")
+        if key.provenance.namespace != self._config.namespace:
+            raise ValueError("block key belongs to another namespace")
+        if key.block_size != self._spec.block_size:
+            raise ValueError(f"block key is for block size {key.block_size}, pool stores {self._spec.block_size}")
+        with self._lock:
+            existing = self._entries.get(key.block_hash)
+            now = self._clock()
+            if existing is not None and existing.state is BlockState.READY and self._is_expired(existing, now):
+                self._expire_entry(existing)
+                existing = self._entries.get(key.block_hash)
+            if existing is not None:
+                return None
+            entry = CacheEntry(key=key, state=BlockState.BUILDING, last_access=now)
+            self._entries[key.block_hash] = entry
+            return entry
+
+    def commit_build(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
+        """Store a built block on the device tier and make it READY.
+
+        False (entry discarded) when it was tombstoned while building or the
+        device tier has no slot to give. Bad ``kv`` raises ValueError and leaves
+        the entry BUILDING for the caller to :meth:`fail_build`.
+        """
+        with self._lock:
+            assert self._entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING, (
+                "commit_build takes the BUILDING entry begin_build returned"
+            )
+            assert entry.provenance.namespace == self._config.namespace, "begin_build admits only this namespace"
+            if tuple(kv.shape) != self._spec.block_shape:
+                raise ValueError(f"kv shape {tuple(kv.shape)} != block shape {self._spec.block_shape}")
+            if kv.dtype != self._spec.dtype:
+                raise ValueError(f"kv dtype {kv.dtype} != pool dtype {self._spec.dtype}")
+            if entry.tombstoned or not self._make_room(Tier.DEVICE):
+                self._discard_building(entry)
+                return False
+            slot = heapq.heappop(self._free_slots[Tier.DEVICE])
+            self._slots[Tier.DEVICE][slot].copy_(kv)
+            now = self._clock()
+            ttl_s = self._config.ttl_s[entry.provenance.scope]
+            entry.state = BlockState.READY
+            entry.last_access = now
+            entry.expires_at = None if ttl_s is None else now + ttl_s
+            self._place(entry, Tier.DEVICE, slot)
+            self._events.append(BlockStored(entry.key, Tier.DEVICE))
+            return True
+
+    def fail_build(self, entry: CacheEntry) -> None:
+        """BUILDING → FAILED → ABSENT: the hash may be built again."""
+        with self._lock:
+            assert self._entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING, (
+                "fail_build takes the BUILDING entry begin_build returned"
+            )
+            self._discard_building(entry)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def read_blocks(self, entries: Sequence[CacheEntry], promote: bool = True) -> torch.Tensor:
+        """KV of referenced entries as ``[n, *block_shape]`` on the pool device.
+
+        Host and disk hits are promoted to the device tier when ``promote`` and
+        there is room. A corrupt or undecryptable block is removed
+        (RESTORE_FAILED) and :class:`BlockRestoreError` raised; an entry
+        tombstoned while referenced raises it too, so invalidated bytes are never served.
+        """
+        with self._lock:
+            for entry in entries:
+                if entry.ref_count <= 0:
+                    raise ValueError("read_blocks needs entries referenced with inc_lock_ref")
+            out = torch.empty((len(entries), *self._spec.block_shape), dtype=self._spec.dtype, device=self._config.device)
+            now = self._clock()
+            for index, entry in enumerate(entries):
+                if entry.tombstoned or entry.tier is None:
+                    raise BlockRestoreError(entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED))
+                kv = self._read_payload(entry)
+                if promote and entry.tier is not Tier.DEVICE and self._promote(entry, kv):
+                    kv = self._slots[Tier.DEVICE][entry.slot]
+                out[index].copy_(kv)
+                entry.last_access = now
+                self._lru[entry.tier].touch(entry)
+            return out
+
+    def export_record(self, entry: CacheEntry) -> bytes | None:
+        """A referenced entry as an at-rest record (snapshots); None if its scope has no data key."""
+        with self._lock:
+            if entry.ref_count <= 0:
+                raise ValueError("export_record needs an entry referenced with inc_lock_ref")
+            if entry.tombstoned or entry.tier is None:
+                raise BlockRestoreError(entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED))
+            kv = self._read_payload(entry)
+            return encode_block_record(self._record(entry, kv), self._key_provider)
+
+    def import_record(self, data: bytes, tier: Tier) -> bool:
+        """Warm one READY block into a free slot of ``tier`` (never evicting).
+
+        False when the block is present, expired or the tier has no free room;
+        :class:`BlockRestoreError` when the record is corrupt, undecryptable or
+        of another namespace or KV format.
+        """
+        record = decode_block_record(data, self._key_provider)
+        self._check_record(record, record.key.block_hash)
+        with self._lock:
+            now = self._clock()
+            expires_at = self._expiry_from_wall(record.expires_at_wall)
+            if record.key.block_hash in self._entries or (expires_at is not None and expires_at <= now):
+                return False
+            if not self._has_room(tier):
+                return False
+            entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
+            kv = self._payload_tensor(record.payload)
+            if tier is Tier.DISK:
+                if not self._write_disk(entry, kv):
+                    return False
+                slot = None
+            else:
+                slot = heapq.heappop(self._free_slots[tier])
+                self._slots[tier][slot].copy_(kv)
+            self._entries[entry.block_hash] = entry
+            self._place(entry, tier, slot)
+            self._events.append(BlockStored(entry.key, tier))
+            return True
+
+    # --- tier management ---------------------------------------------------------------
+
+    def demote(self, block_hash: bytes, to_tier: Tier) -> bool:
+        """Move an unreferenced READY block down to ``to_tier``; False when not possible now."""
+        if to_tier is Tier.DEVICE:
+            raise ValueError("nothing can be demoted to the device tier")
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None or entry.state is not BlockState.READY or entry.ref_count > 0:
+                return False
+            if _TIER_DEPTH[entry.tier] >= _TIER_DEPTH[to_tier] or not self._make_room(to_tier):
+                return False
+            return self._demote(entry, to_tier, self._read_payload(entry))
+
+    def evict(self, block_hash: bytes) -> bool:
+        """Drop an unreferenced READY block from whatever tier holds it; False when not possible now."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None or entry.state is not BlockState.READY or entry.ref_count > 0:
+                return False
+            self._drop(entry, RemovalReason.EVICTED)
+            return True
+
+    def disk_path(self, block_hash: bytes) -> Path:
+        """Where the disk tier keeps (or would keep) a block's file."""
+        return self._disk_path(block_hash)
+
+    def expire(self) -> int:
+        """Expire every READY entry past its TTL; returns how many (referenced ones are deleted on release)."""
+        with self._lock:
+            now = self._clock()
+            expired = [entry for entry in self._entries.values() if entry.state is BlockState.READY and self._is_expired(entry, now)]
+            for entry in expired:
+                self._expire_entry(entry)
+            return len(expired)
+
+    def remove_where(self, predicate: Callable[[BlockProvenance], bool], reason: RemovalReason) -> RemovalReport:
+        """Delete every block whose provenance matches, in every tier, with per-block evidence.
+
+        All matches are tombstoned before any byte is touched, so no match is
+        served once this starts. Unreferenced READY matches are deleted now;
+        referenced ones on their last release; BUILDING ones at commit.
+        """
+        with self._lock:
+            matches = [entry for entry in self._entries.values() if predicate(entry.provenance)]
+            for entry in matches:
+                if not entry.tombstoned:
+                    self._tombstone(entry, reason)
+            num_removed = dict.fromkeys(Tier, 0)
+            removed: list[bytes] = []
+            deferred: list[bytes] = []
+            building: list[bytes] = []
+            evidence: list[RemovalEvidence] = []
+            for entry in matches:
+                if entry.state is BlockState.BUILDING:
+                    building.append(entry.block_hash)
+                elif entry.ref_count > 0:
+                    deferred.append(entry.block_hash)
+                else:
+                    tier = entry.tier
+                    evidence.append(self._drop(entry, reason))
+                    num_removed[tier] += 1
+                    removed.append(entry.block_hash)
+            return RemovalReport(reason, num_removed, tuple(removed), tuple(deferred), tuple(building), tuple(evidence))
+
+    def load_disk_tier(self) -> int:
+        """Re-index block files left by an earlier run; returns how many became READY.
+
+        Corrupt, undecryptable, foreign-namespace and expired files are deleted
+        (and reported as removed), as are files beyond ``max_disk_blocks``.
+        Re-indexed blocks changed no bytes, so they produce no event; the node
+        reports them in its inventory.
+        """
+        if self._disk_dir is None:
+            return 0
+        with self._lock:
+            num_loaded = 0
+            now = self._clock()
+            for path in sorted(self._disk_dir.glob("*.kvb")):
+                block_hash = _hash_from_name(path.stem)
+                if block_hash is None or block_hash in self._entries:
+                    continue
+                data = path.read_bytes()
+                encrypted = len(data) > _HEADER.size and data[5] == _FLAG_SEALED
+                try:
+                    record = decode_block_record(data, self._key_provider)
+                    self._check_record(record, block_hash)
+                except BlockRestoreError:
+                    self._delete_stray_file(path, block_hash, encrypted, RemovalReason.RESTORE_FAILED)
+                    continue
+                expires_at = self._expiry_from_wall(record.expires_at_wall)
+                if expires_at is not None and expires_at <= now:
+                    self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EXPIRED)
+                    continue
+                if not self._has_room(Tier.DISK):
+                    self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EVICTED)
+                    continue
+                entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
+                self._entries[block_hash] = entry
+                self._disk_file_bytes[block_hash] = path.stat().st_size
+                self._place(entry, Tier.DISK, None)
+                num_loaded += 1
+            return num_loaded
+
+    # --- events and stats ------------------------------------------------------------------
+
+    def take_events(self) -> list[PoolEvent]:
+        """Events since the last call, in order; each change of bytes appears exactly once."""
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            tier_bytes = {
+                Tier.DEVICE: self._num_entries[Tier.DEVICE] * self._spec.block_bytes,
+                Tier.HOST: self._num_entries[Tier.HOST] * self._spec.block_bytes,
+                Tier.DISK: sum(self._disk_file_bytes.values()),
+            }
+            return PoolStats(
+                num_entries=dict(self._num_entries),
+                tier_bytes=tier_bytes,
+                num_building=sum(1 for entry in self._entries.values() if entry.state is BlockState.BUILDING),
+                num_evictions=self._num_evictions,
+                num_expired=self._num_expired,
+                num_demotions=self._num_demotions,
+                num_promotions=self._num_promotions,
+                num_restore_failures=self._num_restore_failures,
+            )
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _is_expired(self, entry: CacheEntry, now: float) -> bool:
+        return entry.expires_at is not None and entry.expires_at <= now
+
+    def _expire_entry(self, entry: CacheEntry) -> None:
+        if entry.ref_count > 0:
+            self._tombstone(entry, RemovalReason.EXPIRED)
+        else:
+            self._drop(entry, RemovalReason.EXPIRED)
+
+    def _tombstone(self, entry: CacheEntry, reason: RemovalReason) -> None:
+        """No further hits: a READY entry turns EVICTING and leaves the eviction order."""
+        entry.tombstoned = True
+        entry.removal_reason = reason
+        if entry.state is BlockState.READY:
+            entry.state = BlockState.EVICTING
+            self._lru[entry.tier].remove(entry)
+
+    def _discard_building(self, entry: CacheEntry) -> None:
+        entry.state = BlockState.FAILED
+        del self._entries[entry.block_hash]
+
+    def _place(self, entry: CacheEntry, tier: Tier, slot: int | None) -> None:
+        entry.tier = tier
+        entry.slot = slot
+        self._num_entries[tier] += 1
+        if entry.state is BlockState.READY:
+            self._lru[tier].insert(entry)
+
+    def _unplace(self, entry: CacheEntry) -> None:
+        assert entry.tier is not None, "only placed entries leave a tier"
+        if entry.state is BlockState.READY:
+            self._lru[entry.tier].remove(entry)
+        self._num_entries[entry.tier] -= 1
+        entry.tier = None
+        entry.slot = None
+
+    def _has_room(self, tier: Tier) -> bool:
+        if tier is Tier.DISK:
+            return self._num_entries[Tier.DISK] < self._capacity[Tier.DISK]
+        return bool(self._free_slots[tier])
+
+    def _lower_tier(self, tier: Tier) -> Tier | None:
+        for lower in Tier:
+            if _TIER_DEPTH[lower] > _TIER_DEPTH[tier] and self._capacity[lower] > 0:
+                return lower
+        return None
+
+    def _make_room(self, tier: Tier) -> bool:
+        """Free one unit of ``tier`` by demoting its LRU unreferenced READY entry (device → host → disk → drop)."""
+        if self._has_room(tier):
+            return True
+        victim = self._victim(tier)
+        if victim is None:
+            return False
+        lower = self._lower_tier(tier)
+        if lower is not None and self._make_room(lower) and self._demote(victim, lower, self._read_payload(victim)):
+            return True
+        self._drop(victim, RemovalReason.EVICTED)
+        return True
+
+    def _victim(self, tier: Tier) -> CacheEntry | None:
+        return next((entry for entry in self._lru[tier].candidates() if entry.ref_count == 0), None)
+
+    def _read_payload(self, entry: CacheEntry) -> torch.Tensor:
+        """The entry's KV: a view of its slot, or the decoded file (a corrupt one is dropped and raises)."""
+        if entry.tier is not Tier.DISK:
+            return self._slots[entry.tier][entry.slot]
+        try:
+            data = self._disk_path(entry.block_hash).read_bytes()
+        except FileNotFoundError:
+            self._drop(entry, RemovalReason.RESTORE_FAILED)
+            raise BlockRestoreError(entry.block_hash, "file_missing") from None
+        try:
+            record = decode_block_record(data, self._key_provider)
+            self._check_record(record, entry.block_hash)
+        except BlockRestoreError as error:
+            self._drop(entry, RemovalReason.RESTORE_FAILED)
+            raise BlockRestoreError(entry.block_hash, error.reason) from None
+        return self._payload_tensor(record.payload)
+
+    def _demote(self, entry: CacheEntry, to_tier: Tier, kv: torch.Tensor) -> bool:
+        """Copy ``kv`` into lower ``to_tier`` (room already made), then zero the old slot; False if unsealable."""
+        from_tier = entry.tier
+        assert from_tier is not None and _TIER_DEPTH[to_tier] > _TIER_DEPTH[from_tier], "a demotion moves a placed entry down"
+        if to_tier is Tier.DISK:
+            if not self._write_disk(entry, kv):
+                return False
+            slot = None
+        else:
+            slot = heapq.heappop(self._free_slots[to_tier])
+            self._slots[to_tier][slot].copy_(kv)
+        self._delete_bytes(entry)
+        self._unplace(entry)
+        self._place(entry, to_tier, slot)
+        self._num_demotions += 1
+        self._events.append(BlockMoved(entry.block_hash, from_tier, to_tier))
+        return True
+
+    def _promote(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
+        """Move a referenced host/disk entry to the device; False when every device slot is referenced.
+
+        The entry leaves its tier *before* room is made on the device, so the
+        device victim can take the place it frees (a swap) instead of pushing
+        a third block down or out.
+        """
+        if not self._has_room(Tier.DEVICE) and self._victim(Tier.DEVICE) is None:
+            return False
+        from_tier = entry.tier
+        kv = kv.clone()
+        self._delete_bytes(entry)
+        self._unplace(entry)
+        made_room = self._make_room(Tier.DEVICE)
+        assert made_room, "an unreferenced device victim always yields a slot"
+        slot = heapq.heappop(self._free_slots[Tier.DEVICE])
+        self._slots[Tier.DEVICE][slot].copy_(kv)
+        self._place(entry, Tier.DEVICE, slot)
+        self._num_promotions += 1
+        self._events.append(BlockMoved(entry.block_hash, from_tier, Tier.DEVICE))
+        return True
+
+    def _drop(self, entry: CacheEntry, reason: RemovalReason) -> RemovalEvidence:
+        """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING → ABSENT)."""
+        tier = entry.tier
+        assert tier is not None, "only placed entries can be dropped"
+        if entry.state is BlockState.READY:
+            self._lru[tier].remove(entry)
+        entry.state = BlockState.EVICTING
+        entry.tombstoned = True
+        entry.removal_reason = reason
+        evidence = self._delete_bytes(entry)
+        self._num_entries[tier] -= 1
+        entry.tier = None
+        entry.slot = None
+        if self._entries.get(entry.block_hash) is entry:
+            del self._entries[entry.block_hash]
+        if reason is RemovalReason.EVICTED:
+            self._num_evictions += 1
+        elif reason is RemovalReason.EXPIRED:
+            self._num_expired += 1
+        elif reason is RemovalReason.RESTORE_FAILED:
+            self._num_restore_failures += 1
+        self._events.append(BlockRemoved(entry.block_hash, tier, reason, evidence))
+        return evidence
+
+    def _delete_bytes(self, entry: CacheEntry) -> RemovalEvidence:
+        """Zero the entry's slot (read back as zero) or zero+unlink its file (checked absent)."""
+        if entry.tier is Tier.DISK:
+            verified = overwrite_and_unlink(self._disk_path(entry.block_hash))
+            self._disk_file_bytes.pop(entry.block_hash, None)
+            encrypted = entry.provenance.scope != CacheScope.PUBLIC
+            return RemovalEvidence(entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified)
+        slot_tensor = self._slots[entry.tier][entry.slot]
+        slot_tensor.zero_()
+        verified = not bool(slot_tensor.any())
+        heapq.heappush(self._free_slots[entry.tier], entry.slot)
+        return RemovalEvidence(entry.block_hash, entry.tier, METHOD_ZERO_FILL, False, verified)
+
+    def _delete_stray_file(self, path: Path, block_hash: bytes, encrypted: bool, reason: RemovalReason) -> None:
+        """Delete an unindexed block file found at start and report it, so the ledger drops its placement."""
+        verified = overwrite_and_unlink(path)
+        evidence = RemovalEvidence(block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified)
+        if reason is RemovalReason.EXPIRED:
+            self._num_expired += 1
+        elif reason is RemovalReason.RESTORE_FAILED:
+            self._num_restore_failures += 1
+        else:
+            self._num_evictions += 1
+        self._events.append(BlockRemoved(block_hash, Tier.DISK, reason, evidence))
+
+    def _record(self, entry: CacheEntry, kv: torch.Tensor) -> BlockRecord:
+        return BlockRecord(entry.key, self._spec.kv_format, self._wall_expiry(entry), _tensor_bytes(kv))
+
+    def _write_disk(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
+        """Write the block file (sealed unless public); False when its scope has no data key."""
+        data = encode_block_record(self._record(entry, kv), self._key_provider)
+        if data is None:
+            return False
+        fd = os.open(self._disk_path(entry.block_hash), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        self._disk_file_bytes[entry.block_hash] = len(data)
+        return True
+
+    def _check_record(self, record: BlockRecord, block_hash: bytes) -> None:
+        if record.key.block_hash != block_hash:
+            raise BlockRestoreError(block_hash, "hash_mismatch")
+        if record.key.provenance.namespace != self._config.namespace:
+            raise BlockRestoreError(block_hash, "namespace_mismatch")
+        if record.kv_format != self._spec.kv_format or len(record.payload) != self._spec.block_bytes:
+            raise BlockRestoreError(block_hash, "format_mismatch")
+
+    def _payload_tensor(self, payload: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self._spec.dtype).reshape(self._spec.block_shape)
+
+    def _disk_path(self, block_hash: bytes) -> Path:
+        assert self._disk_dir is not None, "disk paths exist only with a disk tier"
+        return self._disk_dir / f"{block_hash.hex()}.kvb"
+
+    def _wall_expiry(self, entry: CacheEntry) -> float | None:
+        """Expiry in wall-clock time, so a TTL survives a restart (the pool clock is monotonic)."""
+        return None if entry.expires_at is None else self._wall_clock() + (entry.expires_at - self._clock())
+
+    def _expiry_from_wall(self, expires_at_wall: float | None) -> float | None:
+        return None if expires_at_wall is None else self._clock() + (expires_at_wall - self._wall_clock())
+
+
+def _hash_from_name(stem: str) -> bytes | None:
+    try:
+        block_hash = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    return block_hash if len(block_hash) == HASH_BYTES else None

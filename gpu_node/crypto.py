@@ -1,0 +1,237 @@
+"""AES-256-GCM sealing of blocks at rest, and the data keys that seal them.
+
+Blocks of tenant or user scope leave memory (disk tier, snapshots) only sealed
+under a per-scope data key: one key per tenant for tenant scope, one per
+(tenant, subject) for user scope. Destroying a key is then a cryptographic
+erase of every copy sealed under it, wherever it lies (NIST 800-88 Purge) —
+which is what makes a person's erasure verifiable for data on disk.
+
+The AAD binds each ciphertext to its block hash and key id, so a sealed block
+cannot be swapped for another block's file or replayed under another key.
+
+Key ids are keyed hashes (HMAC under a per-store secret), never tenant or
+subject ids in clear: they appear in block files and snapshot shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16
+KEY_ID_HEX_CHARS = 32
+
+_U32 = struct.Struct("<I")
+
+
+class DataKeyProvider(Protocol):
+    """Where data keys come from. Small on purpose: the coordinator will take over key custody."""
+
+    def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
+        """``(key_id, key)`` that seals blocks of this provenance's scope; None for public scope."""
+        ...
+
+    def key_by_id(self, key_id: str) -> bytes | None:
+        """The key to unseal with; None once destroyed (or never known)."""
+        ...
+
+    def destroy(self, key_id: str) -> bool:
+        """Crypto-erase every block sealed under ``key_id``. False if the key was not held."""
+        ...
+
+
+def _aad(block_hash: bytes, key_id: str) -> bytes:
+    return _U32.pack(len(block_hash)) + block_hash + key_id.encode("ascii")
+
+
+def seal(key: bytes, key_id: str, block_hash: bytes, plaintext: bytes) -> bytes:
+    """``nonce ‖ ciphertext ‖ tag`` under a fresh random 96-bit nonce."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"data keys are {KEY_BYTES} bytes, got {len(key)}")
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(block_hash, key_id))
+
+
+def unseal(key: bytes, key_id: str, block_hash: bytes, sealed: bytes) -> bytes | None:
+    """The plaintext, or None when the ciphertext, block hash or key id does not authenticate."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"data keys are {KEY_BYTES} bytes, got {len(key)}")
+    if len(sealed) < NONCE_BYTES + TAG_BYTES:
+        return None
+    nonce, ciphertext = sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]
+    try:
+        return AESGCM(key).decrypt(nonce, ciphertext, _aad(block_hash, key_id))
+    except InvalidTag:
+        return None
+
+
+def _length_prefixed(value: str) -> bytes:
+    data = value.encode()
+    return _U32.pack(len(data)) + data
+
+
+def scope_label(tenant_id: str, subject_id: str | None = None) -> bytes:
+    """Canonical bytes naming one key scope: a tenant, or one subject within a tenant."""
+    if subject_id is None:
+        return b"T" + _length_prefixed(tenant_id)
+    return b"U" + _length_prefixed(tenant_id) + _length_prefixed(subject_id)
+
+
+def provenance_label(provenance: BlockProvenance) -> bytes | None:
+    """The key scope a block is sealed under; None for public blocks, which are not encrypted."""
+    if provenance.scope == CacheScope.PUBLIC:
+        return None
+    assert provenance.tenant_id is not None, "tenant and user scope blocks always carry a tenant id"
+    if provenance.scope == CacheScope.TENANT:
+        return scope_label(provenance.tenant_id)
+    assert provenance.subject_id is not None, "user scope blocks always carry a subject id"
+    return scope_label(provenance.tenant_id, provenance.subject_id)
+
+
+class LocalKeyStore:
+    """Data keys kept in a 0600 JSON file under the node's data directory.
+
+    File layout: ``id_secret`` (HMAC key for ids), ``keys`` (key id → hex key),
+    ``generations`` (hashed scope label → generation). A destroyed key bumps its
+    scope's generation, so the scope's next block gets a *new* key id and the
+    destroyed id stays dead. Nothing in the file names a tenant or subject.
+
+    Rewrites replace the file atomically, then overwrite the old file's bytes in
+    place through a descriptor still open on it, so a destroyed key does not
+    linger in the unlinked inode (best effort on copy-on-write filesystems).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = Path(path)
+        self._lock = threading.RLock()
+        if self._path.exists():
+            os.chmod(self._path, 0o600)
+            data = json.loads(self._path.read_text())
+            self._id_secret = bytes.fromhex(data["id_secret"])
+            self._keys = {key_id: bytes.fromhex(key) for key_id, key in data["keys"].items()}
+            self._generations = {label: int(gen) for label, gen in data["generations"].items()}
+        else:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._id_secret = os.urandom(32)
+            self._keys: dict[str, bytes] = {}
+            self._generations: dict[str, int] = {}
+            self._write()
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def _label_digest(self, label: bytes) -> str:
+        return hmac.new(self._id_secret, b"kvledger/key-label/v1\x00" + label, hashlib.sha256).hexdigest()[:KEY_ID_HEX_CHARS]
+
+    def _key_id(self, label_digest: str, generation: int) -> str:
+        message = b"kvledger/key-id/v1\x00" + label_digest.encode() + _U32.pack(generation)
+        return hmac.new(self._id_secret, message, hashlib.sha256).hexdigest()[:KEY_ID_HEX_CHARS]
+
+    def _current_key_id(self, label: bytes) -> tuple[str, str]:
+        label_digest = self._label_digest(label)
+        return label_digest, self._key_id(label_digest, self._generations.get(label_digest, 0))
+
+    def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
+        label = provenance_label(provenance)
+        if label is None:
+            return None
+        with self._lock:
+            label_digest, key_id = self._current_key_id(label)
+            key = self._keys.get(key_id)
+            if key is None:
+                key = os.urandom(KEY_BYTES)
+                self._keys[key_id] = key
+                self._generations.setdefault(label_digest, 0)
+                self._write()
+            return key_id, key
+
+    def key_by_id(self, key_id: str) -> bytes | None:
+        with self._lock:
+            return self._keys.get(key_id)
+
+    def current_key_id(self, tenant_id: str, subject_id: str | None = None) -> str | None:
+        """Id of the live key of a tenant (or of one subject in it), for erasure to destroy; None if none."""
+        with self._lock:
+            _, key_id = self._current_key_id(scope_label(tenant_id, subject_id))
+            return key_id if key_id in self._keys else None
+
+    def destroy(self, key_id: str) -> bool:
+        with self._lock:
+            if key_id not in self._keys:
+                return False
+            del self._keys[key_id]
+            for label_digest, generation in self._generations.items():
+                if self._key_id(label_digest, generation) == key_id:
+                    self._generations[label_digest] = generation + 1
+                    break
+            self._write()
+            return True
+
+    def _write(self) -> None:
+        payload = json.dumps(
+            {
+                "version": 1,
+                "id_secret": self._id_secret.hex(),
+                "keys": {key_id: key.hex() for key_id, key in sorted(self._keys.items())},
+                "generations": dict(sorted(self._generations.items())),
+            }
+        ).encode()
+        tmp = self._path.with_name(self._path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        old_fd = os.open(self._path, os.O_WRONLY) if self._path.exists() else None
+        try:
+            os.replace(tmp, self._path)
+            if old_fd is not None:
+                _overwrite_with_zeros(old_fd)
+        finally:
+            if old_fd is not None:
+                os.close(old_fd)
+
+
+def overwrite_and_unlink(path: Path) -> bool:
+    """Zero a file's bytes, then unlink it; True when the path is verifiably absent afterwards.
+
+    Unlinking alone leaves the bytes in free filesystem blocks; overwriting first
+    is NIST 800-88 Clear for plaintext and belt-and-braces for sealed data whose
+    key stays alive (a tenant key outlives one document's invalidation).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        _overwrite_with_zeros(fd)
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    return not os.path.lexists(path)
+
+
+def _overwrite_with_zeros(fd: int) -> None:
+    """Zero a file's current bytes through ``fd`` and flush them to disk."""
+    size = os.fstat(fd).st_size
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunk = b"\x00" * min(size, 1 << 20)
+    remaining = size
+    while remaining > 0:
+        remaining -= os.write(fd, chunk[: min(remaining, len(chunk))])
+    os.fsync(fd)

@@ -1,0 +1,271 @@
+"""Consistent snapshots of a node's READY blocks, and warm start from one.
+
+A snapshot is a directory: ``manifest.json`` (snapshot id, creation time,
+namespace, KV format, and where each block hash lies) plus shard files of
+concatenated at-rest block records (the disk-tier format of ``block_pool``).
+Tenant and user blocks are sealed under their scope's data key, with their
+provenance inside the ciphertext, so destroying a subject's key crypto-erases
+that subject from every snapshot; :func:`remove_from_snapshot` additionally
+rewrites shards without the matching blocks. The ledger tracks snapshots as a tier.
+
+Consistency: every READY block is referenced at one instant under the pool
+lock, so none can be evicted or moved while its bytes are copied; a block
+invalidated meanwhile is left out rather than written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_node.block_pool import BlockPool, BlockRestoreError, Tier, decode_block_record
+from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
+from gpu_node.kv_cache_utils import BlockProvenance
+
+MANIFEST_NAME = "manifest.json"
+MAX_SHARD_BYTES = 64 * 1024 * 1024
+_MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotBlock:
+    """Where one block's record lies: ``length`` bytes at ``offset`` in ``shard``."""
+
+    block_hash: bytes
+    shard: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotManifest:
+    snapshot_id: str
+    created_at: float
+    namespace: str
+    kv_format: str
+    blocks: tuple[SnapshotBlock, ...]
+
+    @property
+    def block_hashes(self) -> tuple[bytes, ...]:
+        return tuple(block.block_hash for block in self.blocks)
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(block.shard for block in self.blocks))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(block.length for block in self.blocks)
+
+    def to_dict(self) -> dict:
+        return {
+            "version": _MANIFEST_VERSION,
+            "snapshot_id": self.snapshot_id,
+            "created_at": self.created_at,
+            "namespace": self.namespace,
+            "kv_format": self.kv_format,
+            "blocks": [
+                {"block_hash": block.block_hash.hex(), "shard": block.shard, "offset": block.offset, "length": block.length}
+                for block in self.blocks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SnapshotManifest:
+        if data.get("version") != _MANIFEST_VERSION:
+            raise ValueError(f"unsupported snapshot manifest version {data.get('version')!r}")
+        return cls(
+            snapshot_id=data["snapshot_id"],
+            created_at=float(data["created_at"]),
+            namespace=data["namespace"],
+            kv_format=data["kv_format"],
+            blocks=tuple(
+                SnapshotBlock(bytes.fromhex(item["block_hash"]), item["shard"], int(item["offset"]), int(item["length"]))
+                for item in data["blocks"]
+            ),
+        )
+
+
+def read_manifest(directory: Path) -> SnapshotManifest:
+    return SnapshotManifest.from_dict(json.loads((Path(directory) / MANIFEST_NAME).read_text()))
+
+
+def _new_shard_name() -> str:
+    # Fresh names on every write: a rewritten shard never replaces the one the live manifest points at.
+    return f"shard-{secrets.token_hex(8)}.bin"
+
+
+def _write_file(path: Path, chunks: list[bytes]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(directory: Path, manifest: SnapshotManifest) -> None:
+    """Atomic switch: readers see the old manifest or the new one, never a partial file."""
+    tmp = directory / f"{MANIFEST_NAME}.tmp"
+    if tmp.exists():
+        tmp.unlink()
+    _write_file(tmp, [json.dumps(manifest.to_dict(), indent=1).encode()])
+    os.replace(tmp, directory / MANIFEST_NAME)
+
+
+class _ShardWriter:
+    """Appends records to shard files of at most ``max_shard_bytes`` (one record may exceed it alone)."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int) -> None:
+        self._directory = directory
+        self._max_shard_bytes = max_shard_bytes
+        self._name: str | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.blocks: list[SnapshotBlock] = []
+
+    def add(self, block_hash: bytes, record: bytes) -> None:
+        if self._name is None or (self._size and self._size + len(record) > self._max_shard_bytes):
+            self.flush()
+            self._name = _new_shard_name()
+        self.blocks.append(SnapshotBlock(block_hash, self._name, self._size, len(record)))
+        self._chunks.append(record)
+        self._size += len(record)
+
+    def flush(self) -> None:
+        if self._name is not None and self._chunks:
+            _write_file(self._directory / self._name, self._chunks)
+        self._name, self._chunks, self._size = None, [], 0
+
+
+def write_snapshot(pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> SnapshotManifest:
+    """Write every READY block of the pool to a new snapshot directory; the manifest is written last."""
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError("snapshot directory must be new or empty")
+    if max_shard_bytes <= 0:
+        raise ValueError("max_shard_bytes must be positive")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with pool.lock:
+        entries = pool.ready_entries()
+        pool.inc_lock_ref(entries)
+    writer = _ShardWriter(directory, max_shard_bytes)
+    try:
+        for entry in entries:
+            try:
+                record = pool.export_record(entry)
+            except BlockRestoreError:
+                continue
+            if record is not None:
+                writer.add(entry.block_hash, record)
+    finally:
+        pool.dec_lock_ref(entries)
+    writer.flush()
+    manifest = SnapshotManifest(
+        snapshot_id=uuid.uuid4().hex,
+        created_at=time.time(),
+        namespace=pool.config.namespace,
+        kv_format=pool.spec.kv_format,
+        blocks=tuple(writer.blocks),
+    )
+    _write_manifest(directory, manifest)
+    return manifest
+
+
+def _iter_records(directory: Path, manifest: SnapshotManifest) -> Iterator[tuple[SnapshotBlock, bytes | None]]:
+    """Every block's record bytes in manifest order, one shard in memory at a time; None where unreadable."""
+    shard_name: str | None = None
+    shard: bytes | None = None
+    for block in manifest.blocks:
+        if block.shard != shard_name:
+            shard_name = block.shard
+            path = directory / shard_name
+            shard = path.read_bytes() if path.is_file() else None
+        if shard is None or block.offset + block.length > len(shard):
+            yield block, None
+        else:
+            yield block, shard[block.offset : block.offset + block.length]
+
+
+def load_snapshot(pool: BlockPool, directory: Path) -> int:
+    """Warm the pool from a snapshot into free host slots, then free disk room; returns blocks loaded.
+
+    Blocks that are corrupt or fail to decrypt (their key destroyed) are
+    skipped, as are blocks already present or expired.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest.namespace != pool.config.namespace:
+        raise ValueError("snapshot belongs to another namespace")
+    if manifest.kv_format != pool.spec.kv_format:
+        raise ValueError(f"snapshot KV format {manifest.kv_format} != pool KV format {pool.spec.kv_format}")
+    num_loaded = 0
+    for _, record in _iter_records(directory, manifest):
+        if record is None:
+            continue
+        for tier in (Tier.HOST, Tier.DISK):
+            try:
+                if pool.import_record(record, tier):
+                    num_loaded += 1
+                    break
+            except BlockRestoreError:
+                break
+    return num_loaded
+
+
+def remove_from_snapshot(
+    directory: Path,
+    predicate: Callable[[BlockProvenance], bool],
+    key_provider: DataKeyProvider,
+) -> int:
+    """Rewrite the snapshot without blocks whose provenance matches; returns how many were removed.
+
+    Records that cannot be decoded any more (key destroyed, corrupt) are
+    removed too: they can never be loaded, and their predicate cannot be
+    evaluated, so keeping them could only keep data that should be gone. New
+    shards are written under new names, the manifest switched atomically, and
+    only then are the old shards overwritten and unlinked.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    writer = _ShardWriter(directory, MAX_SHARD_BYTES)
+    num_removed = 0
+    for block, record in _iter_records(directory, manifest):
+        keep = False
+        if record is not None:
+            try:
+                keep = not predicate(decode_block_record(record, key_provider).key.provenance)
+            except BlockRestoreError:
+                keep = False
+        if keep:
+            writer.add(block.block_hash, record)
+        else:
+            num_removed += 1
+    if num_removed == 0:
+        return 0
+    writer.flush()
+    rewritten = SnapshotManifest(manifest.snapshot_id, manifest.created_at, manifest.namespace, manifest.kv_format, tuple(writer.blocks))
+    _write_manifest(directory, rewritten)
+    for name in manifest.shards:
+        overwrite_and_unlink(directory / name)
+    return num_removed
+
+
+def delete_snapshot(directory: Path) -> bool:
+    """Overwrite and unlink every file of a snapshot, then the directory; True when verifiably gone."""
+    directory = Path(directory)
+    if not directory.exists():
+        return True
+    for path in directory.iterdir():
+        overwrite_and_unlink(path)
+    directory.rmdir()
+    return not directory.exists()

@@ -1,0 +1,704 @@
+"""Storage pool: entry states, refcounts, LRU demotion across tiers, TTL, governed removal, events."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from gpu_node.block_pool import (
+    METHOD_OVERWRITE_UNLINK,
+    METHOD_ZERO_FILL,
+    BlockMoved,
+    BlockPool,
+    BlockRemoved,
+    BlockRestoreError,
+    BlockState,
+    BlockStored,
+    PoolConfig,
+    RemovalEvidence,
+    RemovalReason,
+    Tier,
+)
+from gpu_node.crypto import LocalKeyStore
+from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_spec import KVBlockSpec
+
+NS = "ns-test"
+SPEC = KVBlockSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
+NO_TTL = {CacheScope.PUBLIC: None, CacheScope.TENANT: None, CacheScope.USER: None}
+PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
+DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
+
+
+class FakeClock:
+    """A settable time source (plain callable) for TTL tests."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def block_hash(i: int) -> bytes:
+    return hashlib.sha256(f"block-{i}".encode()).digest()
+
+
+def make_key(i: int, scope: CacheScope = PUBLIC, tenant: str = "acme", subject: str = "alice", documents: tuple[str, ...] = (), namespace: str = NS) -> BlockKey:
+    provenance = BlockProvenance(
+        namespace=namespace,
+        tenant_id=None if scope == PUBLIC else tenant,
+        scope=scope,
+        auth_scopes=(("*", 1),) if scope == TENANT else (),
+        subject_id=subject if scope == USER else None,
+        documents=documents,
+        created_at=0.0,
+    )
+    return BlockKey(block_hash(i), block_hash(i - 1), i, SPEC.block_size, provenance)
+
+
+def make_kv(i: int) -> torch.Tensor:
+    return torch.arange(SPEC.num_elements, dtype=SPEC.dtype).reshape(SPEC.block_shape) + 1000.0 * (i + 1)
+
+
+def make_pool(tmp_path, *, device: int = 4, host: int = 0, disk: int = 0, ttl=None, clock=None, wall_clock=None, keys=None) -> BlockPool:
+    config = PoolConfig(
+        namespace=NS,
+        num_device_blocks=device,
+        num_host_blocks=host,
+        max_disk_blocks=disk,
+        disk_dir=tmp_path / "disk",
+        ttl_s=NO_TTL if ttl is None else ttl,
+    )
+    clock = clock or FakeClock()
+    return BlockPool(
+        SPEC,
+        config,
+        keys or LocalKeyStore(tmp_path / "keys.json"),
+        clock=clock,
+        wall_clock=wall_clock or (lambda: clock() + 1_000_000.0),
+    )
+
+
+def store(pool: BlockPool, i: int, **key_fields):
+    entry = pool.begin_build(make_key(i, **key_fields))
+    assert entry is not None
+    assert pool.commit_build(entry, make_kv(i)) is True
+    return entry
+
+
+def read(pool: BlockPool, entries, promote: bool = True) -> torch.Tensor:
+    pool.inc_lock_ref(entries)
+    try:
+        return pool.read_blocks(entries, promote=promote)
+    finally:
+        pool.dec_lock_ref(entries)
+
+
+def tiers(pool: BlockPool) -> dict[int, Tier]:
+    index = {block_hash(i): i for i in range(64)}
+    return {index[entry.block_hash]: entry.tier for entry in pool.ready_entries()}
+
+
+# --- spec --------------------------------------------------------------------------------
+
+
+def test_spec_geometry():
+    assert SPEC.block_shape == (2, 2, 1, 4, 4)
+    assert SPEC.block_bytes == 64 * 4
+    assert SPEC.kv_format == "float32/L1/bs4"
+    assert KVBlockSpec(28, 8, 128, 16, torch.bfloat16).block_bytes == 28 * 2 * 8 * 16 * 128 * 2
+    assert KVBlockSpec(1, 1, 1, 16, torch.bfloat16).kv_format == "bfloat16/L1/bs16"
+
+
+@pytest.mark.parametrize("fields", [dict(num_layers=0), dict(head_dim=-1), dict(block_size=0), dict(dtype=torch.int8)])
+def test_spec_rejects_bad_geometry(fields):
+    base = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32) | fields
+    with pytest.raises(ValueError):
+        KVBlockSpec(**base)
+
+
+def test_config_rejects_bad_values(tmp_path):
+    with pytest.raises(ValueError):
+        PoolConfig(NS, -1, 0, 0, None, NO_TTL)
+    with pytest.raises(ValueError, match="positive"):
+        PoolConfig(NS, 1, 0, 0, None, NO_TTL | {PUBLIC: 0.0})
+    with pytest.raises(ValueError, match="missing"):
+        PoolConfig(NS, 1, 0, 0, None, {PUBLIC: 10.0, TENANT: 10.0})
+    with pytest.raises(ValueError):
+        PoolConfig("", 1, 0, 0, None, NO_TTL)
+
+
+# --- build / commit ------------------------------------------------------------------------
+
+
+def test_commit_makes_block_ready_on_device_with_exact_bytes(tmp_path):
+    pool = make_pool(tmp_path)
+    entry = pool.begin_build(make_key(0))
+    assert entry.state is BlockState.BUILDING
+    assert pool.get_ready(block_hash(0)) is None
+    assert pool.longest_ready_prefix([block_hash(0)]) == []
+
+    assert pool.commit_build(entry, make_kv(0)) is True
+    assert (entry.state, entry.tier, entry.slot, entry.ref_count) == (BlockState.READY, DEVICE, 0, 0)
+    assert pool.get_ready(block_hash(0)) is entry
+    assert torch.equal(read(pool, [entry]), make_kv(0).unsqueeze(0))
+    assert pool.take_events() == [BlockStored(make_key(0), DEVICE)]
+    assert pool.take_events() == []
+    stats = pool.stats()
+    assert stats.num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
+    assert stats.tier_bytes == {DEVICE: 256, HOST: 0, DISK: 0}
+
+
+def test_begin_build_refuses_a_hash_present_in_any_state(tmp_path):
+    pool = make_pool(tmp_path)
+    building = pool.begin_build(make_key(0))
+    assert pool.begin_build(make_key(0)) is None
+    assert pool.state_of(block_hash(0)) is BlockState.BUILDING
+    pool.commit_build(building, make_kv(0))
+    assert pool.begin_build(make_key(0)) is None
+    assert pool.state_of(block_hash(0)) is BlockState.READY
+
+
+def test_fail_build_goes_failed_then_absent_and_allows_retry(tmp_path):
+    pool = make_pool(tmp_path)
+    entry = pool.begin_build(make_key(0))
+    pool.fail_build(entry)
+    assert entry.state is BlockState.FAILED
+    assert pool.state_of(block_hash(0)) is None
+    assert pool.begin_build(make_key(0)) is not None
+    assert pool.take_events() == []
+
+
+def test_commit_validates_caller_input_and_leaves_entry_building(tmp_path):
+    pool = make_pool(tmp_path)
+    entry = pool.begin_build(make_key(0))
+    with pytest.raises(ValueError, match="shape"):
+        pool.commit_build(entry, torch.zeros(2, 2, 1, 3, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        pool.commit_build(entry, make_kv(0).to(torch.float64))
+    assert entry.state is BlockState.BUILDING
+    pool.fail_build(entry)
+    with pytest.raises(AssertionError):
+        pool.commit_build(entry, make_kv(0))
+
+
+def test_begin_build_rejects_foreign_namespace_and_block_size(tmp_path):
+    pool = make_pool(tmp_path)
+    with pytest.raises(ValueError, match="namespace"):
+        pool.begin_build(make_key(0, namespace="other"))
+    with pytest.raises(ValueError, match="block size"):
+        pool.begin_build(make_key(0)._replace(block_size=16))
+
+
+def test_commit_without_room_discards(tmp_path):
+    pool = make_pool(tmp_path, device=1)
+    held = store(pool, 0)
+    pool.inc_lock_ref([held])
+    entry = pool.begin_build(make_key(1))
+    assert pool.commit_build(entry, make_kv(1)) is False
+    assert entry.state is BlockState.FAILED
+    assert pool.state_of(block_hash(1)) is None
+    assert torch.equal(pool.read_blocks([held])[0], make_kv(0))
+    assert pool.take_events() == [BlockStored(make_key(0), DEVICE)]
+
+
+# --- lookup and references --------------------------------------------------------------------
+
+
+def test_longest_ready_prefix_stops_at_the_first_gap_and_updates_nothing(tmp_path):
+    clock = FakeClock()
+    pool = make_pool(tmp_path, device=3, clock=clock)
+    entries = [store(pool, i) for i in range(3)]
+    hashes = [block_hash(i) for i in range(4)]
+    assert pool.longest_ready_prefix(hashes) == entries
+    pool.inc_lock_ref(entries[:2])
+    pool.dec_lock_ref(entries[:2])
+    pool.take_events()
+
+    # Block 2 is now least recently used: storing block 3 evicts it although its child stays.
+    child = store(pool, 3)
+    assert pool.take_events() == [
+        BlockRemoved(block_hash(2), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True)),
+        BlockStored(make_key(3), DEVICE),
+    ]
+    assert child.slot == 2
+    before = [(entry.last_access, entry.ref_count) for entry in entries[:2]]
+    clock.now += 10
+    assert pool.longest_ready_prefix(hashes) == entries[:2]
+    assert [(entry.last_access, entry.ref_count) for entry in entries[:2]] == before
+    assert pool.take_events() == []
+
+
+def test_refcounts_are_symmetric_and_never_negative(tmp_path):
+    pool = make_pool(tmp_path)
+    first, second = store(pool, 0), store(pool, 1)
+    pool.inc_lock_ref([first, second])
+    pool.inc_lock_ref([first])
+    assert (first.ref_count, second.ref_count) == (2, 1)
+    with pytest.raises(ValueError):
+        pool.dec_lock_ref([second, second])
+    assert (first.ref_count, second.ref_count) == (2, 1)
+    pool.dec_lock_ref([first, first, second])
+    assert (first.ref_count, second.ref_count) == (0, 0)
+    with pytest.raises(ValueError):
+        pool.dec_lock_ref([first])
+    assert first.ref_count == 0
+
+
+def test_only_ready_entries_of_this_pool_can_be_referenced_and_read(tmp_path):
+    pool = make_pool(tmp_path)
+    building = pool.begin_build(make_key(0))
+    with pytest.raises(ValueError):
+        pool.inc_lock_ref([building])
+    other = make_pool(tmp_path / "other")
+    with pytest.raises(ValueError):
+        pool.inc_lock_ref([store(other, 1)])
+    with pytest.raises(ValueError):
+        pool.read_blocks([store(pool, 2)])
+
+
+# --- tiers ------------------------------------------------------------------------------------
+
+
+def test_lru_demotes_device_to_host_to_disk_then_drops(tmp_path):
+    pool = make_pool(tmp_path, device=2, host=1, disk=1)
+    for i in range(3):
+        store(pool, i)
+    assert tiers(pool) == {0: HOST, 1: DEVICE, 2: DEVICE}
+    store(pool, 3)
+    assert tiers(pool) == {0: DISK, 1: HOST, 2: DEVICE, 3: DEVICE}
+    store(pool, 4)
+    assert tiers(pool) == {1: DISK, 2: HOST, 3: DEVICE, 4: DEVICE}
+    unlinked = RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True)
+    assert pool.take_events() == [
+        BlockStored(make_key(0), DEVICE),
+        BlockStored(make_key(1), DEVICE),
+        BlockMoved(block_hash(0), DEVICE, HOST),
+        BlockStored(make_key(2), DEVICE),
+        BlockMoved(block_hash(0), HOST, DISK),
+        BlockMoved(block_hash(1), DEVICE, HOST),
+        BlockStored(make_key(3), DEVICE),
+        BlockRemoved(block_hash(0), DISK, RemovalReason.EVICTED, unlinked),
+        BlockMoved(block_hash(1), HOST, DISK),
+        BlockMoved(block_hash(2), DEVICE, HOST),
+        BlockStored(make_key(4), DEVICE),
+    ]
+    stats = pool.stats()
+    assert (stats.num_evictions, stats.num_demotions, stats.num_promotions) == (1, 5, 0)
+    assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [f"{block_hash(1).hex()}.kvb"]
+    for i in (1, 2, 3, 4):
+        assert torch.equal(read(pool, [pool.get_ready(block_hash(i))], promote=False)[0], make_kv(i))
+
+
+def test_a_hit_refreshes_lru_order(tmp_path):
+    pool = make_pool(tmp_path, device=2)
+    first = store(pool, 0)
+    store(pool, 1)
+    read(pool, [first])
+    store(pool, 2)
+    assert tiers(pool) == {0: DEVICE, 2: DEVICE}
+
+
+def test_referenced_blocks_are_never_moved_or_freed(tmp_path):
+    pool = make_pool(tmp_path, device=2, host=1)
+    held = store(pool, 0)
+    pool.inc_lock_ref([held])
+    store(pool, 1)
+    store(pool, 2)  # block 1 (unreferenced) goes to host; block 0 stays
+    assert (held.tier, held.slot) == (DEVICE, 0)
+    assert pool.demote(block_hash(0), HOST) is False
+    store(pool, 3)  # host is full: block 1 is dropped, block 2 demoted
+    assert tiers(pool) == {0: DEVICE, 2: HOST, 3: DEVICE}
+    assert torch.equal(pool.read_blocks([held])[0], make_kv(0))
+    pool.dec_lock_ref([held])
+
+
+def test_host_hit_is_promoted_by_swapping_with_the_device_victim(tmp_path):
+    pool = make_pool(tmp_path, device=1, host=1)
+    store(pool, 0)
+    store(pool, 1)
+    pool.take_events()
+    entry = pool.get_ready(block_hash(0))
+    assert entry.tier is HOST
+    assert torch.equal(read(pool, [entry])[0], make_kv(0))
+    assert (entry.tier, entry.slot) == (DEVICE, 0)
+    assert tiers(pool) == {0: DEVICE, 1: HOST}
+    assert pool.take_events() == [BlockMoved(block_hash(1), DEVICE, HOST), BlockMoved(block_hash(0), HOST, DEVICE)]
+    assert pool.stats().num_promotions == 1
+
+
+def test_no_promotion_when_every_device_slot_is_referenced(tmp_path):
+    pool = make_pool(tmp_path, device=1, host=1)
+    store(pool, 0)
+    device_entry = store(pool, 1)
+    pool.take_events()
+    host_entry = pool.get_ready(block_hash(0))
+    pool.inc_lock_ref([device_entry, host_entry])
+    assert torch.equal(pool.read_blocks([device_entry, host_entry]), torch.stack([make_kv(1), make_kv(0)]))
+    pool.dec_lock_ref([device_entry, host_entry])
+    assert tiers(pool) == {0: HOST, 1: DEVICE}
+    assert pool.take_events() == []
+
+
+def test_read_without_promotion_keeps_tiers(tmp_path):
+    pool = make_pool(tmp_path, device=1, host=1, disk=1)
+    for i in range(3):
+        store(pool, i)
+    pool.take_events()
+    entries = [pool.get_ready(block_hash(i)) for i in range(3)]
+    assert torch.equal(read(pool, entries, promote=False), torch.stack([make_kv(i) for i in range(3)]))
+    assert tiers(pool) == {0: DISK, 1: HOST, 2: DEVICE}
+    assert pool.take_events() == []
+
+
+def test_disk_hit_is_promoted_and_its_file_deleted(tmp_path):
+    pool = make_pool(tmp_path, device=1, disk=1)
+    store(pool, 0, scope=USER)
+    store(pool, 1)
+    disk = tmp_path / "disk"
+    assert [path.name for path in disk.iterdir()] == [f"{block_hash(0).hex()}.kvb"]
+    pool.take_events()
+    entry = pool.get_ready(block_hash(0))
+    assert torch.equal(read(pool, [entry])[0], make_kv(0))
+    assert entry.tier is DEVICE
+    assert [path.name for path in disk.iterdir()] == [f"{block_hash(1).hex()}.kvb"]
+    assert pool.take_events() == [BlockMoved(block_hash(1), DEVICE, DISK), BlockMoved(block_hash(0), DISK, DEVICE)]
+
+
+def test_explicit_demotion_zeroes_the_slot_it_leaves(tmp_path):
+    pool = make_pool(tmp_path, device=2, host=1, disk=2)
+    store(pool, 0)
+    pool.take_events()
+    with pytest.raises(ValueError):
+        pool.demote(block_hash(0), DEVICE)
+    assert pool.demote(block_hash(9), HOST) is False
+    assert pool.demote(block_hash(0), HOST) is True
+    assert torch.count_nonzero(pool._slots[DEVICE][0]) == 0
+    assert pool.demote(block_hash(0), HOST) is False
+    assert pool.demote(block_hash(0), DISK) is True
+    assert torch.count_nonzero(pool._slots[HOST][0]) == 0
+    assert pool.take_events() == [BlockMoved(block_hash(0), DEVICE, HOST), BlockMoved(block_hash(0), HOST, DISK)]
+    assert pool.stats().num_entries == {DEVICE: 0, HOST: 0, DISK: 1}
+
+
+def test_byte_accounting_per_tier(tmp_path):
+    pool = make_pool(tmp_path, device=2, host=2, disk=2)
+    for i in range(5):
+        store(pool, i, scope=USER if i % 2 else PUBLIC)
+    stats = pool.stats()
+    assert stats.num_entries == {DEVICE: 2, HOST: 2, DISK: 1}
+    file_bytes = sum(path.stat().st_size for path in (tmp_path / "disk").iterdir())
+    assert stats.tier_bytes == {DEVICE: 2 * 256, HOST: 2 * 256, DISK: file_bytes}
+    assert stats.num_building == 0
+    pool.begin_build(make_key(7))
+    assert pool.stats().num_building == 1
+
+
+# --- TTL -------------------------------------------------------------------------------------
+
+
+def test_ttl_is_checked_lazily_and_deletes_bytes(tmp_path):
+    clock = FakeClock(0.0)
+    pool = make_pool(tmp_path, device=2, ttl={PUBLIC: 10.0, TENANT: 5.0, USER: None}, clock=clock)
+    public = store(pool, 0)
+    tenant = store(pool, 1, scope=TENANT)
+    assert (public.expires_at, tenant.expires_at) == (10.0, 5.0)
+    pool.take_events()
+
+    clock.now = 5.0
+    assert pool.longest_ready_prefix([block_hash(1)]) == []
+    assert pool.take_events() == []
+    assert pool.get_ready(block_hash(1)) is None
+    assert pool.take_events() == [
+        BlockRemoved(block_hash(1), DEVICE, RemovalReason.EXPIRED, RemovalEvidence(block_hash(1), DEVICE, METHOD_ZERO_FILL, False, True))
+    ]
+    assert torch.count_nonzero(pool._slots[DEVICE][1]) == 0
+    assert pool.get_ready(block_hash(0)) is public
+    assert pool.stats().num_expired == 1
+    assert store(pool, 1, scope=TENANT).slot == 1
+
+
+def test_expire_sweeps_and_defers_referenced_blocks(tmp_path):
+    clock = FakeClock(0.0)
+    pool = make_pool(tmp_path, device=3, ttl={PUBLIC: 10.0, TENANT: None, USER: None}, clock=clock)
+    held, other = store(pool, 0), store(pool, 1)
+    store(pool, 2, scope=USER)
+    pool.inc_lock_ref([held])
+    pool.take_events()
+
+    clock.now = 10.0
+    assert pool.expire() == 2
+    zero = lambda i: RemovalEvidence(block_hash(i), DEVICE, METHOD_ZERO_FILL, False, True)  # noqa: E731
+    assert pool.take_events() == [BlockRemoved(block_hash(1), DEVICE, RemovalReason.EXPIRED, zero(1))]
+    assert (held.state, held.tombstoned, other.state) == (BlockState.EVICTING, True, BlockState.EVICTING)
+    assert pool.get_ready(block_hash(0)) is None
+    assert pool.begin_build(make_key(0)) is None
+    with pytest.raises(BlockRestoreError) as raised:
+        pool.read_blocks([held])
+    assert raised.value.reason == "expired"
+    assert torch.equal(pool._slots[DEVICE][0], make_kv(0))  # still referenced: not freed
+
+    pool.dec_lock_ref([held])
+    assert pool.take_events() == [BlockRemoved(block_hash(0), DEVICE, RemovalReason.EXPIRED, zero(0))]
+    assert pool.expire() == 0
+    assert pool.stats().num_expired == 2
+    assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
+
+
+# --- governed removal ------------------------------------------------------------------------------
+
+
+def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_path):
+    pool = make_pool(tmp_path, device=3, host=1, disk=1)
+    for i in range(3):
+        store(pool, i, scope=USER)
+    assert pool.demote(block_hash(0), DISK) and pool.demote(block_hash(1), HOST)
+    bob = store(pool, 4, scope=USER, subject="bob")
+    held = pool.get_ready(block_hash(2))
+    pool.inc_lock_ref([held])
+    building = pool.begin_build(make_key(3, scope=USER))
+    host_slot = pool.get_ready(block_hash(1)).slot
+    disk_file = tmp_path / "disk" / f"{block_hash(0).hex()}.kvb"
+    pool.take_events()
+
+    report = pool.remove_where(lambda provenance: provenance.subject_id == "alice", RemovalReason.INVALIDATED)
+
+    evidence = (
+        RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True),
+        RemovalEvidence(block_hash(1), HOST, METHOD_ZERO_FILL, False, True),
+    )
+    assert report.num_removed == {DEVICE: 0, HOST: 1, DISK: 1}
+    assert report.removed == (block_hash(0), block_hash(1))
+    assert report.deferred == (block_hash(2),)
+    assert report.discarded_building == (block_hash(3),)
+    assert report.evidence == evidence and report.all_verified
+    assert not disk_file.exists()
+    assert torch.count_nonzero(pool._slots[HOST][host_slot]) == 0
+    assert pool.take_events() == [
+        BlockRemoved(block_hash(0), DISK, RemovalReason.INVALIDATED, evidence[0]),
+        BlockRemoved(block_hash(1), HOST, RemovalReason.INVALIDATED, evidence[1]),
+    ]
+    # No further hits, even for the reader that still holds block 2.
+    assert pool.longest_ready_prefix([block_hash(2)]) == []
+    assert pool.get_ready(block_hash(2)) is None
+    with pytest.raises(BlockRestoreError):
+        pool.read_blocks([held])
+    assert pool.commit_build(building, make_kv(3)) is False
+    assert building.state is BlockState.FAILED
+    assert pool.take_events() == []
+
+    pool.dec_lock_ref([held])
+    assert pool.take_events() == [
+        BlockRemoved(block_hash(2), DEVICE, RemovalReason.INVALIDATED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True))
+    ]
+    assert pool.get_ready(block_hash(4)) is bob
+    assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
+    assert pool.begin_build(make_key(2, scope=USER)) is not None
+
+
+def test_remove_where_on_a_referenced_entry_twice_reports_it_deferred_once_deleted_once(tmp_path):
+    pool = make_pool(tmp_path)
+    held = store(pool, 0, scope=TENANT, documents=("handbook@7",))
+    pool.inc_lock_ref([held])
+    first = pool.remove_where(lambda p: "handbook@7" in p.documents, RemovalReason.INVALIDATED)
+    second = pool.remove_where(lambda p: p.tenant_id == "acme", RemovalReason.INVALIDATED)
+    assert first.deferred == second.deferred == (block_hash(0),)
+    pool.take_events()
+    pool.dec_lock_ref([held])
+    assert [event.reason for event in pool.take_events()] == [RemovalReason.INVALIDATED]
+
+
+# --- at rest ---------------------------------------------------------------------------------------
+
+
+def test_disk_files_are_private_and_tenant_blocks_are_sealed(tmp_path):
+    pool = make_pool(tmp_path, device=1, disk=3)
+    store(pool, 0, scope=USER, tenant="acme-corp", subject="alice@example.com")
+    store(pool, 1, scope=TENANT, tenant="acme-corp", documents=("handbook@7",))
+    store(pool, 2)
+    store(pool, 3)
+    disk = tmp_path / "disk"
+    assert stat.S_IMODE(os.stat(disk).st_mode) == 0o700
+    files = {path.name: path.read_bytes() for path in disk.iterdir()}
+    assert sorted(files) == sorted(f"{block_hash(i).hex()}.kvb" for i in range(3))
+    for name, data in files.items():
+        assert stat.S_IMODE(os.stat(disk / name).st_mode) == 0o600
+        assert b"acme-corp" not in data and b"alice@example.com" not in data and b"handbook" not in data
+    # Public blocks are stored in clear (with a checksum): their KV bytes appear verbatim.
+    assert make_kv(2).numpy().tobytes() in files[f"{block_hash(2).hex()}.kvb"]
+    assert make_kv(0).numpy().tobytes() not in files[f"{block_hash(0).hex()}.kvb"]
+    assert make_kv(1).numpy().tobytes() not in files[f"{block_hash(1).hex()}.kvb"]
+    assert pool.stats().tier_bytes[DISK] == sum(len(data) for data in files.values())
+
+
+def test_tenant_block_without_a_data_key_is_dropped_not_written_in_clear(tmp_path):
+    class NoKeys:
+        def key_for(self, provenance):
+            return None
+
+        def key_by_id(self, key_id):
+            return None
+
+        def destroy(self, key_id):
+            return False
+
+    pool = make_pool(tmp_path, device=1, disk=2, keys=NoKeys())
+    store(pool, 0, scope=TENANT)
+    store(pool, 1)
+    assert list((tmp_path / "disk").iterdir()) == []
+    assert pool.take_events() == [
+        BlockStored(make_key(0, scope=TENANT), DEVICE),
+        BlockRemoved(block_hash(0), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True)),
+        BlockStored(make_key(1), DEVICE),
+    ]
+
+
+def test_corrupt_disk_block_raises_and_is_gone(tmp_path):
+    pool = make_pool(tmp_path, device=1, disk=2)
+    store(pool, 0)
+    store(pool, 1)
+    path = tmp_path / "disk" / f"{block_hash(0).hex()}.kvb"
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0xFF
+    path.write_bytes(bytes(data))
+    pool.take_events()
+
+    entry = pool.get_ready(block_hash(0))
+    pool.inc_lock_ref([entry])
+    with pytest.raises(BlockRestoreError) as raised:
+        pool.read_blocks([entry])
+    assert (raised.value.block_hash, raised.value.reason) == (block_hash(0), "checksum_mismatch")
+    pool.dec_lock_ref([entry])
+    assert pool.get_ready(block_hash(0)) is None
+    assert pool.state_of(block_hash(0)) is None
+    assert not path.exists()
+    assert pool.take_events() == [
+        BlockRemoved(block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True))
+    ]
+    assert pool.stats().num_restore_failures == 1
+    assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
+
+
+def test_destroyed_key_raises_and_block_is_gone(tmp_path):
+    keys = LocalKeyStore(tmp_path / "keys.json")
+    pool = make_pool(tmp_path, device=1, disk=2, keys=keys)
+    store(pool, 0, scope=USER)
+    store(pool, 1)
+    assert keys.destroy(keys.current_key_id("acme", "alice")) is True
+    pool.take_events()
+
+    entry = pool.get_ready(block_hash(0))
+    pool.inc_lock_ref([entry])
+    with pytest.raises(BlockRestoreError) as raised:
+        pool.read_blocks([entry])
+    assert raised.value.reason == "key_unavailable"
+    with pytest.raises(BlockRestoreError):
+        pool.read_blocks([entry])  # never served again
+    pool.dec_lock_ref([entry])
+    assert pool.get_ready(block_hash(0)) is None
+    assert not (tmp_path / "disk" / f"{block_hash(0).hex()}.kvb").exists()
+    assert pool.take_events() == [
+        BlockRemoved(block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True))
+    ]
+
+
+def test_restart_reindexes_the_disk_tier(tmp_path):
+    keys = LocalKeyStore(tmp_path / "keys.json")
+    pool = make_pool(tmp_path, device=1, disk=4, keys=keys)
+    for i, scope in enumerate([USER, TENANT, PUBLIC, PUBLIC]):
+        store(pool, i, scope=scope, subject=f"s{i}")
+    corrupt = tmp_path / "disk" / f"{block_hash(2).hex()}.kvb"
+    corrupt.write_bytes(corrupt.read_bytes()[:-1])
+    (tmp_path / "disk" / "notes.txt").write_text("not a block")
+
+    restarted = make_pool(tmp_path, device=1, disk=4, keys=LocalKeyStore(tmp_path / "keys.json"))
+    assert restarted.load_disk_tier() == 2
+    assert tiers(restarted) == {0: DISK, 1: DISK}
+    assert restarted.get_ready(block_hash(0)).key == make_key(0, scope=USER, subject="s0")
+    assert torch.equal(read(restarted, [restarted.get_ready(block_hash(1))], promote=False)[0], make_kv(1))
+    assert restarted.take_events() == [
+        BlockRemoved(block_hash(2), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(2), DISK, METHOD_OVERWRITE_UNLINK, False, True))
+    ]
+    assert not corrupt.exists()
+    assert (tmp_path / "disk" / "notes.txt").exists()
+    assert restarted.load_disk_tier() == 0
+
+
+def test_restart_deletes_blocks_of_destroyed_keys_and_expired_blocks(tmp_path):
+    clock, wall = FakeClock(10.0), FakeClock(5000.0)
+    keys = LocalKeyStore(tmp_path / "keys.json")
+    ttl = {PUBLIC: 100.0, TENANT: None, USER: None}
+    pool = make_pool(tmp_path, device=1, disk=4, keys=keys, ttl=ttl, clock=clock, wall_clock=wall)
+    store(pool, 0, scope=USER)
+    store(pool, 1)  # public: expires at wall time 5100
+    store(pool, 2, scope=TENANT)
+    store(pool, 3, scope=TENANT)
+    keys.destroy(keys.current_key_id("acme", "alice"))
+
+    wall.now = 5101.0
+    restarted = make_pool(tmp_path, device=1, disk=4, keys=keys, ttl=ttl, clock=FakeClock(0.0), wall_clock=wall)
+    assert restarted.load_disk_tier() == 1
+    assert tiers(restarted) == {2: DISK}
+    expected = sorted([(block_hash(0), RemovalReason.RESTORE_FAILED), (block_hash(1), RemovalReason.EXPIRED)], key=lambda item: item[0].hex())
+    assert [(event.block_hash, event.reason) for event in restarted.take_events()] == expected
+    assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [f"{block_hash(2).hex()}.kvb"]
+
+
+def test_export_and_import_records(tmp_path):
+    source = make_pool(tmp_path / "a", device=2)
+    entry = store(source, 0, scope=USER)
+    source.inc_lock_ref([entry])
+    record = source.export_record(entry)
+    source.dec_lock_ref([entry])
+    with pytest.raises(ValueError):
+        source.export_record(entry)
+
+    target = make_pool(tmp_path / "b", device=1, host=1, keys=source.key_provider)
+    assert target.import_record(record, HOST) is True
+    assert target.import_record(record, HOST) is False
+    assert target.take_events() == [BlockStored(make_key(0, scope=USER), HOST)]
+    assert torch.equal(read(target, [target.get_ready(block_hash(0))], promote=False)[0], make_kv(0))
+    with pytest.raises(BlockRestoreError):
+        target.import_record(record[:-1], HOST)
+    stranger = make_pool(tmp_path / "c", device=1, host=1)
+    with pytest.raises(BlockRestoreError) as raised:
+        stranger.import_record(record, HOST)
+    assert raised.value.reason == "key_unavailable"
+
+
+def test_two_threads_share_the_pool_safely(tmp_path):
+    pool = make_pool(tmp_path, device=3, host=3)
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for step in range(60):
+                i = (offset + step) % 10
+                entry = pool.begin_build(make_key(i))
+                if entry is not None:
+                    pool.commit_build(entry, make_kv(i))
+                with pool.lock:
+                    prefix = pool.longest_ready_prefix([block_hash(i)])
+                    pool.inc_lock_ref(prefix)
+                try:
+                    if prefix:
+                        assert torch.equal(pool.read_blocks(prefix)[0], make_kv(i))
+                finally:
+                    pool.dec_lock_ref(prefix)
+        except BaseException as error:  # noqa: BLE001 - surfaced in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in (0, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    stats = pool.stats()
+    assert stats.num_entries[DEVICE] + stats.num_entries[HOST] == len(pool.ready_entries()) == 6
