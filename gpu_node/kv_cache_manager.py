@@ -1,0 +1,196 @@
+"""Request-level prefix cache manager (the vLLM ``kv_cache_manager.py`` layer).
+
+Between the engine and the storage pool: finds the longest READY prefix of a
+request's block keys and locks it, makes identical missing prefixes build once
+(per-key singleflight with a bounded wait), commits newly computed blocks, and
+explains misses. Explaining a miss needs memory the pool does not keep: a
+scope-free *shadow index* (token-prefix hash → which namespace/key stored it) and
+a bounded map of recently removed blocks with the reason they went away. Both
+hold hashes only and are exposed only as aggregate counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_node.block_pool import BlockPool, BlockRemoved, BlockState, CacheEntry, PoolEvent, RemovalReason
+from gpu_node.kv_cache_utils import BlockKey, compute_shadow_hashes
+from gpu_node.metrics import MissReason, NodeMetrics
+
+_REMOVAL_TO_MISS = {
+    RemovalReason.EVICTED: MissReason.EVICTED,
+    RemovalReason.EXPIRED: MissReason.ENTRY_EXPIRED,
+    RemovalReason.RESTORE_FAILED: MissReason.KV_RESTORE_FAILED,
+    RemovalReason.INVALIDATED: MissReason.NO_ENTRY,
+}
+
+
+class _BoundedMap(OrderedDict):
+    """LRU-bounded dict: diagnostics must never grow without bound."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def put(self, key, value) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.capacity:
+            self.popitem(last=False)
+
+
+@dataclass
+class PrefixPlan:
+    """What one request gets from the cache and what it promised to build.
+
+    ``hit_entries`` are locked (ref-counted) until :meth:`KVCacheManager.release`;
+    ``claimed`` are BUILDING entries this request leads and must commit or fail.
+    """
+
+    keys: list[BlockKey]
+    hit_entries: list[CacheEntry] = field(default_factory=list)
+    claimed: list[CacheEntry] = field(default_factory=list)
+    shadow_hashes: list[bytes] = field(default_factory=list)
+    miss_reason: MissReason | None = None
+    build_wait_s: float = 0.0
+    released: bool = False
+
+    @property
+    def num_hit_blocks(self) -> int:
+        return len(self.hit_entries)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        pool: BlockPool,
+        metrics: NodeMetrics,
+        singleflight_wait_s: float = 30.0,
+        diagnostics_capacity: int = 100_000,
+        event_sink: Callable[[list[PoolEvent]], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.singleflight_wait_s = singleflight_wait_s
+        self.event_sink = event_sink
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        self._shadow = _BoundedMap(diagnostics_capacity)
+        self._recently_removed = _BoundedMap(diagnostics_capacity)
+        self._num_waiters = 0
+
+    async def acquire(self, keys: list[BlockKey], token_ids: Sequence[int]) -> PrefixPlan:
+        """Lock the longest READY prefix, waiting (bounded) for an in-flight build of the next block."""
+        plan = PrefixPlan(keys=keys)
+        if not keys:
+            plan.miss_reason = MissReason.PREFIX_TOO_SHORT
+            self.metrics.misses.labels(plan.miss_reason.value).inc()
+            return plan
+        hashes = [key.block_hash for key in keys]
+        deadline = time.monotonic() + self.singleflight_wait_s
+        while True:
+            with self.pool.lock:
+                hits = self.pool.longest_ready_prefix(hashes)
+                if len(hits) == len(keys):
+                    self.pool.inc_lock_ref(hits)
+                    plan.hit_entries = hits
+                    return plan
+                future = self._inflight.get(hashes[len(hits)])
+                if future is None or future.done() or time.monotonic() >= deadline:
+                    self.pool.inc_lock_ref(hits)
+                    plan.hit_entries = hits
+                    self._claim_missing(plan, len(hits))
+                    break
+            plan.build_wait_s += await self._wait_for(future, deadline)
+        plan.miss_reason = self._classify_miss(plan, token_ids)
+        self.metrics.misses.labels(plan.miss_reason.value).inc()
+        return plan
+
+    async def _wait_for(self, future: asyncio.Future, deadline: float) -> float:
+        started = time.monotonic()
+        self._num_waiters += 1
+        self.metrics.singleflight_waiters.set(self._num_waiters)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout=max(deadline - started, 0.0))
+        except TimeoutError:
+            pass  # bounded wait: the caller re-checks and falls back to computing itself
+        finally:
+            self._num_waiters -= 1
+            self.metrics.singleflight_waiters.set(self._num_waiters)
+        waited_s = time.monotonic() - started
+        self.metrics.build_wait.observe(waited_s)
+        return waited_s
+
+    def _claim_missing(self, plan: PrefixPlan, first_missing: int) -> None:
+        """Become the builder of every missing block nobody else is building."""
+        loop = asyncio.get_running_loop()
+        for key in plan.keys[first_missing:]:
+            entry = self.pool.begin_build(key)
+            if entry is None:
+                continue
+            plan.claimed.append(entry)
+            self._inflight[key.block_hash] = loop.create_future()
+
+    def _classify_miss(self, plan: PrefixPlan, token_ids: Sequence[int]) -> MissReason:
+        missing = plan.keys[plan.num_hit_blocks]
+        plan.shadow_hashes = compute_shadow_hashes(token_ids, len(plan.keys), missing.block_size)
+        removed = self._recently_removed.get(missing.block_hash)
+        if removed is not None:
+            return removed
+        seen = self._shadow.get(plan.shadow_hashes[plan.num_hit_blocks])
+        if seen is None:
+            return MissReason.NO_ENTRY
+        namespace, block_hash = seen
+        if namespace != missing.provenance.namespace:
+            return MissReason.MODEL_VERSION_MISMATCH
+        if block_hash != missing.block_hash:
+            return MissReason.AUTH_SCOPE_MISMATCH
+        return MissReason.NO_ENTRY
+
+    def commit(self, plan: PrefixPlan, block_kv: torch.Tensor | None) -> int:
+        """Commit claimed blocks (worker thread). ``block_kv[i]`` holds ``plan.claimed[i]``.
+
+        ``None`` means the build failed: every claimed entry goes BUILDING → FAILED.
+        Returns the number of blocks that became READY.
+        """
+        num_ready = 0
+        for position, entry in enumerate(plan.claimed):
+            if block_kv is not None and self.pool.commit_build(entry, block_kv[position]):
+                num_ready += 1
+                if plan.shadow_hashes:
+                    self._shadow.put(plan.shadow_hashes[entry.key.index], (entry.provenance.namespace, entry.block_hash))
+            elif block_kv is None:
+                self.pool.fail_build(entry)
+        self.metrics.blocks_built.inc(num_ready)
+        return num_ready
+
+    def finish(self, plan: PrefixPlan) -> None:
+        """Release locks and wake waiters (event loop thread). Idempotent."""
+        if plan.released:
+            return
+        plan.released = True
+        self.pool.dec_lock_ref(plan.hit_entries)
+        for entry in plan.claimed:
+            if entry.state == BlockState.BUILDING:
+                self.pool.fail_build(entry)
+            future = self._inflight.pop(entry.block_hash, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+        self.drain_events()
+
+    def drain_events(self) -> list[PoolEvent]:
+        """Take the pool's events, remember removals for miss reasons, forward to the sink."""
+        events = self.pool.take_events()
+        for event in events:
+            if isinstance(event, BlockRemoved):
+                reason = _REMOVAL_TO_MISS.get(event.reason)
+                if reason is not None:
+                    self._recently_removed.put(event.block_hash, reason)
+        if events and self.event_sink is not None:
+            self.event_sink(events)
+        return events

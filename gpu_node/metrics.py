@@ -1,0 +1,76 @@
+"""Prometheus metrics of a node (DESIGN §3, seed §16).
+
+Each engine owns its own registry so several nodes can live in one process
+(tests, benchmarks) without colliding. Only aggregates are exposed: no block
+hashes, tenants or subjects appear in label values.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class MissReason(StrEnum):
+    """Why a request did not get (more of) its prefix from the cache (seed §16.2)."""
+
+    NO_ENTRY = "NO_ENTRY"
+    TOKENIZER_MISMATCH = "TOKENIZER_MISMATCH"
+    MODEL_VERSION_MISMATCH = "MODEL_VERSION_MISMATCH"
+    AUTH_SCOPE_MISMATCH = "AUTH_SCOPE_MISMATCH"
+    PREFIX_TOO_SHORT = "PREFIX_TOO_SHORT"
+    ENTRY_EXPIRED = "ENTRY_EXPIRED"
+    EVICTED = "EVICTED"
+    KV_RESTORE_FAILED = "KV_RESTORE_FAILED"
+    OOM = "OOM"
+
+
+class NodeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvledger_requests", "Generation requests", registry=r)
+        self.full_misses = Counter("kvledger_full_misses", "Requests served with no cached prompt token", registry=r)
+        self.prefix_hits = Counter("kvledger_prefix_hits", "Requests with at least one cached prompt token", registry=r)
+        self.hit_tokens = Counter("kvledger_hit_tokens", "Prompt tokens served from cache", registry=r)
+        self.prompt_tokens = Counter("kvledger_prompt_tokens", "Prompt tokens requested", registry=r)
+        self.hit_ratio_tokens = Gauge("kvledger_hit_ratio_tokens", "hit tokens / prompt tokens since start", registry=r)
+        self.hit_ratio_requests = Gauge("kvledger_hit_ratio_requests", "requests with a hit / requests since start", registry=r)
+        self.misses = Counter("kvledger_cache_misses", "Cache misses by reason", ["reason"], registry=r)
+        for reason in MissReason:
+            self.misses.labels(reason.value)
+        self.tier_bytes = Gauge("kvledger_tier_bytes", "Bytes of READY blocks per tier", ["tier"], registry=r)
+        self.tier_entries = Gauge("kvledger_tier_entries", "READY blocks per tier", ["tier"], registry=r)
+        self.evictions = Counter("kvledger_evictions", "Blocks evicted or demoted out of a tier", ["tier"], registry=r)
+        self.expirations = Counter("kvledger_expirations", "Blocks deleted by TTL", registry=r)
+        self.builds = Counter("kvledger_prefix_builds", "Requests that built (led) at least one missing block", registry=r)
+        self.blocks_built = Counter("kvledger_blocks_built", "Blocks computed and committed READY", registry=r)
+        self.build_wait = Histogram("kvledger_build_wait_seconds", "Time waiting for another request's build", registry=r, buckets=_LATENCY_BUCKETS_S)
+        self.singleflight_waiters = Gauge("kvledger_singleflight_waiters", "Requests currently waiting on a build", registry=r)
+        self.restore_latency = Histogram("kvledger_restore_seconds", "Gathering hit blocks into a model cache", registry=r, buckets=_LATENCY_BUCKETS_S)
+        self.prefill_latency = Histogram("kvledger_prefill_seconds", "Prefill of the uncached suffix", registry=r, buckets=_LATENCY_BUCKETS_S)
+        self.ttft = Histogram("kvledger_ttft_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS_S)
+        self.generated_tokens = Counter("kvledger_generated_tokens", "Completion tokens generated", registry=r)
+        self.decode_tokens_per_s = Gauge("kvledger_decode_tokens_per_second", "Decode throughput of the last finished request", registry=r)
+        self._num_requests = 0
+        self._num_hit_requests = 0
+        self._num_prompt_tokens = 0
+        self._num_hit_tokens = 0
+
+    def observe_request(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.requests.inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.hit_tokens.inc(num_cached_tokens)
+        self._num_requests += 1
+        self._num_prompt_tokens += num_prompt_tokens
+        self._num_hit_tokens += num_cached_tokens
+        if num_cached_tokens:
+            self.prefix_hits.inc()
+            self._num_hit_requests += 1
+        else:
+            self.full_misses.inc()
+        self.hit_ratio_requests.set(self._num_hit_requests / self._num_requests)
+        self.hit_ratio_tokens.set(self._num_hit_tokens / max(self._num_prompt_tokens, 1))

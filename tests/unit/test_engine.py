@@ -1,0 +1,250 @@
+"""Engine behaviour on the tiny model: exactness of hits, isolation, singleflight, faults, snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpu_node.block_pool import Tier
+from gpu_node.engine import (
+    AsyncEngine,
+    GenerationDone,
+    GenerationRequest,
+    PromptStats,
+    PromptTooLongError,
+    SamplingParams,
+    TokenDelta,
+)
+from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys, num_cacheable_blocks
+from gpu_node.prompt import ChatMessage, render_prompt
+from gpu_node.settings import CacheSettings, NodeSettings
+
+BLOCK = 16
+ALICE = Principal("acme", "alice", frozenset({"hr", "finance"}), {"hr": 1, "finance": 1})
+CAROL = dataclasses.replace(ALICE, subject_id="carol")
+BOB_AT_GLOBEX = Principal("globex", "bob", frozenset({"hr"}), {"hr": 1})
+
+WORDS = "the handbook says each tenant keeps its own cache blocks while public prompts are shared by all".split()
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str
+
+
+def system(text: str = "You are a careful assistant for the kvledger test suite.") -> ChatMessage:
+    return ChatMessage("system", text, CacheScope.PUBLIC, None)
+
+
+def document(doc_id: str, version: int, text: str, auth_scope: str = "hr") -> ChatMessage:
+    return ChatMessage("user", text, CacheScope.TENANT, DocumentRef(doc_id, version, auth_scope))
+
+
+def user(text: str) -> ChatMessage:
+    return ChatMessage("user", text, CacheScope.USER, None)
+
+
+def long_text(num_words: int, offset: int = 0) -> str:
+    return " ".join(WORDS[(offset + i) % len(WORDS)] + str((offset + i) % 97) for i in range(num_words))
+
+
+async def complete(engine: AsyncEngine, messages, principal=ALICE, use_cache=True, max_tokens=6) -> Completion:
+    request = GenerationRequest("test", tuple(messages), SamplingParams(max_tokens=max_tokens), principal, use_cache)
+    token_ids: list[int] = []
+    text = ""
+    stats = done = None
+    async for item in engine.generate(request):
+        if isinstance(item, PromptStats):
+            stats = item
+        elif isinstance(item, TokenDelta):
+            token_ids.append(item.token_id)
+            text += item.text
+        else:
+            assert isinstance(item, GenerationDone)
+            done = item
+    assert stats is not None and done is not None
+    return Completion(token_ids, text, stats.num_prompt_tokens, stats.num_cached_tokens, done.finish_reason)
+
+
+def node_settings(model_dir: Path, data_dir: Path, **cache) -> NodeSettings:
+    cache_settings = CacheSettings(block_size=BLOCK, **({"num_device_blocks": 256, "num_host_blocks": 256, "max_disk_blocks": 1024} | cache))
+    return NodeSettings(model_dir=model_dir, data_dir=data_dir, cache=cache_settings)
+
+
+@pytest.fixture
+async def engine(tiny_model_dir, tmp_path):
+    engine = AsyncEngine.from_settings(node_settings(tiny_model_dir, tmp_path / "node"))
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+def metric(engine: AsyncEngine, name: str, labels: dict | None = None) -> float:
+    return engine.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def expected_cached(num_prompt_tokens: int) -> int:
+    return num_cacheable_blocks(num_prompt_tokens, BLOCK) * BLOCK
+
+
+def ready_hashes(engine: AsyncEngine) -> list[bytes]:
+    return [entry.block_hash for entry in engine.pool.ready_entries()]
+
+
+async def test_second_request_hits_every_full_block_and_matches_uncached(engine):
+    messages = [system(), document("handbook", 3, long_text(60)), user("What does the handbook say?")]
+    uncached = await complete(engine, messages, use_cache=False)
+    first = await complete(engine, messages)
+    second = await complete(engine, messages)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == expected_cached(second.num_prompt_tokens)
+    assert uncached.token_ids == first.token_ids == second.token_ids
+    assert metric(engine, "kvledger_cache_misses_total", {"reason": "NO_ENTRY"}) == 1
+    assert metric(engine, "kvledger_prefix_hits_total") == 1
+    # the uncached request and the first cached one both served no token from cache
+    assert metric(engine, "kvledger_full_misses_total") == 2
+
+
+message_strategy = st.one_of(
+    st.builds(lambda n, o: system(long_text(n, o)), st.integers(1, 30), st.integers(0, 50)),
+    st.builds(lambda d, v, n, o: document(f"doc-{d}", v, long_text(n, o)), st.integers(0, 2), st.integers(1, 3), st.integers(1, 40), st.integers(0, 50)),
+    st.builds(lambda n, o: user(long_text(n, o)), st.integers(1, 30), st.integers(0, 50)),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    messages=st.lists(message_strategy, min_size=1, max_size=4),
+    principal=st.sampled_from([ALICE, CAROL, BOB_AT_GLOBEX]),
+    tier=st.sampled_from([None, Tier.HOST, Tier.DISK, "evict-middle"]),
+)
+async def test_greedy_tokens_with_hits_equal_uncached(engine, messages, principal, tier):
+    if principal is BOB_AT_GLOBEX:
+        messages = [m if m.document is None else dataclasses.replace(m, document=dataclasses.replace(m.document, auth_scope="hr")) for m in messages]
+    uncached = await complete(engine, messages, principal, use_cache=False)
+    first = await complete(engine, messages, principal)
+    num_blocks = num_cacheable_blocks(first.num_prompt_tokens, BLOCK)
+    prompt = render_prompt(engine.runner.tokenizer, messages)
+    keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+    expected_blocks = num_blocks
+    if tier in (Tier.HOST, Tier.DISK):
+        for key in keys:
+            assert engine.pool.demote(key.block_hash, tier)
+    elif tier == "evict-middle" and num_blocks >= 2:
+        middle = keys[num_blocks // 2]
+        assert engine.pool.evict(middle.block_hash)
+        expected_blocks = num_blocks // 2
+    again = await complete(engine, messages, principal)
+    assert again.token_ids == first.token_ids == uncached.token_ids
+    assert again.num_cached_tokens == expected_blocks * BLOCK
+
+
+async def test_isolation_public_prefix_shared_tenant_and_user_parts_not(engine):
+    handbook = long_text(50)
+    public = system(long_text(40, 3))
+    alice = await complete(engine, [public, document("handbook", 1, handbook), user("hi")], ALICE)
+    assert alice.num_cached_tokens == 0
+    rendered = render_prompt(engine.runner.tokenizer, [public, document("handbook", 1, handbook), user("hi")])
+    public_tokens = rendered.segments[0].end
+    bob = await complete(engine, [public, document("handbook", 1, handbook), user("hi")], BOB_AT_GLOBEX)
+    assert bob.num_cached_tokens == (public_tokens // BLOCK) * BLOCK
+    assert metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"}) == 1
+
+    # Two subjects of one tenant share the document blocks but never each other's user blocks.
+    history = user(long_text(40, 9))
+    await complete(engine, [public, document("handbook", 1, handbook), history], ALICE)
+    carol = await complete(engine, [public, document("handbook", 1, handbook), history], CAROL)
+    user_start = render_prompt(engine.runner.tokenizer, [public, document("handbook", 1, handbook), history]).segments[2].start
+    assert carol.num_cached_tokens == (user_start // BLOCK) * BLOCK
+
+
+async def test_short_prompt_counts_prefix_too_short(engine):
+    await complete(engine, [system("hi")], max_tokens=2)
+    assert metric(engine, "kvledger_cache_misses_total", {"reason": "PREFIX_TOO_SHORT"}) == 1
+
+
+async def test_concurrent_identical_new_prefix_is_built_once(engine):
+    prefix = [system(long_text(400, 11))]
+    prompt_messages = prefix + [user("Summarise.")]
+    builds_before = metric(engine, "kvledger_prefix_builds_total")
+    blocks_before = metric(engine, "kvledger_blocks_built_total")
+    results = await asyncio.gather(*(complete(engine, prompt_messages, max_tokens=4) for _ in range(32)))
+    assert results[0].num_prompt_tokens >= 1000
+    assert metric(engine, "kvledger_prefix_builds_total") - builds_before == 1
+    assert metric(engine, "kvledger_blocks_built_total") - blocks_before == num_cacheable_blocks(results[0].num_prompt_tokens, BLOCK)
+    assert len({tuple(r.token_ids) for r in results}) == 1
+    assert sorted(r.num_cached_tokens for r in results)[1:] == [expected_cached(results[0].num_prompt_tokens)] * 31
+    assert metric(engine, "kvledger_singleflight_waiters") == 0
+
+
+async def test_corrupt_disk_block_falls_back_and_is_never_served_again(engine):
+    messages = [system(), document("payroll", 2, long_text(60, 5), "finance"), user("Total?")]
+    baseline = await complete(engine, messages, use_cache=False)
+    await complete(engine, messages)
+    for block_hash in ready_hashes(engine):
+        assert engine.pool.demote(block_hash, Tier.DISK)
+    victim = engine.pool.get_ready(ready_hashes(engine)[0])
+    path = engine.pool.disk_path(victim.block_hash)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    failed = await complete(engine, messages)
+    assert failed.token_ids == baseline.token_ids
+    assert metric(engine, "kvledger_cache_misses_total", {"reason": "KV_RESTORE_FAILED"}) >= 1
+    assert engine.pool.get_ready(victim.block_hash) is None
+    assert not path.exists()
+
+
+async def test_destroyed_key_makes_disk_blocks_undecryptable(engine):
+    messages = [system(), user(long_text(60, 21))]
+    baseline = await complete(engine, messages, use_cache=False)
+    await complete(engine, messages)
+    for block_hash in ready_hashes(engine):
+        engine.pool.demote(block_hash, Tier.DISK)
+    user_entries = [e for e in engine.pool.ready_entries() if e.provenance.scope == CacheScope.USER]
+    assert user_entries
+    key_id, _ = engine.pool.key_provider.key_for(user_entries[0].provenance)
+    assert engine.pool.key_provider.destroy(key_id)
+
+    after = await complete(engine, messages)
+    assert after.token_ids == baseline.token_ids
+    assert after.num_cached_tokens < expected_cached(after.num_prompt_tokens)
+    assert metric(engine, "kvledger_cache_misses_total", {"reason": "KV_RESTORE_FAILED"}) >= 1
+
+
+async def test_snapshot_warm_start_serves_hits(engine, tiny_model_dir, tmp_path):
+    messages = [system(long_text(50, 2)), document("handbook", 4, long_text(40, 7)), user("And?")]
+    first = await complete(engine, messages)
+    summary = await engine.write_snapshot()
+    assert summary["num_blocks"] == num_cacheable_blocks(first.num_prompt_tokens, BLOCK)
+
+    # A replica warm-starting from another node's snapshot needs that node's data keys
+    # for the tenant/user shards; here it is handed the key file.
+    (tmp_path / "warm").mkdir()
+    shutil.copy(tmp_path / "node" / "keys.json", tmp_path / "warm" / "keys.json")
+    warm_settings = node_settings(tiny_model_dir, tmp_path / "warm").model_copy(update={"warm_from": Path(summary["path"])})
+    warm = AsyncEngine.from_settings(warm_settings)
+    await warm.start()
+    try:
+        hit = await complete(warm, messages)
+        assert hit.num_cached_tokens == expected_cached(hit.num_prompt_tokens)
+        assert hit.token_ids == first.token_ids
+    finally:
+        await warm.stop()
+
+
+async def test_prompt_longer_than_context_is_refused(engine):
+    with pytest.raises(PromptTooLongError) as error:
+        await complete(engine, [user(long_text(3000))])
+    assert error.value.max_context_tokens == engine.max_context_tokens
