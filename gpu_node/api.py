@@ -1,0 +1,512 @@
+"""OpenAI-compatible HTTP API of a GPU node (DESIGN §4).
+
+The official ``openai`` client must work unchanged, so request and response
+bodies follow OpenAI's chat-completions shapes, and *every* error — including
+FastAPI's own validation and routing errors — is rendered as OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` (the client reads
+``error.message``/``error.code`` from it and maps the HTTP status to an
+exception class).
+
+Cache governance enters through two per-message extension fields,
+``cache_scope`` and ``document``. The caller's identity never comes from the
+body: the :class:`Principal` that salts cache keys is built only from the
+verified bearer token.
+
+Prompt text is never logged: log lines carry the request id, tenant and token
+counts only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Annotated, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gpu_node.auth import AuthError, TokenVerifier
+from gpu_node.engine import (
+    AsyncEngine,
+    GenerationDone,
+    GenerationRequest,
+    PromptStats,
+    PromptTooLongError,
+    SamplingParams,
+    TokenDelta,
+)
+from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
+from gpu_node.prompt import ChatMessage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+ADMIN_ROLE = "admin"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An error answered to the caller in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.type = type
+        self.param = param
+
+
+def error_body(message: str, *, type: str, code: str | None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+# pydantic names union members in error locations ("str", "list[TextPart]");
+# they are not part of the request's field path.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    """``("messages", 0, "content")`` → ``"messages[0].content"`` (OpenAI's ``param`` style)."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif "[" in part or part in _UNION_TAGS:
+            continue
+        else:
+            param += f".{part}" if param else str(part)
+    return param or None
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    # For a union (e.g. content: str | list of parts) pydantic reports one error
+    # per member; the deepest location is the one that names the actual problem.
+    deepest = max(errors, key=lambda error: len(error.get("loc", ())))
+    if deepest.get("type") == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON: {deepest.get('msg')}", code="invalid_json")
+    param = _param_from_loc(tuple(deepest.get("loc", ())))
+    where = f" at '{param}'" if param else ""
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    # Only pydantic's message is echoed, never the offending input (it may be prompt text).
+    return ApiError(400, f"invalid request{where}: {deepest.get('msg')}{more}", code="invalid_value", param=param)
+
+
+# --------------------------------------------------------------------------- request models
+
+
+class _OpenAIModel(BaseModel):
+    """OpenAI adds request fields often; unknown ones are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class DocumentField(BaseModel):
+    """The ``document`` extension of a message: whose text this is and who may read it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    version: int = Field(ge=0)
+    auth_scope: str = Field(min_length=1)
+
+
+class ChatMessageIn(_OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    cache_scope: Literal["public", "tenant", "user"] = "user"
+    document: DocumentField | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_OpenAIModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_OpenAIModel):
+    model: str
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    tools: list[dict] | None = None
+
+
+# --------------------------------------------------------------------------- request → engine
+
+
+async def _read_body(request: Request) -> ChatCompletionRequest:
+    """Parse the body only after the caller is authenticated.
+
+    A ``body: Model`` parameter would make FastAPI parse JSON before running the
+    auth dependency, answering unauthenticated callers with 400 instead of 401.
+    """
+    try:
+        return ChatCompletionRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_input=False)) from None
+
+
+def _to_messages(body: ChatCompletionRequest, principal: Principal) -> tuple[ChatMessage, ...]:
+    """Map API messages to engine messages, enforcing document authorization.
+
+    A document message is tenant scope by definition; an explicit contrary
+    ``cache_scope`` is refused rather than silently overridden, and a document
+    whose auth scope is not among the caller's token scopes is forbidden
+    (its KV must never be built or read under this caller's identity).
+    """
+    messages = []
+    for index, message in enumerate(body.messages):
+        scope = CacheScope.parse(message.cache_scope)
+        document = None
+        if message.document is not None:
+            if "cache_scope" in message.model_fields_set and scope != CacheScope.TENANT:
+                raise ApiError(
+                    400,
+                    "a document message is tenant scope; omit cache_scope or set it to 'tenant'",
+                    code="invalid_value",
+                    param=f"messages[{index}].cache_scope",
+                )
+            if not principal.holds(message.document.auth_scope):
+                raise ApiError(
+                    403,
+                    f"the token does not grant auth scope {message.document.auth_scope!r} "
+                    f"required by document {message.document.id!r}",
+                    type="permission_error",
+                    code="document_scope_forbidden",
+                    param=f"messages[{index}].document.auth_scope",
+                )
+            scope = CacheScope.TENANT
+            document = DocumentRef(
+                doc_id=message.document.id,
+                version=message.document.version,
+                auth_scope=message.document.auth_scope,
+            )
+        # "developer" is OpenAI's newer name for the system role.
+        role = "system" if message.role == "developer" else message.role
+        messages.append(ChatMessage(role=role, content=message.text(), scope=scope, document=document))
+    return tuple(messages)
+
+
+def _sampling(body: ChatCompletionRequest, max_context_tokens: int) -> SamplingParams:
+    """Only fields the caller set are passed on, so the engine's defaults apply otherwise."""
+    if body.n is not None and body.n > 1:
+        raise ApiError(400, "only n=1 is supported", code="unsupported_value", param="n")
+    if body.logprobs:
+        raise ApiError(400, "logprobs are not supported", code="unsupported_value", param="logprobs")
+    if body.tools:
+        raise ApiError(400, "tools are not supported", code="unsupported_parameter", param="tools")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stop) > 4:
+        raise ApiError(400, "at most 4 stop sequences are allowed", code="invalid_value", param="stop")
+    requested = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+    options: dict = {"max_tokens": min(requested, max_context_tokens), "stop": stop}
+    for name in ("temperature", "top_p", "seed"):
+        value = getattr(body, name)
+        if value is not None:
+            options[name] = value
+    return SamplingParams(**options)
+
+
+async def _start(engine: AsyncEngine, request: GenerationRequest) -> tuple[AsyncIterator, PromptStats]:
+    """Start generation and wait for its PromptStats.
+
+    The engine refuses an oversize prompt before yielding anything; pulling the
+    first item here turns that into a proper HTTP 400 even for streaming
+    requests, whose status line has not been sent yet.
+    """
+    try:
+        stream = engine.generate(request)
+        stats = await anext(stream)
+    except PromptTooLongError as exc:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {exc.max_context_tokens} tokens, "
+            f"but the prompt has {exc.num_prompt_tokens} tokens. Shorten the messages.",
+            code="context_length_exceeded",
+            param="messages",
+        ) from None
+    except ValueError as exc:
+        # The engine's contract: bad caller input surfaces as ValueError.
+        raise ApiError(400, str(exc), code="invalid_value") from None
+    assert isinstance(stats, PromptStats), f"engine must yield PromptStats first, got {type(stats).__name__}"
+    return stream, stats
+
+
+def _usage(stats: PromptStats, num_completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": stats.num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": stats.num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.num_cached_tokens},
+    }
+
+
+# --------------------------------------------------------------------------- app
+
+
+def _principal(request: Request) -> Principal:
+    """The caller, from the bearer token only (never from the body)."""
+    verifier: TokenVerifier = request.app.state.verifier
+    header = request.headers.get("authorization")
+    if header is None:
+        return verifier.verify(None)
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        raise AuthError("invalid_token", "the Authorization header must use the Bearer scheme")
+    return verifier.verify(token.strip())
+
+
+Caller = Annotated[Principal, Depends(_principal)]
+
+
+def create_app(engine: AsyncEngine, verifier: TokenVerifier) -> FastAPI:
+    """Build the node's HTTP app around ``engine``.
+
+    The caller owns the engine's lifecycle (``gpu_node.server`` starts it on the
+    serving event loop before the app takes traffic); until ``engine.ready`` the
+    app answers 503 rather than serve from a cache that may still hold blocks
+    pending invalidation.
+    """
+    app = FastAPI(title="kvledger GPU node")
+    app.state.verifier = verifier
+    started_at = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(AuthError)
+    async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:
+        error = ApiError(401, exc.message, type="authentication_error", code=exc.code)
+        return _error_response(error, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        error = ApiError(exc.status_code, str(exc.detail), code=code)
+        return _error_response(error, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled %s in request", type(exc).__name__)
+        return _error_response(ApiError(500, "internal server error", type="server_error", code="internal_error"))
+
+    def require_ready() -> None:
+        # Until the node has replayed pending invalidations it may hold blocks
+        # that must no longer be served, so it serves nothing.
+        if not engine.ready:
+            raise ApiError(503, "the node is not ready yet", type="server_error", code="not_ready")
+
+    def require_model(name: str) -> None:
+        if name != engine.model_name:
+            raise ApiError(
+                404, f"the model {name!r} does not exist on this node", code="model_not_found", param="model"
+            )
+
+    def model_card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": started_at, "owned_by": "kvledger"}
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> dict:
+        require_ready()
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(_: Caller) -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, _: Caller) -> dict:
+        require_model(model)
+        return model_card()
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats(_: Caller) -> dict:
+        return engine.cache_stats()
+
+    @app.post("/v1/cache/snapshots", status_code=201)
+    async def write_snapshot(caller: Caller) -> dict:
+        if ADMIN_ROLE not in caller.roles:
+            raise ApiError(
+                403, "writing a snapshot requires the 'admin' role", type="permission_error", code="insufficient_role"
+            )
+        require_ready()
+        return await engine.write_snapshot()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http_request: Request, caller: Caller) -> Response:
+        body = await _read_body(http_request)
+        require_ready()
+        require_model(body.model)
+        sampling = _sampling(body, engine.max_context_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request = GenerationRequest(
+            request_id=request_id,
+            messages=_to_messages(body, caller),
+            sampling=sampling,
+            principal=caller,
+        )
+        stream, stats = await _start(engine, request)
+        created = int(time.time())
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller)
+            return EventSourceResponse(events, sep="\n")
+        async with aclosing(stream):
+            texts: list[str] = []
+            done: GenerationDone | None = None
+            async for item in stream:
+                if isinstance(item, TokenDelta):
+                    texts.append(item.text)
+                else:
+                    assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
+                    done = item
+        assert done is not None, "engine stream ended without GenerationDone"
+        _log_completion(request_id, caller, stats, done)
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": engine.model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(texts)},
+                        "logprobs": None,
+                        "finish_reason": done.finish_reason,
+                    }
+                ],
+                "usage": _usage(stats, done.num_completion_tokens),
+            }
+        )
+
+    return app
+
+
+async def _sse_events(
+    stream: AsyncIterator,
+    stats: PromptStats,
+    request_id: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    caller: Principal,
+) -> AsyncIterator[str]:
+    """``chat.completion.chunk`` events, then ``[DONE]``.
+
+    Headers are already sent when this runs, so a failure can only be reported
+    in-band: an ``error`` event in OpenAI's shape, which the client raises.
+    Closing ``stream`` (also on client disconnect) lets the engine release the
+    request's cache references.
+    """
+
+    def chunk(delta: dict, finish_reason: str | None = None) -> str:
+        payload: dict = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            payload["usage"] = None
+        return json.dumps(payload)
+
+    async with aclosing(stream):
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            done: GenerationDone | None = None
+            async for item in stream:
+                if isinstance(item, TokenDelta):
+                    # The engine holds back incomplete UTF-8 as empty deltas; they carry nothing.
+                    if item.text:
+                        yield chunk({"content": item.text})
+                else:
+                    assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
+                    done = item
+            assert done is not None, "engine stream ended without GenerationDone"
+        except Exception as exc:
+            logger.error("request %s failed while streaming: %s", request_id, type(exc).__name__)
+            yield json.dumps(error_body("generation failed", type="server_error", code="internal_error"))
+            return
+    yield chunk({}, done.finish_reason)
+    if include_usage:
+        yield json.dumps(
+            {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(stats, done.num_completion_tokens),
+            }
+        )
+    _log_completion(request_id, caller, stats, done)
+    yield "[DONE]"
+
+
+def _log_completion(request_id: str, caller: Principal, stats: PromptStats, done: GenerationDone) -> None:
+    logger.info(
+        "completion %s tenant=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s",
+        request_id,
+        caller.tenant_id,
+        stats.num_prompt_tokens,
+        stats.num_cached_tokens,
+        done.num_completion_tokens,
+        done.finish_reason,
+    )

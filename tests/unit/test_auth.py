@@ -1,0 +1,227 @@
+"""Bearer-token verification: the principal it yields is what salts cache keys, so every malformed token must fail."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gpu_node.auth import JWT_SECRET_ENV, AuthError, TokenVerifier, issue_token
+from gpu_node.settings import AuthSettings
+from kvledger import tokens
+
+SECRET = "unit-test-secret-0123456789abcdef0123"
+OTHER_SECRET = "another-secret-0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def ed25519_pem(tmp_path_factory) -> tuple[bytes, object]:
+    """(private PEM, path of the public PEM file)."""
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public_path = tmp_path_factory.mktemp("keys") / "jwt.pub.pem"
+    public_path.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return private_pem, public_path
+
+
+@pytest.fixture()
+def hs_verifier() -> TokenVerifier:
+    return TokenVerifier(AuthSettings(jwt_secret=SECRET))
+
+
+def raw(claims: dict, secret: str = SECRET) -> str:
+    return jwt.encode(claims, secret.encode(), algorithm="HS256")
+
+
+def base_claims(**overrides) -> dict:
+    claims = {"sub": "alice", "tenant": "acme", "scopes": ["hr"], "pv": 3, "exp": int(time.time()) + 600}
+    claims.update(overrides)
+    return claims
+
+
+def test_hs256_round_trip(hs_verifier):
+    token = issue_token(tenant="acme", sub="alice", scopes=["hr", "eng"], pv=7, roles=["admin"], secret=SECRET)
+    principal = hs_verifier.verify(token)
+    assert principal.tenant_id == "acme"
+    assert principal.subject_id == "alice"
+    assert principal.scopes == frozenset({"hr", "eng"})
+    assert principal.policy_version("hr") == 7
+    assert principal.roles == frozenset({"admin"})
+    assert hs_verifier.algorithm == "HS256"
+
+
+def test_eddsa_round_trip(ed25519_pem):
+    private_pem, public_path = ed25519_pem
+    verifier = TokenVerifier(AuthSettings(jwt_public_key_file=public_path))
+    principal = verifier.verify(issue_token(tenant="acme", sub="bob", scopes=["eng"], private_key_pem=private_pem))
+    assert (principal.tenant_id, principal.subject_id, principal.scopes) == ("acme", "bob", frozenset({"eng"}))
+    assert verifier.algorithm == "EdDSA"
+
+
+def test_eddsa_verifier_rejects_other_key_and_hs256(ed25519_pem):
+    _, public_path = ed25519_pem
+    verifier = TokenVerifier(AuthSettings(jwt_public_key_file=public_path))
+    other = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    with pytest.raises(AuthError) as wrong_key:
+        verifier.verify(issue_token(tenant="acme", sub="bob", private_key_pem=other))
+    assert wrong_key.value.code == "invalid_token"
+    # An HS256 token must not be accepted by an EdDSA node (no algorithm confusion).
+    with pytest.raises(AuthError) as wrong_alg:
+        verifier.verify(issue_token(tenant="acme", sub="bob", secret=SECRET))
+    assert wrong_alg.value.code == "invalid_token"
+
+
+def test_hs256_verifier_rejects_eddsa_token(hs_verifier, ed25519_pem):
+    private_pem, _ = ed25519_pem
+    with pytest.raises(AuthError) as excinfo:
+        hs_verifier.verify(issue_token(tenant="acme", sub="bob", private_key_pem=private_pem))
+    assert excinfo.value.code == "invalid_token"
+
+
+def test_wrong_secret(hs_verifier):
+    with pytest.raises(AuthError) as excinfo:
+        hs_verifier.verify(issue_token(tenant="acme", sub="alice", secret=OTHER_SECRET))
+    assert excinfo.value.code == "invalid_token"
+    assert isinstance(excinfo.value, ValueError)
+
+
+def test_expired_beyond_leeway(hs_verifier):
+    token = issue_token(tenant="acme", sub="alice", ttl_s=60, secret=SECRET, now=time.time() - 120)
+    with pytest.raises(AuthError) as excinfo:
+        hs_verifier.verify(token)
+    assert excinfo.value.code == "token_expired"
+
+
+def test_expiry_within_leeway_is_accepted():
+    verifier = TokenVerifier(AuthSettings(jwt_secret=SECRET, leeway_s=30))
+    token = raw(base_claims(exp=int(time.time()) - 10))
+    assert verifier.verify(token).subject_id == "alice"
+
+
+@pytest.mark.parametrize("claim", ["exp", "sub", "tenant"])
+def test_missing_required_claim(hs_verifier, claim):
+    claims = base_claims()
+    del claims[claim]
+    with pytest.raises(AuthError) as excinfo:
+        hs_verifier.verify(raw(claims))
+    assert excinfo.value.code == "invalid_token"
+    assert claim in excinfo.value.message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tenant": ""},
+        {"tenant": 5},
+        {"sub": ""},
+        {"scopes": "hr"},
+        {"scopes": ["hr", 3]},
+        {"pv": "3"},
+        {"pv": True},
+        {"pv": {"hr": "2"}},
+        {"pv": [1]},
+        {"roles": "admin"},
+        {"role": ["admin"]},
+    ],
+)
+def test_malformed_claims_are_refused(hs_verifier, overrides):
+    with pytest.raises(AuthError) as excinfo:
+        hs_verifier.verify(raw(base_claims(**overrides)))
+    assert excinfo.value.code == "invalid_token"
+
+
+def test_pv_map_and_single_role(hs_verifier):
+    principal = hs_verifier.verify(raw(base_claims(pv={"hr": 4, "eng": 9}, role="admin")))
+    assert principal.policy_version("hr") == 4
+    assert principal.policy_version("eng") == 9
+    assert principal.policy_version("legal") == 0
+    assert principal.roles == frozenset({"admin"})
+
+
+def test_optional_claims_default(hs_verifier):
+    principal = hs_verifier.verify(raw({"sub": "u", "tenant": "t", "exp": int(time.time()) + 60}))
+    assert principal.scopes == frozenset()
+    assert principal.roles == frozenset()
+    assert principal.policy_version("anything") == 0
+
+
+def test_missing_and_garbage_tokens(hs_verifier):
+    for bearer in (None, ""):
+        with pytest.raises(AuthError) as excinfo:
+            hs_verifier.verify(bearer)
+        assert excinfo.value.code == "missing_token"
+    with pytest.raises(AuthError) as excinfo:
+        hs_verifier.verify("not.a.jwt")
+    assert excinfo.value.code == "invalid_token"
+
+
+def test_audience_is_enforced_when_configured():
+    verifier = TokenVerifier(AuthSettings(jwt_secret=SECRET, audience="kvledger-node"))
+    good = issue_token(tenant="t", sub="u", secret=SECRET, audience="kvledger-node")
+    assert verifier.verify(good).subject_id == "u"
+    with pytest.raises(AuthError):
+        verifier.verify(issue_token(tenant="t", sub="u", secret=SECRET, audience="someone-else"))
+    with pytest.raises(AuthError):
+        verifier.verify(issue_token(tenant="t", sub="u", secret=SECRET))
+
+
+def test_secret_from_environment(monkeypatch):
+    monkeypatch.setenv(JWT_SECRET_ENV, SECRET)
+    verifier = TokenVerifier(AuthSettings())
+    assert verifier.verify(issue_token(tenant="t", sub="u", secret=SECRET)).tenant_id == "t"
+
+
+def test_configuration_errors(monkeypatch, ed25519_pem):
+    monkeypatch.delenv(JWT_SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="no JWT key configured"):
+        TokenVerifier(AuthSettings())
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        TokenVerifier(AuthSettings(jwt_secret="short"))
+    with pytest.raises(ValueError, match="not both"):
+        TokenVerifier(AuthSettings(jwt_secret=SECRET, jwt_public_key_file=ed25519_pem[1]))
+    with pytest.raises(ValueError, match="exactly one"):
+        issue_token(tenant="t", sub="u")
+
+
+def _token_args(**overrides) -> argparse.Namespace:
+    values = {"tenant": "acme", "sub": "alice", "scopes": "hr, eng", "pv": 2, "role": ["admin"], "ttl_s": 60}
+    values["private_key"] = None
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_token_cli_hs256(monkeypatch, capsys):
+    monkeypatch.setenv(JWT_SECRET_ENV, SECRET)
+    assert tokens.cli(_token_args()) == 0
+    principal = TokenVerifier(AuthSettings(jwt_secret=SECRET)).verify(capsys.readouterr().out.strip())
+    assert principal.scopes == frozenset({"hr", "eng"})
+    assert principal.policy_version("hr") == 2
+    assert principal.roles == frozenset({"admin"})
+
+
+def test_token_cli_private_key(monkeypatch, capsys, ed25519_pem, tmp_path):
+    monkeypatch.delenv(JWT_SECRET_ENV, raising=False)
+    private_pem, public_path = ed25519_pem
+    key_file = tmp_path / "jwt.pem"
+    key_file.write_bytes(private_pem)
+    assert tokens.cli(_token_args(private_key=str(key_file))) == 0
+    principal = TokenVerifier(AuthSettings(jwt_public_key_file=public_path)).verify(capsys.readouterr().out.strip())
+    assert principal.subject_id == "alice"
+
+
+def test_token_cli_without_key_fails_clearly(monkeypatch, capsys):
+    monkeypatch.delenv(JWT_SECRET_ENV, raising=False)
+    assert tokens.cli(_token_args()) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert JWT_SECRET_ENV in captured.err and "--private-key" in captured.err
