@@ -1,0 +1,447 @@
+"""Kafka plumbing shared by nodes and coordinator: settings, topic creation, producer, batch consumer.
+
+Delivery model: **at-least-once delivery + an idempotent handler = effectively once.**
+Kafka transactions are not used (the embedded Tansu broker does not support the
+idempotent/transactional producer, and exactly-once across Kafka *and* Postgres needs
+the database anyway). Instead:
+
+* the producer waits for ``acks=all``, so an acknowledged record survives a broker loss;
+* :class:`BatchConsumer` commits a partition's offset only after the handler has
+  returned, and the handler returns only after its database transaction committed —
+  so a crash at any point re-delivers, never loses;
+* the handler records each ``event_id`` in an inbox table in that same transaction,
+  so a re-delivered record is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import CommitFailedError, IllegalStateError, TopicAlreadyExistsError, for_code
+from aiokafka.structs import ConsumerRecord, RecordMetadata
+from prometheus_client import Counter
+from pydantic import BaseModel, ConfigDict, Field
+
+from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
+from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
+from events.schema import Envelope, EventValidationError
+from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, route
+
+log = logging.getLogger(__name__)
+
+
+class KafkaSettings(BaseModel):
+    """Connection and topic defaults.
+
+    ``enable_idempotence`` defaults to off because the embedded Tansu broker answers the
+    idempotent producer's InitProducerId with an error; turn it on against Apache Kafka.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bootstrap: str = Field(min_length=1)
+    client_id: str = Field(default="kvledger", min_length=1)
+    enable_idempotence: bool = False
+    num_partitions: int = Field(default=4, ge=1)
+    replication_factor: int = Field(default=1, ge=1)
+    group_id: str | None = None
+
+
+async def ensure_topics(
+    settings: KafkaSettings,
+    topics: Iterable[str] = ALL_TOPICS,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create the topics that do not exist yet and wait until their metadata is served.
+
+    Returns the names this call created. Safe to run concurrently from several processes:
+    losing a creation race (``TopicAlreadyExists``) counts as success.
+    """
+    wanted = list(dict.fromkeys(topics))
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap, client_id=settings.client_id)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [topic for topic in wanted if topic not in existing]
+        created: list[str] = []
+        if missing:
+            response = await admin.create_topics(
+                [
+                    NewTopic(name=topic, num_partitions=settings.num_partitions, replication_factor=settings.replication_factor)
+                    for topic in missing
+                ]
+            )
+            for topic, code, *_ in response.topic_errors:
+                error = for_code(code)
+                if code == 0:
+                    created.append(topic)
+                elif error is not TopicAlreadyExistsError:
+                    raise error(f"cannot create topic {topic}")
+        await _wait_for_topics(admin, wanted, timeout_s)
+        return created
+    finally:
+        await admin.close()
+
+
+async def _wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float) -> None:
+    """Poll metadata until every topic reports partitions without error (creation is asynchronous in Kafka)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        described = await admin.describe_topics(topics)
+        ready = {t["topic"] for t in described if t["error_code"] == 0 and t["partitions"]}
+        if ready >= set(topics):
+            return
+        if loop.time() >= deadline:
+            raise TimeoutError(f"topics not ready after {timeout_s}s: {sorted(set(topics) - ready)}")
+        await asyncio.sleep(0.1)
+
+
+class EventProducer:
+    """Publishes envelopes under their routed topic and key, waiting for ``acks=all``."""
+
+    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 5) -> None:
+        self._settings = settings
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=settings.bootstrap,
+            client_id=settings.client_id,
+            acks="all",
+            enable_idempotence=settings.enable_idempotence,
+            linger_ms=linger_ms,
+        )
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        """Flush what is buffered, then close."""
+        await self._producer.stop()
+
+    async def __aenter__(self) -> EventProducer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def send(self, envelope: Envelope, *, topic: str | None = None, key: str | None = None) -> RecordMetadata:
+        """Publish one event and wait until the broker acknowledged it.
+
+        ``topic``/``key`` override :func:`events.topics.route` (e.g. to target one node).
+        """
+        routed_topic, routed_key = route(envelope)
+        return await self.send_raw(topic or routed_topic, encode_event(envelope), encode_key(key or routed_key))
+
+    async def send_many(self, envelopes: Iterable[Envelope]) -> list[RecordMetadata]:
+        """Publish many events as one pipelined batch; returns when all are acknowledged.
+
+        Order is kept per key (per partition), which is the only order Kafka defines.
+        """
+        pending = []
+        for envelope in envelopes:
+            topic, key = route(envelope)
+            pending.append(await self._producer.send(topic, encode_event(envelope), key=encode_key(key)))
+        return list(await asyncio.gather(*pending))
+
+    async def send_raw(self, topic: str, value: bytes | None, key: bytes | None) -> RecordMetadata:
+        return await self._producer.send_and_wait(topic, value, key=key)
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumedEvent:
+    """A validated record handed to a handler, with its coordinates (for logs and inbox rows)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    timestamp_ms: int
+    envelope: Envelope
+
+
+Handler = Callable[[list[ConsumedEvent]], Awaitable[None]]
+
+
+class _CommitOnRevoke(ConsumerRebalanceListener):
+    def __init__(self, owner: BatchConsumer) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._owner._on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._owner._on_assigned(set(assigned))
+
+
+class BatchConsumer:
+    """Consumes batches, validates them against the contract and hands them to ``handler``.
+
+    Guarantees (see the module docstring for why they add up to effectively-once):
+
+    * offsets are committed (``offset + 1`` per partition) only after ``handler`` returned;
+      ``handler`` must commit its database transaction before returning;
+    * a record that fails validation is published to ``kvledger.dead-letter`` (raw bytes,
+      coordinates, error) and counted, then skipped — one bad record never blocks a
+      partition; on :data:`events.topics.ALERT_TOPICS` it is also logged as an error;
+    * a handler exception re-delivers the whole batch (the consumer seeks back) after an
+      exponential backoff: nothing is skipped and the process keeps running;
+    * on a rebalance the revoke callback waits for the in-flight batch and commits what
+      was processed, so the next owner does not replay more than necessary.
+
+    A batch may mix partitions; order is kept within each partition (i.e. per key). The
+    handler must return within the group's ``max_poll_interval_ms`` (aiokafka default
+    300 s), or the member is dropped from the group and its partitions are reassigned.
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        topics: Sequence[str],
+        handler: Handler,
+        *,
+        group_id: str | None = None,
+        dead_letter_counter: Counter = DEAD_LETTER_TOTAL,
+        max_records: int = 500,
+        poll_timeout_ms: int = 500,
+        initial_backoff_s: float = 0.1,
+        max_backoff_s: float = 30.0,
+        auto_offset_reset: str = "earliest",
+        session_timeout_ms: int = 10_000,
+        heartbeat_interval_ms: int = 3_000,
+    ) -> None:
+        group = group_id or settings.group_id
+        if not group:
+            raise ValueError("BatchConsumer needs a group_id (argument or KafkaSettings.group_id)")
+        if not topics:
+            raise ValueError("BatchConsumer needs at least one topic")
+        if DEAD_LETTER in topics:
+            raise ValueError("the dead-letter topic is not consumed with BatchConsumer (its records are not envelopes)")
+        if max_records < 1 or poll_timeout_ms < 1 or not 0 < initial_backoff_s <= max_backoff_s:
+            raise ValueError("max_records, poll_timeout_ms and backoffs must be positive, initial <= max")
+        self.group_id = group
+        self._topics = list(topics)
+        self._handler = handler
+        self._dead_letter_counter = dead_letter_counter
+        self._max_records = max_records
+        self._poll_timeout_ms = poll_timeout_ms
+        self._initial_backoff_s = initial_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=settings.bootstrap,
+            client_id=settings.client_id,
+            group_id=group,
+            enable_auto_commit=False,
+            auto_offset_reset=auto_offset_reset,
+            session_timeout_ms=session_timeout_ms,
+            heartbeat_interval_ms=heartbeat_interval_ms,
+        )
+        self._dead_letters = EventProducer(settings)
+        # Held while a batch is handled and committed; the revoke callback takes it too,
+        # so a rebalance never hands a partition over in the middle of a batch.
+        self._lock = asyncio.Lock()
+        self._pending: dict[TopicPartition, int] = {}  # processed, not yet committed
+        self._dead_lettered: dict[TopicPartition, int] = {}  # highest offset already dead-lettered
+        self._assigned = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._run_task: asyncio.Task | None = None
+        self._cancelled_by_stop = False
+        self._started = False
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect the dead-letter producer and join the group (assignment completes asynchronously)."""
+        await self._dead_letters.start()
+        try:
+            self._consumer.subscribe(self._topics, listener=_CommitOnRevoke(self))
+            await self._consumer.start()
+        except BaseException:
+            await self._dead_letters.stop()
+            raise
+        self._started = True
+
+    async def run(self) -> None:
+        """Poll, validate, handle and commit until :meth:`stop`; then return. Never raises for handler errors."""
+        assert self._started, "BatchConsumer.start() must complete before run()"
+        assert self._run_task is None, "BatchConsumer.run() is already running"
+        self._run_task = asyncio.current_task()
+        backoff = self._initial_backoff_s
+        try:
+            while not self._stopping.is_set():
+                try:
+                    batch = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms, max_records=self._max_records)
+                    if batch:
+                        async with self._lock:
+                            await self._process(batch)
+                except Exception as exc:  # noqa: BLE001 - any failure means: back off, re-deliver, keep running
+                    HANDLER_FAILURES_TOTAL.labels(group=self.group_id).inc()
+                    # The exception text may quote record data; log only its type here.
+                    log.warning(
+                        "consumer group %s: batch failed (%s); retrying in %.1fs",
+                        self.group_id,
+                        type(exc).__name__,
+                        backoff,
+                    )
+                    log.debug("batch failure detail", exc_info=True)
+                    await self._sleep_unless_stopping(backoff)
+                    backoff = min(backoff * 2, self._max_backoff_s)
+                else:
+                    backoff = self._initial_backoff_s
+        except asyncio.CancelledError:
+            if not self._cancelled_by_stop:
+                raise
+            # stop() gave up waiting for the batch: the caller of run() sees a normal return.
+            asyncio.current_task().uncancel()
+        finally:
+            self._run_task = None
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the in-flight batch (up to ``timeout_s``, then cancel it), commit, leave the group.
+
+        A cancelled batch is safe: its transaction rolls back and its offsets were not committed.
+        """
+        self._stopping.set()
+        task = self._run_task
+        if task is not None and task is not asyncio.current_task():
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                self._cancelled_by_stop = True
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        try:
+            if self._started:
+                async with self._lock:
+                    await self._commit_pending(None)
+        finally:
+            self._started = False
+            try:
+                await self._consumer.stop()
+            finally:
+                await self._dead_letters.stop()
+
+    async def __aenter__(self) -> BatchConsumer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # -- assignment ----------------------------------------------------------------
+
+    def assignment(self) -> frozenset[TopicPartition]:
+        return frozenset(self._consumer.assignment())
+
+    async def wait_for_assignment(self, timeout_s: float = 30.0) -> frozenset[TopicPartition]:
+        """Wait until the group gave this member at least one partition (e.g. for readiness)."""
+        await asyncio.wait_for(self._assigned.wait(), timeout_s)
+        return self.assignment()
+
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        if assigned:
+            self._assigned.set()
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._assigned.clear()
+        async with self._lock:  # let an in-flight batch finish its transaction and commit first
+            await self._commit_pending(revoked)
+            for tp in revoked:
+                self._pending.pop(tp, None)
+                self._dead_lettered.pop(tp, None)
+
+    # -- one batch -------------------------------------------------------------
+
+    async def _process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        assigned = self._consumer.assignment()
+        # A partition revoked while we were fetching belongs to another member now; it
+        # resumes from the committed offset, so dropping these records loses nothing.
+        owned = {tp: records for tp, records in batch.items() if records and tp in assigned}
+        if not owned:
+            return
+        try:
+            events = await self._validate(owned)
+            if events:
+                await self._handler(events)
+        except BaseException:
+            for tp, records in owned.items():
+                if tp in self._consumer.assignment():
+                    self._consumer.seek(tp, records[0].offset)
+            raise
+        for tp, records in owned.items():
+            self._pending[tp] = records[-1].offset + 1
+        await self._commit_pending(None)
+
+    async def _validate(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> list[ConsumedEvent]:
+        events: list[ConsumedEvent] = []
+        for tp, records in batch.items():
+            for record in records:
+                try:
+                    key = decode_key(record.key)
+                    envelope = decode_event(record.value)
+                except EventValidationError as exc:
+                    await self._dead_letter(tp, record, str(exc))
+                    continue
+                events.append(
+                    ConsumedEvent(
+                        topic=record.topic,
+                        partition=record.partition,
+                        offset=record.offset,
+                        key=key,
+                        timestamp_ms=record.timestamp,
+                        envelope=envelope,
+                    )
+                )
+        return events
+
+    async def _dead_letter(self, tp: TopicPartition, record: ConsumerRecord, error: str) -> None:
+        # A re-delivered batch (after a handler failure) must not dead-letter or count twice.
+        if record.offset <= self._dead_lettered.get(tp, -1):
+            return
+        letter = DeadLetter.of(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp_ms=record.timestamp,
+            key=record.key,
+            value=record.value,
+            error=error,
+            group_id=self.group_id,
+        )
+        await self._dead_letters.send_raw(DEAD_LETTER, letter.encode(), record.key)
+        self._dead_lettered[tp] = record.offset
+        self._dead_letter_counter.labels(topic=record.topic).inc()
+        level = logging.ERROR if record.topic in ALERT_TOPICS else logging.WARNING
+        log.log(level, "dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
+
+    async def _commit_pending(self, only: set[TopicPartition] | None) -> None:
+        assigned = self._consumer.assignment()
+        for tp in [tp for tp in self._pending if tp not in assigned]:
+            # Already handed to another member, which resumes from the committed offset.
+            del self._pending[tp]
+        offsets = {tp: offset for tp, offset in self._pending.items() if only is None or tp in only}
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except (CommitFailedError, IllegalStateError) as exc:
+            # Membership changed: another member owns these partitions now and resumes from
+            # the last committed offset; the handlers' inbox turns that replay into no-ops.
+            log.warning("consumer group %s: commit skipped after rebalance (%s)", self.group_id, type(exc).__name__)
+            for tp in offsets:
+                self._pending.pop(tp, None)
+            return
+        # Any other KafkaError propagates with the offsets still pending: the next
+        # successful commit (or the revoke callback) carries them.
+        for tp, offset in offsets.items():
+            if self._pending.get(tp) == offset:
+                del self._pending[tp]
+
+    async def _sleep_unless_stopping(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            pass

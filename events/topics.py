@@ -1,0 +1,118 @@
+"""Kafka topics and record keys (DESIGN §5).
+
+Keys decide partitions, and Kafka only orders records within a partition, so a key
+is chosen per *thing whose events must stay in order*: one document, one tenant's
+auth scope, one subject, one node. Keys are for ordering only — nothing parses them
+back (a ``:`` inside an id merely changes which partition a key hashes to).
+"""
+
+from __future__ import annotations
+
+from events.schema import (
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    CommandAck,
+    DocumentDeleted,
+    DocumentUpdated,
+    Envelope,
+    ErasureRequested,
+    Inventory,
+    InventoryRequested,
+    Invalidate,
+    NodeEvent,
+    NodeHeartbeat,
+    NodeStarted,
+    PermissionRevoked,
+    SnapshotDeleted,
+    SnapshotWritten,
+)
+
+DOCUMENTS = "kvledger.documents"
+PERMISSIONS = "kvledger.permissions"
+ERASURES = "kvledger.erasures"
+KV_EVENTS = "kvledger.kv-events"
+COMMANDS = "kvledger.commands"
+ACKS = "kvledger.acks"
+DEAD_LETTER = "kvledger.dead-letter"
+
+ALL_TOPICS: tuple[str, ...] = (DOCUMENTS, PERMISSIONS, ERASURES, KV_EVENTS, COMMANDS, ACKS, DEAD_LETTER)
+
+ALERT_TOPICS: frozenset[str] = frozenset({ERASURES, PERMISSIONS})
+"""Topics where a dead-lettered record is an alert, not just a count: dropping one would
+leave personal data or revoked access in the cache."""
+
+BROADCAST_TARGET = "*"
+"""Command key for commands every node executes (invalidations). One key keeps them in
+one partition, so every node applies them in the order the coordinator decided them."""
+
+TOPIC_BY_TYPE: dict[str, str] = {
+    DocumentUpdated.TYPE: DOCUMENTS,
+    DocumentDeleted.TYPE: DOCUMENTS,
+    PermissionRevoked.TYPE: PERMISSIONS,
+    ErasureRequested.TYPE: ERASURES,
+    NodeStarted.TYPE: KV_EVENTS,
+    BlockStored.TYPE: KV_EVENTS,
+    BlockRemoved.TYPE: KV_EVENTS,
+    BlockMoved.TYPE: KV_EVENTS,
+    SnapshotWritten.TYPE: KV_EVENTS,
+    SnapshotDeleted.TYPE: KV_EVENTS,
+    Inventory.TYPE: KV_EVENTS,
+    NodeHeartbeat.TYPE: KV_EVENTS,
+    Invalidate.TYPE: COMMANDS,
+    InventoryRequested.TYPE: COMMANDS,
+    CommandAck.TYPE: ACKS,
+}
+
+
+def _require(**parts: str | None) -> None:
+    for name, value in parts.items():
+        if not value:
+            raise ValueError(f"{name} must be a non-empty string")
+
+
+def document_key(tenant_id: str, doc_id: str) -> str:
+    _require(tenant_id=tenant_id, doc_id=doc_id)
+    return f"{tenant_id}:{doc_id}"
+
+
+def permission_key(tenant_id: str, auth_scope: str) -> str:
+    _require(tenant_id=tenant_id, auth_scope=auth_scope)
+    return f"{tenant_id}:{auth_scope}"
+
+
+def erasure_key(tenant_id: str, subject_id: str) -> str:
+    _require(tenant_id=tenant_id, subject_id=subject_id)
+    return f"{tenant_id}:{subject_id}"
+
+
+def node_key(node_id: str) -> str:
+    _require(node_id=node_id)
+    return node_id
+
+
+def command_key(target: str) -> str:
+    """``target`` is a node id, or :data:`BROADCAST_TARGET` for commands to every node."""
+    _require(target=target)
+    return target
+
+
+def route(envelope: Envelope) -> tuple[str, str]:
+    """The topic and key an envelope is published under."""
+    payload = envelope.payload
+    topic = TOPIC_BY_TYPE[envelope.type]
+    tenant = envelope.tenant_id
+    match payload:
+        case DocumentUpdated() | DocumentDeleted():
+            return topic, document_key(tenant, payload.doc_id)
+        case PermissionRevoked():
+            return topic, permission_key(tenant, payload.auth_scope)
+        case ErasureRequested():
+            return topic, erasure_key(tenant, payload.subject_id)
+        case NodeEvent() | NodeHeartbeat() | CommandAck():
+            return topic, node_key(payload.node_id)
+        case InventoryRequested():
+            return topic, command_key(payload.node_id)
+        case Invalidate():
+            return topic, command_key(BROADCAST_TARGET)
+    raise AssertionError(f"no routing rule for event type {envelope.type!r}")

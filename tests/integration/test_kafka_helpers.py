@@ -1,0 +1,261 @@
+"""The shared Kafka helpers against a real broker (Tansu by default): delivery, dead letters, commits, groups."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client import REGISTRY
+
+from events.codec import DeadLetter, encode_key
+from events.kafka import BatchConsumer, ConsumedEvent, EventProducer, KafkaSettings, ensure_topics
+from events.schema import DocumentUpdated, make_event
+from events.topics import DEAD_LETTER, DOCUMENTS
+
+PARTITIONS = 4
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def settings(kafka_bootstrap: str, unique_name: str) -> KafkaSettings:
+    settings = KafkaSettings(bootstrap=kafka_bootstrap, client_id="kvledger-test", num_partitions=PARTITIONS)
+    await ensure_topics(settings, [unique_name, DEAD_LETTER])
+    return settings
+
+
+@pytest.fixture
+async def producer(settings: KafkaSettings) -> AsyncIterator[EventProducer]:
+    async with EventProducer(settings) as producer:
+        yield producer
+
+
+class Recorder:
+    """A handler that records every batch; ``fail_times`` first calls raise after recording."""
+
+    def __init__(self, fail_times: int = 0) -> None:
+        self.calls: list[list[ConsumedEvent]] = []
+        self.fail_times = fail_times
+
+    async def __call__(self, events: list[ConsumedEvent]) -> None:
+        self.calls.append(events)
+        if len(self.calls) <= self.fail_times:
+            raise RuntimeError("simulated database failure")
+
+    def delivered(self) -> list[ConsumedEvent]:
+        return [event for batch in self.calls[self.fail_times:] for event in batch]
+
+
+@contextlib.asynccontextmanager
+async def running(consumer: BatchConsumer, stop_timeout_s: float = 30.0) -> AsyncIterator[BatchConsumer]:
+    await consumer.start()
+    task = asyncio.create_task(consumer.run())
+    try:
+        yield consumer
+    finally:
+        await consumer.stop(timeout_s=stop_timeout_s)
+        await task
+
+
+def consumer_for(settings: KafkaSettings, topic: str, handler, group: str, **options) -> BatchConsumer:
+    return BatchConsumer(
+        settings, [topic], handler, group_id=group, heartbeat_interval_ms=300, session_timeout_ms=6000, **options
+    )
+
+
+async def committed(settings: KafkaSettings, group: str, topic: str) -> dict[int, int | None]:
+    probe = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=group, enable_auto_commit=False)
+    await probe.start()
+    try:
+        return {p: await probe.committed(TopicPartition(topic, p)) for p in range(PARTITIONS)}
+    finally:
+        await probe.stop()
+
+
+def document_events(count: int, tenant: str = "acme") -> list:
+    return [make_event(DocumentUpdated(doc_id=f"doc-{i}", version=i), tenant_id=tenant) for i in range(count)]
+
+
+async def test_ensure_topics_is_idempotent(settings: KafkaSettings, unique_name: str) -> None:
+    assert await ensure_topics(settings, [unique_name, DEAD_LETTER]) == []
+    fresh = f"{unique_name}-fresh"
+    assert await ensure_topics(settings, [fresh]) == [fresh]
+
+
+async def test_round_trip_and_commit(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
+    events = document_events(20)
+    for event in events:
+        await producer.send(event, topic=unique_name)
+    recorder = Recorder()
+    async with running(consumer_for(settings, unique_name, recorder, unique_name)):
+        await eventually(lambda: len(recorder.delivered()) == len(events), what="all events")
+    delivered = recorder.delivered()
+    assert sorted(e.envelope.event_id for e in delivered) == sorted(e.event_id for e in events)
+    by_id = {e.event_id: e for e in events}
+    for item in delivered:
+        assert item.envelope == by_id[item.envelope.event_id]
+        assert item.topic == unique_name
+        assert item.key == f"acme:{item.envelope.payload.doc_id}"
+    # One key, one partition: per-document order is the production order.
+    per_partition: dict[int, list[int]] = {}
+    for item in delivered:
+        per_partition.setdefault(item.partition, []).append(item.offset)
+    assert all(offsets == sorted(offsets) for offsets in per_partition.values())
+    ends = {p: max(offsets) + 1 for p, offsets in per_partition.items()}
+    commits = await committed(settings, unique_name, unique_name)
+    assert {p: commits[p] for p in ends} == ends
+
+
+async def test_send_many_routes_by_type(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
+    await ensure_topics(settings, [DOCUMENTS])
+    events = document_events(5, tenant=unique_name)
+    metadata = await producer.send_many(events)
+    assert {m.topic for m in metadata} == {DOCUMENTS}
+    recorder = Recorder()
+    async with running(consumer_for(settings, DOCUMENTS, recorder, unique_name)):
+        wanted = {e.event_id for e in events}
+        await eventually(lambda: wanted <= {e.envelope.event_id for e in recorder.delivered()}, what="routed events")
+
+
+async def test_invalid_record_is_dead_lettered_and_consumption_continues(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    counter_labels = {"topic": unique_name}
+    before = REGISTRY.get_sample_value("kvledger_dead_letter_total", counter_labels) or 0.0
+    good = document_events(2)
+    bad_key, bad_value = encode_key("acme:doc-0"), b'{"type": "DocumentUpdated", "oops": '
+    # Same key as the good events, so all three share a partition and the bad one sits between them.
+    await producer.send(good[0], topic=unique_name, key="acme:doc-0")
+    await producer.send_raw(unique_name, bad_value, bad_key)
+    await producer.send(good[1], topic=unique_name, key="acme:doc-0")
+
+    letters: list[DeadLetter] = []
+    dlq = AIOKafkaConsumer(DEAD_LETTER, bootstrap_servers=settings.bootstrap, auto_offset_reset="earliest")
+    await dlq.start()
+    try:
+        recorder = Recorder()
+        async with running(consumer_for(settings, unique_name, recorder, unique_name)):
+            await eventually(lambda: len(recorder.delivered()) == 2, what="both valid events")
+            deadline = time.monotonic() + 30
+            while not letters and time.monotonic() < deadline:
+                for records in (await dlq.getmany(timeout_ms=500)).values():
+                    for record in records:
+                        letter = DeadLetter.model_validate_json(record.value)
+                        if letter.topic == unique_name:
+                            assert record.key == bad_key  # dead letters keep the original key
+                            letters.append(letter)
+    finally:
+        await dlq.stop()
+
+    assert [e.envelope.event_id for e in recorder.delivered()] == [good[0].event_id, good[1].event_id]
+    assert len(letters) == 1
+    letter = letters[0]
+    assert letter.raw_value() == bad_value and letter.raw_key() == bad_key
+    assert letter.offset == recorder.delivered()[0].offset + 1
+    assert letter.partition == recorder.delivered()[0].partition
+    assert letter.group_id == unique_name
+    assert "Invalid JSON" in letter.error
+    assert REGISTRY.get_sample_value("kvledger_dead_letter_total", counter_labels) == before + 1
+    commits = await committed(settings, unique_name, unique_name)
+    assert commits[letter.partition] == letter.offset + 2  # the bad record is past, not blocking
+
+
+async def test_handler_failure_redelivers_instead_of_losing(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    failures_before = REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": unique_name}) or 0
+    event = document_events(1)[0]
+    await producer.send(event, topic=unique_name)
+    recorder = Recorder(fail_times=1)
+    consumer = consumer_for(settings, unique_name, recorder, unique_name, initial_backoff_s=0.2)
+    async with running(consumer):
+        await eventually(lambda: len(recorder.calls) >= 2, what="redelivery after the failure")
+    first, second = recorder.calls[0], recorder.calls[1]
+    assert [e.envelope.event_id for e in first] == [event.event_id]
+    assert [(e.partition, e.offset, e.envelope) for e in second] == [(e.partition, e.offset, e.envelope) for e in first]
+    assert REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": unique_name}) == failures_before + 1
+    commits = await committed(settings, unique_name, unique_name)
+    assert commits[first[0].partition] == first[0].offset + 1
+
+
+async def test_offset_is_not_committed_while_the_handler_runs(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    event = document_events(1)[0]
+    await producer.send(event, topic=unique_name)
+    entered, release = asyncio.Event(), asyncio.Event()
+    seen: list[ConsumedEvent] = []
+
+    async def slow_handler(events: list[ConsumedEvent]) -> None:
+        seen.extend(events)
+        entered.set()
+        await release.wait()  # a database transaction that never gets to commit
+
+    # Leaving cancels the stuck handler after the stop timeout; nothing was committed for it.
+    async with running(consumer_for(settings, unique_name, slow_handler, unique_name), stop_timeout_s=0.5):
+        await asyncio.wait_for(entered.wait(), 30)
+        assert set((await committed(settings, unique_name, unique_name)).values()) == {None}
+    assert set((await committed(settings, unique_name, unique_name)).values()) == {None}
+
+    # The next member of the group gets the same record again.
+    recorder = Recorder()
+    async with running(consumer_for(settings, unique_name, recorder, unique_name)):
+        await eventually(lambda: len(recorder.delivered()) == 1, what="redelivery to the next member")
+    assert recorder.delivered()[0].envelope == seen[0].envelope
+    assert recorder.delivered()[0].offset == seen[0].offset
+
+
+async def test_two_consumers_split_partitions_without_duplicates(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    first, second = Recorder(), Recorder()
+    phase_one, phase_two = document_events(100), document_events(100)
+    async with running(consumer_for(settings, unique_name, first, unique_name)) as a:
+        assert len(await a.wait_for_assignment()) == PARTITIONS
+        for event in phase_one:
+            await producer.send(event, topic=unique_name)
+        await eventually(lambda: len(first.delivered()) == 100, what="phase one on the single member")
+
+        async with running(consumer_for(settings, unique_name, second, unique_name)) as b:
+            await eventually(
+                lambda: a.assignment() and b.assignment() and len(a.assignment() | b.assignment()) == PARTITIONS,
+                what="rebalance to two members",
+            )
+            assert not a.assignment() & b.assignment()
+            for event in phase_two:
+                await producer.send(event, topic=unique_name)
+            await eventually(
+                lambda: len(first.delivered()) + len(second.delivered()) == 200, what="phase two across both members"
+            )
+            assignment_a, assignment_b = a.assignment(), b.assignment()
+
+    ids = [e.envelope.event_id for e in first.delivered() + second.delivered()]
+    assert len(ids) == len(set(ids)) == 200  # nothing lost, nothing delivered twice
+    assert set(ids) == {e.event_id for e in phase_one + phase_two}
+    phase_two_ids = {e.event_id for e in phase_two}
+    for recorder, assignment in ((first, assignment_a), (second, assignment_b)):
+        received = [e for e in recorder.delivered() if e.envelope.event_id in phase_two_ids]
+        assert received, "both members received part of phase two"
+        assert {TopicPartition(e.topic, e.partition) for e in received} <= assignment
+
+
+async def test_settings_validation() -> None:
+    with pytest.raises(ValueError):
+        KafkaSettings(bootstrap="")
+    with pytest.raises(ValueError):
+        KafkaSettings(bootstrap="x:1", num_partitions=0)
+    settings = KafkaSettings(bootstrap="x:1")
+    with pytest.raises(ValueError, match="group_id"):
+        BatchConsumer(settings, ["t"], Recorder())
+    with pytest.raises(ValueError, match="dead-letter"):
+        BatchConsumer(settings, [DEAD_LETTER], Recorder(), group_id="g")

@@ -1,0 +1,362 @@
+"""The event contract: exact round trips for every type, and every malformed input rejected the same way."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+
+from events import topics
+from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
+from events.schema import (
+    EVENT_TYPES,
+    BlockMoved,
+    BlockProvenance,
+    BlockRemoved,
+    BlockStored,
+    CommandAck,
+    DocumentDeleted,
+    DocumentPredicate,
+    DocumentUpdated,
+    Envelope,
+    ErasureRequested,
+    EventValidationError,
+    Inventory,
+    InventoryRequested,
+    Invalidate,
+    NamespacePredicate,
+    NodeHeartbeat,
+    NodeStarted,
+    PermissionRevoked,
+    Placement,
+    PolicyPredicate,
+    SnapshotDeleted,
+    SnapshotWritten,
+    SubjectPredicate,
+    TenantPredicate,
+    TierEvidence,
+    make_event,
+    parse_event,
+    subject_digest,
+)
+
+KEY = b"k" * 32
+H1, H2, H3 = "11" * 32, "22" * 32, "33" * 32
+SUBJECT = subject_digest(KEY, "acme", "alice")
+CREATED = datetime(2026, 11, 29, 12, 0, 0, 123456, tzinfo=UTC)
+
+
+def provenance(block_hash: str = H1, **overrides) -> dict:
+    fields = {
+        "block_hash": block_hash,
+        "parent_hash": None,
+        "namespace": "ns-1",
+        "tenant_id": "acme",
+        "scope": "tenant",
+        "auth_scopes": [("handbook", 3)],
+        "subject_id": None,
+        "documents": ["doc-1@7"],
+        "token_offset": 0,
+        "created_at": CREATED,
+    }
+    fields.update(overrides)
+    return fields
+
+
+NODE = {"node_id": "node-a", "epoch": 2, "seq": 41}
+
+EVENTS: list[tuple[object, str | None]] = [
+    (DocumentUpdated(doc_id="doc-1", version=8), "acme"),
+    (DocumentDeleted(doc_id="doc-1"), "acme"),
+    (PermissionRevoked(auth_scope="handbook", policy_version=4), "acme"),
+    (PermissionRevoked(auth_scope="handbook", policy_version=4, subject_id="alice"), "acme"),
+    (ErasureRequested(subject_id="alice", reason="GDPR art. 17"), "acme"),
+    (ErasureRequested(erasure_id=uuid.uuid4(), subject_id="alice", reason="request"), "acme"),
+    (NodeStarted(**NODE, namespace="ns-1"), None),
+    (
+        BlockStored(
+            **NODE,
+            blocks=[
+                {**provenance(H1, scope="public", tenant_id=None, auth_scopes=[], documents=[]), "tier": "device"},
+                {**provenance(H2, parent_hash=H1), "tier": "device"},
+                {**provenance(H3, parent_hash=H2, scope="user", subject_id=SUBJECT, token_offset=32), "tier": "host"},
+            ],
+        ),
+        None,
+    ),
+    (BlockRemoved(**NODE, blocks=[{"block_hash": H1, "tier": "disk"}], reason="expired"), None),
+    (BlockMoved(**NODE, blocks=[{"block_hash": H1, "from_tier": "device", "to_tier": "host"}]), None),
+    (SnapshotWritten(**NODE, snapshot_id="snap-1", block_hashes=[H1, H2]), None),
+    (SnapshotDeleted(**NODE, snapshot_id="snap-1"), None),
+    (
+        Inventory(
+            **NODE,
+            request_id=uuid.uuid4(),
+            placements=[
+                {"block_hash": H1, "tier": "disk"},
+                {"block_hash": H1, "tier": "snapshot", "snapshot_id": "snap-1"},
+            ],
+            blocks=[provenance(H1)],
+        ),
+        None,
+    ),
+    (NodeHeartbeat(node_id="node-a", epoch=2), None),
+    (NodeHeartbeat(node_id="node-a", epoch=2, seq=40), None),
+    (InventoryRequested(node_id="node-a", request_id=uuid.uuid4()), None),
+    (
+        CommandAck(
+            command_id=uuid.uuid4(),
+            node_id="node-a",
+            epoch=2,
+            evidence=[
+                {"tier": "device", "removed": 1, "block_hashes": [H1], "method": "overwrite",
+                 "post_check": "readback_zero", "verified": True},
+                {"tier": "disk", "removed": 1, "block_hashes": [H2], "method": "crypto_erase",
+                 "post_check": "key_destroyed", "verified": True, "key_ids": ["dk-7"]},
+            ],
+        ),
+        None,
+    ),
+]
+PREDICATES = [
+    DocumentPredicate(tenant="acme", doc_id="doc-1", below_version=8),
+    PolicyPredicate(tenant="acme", auth_scope="handbook", below_version=4),
+    SubjectPredicate(tenant="acme", subject_id=SUBJECT),
+    NamespacePredicate(ns="ns-1"),
+    TenantPredicate(tenant="acme"),
+]
+EVENTS += [(Invalidate(command_id=uuid.uuid4(), predicate=p, cutoff=CREATED), None) for p in PREDICATES]
+
+
+def test_every_registered_type_is_exercised() -> None:
+    assert {type(payload).TYPE for payload, _ in EVENTS} == set(EVENT_TYPES)
+    assert set(topics.TOPIC_BY_TYPE) == set(EVENT_TYPES)
+
+
+@pytest.mark.parametrize(("payload", "tenant"), EVENTS, ids=lambda v: type(v).__name__)
+def test_round_trip_is_exact(payload, tenant) -> None:
+    envelope = make_event(payload, tenant_id=tenant)
+    data = encode_event(envelope)
+    decoded = parse_event(data)
+    assert decoded == envelope
+    assert type(decoded.payload) is type(payload)
+    assert encode_event(decoded) == data  # byte-identical re-encoding
+    assert b" " not in data.replace(b"GDPR art. 17", b"")  # compact JSON
+    raw = json.loads(data)
+    assert set(raw) == {"event_id", "type", "schema_version", "occurred_at", "tenant_id", "payload"}
+    assert raw["schema_version"] == 1 and raw["type"] == type(payload).TYPE
+    assert datetime.fromisoformat(raw["occurred_at"]).tzinfo is not None
+
+
+def test_envelope_from_dict_and_typed_payload() -> None:
+    envelope = make_event(DocumentUpdated(doc_id="d", version=1), tenant_id="acme")
+    again = Envelope.model_validate(json.loads(encode_event(envelope)))
+    assert again == envelope
+    assert isinstance(again.payload, DocumentUpdated) and again.payload.version == 1
+
+
+def test_occurred_at_keeps_offsets() -> None:
+    envelope = make_event(DocumentDeleted(doc_id="d"), tenant_id="acme")
+    raw = json.loads(encode_event(envelope))
+    raw["occurred_at"] = "2026-11-29T14:00:00+02:00"
+    parsed = parse_event(json.dumps(raw))
+    assert parsed.occurred_at == datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    assert parsed.occurred_at.utcoffset() == timedelta(hours=2)
+    assert parsed.occurred_at.tzinfo == timezone(timedelta(hours=2))
+
+
+def test_block_created_at_accepts_unix_seconds() -> None:
+    # The node's pure provenance type keeps time.time(); the contract stores it as RFC 3339.
+    block = BlockProvenance(**provenance(created_at=CREATED.timestamp()))
+    assert block.created_at == CREATED
+
+
+def _valid() -> dict:
+    event = make_event(
+        BlockStored(**NODE, blocks=[{**provenance(), "tier": "device"}]),
+    )
+    return json.loads(encode_event(event))
+
+
+def _with(path: str, value, base: dict | None = None) -> bytes:
+    """Copy of a valid record with ``path`` (dot-separated) set to ``value``, or removed if value is ``...``."""
+    raw = base or _valid()
+    *parents, last = path.split(".")
+    node = raw
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return json.dumps(raw).encode()
+
+
+MALFORMED = {
+    "not json": (b"{not json", "Invalid JSON"),
+    "empty": (b"", "Invalid JSON"),
+    "not utf-8": (b"\xff\xfe\x00", "Invalid JSON"),
+    "array": (b"[1, 2]", "object"),
+    "unknown type": (_with("type", "BlockExploded"), "unknown event type"),
+    "type not a string": (_with("type", 7), "type"),
+    "schema_version 2": (_with("schema_version", 2), "schema_version"),
+    "schema_version string": (_with("schema_version", "1"), "schema_version"),
+    "missing event_id": (_with("event_id", ...), "event_id: Field required"),
+    "bad event_id": (_with("event_id", "not-a-uuid"), "event_id"),
+    "missing payload": (_with("payload", ...), "payload: Field required"),
+    "payload not object": (_with("payload", [1]), "payload"),
+    "naive occurred_at": (_with("occurred_at", "2026-11-29T12:00:00"), "timezone"),
+    "numeric occurred_at": (_with("occurred_at", 1764417600), "RFC 3339"),
+    "garbage occurred_at": (_with("occurred_at", "yesterday"), "occurred_at"),
+    "extra envelope field": (_with("extra", 1), "extra"),
+    "missing node_id": (_with("payload.node_id", ...), "payload.node_id: Field required"),
+    "seq as string": (_with("payload.seq", "41"), "payload.seq"),
+    "negative epoch": (_with("payload.epoch", -1), "payload.epoch"),
+    "seq as bool": (_with("payload.seq", True), "payload.seq"),
+    "extra payload field": (_with("payload.colour", "red"), "payload.colour"),
+    "empty block batch": (_with("payload.blocks", []), "payload.blocks"),
+    "bad block hash": (_with("payload.blocks.0.block_hash", "XYZ"), "payload.blocks.0.block_hash"),
+    "upper-case block hash": (_with("payload.blocks.0.block_hash", "AB" * 32), "payload.blocks.0.block_hash"),
+    "short block hash": (_with("payload.blocks.0.block_hash", "ab" * 4), "payload.blocks.0.block_hash"),
+    "unknown tier": (_with("payload.blocks.0.tier", "tape"), "payload.blocks.0.tier"),
+    "unknown scope": (_with("payload.blocks.0.scope", "world"), "payload.blocks.0.scope"),
+    "raw subject id": (_with("payload.blocks.0.subject_id", "alice"), "payload.blocks.0.subject_id"),
+    "user block without subject": (_with("payload.blocks.0.scope", "user"), "needs subject_id"),
+    "tenant block without tenant": (_with("payload.blocks.0.tenant_id", None), "needs tenant_id"),
+    "public block with tenant": (_with("payload.blocks.0.scope", "public"), "public block"),
+    "bad document tag": (_with("payload.blocks.0.documents", ["doc-1"]), "payload.blocks.0.documents.0"),
+    "bad auth scope pair": (_with("payload.blocks.0.auth_scopes", [["handbook"]]), "payload.blocks.0.auth_scopes"),
+}
+
+
+@pytest.mark.parametrize(("data", "needle"), MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_is_rejected_with_a_readable_error(data: bytes, needle: str) -> None:
+    with pytest.raises(EventValidationError) as caught:
+        parse_event(data)
+    message = str(caught.value)
+    assert needle in message
+    assert "\n" not in message
+    assert isinstance(caught.value, ValueError)
+
+
+def test_errors_do_not_echo_input_values() -> None:
+    with pytest.raises(EventValidationError) as caught:
+        parse_event(_with("payload.blocks.0.subject_id", "alice@example.com"))
+    assert "alice" not in str(caught.value)
+
+
+def _document_event(**payload) -> dict:
+    return json.loads(encode_event(make_event(DocumentUpdated(doc_id="d", version=1), tenant_id="acme"))) | payload
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"tenant_id": None}, "must carry tenant_id"),
+        ({"tenant_id": ""}, "tenant_id"),
+        ({"payload": {"doc_id": "d"}}, "payload.version: Field required"),
+        ({"payload": {"doc_id": "", "version": 1}}, "payload.doc_id"),
+        ({"payload": {"doc_id": "d", "version": 1.5}}, "payload.version"),
+        ({"type": "DocumentDeleted"}, "payload.version"),  # DocumentDeleted has no version field
+    ],
+)
+def test_document_event_cases(change: dict, needle: str) -> None:
+    with pytest.raises(EventValidationError, match=needle):
+        parse_event(json.dumps(_document_event(**change)))
+
+
+def _command(predicate: dict) -> bytes:
+    raw = json.loads(encode_event(make_event(Invalidate(command_id=uuid.uuid4(), predicate=PREDICATES[0], cutoff=CREATED))))
+    raw["payload"]["predicate"] = predicate
+    return json.dumps(raw).encode()
+
+
+@pytest.mark.parametrize(
+    ("predicate", "needle"),
+    [
+        ({"kind": "galaxy"}, "does not match any of the expected tags"),
+        ({"tenant": "acme"}, "kind"),
+        ({"kind": "document", "tenant": "acme", "doc_id": "d"}, "below_version"),
+        ({"kind": "subject", "tenant": "acme", "subject_id": "alice"}, "subject.subject_id"),
+        ({"kind": "namespace", "ns": "n", "tenant": "acme"}, "namespace.tenant"),
+    ],
+)
+def test_bad_predicates(predicate: dict, needle: str) -> None:
+    with pytest.raises(EventValidationError, match=needle):
+        parse_event(_command(predicate))
+
+
+def test_model_invariants_reject_bad_caller_input() -> None:
+    with pytest.raises(ValueError, match="from_tier and to_tier"):
+        BlockMoved(**NODE, blocks=[{"block_hash": H1, "from_tier": "host", "to_tier": "host"}])
+    with pytest.raises(ValueError, match="snapshot_id"):
+        Placement(block_hash=H1, tier="snapshot")
+    with pytest.raises(ValueError, match="snapshot_id"):
+        Placement(block_hash=H1, tier="disk", snapshot_id="s")
+    with pytest.raises(ValueError, match="without provenance"):
+        Inventory(**NODE, placements=[{"block_hash": H2, "tier": "disk"}], blocks=[provenance(H1)])
+    with pytest.raises(ValueError, match="chunk"):
+        Inventory(**NODE, placements=[], blocks=[], chunk=2, chunks=2)
+    with pytest.raises(ValueError, match="removed=2"):
+        TierEvidence(tier="host", removed=2, block_hashes=[H1], method="overwrite", post_check="readback_zero", verified=True)
+    with pytest.raises(ValueError, match="tenant_id"):
+        make_event(DocumentDeleted(doc_id="d"))
+    with pytest.raises(ValueError, match="naive|timezone"):
+        Invalidate(command_id=uuid.uuid4(), predicate=PREDICATES[0], cutoff=datetime(2026, 1, 1))
+
+
+def test_subject_digest_is_keyed_and_tenant_scoped() -> None:
+    assert subject_digest(KEY, "acme", "alice") == subject_digest(KEY, "acme", "alice")
+    assert subject_digest(KEY, "acme", "alice") != subject_digest(KEY, "other", "alice")
+    assert subject_digest(KEY, "acme", "alice") != subject_digest(b"x" * 32, "acme", "alice")
+    assert len(SUBJECT) == 64 and "alice" not in SUBJECT
+    with pytest.raises(ValueError):
+        subject_digest(b"short", "acme", "alice")
+    with pytest.raises(ValueError):
+        subject_digest(KEY, "", "alice")
+
+
+def test_routing_and_keys() -> None:
+    cases = [
+        (DocumentUpdated(doc_id="d", version=1), (topics.DOCUMENTS, "acme:d")),
+        (PermissionRevoked(auth_scope="hb", policy_version=2), (topics.PERMISSIONS, "acme:hb")),
+        (ErasureRequested(subject_id="alice", reason="r"), (topics.ERASURES, "acme:alice")),
+        (NodeStarted(**NODE, namespace="n"), (topics.KV_EVENTS, "node-a")),
+        (NodeHeartbeat(node_id="node-a", epoch=1), (topics.KV_EVENTS, "node-a")),
+        (Invalidate(command_id=uuid.uuid4(), predicate=PREDICATES[4], cutoff=CREATED), (topics.COMMANDS, "*")),
+        (InventoryRequested(node_id="node-b", request_id=uuid.uuid4()), (topics.COMMANDS, "node-b")),
+        (CommandAck(command_id=uuid.uuid4(), node_id="node-c", epoch=1, evidence=[]), (topics.ACKS, "node-c")),
+    ]
+    for payload, expected in cases:
+        tenant = "acme" if payload.TENANT_REQUIRED else None
+        assert topics.route(make_event(payload, tenant_id=tenant)) == expected
+    assert topics.document_key("t", "d") == "t:d"
+    assert topics.permission_key("t", "s") == "t:s"
+    assert topics.erasure_key("t", "u") == "t:u"
+    assert topics.node_key("n") == "n" and topics.command_key("n") == "n"
+    with pytest.raises(ValueError):
+        topics.document_key("", "d")
+    assert len(set(topics.ALL_TOPICS)) == 7 and all(t.startswith("kvledger.") for t in topics.ALL_TOPICS)
+
+
+def test_codec_keys_and_tombstones() -> None:
+    assert decode_key(encode_key("acme:d")) == "acme:d"
+    assert decode_key(None) is None
+    with pytest.raises(EventValidationError, match="UTF-8"):
+        decode_key(b"\xff")
+    with pytest.raises(EventValidationError, match="no value"):
+        decode_event(None)
+
+
+def test_dead_letter_keeps_raw_bytes() -> None:
+    letter = DeadLetter.of(
+        topic=topics.DOCUMENTS, partition=3, offset=17, timestamp_ms=1, key=b"\xffk", value=b"\x00{bad",
+        error="Invalid JSON", group_id="g",
+    )
+    decoded = DeadLetter.model_validate_json(letter.encode())
+    assert decoded == letter
+    assert decoded.raw_value() == b"\x00{bad" and decoded.raw_key() == b"\xffk"
+    assert decoded.value_b64 == base64.b64encode(b"\x00{bad").decode()
