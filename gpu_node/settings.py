@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -43,3 +43,15 @@ class NodeSettings(BaseSettings):
     warm_from: Path | None = None
     auth: AuthSettings = AuthSettings()
     cache: CacheSettings = CacheSettings()
+    # The ledger hooks are optional: without a broker the node runs standalone.
+    # The stack-wide variables are honoured because one operator sets them once
+    # for every process (see coordinator/settings.py).
+    kafka_bootstrap: str | None = Field(
+        None, validation_alias=AliasChoices("kafka_bootstrap", "KVLEDGER_NODE_KAFKA_BOOTSTRAP", "KVLEDGER_KAFKA_BOOTSTRAP")
+    )
+    subject_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("subject_key", "KVLEDGER_NODE_SUBJECT_KEY", "KVLEDGER_SUBJECT_KEY")
+    )
+    kafka_partitions: int = Field(4, ge=1)
+    publish_interval_s: float = Field(0.05, gt=0)
+    heartbeat_interval_s: float = Field(5.0, gt=0)
