@@ -1,0 +1,319 @@
+"""Coordinator HTTP API: ledger queries, node liveness, metrics, health (DESIGN §6).
+
+Errors always have the shape ``{"error": {"message", "type", "code"}}``. Ledger
+endpoints need a bearer JWT with role ``admin``, ``privacy-officer`` or
+``auditor``; ``/healthz``, ``/readyz`` and ``/metrics`` are open.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import and_, exists, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from coordinator import metrics
+from coordinator.auth import LEDGER_READERS, ForbiddenError, authorize
+from coordinator.db import Database, request_session
+from coordinator.migrate import current_revision, head_revision
+from coordinator.models import (
+    TIERS,
+    Block,
+    BlockAuthScope,
+    BlockDocument,
+    DeadLetterCount,
+    Node,
+    OutboxEntry,
+    Placement,
+)
+from coordinator.settings import CoordinatorSettings
+from events.schema import subject_digest
+from gpu_node.auth import AuthError, TokenVerifier
+from gpu_node.kv_cache_utils import Principal
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("coordinator.access")
+
+MAX_PAGE_SIZE = 1000
+
+
+class ApiError(Exception):
+    """An error answered with the JSON error shape."""
+
+    def __init__(self, status_code: int, error_type: str, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.error_type = error_type
+        self.code = code
+        self.message = message
+
+
+def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status_code,
+        content={"error": {"message": message, "type": error_type, "code": code}},
+        headers={"WWW-Authenticate": "Bearer"} if status_code == 401 else None,
+    )
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _ledger_reader(request: Request) -> Principal:
+    return authorize(request.app.state.verifier, request.headers.get("authorization"), LEDGER_READERS)
+
+
+Reader = Annotated[Principal, Depends(_ledger_reader)]
+Session = Annotated[AsyncSession, Depends(request_session)]
+
+
+def create_app(settings: CoordinatorSettings) -> FastAPI:
+    """The coordinator app. Owns its :class:`Database`: created at startup, disposed at shutdown."""
+    verifier = TokenVerifier(settings.auth)
+    subject_key = settings.ledger.subject_key
+    heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        database = Database(settings.database)
+        app.state.database = database
+        try:
+            yield
+        finally:
+            await database.dispose()
+
+    app = FastAPI(title="kvledger coordinator", version="1", lifespan=lifespan)
+    app.state.verifier = verifier
+
+    @app.middleware("http")
+    async def _access_log(request: Request, call_next) -> Response:
+        # Replaces uvicorn's access log, which prints the query string: ?subject= is a raw subject id.
+        started = time.perf_counter()
+        response = await call_next(request)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        access_log.info("%s %s %d %.1fms", request.method, request.url.path, response.status_code, elapsed_ms)
+        return response
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status_code, exc.error_type, exc.code, exc.message)
+
+    @app.exception_handler(AuthError)
+    async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:
+        return _error(401, "authentication_error", exc.code, exc.message)
+
+    @app.exception_handler(ForbiddenError)
+    async def _forbidden(_: Request, exc: ForbiddenError) -> JSONResponse:
+        return _error(403, "permission_error", exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # Name the parameter and the problem, never echo the input (it may be a subject id).
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
+        )
+        return _error(400, "invalid_request_error", "invalid_parameter", problems)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        database: Database = request.app.state.database
+        try:
+            async with database.engine.connect() as connection:
+                revision = await current_revision(connection)
+        except Exception as exc:  # noqa: BLE001 - any failure to reach the ledger means "not ready"
+            log.warning("readiness: database unreachable (%s)", type(exc).__name__)
+            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": "database unreachable"})
+        head = head_revision()
+        if revision != head:
+            reason = f"database schema at {revision or 'no revision'}, migrations head is {head}"
+            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": reason})
+        return JSONResponse(content={"status": "ready", "revision": revision})
+
+    @app.get("/metrics")
+    async def metrics_endpoint(session: Session) -> Response:
+        try:
+            await _refresh_ledger_gauges(session, heartbeat_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - process metrics are still worth serving without the ledger
+            log.warning("metrics: ledger gauges not refreshed (%s)", type(exc).__name__)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/ledger/blocks")
+    async def ledger_blocks(
+        _: Reader,
+        session: Session,
+        tenant: str | None = None,
+        doc_id: str | None = None,
+        subject: str | None = None,
+        node: str | None = None,
+        tier: Literal["device", "host", "disk", "snapshot"] | None = None,
+        include_deleted: bool = False,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
+        after: Annotated[str | None, Query(pattern=r"^(?:[0-9a-f]{2}){1,64}$")] = None,
+    ) -> dict[str, Any]:
+        """Blocks matching every given filter, with provenance and placements, ordered by hash.
+
+        By default only blocks with a live copy (on ``node``/``tier`` when given) are listed,
+        with their live placements; ``include_deleted=true`` lists every block ever
+        recorded and every placement with its state. Page with ``after=<next_cursor>``.
+        """
+        query = select(Block).order_by(Block.block_hash).limit(limit)
+        if tenant is not None:
+            query = query.where(Block.tenant_id == tenant)
+        if doc_id is not None:
+            query = query.where(
+                exists().where(BlockDocument.block_hash == Block.block_hash, BlockDocument.doc_id == doc_id)
+            )
+        if subject is not None:
+            query = query.where(Block.subject_hash == _subject_hash(subject_key, tenant, subject))
+        placement_filter = [Placement.block_hash == Block.block_hash]
+        if node is not None:
+            placement_filter.append(Placement.node_id == node)
+        if tier is not None:
+            placement_filter.append(Placement.tier == tier)
+        if not include_deleted:
+            placement_filter.append(Placement.state == "live")
+        if len(placement_filter) > 1:
+            query = query.where(exists().where(and_(*placement_filter)))
+        if after is not None:
+            query = query.where(Block.block_hash > bytes.fromhex(after))
+        blocks = (await session.scalars(query)).all()
+        return {
+            "blocks": await _describe_blocks(session, blocks, include_deleted),
+            "next_cursor": blocks[-1].block_hash.hex() if len(blocks) == limit else None,
+        }
+
+    @app.get("/v1/nodes")
+    async def nodes(_: Reader, session: Session) -> dict[str, Any]:
+        """Known nodes, liveness from the age of their last heartbeat or event, live copies per tier."""
+        last_seen = func.greatest(Node.last_heartbeat, Node.last_event_at)
+        rows = (
+            await session.execute(
+                select(Node, func.extract("epoch", func.now() - last_seen).label("age_s")).order_by(Node.node_id)
+            )
+        ).all()
+        counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
+        for node_id, tier, count in await session.execute(
+            select(Placement.node_id, Placement.tier, func.count())
+            .where(Placement.state == "live")
+            .group_by(Placement.node_id, Placement.tier)
+        ):
+            counts[node_id][tier] = count
+        return {
+            "nodes": [
+                {
+                    "node_id": node.node_id,
+                    "epoch": node.epoch,
+                    "last_seq": node.last_seq,
+                    "status": node.status,
+                    "namespace": node.namespace,
+                    "started_at": _iso(node.started_at),
+                    "last_heartbeat": _iso(node.last_heartbeat),
+                    "last_event_at": _iso(node.last_event_at),
+                    "last_seen_age_s": float(age_s),
+                    "alive": float(age_s) < heartbeat_timeout_s,
+                    "num_live_placements": {t: counts[node.node_id].get(t, 0) for t in TIERS},
+                }
+                for node, age_s in rows
+            ]
+        }
+
+    return app
+
+
+def _subject_hash(subject_key: Any, tenant: str | None, subject: str) -> bytes:
+    """The keyed digest nodes record for ``subject`` (raw subjects never reach the ledger)."""
+    if tenant is None:
+        raise ApiError(400, "invalid_request_error", "tenant_required", "the subject filter needs tenant= as well")
+    if subject_key is None:
+        raise ApiError(
+            503,
+            "server_error",
+            "subject_key_not_configured",
+            "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)",
+        )
+    if not subject:
+        raise ApiError(400, "invalid_request_error", "invalid_parameter", "subject must be non-empty")
+    return bytes.fromhex(subject_digest(subject_key.get_secret_value().encode(), tenant, subject))
+
+
+async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_deleted: bool) -> list[dict[str, Any]]:
+    hashes = [block.block_hash for block in blocks]
+    if not hashes:
+        return []
+    auth_scopes: dict[bytes, list[dict]] = collections.defaultdict(list)
+    for row in await session.scalars(
+        select(BlockAuthScope).where(BlockAuthScope.block_hash.in_(hashes)).order_by(BlockAuthScope.auth_scope)
+    ):
+        auth_scopes[row.block_hash].append({"auth_scope": row.auth_scope, "policy_version": row.policy_version})
+    documents: dict[bytes, list[dict]] = collections.defaultdict(list)
+    for row in await session.scalars(
+        select(BlockDocument)
+        .where(BlockDocument.block_hash.in_(hashes))
+        .order_by(BlockDocument.doc_id, BlockDocument.version)
+    ):
+        documents[row.block_hash].append({"doc_id": row.doc_id, "version": row.version})
+    placements: dict[bytes, list[dict]] = collections.defaultdict(list)
+    placement_query = select(Placement).where(Placement.block_hash.in_(hashes))
+    if not include_deleted:
+        placement_query = placement_query.where(Placement.state == "live")
+    for row in await session.scalars(
+        placement_query.order_by(Placement.node_id, Placement.tier, Placement.snapshot_id)
+    ):
+        placements[row.block_hash].append(
+            {
+                "node_id": row.node_id,
+                "tier": row.tier,
+                "snapshot_id": row.snapshot_id,
+                "state": row.state,
+                "epoch": row.epoch,
+                "reason": row.reason,
+                "updated_at": _iso(row.updated_at),
+            }
+        )
+    return [
+        {
+            "block_hash": block.block_hash.hex(),
+            "parent_hash": block.parent_hash.hex() if block.parent_hash is not None else None,
+            "namespace": block.namespace,
+            "tenant_id": block.tenant_id,
+            "scope": block.scope,
+            "subject_hash": block.subject_hash.hex() if block.subject_hash is not None else None,
+            "token_offset": block.token_offset,
+            "created_at": _iso(block.created_at),
+            "auth_scopes": auth_scopes[block.block_hash],
+            "documents": documents[block.block_hash],
+            "placements": placements[block.block_hash],
+        }
+        for block in blocks
+    ]
+
+
+async def _refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: float) -> None:
+    for topic, count in await session.execute(select(DeadLetterCount.topic, DeadLetterCount.num_records)):
+        metrics.DEAD_LETTER_RECORDS.labels(topic=topic).set(count)
+    metrics.OUTBOX_PENDING.set(
+        await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None)))
+    )
+    alive = (
+        func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s
+    )
+    num_alive, num_total = (
+        await session.execute(select(func.count().filter(alive), func.count()).select_from(Node))
+    ).one()
+    metrics.NODES.labels(liveness="alive").set(num_alive)
+    metrics.NODES.labels(liveness="stale").set(num_total - num_alive)

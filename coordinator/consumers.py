@@ -1,0 +1,82 @@
+"""The coordinator's background work: the kv-events consumer, the outbox relay and the dead-letter tally."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from coordinator.db import Database
+from coordinator.ingest import DeadLetterTally, LedgerIngest
+from coordinator.outbox import OutboxRelay
+from coordinator.settings import CoordinatorSettings
+from events import kafka
+from events.topics import KV_EVENTS
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTER_FLUSH_S = 1.0
+
+
+def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
+    return kafka.KafkaSettings(
+        bootstrap=settings.kafka.bootstrap,
+        client_id="kvledger-coordinator",
+        enable_idempotence=settings.kafka.enable_idempotence,
+        num_partitions=settings.kafka.num_partitions,
+        replication_factor=settings.kafka.replication_factor,
+        group_id=settings.kafka.group_id,
+    )
+
+
+async def run_consumers(
+    settings: CoordinatorSettings, stop: asyncio.Event, assigned: asyncio.Event | None = None
+) -> None:
+    """Consume kv-events into the ledger and relay the outbox until ``stop`` is set.
+
+    ``assigned`` is set once this member owns kv-events partitions (for readiness and tests).
+    Shutdown finishes the in-flight batch, commits its offsets, leaves the group, then
+    flushes the producer, so a SIGTERM loses nothing and replays as little as possible.
+    """
+    config = kafka_settings(settings)
+    await kafka.ensure_topics(config)
+    database = Database(settings.database)
+    producer = kafka.EventProducer(config)
+    tally = DeadLetterTally()
+    relay = OutboxRelay(
+        database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s
+    )
+    ingest = LedgerIngest(database, inventory_retry_s=settings.ledger.inventory_retry_s, on_outbox=relay.wake)
+    consumer = kafka.BatchConsumer(
+        config, [KV_EVENTS], ingest, dead_letter_counter=tally, max_records=settings.kafka.max_batch_records
+    )
+    try:
+        await producer.start()
+        await consumer.start()
+        tasks = [
+            asyncio.create_task(consumer.run(), name="kv-events consumer"),
+            asyncio.create_task(relay.run(stop), name="outbox relay"),
+            asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
+        ]
+        if assigned is not None:
+            tasks.append(asyncio.create_task(_signal_assignment(consumer, assigned), name="assignment"))
+        log.info("coordinator consumers running (group %s)", consumer.group_id)
+        try:
+            await stop.wait()
+        finally:
+            await consumer.stop()
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await producer.stop()
+        await database.dispose()
+        log.info("coordinator consumers stopped")
+
+
+async def _signal_assignment(consumer: kafka.BatchConsumer, assigned: asyncio.Event) -> None:
+    while True:
+        try:
+            await consumer.wait_for_assignment(timeout_s=3600)
+        except TimeoutError:
+            continue
+        assigned.set()
+        return

@@ -1,0 +1,278 @@
+"""The ledger schema (DESIGN §6) as SQLAlchemy 2 typed models.
+
+These classes are for querying; the schema itself is created only by the Alembic
+migrations in ``migrations/versions`` (never ``create_all``). The migration test
+compares the migrated database against this metadata, so the two cannot drift.
+
+Design notes:
+
+* Enumerations are ``text`` + ``CHECK`` rather than Postgres enum types, so a later
+  migration can add a value without ``ALTER TYPE`` gymnastics.
+* Hashes are ``bytea`` (32 bytes instead of 64 hex characters in every index).
+* Subjects are stored only as the keyed digest the nodes send (``subject_hash``);
+  the raw subject never reaches this database.
+* ``placements`` keeps one row per (block, node, tier, snapshot) whose ``state``
+  flips between ``live`` and ``deleted``: the uniqueness of a live copy is then a
+  plain unique constraint that ``INSERT … ON CONFLICT`` can target, and the table
+  is bounded by the number of distinct copies instead of growing with every
+  eviction/promotion cycle. Erasure evidence lives in acks and receipts, not here.
+* Later issues add invalidations, per-node command status, erasures, receipts and
+  the audit log as new tables that reference ``blocks``/``nodes``/``outbox`` by
+  their primary keys; nothing here needs to change shape for them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    Uuid,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+SCOPES = ("public", "tenant", "user")
+TIERS = ("device", "host", "disk", "snapshot")
+VOLATILE_TIERS = ("device", "host")
+"""Tiers whose bytes do not survive a node restart."""
+PLACEMENT_STATES = ("live", "deleted")
+NAMESPACE_STATUSES = ("active", "draining", "retired")
+NODE_STATUSES = ("active", "reconciling")
+"""``reconciling``: the coordinator missed some of the node's events and waits for its Inventory."""
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(value) for value in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        datetime: DateTime(timezone=True),
+        bytes: LargeBinary,
+        str: Text,
+        uuid.UUID: Uuid,
+        dict[str, Any]: JSONB,
+    }
+
+
+def _now() -> Any:
+    return mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class Namespace(Base):
+    """A cache namespace (model/tokenizer/template/KV-format digest) and its lifecycle."""
+
+    __tablename__ = "namespaces"
+    __table_args__ = (CheckConstraint(_one_of("status", NAMESPACE_STATUSES), name="status"),)
+
+    namespace: Mapped[str] = mapped_column(primary_key=True)
+    status: Mapped[str] = mapped_column(server_default="active")
+    first_seen_at: Mapped[datetime] = _now()
+    updated_at: Mapped[datetime] = _now()
+
+
+class Node(Base):
+    """A GPU node: its restart epoch and the last kv-event ``seq`` applied in that epoch."""
+
+    __tablename__ = "nodes"
+    __table_args__ = (CheckConstraint(_one_of("status", NODE_STATUSES), name="status"),)
+
+    node_id: Mapped[str] = mapped_column(primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    namespace: Mapped[str | None]
+    status: Mapped[str] = mapped_column(server_default="active")
+    started_at: Mapped[datetime] = _now()
+    last_heartbeat: Mapped[datetime | None]
+    last_event_at: Mapped[datetime] = _now()
+    inventory_request_id: Mapped[uuid.UUID | None]
+    inventory_requested_at: Mapped[datetime | None]
+
+
+class Block(Base):
+    """One KV block and its provenance: whose data it holds. Immutable once written (content-addressed)."""
+
+    __tablename__ = "blocks"
+    __table_args__ = (
+        CheckConstraint(_one_of("scope", SCOPES), name="scope"),
+        CheckConstraint(
+            "(scope = 'public' AND tenant_id IS NULL AND subject_hash IS NULL)"
+            " OR (scope = 'tenant' AND tenant_id IS NOT NULL AND subject_hash IS NULL)"
+            " OR (scope = 'user' AND tenant_id IS NOT NULL AND subject_hash IS NOT NULL)",
+            name="scope_owner",
+        ),
+        Index(None, "tenant_id", "subject_hash"),
+        Index(None, "namespace"),
+    )
+
+    block_hash: Mapped[bytes] = mapped_column(primary_key=True)
+    parent_hash: Mapped[bytes | None]
+    namespace: Mapped[str] = mapped_column(ForeignKey("namespaces.namespace"))
+    tenant_id: Mapped[str | None]
+    scope: Mapped[str]
+    subject_hash: Mapped[bytes | None]
+    token_offset: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    first_seen_at: Mapped[datetime] = _now()
+
+
+class BlockAuthScope(Base):
+    """An (auth scope, policy version) a tenant block was built under."""
+
+    __tablename__ = "block_auth_scopes"
+    __table_args__ = (Index(None, "auth_scope", "policy_version"),)
+
+    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    auth_scope: Mapped[str] = mapped_column(primary_key=True)
+    policy_version: Mapped[int] = mapped_column(BigInteger)
+
+
+class BlockDocument(Base):
+    """A document version whose tokens lie anywhere in the block's prefix."""
+
+    __tablename__ = "block_documents"
+    __table_args__ = (Index(None, "doc_id", "version"),)
+
+    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    doc_id: Mapped[str] = mapped_column(primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+
+class Snapshot(Base):
+    """A node snapshot (manifest + shards): a tier of its own."""
+
+    __tablename__ = "snapshots"
+    __table_args__ = (CheckConstraint(_one_of("state", PLACEMENT_STATES), name="state"),)
+
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
+    snapshot_id: Mapped[str] = mapped_column(primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str]
+    num_blocks: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = _now()
+    deleted_at: Mapped[datetime | None]
+
+
+class Placement(Base):
+    """A copy of a block on one node in one tier (and snapshot); ``state`` says whether it still exists."""
+
+    __tablename__ = "placements"
+    __table_args__ = (
+        CheckConstraint(_one_of("tier", TIERS), name="tier"),
+        CheckConstraint(_one_of("state", PLACEMENT_STATES), name="state"),
+        CheckConstraint("(tier = 'snapshot') = (snapshot_id IS NOT NULL)", name="snapshot_tier"),
+        UniqueConstraint("block_hash", "node_id", "tier", "snapshot_id", postgresql_nulls_not_distinct=True),
+        # Snapshot ids are the node's own names, so a snapshot is identified together with its node.
+        ForeignKeyConstraint(["node_id", "snapshot_id"], ["snapshots.node_id", "snapshots.snapshot_id"]),
+        Index(None, "node_id", "tier", "state"),
+        Index(None, "node_id", "snapshot_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash"))
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"))
+    tier: Mapped[str]
+    snapshot_id: Mapped[str | None]
+    state: Mapped[str]
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    reason: Mapped[str | None]
+    updated_at: Mapped[datetime] = _now()
+
+
+class Document(Base):
+    """The current version of a tenant's document (from ``DocumentUpdated``/``DocumentDeleted``)."""
+
+    __tablename__ = "documents"
+
+    tenant_id: Mapped[str] = mapped_column(primary_key=True)
+    doc_id: Mapped[str] = mapped_column(primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger)
+    deleted: Mapped[bool] = mapped_column(server_default=text("false"))
+    updated_at: Mapped[datetime] = _now()
+
+
+class Policy(Base):
+    """The current policy version of a tenant's auth scope (from ``PermissionRevoked``)."""
+
+    __tablename__ = "policies"
+
+    tenant_id: Mapped[str] = mapped_column(primary_key=True)
+    auth_scope: Mapped[str] = mapped_column(primary_key=True)
+    policy_version: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = _now()
+
+
+class InboxEntry(Base):
+    """An event already applied: a redelivered record with this id is a no-op."""
+
+    __tablename__ = "inbox"
+    __table_args__ = (Index(None, "processed_at"),)
+
+    event_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    topic: Mapped[str]
+    event_type: Mapped[str]
+    processed_at: Mapped[datetime] = _now()
+
+
+class OutboxEntry(Base):
+    """A record decided inside a ledger transaction, published to Kafka afterwards by the relay."""
+
+    __tablename__ = "outbox"
+    __table_args__ = (Index("ix_outbox_unsent", "id", postgresql_where=text("sent_at IS NULL")),)
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    topic: Mapped[str]
+    key: Mapped[str]
+    payload: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = _now()
+    sent_at: Mapped[datetime | None]
+
+
+class DeadLetterCount(Base):
+    """Records dead-lettered per source topic, shared by every coordinator replica."""
+
+    __tablename__ = "dead_letters"
+
+    topic: Mapped[str] = mapped_column(primary_key=True)
+    num_records: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    last_at: Mapped[datetime] = _now()
+
+
+class InventoryChunk(Base):
+    """A received chunk of a multi-record Inventory, held until the set is complete."""
+
+    __tablename__ = "inventory_chunks"
+
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    request_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    chunk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    num_chunks: Mapped[int] = mapped_column(Integer)
+    placements: Mapped[dict[str, Any]]
+    received_at: Mapped[datetime] = _now()

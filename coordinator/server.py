@@ -1,0 +1,86 @@
+"""``kvledger coordinator --role api|consumers|all``: one process, HTTP API and/or consumers.
+
+The process owns SIGTERM/SIGINT: either one sets a stop event, uvicorn drains its
+connections and runs the app's lifespan shutdown, the consumers finish and commit
+their in-flight batch; then the process exits 0. If one half dies, the other is
+stopped too and the exit status is 1, so a supervisor restarts the whole process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from coordinator.api import create_app
+from coordinator.consumers import run_consumers
+from coordinator.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: :func:`serve` decides when to exit."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(settings: CoordinatorSettings, app: FastAPI | None, consumers: bool) -> int:
+    """Run the HTTP ``app`` (when given) and/or the consumers until SIGTERM/SIGINT; returns the exit status."""
+    assert app is not None or consumers, "nothing to run"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks: list[asyncio.Task] = []
+    if consumers:
+        tasks.append(asyncio.create_task(run_consumers(settings, stop), name="consumers"))
+    if app is not None:
+        server = _Server(uvicorn.Config(app, host=settings.http.host, port=settings.http.port, access_log=False))
+        tasks.append(asyncio.create_task(server.serve(), name="api"))
+        tasks.append(asyncio.create_task(_exit_on(stop, server), name="api stopper"))
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped_by_signal = stop.is_set()
+        stop.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    for failure in failures:
+        log.error("coordinator task failed: %s", type(failure).__name__, exc_info=failure)
+    return 0 if stopped_by_signal and not failures else 1
+
+
+async def _exit_on(stop: asyncio.Event, server: uvicorn.Server) -> None:
+    await stop.wait()
+    server.should_exit = True
+
+
+def cli(args: argparse.Namespace) -> int:
+    overrides: dict[str, dict] = {}
+    if args.database_url:
+        overrides["database"] = {"url": args.database_url}
+    if args.kafka_bootstrap:
+        overrides["kafka"] = {"bootstrap": args.kafka_bootstrap}
+    http = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
+    if http:
+        overrides["http"] = http
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = CoordinatorSettings(**overrides)
+        app = create_app(settings) if args.role in ("api", "all") else None
+    except ValueError as exc:  # configuration the operator has to fix (no JWT key, bad URL, ...)
+        print(f"kvledger coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(settings, app, consumers=args.role in ("consumers", "all")))

@@ -1,0 +1,129 @@
+"""Coordinator settings (pydantic-settings).
+
+Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
+``KVLEDGER_COORDINATOR_DATABASE__URL``, ``KVLEDGER_COORDINATOR_KAFKA__GROUP_ID``,
+``KVLEDGER_COORDINATOR_HTTP__PORT``.
+
+The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
+``KVLEDGER_JWT_SECRET`` and ``KVLEDGER_SUBJECT_KEY`` are honoured too, because
+one operator sets them once for every process (nodes, coordinator, tests); a
+coordinator-specific variable wins over the shared one, an explicit argument
+over both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from gpu_node.settings import AuthSettings
+
+DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"
+
+# Shared variable → path inside the settings tree.
+_SHARED_ENV: dict[str, tuple[str, ...]] = {
+    "KVLEDGER_DATABASE_URL": ("database", "url"),
+    "KVLEDGER_KAFKA_BOOTSTRAP": ("kafka", "bootstrap"),
+    "KVLEDGER_JWT_SECRET": ("auth", "jwt_secret"),
+    "KVLEDGER_SUBJECT_KEY": ("ledger", "subject_key"),
+}
+
+
+class DatabaseSettings(BaseModel):
+    """The ledger database. ``url`` is an SQLAlchemy async URL (``postgresql+asyncpg://…``)."""
+
+    url: SecretStr = SecretStr(DEFAULT_DATABASE_URL)
+    pool_size: int = Field(10, ge=1)
+    max_overflow: int = Field(10, ge=0)
+    pool_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _async_driver(self) -> DatabaseSettings:
+        url = self.url.get_secret_value()
+        if url.startswith("postgresql://") or url.startswith("postgres://"):
+            # Operators paste libpq URLs; the engine needs the asyncpg driver named.
+            self.url = SecretStr("postgresql+asyncpg://" + url.split("://", 1)[1])
+        elif not url.startswith("postgresql+asyncpg://"):
+            raise ValueError("database url must be a postgresql:// or postgresql+asyncpg:// URL")
+        return self
+
+
+class CoordinatorKafkaSettings(BaseModel):
+    """Kafka options (turned into :class:`events.kafka.KafkaSettings` by ``coordinator.consumers``).
+
+    Idempotence is off by default: the embedded Tansu broker rejects it.
+    """
+
+    bootstrap: str = "127.0.0.1:9092"
+    group_id: str = "kvledger-coordinator"
+    enable_idempotence: bool = False
+    num_partitions: int = Field(4, ge=1)
+    replication_factor: int = Field(1, ge=1)
+    max_batch_records: int = Field(500, ge=1)
+
+
+class HttpSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class LedgerSettings(BaseModel):
+    """Ledger behaviour.
+
+    ``subject_key`` is the deployment secret of :func:`events.schema.subject_digest`,
+    shared with the nodes: node events carry only the keyed digest of a subject, and
+    the ledger API digests a queried subject with the same key to find its blocks.
+    """
+
+    subject_key: SecretStr | None = None
+    heartbeat_timeout_s: float = Field(30.0, gt=0)
+    inventory_retry_s: float = Field(60.0, gt=0)
+    outbox_poll_s: float = Field(0.5, gt=0)
+    outbox_batch_size: int = Field(100, ge=1)
+
+
+class _SharedEnvSource(PydanticBaseSettingsSource):
+    """Maps the stack-wide ``KVLEDGER_*`` variables into the nested settings tree."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        # Unused: __call__ builds the whole tree at once.
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for variable, (group, key) in _SHARED_ENV.items():
+            value = os.environ.get(variable)
+            if value:
+                values.setdefault(group, {})[key] = value
+        return values
+
+
+class CoordinatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVLEDGER_COORDINATOR_", env_nested_delimiter="__", extra="ignore")
+
+    database: DatabaseSettings = DatabaseSettings()
+    kafka: CoordinatorKafkaSettings = CoordinatorKafkaSettings()
+    auth: AuthSettings = AuthSettings()
+    """Same token verification settings as the nodes (HS256 secret or EdDSA public key file)."""
+    http: HttpSettings = HttpSettings()
+    ledger: LedgerSettings = LedgerSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _SharedEnvSource(settings_cls), dotenv_settings, file_secret_settings)
+
+    def subject_key_bytes(self) -> bytes:
+        """The subject digest key; ValueError when unset, because the ledger cannot match subjects without it."""
+        if self.ledger.subject_key is None:
+            raise ValueError("set KVLEDGER_SUBJECT_KEY (shared with the nodes) to query blocks by subject")
+        return self.ledger.subject_key.get_secret_value().encode()

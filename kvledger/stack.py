@@ -1,0 +1,172 @@
+"""``kvledger up``: the whole system on one machine.
+
+Starts PostgreSQL and the Kafka-protocol broker (embedded unless external URLs
+are given), applies migrations, then runs the coordinator and N nodes as child
+processes, waits until each answers ``/readyz``, writes ``stack.json`` and stays
+in the foreground until Ctrl-C or SIGTERM, when everything is stopped in reverse
+order. Children share one JWT secret and one subject-digest key, generated once
+per state directory and kept there with mode 0600.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from coordinator.migrate import upgrade
+from kvledger.model_init import build_tiny_model
+from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
+
+READY_TIMEOUT_S = 120.0
+
+
+def _secret(path: Path) -> str:
+    """A per-state-dir secret, created once, readable by the owner only."""
+    if path.exists():
+        return path.read_text().strip()
+    value = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(value)
+    return value
+
+
+async def _wait_ready(url: str, process: subprocess.Popen, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_TIMEOUT_S
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{what} exited with status {process.returncode} before it was ready")
+            try:
+                if (await client.get(f"{url}/readyz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if loop.time() >= deadline:
+                raise TimeoutError(f"{what} not ready at {url} after {READY_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.2)
+
+
+def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvledger.cli", *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_die_with_parent,
+    )
+
+
+async def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in reversed(processes):
+        if process.poll() is None:
+            process.terminate()
+    for process in reversed(processes):
+        try:
+            await asyncio.wait_for(asyncio.to_thread(process.wait), 20)
+        except TimeoutError:
+            process.kill()
+
+
+async def up(args: argparse.Namespace) -> None:
+    state_dir = Path(args.state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir).resolve()
+    build_tiny_model(model_dir)
+
+    postgres = kafka = None
+    processes: list[subprocess.Popen] = []
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        if args.database_url:
+            database_url = args.database_url
+        else:
+            postgres = await EmbeddedPostgres(state_dir / "postgres").start()
+            database_url = postgres.database_url
+        if args.kafka_bootstrap:
+            kafka_bootstrap = args.kafka_bootstrap
+        else:
+            kafka = await EmbeddedKafka(state_dir=state_dir).start()
+            kafka_bootstrap = kafka.bootstrap
+        await asyncio.to_thread(upgrade, database_url)
+
+        jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
+        env = os.environ | {
+            "KVLEDGER_JWT_SECRET": jwt_secret,
+            "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
+            "KVLEDGER_DATABASE_URL": database_url,
+            "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        }
+        logs = state_dir / "logs"
+        logs.mkdir(exist_ok=True)
+
+        coordinator_port = args.port - 100
+        coordinator_url = f"http://127.0.0.1:{coordinator_port}"
+        coordinator = _spawn(["coordinator", "--port", str(coordinator_port)], env, logs / "coordinator.log")
+        processes.append(coordinator)
+        node_urls = []
+        for index in range(args.nodes):
+            port = args.port + index
+            node_id = f"node-{index}"
+            node = _spawn(
+                ["node", "--model", str(model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(state_dir / node_id)],
+                env,
+                logs / f"{node_id}.log",
+            )
+            processes.append(node)
+            node_urls.append(f"http://127.0.0.1:{port}")
+        await _wait_ready(coordinator_url, coordinator, "coordinator")
+        for url, node in zip(node_urls, processes[1:], strict=True):
+            await _wait_ready(url, node, f"node at {url}")
+
+        stack = {
+            "coordinator_url": coordinator_url,
+            "node_urls": node_urls,
+            "kafka_bootstrap": kafka_bootstrap,
+            "database_url": database_url,
+            "jwt_secret": jwt_secret,
+            "model_dir": str(model_dir),
+            "logs": str(logs),
+        }
+        stack_file = state_dir / "stack.json"
+        stack_file.touch(mode=0o600)
+        stack_file.write_text(json.dumps(stack, indent=2))
+        print(f"coordinator  {coordinator_url}")
+        for url in node_urls:
+            print(f"node         {url}   (OpenAI base_url {url}/v1)")
+        print(f"kafka        {kafka_bootstrap}")
+        print(f"database     {database_url}")
+        print(f"stack file   {stack_file}   logs in {logs}")
+        print("Ctrl-C stops everything.", flush=True)
+
+        waiters = [asyncio.create_task(asyncio.to_thread(p.wait)) for p in processes]
+        stop_task = asyncio.create_task(stopping.wait())
+        done, _ = await asyncio.wait([stop_task, *waiters], return_when=asyncio.FIRST_COMPLETED)
+        if stop_task not in done:
+            print("a child process exited; stopping the stack", file=sys.stderr)
+        stop_task.cancel()
+    finally:
+        await _stop(processes)
+        if kafka is not None:
+            await kafka.stop()
+        if postgres is not None:
+            await postgres.stop()
+
+
+def cli(args: argparse.Namespace) -> int:
+    asyncio.run(up(args))
+    return 0

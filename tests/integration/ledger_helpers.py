@@ -1,0 +1,102 @@
+"""Helpers for the coordinator ledger integration tests: a fresh database per module, waiting, event builders."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord
+from sqlalchemy import make_url, pool, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from events.schema import StoredBlock
+
+JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
+SUBJECT_KEY = "integration-test-subject-key"
+
+
+@contextlib.asynccontextmanager
+async def fresh_database(server_url: str) -> AsyncIterator[str]:
+    """CREATE a uniquely named database on the test server; DROP it afterwards. Yields its URL."""
+    name = f"kvl_{uuid.uuid4().hex[:12]}"
+    admin = create_async_engine(server_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as connection:
+            await connection.execute(text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            async with admin.connect() as connection:
+                await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        await admin.dispose()
+
+
+async def eventually(
+    condition: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition"
+) -> None:
+    """Poll an async condition until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def block_hash(label: str) -> str:
+    """A deterministic, test-unique 32-byte hex hash."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, label).hex * 2
+
+
+def stored(
+    label: str,
+    tier: str,
+    *,
+    namespace: str = "ns-test",
+    tenant_id: str | None = None,
+    scope: str = "public",
+    subject_id: str | None = None,
+    auth_scopes: list[tuple[str, int]] | None = None,
+    documents: list[str] | None = None,
+    token_offset: int = 0,
+    parent: str | None = None,
+) -> StoredBlock:
+    return StoredBlock(
+        block_hash=block_hash(label),
+        parent_hash=block_hash(parent) if parent else None,
+        namespace=namespace,
+        tenant_id=tenant_id,
+        scope=scope,
+        auth_scopes=auth_scopes or [],
+        subject_id=subject_id,
+        documents=documents or [],
+        token_offset=token_offset,
+        created_at=datetime(2026, 11, 29, 12, 0, tzinfo=UTC),
+        tier=tier,
+    )
+
+
+async def scan_topic(
+    bootstrap: str, topic: str, visit: Callable[[ConsumerRecord], bool], timeout_s: float = 30.0
+) -> None:
+    """Read every partition of ``topic`` from the beginning, handing records to ``visit`` until it returns True.
+
+    No consumer group (``group_id=None`` takes all partitions locally), so there is no group join to wait for.
+    """
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                batch = await consumer.getmany(timeout_ms=200)
+                for records in batch.values():
+                    for record in records:
+                        if visit(record):
+                            return
+    finally:
+        await consumer.stop()

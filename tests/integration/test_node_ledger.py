@@ -1,0 +1,169 @@
+"""Real nodes → real broker → real coordinator consumers → real Postgres: the ledger is exact."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+from sqlalchemy import make_url
+
+from coordinator.consumers import run_consumers
+from coordinator.migrate import upgrade
+from coordinator.settings import CoordinatorSettings
+from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
+from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
+from gpu_node.prompt import ChatMessage
+from gpu_node.server import make_publisher
+from gpu_node.settings import CacheSettings, NodeSettings
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database
+
+PRINCIPALS = [
+    Principal("acme", "alice", frozenset({"hr"}), {"hr": 1}),
+    Principal("acme", "carol", frozenset({"hr"}), {"hr": 1}),
+    Principal("globex", "bob", frozenset({"hr"}), {"hr": 2}),
+]
+WORDS = "ledger block tier node tenant handbook policy document cache prefix".split()
+
+
+def text(num_words: int, seed: int) -> str:
+    return " ".join(f"{WORDS[(seed + i) % len(WORDS)]}{(seed * 31 + i) % 53}" for i in range(num_words))
+
+
+def random_messages(rng: random.Random) -> list[ChatMessage]:
+    """A few shared prefixes (so requests hit and share) and fresh tails (so pools overflow)."""
+    messages = [ChatMessage("system", text(30, rng.randrange(3)), CacheScope.PUBLIC)]
+    if rng.random() < 0.6:
+        messages.append(ChatMessage("user", text(40, rng.randrange(4)), CacheScope.TENANT, DocumentRef(f"doc-{rng.randrange(3)}", 1, "hr")))
+    messages.append(ChatMessage("user", text(rng.randrange(5, 40), rng.randrange(10_000)), CacheScope.USER))
+    return messages
+
+
+async def generate(engine: AsyncEngine, messages, principal) -> None:
+    request = GenerationRequest(uuid.uuid4().hex, tuple(messages), SamplingParams(max_tokens=1), principal)
+    async for _ in engine.generate(request):
+        pass
+
+
+def node_settings(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str) -> NodeSettings:
+    return NodeSettings(
+        node_id=node_id,
+        model_dir=model_dir,
+        data_dir=data_dir,
+        kafka_bootstrap=kafka_bootstrap,
+        subject_key=SUBJECT_KEY,
+        publish_interval_s=0.02,
+        auth={"jwt_secret": JWT_SECRET},
+        # small tiers so a few hundred requests evict and demote through every tier
+        cache=CacheSettings(num_device_blocks=24, num_host_blocks=24, max_disk_blocks=48),
+    )
+
+
+class Node:
+    def __init__(self, settings: NodeSettings) -> None:
+        self.settings = settings
+        self.engine = AsyncEngine.from_settings(settings)
+        self.publisher = make_publisher(self.engine, settings)
+
+    async def start(self) -> Node:
+        await self.engine.start()
+        await self.publisher.start(Path(self.settings.data_dir))
+        return self
+
+    async def stop(self) -> None:
+        await self.publisher.stop()
+        await self.engine.stop()
+
+    def inventory(self) -> set[tuple[str, str]]:
+        return {(entry.block_hash.hex(), entry.tier.value) for entry in self.engine.pool.ready_entries()}
+
+
+async def ledger_placements(database_url: str, node_id: str) -> set[tuple[str, str]]:
+    url = make_url(database_url)
+    connection = await asyncpg.connect(
+        host=url.query.get("host"), port=int(url.query.get("port", 5432)), user=url.username, database=url.database
+    )
+    try:
+        rows = await connection.fetch(
+            "SELECT block_hash, tier FROM placements WHERE node_id = $1 AND state = 'live' AND snapshot_id IS NULL", node_id
+        )
+    finally:
+        await connection.close()
+    return {(bytes(row["block_hash"]).hex(), row["tier"]) for row in rows}
+
+
+@pytest.fixture
+async def coordinator(database_url, kafka_bootstrap):
+    async with fresh_database(database_url) as url:
+        await asyncio.to_thread(upgrade, url)
+        settings = CoordinatorSettings(
+            database={"url": url},
+            kafka={"bootstrap": kafka_bootstrap, "group_id": f"coordinator-{uuid.uuid4().hex[:8]}"},
+            ledger={"subject_key": SUBJECT_KEY},
+            auth={"jwt_secret": JWT_SECRET},
+        )
+        stop, assigned = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(run_consumers(settings, stop, assigned))
+        await asyncio.wait_for(assigned.wait(), 60)
+        yield url
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
+async def test_ledger_equals_every_node_inventory_after_random_traffic(coordinator, kafka_bootstrap, tiny_model_dir, tmp_path):
+    suffix = uuid.uuid4().hex[:6]
+    nodes = [
+        await Node(node_settings(f"n{i}-{suffix}", tiny_model_dir, tmp_path / f"n{i}", kafka_bootstrap)).start() for i in range(2)
+    ]
+    try:
+        rng = random.Random(7)
+        for _ in range(240):
+            node = rng.choice(nodes)
+            await generate(node.engine, random_messages(rng), rng.choice(PRINCIPALS))
+        for node in nodes:
+            stats = node.engine.pool.stats()
+            assert stats.num_evictions > 0 and stats.num_demotions > 0, "traffic must exercise eviction and demotion"
+            await node.publisher.flush()
+        for node in nodes:
+            expected = node.inventory()
+            assert expected
+            await eventually(
+                lambda node=node, expected=expected: _equal(coordinator, node.settings.node_id, expected),
+                timeout_s=60,
+                what=f"ledger == inventory of {node.settings.node_id}",
+            )
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
+async def _equal(database_url: str, node_id: str, expected: set[tuple[str, str]]) -> bool:
+    return await ledger_placements(database_url, node_id) == expected
+
+
+async def test_node_restart_drops_memory_placements_and_keeps_verified_disk(coordinator, kafka_bootstrap, tiny_model_dir, tmp_path):
+    node_id = f"restart-{uuid.uuid4().hex[:6]}"
+    settings = node_settings(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap)
+    node = await Node(settings).start()
+    rng = random.Random(11)
+    try:
+        for _ in range(40):
+            await generate(node.engine, random_messages(rng), rng.choice(PRINCIPALS))
+        await node.publisher.flush()
+        before = node.inventory()
+        assert {tier for _, tier in before} == {"device", "host", "disk"}
+        await eventually(lambda: _equal(coordinator, node_id, before), timeout_s=60, what="ledger before restart")
+    finally:
+        await node.stop()
+
+    restarted = await Node(settings).start()
+    try:
+        disk_before = {(block, tier) for block, tier in before if tier == "disk"}
+        assert restarted.inventory() == disk_before
+        assert restarted.publisher.epoch == node.publisher.epoch + 1
+        await eventually(lambda: _equal(coordinator, node_id, disk_before), timeout_s=60, what="ledger after restart")
+    finally:
+        await restarted.stop()

@@ -1,0 +1,62 @@
+"""Coordinator settings: nested KVLEDGER_COORDINATOR_* groups, the shared KVLEDGER_* variables and their precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.settings import CoordinatorSettings
+
+SHARED = {
+    "KVLEDGER_DATABASE_URL": "postgresql://shared@db/kvledger",
+    "KVLEDGER_KAFKA_BOOTSTRAP": "kafka-shared:9092",
+    "KVLEDGER_JWT_SECRET": "a-shared-secret-that-is-long-enough-32b",
+    "KVLEDGER_SUBJECT_KEY": "shared-subject-key",
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("KVLEDGER_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults() -> None:
+    settings = CoordinatorSettings()
+    assert settings.database.url.get_secret_value().startswith("postgresql+asyncpg://")
+    assert settings.kafka.enable_idempotence is False
+    assert (settings.http.host, settings.http.port) == ("127.0.0.1", 8000)
+    assert settings.auth.jwt_secret is None and settings.ledger.subject_key is None
+
+
+def test_shared_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in SHARED.items():
+        monkeypatch.setenv(name, value)
+    settings = CoordinatorSettings()
+    # A libpq URL gets the asyncpg driver; secrets stay SecretStr (never printed by repr).
+    assert settings.database.url.get_secret_value() == "postgresql+asyncpg://shared@db/kvledger"
+    assert settings.kafka.bootstrap == "kafka-shared:9092"
+    assert settings.auth.jwt_secret.get_secret_value() == SHARED["KVLEDGER_JWT_SECRET"]
+    assert settings.ledger.subject_key.get_secret_value() == "shared-subject-key"
+    assert "shared-subject-key" not in repr(settings) and "shared@db" not in repr(settings)
+
+
+def test_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """explicit argument > KVLEDGER_COORDINATOR_* > shared KVLEDGER_* > default; groups merge, not replace."""
+    for name, value in SHARED.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__BOOTSTRAP", "kafka-coordinator:9092")
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__GROUP_ID", "ledger-a")
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_DATABASE__POOL_SIZE", "3")
+    settings = CoordinatorSettings(database={"url": "postgresql+asyncpg://explicit/db"})
+    assert settings.kafka.bootstrap == "kafka-coordinator:9092"
+    assert settings.kafka.group_id == "ledger-a"
+    assert settings.database.url.get_secret_value() == "postgresql+asyncpg://explicit/db"
+    assert settings.database.pool_size == 3
+
+
+def test_rejects_non_postgres_url() -> None:
+    with pytest.raises(ValueError, match="postgresql"):
+        CoordinatorSettings(database={"url": "mysql://x/y"})
