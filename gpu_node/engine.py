@@ -24,7 +24,7 @@ from gpu_node import snapshots
 from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
-from gpu_node.kv_cache_utils import CacheScope, Principal, compute_block_keys
+from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.model_runner import ModelRunner
 from gpu_node.namespace import NamespaceIdentity, compute_namespace
@@ -290,8 +290,22 @@ class AsyncEngine:
             },
         }
 
+    @property
+    def snapshot_root(self) -> Path:
+        return Path(self.settings.data_dir) / "snapshots"
+
+    def snapshot_inventory(self) -> dict[str, list[BlockKey]]:
+        """Readable blocks of every snapshot this node holds, by snapshot id (blocking: reads shards)."""
+        inventory = {}
+        if self.snapshot_root.is_dir():
+            for directory in sorted(self.snapshot_root.iterdir()):
+                if (directory / snapshots.MANIFEST_NAME).is_file():
+                    manifest = snapshots.read_manifest(directory)
+                    inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider)
+        return inventory
+
     async def write_snapshot(self) -> dict:
-        snapshot_dir = Path(self.settings.data_dir) / "snapshots" / uuid.uuid4().hex
+        snapshot_dir = self.snapshot_root / uuid.uuid4().hex
         manifest = await self._run(snapshots.write_snapshot, self.pool, snapshot_dir)
         self.manager.drain_events()
         if self.snapshot_sink is not None:

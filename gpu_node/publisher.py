@@ -178,21 +178,28 @@ class NodePublisher:
     async def publish_inventory(self, request_id: uuid.UUID | None) -> None:
         """Everything this node holds, chunked; queued events are flushed first so seq stays ordered."""
         await self.flush()
+        snapshot_inventory = await asyncio.to_thread(self.engine.snapshot_inventory)
         async with self._send_lock:
-            entries = self.engine.pool.ready_entries()
-            chunks = [entries[i : i + INVENTORY_CHUNK_BLOCKS] for i in range(0, len(entries), INVENTORY_CHUNK_BLOCKS)] or [[]]
+            held: list[tuple[BlockKey, str, str | None]] = [(e.key, e.tier.value, None) for e in self.engine.pool.ready_entries()]
+            for snapshot_id, keys in snapshot_inventory.items():
+                held.extend((key, "snapshot", snapshot_id) for key in keys)
+            chunks = [held[i : i + INVENTORY_CHUNK_BLOCKS] for i in range(0, len(held), INVENTORY_CHUNK_BLOCKS)] or [[]]
             payloads = []
             for index, chunk in enumerate(chunks):
+                described = {key.block_hash: key for key, _, _ in chunk}
                 payloads.append(
                     schema.Inventory(
                         node_id=self.node_id,
                         epoch=self.epoch,
                         seq=0,
                         request_id=request_id,
-                        placements=[schema.Placement(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in chunk],
+                        placements=[
+                            schema.Placement(block_hash=key.block_hash.hex(), tier=tier, snapshot_id=snapshot_id)
+                            for key, tier, snapshot_id in chunk
+                        ],
                         blocks=[
-                            schema.BlockProvenance(**self.provenance_event(e.block_hash, e.key.parent_hash, e.key.token_offset, e.provenance))
-                            for e in chunk
+                            schema.BlockProvenance(**self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance))
+                            for key in described.values()
                         ],
                         chunk=index,
                         chunks=len(chunks),

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from gpu_node.block_pool import BlockPool, BlockRestoreError, Tier, decode_block_record
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
-from gpu_node.kv_cache_utils import BlockProvenance
+from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
 
 MANIFEST_NAME = "manifest.json"
 MAX_SHARD_BYTES = 64 * 1024 * 1024
@@ -220,6 +220,24 @@ def load_snapshot(pool: BlockPool, directory: Path) -> int:
             except BlockRestoreError:
                 break
     return num_loaded
+
+
+def readable_blocks(directory: Path, key_provider: DataKeyProvider) -> list[BlockKey]:
+    """Identity and provenance of every block of a snapshot that can still be read.
+
+    This is what the node reports to the ledger as its snapshot tier: a block
+    whose data key was destroyed (crypto-erased) or whose bytes are corrupt is
+    no longer held in any meaningful sense, so it is left out.
+    """
+    keys = []
+    for _, record in _iter_records(directory, read_manifest(directory)):
+        if record is None:
+            continue
+        try:
+            keys.append(decode_block_record(record, key_provider).key)
+        except BlockRestoreError:
+            continue
+    return keys
 
 
 def remove_from_snapshot(

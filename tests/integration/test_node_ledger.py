@@ -78,7 +78,11 @@ class Node:
         await self.engine.stop()
 
     def inventory(self) -> set[tuple[str, str]]:
-        return {(entry.block_hash.hex(), entry.tier.value) for entry in self.engine.pool.ready_entries()}
+        """What the node itself holds: (block hash, tier) with snapshots as ``snapshot:<id>``."""
+        held = {(entry.block_hash.hex(), entry.tier.value) for entry in self.engine.pool.ready_entries()}
+        for snapshot_id, keys in self.engine.snapshot_inventory().items():
+            held.update((key.block_hash.hex(), f"snapshot:{snapshot_id}") for key in keys)
+        return held
 
 
 async def ledger_placements(database_url: str, node_id: str) -> set[tuple[str, str]]:
@@ -88,11 +92,14 @@ async def ledger_placements(database_url: str, node_id: str) -> set[tuple[str, s
     )
     try:
         rows = await connection.fetch(
-            "SELECT block_hash, tier FROM placements WHERE node_id = $1 AND state = 'live' AND snapshot_id IS NULL", node_id
+            "SELECT block_hash, tier, snapshot_id FROM placements WHERE node_id = $1 AND state = 'live'", node_id
         )
     finally:
         await connection.close()
-    return {(bytes(row["block_hash"]).hex(), row["tier"]) for row in rows}
+    return {
+        (bytes(row["block_hash"]).hex(), row["tier"] if row["snapshot_id"] is None else f"snapshot:{row['snapshot_id']}")
+        for row in rows
+    }
 
 
 @pytest.fixture
@@ -152,18 +159,20 @@ async def test_node_restart_drops_memory_placements_and_keeps_verified_disk(coor
     try:
         for _ in range(40):
             await generate(node.engine, random_messages(rng), rng.choice(PRINCIPALS))
+        await node.engine.write_snapshot()
         await node.publisher.flush()
         before = node.inventory()
-        assert {tier for _, tier in before} == {"device", "host", "disk"}
+        assert {tier.split(":")[0] for _, tier in before} == {"device", "host", "disk", "snapshot"}
         await eventually(lambda: _equal(coordinator, node_id, before), timeout_s=60, what="ledger before restart")
     finally:
         await node.stop()
 
     restarted = await Node(settings).start()
     try:
-        disk_before = {(block, tier) for block, tier in before if tier == "disk"}
-        assert restarted.inventory() == disk_before
+        # device and host bytes died with the process; disk and snapshot copies survive
+        survivors = {(block, tier) for block, tier in before if tier == "disk" or tier.startswith("snapshot:")}
+        assert restarted.inventory() == survivors
         assert restarted.publisher.epoch == node.publisher.epoch + 1
-        await eventually(lambda: _equal(coordinator, node_id, disk_before), timeout_s=60, what="ledger after restart")
+        await eventually(lambda: _equal(coordinator, node_id, survivors), timeout_s=60, what="ledger after restart")
     finally:
         await restarted.stop()
