@@ -9,8 +9,12 @@ Tiers (DESIGN §3): the *device* tier is one preallocated tensor
 same on CPU (pinned under CUDA), the *disk* tier one file per block. Tenant and
 user blocks on disk are sealed with AES-256-GCM under their scope's data key;
 public blocks are plaintext with a sha256 checksum. Every block lives in exactly
-one tier at a time, and every slot or file it leaves is zeroed, so deleting a
-block in its current tier deletes all of its bytes held by the pool.
+one tier at a time, and every slot it leaves is zeroed and every file it leaves
+removed, so deleting a block in its current tier deletes all of its bytes held
+by the pool. A file whose block's data is deleted (eviction, expiry,
+invalidation, restore failure) is zero-overwritten before the unlink; a file
+left by a promotion to the device is only unlinked, since the block stays cached
+(reasoning and its one residual in :meth:`BlockPool._promote_batch`).
 
 Entry states follow the seed (§12/§15)::
 
@@ -29,7 +33,8 @@ One ``threading.RLock`` guards all state: the pool is called from the engine's
 worker thread and from the asyncio thread. Callers that must look up and lock
 atomically hold :attr:`BlockPool.lock` across both calls. Disk-tier file I/O
 happens under the lock too (one block file per demotion or disk hit), which
-keeps every tier change atomic with its event.
+keeps every tier change atomic with its event. Reads are batched
+(:meth:`BlockPool.read_blocks`): per-entry bookkeeping, one tensor op per tier.
 
 TTL runs from commit and is not extended by hits: it bounds how long data may
 live, and expiry deletes bytes, not just the index entry.
@@ -50,9 +55,11 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from pathlib import Path
 
+import numpy as np
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink, seal, unseal
+from gpu_node.crypto import KEY_BYTES, DataKeyProvider, overwrite_and_unlink, seal, unseal
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 
@@ -297,19 +304,26 @@ def _key_from_dict(data: Mapping) -> BlockKey:
     )
 
 
-def encode_block_record(record: BlockRecord, key_provider: DataKeyProvider) -> bytes | None:
+def _record_meta(record: BlockRecord) -> bytes:
+    """The record's identity/format/expiry metadata as stored (compact JSON)."""
+    return json.dumps(
+        {"key": _key_to_dict(record.key), "kv_format": record.kv_format, "expires_at_wall": record.expires_at_wall},
+        separators=(",", ":"),
+    ).encode()
+
+
+def encode_block_record(record: BlockRecord, key_provider: DataKeyProvider, meta: bytes | None = None) -> bytes | None:
     """Serialize a block for disk or a snapshot; None when its scope has no data key available.
 
     Layout: ``KVLB ‖ version ‖ flags ‖ block_hash ‖ …``. Sealed (tenant/user):
     ``len(key_id) ‖ key_id ‖ AES-GCM(meta ‖ payload)``; the provenance is inside
     the ciphertext. Plain (public): ``meta ‖ payload ‖ sha256(everything before)``.
-    A block without a key is never written in plaintext.
+    A block without a key is never written in plaintext. ``meta`` may pass
+    :func:`_record_meta` of ``record`` when the caller already built it.
     """
     block_hash = record.key.block_hash
-    meta = json.dumps(
-        {"key": _key_to_dict(record.key), "kv_format": record.kv_format, "expires_at_wall": record.expires_at_wall},
-        separators=(",", ":"),
-    ).encode()
+    if meta is None:
+        meta = _record_meta(record)
     body = _U32.pack(len(meta)) + meta + record.payload
     if record.key.provenance.scope == CacheScope.PUBLIC:
         head = _HEADER.pack(_MAGIC, _RECORD_VERSION, _FLAG_PLAIN, block_hash) + body
@@ -331,50 +345,137 @@ def _record_block_hash(data: bytes) -> bytes | None:
     return block_hash if magic == _MAGIC and version == _RECORD_VERSION else None
 
 
-def decode_block_record(data: bytes, key_provider: DataKeyProvider) -> BlockRecord:
-    """Parse and authenticate a record; raises :class:`BlockRestoreError` with the reason it is unusable."""
+def _open_record(
+    data: bytes, key_provider: DataKeyProvider, aeads: dict[str, tuple[bytes, AESGCM]] | None = None
+) -> tuple[bytes, int, bytes | memoryview]:
+    """Authenticate a record: ``(header block hash, flags, body)``; raises :class:`BlockRestoreError`.
+
+    ``body`` is ``len(meta) ‖ meta ‖ payload``, checksummed (plain) or
+    decrypted (sealed). ``aeads`` caches key id → (key, AESGCM) for one batch
+    only; a key destroyed before the batch is never found (``key_by_id`` is
+    asked once per key id per batch).
+    """
     block_hash = _record_block_hash(data)
     if block_hash is None:
         raise BlockRestoreError(b"", "bad_header")
     flags = data[5]
+    view = memoryview(data)
     if flags == _FLAG_PLAIN:
-        if len(data) < _HEADER.size + _CHECKSUM_BYTES or hashlib.sha256(data[:-_CHECKSUM_BYTES]).digest() != data[-_CHECKSUM_BYTES:]:
+        if len(data) < _HEADER.size + _CHECKSUM_BYTES or hashlib.sha256(view[:-_CHECKSUM_BYTES]).digest() != data[-_CHECKSUM_BYTES:]:
             raise BlockRestoreError(block_hash, "checksum_mismatch")
-        body = data[_HEADER.size : -_CHECKSUM_BYTES]
-    elif flags == _FLAG_SEALED:
-        if len(data) <= _HEADER.size:
-            raise BlockRestoreError(block_hash, "bad_header")
-        key_id_end = _HEADER.size + 1 + data[_HEADER.size]
-        try:
-            key_id = data[_HEADER.size + 1 : key_id_end].decode("ascii")
-        except UnicodeDecodeError:
-            raise BlockRestoreError(block_hash, "bad_header") from None
+        return block_hash, flags, view[_HEADER.size : -_CHECKSUM_BYTES]
+    if flags != _FLAG_SEALED or len(data) <= _HEADER.size:
+        raise BlockRestoreError(block_hash, "bad_header")
+    key_id_end = _HEADER.size + 1 + data[_HEADER.size]
+    try:
+        key_id = data[_HEADER.size + 1 : key_id_end].decode("ascii")
+    except UnicodeDecodeError:
+        raise BlockRestoreError(block_hash, "bad_header") from None
+    cached = None if aeads is None else aeads.get(key_id)
+    if cached is None:
         key = key_provider.key_by_id(key_id)
         if key is None:
             raise BlockRestoreError(block_hash, "key_unavailable")
-        opened = unseal(key, key_id, block_hash, data[key_id_end:])
-        if opened is None:
-            raise BlockRestoreError(block_hash, "decrypt_failed")
-        body = opened
+        aead = AESGCM(key) if aeads is not None and len(key) == KEY_BYTES else None
+        if aead is not None:
+            aeads[key_id] = (key, aead)
     else:
-        raise BlockRestoreError(block_hash, "bad_header")
+        key, aead = cached
+    opened = unseal(key, key_id, block_hash, view[key_id_end:], aead)
+    if opened is None:
+        raise BlockRestoreError(block_hash, "decrypt_failed")
+    return block_hash, flags, opened
+
+
+def _parse_record_body(block_hash: bytes, flags: int, body: bytes | memoryview) -> tuple[BlockRecord, bytes]:
+    """The record in an authenticated body and its raw meta bytes; checks hash and scope against the header."""
     try:
         (meta_len,) = _U32.unpack_from(body)
-        meta = json.loads(body[4 : 4 + meta_len])
+        meta_bytes = bytes(body[4 : 4 + meta_len])
+        meta = json.loads(meta_bytes)
         key = _key_from_dict(meta["key"])
         expires_at_wall = meta["expires_at_wall"]
-        record = BlockRecord(key, str(meta["kv_format"]), None if expires_at_wall is None else float(expires_at_wall), body[4 + meta_len :])
+        record = BlockRecord(key, str(meta["kv_format"]), None if expires_at_wall is None else float(expires_at_wall), bytes(body[4 + meta_len :]))
     except (struct.error, ValueError, KeyError, TypeError):
         raise BlockRestoreError(block_hash, "bad_metadata") from None
     if key.block_hash != block_hash:
         raise BlockRestoreError(block_hash, "hash_mismatch")
     if (flags == _FLAG_PLAIN) != (key.provenance.scope == CacheScope.PUBLIC):
         raise BlockRestoreError(block_hash, "scope_mismatch")
-    return record
+    return record, meta_bytes
+
+
+def decode_block_record(data: bytes, key_provider: DataKeyProvider) -> BlockRecord:
+    """Parse and authenticate a record; raises :class:`BlockRestoreError` with the reason it is unusable."""
+    block_hash, flags, body = _open_record(data, key_provider)
+    return _parse_record_body(block_hash, flags, body)[0]
+
+
+def _read_file(path: str, size_hint: int) -> bytes:
+    """A whole file in one ``read`` when ``size_hint`` is right (raises FileNotFoundError)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.read(fd, size_hint + 1)
+        while True:
+            more = os.read(fd, 1 << 20)
+            if not more:
+                return data
+            data += more
+    finally:
+        os.close(fd)
 
 
 def _tensor_bytes(kv: torch.Tensor) -> bytes:
     return kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+_MAX_SLICE_RUNS = 16
+
+
+def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first slot, first position, length)`` of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, slot in enumerate(slots):
+        if runs and slot == runs[-1][0] + runs[-1][2]:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((slot, pos, 1))
+    return runs
+
+
+# Batched slot I/O on ``[slots, block_elements]`` views: contiguous runs become plain slice copies
+# (memcpy/memset speed), anything more fragmented one indexed op. All three write every listed row.
+
+
+def _gather_slots(table: torch.Tensor, slots: Sequence[int], out: torch.Tensor) -> None:
+    """``out[i] = table[slots[i]]``."""
+    runs = _slot_runs(slots)
+    if len(runs) <= _MAX_SLICE_RUNS:
+        for start, first, length in runs:
+            out[first : first + length].copy_(table[start : start + length])
+    else:
+        torch.index_select(table, 0, torch.tensor(slots, dtype=torch.long, device=table.device), out=out)
+
+
+def _scatter_slots(table: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None:
+    """``table[slots[i]] = rows[i]``."""
+    runs = _slot_runs(slots)
+    if len(runs) <= _MAX_SLICE_RUNS:
+        for start, first, length in runs:
+            table[start : start + length].copy_(rows[first : first + length])
+    else:
+        table.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=table.device), rows)
+
+
+def _zero_slots(table: torch.Tensor, slots: Sequence[int]) -> None:
+    """``table[slot] = 0`` for every listed slot."""
+    runs = _slot_runs(slots)
+    if len(runs) <= _MAX_SLICE_RUNS:
+        for start, _, length in runs:
+            table[start : start + length].zero_()
+    else:
+        table.index_fill_(0, torch.tensor(slots, dtype=torch.long, device=table.device), 0)
 
 
 class BlockPool:
@@ -400,10 +501,13 @@ class BlockPool:
             Tier.HOST: torch.zeros((config.num_host_blocks, *spec.block_shape), dtype=spec.dtype, pin_memory=pin),
         }
         # Sorted lists are valid heaps: the lowest free slot is reused first, which keeps layouts deterministic.
+        # Two-dimensional views ``[slots, block_elements]`` of the same storage for batched slot I/O.
+        self._flat_slots = {tier: table.view(table.shape[0], spec.num_elements) for tier, table in self._slots.items()}
         self._free_slots = {Tier.DEVICE: list(range(config.num_device_blocks)), Tier.HOST: list(range(config.num_host_blocks))}
         self._disk_dir = config.disk_dir if config.disk_dir is not None and config.max_disk_blocks > 0 else None
         if self._disk_dir is not None:
             self._disk_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._disk_prefix = "" if self._disk_dir is None else os.path.join(self._disk_dir, "")
         self._capacity = {
             Tier.DEVICE: config.num_device_blocks,
             Tier.HOST: config.num_host_blocks,
@@ -413,6 +517,9 @@ class BlockPool:
         self._lru = {tier: LRUEvictionStrategy() for tier in Tier}
         self._num_entries = dict.fromkeys(Tier, 0)
         self._disk_file_bytes: dict[bytes, int] = {}
+        # The exact meta bytes this pool wrote into each block file: a disk hit whose authenticated
+        # meta equals them needs no JSON parse (same key, namespace and KV format by construction).
+        self._disk_meta: dict[bytes, bytes] = {}
         self._events: list[PoolEvent] = []
         self._num_evictions = 0
         self._num_expired = 0
@@ -572,29 +679,214 @@ class BlockPool:
     # --- reading -------------------------------------------------------------------------
 
     def read_blocks(self, entries: Sequence[CacheEntry], promote: bool = True) -> torch.Tensor:
-        """KV of referenced entries as ``[n, *block_shape]`` on the pool device.
+        """KV of referenced entries as ``[n, *block_shape]`` on the pool device (fresh memory, never a slot view).
 
         Host and disk hits are promoted to the device tier when ``promote`` and
         there is room. A corrupt or undecryptable block is removed
         (RESTORE_FAILED) and :class:`BlockRestoreError` raised; an entry
         tombstoned while referenced raises it too, so invalidated bytes are never served.
+        Both are checked before any block moves.
+
+        The tensor work is batched: one gather of all host hits and one
+        decode pass over the disk hits into a staging tensor, one zero-fill of
+        the host slots they leave, one write into the device slots, one gather
+        of device hits (each a slice copy per run of consecutive slots, or one
+        indexed op when the slots are fragmented). Bookkeeping (LRU, events, counters)
+        stays per entry and in entry order, exactly as one-by-one promotion
+        would produce it: a device victim's demotion may take a host slot a
+        promoted block just left (a swap). Memory of referenced entries is
+        never freed or moved by anyone but their reader's own promotion.
         """
         with self._lock:
             for entry in entries:
                 if entry.ref_count <= 0:
                     raise ValueError("read_blocks needs entries referenced with inc_lock_ref")
-            out = torch.empty((len(entries), *self._spec.block_shape), dtype=self._spec.dtype, device=self._config.device)
-            now = self._clock()
-            for index, entry in enumerate(entries):
+            for entry in entries:
                 if entry.tombstoned or entry.tier is None:
                     raise BlockRestoreError(entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED))
-                kv = self._read_payload(entry)
-                if promote and entry.tier is not Tier.DEVICE and self._promote(entry, kv):
-                    kv = self._slots[Tier.DEVICE][entry.slot]
-                out[index].copy_(kv)
+            num = len(entries)
+            device = torch.device(self._config.device)
+            shape = self._spec.block_shape
+            now = self._clock()
+            first_row: dict[int, int] = {}
+            duplicates: list[tuple[int, int]] = []
+            device_rows: list[int] = []
+            device_slots: list[int] = []
+            lower: list[CacheEntry] = []  # distinct host/disk entries in row order
+            lower_rows: list[int] = []
+            for row, entry in enumerate(entries):
+                first = first_row.setdefault(id(entry), row)
+                if first != row:
+                    duplicates.append((row, first))
+                elif entry.tier is Tier.DEVICE:
+                    device_rows.append(row)
+                    device_slots.append(entry.slot)
+                else:
+                    lower.append(entry)
+                    lower_rows.append(row)
+            # Stage every host/disk hit in one CPU tensor (row order). Disk files are decoded first, so a
+            # corrupt one is removed and raised before anything moves.
+            lower_kv = None
+            if lower:
+                lower_kv = torch.empty((len(lower), *shape), dtype=self._spec.dtype)
+                lower_flat = lower_kv.view(len(lower), -1)
+                self._load_disk_payloads(lower, lower_kv)
+                host_pos = [pos for pos, entry in enumerate(lower) if entry.tier is Tier.HOST]
+                if len(host_pos) == len(lower):
+                    _gather_slots(self._flat_slots[Tier.HOST], [entry.slot for entry in lower], lower_flat)
+                elif host_pos:
+                    gathered = torch.empty((len(host_pos), lower_flat.shape[1]), dtype=self._spec.dtype)
+                    _gather_slots(self._flat_slots[Tier.HOST], [lower[pos].slot for pos in host_pos], gathered)
+                    lower_flat.index_copy_(0, torch.tensor(host_pos, dtype=torch.long), gathered)
+            if lower_kv is not None and lower_kv.device != device:
+                lower_kv = lower_kv.to(device)
+            if promote and lower:
+                self._promote_batch(lower, lower_kv.view(len(lower), -1))
+            if lower_kv is not None and len(lower) == num:
+                out = lower_kv  # fresh staging memory in row order: no further copy
+            else:
+                out = torch.empty((num, *shape), dtype=self._spec.dtype, device=device)
+                if lower_kv is not None:
+                    out.index_copy_(0, torch.tensor(lower_rows, dtype=torch.long, device=device), lower_kv)
+                if device_rows and len(device_rows) == num:
+                    _gather_slots(self._flat_slots[Tier.DEVICE], device_slots, out.view(num, -1))
+                elif device_rows:
+                    gathered = torch.empty((len(device_rows), out[0].numel()), dtype=self._spec.dtype, device=device)
+                    _gather_slots(self._flat_slots[Tier.DEVICE], device_slots, gathered)
+                    out.view(num, -1).index_copy_(0, torch.tensor(device_rows, dtype=torch.long, device=device), gathered)
+                for row, first in duplicates:
+                    out[row].copy_(out[first])
+            for entry in entries:
                 entry.last_access = now
                 self._lru[entry.tier].touch(entry)
             return out
+
+    def _load_disk_payloads(self, lower: Sequence[CacheEntry], staging: torch.Tensor) -> None:
+        """Decode the disk entries of ``lower`` into their rows of ``staging``; a bad file is dropped and raised."""
+        staging_bytes = None
+        aeads: dict[str, tuple[bytes, AESGCM]] = {}
+        for pos, entry in enumerate(lower):
+            if entry.tier is not Tier.DISK:
+                continue
+            if staging_bytes is None:
+                staging_bytes = staging.view(torch.uint8).reshape(len(lower), self._spec.block_bytes).numpy()
+            staging_bytes[pos] = np.frombuffer(self._disk_payload(entry, aeads), dtype=np.uint8)
+
+    def _disk_payload(self, entry: CacheEntry, aeads: dict[str, tuple[bytes, AESGCM]]) -> bytes | memoryview:
+        """The authenticated KV bytes of a disk entry's file; a missing or bad file is dropped and raised.
+
+        When the authenticated meta equals the bytes this pool wrote for the
+        entry, the header hash, the scope flag and the payload length are
+        checked and the JSON is not parsed again: equal meta means the same
+        key (block hash, namespace, provenance) and KV format as were checked
+        when the block was admitted. Otherwise the record is fully parsed and
+        checked, as for a file found at start.
+        """
+        block_hash = entry.block_hash
+        try:
+            data = _read_file(self._disk_prefix + block_hash.hex() + ".kvb", self._disk_file_bytes.get(block_hash, 0))
+        except FileNotFoundError:
+            self._drop(entry, RemovalReason.RESTORE_FAILED)
+            raise BlockRestoreError(block_hash, "file_missing") from None
+        try:
+            header_hash, flags, body = _open_record(data, self._key_provider, aeads)
+            if header_hash != block_hash:
+                raise BlockRestoreError(block_hash, "hash_mismatch")
+            known_meta = self._disk_meta.get(block_hash)
+            meta_len = _U32.unpack_from(body)[0] if len(body) >= _U32.size else -1
+            if known_meta is not None and meta_len == len(known_meta) and body[4 : 4 + meta_len] == known_meta:
+                if (flags == _FLAG_PLAIN) != (entry.provenance.scope == CacheScope.PUBLIC):
+                    raise BlockRestoreError(block_hash, "scope_mismatch")
+                payload = body[4 + meta_len :]
+                if len(payload) != self._spec.block_bytes:
+                    raise BlockRestoreError(block_hash, "format_mismatch")
+                return payload
+            record, _ = _parse_record_body(header_hash, flags, body)
+            self._check_record(record, block_hash)
+            return record.payload
+        except BlockRestoreError as error:
+            self._drop(entry, RemovalReason.RESTORE_FAILED)
+            raise BlockRestoreError(block_hash, error.reason) from None
+
+    def _promote_batch(self, lower: Sequence[CacheEntry], staged: torch.Tensor) -> None:
+        """Move the leading host/disk entries of ``lower`` to device slots; ``staged[i]`` is ``lower[i]``'s KV.
+
+        As many move as there are free device slots plus unreferenced READY
+        device entries to demote (every entry read is referenced, so none of
+        them can be a victim, and once one finds no room none after it does).
+        Bookkeeping and events go per entry, in order; the tensor work is
+        batched: the staged KV is written into the new device slots in one
+        go, and the host slots left behind are zeroed in one go — earlier
+        whenever a device victim must be demoted, since its demotion may reuse
+        a slot just left (a swap) and must find it zeroed and not be zeroed
+        after. Both also run if the loop raises, so no device slot an entry
+        was placed in is left without its bytes and no left slot unzeroed.
+        Nothing reads the new device slots before the write: their entries
+        are referenced.
+
+        The disk files they leave are unlinked without the zero overwrite
+        that removal uses: a promotion keeps the block cached, so it deletes
+        no data. A sealed (tenant/user) file stays covered by crypto-erase —
+        its ciphertext is useless once the scope key is destroyed — and a
+        public block holds no personal data. Every path that deletes a
+        block's data (eviction, expiry, invalidation, restore failure: all go
+        through ``_drop``) still overwrites and unlinks with evidence. No
+        fsync on this read path. Residual: the freed filesystem blocks of a
+        sealed file may keep its ciphertext after a later *document*
+        invalidation while the tenant key stays alive — readable only with
+        raw-device access and that key, and gone with the key's destruction
+        (the overwrite itself is best effort on SSDs and copy-on-write
+        filesystems).
+        """
+        budget = len(self._free_slots[Tier.DEVICE])
+        if budget < len(lower):
+            for candidate in self._lru[Tier.DEVICE].candidates():
+                if candidate.ref_count == 0:
+                    budget += 1
+                    if budget >= len(lower):
+                        break
+        moved = lower[: min(budget, len(lower))]
+        free_host, free_device = self._free_slots[Tier.HOST], self._free_slots[Tier.DEVICE]
+        host_table = self._flat_slots.get(Tier.HOST)
+        left_host_slots: list[int] = []  # left by moved entries, not yet zeroed
+        placed: list[int] = []
+        try:
+            for entry in moved:
+                from_tier = entry.tier
+                if from_tier is Tier.HOST:
+                    left_host_slots.append(entry.slot)
+                else:
+                    self._unlink_promoted_file(entry)
+                self._unplace(entry)
+                if not free_device:
+                    if left_host_slots:
+                        _zero_slots(host_table, left_host_slots)
+                        for slot in left_host_slots:
+                            heapq.heappush(free_host, slot)
+                        left_host_slots.clear()
+                    made_room = self._make_room(Tier.DEVICE)
+                    assert made_room, "an unreferenced device victim always yields a slot"
+                slot = heapq.heappop(free_device)
+                self._place(entry, Tier.DEVICE, slot)
+                placed.append(slot)
+                self._events.append(BlockMoved(entry.key.block_hash, from_tier, Tier.DEVICE))
+        finally:
+            if left_host_slots:
+                _zero_slots(host_table, left_host_slots)
+                for slot in left_host_slots:
+                    heapq.heappush(free_host, slot)
+            if placed:
+                _scatter_slots(self._flat_slots[Tier.DEVICE], placed, staged[: len(placed)])
+            self._num_promotions += len(placed)
+
+    def _unlink_promoted_file(self, entry: CacheEntry) -> None:
+        """Unlink the file a promoted block left (see :meth:`_promote_batch` for why no overwrite)."""
+        try:
+            os.unlink(self._disk_prefix + entry.block_hash.hex() + ".kvb")
+        except FileNotFoundError:
+            pass
+        self._disk_file_bytes.pop(entry.block_hash, None)
+        self._disk_meta.pop(entry.block_hash, None)
 
     def export_record(self, entry: CacheEntry) -> bytes | None:
         """A referenced entry as an at-rest record (snapshots); None if its scope has no data key."""
@@ -721,7 +1013,7 @@ class BlockPool:
                 data = path.read_bytes()
                 encrypted = len(data) > _HEADER.size and data[5] == _FLAG_SEALED
                 try:
-                    record = decode_block_record(data, self._key_provider)
+                    record, meta = _parse_record_body(*_open_record(data, self._key_provider))
                     self._check_record(record, block_hash)
                 except BlockRestoreError:
                     self._delete_stray_file(path, block_hash, encrypted, RemovalReason.RESTORE_FAILED)
@@ -735,7 +1027,8 @@ class BlockPool:
                     continue
                 entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
                 self._entries[block_hash] = entry
-                self._disk_file_bytes[block_hash] = path.stat().st_size
+                self._disk_file_bytes[block_hash] = len(data)
+                self._disk_meta[block_hash] = meta
                 self._place(entry, Tier.DISK, None)
                 num_loaded += 1
             return num_loaded
@@ -917,6 +1210,7 @@ class BlockPool:
         if entry.tier is Tier.DISK:
             verified = overwrite_and_unlink(self._disk_path(entry.block_hash))
             self._disk_file_bytes.pop(entry.block_hash, None)
+            self._disk_meta.pop(entry.block_hash, None)
             encrypted = entry.provenance.scope != CacheScope.PUBLIC
             return RemovalEvidence(entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified)
         slot_tensor = self._slots[entry.tier][entry.slot]
@@ -942,7 +1236,9 @@ class BlockPool:
 
     def _write_disk(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
         """Write the block file (sealed unless public); False when its scope has no data key."""
-        data = encode_block_record(self._record(entry, kv), self._key_provider)
+        record = self._record(entry, kv)
+        meta = _record_meta(record)
+        data = encode_block_record(record, self._key_provider, meta)
         if data is None:
             return False
         fd = os.open(self._disk_path(entry.block_hash), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -953,6 +1249,7 @@ class BlockPool:
         finally:
             os.close(fd)
         self._disk_file_bytes[entry.block_hash] = len(data)
+        self._disk_meta[entry.block_hash] = meta
         return True
 
     def _check_record(self, record: BlockRecord, block_hash: bytes) -> None:

@@ -65,15 +65,21 @@ def seal(key: bytes, key_id: str, block_hash: bytes, plaintext: bytes) -> bytes:
     return nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(block_hash, key_id))
 
 
-def unseal(key: bytes, key_id: str, block_hash: bytes, sealed: bytes) -> bytes | None:
-    """The plaintext, or None when the ciphertext, block hash or key id does not authenticate."""
+def unseal(key: bytes, key_id: str, block_hash: bytes, sealed: bytes | memoryview, aead: AESGCM | None = None) -> bytes | None:
+    """The plaintext, or None when the ciphertext, block hash or key id does not authenticate.
+
+    ``aead`` may pass an ``AESGCM(key)`` already built for ``key``: building one
+    costs about as much as decrypting a 32 KiB block, so a batch of blocks under
+    one key (a restored prefix) builds it once. Callers keep such an object no
+    longer than the batch, so no key material outlives a key's destruction.
+    """
     if len(key) != KEY_BYTES:
         raise ValueError(f"data keys are {KEY_BYTES} bytes, got {len(key)}")
     if len(sealed) < NONCE_BYTES + TAG_BYTES:
         return None
-    nonce, ciphertext = sealed[:NONCE_BYTES], sealed[NONCE_BYTES:]
+    nonce, ciphertext = bytes(sealed[:NONCE_BYTES]), sealed[NONCE_BYTES:]
     try:
-        return AESGCM(key).decrypt(nonce, ciphertext, _aad(block_hash, key_id))
+        return (AESGCM(key) if aead is None else aead).decrypt(nonce, ciphertext, _aad(block_hash, key_id))
     except InvalidTag:
         return None
 

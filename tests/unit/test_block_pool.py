@@ -702,3 +702,143 @@ def test_two_threads_share_the_pool_safely(tmp_path):
     assert errors == []
     stats = pool.stats()
     assert stats.num_entries[DEVICE] + stats.num_entries[HOST] == len(pool.ready_entries()) == 6
+
+
+# --- batched reads ---------------------------------------------------------------------------
+
+
+BATCH = 24  # more blocks than _MAX_SLICE_RUNS, so a shuffled order takes the indexed (gather/scatter) path
+
+
+def _batch_order(order: str) -> list[int]:
+    return list(range(BATCH)) if order == "ordered" else [(i * 7) % BATCH for i in range(BATCH)]
+
+
+@pytest.mark.parametrize("order", ["ordered", "shuffled"])
+def test_batched_promotion_of_host_blocks(tmp_path, order):
+    pool = make_pool(tmp_path, device=BATCH, host=BATCH)
+    for i in range(BATCH):
+        store(pool, i)
+        assert pool.demote(block_hash(i), HOST)
+    pool.take_events()
+    assert pool.stats().num_entries[HOST] == BATCH and torch.count_nonzero(pool._slots[DEVICE]) == 0
+    indices = _batch_order(order)
+    entries = [pool.get_ready(block_hash(i)) for i in indices]
+    out = read(pool, entries)
+    assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
+    assert pool.take_events() == [BlockMoved(block_hash(i), HOST, DEVICE) for i in indices]
+    for i, entry in zip(indices, entries, strict=True):
+        assert entry.tier is DEVICE and torch.equal(pool._slots[DEVICE][entry.slot], make_kv(i))
+    assert torch.count_nonzero(pool._slots[HOST]) == 0  # every slot the blocks left is zeroed
+    assert sorted(pool._free_slots[HOST]) == list(range(BATCH))
+    stats = pool.stats()
+    assert stats.num_entries == {DEVICE: BATCH, HOST: 0, DISK: 0}
+    assert stats.tier_bytes == {DEVICE: BATCH * SPEC.block_bytes, HOST: 0, DISK: 0}
+    assert stats.num_promotions == BATCH
+    out.zero_()  # the result is the reader's own memory, not a view of a slot
+    assert torch.equal(pool._slots[DEVICE][entries[0].slot], make_kv(indices[0]))
+    # Device hits in an order that breaks every slot run take the indexed gather; nothing moves.
+    assert torch.equal(read(pool, entries[::-1]), torch.stack([make_kv(i) for i in indices[::-1]]))
+    assert pool.take_events() == []
+
+
+@pytest.mark.parametrize("scope", [PUBLIC, TENANT, USER])
+@pytest.mark.parametrize("order", ["ordered", "shuffled"])
+def test_batched_promotion_of_disk_blocks(tmp_path, scope, order):
+    pool = make_pool(tmp_path, device=BATCH, disk=BATCH)
+    for i in range(BATCH):
+        store(pool, i, scope=scope)
+        assert pool.demote(block_hash(i), DISK)
+    pool.take_events()
+    assert len(list((tmp_path / "disk").iterdir())) == BATCH
+    indices = _batch_order(order)
+    entries = [pool.get_ready(block_hash(i)) for i in indices]
+    out = read(pool, entries)
+    assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
+    assert pool.take_events() == [BlockMoved(block_hash(i), DISK, DEVICE) for i in indices]
+    for i, entry in zip(indices, entries, strict=True):
+        assert entry.tier is DEVICE and torch.equal(pool._slots[DEVICE][entry.slot], make_kv(i))
+        assert not pool.disk_path(block_hash(i)).exists()
+    assert list((tmp_path / "disk").iterdir()) == []
+    stats = pool.stats()
+    assert stats.num_entries == {DEVICE: BATCH, HOST: 0, DISK: 0}
+    assert stats.tier_bytes == {DEVICE: BATCH * SPEC.block_bytes, HOST: 0, DISK: 0}
+    assert pool._disk_meta == {}
+
+
+def test_batched_read_mixes_tiers_and_repeated_entries(tmp_path):
+    pool = make_pool(tmp_path, device=4, host=4, disk=4)
+    for i in range(4):
+        store(pool, i, scope=TENANT)
+    assert pool.demote(block_hash(1), HOST)
+    assert pool.demote(block_hash(2), DISK) and pool.demote(block_hash(3), DISK)
+    pool.take_events()
+    e0, e1, e2, e3 = (pool.get_ready(block_hash(i)) for i in range(4))
+    entries = [e2, e0, e1, e2, e3]
+    out = read(pool, entries)
+    assert torch.equal(out, torch.stack([make_kv(2), make_kv(0), make_kv(1), make_kv(2), make_kv(3)]))
+    assert pool.take_events() == [
+        BlockMoved(block_hash(2), DISK, DEVICE),
+        BlockMoved(block_hash(1), HOST, DEVICE),
+        BlockMoved(block_hash(3), DISK, DEVICE),
+    ]
+    assert tiers(pool) == {0: DEVICE, 1: DEVICE, 2: DEVICE, 3: DEVICE}
+    assert torch.count_nonzero(pool._slots[HOST]) == 0 and list((tmp_path / "disk").iterdir()) == []
+    assert e2.ref_count == 0
+
+
+def test_batched_promotion_swaps_with_device_victims_and_stops_when_device_is_held(tmp_path):
+    pool = make_pool(tmp_path, device=2, host=4)
+    for i in (0, 1):
+        store(pool, i)
+        assert pool.demote(block_hash(i), HOST)
+    held, victim = store(pool, 2), store(pool, 3)
+    pool.take_events()
+    host_slots = {i: pool.get_ready(block_hash(i)).slot for i in (0, 1)}
+    pool.inc_lock_ref([held])  # another reader: only the victim's device slot can be taken
+    entries = [pool.get_ready(block_hash(i)) for i in (0, 1)]
+    out = read(pool, entries)
+    pool.dec_lock_ref([held])
+    assert torch.equal(out, torch.stack([make_kv(0), make_kv(1)]))
+    # Block 0 takes the victim's device slot; the victim takes the host slot block 0 left (a swap);
+    # block 1 finds no device slot and stays on the host, served from there.
+    assert pool.take_events() == [BlockMoved(block_hash(3), DEVICE, HOST), BlockMoved(block_hash(0), HOST, DEVICE)]
+    assert tiers(pool) == {0: DEVICE, 1: HOST, 2: DEVICE, 3: HOST}
+    assert victim.slot == host_slots[0]
+    assert torch.equal(pool._slots[HOST][victim.slot], make_kv(3))  # the batched zero-fill ran before the swap
+    assert torch.equal(pool._slots[HOST][host_slots[1]], make_kv(1))
+    assert torch.equal(pool._slots[DEVICE][entries[0].slot], make_kv(0))
+    assert torch.count_nonzero(pool._slots[HOST][2:]) == 0
+
+
+def test_batched_read_with_a_corrupt_file_moves_nothing(tmp_path):
+    pool = make_pool(tmp_path, device=4, host=4, disk=4)
+    for i in range(3):
+        store(pool, i, scope=USER)
+    assert pool.demote(block_hash(0), HOST)
+    assert pool.demote(block_hash(1), DISK) and pool.demote(block_hash(2), DISK)
+    pool.take_events()
+    path = pool.disk_path(block_hash(2))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    entries = [pool.get_ready(block_hash(i)) for i in range(3)]
+    pool.inc_lock_ref(entries)
+    with pytest.raises(BlockRestoreError, match="decrypt_failed"):
+        pool.read_blocks(entries)
+    pool.dec_lock_ref(entries)
+    events = pool.take_events()
+    assert [type(event) for event in events] == [BlockRemoved]
+    assert (events[0].block_hash, events[0].reason) == (block_hash(2), RemovalReason.RESTORE_FAILED)
+    assert tiers(pool) == {0: HOST, 1: DISK}
+    assert torch.equal(pool._slots[HOST][entries[0].slot], make_kv(0))
+    assert not path.exists()
+
+
+def test_disk_hit_without_known_meta_is_fully_checked(tmp_path):
+    """A file indexed at start (no meta remembered) is parsed and checked, and still restores."""
+    pool = make_pool(tmp_path, device=2, disk=2)
+    store(pool, 0, scope=TENANT)
+    assert pool.demote(block_hash(0), DISK)
+    pool._disk_meta.clear()
+    assert torch.equal(read(pool, [pool.get_ready(block_hash(0))])[0], make_kv(0))
