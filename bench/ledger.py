@@ -1,0 +1,310 @@
+"""``kvledger bench ledger``: block events per second from publish to committed
+ledger rows, and per-record consumer lag, against a raw asyncpg bulk insert of
+the same rows into the same database server, in the same run.
+
+The coordinator's consumers run as a separate process (as in production), so the
+producer, broker, consumer and Postgres share this machine's cores the way a
+one-box deployment would. Each run uses a freshly migrated database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import asyncpg
+from sqlalchemy import make_url, pool, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from coordinator.migrate import upgrade
+from events import schema
+from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from kvledger.services import EmbeddedKafka, EmbeddedPostgres
+
+NUM_NODES = 4
+NAMESPACE = "bench-namespace"
+RECORDS_PER_SEND = 20
+POLL_INTERVAL_S = 0.01
+TIMEOUT_S = 600.0
+
+
+def _connect_kwargs(database_url: str) -> dict:
+    url = make_url(database_url)
+    kwargs = {"user": url.username or "postgres", "database": url.database}
+    if url.query.get("host"):
+        kwargs["host"] = url.query["host"]
+        kwargs["port"] = int(url.query.get("port", 5432))
+    else:
+        kwargs["host"], kwargs["port"] = url.host, url.port or 5432
+    if url.password:
+        kwargs["password"] = url.password
+    return kwargs
+
+
+@contextlib.asynccontextmanager
+async def _fresh_database(server_url: str):
+    name = f"kvl_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_async_engine(server_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    async with admin.connect() as connection:
+        await connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        await asyncio.to_thread(upgrade, url)
+        yield url
+    finally:
+        async with admin.connect() as connection:
+            await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        await admin.dispose()
+
+
+def _block(index: int, node: int, run_id: str) -> schema.StoredBlock:
+    digest = uuid.uuid5(uuid.NAMESPACE_URL, f"{run_id}/{node}/{index}").hex
+    return schema.StoredBlock(
+        block_hash=digest * 2,
+        parent_hash=None,
+        namespace=NAMESPACE,
+        tenant_id=None,
+        scope="public",
+        auth_scopes=[],
+        subject_id=None,
+        documents=[],
+        token_offset=index * 16,
+        created_at=datetime.now(UTC),
+        tier="device",
+    )
+
+
+def _workload(num_events: int, blocks_per_record: int, run_id: str) -> dict[str, list[schema.BlockStored]]:
+    """Per node: BlockStored records of ``blocks_per_record`` blocks, seq 1, 2, …"""
+    per_node = num_events // NUM_NODES
+    records: dict[str, list[schema.BlockStored]] = {}
+    for node in range(NUM_NODES):
+        node_id = f"bench-{run_id}-{node}"
+        records[node_id] = [
+            schema.BlockStored(
+                node_id=node_id,
+                epoch=1,
+                seq=seq,
+                blocks=[_block(i, node, run_id) for i in range(start, min(start + blocks_per_record, per_node))],
+            )
+            for seq, start in enumerate(range(0, per_node, blocks_per_record), start=1)
+        ]
+    return records
+
+
+async def _live_counts(connection: asyncpg.Connection) -> dict[str, int]:
+    rows = await connection.fetch("SELECT node_id, count(*) AS n FROM placements WHERE state = 'live' GROUP BY node_id")
+    return {row["node_id"]: row["n"] for row in rows}
+
+
+@dataclass
+class LedgerRun:
+    num_events: int
+    end_to_end_events_per_s: float
+    lag_p50_ms: float
+    lag_p99_ms: float
+    raw_insert_rows_per_s: float
+    raw_copy_rows_per_s: float
+
+
+async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, blocks_per_record: int) -> tuple[float, list[float], int]:
+    run_id = uuid.uuid4().hex[:8]
+    workload = _workload(num_events, blocks_per_record, run_id)
+    env = os.environ | {
+        "KVLEDGER_DATABASE_URL": database_url,
+        "KVLEDGER_KAFKA_BOOTSTRAP": kafka.bootstrap,
+        "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": f"bench-{run_id}",
+        "KVLEDGER_JWT_SECRET": os.environ.get("KVLEDGER_JWT_SECRET", "bench-secret-" + "x" * 32),
+    }
+    with tempfile.TemporaryFile() as log:
+        consumers = subprocess.Popen(
+            [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "consumers"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        connection = await asyncpg.connect(**_connect_kwargs(database_url))
+        try:
+            async with EventProducer(kafka) as producer:
+                await producer.send_many(
+                    schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace=NAMESPACE)) for node_id in workload
+                )
+                # the consumer is up and has applied the starts: every node row exists
+                await _wait(lambda: _count_nodes(connection, list(workload)), len(workload))
+                interleaved = [record for group in zip(*workload.values(), strict=False) for record in group]
+                cumulative: dict[str, int] = dict.fromkeys(workload, 0)
+                targets: list[tuple[str, int, float]] = []  # node, live count that shows the record, publish time
+                started = time.perf_counter()
+                for offset in range(0, len(interleaved), RECORDS_PER_SEND):
+                    chunk = interleaved[offset : offset + RECORDS_PER_SEND]
+                    await producer.send_many(schema.make_event(record) for record in chunk)
+                    published = time.perf_counter()
+                    for record in chunk:
+                        cumulative[record.node_id] += len(record.blocks)
+                        targets.append((record.node_id, cumulative[record.node_id], published))
+            total = sum(cumulative.values())
+            lags, pending = [], list(targets)
+            deadline = time.perf_counter() + TIMEOUT_S
+            while pending:
+                counts = await _live_counts(connection)
+                now = time.perf_counter()
+                still = [(node, need, at) for node, need, at in pending if counts.get(node, 0) < need]
+                lags.extend((now - at) * 1000 for node, need, at in pending if counts.get(node, 0) >= need)
+                pending = still
+                if now > deadline:
+                    raise TimeoutError(f"ledger did not catch up within {TIMEOUT_S}s")
+                if pending:
+                    await asyncio.sleep(POLL_INTERVAL_S)
+            elapsed_s = time.perf_counter() - started
+        finally:
+            await connection.close()
+            consumers.terminate()
+            consumers.wait(timeout=60)
+    return total / elapsed_s, lags, total
+
+
+async def _count_nodes(connection: asyncpg.Connection, node_ids: list[str]) -> int:
+    return await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids)
+
+
+async def _wait(probe, expected: int) -> None:
+    deadline = time.perf_counter() + 120
+    while await probe() < expected:
+        if time.perf_counter() > deadline:
+            raise TimeoutError("coordinator consumers did not start")
+        await asyncio.sleep(0.05)
+
+
+async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: int, use_copy: bool) -> float:
+    """The same block + placement rows written straight through asyncpg (no broker, no consumer)."""
+    run_id = uuid.uuid4().hex[:8]
+    workload = _workload(num_events, blocks_per_record, run_id)
+    connection = await asyncpg.connect(**_connect_kwargs(database_url))
+    try:
+        await connection.execute("INSERT INTO namespaces (namespace) VALUES ($1) ON CONFLICT DO NOTHING", NAMESPACE)
+        await connection.executemany(
+            "INSERT INTO nodes (node_id, epoch, last_seq) VALUES ($1, 1, 0)", [(node_id,) for node_id in workload]
+        )
+        blocks, placements = [], []
+        for node_id, records in workload.items():
+            for record in records:
+                for block in record.blocks:
+                    block_hash = bytes.fromhex(block.block_hash)
+                    blocks.append((block_hash, None, NAMESPACE, None, "public", None, block.token_offset, block.created_at))
+                    placements.append((block_hash, node_id, "device", None, "live", 1, None))
+        started = time.perf_counter()
+        for offset in range(0, len(blocks), blocks_per_record * 500):
+            end = offset + blocks_per_record * 500
+            async with connection.transaction():
+                if use_copy:
+                    await connection.copy_records_to_table(
+                        "blocks",
+                        records=blocks[offset:end],
+                        columns=["block_hash", "parent_hash", "namespace", "tenant_id", "scope", "subject_hash", "token_offset", "created_at"],
+                    )
+                    await connection.copy_records_to_table(
+                        "placements",
+                        records=placements[offset:end],
+                        columns=["block_hash", "node_id", "tier", "snapshot_id", "state", "epoch", "reason"],
+                    )
+                else:
+                    await connection.executemany(
+                        "INSERT INTO blocks (block_hash, parent_hash, namespace, tenant_id, scope, subject_hash, token_offset, created_at)"
+                        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+                        blocks[offset:end],
+                    )
+                    await connection.executemany(
+                        "INSERT INTO placements (block_hash, node_id, tier, snapshot_id, state, epoch, reason)"
+                        " VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                        placements[offset:end],
+                    )
+        return len(blocks) / (time.perf_counter() - started)
+    finally:
+        await connection.close()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+async def _run(args) -> list[LedgerRun]:
+    async with contextlib.AsyncExitStack() as stack:
+        if args.database_url:
+            server_url = args.database_url
+        else:
+            state = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            postgres = await EmbeddedPostgres(state / "postgres").start()
+            stack.push_async_callback(postgres.stop)
+            server_url = postgres.database_url
+        if args.kafka_bootstrap:
+            bootstrap = args.kafka_bootstrap
+        else:
+            kafka_service = await EmbeddedKafka(state_dir=Path(tempfile.mkdtemp())).start()
+            stack.push_async_callback(kafka_service.stop)
+            bootstrap = kafka_service.bootstrap
+        kafka = KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")
+        await ensure_topics(kafka)
+        runs = []
+        for _ in range(args.runs):
+            async with _fresh_database(server_url) as url:
+                events_per_s, lags, total = await _end_to_end(url, kafka, args.events, args.blocks_per_record)
+            async with _fresh_database(server_url) as url:
+                insert_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=False)
+            async with _fresh_database(server_url) as url:
+                copy_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=True)
+            runs.append(
+                LedgerRun(total, events_per_s, _percentile(lags, 0.5), _percentile(lags, 0.99), insert_rows_per_s, copy_rows_per_s)
+            )
+            print(runs[-1], file=sys.stderr, flush=True)
+        return runs
+
+
+def render_markdown(args, runs: list[LedgerRun]) -> str:
+    median = statistics.median
+    e2e = median(r.end_to_end_events_per_s for r in runs)
+    insert = median(r.raw_insert_rows_per_s for r in runs)
+    copy = median(r.raw_copy_rows_per_s for r in runs)
+    ratio_insert = median(r.end_to_end_events_per_s / r.raw_insert_rows_per_s for r in runs)
+    ratio_copy = median(r.end_to_end_events_per_s / r.raw_copy_rows_per_s for r in runs)
+    return "\n".join(
+        [
+            "## Ledger ingest (`kvledger bench ledger`)",
+            "",
+            f"Command: `kvledger bench ledger --runs {args.runs} --events {args.events} --blocks-per-record {args.blocks_per_record}` "
+            f"on {platform.machine()}, {os.cpu_count()} cores, embedded Postgres + Tansu on the same machine, coordinator consumers "
+            f"in their own process. {runs[0].num_events} block events per run over {NUM_NODES} nodes; median of {len(runs)} runs; "
+            "each ratio is taken within one run.",
+            "",
+            "| metric | value | target |",
+            "|---|---:|---|",
+            f"| end to end (publish → committed ledger rows) | {e2e:,.0f} block events/s | ≥ 20,000 |",
+            f"| consumer lag p50 / p99 (per record, publish → visible) | {median(r.lag_p50_ms for r in runs):,.0f} / {median(r.lag_p99_ms for r in runs):,.0f} ms | |",
+            f"| raw asyncpg bulk INSERT (executemany) of the same rows | {insert:,.0f} rows/s | |",
+            f"| end to end / raw INSERT | {ratio_insert * 100:.0f} % | ≥ 50 % |",
+            f"| raw asyncpg COPY of the same rows (upper bound) | {copy:,.0f} rows/s | |",
+            f"| end to end / raw COPY | {ratio_copy * 100:.0f} % | |",
+            "",
+        ]
+    )
+
+
+def cli(args: argparse.Namespace) -> int:
+    runs = asyncio.run(_run(args))
+    report = render_markdown(args, runs)
+    print(report)
+    if args.output:
+        Path(args.output).write_text(report)
+    return 0
