@@ -1,0 +1,108 @@
+"""`kvledger up` as a user runs it: real processes, real HTTP, the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from gpu_node.auth import issue_token
+
+pytestmark = pytest.mark.e2e
+
+STARTUP_TIMEOUT_S = 240
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _free_port_pair() -> int:
+    """A node port P with P and the coordinator's P - 100 both free."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port > 1200 and _port_is_free(port - 100):
+            return port
+    raise AssertionError("no free port pair")
+
+
+def _wait_for(condition, what: str, timeout_s: float, process: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if process.poll() is not None:
+            raise AssertionError(f"kvledger up exited ({process.returncode}) while waiting for {what}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+def _stack_file(state_dir: Path):
+    path = state_dir / "stack.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
+    state_dir = tmp_path / "state"
+    port = _free_port_pair()
+    log = tmp_path / "up.log"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")}
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvledger.cli", "up", "--state-dir", str(state_dir), "--model", str(tmp_path / "model"), "--port", str(port)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        stack = _wait_for(lambda: _stack_file(state_dir), "stack.json", STARTUP_TIMEOUT_S, process, log)
+        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret"}
+        assert stack["node_urls"] == [f"http://127.0.0.1:{port}"]
+
+        token = issue_token(tenant="acme", sub="alice", scopes=["hr"], pv=1, roles=[], ttl_s=600, secret=stack["jwt_secret"])
+        client = OpenAI(base_url=stack["node_urls"][0] + "/v1", api_key=token, max_retries=0)
+        messages = [
+            {"role": "system", "content": "You are the ACME assistant. " * 20, "cache_scope": "public"},
+            {"role": "user", "content": "Vacation policy: " + "twenty days per year. " * 20, "document": {"id": "handbook", "version": 1, "auth_scope": "hr"}},
+            {"role": "user", "content": "How many days?"},
+        ]
+        first = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=4)
+        second = client.chat.completions.create(model=first.model, messages=messages, max_tokens=4)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
+        assert second.choices[0].message.content == first.choices[0].message.content
+
+        admin = issue_token(tenant="ops", sub="operator", scopes=[], pv=0, roles=["admin"], ttl_s=600, secret=stack["jwt_secret"])
+        headers = {"Authorization": f"Bearer {admin}"}
+
+        def ledger_has_the_blocks():
+            response = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "acme", "doc_id": "handbook"}, headers=headers)
+            return response.status_code == 200 and response.json()["blocks"]
+
+        _wait_for(ledger_has_the_blocks, "the node's blocks in the ledger", 60, process, log)
+        nodes = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers=headers).json()
+        assert [node["node_id"] for node in nodes["nodes"]] == ["node-0"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            status = process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    assert status == 0, log.read_text()[-4000:]
+    assert _port_is_free(port) and _port_is_free(port - 100)
