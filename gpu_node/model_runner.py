@@ -129,14 +129,13 @@ class ModelRunner:
         start = first_block * spec.block_size
         end = start + num_blocks * spec.block_size
         assert cache.get_seq_length() >= end, f"cache holds {cache.get_seq_length()} tokens, need {end}"
-        layers = []
-        for layer in cache.layers[: spec.num_layers]:
-            keys = layer.keys[0, :, start:end, :]
-            values = layer.values[0, :, start:end, :]
-            layers.append(torch.stack((keys, values)))  # [2, H, T, D]
-        stacked = torch.stack(layers)  # [L, 2, H, T, D]
-        stacked = stacked.reshape(spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-        return stacked.permute(3, 0, 1, 2, 4, 5).contiguous()
+        blocks = torch.empty((num_blocks, *spec.block_shape), dtype=spec.dtype, device=self.device)
+        for index, layer in enumerate(cache.layers[: spec.num_layers]):
+            for kind, tensor in enumerate((layer.keys, layer.values)):
+                # [H, T, D] -> [H, n, bs, D] -> [n, H, bs, D], copied straight into the output
+                span = tensor[0, :, start:end, :].reshape(spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+                blocks[:, index, kind].copy_(span.permute(1, 0, 2, 3))
+        return blocks
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
