@@ -300,7 +300,7 @@ def compute_block_keys(
             segment = segments[segment_index]
             if segment.start >= end:
                 break
-            if segment.end > start:
+            if segment.end > start and segment.end > segment.start:  # an empty segment holds no token
                 if segment.scope > scope:
                     scope, changed = segment.scope, True
                 auth_scope = segment.auth_scope
@@ -328,17 +328,21 @@ def compute_block_keys(
                 documents=tuple(documents),
                 created_at=created_at,
             )
-        tail = token_length, _field(adapter_field + _field("\x00".join(block_documents).encode()))
-        block_hash = _sha256(b"".join((parent, salt_field, token_length, packed[start * 4 : end * 4], tail[1]))).digest()
+        extra_field = _field(adapter_field + _field("\x00".join(block_documents).encode()))
+        block_hash = _sha256(b"".join((parent, salt_field, token_length, packed[start * 4 : end * 4], extra_field))).digest()
         append(BlockKey(block_hash, parent, index, block_size, provenance))
         parent = block_hash
         index += 1
         # Fast path: the following blocks lie wholly inside the current segment,
-        # so salt, provenance and extra are unchanged; only tokens and parent move.
-        if segment_index < len(segments):
-            last_inside = min(segments[segment_index].end // block_size, num_blocks)
+        # which this block already entered (so scope, auth scopes and documents are
+        # walked): salt and provenance are unchanged and the block's extra holds
+        # only this segment's document. Only tokens and parent move.
+        if segment_index < len(segments) and segments[segment_index].start < end:
+            segment = segments[segment_index]
+            last_inside = min(segment.end // block_size, num_blocks)
             prefix = salt_field + token_length
-            suffix = tail[1]
+            tags = segment.document.tag if segment.document is not None else ""
+            suffix = _field(adapter_field + _field(tags.encode()))
             while index < last_inside:
                 offset = index * stride
                 block_hash = _sha256(b"".join((parent, prefix, packed[offset : offset + stride], suffix))).digest()

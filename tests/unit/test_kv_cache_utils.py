@@ -7,6 +7,8 @@ import hashlib
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_node.kv_cache_utils import (
     BlockProvenance,
@@ -20,6 +22,7 @@ from gpu_node.kv_cache_utils import (
     namespace_root,
     num_cacheable_blocks,
     pack_token_ids,
+    scope_salt,
 )
 
 BLOCK = 4
@@ -195,3 +198,54 @@ def test_last_token_is_always_recomputed():
 def test_provenance_round_trips():
     provenance = keys_for()[5].provenance
     assert BlockProvenance.from_dict(provenance.to_dict()) == provenance
+
+
+def test_segment_starting_exactly_at_a_block_boundary_sets_the_scope_of_the_blocks_after_it():
+    """Regression: the fast path once reused the previous segment's salt and provenance for every
+    block of a segment that began on a block boundary, making tenant document blocks public."""
+    segments = layout(public=4, tenant=8, user=5)
+    keys = compute_block_keys("ns", tokens(17), segments, ALICE, block_size=4)
+    assert [key.provenance.scope for key in keys] == [CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.TENANT, CacheScope.USER]
+    assert [key.provenance.documents for key in keys] == [(), (HANDBOOK.tag,), (HANDBOOK.tag,), (HANDBOOK.tag,)]
+    other_tenant = compute_block_keys("ns", tokens(17), segments, dataclasses.replace(ALICE, tenant_id="globex"), block_size=4)
+    assert keys[0].block_hash == other_tenant[0].block_hash
+    assert keys[1].block_hash != other_tenant[1].block_hash
+
+
+def reference_keys(namespace, token_ids, segments, principal, block_size):
+    """DESIGN §2 computed the slow, obvious way: per block, scan every segment of the prefix."""
+    parent = namespace_root(namespace)
+    hashes = []
+    for index in range(num_cacheable_blocks(len(token_ids), block_size)):
+        start, end = index * block_size, (index + 1) * block_size
+        prefix = [s for s in segments if s.start < end and s.end > s.start]
+        scope = max((s.scope for s in prefix), default=CacheScope.PUBLIC)
+        auth = {}
+        for s in prefix:
+            if s.auth_scope is not None:
+                auth.setdefault(s.auth_scope, principal.policy_version(s.auth_scope))
+        in_block = [s.document.tag for s in prefix if s.document is not None and s.end > start]
+        salt = scope_salt(scope, principal, tuple(sorted(auth.items())))
+        extra = _field(_field(b"") + _field("\x00".join(in_block).encode()))
+        parent = hashlib.sha256(parent + _field(salt) + _field(pack_token_ids(token_ids[start:end])) + extra).digest()
+        hashes.append(parent)
+    return hashes
+
+
+segment_plan = st.lists(
+    st.tuples(st.integers(0, 9), st.sampled_from(["public", "tenant", "doc-a", "doc-b", "user"])), min_size=1, max_size=8
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(plan=segment_plan, block_size=st.sampled_from([1, 2, 4, 16]))
+def test_fast_path_equals_the_reference_definition(plan, block_size):
+    segments, position = [], 0
+    for length, kind in plan:
+        document = {"doc-a": HANDBOOK, "doc-b": DocumentRef("payroll", 2, "finance")}.get(kind)
+        scope = CacheScope.TENANT if document else CacheScope.parse(kind)
+        segments.append(Segment(position, position + length, scope, document))
+        position += length
+    token_ids = tokens(position)
+    keys = compute_block_keys("ns-prop", token_ids, segments, ALICE, block_size=block_size, now=0.0)
+    assert [key.block_hash for key in keys] == reference_keys("ns-prop", token_ids, segments, ALICE, block_size)
