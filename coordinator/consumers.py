@@ -1,4 +1,5 @@
-"""The coordinator's background work: the kv-events consumer, the outbox relay and the dead-letter tally."""
+"""The coordinator's background work: the kv-events consumer, the invalidation consumer
+(documents, permissions, acks), the outbox relay and the dead-letter tally."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import logging
 
 from coordinator.db import Database
 from coordinator.ingest import DeadLetterTally, LedgerIngest
+from coordinator.invalidation import InvalidationHandler
 from coordinator.outbox import OutboxRelay
 from coordinator.settings import CoordinatorSettings
 from events import kafka
-from events.topics import KV_EVENTS
+from events.topics import ACKS, DOCUMENTS, KV_EVENTS, PERMISSIONS
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_FLUSH_S = 1.0
+INVALIDATION_GROUP_SUFFIX = "-invalidations"
+"""The invalidation consumer has its own group, so a slow kv-events backlog never delays a revocation."""
 
 
 def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
@@ -49,11 +53,21 @@ async def run_consumers(
     consumer = kafka.BatchConsumer(
         config, [KV_EVENTS], ingest, dead_letter_counter=tally, max_records=settings.kafka.max_batch_records
     )
+    invalidations = kafka.BatchConsumer(
+        config,
+        [DOCUMENTS, PERMISSIONS, ACKS],
+        InvalidationHandler(database, on_outbox=relay.wake),
+        group_id=config.group_id + INVALIDATION_GROUP_SUFFIX,
+        dead_letter_counter=tally,
+        max_records=settings.kafka.max_batch_records,
+    )
     try:
         await producer.start()
         await consumer.start()
+        await invalidations.start()
         tasks = [
             asyncio.create_task(consumer.run(), name="kv-events consumer"),
+            asyncio.create_task(invalidations.run(), name="invalidation consumer"),
             asyncio.create_task(relay.run(stop), name="outbox relay"),
             asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
         ]
@@ -63,7 +77,7 @@ async def run_consumers(
         try:
             await stop.wait()
         finally:
-            await consumer.stop()
+            await asyncio.gather(consumer.stop(), invalidations.stop())
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:

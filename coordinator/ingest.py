@@ -11,7 +11,12 @@ One polled batch is one database transaction:
    operations (restart, snapshot, inventory) first flush what is accumulated, so
    the net effect always equals applying the events one by one;
 4. commands decided on the way (``InventoryRequested``) are inserted into the
-   outbox in the same transaction.
+   outbox in the same transaction;
+5. blocks stored by the batch whose provenance an earlier invalidation already
+   superseded (a *late* ``BlockStored``) get that invalidation re-issued at once
+   (:func:`coordinator.invalidation.reissue_for_late_blocks`), still in the same
+   transaction. Batches hold the invalidation advisory lock shared, so no decision
+   interleaves with them (see :mod:`coordinator.invalidation`).
 
 Ordering model: records of one node share a partition (key = node id), so they
 arrive in ``seq`` order within an epoch. An event whose ``seq`` is not above the
@@ -41,6 +46,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
 from coordinator.db import Database
+from coordinator.invalidation import Decision, lock_ledger_writes, reissue_for_late_blocks
 from coordinator.models import (
     VOLATILE_TIERS,
     Block,
@@ -114,6 +120,8 @@ class _BatchApplier:
         self.known_blocks: set[bytes] = set()
         self.placements: dict[tuple[bytes, str, str], _PendingPlacement] = {}
         self.outbox: list[dict] = []
+        self.stored: set[bytes] = set()
+        self.late: list[Decision] = []
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.placement_changes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.gaps: collections.Counter[str] = collections.Counter()
@@ -128,6 +136,7 @@ class _BatchApplier:
                 self.outcomes[(event.envelope.type, DUPLICATE)] += 1
             else:
                 unique[event.envelope.event_id] = event
+        await lock_ledger_writes(self.session)
         new_ids = await self._claim_inbox(list(unique.values()))
         fresh_events = []
         for event in unique.values():
@@ -139,6 +148,8 @@ class _BatchApplier:
         for envelope in fresh_events:
             self.outcomes[(envelope.type, await self._apply_event(envelope))] += 1
         await self._flush()
+        if self.stored:
+            self.late = await reissue_for_late_blocks(self.session, self.stored, self.now)
         if self.outbox:
             await self.session.execute(pg_insert(OutboxEntry), self.outbox)
 
@@ -172,8 +183,10 @@ class _BatchApplier:
             .returning(Node.node_id)
         )
         self.fresh_nodes = set(created.all())
+        # NO KEY UPDATE: exclusive among ledger writers, yet foreign-key checks of inserts
+        # referencing these nodes (placements, invalidation targets) do not wait for it.
         locked = await self.session.scalars(
-            select(Node).where(Node.node_id.in_(node_ids)).order_by(Node.node_id).with_for_update()
+            select(Node).where(Node.node_id.in_(node_ids)).order_by(Node.node_id).with_for_update(key_share=True)
         )
         self.nodes = {node.node_id: node for node in locked.all()}
 
@@ -233,6 +246,7 @@ class _BatchApplier:
                 for block in payload.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
                     self.blocks[block_hash] = block
+                    self.stored.add(block_hash)
                     self._place(node, block_hash, block.tier, "live", payload.epoch, None)
             case BlockRemoved():
                 for block in payload.blocks:
@@ -625,7 +639,9 @@ class LedgerIngest:
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
         newest = max(event.envelope.occurred_at for event in events)
         metrics.INGEST_LAG_SECONDS.set(max(0.0, (datetime.now(UTC) - newest).total_seconds()))
-        if applier.outbox and self._on_outbox is not None:
+        for decision in applier.late:
+            metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
+        if (applier.outbox or applier.late) and self._on_outbox is not None:
             self._on_outbox()
 
 

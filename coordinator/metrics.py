@@ -48,3 +48,24 @@ DEAD_LETTER_RECORDS = Gauge(
 )
 OUTBOX_PENDING = Gauge("kvledger_outbox_pending", "Outbox records not yet published (from the ledger).")
 NODES = Gauge("kvledger_ledger_nodes", "Known nodes by liveness (from heartbeat age).", ["liveness"])
+
+INVALIDATION_EVENTS_TOTAL = Counter(
+    "kvledger_invalidation_events_total",
+    "Document, permission and ack events seen by the invalidation consumer, by type and outcome "
+    "(applied; duplicate = inbox hit or repeated ack; superseded = version not above the recorded one; "
+    "unexpected = ack for no known target; unverified = ack whose post-check failed).",
+    ["type", "outcome"],
+)
+INVALIDATIONS_TOTAL = Counter(
+    "kvledger_invalidations_total",
+    "Invalidate commands decided, by predicate kind and trigger (event, api, late_block).",
+    ["kind", "trigger"],
+)
+INVALIDATION_SECONDS = Histogram(
+    "kvledger_invalidation_seconds",
+    "Decision to last expected ack, per completed invalidation.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+INVALIDATION_BATCH_SECONDS = Histogram(
+    "kvledger_invalidation_batch_seconds", "Time to apply and commit one documents/permissions/acks batch."
+)

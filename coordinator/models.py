@@ -16,9 +16,11 @@ Design notes:
   plain unique constraint that ``INSERT … ON CONFLICT`` can target, and the table
   is bounded by the number of distinct copies instead of growing with every
   eviction/promotion cycle. Erasure evidence lives in acks and receipts, not here.
-* Later issues add invalidations, per-node command status, erasures, receipts and
-  the audit log as new tables that reference ``blocks``/``nodes``/``outbox`` by
-  their primary keys; nothing here needs to change shape for them.
+* Invalidations (migration ``0002_invalidation``) are one row per command plus one
+  row per expected node (``invalidation_targets``). ``documents``, ``policies`` and
+  ``namespaces`` point at the invalidation that enforced their current state, so a
+  late ``BlockStored`` of superseded data finds the decided predicate with one join;
+  ``placements.invalidation_id`` names the command that is deleting (or deleted) a copy.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ VOLATILE_TIERS = ("device", "host")
 PLACEMENT_STATES = ("live", "deleted")
 NAMESPACE_STATUSES = ("active", "draining", "retired")
 NODE_STATUSES = ("active", "reconciling")
+PREDICATE_KINDS = ("document", "policy", "subject", "namespace", "tenant")
+INVALIDATION_STATUSES = ("pending", "complete", "failed")
+"""``failed``: some node acked with a post-check that did not verify; a later verified ack can still complete it."""
+INVALIDATION_TRIGGERS = ("event", "api", "late_block")
+TARGET_STATUSES = ("pending", "acked", "failed")
 """``reconciling``: the coordinator missed some of the node's events and waits for its Inventory."""
 
 
@@ -95,6 +102,8 @@ class Namespace(Base):
     status: Mapped[str] = mapped_column(server_default="active")
     first_seen_at: Mapped[datetime] = _now()
     updated_at: Mapped[datetime] = _now()
+    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
+    """The namespace-wide invalidation that drains it (set when retirement starts)."""
 
 
 class Node(Base):
@@ -192,6 +201,7 @@ class Placement(Base):
         ForeignKeyConstraint(["node_id", "snapshot_id"], ["snapshots.node_id", "snapshots.snapshot_id"]),
         Index(None, "node_id", "tier", "state"),
         Index(None, "node_id", "snapshot_id"),
+        Index(None, "invalidation_id", postgresql_where=text("invalidation_id IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
@@ -203,6 +213,8 @@ class Placement(Base):
     epoch: Mapped[int] = mapped_column(BigInteger)
     reason: Mapped[str | None]
     updated_at: Mapped[datetime] = _now()
+    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
+    """The last command that matched this copy: live = deletion pending, deleted = deleted by it."""
 
 
 class Document(Base):
@@ -215,6 +227,7 @@ class Document(Base):
     version: Mapped[int] = mapped_column(BigInteger)
     deleted: Mapped[bool] = mapped_column(server_default=text("false"))
     updated_at: Mapped[datetime] = _now()
+    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
 
 
 class Policy(Base):
@@ -226,6 +239,7 @@ class Policy(Base):
     auth_scope: Mapped[str] = mapped_column(primary_key=True)
     policy_version: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = _now()
+    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
 
 
 class InboxEntry(Base):
@@ -276,3 +290,55 @@ class InventoryChunk(Base):
     num_chunks: Mapped[int] = mapped_column(Integer)
     placements: Mapped[dict[str, Any]]
     received_at: Mapped[datetime] = _now()
+
+
+class Invalidation(Base):
+    """One ``Invalidate`` command: the decision, its predicate and cutoff, and whether every node acked.
+
+    ``seq`` orders decisions for listing and paging (many share one ``created_at``: it is
+    the deciding transaction's time). ``requested_at`` is when the user asked (the
+    event's ``occurred_at`` or the API call), so latency from publish can be reported.
+    ``parent_command_id`` links a ``late_block`` re-emission to the decision it repeats.
+    """
+
+    __tablename__ = "invalidations"
+    __table_args__ = (
+        CheckConstraint(_one_of("kind", PREDICATE_KINDS), name="kind"),
+        CheckConstraint(_one_of("status", INVALIDATION_STATUSES), name="status"),
+        CheckConstraint(_one_of("trigger", INVALIDATION_TRIGGERS), name="trigger"),
+        UniqueConstraint("seq"),
+        Index(None, "status", "seq"),
+    )
+
+    command_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, Identity())
+    kind: Mapped[str]
+    predicate: Mapped[dict[str, Any]]
+    cutoff: Mapped[datetime]
+    trigger: Mapped[str]
+    source_event_id: Mapped[uuid.UUID | None]
+    parent_command_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
+    requested_at: Mapped[datetime]
+    created_at: Mapped[datetime] = _now()
+    completed_at: Mapped[datetime | None]
+    status: Mapped[str] = mapped_column(server_default="pending")
+
+
+class InvalidationTarget(Base):
+    """A node expected to execute a command (registered at decision time) and what it reported."""
+
+    __tablename__ = "invalidation_targets"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", TARGET_STATUSES), name="status"),
+        Index(None, "node_id", "status"),
+    )
+
+    command_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("invalidations.command_id", ondelete="CASCADE"), primary_key=True
+    )
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
+    status: Mapped[str] = mapped_column(server_default="pending")
+    epoch: Mapped[int | None] = mapped_column(BigInteger)
+    acked_at: Mapped[datetime | None]
+    evidence: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
+    """The ack's ``TierEvidence`` list as received (block hashes included: erasure receipts commit to them)."""

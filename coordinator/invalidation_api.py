@@ -1,0 +1,255 @@
+"""HTTP API of invalidations and namespace rollout (issue 4).
+
+* ``GET /v1/invalidations/{command_id}`` — one command: predicate, cutoff, status,
+  timings and, per expected node × tier, the node's evidence and what the ledger
+  shows (live copies the predicate still covers, copies the command deleted).
+* ``GET /v1/invalidations?status=&kind=&limit=&before=`` — newest first, paged by ``seq``.
+* ``GET /v1/namespaces`` — namespaces, lifecycle status, nodes serving each.
+* ``POST /v1/namespaces/{namespace}/retire`` (role ``admin``) — the namespace turns
+  ``draining`` and a namespace-wide ``Invalidate`` goes out through the outbox; it is
+  ``retired`` once every node acked. Refused (409 ``namespace_in_use``) while a live
+  node still serves it: that node would keep rebuilding what is being deleted.
+
+Reads need ``admin``, ``privacy-officer`` or ``auditor``. Errors use the API's
+``{"error": {"message", "type", "code"}}`` shape. Times are the ledger database's clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from coordinator.auth import ADMIN, LEDGER_READERS, authorize
+from coordinator.db import request_session
+from coordinator.invalidation import decide, deleted_by, live_copies_matching, lock_decisions, parse_predicate
+from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
+from coordinator.settings import CoordinatorSettings
+from events.schema import NamespacePredicate
+from gpu_node.kv_cache_utils import Principal
+
+MAX_PAGE_SIZE = 1000
+_ADMINS = frozenset({ADMIN})
+
+
+def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}}
+    )
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _ms(start: datetime, end: datetime | None) -> float | None:
+    return None if end is None else round((end - start).total_seconds() * 1000, 3)
+
+
+def _reader(request: Request) -> Principal:
+    return authorize(request.app.state.verifier, request.headers.get("authorization"), LEDGER_READERS)
+
+
+def _admin(request: Request) -> Principal:
+    return authorize(request.app.state.verifier, request.headers.get("authorization"), _ADMINS)
+
+
+Reader = Annotated[Principal, Depends(_reader)]
+Admin = Annotated[Principal, Depends(_admin)]
+Session = Annotated[AsyncSession, Depends(request_session)]
+
+
+def router(settings: CoordinatorSettings) -> APIRouter:
+    heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
+    api = APIRouter()
+
+    @api.get("/v1/invalidations/{command_id}")
+    async def get_invalidation(command_id: uuid.UUID, _: Reader, session: Session) -> Any:
+        invalidation = await session.get(Invalidation, command_id)
+        if invalidation is None:
+            return _error(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
+        return await _describe(session, invalidation)
+
+    @api.get("/v1/invalidations")
+    async def list_invalidations(
+        _: Reader,
+        session: Session,
+        status: Literal["pending", "complete", "failed"] | None = None,
+        kind: Literal["document", "policy", "subject", "namespace", "tenant"] | None = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
+        before: Annotated[int | None, Query(ge=1)] = None,
+    ) -> dict[str, Any]:
+        """Newest first; page with ``before=<next_cursor>``."""
+        counts = (
+            select(
+                InvalidationTarget.command_id,
+                func.count().label("num_targets"),
+                func.count().filter(InvalidationTarget.status == "acked").label("num_acked"),
+            )
+            .group_by(InvalidationTarget.command_id)
+            .subquery()
+        )
+        query = (
+            select(Invalidation, counts.c.num_targets, counts.c.num_acked)
+            .outerjoin(counts, counts.c.command_id == Invalidation.command_id)
+            .order_by(Invalidation.seq.desc())
+            .limit(limit)
+        )
+        if status is not None:
+            query = query.where(Invalidation.status == status)
+        if kind is not None:
+            query = query.where(Invalidation.kind == kind)
+        if before is not None:
+            query = query.where(Invalidation.seq < before)
+        rows = (await session.execute(query)).all()
+        return {
+            "invalidations": [
+                {**_summary(row.Invalidation), "num_targets": row.num_targets or 0, "num_acked": row.num_acked or 0}
+                for row in rows
+            ],
+            "next_cursor": rows[-1].Invalidation.seq if len(rows) == limit else None,
+        }
+
+    @api.get("/v1/namespaces")
+    async def list_namespaces(_: Reader, session: Session) -> dict[str, Any]:
+        namespaces = (await session.scalars(select(Namespace).order_by(Namespace.namespace))).all()
+        serving = await _serving_nodes(session)
+        return {"namespaces": [_namespace(ns, serving[ns.namespace]) for ns in namespaces]}
+
+    @api.post("/v1/namespaces/{namespace}/retire")
+    async def retire_namespace(namespace: str, _: Admin, session: Session) -> JSONResponse:
+        """Start draining ``namespace`` (202), or report the retirement already under way or done (200)."""
+        async with session.begin():
+            await lock_decisions(session)
+            row = await session.get(Namespace, namespace, with_for_update=True)
+            if row is None:
+                return _error(404, "invalid_request_error", "namespace_not_found", "no such namespace in the ledger")
+            serving = (await _serving_nodes(session))[namespace]
+            if row.status != "active":
+                return JSONResponse(status_code=200, content=_namespace(row, serving))
+            now = await session.scalar(select(func.now()))
+            alive = await session.scalars(
+                select(Node.node_id)
+                .where(
+                    Node.namespace == namespace,
+                    func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at))
+                    < heartbeat_timeout_s,
+                )
+                .order_by(Node.node_id)
+            )
+            in_use = alive.all()
+            if in_use:
+                return _error(
+                    409,
+                    "invalid_request_error",
+                    "namespace_in_use",
+                    f"live nodes still serve this namespace: {', '.join(in_use)}; roll them to the new one first",
+                )
+            decision = await decide(
+                session, NamespacePredicate(ns=namespace), now=now, trigger="api", requested_at=now
+            )
+            row.status = "draining" if decision.num_targets else "retired"
+            row.invalidation_id = decision.command_id
+            row.updated_at = now
+        return JSONResponse(status_code=202, content=_namespace(row, serving))
+
+    return api
+
+
+async def _serving_nodes(session: AsyncSession) -> collections.defaultdict[str, list[str]]:
+    serving: collections.defaultdict[str, list[str]] = collections.defaultdict(list)
+    for node_id, namespace in await session.execute(
+        select(Node.node_id, Node.namespace).where(Node.namespace.is_not(None)).order_by(Node.node_id)
+    ):
+        serving[namespace].append(node_id)
+    return serving
+
+
+def _namespace(row: Namespace, nodes: list[str]) -> dict[str, Any]:
+    return {
+        "namespace": row.namespace,
+        "status": row.status,
+        "first_seen_at": _iso(row.first_seen_at),
+        "updated_at": _iso(row.updated_at),
+        "invalidation_id": None if row.invalidation_id is None else str(row.invalidation_id),
+        "nodes": nodes,
+    }
+
+
+def _summary(invalidation: Invalidation) -> dict[str, Any]:
+    return {
+        "command_id": str(invalidation.command_id),
+        "seq": invalidation.seq,
+        "kind": invalidation.kind,
+        "predicate": invalidation.predicate,
+        "cutoff": _iso(invalidation.cutoff),
+        "trigger": invalidation.trigger,
+        "source_event_id": None if invalidation.source_event_id is None else str(invalidation.source_event_id),
+        "parent_command_id": None if invalidation.parent_command_id is None else str(invalidation.parent_command_id),
+        "status": invalidation.status,
+        "requested_at": _iso(invalidation.requested_at),
+        "created_at": _iso(invalidation.created_at),
+        "completed_at": _iso(invalidation.completed_at),
+        "latency_ms": _ms(invalidation.created_at, invalidation.completed_at),
+        "end_to_end_ms": _ms(invalidation.requested_at, invalidation.completed_at),
+    }
+
+
+async def _describe(session: AsyncSession, invalidation: Invalidation) -> dict[str, Any]:
+    """The summary plus, per expected node × tier: status, evidence, and the ledger's live/deleted counts.
+
+    ``latency_ms`` runs from the decision to completion (or to a node's ack);
+    ``end_to_end_ms`` from ``requested_at`` (the user's event), which is on the publisher's clock.
+    """
+    predicate = parse_predicate(invalidation.predicate)
+    live = {
+        (node_id, tier): count
+        for node_id, tier, count in await session.execute(live_copies_matching(predicate, invalidation.cutoff))
+    }
+    deleted = {
+        (node_id, tier): count for node_id, tier, count in await session.execute(deleted_by(invalidation.command_id))
+    }
+    targets = (
+        await session.scalars(
+            select(InvalidationTarget)
+            .where(InvalidationTarget.command_id == invalidation.command_id)
+            .order_by(InvalidationTarget.node_id)
+        )
+    ).all()
+    described = []
+    for target in targets:
+        evidence = {item["tier"]: item for item in target.evidence or []}
+        tiers = {}
+        for tier in TIERS:
+            item = evidence.get(tier)
+            if target.status == "pending":
+                tier_status = "pending"
+            elif item is None:
+                tier_status = "untouched"
+            else:
+                tier_status = "verified" if item["verified"] else "failed"
+            tiers[tier] = {
+                "status": tier_status,
+                "evidence": item,
+                "ledger": {
+                    "live": live.get((target.node_id, tier), 0),
+                    "deleted": deleted.get((target.node_id, tier), 0),
+                },
+            }
+        described.append(
+            {
+                "node_id": target.node_id,
+                "status": target.status,
+                "epoch": target.epoch,
+                "acked_at": _iso(target.acked_at),
+                "latency_ms": _ms(invalidation.created_at, target.acked_at),
+                "tiers": tiers,
+            }
+        )
+    return {**_summary(invalidation), "targets": described}
