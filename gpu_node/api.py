@@ -12,6 +12,14 @@ Cache governance enters through two per-message extension fields,
 body: the :class:`Principal` that salts cache keys is built only from the
 verified bearer token.
 
+Versions are enforced where messages are converted: a request naming a document
+version or carrying a token policy version older than the node's command stream
+made current is refused (409 ``stale_document_version`` / 401
+``stale_authorization``), because serving it would rebuild and reuse exactly the
+KV an invalidation just deleted. On a node whose namespace was retired, requests
+are served without the prefix cache and the response says so in
+:data:`CACHE_BYPASS_HEADER`.
+
 Prompt text is never logged: log lines carry the request id, tenant and token
 counts only.
 """
@@ -46,11 +54,14 @@ from gpu_node.engine import (
 )
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
+from gpu_node.versions import Staleness, VersionRegistry
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
 ADMIN_ROLE = "admin"
+CACHE_BYPASS_HEADER = "x-kvledger-cache-bypass"
+"""Set (to the reason) on responses served without the prefix cache."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -188,13 +199,15 @@ async def _read_body(request: Request) -> ChatCompletionRequest:
         raise RequestValidationError(exc.errors(include_input=False)) from None
 
 
-def _to_messages(body: ChatCompletionRequest, principal: Principal) -> tuple[ChatMessage, ...]:
-    """Map API messages to engine messages, enforcing document authorization.
+def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: VersionRegistry) -> tuple[ChatMessage, ...]:
+    """Map API messages to engine messages, enforcing document authorization and current versions.
 
     A document message is tenant scope by definition; an explicit contrary
     ``cache_scope`` is refused rather than silently overridden, and a document
     whose auth scope is not among the caller's token scopes is forbidden
-    (its KV must never be built or read under this caller's identity).
+    (its KV must never be built or read under this caller's identity). A
+    document or token policy version older than the node knows is refused
+    (:func:`_stale_error`).
     """
     messages = []
     for index, message in enumerate(body.messages):
@@ -226,7 +239,26 @@ def _to_messages(body: ChatCompletionRequest, principal: Principal) -> tuple[Cha
         # "developer" is OpenAI's newer name for the system role.
         role = "system" if message.role == "developer" else message.role
         messages.append(ChatMessage(role=role, content=message.text(), scope=scope, document=document))
+    stale = versions.check(principal, messages)
+    if stale is not None:
+        raise _stale_error(stale)
     return tuple(messages)
+
+
+def _stale_error(stale: Staleness) -> ApiError | AuthError:
+    """401 for a token issued under a superseded policy (a new token fixes it), 409 for a superseded document."""
+    if stale.kind == "policy":
+        return AuthError(
+            "stale_authorization",
+            f"the token was issued under policy version {stale.requested} of auth scope {stale.name!r}; "
+            f"the current version is {stale.current}. Obtain a new token.",
+        )
+    return ApiError(
+        409,
+        f"document {stale.name!r} version {stale.requested} is stale; the current version is {stale.current}",
+        code="stale_document_version",
+        param=f"messages[{stale.message_index}].document.version",
+    )
 
 
 def _sampling(body: ChatCompletionRequest, max_context_tokens: int) -> SamplingParams:
@@ -394,18 +426,22 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier) -> FastAPI:
         require_model(body.model)
         sampling = _sampling(body, engine.max_context_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # A retired namespace's blocks are being deleted everywhere; new ones must not be built.
+        use_cache = not engine.versions.is_retired(engine.namespace.namespace)
+        headers = None if use_cache else {CACHE_BYPASS_HEADER: "namespace_retired"}
         request = GenerationRequest(
             request_id=request_id,
-            messages=_to_messages(body, caller),
+            messages=_to_messages(body, caller, engine.versions),
             sampling=sampling,
             principal=caller,
+            use_cache=use_cache,
         )
         stream, stats = await _start(engine, request)
         created = int(time.time())
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller)
-            return EventSourceResponse(events, sep="\n")
+            return EventSourceResponse(events, sep="\n", headers=headers)
         async with aclosing(stream):
             texts: list[str] = []
             done: GenerationDone | None = None
@@ -432,7 +468,8 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier) -> FastAPI:
                     }
                 ],
                 "usage": _usage(stats, done.num_completion_tokens),
-            }
+            },
+            headers=headers,
         )
 
     return app

@@ -1,11 +1,12 @@
-"""The node's side of the ledger: block events out, inventory requests in.
+"""The node's side of the ledger: block events and inventories out.
 
 Every change of bytes in the pool becomes a ``kvledger.kv-events`` record keyed by
 node id (so one partition keeps them in order), stamped with the node's restart
 ``epoch`` and a per-epoch ``seq`` the coordinator uses to detect gaps. Events are
 batched: consecutive pool events of one kind (and one removal reason) become one
 record, flushed every ``publish_interval_s``. At start the node announces its new
-epoch and a full inventory; it answers ``InventoryRequested`` the same way.
+epoch and a full inventory; :class:`gpu_node.commands.CommandConsumer` calls
+:meth:`NodePublisher.publish_inventory` to answer ``InventoryRequested``.
 
 Subjects never leave the node in clear: provenance carries the keyed
 :func:`events.schema.subject_digest` shared with the coordinator.
@@ -22,8 +23,8 @@ from datetime import UTC, datetime
 from itertools import groupby
 from pathlib import Path
 
-from events import schema, topics
-from events.kafka import BatchConsumer, ConsumedEvent, EventProducer, KafkaSettings, ensure_topics
+from events import schema
+from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from gpu_node import block_pool
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
 
@@ -62,7 +63,6 @@ class NodePublisher:
         self.seq = 0
         self._pending: deque[block_pool.PoolEvent | tuple[str, str, tuple[bytes, ...]]] = deque()
         self._producer = EventProducer(kafka)
-        self._commands: BatchConsumer | None = None
         self._tasks: list[asyncio.Task] = []
         self._send_lock = asyncio.Lock()
 
@@ -75,19 +75,12 @@ class NodePublisher:
             [schema.NodeStarted(node_id=self.node_id, epoch=self.epoch, seq=0, namespace=self.engine.namespace.namespace)]
         )
         await self.publish_inventory(request_id=None)
-        self._commands = BatchConsumer(
-            self.kafka, [topics.COMMANDS], self._on_commands, group_id=f"kvledger-node-{self.node_id}", auto_offset_reset="latest"
-        )
-        await self._commands.start()
         self._tasks = [
-            asyncio.create_task(self._commands.run()),
             asyncio.create_task(self._flush_loop()),
             asyncio.create_task(self._heartbeat_loop()),
         ]
 
     async def stop(self) -> None:
-        if self._commands is not None:
-            await self._commands.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -215,12 +208,6 @@ class NodePublisher:
                 await self._producer.send(schema.make_event(heartbeat))
             except Exception:  # noqa: BLE001 - liveness is best effort; the coordinator notices silence
                 log.exception("heartbeat failed")
-
-    async def _on_commands(self, records: list[ConsumedEvent]) -> None:
-        for record in records:
-            payload = record.envelope.payload
-            if isinstance(payload, schema.InventoryRequested) and payload.node_id == self.node_id:
-                await self.publish_inventory(payload.request_id)
 
 
 def _batch_kind(event) -> tuple:

@@ -12,6 +12,7 @@ import uvicorn
 from gpu_node.api import create_app
 from gpu_node.auth import TokenVerifier
 from events.kafka import KafkaSettings
+from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
 from gpu_node.publisher import NodePublisher
 from gpu_node.settings import NodeSettings
@@ -36,16 +37,20 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     return settings.model_copy(update=updates)
 
 
+def _kafka_settings(settings: NodeSettings) -> KafkaSettings:
+    assert settings.kafka_bootstrap is not None, "only a node with a broker talks to Kafka"
+    return KafkaSettings(bootstrap=settings.kafka_bootstrap, client_id=f"kvledger-{settings.node_id}", num_partitions=settings.kafka_partitions)
+
+
 def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher | None:
     """The ledger hook, when a broker is configured; it needs the shared subject-digest key."""
     if settings.kafka_bootstrap is None:
         return None
     if settings.subject_key is None:
         raise ValueError("a node publishing to the ledger needs KVLEDGER_SUBJECT_KEY (shared with the coordinator)")
-    kafka = KafkaSettings(bootstrap=settings.kafka_bootstrap, client_id=f"kvledger-{settings.node_id}", num_partitions=settings.kafka_partitions)
     publisher = NodePublisher(
         engine,
-        kafka,
+        _kafka_settings(settings),
         settings.node_id,
         settings.subject_key.get_secret_value().encode(),
         publish_interval_s=settings.publish_interval_s,
@@ -56,18 +61,35 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
     return publisher
 
 
+def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings) -> CommandConsumer:
+    """The command side of the ledger hook; built after :func:`make_publisher` (it taps the event sink the publisher set)."""
+    handler = InvalidationHandler(engine, publisher.subject_key)
+    return CommandConsumer(handler, publisher, _kafka_settings(settings))
+
+
 async def serve(settings: NodeSettings) -> None:
+    """engine.start → publisher.start → command replay → ready; HTTP serves meanwhile.
+
+    The HTTP server listens during the replay so ``/healthz`` answers (a long
+    replay is not a dead process) while ``/readyz`` and generation answer 503
+    until the command consumer has applied everything pending.
+    """
     verifier = TokenVerifier(settings.auth)
     engine = AsyncEngine.from_settings(settings)
     publisher = make_publisher(engine, settings)
-    await engine.start()
+    commands = make_command_consumer(engine, publisher, settings) if publisher is not None else None
+    await engine.start(ready=commands is None)
     if publisher is not None:
         await publisher.start(Path(settings.data_dir))
+    if commands is not None:
+        await commands.start()
     app = create_app(engine, verifier)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False))
     try:
         await server.serve()
     finally:
+        if commands is not None:
+            await commands.stop()
         if publisher is not None:
             await publisher.stop()
         await engine.stop()

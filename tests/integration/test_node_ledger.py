@@ -17,7 +17,7 @@ from coordinator.settings import CoordinatorSettings
 from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
-from gpu_node.server import make_publisher
+from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database
 
@@ -67,13 +67,17 @@ class Node:
         self.settings = settings
         self.engine = AsyncEngine.from_settings(settings)
         self.publisher = make_publisher(self.engine, settings)
+        self.commands = make_command_consumer(self.engine, self.publisher, settings)
 
     async def start(self) -> Node:
-        await self.engine.start()
+        await self.engine.start(ready=False)
         await self.publisher.start(Path(self.settings.data_dir))
+        await self.commands.start()
+        await asyncio.wait_for(self.commands.replayed.wait(), 60)
         return self
 
     async def stop(self) -> None:
+        await self.commands.stop()
         await self.publisher.stop()
         await self.engine.stop()
 

@@ -1,0 +1,470 @@
+"""The node's side of ``kvledger.commands``: invalidations in, verified deletions and acks out (DESIGN §5).
+
+For every ``Invalidate`` the node
+
+1. moves its :class:`~gpu_node.versions.VersionRegistry`, so the API refuses
+   requests that name a superseded document or policy version;
+2. tombstones and deletes every matching block created before the command's
+   cutoff: device/host slots are zeroed and read back, disk files overwritten
+   and unlinked (:meth:`BlockPool.remove_where`), blocks a reader still holds are
+   deleted when released (waited for, bounded), BUILDING matches are discarded
+   at commit by the pool; then every snapshot of the node is rewritten without
+   the matches;
+3. publishes a ``CommandAck`` to ``kvledger.acks`` with one ``TierEvidence`` per
+   tier touched — also when nothing matched, so the coordinator can complete.
+
+The pool's ``BlockRemoved`` events still reach ``kvledger.kv-events`` through the
+publisher, as for every other change of bytes.
+
+Ordering and restarts. Invalidations share one key, so they sit in one partition
+and every node applies them in the coordinator's order. The node reads the topic
+from the beginning at every start: commands below its group's committed offset
+were applied in an earlier life and only rebuild the registry; later ones are
+applied and acked now. The node reports ready only once it has consumed up to the
+end offsets it saw at start, so a node that was down applies what it missed
+before it serves (DESIGN §6). The registry is therefore as complete as the
+topic's retention: retention must outlive the longest-lived document version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from events import schema, topics
+from events.codec import DeadLetter, decode_event
+from events.kafka import EventProducer, KafkaSettings
+from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
+from gpu_node import snapshots
+from gpu_node.block_pool import BlockRemoved, PoolEvent, RemovalEvidence, RemovalReason, Tier
+from gpu_node.crypto import DataKeyProvider
+from gpu_node.kv_cache_utils import BlockProvenance
+
+if TYPE_CHECKING:
+    from gpu_node.engine import AsyncEngine
+    from gpu_node.publisher import NodePublisher
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEFERRED_WAIT_S = 10.0
+
+
+# --------------------------------------------------------------------------- predicates
+
+
+def block_predicate(predicate: schema.Predicate, cutoff: datetime, subject_key: bytes) -> Callable[[BlockProvenance], bool]:
+    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` and the block predates ``cutoff``.
+
+    Blocks created at or after the cutoff were built from data already current
+    when the coordinator decided, so they survive. Subjects are compared as the
+    keyed digest the command carries (commands never hold a raw subject id);
+    the node digests its own blocks' subjects with the shared key, once per
+    (tenant, subject).
+    """
+    cutoff_s = cutoff.timestamp()
+    match predicate:
+        case schema.DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
+
+            def matches(provenance: BlockProvenance) -> bool:
+                if provenance.tenant_id != tenant:
+                    return False
+                for tag in provenance.documents:
+                    tag_doc, _, version = tag.rpartition("@")
+                    if tag_doc == doc_id and int(version) < below:
+                        return True
+                return False
+
+        case schema.PolicyPredicate(tenant=tenant, auth_scope=auth_scope, below_version=below):
+
+            def matches(provenance: BlockProvenance) -> bool:
+                return provenance.tenant_id == tenant and any(
+                    scope == auth_scope and version < below for scope, version in provenance.auth_scopes
+                )
+
+        case schema.SubjectPredicate(tenant=tenant, subject_id=digest):
+            digests: dict[str, str] = {}
+
+            def matches(provenance: BlockProvenance) -> bool:
+                subject = provenance.subject_id
+                if provenance.tenant_id != tenant or subject is None:
+                    return False
+                if subject not in digests:
+                    digests[subject] = schema.subject_digest(subject_key, tenant, subject)
+                return digests[subject] == digest
+
+        case schema.NamespacePredicate(ns=namespace):
+
+            def matches(provenance: BlockProvenance) -> bool:
+                return provenance.namespace == namespace
+
+        case schema.TenantPredicate(tenant=tenant):
+
+            def matches(provenance: BlockProvenance) -> bool:
+                return provenance.tenant_id == tenant
+
+        case _:
+            raise AssertionError(f"no block predicate for {type(predicate).__name__}")
+
+    def before_cutoff(provenance: BlockProvenance) -> bool:
+        return provenance.created_at < cutoff_s and matches(provenance)
+
+    return before_cutoff
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRemoval:
+    """Blocks one snapshot no longer holds; ``verified``: every replaced shard file is absent."""
+
+    snapshot_id: str
+    block_hashes: tuple[bytes, ...]
+    verified: bool
+
+
+def remove_from_snapshots(
+    root: Path, predicate: Callable[[BlockProvenance], bool], key_provider: DataKeyProvider
+) -> list[SnapshotRemoval]:
+    """Rewrite every snapshot under ``root`` without matching blocks (blocking: reads every shard).
+
+    The removed hashes are the manifest's before minus after, so they are
+    exactly what the snapshot stopped holding — including records that could
+    no longer be decoded, which :func:`snapshots.remove_from_snapshot` drops too.
+    """
+    removals = []
+    if not root.is_dir():
+        return removals
+    for directory in sorted(root.iterdir()):
+        if not (directory / snapshots.MANIFEST_NAME).is_file():
+            continue
+        before = snapshots.read_manifest(directory)
+        if snapshots.remove_from_snapshot(directory, predicate, key_provider) == 0:
+            continue
+        after = snapshots.read_manifest(directory)
+        kept = set(after.block_hashes)
+        removed = tuple(block_hash for block_hash in dict.fromkeys(before.block_hashes) if block_hash not in kept)
+        live_shards = set(after.shards)
+        verified = all(not (directory / name).exists() for name in before.shards if name not in live_shards)
+        removals.append(SnapshotRemoval(after.snapshot_id, removed, verified))
+    return removals
+
+
+# --------------------------------------------------------------------------- invalidation
+
+
+class DeferredRemovalTimeout(TimeoutError):
+    """Readers still held matching blocks after the bounded wait; the command is retried, not acked."""
+
+
+@dataclass
+class _Progress:
+    """What one command has removed so far, kept across attempts until it is acked.
+
+    ``seen`` records every pool removal observed while the command is in
+    progress, so a referenced block released between attempts (or while
+    ``remove_where`` was running) still contributes its evidence.
+    """
+
+    removed: dict[tuple[bytes, Tier], RemovalEvidence] = field(default_factory=dict)
+    pending: set[bytes] = field(default_factory=set)
+    seen: dict[bytes, RemovalEvidence] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    snapshot_hashes: set[bytes] = field(default_factory=set)
+    snapshots_verified: bool = True
+
+
+_POOL_METHODS: dict[Tier, tuple[schema.EraseMethod, schema.PostCheck]] = {
+    Tier.DEVICE: ("overwrite", "readback_zero"),
+    Tier.HOST: ("overwrite", "readback_zero"),
+    Tier.DISK: ("unlink", "file_absent"),
+}
+
+
+class InvalidationHandler:
+    """Applies ``Invalidate`` commands to one engine and returns the per-tier evidence for the ack.
+
+    It taps the cache manager's event sink (forwarding to whatever sink was set
+    before, e.g. the publisher): a block a reader held when the command arrived
+    is deleted on release, and its evidence only exists in that removal event.
+    Construct it after the publisher is wired.
+    """
+
+    def __init__(self, engine: AsyncEngine, subject_key: bytes, deferred_wait_s: float = DEFAULT_DEFERRED_WAIT_S) -> None:
+        if deferred_wait_s <= 0:
+            raise ValueError("deferred_wait_s must be positive")
+        self.engine = engine
+        self.subject_key = subject_key
+        self.deferred_wait_s = deferred_wait_s
+        self._progress: dict[uuid.UUID, _Progress] = {}
+        self._forward = engine.manager.event_sink
+        engine.manager.event_sink = self._on_pool_events
+
+    def remember(self, command: schema.Invalidate) -> None:
+        """Registry only: for commands this node applied in an earlier life (their bytes are gone)."""
+        self.engine.versions.apply(command.predicate)
+        predicate = command.predicate
+        if isinstance(predicate, schema.NamespacePredicate) and predicate.ns == self.engine.namespace.namespace:
+            log.warning("this node's namespace is retired: requests are served without the prefix cache")
+
+    async def apply(self, command: schema.Invalidate) -> list[schema.TierEvidence]:
+        """Apply one command fully; returns the ack's evidence. Idempotent, so a retry is safe.
+
+        Raises :class:`DeferredRemovalTimeout` when referenced matches outlive
+        the bounded wait; their evidence is kept for the retry.
+        """
+        self.remember(command)
+        progress = self._progress.setdefault(command.command_id, _Progress())
+        matches = block_predicate(command.predicate, command.cutoff, self.subject_key)
+        pool = self.engine.pool
+        report = await asyncio.to_thread(pool.remove_where, matches, RemovalReason.INVALIDATED)
+        self.engine.manager.drain_events()
+        for evidence in report.evidence:
+            progress.removed[(evidence.block_hash, evidence.tier)] = evidence
+        progress.pending.update(report.deferred)
+        await self._wait_for_release(progress)
+        removals = await self.engine.run_exclusive(remove_from_snapshots, self.engine.snapshot_root, matches, pool.key_provider)
+        for removal in removals:
+            progress.snapshot_hashes.update(removal.block_hashes)
+            progress.snapshots_verified = progress.snapshots_verified and removal.verified
+        del self._progress[command.command_id]
+        return _evidence(progress)
+
+    async def _wait_for_release(self, progress: _Progress) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deferred_wait_s
+        while True:
+            for block_hash in [h for h in progress.pending if h in progress.seen]:
+                evidence = progress.seen[block_hash]
+                progress.removed[(block_hash, evidence.tier)] = evidence
+                progress.pending.discard(block_hash)
+            if not progress.pending:
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise DeferredRemovalTimeout(f"{len(progress.pending)} matching blocks are still referenced")
+            progress.changed.clear()
+            try:
+                await asyncio.wait_for(progress.changed.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    def _on_pool_events(self, events: list[PoolEvent]) -> None:
+        if self._progress:
+            for event in events:
+                if isinstance(event, BlockRemoved) and event.evidence is not None:
+                    for progress in self._progress.values():
+                        progress.seen[event.block_hash] = event.evidence
+                        progress.changed.set()
+        if self._forward is not None:
+            self._forward(events)
+
+
+def _evidence(progress: _Progress) -> list[schema.TierEvidence]:
+    by_tier: dict[Tier, list[RemovalEvidence]] = {}
+    for evidence in progress.removed.values():
+        by_tier.setdefault(evidence.tier, []).append(evidence)
+    result = []
+    for tier in Tier:
+        items = by_tier.get(tier)
+        if not items:
+            continue
+        method, post_check = _POOL_METHODS[tier]
+        result.append(
+            schema.TierEvidence(
+                tier=tier.value,
+                removed=len(items),
+                block_hashes=[item.block_hash.hex() for item in items],
+                method=method,
+                post_check=post_check,
+                verified=all(item.verified for item in items),
+            )
+        )
+    if progress.snapshot_hashes:
+        result.append(
+            schema.TierEvidence(
+                tier="snapshot",
+                removed=len(progress.snapshot_hashes),
+                block_hashes=sorted(block_hash.hex() for block_hash in progress.snapshot_hashes),
+                method="unlink",
+                post_check="file_absent",
+                verified=progress.snapshots_verified,
+            )
+        )
+    return result
+
+
+# --------------------------------------------------------------------------- consumer
+
+
+class CommandConsumer:
+    """Consumes ``kvledger.commands`` for one node, applies them in order, acks, and gates readiness.
+
+    Its own consumer group (``kvledger-node-{node_id}``) holds the node's
+    progress; every partition is assigned to it directly (the node is the
+    group's only member, so there is nothing to balance and no join to wait
+    for). At start it reads the end offsets, seeks to the beginning and, once
+    it has consumed up to them, sets ``engine.ready`` — never earlier. Offsets
+    are committed per command after its ack was published; a failure seeks
+    back and retries after a backoff, never skipping a command. Malformed
+    records go to the dead-letter topic.
+    """
+
+    def __init__(
+        self,
+        handler: InvalidationHandler,
+        publisher: NodePublisher,
+        kafka: KafkaSettings,
+        *,
+        poll_timeout_ms: int = 200,
+        max_records: int = 100,
+        initial_backoff_s: float = 0.1,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        self.handler = handler
+        self.engine = handler.engine
+        self.publisher = publisher
+        self.node_id = publisher.node_id
+        self.group_id = f"kvledger-node-{self.node_id}"
+        self.replayed = asyncio.Event()
+        self._poll_timeout_ms = poll_timeout_ms
+        self._max_records = max_records
+        self._initial_backoff_s = initial_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=kafka.bootstrap,
+            client_id=kafka.client_id,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
+        self._producer = EventProducer(kafka)
+        self._committed: dict[TopicPartition, int] = {}
+        self._end_offsets: dict[TopicPartition, int] = {}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Assign every partition, note what was applied before and where the log ends, start consuming.
+
+        The topic must exist (the publisher's start creates it).
+        """
+        await self._producer.start()
+        try:
+            await self._consumer.start()
+            await self._consumer.topics()
+            partitions = self._consumer.partitions_for_topic(topics.COMMANDS)
+            if not partitions:
+                raise RuntimeError(f"topic {topics.COMMANDS} has no partitions; create the topics first")
+            assigned = [TopicPartition(topics.COMMANDS, partition) for partition in sorted(partitions)]
+            self._consumer.assign(assigned)
+            for tp in assigned:
+                self._committed[tp] = await self._consumer.committed(tp) or 0
+            await self._consumer.seek_to_beginning(*assigned)
+            self._end_offsets = await self._consumer.end_offsets(assigned)
+        except BaseException:
+            await self._consumer.stop()
+            await self._producer.stop()
+            raise
+        self._task = asyncio.create_task(self._run(), name=f"commands-{self.node_id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._consumer.stop()
+        await self._producer.stop()
+
+    async def _run(self) -> None:
+        backoff = self._initial_backoff_s
+        while True:
+            try:
+                if not self.replayed.is_set():
+                    await self._check_replayed()
+                batch = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms, max_records=self._max_records)
+                await self._handle(batch)
+                backoff = self._initial_backoff_s
+            except Exception as exc:  # noqa: BLE001 - a failed command is retried, never skipped
+                HANDLER_FAILURES_TOTAL.labels(group=self.group_id).inc()
+                # Exception text may quote record data; only its type is logged.
+                log.warning("node %s: command failed (%s); retrying in %.1fs", self.node_id, type(exc).__name__, backoff)
+                log.debug("command failure detail", exc_info=True)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _check_replayed(self) -> None:
+        for tp, end in self._end_offsets.items():
+            if await self._consumer.position(tp) < end:
+                return
+        self.engine.ready = True
+        self.replayed.set()
+        log.info("node %s: commands replayed; ready", self.node_id)
+
+    async def _handle(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Handle a batch in order per partition; on failure every partition rewinds to its first unhandled record."""
+        unhandled = {tp: records[0].offset for tp, records in batch.items() if records}
+        try:
+            for tp, records in batch.items():
+                for record in records:
+                    await self._handle_record(tp, record)
+                    unhandled[tp] = record.offset + 1
+                unhandled.pop(tp, None)
+        except BaseException:
+            for tp, offset in unhandled.items():
+                self._consumer.seek(tp, offset)
+            raise
+
+    async def _handle_record(self, tp: TopicPartition, record: ConsumerRecord) -> None:
+        applied_before = record.offset < self._committed[tp]
+        try:
+            envelope = decode_event(record.value)
+        except schema.EventValidationError as exc:
+            if not applied_before:
+                await self._dead_letter(record, str(exc))
+                await self._commit(tp, record.offset + 1)
+            return
+        payload = envelope.payload
+        if isinstance(payload, schema.Invalidate):
+            if applied_before:
+                self.handler.remember(payload)
+                return
+            evidence = await self.handler.apply(payload)
+            ack = schema.CommandAck(command_id=payload.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
+            await self._producer.send(schema.make_event(ack))
+            log.info(
+                "node %s: applied %s command, %d blocks removed",
+                self.node_id,
+                payload.predicate.kind,
+                sum(item.removed for item in evidence),
+            )
+        elif isinstance(payload, schema.InventoryRequested) and payload.node_id == self.node_id and not applied_before:
+            await self.publisher.publish_inventory(payload.request_id)
+        if not applied_before:
+            await self._commit(tp, record.offset + 1)
+
+    async def _commit(self, tp: TopicPartition, offset: int) -> None:
+        await self._consumer.commit({tp: offset})
+        self._committed[tp] = offset
+
+    async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
+        letter = DeadLetter.of(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp_ms=record.timestamp,
+            key=record.key,
+            value=record.value,
+            error=error,
+            group_id=self.group_id,
+        )
+        await self._producer.send_raw(topics.DEAD_LETTER, letter.encode(), record.key)
+        DEAD_LETTER_TOTAL.labels(topic=record.topic).inc()
+        log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
