@@ -25,6 +25,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator import metrics
 from coordinator.auth import LEDGER_READERS, ForbiddenError, authorize
 from coordinator.db import Database, request_session
+from coordinator.invalidation_api import router as invalidation_router
+from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
 from coordinator.models import (
     TIERS,
@@ -95,6 +97,8 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
 
     app = FastAPI(title="kvledger coordinator", version="1", lifespan=lifespan)
     app.state.verifier = verifier
+    app.include_router(keys_router(settings))
+    app.include_router(invalidation_router(settings))
 
     @app.middleware("http")
     async def _access_log(request: Request, call_next) -> Response:

@@ -4,6 +4,9 @@ Tokens are the stack's one JWT format (``kvledger token --role …``), verified 
 the same :class:`gpu_node.auth.TokenVerifier` the nodes use, so both sides agree on
 algorithms, required claims and key handling. Here only the roles matter:
 ``admin`` may do everything; ``privacy-officer`` and ``auditor`` read the ledger.
+``node`` is the GPU nodes' own role and the only one that may fetch data keys
+(``coordinator.keys_api``): raw keys unseal tenant and user data, and no person
+needs them, so not even ``admin`` gets them.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from gpu_node.kv_cache_utils import Principal
 ADMIN = "admin"
 PRIVACY_OFFICER = "privacy-officer"
 AUDITOR = "auditor"
+NODE = "node"
 LEDGER_READERS = frozenset({ADMIN, PRIVACY_OFFICER, AUDITOR})
+KEY_CLIENTS = frozenset({NODE})
 
 
 class ForbiddenError(Exception):

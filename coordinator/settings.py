@@ -5,7 +5,7 @@ Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
 ``KVLEDGER_COORDINATOR_HTTP__PORT``.
 
 The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
-``KVLEDGER_JWT_SECRET`` and ``KVLEDGER_SUBJECT_KEY`` are honoured too, because
+``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY`` and ``KVLEDGER_MASTER_KEY`` are honoured too, because
 one operator sets them once for every process (nodes, coordinator, tests); a
 coordinator-specific variable wins over the shared one, an explicit argument
 over both.
@@ -13,6 +13,7 @@ over both.
 
 from __future__ import annotations
 
+import base64
 import os
 from typing import Any
 
@@ -29,6 +30,7 @@ _SHARED_ENV: dict[str, tuple[str, ...]] = {
     "KVLEDGER_KAFKA_BOOTSTRAP": ("kafka", "bootstrap"),
     "KVLEDGER_JWT_SECRET": ("auth", "jwt_secret"),
     "KVLEDGER_SUBJECT_KEY": ("ledger", "subject_key"),
+    "KVLEDGER_MASTER_KEY": ("keys", "master_key"),
 }
 
 
@@ -85,6 +87,35 @@ class LedgerSettings(BaseModel):
     outbox_batch_size: int = Field(100, ge=1)
 
 
+class KeySettings(BaseModel):
+    """The data key service (``coordinator.keys``).
+
+    ``master_key`` (base64 of 32 bytes) wraps every data key stored in the
+    ledger. Without it the coordinator serves no keys (HTTP 503): nodes that
+    use the coordinator for their data keys then keep tenant/user blocks in
+    memory only.
+    """
+
+    master_key: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _master_key_length(self) -> KeySettings:
+        self.master_key_bytes()
+        return self
+
+    def master_key_bytes(self) -> bytes | None:
+        """The decoded master key; None when unset. ValueError when it is not base64 of 32 bytes."""
+        if self.master_key is None:
+            return None
+        try:
+            key = base64.b64decode(self.master_key.get_secret_value(), validate=True)
+        except ValueError:  # binascii.Error
+            raise ValueError("the master key (KVLEDGER_MASTER_KEY) must be base64") from None
+        if len(key) != 32:
+            raise ValueError(f"the master key (KVLEDGER_MASTER_KEY) must decode to 32 bytes, got {len(key)}")
+        return key
+
+
 class _SharedEnvSource(PydanticBaseSettingsSource):
     """Maps the stack-wide ``KVLEDGER_*`` variables into the nested settings tree."""
 
@@ -110,6 +141,7 @@ class CoordinatorSettings(BaseSettings):
     """Same token verification settings as the nodes (HS256 secret or EdDSA public key file)."""
     http: HttpSettings = HttpSettings()
     ledger: LedgerSettings = LedgerSettings()
+    keys: KeySettings = KeySettings()
 
     @classmethod
     def settings_customise_sources(

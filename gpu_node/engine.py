@@ -22,14 +22,15 @@ import torch
 
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig
-from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.model_runner import ModelRunner
 from gpu_node.namespace import NamespaceIdentity, compute_namespace
 from gpu_node.prompt import ChatMessage, render_prompt
+from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import NodeSettings
+from gpu_node.versions import VersionRegistry
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class AsyncEngine:
         self.max_context_tokens = runner.max_context_tokens
         self.manager = KVCacheManager(pool, metrics, settings.cache.singleflight_wait_s)
         self.snapshot_sink: Callable[[str, tuple[bytes, ...]], None] | None = None
+        self.versions = VersionRegistry()
         self.ready = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-model")
         self._sweeper: asyncio.Task | None = None
@@ -128,11 +130,16 @@ class AsyncEngine:
             ttl_s={CacheScope.PUBLIC: cache.ttl_public_s, CacheScope.TENANT: cache.ttl_tenant_s, CacheScope.USER: cache.ttl_user_s},
             device=settings.device,
         )
-        pool = BlockPool(runner.kv_spec, config, LocalKeyStore(data_dir / "keys.json"))
+        pool = BlockPool(runner.kv_spec, config, data_key_provider(settings, data_dir))
         return cls(runner, namespace, pool, settings, NodeMetrics())
 
-    async def start(self) -> None:
-        """Re-index the disk tier and warm from a snapshot before reporting ready."""
+    async def start(self, *, ready: bool = True) -> None:
+        """Re-index the disk tier and warm from a snapshot, then report ready.
+
+        ``ready=False`` when the node must first replay ``kvledger.commands``:
+        the command consumer sets ``ready`` once it has (DESIGN §6), since the
+        disk tier and snapshot just loaded may hold blocks invalidated meanwhile.
+        """
         await self._run(self.pool.load_disk_tier)
         if self.settings.warm_from is not None:
             num_loaded = await self._run(snapshots.load_snapshot, self.pool, Path(self.settings.warm_from))
@@ -140,7 +147,7 @@ class AsyncEngine:
         self.manager.drain_events()
         self._refresh_tier_gauges()
         self._sweeper = asyncio.create_task(self._sweep_expired())
-        self.ready = True
+        self.ready = ready
 
     async def stop(self) -> None:
         self.ready = False
@@ -151,6 +158,15 @@ class AsyncEngine:
 
     async def _run(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, function, *args)
+
+    async def run_exclusive(self, function, *args):
+        """Run blocking ``function`` on the model worker, after the work queued before it.
+
+        For node work that must not interleave with a snapshot write: removing
+        invalidated blocks from snapshots runs here, so a snapshot being written
+        when a command arrives is complete (manifest written) before it is scanned.
+        """
+        return await self._run(function, *args)
 
     async def _sweep_expired(self) -> None:
         """TTL deletes bytes even for blocks nobody asks for again."""

@@ -52,6 +52,11 @@ class NodeSettings(BaseSettings):
     subject_key: SecretStr | None = Field(
         None, validation_alias=AliasChoices("subject_key", "KVLEDGER_NODE_SUBJECT_KEY", "KVLEDGER_SUBJECT_KEY")
     )
+    coordinator_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("coordinator_url", "KVLEDGER_NODE_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"),
+    )
+    """Where data keys for tenant/user blocks at rest come from (``gpu_node.remote_keys``); unset: a local key file."""
     kafka_partitions: int = Field(4, ge=1)
     publish_interval_s: float = Field(0.05, gt=0)
     heartbeat_interval_s: float = Field(5.0, gt=0)

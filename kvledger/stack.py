@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import secrets
@@ -29,11 +30,11 @@ from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
 READY_TIMEOUT_S = 120.0
 
 
-def _secret(path: Path) -> str:
+def _secret(path: Path, make=lambda: secrets.token_urlsafe(32)) -> str:
     """A per-state-dir secret, created once, readable by the owner only."""
     if path.exists():
         return path.read_text().strip()
-    value = secrets.token_urlsafe(32)
+    value = make()
     path.touch(mode=0o600)
     path.write_text(value)
     return value
@@ -108,6 +109,8 @@ async def up(args: argparse.Namespace) -> None:
         env = os.environ | {
             "KVLEDGER_JWT_SECRET": jwt_secret,
             "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
+            # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
+            "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
             "KVLEDGER_DATABASE_URL": database_url,
             "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
         }
@@ -118,6 +121,9 @@ async def up(args: argparse.Namespace) -> None:
         coordinator_url = f"http://127.0.0.1:{coordinator_port}"
         coordinator = _spawn(["coordinator", "--port", str(coordinator_port)], env, logs / "coordinator.log")
         processes.append(coordinator)
+        # nodes fetch their data keys from the coordinator, so it must answer first
+        await _wait_ready(coordinator_url, coordinator, "coordinator")
+        env["KVLEDGER_COORDINATOR_URL"] = coordinator_url
         node_urls = []
         for index in range(args.nodes):
             port = args.port + index
@@ -129,7 +135,6 @@ async def up(args: argparse.Namespace) -> None:
             )
             processes.append(node)
             node_urls.append(f"http://127.0.0.1:{port}")
-        await _wait_ready(coordinator_url, coordinator, "coordinator")
         for url, node in zip(node_urls, processes[1:], strict=True):
             await _wait_ready(url, node, f"node at {url}")
 

@@ -19,6 +19,7 @@ from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+import coordinator.keys  # noqa: F401 - declares data_keys on Base.metadata
 from coordinator.models import Base
 
 config = context.config

@@ -12,6 +12,7 @@ from ledger_helpers import fresh_database
 from sqlalchemy import inspect, pool
 from sqlalchemy.ext.asyncio import create_async_engine
 
+import coordinator.keys  # noqa: F401 - declares data_keys on Base.metadata
 from coordinator import migrate
 from coordinator.models import Base
 

@@ -1,0 +1,120 @@
+"""HTTP access to the data key service for GPU nodes (``coordinator.keys``).
+
+``POST /v1/keys/resolve {tenant_id, subject_hash?}`` → ``{key_id, key}``: the
+live key of a tenant (or of one subject in it, by keyed digest), created on
+first use. ``GET /v1/keys/{key_id}`` → ``{key_id, key}``; 410 ``key_destroyed``
+once the key is destroyed, 404 ``key_not_found`` for an id never issued.
+Keys travel base64-encoded.
+
+Only role ``node`` may call these (see ``coordinator.auth``). Responses carry
+``Cache-Control: no-store`` so no proxy keeps a key, and nothing here logs a
+key or a wrapped key — only key ids, which are random and name nobody.
+Without a master key (``KVLEDGER_MASTER_KEY``) or a subject key the endpoints
+answer 503 ``keys_not_configured`` instead of inventing unwrapped keys.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.auth import KEY_CLIENTS, authorize
+from coordinator.keys import KeyService, MasterKeyError
+from coordinator.settings import CoordinatorSettings
+from gpu_node.crypto import KEY_ID_HEX_CHARS
+
+log = logging.getLogger(__name__)
+
+_NO_STORE = {"Cache-Control": "no-store"}
+KEY_ID_PATTERN = rf"^[0-9a-f]{{{KEY_ID_HEX_CHARS}}}$"
+
+
+class ResolveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant_id: str = Field(min_length=1)
+    subject_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """``events.schema.subject_digest(subject_key, tenant_id, subject)`` for a user-scope key; absent for tenant scope."""
+
+
+def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status_code,
+        content={"error": {"message": message, "type": error_type, "code": code}},
+        headers=_NO_STORE,
+    )
+
+
+def _key_response(key_id: str, key: bytes) -> JSONResponse:
+    return JSONResponse(content={"key_id": key_id, "key": base64.b64encode(key).decode()}, headers=_NO_STORE)
+
+
+def _master_key_mismatch(error: MasterKeyError) -> JSONResponse:
+    log.error("%s", error)
+    return _error(500, "server_error", "master_key_mismatch", "a stored data key does not unwrap with the configured master key")
+
+
+def router(settings: CoordinatorSettings) -> APIRouter:
+    """The key endpoints for an app whose ``state.database`` and ``state.verifier`` are set (``coordinator.api``)."""
+    master_key = settings.keys.master_key_bytes()
+    subject_key = settings.ledger.subject_key
+    missing = [
+        name
+        for name, value in (("KVLEDGER_MASTER_KEY", master_key), ("KVLEDGER_SUBJECT_KEY", subject_key))
+        if value is None
+    ]
+
+    def key_service(request: Request) -> KeyService | None:
+        """Authorize the caller as a node, then the service; None when this coordinator holds no keys."""
+        authorize(request.app.state.verifier, request.headers.get("authorization"), KEY_CLIENTS)
+        if missing:
+            return None
+        return KeyService(request.app.state.database, master_key, subject_key.get_secret_value().encode())
+
+    # A default rather than an Annotated alias: the annotations are strings (PEP 563), resolved in module globals.
+    service_dependency = Depends(key_service)
+
+    def not_configured() -> JSONResponse:
+        return _error(
+            503,
+            "server_error",
+            "keys_not_configured",
+            f"this coordinator serves no data keys: set {' and '.join(missing)}",
+        )
+
+    api = APIRouter(prefix="/v1/keys")
+
+    @api.post("/resolve")
+    async def resolve(body: ResolveRequest, service: KeyService | None = service_dependency) -> JSONResponse:
+        """The live key of the tenant (or subject), created on first use; the same for every caller."""
+        if service is None:
+            return not_configured()
+        try:
+            key_id, key = await service.resolve(body.tenant_id, body.subject_hash)
+        except MasterKeyError as error:
+            return _master_key_mismatch(error)
+        return _key_response(key_id, key)
+
+    @api.get("/{key_id}")
+    async def get_key(
+        key_id: Annotated[str, Path(pattern=KEY_ID_PATTERN)], service: KeyService | None = service_dependency
+    ) -> JSONResponse:
+        """A key by id, to unseal a block file or snapshot shard that names it."""
+        if service is None:
+            return not_configured()
+        try:
+            record = await service.find(key_id)
+        except MasterKeyError as error:
+            return _master_key_mismatch(error)
+        if record is None:
+            return _error(404, "not_found_error", "key_not_found", "no data key was issued under this id")
+        if record.key is None:
+            return _error(410, "gone_error", "key_destroyed", "this data key has been destroyed")
+        return _key_response(key_id, record.key)
+
+    return api
