@@ -14,7 +14,7 @@ from aiokafka.structs import ConsumerRecord
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from events.schema import StoredBlock
+from events.schema import EventValidationError, StoredBlock
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
 SUBJECT_KEY = "integration-test-subject-key"
@@ -96,7 +96,10 @@ async def scan_topic(
                 batch = await consumer.getmany(timeout_ms=200)
                 for records in batch.values():
                     for record in records:
-                        if visit(record):
-                            return
+                        try:
+                            if visit(record):
+                                return
+                        except EventValidationError:
+                            continue  # shared topics hold malformed records other tests put there on purpose
     finally:
         await consumer.stop()
