@@ -35,9 +35,11 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Protocol
 
 from pydantic import TypeAdapter
-from sqlalchemy import Select, and_, func, literal, or_, select, text, update
+from sqlalchemy import LargeBinary, Select, and_, any_, bindparam, func, literal, or_, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -48,6 +50,7 @@ from coordinator.models import (
     BlockAuthScope,
     BlockDocument,
     Document,
+    Erasure,
     InboxEntry,
     Invalidation,
     InvalidationTarget,
@@ -65,6 +68,7 @@ from events.schema import (
     DocumentPredicate,
     DocumentUpdated,
     Envelope,
+    ErasureRequested,
     Invalidate,
     NamespacePredicate,
     PermissionRevoked,
@@ -219,7 +223,10 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
 
     A block is late when its provenance was superseded by a decision already taken:
     a document version below the recorded one (or a deleted document), a policy
-    version below the recorded one, or a namespace that is draining or retired. A node
+    version below the recorded one, a namespace that is draining or retired, or a
+    subject with an erasure whose cutoff is after the block's ``created_at`` (its
+    re-send names the erasure's command as parent, which keeps the erasure from being
+    verified until every node acked it too). A node
     can report one after the command passed it (it was built from stale input before
     the node learned the new version, or the node missed the command). The command
     is re-issued with the *same predicate* and a fresh cutoff ``now`` — a fresh cutoff
@@ -231,12 +238,15 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
     originals: set[uuid.UUID] = set()
     for start in range(0, len(hashes), _MAX_HASHES_PER_STATEMENT):
         chunk = hashes[start : start + _MAX_HASHES_PER_STATEMENT]
+        # one array parameter instead of one bind per hash (an IN list of thousands of binds
+        # made statement compilation the slowest part of ingesting a batch)
+        in_chunk = Block.block_hash == any_(bindparam("late_hashes", chunk, type_=ARRAY(LargeBinary)))
         documents = (
             select(Document.invalidation_id)
             .join(BlockDocument, BlockDocument.doc_id == Document.doc_id)
             .join(Block, and_(Block.block_hash == BlockDocument.block_hash, Block.tenant_id == Document.tenant_id))
             .where(
-                Block.block_hash.in_(chunk),
+                in_chunk,
                 Document.invalidation_id.is_not(None),
                 or_(Document.deleted, BlockDocument.version < Document.version),
             )
@@ -246,7 +256,7 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
             .join(BlockAuthScope, BlockAuthScope.auth_scope == Policy.auth_scope)
             .join(Block, and_(Block.block_hash == BlockAuthScope.block_hash, Block.tenant_id == Policy.tenant_id))
             .where(
-                Block.block_hash.in_(chunk),
+                in_chunk,
                 Policy.invalidation_id.is_not(None),
                 BlockAuthScope.policy_version < Policy.policy_version,
             )
@@ -255,12 +265,17 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
             select(Namespace.invalidation_id)
             .join(Block, Block.namespace == Namespace.namespace)
             .where(
-                Block.block_hash.in_(chunk),
+                in_chunk,
                 Namespace.invalidation_id.is_not(None),
                 Namespace.status.in_(("draining", "retired")),
             )
         )
-        originals.update((await session.scalars(documents.union(policies, namespaces))).all())
+        erasures = (
+            select(Erasure.command_id)
+            .join(Block, and_(Block.tenant_id == Erasure.tenant_id, Block.subject_hash == Erasure.subject_hash))
+            .where(in_chunk, Block.created_at < Erasure.cutoff)
+        )
+        originals.update((await session.scalars(documents.union(policies, namespaces, erasures))).all())
     if not originals:
         return []
     rows = (
@@ -318,7 +333,19 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
     return completed
 
 
-_DECISION_EVENTS = (DocumentUpdated, DocumentDeleted, PermissionRevoked)
+_DECISION_EVENTS = (DocumentUpdated, DocumentDeleted, PermissionRevoked, ErasureRequested)
+
+
+class ErasureHooks(Protocol):
+    """What the handler needs of ``coordinator.erasure.ErasureService`` (a protocol: that module imports this one)."""
+
+    async def start_from_event(
+        self, session: AsyncSession, envelope: Envelope, now: datetime
+    ) -> tuple[str, Decision | None]:
+        """Start the requested erasure in the batch's transaction (decision lock held): outcome and decision."""
+
+    async def acks_applied(self, command_ids: Iterable[uuid.UUID]) -> None:
+        """Called after an ack batch committed, with the commands it touched."""
 
 
 @dataclass(slots=True)
@@ -330,10 +357,18 @@ class _BatchResult:
 
 
 class InvalidationHandler:
-    """Batch handler of the coordinator's documents/permissions/acks consumer; commits before returning."""
+    """Batch handler of the coordinator's documents/permissions/erasures/acks consumer; commits before returning.
 
-    def __init__(self, database: Database, *, on_outbox: Callable[[], None] | None = None) -> None:
+    Erasure requests are decided like the other user events (decision lock, same
+    transaction as their inbox rows) by ``erasures``, which is also told about every
+    committed ack batch so it can verify the erasures those acks advance.
+    """
+
+    def __init__(
+        self, database: Database, *, erasures: ErasureHooks, on_outbox: Callable[[], None] | None = None
+    ) -> None:
         self._database = database
+        self._erasures = erasures
         self._on_outbox = on_outbox
 
     async def __call__(self, events: list[ConsumedEvent]) -> None:
@@ -355,7 +390,13 @@ class InvalidationHandler:
                     log.warning("ignoring %s event on an invalidation topic", envelope.type)
                     result.outcomes[(envelope.type, IGNORED)] += 1
             for envelope in deciding:
-                result.outcomes[(envelope.type, await self._decide(session, envelope, now, result))] += 1
+                if isinstance(envelope.payload, ErasureRequested):
+                    outcome, decision = await self._erasures.start_from_event(session, envelope, now)
+                    result.decisions.extend([decision] if decision is not None else [])
+                else:
+                    outcome = await self._decide(session, envelope, now, result)
+                result.outcomes[(envelope.type, outcome)] += 1
+            touched: set[uuid.UUID] = set()
             if acks:
                 touched = await self._apply_acks(session, acks, now, result)
                 result.completed = await finish_if_acked(session, touched, now)
@@ -370,6 +411,7 @@ class InvalidationHandler:
         metrics.INVALIDATION_BATCH_SECONDS.observe(time.perf_counter() - started)
         if result.decisions and self._on_outbox is not None:
             self._on_outbox()
+        await self._erasures.acks_applied(touched)
 
     async def _claim(self, session: AsyncSession, events: list[ConsumedEvent], result: _BatchResult) -> list[Envelope]:
         """Inbox rows for the batch's events; returns the ones not applied before, in order."""
