@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator import metrics
 from coordinator.auth import LEDGER_READERS, ForbiddenError, authorize
 from coordinator.db import Database, request_session
+from coordinator.erasure_api import router as erasure_router
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
@@ -99,6 +100,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     app.state.verifier = verifier
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))
+    app.include_router(erasure_router(settings))
 
     @app.middleware("http")
     async def _access_log(request: Request, call_next) -> Response:

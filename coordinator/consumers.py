@@ -1,5 +1,6 @@
 """The coordinator's background work: the kv-events consumer, the invalidation consumer
-(documents, permissions, acks), the outbox relay and the dead-letter tally."""
+(documents, permissions, erasures, acks), the outbox relay, the erasure verifier and the
+dead-letter tally."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import asyncio
 import logging
 
 from coordinator.db import Database
+from coordinator.erasure import ErasureService, ReceiptKeys
 from coordinator.ingest import DeadLetterTally, LedgerIngest
 from coordinator.invalidation import InvalidationHandler
 from coordinator.outbox import OutboxRelay
 from coordinator.settings import CoordinatorSettings
 from events import kafka
-from events.topics import ACKS, DOCUMENTS, KV_EVENTS, PERMISSIONS
+from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,16 @@ async def run_consumers(
     consumer = kafka.BatchConsumer(
         config, [KV_EVENTS], ingest, dead_letter_counter=tally, max_records=settings.kafka.max_batch_records
     )
+    subject_key = settings.ledger.subject_key
+    erasures = ErasureService(
+        database,
+        subject_key=None if subject_key is None else subject_key.get_secret_value().encode(),
+        receipt_keys=ReceiptKeys(settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()),
+    )
     invalidations = kafka.BatchConsumer(
         config,
-        [DOCUMENTS, PERMISSIONS, ACKS],
-        InvalidationHandler(database, on_outbox=relay.wake),
+        [DOCUMENTS, PERMISSIONS, ERASURES, ACKS],
+        InvalidationHandler(database, erasures=erasures, on_outbox=relay.wake),
         group_id=config.group_id + INVALIDATION_GROUP_SUFFIX,
         dead_letter_counter=tally,
         max_records=settings.kafka.max_batch_records,
@@ -69,6 +77,7 @@ async def run_consumers(
             asyncio.create_task(consumer.run(), name="kv-events consumer"),
             asyncio.create_task(invalidations.run(), name="invalidation consumer"),
             asyncio.create_task(relay.run(stop), name="outbox relay"),
+            asyncio.create_task(erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
             asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
         ]
         if assigned is not None:

@@ -37,6 +37,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sqlalchemy import CheckConstraint, ColumnElement, Index, and_, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
 from coordinator.db import Database
@@ -132,16 +133,10 @@ class KeyService:
         return subject_digest(self._subject_key, tenant_id, subject_id)
 
     def _wrap(self, key_id: str, key: bytes) -> bytes:
-        nonce = os.urandom(NONCE_BYTES)
-        return nonce + self._master.encrypt(nonce, key, key_id.encode("ascii"))
+        return wrap_secret(self._master, key_id.encode("ascii"), key)
 
     def _unwrap(self, key_id: str, wrapped: bytes) -> bytes:
-        try:
-            key = self._master.decrypt(wrapped[:NONCE_BYTES], wrapped[NONCE_BYTES:], key_id.encode("ascii"))
-        except InvalidTag:
-            raise MasterKeyError(
-                f"data key {key_id} does not unwrap: KVLEDGER_MASTER_KEY differs from the key that wrapped it"
-            ) from None
+        key = unwrap_secret(self._master, key_id.encode("ascii"), wrapped, f"data key {key_id}")
         assert len(key) == KEY_BYTES, "wrapped keys are always data keys of KEY_BYTES"
         return key
 
@@ -218,9 +213,7 @@ class KeyService:
         destroyed, so a retried erasure records the same ids (the call is
         idempotent). Returns [] when the subject never had a key.
         """
-        _check_tenant(tenant_id)
-        subject = _subject_bytes(subject_hash)
-        return await self._destroy(and_(DataKey.tenant_id == tenant_id, DataKey.subject_hash == subject))
+        return await self._destroy(subject_keys(tenant_id, subject_hash))
 
     async def destroy_tenant(self, tenant_id: str) -> list[str]:
         """Destroy every key of a tenant: its tenant-scope keys and all of its subjects' keys. Ids, sorted."""
@@ -228,27 +221,54 @@ class KeyService:
         return await self._destroy(DataKey.tenant_id == tenant_id)
 
     async def _destroy(self, condition: ColumnElement[bool]) -> list[str]:
-        """Mark the matching keys destroyed and zero their wrapped bytes in one transaction.
-
-        Zero-filling (rather than deleting the row) keeps the id for receipts
-        and makes the destruction visible in the table itself: a row whose
-        ``destroyed_at`` is set holds no key material. ``coalesce`` keeps the
-        first destruction time on a retry.
-        """
         async with self._database.session() as session, session.begin():
-            key_ids = (
-                await session.scalars(
-                    update(DataKey)
-                    .where(condition)
-                    .values(
-                        destroyed_at=func.coalesce(DataKey.destroyed_at, func.now()),
-                        wrapped_key=func.decode(func.repeat("00", func.length(DataKey.wrapped_key)), "hex"),
-                    )
-                    .returning(DataKey.key_id)
-                    .execution_options(synchronize_session=False)
-                )
-            ).all()
-        key_ids = sorted(key_ids)
-        if key_ids:
-            log.info("destroyed data keys %s", ", ".join(key_ids))
-        return key_ids
+            return await destroy_keys(session, condition)
+
+
+def wrap_secret(master: AESGCM, label: bytes, secret: bytes) -> bytes:
+    """``nonce ‖ AES-256-GCM(master, secret, aad=label)``: the label binds the ciphertext to its row."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + master.encrypt(nonce, secret, label)
+
+
+def unwrap_secret(master: AESGCM, label: bytes, wrapped: bytes, what: str) -> bytes:
+    """Inverse of :func:`wrap_secret`; :class:`MasterKeyError` naming ``what`` when the master key is not the one."""
+    try:
+        return master.decrypt(wrapped[:NONCE_BYTES], wrapped[NONCE_BYTES:], label)
+    except InvalidTag:
+        raise MasterKeyError(
+            f"{what} does not unwrap: KVLEDGER_MASTER_KEY differs from the key that wrapped it"
+        ) from None
+
+
+def subject_keys(tenant_id: str, subject_hash: str) -> ColumnElement[bool]:
+    """Every data key of one subject in a tenant (the condition :func:`destroy_keys` takes for an erasure)."""
+    _check_tenant(tenant_id)
+    return and_(DataKey.tenant_id == tenant_id, DataKey.subject_hash == _subject_bytes(subject_hash))
+
+
+async def destroy_keys(session: AsyncSession, condition: ColumnElement[bool]) -> list[str]:
+    """Mark the matching keys destroyed and zero their wrapped bytes in the caller's transaction; ids, sorted.
+
+    In the caller's transaction so that an erasure destroys the keys together with
+    its decision, or not at all. Zero-filling (rather than deleting the row) keeps
+    the id for receipts and makes the destruction visible in the table itself: a row
+    whose ``destroyed_at`` is set holds no key material. ``coalesce`` keeps the first
+    destruction time on a retry.
+    """
+    key_ids = (
+        await session.scalars(
+            update(DataKey)
+            .where(condition)
+            .values(
+                destroyed_at=func.coalesce(DataKey.destroyed_at, func.now()),
+                wrapped_key=func.decode(func.repeat("00", func.length(DataKey.wrapped_key)), "hex"),
+            )
+            .returning(DataKey.key_id)
+            .execution_options(synchronize_session=False)
+        )
+    ).all()
+    key_ids = sorted(key_ids)
+    if key_ids:
+        log.info("destroyed data keys %s", ", ".join(key_ids))
+    return key_ids

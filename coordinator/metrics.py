@@ -69,3 +69,10 @@ INVALIDATION_SECONDS = Histogram(
 INVALIDATION_BATCH_SECONDS = Histogram(
     "kvledger_invalidation_batch_seconds", "Time to apply and commit one documents/permissions/acks batch."
 )
+
+RECEIPTS_TOTAL = Counter("kvledger_erasure_receipts_total", "Erasures verified and given a signed receipt.")
+ERASURE_SECONDS = Histogram(
+    "kvledger_erasure_seconds",
+    "Time from an erasure's request to its verified receipt.",
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600),
+)

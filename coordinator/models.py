@@ -342,3 +342,95 @@ class InvalidationTarget(Base):
     acked_at: Mapped[datetime | None]
     evidence: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
     """The ack's ``TierEvidence`` list as received (block hashes included: erasure receipts commit to them)."""
+
+
+ERASURE_STATUSES = ("pending", "partial", "verified", "failed")
+"""``partial``: some expected node acked, not all; ``failed``: a node reported a post-check that did not verify
+(a later verified ack can still lead to ``verified``); ``verified`` is final and has exactly one receipt."""
+
+
+class Erasure(Base):
+    """One privacy erasure of a subject in a tenant (issue 5, DESIGN §6 "Erasure and receipts").
+
+    The subject is stored only as its keyed digest (``events.schema.subject_digest``).
+    ``idempotency_key`` is the caller's request id (``Idempotency-Key`` header, body
+    ``request_id``, or the event's ``erasure_id``/event id): a retry with the same key
+    in the same tenant is the same erasure. ``command_id`` is the subject ``Invalidate``
+    decided with it; late-block re-sends name it as their ``parent_command_id``.
+    """
+
+    __tablename__ = "erasures"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", ERASURE_STATUSES), name="status"),
+        UniqueConstraint("tenant_id", "idempotency_key"),
+        Index(None, "status"),
+        Index(None, "tenant_id", "subject_hash"),
+        Index(None, "command_id"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    tenant_id: Mapped[str]
+    subject_hash: Mapped[bytes]
+    reason: Mapped[str]
+    idempotency_key: Mapped[str]
+    status: Mapped[str] = mapped_column(server_default="pending")
+    command_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("invalidations.command_id"))
+    cutoff: Mapped[datetime]
+    requested_at: Mapped[datetime]
+    verified_at: Mapped[datetime | None]
+    key_ids_destroyed: Mapped[list[str]] = mapped_column(JSONB)
+    updated_at: Mapped[datetime] = _now()
+
+
+class ReceiptKey(Base):
+    """An Ed25519 receipt signing key ever used; listed forever in ``GET /v1/receipts/keys``.
+
+    ``private_key`` is the raw private key wrapped under the master key (AES-256-GCM,
+    as ``coordinator.keys`` wraps data keys) for a key the coordinator generated, and
+    NULL for a key that comes from settings (it is never stored then).
+    """
+
+    __tablename__ = "receipt_keys"
+
+    key_id: Mapped[str] = mapped_column(primary_key=True)
+    public_key: Mapped[bytes]
+    private_key: Mapped[bytes | None]
+    created_at: Mapped[datetime] = _now()
+    retired_at: Mapped[datetime | None]
+
+
+class Receipt(Base):
+    """The signed receipt of a verified erasure: ``{"receipt": body, "signature": …}`` as signed."""
+
+    __tablename__ = "receipts"
+    __table_args__ = (UniqueConstraint("erasure_id"), UniqueConstraint("leaf_index"))
+
+    receipt_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    erasure_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("erasures.id"))
+    document: Mapped[dict[str, Any]]
+    leaf_index: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = _now()
+
+
+class AuditLogEntry(Base):
+    """One leaf of the append-only Merkle audit log: ``audit_leaf_hash`` of a signed receipt."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (UniqueConstraint("receipt_id"),)
+
+    leaf_index: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    leaf_hash: Mapped[bytes]
+    receipt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("receipts.receipt_id"))
+    appended_at: Mapped[datetime] = _now()
+
+
+class TreeHead(Base):
+    """A signed tree head of the audit log, one per size (each append signs the new size)."""
+
+    __tablename__ = "tree_heads"
+
+    tree_size: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    root_hash: Mapped[bytes]
+    timestamp: Mapped[datetime]
+    key_id: Mapped[str] = mapped_column(ForeignKey("receipt_keys.key_id"))
+    signature: Mapped[str]

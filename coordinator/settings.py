@@ -5,7 +5,8 @@ Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
 ``KVLEDGER_COORDINATOR_HTTP__PORT``.
 
 The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
-``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY`` and ``KVLEDGER_MASTER_KEY`` are honoured too, because
+``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY`` and
+``KVLEDGER_RECEIPT_SIGNING_KEY`` are honoured too, because
 one operator sets them once for every process (nodes, coordinator, tests); a
 coordinator-specific variable wins over the shared one, an explicit argument
 over both.
@@ -31,6 +32,7 @@ _SHARED_ENV: dict[str, tuple[str, ...]] = {
     "KVLEDGER_JWT_SECRET": ("auth", "jwt_secret"),
     "KVLEDGER_SUBJECT_KEY": ("ledger", "subject_key"),
     "KVLEDGER_MASTER_KEY": ("keys", "master_key"),
+    "KVLEDGER_RECEIPT_SIGNING_KEY": ("ledger", "receipt_signing_key"),
 }
 
 
@@ -78,9 +80,18 @@ class LedgerSettings(BaseModel):
     ``subject_key`` is the deployment secret of :func:`events.schema.subject_digest`,
     shared with the nodes: node events carry only the keyed digest of a subject, and
     the ledger API digests a queried subject with the same key to find its blocks.
+
+    ``receipt_signing_key`` is the PEM (unencrypted PKCS#8) Ed25519 key that signs
+    erasure receipts and audit tree heads; every coordinator replica should hold the
+    same one. Unset, the coordinator generates a key on first use and stores it
+    wrapped under the master key, so receipts stay verifiable across restarts.
+    ``erasure_verify_interval_s`` is how often unverified erasures are re-checked
+    (they are also checked right after every ack batch).
     """
 
     subject_key: SecretStr | None = None
+    receipt_signing_key: SecretStr | None = None
+    erasure_verify_interval_s: float = Field(2.0, gt=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     inventory_retry_s: float = Field(60.0, gt=0)
     outbox_poll_s: float = Field(0.5, gt=0)

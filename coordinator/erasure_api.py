@@ -1,0 +1,245 @@
+"""HTTP API of privacy erasures, receipts and the audit log (issue 5, DESIGN §6; documents in docs/receipts.md).
+
+* ``POST /v1/erasures {tenant_id, subject_id, reason[, request_id]}`` (role
+  ``privacy-officer`` or ``admin``) → 202 ``{id, status}``. Idempotent on the
+  ``Idempotency-Key`` header or the body's ``request_id``: a retry returns the same
+  erasure and starts nothing (409 ``idempotency_conflict`` if the key named another
+  subject). Without either, every call is a new erasure. The body is never logged or
+  echoed in an error: ``subject_id`` is a person's identifier.
+* ``GET /v1/erasures/{id}`` (``privacy-officer``, ``admin``, ``auditor``) — status and
+  per node × tier progress: what each node reported (removed, method, verified) and
+  the subject's live copies the ledger still shows.
+* ``GET /v1/erasures/{id}/receipt[?tree_size=N]`` and ``GET /v1/audit/proof/{receipt_id}[?tree_size=N]``
+  (same roles) — the served receipt: the signed receipt, its inclusion proof in the
+  latest (or size-N) signed tree head and the consistency proof from the tree head at issue.
+* ``GET /v1/audit/checkpoint`` (open) — the latest signed tree head.
+* ``GET /v1/receipts/keys`` (open) — every key that ever signed a receipt or tree head.
+
+``kvledger verify-receipt`` takes these documents exactly as served.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from coordinator import receipts
+from coordinator.auth import ADMIN, LEDGER_READERS, PRIVACY_OFFICER, authorize
+from coordinator.db import request_session
+from coordinator.erasure import (
+    AuditLogCorrupted,
+    IdempotencyConflict,
+    Progress,
+    latest_tree_head,
+    leaf_hashes,
+    progress,
+    start_erasure,
+    tree_head_document,
+)
+from coordinator.invalidation import lock_decisions
+from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
+from coordinator.settings import CoordinatorSettings
+from gpu_node.kv_cache_utils import Principal
+
+log = logging.getLogger(__name__)
+
+ERASURE_REQUESTERS = frozenset({ADMIN, PRIVACY_OFFICER})
+
+
+class ErasureRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant_id: str = Field(min_length=1, max_length=512)
+    subject_id: str = Field(min_length=1, max_length=512)
+    reason: str = Field(min_length=1, max_length=2000)
+    request_id: str | None = Field(None, min_length=1, max_length=512)
+    """The caller's id for this request; the ``Idempotency-Key`` header does the same."""
+
+
+def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}}
+    )
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _requester(request: Request) -> Principal:
+    return authorize(request.app.state.verifier, request.headers.get("authorization"), ERASURE_REQUESTERS)
+
+
+def _reader(request: Request) -> Principal:
+    return authorize(request.app.state.verifier, request.headers.get("authorization"), LEDGER_READERS)
+
+
+Requester = Annotated[Principal, Depends(_requester)]
+Reader = Annotated[Principal, Depends(_reader)]
+Session = Annotated[AsyncSession, Depends(request_session)]
+TreeSize = Annotated[int | None, Query(ge=1)]
+
+
+def router(settings: CoordinatorSettings) -> APIRouter:
+    subject_key = settings.ledger.subject_key
+    api = APIRouter()
+
+    @api.post("/v1/erasures")
+    async def request_erasure(
+        body: ErasureRequest,
+        _: Requester,
+        session: Session,
+        idempotency_key: Annotated[str | None, Header(min_length=1, max_length=512)] = None,
+    ) -> JSONResponse:
+        """Start an erasure (202); a retry with the same key answers with the same erasure."""
+        if subject_key is None:
+            return _error(
+                503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)"
+            )
+        if idempotency_key is not None and body.request_id is not None and idempotency_key != body.request_id:
+            return _error(
+                400,
+                "invalid_request_error",
+                "idempotency_key_mismatch",
+                "the Idempotency-Key header and request_id differ; send one of them",
+            )
+        key = idempotency_key or body.request_id or str(uuid.uuid4())
+        try:
+            async with session.begin():
+                await lock_decisions(session)
+                now = (await session.scalar(select(func.now()))).astimezone(UTC)
+                started = await start_erasure(
+                    session,
+                    subject_key=subject_key.get_secret_value().encode(),
+                    tenant_id=body.tenant_id,
+                    subject_id=body.subject_id,
+                    reason=body.reason,
+                    idempotency_key=key,
+                    now=now,
+                    trigger="api",
+                )
+        except IdempotencyConflict as conflict:
+            return _error(409, "invalid_request_error", "idempotency_conflict", str(conflict))
+        except ValueError as error:
+            # start_erasure's messages name the field, never its value.
+            return _error(400, "invalid_request_error", "invalid_parameter", str(error))
+        erasure = started.erasure
+        return JSONResponse(status_code=202, content={"id": str(erasure.id), "status": erasure.status})
+
+    @api.get("/v1/erasures/{erasure_id}")
+    async def get_erasure(erasure_id: uuid.UUID, _: Reader, session: Session) -> Any:
+        erasure = await session.get(Erasure, erasure_id)
+        if erasure is None:
+            return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+        receipt_id = await session.scalar(select(Receipt.receipt_id).where(Receipt.erasure_id == erasure.id))
+        return _describe(erasure, await progress(session, erasure), receipt_id)
+
+    @api.get("/v1/erasures/{erasure_id}/receipt")
+    async def get_receipt(erasure_id: uuid.UUID, _: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+        erasure = await session.get(Erasure, erasure_id)
+        if erasure is None:
+            return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+        receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
+        if receipt is None:
+            return _error(
+                404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet"
+            )
+        return await _served(session, receipt, tree_size)
+
+    @api.get("/v1/audit/proof/{receipt_id}")
+    async def get_proof(receipt_id: uuid.UUID, _: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+        receipt = await session.get(Receipt, receipt_id)
+        if receipt is None:
+            return _error(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
+        return await _served(session, receipt, tree_size)
+
+    @api.get("/v1/audit/checkpoint")
+    async def checkpoint(session: Session) -> Any:
+        head = await latest_tree_head(session)
+        if head is None:
+            return _error(404, "invalid_request_error", "audit_log_empty", "no receipt has been issued yet")
+        return tree_head_document(head)
+
+    @api.get("/v1/receipts/keys")
+    async def receipt_keys(session: Session) -> dict[str, Any]:
+        rows = (await session.scalars(select(ReceiptKey).order_by(ReceiptKey.created_at, ReceiptKey.key_id))).all()
+        return receipts.public_key_document(
+            receipts.ReceiptPublicKey(row.public_key, receipts.rfc3339(row.created_at)) for row in rows
+        )
+
+    return api
+
+
+async def _served(session: AsyncSession, receipt: Receipt, tree_size: int | None) -> Any:
+    """The served receipt with proofs into the latest tree head, or the one of ``tree_size``."""
+    at_issue = await session.get(TreeHead, receipt.leaf_index + 1)
+    assert at_issue is not None, f"receipt {receipt.receipt_id} without the tree head that added it"
+    head = await latest_tree_head(session) if tree_size is None else await session.get(TreeHead, tree_size)
+    if head is None:
+        return _error(404, "invalid_request_error", "tree_size_not_found", f"the audit log has no tree of size {tree_size}")
+    if head.tree_size < at_issue.tree_size:
+        return _error(
+            400,
+            "invalid_request_error",
+            "tree_size_before_receipt",
+            f"the receipt entered the log at tree size {at_issue.tree_size}; ask for that size or a later one",
+        )
+    try:
+        leaves = await leaf_hashes(session, head.tree_size)
+        return receipts.serve_receipt(
+            receipt.document, receipt.leaf_index, tree_head_document(at_issue), tree_head_document(head), leaves
+        )
+    except (AuditLogCorrupted, ValueError) as error:
+        log.error("receipt %s cannot be served: %s", receipt.receipt_id, error)
+        return _error(500, "server_error", "audit_log_inconsistent", "the stored audit log does not hold this receipt")
+
+
+def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -> dict[str, Any]:
+    """Status plus, per node × tier, what the nodes reported for every command and the ledger's live copies."""
+    reported: dict[str, dict[str, list[dict[str, Any]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    node_status: dict[str, set[str]] = collections.defaultdict(set)
+    for target in state.targets:
+        node_status[target.node_id].add(target.status)
+        for item in target.evidence or []:
+            reported[target.node_id][item["tier"]].append(item)
+    nodes = []
+    for node_id in sorted(set(node_status) | {node for node, _ in state.live}):
+        statuses = node_status.get(node_id, set())
+        status = next((s for s in ("failed", "pending", "acked") if s in statuses), "not_targeted")
+        tiers = {}
+        for tier in TIERS:
+            items = reported[node_id][tier]
+            tiers[tier] = {
+                "removed": sum(item["removed"] for item in items),
+                "methods": sorted({item["method"] for item in items}),
+                "verified": all(item["verified"] for item in items) if items else None,
+                "live": state.live.get((node_id, tier), 0),
+            }
+        nodes.append({"node_id": node_id, "status": status, "tiers": tiers})
+    return {
+        "id": str(erasure.id),
+        "tenant_id": erasure.tenant_id,
+        "subject_hash": erasure.subject_hash.hex(),
+        "reason": erasure.reason,
+        "status": erasure.status,
+        "requested_at": _iso(erasure.requested_at),
+        "cutoff": _iso(erasure.cutoff),
+        "verified_at": _iso(erasure.verified_at),
+        "key_ids_destroyed": erasure.key_ids_destroyed,
+        "receipt_id": None if receipt_id is None else str(receipt_id),
+        "commands": [
+            {"command_id": str(c.command_id), "trigger": c.trigger, "status": c.status} for c in state.commands
+        ],
+        "live_copies": sum(state.live.values()),
+        "reported_key_ids_not_destroyed": state.contradicted_key_ids,
+        "nodes": nodes,
+    }
