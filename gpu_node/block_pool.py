@@ -51,6 +51,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from pathlib import Path
@@ -163,7 +164,9 @@ class RemovalEvidence:
     ``zero_fill``: the memory slot was overwritten with zeros and read back as
     zero (NIST 800-88 Clear). ``overwrite_unlink``: the file was zeroed and
     unlinked and its path checked absent; ``encrypted`` says whether it held
-    ciphertext, which destroying the scope key additionally purges.
+    ciphertext, which destroying the scope key additionally purges, and
+    ``key_id`` names that key (as written in the file's header; None for
+    plaintext), so an erasure knows which keys to destroy.
     """
 
     block_hash: bytes
@@ -171,6 +174,7 @@ class RemovalEvidence:
     method: str
     encrypted: bool
     verified: bool
+    key_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +341,19 @@ def encode_block_record(record: BlockRecord, key_provider: DataKeyProvider, meta
     return header + seal(key, key_id, block_hash, body)
 
 
+def record_key_id(data: bytes) -> str | None:
+    """The data key id in a sealed record's clear header; None for plaintext or a malformed header."""
+    if _record_block_hash(data) is None or data[5] != _FLAG_SEALED or len(data) <= _HEADER.size:
+        return None
+    key_id_end = _HEADER.size + 1 + data[_HEADER.size]
+    if len(data) < key_id_end:
+        return None
+    try:
+        return data[_HEADER.size + 1 : key_id_end].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+
+
 def _record_block_hash(data: bytes) -> bytes | None:
     """The block hash in a record's clear header; None if the header is malformed."""
     if len(data) < _HEADER.size:
@@ -430,6 +447,7 @@ def _tensor_bytes(kv: torch.Tensor) -> bytes:
 
 
 _MAX_SLICE_RUNS = 16
+_FILE_DELETE_WORKERS = 4
 
 
 def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -507,6 +525,8 @@ class BlockPool:
         self._disk_dir = config.disk_dir if config.disk_dir is not None and config.max_disk_blocks > 0 else None
         if self._disk_dir is not None:
             self._disk_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # (predicate, until on the pool clock): builds of matching blocks are refused until then.
+        self._build_guards: list[tuple[Callable[[BlockProvenance], bool], float]] = []
         self._disk_prefix = "" if self._disk_dir is None else os.path.join(self._disk_dir, "")
         self._capacity = {
             Tier.DEVICE: config.num_device_blocks,
@@ -520,6 +540,8 @@ class BlockPool:
         # The exact meta bytes this pool wrote into each block file: a disk hit whose authenticated
         # meta equals them needs no JSON parse (same key, namespace and KV format by construction).
         self._disk_meta: dict[bytes, bytes] = {}
+        # The data key id in each sealed block file's header, so a removal can name the key without reading the file.
+        self._disk_key_ids: dict[bytes, str] = {}
         self._events: list[PoolEvent] = []
         self._num_evictions = 0
         self._num_expired = 0
@@ -618,8 +640,31 @@ class BlockPool:
 
     # --- building --------------------------------------------------------------------------
 
+    def guard_builds(self, predicate: Callable[[BlockProvenance], bool], duration_s: float) -> None:
+        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see :meth:`begin_build`).
+
+        :meth:`remove_where` tombstones the matching builds it finds, but a
+        request whose keys were computed before an invalidation's cutoff may
+        claim its blocks only after the removal ran (it was waiting on another
+        request's build). Registered *before* the removal, a guard closes that
+        gap: every matching build is either found by the removal or refused
+        here. The predicate carries the cutoff, so later blocks still build.
+        """
+        if duration_s <= 0:
+            raise ValueError("duration_s must be positive")
+        with self._lock:
+            now = self._clock()
+            self._build_guards = [(guard, until) for guard, until in self._build_guards if until > now]
+            self._build_guards.append((predicate, now + duration_s))
+
+    def _build_refused(self, provenance: BlockProvenance, now: float) -> bool:
+        return any(until > now and guard(provenance) for guard, until in self._build_guards)
+
     def begin_build(self, key: BlockKey) -> CacheEntry | None:
-        """Claim a hash for building; None when it is already present in any state."""
+        """Claim a hash for building; None when it is already present in any state or a guard refuses it.
+
+        A refused block is simply not cached: the request computes it and goes on.
+        """
         if len(key.block_hash) != HASH_BYTES:
             raise ValueError(f"block hashes are {HASH_BYTES} bytes, got {len(key.block_hash)}")
         if key.provenance.namespace != self._config.namespace:
@@ -632,7 +677,7 @@ class BlockPool:
             if existing is not None and existing.state is BlockState.READY and self._is_expired(existing, now):
                 self._expire_entry(existing)
                 existing = self._entries.get(key.block_hash)
-            if existing is not None:
+            if existing is not None or (self._build_guards and self._build_refused(key.provenance, now)):
                 return None
             entry = CacheEntry(key=key, state=BlockState.BUILDING, last_access=now)
             self._entries[key.block_hash] = entry
@@ -887,6 +932,7 @@ class BlockPool:
             pass
         self._disk_file_bytes.pop(entry.block_hash, None)
         self._disk_meta.pop(entry.block_hash, None)
+        self._disk_key_ids.pop(entry.block_hash, None)
 
     def export_record(self, entry: CacheEntry) -> bytes | None:
         """A referenced entry as an at-rest record (snapshots); None if its scope has no data key."""
@@ -981,6 +1027,12 @@ class BlockPool:
             deferred: list[bytes] = []
             building: list[bytes] = []
             evidence: list[RemovalEvidence] = []
+            unreferenced_files = [
+                entry
+                for entry in matches
+                if entry.state is not BlockState.BUILDING and entry.ref_count == 0 and entry.tier is Tier.DISK
+            ]
+            file_absent = dict(zip(unreferenced_files, self._delete_files(unreferenced_files), strict=True))
             for entry in matches:
                 if entry.state is BlockState.BUILDING:
                     building.append(entry.block_hash)
@@ -988,10 +1040,23 @@ class BlockPool:
                     deferred.append(entry.block_hash)
                 else:
                     tier = entry.tier
-                    evidence.append(self._drop(entry, reason))
+                    evidence.append(self._drop(entry, reason, file_absent.get(entry)))
                     num_removed[tier] += 1
                     removed.append(entry.block_hash)
             return RemovalReport(reason, num_removed, tuple(removed), tuple(deferred), tuple(building), tuple(evidence))
+
+    def _delete_files(self, entries: Sequence[CacheEntry]) -> list[bool]:
+        """Overwrite and unlink the block files of ``entries`` in parallel; whether each is verifiably absent.
+
+        Each overwrite is flushed to disk before its unlink; the flushes wait on
+        the device, so running a few at once lets the file system commit them
+        together (about half the time of one by one for thousands of files).
+        """
+        paths = [self._disk_path(entry.block_hash) for entry in entries]
+        if len(paths) < 2:
+            return [overwrite_and_unlink(path) for path in paths]
+        with ThreadPoolExecutor(max_workers=_FILE_DELETE_WORKERS, thread_name_prefix="kvledger-unlink") as executor:
+            return list(executor.map(overwrite_and_unlink, paths))
 
     def load_disk_tier(self) -> int:
         """Re-index block files left by an earlier run; returns how many became READY.
@@ -1029,6 +1094,7 @@ class BlockPool:
                 self._entries[block_hash] = entry
                 self._disk_file_bytes[block_hash] = len(data)
                 self._disk_meta[block_hash] = meta
+                self._remember_key_id(block_hash, data)
                 self._place(entry, Tier.DISK, None)
                 num_loaded += 1
             return num_loaded
@@ -1181,8 +1247,11 @@ class BlockPool:
         self._events.append(BlockMoved(entry.block_hash, from_tier, Tier.DEVICE))
         return True
 
-    def _drop(self, entry: CacheEntry, reason: RemovalReason) -> RemovalEvidence:
-        """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING → ABSENT)."""
+    def _drop(self, entry: CacheEntry, reason: RemovalReason, file_absent: bool | None = None) -> RemovalEvidence:
+        """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING → ABSENT).
+
+        ``file_absent``: see :meth:`_delete_bytes`.
+        """
         tier = entry.tier
         assert tier is not None, "only placed entries can be dropped"
         if entry.state is BlockState.READY:
@@ -1190,7 +1259,7 @@ class BlockPool:
         entry.state = BlockState.EVICTING
         entry.tombstoned = True
         entry.removal_reason = reason
-        evidence = self._delete_bytes(entry)
+        evidence = self._delete_bytes(entry, file_absent)
         self._num_entries[tier] -= 1
         entry.tier = None
         entry.slot = None
@@ -1205,14 +1274,20 @@ class BlockPool:
         self._events.append(BlockRemoved(entry.block_hash, tier, reason, evidence))
         return evidence
 
-    def _delete_bytes(self, entry: CacheEntry) -> RemovalEvidence:
-        """Zero the entry's slot (read back as zero) or zero+unlink its file (checked absent)."""
+    def _delete_bytes(self, entry: CacheEntry, file_absent: bool | None = None) -> RemovalEvidence:
+        """Zero the entry's slot (read back as zero) or zero+unlink its file (checked absent).
+
+        ``file_absent`` is the outcome of an overwrite+unlink the caller already
+        did for a disk entry (a batch removal deletes its files in parallel).
+        """
         if entry.tier is Tier.DISK:
-            verified = overwrite_and_unlink(self._disk_path(entry.block_hash))
+            if file_absent is None:
+                file_absent = overwrite_and_unlink(self._disk_path(entry.block_hash))
             self._disk_file_bytes.pop(entry.block_hash, None)
             self._disk_meta.pop(entry.block_hash, None)
+            key_id = self._disk_key_ids.pop(entry.block_hash, None)
             encrypted = entry.provenance.scope != CacheScope.PUBLIC
-            return RemovalEvidence(entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified)
+            return RemovalEvidence(entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, file_absent, key_id)
         slot_tensor = self._slots[entry.tier][entry.slot]
         slot_tensor.zero_()
         verified = not bool(slot_tensor.any())
@@ -1250,7 +1325,13 @@ class BlockPool:
             os.close(fd)
         self._disk_file_bytes[entry.block_hash] = len(data)
         self._disk_meta[entry.block_hash] = meta
+        self._remember_key_id(entry.block_hash, data)
         return True
+
+    def _remember_key_id(self, block_hash: bytes, data: bytes) -> None:
+        key_id = record_key_id(data)
+        if key_id is not None:
+            self._disk_key_ids[block_hash] = key_id
 
     def _check_record(self, record: BlockRecord, block_hash: bytes) -> None:
         if record.key.block_hash != block_hash:

@@ -8,9 +8,14 @@ For every ``Invalidate`` the node
    cutoff: device/host slots are zeroed and read back, disk files overwritten
    and unlinked (:meth:`BlockPool.remove_where`), blocks a reader still holds are
    deleted when released (waited for, bounded), BUILDING matches are discarded
-   at commit by the pool; then every snapshot of the node is rewritten without
-   the matches;
-3. publishes a ``CommandAck`` to ``kvledger.acks`` with one ``TierEvidence`` per
+   at commit by the pool, and for an erasure matching builds claimed after the
+   removal are refused for a bounded window (:meth:`BlockPool.guard_builds`);
+   then every snapshot of the node is rewritten without the matches;
+3. for a subject (erasure) command, crypto-erases: destroys the subject's data
+   keys in the node's key provider — the ones it resolved for the subject and
+   the ones named by the sealed copies it removed — so any copy of those
+   blocks, including one copied off the node, no longer decrypts here;
+4. publishes a ``CommandAck`` to ``kvledger.acks`` with one ``TierEvidence`` per
    tier touched — also when nothing matched, so the coordinator can complete.
 
 The pool's ``BlockRemoved`` events still reach ``kvledger.kv-events`` through the
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +62,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DEFERRED_WAIT_S = 10.0
+BUILD_GUARD_MARGIN_S = 60.0
+"""Slack on top of the singleflight wait for how long a command keeps refusing matching builds."""
 
 
 # --------------------------------------------------------------------------- predicates
@@ -125,11 +133,15 @@ def block_predicate(predicate: schema.Predicate, cutoff: datetime, subject_key: 
 
 @dataclass(frozen=True, slots=True)
 class SnapshotRemoval:
-    """Blocks one snapshot no longer holds; ``verified``: every replaced shard file is absent."""
+    """Blocks one snapshot no longer holds; ``verified``: every replaced shard file is absent.
+
+    ``key_ids``: the data keys that sealed the matching records removed.
+    """
 
     snapshot_id: str
     block_hashes: tuple[bytes, ...]
     verified: bool
+    key_ids: frozenset[str] = frozenset()
 
 
 def remove_from_snapshots(
@@ -148,15 +160,47 @@ def remove_from_snapshots(
         if not (directory / snapshots.MANIFEST_NAME).is_file():
             continue
         before = snapshots.read_manifest(directory)
-        if snapshots.remove_from_snapshot(directory, predicate, key_provider) == 0:
+        records = snapshots.remove_from_snapshot(directory, predicate, key_provider)
+        if not records:
             continue
         after = snapshots.read_manifest(directory)
         kept = set(after.block_hashes)
         removed = tuple(block_hash for block_hash in dict.fromkeys(before.block_hashes) if block_hash not in kept)
         live_shards = set(after.shards)
         verified = all(not (directory / name).exists() for name in before.shards if name not in live_shards)
-        removals.append(SnapshotRemoval(after.snapshot_id, removed, verified))
+        key_ids = frozenset(key_id for _, key_id in records if key_id is not None)
+        removals.append(SnapshotRemoval(after.snapshot_id, removed, verified, key_ids))
     return removals
+
+
+# --------------------------------------------------------------------------- crypto-erase
+
+
+@dataclass(frozen=True, slots=True)
+class CryptoErasure:
+    """Data keys destroyed for one subject; ``verified``: none of them can be obtained any more."""
+
+    key_ids: tuple[str, ...]
+    verified: bool
+
+
+def crypto_erase_subject(
+    key_provider: DataKeyProvider, predicate: schema.SubjectPredicate, sealed_key_ids: set[str]
+) -> CryptoErasure:
+    """Destroy the subject's keys in ``key_provider`` and check each is gone (blocking: a local store fsyncs).
+
+    The keys are the ones the provider can attribute to the subject's digest
+    plus ``sealed_key_ids``, read from the headers of the subject's removed
+    sealed copies — a provider that fetched a key by id to read a file does
+    not know whose it is. With the coordinator's key service the authoritative
+    destruction is the coordinator's; what the node destroys is its cached
+    copy, after which it refuses to fetch the key again.
+    """
+    candidates = sorted(set(key_provider.subject_key_ids(predicate.tenant, predicate.subject_id)) | sealed_key_ids)
+    # A key that survives destroy() is one its authority still serves (issued after the erasure
+    # started, for the subject's newer data): not destroyed, so never reported as destroyed.
+    key_ids = [key_id for key_id in candidates if key_provider.destroy(key_id) or key_provider.key_by_id(key_id) is None]
+    return CryptoErasure(tuple(key_ids), all(key_provider.key_by_id(key_id) is None for key_id in key_ids))
 
 
 # --------------------------------------------------------------------------- invalidation
@@ -181,6 +225,7 @@ class _Progress:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     snapshot_hashes: set[bytes] = field(default_factory=set)
     snapshots_verified: bool = True
+    snapshot_key_ids: set[str] = field(default_factory=set)
 
 
 _POOL_METHODS: dict[Tier, tuple[schema.EraseMethod, schema.PostCheck]] = {
@@ -226,6 +271,9 @@ class InvalidationHandler:
         progress = self._progress.setdefault(command.command_id, _Progress())
         matches = block_predicate(command.predicate, command.cutoff, self.subject_key)
         pool = self.engine.pool
+        if isinstance(command.predicate, schema.SubjectPredicate):
+            # Erasures only: they are rare, and every guard is checked at every build while it lasts.
+            pool.guard_builds(matches, self._guard_s(command.cutoff))
         report = await asyncio.to_thread(pool.remove_where, matches, RemovalReason.INVALIDATED)
         self.engine.manager.drain_events()
         for evidence in report.evidence:
@@ -236,8 +284,23 @@ class InvalidationHandler:
         for removal in removals:
             progress.snapshot_hashes.update(removal.block_hashes)
             progress.snapshots_verified = progress.snapshots_verified and removal.verified
+            progress.snapshot_key_ids.update(removal.key_ids)
+        erasure = None
+        if isinstance(command.predicate, schema.SubjectPredicate):
+            sealed = {item.key_id for item in progress.removed.values() if item.key_id is not None} | progress.snapshot_key_ids
+            erasure = await asyncio.to_thread(crypto_erase_subject, pool.key_provider, command.predicate, sealed)
         del self._progress[command.command_id]
-        return _evidence(progress)
+        return _evidence(progress, erasure)
+
+    def _guard_s(self, cutoff: datetime) -> float:
+        """How long matching builds stay refused: until no request whose keys predate the cutoff can still claim one.
+
+        A request claims its blocks at most the singleflight wait after it
+        computed its keys (and their ``created_at``); a cutoff ahead of this
+        node's clock extends the window by the difference.
+        """
+        ahead_s = max(0.0, cutoff.timestamp() - time.time())
+        return ahead_s + self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S
 
     async def _wait_for_release(self, progress: _Progress) -> None:
         loop = asyncio.get_running_loop()
@@ -269,16 +332,31 @@ class InvalidationHandler:
             self._forward(events)
 
 
-def _evidence(progress: _Progress) -> list[schema.TierEvidence]:
+def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[schema.TierEvidence]:
+    """One ``TierEvidence`` per tier touched.
+
+    Disk and snapshot copies of a crypto-erased subject report ``crypto_erase``
+    / ``key_destroyed`` with the destroyed key ids — only when every removed
+    copy named one of them in its header — verified only if the keys are gone
+    *and* the files are absent; otherwise (nothing sealed, no key destroyed, or
+    a copy sealed under a key its authority keeps live) they report what was
+    done: ``unlink``.
+    """
     by_tier: dict[Tier, list[RemovalEvidence]] = {}
     for evidence in progress.removed.values():
         by_tier.setdefault(evidence.tier, []).append(evidence)
+    destroyed = frozenset(() if erasure is None else erasure.key_ids)
     result = []
     for tier in Tier:
         items = by_tier.get(tier)
         if not items:
             continue
         method, post_check = _POOL_METHODS[tier]
+        verified = all(item.verified for item in items)
+        key_ids: list[str] = []
+        if tier is Tier.DISK and destroyed and all(item.encrypted and item.key_id in destroyed for item in items):
+            method, post_check, key_ids = "crypto_erase", "key_destroyed", list(erasure.key_ids)
+            verified = verified and erasure.verified
         result.append(
             schema.TierEvidence(
                 tier=tier.value,
@@ -286,18 +364,24 @@ def _evidence(progress: _Progress) -> list[schema.TierEvidence]:
                 block_hashes=[item.block_hash.hex() for item in items],
                 method=method,
                 post_check=post_check,
-                verified=all(item.verified for item in items),
+                verified=verified,
+                key_ids=key_ids,
             )
         )
     if progress.snapshot_hashes:
+        method, post_check, key_ids, verified = "unlink", "file_absent", [], progress.snapshots_verified
+        if destroyed and progress.snapshot_key_ids <= destroyed:
+            method, post_check, key_ids = "crypto_erase", "key_destroyed", list(erasure.key_ids)
+            verified = verified and erasure.verified
         result.append(
             schema.TierEvidence(
                 tier="snapshot",
                 removed=len(progress.snapshot_hashes),
                 block_hashes=sorted(block_hash.hex() for block_hash in progress.snapshot_hashes),
-                method="unlink",
-                post_check="file_absent",
-                verified=progress.snapshots_verified,
+                method=method,
+                post_check=post_check,
+                verified=verified,
+                key_ids=key_ids,
             )
         )
     return result

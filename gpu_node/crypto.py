@@ -27,6 +27,7 @@ from typing import Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from events.schema import subject_digest
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 
 KEY_BYTES = 32
@@ -49,7 +50,19 @@ class DataKeyProvider(Protocol):
         ...
 
     def destroy(self, key_id: str) -> bool:
-        """Crypto-erase every block sealed under ``key_id``. False if the key was not held."""
+        """Crypto-erase every block sealed under ``key_id``.
+
+        False if the key was not held, or if the key's authority keeps it live
+        (a remote provider does not destroy what the key service still serves).
+        """
+        ...
+
+    def subject_key_ids(self, tenant_id: str, subject_hash: str) -> list[str]:
+        """Ids of the keys this provider could still unseal one subject's blocks with, by keyed digest.
+
+        Erasure commands name a subject only by :func:`events.schema.subject_digest`,
+        so the provider must find the subject's keys from the digest alone.
+        """
         ...
 
 
@@ -111,17 +124,26 @@ class LocalKeyStore:
     """Data keys kept in a 0600 JSON file under the node's data directory.
 
     File layout: ``id_secret`` (HMAC key for ids), ``keys`` (key id → hex key),
-    ``generations`` (hashed scope label → generation). A destroyed key bumps its
+    ``generations`` (hashed scope label → generation), ``subjects`` (hashed
+    (tenant, subject digest) → hashed scope label). A destroyed key bumps its
     scope's generation, so the scope's next block gets a *new* key id and the
     destroyed id stays dead. Nothing in the file names a tenant or subject.
+
+    ``subject_key`` is the deployment's subject digest key: with it the store
+    indexes user-scope keys by the subject's keyed digest, which is all an
+    erasure command carries (:meth:`subject_key_ids`). Without it (a node with
+    no ledger) user keys can only be found from the raw subject id.
 
     Rewrites replace the file atomically, then overwrite the old file's bytes in
     place through a descriptor still open on it, so a destroyed key does not
     linger in the unlinked inode (best effort on copy-on-write filesystems).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, subject_key: bytes | None = None) -> None:
+        if subject_key is not None and len(subject_key) < 16:
+            raise ValueError("the subject digest key must be at least 16 bytes")
         self._path = Path(path)
+        self._subject_key = subject_key
         self._lock = threading.RLock()
         if self._path.exists():
             os.chmod(self._path, 0o600)
@@ -129,11 +151,13 @@ class LocalKeyStore:
             self._id_secret = bytes.fromhex(data["id_secret"])
             self._keys = {key_id: bytes.fromhex(key) for key_id, key in data["keys"].items()}
             self._generations = {label: int(gen) for label, gen in data["generations"].items()}
+            self._subjects: dict[str, str] = dict(data.get("subjects", {}))
         else:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             self._id_secret = os.urandom(32)
             self._keys: dict[str, bytes] = {}
             self._generations: dict[str, int] = {}
+            self._subjects = {}
             self._write()
 
     @property
@@ -145,6 +169,10 @@ class LocalKeyStore:
 
     def _key_id(self, label_digest: str, generation: int) -> str:
         message = b"kvledger/key-id/v1\x00" + label_digest.encode() + _U32.pack(generation)
+        return hmac.new(self._id_secret, message, hashlib.sha256).hexdigest()[:KEY_ID_HEX_CHARS]
+
+    def _subject_index(self, tenant_id: str, subject_hash: str) -> str:
+        message = b"kvledger/subject-index/v1\x00" + scope_label(tenant_id, subject_hash)
         return hmac.new(self._id_secret, message, hashlib.sha256).hexdigest()[:KEY_ID_HEX_CHARS]
 
     def _current_key_id(self, label: bytes) -> tuple[str, str]:
@@ -162,6 +190,10 @@ class LocalKeyStore:
                 key = os.urandom(KEY_BYTES)
                 self._keys[key_id] = key
                 self._generations.setdefault(label_digest, 0)
+                if provenance.scope == CacheScope.USER and self._subject_key is not None:
+                    assert provenance.tenant_id is not None and provenance.subject_id is not None, "user blocks name both"
+                    digest = subject_digest(self._subject_key, provenance.tenant_id, provenance.subject_id)
+                    self._subjects[self._subject_index(provenance.tenant_id, digest)] = label_digest
                 self._write()
             return key_id, key
 
@@ -174,6 +206,15 @@ class LocalKeyStore:
         with self._lock:
             _, key_id = self._current_key_id(scope_label(tenant_id, subject_id))
             return key_id if key_id in self._keys else None
+
+    def subject_key_ids(self, tenant_id: str, subject_hash: str) -> list[str]:
+        """The subject's live key id (a list of at most one); [] if none or the store has no subject key."""
+        with self._lock:
+            label_digest = self._subjects.get(self._subject_index(tenant_id, subject_hash))
+            if label_digest is None:
+                return []
+            key_id = self._key_id(label_digest, self._generations.get(label_digest, 0))
+            return [key_id] if key_id in self._keys else []
 
     def destroy(self, key_id: str) -> bool:
         with self._lock:
@@ -194,6 +235,7 @@ class LocalKeyStore:
                 "id_secret": self._id_secret.hex(),
                 "keys": {key_id: key.hex() for key_id, key in sorted(self._keys.items())},
                 "generations": dict(sorted(self._generations.items())),
+                "subjects": dict(sorted(self._subjects.items())),
             }
         ).encode()
         tmp = self._path.with_name(self._path.name + ".tmp")

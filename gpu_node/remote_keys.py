@@ -149,13 +149,31 @@ class CoordinatorKeyProvider:
             cached = self._by_scope.get(self._scope(tenant_id, subject_id))
         return None if cached is None else cached[0]
 
-    def destroy(self, key_id: str) -> bool:
-        """Forget the key and refuse to fetch it again; always True.
+    def subject_key_ids(self, tenant_id: str, subject_hash: str) -> list[str]:
+        """The id of the key this node resolved for a subject (by keyed digest), as a list of at most one.
 
-        The authoritative destruction happens on the coordinator (``KeyService``);
-        what the node owes is that it can no longer unseal anything under
-        ``key_id``, which holds on return whether or not the key was cached.
+        Keys fetched by id to unseal a file are not attributed to a scope (the
+        coordinator does not say whose they are); the erasure handler finds those
+        from the key ids in the headers of the copies it removes.
         """
+        with self._lock:
+            cached = self._by_scope.get((tenant_id, subject_hash))
+        return [] if cached is None else [cached[0]]
+
+    def destroy(self, key_id: str) -> bool:
+        """Forget the key and refuse to fetch it again — unless the coordinator still serves it (then False).
+
+        The authoritative destruction happens on the coordinator (``KeyService``),
+        which destroys every key of a subject when the erasure starts; what the
+        node owes is that it can no longer unseal anything under ``key_id``. A key
+        the coordinator still serves was issued after that (the subject's newer
+        data) and is not the erasure's to destroy: it is kept. When the
+        coordinator cannot be asked, the key is forgotten all the same.
+        """
+        if _KEY_ID.fullmatch(key_id):
+            response = self._send("GET", f"/v1/keys/{key_id}")
+            if response is not None and response.status_code == 200:
+                return False
         with self._lock:
             self._destroyed.add(key_id)
             self._by_id.pop(key_id, None)
@@ -205,7 +223,8 @@ def data_key_provider(settings: NodeSettings, data_dir: Path) -> DataKeyProvider
     only with an EdDSA public key cannot sign, which is refused here.
     """
     if settings.coordinator_url is None:
-        return LocalKeyStore(data_dir / "keys.json")
+        subject_key = None if settings.subject_key is None else settings.subject_key.get_secret_value().encode()
+        return LocalKeyStore(data_dir / "keys.json", subject_key)
     if settings.subject_key is None:
         raise ValueError("coordinator_url needs the subject key (KVLEDGER_SUBJECT_KEY) shared with the coordinator")
     secret = (

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_node.block_pool import BlockPool, BlockRestoreError, Tier, decode_block_record
+from gpu_node.block_pool import BlockPool, BlockRestoreError, Tier, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
 
@@ -244,9 +244,14 @@ def remove_from_snapshot(
     directory: Path,
     predicate: Callable[[BlockProvenance], bool],
     key_provider: DataKeyProvider,
-) -> int:
-    """Rewrite the snapshot without blocks whose provenance matches; returns how many were removed.
+) -> list[tuple[bytes, str | None]]:
+    """Rewrite the snapshot without blocks whose provenance matches; returns what was removed.
 
+    One ``(block hash, key id)`` per removed record: the key id is read from
+    the clear header of a record removed because it *matched* (None for
+    plaintext), so an erasure can destroy exactly the keys that sealed the
+    removed copies; it is None for a record removed as unreadable, whose
+    header is not trusted to name a key to destroy.
     Records that cannot be decoded any more (key destroyed, corrupt) are
     removed too: they can never be loaded, and their predicate cannot be
     evaluated, so keeping them could only keep data that should be gone. New
@@ -256,26 +261,27 @@ def remove_from_snapshot(
     directory = Path(directory)
     manifest = read_manifest(directory)
     writer = _ShardWriter(directory, MAX_SHARD_BYTES)
-    num_removed = 0
+    removed: list[tuple[bytes, str | None]] = []
     for block, record in _iter_records(directory, manifest):
-        keep = False
+        matched = False
         if record is not None:
             try:
-                keep = not predicate(decode_block_record(record, key_provider).key.provenance)
+                matched = predicate(decode_block_record(record, key_provider).key.provenance)
             except BlockRestoreError:
-                keep = False
-        if keep:
+                removed.append((block.block_hash, None))
+                continue
+        if record is not None and not matched:
             writer.add(block.block_hash, record)
         else:
-            num_removed += 1
-    if num_removed == 0:
-        return 0
+            removed.append((block.block_hash, None if record is None else record_key_id(record)))
+    if not removed:
+        return removed
     writer.flush()
     rewritten = SnapshotManifest(manifest.snapshot_id, manifest.created_at, manifest.namespace, manifest.kv_format, tuple(writer.blocks))
     _write_manifest(directory, rewritten)
     for name in manifest.shards:
         overwrite_and_unlink(directory / name)
-    return num_removed
+    return removed
 
 
 def delete_snapshot(directory: Path) -> bool:

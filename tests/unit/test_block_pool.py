@@ -470,7 +470,8 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
     report = pool.remove_where(lambda provenance: provenance.subject_id == "alice", RemovalReason.INVALIDATED)
 
     evidence = (
-        RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True),
+        # the sealed file's key id, read from its header before the overwrite, names the key to crypto-erase
+        RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True, pool.key_provider.current_key_id("acme", "alice")),
         RemovalEvidence(block_hash(1), HOST, METHOD_ZERO_FILL, False, True),
     )
     assert report.num_removed == {DEVICE: 0, HOST: 1, DISK: 1}
@@ -590,7 +591,8 @@ def test_destroyed_key_raises_and_block_is_gone(tmp_path):
     pool = make_pool(tmp_path, device=1, disk=2, keys=keys)
     store(pool, 0, scope=USER)
     store(pool, 1)
-    assert keys.destroy(keys.current_key_id("acme", "alice")) is True
+    key_id = keys.current_key_id("acme", "alice")
+    assert keys.destroy(key_id) is True
     pool.take_events()
 
     entry = pool.get_ready(block_hash(0))
@@ -604,7 +606,7 @@ def test_destroyed_key_raises_and_block_is_gone(tmp_path):
     assert pool.get_ready(block_hash(0)) is None
     assert not (tmp_path / "disk" / f"{block_hash(0).hex()}.kvb").exists()
     assert pool.take_events() == [
-        BlockRemoved(block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True))
+        BlockRemoved(block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True, key_id))
     ]
 
 
@@ -842,3 +844,16 @@ def test_disk_hit_without_known_meta_is_fully_checked(tmp_path):
     assert pool.demote(block_hash(0), DISK)
     pool._disk_meta.clear()
     assert torch.equal(read(pool, [pool.get_ready(block_hash(0))])[0], make_kv(0))
+
+
+def test_guarded_builds_are_refused_until_the_guard_expires(tmp_path):
+    clock = FakeClock()
+    pool = make_pool(tmp_path, clock=clock)
+    pool.guard_builds(lambda provenance: provenance.subject_id == "alice", duration_s=10)
+    assert pool.begin_build(make_key(0, scope=USER)) is None
+    assert pool.state_of(block_hash(0)) is None
+    store(pool, 1, scope=USER, subject="bob")
+    clock.now += 10
+    store(pool, 0, scope=USER)
+    with pytest.raises(ValueError):
+        pool.guard_builds(lambda provenance: True, duration_s=0)

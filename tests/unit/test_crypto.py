@@ -18,6 +18,7 @@ from gpu_node.crypto import (
     seal,
     unseal,
 )
+from events.schema import subject_digest
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 
 KEY = bytes(range(32))
@@ -152,3 +153,22 @@ def test_overwrite_and_unlink(tmp_path):
     assert overwrite_and_unlink(path) is True
     assert not path.exists()
     assert overwrite_and_unlink(path) is True
+
+
+def test_subject_keys_are_found_by_keyed_digest_only_with_the_subject_key(tmp_path):
+    subject_key = b"crypto-test-subject-key-0123456"
+    digest = subject_digest(subject_key, "acme", "alice")
+    store = LocalKeyStore(tmp_path / "keys.json", subject_key)
+    key_id, _ = store.key_for(provenance(CacheScope.USER))
+    store.key_for(provenance(CacheScope.TENANT))
+    assert store.subject_key_ids("acme", digest) == [key_id]
+    assert store.subject_key_ids("globex", digest) == []
+    assert "alice" not in (tmp_path / "keys.json").read_text() and digest not in (tmp_path / "keys.json").read_text()
+    reopened = LocalKeyStore(tmp_path / "keys.json", subject_key)
+    assert reopened.subject_key_ids("acme", digest) == [key_id]
+    assert reopened.destroy(key_id)
+    assert reopened.subject_key_ids("acme", digest) == []
+    assert LocalKeyStore(tmp_path / "plain.json").key_for(provenance(CacheScope.USER)) is not None
+    assert LocalKeyStore(tmp_path / "plain.json").subject_key_ids("acme", digest) == []
+    with pytest.raises(ValueError):
+        LocalKeyStore(tmp_path / "short.json", b"short")

@@ -164,7 +164,8 @@ def test_remove_from_snapshot_rewrites_shards_without_matches(tmp_path):
     assert len(old.shards) == 5
     alice_records = [(tmp_path / "snap" / block.shard).read_bytes() for block in old.blocks if block.block_hash in (block_hash(2), block_hash(4))]
 
-    assert remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys) == 2
+    removed = remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys)
+    assert sorted(removed) == sorted((h, keys.current_key_id(TENANT_ID, ALICE)) for h in (block_hash(2), block_hash(4)))
     new = read_manifest(tmp_path / "snap")
     assert new.snapshot_id == old.snapshot_id
     assert sorted(new.block_hashes) == sorted([block_hash(0), block_hash(1), block_hash(3)])
@@ -172,7 +173,7 @@ def test_remove_from_snapshot_rewrites_shards_without_matches(tmp_path):
     assert sorted(path.name for path in (tmp_path / "snap").iterdir()) == sorted([MANIFEST_NAME, *new.shards])
     everything = snapshot_bytes(tmp_path / "snap")
     assert all(record not in everything for record in alice_records)
-    assert remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys) == 0
+    assert remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys) == []
 
     target = make_pool(tmp_path / "warm", keys, device=1, host=3, disk=3)
     assert load_snapshot(target, tmp_path / "snap") == 3
@@ -182,7 +183,7 @@ def test_remove_from_snapshot_drops_records_that_can_no_longer_be_read(tmp_path)
     keys = LocalKeyStore(tmp_path / "keys.json")
     write_snapshot(populated_pool(tmp_path, keys), tmp_path / "snap")
     keys.destroy(keys.current_key_id(TENANT_ID, BOB))
-    assert remove_from_snapshot(tmp_path / "snap", lambda p: "handbook@7" in p.documents, keys) == 2
+    assert len(remove_from_snapshot(tmp_path / "snap", lambda p: "handbook@7" in p.documents, keys)) == 2
     assert sorted(read_manifest(tmp_path / "snap").block_hashes) == sorted([block_hash(0), block_hash(2), block_hash(4)])
 
 

@@ -1,0 +1,343 @@
+"""``kvledger bench erasure``: time from an erasure request to its verified, signed receipt.
+
+Setup (once): embedded Postgres and Tansu (or ``--database-url`` /
+``--kafka-bootstrap``), a freshly migrated ledger, the coordinator as its own
+process (``kvledger coordinator --role all``: HTTP API, consumers, erasure
+verifier), and two nodes in this process whose data keys live in that
+coordinator (``CoordinatorKeyProvider``).
+
+Per run: a new subject gets ``--blocks`` user-scope blocks, half on each node,
+committed through the pool with synthetic KV (making 10,000 blocks with the model
+would measure the model, not erasure). The tiers are sized so a third of each
+node's blocks stays on the device, a third is demoted to the host and the rest
+to disk (sealed under the subject's key, resolved from the coordinator); then
+each node writes a snapshot of all of them. Everything reaches the ledger through
+the nodes' real publishers, and the run starts only once the ledger shows every
+placement. The clock runs from just before ``POST /v1/erasures`` until
+``GET /v1/erasures/{id}/receipt`` returns the signed receipt: the coordinator
+decides and destroys the keys, both nodes delete every tier, rewrite their
+snapshots and crypto-erase, ack, the ledger applies the evidence and the
+receipt is signed and appended to the audit log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import os
+import platform
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import httpx
+import torch
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from sqlalchemy import make_url, pool, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from coordinator.consumers import INVALIDATION_GROUP_SUFFIX
+from coordinator.migrate import upgrade
+from events import topics
+from events.kafka import KafkaSettings, ensure_topics
+from events.schema import subject_digest
+from gpu_node.auth import issue_token
+from gpu_node.engine import AsyncEngine
+from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
+from gpu_node.server import make_command_consumer, make_publisher
+from gpu_node.settings import CacheSettings, NodeSettings
+from kvledger.model_init import build_tiny_model
+from kvledger.services import EmbeddedKafka, EmbeddedPostgres
+
+JWT_SECRET = "bench-erasure-secret-" + "x" * 32
+SUBJECT_KEY = "bench-erasure-subject-key"
+NUM_NODES = 2
+TARGET_S = 5.0
+TIMEOUT_S = 300.0
+POLL_S = 0.02
+
+
+@dataclass
+class ErasureRun:
+    num_blocks: int
+    num_placements: int
+    seconds: float
+
+
+def _connect_kwargs(database_url: str) -> dict:
+    url = make_url(database_url)
+    kwargs = {"user": url.username or "postgres", "database": url.database}
+    if url.query.get("host"):
+        kwargs["host"] = url.query["host"]
+        kwargs["port"] = int(url.query.get("port", 5432))
+    else:
+        kwargs["host"], kwargs["port"] = url.host, url.port or 5432
+    if url.password:
+        kwargs["password"] = url.password
+    return kwargs
+
+
+@contextlib.asynccontextmanager
+async def _fresh_database(server_url: str):
+    name = f"kvl_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_async_engine(server_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    async with admin.connect() as connection:
+        await connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        await asyncio.to_thread(upgrade, url)
+        yield url
+    finally:
+        async with admin.connect() as connection:
+            await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        await admin.dispose()
+
+
+async def _start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
+    """Commit each group's offsets at the end of its topics: a shared broker's old nodes must not become targets."""
+    for group_id, names in groups.items():
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            await consumer.topics()
+            partitions = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t))]
+            consumer.assign(partitions)
+            await consumer.commit(await consumer.end_offsets(partitions))
+        finally:
+            await consumer.stop()
+
+
+async def _wait(probe, what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await probe():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(POLL_S)
+
+
+class BenchNode:
+    """Engine, publisher and command consumer, assembled as ``gpu_node.server.serve`` does."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        self.settings = settings
+        self.engine = AsyncEngine.from_settings(settings)
+        self.publisher = make_publisher(self.engine, settings)
+        self.commands = make_command_consumer(self.engine, self.publisher, settings)
+
+    async def start(self) -> None:
+        await self.engine.start(ready=False)
+        await self.publisher.start(Path(self.settings.data_dir))
+        await self.commands.start()
+        await asyncio.wait_for(self.commands.replayed.wait(), TIMEOUT_S)
+
+    async def stop(self) -> None:
+        await self.commands.stop()
+        await self.publisher.stop()
+        await self.engine.stop()
+        self.engine.pool.key_provider.close()
+
+    def fill(self, tenant: str, subject: str, num_blocks: int, kv: torch.Tensor) -> None:
+        """Commit ``num_blocks`` READY user blocks of ``subject`` (worker thread); the pool demotes as tiers fill."""
+        pool = self.engine.pool
+        provenance = BlockProvenance(self.engine.namespace.namespace, tenant, CacheScope.USER, (), subject, (), time.time())
+        parent = secrets.token_bytes(HASH_BYTES)
+        for index in range(num_blocks):
+            block_hash = secrets.token_bytes(HASH_BYTES)
+            entry = pool.begin_build(BlockKey(block_hash, parent, index, pool.spec.block_size, provenance))
+            assert entry is not None and pool.commit_build(entry, kv), "the pool must hold every benchmark block"
+            parent = block_hash
+
+
+class Coordinator:
+    """``kvledger coordinator --role all`` in its own process, on a free loopback port."""
+
+    def __init__(self, database_url: str, bootstrap: str, group: str, log) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        env = os.environ | {
+            "KVLEDGER_DATABASE_URL": database_url,
+            "KVLEDGER_KAFKA_BOOTSTRAP": bootstrap,
+            "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group,
+            "KVLEDGER_JWT_SECRET": JWT_SECRET,
+            "KVLEDGER_SUBJECT_KEY": SUBJECT_KEY,
+            "KVLEDGER_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
+        }
+        command = [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "all", "--host", "127.0.0.1", "--port", str(port)]
+        self._log = log
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def check(self) -> None:
+        if self.process.poll() is not None:
+            self._log.seek(0)
+            raise RuntimeError(f"the coordinator exited:\n{self._log.read().decode()[-4000:]}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+async def _live_placements(connection: asyncpg.Connection, tenant: str, subject_hash: bytes) -> int:
+    return await connection.fetchval(
+        "SELECT count(*) FROM placements p JOIN blocks b ON b.block_hash = p.block_hash"
+        " WHERE b.tenant_id = $1 AND b.subject_hash = $2 AND p.state = 'live'",
+        tenant,
+        subject_hash,
+    )
+
+
+async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection: asyncpg.Connection, num_blocks: int) -> ErasureRun:
+    tenant, subject = f"bench-{uuid.uuid4().hex[:8]}", f"subject-{uuid.uuid4().hex}"
+    digest = subject_digest(SUBJECT_KEY.encode(), tenant, subject)
+    spec = nodes[0].engine.pool.spec
+    kv = torch.randn(spec.block_shape, dtype=spec.dtype)
+    per_node = [num_blocks // NUM_NODES + (1 if i < num_blocks % NUM_NODES else 0) for i in range(NUM_NODES)]
+    for node, count in zip(nodes, per_node, strict=True):
+        await asyncio.to_thread(node.fill, tenant, subject, count, kv)
+        node.engine.manager.drain_events()
+        await node.engine.write_snapshot()
+        stats = node.engine.pool.stats().num_entries
+        assert all(stats[tier] > 0 for tier in stats), f"blocks must sit in every tier, got {stats}"
+        await node.publisher.flush()
+    expected = 2 * num_blocks  # one pool tier per block, plus the snapshot
+
+    async def in_ledger() -> bool:
+        coordinator.check()
+        return await _live_placements(connection, tenant, bytes.fromhex(digest)) == expected
+
+    await _wait(in_ledger, f"{expected} placements in the ledger")
+    officer = {"Authorization": f"Bearer {issue_token(tenant='ops', sub='bench', roles=['privacy-officer'], ttl_s=3600, secret=JWT_SECRET)}"}
+    async with httpx.AsyncClient(base_url=coordinator.url, headers=officer, timeout=30) as client:
+        started = time.perf_counter()
+        response = await client.post("/v1/erasures", json={"tenant_id": tenant, "subject_id": subject, "reason": "benchmark"})
+        assert response.status_code == 202, response.text
+        erasure_id = response.json()["id"]
+
+        async def receipt() -> bool:
+            coordinator.check()
+            return (await client.get(f"/v1/erasures/{erasure_id}/receipt")).status_code == 200
+
+        await _wait(receipt, "the verified receipt")
+        seconds = time.perf_counter() - started
+        body = (await client.get(f"/v1/erasures/{erasure_id}/receipt")).json()["receipt"]
+    assert body["block_commitment"]["count"] == num_blocks, body["block_commitment"]
+    assert await _live_placements(connection, tenant, bytes.fromhex(digest)) == 0
+    return ErasureRun(num_blocks, expected, seconds)
+
+
+async def _run(args) -> list[ErasureRun]:
+    async with contextlib.AsyncExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-erasure-")))
+        if args.database_url:
+            server_url = args.database_url
+        else:
+            postgres = await EmbeddedPostgres(work / "postgres").start()
+            stack.push_async_callback(postgres.stop)
+            server_url = postgres.database_url
+        if args.kafka_bootstrap:
+            bootstrap = args.kafka_bootstrap
+        else:
+            kafka_service = await EmbeddedKafka(state_dir=work / "kafka").start()
+            stack.push_async_callback(kafka_service.stop)
+            bootstrap = kafka_service.bootstrap
+        await ensure_topics(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench"))
+        model_dir = Path(args.model_dir)
+        if not (model_dir / "config.json").is_file():
+            model_dir = build_tiny_model(work / "model", seed=0)
+        database_url = await stack.enter_async_context(_fresh_database(server_url))
+        group = f"bench-erasure-{uuid.uuid4().hex[:8]}"
+        await _start_groups_at_end(
+            bootstrap,
+            {group: [topics.KV_EVENTS], group + INVALIDATION_GROUP_SUFFIX: [topics.DOCUMENTS, topics.PERMISSIONS, topics.ERASURES, topics.ACKS]},
+        )
+        log = stack.enter_context(tempfile.TemporaryFile())
+        coordinator = Coordinator(database_url, bootstrap, group, log)
+        stack.callback(coordinator.stop)
+        async with httpx.AsyncClient(base_url=coordinator.url, timeout=5) as client:
+
+            async def serving() -> bool:
+                coordinator.check()
+                with contextlib.suppress(httpx.HTTPError):
+                    return (await client.get("/healthz")).status_code == 200
+                return False
+
+            await _wait(serving, "the coordinator's HTTP API")
+        per_node = -(-args.blocks // NUM_NODES)
+        cache = CacheSettings(num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node)
+        nodes = []
+        for i in range(NUM_NODES):
+            node = BenchNode(
+                NodeSettings(
+                    node_id=f"bench-erasure-{group[-8:]}-{i}",
+                    model_dir=model_dir,
+                    data_dir=work / f"node-{i}",
+                    kafka_bootstrap=bootstrap,
+                    subject_key=SUBJECT_KEY,
+                    coordinator_url=coordinator.url,
+                    auth={"jwt_secret": JWT_SECRET},
+                    cache=cache,
+                    publish_interval_s=0.02,
+                )
+            )
+            await node.start()
+            stack.push_async_callback(node.stop)
+            nodes.append(node)
+        connection = await asyncpg.connect(**_connect_kwargs(database_url))
+        stack.push_async_callback(connection.close)
+        node_ids = [node.settings.node_id for node in nodes]
+
+        async def registered() -> bool:
+            coordinator.check()
+            return await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids) == len(node_ids)
+
+        await _wait(registered, "both nodes registered")
+        runs = []
+        for _ in range(args.runs):
+            runs.append(await _run_once(nodes, coordinator, connection, args.blocks))
+            print(runs[-1], file=sys.stderr, flush=True)
+        return runs
+
+
+def render_markdown(args, runs: list[ErasureRun]) -> str:
+    seconds = sorted(run.seconds for run in runs)
+    p50 = statistics.median(seconds)
+    return "\n".join(
+        [
+            "## Erasure to verified receipt (`kvledger bench erasure`)",
+            "",
+            f"Command: `kvledger bench erasure --runs {args.runs} --blocks {args.blocks}` on {platform.machine()}, "
+            f"{os.cpu_count()} cores, embedded Postgres + Tansu on the same machine, the coordinator (`--role all`) in its "
+            f"own process, two nodes (tiny model, CPU) in the benchmark process. Per run one subject's {args.blocks} "
+            f"user-scope blocks, half per node, a third of each node's on device, host and disk, plus a snapshot of all "
+            f"of them ({runs[0].num_placements} ledger placements). Timed from `POST /v1/erasures` to the signed receipt "
+            f"being served.",
+            "",
+            "| metric | value | target |",
+            "|---|---:|---|",
+            f"| request → verified receipt, p50 of {len(runs)} runs | {p50:.2f} s | ≤ {TARGET_S:.0f} s |",
+            f"| min / max | {seconds[0]:.2f} / {seconds[-1]:.2f} s | |",
+            "",
+        ]
+    )
+
+
+def cli(args: argparse.Namespace) -> int:
+    if args.runs < 1 or args.blocks < 3 * NUM_NODES:
+        raise SystemExit(f"--runs must be >= 1 and --blocks >= {3 * NUM_NODES} (every node needs blocks in every tier)")
+    runs = asyncio.run(_run(args))
+    report = render_markdown(args, runs)
+    print(report)
+    if args.output:
+        Path(args.output).write_text(report)
+    return 0
