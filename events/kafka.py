@@ -152,6 +152,31 @@ class EventProducer:
         return await self._producer.send_and_wait(topic, value, key=key)
 
 
+async def send_to_dead_letter(
+    producer: EventProducer, record: ConsumerRecord, error: str, group_id: str | None, counter=DEAD_LETTER_TOTAL
+) -> None:
+    """Put a record that failed validation on the dead-letter topic, with its error, and count it.
+
+    Never dropped, never a crash loop: the raw bytes and coordinates travel with the
+    error so an operator can replay it. Invalid records on alerting topics
+    (erasures, permissions) are logged at ERROR.
+    """
+    letter = DeadLetter.of(
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        timestamp_ms=record.timestamp,
+        key=record.key,
+        value=record.value,
+        error=error,
+        group_id=group_id,
+    )
+    await producer.send_raw(DEAD_LETTER, letter.encode(), record.key)
+    counter.labels(topic=record.topic).inc()
+    level = logging.ERROR if record.topic in ALERT_TOPICS else logging.WARNING
+    log.log(level, "dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
+
+
 @dataclass(frozen=True, slots=True)
 class ConsumedEvent:
     """A validated record handed to a handler, with its coordinates (for logs and inbox rows)."""
@@ -401,21 +426,8 @@ class BatchConsumer:
         # A re-delivered batch (after a handler failure) must not dead-letter or count twice.
         if record.offset <= self._dead_lettered.get(tp, -1):
             return
-        letter = DeadLetter.of(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            timestamp_ms=record.timestamp,
-            key=record.key,
-            value=record.value,
-            error=error,
-            group_id=self.group_id,
-        )
-        await self._dead_letters.send_raw(DEAD_LETTER, letter.encode(), record.key)
+        await send_to_dead_letter(self._dead_letters, record, error, self.group_id, self._dead_letter_counter)
         self._dead_lettered[tp] = record.offset
-        self._dead_letter_counter.labels(topic=record.topic).inc()
-        level = logging.ERROR if record.topic in ALERT_TOPICS else logging.WARNING
-        log.log(level, "dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
 
     async def _commit_pending(self, only: set[TopicPartition] | None) -> None:
         assigned = self._consumer.assignment()

@@ -47,9 +47,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from events import schema, topics
-from events.codec import DeadLetter, decode_event
-from events.kafka import EventProducer, KafkaSettings
-from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
+from events.codec import decode_event
+from events.kafka import EventProducer, KafkaSettings, send_to_dead_letter
+from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockRemoved, PoolEvent, RemovalEvidence, RemovalReason, Tier
 from gpu_node.crypto import DataKeyProvider
@@ -539,16 +539,4 @@ class CommandConsumer:
         self._committed[tp] = offset
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
-        letter = DeadLetter.of(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            timestamp_ms=record.timestamp,
-            key=record.key,
-            value=record.value,
-            error=error,
-            group_id=self.group_id,
-        )
-        await self._producer.send_raw(topics.DEAD_LETTER, letter.encode(), record.key)
-        DEAD_LETTER_TOTAL.labels(topic=record.topic).inc()
-        log.warning("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
+        await send_to_dead_letter(self._producer, record, error, self.group_id)
