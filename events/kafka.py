@@ -50,6 +50,10 @@ class KafkaSettings(BaseModel):
     num_partitions: int = Field(default=4, ge=1)
     replication_factor: int = Field(default=1, ge=1)
     group_id: str | None = None
+    fetch_max_wait_ms: int = Field(default=20, ge=1)
+    """How long the broker may hold a fetch waiting for data. aiokafka's 500 ms default
+    puts half a second on every consumer hop with brokers that answer a waiting fetch
+    only when the wait expires (Tansu does); an invalidation crosses three hops."""
 
 
 async def ensure_topics(
@@ -264,6 +268,7 @@ class BatchConsumer:
             auto_offset_reset=auto_offset_reset,
             session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=heartbeat_interval_ms,
+            fetch_max_wait_ms=settings.fetch_max_wait_ms,
         )
         self._dead_letters = EventProducer(settings)
         # Held while a batch is handled and committed; the revoke callback takes it too,

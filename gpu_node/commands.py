@@ -430,6 +430,7 @@ class CommandConsumer:
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            fetch_max_wait_ms=kafka.fetch_max_wait_ms,
         )
         self._producer = EventProducer(kafka)
         self._committed: dict[TopicPartition, int] = {}
@@ -471,10 +472,10 @@ class CommandConsumer:
         backoff = self._initial_backoff_s
         while True:
             try:
-                if not self.replayed.is_set():
-                    await self._check_replayed()
                 batch = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms, max_records=self._max_records)
                 await self._handle(batch)
+                if not self.replayed.is_set() and not any(batch.values()):
+                    await self._check_replayed()
                 backoff = self._initial_backoff_s
             except Exception as exc:  # noqa: BLE001 - a failed command is retried, never skipped
                 HANDLER_FAILURES_TOTAL.labels(group=self.group_id).inc()
@@ -485,6 +486,12 @@ class CommandConsumer:
                 backoff = min(backoff * 2, self._max_backoff_s)
 
     async def _check_replayed(self) -> None:
+        """Ready once an empty poll finds the position at or past the end noted at start.
+
+        The empty poll matters: some brokers (Tansu) report the end offset as the start
+        of the last record batch, so a position past it alone does not prove that the
+        rest of that batch was applied.
+        """
         for tp, end in self._end_offsets.items():
             if await self._consumer.position(tp) < end:
                 return

@@ -30,7 +30,10 @@ from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
 
 log = logging.getLogger(__name__)
 
-INVENTORY_CHUNK_BLOCKS = 2000
+# A stored block with its provenance is ~450 bytes of JSON; 1000 per record keeps every
+# record well under the broker's default 1 MiB message limit. One oversized record would
+# be retried forever and wedge everything queued behind it.
+MAX_BLOCKS_PER_RECORD = 1000
 
 
 def next_epoch(data_dir: Path) -> int:
@@ -108,7 +111,11 @@ class NodePublisher:
             if not self._pending:
                 return
             pending = list(self._pending)
-            payloads = [self._payload(kind, group) for kind, group in groupby(pending, key=_batch_kind)]
+            payloads = []
+            for kind, group in groupby(pending, key=_batch_kind):
+                events = list(group)
+                for start in range(0, len(events), MAX_BLOCKS_PER_RECORD):
+                    payloads.append(self._payload(kind, events[start : start + MAX_BLOCKS_PER_RECORD]))
             await self._send_node_events(payloads)
             for _ in pending:
                 self._pending.popleft()
@@ -176,7 +183,7 @@ class NodePublisher:
             held: list[tuple[BlockKey, str, str | None]] = [(e.key, e.tier.value, None) for e in self.engine.pool.ready_entries()]
             for snapshot_id, keys in snapshot_inventory.items():
                 held.extend((key, "snapshot", snapshot_id) for key in keys)
-            chunks = [held[i : i + INVENTORY_CHUNK_BLOCKS] for i in range(0, len(held), INVENTORY_CHUNK_BLOCKS)] or [[]]
+            chunks = [held[i : i + MAX_BLOCKS_PER_RECORD] for i in range(0, len(held), MAX_BLOCKS_PER_RECORD)] or [[]]
             payloads = []
             for index, chunk in enumerate(chunks):
                 described = {key.block_hash: key for key, _, _ in chunk}
