@@ -202,6 +202,28 @@ class BlockMoved:
 
 PoolEvent = BlockStored | BlockRemoved | BlockMoved
 
+IndexKey = tuple
+"""Names the entries that may match a removal predicate (:meth:`BlockPool.remove_where`'s ``candidates``).
+
+One of ``("tenant", tenant_id)``, ``("document", tenant_id, doc_id)`` (any
+version of the document), ``("policy", tenant_id, auth_scope)`` (any policy
+version) or ``("namespace", namespace)``. The entries under a key are a
+superset of what a predicate on it can match; the predicate still decides.
+"""
+
+INDEX_KINDS = frozenset({"tenant", "document", "policy", "namespace"})
+
+
+def provenance_index_keys(provenance: BlockProvenance) -> list[IndexKey]:
+    """The provenance index keys a block is filed under (every key but ``namespace``, which is the whole pool)."""
+    tenant = provenance.tenant_id
+    keys: list[IndexKey] = [("tenant", tenant)]
+    for tag in provenance.documents:
+        keys.append(("document", tenant, tag.rpartition("@")[0]))
+    for scope, _ in provenance.auth_scopes:
+        keys.append(("policy", tenant, scope))
+    return keys
+
 
 @dataclass(frozen=True, slots=True)
 class RemovalReport:
@@ -534,6 +556,10 @@ class BlockPool:
             Tier.DISK: config.max_disk_blocks if self._disk_dir is not None else 0,
         }
         self._entries: dict[bytes, CacheEntry] = {}
+        # Provenance index: key → entries filed under it, in ``_entries`` order (both are inserted
+        # into and deleted from together, see _admit/_forget), so a narrowed removal visits its
+        # matches in the order a full scan would.
+        self._index: dict[IndexKey, dict[bytes, CacheEntry]] = {}
         self._lru = {tier: LRUEvictionStrategy() for tier in Tier}
         self._num_entries = dict.fromkeys(Tier, 0)
         self._disk_file_bytes: dict[bytes, int] = {}
@@ -680,7 +706,7 @@ class BlockPool:
             if existing is not None or (self._build_guards and self._build_refused(key.provenance, now)):
                 return None
             entry = CacheEntry(key=key, state=BlockState.BUILDING, last_access=now)
-            self._entries[key.block_hash] = entry
+            self._admit(entry)
             return entry
 
     def commit_build(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
@@ -969,7 +995,7 @@ class BlockPool:
             else:
                 slot = heapq.heappop(self._free_slots[tier])
                 self._slots[tier][slot].copy_(kv)
-            self._entries[entry.block_hash] = entry
+            self._admit(entry)
             self._place(entry, tier, slot)
             self._events.append(BlockStored(entry.key, tier))
             return True
@@ -1010,15 +1036,25 @@ class BlockPool:
                 self._expire_entry(entry)
             return len(expired)
 
-    def remove_where(self, predicate: Callable[[BlockProvenance], bool], reason: RemovalReason) -> RemovalReport:
+    def remove_where(
+        self, predicate: Callable[[BlockProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
+    ) -> RemovalReport:
         """Delete every block whose provenance matches, in every tier, with per-block evidence.
 
         All matches are tombstoned before any byte is touched, so no match is
         served once this starts. Unreferenced READY matches are deleted now;
         referenced ones on their last release; BUILDING ones at commit.
+
+        ``candidates`` (an :data:`IndexKey`) narrows the scan to the entries
+        filed under that key — the caller guarantees every match is among
+        them — and ``predicate`` is still applied to each. The report and the
+        events are then exactly those of the full scan (same entries, same order).
         """
+        if candidates is not None and (not candidates or candidates[0] not in INDEX_KINDS):
+            raise ValueError(f"unknown index key {candidates!r}")
         with self._lock:
-            matches = [entry for entry in self._entries.values() if predicate(entry.provenance)]
+            scanned = self._entries.values() if candidates is None else self._candidates(candidates)
+            matches = [entry for entry in scanned if predicate(entry.provenance)]
             for entry in matches:
                 if not entry.tombstoned:
                     self._tombstone(entry, reason)
@@ -1091,7 +1127,7 @@ class BlockPool:
                     self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EVICTED)
                     continue
                 entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
-                self._entries[block_hash] = entry
+                self._admit(entry)
                 self._disk_file_bytes[block_hash] = len(data)
                 self._disk_meta[block_hash] = meta
                 self._remember_key_id(block_hash, data)
@@ -1146,7 +1182,36 @@ class BlockPool:
 
     def _discard_building(self, entry: CacheEntry) -> None:
         entry.state = BlockState.FAILED
-        del self._entries[entry.block_hash]
+        self._forget(entry)
+
+    def _admit(self, entry: CacheEntry) -> None:
+        """Enter an entry under its hash and in the provenance index."""
+        block_hash = entry.block_hash
+        self._entries[block_hash] = entry
+        index = self._index
+        for key in provenance_index_keys(entry.provenance):
+            bucket = index.get(key)
+            if bucket is None:
+                index[key] = {block_hash: entry}
+            else:
+                bucket[block_hash] = entry
+
+    def _forget(self, entry: CacheEntry) -> None:
+        """Remove an entry (the one under its hash) from ``_entries`` and the provenance index."""
+        block_hash = entry.block_hash
+        del self._entries[block_hash]
+        index = self._index
+        for key in provenance_index_keys(entry.provenance):
+            bucket = index.get(key)
+            if bucket is not None and bucket.pop(block_hash, None) is not None and not bucket:
+                del index[key]
+
+    def _candidates(self, key: IndexKey) -> Iterable[CacheEntry]:
+        """Entries filed under ``key``, in ``_entries`` order (a live view: materialize before changing the pool)."""
+        if key[0] == "namespace":
+            return self._entries.values() if key[1] == self._config.namespace else ()
+        bucket = self._index.get(key)
+        return () if bucket is None else bucket.values()
 
     def _place(self, entry: CacheEntry, tier: Tier, slot: int | None) -> None:
         entry.tier = tier
@@ -1264,7 +1329,7 @@ class BlockPool:
         entry.tier = None
         entry.slot = None
         if self._entries.get(entry.block_hash) is entry:
-            del self._entries[entry.block_hash]
+            self._forget(entry)
         if reason is RemovalReason.EVICTED:
             self._num_evictions += 1
         elif reason is RemovalReason.EXPIRED:

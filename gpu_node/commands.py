@@ -51,7 +51,7 @@ from events.codec import decode_event
 from events.kafka import EventProducer, KafkaSettings, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
-from gpu_node.block_pool import BlockRemoved, PoolEvent, RemovalEvidence, RemovalReason, Tier
+from gpu_node.block_pool import BlockRemoved, IndexKey, PoolEvent, RemovalEvidence, RemovalReason, Tier
 from gpu_node.crypto import DataKeyProvider
 from gpu_node.kv_cache_utils import BlockProvenance
 
@@ -126,6 +126,26 @@ def block_predicate(predicate: schema.Predicate, cutoff: datetime, subject_key: 
         return provenance.created_at < cutoff_s and matches(provenance)
 
     return before_cutoff
+
+
+def predicate_index_key(predicate: schema.Predicate) -> IndexKey:
+    """The pool's provenance index key whose entries include every block :func:`block_predicate` can match.
+
+    Only narrows the scan (:meth:`BlockPool.remove_where`); the block predicate
+    still decides each candidate. A subject predicate carries the subject's
+    digest, not its id, so it narrows to the tenant.
+    """
+    match predicate:
+        case schema.DocumentPredicate(tenant=tenant, doc_id=doc_id):
+            return ("document", tenant, doc_id)
+        case schema.PolicyPredicate(tenant=tenant, auth_scope=auth_scope):
+            return ("policy", tenant, auth_scope)
+        case schema.SubjectPredicate(tenant=tenant) | schema.TenantPredicate(tenant=tenant):
+            return ("tenant", tenant)
+        case schema.NamespacePredicate(ns=namespace):
+            return ("namespace", namespace)
+        case _:
+            raise AssertionError(f"no index key for {type(predicate).__name__}")
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -274,7 +294,9 @@ class InvalidationHandler:
         if isinstance(command.predicate, schema.SubjectPredicate):
             # Erasures only: they are rare, and every guard is checked at every build while it lasts.
             pool.guard_builds(matches, self._guard_s(command.cutoff))
-        report = await asyncio.to_thread(pool.remove_where, matches, RemovalReason.INVALIDATED)
+        report = await asyncio.to_thread(
+            pool.remove_where, matches, RemovalReason.INVALIDATED, predicate_index_key(command.predicate)
+        )
         self.engine.manager.drain_events()
         for evidence in report.evidence:
             progress.removed[(evidence.block_hash, evidence.tier)] = evidence
@@ -397,10 +419,11 @@ class CommandConsumer:
     progress; every partition is assigned to it directly (the node is the
     group's only member, so there is nothing to balance and no join to wait
     for). At start it reads the end offsets, seeks to the beginning and, once
-    it has consumed up to them, sets ``engine.ready`` — never earlier. Offsets
-    are committed per command after its ack was published; a failure seeks
-    back and retries after a backoff, never skipping a command. Malformed
-    records go to the dead-letter topic.
+    it has consumed up to them, sets ``engine.ready`` — never earlier. The
+    commands of one poll are applied in order, each ack published (batched by
+    the producer) once its command is applied, and the offsets committed once
+    per poll after all its acks; a failure acks what was applied, seeks back and
+    retries after a backoff, never skipping a command (see :meth:`_handle`). Malformed records go to the dead-letter topic.
     """
 
     def __init__(
@@ -434,6 +457,8 @@ class CommandConsumer:
         )
         self._producer = EventProducer(kafka)
         self._committed: dict[TopicPartition, int] = {}
+        # Records handled in this run whose offsets are not committed yet → the ack to publish (None: no ack).
+        self._unacked: dict[tuple[TopicPartition, int], schema.Envelope | None] = {}
         self._end_offsets: dict[TopicPartition, int] = {}
         self._task: asyncio.Task | None = None
 
@@ -500,50 +525,103 @@ class CommandConsumer:
         log.info("node %s: commands replayed; ready", self.node_id)
 
     async def _handle(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
-        """Handle a batch in order per partition; on failure every partition rewinds to its first unhandled record."""
-        unhandled = {tp: records[0].offset for tp, records in batch.items() if records}
+        """Apply a batch in order per partition, publishing each ack once its command is applied; commit once.
+
+        An ack is handed to the producer right after its command was applied
+        (never before), without waiting for the broker: the producer batches
+        them (linger). After the batch every ack is awaited, then the offsets
+        are committed once per partition — so an offset is committed only after
+        every ack below it was published. On a failed command the acks of the
+        commands applied before it are still awaited and committed, and every
+        partition rewinds to its first record not committed: the failed command
+        is retried, none is skipped. A command applied but not acked (its ack
+        could not be published) is not applied again on the retry; its ack,
+        kept in ``_unacked`` with the evidence of the application, is sent again.
+        """
+        first = {tp: records[0].offset for tp, records in batch.items() if records}
+        handled: dict[TopicPartition, int] = {}
+        sending: list[asyncio.Task] = []
         try:
             for tp, records in batch.items():
                 for record in records:
-                    await self._handle_record(tp, record)
-                    unhandled[tp] = record.offset + 1
-                unhandled.pop(tp, None)
+                    ack = await self._handle_record(tp, record)
+                    if ack is not None:
+                        sending.append(asyncio.create_task(self._producer.send(ack)))
+                    handled[tp] = record.offset + 1
+        except Exception:
+            try:
+                await self._flush(sending, handled)
+            except Exception:  # noqa: BLE001 - the command's failure is the one raised
+                log.debug("acks after a failed command could not be published", exc_info=True)
+                handled = {}
+            self._rewind(first, handled)
+            raise
+        except BaseException:  # cancelled (stop): nothing more is awaited
+            for task in sending:
+                task.cancel()
+            self._rewind(first, {})
+            raise
+        try:
+            await self._flush(sending, handled)
         except BaseException:
-            for tp, offset in unhandled.items():
-                self._consumer.seek(tp, offset)
+            self._rewind(first, {})
             raise
 
-    async def _handle_record(self, tp: TopicPartition, record: ConsumerRecord) -> None:
+    def _rewind(self, first: dict[TopicPartition, int], done: dict[TopicPartition, int]) -> None:
+        """Seek every partition of a batch back to its first record not handled and committed (``done``: up to)."""
+        for tp, offset in first.items():
+            self._consumer.seek(tp, done.get(tp, offset))
+
+    async def _flush(self, sending: list[asyncio.Task], handled: dict[TopicPartition, int]) -> None:
+        """Wait until every ack in flight was published, then commit what was handled."""
+        if sending:
+            results = await asyncio.gather(*sending, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        offsets = {tp: offset for tp, offset in handled.items() if offset > self._committed.get(tp, 0)}
+        if offsets:
+            await self._consumer.commit(offsets)
+            self._committed.update(offsets)
+        for tp, offset in offsets.items():
+            for done in [key for key in self._unacked if key[0] == tp and key[1] < offset]:
+                del self._unacked[done]
+
+    async def _handle_record(self, tp: TopicPartition, record: ConsumerRecord) -> schema.Envelope | None:
+        """Apply one record; returns the ack to publish (None when it needs none). Commits nothing."""
         applied_before = record.offset < self._committed[tp]
         try:
             envelope = decode_event(record.value)
         except schema.EventValidationError as exc:
-            if not applied_before:
+            if not applied_before and (tp, record.offset) not in self._unacked:
                 await self._dead_letter(record, str(exc))
-                await self._commit(tp, record.offset + 1)
-            return
+                self._unacked[(tp, record.offset)] = None
+            return None
         payload = envelope.payload
         if isinstance(payload, schema.Invalidate):
             if applied_before:
                 self.handler.remember(payload)
-                return
+                return None
+            if (tp, record.offset) in self._unacked:
+                # Applied in this run, its ack not yet published: publish that ack, do not apply again.
+                self.handler.remember(payload)
+                return self._unacked[(tp, record.offset)]
             evidence = await self.handler.apply(payload)
             ack = schema.CommandAck(command_id=payload.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
-            await self._producer.send(schema.make_event(ack))
+            envelope = schema.make_event(ack)
+            self._unacked[(tp, record.offset)] = envelope
             log.info(
                 "node %s: applied %s command, %d blocks removed",
                 self.node_id,
                 payload.predicate.kind,
                 sum(item.removed for item in evidence),
             )
-        elif isinstance(payload, schema.InventoryRequested) and payload.node_id == self.node_id and not applied_before:
-            await self.publisher.publish_inventory(payload.request_id)
-        if not applied_before:
-            await self._commit(tp, record.offset + 1)
-
-    async def _commit(self, tp: TopicPartition, offset: int) -> None:
-        await self._consumer.commit({tp: offset})
-        self._committed[tp] = offset
+            return envelope
+        if isinstance(payload, schema.InventoryRequested) and payload.node_id == self.node_id and not applied_before:
+            if (tp, record.offset) not in self._unacked:
+                await self.publisher.publish_inventory(payload.request_id)
+                self._unacked[(tp, record.offset)] = None
+        return None
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
         await send_to_dead_letter(self._producer, record, error, self.group_id)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from events import schema, topics
 from events.kafka import EventProducer, KafkaSettings
@@ -22,34 +23,26 @@ from gpu_node.api import create_app
 from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.block_pool import Tier
 from gpu_node.commands import block_predicate
-from gpu_node.engine import AsyncEngine
-from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, scan_topic
+from node_harness import NodeServices, node_settings
 
 SYSTEM = "You answer questions from the tenant handbook, briefly."
 KEY = SUBJECT_KEY.encode()
 
 
-class Node:
+class Node(NodeServices):
     def __init__(self, settings: NodeSettings) -> None:
-        self.settings = settings
-        self.engine = AsyncEngine.from_settings(settings)
-        self.publisher = make_publisher(self.engine, settings)
-        self.commands = make_command_consumer(self.engine, self.publisher, settings)
+        super().__init__(settings)
+        self.assemble()
         self.http = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=create_app(self.engine, TokenVerifier(settings.auth))), base_url="http://node", timeout=60
         )
 
-    @property
-    def node_id(self) -> str:
-        return self.settings.node_id
-
     async def start(self, wait_ready: bool = True) -> Node:
         """As ``serve`` does: engine.start → publisher.start → command replay → ready."""
         await self.engine.start(ready=False)
-        await self.publisher.start(Path(self.settings.data_dir))
-        await self.commands.start()
+        await self.start_replay()
         if wait_ready:
             await eventually(self._ready, timeout_s=30, what=f"{self.node_id} ready")
         return self
@@ -59,8 +52,7 @@ class Node:
 
     async def stop(self) -> None:
         await self.http.aclose()
-        await self.commands.stop()
-        await self.publisher.stop()
+        await self.stop_replay()
         await self.engine.stop()
 
     async def chat(self, token: str, messages: list[dict]) -> httpx.Response:
@@ -81,16 +73,8 @@ class Node:
 
 
 def settings_for(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str) -> NodeSettings:
-    return NodeSettings(
-        node_id=node_id,
-        model_dir=model_dir,
-        data_dir=data_dir,
-        kafka_bootstrap=kafka_bootstrap,
-        subject_key=SUBJECT_KEY,
-        publish_interval_s=0.02,
-        auth={"jwt_secret": JWT_SECRET},
-        cache=CacheSettings(num_device_blocks=64, num_host_blocks=64, max_disk_blocks=128),
-    )
+    cache = CacheSettings(num_device_blocks=64, num_host_blocks=64, max_disk_blocks=128)
+    return node_settings(node_id, model_dir, data_dir, kafka_bootstrap, cache)
 
 
 @pytest.fixture
@@ -274,5 +258,33 @@ async def test_inventory_requests_are_answered_and_malformed_commands_dead_lette
             return json.loads(record.value).get("group_id") == node.commands.group_id
 
         await scan_topic(kafka_bootstrap, topics.DEAD_LETTER, dead_lettered)
+    finally:
+        await node.stop()
+
+
+async def test_a_command_that_fails_is_retried_and_nothing_after_it_is_skipped(make_settings, kafka_bootstrap):
+    """Fault injection in the node's own handler: the second of three commands fails once."""
+    node = await Node(make_settings("f")).start()
+    real_apply = node.commands.handler.apply
+    tenants = [f"acme-{uuid.uuid4().hex[:6]}" for _ in range(3)]
+    failures: list[str] = []
+
+    async def apply_failing_once(command):
+        if command.predicate.tenant == tenants[1] and not failures:
+            failures.append(command.predicate.tenant)
+            raise RuntimeError("injected failure")
+        return await real_apply(command)
+
+    node.commands.handler.apply = apply_failing_once
+    try:
+        def num_handler_failures() -> float:
+            return REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": node.commands.group_id}) or 0.0
+
+        failures_before = num_handler_failures()
+        commands = [await publish(kafka_bootstrap, schema.TenantPredicate(tenant=tenant), tenant) for tenant in tenants]
+        acks = [(await acks_for(kafka_bootstrap, command.command_id, {node.node_id}))[node.node_id] for command in commands]
+        assert [ack.command_id for ack in acks] == [command.command_id for command in commands]
+        assert failures == [tenants[1]]
+        assert num_handler_failures() == failures_before + 1
     finally:
         await node.stop()

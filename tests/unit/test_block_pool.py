@@ -5,10 +5,14 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import tempfile
 import threading
+from pathlib import Path
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from gpu_node.block_pool import (
     METHOD_OVERWRITE_UNLINK,
@@ -23,6 +27,7 @@ from gpu_node.block_pool import (
     RemovalEvidence,
     RemovalReason,
     Tier,
+    provenance_index_keys,
 )
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
@@ -513,6 +518,165 @@ def test_remove_where_on_a_referenced_entry_twice_reports_it_deferred_once_delet
     pool.take_events()
     pool.dec_lock_ref([held])
     assert [event.reason for event in pool.take_events()] == [RemovalReason.INVALIDATED]
+
+
+# --- provenance index -------------------------------------------------------------------------------
+
+
+def index_is_consistent(pool: BlockPool) -> None:
+    """The provenance index files exactly the pool's entries under their keys, in ``_entries`` order."""
+    expected: dict = {}
+    for block, entry in pool._entries.items():
+        for key in provenance_index_keys(entry.provenance):
+            expected.setdefault(key, {})[block] = entry
+    assert {key: list(bucket.items()) for key, bucket in pool._index.items()} == {
+        key: list(bucket.items()) for key, bucket in expected.items()
+    }
+
+
+TENANTS = ("acme", "globex")
+DOC_TAGS = ("d1@1", "d1@2", "d2@1", "d3@4")
+AUTH_SCOPES = (("hr", 1), ("hr", 2), ("kb", 1))
+
+
+def random_provenance(draw) -> BlockProvenance:
+    scope = draw(st.sampled_from([PUBLIC, TENANT, USER]))
+    return BlockProvenance(
+        namespace=NS,
+        tenant_id=None if scope == PUBLIC else draw(st.sampled_from(TENANTS)),
+        scope=scope,
+        auth_scopes=tuple(draw(st.lists(st.sampled_from(AUTH_SCOPES), max_size=2, unique=True))),
+        subject_id=draw(st.sampled_from(["alice", "bob"])) if scope == USER else None,
+        documents=tuple(draw(st.lists(st.sampled_from(DOC_TAGS), max_size=3, unique=True))),
+        created_at=float(draw(st.integers(0, 3))),
+    )
+
+
+def random_removal(draw):
+    """An index key and a predicate whose matches are all filed under it (plus a random extra condition)."""
+    kind = draw(st.sampled_from(["tenant", "document", "policy", "namespace"]))
+    tenant = draw(st.sampled_from(TENANTS))
+    cutoff = draw(st.integers(0, 4))
+    if kind == "tenant":
+        key, matches = ("tenant", tenant), lambda p: p.tenant_id == tenant
+    elif kind == "document":
+        doc, below = draw(st.sampled_from(["d1", "d2", "d3", "d9"])), draw(st.integers(1, 5))
+        key = ("document", tenant, doc)
+
+        def matches(p):
+            return p.tenant_id == tenant and any(t.rpartition("@")[0] == doc and int(t.rpartition("@")[2]) < below for t in p.documents)
+    elif kind == "policy":
+        scope, below = draw(st.sampled_from(["hr", "kb", "zz"])), draw(st.integers(1, 3))
+        key = ("policy", tenant, scope)
+
+        def matches(p):
+            return p.tenant_id == tenant and any(s == scope and v < below for s, v in p.auth_scopes)
+    else:
+        namespace = draw(st.sampled_from([NS, "ns-other"]))
+        key, matches = ("namespace", namespace), lambda p: p.namespace == namespace
+    return key, lambda p: p.created_at < cutoff and matches(p)
+
+
+@st.composite
+def pool_scenarios(draw):
+    """Blocks with random provenances, each left BUILDING, on the device, host or disk, maybe referenced."""
+    blocks = [
+        (random_provenance(draw), draw(st.sampled_from(["building", DEVICE, HOST, DISK])), draw(st.booleans()))
+        for _ in range(draw(st.integers(0, 12)))
+    ]
+    drops = draw(st.lists(st.integers(0, 11), max_size=4))
+    return blocks, drops, random_removal(draw)
+
+
+def build_scenario(pool: BlockPool, blocks, drops) -> None:
+    for i, (provenance, where, held) in enumerate(blocks):
+        key = BlockKey(block_hash(i), block_hash(i - 1), i, SPEC.block_size, provenance)
+        entry = pool.begin_build(key)
+        if where == "building":
+            continue
+        assert pool.commit_build(entry, make_kv(i))
+        if where is not DEVICE:
+            assert pool.demote(block_hash(i), where)
+        if held:
+            pool.inc_lock_ref([entry])
+    for i in drops:  # evictions and failed builds reorder nothing but leave holes
+        entry = pool._entries.get(block_hash(i))
+        if entry is not None and entry.state is BlockState.BUILDING:
+            pool.fail_build(entry)
+        else:
+            pool.evict(block_hash(i))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=pool_scenarios())
+def test_narrowed_remove_where_removes_exactly_what_the_full_scan_removes(scenario):
+    blocks, drops, (key, predicate) = scenario
+    with tempfile.TemporaryDirectory() as root:
+        root = Path(root)
+        keys = LocalKeyStore(root / "keys.json")
+        full, narrowed = (
+            make_pool(root / name, device=16, host=16, disk=16, keys=keys) for name in ("full", "narrowed")
+        )
+        for pool in (full, narrowed):
+            build_scenario(pool, blocks, drops)
+            pool.take_events()
+            index_is_consistent(pool)
+        expected = full.remove_where(predicate, RemovalReason.INVALIDATED)
+        report = narrowed.remove_where(predicate, RemovalReason.INVALIDATED, candidates=key)
+        assert report == expected
+        assert narrowed.take_events() == full.take_events()
+        assert [(b, e.state, e.tombstoned, e.tier) for b, e in narrowed._entries.items()] == [
+            (b, e.state, e.tombstoned, e.tier) for b, e in full._entries.items()
+        ]
+        index_is_consistent(narrowed)
+
+
+def test_the_index_follows_every_admission_and_removal(tmp_path):
+    clock = FakeClock()
+    pool = make_pool(tmp_path, device=2, host=1, disk=2, ttl={PUBLIC: None, TENANT: 10.0, USER: None}, clock=clock)
+    docs = ("handbook@7", "faq@1")
+    for i in range(3):
+        store(pool, i, scope=TENANT, documents=docs)
+        index_is_consistent(pool)
+    held = pool.get_ready(block_hash(2))
+    pool.inc_lock_ref([held])
+    building = pool.begin_build(make_key(3, scope=USER, documents=docs))
+    failing = pool.begin_build(make_key(4, scope=TENANT, documents=docs))
+    pool.fail_build(failing)
+    index_is_consistent(pool)
+    assert set(pool._index[("document", "acme", "handbook")]) == {block_hash(i) for i in range(4)}
+    assert pool.demote(block_hash(0), DISK) and pool.evict(block_hash(1))
+    index_is_consistent(pool)
+    read(pool, [pool.get_ready(block_hash(0))])  # promoted back from disk
+    index_is_consistent(pool)
+    pool.remove_where(lambda p: "faq@1" in p.documents, RemovalReason.INVALIDATED, candidates=("document", "acme", "faq"))
+    index_is_consistent(pool)
+    assert list(pool._index[("document", "acme", "faq")]) == [block_hash(2), block_hash(3)]  # held and building
+    assert pool.commit_build(building, make_kv(3)) is False
+    pool.dec_lock_ref([held])
+    index_is_consistent(pool)
+    assert pool._index == {}
+    store(pool, 5, scope=TENANT)
+    clock.now += 11.0
+    assert pool.expire() == 1
+    index_is_consistent(pool)
+    assert pool._index == {}
+    # Blocks left on disk are filed again when a restarted pool re-indexes them.
+    store(pool, 6, scope=TENANT, documents=docs)
+    assert pool.demote(block_hash(6), DISK)
+    restarted = make_pool(tmp_path, device=2, host=1, disk=2, keys=pool.key_provider)
+    assert restarted.load_disk_tier() == 1
+    index_is_consistent(restarted)
+    assert list(restarted._index[("document", "acme", "handbook")]) == [block_hash(6)]
+
+
+def test_remove_where_refuses_an_unknown_index_key(tmp_path):
+    pool = make_pool(tmp_path)
+    store(pool, 0)
+    with pytest.raises(ValueError):
+        pool.remove_where(lambda p: True, RemovalReason.INVALIDATED, candidates=("subject", "acme", "alice"))
+    assert pool.get_ready(block_hash(0)) is not None
+    assert pool.remove_where(lambda p: True, RemovalReason.INVALIDATED, candidates=("namespace", "ns-other")).removed == ()
 
 
 # --- at rest ---------------------------------------------------------------------------------------

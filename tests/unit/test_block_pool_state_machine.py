@@ -34,6 +34,7 @@ from gpu_node.block_pool import (
     RemovalReason,
     Tier,
     decode_block_record,
+    provenance_index_keys,
 )
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
@@ -181,7 +182,9 @@ class PoolMachine(RuleBasedStateMachine):
                 return provenance.scope == CacheScope.PUBLIC
             return provenance.subject_id == what or what in provenance.documents
 
-        report = self.pool.remove_where(matches, RemovalReason.INVALIDATED)
+        # The documents and "public" removals go through the index (tenant None holds the public blocks).
+        candidates = {"handbook@1": ("document", "acme", "handbook"), "public": ("tenant", None)}.get(what)
+        report = self.pool.remove_where(matches, RemovalReason.INVALIDATED, candidates=candidates)
         assert report.all_verified
         assert len(report.evidence) == len(report.removed) == sum(report.num_removed.values())
         for block in report.removed + report.deferred:
@@ -271,6 +274,16 @@ class PoolMachine(RuleBasedStateMachine):
         for entry in self.held:
             assert entry.ref_count == held[id(entry)]
             assert (entry.tier, entry.slot) == self.location[id(entry)], "the pool moved or freed a referenced block"
+
+    @invariant()
+    def provenance_index_files_exactly_the_entries(self) -> None:
+        expected: dict = {}
+        for block, entry in self.pool._entries.items():
+            for key in provenance_index_keys(entry.provenance):
+                expected.setdefault(key, {})[block] = entry
+        assert {key: list(bucket.items()) for key, bucket in self.pool._index.items()} == {
+            key: list(bucket.items()) for key, bucket in expected.items()
+        }
 
     @invariant()
     def lookups_return_only_ready_blocks(self) -> None:

@@ -12,19 +12,23 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from aiokafka import TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import schema
+from events import schema, topics
+from events.codec import encode_event
+from events.kafka import KafkaSettings
 from gpu_node.api import CACHE_BYPASS_HEADER, create_app
 from gpu_node.auth import TokenVerifier, issue_token
-from gpu_node.block_pool import Tier
-from gpu_node.commands import InvalidationHandler, block_predicate
+from gpu_node.block_pool import Tier, provenance_index_keys
+from gpu_node.commands import CommandConsumer, InvalidationHandler, block_predicate, predicate_index_key
 from gpu_node.engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys
+from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
 
@@ -244,3 +248,48 @@ async def test_retired_namespace_is_emptied_and_then_served_without_cache(node):
             assert bypassed.headers[CACHE_BYPASS_HEADER] == "namespace_retired"
             assert bypassed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert engine.pool.ready_entries() == []
+
+
+# --- the provenance index narrows, the predicate decides ------------------------------------------
+
+NAMES = ("acme", "globex", "d1", "d2", "hr", "kb")
+ns_names = st.sampled_from(["ns-a", "ns-b"])
+
+
+@st.composite
+def provenances(draw) -> BlockProvenance:
+    scope = draw(st.sampled_from(list(CacheScope)))
+    return BlockProvenance(
+        namespace=draw(ns_names),
+        tenant_id=None if scope == CacheScope.PUBLIC else draw(st.sampled_from(NAMES[:2])),
+        scope=scope,
+        auth_scopes=tuple(draw(st.lists(st.tuples(st.sampled_from(NAMES[4:]), st.integers(1, 3)), max_size=2))),
+        subject_id=draw(st.sampled_from(["alice", "bob"])) if scope == CacheScope.USER else None,
+        documents=tuple(f"{doc}@{version}" for doc, version in draw(st.lists(st.tuples(st.sampled_from(NAMES[2:4]), st.integers(1, 3)), max_size=3))),
+        created_at=0.0,
+    )
+
+
+schema_predicates = st.one_of(
+    st.builds(schema.DocumentPredicate, tenant=st.sampled_from(NAMES[:2]), doc_id=st.sampled_from(NAMES[2:4]), below_version=st.integers(1, 4)),
+    st.builds(schema.PolicyPredicate, tenant=st.sampled_from(NAMES[:2]), auth_scope=st.sampled_from(NAMES[4:]), below_version=st.integers(1, 4)),
+    st.builds(
+        lambda tenant, subject: schema.SubjectPredicate(tenant=tenant, subject_id=schema.subject_digest(SUBJECT_KEY, tenant, subject)),
+        st.sampled_from(NAMES[:2]),
+        st.sampled_from(["alice", "bob"]),
+    ),
+    st.builds(schema.NamespacePredicate, ns=ns_names),
+    st.builds(schema.TenantPredicate, tenant=st.sampled_from(NAMES[:2])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(predicate=schema_predicates, provenance=provenances())
+def test_every_block_a_predicate_matches_is_filed_under_its_index_key(predicate, provenance):
+    matches = block_predicate(predicate, datetime.now(UTC), SUBJECT_KEY)
+    key = predicate_index_key(predicate)
+    if matches(provenance):
+        if key[0] == "namespace":
+            assert provenance.namespace == key[1]
+        else:
+            assert key in provenance_index_keys(provenance)
