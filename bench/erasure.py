@@ -42,12 +42,18 @@ from pathlib import Path
 import asyncpg
 import httpx
 import torch
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from sqlalchemy import make_url, pool, text
-from sqlalchemy.ext.asyncio import create_async_engine
 
+from bench.common import (
+    connect_kwargs,
+    coordinator_env,
+    database_server,
+    fresh_database,
+    kafka_broker,
+    run_and_report,
+    start_groups_at_end,
+    wait,
+)
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX
-from coordinator.migrate import upgrade
 from events import topics
 from events.kafka import KafkaSettings, ensure_topics
 from events.schema import subject_digest
@@ -57,7 +63,6 @@ from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, Cache
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import build_tiny_model
-from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 JWT_SECRET = "bench-erasure-secret-" + "x" * 32
 SUBJECT_KEY = "bench-erasure-subject-key"
@@ -72,57 +77,6 @@ class ErasureRun:
     num_blocks: int
     num_placements: int
     seconds: float
-
-
-def _connect_kwargs(database_url: str) -> dict:
-    url = make_url(database_url)
-    kwargs = {"user": url.username or "postgres", "database": url.database}
-    if url.query.get("host"):
-        kwargs["host"] = url.query["host"]
-        kwargs["port"] = int(url.query.get("port", 5432))
-    else:
-        kwargs["host"], kwargs["port"] = url.host, url.port or 5432
-    if url.password:
-        kwargs["password"] = url.password
-    return kwargs
-
-
-@contextlib.asynccontextmanager
-async def _fresh_database(server_url: str):
-    name = f"kvl_bench_{uuid.uuid4().hex[:10]}"
-    admin = create_async_engine(server_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
-    async with admin.connect() as connection:
-        await connection.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
-    try:
-        await asyncio.to_thread(upgrade, url)
-        yield url
-    finally:
-        async with admin.connect() as connection:
-            await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        await admin.dispose()
-
-
-async def _start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
-    """Commit each group's offsets at the end of its topics: a shared broker's old nodes must not become targets."""
-    for group_id, names in groups.items():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            await consumer.topics()
-            partitions = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t))]
-            consumer.assign(partitions)
-            await consumer.commit(await consumer.end_offsets(partitions))
-        finally:
-            await consumer.stop()
-
-
-async def _wait(probe, what: str, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await probe():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        await asyncio.sleep(POLL_S)
 
 
 class BenchNode:
@@ -166,14 +120,14 @@ class Coordinator:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        env = os.environ | {
-            "KVLEDGER_DATABASE_URL": database_url,
-            "KVLEDGER_KAFKA_BOOTSTRAP": bootstrap,
-            "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group,
-            "KVLEDGER_JWT_SECRET": JWT_SECRET,
-            "KVLEDGER_SUBJECT_KEY": SUBJECT_KEY,
-            "KVLEDGER_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
-        }
+        env = coordinator_env(
+            database_url,
+            bootstrap,
+            group,
+            JWT_SECRET,
+            KVLEDGER_SUBJECT_KEY=SUBJECT_KEY,
+            KVLEDGER_MASTER_KEY=base64.b64encode(os.urandom(32)).decode(),
+        )
         command = [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "all", "--host", "127.0.0.1", "--port", str(port)]
         self._log = log
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -216,7 +170,7 @@ async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection
         coordinator.check()
         return await _live_placements(connection, tenant, bytes.fromhex(digest)) == expected
 
-    await _wait(in_ledger, f"{expected} placements in the ledger")
+    await wait(in_ledger, f"{expected} placements in the ledger", TIMEOUT_S, POLL_S)
     officer = {"Authorization": f"Bearer {issue_token(tenant='ops', sub='bench', roles=['privacy-officer'], ttl_s=3600, secret=JWT_SECRET)}"}
     async with httpx.AsyncClient(base_url=coordinator.url, headers=officer, timeout=30) as client:
         started = time.perf_counter()
@@ -228,7 +182,7 @@ async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection
             coordinator.check()
             return (await client.get(f"/v1/erasures/{erasure_id}/receipt")).status_code == 200
 
-        await _wait(receipt, "the verified receipt")
+        await wait(receipt, "the verified receipt", TIMEOUT_S, POLL_S)
         seconds = time.perf_counter() - started
         body = (await client.get(f"/v1/erasures/{erasure_id}/receipt")).json()["receipt"]
     assert body["block_commitment"]["count"] == num_blocks, body["block_commitment"]
@@ -239,25 +193,15 @@ async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection
 async def _run(args) -> list[ErasureRun]:
     async with contextlib.AsyncExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-erasure-")))
-        if args.database_url:
-            server_url = args.database_url
-        else:
-            postgres = await EmbeddedPostgres(work / "postgres").start()
-            stack.push_async_callback(postgres.stop)
-            server_url = postgres.database_url
-        if args.kafka_bootstrap:
-            bootstrap = args.kafka_bootstrap
-        else:
-            kafka_service = await EmbeddedKafka(state_dir=work / "kafka").start()
-            stack.push_async_callback(kafka_service.stop)
-            bootstrap = kafka_service.bootstrap
+        server_url = await database_server(stack, args, work / "postgres")
+        bootstrap = await kafka_broker(stack, args, work / "kafka")
         await ensure_topics(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench"))
         model_dir = Path(args.model_dir)
         if not (model_dir / "config.json").is_file():
             model_dir = build_tiny_model(work / "model", seed=0)
-        database_url = await stack.enter_async_context(_fresh_database(server_url))
+        database_url = await stack.enter_async_context(fresh_database(server_url))
         group = f"bench-erasure-{uuid.uuid4().hex[:8]}"
-        await _start_groups_at_end(
+        await start_groups_at_end(
             bootstrap,
             {group: [topics.KV_EVENTS], group + INVALIDATION_GROUP_SUFFIX: [topics.DOCUMENTS, topics.PERMISSIONS, topics.ERASURES, topics.ACKS]},
         )
@@ -272,7 +216,7 @@ async def _run(args) -> list[ErasureRun]:
                     return (await client.get("/healthz")).status_code == 200
                 return False
 
-            await _wait(serving, "the coordinator's HTTP API")
+            await wait(serving, "the coordinator's HTTP API", TIMEOUT_S, POLL_S)
         per_node = -(-args.blocks // NUM_NODES)
         cache = CacheSettings(num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node)
         nodes = []
@@ -293,7 +237,7 @@ async def _run(args) -> list[ErasureRun]:
             await node.start()
             stack.push_async_callback(node.stop)
             nodes.append(node)
-        connection = await asyncpg.connect(**_connect_kwargs(database_url))
+        connection = await asyncpg.connect(**connect_kwargs(database_url))
         stack.push_async_callback(connection.close)
         node_ids = [node.settings.node_id for node in nodes]
 
@@ -301,7 +245,7 @@ async def _run(args) -> list[ErasureRun]:
             coordinator.check()
             return await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids) == len(node_ids)
 
-        await _wait(registered, "both nodes registered")
+        await wait(registered, "both nodes registered", TIMEOUT_S, POLL_S)
         runs = []
         for _ in range(args.runs):
             runs.append(await _run_once(nodes, coordinator, connection, args.blocks))
@@ -335,9 +279,4 @@ def render_markdown(args, runs: list[ErasureRun]) -> str:
 def cli(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.blocks < 3 * NUM_NODES:
         raise SystemExit(f"--runs must be >= 1 and --blocks >= {3 * NUM_NODES} (every node needs blocks in every tier)")
-    runs = asyncio.run(_run(args))
-    report = render_markdown(args, runs)
-    print(report)
-    if args.output:
-        Path(args.output).write_text(report)
-    return 0
+    return run_and_report(args, _run, render_markdown)

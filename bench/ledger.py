@@ -25,48 +25,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
-from sqlalchemy import make_url, pool, text
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from coordinator.migrate import upgrade
+from bench.common import (
+    connect_kwargs,
+    coordinator_env,
+    database_server,
+    fresh_database,
+    kafka_broker,
+    percentile,
+    run_and_report,
+)
 from events import schema
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
-from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 NUM_NODES = 4
 NAMESPACE = "bench-namespace"
 RECORDS_PER_SEND = 20
 POLL_INTERVAL_S = 0.01
 TIMEOUT_S = 600.0
-
-
-def _connect_kwargs(database_url: str) -> dict:
-    url = make_url(database_url)
-    kwargs = {"user": url.username or "postgres", "database": url.database}
-    if url.query.get("host"):
-        kwargs["host"] = url.query["host"]
-        kwargs["port"] = int(url.query.get("port", 5432))
-    else:
-        kwargs["host"], kwargs["port"] = url.host, url.port or 5432
-    if url.password:
-        kwargs["password"] = url.password
-    return kwargs
-
-
-@contextlib.asynccontextmanager
-async def _fresh_database(server_url: str):
-    name = f"kvl_bench_{uuid.uuid4().hex[:10]}"
-    admin = create_async_engine(server_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
-    async with admin.connect() as connection:
-        await connection.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
-    try:
-        await asyncio.to_thread(upgrade, url)
-        yield url
-    finally:
-        async with admin.connect() as connection:
-            await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        await admin.dispose()
 
 
 def _block(index: int, node: int, run_id: str) -> schema.StoredBlock:
@@ -122,12 +98,7 @@ class LedgerRun:
 async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, blocks_per_record: int) -> tuple[float, list[float], int]:
     run_id = uuid.uuid4().hex[:8]
     workload = _workload(num_events, blocks_per_record, run_id)
-    env = os.environ | {
-        "KVLEDGER_DATABASE_URL": database_url,
-        "KVLEDGER_KAFKA_BOOTSTRAP": kafka.bootstrap,
-        "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": f"bench-{run_id}",
-        "KVLEDGER_JWT_SECRET": os.environ.get("KVLEDGER_JWT_SECRET", "bench-secret-" + "x" * 32),
-    }
+    env = coordinator_env(database_url, kafka.bootstrap, f"bench-{run_id}", os.environ.get("KVLEDGER_JWT_SECRET", "bench-secret-" + "x" * 32))
     with tempfile.TemporaryFile() as log:
         consumers = subprocess.Popen(
             [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "consumers"],
@@ -135,7 +106,7 @@ async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, 
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        connection = await asyncpg.connect(**_connect_kwargs(database_url))
+        connection = await asyncpg.connect(**connect_kwargs(database_url))
         try:
             async with EventProducer(kafka) as producer:
                 await producer.send_many(
@@ -191,7 +162,7 @@ async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: i
     """The same block + placement rows written straight through asyncpg (no broker, no consumer)."""
     run_id = uuid.uuid4().hex[:8]
     workload = _workload(num_events, blocks_per_record, run_id)
-    connection = await asyncpg.connect(**_connect_kwargs(database_url))
+    connection = await asyncpg.connect(**connect_kwargs(database_url))
     try:
         await connection.execute("INSERT INTO namespaces (namespace) VALUES ($1) ON CONFLICT DO NOTHING", NAMESPACE)
         await connection.executemany(
@@ -235,38 +206,23 @@ async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: i
         await connection.close()
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
-
 async def _run(args) -> list[LedgerRun]:
     async with contextlib.AsyncExitStack() as stack:
-        if args.database_url:
-            server_url = args.database_url
-        else:
-            state = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            postgres = await EmbeddedPostgres(state / "postgres").start()
-            stack.push_async_callback(postgres.stop)
-            server_url = postgres.database_url
-        if args.kafka_bootstrap:
-            bootstrap = args.kafka_bootstrap
-        else:
-            kafka_service = await EmbeddedKafka(state_dir=Path(tempfile.mkdtemp())).start()
-            stack.push_async_callback(kafka_service.stop)
-            bootstrap = kafka_service.bootstrap
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-ledger-")))
+        server_url = await database_server(stack, args, work / "postgres")
+        bootstrap = await kafka_broker(stack, args, work / "kafka")
         kafka = KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")
         await ensure_topics(kafka)
         runs = []
         for _ in range(args.runs):
-            async with _fresh_database(server_url) as url:
+            async with fresh_database(server_url) as url:
                 events_per_s, lags, total = await _end_to_end(url, kafka, args.events, args.blocks_per_record)
-            async with _fresh_database(server_url) as url:
+            async with fresh_database(server_url) as url:
                 insert_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=False)
-            async with _fresh_database(server_url) as url:
+            async with fresh_database(server_url) as url:
                 copy_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=True)
             runs.append(
-                LedgerRun(total, events_per_s, _percentile(lags, 0.5), _percentile(lags, 0.99), insert_rows_per_s, copy_rows_per_s)
+                LedgerRun(total, events_per_s, percentile(lags, 0.5), percentile(lags, 0.99), insert_rows_per_s, copy_rows_per_s)
             )
             print(runs[-1], file=sys.stderr, flush=True)
         return runs
@@ -302,9 +258,4 @@ def render_markdown(args, runs: list[LedgerRun]) -> str:
 
 
 def cli(args: argparse.Namespace) -> int:
-    runs = asyncio.run(_run(args))
-    report = render_markdown(args, runs)
-    print(report)
-    if args.output:
-        Path(args.output).write_text(report)
-    return 0
+    return run_and_report(args, _run, render_markdown)

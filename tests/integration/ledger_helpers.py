@@ -1,4 +1,5 @@
-"""Helpers for the coordinator ledger integration tests: a fresh database per module, waiting, event builders."""
+"""Helpers for the coordinator ledger integration tests: a fresh database per module, waiting, event builders,
+consumer groups that start at the end of the shared broker's topics."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 
+import asyncpg
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from bench.common import start_groups_at_end  # noqa: F401 - one implementation for the tests and the benchmarks
 from events.schema import EventValidationError, StoredBlock
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
@@ -35,6 +38,14 @@ async def fresh_database(server_url: str) -> AsyncIterator[str]:
                 await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     finally:
         await admin.dispose()
+
+
+async def connect(database_url: str) -> asyncpg.Connection:
+    """A plain asyncpg connection to a test database (its URL names the server's socket dir as ``?host=``)."""
+    url = make_url(database_url)
+    return await asyncpg.connect(
+        host=url.query.get("host"), port=int(url.query.get("port", 5432)), user=url.username, database=url.database
+    )
 
 
 async def eventually(
@@ -103,3 +114,4 @@ async def scan_topic(
                             continue  # shared topics hold malformed records other tests put there on purpose
     finally:
         await consumer.stop()
+

@@ -30,14 +30,11 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import asyncpg
 import httpx
-import openai
 import pytest
 import uvicorn
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database
-from sqlalchemy import make_url
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, connect, eventually, fresh_database, start_groups_at_end
+from node_harness import ServedNode, node_settings
 
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX, kafka_settings, run_consumers
@@ -45,14 +42,11 @@ from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka, topics
 from events.schema import subject_digest
-from gpu_node.api import create_app as create_node_app
-from gpu_node.auth import TokenVerifier, issue_token
+from gpu_node.auth import issue_token
 from gpu_node.block_pool import BlockRestoreError, BlockState, Tier, decode_block_record
-from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys, num_cacheable_blocks
+from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
-from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 
 BLOCK_SIZE = 16
@@ -69,34 +63,7 @@ def role_token(role: str) -> dict[str, str]:
 OFFICER = role_token("privacy-officer")
 
 
-# --------------------------------------------------------------------------- servers
-
-
-class Served:
-    """An ASGI app on a real uvicorn server in the running loop, on a socket bound before it starts."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
-        self.task: asyncio.Task | None = None
-
-    async def start(self) -> Served:
-        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-
-        async def started() -> bool:
-            if self.task.done():
-                self.task.result()
-            return self.server.started
-
-        await eventually(started, timeout_s=TIMEOUT_S, what=f"uvicorn on {self.url}")
-        return self
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await asyncio.wait_for(self.task, TIMEOUT_S)
-        self.sock.close()
+# --------------------------------------------------------------------------- coordinator and nodes
 
 
 class CoordinatorThread:
@@ -154,23 +121,19 @@ class CoordinatorThread:
         self.sock.close()
 
 
-class Node:
+class Node(ServedNode):
     """One GPU node as ``gpu_node.server.serve`` assembles it; stoppable and restartable (a new epoch)."""
 
     def __init__(self, settings: NodeSettings) -> None:
-        self.settings = settings
-        self.node_id = settings.node_id
+        super().__init__(settings)
         self.running = False
 
     async def start(self) -> Node:
-        self.engine = AsyncEngine.from_settings(self.settings)
-        self.publisher = make_publisher(self.engine, self.settings)
-        self.commands = make_command_consumer(self.engine, self.publisher, self.settings)
+        self.assemble()
         await self.engine.start(ready=False)
         self.running = True
-        self.http = await Served(create_node_app(self.engine, TokenVerifier(self.settings.auth))).start()
-        await self.publisher.start(Path(self.settings.data_dir))
-        await self.commands.start()
+        await self.serve_http()
+        await self.start_replay()
         await asyncio.wait_for(self.commands.replayed.wait(), 60)
         return self
 
@@ -180,18 +143,9 @@ class Node:
             return
         self.running = False
         await self.http.stop()
-        await self.commands.stop()
-        await self.publisher.stop()
+        await self.stop_replay()
         await self.engine.stop()
         self.engine.pool.key_provider.close()
-
-    def client(self, token: str) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.http.url}/v1", api_key=token, max_retries=0, timeout=60)
-
-    async def cached(self, token: str, messages: list[dict]) -> int:
-        async with self.client(token) as client:
-            completion = await client.chat.completions.create(model=self.engine.model_name, messages=messages, max_tokens=1, temperature=0)
-        return completion.usage.prompt_tokens_details.cached_tokens
 
     async def holdings(self, tenant: str, subject: str) -> set[tuple[str, str]]:
         """(block hash, tier) of the subject's blocks this node holds, snapshots as tier ``snapshot``."""
@@ -204,29 +158,8 @@ class Node:
             held.update((key.block_hash.hex(), "snapshot") for key in keys if mine(key.provenance))
         return held
 
-    def prefix_tokens(self, messages: list[dict]) -> tuple[int, int]:
-        """(tokens a full prefix hit serves, tokens the public system message's own blocks serve)."""
-        engine_messages = [ChatMessage(m["role"], m["content"], CacheScope.parse(m.get("cache_scope", "user"))) for m in messages]
-        prompt = render_prompt(self.engine.runner.tokenizer, engine_messages)
-        full = num_cacheable_blocks(len(prompt.token_ids), BLOCK_SIZE) * BLOCK_SIZE
-        return full, prompt.segments[0].end // BLOCK_SIZE * BLOCK_SIZE
-
 
 # --------------------------------------------------------------------------- fixtures
-
-
-async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
-    """Commit each group's offsets at the current end of its topics, so a fresh group skips the session's history."""
-    for group_id, names in groups.items():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            await consumer.topics()
-            partitions = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t))]
-            consumer.assign(partitions)
-            await consumer.commit(await consumer.end_offsets(partitions))
-        finally:
-            await consumer.stop()
 
 
 @pytest.fixture(scope="module")
@@ -256,18 +189,15 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
         nodes: list[Node] = []
         try:
             for name in ("a", "b"):
-                node_settings = NodeSettings(
-                    node_id=f"erase-{name}-{suffix}",
-                    model_dir=tiny_model_dir,
-                    data_dir=root / name,
-                    kafka_bootstrap=kafka_bootstrap,
-                    subject_key=SUBJECT_KEY,
+                settings_of_node = node_settings(
+                    f"erase-{name}-{suffix}",
+                    tiny_model_dir,
+                    root / name,
+                    kafka_bootstrap,
+                    CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=24, num_host_blocks=8, max_disk_blocks=512),
                     coordinator_url=coordinator.url,
-                    publish_interval_s=0.02,
-                    auth={"jwt_secret": JWT_SECRET},
-                    cache=CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=24, num_host_blocks=8, max_disk_blocks=512),
                 )
-                nodes.append(await Node(node_settings).start())
+                nodes.append(await Node(settings_of_node).start())
             node_ids = {node.node_id for node in nodes}
 
             async def registered() -> bool:
@@ -344,8 +274,7 @@ async def ledger_knows(stack: dict, tenant: str, subject: str) -> set[tuple[str,
 
 
 async def count_erasures(database_url: str, tenant: str) -> int:
-    url = make_url(database_url)
-    connection = await asyncpg.connect(host=url.query.get("host"), port=int(url.query.get("port", 5432)), user=url.username, database=url.database)
+    connection = await connect(database_url)
     try:
         return await connection.fetchval("SELECT count(*) FROM erasures WHERE tenant_id = $1", tenant)
     finally:

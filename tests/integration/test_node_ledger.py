@@ -7,9 +7,7 @@ import random
 import uuid
 from pathlib import Path
 
-import asyncpg
 import pytest
-from sqlalchemy import make_url
 
 from coordinator.consumers import run_consumers
 from coordinator.migrate import upgrade
@@ -17,9 +15,9 @@ from coordinator.settings import CoordinatorSettings
 from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
-from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, connect, eventually, fresh_database
+from node_harness import NodeServices, node_settings
 
 PRINCIPALS = [
     Principal("acme", "alice", frozenset({"hr"}), {"hr": 1}),
@@ -48,37 +46,25 @@ async def generate(engine: AsyncEngine, messages, principal) -> None:
         pass
 
 
-def node_settings(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str) -> NodeSettings:
-    return NodeSettings(
-        node_id=node_id,
-        model_dir=model_dir,
-        data_dir=data_dir,
-        kafka_bootstrap=kafka_bootstrap,
-        subject_key=SUBJECT_KEY,
-        publish_interval_s=0.02,
-        auth={"jwt_secret": JWT_SECRET},
-        # small tiers so a few hundred requests evict and demote through every tier
-        cache=CacheSettings(num_device_blocks=24, num_host_blocks=24, max_disk_blocks=48),
-    )
+def settings_for(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str) -> NodeSettings:
+    # small tiers so a few hundred requests evict and demote through every tier
+    cache = CacheSettings(num_device_blocks=24, num_host_blocks=24, max_disk_blocks=48)
+    return node_settings(node_id, model_dir, data_dir, kafka_bootstrap, cache)
 
 
-class Node:
+class Node(NodeServices):
     def __init__(self, settings: NodeSettings) -> None:
-        self.settings = settings
-        self.engine = AsyncEngine.from_settings(settings)
-        self.publisher = make_publisher(self.engine, settings)
-        self.commands = make_command_consumer(self.engine, self.publisher, settings)
+        super().__init__(settings)
+        self.assemble()
 
     async def start(self) -> Node:
         await self.engine.start(ready=False)
-        await self.publisher.start(Path(self.settings.data_dir))
-        await self.commands.start()
+        await self.start_replay()
         await asyncio.wait_for(self.commands.replayed.wait(), 60)
         return self
 
     async def stop(self) -> None:
-        await self.commands.stop()
-        await self.publisher.stop()
+        await self.stop_replay()
         await self.engine.stop()
 
     def inventory(self) -> set[tuple[str, str]]:
@@ -90,10 +76,7 @@ class Node:
 
 
 async def ledger_placements(database_url: str, node_id: str) -> set[tuple[str, str]]:
-    url = make_url(database_url)
-    connection = await asyncpg.connect(
-        host=url.query.get("host"), port=int(url.query.get("port", 5432)), user=url.username, database=url.database
-    )
+    connection = await connect(database_url)
     try:
         rows = await connection.fetch(
             "SELECT block_hash, tier, snapshot_id FROM placements WHERE node_id = $1 AND state = 'live'", node_id
@@ -127,7 +110,7 @@ async def coordinator(database_url, kafka_bootstrap):
 async def test_ledger_equals_every_node_inventory_after_random_traffic(coordinator, kafka_bootstrap, tiny_model_dir, tmp_path):
     suffix = uuid.uuid4().hex[:6]
     nodes = [
-        await Node(node_settings(f"n{i}-{suffix}", tiny_model_dir, tmp_path / f"n{i}", kafka_bootstrap)).start() for i in range(2)
+        await Node(settings_for(f"n{i}-{suffix}", tiny_model_dir, tmp_path / f"n{i}", kafka_bootstrap)).start() for i in range(2)
     ]
     try:
         rng = random.Random(7)
@@ -157,7 +140,7 @@ async def _equal(database_url: str, node_id: str, expected: set[tuple[str, str]]
 
 async def test_node_restart_drops_memory_placements_and_keeps_verified_disk(coordinator, kafka_bootstrap, tiny_model_dir, tmp_path):
     node_id = f"restart-{uuid.uuid4().hex[:6]}"
-    settings = node_settings(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap)
+    settings = settings_for(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap)
     node = await Node(settings).start()
     rng = random.Random(11)
     try:

@@ -1,0 +1,128 @@
+"""In-process GPU nodes for the integration tests: assembled as ``gpu_node.server.serve`` assembles them.
+
+:class:`NodeServices` holds one node's engine, publisher and command consumer;
+:class:`ServedNode` adds its OpenAI-compatible app on a real uvicorn server
+(:class:`Served`) and the official ``openai`` client. Each test module subclasses
+them with its own start/stop order and its own view of what the node holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import openai
+import uvicorn
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually
+
+from gpu_node.api import create_app as create_node_app
+from gpu_node.auth import TokenVerifier
+from gpu_node.engine import AsyncEngine
+from gpu_node.kv_cache_utils import CacheScope, DocumentRef, num_cacheable_blocks
+from gpu_node.prompt import ChatMessage, render_prompt
+from gpu_node.server import make_command_consumer, make_publisher
+from gpu_node.settings import CacheSettings, NodeSettings
+
+TIMEOUT_S = 30.0
+
+
+def node_settings(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str, cache: CacheSettings, **extra) -> NodeSettings:
+    """A node of the test session: its broker, the tests' subject key and JWT secret, a fast publisher."""
+    return NodeSettings(
+        node_id=node_id,
+        model_dir=model_dir,
+        data_dir=data_dir,
+        kafka_bootstrap=kafka_bootstrap,
+        subject_key=SUBJECT_KEY,
+        publish_interval_s=0.02,
+        auth={"jwt_secret": JWT_SECRET},
+        cache=cache,
+        **extra,
+    )
+
+
+class Served:
+    """An ASGI app on a real uvicorn server in the running loop, on a loopback socket bound before it starts (no port race)."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> Served:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+
+        async def started() -> bool:
+            if self.task.done():
+                self.task.result()
+            return self.server.started
+
+        await eventually(started, timeout_s=TIMEOUT_S, what=f"uvicorn on {self.url}")
+        return self
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await asyncio.wait_for(self.task, TIMEOUT_S)
+        self.sock.close()
+
+
+class NodeServices:
+    """One node's engine, publisher and command consumer. :meth:`assemble` makes a new set (a restart is a new epoch)."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        self.settings = settings
+
+    @property
+    def node_id(self) -> str:
+        return self.settings.node_id
+
+    def assemble(self) -> None:
+        self.engine = AsyncEngine.from_settings(self.settings)
+        self.publisher = make_publisher(self.engine, self.settings)
+        self.commands = make_command_consumer(self.engine, self.publisher, self.settings)
+
+    async def start_replay(self) -> None:
+        """As ``serve`` does after ``engine.start(ready=False)``: the publisher (a new epoch), then the command replay."""
+        await self.publisher.start(Path(self.settings.data_dir))
+        await self.commands.start()
+
+    async def stop_replay(self) -> None:
+        await self.commands.stop()
+        await self.publisher.stop()
+
+
+class ServedNode(NodeServices):
+    """A node whose OpenAI-compatible app listens on a real socket; requests go through the official client."""
+
+    async def serve_http(self) -> None:
+        self.http = await Served(create_node_app(self.engine, TokenVerifier(self.settings.auth))).start()
+
+    def client(self, token: str) -> openai.AsyncOpenAI:
+        """No retries: a refusal must surface as it is."""
+        return openai.AsyncOpenAI(base_url=f"{self.http.url}/v1", api_key=token, max_retries=0, timeout=60)
+
+    async def chat(self, token: str, messages: list[dict]):
+        async with self.client(token) as client:
+            return await client.chat.completions.create(model=self.engine.model_name, messages=messages, max_tokens=1, temperature=0)
+
+    async def cached(self, token: str, messages: list[dict]) -> int:
+        return (await self.chat(token, messages)).usage.prompt_tokens_details.cached_tokens
+
+    def prefix_tokens(self, messages: list[dict]) -> tuple[int, int]:
+        """(tokens a full prefix hit serves, tokens the public system message's own blocks serve) for ``messages``."""
+        prompt = render_prompt(self.engine.runner.tokenizer, [engine_message(m) for m in messages])
+        block_size = self.settings.cache.block_size
+        full = num_cacheable_blocks(len(prompt.token_ids), block_size) * block_size
+        return full, prompt.segments[0].end // block_size * block_size
+
+
+def engine_message(message: dict) -> ChatMessage:
+    """An OpenAI-style chat message as the node's API turns it into an engine message."""
+    document = message.get("document")
+    if document is not None:
+        ref = DocumentRef(document["id"], document["version"], document["auth_scope"])
+        return ChatMessage(message["role"], message["content"], CacheScope.TENANT, ref)
+    return ChatMessage(message["role"], message["content"], CacheScope.parse(message.get("cache_scope", "user")))
