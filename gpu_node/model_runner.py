@@ -115,7 +115,9 @@ class ModelRunner:
         per_layer = per_layer.reshape(spec.num_layers, 2, 1, spec.num_kv_heads, num_tokens, spec.head_dim)
         cache = self.new_cache()
         for layer in range(spec.num_layers):
-            cache.update(per_layer[layer, 0].contiguous(), per_layer[layer, 1].contiguous(), layer)
+            # update() concatenates into fresh storage, which is the one copy a restore needs;
+            # making the strided views contiguous first would copy every byte twice.
+            cache.update(per_layer[layer, 0], per_layer[layer, 1], layer)
         assert cache.get_seq_length() == num_tokens, f"restored cache holds {cache.get_seq_length()} tokens, expected {num_tokens}"
         return cache
 
