@@ -16,7 +16,6 @@ from aiokafka.structs import ConsumerRecord
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from bench.common import start_groups_at_end  # noqa: F401 - one implementation for the tests and the benchmarks
 from events.schema import EventValidationError, StoredBlock
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"

@@ -33,9 +33,10 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, connect, eventually, fresh_database, start_groups_at_end
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, connect, eventually, fresh_database
 from node_harness import ServedNode, node_settings
 
+from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX, kafka_settings, run_consumers
 from coordinator.migrate import upgrade

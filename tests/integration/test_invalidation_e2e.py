@@ -35,9 +35,10 @@ import httpx
 import openai
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database, start_groups_at_end
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database
 from node_harness import Served, ServedNode, node_settings
 
+from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX, kafka_settings, run_consumers
 from coordinator.migrate import upgrade

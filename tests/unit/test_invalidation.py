@@ -12,21 +12,17 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import SimpleNamespace
 
 import httpx
 import pytest
-from aiokafka import TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import schema, topics
-from events.codec import encode_event
-from events.kafka import KafkaSettings
+from events import schema
 from gpu_node.api import CACHE_BYPASS_HEADER, create_app
 from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.block_pool import Tier, provenance_index_keys
-from gpu_node.commands import CommandConsumer, InvalidationHandler, block_predicate, predicate_index_key
+from gpu_node.commands import InvalidationHandler, block_predicate, predicate_index_key
 from gpu_node.engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
