@@ -29,6 +29,7 @@ the batch back and the consumer re-delivers it, so it costs time, never correctn
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
 import uuid
@@ -38,7 +39,24 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from pydantic import TypeAdapter
-from sqlalchemy import LargeBinary, Select, and_, any_, bindparam, func, literal, or_, select, text, update
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    LargeBinary,
+    Select,
+    Text,
+    Uuid,
+    and_,
+    any_,
+    bindparam,
+    func,
+    literal,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -51,7 +69,6 @@ from coordinator.models import (
     BlockDocument,
     Document,
     Erasure,
-    InboxEntry,
     Invalidation,
     InvalidationTarget,
     Namespace,
@@ -89,6 +106,195 @@ _MAX_HASHES_PER_STATEMENT = 5000
 """Keeps ``IN`` lists of block hashes well under asyncpg's 32767 bind parameters."""
 
 _PREDICATE = TypeAdapter(Predicate)
+
+# --------------------------------------------------------------------------- bulk statements (one per batch)
+#
+# Fixed SQL text with array parameters: one prepared statement whatever the batch size (no
+# per-size compilation, no bind-count limit), one round trip per step instead of one per event.
+
+_UUIDS = ARRAY(Uuid())
+_TEXTS = ARRAY(Text())
+_BIGINTS = ARRAY(BigInteger())
+_TIMES = ARRAY(DateTime(timezone=True))
+_BYTEAS = ARRAY(LargeBinary())
+
+_CLAIM = (
+    text(
+        "INSERT INTO inbox (event_id, topic, event_type)"
+        " SELECT * FROM unnest(:event_ids, :topics, :types) ON CONFLICT DO NOTHING RETURNING event_id"
+    )
+    .bindparams(
+        bindparam("event_ids", type_=_UUIDS), bindparam("topics", type_=_TEXTS), bindparam("types", type_=_TEXTS)
+    )
+    .columns(event_id=Uuid())
+)
+_LOAD_DOCUMENTS = text(
+    "SELECT d.tenant_id, d.doc_id, d.version, d.deleted FROM documents d"
+    " JOIN unnest(:tenants, :keys) AS k(tenant_id, doc_id) ON d.tenant_id = k.tenant_id AND d.doc_id = k.doc_id"
+).bindparams(bindparam("tenants", type_=_TEXTS), bindparam("keys", type_=_TEXTS))
+_LOAD_POLICIES = text(
+    "SELECT p.tenant_id, p.auth_scope, p.policy_version FROM policies p"
+    " JOIN unnest(:tenants, :keys)"
+    " AS k(tenant_id, auth_scope) ON p.tenant_id = k.tenant_id AND p.auth_scope = k.auth_scope"
+).bindparams(bindparam("tenants", type_=_TEXTS), bindparam("keys", type_=_TEXTS))
+_INSERT_INVALIDATIONS = text(
+    "INSERT INTO invalidations (command_id, kind, predicate, cutoff, trigger, source_event_id,"
+    " requested_at, created_at)"
+    " SELECT m.command_id, m.kind, m.predicate::jsonb, :now, 'event', m.source_event_id, m.requested_at, :now"
+    " FROM unnest(:command_ids, :kinds, :predicates, :source_event_ids, :requested_at)"
+    " WITH ORDINALITY AS m(command_id, kind, predicate, source_event_id, requested_at, ord) ORDER BY m.ord"
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)),
+    bindparam("command_ids", type_=_UUIDS),
+    bindparam("kinds", type_=_TEXTS),
+    bindparam("predicates", type_=_TEXTS),
+    bindparam("source_event_ids", type_=_UUIDS),
+    bindparam("requested_at", type_=_TIMES),
+)
+_INSERT_TARGETS = text(
+    "INSERT INTO invalidation_targets (command_id, node_id)"
+    " SELECT m.command_id, n.node_id FROM unnest(:command_ids) WITH ORDINALITY AS m(command_id, ord)"
+    " CROSS JOIN nodes n ORDER BY m.ord, n.node_id RETURNING command_id"
+).bindparams(bindparam("command_ids", type_=_UUIDS)).columns(command_id=Uuid())
+_COMPLETE_UNTARGETED = text(
+    "UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)"
+).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
+_MARK_PLACEMENTS = text(
+    # The same placements each event's ``matching_blocks`` covers; one matched by several
+    # decisions of the batch keeps the last one's command id, as deciding them in turn does.
+    "UPDATE placements p SET invalidation_id = m.command_id FROM ("
+    " SELECT DISTINCT ON (x.block_hash) x.block_hash, x.command_id FROM ("
+    "  SELECT bd.block_hash, d.command_id, d.ord"
+    "  FROM unnest(:d_command_ids, :d_tenants, :d_doc_ids, :d_below, :d_ord)"
+    " AS d(command_id, tenant_id, doc_id, below, ord)"
+    "  JOIN block_documents bd ON bd.doc_id = d.doc_id AND bd.version < d.below"
+    "  JOIN blocks b ON b.block_hash = bd.block_hash AND b.tenant_id = d.tenant_id"
+    "  UNION ALL"
+    "  SELECT ba.block_hash, q.command_id, q.ord"
+    "  FROM unnest(:p_command_ids, :p_tenants, :p_scopes, :p_below, :p_ord)"
+    " AS q(command_id, tenant_id, auth_scope, below, ord)"
+    "  JOIN block_auth_scopes ba ON ba.auth_scope = q.auth_scope AND ba.policy_version < q.below"
+    "  JOIN blocks b ON b.block_hash = ba.block_hash AND b.tenant_id = q.tenant_id"
+    " ) x ORDER BY x.block_hash, x.ord DESC"
+    ") m WHERE p.block_hash = m.block_hash AND p.state = 'live'"
+).bindparams(
+    bindparam("d_command_ids", type_=_UUIDS),
+    bindparam("d_tenants", type_=_TEXTS),
+    bindparam("d_doc_ids", type_=_TEXTS),
+    bindparam("d_below", type_=_BIGINTS),
+    bindparam("d_ord", type_=_BIGINTS),
+    bindparam("p_command_ids", type_=_UUIDS),
+    bindparam("p_tenants", type_=_TEXTS),
+    bindparam("p_scopes", type_=_TEXTS),
+    bindparam("p_below", type_=_BIGINTS),
+    bindparam("p_ord", type_=_BIGINTS),
+)
+_INSERT_OUTBOX = text(
+    "INSERT INTO outbox (topic, key, payload)"
+    " SELECT m.topic, m.key, m.payload::jsonb FROM unnest(:topics, :keys, :payloads)"
+    " WITH ORDINALITY AS m(topic, key, payload, ord) ORDER BY m.ord"
+).bindparams(bindparam("topics", type_=_TEXTS), bindparam("keys", type_=_TEXTS), bindparam("payloads", type_=_TEXTS))
+_UPSERT_DOCUMENTS = text(
+    "INSERT INTO documents (tenant_id, doc_id, version, deleted, invalidation_id, updated_at)"
+    " SELECT m.tenant_id, m.doc_id, m.version, m.deleted, m.invalidation_id, :now"
+    " FROM unnest(:tenants, :keys, :versions, :deleted, :invalidation_ids)"
+    " AS m(tenant_id, doc_id, version, deleted, invalidation_id)"
+    " ON CONFLICT (tenant_id, doc_id) DO UPDATE SET version = excluded.version, deleted = excluded.deleted,"
+    " invalidation_id = excluded.invalidation_id, updated_at = excluded.updated_at"
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)),
+    bindparam("tenants", type_=_TEXTS),
+    bindparam("keys", type_=_TEXTS),
+    bindparam("versions", type_=_BIGINTS),
+    bindparam("deleted", type_=ARRAY(Boolean())),
+    bindparam("invalidation_ids", type_=_UUIDS),
+)
+_UPSERT_POLICIES = text(
+    "INSERT INTO policies (tenant_id, auth_scope, policy_version, invalidation_id, updated_at)"
+    " SELECT m.tenant_id, m.auth_scope, m.policy_version, m.invalidation_id, :now"
+    " FROM unnest(:tenants, :keys, :versions, :invalidation_ids)"
+    " AS m(tenant_id, auth_scope, policy_version, invalidation_id)"
+    " ON CONFLICT (tenant_id, auth_scope) DO UPDATE SET policy_version = excluded.policy_version,"
+    " invalidation_id = excluded.invalidation_id, updated_at = excluded.updated_at"
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)),
+    bindparam("tenants", type_=_TEXTS),
+    bindparam("keys", type_=_TEXTS),
+    bindparam("versions", type_=_BIGINTS),
+    bindparam("invalidation_ids", type_=_UUIDS),
+)
+_LOCK_TARGETS = text(
+    "SELECT t.command_id, t.node_id, t.status FROM invalidation_targets t"
+    " JOIN unnest(:command_ids, :node_ids)"
+    " AS k(command_id, node_id) ON t.command_id = k.command_id AND t.node_id = k.node_id"
+    " WHERE t.command_id = ANY(:command_ids) ORDER BY t.command_id, t.node_id FOR UPDATE OF t"
+).bindparams(bindparam("command_ids", type_=_UUIDS), bindparam("node_ids", type_=_TEXTS)).columns(
+    command_id=Uuid(), node_id=Text(), status=Text()
+)
+_UPDATE_TARGETS = text(
+    "UPDATE invalidation_targets t"
+    " SET status = m.status, epoch = m.epoch, acked_at = :now, evidence = m.evidence::jsonb"
+    " FROM unnest(:command_ids, :node_ids, :statuses, :epochs, :evidence)"
+    " AS m(command_id, node_id, status, epoch, evidence)"
+    " WHERE t.command_id = ANY(:command_ids) AND t.command_id = m.command_id AND t.node_id = m.node_id"
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)),
+    bindparam("command_ids", type_=_UUIDS),
+    bindparam("node_ids", type_=_TEXTS),
+    bindparam("statuses", type_=_TEXTS),
+    bindparam("epochs", type_=_BIGINTS),
+    bindparam("evidence", type_=_TEXTS),
+)
+_DELETE_COPIES = text(
+    # A copy listed by several acks of the batch is deleted by the first, as applying them in turn does.
+    # The copies are found by hash alone behind an ``OFFSET 0`` fence: given node, tier and state
+    # too, the planner took the (node, tier, state) index whenever its statistics lagged (right
+    # after a fill) and read every live placement of the node for each batch.
+    "UPDATE placements p SET state = 'deleted', reason = 'invalidated',"
+    " invalidation_id = x.command_id, updated_at = :now"
+    " FROM (SELECT c.id, m.command_id"
+    "  FROM (SELECT id, block_hash, node_id, tier, state FROM placements WHERE block_hash = ANY(:hashes) OFFSET 0) c"
+    "  JOIN (SELECT DISTINCT ON (d.node_id, d.tier, d.block_hash) d.node_id, d.tier, d.block_hash, d.command_id"
+    "   FROM unnest(:node_ids, :tiers, :hashes, :command_ids) WITH ORDINALITY"
+    " AS d(node_id, tier, block_hash, command_id, ord)"
+    "   ORDER BY d.node_id, d.tier, d.block_hash, d.ord) m"
+    "  ON c.block_hash = m.block_hash AND c.node_id = m.node_id AND c.tier = m.tier"
+    "  WHERE c.state = 'live') x"
+    " WHERE p.id = x.id AND p.state = 'live' RETURNING p.id"
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)),
+    bindparam("node_ids", type_=_TEXTS),
+    bindparam("tiers", type_=_TEXTS),
+    bindparam("hashes", type_=_BYTEAS),
+    bindparam("command_ids", type_=_UUIDS),
+)
+_LOCK_DECISIONS_CUSTOM_PLANS = text(
+    "SELECT pg_advisory_xact_lock(:key), set_config('plan_cache_mode', 'force_custom_plan', true)"
+)
+_LOCK_LEDGER_WRITES_CUSTOM_PLANS = text(
+    "SELECT pg_advisory_xact_lock_shared(:key), set_config('plan_cache_mode', 'force_custom_plan', true)"
+)
+_LOCK_INVALIDATIONS = text(
+    "SELECT command_id, status, kind, created_at FROM invalidations WHERE command_id = ANY(:command_ids)"
+    " ORDER BY command_id FOR UPDATE"
+).bindparams(bindparam("command_ids", type_=_UUIDS)).columns(
+    command_id=Uuid(), status=Text(), kind=Text(), created_at=DateTime(timezone=True)
+)
+_TARGET_COUNTS = text(
+    "SELECT command_id, count(*) FILTER (WHERE status = 'pending') AS pending,"
+    " count(*) FILTER (WHERE status = 'failed') AS failed"
+    " FROM invalidation_targets WHERE command_id = ANY(:command_ids) GROUP BY command_id"
+).bindparams(bindparam("command_ids", type_=_UUIDS)).columns(
+    command_id=Uuid(), pending=BigInteger(), failed=BigInteger()
+)
+_FAIL = text("UPDATE invalidations SET status = 'failed' WHERE command_id = ANY(:command_ids)").bindparams(
+    bindparam("command_ids", type_=_UUIDS)
+)
+_RETIRE_NAMESPACES = text(
+    "UPDATE namespaces SET status = 'retired', updated_at = :now"
+    " WHERE invalidation_id = ANY(:command_ids) AND status = 'draining'"
+).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
+
 
 APPLIED = "applied"
 DUPLICATE = "duplicate"
@@ -305,31 +511,38 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
     by it becomes ``retired``), ``failed`` while some target reported an unverified
     post-check, else still ``pending``.
     """
+    ids = sorted(set(command_ids))
+    if not ids:
+        return []
+    rows = (await session.execute(_LOCK_INVALIDATIONS, {"command_ids": ids})).all()
+    found = {row.command_id for row in rows}
+    missing = [command_id for command_id in ids if command_id not in found]
+    assert not missing, f"target rows of {missing[0]} without an invalidation"
+    counts = {
+        row.command_id: (row.pending, row.failed)
+        for row in await session.execute(_TARGET_COUNTS, {"command_ids": ids})
+    }
     completed: list[float] = []
-    for command_id in sorted(command_ids):
-        invalidation = await session.get(Invalidation, command_id, with_for_update=True)
-        assert invalidation is not None, f"target rows of {command_id} without an invalidation"
-        if invalidation.status == "complete":
+    complete: list[uuid.UUID] = []
+    failed: list[uuid.UUID] = []
+    namespaces: list[uuid.UUID] = []
+    for row in rows:
+        if row.status == "complete":
             continue
-        statuses = collections.Counter(
-            (
-                await session.scalars(
-                    select(InvalidationTarget.status).where(InvalidationTarget.command_id == command_id)
-                )
-            ).all()
-        )
-        if statuses["pending"] == 0 and statuses["failed"] == 0:
-            invalidation.status = "complete"
-            invalidation.completed_at = now
-            completed.append((now - invalidation.created_at).total_seconds())
-            if invalidation.kind == "namespace":
-                await session.execute(
-                    update(Namespace)
-                    .where(Namespace.invalidation_id == command_id, Namespace.status == "draining")
-                    .values(status="retired", updated_at=now)
-                )
-        elif statuses["failed"]:
-            invalidation.status = "failed"
+        pending, failures = counts.get(row.command_id, (0, 0))
+        if pending == 0 and failures == 0:
+            complete.append(row.command_id)
+            completed.append((now - row.created_at).total_seconds())
+            if row.kind == "namespace":
+                namespaces.append(row.command_id)
+        elif failures:
+            failed.append(row.command_id)
+    if complete:
+        await session.execute(_COMPLETE_UNTARGETED, {"now": now, "command_ids": complete})
+    if failed:
+        await session.execute(_FAIL, {"command_ids": failed})
+    if namespaces:
+        await session.execute(_RETIRE_NAMESPACES, {"now": now, "command_ids": namespaces})
     return completed
 
 
@@ -381,21 +594,31 @@ class InvalidationHandler:
             fresh = await self._claim(session, events, result)
             deciding = [e for e in fresh if isinstance(e.payload, _DECISION_EVENTS)]
             acks = [e for e in fresh if isinstance(e.payload, CommandAck)]
+            # The lock of lock_decisions / lock_ledger_writes, and custom plans for the rest of the
+            # transaction in the same round trip: the batch statements take arrays, which a generic
+            # plan of a prepared statement (PostgreSQL switches to one after five runs) cannot see;
+            # for the ack's copy deletion it scanned every live placement (~200 ms a batch, not ~5).
             if deciding:
-                await lock_decisions(session)
+                await session.execute(_LOCK_DECISIONS_CUSTOM_PLANS, {"key": _DECISION_LOCK_KEY})
             elif acks:
-                await lock_ledger_writes(session)
+                await session.execute(_LOCK_LEDGER_WRITES_CUSTOM_PLANS, {"key": _DECISION_LOCK_KEY})
             for envelope in fresh:
                 if not isinstance(envelope.payload, (*_DECISION_EVENTS, CommandAck)):
                     log.warning("ignoring %s event on an invalidation topic", envelope.type)
                     result.outcomes[(envelope.type, IGNORED)] += 1
+            # Consecutive document/permission events are decided together (a few statements for
+            # the whole run); an erasure in between is decided on its own, so the order holds.
+            run: list[Envelope] = []
             for envelope in deciding:
                 if isinstance(envelope.payload, ErasureRequested):
+                    await self._decide_many(session, run, now, result)
+                    run = []
                     outcome, decision = await self._erasures.start_from_event(session, envelope, now)
                     result.decisions.extend([decision] if decision is not None else [])
+                    result.outcomes[(envelope.type, outcome)] += 1
                 else:
-                    outcome = await self._decide(session, envelope, now, result)
-                result.outcomes[(envelope.type, outcome)] += 1
+                    run.append(envelope)
+            await self._decide_many(session, run, now, result)
             touched: set[uuid.UUID] = set()
             if acks:
                 touched = await self._apply_acks(session, acks, now, result)
@@ -421,14 +644,15 @@ class InvalidationHandler:
                 result.outcomes[(event.envelope.type, DUPLICATE)] += 1
             else:
                 unique[event.envelope.event_id] = event
-        rows = [
-            {"event_id": event_id, "topic": event.topic, "event_type": event.envelope.type}
-            for event_id, event in unique.items()
-        ]
         claimed = set(
             (
                 await session.scalars(
-                    pg_insert(InboxEntry).values(rows).on_conflict_do_nothing().returning(InboxEntry.event_id)
+                    _CLAIM,
+                    {
+                        "event_ids": list(unique),
+                        "topics": [event.topic for event in unique.values()],
+                        "types": [event.envelope.type for event in unique.values()],
+                    },
                 )
             ).all()
         )
@@ -442,67 +666,182 @@ class InvalidationHandler:
 
     # -- decisions -----------------------------------------------------------------
 
-    async def _decide(self, session: AsyncSession, envelope: Envelope, now: datetime, result: _BatchResult) -> str:
-        payload, tenant = envelope.payload, envelope.tenant_id
-        assert tenant is not None, "the contract requires tenant_id on user events"
-        match payload:
-            case DocumentUpdated():
-                current = await session.get(Document, (tenant, payload.doc_id))
-                if current is not None and payload.version <= current.version:
-                    return SUPERSEDED
-                predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=payload.version)
-                state = {"version": payload.version, "deleted": False}
-                model = Document
-            case DocumentDeleted():
-                current = await session.get(Document, (tenant, payload.doc_id))
-                if current is not None and current.deleted:
-                    return SUPERSEDED
-                predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=ANY_VERSION)
-                state = {"version": current.version if current is not None else 0, "deleted": True}
-                model = Document
-            case PermissionRevoked():
-                # ``subject_id`` narrows who lost access, but tenant-scope blocks record the
-                # (auth scope, policy version) they were built under, not who built or read
-                # them: nothing in the ledger or on a node can tell which of them the subject
-                # could read. The policy version moves for the whole scope (tokens of older
-                # versions are refused), so every older block is unreachable anyway; deleting
-                # them all is the safe superset and costs only recomputation. The raw subject
-                # is therefore neither stored nor logged.
-                current = await session.get(Policy, (tenant, payload.auth_scope))
-                if current is not None and payload.policy_version <= current.policy_version:
-                    return SUPERSEDED
-                predicate = PolicyPredicate(
-                    tenant=tenant, auth_scope=payload.auth_scope, below_version=payload.policy_version
-                )
-                state = {"policy_version": payload.policy_version}
-                model = Policy
-            case _:
-                raise AssertionError(f"not a decision event: {envelope.type}")
-        decision = await decide(
-            session,
-            predicate,
-            now=now,
-            trigger="event",
-            requested_at=envelope.occurred_at,
-            source_event_id=envelope.event_id,
+    async def _decide_many(
+        self, session: AsyncSession, envelopes: list[Envelope], now: datetime, result: _BatchResult
+    ) -> None:
+        """Decide document/permission events in order, with one statement per step for all of them.
+
+        The same rows as deciding each event in turn (:func:`decide`, then the upsert of the
+        new current version): an event superseded by the recorded version *or by an earlier
+        event of the batch* is ignored, a placement matched by several decisions keeps the
+        last one's command id, and the current version is the last applied event's.
+        """
+        if not envelopes:
+            return
+        doc_keys = sorted(
+            {
+                (e.tenant_id, e.payload.doc_id)
+                for e in envelopes
+                if isinstance(e.payload, (DocumentUpdated, DocumentDeleted))
+            }
         )
-        result.decisions.append(decision)
-        key = {"tenant_id": tenant, "doc_id": payload.doc_id} if model is Document else {
-            "tenant_id": tenant,
-            "auth_scope": payload.auth_scope,
-        }
-        values = {**key, **state, "invalidation_id": decision.command_id, "updated_at": now}
+        policy_keys = sorted(
+            {(e.tenant_id, e.payload.auth_scope) for e in envelopes if isinstance(e.payload, PermissionRevoked)}
+        )
+        documents: dict[tuple[str, str], tuple[int, bool]] = {}
+        policies: dict[tuple[str, str], int] = {}
+        if doc_keys:
+            rows = await session.execute(
+                _LOAD_DOCUMENTS, {"tenants": [k[0] for k in doc_keys], "keys": [k[1] for k in doc_keys]}
+            )
+            documents = {(row.tenant_id, row.doc_id): (row.version, row.deleted) for row in rows}
+        if policy_keys:
+            rows = await session.execute(
+                _LOAD_POLICIES, {"tenants": [k[0] for k in policy_keys], "keys": [k[1] for k in policy_keys]}
+            )
+            policies = {(row.tenant_id, row.auth_scope): row.policy_version for row in rows}
+        decided: list[tuple[Envelope, Predicate, uuid.UUID]] = []
+        document_ids: dict[tuple[str, str], uuid.UUID] = {}
+        policy_ids: dict[tuple[str, str], uuid.UUID] = {}
+        for envelope in envelopes:
+            payload, tenant = envelope.payload, envelope.tenant_id
+            assert tenant is not None, "the contract requires tenant_id on user events"
+            command_id = uuid.uuid4()
+            match payload:
+                case DocumentUpdated():
+                    key = (tenant, payload.doc_id)
+                    current = documents.get(key)
+                    if current is not None and payload.version <= current[0]:
+                        result.outcomes[(envelope.type, SUPERSEDED)] += 1
+                        continue
+                    predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=payload.version)
+                    documents[key] = (payload.version, False)
+                    document_ids[key] = command_id
+                case DocumentDeleted():
+                    key = (tenant, payload.doc_id)
+                    current = documents.get(key)
+                    if current is not None and current[1]:
+                        result.outcomes[(envelope.type, SUPERSEDED)] += 1
+                        continue
+                    predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=ANY_VERSION)
+                    documents[key] = (current[0] if current is not None else 0, True)
+                    document_ids[key] = command_id
+                case PermissionRevoked():
+                    # ``subject_id`` narrows who lost access, but tenant-scope blocks record the
+                    # (auth scope, policy version) they were built under, not who built or read
+                    # them: nothing in the ledger or on a node can tell which of them the subject
+                    # could read. The policy version moves for the whole scope (tokens of older
+                    # versions are refused), so every older block is unreachable anyway; deleting
+                    # them all is the safe superset and costs only recomputation. The raw subject
+                    # is therefore neither stored nor logged.
+                    key = (tenant, payload.auth_scope)
+                    current_version = policies.get(key)
+                    if current_version is not None and payload.policy_version <= current_version:
+                        result.outcomes[(envelope.type, SUPERSEDED)] += 1
+                        continue
+                    predicate = PolicyPredicate(
+                        tenant=tenant, auth_scope=payload.auth_scope, below_version=payload.policy_version
+                    )
+                    policies[key] = payload.policy_version
+                    policy_ids[key] = command_id
+                case _:
+                    raise AssertionError(f"not a decision event: {envelope.type}")
+            decided.append((envelope, predicate, command_id))
+            result.outcomes[(envelope.type, APPLIED)] += 1
+        if not decided:
+            return
+        command_ids = [command_id for _, _, command_id in decided]
         await session.execute(
-            pg_insert(model).values(values).on_conflict_do_update(index_elements=list(key), set_=values)
+            _INSERT_INVALIDATIONS,
+            {
+                "now": now,
+                "command_ids": command_ids,
+                "kinds": [predicate.kind for _, predicate, _ in decided],
+                "predicates": [json.dumps(predicate.model_dump(mode="json")) for _, predicate, _ in decided],
+                "source_event_ids": [envelope.event_id for envelope, _, _ in decided],
+                "requested_at": [envelope.occurred_at for envelope, _, _ in decided],
+            },
         )
-        return APPLIED
+        targets = collections.Counter(
+            (await session.scalars(_INSERT_TARGETS, {"command_ids": command_ids})).all()
+        )
+        untargeted = [command_id for command_id in command_ids if targets[command_id] == 0]
+        if untargeted:
+            await session.execute(_COMPLETE_UNTARGETED, {"now": now, "command_ids": untargeted})
+        marks: dict[str, list] = collections.defaultdict(list)
+        for ordinal, (_, predicate, command_id) in enumerate(decided):
+            prefix = "d_" if isinstance(predicate, DocumentPredicate) else "p_"
+            marks[prefix + "command_ids"].append(command_id)
+            marks[prefix + "tenants"].append(predicate.tenant)
+            marks[prefix + "doc_ids" if prefix == "d_" else "p_scopes"].append(
+                predicate.doc_id if prefix == "d_" else predicate.auth_scope
+            )
+            marks[prefix + "below"].append(predicate.below_version)
+            marks[prefix + "ord"].append(ordinal)
+        params = {
+            name: marks.get(name, [])
+            for name in (
+                "d_command_ids", "d_tenants", "d_doc_ids", "d_below", "d_ord",
+                "p_command_ids", "p_tenants", "p_scopes", "p_below", "p_ord",
+            )
+        }
+        await session.execute(_MARK_PLACEMENTS, params)
+        outbox = [
+            outbox_row(
+                make_event(
+                    Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant
+                )
+            )
+            for _, predicate, command_id in decided
+        ]
+        await session.execute(
+            _INSERT_OUTBOX,
+            {
+                "topics": [row["topic"] for row in outbox],
+                "keys": [row["key"] for row in outbox],
+                "payloads": [json.dumps(row["payload"]) for row in outbox],
+            },
+        )
+        if document_ids:
+            keys = sorted(document_ids)
+            await session.execute(
+                _UPSERT_DOCUMENTS,
+                {
+                    "now": now,
+                    "tenants": [k[0] for k in keys],
+                    "keys": [k[1] for k in keys],
+                    "versions": [documents[k][0] for k in keys],
+                    "deleted": [documents[k][1] for k in keys],
+                    "invalidation_ids": [document_ids[k] for k in keys],
+                },
+            )
+        if policy_ids:
+            keys = sorted(policy_ids)
+            await session.execute(
+                _UPSERT_POLICIES,
+                {
+                    "now": now,
+                    "tenants": [k[0] for k in keys],
+                    "keys": [k[1] for k in keys],
+                    "versions": [policies[k] for k in keys],
+                    "invalidation_ids": [policy_ids[k] for k in keys],
+                },
+            )
+        result.decisions.extend(
+            Decision(command_id, predicate.kind, "event", targets[command_id]) for _, predicate, command_id in decided
+        )
 
     # -- acks ----------------------------------------------------------------------
 
     async def _apply_acks(
         self, session: AsyncSession, acks: list[Envelope], now: datetime, result: _BatchResult
     ) -> set[uuid.UUID]:
-        """Record each ack on its target row and delete the copies it verified; returns commands touched."""
+        """Record each ack on its target row and delete the copies it verified; returns commands touched.
+
+        In ack order, with one statement per step for the whole batch: the targets are
+        locked and read at once, folded in order here (a second ack of a target already
+        acked is a duplicate, one after a failure replaces it), then written at once.
+        """
         node_ids = sorted({ack.payload.node_id for ack in acks})
         # Same lock as a kv-events batch of these nodes, so acks and block events of one node serialize.
         await session.execute(
@@ -511,51 +850,57 @@ class InvalidationHandler:
             .order_by(Node.node_id)
             .with_for_update(key_share=True)
         )
+        keys = sorted({(ack.payload.command_id, ack.payload.node_id) for ack in acks})
+        rows = await session.execute(
+            _LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]}
+        )
+        status = {(row.command_id, row.node_id): row.status for row in rows}
+        updates: dict[tuple[uuid.UUID, str], tuple[str, int, str]] = {}
+        copies: dict[str, list] = collections.defaultdict(list)
         touched: set[uuid.UUID] = set()
         for envelope in acks:
             ack: CommandAck = envelope.payload
-            target = await session.get(InvalidationTarget, (ack.command_id, ack.node_id), with_for_update=True)
-            if target is None:
+            key = (ack.command_id, ack.node_id)
+            current = status.get(key)
+            if current is None:
                 # Not a command of this ledger, or a node registered after the decision.
                 result.outcomes[(envelope.type, UNEXPECTED)] += 1
                 continue
-            if target.status == "acked":
+            if current == "acked":
                 result.outcomes[(envelope.type, DUPLICATE)] += 1
                 continue
             verified = all(evidence.verified for evidence in ack.evidence)
-            target.status = "acked" if verified else "failed"
-            target.epoch = ack.epoch
-            target.acked_at = now
-            target.evidence = [evidence.model_dump(mode="json") for evidence in ack.evidence]
+            status[key] = "acked" if verified else "failed"
+            updates[key] = (
+                status[key],
+                ack.epoch,
+                json.dumps([evidence.model_dump(mode="json") for evidence in ack.evidence]),
+            )
             for evidence in ack.evidence:
                 if evidence.verified and evidence.block_hashes:
-                    result.copies_deleted += await self._delete_copies(
-                        session, ack, evidence.tier, evidence.block_hashes, now
-                    )
+                    for block_hash in evidence.block_hashes:
+                        copies["node_ids"].append(ack.node_id)
+                        copies["tiers"].append(evidence.tier)
+                        copies["hashes"].append(bytes.fromhex(block_hash))
+                        copies["command_ids"].append(ack.command_id)
             touched.add(ack.command_id)
             result.outcomes[(envelope.type, APPLIED if verified else "unverified")] += 1
-        return touched
-
-    async def _delete_copies(
-        self, session: AsyncSession, ack: CommandAck, tier: str, block_hashes: list[str], now: datetime
-    ) -> int:
-        """Mark the node's live copies in ``tier`` that the node verified removed as deleted; returns how many."""
-        hashes = [bytes.fromhex(h) for h in block_hashes]
-        deleted = 0
-        for start in range(0, len(hashes), _MAX_HASHES_PER_STATEMENT):
-            result = await session.execute(
-                update(Placement)
-                .where(
-                    Placement.node_id == ack.node_id,
-                    Placement.tier == tier,
-                    Placement.state == "live",
-                    Placement.block_hash.in_(hashes[start : start + _MAX_HASHES_PER_STATEMENT]),
-                )
-                .values(state="deleted", reason="invalidated", invalidation_id=ack.command_id, updated_at=now)
-                .returning(Placement.id)
+        if updates:
+            await session.execute(
+                _UPDATE_TARGETS,
+                {
+                    "now": now,
+                    "command_ids": [k[0] for k in updates],
+                    "node_ids": [k[1] for k in updates],
+                    "statuses": [v[0] for v in updates.values()],
+                    "epochs": [v[1] for v in updates.values()],
+                    "evidence": [v[2] for v in updates.values()],
+                },
             )
-            deleted += len(result.all())
-        return deleted
+        if copies:
+            deleted = await session.execute(_DELETE_COPIES, {"now": now, **copies})
+            result.copies_deleted += len(deleted.all())
+        return touched
 
 
 def live_copies_matching(predicate: Predicate, cutoff: datetime) -> Select:
