@@ -36,10 +36,9 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpu_node.auth import AuthError, TokenVerifier
@@ -441,7 +440,11 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier) -> FastAPI:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller)
-            return EventSourceResponse(events, sep="\n", headers=headers)
+            return StreamingResponse(
+                _sse_frames(events),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
+            )
         async with aclosing(stream):
             texts: list[str] = []
             done: GenerationDone | None = None
@@ -535,6 +538,17 @@ async def _sse_events(
         )
     _log_completion(request_id, caller, stats, done)
     yield "[DONE]"
+
+
+async def _sse_frames(events):
+    """Server-sent events framing: one ``data:`` line per payload, a blank line after each.
+
+    Plain Starlette streaming rather than sse-starlette: that library keeps a
+    process-wide "server is exiting" flag that, once any uvicorn server in the
+    process has shut down, ends every later stream at once (tests run several).
+    """
+    async for data in events:
+        yield f"data: {data}\n\n"
 
 
 def _log_completion(request_id: str, caller: Principal, stats: PromptStats, done: GenerationDone) -> None:

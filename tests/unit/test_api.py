@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from gpu_node.api import create_app
@@ -522,3 +524,26 @@ def test_document_needs_its_auth_scope_even_when_cached(node):
     body = {"model": model, "messages": messages, "max_tokens": 2}
     response = post(node, body, bearer=token(sub="henry", scopes=["hr"]))
     assert_error(response, 403, "document_scope_forbidden", "permission_error", "messages[0].document.auth_scope")
+
+
+def test_streams_complete_after_another_server_in_the_process_shut_down(node):
+    """Regression: sse-starlette's process-wide exit flag once ended every stream after any
+    uvicorn server in the process had stopped (as the integration tests' servers do)."""
+    other = uvicorn.Server(uvicorn.Config(FastAPI(), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=other.run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not other.started:
+        assert time.monotonic() < deadline, "helper server did not start"
+        time.sleep(0.01)
+    other.handle_exit(signal.SIGTERM, None)  # what a stopping server does on SIGTERM
+    thread.join(timeout=30)
+    with node.http() as http:
+        response = http.post(
+            "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {token()}"},
+            json={"model": node.engine.model_name, "messages": [{"role": "user", "content": unique("hi")}], "stream": True, "max_tokens": 3},
+        )
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
