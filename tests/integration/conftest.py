@@ -20,10 +20,16 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
 
+from coordinator.api import create_app
+from coordinator.consumers import kafka_settings
+from coordinator.db import Database
+from coordinator.settings import CoordinatorSettings
+from events.kafka import EventProducer
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 _HERE = Path(__file__).parent
@@ -187,3 +193,30 @@ def unique_name(request: pytest.FixtureRequest) -> str:
     """A name no other test uses — for topics and consumer groups on the shared broker."""
     safe = "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:60]
     return f"t-{safe}-{os.urandom(3).hex()}"
+
+
+# Coordinator-side fixtures shared by the ledger test modules. Each module that uses them
+# defines its own module-scoped ``settings`` (a CoordinatorSettings over its own database).
+
+
+@pytest.fixture(scope="module")
+async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
+    database = Database(settings.database)
+    try:
+        yield database
+    finally:
+        await database.dispose()
+
+
+@pytest.fixture(scope="module")
+async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer]:
+    async with EventProducer(kafka_settings(settings)) as producer:
+        yield producer
+
+
+@pytest.fixture(scope="module")
+async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+        yield client

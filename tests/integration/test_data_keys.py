@@ -73,15 +73,6 @@ async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
 
 
 @pytest.fixture(scope="module")
-async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
-    database = Database(settings.database)
-    try:
-        yield database
-    finally:
-        await database.dispose()
-
-
-@pytest.fixture(scope="module")
 def service(database: Database) -> KeyService:
     return KeyService(database, MASTER_KEY, SUBJECT)
 

@@ -29,8 +29,7 @@ from ledger_helpers import JWT_SECRET, SUBJECT_KEY, block_hash, eventually, fres
 from sqlalchemy import func, select, text
 
 from coordinator import migrate
-from coordinator.api import create_app
-from coordinator.consumers import kafka_settings, run_consumers
+from coordinator.consumers import run_consumers
 from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService
 from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt
@@ -108,27 +107,6 @@ async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[Coordinato
     await running.start()
     yield running
     await running.stop()
-
-
-@pytest.fixture(scope="module")
-async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
-    database = Database(settings.database)
-    yield database
-    await database.dispose()
-
-
-@pytest.fixture(scope="module")
-async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer]:
-    async with EventProducer(kafka_settings(settings)) as producer:
-        yield producer
-
-
-@pytest.fixture(scope="module")
-async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings)
-    transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
 from coordinator import migrate
-from coordinator.consumers import kafka_settings, run_consumers
+from coordinator.consumers import run_consumers
 from coordinator.db import Database
 from coordinator.models import (
     Block,
@@ -86,19 +86,6 @@ async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[None]:
     yield
     stop.set()
     await asyncio.wait_for(task, 60)
-
-
-@pytest.fixture(scope="module")
-async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
-    database = Database(settings.database)
-    yield database
-    await database.dispose()
-
-
-@pytest.fixture(scope="module")
-async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer]:
-    async with EventProducer(kafka_settings(settings)) as producer:
-        yield producer
 
 
 @pytest.fixture

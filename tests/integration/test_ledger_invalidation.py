@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator import migrate
 from coordinator.api import create_app
-from coordinator.consumers import kafka_settings, run_consumers
+from coordinator.consumers import run_consumers
 from coordinator.db import Database
 from coordinator.invalidation import ANY_VERSION
 from coordinator.models import (
@@ -89,27 +89,6 @@ async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[None]:
     yield
     stop.set()
     await asyncio.wait_for(task, 60)
-
-
-@pytest.fixture(scope="module")
-async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
-    database = Database(settings.database)
-    yield database
-    await database.dispose()
-
-
-@pytest.fixture(scope="module")
-async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer]:
-    async with EventProducer(kafka_settings(settings)) as producer:
-        yield producer
-
-
-@pytest.fixture(scope="module")
-async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings)
-    transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
-        yield client
 
 
 @pytest.fixture
