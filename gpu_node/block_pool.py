@@ -518,6 +518,17 @@ def _zero_slots(table: torch.Tensor, slots: Sequence[int]) -> None:
         table.index_fill_(0, torch.tensor(slots, dtype=torch.long, device=table.device), 0)
 
 
+def _zero_slots_verified(table: torch.Tensor, slots: Sequence[int]) -> list[bool]:
+    """Zero every listed slot, then read them back: per slot, whether it now holds only zeros."""
+    _zero_slots(table, slots)
+    runs = _slot_runs(slots)
+    if len(runs) <= _MAX_SLICE_RUNS:
+        nonzero = torch.cat([table[start : start + length].any(dim=1) for start, _, length in runs])
+    else:
+        nonzero = table.index_select(0, torch.tensor(slots, dtype=torch.long, device=table.device)).any(dim=1)
+    return [not value for value in nonzero.tolist()]
+
+
 class BlockPool:
     """Three-tier block store with the entry state machine of DESIGN §3 (see module docstring)."""
 
@@ -1050,36 +1061,75 @@ class BlockPool:
         them — and ``predicate`` is still applied to each. The report and the
         events are then exactly those of the full scan (same entries, same order).
         """
-        if candidates is not None and (not candidates or candidates[0] not in INDEX_KINDS):
-            raise ValueError(f"unknown index key {candidates!r}")
+        return self.remove_many([(predicate, candidates)], reason)[0]
+
+    def remove_many(
+        self, requests: Sequence[tuple[Callable[[BlockProvenance], bool], IndexKey | None]], reason: RemovalReason
+    ) -> list[RemovalReport]:
+        """:meth:`remove_where` for each ``(predicate, candidates)`` in order, with one bulk deletion of bytes.
+
+        The reports and events are those of calling :meth:`remove_where` for
+        each request in turn: a block deleted for one request is not reported
+        again by a later one, while a referenced or BUILDING match is reported
+        by every request matching it. All matches of all requests are
+        tombstoned before any byte is touched.
+        """
+        for _, candidates in requests:
+            if candidates is not None and (not candidates or candidates[0] not in INDEX_KINDS):
+                raise ValueError(f"unknown index key {candidates!r}")
         with self._lock:
-            scanned = self._entries.values() if candidates is None else self._candidates(candidates)
-            matches = [entry for entry in scanned if predicate(entry.provenance)]
-            for entry in matches:
-                if not entry.tombstoned:
-                    self._tombstone(entry, reason)
-            num_removed = dict.fromkeys(Tier, 0)
-            removed: list[bytes] = []
-            deferred: list[bytes] = []
-            building: list[bytes] = []
-            evidence: list[RemovalEvidence] = []
-            unreferenced_files = [
-                entry
-                for entry in matches
-                if entry.state is not BlockState.BUILDING and entry.ref_count == 0 and entry.tier is Tier.DISK
-            ]
-            file_absent = dict(zip(unreferenced_files, self._delete_files(unreferenced_files), strict=True))
-            for entry in matches:
-                if entry.state is BlockState.BUILDING:
-                    building.append(entry.block_hash)
-                elif entry.ref_count > 0:
-                    deferred.append(entry.block_hash)
-                else:
-                    tier = entry.tier
-                    evidence.append(self._drop(entry, reason, file_absent.get(entry)))
-                    num_removed[tier] += 1
-                    removed.append(entry.block_hash)
-            return RemovalReport(reason, num_removed, tuple(removed), tuple(deferred), tuple(building), tuple(evidence))
+            dropping: set[CacheEntry] = set()
+            matches_per_request: list[list[CacheEntry]] = []
+            for predicate, candidates in requests:
+                scanned = self._entries.values() if candidates is None else self._candidates(candidates)
+                matches = [entry for entry in scanned if entry not in dropping and predicate(entry.provenance)]
+                for entry in matches:
+                    if not entry.tombstoned:
+                        self._tombstone(entry, reason)
+                    if entry.state is not BlockState.BUILDING and entry.ref_count == 0:
+                        dropping.add(entry)
+                matches_per_request.append(matches)
+            cleared = self._clear_bytes(list(dropping))
+            return [self._report_removal(matches, reason, cleared) for matches in matches_per_request]
+
+    def _report_removal(
+        self, matches: list[CacheEntry], reason: RemovalReason, cleared: dict[CacheEntry, bool]
+    ) -> RemovalReport:
+        """Drop the unreferenced ``matches`` whose bytes :meth:`_clear_bytes` deleted; report all of them."""
+        num_removed = dict.fromkeys(Tier, 0)
+        removed: list[bytes] = []
+        deferred: list[bytes] = []
+        building: list[bytes] = []
+        evidence: list[RemovalEvidence] = []
+        for entry in matches:
+            if entry.state is BlockState.BUILDING:
+                building.append(entry.block_hash)
+            elif entry.ref_count > 0:
+                deferred.append(entry.block_hash)
+            else:
+                tier = entry.tier
+                evidence.append(self._drop(entry, reason, cleared[entry]))
+                num_removed[tier] += 1
+                removed.append(entry.block_hash)
+        return RemovalReport(reason, num_removed, tuple(removed), tuple(deferred), tuple(building), tuple(evidence))
+
+    def _clear_bytes(self, entries: Sequence[CacheEntry]) -> dict[CacheEntry, bool]:
+        """Delete the bytes of placed ``entries`` in bulk; per entry, whether the deletion verified.
+
+        Memory slots are zeroed and read back with one operation per tier, files
+        overwritten and unlinked in parallel: removing thousands of blocks costs a
+        few tensor operations, not two per block. The entries stay indexed; the
+        caller drops each with its outcome (:meth:`_drop`).
+        """
+        cleared: dict[CacheEntry, bool] = {}
+        for tier in (Tier.DEVICE, Tier.HOST):
+            in_tier = sorted((entry for entry in entries if entry.tier is tier), key=lambda entry: entry.slot)
+            if in_tier:
+                verified = _zero_slots_verified(self._flat_slots[tier], [entry.slot for entry in in_tier])
+                cleared.update(zip(in_tier, verified, strict=True))
+        files = [entry for entry in entries if entry.tier is Tier.DISK]
+        cleared.update(zip(files, self._delete_files(files), strict=True))
+        return cleared
 
     def _delete_files(self, entries: Sequence[CacheEntry]) -> list[bool]:
         """Overwrite and unlink the block files of ``entries`` in parallel; whether each is verifiably absent.
@@ -1312,10 +1362,10 @@ class BlockPool:
         self._events.append(BlockMoved(entry.block_hash, from_tier, Tier.DEVICE))
         return True
 
-    def _drop(self, entry: CacheEntry, reason: RemovalReason, file_absent: bool | None = None) -> RemovalEvidence:
+    def _drop(self, entry: CacheEntry, reason: RemovalReason, cleared: bool | None = None) -> RemovalEvidence:
         """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING → ABSENT).
 
-        ``file_absent``: see :meth:`_delete_bytes`.
+        ``cleared``: see :meth:`_delete_bytes`.
         """
         tier = entry.tier
         assert tier is not None, "only placed entries can be dropped"
@@ -1324,7 +1374,7 @@ class BlockPool:
         entry.state = BlockState.EVICTING
         entry.tombstoned = True
         entry.removal_reason = reason
-        evidence = self._delete_bytes(entry, file_absent)
+        evidence = self._delete_bytes(entry, cleared)
         self._num_entries[tier] -= 1
         entry.tier = None
         entry.slot = None
@@ -1339,25 +1389,25 @@ class BlockPool:
         self._events.append(BlockRemoved(entry.block_hash, tier, reason, evidence))
         return evidence
 
-    def _delete_bytes(self, entry: CacheEntry, file_absent: bool | None = None) -> RemovalEvidence:
+    def _delete_bytes(self, entry: CacheEntry, cleared: bool | None = None) -> RemovalEvidence:
         """Zero the entry's slot (read back as zero) or zero+unlink its file (checked absent).
 
-        ``file_absent`` is the outcome of an overwrite+unlink the caller already
-        did for a disk entry (a batch removal deletes its files in parallel).
+        ``cleared`` is the outcome of that deletion when the caller already did
+        it (:meth:`_clear_bytes`, for a batch removal); None: delete now.
         """
         if entry.tier is Tier.DISK:
-            if file_absent is None:
-                file_absent = overwrite_and_unlink(self._disk_path(entry.block_hash))
+            file_absent = overwrite_and_unlink(self._disk_path(entry.block_hash)) if cleared is None else cleared
             self._disk_file_bytes.pop(entry.block_hash, None)
             self._disk_meta.pop(entry.block_hash, None)
             key_id = self._disk_key_ids.pop(entry.block_hash, None)
             encrypted = entry.provenance.scope != CacheScope.PUBLIC
             return RemovalEvidence(entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, file_absent, key_id)
-        slot_tensor = self._slots[entry.tier][entry.slot]
-        slot_tensor.zero_()
-        verified = not bool(slot_tensor.any())
+        if cleared is None:
+            slot_tensor = self._slots[entry.tier][entry.slot]
+            slot_tensor.zero_()
+            cleared = not bool(slot_tensor.any())
         heapq.heappush(self._free_slots[entry.tier], entry.slot)
-        return RemovalEvidence(entry.block_hash, entry.tier, METHOD_ZERO_FILL, False, verified)
+        return RemovalEvidence(entry.block_hash, entry.tier, METHOD_ZERO_FILL, False, cleared)
 
     def _delete_stray_file(self, path: Path, block_hash: bytes, encrypted: bool, reason: RemovalReason) -> None:
         """Delete an unindexed block file found at start and report it, so the ledger drops its placement."""

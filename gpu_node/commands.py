@@ -34,10 +34,11 @@ topic's retention: retention must outlive the longest-lived document version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -165,31 +166,35 @@ class SnapshotRemoval:
 
 
 def remove_from_snapshots(
-    root: Path, predicate: Callable[[BlockProvenance], bool], key_provider: DataKeyProvider
-) -> list[SnapshotRemoval]:
-    """Rewrite every snapshot under ``root`` without matching blocks (blocking: reads every shard).
+    root: Path, predicates: Sequence[Callable[[BlockProvenance], bool]], key_provider: DataKeyProvider
+) -> list[list[SnapshotRemoval]]:
+    """Rewrite every snapshot under ``root`` without blocks any predicate matches; per predicate, what it removed.
 
-    The removed hashes are the manifest's before minus after, so they are
-    exactly what the snapshot stopped holding — including records that could
-    no longer be decoded, which :func:`snapshots.remove_from_snapshot` drops too.
+    Blocking: reads every shard once, whatever the number of predicates — a
+    batch of commands costs one pass, not one per command. Each removed record
+    is attributed to every predicate matching its provenance; a record removed
+    because it could no longer be decoded (see
+    :func:`snapshots.remove_from_snapshot`) to the first predicate, the one
+    that would have removed it had the commands been applied one by one.
     """
-    removals = []
-    if not root.is_dir():
+    removals: list[list[SnapshotRemoval]] = [[] for _ in predicates]
+    if not predicates or not root.is_dir():
         return removals
     for directory in sorted(root.iterdir()):
         if not (directory / snapshots.MANIFEST_NAME).is_file():
             continue
         before = snapshots.read_manifest(directory)
-        records = snapshots.remove_from_snapshot(directory, predicate, key_provider)
+        records = snapshots.remove_from_snapshot(directory, lambda p: any(match(p) for match in predicates), key_provider)
         if not records:
             continue
-        after = snapshots.read_manifest(directory)
-        kept = set(after.block_hashes)
-        removed = tuple(block_hash for block_hash in dict.fromkeys(before.block_hashes) if block_hash not in kept)
-        live_shards = set(after.shards)
+        live_shards = set(snapshots.read_manifest(directory).shards)
         verified = all(not (directory / name).exists() for name in before.shards if name not in live_shards)
-        key_ids = frozenset(key_id for _, key_id in records if key_id is not None)
-        removals.append(SnapshotRemoval(after.snapshot_id, removed, verified, key_ids))
+        for index, match in enumerate(predicates):
+            mine = [r for r in records if (match(r.provenance) if r.provenance is not None else index == 0)]
+            if mine:
+                hashes = tuple(dict.fromkeys(r.block_hash for r in mine))
+                key_ids = frozenset(r.key_id for r in mine if r.key_id is not None)
+                removals[index].append(SnapshotRemoval(before.snapshot_id, hashes, verified, key_ids))
     return removals
 
 
@@ -234,18 +239,26 @@ class DeferredRemovalTimeout(TimeoutError):
 class _Progress:
     """What one command has removed so far, kept across attempts until it is acked.
 
-    ``seen`` records every pool removal observed while the command is in
-    progress, so a referenced block released between attempts (or while
-    ``remove_where`` was running) still contributes its evidence.
+    ``since`` is the handler's removal sequence number when the command was
+    first seen: any removal observed after it counts as this command's
+    evidence for a block it left ``pending`` — so a referenced block released
+    between attempts (or while ``remove_where`` was running) still contributes.
     """
 
+    since: int
     removed: dict[tuple[bytes, Tier], RemovalEvidence] = field(default_factory=dict)
     pending: set[bytes] = field(default_factory=set)
-    seen: dict[bytes, RemovalEvidence] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     snapshot_hashes: set[bytes] = field(default_factory=set)
     snapshots_verified: bool = True
     snapshot_key_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    command: schema.Invalidate
+    matches: Callable[[BlockProvenance], bool]
+    progress: _Progress
 
 
 _POOL_METHODS: dict[Tier, tuple[schema.EraseMethod, schema.PostCheck]] = {
@@ -256,7 +269,14 @@ _POOL_METHODS: dict[Tier, tuple[schema.EraseMethod, schema.PostCheck]] = {
 
 
 class InvalidationHandler:
-    """Applies ``Invalidate`` commands to one engine and returns the per-tier evidence for the ack.
+    """Applies ``Invalidate`` commands to one engine and returns the per-tier evidence for each ack.
+
+    Commands are applied in batches (:meth:`apply_batch`): one hop to a worker
+    thread removes the matches of every command of the batch (memory slots
+    zeroed in one operation per tier), and snapshots are scanned once per
+    batch, only when the node holds any. What remains per command is
+    bookkeeping, so a node keeps up with a burst of commands while its event
+    loop shares the interpreter with the model worker.
 
     It taps the cache manager's event sink (forwarding to whatever sink was set
     before, e.g. the publisher): a block a reader held when the command arrived
@@ -271,6 +291,9 @@ class InvalidationHandler:
         self.subject_key = subject_key
         self.deferred_wait_s = deferred_wait_s
         self._progress: dict[uuid.UUID, _Progress] = {}
+        # Removals observed while any command is in progress: block hash → (sequence number, evidence).
+        self._seen: dict[bytes, tuple[int, RemovalEvidence]] = {}
+        self._num_seen = 0
         self._forward = engine.manager.event_sink
         engine.manager.event_sink = self._on_pool_events
 
@@ -282,37 +305,67 @@ class InvalidationHandler:
             log.warning("this node's namespace is retired: requests are served without the prefix cache")
 
     async def apply(self, command: schema.Invalidate) -> list[schema.TierEvidence]:
-        """Apply one command fully; returns the ack's evidence. Idempotent, so a retry is safe.
+        """Apply one command fully; returns the ack's evidence (a batch of one, see :meth:`apply_batch`)."""
+        async with contextlib.aclosing(self.apply_batch([command])) as applied:
+            async for _, evidence in applied:
+                return evidence
+        raise AssertionError("apply_batch yields every command it completes")
 
-        Raises :class:`DeferredRemovalTimeout` when referenced matches outlive
-        the bounded wait; their evidence is kept for the retry.
+    async def apply_batch(
+        self, commands: Sequence[schema.Invalidate]
+    ) -> AsyncIterator[tuple[schema.Invalidate, list[schema.TierEvidence]]]:
+        """Apply ``commands`` in order; yields each with its ack's evidence as soon as it is complete.
+
+        Every command's registry move and tombstones happen before the first is
+        yielded, so no match of any of them is served from then on. Idempotent,
+        so a retry is safe. Raises :class:`DeferredRemovalTimeout` at the first
+        command whose referenced matches outlive the bounded wait; the commands
+        yielded before it are complete, its evidence and the later commands'
+        are kept for the retry.
         """
-        self.remember(command)
-        progress = self._progress.setdefault(command.command_id, _Progress())
-        matches = block_predicate(command.predicate, command.cutoff, self.subject_key)
         pool = self.engine.pool
-        if isinstance(command.predicate, schema.SubjectPredicate):
-            # Erasures only: they are rare, and every guard is checked at every build while it lasts.
-            pool.guard_builds(matches, self._guard_s(command.cutoff))
-        report = await asyncio.to_thread(
-            pool.remove_where, matches, RemovalReason.INVALIDATED, predicate_index_key(command.predicate)
+        plans = []
+        for command in commands:
+            self.remember(command)
+            matches = block_predicate(command.predicate, command.cutoff, self.subject_key)
+            if isinstance(command.predicate, schema.SubjectPredicate):
+                # Erasures only: they are rare, and every guard is checked at every build while it lasts.
+                pool.guard_builds(matches, self._guard_s(command.cutoff))
+            progress = self._progress.setdefault(command.command_id, _Progress(self._num_seen))
+            plans.append(_Plan(command, matches, progress))
+        reports = await asyncio.to_thread(
+            pool.remove_many,
+            [(plan.matches, predicate_index_key(plan.command.predicate)) for plan in plans],
+            RemovalReason.INVALIDATED,
         )
         self.engine.manager.drain_events()
-        for evidence in report.evidence:
-            progress.removed[(evidence.block_hash, evidence.tier)] = evidence
-        progress.pending.update(report.deferred)
-        await self._wait_for_release(progress)
-        removals = await self.engine.run_exclusive(remove_from_snapshots, self.engine.snapshot_root, matches, pool.key_provider)
-        for removal in removals:
-            progress.snapshot_hashes.update(removal.block_hashes)
-            progress.snapshots_verified = progress.snapshots_verified and removal.verified
-            progress.snapshot_key_ids.update(removal.key_ids)
-        erasure = None
-        if isinstance(command.predicate, schema.SubjectPredicate):
-            sealed = {item.key_id for item in progress.removed.values() if item.key_id is not None} | progress.snapshot_key_ids
-            erasure = await asyncio.to_thread(crypto_erase_subject, pool.key_provider, command.predicate, sealed)
-        del self._progress[command.command_id]
-        return _evidence(progress, erasure)
+        for plan, report in zip(plans, reports, strict=True):
+            for evidence in report.evidence:
+                plan.progress.removed[(evidence.block_hash, evidence.tier)] = evidence
+            plan.progress.pending.update(report.deferred)
+        if self.engine.may_hold_snapshots():
+            removals = await self.engine.run_exclusive(
+                remove_from_snapshots, self.engine.snapshot_root, [plan.matches for plan in plans], pool.key_provider
+            )
+            for plan, removed in zip(plans, removals, strict=True):
+                for removal in removed:
+                    plan.progress.snapshot_hashes.update(removal.block_hashes)
+                    plan.progress.snapshots_verified = plan.progress.snapshots_verified and removal.verified
+                    plan.progress.snapshot_key_ids.update(removal.key_ids)
+        for plan in plans:
+            await self._wait_for_release(plan.progress)
+            erasure = None
+            if isinstance(plan.command.predicate, schema.SubjectPredicate):
+                removed = plan.progress.removed.values()
+                sealed = {item.key_id for item in removed if item.key_id is not None} | plan.progress.snapshot_key_ids
+                erasure = await asyncio.to_thread(crypto_erase_subject, pool.key_provider, plan.command.predicate, sealed)
+            self._finish(plan.command.command_id)
+            yield plan.command, _evidence(plan.progress, erasure)
+
+    def _finish(self, command_id: uuid.UUID) -> None:
+        del self._progress[command_id]
+        if not self._progress:
+            self._seen.clear()
 
     def _guard_s(self, cutoff: datetime) -> float:
         """How long matching builds stay refused: until no request whose keys predate the cutoff can still claim one.
@@ -328,10 +381,12 @@ class InvalidationHandler:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deferred_wait_s
         while True:
-            for block_hash in [h for h in progress.pending if h in progress.seen]:
-                evidence = progress.seen[block_hash]
-                progress.removed[(block_hash, evidence.tier)] = evidence
-                progress.pending.discard(block_hash)
+            for block_hash in list(progress.pending):
+                seen = self._seen.get(block_hash)
+                if seen is not None and seen[0] > progress.since:
+                    evidence = seen[1]
+                    progress.removed[(block_hash, evidence.tier)] = evidence
+                    progress.pending.discard(block_hash)
             if not progress.pending:
                 return
             remaining = deadline - loop.time()
@@ -345,11 +400,15 @@ class InvalidationHandler:
 
     def _on_pool_events(self, events: list[PoolEvent]) -> None:
         if self._progress:
+            num_seen = self._num_seen
             for event in events:
                 if isinstance(event, BlockRemoved) and event.evidence is not None:
-                    for progress in self._progress.values():
-                        progress.seen[event.block_hash] = event.evidence
-                        progress.changed.set()
+                    num_seen += 1
+                    self._seen[event.block_hash] = (num_seen, event.evidence)
+            if num_seen != self._num_seen:
+                self._num_seen = num_seen
+                for progress in self._progress.values():
+                    progress.changed.set()
         if self._forward is not None:
             self._forward(events)
 
@@ -527,27 +586,25 @@ class CommandConsumer:
     async def _handle(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Apply a batch in order per partition, publishing each ack once its command is applied; commit once.
 
-        An ack is handed to the producer right after its command was applied
-        (never before), without waiting for the broker: the producer batches
-        them (linger). After the batch every ack is awaited, then the offsets
-        are committed once per partition — so an offset is committed only after
-        every ack below it was published. On a failed command the acks of the
-        commands applied before it are still awaited and committed, and every
-        partition rewinds to its first record not committed: the failed command
-        is retried, none is skipped. A command applied but not acked (its ack
-        could not be published) is not applied again on the retry; its ack,
-        kept in ``_unacked`` with the evidence of the application, is sent again.
+        Consecutive commands to apply are applied together
+        (:meth:`InvalidationHandler.apply_batch`). An ack is handed to the
+        producer right after its command was applied (never before), without
+        waiting for the broker: the producer batches them (linger). After the
+        batch every ack is awaited, then the offsets are committed once per
+        partition — so an offset is committed only after every ack below it was
+        published. On a failed command the acks of the commands applied before
+        it are still awaited and committed, and every partition rewinds to its
+        first record not committed: the failed command is retried, none is
+        skipped. A command applied but not acked (its ack could not be
+        published) is not applied again on the retry; its ack, kept in
+        ``_unacked`` with the evidence of the application, is sent again.
         """
         first = {tp: records[0].offset for tp, records in batch.items() if records}
         handled: dict[TopicPartition, int] = {}
         sending: list[asyncio.Task] = []
         try:
             for tp, records in batch.items():
-                for record in records:
-                    ack = await self._handle_record(tp, record)
-                    if ack is not None:
-                        sending.append(asyncio.create_task(self._producer.send(ack)))
-                    handled[tp] = record.offset + 1
+                await self._handle_partition(tp, records, handled, sending)
         except Exception:
             try:
                 await self._flush(sending, handled)
@@ -566,6 +623,65 @@ class CommandConsumer:
         except BaseException:
             self._rewind(first, {})
             raise
+
+    async def _handle_partition(
+        self,
+        tp: TopicPartition,
+        records: list[ConsumerRecord],
+        handled: dict[TopicPartition, int],
+        sending: list[asyncio.Task],
+    ) -> None:
+        """Handle one partition's records in order; ``handled[tp]`` follows the last one done, acks go to ``sending``."""
+        to_apply: list[tuple[int, schema.Invalidate]] = []
+        for record in records:
+            try:
+                envelope, error = decode_event(record.value), None
+            except schema.EventValidationError as exc:
+                envelope, error = None, str(exc)
+            key = (tp, record.offset)
+            if (
+                envelope is not None
+                and isinstance(envelope.payload, schema.Invalidate)
+                and record.offset >= self._committed[tp]
+                and key not in self._unacked
+            ):
+                to_apply.append((record.offset, envelope.payload))
+                continue
+            await self._apply(tp, to_apply, handled, sending)
+            to_apply = []
+            ack = await self._handle_record(tp, record, envelope, error)
+            if ack is not None:
+                sending.append(asyncio.create_task(self._producer.send(ack)))
+            handled[tp] = record.offset + 1
+        await self._apply(tp, to_apply, handled, sending)
+
+    async def _apply(
+        self,
+        tp: TopicPartition,
+        commands: list[tuple[int, schema.Invalidate]],
+        handled: dict[TopicPartition, int],
+        sending: list[asyncio.Task],
+    ) -> None:
+        """Apply consecutive commands of ``tp`` (offset, command) together, handing each ack to the producer as it completes."""
+        if not commands:
+            return
+        offsets = iter(commands)
+        async with contextlib.aclosing(self.handler.apply_batch([command for _, command in commands])) as applied:
+            async for command, evidence in applied:
+                offset, expected = next(offsets)
+                assert command is expected, "apply_batch yields the commands in order"
+                ack = schema.make_event(
+                    schema.CommandAck(command_id=command.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
+                )
+                self._unacked[(tp, offset)] = ack
+                sending.append(asyncio.create_task(self._producer.send(ack)))
+                handled[tp] = offset + 1
+                log.info(
+                    "node %s: applied %s command, %d blocks removed",
+                    self.node_id,
+                    command.predicate.kind,
+                    sum(item.removed for item in evidence),
+                )
 
     def _rewind(self, first: dict[TopicPartition, int], done: dict[TopicPartition, int]) -> None:
         """Seek every partition of a batch back to its first record not handled and committed (``done``: up to)."""
@@ -587,36 +703,24 @@ class CommandConsumer:
             for done in [key for key in self._unacked if key[0] == tp and key[1] < offset]:
                 del self._unacked[done]
 
-    async def _handle_record(self, tp: TopicPartition, record: ConsumerRecord) -> schema.Envelope | None:
-        """Apply one record; returns the ack to publish (None when it needs none). Commits nothing."""
+    async def _handle_record(
+        self, tp: TopicPartition, record: ConsumerRecord, envelope: schema.Envelope | None, error: str | None
+    ) -> schema.Envelope | None:
+        """Everything but applying a command: dead letters, replays, acks to resend, inventory requests.
+
+        Returns the ack to publish (None when there is none). Commits nothing.
+        """
         applied_before = record.offset < self._committed[tp]
-        try:
-            envelope = decode_event(record.value)
-        except schema.EventValidationError as exc:
+        if envelope is None:
             if not applied_before and (tp, record.offset) not in self._unacked:
-                await self._dead_letter(record, str(exc))
+                await self._dead_letter(record, error)
                 self._unacked[(tp, record.offset)] = None
             return None
         payload = envelope.payload
         if isinstance(payload, schema.Invalidate):
-            if applied_before:
-                self.handler.remember(payload)
-                return None
-            if (tp, record.offset) in self._unacked:
-                # Applied in this run, its ack not yet published: publish that ack, do not apply again.
-                self.handler.remember(payload)
-                return self._unacked[(tp, record.offset)]
-            evidence = await self.handler.apply(payload)
-            ack = schema.CommandAck(command_id=payload.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
-            envelope = schema.make_event(ack)
-            self._unacked[(tp, record.offset)] = envelope
-            log.info(
-                "node %s: applied %s command, %d blocks removed",
-                self.node_id,
-                payload.predicate.kind,
-                sum(item.removed for item in evidence),
-            )
-            return envelope
+            # Applied in an earlier life, or in this run with its ack not yet published: remember, never apply again.
+            self.handler.remember(payload)
+            return None if applied_before else self._unacked[(tp, record.offset)]
         if isinstance(payload, schema.InventoryRequested) and payload.node_id == self.node_id and not applied_before:
             if (tp, record.offset) not in self._unacked:
                 await self.publisher.publish_inventory(payload.request_id)

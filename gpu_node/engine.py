@@ -112,6 +112,7 @@ class AsyncEngine:
         self.versions = VersionRegistry()
         self.ready = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-model")
+        self._num_snapshot_writes = 0
         self._sweeper: asyncio.Task | None = None
 
     @classmethod
@@ -320,9 +321,25 @@ class AsyncEngine:
                     inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider)
         return inventory
 
+    def may_hold_snapshots(self) -> bool:
+        """Whether a snapshot exists under :attr:`snapshot_root` or is being written.
+
+        Lets an invalidation skip the snapshot pass (a hop to the model worker)
+        on a node without snapshots. Called on the event loop, where writes are
+        started, so a write queued before the call is seen.
+        """
+        if self._num_snapshot_writes:
+            return True
+        root = self.snapshot_root
+        return root.is_dir() and any(root.iterdir())
+
     async def write_snapshot(self) -> dict:
         snapshot_dir = self.snapshot_root / uuid.uuid4().hex
-        manifest = await self._run(snapshots.write_snapshot, self.pool, snapshot_dir)
+        self._num_snapshot_writes += 1
+        try:
+            manifest = await self._run(snapshots.write_snapshot, self.pool, snapshot_dir)
+        finally:
+            self._num_snapshot_writes -= 1
         self.manager.drain_events()
         if self.snapshot_sink is not None:
             self.snapshot_sink(manifest.snapshot_id, manifest.block_hashes)

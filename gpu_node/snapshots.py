@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gpu_node.block_pool import BlockPool, BlockRestoreError, Tier, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
@@ -240,18 +241,26 @@ def readable_blocks(directory: Path, key_provider: DataKeyProvider) -> list[Bloc
     return keys
 
 
+class RemovedRecord(NamedTuple):
+    """One record :func:`remove_from_snapshot` dropped.
+
+    ``key_id`` is read from the clear header of a record removed because it
+    *matched* (None for plaintext), so an erasure can destroy exactly the keys
+    that sealed the removed copies. A record removed as unreadable has neither
+    a trusted ``key_id`` nor a ``provenance``.
+    """
+
+    block_hash: bytes
+    key_id: str | None
+    provenance: BlockProvenance | None
+
+
 def remove_from_snapshot(
     directory: Path,
     predicate: Callable[[BlockProvenance], bool],
     key_provider: DataKeyProvider,
-) -> list[tuple[bytes, str | None]]:
+) -> list[RemovedRecord]:
     """Rewrite the snapshot without blocks whose provenance matches; returns what was removed.
-
-    One ``(block hash, key id)`` per removed record: the key id is read from
-    the clear header of a record removed because it *matched* (None for
-    plaintext), so an erasure can destroy exactly the keys that sealed the
-    removed copies; it is None for a record removed as unreadable, whose
-    header is not trusted to name a key to destroy.
     Records that cannot be decoded any more (key destroyed, corrupt) are
     removed too: they can never be loaded, and their predicate cannot be
     evaluated, so keeping them could only keep data that should be gone. New
@@ -261,19 +270,20 @@ def remove_from_snapshot(
     directory = Path(directory)
     manifest = read_manifest(directory)
     writer = _ShardWriter(directory, MAX_SHARD_BYTES)
-    removed: list[tuple[bytes, str | None]] = []
+    removed: list[RemovedRecord] = []
     for block, record in _iter_records(directory, manifest):
-        matched = False
-        if record is not None:
-            try:
-                matched = predicate(decode_block_record(record, key_provider).key.provenance)
-            except BlockRestoreError:
-                removed.append((block.block_hash, None))
-                continue
-        if record is not None and not matched:
-            writer.add(block.block_hash, record)
+        if record is None:
+            removed.append(RemovedRecord(block.block_hash, None, None))
+            continue
+        try:
+            provenance = decode_block_record(record, key_provider).key.provenance
+        except BlockRestoreError:
+            removed.append(RemovedRecord(block.block_hash, None, None))
+            continue
+        if predicate(provenance):
+            removed.append(RemovedRecord(block.block_hash, record_key_id(record), provenance))
         else:
-            removed.append((block.block_hash, None if record is None else record_key_id(record)))
+            writer.add(block.block_hash, record)
     if not removed:
         return removed
     writer.flush()

@@ -265,17 +265,21 @@ async def test_inventory_requests_are_answered_and_malformed_commands_dead_lette
 async def test_a_command_that_fails_is_retried_and_nothing_after_it_is_skipped(make_settings, kafka_bootstrap):
     """Fault injection in the node's own handler: the second of three commands fails once."""
     node = await Node(make_settings("f")).start()
-    real_apply = node.commands.handler.apply
+    real_apply_batch = node.commands.handler.apply_batch
     tenants = [f"acme-{uuid.uuid4().hex[:6]}" for _ in range(3)]
     failures: list[str] = []
 
-    async def apply_failing_once(command):
-        if command.predicate.tenant == tenants[1] and not failures:
-            failures.append(command.predicate.tenant)
+    async def apply_batch_failing_once(commands):
+        """The real handler, except that the first batch reaching tenants[1]'s command fails there, before applying it."""
+        failing = [i for i, command in enumerate(commands) if command.predicate.tenant == tenants[1]]
+        applying = commands if failures or not failing else commands[: failing[0]]
+        async for item in real_apply_batch(applying):
+            yield item
+        if len(applying) < len(commands):
+            failures.append(tenants[1])
             raise RuntimeError("injected failure")
-        return await real_apply(command)
 
-    node.commands.handler.apply = apply_failing_once
+    node.commands.handler.apply_batch = apply_batch_failing_once
     try:
         def num_handler_failures() -> float:
             return REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": node.commands.group_id}) or 0.0

@@ -206,6 +206,55 @@ async def test_update_removes_old_version_everywhere_and_keeps_the_rest_cached(n
     assert nothing == []
 
 
+async def test_a_batch_attributes_each_block_to_the_commands_that_match_it(node):
+    """One pass for three commands: each ack carries exactly its own blocks, in every tier and the snapshot."""
+    engine, handler = node
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    principal = Principal(tenant, "alice", frozenset({"hr"}), {"hr": 1})
+    hashes: dict[str, list[bytes]] = {}
+    under_policy_1: set[str] = set()
+    for doc_id in ("d0", "d1", "d2"):
+        messages = messages_for(doc_id, 1, 0)
+        await cached_tokens(engine, messages, principal)
+        prompt = render_prompt(engine.runner.tokenizer, messages)
+        keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+        hashes[doc_id] = [key.block_hash for key in keys if f"{doc_id}@1" in key.provenance.documents]
+        under_policy_1 |= {key.block_hash.hex() for key in keys if ("hr", 1) in key.provenance.auth_scopes}
+    assert len(engine.pool.ready_entries()) < 64, "nothing was evicted"
+    assert engine.pool.demote(hashes["d1"][0], Tier.HOST) and engine.pool.demote(hashes["d1"][1], Tier.DISK)
+    assert not engine.may_hold_snapshots()
+    await engine.write_snapshot()
+    assert engine.may_hold_snapshots()
+
+    d0 = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d0", below_version=2))
+    d1 = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d1", below_version=2))
+    # The policy revocation also covers d0's and d1's blocks, already gone when it runs: it keeps d2's alone.
+    policy = invalidate(schema.PolicyPredicate(tenant=tenant, auth_scope="hr", below_version=2))
+    applied = [(command, evidence) async for command, evidence in handler.apply_batch([d0, d1, policy])]
+    assert [command for command, _ in applied] == [d0, d1, policy]
+
+    def blocks(evidence: list[schema.TierEvidence]) -> dict[str, set[str]]:
+        return {item.tier: set(item.block_hashes) for item in evidence}
+
+    (_, d0_evidence), (_, d1_evidence), (_, policy_evidence) = applied
+    assert blocks(d0_evidence) == {"device": {h.hex() for h in hashes["d0"]}, "snapshot": {h.hex() for h in hashes["d0"]}}
+    assert blocks(d1_evidence) == {
+        "device": {h.hex() for h in hashes["d1"][2:]},
+        "host": {hashes["d1"][0].hex()},
+        "disk": {hashes["d1"][1].hex()},
+        "snapshot": {h.hex() for h in hashes["d1"]},
+    }
+    # The pool pass runs command by command, so the revocation finds d0's and d1's blocks gone; the snapshot pass
+    # sees all three predicates at once, so it claims d0's and d1's snapshot copies too.
+    earlier = {h.hex() for h in hashes["d0"] + hashes["d1"]}
+    assert {h.hex() for h in hashes["d2"]} <= under_policy_1
+    assert blocks(policy_evidence) == {"device": under_policy_1 - earlier, "snapshot": under_policy_1}
+    assert all(item.verified for _, evidence in applied for item in evidence)
+    doomed = set(hashes["d0"] + hashes["d1"] + hashes["d2"])
+    assert not [entry for entry in engine.pool.ready_entries() if entry.block_hash in doomed]
+    assert not [key for keys in engine.snapshot_inventory().values() for key in keys if key.block_hash in doomed]
+
+
 async def test_blocks_held_by_a_reader_are_deleted_on_release_and_reported(node):
     engine, handler = node
     tenant = f"t-{uuid.uuid4().hex[:8]}"

@@ -165,7 +165,10 @@ def test_remove_from_snapshot_rewrites_shards_without_matches(tmp_path):
     alice_records = [(tmp_path / "snap" / block.shard).read_bytes() for block in old.blocks if block.block_hash in (block_hash(2), block_hash(4))]
 
     removed = remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys)
-    assert sorted(removed) == sorted((h, keys.current_key_id(TENANT_ID, ALICE)) for h in (block_hash(2), block_hash(4)))
+    assert sorted((record.block_hash, record.key_id) for record in removed) == sorted(
+        (h, keys.current_key_id(TENANT_ID, ALICE)) for h in (block_hash(2), block_hash(4))
+    )
+    assert all(record.provenance.subject_id == ALICE for record in removed)
     new = read_manifest(tmp_path / "snap")
     assert new.snapshot_id == old.snapshot_id
     assert sorted(new.block_hashes) == sorted([block_hash(0), block_hash(1), block_hash(3)])
