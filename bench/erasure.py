@@ -53,8 +53,7 @@ from bench.common import (
     start_groups_at_end,
     wait,
 )
-from coordinator.consumers import INVALIDATION_GROUP_SUFFIX
-from events import topics
+from coordinator.consumers import consumer_groups
 from events.kafka import KafkaSettings, ensure_topics
 from events.schema import subject_digest
 from gpu_node.auth import issue_token
@@ -203,7 +202,7 @@ async def _run(args) -> list[ErasureRun]:
         group = f"bench-erasure-{uuid.uuid4().hex[:8]}"
         await start_groups_at_end(
             bootstrap,
-            {group: [topics.KV_EVENTS], group + INVALIDATION_GROUP_SUFFIX: [topics.DOCUMENTS, topics.PERMISSIONS, topics.ERASURES, topics.ACKS]},
+            consumer_groups(group),
         )
         log = stack.enter_context(tempfile.TemporaryFile())
         coordinator = Coordinator(database_url, bootstrap, group, log)

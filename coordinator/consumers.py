@@ -1,6 +1,6 @@
-"""The coordinator's background work: the kv-events consumer, the invalidation consumer
-(documents, permissions, erasures, acks), the outbox relay, the erasure verifier and the
-dead-letter tally."""
+"""The coordinator's background work: the kv-events consumer, the decisions consumer
+(documents, permissions, erasures), the ack consumer, the outbox relay, the erasure
+verifier and the dead-letter tally."""
 
 from __future__ import annotations
 
@@ -20,7 +20,19 @@ log = logging.getLogger(__name__)
 
 DEAD_LETTER_FLUSH_S = 1.0
 INVALIDATION_GROUP_SUFFIX = "-invalidations"
-"""The invalidation consumer has its own group, so a slow kv-events backlog never delays a revocation."""
+"""The decisions consumer has its own group, so a slow kv-events backlog never delays a revocation."""
+ACK_GROUP_SUFFIX = "-acks"
+"""Acks have their own group too: their batches run concurrently with decisions, which are
+then published without waiting for the acks that arrived with them."""
+
+
+def consumer_groups(group_id: str) -> dict[str, list[str]]:
+    """The coordinator's consumer groups for base ``group_id`` and the topics each reads."""
+    return {
+        group_id: [KV_EVENTS],
+        group_id + INVALIDATION_GROUP_SUFFIX: [DOCUMENTS, PERMISSIONS, ERASURES],
+        group_id + ACK_GROUP_SUFFIX: [ACKS],
+    }
 
 
 def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
@@ -61,21 +73,28 @@ async def run_consumers(
         subject_key=None if subject_key is None else subject_key.get_secret_value().encode(),
         receipt_keys=ReceiptKeys(settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()),
     )
-    invalidations = kafka.BatchConsumer(
-        config,
-        [DOCUMENTS, PERMISSIONS, ERASURES, ACKS],
-        InvalidationHandler(database, erasures=erasures, on_outbox=relay.wake),
-        group_id=config.group_id + INVALIDATION_GROUP_SUFFIX,
-        dead_letter_counter=tally,
-        max_records=settings.kafka.max_batch_records,
+    handler = InvalidationHandler(database, erasures=erasures, on_outbox=relay.wake)
+    groups = consumer_groups(config.group_id)
+    invalidations, acks = (
+        kafka.BatchConsumer(
+            config,
+            groups[group_id],
+            handler,
+            group_id=group_id,
+            dead_letter_counter=tally,
+            max_records=settings.kafka.max_batch_records,
+        )
+        for group_id in (config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX)
     )
     try:
         await producer.start()
         await consumer.start()
         await invalidations.start()
+        await acks.start()
         tasks = [
             asyncio.create_task(consumer.run(), name="kv-events consumer"),
             asyncio.create_task(invalidations.run(), name="invalidation consumer"),
+            asyncio.create_task(acks.run(), name="ack consumer"),
             asyncio.create_task(relay.run(stop), name="outbox relay"),
             asyncio.create_task(erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
             asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
@@ -86,7 +105,7 @@ async def run_consumers(
         try:
             await stop.wait()
         finally:
-            await asyncio.gather(consumer.stop(), invalidations.stop())
+            await asyncio.gather(consumer.stop(), invalidations.stop(), acks.stop())
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, select, text, tuple_, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -106,8 +106,18 @@ _UPSERT_PLACEMENTS = text(
     DO UPDATE SET state = EXCLUDED.state, epoch = EXCLUDED.epoch, reason = EXCLUDED.reason, updated_at = now()
     """
 )
-_MAX_REFS_PER_STATEMENT = 5000
-"""Keeps an ``IN`` list of (hash, tier, snapshot) triples under asyncpg's 32767 bind parameters."""
+_MARK_PLACEMENTS_DELETED = text(
+    """
+    UPDATE placements p SET state = 'deleted', epoch = :epoch, reason = :reason, updated_at = now()
+    FROM unnest(CAST(:block_hashes AS bytea[]), CAST(:tiers AS text[]), CAST(:snapshot_ids AS text[]))
+        AS batch(block_hash, tier, snapshot_id)
+    WHERE p.block_hash = batch.block_hash AND p.node_id = :node_id AND p.tier = batch.tier
+        AND p.snapshot_id IS NOT DISTINCT FROM batch.snapshot_id AND p.state = 'live'
+    RETURNING p.id
+    """
+)
+"""Probes the (block_hash, node_id, tier, snapshot_id) unique index once per ref: a removal batch costs
+its own size, not a scan of the node's live placements."""
 
 APPLIED = "applied"
 DUPLICATE = "duplicate"
@@ -481,21 +491,20 @@ class _BatchApplier:
     ) -> None:
         """Flip the node's live copies among ``refs`` to deleted (absent ones are already gone: no-op)."""
         refs = list(refs)
-        for start in range(0, len(refs), _MAX_REFS_PER_STATEMENT):
-            chunk = [
-                (h, tier, snapshot_id or "") for h, tier, snapshot_id in refs[start : start + _MAX_REFS_PER_STATEMENT]
-            ]
-            result = await self.session.execute(
-                update(Placement)
-                .where(
-                    Placement.node_id == node.node_id,
-                    Placement.state == "live",
-                    tuple_(Placement.block_hash, Placement.tier, func.coalesce(Placement.snapshot_id, "")).in_(chunk),
-                )
-                .values(state="deleted", epoch=epoch, reason=reason, updated_at=func.now())
-                .returning(Placement.id)
-            )
-            self.placement_changes[("deleted", cause)] += len(result.all())
+        if not refs:
+            return
+        result = await self.session.execute(
+            _MARK_PLACEMENTS_DELETED,
+            {
+                "block_hashes": [h for h, _, _ in refs],
+                "tiers": [tier for _, tier, _ in refs],
+                "snapshot_ids": [snapshot_id for _, _, snapshot_id in refs],
+                "node_id": node.node_id,
+                "epoch": epoch,
+                "reason": reason,
+            },
+        )
+        self.placement_changes[("deleted", cause)] += len(result.all())
 
     async def _upsert(
         self,

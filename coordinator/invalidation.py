@@ -268,10 +268,14 @@ _DELETE_COPIES = text(
     bindparam("hashes", type_=_BYTEAS),
     bindparam("command_ids", type_=_UUIDS),
 )
-_LOCK_DECISIONS_CUSTOM_PLANS = text(
+# Both locks also switch the rest of the transaction to custom plans: the batch statements take
+# arrays, which a generic plan of a prepared statement (PostgreSQL switches to one after five runs)
+# cannot see into. Generic plans scanned every live placement for an ack's copy deletion (~200 ms a
+# batch, not ~5) and for a kv-events batch's removals.
+_LOCK_DECISIONS = text(
     "SELECT pg_advisory_xact_lock(:key), set_config('plan_cache_mode', 'force_custom_plan', true)"
 )
-_LOCK_LEDGER_WRITES_CUSTOM_PLANS = text(
+_LOCK_LEDGER_WRITES = text(
     "SELECT pg_advisory_xact_lock_shared(:key), set_config('plan_cache_mode', 'force_custom_plan', true)"
 )
 _LOCK_INVALIDATIONS = text(
@@ -305,12 +309,12 @@ UNEXPECTED = "unexpected"
 
 async def lock_decisions(session: AsyncSession) -> None:
     """Exclusive: no kv-events or ack batch is between its start and commit while this transaction decides."""
-    await session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _DECISION_LOCK_KEY})
+    await session.execute(_LOCK_DECISIONS, {"key": _DECISION_LOCK_KEY})
 
 
 async def lock_ledger_writes(session: AsyncSession) -> None:
     """Shared: many ledger writers at once, but never concurrently with a decision (see module docstring)."""
-    await session.execute(text("SELECT pg_advisory_xact_lock_shared(:key)"), {"key": _DECISION_LOCK_KEY})
+    await session.execute(_LOCK_LEDGER_WRITES, {"key": _DECISION_LOCK_KEY})
 
 
 def parse_predicate(data: dict) -> Predicate:
@@ -569,6 +573,17 @@ class _BatchResult:
     copies_deleted: int = 0
 
 
+def _record_metrics(result: _BatchResult) -> None:
+    """Only after the commit: a rolled-back batch is redelivered and counted then."""
+    for (event_type, outcome), count in result.outcomes.items():
+        metrics.INVALIDATION_EVENTS_TOTAL.labels(type=event_type, outcome=outcome).inc(count)
+    for decision in result.decisions:
+        metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
+    for seconds in result.completed:
+        metrics.INVALIDATION_SECONDS.observe(seconds)
+    metrics.PLACEMENT_CHANGES_TOTAL.labels(state="deleted", cause="invalidation").inc(result.copies_deleted)
+
+
 class InvalidationHandler:
     """Batch handler of the coordinator's documents/permissions/erasures/acks consumer; commits before returning.
 
@@ -585,27 +600,36 @@ class InvalidationHandler:
         self._on_outbox = on_outbox
 
     async def __call__(self, events: list[ConsumedEvent]) -> None:
+        """Decide the batch's user events in one transaction, then apply its acks in another.
+
+        Two transactions so the commands are published (the outbox relay is woken) as soon as
+        the decisions commit, not after the acks that arrived with them; and so an ack batch
+        holds the ledger-writes lock only for its own statements. Redelivery after a failure
+        between the two is safe: the inbox turns the committed half into duplicates.
+        """
         if not events:
             return
         started = time.perf_counter()
+        acks = [event for event in events if isinstance(event.envelope.payload, CommandAck)]
+        others = [event for event in events if not isinstance(event.envelope.payload, CommandAck)]
+        if others:
+            await self._decide_batch(others)
+        if acks:
+            await self._ack_batch(acks)
+        metrics.INVALIDATION_BATCH_SECONDS.observe(time.perf_counter() - started)
+
+    async def _decide_batch(self, events: list[ConsumedEvent]) -> None:
         result = _BatchResult()
         async with self._database.session() as session, session.begin():
             now = (await session.scalar(select(func.now()))).astimezone(UTC)
             fresh = await self._claim(session, events, result)
             deciding = [e for e in fresh if isinstance(e.payload, _DECISION_EVENTS)]
-            acks = [e for e in fresh if isinstance(e.payload, CommandAck)]
-            # The lock of lock_decisions / lock_ledger_writes, and custom plans for the rest of the
-            # transaction in the same round trip: the batch statements take arrays, which a generic
-            # plan of a prepared statement (PostgreSQL switches to one after five runs) cannot see;
-            # for the ack's copy deletion it scanned every live placement (~200 ms a batch, not ~5).
-            if deciding:
-                await session.execute(_LOCK_DECISIONS_CUSTOM_PLANS, {"key": _DECISION_LOCK_KEY})
-            elif acks:
-                await session.execute(_LOCK_LEDGER_WRITES_CUSTOM_PLANS, {"key": _DECISION_LOCK_KEY})
             for envelope in fresh:
-                if not isinstance(envelope.payload, (*_DECISION_EVENTS, CommandAck)):
+                if not isinstance(envelope.payload, _DECISION_EVENTS):
                     log.warning("ignoring %s event on an invalidation topic", envelope.type)
                     result.outcomes[(envelope.type, IGNORED)] += 1
+            if deciding:
+                await lock_decisions(session)
             # Consecutive document/permission events are decided together (a few statements for
             # the whole run); an erasure in between is decided on its own, so the order holds.
             run: list[Envelope] = []
@@ -619,21 +643,21 @@ class InvalidationHandler:
                 else:
                     run.append(envelope)
             await self._decide_many(session, run, now, result)
-            touched: set[uuid.UUID] = set()
-            if acks:
-                touched = await self._apply_acks(session, acks, now, result)
-                result.completed = await finish_if_acked(session, touched, now)
-        # Metrics only after the commit: a rolled-back batch is redelivered and counted then.
-        for (event_type, outcome), count in result.outcomes.items():
-            metrics.INVALIDATION_EVENTS_TOTAL.labels(type=event_type, outcome=outcome).inc(count)
-        for decision in result.decisions:
-            metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
-        for seconds in result.completed:
-            metrics.INVALIDATION_SECONDS.observe(seconds)
-        metrics.PLACEMENT_CHANGES_TOTAL.labels(state="deleted", cause="invalidation").inc(result.copies_deleted)
-        metrics.INVALIDATION_BATCH_SECONDS.observe(time.perf_counter() - started)
+        _record_metrics(result)
         if result.decisions and self._on_outbox is not None:
             self._on_outbox()
+
+    async def _ack_batch(self, events: list[ConsumedEvent]) -> None:
+        result = _BatchResult()
+        async with self._database.session() as session, session.begin():
+            now = (await session.scalar(select(func.now()))).astimezone(UTC)
+            acks = await self._claim(session, events, result)
+            touched: set[uuid.UUID] = set()
+            if acks:
+                await lock_ledger_writes(session)
+                touched = await self._apply_acks(session, acks, now, result)
+                result.completed = await finish_if_acked(session, touched, now)
+        _record_metrics(result)
         await self._erasures.acks_applied(touched)
 
     async def _claim(self, session: AsyncSession, events: list[ConsumedEvent], result: _BatchResult) -> list[Envelope]:

@@ -38,10 +38,10 @@ from node_harness import ServedNode, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
-from coordinator.consumers import INVALIDATION_GROUP_SUFFIX, kafka_settings, run_consumers
+from coordinator.consumers import consumer_groups, kafka_settings, run_consumers
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
-from events import kafka, topics
+from events import kafka
 from events.schema import subject_digest
 from gpu_node.auth import issue_token
 from gpu_node.block_pool import BlockRestoreError, BlockState, Tier, decode_block_record
@@ -179,10 +179,7 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
         await kafka.ensure_topics(kafka_settings(settings))
         await start_groups_at_end(
             kafka_bootstrap,
-            {
-                group: [topics.KV_EVENTS],
-                group + INVALIDATION_GROUP_SUFFIX: [topics.DOCUMENTS, topics.PERMISSIONS, topics.ERASURES, topics.ACKS],
-            },
+            consumer_groups(group),
         )
         coordinator = await CoordinatorThread(settings).start()
         suffix = uuid.uuid4().hex[:6]

@@ -40,7 +40,7 @@ from node_harness import Served, ServedNode, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
-from coordinator.consumers import INVALIDATION_GROUP_SUFFIX, kafka_settings, run_consumers
+from coordinator.consumers import consumer_groups, kafka_settings, run_consumers
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka, topics
@@ -125,7 +125,7 @@ async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[
         await kafka.ensure_topics(kafka_settings(settings))
         await start_groups_at_end(
             kafka_bootstrap,
-            {group: [topics.KV_EVENTS], group + INVALIDATION_GROUP_SUFFIX: [topics.DOCUMENTS, topics.PERMISSIONS, topics.ACKS]},
+            consumer_groups(group),
         )
         stop, assigned = asyncio.Event(), asyncio.Event()
         consumers = asyncio.create_task(run_consumers(settings, stop, assigned))
