@@ -50,10 +50,11 @@ class KafkaSettings(BaseModel):
     num_partitions: int = Field(default=4, ge=1)
     replication_factor: int = Field(default=1, ge=1)
     group_id: str | None = None
-    fetch_max_wait_ms: int = Field(default=20, ge=1)
-    """How long the broker may hold a fetch waiting for data. aiokafka's 500 ms default
-    puts half a second on every consumer hop with brokers that answer a waiting fetch
-    only when the wait expires (Tansu does); an invalidation crosses three hops."""
+    fetch_max_wait_ms: int = Field(default=5, ge=1)
+    """How long the broker may hold a fetch waiting for data. Brokers that answer a waiting
+    fetch only when the wait expires (Tansu does) add up to this much to every consumer hop
+    (aiokafka's default: 500 ms), and an invalidation crosses three hops before its last ack.
+    An idle consumer costs the broker one empty fetch per wait in exchange."""
 
 
 async def ensure_topics(
@@ -107,9 +108,14 @@ async def _wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], timeou
 
 
 class EventProducer:
-    """Publishes envelopes under their routed topic and key, waiting for ``acks=all``."""
+    """Publishes envelopes under their routed topic and key, waiting for ``acks=all``.
 
-    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 5) -> None:
+    No linger by default: callers that publish many events hand them over together
+    (:meth:`send_many`, or sends issued before any is awaited), and the producer
+    batches whatever accumulated while its previous request was in flight.
+    """
+
+    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0) -> None:
         self._settings = settings
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.bootstrap,

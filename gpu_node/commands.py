@@ -589,7 +589,7 @@ class CommandConsumer:
         Consecutive commands to apply are applied together
         (:meth:`InvalidationHandler.apply_batch`). An ack is handed to the
         producer right after its command was applied (never before), without
-        waiting for the broker: the producer batches them (linger). After the
+        waiting for the broker: the producer batches those that accumulate. After the
         batch every ack is awaited, then the offsets are committed once per
         partition — so an offset is committed only after every ack below it was
         published. On a failed command the acks of the commands applied before
