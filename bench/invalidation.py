@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -239,7 +240,7 @@ async def _collect_acks(bootstrap: str, acks: dict[str, dict[str, float]], ready
     when data arrives, only when the wait expires: at aiokafka's default (500 ms)
     this clock would add up to half a second to every ack it times.
     """
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=10)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=5)
     await consumer.start()
     try:
         await consumer.topics()
@@ -277,7 +278,6 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                 subject_key=SUBJECT_KEY,
                 auth={"jwt_secret": JWT_SECRET},
                 cache=cache,
-                publish_interval_s=0.02,
             )
         )
         for i in range(NUM_NODES)
@@ -295,6 +295,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
         try:
             for node in nodes:
                 await node.start()
+            gc.freeze()  # as gpu_node.server.serve does once its engine started
             node_ids = [node.settings.node_id for node in nodes]
 
             async def registered() -> bool:
