@@ -5,15 +5,19 @@ process (as in production), and two nodes in this process, each holding
 ``--blocks-per-node`` tenant-scope blocks spread over many documents. The blocks
 are made through the pool itself with synthetic KV (generating 10,000 blocks with
 the model would measure the model, not invalidation) and reach the ledger through
-the node's real publisher. Then ``--events`` ``DocumentUpdated`` events, each for
-another document, are published with a plain aiokafka producer at ``--rate``.
+the node's real publisher. Then ``DocumentUpdated`` events, each for another
+document, are published with a plain aiokafka producer at ``--rate``:
+``--warmup-s`` worth of warm-up events, then ``--events`` measured ones in the same
+stream. Only the measured events enter the statistics: the first batches after
+start pay for cold caches (prepared statements, query plans, database buffers),
+which is start-up cost, not invalidation latency.
 
 Per event it measures, from the moment before the send:
 
 * **first refused request** — a real HTTP request carrying the old version, sent
   by one prober per node: a full cache hit until the node refuses it with 409
   ``stale_document_version`` (or, were the blocks gone first, serves no cached
-  tokens). Each prober follows the newest unrefused event, so a sample starts
+  tokens). Each prober follows the newest event, so a sample starts
   within one probe of the publish; events it never reached are not sampled;
 * **decision** — the coordinator's invalidation row (``created_at``, database clock);
 * **command reached the last node** — the node started applying the batch holding it,
@@ -175,6 +179,8 @@ class Published:
     doc_id: str
     old_version: int
     at: float
+    measured: bool
+    """False for the warm-up events, which no statistic includes."""
 
 
 @dataclass
@@ -204,33 +210,40 @@ class _Probes:
 
 
 async def _probe(node: BenchNode, token: str, published: list[Published], probes: _Probes, done: asyncio.Event, full_tokens: int, index: int) -> None:
-    """Follow the newest unrefused event on ``node``: send its old version until the node stops serving it."""
-    probed: set[str] = set()
+    """Follow the newest event on ``node``: send its old version until the node stops serving it, then the next newest.
+
+    Never an event older than the last one probed: its refusal would time how long
+    it waited to be picked, not the invalidation.
+    """
+    num_seen = 0
     async with httpx.AsyncClient(base_url=node.url, timeout=60) as client:
         while not done.is_set():
             # Only the cached version hits; probing a later one would build (stale) blocks itself.
-            candidates = [p for p in reversed(published) if p.old_version == 1 and p.event_id not in probed]
-            if not candidates:
+            newest = published[-1] if len(published) > num_seen else None
+            num_seen = len(published)
+            if newest is None or newest.old_version != 1:
                 await asyncio.sleep(PROBE_PAUSE_S)
                 continue
-            event = candidates[0]
+            event = newest
             body = {"model": node.engine.model_name, "messages": [document_message(event.doc_id, event.old_version)], "max_tokens": 1}
             while not done.is_set():
                 response = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
                 now = time.time()
                 if response.status_code == 409:
-                    probes.by_409 += 1
+                    by_409 = True
                     break
                 if response.status_code != 200:
                     raise RuntimeError(f"probe answered {response.status_code}: {response.text}")
                 if response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < full_tokens:
-                    probes.by_miss += 1
+                    by_409 = False
                     break
                 await asyncio.sleep(PROBE_PAUSE_S)
             else:
                 return
-            probes.refused[(index, event.event_id)] = (now - event.at) * 1000
-            probed.add(event.event_id)
+            if event.measured:
+                probes.refused[(index, event.event_id)] = (now - event.at) * 1000
+                probes.by_409 += by_409
+                probes.by_miss += not by_409
 
 
 async def _collect_acks(bootstrap: str, acks: dict[str, dict[str, float]], ready: asyncio.Event) -> None:
@@ -342,11 +355,11 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             versions = dict.fromkeys(documents, 1)
             producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
             await producer.start()
+            num_warmup = round(args.rate * args.warmup_s)
             try:
                 sends = []
-                started = time.time()
                 loop_started = time.perf_counter()
-                for i in range(args.events):
+                for i in range(num_warmup + args.events):
                     delay = loop_started + i / args.rate - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
@@ -363,7 +376,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                     }
                     at = time.time()
                     sends.append(await producer.send(topics.DOCUMENTS, json.dumps(event).encode(), key=f"{tenant}:{doc_id}".encode()))
-                    published.append(Published(event_id, doc_id, versions[doc_id] - 1, at))
+                    published.append(Published(event_id, doc_id, versions[doc_id] - 1, at, measured=i >= num_warmup))
                 await asyncio.gather(*sends)
             finally:
                 await producer.stop()
@@ -372,13 +385,18 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                 complete = await connection.fetchval(
                     "SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'"
                 )
-                return complete == args.events
+                return complete == len(published)
 
             await wait(all_complete, "every invalidation complete", TIMEOUT_S)
-            elapsed_s = time.time() - started
-            rows = await connection.fetch(
-                "SELECT command_id, source_event_id, created_at, completed_at FROM invalidations WHERE trigger = 'event'"
-            )
+            measured = {p.event_id: p.at for p in published if p.measured}
+            elapsed_s = time.time() - min(measured.values())
+            rows = [
+                row
+                for row in await connection.fetch(
+                    "SELECT command_id, source_event_id, created_at, completed_at FROM invalidations WHERE trigger = 'event'"
+                )
+                if str(row["source_event_id"]) in measured
+            ]
             late = await connection.fetchval("SELECT count(*) FROM invalidations WHERE trigger = 'late_block'")
 
             async def all_acked() -> bool:
@@ -404,10 +422,9 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 raise result
 
-    at = {p.event_id: p.at for p in published}
     decided, reached, applied, acked, complete, durations = [], [], [], [], [], []
     for row in rows:
-        command_id, published_at = row["command_id"], at[str(row["source_event_id"])]
+        command_id, published_at = row["command_id"], measured[str(row["source_event_id"])]
         decided.append((row["created_at"].timestamp() - published_at) * 1000)
         complete.append((row["completed_at"].timestamp() - published_at) * 1000)
         acked.append((max(acks[str(command_id)].values()) - published_at) * 1000)
@@ -481,10 +498,12 @@ def render_markdown(args, runs: list[InvalidationRun]) -> str:
             "## Invalidation latency (`kvledger bench invalidation`)",
             "",
             f"Command: `kvledger bench invalidation --runs {args.runs} --rate {args.rate:g} --blocks-per-node {args.blocks_per_node} "
-            f"--events {args.events}` on {platform.machine()}, {os.cpu_count()} cores, embedded Postgres + Tansu on the same machine, "
+            f"--events {args.events} --warmup-s {args.warmup_s:g}` on {platform.machine()}, {os.cpu_count()} cores, embedded Postgres + Tansu on the same machine, "
             f"coordinator consumers in their own process, {NUM_NODES} nodes (tiny model) in the benchmark process. "
             f"Each node holds {first.blocks_per_node:,} tenant-scope blocks over {first.blocks_per_node / first.blocks_per_event:,.0f} documents "
             f"({first.blocks_per_event:.1f} blocks each); every `DocumentUpdated` (plain aiokafka, raw JSON) supersedes one document. "
+            f"The measured events follow {args.warmup_s:g} s of warm-up events at the same rate (same stream, not in any statistic: "
+            f"the first batches after start pay for cold plan and buffer caches). "
             f"Times from the moment before the send; median over {len(runs)} runs of each run's percentile.",
             "",
             "| publish → | p50 ms | p99 ms | target |",
@@ -504,7 +523,7 @@ def render_markdown(args, runs: list[InvalidationRun]) -> str:
             f"| refusal samples per run (probed events) | {median(len(r.refused_ms) for r in runs):,.0f} |",
             f"| refusals by 409 / by a miss | {median(r.num_refused_by_409 for r in runs):,.0f} / {median(r.num_refused_by_miss for r in runs):,.0f} |",
             f"| late-block re-issues | {median(r.num_late_reissues for r in runs):,.0f} |",
-            f"| first publish → last invalidation complete | {median(r.elapsed_s for r in runs):.1f} s for {first.num_events:,} events |",
+            f"| first measured publish → last invalidation complete | {median(r.elapsed_s for r in runs):.1f} s for {first.num_events:,} events |",
             "",
         ]
     )
