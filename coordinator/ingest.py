@@ -129,6 +129,18 @@ IGNORED = "ignored"
 PlacementRef = tuple[bytes, str, str | None]
 
 
+def _placement_params(node: Node, refs: list[PlacementRef], epoch: int, reason: str | None) -> dict:
+    """Parameters of the bulk placement statements: ``refs`` as parallel arrays, the rest as scalars."""
+    return {
+        "block_hashes": [block_hash for block_hash, _, _ in refs],
+        "tiers": [tier for _, tier, _ in refs],
+        "snapshot_ids": [snapshot_id for _, _, snapshot_id in refs],
+        "node_id": node.node_id,
+        "epoch": epoch,
+        "reason": reason,
+    }
+
+
 @dataclass(slots=True)
 class _PendingPlacement:
     """Net change of one placement within a batch. ``created``: it was live at some point in this
@@ -493,17 +505,7 @@ class _BatchApplier:
         refs = list(refs)
         if not refs:
             return
-        result = await self.session.execute(
-            _MARK_PLACEMENTS_DELETED,
-            {
-                "block_hashes": [h for h, _, _ in refs],
-                "tiers": [tier for _, tier, _ in refs],
-                "snapshot_ids": [snapshot_id for _, _, snapshot_id in refs],
-                "node_id": node.node_id,
-                "epoch": epoch,
-                "reason": reason,
-            },
-        )
+        result = await self.session.execute(_MARK_PLACEMENTS_DELETED, _placement_params(node, refs, epoch, reason))
         self.placement_changes[("deleted", cause)] += len(result.all())
 
     async def _upsert(
@@ -521,18 +523,7 @@ class _BatchApplier:
             return
         # One statement over unnest()ed arrays: the per-row work happens in Postgres, not in
         # SQLAlchemy's multi-VALUES rendering, which dominated batch time at 10k+ rows.
-        await self.session.execute(
-            _UPSERT_PLACEMENTS,
-            {
-                "block_hashes": [h for h, _, _ in refs],
-                "tiers": [tier for _, tier, _ in refs],
-                "snapshot_ids": [snapshot_id for _, _, snapshot_id in refs],
-                "node_id": node.node_id,
-                "state": state,
-                "epoch": epoch,
-                "reason": reason,
-            },
-        )
+        await self.session.execute(_UPSERT_PLACEMENTS, {**_placement_params(node, refs, epoch, reason), "state": state})
         self.placement_changes[(state, cause)] += len(refs)
 
     # -- accumulated writes -----------------------------------------------------------

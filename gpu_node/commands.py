@@ -363,7 +363,8 @@ class InvalidationHandler:
             yield plan.command, _evidence(plan.progress, erasure)
 
     def _finish(self, command_id: uuid.UUID) -> None:
-        del self._progress[command_id]
+        # pop: a command delivered twice in one batch (a re-published outbox row) shares one progress.
+        self._progress.pop(command_id, None)
         if not self._progress:
             self._seen.clear()
 

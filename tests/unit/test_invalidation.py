@@ -338,3 +338,19 @@ def test_every_block_a_predicate_matches_is_filed_under_its_index_key(predicate,
             assert provenance.namespace == key[1]
         else:
             assert key in provenance_index_keys(provenance)
+
+
+async def test_a_command_delivered_twice_in_one_batch_is_applied_once_and_acked_twice(node):
+    """A re-published outbox row reaches the node twice; both records get the same evidence, nothing fails."""
+    engine, handler = node
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    principal = Principal(tenant, "alice", frozenset({"hr"}), {"hr": 1})
+    messages = messages_for("d0", 1, 0)
+    await cached_tokens(engine, messages, principal)
+    prompt = render_prompt(engine.runner.tokenizer, messages)
+    keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+    doomed = {key.block_hash.hex() for key in keys if "d0@1" in key.provenance.documents}
+    command = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d0", below_version=2))
+    applied = [evidence async for _, evidence in handler.apply_batch([command, command])]
+    assert len(applied) == 2 and applied[0] == applied[1]
+    assert {h for item in applied[0] for h in item.block_hashes} == doomed
