@@ -631,6 +631,38 @@ def test_narrowed_remove_where_removes_exactly_what_the_full_scan_removes(scenar
         index_is_consistent(narrowed)
 
 
+@st.composite
+def batched_removals(draw):
+    """A pool scenario and one to four removals to apply to it as one batch."""
+    blocks, drops, first = draw(pool_scenarios())
+    return blocks, drops, [first, *(random_removal(draw) for _ in range(draw(st.integers(0, 3))))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=batched_removals())
+def test_remove_many_reports_and_deletes_exactly_what_removing_one_by_one_does(scenario):
+    """Bulk byte deletion changes nothing observable: same reports, events, entries, and every freed slot is zero."""
+    blocks, drops, removals = scenario
+    with tempfile.TemporaryDirectory() as root:
+        root = Path(root)
+        keys = LocalKeyStore(root / "keys.json")
+        one_by_one, batched = (make_pool(root / name, device=16, host=16, disk=16, keys=keys) for name in ("seq", "batch"))
+        for pool in (one_by_one, batched):
+            build_scenario(pool, blocks, drops)
+            pool.take_events()
+        expected = [one_by_one.remove_where(predicate, RemovalReason.INVALIDATED, candidates=key) for key, predicate in removals]
+        reports = batched.remove_many([(predicate, key) for key, predicate in removals], RemovalReason.INVALIDATED)
+        assert reports == expected
+        assert batched.take_events() == one_by_one.take_events()
+        assert [(b, e.state, e.tombstoned, e.tier, e.slot) for b, e in batched._entries.items()] == [
+            (b, e.state, e.tombstoned, e.tier, e.slot) for b, e in one_by_one._entries.items()
+        ]
+        for tier in (DEVICE, HOST):
+            for slot in batched._free_slots[tier]:
+                assert torch.count_nonzero(batched._slots[tier][slot]) == 0, f"freed {tier.value} slot {slot} still holds bytes"
+        index_is_consistent(batched)
+
+
 def test_the_index_follows_every_admission_and_removal(tmp_path):
     clock = FakeClock()
     pool = make_pool(tmp_path, device=2, host=1, disk=2, ttl={PUBLIC: None, TENANT: 10.0, USER: None}, clock=clock)
