@@ -585,7 +585,8 @@ def _record_metrics(result: _BatchResult) -> None:
 
 
 class InvalidationHandler:
-    """Batch handler of the coordinator's documents/permissions/erasures/acks consumer; commits before returning.
+    """Batch handler of the coordinator's decisions consumer (documents, permissions, erasures) and of its ack
+    consumer; commits before returning.
 
     Erasure requests are decided like the other user events (decision lock, same
     transaction as their inbox rows) by ``erasures``, which is also told about every
