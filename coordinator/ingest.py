@@ -44,7 +44,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator import metrics
+from coordinator import inbox, metrics
 from coordinator.db import Database
 from coordinator.invalidation import Decision, lock_ledger_writes, reissue_for_late_blocks
 from coordinator.models import (
@@ -53,7 +53,6 @@ from coordinator.models import (
     BlockAuthScope,
     BlockDocument,
     DeadLetterCount,
-    InboxEntry,
     InventoryChunk,
     Namespace,
     Node,
@@ -120,7 +119,6 @@ _MARK_PLACEMENTS_DELETED = text(
 its own size, not a scan of the node's live placements."""
 
 APPLIED = "applied"
-DUPLICATE = "duplicate"
 REPLAYED = "replayed"
 STALE = "stale"
 IGNORED = "ignored"
@@ -175,20 +173,8 @@ class _BatchApplier:
     # -- batch ------------------------------------------------------------------------
 
     async def apply(self, events: list[ConsumedEvent]) -> None:
-        unique: dict[uuid.UUID, ConsumedEvent] = {}
-        for event in events:
-            if event.envelope.event_id in unique:
-                self.outcomes[(event.envelope.type, DUPLICATE)] += 1
-            else:
-                unique[event.envelope.event_id] = event
         await lock_ledger_writes(self.session)
-        new_ids = await self._claim_inbox(list(unique.values()))
-        fresh_events = []
-        for event in unique.values():
-            if event.envelope.event_id in new_ids:
-                fresh_events.append(event.envelope)
-            else:
-                self.outcomes[(event.envelope.type, DUPLICATE)] += 1
+        fresh_events = await inbox.claim(self.session, events, self.outcomes)
         await self._lock_nodes(fresh_events)
         for envelope in fresh_events:
             self.outcomes[(envelope.type, await self._apply_event(envelope))] += 1
@@ -197,18 +183,6 @@ class _BatchApplier:
             self.late = await reissue_for_late_blocks(self.session, self.stored, self.now)
         if self.outbox:
             await self.session.execute(pg_insert(OutboxEntry), self.outbox)
-
-    async def _claim_inbox(self, events: list[ConsumedEvent]) -> set[uuid.UUID]:
-        if not events:
-            return set()
-        rows = [
-            {"event_id": event.envelope.event_id, "topic": event.topic, "event_type": event.envelope.type}
-            for event in events
-        ]
-        result = await self.session.scalars(
-            pg_insert(InboxEntry).values(rows).on_conflict_do_nothing().returning(InboxEntry.event_id)
-        )
-        return set(result.all())
 
     async def _lock_nodes(self, envelopes: list[Envelope]) -> None:
         """Create rows for nodes never seen (``fresh``) and lock every node of the batch."""

@@ -61,7 +61,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator import metrics
+from coordinator import inbox, metrics
 from coordinator.db import Database
 from coordinator.models import (
     Block,
@@ -118,16 +118,6 @@ _BIGINTS = ARRAY(BigInteger())
 _TIMES = ARRAY(DateTime(timezone=True))
 _BYTEAS = ARRAY(LargeBinary())
 
-_CLAIM = (
-    text(
-        "INSERT INTO inbox (event_id, topic, event_type)"
-        " SELECT * FROM unnest(:event_ids, :topics, :types) ON CONFLICT DO NOTHING RETURNING event_id"
-    )
-    .bindparams(
-        bindparam("event_ids", type_=_UUIDS), bindparam("topics", type_=_TEXTS), bindparam("types", type_=_TEXTS)
-    )
-    .columns(event_id=Uuid())
-)
 _LOAD_DOCUMENTS = text(
     "SELECT d.tenant_id, d.doc_id, d.version, d.deleted FROM documents d"
     " JOIN unnest(:tenants, :keys) AS k(tenant_id, doc_id) ON d.tenant_id = k.tenant_id AND d.doc_id = k.doc_id"
@@ -301,7 +291,6 @@ _RETIRE_NAMESPACES = text(
 
 
 APPLIED = "applied"
-DUPLICATE = "duplicate"
 SUPERSEDED = "superseded"
 IGNORED = "ignored"
 UNEXPECTED = "unexpected"
@@ -623,7 +612,7 @@ class InvalidationHandler:
         result = _BatchResult()
         async with self._database.session() as session, session.begin():
             now = (await session.scalar(select(func.now()))).astimezone(UTC)
-            fresh = await self._claim(session, events, result)
+            fresh = await inbox.claim(session, events, result.outcomes)
             deciding = [e for e in fresh if isinstance(e.payload, _DECISION_EVENTS)]
             for envelope in fresh:
                 if not isinstance(envelope.payload, _DECISION_EVENTS):
@@ -652,7 +641,7 @@ class InvalidationHandler:
         result = _BatchResult()
         async with self._database.session() as session, session.begin():
             now = (await session.scalar(select(func.now()))).astimezone(UTC)
-            acks = await self._claim(session, events, result)
+            acks = await inbox.claim(session, events, result.outcomes)
             touched: set[uuid.UUID] = set()
             if acks:
                 await lock_ledger_writes(session)
@@ -660,34 +649,6 @@ class InvalidationHandler:
                 result.completed = await finish_if_acked(session, touched, now)
         _record_metrics(result)
         await self._erasures.acks_applied(touched)
-
-    async def _claim(self, session: AsyncSession, events: list[ConsumedEvent], result: _BatchResult) -> list[Envelope]:
-        """Inbox rows for the batch's events; returns the ones not applied before, in order."""
-        unique: dict[uuid.UUID, ConsumedEvent] = {}
-        for event in events:
-            if event.envelope.event_id in unique:
-                result.outcomes[(event.envelope.type, DUPLICATE)] += 1
-            else:
-                unique[event.envelope.event_id] = event
-        claimed = set(
-            (
-                await session.scalars(
-                    _CLAIM,
-                    {
-                        "event_ids": list(unique),
-                        "topics": [event.topic for event in unique.values()],
-                        "types": [event.envelope.type for event in unique.values()],
-                    },
-                )
-            ).all()
-        )
-        fresh = []
-        for event_id, event in unique.items():
-            if event_id in claimed:
-                fresh.append(event.envelope)
-            else:
-                result.outcomes[(event.envelope.type, DUPLICATE)] += 1
-        return fresh
 
     # -- decisions -----------------------------------------------------------------
 
@@ -892,7 +853,7 @@ class InvalidationHandler:
                 result.outcomes[(envelope.type, UNEXPECTED)] += 1
                 continue
             if current == "acked":
-                result.outcomes[(envelope.type, DUPLICATE)] += 1
+                result.outcomes[(envelope.type, inbox.DUPLICATE)] += 1
                 continue
             verified = all(evidence.verified for evidence in ack.evidence)
             status[key] = "acked" if verified else "failed"
