@@ -1,5 +1,6 @@
-"""Helpers for the coordinator ledger integration tests: a fresh database per module, waiting, event builders,
-consumer groups that start at the end of the shared broker's topics."""
+"""Helpers for the coordinator ledger integration tests: a fresh database per module, the coordinator's
+consumers in the test's event loop, waiting, event builders, consumer groups that start at the end of the
+shared broker's topics."""
 
 from __future__ import annotations
 
@@ -16,10 +17,49 @@ from aiokafka.structs import ConsumerRecord
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from coordinator.consumers import run_consumers
+from coordinator.settings import CoordinatorSettings
 from events.schema import EventValidationError, StoredBlock
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
 SUBJECT_KEY = "integration-test-subject-key"
+
+
+class RunningConsumers:
+    """The coordinator's consumers (``run_consumers``) as a task of the calling event loop; stoppable, restartable.
+
+    :meth:`launch` starts them without waiting, so several replicas can join their
+    groups at once; :meth:`wait_assigned` raises their start-up error, if any.
+    """
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self._stop: asyncio.Event | None = None
+        self._assigned: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
+
+    def launch(self) -> None:
+        self._stop, self._assigned = asyncio.Event(), asyncio.Event()
+        self.task = asyncio.create_task(run_consumers(self.settings, self._stop, self._assigned))
+
+    async def wait_assigned(self, timeout_s: float = 60.0) -> None:
+        assert self.task is not None and self._assigned is not None, "launch() first"
+        waiter = asyncio.create_task(self._assigned.wait())
+        await asyncio.wait({self.task, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self.task.done():
+            self.task.result()
+        assert self._assigned.is_set(), "the coordinator's consumers never got partitions"
+
+    async def start(self) -> RunningConsumers:
+        self.launch()
+        await self.wait_assigned()
+        return self
+
+    async def stop(self) -> None:
+        assert self.task is not None and self._stop is not None, "launch() first"
+        self._stop.set()
+        await asyncio.wait_for(self.task, 60)
 
 
 @contextlib.asynccontextmanager

@@ -33,12 +33,12 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, connect, eventually, fresh_database
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
 from node_harness import ServedNode, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
-from coordinator.consumers import consumer_groups, kafka_settings, run_consumers
+from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka
@@ -89,13 +89,8 @@ class CoordinatorThread:
             self.ready.set()
 
     async def _main(self) -> None:
-        self._loop, self._stop, assigned = asyncio.get_running_loop(), asyncio.Event(), asyncio.Event()
-        consumers = asyncio.create_task(run_consumers(self.settings, self._stop, assigned))
-        waiter = asyncio.create_task(assigned.wait())
-        await asyncio.wait({consumers, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-        if consumers.done():
-            consumers.result()
-        assert assigned.is_set(), "the coordinator's consumers never got partitions"
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        consumers = await RunningConsumers(self.settings).start()
         server = uvicorn.Server(uvicorn.Config(create_coordinator_app(self.settings), log_level="warning", access_log=False))
         serving = asyncio.create_task(server.serve(sockets=[self.sock]))
         while not server.started:
@@ -106,7 +101,7 @@ class CoordinatorThread:
         await self._stop.wait()
         server.should_exit = True
         await serving
-        await asyncio.wait_for(consumers, 60)
+        await consumers.stop()
 
     async def start(self) -> CoordinatorThread:
         self._thread.start()

@@ -35,12 +35,12 @@ import httpx
 import openai
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database
 from node_harness import Served, ServedNode, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
-from coordinator.consumers import consumer_groups, kafka_settings, run_consumers
+from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka, topics
@@ -127,20 +127,13 @@ async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[
             kafka_bootstrap,
             consumer_groups(group),
         )
-        stop, assigned = asyncio.Event(), asyncio.Event()
-        consumers = asyncio.create_task(run_consumers(settings, stop, assigned))
-        waiter = asyncio.create_task(assigned.wait())
-        await asyncio.wait({consumers, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-        if consumers.done():
-            consumers.result()
-        assert assigned.is_set(), "the coordinator's consumers never got partitions"
+        consumers = await RunningConsumers(settings).start()
         api = await Served(create_coordinator_app(settings)).start()
         try:
             yield api.url
         finally:
             await api.stop()
-            stop.set()
-            await asyncio.wait_for(consumers, 60)
+            await consumers.stop()
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, block_hash, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
 from sqlalchemy import func, select, text
 
 from coordinator import migrate
-from coordinator.consumers import run_consumers
 from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService
 from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt
@@ -77,34 +76,9 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
         )
 
 
-class Coordinator:
-    """The coordinator's consumers in this process; stoppable, so a test can restart them mid-erasure."""
-
-    def __init__(self, settings: CoordinatorSettings) -> None:
-        self.settings = settings
-        self.stop_event: asyncio.Event | None = None
-        self.task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        self.stop_event, assigned = asyncio.Event(), asyncio.Event()
-        self.task = asyncio.create_task(run_consumers(self.settings, self.stop_event, assigned))
-        waiter = asyncio.create_task(assigned.wait())
-        await asyncio.wait({self.task, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if self.task.done():
-            self.task.result()
-        assert assigned.is_set(), "the coordinator's consumers never got partitions"
-
-    async def stop(self) -> None:
-        assert self.stop_event is not None and self.task is not None
-        self.stop_event.set()
-        await asyncio.wait_for(self.task, 60)
-
-
 @pytest.fixture(scope="module")
-async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[Coordinator]:
-    running = Coordinator(settings)
-    await running.start()
+async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[RunningConsumers]:
+    running = await RunningConsumers(settings).start()
     yield running
     await running.stop()
 
@@ -208,7 +182,7 @@ async def cli_verify(tmp_path: Path, receipt: dict, checkpoint: dict, keys: dict
 
 
 async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
-    coordinator: Coordinator,
+    coordinator: RunningConsumers,
     database: Database,
     producer: EventProducer,
     client: httpx.AsyncClient,
@@ -367,7 +341,7 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
 
 
 async def test_erasure_requested_event_late_block_and_idempotency(
-    coordinator: Coordinator,
+    coordinator: RunningConsumers,
     database: Database,
     producer: EventProducer,
     client: httpx.AsyncClient,
@@ -461,7 +435,7 @@ async def test_erasure_requested_event_late_block_and_idempotency(
 
 
 async def test_malformed_erasure_event_is_dead_lettered_with_an_alert(
-    coordinator: Coordinator, producer: EventProducer, settings: CoordinatorSettings, caplog: pytest.LogCaptureFixture
+    coordinator: RunningConsumers, producer: EventProducer, settings: CoordinatorSettings, caplog: pytest.LogCaptureFixture
 ) -> None:
     uid = uuid.uuid4().hex[:8]
     subject = f"dave-{uid}"
@@ -487,7 +461,7 @@ async def test_malformed_erasure_event_is_dead_lettered_with_an_alert(
 
 
 async def test_rewritten_audit_log_fails_verification_against_an_earlier_checkpoint(
-    coordinator: Coordinator, database: Database, client: httpx.AsyncClient, receipts_seen: list[str]
+    coordinator: RunningConsumers, database: Database, client: httpx.AsyncClient, receipts_seen: list[str]
 ) -> None:
     assert len(receipts_seen) == 2, "runs after the tests that issue receipts"
     receipt, checkpoint, key_document = await served_documents(client, receipts_seen[1])

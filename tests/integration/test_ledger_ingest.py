@@ -12,12 +12,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import SUBJECT_KEY, block_hash, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
 from coordinator import migrate
-from coordinator.consumers import run_consumers
 from coordinator.db import Database
 from coordinator.models import (
     Block,
@@ -76,16 +75,9 @@ async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings
 
 @pytest.fixture(scope="module")
 async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[None]:
-    stop, assigned = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_consumers(settings, stop, assigned))
-    waiter = asyncio.create_task(assigned.wait())
-    await asyncio.wait({task, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()  # startup failed: raise its error
-    assert assigned.is_set(), "the ledger consumer was never assigned kv-events partitions"
+    consumers = await RunningConsumers(settings).start()
     yield
-    stop.set()
-    await asyncio.wait_for(task, 60)
+    await consumers.stop()
 
 
 @pytest.fixture

@@ -26,14 +26,13 @@ import httpx
 import pytest
 import uvicorn
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
 from prometheus_client import REGISTRY
 from sqlalchemy import func, inspect, pool, select
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator import migrate
 from coordinator.api import create_app
-from coordinator.consumers import run_consumers
 from coordinator.db import Database
 from coordinator.invalidation import ANY_VERSION
 from coordinator.models import (
@@ -79,16 +78,9 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
 
 @pytest.fixture(scope="module")
 async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[None]:
-    stop, assigned = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_consumers(settings, stop, assigned))
-    waiter = asyncio.create_task(assigned.wait())
-    await asyncio.wait({task, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()
-    assert assigned.is_set(), "the coordinator's consumers never got partitions"
+    consumers = await RunningConsumers(settings).start()
     yield
-    stop.set()
-    await asyncio.wait_for(task, 60)
+    await consumers.stop()
 
 
 @pytest.fixture

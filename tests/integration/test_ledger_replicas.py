@@ -15,11 +15,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import eventually, fresh_database, scan_topic, stored
+from ledger_helpers import RunningConsumers, eventually, fresh_database, scan_topic, stored
 from sqlalchemy import func, select
 
 from coordinator import migrate
-from coordinator.consumers import kafka_settings, run_consumers
+from coordinator.consumers import kafka_settings
 from coordinator.db import Database
 from coordinator.models import Node, OutboxEntry, Placement
 from coordinator.settings import CoordinatorSettings
@@ -36,24 +36,6 @@ from events.schema import (
 from events.topics import COMMANDS
 
 NUM_NODES = 12
-
-
-class Replica:
-    def __init__(self, settings: CoordinatorSettings) -> None:
-        self.stop, self.assigned = asyncio.Event(), asyncio.Event()
-        self.task = asyncio.create_task(run_consumers(settings, self.stop, self.assigned))
-
-    async def wait_assigned(self) -> None:
-        waiter = asyncio.create_task(self.assigned.wait())
-        await asyncio.wait({self.task, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if self.task.done():
-            self.task.result()
-        assert self.assigned.is_set(), "replica was never assigned partitions"
-
-    async def shutdown(self) -> None:
-        self.stop.set()
-        await asyncio.wait_for(self.task, 60)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +88,9 @@ async def _inventory_requests(bootstrap: str, node_ids: set[str]) -> list[Invent
 
 
 async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSettings) -> None:
-    first, second = Replica(settings), Replica(settings)
+    first, second = RunningConsumers(settings), RunningConsumers(settings)
+    first.launch()
+    second.launch()
     database = Database(settings.database)
     try:
         await first.wait_assigned()
@@ -149,7 +133,7 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
             assert collections.Counter(r.node_id for r in requests) == dict.fromkeys(gapped, 1)
 
             # One replica leaves; the survivor takes over every partition and nothing is lost.
-            await first.shutdown()
+            await first.stop()
             more = []
             for node_id in node_ids:
                 block = stored(f"{node_id}/late", "host")
@@ -172,5 +156,5 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
     finally:
         for replica in (first, second):
             if not replica.task.done():
-                await replica.shutdown()
+                await replica.stop()
         await database.dispose()

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.consumers import run_consumers
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import CacheSettings, NodeSettings
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, connect, eventually, fresh_database
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
 from node_harness import NodeServices, node_settings
 
 PRINCIPALS = [
@@ -99,12 +98,9 @@ async def coordinator(database_url, kafka_bootstrap):
             ledger={"subject_key": SUBJECT_KEY},
             auth={"jwt_secret": JWT_SECRET},
         )
-        stop, assigned = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(run_consumers(settings, stop, assigned))
-        await asyncio.wait_for(assigned.wait(), 60)
+        consumers = await RunningConsumers(settings).start()
         yield url
-        stop.set()
-        await asyncio.wait_for(task, 60)
+        await consumers.stop()
 
 
 async def test_ledger_equals_every_node_inventory_after_random_traffic(coordinator, kafka_bootstrap, tiny_model_dir, tmp_path):
