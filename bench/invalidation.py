@@ -18,7 +18,11 @@ Per event it measures, from the moment before the send:
   by one prober per node: a full cache hit until the node refuses it with 409
   ``stale_document_version`` (or, were the blocks gone first, serves no cached
   tokens). Each prober follows the newest event, so a sample starts
-  within one probe of the publish; events it never reached are not sampled;
+  within one probe of the publish; events it never reached are not sampled.
+  A prober keeps one request in flight and starts one at most every
+  ``--probe-interval-ms``: that bounds the request load it adds to the nodes,
+  and is the resolution of this measurement (a refusal is seen up to one
+  interval after it took effect);
 * **decision** — the coordinator's invalidation row (``created_at``, database clock);
 * **command reached the last node** — the node started applying the batch holding it,
   and **applied on the last node** — the node's ``InvalidationHandler.apply_batch``
@@ -39,7 +43,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -79,6 +82,7 @@ from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import build_tiny_model
+from kvledger.net import loopback_listener
 
 NUM_NODES = 2
 AUTH_SCOPE = "kb"
@@ -86,7 +90,7 @@ SECTIONS_PER_DOCUMENT = 6
 """About 10 blocks of 16 tokens per document with the tiny model's tokenizer."""
 JWT_SECRET = "bench-invalidation-secret-of-32-bytes-or-more"
 SUBJECT_KEY = "bench-invalidation-subject-key"
-PROBE_PAUSE_S = 0.002
+IDLE_POLL_S = 0.002
 TIMEOUT_S = 300.0
 FILL_CHUNK_BLOCKS = 500
 """Blocks committed between two publisher flushes while filling. The publisher turns all
@@ -130,8 +134,7 @@ class BenchNode:
         await self.publisher.start(Path(self.settings.data_dir))
         await self.commands.start()
         await asyncio.wait_for(self.commands.replayed.wait(), TIMEOUT_S)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = loopback_listener()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         app = create_app(self.engine, TokenVerifier(self.settings.auth))
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -209,24 +212,37 @@ class _Probes:
     by_miss: int = 0
 
 
-async def _probe(node: BenchNode, token: str, published: list[Published], probes: _Probes, done: asyncio.Event, full_tokens: int, index: int) -> None:
+async def _probe(
+    node: BenchNode,
+    token: str,
+    published: list[Published],
+    probes: _Probes,
+    done: asyncio.Event,
+    full_tokens: int,
+    index: int,
+    interval_s: float,
+) -> None:
     """Follow the newest event on ``node``: send its old version until the node stops serving it, then the next newest.
 
     Never an event older than the last one probed: its refusal would time how long
     it waited to be picked, not the invalidation.
     """
     num_seen = 0
+    loop = asyncio.get_running_loop()
+    next_send = loop.time()
     async with httpx.AsyncClient(base_url=node.url, timeout=60) as client:
         while not done.is_set():
             # Only the cached version hits; probing a later one would build (stale) blocks itself.
             newest = published[-1] if len(published) > num_seen else None
             num_seen = len(published)
             if newest is None or newest.old_version != 1:
-                await asyncio.sleep(PROBE_PAUSE_S)
+                await asyncio.sleep(IDLE_POLL_S)
                 continue
             event = newest
             body = {"model": node.engine.model_name, "messages": [document_message(event.doc_id, event.old_version)], "max_tokens": 1}
             while not done.is_set():
+                await asyncio.sleep(max(0.0, next_send - loop.time()))
+                next_send = loop.time() + interval_s
                 response = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
                 now = time.time()
                 if response.status_code == 409:
@@ -237,7 +253,6 @@ async def _probe(node: BenchNode, token: str, published: list[Published], probes
                 if response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < full_tokens:
                     by_409 = False
                     break
-                await asyncio.sleep(PROBE_PAUSE_S)
             else:
                 return
             if event.measured:
@@ -350,7 +365,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             await asyncio.wait_for(listening.wait(), 60)
             published: list[Published] = []
             for index, node in enumerate(nodes):
-                probers.append(asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index)))
+                probers.append(asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index, args.probe_interval_ms / 1000)))
 
             versions = dict.fromkeys(documents, 1)
             producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
@@ -498,7 +513,7 @@ def render_markdown(args, runs: list[InvalidationRun]) -> str:
             "## Invalidation latency (`kvledger bench invalidation`)",
             "",
             f"Command: `kvledger bench invalidation --runs {args.runs} --rate {args.rate:g} --blocks-per-node {args.blocks_per_node} "
-            f"--events {args.events} --warmup-s {args.warmup_s:g}` on {platform.machine()}, {os.cpu_count()} cores, embedded Postgres + Tansu on the same machine, "
+            f"--events {args.events} --warmup-s {args.warmup_s:g} --probe-interval-ms {args.probe_interval_ms:g}` on {platform.machine()}, {os.cpu_count()} cores, embedded Postgres + Tansu on the same machine, "
             f"coordinator consumers in their own process, {NUM_NODES} nodes (tiny model) in the benchmark process. "
             f"Each node holds {first.blocks_per_node:,} tenant-scope blocks over {first.blocks_per_node / first.blocks_per_event:,.0f} documents "
             f"({first.blocks_per_event:.1f} blocks each); every `DocumentUpdated` (plain aiokafka, raw JSON) supersedes one document. "

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_invalidation.add_argument("--blocks-per-node", type=int, default=10_000)
     bench_invalidation.add_argument("--events", type=int, default=1000, help="measured events")
     bench_invalidation.add_argument("--warmup-s", type=float, default=1.0, help="seconds of unmeasured events before them")
+    bench_invalidation.add_argument(
+        "--probe-interval-ms", type=float, default=50.0, help="least time between two refusal probes of one node"
+    )
     bench_invalidation.add_argument("--database-url")
     bench_invalidation.add_argument("--kafka-bootstrap")
     bench_invalidation.add_argument("--output")

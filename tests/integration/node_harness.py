@@ -9,7 +9,6 @@ them with its own start/stop order and its own view of what the node holds.
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import openai
@@ -23,6 +22,7 @@ from gpu_node.kv_cache_utils import CacheScope, DocumentRef, num_cacheable_block
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
+from kvledger.net import loopback_listener
 
 TIMEOUT_S = 30.0
 
@@ -46,8 +46,7 @@ class Served:
     """An ASGI app on a real uvicorn server in the running loop, on a loopback socket bound before it starts (no port race)."""
 
     def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = loopback_listener()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
         self.task: asyncio.Task | None = None

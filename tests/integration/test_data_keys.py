@@ -40,6 +40,7 @@ from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.remote_keys import NODE_ROLE, CoordinatorKeyProvider, data_key_provider
 from gpu_node.settings import AuthSettings, NodeSettings
+from kvledger.net import loopback_listener
 
 MASTER_KEY = os.urandom(32)
 SUBJECT = SUBJECT_KEY.encode()
@@ -80,8 +81,7 @@ def service(database: Database) -> KeyService:
 @pytest.fixture(scope="module")
 def coordinator_url(settings: CoordinatorSettings) -> Iterator[str]:
     """The real coordinator app under uvicorn on a free loopback port, in a thread with its own event loop."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock = loopback_listener()
     server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", access_log=False))
     thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
     thread.start()

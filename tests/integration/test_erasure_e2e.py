@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, comp
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings, NodeSettings
+from kvledger.net import loopback_listener
 
 BLOCK_SIZE = 16
 TIMEOUT_S = 30.0
@@ -72,8 +72,7 @@ class CoordinatorThread:
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = loopback_listener()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.ready = threading.Event()
         self.error: BaseException | None = None
