@@ -34,7 +34,7 @@ import logging
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
@@ -47,7 +47,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import merkle, metrics, receipts
 from coordinator.db import Database
-from coordinator.invalidation import Decision, decide, live_copies_matching, lock_decisions, matching_blocks
+from coordinator.invalidation import (
+    Decision,
+    begin_ledger_transaction,
+    decide,
+    live_copies_matching,
+    lock_decisions,
+    matching_blocks,
+)
 from coordinator.keys import DataKey, destroy_keys, subject_keys, unwrap_secret, wrap_secret
 from coordinator.models import (
     AuditLogEntry,
@@ -571,13 +578,13 @@ class ErasureService:
     async def _issue(self, erasure_id: uuid.UUID) -> str:
         """The receipt transaction (see the module docstring for its locks)."""
         async with self._database.session() as session, session.begin():
+            now = await begin_ledger_transaction(session)
             await lock_decisions(session)
             erasure = await session.get(Erasure, erasure_id, with_for_update=True, populate_existing=True)
             assert erasure is not None, f"no erasure {erasure_id}"
             if erasure.status == "verified":
                 return erasure.status
             state = await progress(session, erasure)
-            now = (await session.scalar(select(func.now()))).astimezone(UTC)
             if state.resend_needed:
                 decision = await decide(
                     session,

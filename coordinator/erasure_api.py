@@ -23,13 +23,13 @@ from __future__ import annotations
 import collections
 import logging
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import receipts
@@ -45,7 +45,7 @@ from coordinator.erasure import (
     start_erasure,
     tree_head_document,
 )
-from coordinator.invalidation import lock_decisions
+from coordinator.invalidation import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
 from gpu_node.kv_cache_utils import Principal
@@ -115,8 +115,8 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         key = idempotency_key or body.request_id or str(uuid.uuid4())
         try:
             async with session.begin():
+                now = await begin_ledger_transaction(session)
                 await lock_decisions(session)
-                now = (await session.scalar(select(func.now()))).astimezone(UTC)
                 started = await start_erasure(
                     session,
                     subject_key=subject_key.get_secret_value().encode(),

@@ -5,7 +5,9 @@ One polled batch is one database transaction:
 1. every event id goes into ``inbox`` (``ON CONFLICT DO NOTHING RETURNING``): ids
    already there are redeliveries and are skipped, so a replay changes nothing;
 2. the batch's nodes are locked (``FOR UPDATE``, in id order) so two coordinators
-   that briefly own the same partition during a rebalance serialize per node;
+   that briefly own the same partition during a rebalance serialize per node (and
+   with ack batches of those nodes); then the invalidation advisory lock is taken,
+   shared;
 3. events are applied in order. Block and placement changes are accumulated and
    written with bulk statements (``INSERT … ON CONFLICT`` executemany); set-based
    operations (restart, snapshot, inventory) first flush what is accumulated, so
@@ -15,8 +17,8 @@ One polled batch is one database transaction:
 5. blocks stored by the batch whose provenance an earlier invalidation already
    superseded (a *late* ``BlockStored``) get that invalidation re-issued at once
    (:func:`coordinator.invalidation.reissue_for_late_blocks`), still in the same
-   transaction. Batches hold the invalidation advisory lock shared, so no decision
-   interleaves with them (see :mod:`coordinator.invalidation`).
+   transaction. Holding the advisory lock shared, no decision interleaves with the
+   batch (see :mod:`coordinator.invalidation` for the lock order).
 
 Ordering model: records of one node share a partition (key = node id), so they
 arrive in ``seq`` order within an epoch. An event whose ``seq`` is not above the
@@ -46,7 +48,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import inbox, metrics
 from coordinator.db import Database
-from coordinator.invalidation import Decision, lock_ledger_writes, reissue_for_late_blocks
+from coordinator.invalidation import Decision, begin_ledger_transaction, lock_ledger_writes, reissue_for_late_blocks
 from coordinator.models import (
     VOLATILE_TIERS,
     Block,
@@ -173,9 +175,9 @@ class _BatchApplier:
     # -- batch ------------------------------------------------------------------------
 
     async def apply(self, events: list[ConsumedEvent]) -> None:
-        await lock_ledger_writes(self.session)
         fresh_events = await inbox.claim(self.session, events, self.outcomes)
         await self._lock_nodes(fresh_events)
+        await lock_ledger_writes(self.session)
         for envelope in fresh_events:
             self.outcomes[(envelope.type, await self._apply_event(envelope))] += 1
         await self._flush()
@@ -607,7 +609,7 @@ class LedgerIngest:
         async with self._database.session() as session:
             with session.no_autoflush:
                 async with session.begin():
-                    now = (await session.scalar(select(func.now()))).astimezone(UTC)
+                    now = await begin_ledger_transaction(session)
                     applier = _BatchApplier(session, self._inventory_retry_s, now)
                     await applier.apply(events)
         # Metrics only after the commit: a rolled-back batch is redelivered and counted then.

@@ -20,8 +20,13 @@ concurrently could escape both the decision's marking and the batch's late-block
 check (:func:`reissue_for_late_blocks`). Decisions take a transaction-level
 advisory lock exclusively; ledger writers (kv-events batches, ack batches) take it
 shared, so they run concurrently with each other and each waits at most for one
-short decision transaction. Lock order: advisory lock, node rows, placements. The
-one exception is a late-block re-issue inside a kv-events batch, which marks other
+short decision transaction. Lock order: node rows, advisory lock, placements.
+Writers take the advisory lock only once their node rows (and an ack batch's target
+rows) are locked, right before they touch placements: a writer queued behind another
+one's node lock holds nothing a decision waits for, so decisions wait only for the
+writers actually running. Decisions lock no node rows (their foreign-key checks take
+``KEY SHARE``, which the writers' ``NO KEY UPDATE`` does not block). The one exception
+to the order is a late-block re-issue inside a kv-events batch, which marks other
 nodes' placements too; a deadlock that could cause is detected by PostgreSQL, rolls
 the batch back and the consumer re-delivers it, so it costs time, never correctness.
 """
@@ -152,13 +157,19 @@ _COMPLETE_UNTARGETED = text(
 _MARK_PLACEMENTS = text(
     # The same placements each event's ``matching_blocks`` covers; one matched by several
     # decisions of the batch keeps the last one's command id, as deciding them in turn does.
+    # A document's blocks are looked up per document on the (doc_id, version) index, then each
+    # block's tenant by primary key (LATERAL lookups behind ``OFFSET 0`` fences): without
+    # statistics (right after a fill) the planner hashed all of block_documents, or read every
+    # block of the tenant through the tenant index, for each batch.
     "UPDATE placements p SET invalidation_id = m.command_id FROM ("
     " SELECT DISTINCT ON (x.block_hash) x.block_hash, x.command_id FROM ("
     "  SELECT bd.block_hash, d.command_id, d.ord"
     "  FROM unnest(:d_command_ids, :d_tenants, :d_doc_ids, :d_below, :d_ord)"
     " AS d(command_id, tenant_id, doc_id, below, ord)"
-    "  JOIN block_documents bd ON bd.doc_id = d.doc_id AND bd.version < d.below"
-    "  JOIN blocks b ON b.block_hash = bd.block_hash AND b.tenant_id = d.tenant_id"
+    "  CROSS JOIN LATERAL (SELECT block_hash FROM block_documents"
+    " WHERE doc_id = d.doc_id AND version < d.below OFFSET 0) bd"
+    "  CROSS JOIN LATERAL (SELECT tenant_id FROM blocks WHERE block_hash = bd.block_hash OFFSET 0) b"
+    "  WHERE b.tenant_id = d.tenant_id"
     "  UNION ALL"
     "  SELECT ba.block_hash, q.command_id, q.ord"
     "  FROM unnest(:p_command_ids, :p_tenants, :p_scopes, :p_below, :p_ord)"
@@ -237,20 +248,18 @@ _UPDATE_TARGETS = text(
 )
 _DELETE_COPIES = text(
     # A copy listed by several acks of the batch is deleted by the first, as applying them in turn does.
-    # The copies are found by hash alone behind an ``OFFSET 0`` fence: given node, tier and state
-    # too, the planner took the (node, tier, state) index whenever its statistics lagged (right
-    # after a fill) and read every live placement of the node for each batch.
+    # Each copy is probed by its hash alone (a LATERAL lookup behind an ``OFFSET 0`` fence), which only
+    # the (block_hash, ...) unique index serves. Without statistics (right after a fill) the planner
+    # otherwise chose badly: given node, tier and state too, the (node, tier, state) index, reading
+    # every live placement of the node; given ``block_hash = ANY(...)``, a scan of the whole table.
     "UPDATE placements p SET state = 'deleted', reason = 'invalidated',"
-    " invalidation_id = x.command_id, updated_at = :now"
-    " FROM (SELECT c.id, m.command_id"
-    "  FROM (SELECT id, block_hash, node_id, tier, state FROM placements WHERE block_hash = ANY(:hashes) OFFSET 0) c"
-    "  JOIN (SELECT DISTINCT ON (d.node_id, d.tier, d.block_hash) d.node_id, d.tier, d.block_hash, d.command_id"
-    "   FROM unnest(:node_ids, :tiers, :hashes, :command_ids) WITH ORDINALITY"
+    " invalidation_id = m.command_id, updated_at = :now"
+    " FROM (SELECT DISTINCT ON (d.node_id, d.tier, d.block_hash) d.node_id, d.tier, d.block_hash, d.command_id"
+    "  FROM unnest(:node_ids, :tiers, :hashes, :command_ids) WITH ORDINALITY"
     " AS d(node_id, tier, block_hash, command_id, ord)"
-    "   ORDER BY d.node_id, d.tier, d.block_hash, d.ord) m"
-    "  ON c.block_hash = m.block_hash AND c.node_id = m.node_id AND c.tier = m.tier"
-    "  WHERE c.state = 'live') x"
-    " WHERE p.id = x.id AND p.state = 'live' RETURNING p.id"
+    "  ORDER BY d.node_id, d.tier, d.block_hash, d.ord) m"
+    " CROSS JOIN LATERAL (SELECT id, node_id, tier FROM placements WHERE block_hash = m.block_hash OFFSET 0) c"
+    " WHERE p.id = c.id AND c.node_id = m.node_id AND c.tier = m.tier AND p.state = 'live' RETURNING p.id"
 ).bindparams(
     bindparam("now", type_=DateTime(timezone=True)),
     bindparam("node_ids", type_=_TEXTS),
@@ -258,16 +267,9 @@ _DELETE_COPIES = text(
     bindparam("hashes", type_=_BYTEAS),
     bindparam("command_ids", type_=_UUIDS),
 )
-# Both locks also switch the rest of the transaction to custom plans: the batch statements take
-# arrays, which a generic plan of a prepared statement (PostgreSQL switches to one after five runs)
-# cannot see into. Generic plans scanned every live placement for an ack's copy deletion (~200 ms a
-# batch, not ~5) and for a kv-events batch's removals.
-_LOCK_DECISIONS = text(
-    "SELECT pg_advisory_xact_lock(:key), set_config('plan_cache_mode', 'force_custom_plan', true)"
-)
-_LOCK_LEDGER_WRITES = text(
-    "SELECT pg_advisory_xact_lock_shared(:key), set_config('plan_cache_mode', 'force_custom_plan', true)"
-)
+_BEGIN_LEDGER_TRANSACTION = text("SELECT now(), set_config('plan_cache_mode', 'force_custom_plan', true)")
+_LOCK_DECISIONS = text("SELECT pg_advisory_xact_lock(:key)")
+_LOCK_LEDGER_WRITES = text("SELECT pg_advisory_xact_lock_shared(:key)")
 _LOCK_INVALIDATIONS = text(
     "SELECT command_id, status, kind, created_at FROM invalidations WHERE command_id = ANY(:command_ids)"
     " ORDER BY command_id FOR UPDATE"
@@ -296,13 +298,28 @@ IGNORED = "ignored"
 UNEXPECTED = "unexpected"
 
 
+async def begin_ledger_transaction(session: AsyncSession) -> datetime:
+    """First statement of every ledger-writing transaction: returns its database time (``now()``, UTC).
+
+    It also switches the rest of the transaction to custom plans: the batch statements
+    take arrays, which a generic plan of a prepared statement (PostgreSQL switches to one
+    after five runs) cannot see into. Generic plans scanned every live placement for an
+    ack's copy deletion (~200 ms a batch, not ~5) and for a kv-events batch's removals.
+    One round trip for both, before any lock is taken.
+    """
+    return (await session.scalar(_BEGIN_LEDGER_TRANSACTION)).astimezone(UTC)
+
+
 async def lock_decisions(session: AsyncSession) -> None:
     """Exclusive: no kv-events or ack batch is between its start and commit while this transaction decides."""
     await session.execute(_LOCK_DECISIONS, {"key": _DECISION_LOCK_KEY})
 
 
 async def lock_ledger_writes(session: AsyncSession) -> None:
-    """Shared: many ledger writers at once, but never concurrently with a decision (see module docstring)."""
+    """Shared: many ledger writers at once, but never concurrently with a decision.
+
+    Taken after the writer's node rows are locked (lock order in the module docstring).
+    """
     await session.execute(_LOCK_LEDGER_WRITES, {"key": _DECISION_LOCK_KEY})
 
 
@@ -611,7 +628,7 @@ class InvalidationHandler:
     async def _decide_batch(self, events: list[ConsumedEvent]) -> None:
         result = _BatchResult()
         async with self._database.session() as session, session.begin():
-            now = (await session.scalar(select(func.now()))).astimezone(UTC)
+            now = await begin_ledger_transaction(session)
             fresh = await inbox.claim(session, events, result.outcomes)
             deciding = [e for e in fresh if isinstance(e.payload, _DECISION_EVENTS)]
             for envelope in fresh:
@@ -640,11 +657,10 @@ class InvalidationHandler:
     async def _ack_batch(self, events: list[ConsumedEvent]) -> None:
         result = _BatchResult()
         async with self._database.session() as session, session.begin():
-            now = (await session.scalar(select(func.now()))).astimezone(UTC)
+            now = await begin_ledger_transaction(session)
             acks = await inbox.claim(session, events, result.outcomes)
             touched: set[uuid.UUID] = set()
             if acks:
-                await lock_ledger_writes(session)
                 touched = await self._apply_acks(session, acks, now, result)
                 result.completed = await finish_if_acked(session, touched, now)
         _record_metrics(result)
@@ -827,6 +843,8 @@ class InvalidationHandler:
         In ack order, with one statement per step for the whole batch: the targets are
         locked and read at once, folded in order here (a second ack of a target already
         acked is a duplicate, one after a failure replaces it), then written at once.
+        Leaves the ledger-writes lock held (taken before the copies are deleted) for
+        the caller's completion of the commands.
         """
         node_ids = sorted({ack.payload.node_id for ack in acks})
         # Same lock as a kv-events batch of these nodes, so acks and block events of one node serialize.
@@ -883,6 +901,7 @@ class InvalidationHandler:
                     "evidence": [v[2] for v in updates.values()],
                 },
             )
+        await lock_ledger_writes(session)
         if copies:
             deleted = await session.execute(_DELETE_COPIES, {"now": now, **copies})
             result.copies_deleted += len(deleted.all())

@@ -28,7 +28,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.auth import ADMIN, LEDGER_READERS, authorize
 from coordinator.db import request_session
-from coordinator.invalidation import decide, deleted_by, live_copies_matching, lock_decisions, parse_predicate
+from coordinator.invalidation import (
+    begin_ledger_transaction,
+    decide,
+    deleted_by,
+    live_copies_matching,
+    lock_decisions,
+    parse_predicate,
+)
 from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.settings import CoordinatorSettings
 from events.schema import NamespacePredicate
@@ -126,6 +133,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     async def retire_namespace(namespace: str, _: Admin, session: Session) -> JSONResponse:
         """Start draining ``namespace`` (202), or report the retirement already under way or done (200)."""
         async with session.begin():
+            now = await begin_ledger_transaction(session)
             await lock_decisions(session)
             row = await session.get(Namespace, namespace, with_for_update=True)
             if row is None:
@@ -133,7 +141,6 @@ def router(settings: CoordinatorSettings) -> APIRouter:
             serving = (await _serving_nodes(session))[namespace]
             if row.status != "active":
                 return JSONResponse(status_code=200, content=_namespace(row, serving))
-            now = await session.scalar(select(func.now()))
             alive = await session.scalars(
                 select(Node.node_id)
                 .where(
