@@ -573,6 +573,9 @@ class BlockPool:
         self._index: dict[IndexKey, dict[bytes, CacheEntry]] = {}
         self._lru = {tier: LRUEvictionStrategy() for tier in Tier}
         self._num_entries = dict.fromkeys(Tier, 0)
+        # Kept as running totals so stats() is O(1): the engine reads it after every request.
+        self._num_building = 0
+        self._num_disk_bytes = 0
         self._disk_file_bytes: dict[bytes, int] = {}
         # The exact meta bytes this pool wrote into each block file: a disk hit whose authenticated
         # meta equals them needs no JSON parse (same key, namespace and KV format by construction).
@@ -718,6 +721,7 @@ class BlockPool:
                 return None
             entry = CacheEntry(key=key, state=BlockState.BUILDING, last_access=now)
             self._admit(entry)
+            self._num_building += 1
             return entry
 
     def commit_build(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
@@ -744,6 +748,7 @@ class BlockPool:
             now = self._clock()
             ttl_s = self._config.ttl_s[entry.provenance.scope]
             entry.state = BlockState.READY
+            self._num_building -= 1
             entry.last_access = now
             entry.expires_at = None if ttl_s is None else now + ttl_s
             self._place(entry, Tier.DEVICE, slot)
@@ -967,7 +972,7 @@ class BlockPool:
             os.unlink(self._disk_prefix + entry.block_hash.hex() + ".kvb")
         except FileNotFoundError:
             pass
-        self._disk_file_bytes.pop(entry.block_hash, None)
+        self._num_disk_bytes -= self._disk_file_bytes.pop(entry.block_hash, 0)
         self._disk_meta.pop(entry.block_hash, None)
         self._disk_key_ids.pop(entry.block_hash, None)
 
@@ -1178,7 +1183,7 @@ class BlockPool:
                     continue
                 entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
                 self._admit(entry)
-                self._disk_file_bytes[block_hash] = len(data)
+                self._set_disk_file_bytes(block_hash, len(data))
                 self._disk_meta[block_hash] = meta
                 self._remember_key_id(block_hash, data)
                 self._place(entry, Tier.DISK, None)
@@ -1198,12 +1203,12 @@ class BlockPool:
             tier_bytes = {
                 Tier.DEVICE: self._num_entries[Tier.DEVICE] * self._spec.block_bytes,
                 Tier.HOST: self._num_entries[Tier.HOST] * self._spec.block_bytes,
-                Tier.DISK: sum(self._disk_file_bytes.values()),
+                Tier.DISK: self._num_disk_bytes,
             }
             return PoolStats(
                 num_entries=dict(self._num_entries),
                 tier_bytes=tier_bytes,
-                num_building=sum(1 for entry in self._entries.values() if entry.state is BlockState.BUILDING),
+                num_building=self._num_building,
                 num_evictions=self._num_evictions,
                 num_expired=self._num_expired,
                 num_demotions=self._num_demotions,
@@ -1230,8 +1235,13 @@ class BlockPool:
             entry.state = BlockState.EVICTING
             self._lru[entry.tier].remove(entry)
 
+    def _set_disk_file_bytes(self, block_hash: bytes, num_bytes: int) -> None:
+        self._num_disk_bytes += num_bytes - self._disk_file_bytes.get(block_hash, 0)
+        self._disk_file_bytes[block_hash] = num_bytes
+
     def _discard_building(self, entry: CacheEntry) -> None:
         entry.state = BlockState.FAILED
+        self._num_building -= 1
         self._forget(entry)
 
     def _admit(self, entry: CacheEntry) -> None:
@@ -1397,7 +1407,7 @@ class BlockPool:
         """
         if entry.tier is Tier.DISK:
             file_absent = overwrite_and_unlink(self._disk_path(entry.block_hash)) if cleared is None else cleared
-            self._disk_file_bytes.pop(entry.block_hash, None)
+            self._num_disk_bytes -= self._disk_file_bytes.pop(entry.block_hash, 0)
             self._disk_meta.pop(entry.block_hash, None)
             key_id = self._disk_key_ids.pop(entry.block_hash, None)
             encrypted = entry.provenance.scope != CacheScope.PUBLIC
@@ -1438,7 +1448,7 @@ class BlockPool:
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
-        self._disk_file_bytes[entry.block_hash] = len(data)
+        self._set_disk_file_bytes(entry.block_hash, len(data))
         self._disk_meta[entry.block_hash] = meta
         self._remember_key_id(entry.block_hash, data)
         return True

@@ -242,6 +242,7 @@ class PoolMachine(RuleBasedStateMachine):
             Tier.DISK: sum(files.values()),
         }
         assert counts.get(Tier.DEVICE, 0) <= 2 and counts.get(Tier.HOST, 0) <= 2 and counts.get(Tier.DISK, 0) <= 2
+        assert stats.num_building == sum(entry.state is BlockState.BUILDING for entry in self.pool._entries.values())
 
     @invariant()
     def every_placed_block_holds_exactly_its_committed_kv(self) -> None:
