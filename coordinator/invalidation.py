@@ -514,8 +514,18 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
     ]
 
 
-async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID], now: datetime) -> list[float]:
-    """Set each command's status from its targets; returns the latencies (s) of commands completed now.
+@dataclass(slots=True)
+class Finished:
+    """What :func:`finish_if_acked` found: latencies of the commands completed now, and the erasure commands."""
+
+    completed_s: list[float] = field(default_factory=list)
+    subject_command_ids: list[uuid.UUID] = field(default_factory=list)
+    """The commands among those given that carry a subject predicate (erasures and their re-sends),
+    complete or not: only their acks can advance an erasure."""
+
+
+async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID], now: datetime) -> Finished:
+    """Set each command's status from its targets.
 
     ``complete`` when every target acked with verified evidence (a namespace drained
     by it becomes ``retired``), ``failed`` while some target reported an unverified
@@ -523,7 +533,7 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
     """
     ids = sorted(set(command_ids))
     if not ids:
-        return []
+        return Finished()
     rows = (await session.execute(_LOCK_INVALIDATIONS, {"command_ids": ids})).all()
     found = {row.command_id for row in rows}
     missing = [command_id for command_id in ids if command_id not in found]
@@ -532,7 +542,7 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
         row.command_id: (row.pending, row.failed)
         for row in await session.execute(_TARGET_COUNTS, {"command_ids": ids})
     }
-    completed: list[float] = []
+    finished = Finished(subject_command_ids=[row.command_id for row in rows if row.kind == "subject"])
     complete: list[uuid.UUID] = []
     failed: list[uuid.UUID] = []
     namespaces: list[uuid.UUID] = []
@@ -542,7 +552,7 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
         pending, failures = counts.get(row.command_id, (0, 0))
         if pending == 0 and failures == 0:
             complete.append(row.command_id)
-            completed.append((now - row.created_at).total_seconds())
+            finished.completed_s.append((now - row.created_at).total_seconds())
             if row.kind == "namespace":
                 namespaces.append(row.command_id)
         elif failures:
@@ -553,7 +563,7 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
         await session.execute(_FAIL, {"command_ids": failed})
     if namespaces:
         await session.execute(_RETIRE_NAMESPACES, {"now": now, "command_ids": namespaces})
-    return completed
+    return finished
 
 
 _DECISION_EVENTS = (DocumentUpdated, DocumentDeleted, PermissionRevoked, ErasureRequested)
@@ -568,14 +578,14 @@ class ErasureHooks(Protocol):
         """Start the requested erasure in the batch's transaction (decision lock held): outcome and decision."""
 
     async def acks_applied(self, command_ids: Iterable[uuid.UUID]) -> None:
-        """Called after an ack batch committed, with the commands it touched."""
+        """Called after an ack batch committed, with the erasure (subject) commands it touched; often none."""
 
 
 @dataclass(slots=True)
 class _BatchResult:
     outcomes: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     decisions: list[Decision] = field(default_factory=list)
-    completed: list[float] = field(default_factory=list)
+    finished: Finished = field(default_factory=Finished)
     copies_deleted: int = 0
 
 
@@ -585,7 +595,7 @@ def _record_metrics(result: _BatchResult) -> None:
         metrics.INVALIDATION_EVENTS_TOTAL.labels(type=event_type, outcome=outcome).inc(count)
     for decision in result.decisions:
         metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
-    for seconds in result.completed:
+    for seconds in result.finished.completed_s:
         metrics.INVALIDATION_SECONDS.observe(seconds)
     metrics.PLACEMENT_CHANGES_TOTAL.labels(state="deleted", cause="invalidation").inc(result.copies_deleted)
 
@@ -659,12 +669,11 @@ class InvalidationHandler:
         async with self._database.session() as session, session.begin():
             now = await begin_ledger_transaction(session)
             acks = await inbox.claim(session, events, result.outcomes)
-            touched: set[uuid.UUID] = set()
             if acks:
                 touched = await self._apply_acks(session, acks, now, result)
-                result.completed = await finish_if_acked(session, touched, now)
+                result.finished = await finish_if_acked(session, touched, now)
         _record_metrics(result)
-        await self._erasures.acks_applied(touched)
+        await self._erasures.acks_applied(result.finished.subject_command_ids)
 
     # -- decisions -----------------------------------------------------------------
 
