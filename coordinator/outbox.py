@@ -2,8 +2,8 @@
 
 A decision (e.g. "ask node X for an inventory") and the record that carries it are
 written in the *same* database transaction (:func:`outbox_row`), so neither exists
-without the other. :class:`OutboxRelay` publishes unsent rows and stamps
-``sent_at``. Rows are claimed with ``FOR UPDATE SKIP LOCKED``, so any number of
+without the other. :class:`OutboxRelay` stamps unsent rows ``sent_at`` and publishes
+them before it commits. Rows are claimed with ``FOR UPDATE SKIP LOCKED``, so any number of
 coordinator replicas relay concurrently without publishing a row twice in the
 normal case; after a crash between publish and commit a row is published again,
 which consumers absorb through the envelope's ``event_id`` (their inbox).
@@ -15,16 +15,27 @@ import asyncio
 import logging
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import BigInteger, Text, bindparam, text
+from sqlalchemy.dialects.postgresql import JSONB
 
 from coordinator.db import Database
 from coordinator.metrics import OUTBOX_PUBLISHED_TOTAL
-from coordinator.models import OutboxEntry
 from events.kafka import EventProducer
 from events.schema import Envelope
 from events.topics import route
 
 log = logging.getLogger(__name__)
+
+_CLAIM_UNSENT = (
+    text(
+        "UPDATE outbox SET sent_at = now() WHERE id IN ("
+        " SELECT id FROM outbox WHERE sent_at IS NULL ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)"
+        " RETURNING id, topic, key, payload"
+    )
+    .bindparams(bindparam("limit", type_=BigInteger()))
+    .columns(id=BigInteger(), topic=Text(), key=Text(), payload=JSONB())
+)
+"""Claims and stamps a batch in one statement; the stamp is undone if publishing fails (rollback)."""
 
 
 def outbox_row(envelope: Envelope) -> dict[str, Any]:
@@ -51,24 +62,14 @@ class OutboxRelay:
     async def relay_once(self) -> int:
         """Publish one batch of unsent rows and mark them sent; returns how many were published."""
         async with self._database.session() as session, session.begin():
-            rows = (
-                await session.scalars(
-                    select(OutboxEntry)
-                    .where(OutboxEntry.sent_at.is_(None))
-                    .order_by(OutboxEntry.id)
-                    .limit(self._batch_size)
-                    .with_for_update(skip_locked=True)
-                )
-            ).all()
+            claimed = await session.execute(_CLAIM_UNSENT, {"limit": self._batch_size})
+            rows = sorted(claimed.all(), key=lambda row: row.id)
             if not rows:
                 return 0
             envelopes = [Envelope.model_validate(row.payload) for row in rows]
             for row, envelope in zip(rows, envelopes, strict=True):
                 assert route(envelope) == (row.topic, row.key), f"outbox row {row.id} is not routed as its envelope"
             await self._producer.send_many(envelopes)
-            await session.execute(
-                update(OutboxEntry).where(OutboxEntry.id.in_([row.id for row in rows])).values(sent_at=func.now())
-            )
         for row in rows:
             OUTBOX_PUBLISHED_TOTAL.labels(topic=row.topic).inc()
         return len(rows)
