@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
@@ -13,6 +12,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from pool_builders import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from gpu_node.block_pool import (
     METHOD_OVERWRITE_UNLINK,
@@ -33,25 +33,8 @@ from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 
-NS = "ns-test"
-SPEC = KVBlockSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
-NO_TTL = {CacheScope.PUBLIC: None, CacheScope.TENANT: None, CacheScope.USER: None}
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
-
-
-class FakeClock:
-    """A settable time source (plain callable) for TTL tests."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def block_hash(i: int) -> bytes:
-    return hashlib.sha256(f"block-{i}".encode()).digest()
 
 
 def make_key(i: int, scope: CacheScope = PUBLIC, tenant: str = "acme", subject: str = "alice", documents: tuple[str, ...] = (), namespace: str = NS) -> BlockKey:
@@ -64,11 +47,7 @@ def make_key(i: int, scope: CacheScope = PUBLIC, tenant: str = "acme", subject: 
         documents=documents,
         created_at=0.0,
     )
-    return BlockKey(block_hash(i), block_hash(i - 1), i, SPEC.block_size, provenance)
-
-
-def make_kv(i: int) -> torch.Tensor:
-    return torch.arange(SPEC.num_elements, dtype=SPEC.dtype).reshape(SPEC.block_shape) + 1000.0 * (i + 1)
+    return block_key(i, provenance)
 
 
 def make_pool(tmp_path, *, device: int = 4, host: int = 0, disk: int = 0, ttl=None, clock=None, wall_clock=None, keys=None) -> BlockPool:
@@ -80,7 +59,7 @@ def make_pool(tmp_path, *, device: int = 4, host: int = 0, disk: int = 0, ttl=No
         disk_dir=tmp_path / "disk",
         ttl_s=NO_TTL if ttl is None else ttl,
     )
-    clock = clock or FakeClock()
+    clock = clock or FakeClock(1000.0)
     return BlockPool(
         SPEC,
         config,
@@ -217,7 +196,7 @@ def test_commit_without_room_discards(tmp_path):
 
 
 def test_longest_ready_prefix_stops_at_the_first_gap_and_updates_nothing(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     pool = make_pool(tmp_path, device=3, clock=clock)
     entries = [store(pool, i) for i in range(3)]
     hashes = [block_hash(i) for i in range(4)]
@@ -664,7 +643,7 @@ def test_remove_many_reports_and_deletes_exactly_what_removing_one_by_one_does(s
 
 
 def test_the_index_follows_every_admission_and_removal(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     pool = make_pool(tmp_path, device=2, host=1, disk=2, ttl={PUBLIC: None, TENANT: 10.0, USER: None}, clock=clock)
     docs = ("handbook@7", "faq@1")
     for i in range(3):
@@ -1043,7 +1022,7 @@ def test_disk_hit_without_known_meta_is_fully_checked(tmp_path):
 
 
 def test_guarded_builds_are_refused_until_the_guard_expires(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     pool = make_pool(tmp_path, clock=clock)
     pool.guard_builds(lambda provenance: provenance.subject_id == "alice", duration_s=10)
     assert pool.begin_build(make_key(0, scope=USER)) is None

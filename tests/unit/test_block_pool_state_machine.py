@@ -12,7 +12,6 @@ Invariants held after every step:
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 from collections import Counter
@@ -22,6 +21,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from pool_builders import NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from gpu_node.block_pool import (
     BlockMoved,
@@ -38,25 +38,10 @@ from gpu_node.block_pool import (
 )
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
-from gpu_node.kv_spec import KVBlockSpec
 
-NS = "ns-test"
-SPEC = KVBlockSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
 NUM_KEYS = 9
 SUBJECTS = ("alice", "bob")
 TTL_S = {CacheScope.PUBLIC: 50.0, CacheScope.TENANT: 30.0, CacheScope.USER: None}
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def block_hash(i: int) -> bytes:
-    return hashlib.sha256(f"block-{i}".encode()).digest()
 
 
 HASH_INDEX = {block_hash(i): i for i in range(NUM_KEYS)}
@@ -74,11 +59,7 @@ def make_key(i: int) -> BlockKey:
         documents=("handbook@1",) if scope == CacheScope.TENANT else (),
         created_at=0.0,
     )
-    return BlockKey(block_hash(i), block_hash(i - 1), i, SPEC.block_size, provenance)
-
-
-def make_kv(i: int) -> torch.Tensor:
-    return torch.arange(SPEC.num_elements, dtype=SPEC.dtype).reshape(SPEC.block_shape) + 1000.0 * (i + 1)
+    return block_key(i, provenance)
 
 
 indices = st.integers(0, NUM_KEYS - 1)

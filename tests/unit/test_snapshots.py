@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
 
 import pytest
 import torch
+from pool_builders import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from gpu_node.block_pool import BlockPool, BlockStored, PoolConfig, Tier
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
-from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.snapshots import (
     MANIFEST_NAME,
     delete_snapshot,
@@ -23,24 +22,9 @@ from gpu_node.snapshots import (
     write_snapshot,
 )
 
-NS = "ns-test"
-SPEC = KVBlockSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
-NO_TTL = {CacheScope.PUBLIC: None, CacheScope.TENANT: None, CacheScope.USER: None}
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 TENANT_ID, ALICE, BOB = "acme-corp", "alice@example.com", "bob@example.com"
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def block_hash(i: int) -> bytes:
-    return hashlib.sha256(f"block-{i}".encode()).digest()
 
 
 def make_key(i: int, scope: CacheScope = PUBLIC, subject: str = ALICE, namespace: str = NS) -> BlockKey:
@@ -53,11 +37,7 @@ def make_key(i: int, scope: CacheScope = PUBLIC, subject: str = ALICE, namespace
         documents=("handbook@7",) if scope == TENANT else (),
         created_at=0.0,
     )
-    return BlockKey(block_hash(i), block_hash(i - 1), i, SPEC.block_size, provenance)
-
-
-def make_kv(i: int) -> torch.Tensor:
-    return torch.arange(SPEC.num_elements, dtype=SPEC.dtype).reshape(SPEC.block_shape) + 1000.0 * (i + 1)
+    return block_key(i, provenance)
 
 
 def make_pool(root, keys, *, device=2, host=2, disk=2, namespace=NS, ttl=None, clock=None, wall_clock=None) -> BlockPool:
