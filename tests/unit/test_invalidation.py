@@ -75,6 +75,17 @@ def invalidate(predicate) -> schema.Invalidate:
     return schema.Invalidate(command_id=uuid.uuid4(), predicate=predicate, cutoff=datetime.now(UTC))
 
 
+def new_reader() -> Principal:
+    """A reader (scope ``hr``, policy version 1) of a tenant no other test uses."""
+    return Principal(f"t-{uuid.uuid4().hex[:8]}", "alice", frozenset({"hr"}), {"hr": 1})
+
+
+def prompt_keys(engine: AsyncEngine, messages: list[ChatMessage], principal: Principal) -> list:
+    """The block keys a request for ``messages`` computes: the engine's rendering and hashing."""
+    prompt = render_prompt(engine.runner.tokenizer, messages)
+    return compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+
+
 @dataclass
 class World:
     """The test's own model of what is current, independent of the node's registry."""
@@ -96,8 +107,7 @@ async def request(engine: AsyncEngine, world: World, doc_id: str, stale_doc: boo
     if stale is not None:
         return
     num_cached = await cached_tokens(engine, messages, principal)
-    prompt = render_prompt(engine.runner.tokenizer, messages)
-    keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+    keys = prompt_keys(engine, messages, principal)
     for key in keys[: num_cached // BLOCK]:
         for tag in key.provenance.documents:
             tag_doc, _, tag_version = tag.rpartition("@")
@@ -176,15 +186,14 @@ async def test_no_response_uses_blocks_superseded_before_it_started(node, ops):
 async def test_update_removes_old_version_everywhere_and_keeps_the_rest_cached(node):
     """The deterministic core of the property, with exact evidence per tier."""
     engine, handler = node
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    principal = Principal(tenant, "alice", frozenset({"hr"}), {"hr": 1})
+    principal = new_reader()
+    tenant = principal.tenant_id
     old, other = messages_for("d0", 1, 0), messages_for("d1", 1, 0)
     await cached_tokens(engine, old, principal)
     await cached_tokens(engine, other, principal)
     other_hit = await cached_tokens(engine, other, principal)
     assert other_hit > 0
-    prompt = render_prompt(engine.runner.tokenizer, old)
-    keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+    keys = prompt_keys(engine, old, principal)
     doomed = [key.block_hash for key in keys if "d0@1" in key.provenance.documents]
     assert len(doomed) >= 3
     assert engine.pool.demote(doomed[0], Tier.HOST) and engine.pool.demote(doomed[1], Tier.DISK)
@@ -209,15 +218,14 @@ async def test_update_removes_old_version_everywhere_and_keeps_the_rest_cached(n
 async def test_a_batch_attributes_each_block_to_the_commands_that_match_it(node):
     """One pass for three commands: each ack carries exactly its own blocks, in every tier and the snapshot."""
     engine, handler = node
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    principal = Principal(tenant, "alice", frozenset({"hr"}), {"hr": 1})
+    principal = new_reader()
+    tenant = principal.tenant_id
     hashes: dict[str, list[bytes]] = {}
     under_policy_1: set[str] = set()
     for doc_id in ("d0", "d1", "d2"):
         messages = messages_for(doc_id, 1, 0)
         await cached_tokens(engine, messages, principal)
-        prompt = render_prompt(engine.runner.tokenizer, messages)
-        keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+        keys = prompt_keys(engine, messages, principal)
         hashes[doc_id] = [key.block_hash for key in keys if f"{doc_id}@1" in key.provenance.documents]
         under_policy_1 |= {key.block_hash.hex() for key in keys if ("hr", 1) in key.provenance.auth_scopes}
     assert len(engine.pool.ready_entries()) < 64, "nothing was evicted"
@@ -257,12 +265,11 @@ async def test_a_batch_attributes_each_block_to_the_commands_that_match_it(node)
 
 async def test_blocks_held_by_a_reader_are_deleted_on_release_and_reported(node):
     engine, handler = node
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    principal = Principal(tenant, "alice", frozenset({"hr"}), {"hr": 1})
+    principal = new_reader()
+    tenant = principal.tenant_id
     messages = messages_for("d0", 1, 0)
     await cached_tokens(engine, messages, principal)
-    prompt = render_prompt(engine.runner.tokenizer, messages)
-    keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+    keys = prompt_keys(engine, messages, principal)
     held = [entry for entry in engine.pool.longest_ready_prefix([key.block_hash for key in keys]) if "d0@1" in entry.provenance.documents]
     engine.pool.inc_lock_ref(held)
     command = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d0", below_version=2))
@@ -343,12 +350,11 @@ def test_every_block_a_predicate_matches_is_filed_under_its_index_key(predicate,
 async def test_a_command_delivered_twice_in_one_batch_is_applied_once_and_acked_twice(node):
     """A re-published outbox row reaches the node twice; both records get the same evidence, nothing fails."""
     engine, handler = node
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    principal = Principal(tenant, "alice", frozenset({"hr"}), {"hr": 1})
+    principal = new_reader()
+    tenant = principal.tenant_id
     messages = messages_for("d0", 1, 0)
     await cached_tokens(engine, messages, principal)
-    prompt = render_prompt(engine.runner.tokenizer, messages)
-    keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+    keys = prompt_keys(engine, messages, principal)
     doomed = {key.block_hash.hex() for key in keys if "d0@1" in key.provenance.documents}
     command = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d0", below_version=2))
     applied = [evidence async for _, evidence in handler.apply_batch([command, command])]
