@@ -86,6 +86,13 @@ def prompt_keys(engine: AsyncEngine, messages: list[ChatMessage], principal: Pri
     return compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
 
 
+async def cache_document(engine: AsyncEngine, principal: Principal, doc_id: str) -> list:
+    """Serve one question on version 1 of ``doc_id`` (its blocks are cached then); returns the request's block keys."""
+    messages = messages_for(doc_id, 1, 0)
+    await cached_tokens(engine, messages, principal)
+    return prompt_keys(engine, messages, principal)
+
+
 @dataclass
 class World:
     """The test's own model of what is current, independent of the node's registry."""
@@ -223,9 +230,7 @@ async def test_a_batch_attributes_each_block_to_the_commands_that_match_it(node)
     hashes: dict[str, list[bytes]] = {}
     under_policy_1: set[str] = set()
     for doc_id in ("d0", "d1", "d2"):
-        messages = messages_for(doc_id, 1, 0)
-        await cached_tokens(engine, messages, principal)
-        keys = prompt_keys(engine, messages, principal)
+        keys = await cache_document(engine, principal, doc_id)
         hashes[doc_id] = [key.block_hash for key in keys if f"{doc_id}@1" in key.provenance.documents]
         under_policy_1 |= {key.block_hash.hex() for key in keys if ("hr", 1) in key.provenance.auth_scopes}
     assert len(engine.pool.ready_entries()) < 64, "nothing was evicted"
@@ -267,9 +272,7 @@ async def test_blocks_held_by_a_reader_are_deleted_on_release_and_reported(node)
     engine, handler = node
     principal = new_reader()
     tenant = principal.tenant_id
-    messages = messages_for("d0", 1, 0)
-    await cached_tokens(engine, messages, principal)
-    keys = prompt_keys(engine, messages, principal)
+    keys = await cache_document(engine, principal, "d0")
     held = [entry for entry in engine.pool.longest_ready_prefix([key.block_hash for key in keys]) if "d0@1" in entry.provenance.documents]
     engine.pool.inc_lock_ref(held)
     command = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d0", below_version=2))
@@ -352,9 +355,7 @@ async def test_a_command_delivered_twice_in_one_batch_is_applied_once_and_acked_
     engine, handler = node
     principal = new_reader()
     tenant = principal.tenant_id
-    messages = messages_for("d0", 1, 0)
-    await cached_tokens(engine, messages, principal)
-    keys = prompt_keys(engine, messages, principal)
+    keys = await cache_document(engine, principal, "d0")
     doomed = {key.block_hash.hex() for key in keys if "d0@1" in key.provenance.documents}
     command = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d0", below_version=2))
     applied = [evidence async for _, evidence in handler.apply_batch([command, command])]
