@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import contextlib
+import gc
 import logging
 import signal
 import sys
