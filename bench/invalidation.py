@@ -415,6 +415,8 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             late = await connection.fetchval("SELECT count(*) FROM invalidations WHERE trigger = 'late_block'")
 
             async def all_acked() -> bool:
+                if collector[0].done():  # it never returns: an exception, surfaced here rather than as a timeout
+                    collector[0].result()
                 return all(len(acks.get(str(row["command_id"]), {})) == NUM_NODES for row in rows)
 
             await wait(all_acked, "both acks of every command seen", 30)

@@ -55,6 +55,10 @@ class KafkaSettings(BaseModel):
     fetch only when the wait expires (Tansu does) add up to this much to every consumer hop
     (aiokafka's default: 500 ms), and an invalidation crosses three hops before its last ack.
     An idle consumer costs the broker one empty fetch per wait in exchange."""
+    top_up_ms: int = Field(default=10, ge=0)
+    """How long :func:`get_fresh_batch` waits for the records that reached the broker while the
+    previous batch was handled (0: never tops up). About one fetch round trip plus the broker's
+    wait; it is spent only when a poll found its records already buffered."""
 
 
 async def ensure_topics(
@@ -105,6 +109,32 @@ async def _wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], timeou
         if loop.time() >= deadline:
             raise TimeoutError(f"topics not ready after {timeout_s}s: {sorted(set(topics) - ready)}")
         await asyncio.sleep(0.1)
+
+
+async def get_fresh_batch(
+    consumer: AIOKafkaConsumer, *, timeout_ms: int, max_records: int, top_up_ms: int
+) -> dict[TopicPartition, list[ConsumerRecord]]:
+    """``consumer.getmany``, topped up with what reached the broker while the caller was busy.
+
+    aiokafka prefetches, but stops fetching from a broker while records fetched from it
+    wait to be consumed. A consumer whose handling takes longer than a fetch therefore
+    finds, at its next poll, only what arrived in the first moments of the previous
+    batch; everything after waits one more whole batch. So when records are already
+    buffered (a zero-timeout poll returns some), one more poll of at most ``top_up_ms``
+    collects the newer ones: the buffer was just drained, so aiokafka fetches at once.
+    Records a poll had to wait for are fresh and returned as they are. Per partition the
+    top-up's records continue the first poll's, so order holds.
+    """
+    batch = await consumer.getmany(timeout_ms=0, max_records=max_records)
+    if not batch:
+        return await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+    num_records = sum(len(records) for records in batch.values())
+    if top_up_ms == 0 or num_records >= max_records:
+        return batch
+    more = await consumer.getmany(timeout_ms=top_up_ms, max_records=max_records - num_records)
+    for tp, records in more.items():
+        batch[tp] = batch.get(tp, []) + records
+    return batch
 
 
 class EventProducer:
@@ -264,6 +294,7 @@ class BatchConsumer:
         self._dead_letter_counter = dead_letter_counter
         self._max_records = max_records
         self._poll_timeout_ms = poll_timeout_ms
+        self._top_up_ms = settings.top_up_ms
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
         self._consumer = AIOKafkaConsumer(
@@ -310,7 +341,9 @@ class BatchConsumer:
         try:
             while not self._stopping.is_set():
                 try:
-                    batch = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms, max_records=self._max_records)
+                    batch = await get_fresh_batch(
+                        self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms
+                    )
                     if batch:
                         async with self._lock:
                             await self._process(batch)

@@ -49,7 +49,7 @@ from aiokafka.structs import ConsumerRecord
 
 from events import schema, topics
 from events.codec import decode_event
-from events.kafka import EventProducer, KafkaSettings, send_to_dead_letter
+from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockRemoved, IndexKey, PoolEvent, RemovalEvidence, RemovalReason, Tier
@@ -504,6 +504,7 @@ class CommandConsumer:
         self.group_id = f"kvledger-node-{self.node_id}"
         self.replayed = asyncio.Event()
         self._poll_timeout_ms = poll_timeout_ms
+        self._top_up_ms = kafka.top_up_ms
         self._max_records = max_records
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
@@ -557,7 +558,9 @@ class CommandConsumer:
         backoff = self._initial_backoff_s
         while True:
             try:
-                batch = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms, max_records=self._max_records)
+                batch = await get_fresh_batch(
+                    self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms
+                )
                 await self._handle(batch)
                 if not self.replayed.is_set() and not any(batch.values()):
                     await self._check_replayed()

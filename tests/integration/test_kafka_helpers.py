@@ -8,11 +8,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client import REGISTRY
 
 from events.codec import DeadLetter, encode_key
-from events.kafka import BatchConsumer, ConsumedEvent, EventProducer, KafkaSettings, ensure_topics
+from events.kafka import BatchConsumer, ConsumedEvent, EventProducer, KafkaSettings, ensure_topics, get_fresh_batch
 from events.schema import DocumentUpdated, make_event
 from events.topics import DEAD_LETTER, DOCUMENTS
 
@@ -247,6 +247,47 @@ async def test_two_consumers_split_partitions_without_duplicates(
         received = [e for e in recorder.delivered() if e.envelope.event_id in phase_two_ids]
         assert received, "both members received part of phase two"
         assert {TopicPartition(e.topic, e.partition) for e in received} <= assignment
+
+
+async def test_get_fresh_batch_collects_what_arrived_while_the_previous_batch_was_handled(
+    settings: KafkaSettings, unique_name: str
+) -> None:
+    """aiokafka fetches nothing more from a broker while records it fetched wait to be consumed.
+
+    The control shows that (a plain poll finds only the record buffered while the caller was
+    busy); ``get_fresh_batch`` also returns the one produced after it, in partition order.
+    """
+    tp = TopicPartition(unique_name, 0)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap, acks="all")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.bootstrap, enable_auto_commit=False, fetch_max_wait_ms=settings.fetch_max_wait_ms
+    )
+    await producer.start()
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        await consumer.seek_to_end(tp)
+        await consumer.position(tp)
+
+        async def produce_while_busy() -> tuple[int, int]:
+            """One record the consumer buffers, then one produced after it was buffered."""
+            buffered = (await producer.send_and_wait(unique_name, b"buffered", partition=0)).offset
+            await eventually(lambda: (consumer.highwater(tp) or 0) > buffered, what="the first record fetched")
+            later = (await producer.send_and_wait(unique_name, b"later", partition=0)).offset
+            return buffered, later
+
+        buffered, _ = await produce_while_busy()
+        plain = await consumer.getmany(timeout_ms=0)
+        assert [record.offset for record in plain[tp]] == [buffered]
+        await consumer.getmany(timeout_ms=5000)  # the later record, so the next round starts from an empty buffer
+
+        buffered, later = await produce_while_busy()
+        fresh = await get_fresh_batch(consumer, timeout_ms=0, max_records=100, top_up_ms=5000)
+        assert [record.offset for record in fresh[tp]] == [buffered, later]
+        assert [record.value for record in fresh[tp]] == [b"buffered", b"later"]
+    finally:
+        await consumer.stop()
+        await producer.stop()
 
 
 async def test_settings_validation() -> None:
