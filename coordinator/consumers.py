@@ -73,7 +73,13 @@ async def run_consumers(
         subject_key=None if subject_key is None else subject_key.get_secret_value().encode(),
         receipt_keys=ReceiptKeys(settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()),
     )
-    handler = InvalidationHandler(database, erasures=erasures, on_outbox=relay.wake)
+    handler = InvalidationHandler(
+        database,
+        erasures=erasures,
+        on_outbox=relay.wake,
+        publish_leased=relay.publish_leased,
+        outbox_lease_s=settings.ledger.outbox_lease_s,
+    )
     groups = consumer_groups(config.group_id)
     invalidations, acks = (
         kafka.BatchConsumer(

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 from pydantic import TypeAdapter
@@ -190,11 +190,20 @@ _MARK_PLACEMENTS = text(
     bindparam("p_below", type_=_BIGINTS),
     bindparam("p_ord", type_=_BIGINTS),
 )
-_INSERT_OUTBOX = text(
-    "INSERT INTO outbox (topic, key, payload)"
-    " SELECT m.topic, m.key, m.payload::jsonb FROM unnest(:topics, :keys, :payloads)"
-    " WITH ORDINALITY AS m(topic, key, payload, ord) ORDER BY m.ord"
-).bindparams(bindparam("topics", type_=_TEXTS), bindparam("keys", type_=_TEXTS), bindparam("payloads", type_=_TEXTS))
+_INSERT_OUTBOX = (
+    text(
+        "INSERT INTO outbox (topic, key, payload, lease_until)"
+        " SELECT m.topic, m.key, m.payload::jsonb, :lease_until FROM unnest(:topics, :keys, :payloads)"
+        " WITH ORDINALITY AS m(topic, key, payload, ord) ORDER BY m.ord RETURNING id, payload->>'event_id' AS event_id"
+    )
+    .bindparams(
+        bindparam("lease_until", type_=DateTime(timezone=True)),
+        bindparam("topics", type_=_TEXTS),
+        bindparam("keys", type_=_TEXTS),
+        bindparam("payloads", type_=_TEXTS),
+    )
+    .columns(id=BigInteger(), event_id=Text())
+)
 _UPSERT_DOCUMENTS = text(
     "INSERT INTO documents (tenant_id, doc_id, version, deleted, invalidation_id, updated_at)"
     " SELECT m.tenant_id, m.doc_id, m.version, m.deleted, m.invalidation_id, :now"
@@ -585,6 +594,8 @@ class ErasureHooks(Protocol):
 class _BatchResult:
     outcomes: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     decisions: list[Decision] = field(default_factory=list)
+    leased: list[tuple[int, Envelope]] = field(default_factory=list)
+    """Outbox rows (id, command) this process publishes itself once the batch committed."""
     finished: Finished = field(default_factory=Finished)
     copies_deleted: int = 0
 
@@ -610,11 +621,23 @@ class InvalidationHandler:
     """
 
     def __init__(
-        self, database: Database, *, erasures: ErasureHooks, on_outbox: Callable[[], None] | None = None
+        self,
+        database: Database,
+        *,
+        erasures: ErasureHooks,
+        on_outbox: Callable[[], None] | None = None,
+        publish_leased: Callable[[list[tuple[int, Envelope]]], None] | None = None,
+        outbox_lease_s: float = 10.0,
     ) -> None:
+        """``publish_leased`` (the relay's): the document and permission commands are leased in the
+        deciding transaction and handed to it after the commit, instead of waiting for the relay."""
+        if outbox_lease_s <= 0:
+            raise ValueError("outbox_lease_s must be positive")
         self._database = database
         self._erasures = erasures
         self._on_outbox = on_outbox
+        self._publish_leased = publish_leased
+        self._outbox_lease = timedelta(seconds=outbox_lease_s)
 
     async def __call__(self, events: list[ConsumedEvent]) -> None:
         """Decide the batch's user events in one transaction, then apply its acks in another.
@@ -661,7 +684,9 @@ class InvalidationHandler:
                     run.append(envelope)
             await self._decide_many(session, run, now, result)
         _record_metrics(result)
-        if result.decisions and self._on_outbox is not None:
+        if result.leased:
+            self._publish_leased(result.leased)
+        if len(result.decisions) > len(result.leased) and self._on_outbox is not None:
             self._on_outbox()
 
     async def _ack_batch(self, events: list[ConsumedEvent]) -> None:
@@ -797,22 +822,23 @@ class InvalidationHandler:
             )
         }
         await session.execute(_MARK_PLACEMENTS, params)
-        outbox = [
-            outbox_row(
-                make_event(
-                    Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant
-                )
-            )
+        commands = [
+            make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant)
             for _, predicate, command_id in decided
         ]
-        await session.execute(
+        outbox = [outbox_row(command) for command in commands]
+        inserted = await session.execute(
             _INSERT_OUTBOX,
             {
+                "lease_until": None if self._publish_leased is None else now + self._outbox_lease,
                 "topics": [row["topic"] for row in outbox],
                 "keys": [row["key"] for row in outbox],
                 "payloads": [json.dumps(row["payload"]) for row in outbox],
             },
         )
+        if self._publish_leased is not None:
+            row_ids = {row.event_id: row.id for row in inserted}
+            result.leased.extend((row_ids[str(command.event_id)], command) for command in commands)
         if document_ids:
             keys = sorted(document_ids)
             await session.execute(

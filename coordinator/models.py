@@ -255,7 +255,11 @@ class InboxEntry(Base):
 
 
 class OutboxEntry(Base):
-    """A record decided inside a ledger transaction, published to Kafka afterwards by the relay."""
+    """A record decided inside a ledger transaction, published to Kafka afterwards by the relay.
+
+    ``lease_until``: the deciding process publishes the row itself right after its commit;
+    the relay takes it only once the lease ran out (that process died before publishing).
+    """
 
     __tablename__ = "outbox"
     __table_args__ = (Index("ix_outbox_unsent", "id", postgresql_where=text("sent_at IS NULL")),)
@@ -266,6 +270,7 @@ class OutboxEntry(Base):
     payload: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = _now()
     sent_at: Mapped[datetime | None]
+    lease_until: Mapped[datetime | None]
 
 
 class DeadLetterCount(Base):

@@ -7,6 +7,12 @@ them before it commits. Rows are claimed with ``FOR UPDATE SKIP LOCKED``, so any
 coordinator replicas relay concurrently without publishing a row twice in the
 normal case; after a crash between publish and commit a row is published again,
 which consumers absorb through the envelope's ``event_id`` (their inbox).
+
+Invalidation decisions skip the relay's round trip: their transaction leases its rows
+(``lease_until``) and, once it committed, hands them to :meth:`OutboxRelay.publish_leased`,
+which publishes them from memory and then stamps them sent. The relay leaves a leased
+row alone until its lease ran out, so only a process that died in between leaves the
+row to the relay — published a lease later, never lost.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import logging
 from typing import Any
 
 from sqlalchemy import BigInteger, Text, bindparam, text
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from coordinator.db import Database
 from coordinator.metrics import OUTBOX_PUBLISHED_TOTAL
@@ -29,13 +35,17 @@ log = logging.getLogger(__name__)
 _CLAIM_UNSENT = (
     text(
         "UPDATE outbox SET sent_at = now() WHERE id IN ("
-        " SELECT id FROM outbox WHERE sent_at IS NULL ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)"
+        " SELECT id FROM outbox WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < now())"
+        " ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)"
         " RETURNING id, topic, key, payload"
     )
     .bindparams(bindparam("limit", type_=BigInteger()))
     .columns(id=BigInteger(), topic=Text(), key=Text(), payload=JSONB())
 )
 """Claims and stamps a batch in one statement; the stamp is undone if publishing fails (rollback)."""
+_STAMP_LEASED = text("UPDATE outbox SET sent_at = now() WHERE id = ANY(:ids) AND sent_at IS NULL").bindparams(
+    bindparam("ids", type_=ARRAY(BigInteger()))
+)
 
 
 def outbox_row(envelope: Envelope) -> dict[str, Any]:
@@ -55,6 +65,7 @@ class OutboxRelay:
         self._batch_size = batch_size
         self._poll_s = poll_s
         self._wakeup = asyncio.Event()
+        self._publishing_leased: asyncio.Task | None = None
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -74,6 +85,29 @@ class OutboxRelay:
             OUTBOX_PUBLISHED_TOTAL.labels(topic=row.topic).inc()
         return len(rows)
 
+    def publish_leased(self, rows: list[tuple[int, Envelope]]) -> None:
+        """Publish (id, envelope) rows a transaction of this process leased and committed, in the background.
+
+        Each call's rows go out after the previous call's, so commands keep their
+        decision order. A failure only logs: the rows stay unsent and the relay
+        publishes them when their lease runs out.
+        """
+        if rows:
+            self._publishing_leased = asyncio.create_task(self._publish_leased_after(self._publishing_leased, rows))
+
+    async def _publish_leased_after(self, previous: asyncio.Task | None, rows: list[tuple[int, Envelope]]) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        try:
+            await self._producer.send_many([envelope for _, envelope in rows])
+            async with self._database.session() as session, session.begin():
+                await session.execute(_STAMP_LEASED, {"ids": [row_id for row_id, _ in rows]})
+        except Exception as exc:  # noqa: BLE001 - the relay takes the rows over once their lease ran out
+            log.warning("publishing %d leased outbox rows failed (%s); the relay will", len(rows), type(exc).__name__)
+            return
+        for _, envelope in rows:
+            OUTBOX_PUBLISHED_TOTAL.labels(topic=route(envelope)[0]).inc()
+
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set. Failures (broker or database down) are retried, never fatal."""
         while not stop.is_set():
@@ -88,3 +122,9 @@ class OutboxRelay:
             for waiter in waiters:
                 waiter.cancel()
             await asyncio.gather(*waiters, return_exceptions=True)
+        await self.finish_leased()
+
+    async def finish_leased(self) -> None:
+        """Wait until every row handed to :meth:`publish_leased` was published (or given up on)."""
+        if self._publishing_leased is not None:
+            await asyncio.gather(self._publishing_leased, return_exceptions=True)

@@ -96,6 +96,10 @@ class LedgerSettings(BaseModel):
     inventory_retry_s: float = Field(60.0, gt=0)
     outbox_poll_s: float = Field(0.5, gt=0)
     outbox_batch_size: int = Field(100, ge=1)
+    outbox_lease_s: float = Field(10.0, gt=0)
+    """How long the relay leaves a decision's commands to the deciding process, which
+    publishes them right after its commit; only if that process died first does the
+    relay publish them, this much later."""
 
 
 class KeySettings(BaseModel):

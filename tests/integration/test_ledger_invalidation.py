@@ -20,7 +20,7 @@ import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -42,6 +42,7 @@ from coordinator.models import (
     InvalidationTarget,
     Namespace,
     Node,
+    OutboxEntry,
     Placement,
     Policy,
 )
@@ -251,6 +252,20 @@ async def test_document_update_from_a_plain_producer(
     key, command = await _command(settings.kafka.bootstrap, command_id)
     assert key == b"*"
     assert command.predicate.model_dump() == predicate and command.cutoff == invalidation.cutoff
+
+    # Published by the deciding process itself (leased in the decision), then stamped sent.
+    async def outbox_entry() -> OutboxEntry | None:
+        async with database.session() as session:
+            return await session.scalar(
+                select(OutboxEntry).where(OutboxEntry.payload["payload"]["command_id"].astext == str(command_id))
+            )
+
+    async def sent() -> bool:
+        return (await outbox_entry()).sent_at is not None
+
+    await eventually(sent, what="the command's outbox row to be stamped sent")
+    entry = await outbox_entry()
+    assert entry.lease_until == invalidation.cutoff + timedelta(seconds=settings.ledger.outbox_lease_s)
 
     # Only the old version's copies are marked for deletion.
     marks = {k: v[2] for k, v in (await _placements(database, {a.node_id, b.node_id})).items()}
