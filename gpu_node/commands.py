@@ -482,7 +482,8 @@ class CommandConsumer:
     it has consumed up to them, sets ``engine.ready`` — never earlier. The
     commands of one poll are applied in order, each ack published (batched by
     the producer) once its command is applied, and the offsets committed once
-    per poll after all its acks; a failure acks what was applied, seeks back and
+    per poll after all its acks — in the background, while the next poll's
+    commands are applied; a failure acks what was applied, seeks back and
     retries after a backoff, never skipping a command (see :meth:`_handle`). Malformed records go to the dead-letter topic.
     """
 
@@ -521,7 +522,11 @@ class CommandConsumer:
         # Records handled in this run whose offsets are not committed yet → the ack to publish (None: no ack).
         self._unacked: dict[tuple[TopicPartition, int], schema.Envelope | None] = {}
         self._end_offsets: dict[TopicPartition, int] = {}
+        # Per partition, the offset after the last record handled in this run (see _rewind).
+        self._handled_upto: dict[TopicPartition, int] = {}
         self._task: asyncio.Task | None = None
+        # The latest poll's acks and offset commit, chained after the previous poll's (see _handle).
+        self._flushing: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Assign every partition, note what was applied before and where the log ends, start consuming.
@@ -540,6 +545,7 @@ class CommandConsumer:
             for tp in assigned:
                 self._committed[tp] = await self._consumer.committed(tp) or 0
             await self._consumer.seek_to_beginning(*assigned)
+            self._handled_upto = await self._consumer.beginning_offsets(assigned)
             self._end_offsets = await self._consumer.end_offsets(assigned)
         except BaseException:
             await self._consumer.stop()
@@ -547,10 +553,15 @@ class CommandConsumer:
             raise
         self._task = asyncio.create_task(self._run(), name=f"commands-{self.node_id}")
 
-    async def stop(self) -> None:
+    async def stop(self, flush_timeout_s: float = 10.0) -> None:
+        """Stop consuming; the acks and commit in flight get ``flush_timeout_s`` to finish (else they are redone next start)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._flushing is not None:
+            await asyncio.wait({self._flushing}, timeout=flush_timeout_s)
+            self._flushing.cancel()
+            await asyncio.gather(self._flushing, return_exceptions=True)
         await self._consumer.stop()
         await self._producer.stop()
 
@@ -558,6 +569,7 @@ class CommandConsumer:
         backoff = self._initial_backoff_s
         while True:
             try:
+                self._raise_if_flush_failed()
                 batch = await get_fresh_batch(
                     self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms
                 )
@@ -593,40 +605,49 @@ class CommandConsumer:
         Consecutive commands to apply are applied together
         (:meth:`InvalidationHandler.apply_batch`). An ack is handed to the
         producer right after its command was applied (never before), without
-        waiting for the broker: the producer batches those that accumulate. After the
-        batch every ack is awaited, then the offsets are committed once per
-        partition — so an offset is committed only after every ack below it was
-        published. On a failed command the acks of the commands applied before
-        it are still awaited and committed, and every partition rewinds to its
-        first record not committed: the failed command is retried, none is
-        skipped. A command applied but not acked (its ack could not be
-        published) is not applied again on the retry; its ack, kept in
-        ``_unacked`` with the evidence of the application, is sent again.
+        waiting for the broker: the producer batches those that accumulate. Then a
+        flush task awaits the batch's acks and commits its offsets once per
+        partition, after the previous batch's flush — so an offset is committed
+        only after every ack below it was published — while the node goes on to
+        the next poll: waiting for the broker twice per batch would hold back
+        every command behind it. A failed flush is raised at the next poll
+        (:meth:`_raise_if_flush_failed`). On a failed command the acks of the
+        commands applied before it are still awaited and committed. After any
+        failure every partition rewinds to its committed offset: the failed
+        command is retried, none is skipped. A command applied but not acked (its
+        ack could not be published) is not applied again on the retry; its ack,
+        kept in ``_unacked`` with the evidence of the application, is sent again.
         """
-        first = {tp: records[0].offset for tp, records in batch.items() if records}
         handled: dict[TopicPartition, int] = {}
         sending: list[asyncio.Task] = []
         try:
             for tp, records in batch.items():
                 await self._handle_partition(tp, records, handled, sending)
         except Exception:
+            self._handled_upto.update(handled)
             try:
-                await self._flush(sending, handled)
+                await self._flush_after(self._flushing, sending, handled)
             except Exception:  # noqa: BLE001 - the command's failure is the one raised
                 log.debug("acks after a failed command could not be published", exc_info=True)
-                handled = {}
-            self._rewind(first, handled)
+            self._flushing = None
+            self._rewind()
             raise
-        except BaseException:  # cancelled (stop): nothing more is awaited
+        except BaseException:  # cancelled (stop): earlier batches' flushes are left to stop()
             for task in sending:
                 task.cancel()
-            self._rewind(first, {})
             raise
-        try:
-            await self._flush(sending, handled)
-        except BaseException:
-            self._rewind(first, {})
-            raise
+        self._handled_upto.update(handled)
+        if sending or handled:
+            self._flushing = asyncio.create_task(self._flush_after(self._flushing, sending, handled))
+
+    def _raise_if_flush_failed(self) -> None:
+        """Raise the failure of the last flush, if it failed, after rewinding to what is committed."""
+        if self._flushing is None or not self._flushing.done():
+            return
+        flushing, self._flushing = self._flushing, None
+        if flushing.exception() is not None:
+            self._rewind()
+            raise flushing.exception()
 
     async def _handle_partition(
         self,
@@ -687,10 +708,28 @@ class CommandConsumer:
                     sum(item.removed for item in evidence),
                 )
 
-    def _rewind(self, first: dict[TopicPartition, int], done: dict[TopicPartition, int]) -> None:
-        """Seek every partition of a batch back to its first record not handled and committed (``done``: up to)."""
-        for tp, offset in first.items():
-            self._consumer.seek(tp, done.get(tp, offset))
+    def _rewind(self) -> None:
+        """After a failure, seek every partition back to its first record neither handled in this run nor committed.
+
+        Records from the committed offset on are handled again: the applied ones are only
+        acked again (``_unacked``). One still being replayed below its committed offset
+        resumes at its first record not yet handled, so none of those is skipped either.
+        """
+        for tp, handled_upto in self._handled_upto.items():
+            self._handled_upto[tp] = min(handled_upto, self._committed[tp])
+            self._consumer.seek(tp, self._handled_upto[tp])
+
+    async def _flush_after(
+        self, previous: asyncio.Task | None, sending: list[asyncio.Task], handled: dict[TopicPartition, int]
+    ) -> None:
+        """:meth:`_flush` once ``previous`` (the flush of the batch before) succeeded; its failure fails this one too."""
+        if previous is not None:
+            try:
+                await previous
+            except BaseException:
+                await asyncio.gather(*sending, return_exceptions=True)
+                raise
+        await self._flush(sending, handled)
 
     async def _flush(self, sending: list[asyncio.Task], handled: dict[TopicPartition, int]) -> None:
         """Wait until every ack in flight was published, then commit what was handled."""

@@ -292,3 +292,43 @@ async def test_a_command_that_fails_is_retried_and_nothing_after_it_is_skipped(m
         assert num_handler_failures() == failures_before + 1
     finally:
         await node.stop()
+
+
+async def test_an_ack_that_could_not_be_published_is_sent_again_without_applying_twice(make_settings, kafka_bootstrap):
+    """Fault injection in the node's ack producer: the first ack fails. Acks and offset commits run in the
+    background while the next commands are applied; the failure surfaces at the next poll, the node rewinds
+    to its committed offset, and the command is acked with the evidence of its one application."""
+    node = await Node(make_settings("p")).start()
+    tenants = [f"acme-{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    applied: list[uuid.UUID] = []
+    real_apply_batch = node.commands.handler.apply_batch
+    real_send = node.commands._producer.send
+    num_sends = 0
+
+    async def apply_batch_counted(commands):
+        async for command, evidence in real_apply_batch(commands):
+            applied.append(command.command_id)
+            yield command, evidence
+
+    async def send_failing_first(envelope, **options):
+        nonlocal num_sends
+        num_sends += 1
+        if num_sends == 1:
+            raise ConnectionError("injected: broker unreachable")
+        return await real_send(envelope, **options)
+
+    node.commands.handler.apply_batch = apply_batch_counted
+    node.commands._producer.send = send_failing_first
+    try:
+        holdings = {}
+        for tenant in tenants:
+            await node.cached(token(tenant), chat("handbook", 1))
+            holdings[tenant] = node.holdings(block_predicate(schema.TenantPredicate(tenant=tenant), datetime.now(UTC), KEY))
+            assert holdings[tenant]
+        commands = [await publish(kafka_bootstrap, schema.TenantPredicate(tenant=tenant), tenant) for tenant in tenants]
+        acks = [(await acks_for(kafka_bootstrap, command.command_id, {node.node_id}))[node.node_id] for command in commands]
+        assert [evidence_set(ack) for ack in acks] == [holdings[tenant] for tenant in tenants]
+        assert sorted(applied) == sorted(command.command_id for command in commands)
+        assert num_sends >= 3, "the failed ack was sent again"
+    finally:
+        await node.stop()
