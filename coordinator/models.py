@@ -213,8 +213,10 @@ class Placement(Base):
     epoch: Mapped[int] = mapped_column(BigInteger)
     reason: Mapped[str | None]
     updated_at: Mapped[datetime] = _now()
-    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
-    """The last command that matched this copy: live = deletion pending, deleted = deleted by it."""
+    invalidation_id: Mapped[uuid.UUID | None]
+    """The last command that matched this copy: live = deletion pending, deleted = deleted by it.
+    Not a foreign key: a decision marks hundreds of copies at once and the per-row check
+    was half of that statement (migration 0006); only ids of existing commands are written."""
 
 
 class Document(Base):
