@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import platform
@@ -79,7 +78,7 @@ from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
-from gpu_node.server import make_publisher
+from gpu_node.server import make_publisher, tune_interpreter
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import build_tiny_model
 from kvledger.net import loopback_listener
@@ -323,7 +322,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
         try:
             for node in nodes:
                 await node.start()
-            gc.freeze()  # as gpu_node.server.serve does once its engine started
+            tune_interpreter()  # as gpu_node.server.serve does once its engine started
             node_ids = [node.settings.node_id for node in nodes]
 
             async def registered() -> bool:
