@@ -57,7 +57,7 @@ async def run_consumers(
     """
     config = kafka_settings(settings)
     await kafka.ensure_topics(config)
-    database = Database(settings.database)
+    database = Database(settings.database, pre_ping=False)
     producer = kafka.EventProducer(config)
     tally = DeadLetterTally()
     relay = OutboxRelay(

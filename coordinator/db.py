@@ -18,13 +18,17 @@ from coordinator.settings import DatabaseSettings
 
 
 class Database:
-    def __init__(self, settings: DatabaseSettings) -> None:
+    def __init__(self, settings: DatabaseSettings, *, pre_ping: bool = True) -> None:
+        """``pre_ping``: test every connection with a round trip when it is checked out, so a
+        connection the server dropped (a restart) fails no request. The consumers turn it off:
+        every ledger transaction of theirs paid that round trip, and a batch that meets a dropped
+        connection is retried anyway (SQLAlchemy then replaces the whole pool's connections)."""
         self.engine: AsyncEngine = create_async_engine(
             settings.url.get_secret_value(),
             pool_size=settings.pool_size,
             max_overflow=settings.max_overflow,
             pool_timeout=settings.pool_timeout_s,
-            pool_pre_ping=True,
+            pool_pre_ping=pre_ping,
         )
         self.sessionmaker: async_sessionmaker[AsyncSession] = async_sessionmaker(self.engine, expire_on_commit=False)
 

@@ -28,7 +28,7 @@ import uvicorn
 from aiokafka import AIOKafkaProducer
 from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
 from prometheus_client import REGISTRY
-from sqlalchemy import func, inspect, pool, select
+from sqlalchemy import func, inspect, pool, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator import migrate
@@ -53,6 +53,7 @@ from events.schema import (
     BlockStored,
     CommandAck,
     DocumentDeleted,
+    DocumentUpdated,
     Invalidate,
     NodeStarted,
     PermissionRevoked,
@@ -545,6 +546,31 @@ async def test_publish_cli(coordinator, database: Database, settings, capsys: py
     assert "version" in capsys.readouterr().err
     bad_id = {"subject": "s", "reason": "r", "erasure_id": "not-a-uuid"}
     assert await asyncio.to_thread(run, "erasure-requested", **bad_id) == 2
+
+
+async def test_decisions_survive_the_database_dropping_every_connection(
+    coordinator, database: Database, producer: EventProducer, uid: str
+) -> None:
+    """As after a failover: the consumers do not test connections on checkout, so the batch that
+    meets a dropped one fails and is retried on fresh connections — nothing is lost."""
+    tenant = f"drop-{uid}"
+
+    async def decided(version: int) -> Invalidation:
+        event = make_event(DocumentUpdated(doc_id="handbook", version=version), tenant_id=tenant)
+        await producer.send(event)
+        return await _one_invalidation(database, source_event_id=event.event_id)
+
+    await decided(2)
+    async with database.session() as session:
+        dropped = await session.scalar(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        )
+    assert dropped >= 1, "the consumers hold pooled connections"
+    invalidation = await decided(3)
+    assert invalidation.predicate["below_version"] == 3
 
 
 async def test_api_auth_shapes_and_listing(
