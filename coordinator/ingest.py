@@ -7,7 +7,7 @@ One polled batch is one database transaction:
 2. the batch's nodes are locked (``FOR UPDATE``, in id order) so two coordinators
    that briefly own the same partition during a rebalance serialize per node (and
    with ack batches of those nodes); then the invalidation advisory lock is taken,
-   shared;
+   shared — unless every event only removes copies or beats (:data:`_ADD_NO_COPIES`);
 3. events are applied in order. Block and placement changes are accumulated and
    written with bulk statements (``INSERT … ON CONFLICT`` executemany); set-based
    operations (restart, snapshot, inventory) first flush what is accumulated, so
@@ -84,6 +84,10 @@ from events.schema import (
 log = logging.getLogger(__name__)
 
 PLACEMENT_CONSTRAINT = "uq_placements_block_hash_node_id_tier_snapshot_id"
+_ADD_NO_COPIES = (BlockRemoved, SnapshotDeleted, NodeHeartbeat)
+"""Events that never add a copy to the ledger: a batch of only these cannot hide a copy from a
+concurrent decision, so it does not take the ledger-writes lock and no decision waits for it
+(most batches while an invalidation runs: the nodes report what they removed)."""
 
 _INSERT_BLOCKS = text(
     """
@@ -177,7 +181,8 @@ class _BatchApplier:
     async def apply(self, events: list[ConsumedEvent]) -> None:
         fresh_events = await inbox.claim(self.session, events, self.outcomes)
         await self._lock_nodes(fresh_events)
-        await lock_ledger_writes(self.session)
+        if not all(isinstance(envelope.payload, _ADD_NO_COPIES) for envelope in fresh_events):
+            await lock_ledger_writes(self.session)
         for envelope in fresh_events:
             self.outcomes[(envelope.type, await self._apply_event(envelope))] += 1
         await self._flush()

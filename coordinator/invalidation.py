@@ -20,7 +20,8 @@ concurrently could escape both the decision's marking and the batch's late-block
 check (:func:`reissue_for_late_blocks`). Decisions take a transaction-level
 advisory lock exclusively; ledger writers (kv-events batches, ack batches) take it
 shared, so they run concurrently with each other and each waits at most for one
-short decision transaction. Lock order: node rows, advisory lock, placements.
+short decision transaction. A kv-events batch that only removes copies (or only
+beats) adds nothing a decision could miss and takes no advisory lock at all. Lock order: node rows, advisory lock, placements.
 Writers take the advisory lock only once their node rows (and an ack batch's target
 rows) are locked, right before they touch placements: a writer queued behind another
 one's node lock holds nothing a decision waits for, so decisions wait only for the

@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.db import Database
-from coordinator.invalidation import ANY_VERSION
+from coordinator.invalidation import ANY_VERSION, lock_decisions
 from coordinator.models import (
     DeadLetterCount,
     Document,
@@ -50,6 +50,7 @@ from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_key
 from events.kafka import EventProducer
 from events.schema import (
+    BlockRemoved,
     BlockStored,
     CommandAck,
     DocumentDeleted,
@@ -57,6 +58,7 @@ from events.schema import (
     Invalidate,
     NodeStarted,
     PermissionRevoked,
+    RemovedBlock,
     TierEvidence,
     make_event,
     parse_event,
@@ -546,6 +548,44 @@ async def test_publish_cli(coordinator, database: Database, settings, capsys: py
     assert "version" in capsys.readouterr().err
     bad_id = {"subject": "s", "reason": "r", "erasure_id": "not-a-uuid"}
     assert await asyncio.to_thread(run, "erasure-requested", **bad_id) == 2
+
+
+async def test_a_removals_only_batch_does_not_wait_for_a_decision_but_a_store_does(
+    coordinator, database: Database, producer: EventProducer, uid: str
+) -> None:
+    """A deciding transaction holds the advisory lock: a node's removals are applied meanwhile
+    (they cannot hide a copy from the decision), a new copy only once the decision committed."""
+    node = Node_(producer, f"lock-{uid}")
+    kept, removed, added = (stored(f"{uid}/{label}", "device") for label in ("kept", "removed", "added"))
+    await node.start()
+    await node.store(kept, removed)
+    await _nodes_applied(database, node)
+
+    async def live() -> set[str]:
+        rows = await _placements(database, {node.node_id})
+        return {block for (block, _, _), (state, _, _) in rows.items() if state == "live"}
+
+    async with database.session() as deciding, deciding.begin():
+        await lock_decisions(deciding)
+        node.seq += 1
+        await producer.send(
+            make_event(
+                BlockRemoved(
+                    node_id=node.node_id,
+                    epoch=node.epoch,
+                    seq=node.seq,
+                    blocks=[RemovedBlock(block_hash=removed.block_hash, tier="device")],
+                    reason="evicted",
+                )
+            )
+        )
+        await _nodes_applied(database, node)
+        assert await live() == {kept.block_hash}
+        await node.store(added)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(_nodes_applied(database, node), timeout=1.0)
+    await _nodes_applied(database, node)
+    assert await live() == {kept.block_hash, added.block_hash}
 
 
 async def test_decisions_survive_the_database_dropping_every_connection(
