@@ -133,106 +133,106 @@ _LOAD_POLICIES = text(
     " JOIN unnest(:tenants, :keys)"
     " AS k(tenant_id, auth_scope) ON p.tenant_id = k.tenant_id AND p.auth_scope = k.auth_scope"
 ).bindparams(bindparam("tenants", type_=_TEXTS), bindparam("keys", type_=_TEXTS))
-_INSERT_INVALIDATIONS = text(
-    "INSERT INTO invalidations (command_id, kind, predicate, cutoff, trigger, source_event_id,"
-    " requested_at, created_at)"
-    " SELECT m.command_id, m.kind, m.predicate::jsonb, :now, 'event', m.source_event_id, m.requested_at, :now"
-    " FROM unnest(:command_ids, :kinds, :predicates, :source_event_ids, :requested_at)"
-    " WITH ORDINALITY AS m(command_id, kind, predicate, source_event_id, requested_at, ord) ORDER BY m.ord"
-).bindparams(
-    bindparam("now", type_=DateTime(timezone=True)),
-    bindparam("command_ids", type_=_UUIDS),
-    bindparam("kinds", type_=_TEXTS),
-    bindparam("predicates", type_=_TEXTS),
-    bindparam("source_event_ids", type_=_UUIDS),
-    bindparam("requested_at", type_=_TIMES),
-)
-_INSERT_TARGETS = text(
-    "INSERT INTO invalidation_targets (command_id, node_id)"
-    " SELECT m.command_id, n.node_id FROM unnest(:command_ids) WITH ORDINALITY AS m(command_id, ord)"
-    " CROSS JOIN nodes n ORDER BY m.ord, n.node_id RETURNING command_id"
-).bindparams(bindparam("command_ids", type_=_UUIDS)).columns(command_id=Uuid())
 _COMPLETE_UNTARGETED = text(
     "UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)"
 ).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
-_MARK_PLACEMENTS = text(
-    # The same placements each event's ``matching_blocks`` covers; one matched by several
-    # decisions of the batch keeps the last one's command id, as deciding them in turn does.
-    # A document's blocks are looked up per document on the (doc_id, version) index, then each
-    # block's tenant by primary key (LATERAL lookups behind ``OFFSET 0`` fences): without
-    # statistics (right after a fill) the planner hashed all of block_documents, or read every
-    # block of the tenant through the tenant index, for each batch.
-    "UPDATE placements p SET invalidation_id = m.command_id FROM ("
-    " SELECT DISTINCT ON (x.block_hash) x.block_hash, x.command_id FROM ("
-    "  SELECT bd.block_hash, d.command_id, d.ord"
-    "  FROM unnest(:d_command_ids, :d_tenants, :d_doc_ids, :d_below, :d_ord)"
-    " AS d(command_id, tenant_id, doc_id, below, ord)"
-    "  CROSS JOIN LATERAL (SELECT block_hash FROM block_documents"
-    " WHERE doc_id = d.doc_id AND version < d.below OFFSET 0) bd"
-    "  CROSS JOIN LATERAL (SELECT tenant_id FROM blocks WHERE block_hash = bd.block_hash OFFSET 0) b"
-    "  WHERE b.tenant_id = d.tenant_id"
-    "  UNION ALL"
-    "  SELECT ba.block_hash, q.command_id, q.ord"
-    "  FROM unnest(:p_command_ids, :p_tenants, :p_scopes, :p_below, :p_ord)"
-    " AS q(command_id, tenant_id, auth_scope, below, ord)"
-    "  JOIN block_auth_scopes ba ON ba.auth_scope = q.auth_scope AND ba.policy_version < q.below"
-    "  JOIN blocks b ON b.block_hash = ba.block_hash AND b.tenant_id = q.tenant_id"
-    " ) x ORDER BY x.block_hash, x.ord DESC"
-    ") m WHERE p.block_hash = m.block_hash AND p.state = 'live'"
-).bindparams(
-    bindparam("d_command_ids", type_=_UUIDS),
-    bindparam("d_tenants", type_=_TEXTS),
-    bindparam("d_doc_ids", type_=_TEXTS),
-    bindparam("d_below", type_=_BIGINTS),
-    bindparam("d_ord", type_=_BIGINTS),
-    bindparam("p_command_ids", type_=_UUIDS),
-    bindparam("p_tenants", type_=_TEXTS),
-    bindparam("p_scopes", type_=_TEXTS),
-    bindparam("p_below", type_=_BIGINTS),
-    bindparam("p_ord", type_=_BIGINTS),
-)
-_INSERT_OUTBOX = (
+_DECIDE = (
     text(
-        "INSERT INTO outbox (topic, key, payload, lease_until)"
-        " SELECT m.topic, m.key, m.payload::jsonb, :lease_until FROM unnest(:topics, :keys, :payloads)"
-        " WITH ORDINALITY AS m(topic, key, payload, ord) ORDER BY m.ord RETURNING id, payload->>'event_id' AS event_id"
+        # Every write of a batch of document/permission decisions in one statement (one round trip,
+        # not six, inside the transaction every invalidation waits for). Data-modifying CTEs all run
+        # to completion on one snapshot; the foreign keys to the new invalidations are checked at the
+        # end of the statement, when they exist. A decision with no registered node to wait for is
+        # complete at once.
+        "WITH decided AS ("
+        "  INSERT INTO invalidations (command_id, kind, predicate, cutoff, trigger, source_event_id,"
+        "  requested_at, created_at, status, completed_at)"
+        "  SELECT m.command_id, m.kind, m.predicate::jsonb, :now, 'event', m.source_event_id, m.requested_at, :now,"
+        "  CASE WHEN n.num_nodes = 0 THEN 'complete' ELSE 'pending' END, CASE WHEN n.num_nodes = 0 THEN :now END"
+        "  FROM unnest(:command_ids, :kinds, :predicates, :source_event_ids, :requested_at)"
+        "  WITH ORDINALITY AS m(command_id, kind, predicate, source_event_id, requested_at, ord)"
+        "  CROSS JOIN (SELECT count(*) AS num_nodes FROM nodes) n ORDER BY m.ord RETURNING command_id"
+        "), targets AS ("
+        "  INSERT INTO invalidation_targets (command_id, node_id)"
+        "  SELECT m.command_id, n.node_id FROM unnest(:command_ids) WITH ORDINALITY AS m(command_id, ord)"
+        "  CROSS JOIN nodes n ORDER BY m.ord, n.node_id RETURNING command_id"
+        "), marked AS ("
+        # The same placements each event's ``matching_blocks`` covers; one matched by several
+        # decisions of the batch keeps the last one's command id, as deciding them in turn does.
+        # A document's blocks are looked up per document on the (doc_id, version) index, then each
+        # block's tenant by primary key (LATERAL lookups behind ``OFFSET 0`` fences): without
+        # statistics (right after a fill) the planner hashed all of block_documents, or read every
+        # block of the tenant through the tenant index, for each batch.
+        "  UPDATE placements p SET invalidation_id = m.command_id FROM ("
+        "  SELECT DISTINCT ON (x.block_hash) x.block_hash, x.command_id FROM ("
+        "   SELECT bd.block_hash, d.command_id, d.ord"
+        "   FROM unnest(:d_command_ids, :d_tenants, :d_doc_ids, :d_below, :d_ord)"
+        "   AS d(command_id, tenant_id, doc_id, below, ord)"
+        "   CROSS JOIN LATERAL (SELECT block_hash FROM block_documents"
+        "   WHERE doc_id = d.doc_id AND version < d.below OFFSET 0) bd"
+        "   CROSS JOIN LATERAL (SELECT tenant_id FROM blocks WHERE block_hash = bd.block_hash OFFSET 0) b"
+        "   WHERE b.tenant_id = d.tenant_id"
+        "   UNION ALL"
+        "   SELECT ba.block_hash, q.command_id, q.ord"
+        "   FROM unnest(:p_command_ids, :p_tenants, :p_scopes, :p_below, :p_ord)"
+        "   AS q(command_id, tenant_id, auth_scope, below, ord)"
+        "   JOIN block_auth_scopes ba ON ba.auth_scope = q.auth_scope AND ba.policy_version < q.below"
+        "   JOIN blocks b ON b.block_hash = ba.block_hash AND b.tenant_id = q.tenant_id"
+        "  ) x ORDER BY x.block_hash, x.ord DESC"
+        "  ) m WHERE p.block_hash = m.block_hash AND p.state = 'live'"
+        "), documents_now AS ("
+        "  INSERT INTO documents (tenant_id, doc_id, version, deleted, invalidation_id, updated_at)"
+        "  SELECT m.tenant_id, m.doc_id, m.version, m.deleted, m.invalidation_id, :now"
+        "  FROM unnest(:doc_tenants, :doc_ids, :doc_versions, :doc_deleted, :doc_invalidation_ids)"
+        "  AS m(tenant_id, doc_id, version, deleted, invalidation_id)"
+        "  ON CONFLICT (tenant_id, doc_id) DO UPDATE SET version = excluded.version, deleted = excluded.deleted,"
+        "  invalidation_id = excluded.invalidation_id, updated_at = excluded.updated_at"
+        "), policies_now AS ("
+        "  INSERT INTO policies (tenant_id, auth_scope, policy_version, invalidation_id, updated_at)"
+        "  SELECT m.tenant_id, m.auth_scope, m.policy_version, m.invalidation_id, :now"
+        "  FROM unnest(:policy_tenants, :policy_scopes, :policy_versions, :policy_invalidation_ids)"
+        "  AS m(tenant_id, auth_scope, policy_version, invalidation_id)"
+        "  ON CONFLICT (tenant_id, auth_scope) DO UPDATE SET policy_version = excluded.policy_version,"
+        "  invalidation_id = excluded.invalidation_id, updated_at = excluded.updated_at"
+        "), commands AS ("
+        "  INSERT INTO outbox (topic, key, payload, lease_until)"
+        "  SELECT m.topic, m.key, m.payload::jsonb, :lease_until FROM unnest(:topics, :keys, :payloads)"
+        "  WITH ORDINALITY AS m(topic, key, payload, ord) ORDER BY m.ord RETURNING id, payload->>'event_id' AS event_id"
+        ")"
+        " SELECT 'target' AS row_kind, command_id::text AS ref, NULL::bigint AS outbox_id FROM targets"
+        " UNION ALL SELECT 'command', event_id, id FROM commands"
     )
     .bindparams(
+        bindparam("now", type_=DateTime(timezone=True)),
+        bindparam("command_ids", type_=_UUIDS),
+        bindparam("kinds", type_=_TEXTS),
+        bindparam("predicates", type_=_TEXTS),
+        bindparam("source_event_ids", type_=_UUIDS),
+        bindparam("requested_at", type_=_TIMES),
+        bindparam("d_command_ids", type_=_UUIDS),
+        bindparam("d_tenants", type_=_TEXTS),
+        bindparam("d_doc_ids", type_=_TEXTS),
+        bindparam("d_below", type_=_BIGINTS),
+        bindparam("d_ord", type_=_BIGINTS),
+        bindparam("p_command_ids", type_=_UUIDS),
+        bindparam("p_tenants", type_=_TEXTS),
+        bindparam("p_scopes", type_=_TEXTS),
+        bindparam("p_below", type_=_BIGINTS),
+        bindparam("p_ord", type_=_BIGINTS),
+        bindparam("doc_tenants", type_=_TEXTS),
+        bindparam("doc_ids", type_=_TEXTS),
+        bindparam("doc_versions", type_=_BIGINTS),
+        bindparam("doc_deleted", type_=ARRAY(Boolean())),
+        bindparam("doc_invalidation_ids", type_=_UUIDS),
+        bindparam("policy_tenants", type_=_TEXTS),
+        bindparam("policy_scopes", type_=_TEXTS),
+        bindparam("policy_versions", type_=_BIGINTS),
+        bindparam("policy_invalidation_ids", type_=_UUIDS),
         bindparam("lease_until", type_=DateTime(timezone=True)),
         bindparam("topics", type_=_TEXTS),
         bindparam("keys", type_=_TEXTS),
         bindparam("payloads", type_=_TEXTS),
     )
-    .columns(id=BigInteger(), event_id=Text())
-)
-_UPSERT_DOCUMENTS = text(
-    "INSERT INTO documents (tenant_id, doc_id, version, deleted, invalidation_id, updated_at)"
-    " SELECT m.tenant_id, m.doc_id, m.version, m.deleted, m.invalidation_id, :now"
-    " FROM unnest(:tenants, :keys, :versions, :deleted, :invalidation_ids)"
-    " AS m(tenant_id, doc_id, version, deleted, invalidation_id)"
-    " ON CONFLICT (tenant_id, doc_id) DO UPDATE SET version = excluded.version, deleted = excluded.deleted,"
-    " invalidation_id = excluded.invalidation_id, updated_at = excluded.updated_at"
-).bindparams(
-    bindparam("now", type_=DateTime(timezone=True)),
-    bindparam("tenants", type_=_TEXTS),
-    bindparam("keys", type_=_TEXTS),
-    bindparam("versions", type_=_BIGINTS),
-    bindparam("deleted", type_=ARRAY(Boolean())),
-    bindparam("invalidation_ids", type_=_UUIDS),
-)
-_UPSERT_POLICIES = text(
-    "INSERT INTO policies (tenant_id, auth_scope, policy_version, invalidation_id, updated_at)"
-    " SELECT m.tenant_id, m.auth_scope, m.policy_version, m.invalidation_id, :now"
-    " FROM unnest(:tenants, :keys, :versions, :invalidation_ids)"
-    " AS m(tenant_id, auth_scope, policy_version, invalidation_id)"
-    " ON CONFLICT (tenant_id, auth_scope) DO UPDATE SET policy_version = excluded.policy_version,"
-    " invalidation_id = excluded.invalidation_id, updated_at = excluded.updated_at"
-).bindparams(
-    bindparam("now", type_=DateTime(timezone=True)),
-    bindparam("tenants", type_=_TEXTS),
-    bindparam("keys", type_=_TEXTS),
-    bindparam("versions", type_=_BIGINTS),
-    bindparam("invalidation_ids", type_=_UUIDS),
+    .columns(row_kind=Text(), ref=Text(), outbox_id=BigInteger())
 )
 _LOCK_TARGETS = text(
     "SELECT t.command_id, t.node_id, t.status FROM invalidation_targets t"
@@ -706,7 +706,7 @@ class InvalidationHandler:
     async def _decide_many(
         self, session: AsyncSession, envelopes: list[Envelope], now: datetime, result: _BatchResult
     ) -> None:
-        """Decide document/permission events in order, with one statement per step for all of them.
+        """Decide document/permission events in order: one read of the current versions, one statement for every write.
 
         The same rows as deciding each event in turn (:func:`decide`, then the upsert of the
         new current version): an event superseded by the recorded version *or by an earlier
@@ -787,25 +787,13 @@ class InvalidationHandler:
             result.outcomes[(envelope.type, APPLIED)] += 1
         if not decided:
             return
-        command_ids = [command_id for _, _, command_id in decided]
-        await session.execute(
-            _INSERT_INVALIDATIONS,
-            {
-                "now": now,
-                "command_ids": command_ids,
-                "kinds": [predicate.kind for _, predicate, _ in decided],
-                "predicates": [json.dumps(predicate.model_dump(mode="json")) for _, predicate, _ in decided],
-                "source_event_ids": [envelope.event_id for envelope, _, _ in decided],
-                "requested_at": [envelope.occurred_at for envelope, _, _ in decided],
-            },
-        )
-        targets = collections.Counter(
-            (await session.scalars(_INSERT_TARGETS, {"command_ids": command_ids})).all()
-        )
-        untargeted = [command_id for command_id in command_ids if targets[command_id] == 0]
-        if untargeted:
-            await session.execute(_COMPLETE_UNTARGETED, {"now": now, "command_ids": untargeted})
-        marks: dict[str, list] = collections.defaultdict(list)
+        marks: dict[str, list] = {
+            name: []
+            for name in (
+                "d_command_ids", "d_tenants", "d_doc_ids", "d_below", "d_ord",
+                "p_command_ids", "p_tenants", "p_scopes", "p_below", "p_ord",
+            )
+        }
         for ordinal, (_, predicate, command_id) in enumerate(decided):
             prefix = "d_" if isinstance(predicate, DocumentPredicate) else "p_"
             marks[prefix + "command_ids"].append(command_id)
@@ -815,56 +803,46 @@ class InvalidationHandler:
             )
             marks[prefix + "below"].append(predicate.below_version)
             marks[prefix + "ord"].append(ordinal)
-        params = {
-            name: marks.get(name, [])
-            for name in (
-                "d_command_ids", "d_tenants", "d_doc_ids", "d_below", "d_ord",
-                "p_command_ids", "p_tenants", "p_scopes", "p_below", "p_ord",
-            )
-        }
-        await session.execute(_MARK_PLACEMENTS, params)
         commands = [
             make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant)
             for _, predicate, command_id in decided
         ]
         outbox = [outbox_row(command) for command in commands]
-        inserted = await session.execute(
-            _INSERT_OUTBOX,
+        document_keys, policy_keys = sorted(document_ids), sorted(policy_ids)
+        rows = await session.execute(
+            _DECIDE,
             {
+                "now": now,
+                "command_ids": [command_id for _, _, command_id in decided],
+                "kinds": [predicate.kind for _, predicate, _ in decided],
+                "predicates": [json.dumps(predicate.model_dump(mode="json")) for _, predicate, _ in decided],
+                "source_event_ids": [envelope.event_id for envelope, _, _ in decided],
+                "requested_at": [envelope.occurred_at for envelope, _, _ in decided],
+                **marks,
+                "doc_tenants": [k[0] for k in document_keys],
+                "doc_ids": [k[1] for k in document_keys],
+                "doc_versions": [documents[k][0] for k in document_keys],
+                "doc_deleted": [documents[k][1] for k in document_keys],
+                "doc_invalidation_ids": [document_ids[k] for k in document_keys],
+                "policy_tenants": [k[0] for k in policy_keys],
+                "policy_scopes": [k[1] for k in policy_keys],
+                "policy_versions": [policies[k] for k in policy_keys],
+                "policy_invalidation_ids": [policy_ids[k] for k in policy_keys],
                 "lease_until": None if self._publish_leased is None else now + self._outbox_lease,
                 "topics": [row["topic"] for row in outbox],
                 "keys": [row["key"] for row in outbox],
                 "payloads": [json.dumps(row["payload"]) for row in outbox],
             },
         )
+        targets: collections.Counter[uuid.UUID] = collections.Counter()
+        outbox_ids: dict[str, int] = {}
+        for row in rows:
+            if row.row_kind == "target":
+                targets[uuid.UUID(row.ref)] += 1
+            else:
+                outbox_ids[row.ref] = row.outbox_id
         if self._publish_leased is not None:
-            row_ids = {row.event_id: row.id for row in inserted}
-            result.leased.extend((row_ids[str(command.event_id)], command) for command in commands)
-        if document_ids:
-            keys = sorted(document_ids)
-            await session.execute(
-                _UPSERT_DOCUMENTS,
-                {
-                    "now": now,
-                    "tenants": [k[0] for k in keys],
-                    "keys": [k[1] for k in keys],
-                    "versions": [documents[k][0] for k in keys],
-                    "deleted": [documents[k][1] for k in keys],
-                    "invalidation_ids": [document_ids[k] for k in keys],
-                },
-            )
-        if policy_ids:
-            keys = sorted(policy_ids)
-            await session.execute(
-                _UPSERT_POLICIES,
-                {
-                    "now": now,
-                    "tenants": [k[0] for k in keys],
-                    "keys": [k[1] for k in keys],
-                    "versions": [policies[k] for k in keys],
-                    "invalidation_ids": [policy_ids[k] for k in keys],
-                },
-            )
+            result.leased.extend((outbox_ids[str(command.event_id)], command) for command in commands)
         result.decisions.extend(
             Decision(command_id, predicate.kind, "event", targets[command_id]) for _, predicate, command_id in decided
         )

@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.db import Database
-from coordinator.invalidation import ANY_VERSION, lock_decisions
+from coordinator.invalidation import ANY_VERSION, InvalidationHandler, lock_decisions
 from coordinator.models import (
     DeadLetterCount,
     Document,
@@ -46,9 +46,9 @@ from coordinator.models import (
     Placement,
     Policy,
 )
-from coordinator.settings import CoordinatorSettings
+from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
-from events.kafka import EventProducer
+from events.kafka import ConsumedEvent, EventProducer
 from events.schema import (
     BlockRemoved,
     BlockStored,
@@ -548,6 +548,37 @@ async def test_publish_cli(coordinator, database: Database, settings, capsys: py
     assert "version" in capsys.readouterr().err
     bad_id = {"subject": "s", "reason": "r", "erasure_id": "not-a-uuid"}
     assert await asyncio.to_thread(run, "erasure-requested", **bad_id) == 2
+
+
+class _NoErasures:
+    """The handler's erasure hooks, for a batch without erasure requests or acks (never called)."""
+
+    async def start_from_event(self, session, envelope, now):
+        raise AssertionError("no erasure in this batch")
+
+    async def acks_applied(self, command_ids) -> None:
+        raise AssertionError("no ack in this batch")
+
+
+async def test_a_decision_with_no_registered_node_is_complete_at_once(database_url: str) -> None:
+    async with fresh_database(database_url) as url:
+        await asyncio.to_thread(migrate.upgrade, url)
+        database = Database(DatabaseSettings(url=url))
+        try:
+            handler = InvalidationHandler(database, erasures=_NoErasures())
+            event = make_event(DocumentUpdated(doc_id="guide", version=2), tenant_id="solo")
+            consumed = ConsumedEvent(
+                topic=DOCUMENTS, partition=0, offset=0, key="solo:guide", timestamp_ms=0, envelope=event
+            )
+            await handler([consumed])
+            (invalidation,) = await _invalidations(database, source_event_id=event.event_id)
+            assert (invalidation.status, invalidation.completed_at) == ("complete", invalidation.created_at)
+            assert await _targets(database, invalidation.command_id) == {}
+            async with database.session() as session:
+                document = await session.get(Document, ("solo", "guide"))
+            assert (document.version, document.invalidation_id) == (2, invalidation.command_id)
+        finally:
+            await database.dispose()
 
 
 async def test_a_removals_only_batch_does_not_wait_for_a_decision_but_a_store_does(
