@@ -65,7 +65,11 @@ async def run_consumers(
     )
     ingest = LedgerIngest(database, inventory_retry_s=settings.ledger.inventory_retry_s, on_outbox=relay.wake)
     consumer = kafka.BatchConsumer(
-        config, [KV_EVENTS], ingest, dead_letter_counter=tally, max_records=settings.kafka.max_batch_records
+        config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
+        [KV_EVENTS],
+        ingest,
+        dead_letter_counter=tally,
+        max_records=settings.kafka.max_batch_records,
     )
     subject_key = settings.ledger.subject_key
     erasures = ErasureService(
