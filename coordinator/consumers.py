@@ -118,6 +118,8 @@ async def run_consumers(
             await asyncio.gather(consumer.stop(), invalidations.stop(), acks.stop())
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # The last decision batches handed their commands over while the relay was stopping.
+            await relay.finish_leased()
     finally:
         await producer.stop()
         await database.dispose()

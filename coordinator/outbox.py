@@ -122,7 +122,6 @@ class OutboxRelay:
             for waiter in waiters:
                 waiter.cancel()
             await asyncio.gather(*waiters, return_exceptions=True)
-        await self.finish_leased()
 
     async def finish_leased(self) -> None:
         """Wait until every row handed to :meth:`publish_leased` was published (or given up on)."""
