@@ -21,7 +21,8 @@ check (:func:`reissue_for_late_blocks`). Decisions take a transaction-level
 advisory lock exclusively; ledger writers (kv-events batches, ack batches) take it
 shared, so they run concurrently with each other and each waits at most for one
 short decision transaction. A kv-events batch that only removes copies (or only
-beats) adds nothing a decision could miss and takes no advisory lock at all. Lock order: node rows, advisory lock, placements.
+beats) adds nothing a decision could miss and takes no advisory lock at all.
+Lock order: node rows, advisory lock, placements.
 Writers take the advisory lock only once their node rows (and an ack batch's target
 rows) are locked, right before they touch placements: a writer queued behind another
 one's node lock holds nothing a decision waits for, so decisions wait only for the
@@ -133,7 +134,7 @@ _LOAD_POLICIES = text(
     " JOIN unnest(:tenants, :keys)"
     " AS k(tenant_id, auth_scope) ON p.tenant_id = k.tenant_id AND p.auth_scope = k.auth_scope"
 ).bindparams(bindparam("tenants", type_=_TEXTS), bindparam("keys", type_=_TEXTS))
-_COMPLETE_UNTARGETED = text(
+_COMPLETE = text(
     "UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)"
 ).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
 _DECIDE = (
@@ -150,7 +151,7 @@ _DECIDE = (
         "  CASE WHEN n.num_nodes = 0 THEN 'complete' ELSE 'pending' END, CASE WHEN n.num_nodes = 0 THEN :now END"
         "  FROM unnest(:command_ids, :kinds, :predicates, :source_event_ids, :requested_at)"
         "  WITH ORDINALITY AS m(command_id, kind, predicate, source_event_id, requested_at, ord)"
-        "  CROSS JOIN (SELECT count(*) AS num_nodes FROM nodes) n ORDER BY m.ord RETURNING command_id"
+        "  CROSS JOIN (SELECT count(*) AS num_nodes FROM nodes) n ORDER BY m.ord"
         "), targets AS ("
         "  INSERT INTO invalidation_targets (command_id, node_id)"
         "  SELECT m.command_id, n.node_id FROM unnest(:command_ids) WITH ORDINALITY AS m(command_id, ord)"
@@ -568,7 +569,7 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
         elif failures:
             failed.append(row.command_id)
     if complete:
-        await session.execute(_COMPLETE_UNTARGETED, {"now": now, "command_ids": complete})
+        await session.execute(_COMPLETE, {"now": now, "command_ids": complete})
     if failed:
         await session.execute(_FAIL, {"command_ids": failed})
     if namespaces:

@@ -613,8 +613,9 @@ class CommandConsumer:
         every command behind it. A failed flush is raised at the next poll
         (:meth:`_raise_if_flush_failed`). On a failed command the acks of the
         commands applied before it are still awaited and committed. After any
-        failure every partition rewinds to its committed offset: the failed
-        command is retried, none is skipped. A command applied but not acked (its
+        failure every partition rewinds to its first record neither handled in this
+        run nor committed (:meth:`_rewind`): the failed command is retried, none is
+        skipped. A command applied but not acked (its
         ack could not be published) is not applied again on the retry; its ack,
         kept in ``_unacked`` with the evidence of the application, is sent again.
         """
