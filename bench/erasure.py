@@ -56,7 +56,7 @@ from bench.common import (
 from coordinator.consumers import consumer_groups
 from events.kafka import KafkaSettings, ensure_topics
 from events.schema import subject_digest
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
 from gpu_node.server import make_command_consumer, make_publisher

@@ -73,7 +73,7 @@ from coordinator.consumers import consumer_groups
 from events import topics
 from events.kafka import KafkaSettings, ensure_topics
 from gpu_node.api import create_app
-from gpu_node.auth import TokenVerifier, issue_token
+from identity.tokens import TokenVerifier, issue_token
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 
 pytestmark = pytest.mark.e2e
 

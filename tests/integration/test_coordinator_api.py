@@ -33,7 +33,7 @@ from events.schema import (
     subject_digest,
 )
 from events.topics import KV_EVENTS
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 
 ALICE = subject_digest(SUBJECT_KEY.encode(), "acme", "alice")
 BOB = subject_digest(SUBJECT_KEY.encode(), "acme", "bob")

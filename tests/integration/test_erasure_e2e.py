@@ -42,7 +42,7 @@ from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.schema import subject_digest
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 from gpu_node.block_pool import BlockRestoreError, BlockState, Tier, decode_block_record
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt

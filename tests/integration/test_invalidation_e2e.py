@@ -44,7 +44,7 @@ from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka, topics
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 from gpu_node.settings import CacheSettings, NodeSettings
 
 BLOCK_SIZE = 16

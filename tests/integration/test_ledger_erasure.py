@@ -52,7 +52,7 @@ from events.schema import (
     subject_digest,
 )
 from events.topics import COMMANDS, DEAD_LETTER, ERASURES
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 
 TENANT = "erasure-tenant"
 MASTER_KEY = base64.b64encode(b"m" * 32).decode()

@@ -64,7 +64,7 @@ from events.schema import (
     parse_event,
 )
 from events.topics import COMMANDS, DEAD_LETTER, DOCUMENTS, PERMISSIONS
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 from kvledger import admin, publish
 
 

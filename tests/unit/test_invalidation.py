@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from events import schema
 from gpu_node.api import CACHE_BYPASS_HEADER, create_app
-from gpu_node.auth import TokenVerifier, issue_token
+from identity.tokens import TokenVerifier, issue_token
 from gpu_node.block_pool import Tier, provenance_index_keys
 from gpu_node.commands import InvalidationHandler, block_predicate, predicate_index_key
 from gpu_node.engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
