@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 
 import jwt
@@ -313,3 +315,13 @@ def test_token_cli_operator_role_without_operator_key(no_stack, monkeypatch, cap
     assert capsys.readouterr().err == (
         "kvledger token: error: no operator key: run `kvledger up` in this directory or pass --stack\n"
     )
+
+
+def test_identity_imports_neither_side():
+    """identity/ is shared by nodes, coordinator and CLI, so it must not pull any of them in."""
+    probe = (
+        "import sys, identity.tokens, identity.settings, identity.roles; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'gpu_node', 'coordinator', 'kvledger', 'events'}))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
