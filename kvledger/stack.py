@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 
 from coordinator.migrate import upgrade
-from kvledger.model_init import build_tiny_model
 from identity.tokens import generate_ed25519_key_pair
+from kvledger.model_init import build_tiny_model
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
 
 READY_TIMEOUT_S = 120.0

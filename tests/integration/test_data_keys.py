@@ -33,14 +33,14 @@ from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService, MasterKeyError
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
-from identity.settings import IssuerSettings
-from identity.tokens import issue_token
 from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig, Tier, decode_block_record
 from gpu_node.crypto import LocalKeyStore, unseal
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.remote_keys import NODE_ROLE, CoordinatorKeyProvider, data_key_provider
 from gpu_node.settings import NodeSettings
+from identity.settings import IssuerSettings
+from identity.tokens import issue_token
 from kvledger.net import loopback_listener
 
 MASTER_KEY = os.urandom(32)

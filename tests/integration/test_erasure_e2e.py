@@ -42,12 +42,12 @@ from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.schema import subject_digest
-from identity.tokens import issue_token
 from gpu_node.block_pool import BlockRestoreError, BlockState, Tier, decode_block_record
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.tokens import issue_token
 from kvledger.net import loopback_listener
 
 BLOCK_SIZE = 16

@@ -44,8 +44,8 @@ from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka, topics
-from identity.tokens import issue_token
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.tokens import issue_token
 
 BLOCK_SIZE = 16
 SYSTEM = "You answer questions from the tenant handbook, briefly and only from it."
