@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
+import functools
 import math
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -19,6 +22,7 @@ from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator.migrate import upgrade
+from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 
@@ -53,6 +57,23 @@ async def fresh_database(server_url: str) -> AsyncIterator[str]:
         await admin.dispose()
 
 
+@functools.cache
+def _operator_key() -> tuple[bytes, str]:
+    """The benchmarks' operator issuer: (private key PEM, public key file), made once per process."""
+    private_pem, public_pem = generate_ed25519_key_pair()
+    handle, path = tempfile.mkstemp(prefix="kvledger-bench-operator-", suffix=".pub.pem")
+    with os.fdopen(handle, "wb") as file:
+        file.write(public_pem)
+    atexit.register(os.unlink, path)
+    return private_pem, path
+
+
+def operator_headers(role: str, tenant: str) -> dict[str, str]:
+    """An ``Authorization`` header with an operator token the coordinators of :func:`coordinator_env` accept."""
+    token = issue_token(tenant=tenant, sub="bench", roles=[role], ttl_s=3600, private_key_pem=_operator_key()[0])
+    return {"Authorization": f"Bearer {token}"}
+
+
 def coordinator_env(database_url: str, bootstrap: str, group: str, jwt_secret: str, **extra: str) -> dict[str, str]:
     """This process's environment plus the settings of a ``kvledger coordinator`` process (``extra``: more variables)."""
     return os.environ | {
@@ -60,6 +81,7 @@ def coordinator_env(database_url: str, bootstrap: str, group: str, jwt_secret: s
         "KVLEDGER_KAFKA_BOOTSTRAP": bootstrap,
         "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group,
         "KVLEDGER_JWT_SECRET": jwt_secret,
+        "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": _operator_key()[1],
         **extra,
     }
 

@@ -49,6 +49,7 @@ from bench.common import (
     database_server,
     fresh_database,
     kafka_broker,
+    operator_headers,
     run_and_report,
     start_groups_at_end,
     wait,
@@ -56,7 +57,6 @@ from bench.common import (
 from coordinator.consumers import consumer_groups
 from events.kafka import KafkaSettings, ensure_topics
 from events.schema import subject_digest
-from gpu_node.auth import issue_token
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
 from gpu_node.server import make_command_consumer, make_publisher
@@ -170,7 +170,7 @@ async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection
         return await _live_placements(connection, tenant, bytes.fromhex(digest)) == expected
 
     await wait(in_ledger, f"{expected} placements in the ledger", TIMEOUT_S, POLL_S)
-    officer = {"Authorization": f"Bearer {issue_token(tenant='ops', sub='bench', roles=['privacy-officer'], ttl_s=3600, secret=JWT_SECRET)}"}
+    officer = operator_headers("privacy-officer", tenant)
     async with httpx.AsyncClient(base_url=coordinator.url, headers=officer, timeout=30) as client:
         started = time.perf_counter()
         response = await client.post("/v1/erasures", json={"tenant_id": tenant, "subject_id": subject, "reason": "benchmark"})

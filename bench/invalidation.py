@@ -73,13 +73,13 @@ from coordinator.consumers import consumer_groups
 from events import topics
 from events.kafka import KafkaSettings, ensure_topics
 from gpu_node.api import create_app
-from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import make_publisher, tune_interpreter
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.tokens import TokenVerifier, issue_token
 from kvledger.model_init import build_tiny_model
 from kvledger.net import loopback_listener
 

@@ -1,8 +1,9 @@
 """Coordinator HTTP API: ledger queries, node liveness, metrics, health (DESIGN §6).
 
 Errors always have the shape ``{"error": {"message", "type", "code"}}``. Ledger
-endpoints need a bearer JWT with role ``admin``, ``privacy-officer`` or
-``auditor``; ``/healthz``, ``/readyz`` and ``/metrics`` are open.
+endpoints need an operator token (``coordinator.auth``): any operator role reads
+its own tenant's blocks, only ``platform-admin`` sees every tenant and the nodes;
+``/healthz``, ``/readyz`` and ``/metrics`` are open.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sqlalchemy import and_, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
-from coordinator.auth import LEDGER_READERS, ForbiddenError, authorize
+from coordinator.auth import ForbiddenError, require_tenant, requires
 from coordinator.db import Database, request_session
 from coordinator.erasure_api import router as erasure_router
 from coordinator.invalidation_api import router as invalidation_router
@@ -41,8 +42,8 @@ from coordinator.models import (
 )
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
-from gpu_node.auth import AuthError, TokenVerifier
-from gpu_node.kv_cache_utils import Principal
+from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
+from identity.tokens import AuthError, Operator, TokenVerifier
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("coordinator.access")
@@ -73,17 +74,17 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
-def _ledger_reader(request: Request) -> Principal:
-    return authorize(request.app.state.verifier, request.headers.get("authorization"), LEDGER_READERS)
-
-
-Reader = Annotated[Principal, Depends(_ledger_reader)]
+Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
+PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 Session = Annotated[AsyncSession, Depends(request_session)]
 
 
 def create_app(settings: CoordinatorSettings) -> FastAPI:
     """The coordinator app. Owns its :class:`Database`: created at startup, disposed at shutdown."""
-    verifier = TokenVerifier(settings.auth)
+    if not settings.operator_auth.configured:
+        raise ValueError("configure operator_auth (the operator issuer's key): the API accepts only operator tokens")
+    operator_verifier = TokenVerifier(settings.operator_auth, secret_env=None)
+    node_verifier = TokenVerifier(settings.auth)
     subject_key = settings.ledger.subject_key
     heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
 
@@ -97,7 +98,9 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             await database.dispose()
 
     app = FastAPI(title="kvledger coordinator", version="1", lifespan=lifespan)
-    app.state.verifier = verifier
+    app.state.operator_verifier = operator_verifier
+    # Only the data key endpoints (coordinator.keys_api) read this: nodes' tokens, not people's.
+    app.state.verifier = node_verifier
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))
@@ -160,7 +163,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
 
     @app.get("/v1/ledger/blocks")
     async def ledger_blocks(
-        _: Reader,
+        reader: Reader,
         session: Session,
         tenant: str | None = None,
         doc_id: str | None = None,
@@ -176,7 +179,11 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         By default only blocks with a live copy (on ``node``/``tier`` when given) are listed,
         with their live placements; ``include_deleted=true`` lists every block ever
         recorded and every placement with its state. Page with ``after=<next_cursor>``.
+        A tenant-bound operator sees only its own tenant (``tenant`` defaults to it).
         """
+        if not reader.is_platform_admin:
+            tenant = reader.tenant_id if tenant is None else tenant
+            require_tenant(reader, tenant)
         query = select(Block).order_by(Block.block_hash).limit(limit)
         if tenant is not None:
             query = query.where(Block.tenant_id == tenant)
@@ -204,7 +211,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         }
 
     @app.get("/v1/nodes")
-    async def nodes(_: Reader, session: Session) -> dict[str, Any]:
+    async def nodes(_: PlatformAdmin, session: Session) -> dict[str, Any]:
         """Known nodes, liveness from the age of their last heartbeat or event, live copies per tier."""
         last_seen = func.greatest(Node.last_heartbeat, Node.last_event_at)
         rows = (

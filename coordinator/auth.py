@@ -1,45 +1,71 @@
-"""Role checks for the coordinator API (DESIGN §6).
+"""Who may call the coordinator API (see docs/security.md, "Identities and roles").
 
-Tokens are the stack's one JWT format (``kvledger token --role …``), verified by
-the same :class:`gpu_node.auth.TokenVerifier` the nodes use, so both sides agree on
-algorithms, required claims and key handling. Here only the roles matter:
-``admin`` may do everything; ``privacy-officer`` and ``auditor`` read the ledger.
-``node`` is the GPU nodes' own role and the only one that may fetch data keys
-(``coordinator.keys_api``): raw keys unseal tenant and user data, and no person
-needs them, so not even ``admin`` gets them.
+Callers are operators with a token of the *operator* issuer
+(``CoordinatorSettings.operator_auth``), never end users. ``tenant-admin``,
+``privacy-officer`` and ``auditor`` act only inside the tenant of their token;
+``platform-admin`` acts on every tenant and on what belongs to none. A
+tenant-bound operator asking about anything outside its tenant gets
+:class:`TenantForbiddenError` — the same answer whether the thing exists in
+another tenant or not, so the API is no oracle for other tenants' ids or subjects.
 """
 
 from __future__ import annotations
 
-from gpu_node.auth import AuthError, TokenVerifier
-from gpu_node.kv_cache_utils import Principal
+from collections.abc import Callable
 
-ADMIN = "admin"
-PRIVACY_OFFICER = "privacy-officer"
-AUDITOR = "auditor"
+from fastapi import Request
+
+from identity.tokens import AuthError, Operator, TokenVerifier
+
 NODE = "node"
-LEDGER_READERS = frozenset({ADMIN, PRIVACY_OFFICER, AUDITOR})
 KEY_CLIENTS = frozenset({NODE})
+"""The nodes' role on the data key endpoints (``coordinator.keys_api``), until nodes sign with enrolled keys."""
 
 
 class ForbiddenError(Exception):
-    """A verified caller without a role the endpoint requires (HTTP 403)."""
+    """A verified caller who may not do this (HTTP 403)."""
 
-    def __init__(self, allowed: frozenset[str]) -> None:
-        self.code = "insufficient_role"
-        self.message = f"requires one of the roles: {', '.join(sorted(allowed))}"
-        super().__init__(self.message)
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(message)
 
 
-def authorize(verifier: TokenVerifier, authorization: str | None, allowed: frozenset[str]) -> Principal:
+class TenantForbiddenError(ForbiddenError):
+    """A tenant-bound operator reaching outside its tenant, or for something that may lie outside it."""
+
+    def __init__(self) -> None:
+        super().__init__("tenant_forbidden", "operators act only inside the tenant of their token")
+
+
+def authorize(verifier: TokenVerifier, authorization: str | None, allowed: frozenset[str]) -> Operator:
     """Verify the ``Authorization`` header and check the caller holds one of ``allowed`` roles.
 
-    Raises :class:`gpu_node.auth.AuthError` (401) or :class:`ForbiddenError` (403).
+    Raises :class:`identity.tokens.AuthError` (401) or :class:`ForbiddenError` (403).
     """
     scheme, _, token = (authorization or "").partition(" ")
     if authorization and scheme.lower() != "bearer":
         raise AuthError("invalid_token", "Authorization header must be 'Bearer <token>'")
-    principal = verifier.verify(token.strip() or None)
-    if not principal.roles & allowed:
-        raise ForbiddenError(allowed)
-    return principal
+    operator = verifier.verify_operator(token.strip() or None)
+    if not operator.roles & allowed:
+        raise ForbiddenError("insufficient_role", f"requires one of the roles: {', '.join(sorted(allowed))}")
+    return operator
+
+
+def require_tenant(operator: Operator, tenant_id: str | None) -> None:
+    """Raise :class:`TenantForbiddenError` unless ``operator`` may act on ``tenant_id`` (None: no tenant)."""
+    if not operator.may_act_on(tenant_id):
+        raise TenantForbiddenError()
+
+
+def requires(allowed: frozenset[str]) -> Callable[[Request], Operator]:
+    """A FastAPI dependency: the calling operator, who must hold one of ``allowed`` roles.
+
+    A plain function, so FastAPI runs it in its thread pool: verifying may fetch
+    the operator issuer's JWKS over the network and must not stall the event loop.
+    """
+
+    def operator(request: Request) -> Operator:
+        return authorize(request.app.state.operator_verifier, request.headers.get("authorization"), allowed)
+
+    return operator

@@ -1,12 +1,12 @@
 """HTTP API of privacy erasures, receipts and the audit log (issue 5, DESIGN §6; documents in docs/receipts.md).
 
 * ``POST /v1/erasures {tenant_id, subject_id, reason[, request_id]}`` (role
-  ``privacy-officer`` or ``admin``) → 202 ``{id, status}``. Idempotent on the
+  ``privacy-officer`` of that tenant, or ``platform-admin``) → 202 ``{id, status}``. Idempotent on the
   ``Idempotency-Key`` header or the body's ``request_id``: a retry returns the same
   erasure and starts nothing (409 ``idempotency_conflict`` if the key named another
   subject). Without either, every call is a new erasure. The body is never logged or
   echoed in an error: ``subject_id`` is a person's identifier.
-* ``GET /v1/erasures/{id}`` (``privacy-officer``, ``admin``, ``auditor``) — status and
+* ``GET /v1/erasures/{id}`` (any operator role of the erasure's tenant, or ``platform-admin``) — status and
   per node × tier progress: what each node reported (removed, method, verified) and
   the subject's live copies the ledger still shows.
 * ``GET /v1/erasures/{id}/receipt[?tree_size=N]`` and ``GET /v1/audit/proof/{receipt_id}[?tree_size=N]``
@@ -15,7 +15,9 @@
 * ``GET /v1/audit/checkpoint`` (open) — the latest signed tree head.
 * ``GET /v1/receipts/keys`` (open) — every key that ever signed a receipt or tree head.
 
-``kvledger verify-receipt`` takes these documents exactly as served.
+``kvledger verify-receipt`` takes these documents exactly as served. A tenant-bound
+operator gets 403 ``tenant_forbidden`` for an erasure or receipt outside its tenant and
+for an id that does not exist alike (``coordinator.auth``); only ``platform-admin`` sees 404s.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import receipts
-from coordinator.auth import ADMIN, LEDGER_READERS, PRIVACY_OFFICER, authorize
+from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
 from coordinator.erasure import (
     AuditLogCorrupted,
@@ -48,12 +50,10 @@ from coordinator.erasure import (
 from coordinator.invalidation import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
-from gpu_node.kv_cache_utils import Principal
+from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS
+from identity.tokens import Operator
 
 log = logging.getLogger(__name__)
-
-ERASURE_REQUESTERS = frozenset({ADMIN, PRIVACY_OFFICER})
-
 
 class ErasureRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -75,16 +75,8 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
-def _requester(request: Request) -> Principal:
-    return authorize(request.app.state.verifier, request.headers.get("authorization"), ERASURE_REQUESTERS)
-
-
-def _reader(request: Request) -> Principal:
-    return authorize(request.app.state.verifier, request.headers.get("authorization"), LEDGER_READERS)
-
-
-Requester = Annotated[Principal, Depends(_requester)]
-Reader = Annotated[Principal, Depends(_reader)]
+Requester = Annotated[Operator, Depends(requires(ERASURE_REQUESTERS))]
+Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
 Session = Annotated[AsyncSession, Depends(request_session)]
 TreeSize = Annotated[int | None, Query(ge=1)]
 
@@ -96,11 +88,12 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     @api.post("/v1/erasures")
     async def request_erasure(
         body: ErasureRequest,
-        _: Requester,
+        requester: Requester,
         session: Session,
         idempotency_key: Annotated[str | None, Header(min_length=1, max_length=512)] = None,
     ) -> JSONResponse:
         """Start an erasure (202); a retry with the same key answers with the same erasure."""
+        require_tenant(requester, body.tenant_id)
         if subject_key is None:
             return _error(
                 503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)"
@@ -136,16 +129,18 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         return JSONResponse(status_code=202, content={"id": str(erasure.id), "status": erasure.status})
 
     @api.get("/v1/erasures/{erasure_id}")
-    async def get_erasure(erasure_id: uuid.UUID, _: Reader, session: Session) -> Any:
+    async def get_erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Any:
         erasure = await session.get(Erasure, erasure_id)
+        require_tenant(reader, None if erasure is None else erasure.tenant_id)
         if erasure is None:
             return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
         receipt_id = await session.scalar(select(Receipt.receipt_id).where(Receipt.erasure_id == erasure.id))
         return _describe(erasure, await progress(session, erasure), receipt_id)
 
     @api.get("/v1/erasures/{erasure_id}/receipt")
-    async def get_receipt(erasure_id: uuid.UUID, _: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+    async def get_receipt(erasure_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
         erasure = await session.get(Erasure, erasure_id)
+        require_tenant(reader, None if erasure is None else erasure.tenant_id)
         if erasure is None:
             return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
         receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
@@ -156,8 +151,10 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         return await _served(session, receipt, tree_size)
 
     @api.get("/v1/audit/proof/{receipt_id}")
-    async def get_proof(receipt_id: uuid.UUID, _: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+    async def get_proof(receipt_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
         receipt = await session.get(Receipt, receipt_id)
+        erasure = None if receipt is None else await session.get(Erasure, receipt.erasure_id)
+        require_tenant(reader, None if erasure is None else erasure.tenant_id)
         if receipt is None:
             return _error(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
         return await _served(session, receipt, tree_size)

@@ -3,14 +3,17 @@
 * ``GET /v1/invalidations/{command_id}`` — one command: predicate, cutoff, status,
   timings and, per expected node × tier, the node's evidence and what the ledger
   shows (live copies the predicate still covers, copies the command deleted).
-* ``GET /v1/invalidations?status=&kind=&limit=&before=`` — newest first, paged by ``seq``.
-* ``GET /v1/namespaces`` — namespaces, lifecycle status, nodes serving each.
-* ``POST /v1/namespaces/{namespace}/retire`` (role ``admin``) — the namespace turns
+* ``GET /v1/invalidations?tenant=&status=&kind=&limit=&before=`` — newest first, paged by ``seq``.
+* ``GET /v1/namespaces`` (``platform-admin``) — namespaces, lifecycle status, nodes serving each.
+* ``POST /v1/namespaces/{namespace}/retire`` (``platform-admin``) — the namespace turns
   ``draining`` and a namespace-wide ``Invalidate`` goes out through the outbox; it is
   ``retired`` once every node acked. Refused (409 ``namespace_in_use``) while a live
   node still serves it: that node would keep rebuilding what is being deleted.
 
-Reads need ``admin``, ``privacy-officer`` or ``auditor``. Errors use the API's
+Invalidation reads take any operator role; a tenant-bound operator sees only the
+commands whose predicate names its tenant and gets 403 ``tenant_forbidden`` for any
+other id, existing or not (namespace-wide commands belong to no tenant: ``platform-admin``
+only). Errors use the API's
 ``{"error": {"message", "type", "code"}}`` shape. Times are the ledger database's clock.
 """
 
@@ -21,12 +24,12 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.auth import ADMIN, LEDGER_READERS, authorize
+from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
 from coordinator.invalidation import (
     begin_ledger_transaction,
@@ -39,10 +42,10 @@ from coordinator.invalidation import (
 from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.settings import CoordinatorSettings
 from events.schema import NamespacePredicate
-from gpu_node.kv_cache_utils import Principal
+from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
+from identity.tokens import Operator
 
 MAX_PAGE_SIZE = 1000
-_ADMINS = frozenset({ADMIN})
 
 
 def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
@@ -59,16 +62,8 @@ def _ms(start: datetime, end: datetime | None) -> float | None:
     return None if end is None else round((end - start).total_seconds() * 1000, 3)
 
 
-def _reader(request: Request) -> Principal:
-    return authorize(request.app.state.verifier, request.headers.get("authorization"), LEDGER_READERS)
-
-
-def _admin(request: Request) -> Principal:
-    return authorize(request.app.state.verifier, request.headers.get("authorization"), _ADMINS)
-
-
-Reader = Annotated[Principal, Depends(_reader)]
-Admin = Annotated[Principal, Depends(_admin)]
+Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
+PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 Session = Annotated[AsyncSession, Depends(request_session)]
 
 
@@ -77,22 +72,27 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     api = APIRouter()
 
     @api.get("/v1/invalidations/{command_id}")
-    async def get_invalidation(command_id: uuid.UUID, _: Reader, session: Session) -> Any:
+    async def get_invalidation(command_id: uuid.UUID, reader: Reader, session: Session) -> Any:
         invalidation = await session.get(Invalidation, command_id)
+        require_tenant(reader, None if invalidation is None else invalidation.predicate.get("tenant"))
         if invalidation is None:
             return _error(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
         return await _describe(session, invalidation)
 
     @api.get("/v1/invalidations")
     async def list_invalidations(
-        _: Reader,
+        reader: Reader,
         session: Session,
+        tenant: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
         status: Literal["pending", "complete", "failed"] | None = None,
         kind: Literal["document", "policy", "subject", "namespace", "tenant"] | None = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
         before: Annotated[int | None, Query(ge=1)] = None,
     ) -> dict[str, Any]:
-        """Newest first; page with ``before=<next_cursor>``."""
+        """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
+        if not reader.is_platform_admin:
+            tenant = reader.tenant_id if tenant is None else tenant
+            require_tenant(reader, tenant)
         counts = (
             select(
                 InvalidationTarget.command_id,
@@ -108,6 +108,8 @@ def router(settings: CoordinatorSettings) -> APIRouter:
             .order_by(Invalidation.seq.desc())
             .limit(limit)
         )
+        if tenant is not None:
+            query = query.where(Invalidation.predicate["tenant"].astext == tenant)
         if status is not None:
             query = query.where(Invalidation.status == status)
         if kind is not None:
@@ -124,13 +126,13 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         }
 
     @api.get("/v1/namespaces")
-    async def list_namespaces(_: Reader, session: Session) -> dict[str, Any]:
+    async def list_namespaces(_: PlatformAdmin, session: Session) -> dict[str, Any]:
         namespaces = (await session.scalars(select(Namespace).order_by(Namespace.namespace))).all()
         serving = await _serving_nodes(session)
         return {"namespaces": [_namespace(ns, serving[ns.namespace]) for ns in namespaces]}
 
     @api.post("/v1/namespaces/{namespace}/retire")
-    async def retire_namespace(namespace: str, _: Admin, session: Session) -> JSONResponse:
+    async def retire_namespace(namespace: str, _: PlatformAdmin, session: Session) -> JSONResponse:
         """Start draining ``namespace`` (202), or report the retirement already under way or done (200)."""
         async with session.begin():
             now = await begin_ledger_transaction(session)

@@ -21,7 +21,8 @@ from typing import Any
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gpu_node.settings import AuthSettings
+from identity.settings import IssuerSettings
+from identity.tokens import JWT_SECRET_ENV
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"
 
@@ -158,8 +159,13 @@ class CoordinatorSettings(BaseSettings):
 
     database: DatabaseSettings = DatabaseSettings()
     kafka: CoordinatorKafkaSettings = CoordinatorKafkaSettings()
-    auth: AuthSettings = AuthSettings()
-    """Same token verification settings as the nodes (HS256 secret or EdDSA public key file)."""
+    operator_auth: IssuerSettings = IssuerSettings()
+    """The operator issuer: the only tokens the coordinator's API accepts (``identity.roles``).
+    Required; it must not share a key with ``auth``."""
+    auth: IssuerSettings = IssuerSettings()
+    """The end users' issuer, as the nodes verify it: no coordinator endpoint takes end-user
+    tokens; the coordinator reads it to refuse an ``operator_auth`` that shares its key, and the
+    data key endpoints (``coordinator.keys_api``) still check nodes' tokens with it."""
     http: HttpSettings = HttpSettings()
     ledger: LedgerSettings = LedgerSettings()
     keys: KeySettings = KeySettings()
@@ -174,6 +180,12 @@ class CoordinatorSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _SharedEnvSource(settings_cls), dotenv_settings, file_secret_settings)
+
+    @model_validator(mode="after")
+    def _distinct_issuers(self) -> CoordinatorSettings:
+        if self.operator_auth.shares_key_with(self.auth, other_secret=os.environ.get(JWT_SECRET_ENV)):
+            raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
+        return self
 
     def subject_key_bytes(self) -> bytes:
         """The subject digest key; ValueError when unset, because the ledger cannot match subjects without it."""

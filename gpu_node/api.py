@@ -41,7 +41,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpu_node.auth import AuthError, TokenVerifier
 from gpu_node.engine import (
     AsyncEngine,
     GenerationDone,
@@ -54,11 +53,12 @@ from gpu_node.engine import (
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
 from gpu_node.versions import Staleness, VersionRegistry
+from identity.roles import PLATFORM_ADMIN
+from identity.tokens import AuthError, Operator, TokenVerifier
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-ADMIN_ROLE = "admin"
 CACHE_BYPASS_HEADER = "x-kvledger-cache-bypass"
 """Set (to the reason) on responses served without the prefix cache."""
 
@@ -317,23 +317,47 @@ def _usage(stats: PromptStats, num_completion_tokens: int) -> dict:
 # --------------------------------------------------------------------------- app
 
 
-def _principal(request: Request) -> Principal:
-    """The caller, from the bearer token only (never from the body)."""
-    verifier: TokenVerifier = request.app.state.verifier
+def _bearer(request: Request) -> str | None:
     header = request.headers.get("authorization")
     if header is None:
-        return verifier.verify(None)
+        return None
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer":
         raise AuthError("invalid_token", "the Authorization header must use the Bearer scheme")
-    return verifier.verify(token.strip())
+    return token.strip()
+
+
+def _principal(request: Request) -> Principal:
+    """The end user, from the bearer token only (never from the body)."""
+    verifier: TokenVerifier = request.app.state.verifier
+    return verifier.verify(_bearer(request))
+
+
+def _platform_admin(request: Request) -> Operator:
+    """A ``platform-admin`` with a token of the operator issuer; end users' tokens never qualify."""
+    verifier: TokenVerifier | None = request.app.state.operator_verifier
+    if verifier is None:
+        raise ApiError(
+            403,
+            "this node has no operator issuer configured (operator_auth), so no operator endpoint answers",
+            type="permission_error",
+            code="operator_auth_not_configured",
+        )
+    operator = verifier.verify_operator(_bearer(request))
+    if not operator.is_platform_admin:
+        raise ApiError(403, f"requires the {PLATFORM_ADMIN!r} role", type="permission_error", code="insufficient_role")
+    return operator
 
 
 Caller = Annotated[Principal, Depends(_principal)]
+PlatformAdmin = Annotated[Operator, Depends(_platform_admin)]
 
 
-def create_app(engine: AsyncEngine, verifier: TokenVerifier) -> FastAPI:
+def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifier: TokenVerifier | None = None) -> FastAPI:
     """Build the node's HTTP app around ``engine``.
+
+    ``verifier`` checks end users' tokens; ``operator_verifier`` (the operator
+    issuer, a different key) the operators' — without it no operator endpoint answers.
 
     The caller owns the engine's lifecycle (``gpu_node.server`` starts it on the
     serving event loop before the app takes traffic); until ``engine.ready`` the
@@ -342,6 +366,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier) -> FastAPI:
     """
     app = FastAPI(title="kvledger GPU node")
     app.state.verifier = verifier
+    app.state.operator_verifier = operator_verifier
     started_at = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -410,11 +435,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier) -> FastAPI:
         return engine.cache_stats()
 
     @app.post("/v1/cache/snapshots", status_code=201)
-    async def write_snapshot(caller: Caller) -> dict:
-        if ADMIN_ROLE not in caller.roles:
-            raise ApiError(
-                403, "writing a snapshot requires the 'admin' role", type="permission_error", code="insufficient_role"
-            )
+    async def write_snapshot(_: PlatformAdmin) -> dict:
         require_ready()
         return await engine.write_snapshot()
 

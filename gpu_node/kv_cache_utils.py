@@ -23,9 +23,11 @@ import struct
 import time
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
+
+from identity.tokens import Principal
 
 HASH_BYTES = 32
 DEFAULT_BLOCK_SIZE = 16
@@ -69,29 +71,6 @@ class DocumentRef:
     @property
     def tag(self) -> str:
         return f"{self.doc_id}@{self.version}"
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """The caller, as established by a *verified* token. Never built from request bodies.
-
-    ``policy_versions`` maps an auth scope to the policy version the token was
-    issued under; ``default_policy_version`` covers tokens that carry a single
-    integer ``pv`` claim.
-    """
-
-    tenant_id: str
-    subject_id: str
-    scopes: frozenset[str] = frozenset()
-    policy_versions: Mapping[str, int] = field(default_factory=dict)
-    default_policy_version: int = 0
-    roles: frozenset[str] = frozenset()
-
-    def policy_version(self, auth_scope: str) -> int:
-        return self.policy_versions.get(auth_scope, self.default_policy_version)
-
-    def holds(self, auth_scope: str) -> bool:
-        return auth_scope in self.scopes
 
 
 # Auth scope recorded for tenant-scope messages that are not documents: they are

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from events.schema import subject_digest
-from gpu_node.auth import JWT_SECRET_ENV, issue_token
+from identity.tokens import JWT_SECRET_ENV, issue_token
 from gpu_node.crypto import KEY_BYTES, KEY_ID_HEX_CHARS, DataKeyProvider, LocalKeyStore
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 from gpu_node.settings import NodeSettings

@@ -12,12 +12,12 @@ from pathlib import Path
 import uvicorn
 
 from gpu_node.api import create_app
-from gpu_node.auth import TokenVerifier
 from events.kafka import KafkaSettings
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
 from gpu_node.publisher import NodePublisher
 from gpu_node.settings import NodeSettings
+from identity.tokens import TokenVerifier
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ async def serve(settings: NodeSettings) -> None:
     until the command consumer has applied everything pending.
     """
     verifier = TokenVerifier(settings.auth)
+    operator_verifier = TokenVerifier(settings.operator_auth, secret_env=None) if settings.operator_auth.configured else None
     engine = AsyncEngine.from_settings(settings)
     publisher = make_publisher(engine, settings)
     commands = make_command_consumer(engine, publisher, settings) if publisher is not None else None
@@ -108,7 +109,7 @@ async def serve(settings: NodeSettings) -> None:
         await publisher.start(Path(settings.data_dir))
     if commands is not None:
         await commands.start()
-    app = create_app(engine, verifier)
+    app = create_app(engine, verifier, operator_verifier=operator_verifier)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False))
     try:
         await server.serve()

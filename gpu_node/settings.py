@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
-class AuthSettings(BaseModel):
-    """How bearer tokens are verified. Exactly one of the two keys is expected."""
-
-    jwt_secret: SecretStr | None = None
-    jwt_public_key_file: Path | None = None
-    audience: str | None = None
-    leeway_s: float = 5.0
+from identity.settings import IssuerSettings
+from identity.tokens import JWT_SECRET_ENV
 
 
 class CacheSettings(BaseModel):
@@ -41,7 +36,10 @@ class NodeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8100
     warm_from: Path | None = None
-    auth: AuthSettings = AuthSettings()
+    auth: IssuerSettings = IssuerSettings()
+    """End users' tokens (the customer's identity provider; in the dev stack ``KVLEDGER_JWT_SECRET``)."""
+    operator_auth: IssuerSettings = IssuerSettings()
+    """Operators' tokens (``platform-admin`` writes snapshots); unset, no operator endpoint answers."""
     cache: CacheSettings = CacheSettings()
     # The ledger hooks are optional: without a broker the node runs standalone.
     # The stack-wide variables are honoured because one operator sets them once
@@ -60,3 +58,11 @@ class NodeSettings(BaseSettings):
     kafka_partitions: int = Field(4, ge=1)
     publish_interval_s: float = Field(0.05, gt=0)
     heartbeat_interval_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _distinct_issuers(self) -> NodeSettings:
+        if self.operator_auth.configured and self.operator_auth.shares_key_with(
+            self.auth, other_secret=os.environ.get(JWT_SECRET_ENV)
+        ):
+            raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
+        return self

@@ -1,44 +1,38 @@
 """Operator commands that call the coordinator API: ``kvledger namespace retire NS``.
 
 The coordinator URL comes from ``--coordinator-url`` or the ``coordinator_url`` of
-``.kvledger/stack.json``; the token from ``--token`` or, when absent, a short-lived
-``admin`` token signed with ``KVLEDGER_JWT_SECRET`` (or the stack's ``jwt_secret``),
-the same HS256 secret the coordinator verifies with.
+the stack file; the token from ``--token`` or, when absent, a short-lived
+``platform-admin`` token signed with the stack's operator key (``kvledger up``
+creates it). End users' secrets never sign operator tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from urllib.parse import quote
 
 import httpx
 
-from gpu_node.auth import JWT_SECRET_ENV, issue_token
-from kvledger.publish import stack_setting
+from identity.roles import PLATFORM_ADMIN
+from identity.tokens import issue_token
+from kvledger.tokens import load_stack, operator_key_pem
 
 TOKEN_TTL_S = 300
-
-
-def _token(args: argparse.Namespace) -> str:
-    if args.token:
-        return args.token
-    secret = os.environ.get(JWT_SECRET_ENV) or stack_setting("jwt_secret")
-    if not secret:
-        raise ValueError(f"pass --token or set {JWT_SECRET_ENV}")
-    return issue_token(tenant="ops", sub="kvledger-cli", roles=["admin"], ttl_s=TOKEN_TTL_S, secret=secret)
 
 
 def retire_namespace_cli(args: argparse.Namespace) -> int:
     """Start retiring a namespace; prints the namespace record (status ``draining`` or ``retired``)."""
     try:
-        url = args.coordinator_url or stack_setting("coordinator_url")
+        stack = load_stack(args.stack)
+        url = args.coordinator_url or stack.get("coordinator_url")
         if not url:
             raise ValueError("pass --coordinator-url or run `kvledger up` in this directory")
-        token = _token(args)
-    except ValueError as exc:
+        token = args.token or issue_token(
+            tenant="platform", sub="kvledger-cli", roles=[PLATFORM_ADMIN], ttl_s=TOKEN_TTL_S, private_key_pem=operator_key_pem(stack)
+        )
+    except (OSError, ValueError) as exc:
         print(f"kvledger namespace retire: error: {exc}", file=sys.stderr)
         return 2
     try:

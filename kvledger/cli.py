@@ -38,14 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--jwt-public-key", help="EdDSA public key (PEM) instead of KVLEDGER_JWT_SECRET")
     node.set_defaults(func=_lazy("gpu_node.server:cli"))
 
-    token = commands.add_parser("token", help="print a signed JWT for local use")
+    token = commands.add_parser("token", help="print a signed end-user or operator JWT for local use")
     token.add_argument("--tenant", required=True)
     token.add_argument("--sub", required=True)
     token.add_argument("--scopes", default="", help="comma-separated auth scopes")
     token.add_argument("--pv", type=int, default=0, help="policy version")
-    token.add_argument("--role", action="append", default=[], help="role claim (repeatable)")
+    token.add_argument(
+        "--role",
+        action="append",
+        default=[],
+        help="operator role (repeatable): tenant-admin, privacy-officer, auditor, platform-admin; signed with the stack's operator key",
+    )
     token.add_argument("--ttl-s", type=int, default=3600)
-    token.add_argument("--private-key", help="Ed25519 private key (PEM) to sign with instead of KVLEDGER_JWT_SECRET")
+    token.add_argument("--private-key", help="private key (PEM) to sign with instead of the stack's secret or operator key")
+    token.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
     token.set_defaults(func=_lazy("kvledger.tokens:cli"))
 
     coordinator = commands.add_parser("coordinator", help="run the coordinator (ledger API and/or consumers)")
@@ -88,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     retire = namespace.add_parser("retire", help="drain and delete a namespace's blocks everywhere")
     retire.add_argument("namespace")
     retire.add_argument("--coordinator-url", help="defaults to .kvledger/stack.json")
-    retire.add_argument("--token", help="admin JWT; defaults to one signed with KVLEDGER_JWT_SECRET")
+    retire.add_argument("--token", help="platform-admin JWT; defaults to one signed with the stack's operator key")
+    retire.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
     retire.set_defaults(func=_lazy("kvledger.admin:retire_namespace_cli"))
 
     verify = commands.add_parser("verify-receipt", help="verify an erasure receipt offline")

@@ -4,8 +4,10 @@ Starts PostgreSQL and the Kafka-protocol broker (embedded unless external URLs
 are given), applies migrations, then runs the coordinator and N nodes as child
 processes, waits until each answers ``/readyz``, writes ``stack.json`` and stays
 in the foreground until Ctrl-C or SIGTERM, when everything is stopped in reverse
-order. Children share one JWT secret and one subject-digest key, generated once
-per state directory and kept there with mode 0600.
+order. Children share one JWT secret (end users) and one subject-digest key,
+generated once per state directory and kept there with mode 0600; an Ed25519
+operator key pair (``operator_key.pem``, 0600, and ``operator_key.pub.pem``) signs
+operator tokens, and the coordinator and nodes verify them with its public half.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from coordinator.migrate import upgrade
+from identity.tokens import generate_ed25519_key_pair
 from kvledger.model_init import build_tiny_model
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
 
@@ -38,6 +41,18 @@ def _secret(path: Path, make=lambda: secrets.token_urlsafe(32)) -> str:
     path.touch(mode=0o600)
     path.write_text(value)
     return value
+
+
+def _operator_key_pair(state_dir: Path) -> tuple[Path, Path]:
+    """The stack's operator key pair (private 0600, public), created once per state directory."""
+    private_path, public_path = state_dir / "operator_key.pem", state_dir / "operator_key.pub.pem"
+    if not (private_path.exists() and public_path.exists()):
+        private_pem, public_pem = generate_ed25519_key_pair()
+        private_path.unlink(missing_ok=True)
+        private_path.touch(mode=0o600)
+        private_path.write_bytes(private_pem)
+        public_path.write_bytes(public_pem)
+    return private_path, public_path
 
 
 async def _wait_ready(url: str, process: subprocess.Popen, what: str) -> None:
@@ -106,6 +121,7 @@ async def up(args: argparse.Namespace) -> None:
         await asyncio.to_thread(upgrade, database_url)
 
         jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
+        operator_private_key, operator_public_key = _operator_key_pair(state_dir)
         env = os.environ | {
             "KVLEDGER_JWT_SECRET": jwt_secret,
             "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
@@ -113,6 +129,8 @@ async def up(args: argparse.Namespace) -> None:
             "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
             "KVLEDGER_DATABASE_URL": database_url,
             "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+            "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
+            "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
         }
         logs = state_dir / "logs"
         logs.mkdir(exist_ok=True)
@@ -144,6 +162,8 @@ async def up(args: argparse.Namespace) -> None:
             "kafka_bootstrap": kafka_bootstrap,
             "database_url": database_url,
             "jwt_secret": jwt_secret,
+            "operator_private_key_file": str(operator_private_key),
+            "operator_public_key_file": str(operator_public_key),
             "model_dir": str(model_dir),
             "logs": str(logs),
         }

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import os
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,12 +20,49 @@ from aiokafka.structs import ConsumerRecord
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from coordinator.consumers import run_consumers
 from coordinator.settings import CoordinatorSettings
 from events.schema import EventValidationError, StoredBlock
+from identity.tokens import issue_token
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
+"""The end users' HS256 secret (the nodes' ``auth``); the coordinator accepts no token signed with it."""
 SUBJECT_KEY = "integration-test-subject-key"
+
+_OPERATOR_KEY = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"kvledger test operator issuer").digest())
+OPERATOR_PRIVATE_KEY_PEM = _OPERATOR_KEY.private_bytes(
+    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+)
+OPERATOR_PUBLIC_KEY_PEM = _OPERATOR_KEY.public_key().public_bytes(
+    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+)
+
+
+def _public_key_file() -> str:
+    """The test operator issuer's public key as a file (settings name a file); same content for every process."""
+    path = os.path.join(tempfile.gettempdir(), f"kvledger-test-operator-{os.getuid()}.pub.pem")
+    staged = f"{path}.{os.getpid()}"
+    with open(staged, "wb") as file:
+        file.write(OPERATOR_PUBLIC_KEY_PEM)
+    os.replace(staged, path)
+    return path
+
+
+OPERATOR_PUBLIC_KEY_FILE = _public_key_file()
+OPERATOR_AUTH = {"jwt_public_key_file": OPERATOR_PUBLIC_KEY_FILE}
+"""``CoordinatorSettings.operator_auth`` / ``NodeSettings.operator_auth`` of the tests."""
+
+
+def operator_token(role: str, tenant: str = "acme", *, sub: str = "operator-1", ttl_s: int = 3600, now: float | None = None) -> str:
+    """A token of the tests' operator issuer: ``role`` acting for ``tenant``."""
+    return issue_token(tenant=tenant, sub=sub, roles=[role], ttl_s=ttl_s, private_key_pem=OPERATOR_PRIVATE_KEY_PEM, now=now)
+
+
+def operator_headers(role: str, tenant: str = "acme") -> dict[str, str]:
+    return {"Authorization": f"Bearer {operator_token(role, tenant)}"}
 
 
 class RunningConsumers:

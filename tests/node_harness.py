@@ -16,12 +16,12 @@ import uvicorn
 from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually
 
 from gpu_node.api import create_app as create_node_app
-from gpu_node.auth import TokenVerifier
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, num_cacheable_blocks
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.tokens import TokenVerifier
 from kvledger.net import loopback_listener
 
 TIMEOUT_S = 30.0

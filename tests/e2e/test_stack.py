@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +56,16 @@ def _stack_file(state_dir: Path):
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _cli_token(state_dir: Path, *args: str) -> str:
+    """``kvledger token --stack STATE_DIR ARGS`` as a user runs it."""
+    minted = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", "token", "--stack", str(state_dir), *args],
+        capture_output=True, text=True, timeout=60, check=True,
+        env={key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")},
+    )
+    return minted.stdout.strip()
+
+
 def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
     state_dir = tmp_path / "state"
     port = _free_port_pair()
@@ -71,10 +81,11 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         )
     try:
         stack = _wait_for(lambda: _stack_file(state_dir), "stack.json", STARTUP_TIMEOUT_S, process, log)
-        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret"}
+        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret", "operator_private_key_file"}
         assert stack["node_urls"] == [f"http://127.0.0.1:{port}"]
+        assert os.stat(stack["operator_private_key_file"]).st_mode & 0o777 == 0o600
 
-        token = issue_token(tenant="acme", sub="alice", scopes=["hr"], pv=1, roles=[], ttl_s=600, secret=stack["jwt_secret"])
+        token = _cli_token(state_dir, "--tenant", "acme", "--sub", "alice", "--scopes", "hr", "--pv", "1")
         client = OpenAI(base_url=stack["node_urls"][0] + "/v1", api_key=token, max_retries=0)
         messages = [
             {"role": "system", "content": "You are the ACME assistant. " * 20, "cache_scope": "public"},
@@ -87,8 +98,18 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
         assert second.choices[0].message.content == first.choices[0].message.content
 
-        admin = issue_token(tenant="ops", sub="operator", scopes=[], pv=0, roles=["admin"], ttl_s=600, secret=stack["jwt_secret"])
+        admin = _cli_token(state_dir, "--tenant", "platform", "--sub", "operator", "--role", "platform-admin")
         headers = {"Authorization": f"Bearer {admin}"}
+        # The end users' secret mints no operator: the coordinator refuses it whatever it claims.
+        forged = issue_token(tenant="acme", sub="mallory", roles=["platform-admin"], ttl_s=600, secret=stack["jwt_secret"])
+        refused = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers={"Authorization": f"Bearer {forged}"})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_token")
+        node_role = subprocess.run(
+            [sys.executable, "-m", "kvledger.cli", "token", "--stack", str(state_dir), "--tenant", "acme", "--sub", "n", "--role", "node"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert node_role.returncode == 2 and node_role.stdout == "" and len(node_role.stderr.splitlines()) == 1
+        assert "no command mints node credentials" in node_role.stderr
 
         def ledger_has_the_blocks():
             response = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "acme", "doc_id": "handbook"}, headers=headers)
@@ -97,6 +118,14 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         _wait_for(ledger_has_the_blocks, "the node's blocks in the ledger", 60, process, log)
         nodes = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers=headers).json()
         assert [node["node_id"] for node in nodes["nodes"]] == ["node-0"]
+        auditor = _cli_token(state_dir, "--tenant", "acme", "--sub", "auditor-1", "--role", "auditor")
+        own = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"doc_id": "handbook"}, headers={"Authorization": f"Bearer {auditor}"})
+        assert own.status_code == 200 and own.json()["blocks"] and {b["tenant_id"] for b in own.json()["blocks"]} == {"acme"}
+        other = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "globex"}, headers={"Authorization": f"Bearer {auditor}"})
+        assert (other.status_code, other.json()["error"]["code"]) == (403, "tenant_forbidden")
+        # The node verifies operators with the stack's operator key too.
+        snapshot = httpx.post(f"{stack['node_urls'][0]}/v1/cache/snapshots", headers=headers, timeout=60)
+        assert snapshot.status_code == 201, snapshot.text
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, fresh_database, stored
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, fresh_database, stored
 
 from coordinator import migrate
 from coordinator.api import create_app
@@ -33,7 +33,7 @@ from events.schema import (
     subject_digest,
 )
 from events.topics import KV_EVENTS
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 
 ALICE = subject_digest(SUBJECT_KEY.encode(), "acme", "alice")
 BOB = subject_digest(SUBJECT_KEY.encode(), "acme", "bob")
@@ -86,6 +86,7 @@ async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
         yield CoordinatorSettings(
             database={"url": url},
             auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
             ledger={"subject_key": SUBJECT_KEY, "heartbeat_timeout_s": 30},
         )
 
@@ -133,8 +134,9 @@ async def client(settings: CoordinatorSettings, seeded) -> AsyncIterator[httpx.A
         yield client
 
 
-def token(*roles: str, ttl_s: int = 300, secret: str = JWT_SECRET) -> dict[str, str]:
-    signed = issue_token(tenant="ops", sub="operator-1", roles=roles, ttl_s=ttl_s, secret=secret)
+def token(*roles: str, tenant: str = "acme", now: float | None = None) -> dict[str, str]:
+    """An operator token (the tests' operator issuer) with ``roles``, bound to ``tenant``."""
+    signed = issue_token(tenant=tenant, sub="operator-1", roles=roles, private_key_pem=OPERATOR_PRIVATE_KEY_PEM, now=now)
     return {"Authorization": f"Bearer {signed}"}
 
 
@@ -153,15 +155,16 @@ async def test_ledger_requires_a_reader_role(client: httpx.AsyncClient) -> None:
         "authentication_error",
         "invalid_token",
     )
+    # The end users' secret signs no operator token, whatever roles it claims.
+    end_user = issue_token(tenant="acme", sub="op", roles=["platform-admin"], secret=JWT_SECRET)
     assert_error(
-        await client.get("/v1/ledger/blocks", headers=token("admin", secret="x" * 40)),
+        await client.get("/v1/ledger/blocks", headers={"Authorization": f"Bearer {end_user}"}),
         401,
         "authentication_error",
         "invalid_token",
     )
-    expired = issue_token(tenant="ops", sub="op", roles=["admin"], ttl_s=1, secret=JWT_SECRET, now=time.time() - 3600)
     assert_error(
-        await client.get("/v1/ledger/blocks", headers={"Authorization": f"Bearer {expired}"}),
+        await client.get("/v1/ledger/blocks", headers=token("platform-admin", now=time.time() - 7200)),
         401,
         "authentication_error",
         "token_expired",
@@ -170,13 +173,18 @@ async def test_ledger_requires_a_reader_role(client: httpx.AsyncClient) -> None:
     assert_error(
         await client.get("/v1/ledger/blocks", headers=token("user")), 403, "permission_error", "insufficient_role"
     )
-    for role in ("admin", "privacy-officer", "auditor"):
+    assert_error(
+        await client.get("/v1/ledger/blocks", headers=token("admin")), 403, "permission_error", "insufficient_role"
+    )
+    for role in ("tenant-admin", "privacy-officer", "auditor"):
         assert (await client.get("/v1/ledger/blocks", headers=token(role))).status_code == 200
-        assert (await client.get("/v1/nodes", headers=token(role))).status_code == 200
+        assert_error(await client.get("/v1/nodes", headers=token(role)), 403, "permission_error", "insufficient_role")
+    assert (await client.get("/v1/ledger/blocks", headers=token("platform-admin"))).status_code == 200
+    assert (await client.get("/v1/nodes", headers=token("platform-admin"))).status_code == 200
 
 
 async def _hashes(client: httpx.AsyncClient, **params) -> set[str]:
-    response = await client.get("/v1/ledger/blocks", params=params, headers=token("auditor"))
+    response = await client.get("/v1/ledger/blocks", params=params, headers=token("platform-admin"))
     assert response.status_code == 200, response.text
     return {block["block_hash"] for block in response.json()["blocks"]}
 
@@ -247,7 +255,7 @@ async def test_block_shape_and_paging(client: httpx.AsyncClient) -> None:
     seen, cursor = [], None
     while True:
         params = {"limit": 2, **({"after": cursor} if cursor else {})}
-        page = (await client.get("/v1/ledger/blocks", params=params, headers=token("admin"))).json()
+        page = (await client.get("/v1/ledger/blocks", params=params, headers=token("platform-admin"))).json()
         seen += [b["block_hash"] for b in page["blocks"]]
         cursor = page["next_cursor"]
         if cursor is None:
@@ -256,7 +264,7 @@ async def test_block_shape_and_paging(client: httpx.AsyncClient) -> None:
 
 
 async def test_bad_parameters(client: httpx.AsyncClient) -> None:
-    headers = token("admin")
+    headers = token("platform-admin")
     assert_error(
         await client.get("/v1/ledger/blocks", params={"subject": "alice"}, headers=headers),
         400,
@@ -273,7 +281,7 @@ async def test_bad_parameters(client: httpx.AsyncClient) -> None:
 
 
 async def test_nodes_liveness(client: httpx.AsyncClient) -> None:
-    response = await client.get("/v1/nodes", headers=token("auditor"))
+    response = await client.get("/v1/nodes", headers=token("platform-admin"))
     nodes = {node["node_id"]: node for node in response.json()["nodes"] if node["node_id"] in ("node-a", "node-b")}
     assert nodes["node-a"]["alive"] is True and nodes["node-a"]["last_heartbeat"] is not None
     assert nodes["node-b"]["alive"] is False and nodes["node-b"]["last_seen_age_s"] > 3000
@@ -300,7 +308,7 @@ async def test_open_endpoints(client: httpx.AsyncClient) -> None:
 
 async def test_readyz_is_false_until_migrated(database_url: str) -> None:
     async with fresh_database(database_url) as url:
-        settings = CoordinatorSettings(database={"url": url}, auth={"jwt_secret": JWT_SECRET})
+        settings = CoordinatorSettings(database={"url": url}, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH)
         app = create_app(settings)
         transport = httpx.ASGITransport(app=app)
         async with (
@@ -316,9 +324,9 @@ async def test_readyz_is_false_until_migrated(database_url: str) -> None:
 async def test_subjects_never_reach_the_logs(client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     params = {"tenant": "acme", "subject": "carol-7f3a"}
-    assert (await client.get("/v1/ledger/blocks", params=params, headers=token("admin"))).status_code == 200
+    assert (await client.get("/v1/ledger/blocks", params=params, headers=token("auditor"))).status_code == 200
     assert (
-        await client.get("/v1/ledger/blocks", params={**params, "limit": -1}, headers=token("admin"))
+        await client.get("/v1/ledger/blocks", params={**params, "limit": -1}, headers=token("auditor"))
     ).status_code == 400
     # Server-side records only: the test's own HTTP client (httpx) logs the URL it requested.
     server_logs = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))

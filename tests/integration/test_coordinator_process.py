@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, eventually, fresh_database, stored
+from ledger_helpers import JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, eventually, fresh_database, stored
 from sqlalchemy import func, select
 
 from coordinator import migrate
@@ -52,6 +52,7 @@ class CoordinatorProcess:
             "KVLEDGER_DATABASE_URL": ledger_url,
             "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
             "KVLEDGER_JWT_SECRET": JWT_SECRET,
+            "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
             "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
             "KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS": "20",
         }

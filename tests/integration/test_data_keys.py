@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, fresh_database
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, fresh_database
 from sqlalchemy import select
 
 from coordinator import migrate
@@ -33,13 +33,14 @@ from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService, MasterKeyError
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
-from gpu_node.auth import issue_token
 from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig, Tier, decode_block_record
 from gpu_node.crypto import LocalKeyStore, unseal
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.remote_keys import NODE_ROLE, CoordinatorKeyProvider, data_key_provider
-from gpu_node.settings import AuthSettings, NodeSettings
+from gpu_node.settings import NodeSettings
+from identity.settings import IssuerSettings
+from identity.tokens import issue_token
 from kvledger.net import loopback_listener
 
 MASTER_KEY = os.urandom(32)
@@ -68,6 +69,7 @@ async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
         yield CoordinatorSettings(
             database={"url": url},
             auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
             ledger={"subject_key": SUBJECT_KEY},
             keys={"master_key": base64.b64encode(MASTER_KEY).decode()},
         )
@@ -344,10 +346,10 @@ async def test_unreachable_coordinator_means_no_key() -> None:
 def test_node_settings_choose_the_key_provider(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLEDGER_JWT_SECRET", raising=False)
     assert NODE == NODE_ROLE
-    local = NodeSettings(data_dir=tmp_path, auth=AuthSettings(jwt_secret=JWT_SECRET), coordinator_url=None)
+    local = NodeSettings(data_dir=tmp_path, auth=IssuerSettings(jwt_secret=JWT_SECRET), coordinator_url=None)
     assert isinstance(data_key_provider(local, tmp_path), LocalKeyStore)
     remote = NodeSettings(
-        data_dir=tmp_path, auth=AuthSettings(jwt_secret=JWT_SECRET), coordinator_url="http://c", subject_key=SUBJECT_KEY
+        data_dir=tmp_path, auth=IssuerSettings(jwt_secret=JWT_SECRET), coordinator_url="http://c", subject_key=SUBJECT_KEY
     )
     provider = data_key_provider(remote, tmp_path)
     assert isinstance(provider, CoordinatorKeyProvider)
@@ -355,7 +357,7 @@ def test_node_settings_choose_the_key_provider(tmp_path, monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="subject key"):
         data_key_provider(remote.model_copy(update={"subject_key": None}), tmp_path)
     with pytest.raises(ValueError, match="HS256 secret"):
-        data_key_provider(remote.model_copy(update={"auth": AuthSettings()}), tmp_path)
+        data_key_provider(remote.model_copy(update={"auth": IssuerSettings()}), tmp_path)
     monkeypatch.setenv("KVLEDGER_NODE_COORDINATOR_URL", "http://node-specific")
     monkeypatch.setenv("KVLEDGER_COORDINATOR_URL", "http://shared")
     assert NodeSettings().coordinator_url == "http://node-specific"

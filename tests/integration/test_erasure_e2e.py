@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database, operator_headers
 from node_harness import ServedNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -42,12 +42,12 @@ from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.schema import subject_digest
-from gpu_node.auth import issue_token
 from gpu_node.block_pool import BlockRestoreError, BlockState, Tier, decode_block_record
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.tokens import issue_token
 from kvledger.net import loopback_listener
 
 BLOCK_SIZE = 16
@@ -57,11 +57,11 @@ MASTER_KEY = base64.b64encode(os.urandom(32)).decode()
 KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
 
 
-def role_token(role: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {issue_token(tenant='ops', sub='op', roles=[role], ttl_s=3600, secret=JWT_SECRET)}"}
+PLATFORM_ADMIN = operator_headers("platform-admin", "platform")
 
 
-OFFICER = role_token("privacy-officer")
+def officer(tenant: str) -> dict[str, str]:
+    return operator_headers("privacy-officer", tenant)
 
 
 # --------------------------------------------------------------------------- coordinator and nodes
@@ -167,6 +167,7 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": group},
             auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
             ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.5},
             keys={"master_key": MASTER_KEY},
         )
@@ -208,7 +209,7 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
 
 
 async def api_get(base_url: str, path: str, headers: dict | None = None, **params) -> dict:
-    async with httpx.AsyncClient(base_url=base_url, headers=role_token("admin") if headers is None else headers, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base_url, headers=PLATFORM_ADMIN if headers is None else headers, timeout=30) as client:
         response = await client.get(path, params=params)
     assert response.status_code == 200, response.text
     return response.json()
@@ -220,12 +221,12 @@ async def request_erasure(base_url: str, tenant: str, subject: str, headers: dic
         return await client.post(
             "/v1/erasures",
             json={"tenant_id": tenant, "subject_id": subject, "reason": "GDPR art. 17 request"},
-            headers=(OFFICER if headers is None else headers) | extra,
+            headers=(officer(tenant) if headers is None else headers) | extra,
         )
 
 
 async def erasure(base_url: str, erasure_id: str) -> dict:
-    return await api_get(base_url, f"/v1/erasures/{erasure_id}", OFFICER)
+    return await api_get(base_url, f"/v1/erasures/{erasure_id}", PLATFORM_ADMIN)
 
 
 async def wait_status(base_url: str, erasure_id: str, status: str, timeout_s: float = 60) -> dict:
@@ -241,7 +242,7 @@ async def wait_status(base_url: str, erasure_id: str, status: str, timeout_s: fl
 
 async def ledger_live(base_url: str, tenant: str, subject: str) -> set[tuple[str, str, str]]:
     """(block hash, node, tier) of the subject's live placements in the ledger (tier ``snapshot`` for snapshots)."""
-    page = await api_get(base_url, "/v1/ledger/blocks", OFFICER, tenant=tenant, subject=subject, limit=1000)
+    page = await api_get(base_url, "/v1/ledger/blocks", officer(tenant), tenant=tenant, subject=subject, limit=1000)
     assert page["next_cursor"] is None
     return {
         (block["block_hash"], placement["node_id"], placement["tier"])
@@ -329,7 +330,8 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
 
     # Refused requests start nothing.
     assert (await request_erasure(url, tenant, alice, headers={})).status_code == 401
-    assert (await request_erasure(url, tenant, alice, headers=role_token("auditor"))).status_code == 403
+    assert (await request_erasure(url, tenant, alice, headers=operator_headers("auditor", tenant))).status_code == 403
+    assert (await request_erasure(url, tenant, alice, headers=officer("another-tenant"))).status_code == 403
     assert await count_erasures(stack["database_url"], tenant) == 0
     checkpoint_before = await api_get(url, "/v1/audit/checkpoint", {}) if (await _has_checkpoint(url)) else {"tree_size": 0}
 
@@ -344,13 +346,13 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
     assert all(row["status"] == "acked" for row in done["nodes"]) and done["live_copies"] == 0
 
     # The receipt verifies offline against the published checkpoint and key document.
-    served = await api_get(url, f"/v1/erasures/{erasure_id}/receipt", OFFICER)
+    served = await api_get(url, f"/v1/erasures/{erasure_id}/receipt", officer(tenant))
     checkpoint = await api_get(url, "/v1/audit/checkpoint", {})
     keys = await api_get(url, "/v1/receipts/keys", {})
     result = verify_receipt(tmp_path, served, checkpoint, keys)
     assert result.returncode == 0, result.stdout + result.stderr
     assert checkpoint["tree_size"] == checkpoint_before["tree_size"] + 1, "one erasure, one receipt"
-    assert (await api_get(url, f"/v1/erasures/{erasure_id}/receipt", OFFICER))["receipt"] == served["receipt"]
+    assert (await api_get(url, f"/v1/erasures/{erasure_id}/receipt", officer(tenant)))["receipt"] == served["receipt"]
     body = served["receipt"]
     assert body["erasure_id"] == erasure_id and body["tenant_id"] == tenant
     assert body["subject_hash"] == subject_digest(SUBJECT_KEY.encode(), tenant, alice)
@@ -472,7 +474,7 @@ async def test_a_node_down_keeps_the_erasure_partial_until_it_replays_and_acks(s
         erasure_id = started.json()["id"]
         partial = await wait_status(url, erasure_id, "partial")
         assert {row["node_id"]: row["status"] for row in partial["nodes"]} == {nodes[0].node_id: "acked", down.node_id: "pending"}
-        async with httpx.AsyncClient(base_url=url, headers=OFFICER, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=url, headers=officer(tenant), timeout=30) as client:
             missing = await client.get(f"/v1/erasures/{erasure_id}/receipt")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "receipt_not_issued"
     finally:

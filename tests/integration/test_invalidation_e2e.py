@@ -35,7 +35,7 @@ import httpx
 import openai
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, operator_headers
 from node_harness import Served, ServedNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -44,8 +44,8 @@ from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka, topics
-from gpu_node.auth import issue_token
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.tokens import issue_token
 
 BLOCK_SIZE = 16
 SYSTEM = "You answer questions from the tenant handbook, briefly and only from it."
@@ -120,6 +120,7 @@ async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": group},
             auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
             ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
         )
         await kafka.ensure_topics(kafka_settings(settings))
@@ -174,7 +175,7 @@ def user_token(tenant: str, pv: int = 1) -> str:
     return issue_token(tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": pv}, ttl_s=600, secret=JWT_SECRET)
 
 
-ADMIN = {"Authorization": f"Bearer {issue_token(tenant='ops', sub='op', roles=['admin'], ttl_s=3600, secret=JWT_SECRET)}"}
+ADMIN = operator_headers("platform-admin", "platform")
 
 
 async def ledger_get(base_url: str, path: str, **params) -> dict:

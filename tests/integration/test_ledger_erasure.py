@@ -25,7 +25,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import (
+    JWT_SECRET,
+    OPERATOR_AUTH,
+    SUBJECT_KEY,
+    RunningConsumers,
+    block_hash,
+    eventually,
+    fresh_database,
+    operator_headers,
+    scan_topic,
+    stored,
+)
 from sqlalchemy import func, select, text
 
 from coordinator import migrate
@@ -52,7 +63,6 @@ from events.schema import (
     subject_digest,
 )
 from events.topics import COMMANDS, DEAD_LETTER, ERASURES
-from gpu_node.auth import issue_token
 
 TENANT = "erasure-tenant"
 MASTER_KEY = base64.b64encode(b"m" * 32).decode()
@@ -66,6 +76,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"erasure-test-{uuid.uuid4().hex[:8]}"},
             auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
             ledger={
                 "subject_key": SUBJECT_KEY,
                 "outbox_poll_s": 0.1,
@@ -89,8 +100,9 @@ def receipts_seen() -> list[str]:
     return []
 
 
-def token(*roles: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {issue_token(tenant='ops', sub='op', roles=roles, secret=JWT_SECRET)}"}
+def token(role: str) -> dict[str, str]:
+    """An operator of this module's tenant."""
+    return operator_headers(role, TENANT)
 
 
 OFFICER = token("privacy-officer")
@@ -230,6 +242,7 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     body = {"tenant_id": TENANT, "subject_id": subject, "reason": "GDPR art. 17 request"}
     assert (await client.post("/v1/erasures", json=body)).status_code == 401
     assert (await client.post("/v1/erasures", json=body, headers=token("auditor"))).status_code == 403
+    assert (await client.post("/v1/erasures", json=body, headers=token("tenant-admin"))).status_code == 403
     bad = await client.post("/v1/erasures", json={**body, "reason": ""}, headers=OFFICER)
     assert bad.status_code == 400 and "error" in bad.json() and subject not in bad.text
     async with database.session() as session:

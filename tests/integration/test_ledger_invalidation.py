@@ -21,12 +21,13 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
 from prometheus_client import REGISTRY
 from sqlalchemy import func, inspect, pool, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -64,7 +65,7 @@ from events.schema import (
     parse_event,
 )
 from events.topics import COMMANDS, DEAD_LETTER, DOCUMENTS, PERMISSIONS
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 from kvledger import admin, publish
 
 
@@ -76,6 +77,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"invalidation-test-{uuid.uuid4().hex[:8]}"},
             auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
             ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
         )
 
@@ -92,8 +94,9 @@ def uid() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def token(*roles: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {issue_token(tenant='ops', sub='op', roles=roles, secret=JWT_SECRET)}"}
+def token(*roles: str, tenant: str = "ops") -> dict[str, str]:
+    """An operator token (the tests' operator issuer) with ``roles``, bound to ``tenant``."""
+    return {"Authorization": f"Bearer {issue_token(tenant=tenant, sub='op', roles=roles, private_key_pem=OPERATOR_PRIVATE_KEY_PEM)}"}
 
 
 def counter(name: str, **labels: str) -> float:
@@ -307,7 +310,7 @@ async def test_document_update_from_a_plain_producer(
     assert placements[(other.block_hash, a.node_id, "device")] == ("live", None, None)
     assert placements[(public.block_hash, a.node_id, "device")] == ("live", None, None)
 
-    response = await client.get(f"/v1/invalidations/{command_id}", headers=token("auditor"))
+    response = await client.get(f"/v1/invalidations/{command_id}", headers=token("auditor", tenant=tenant))
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["status"] == "complete" and body["predicate"] == predicate
@@ -466,6 +469,7 @@ async def test_namespace_retirement(
     client: httpx.AsyncClient,
     settings,
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
     uid: str,
 ) -> None:
     old_ns, new_ns = f"ns-old-{uid}", f"ns-new-{uid}"
@@ -475,13 +479,14 @@ async def test_namespace_retirement(
     await node.store(block)
     await _nodes_applied(database, node)
 
-    admin_headers = token("admin")
+    admin_headers = token("platform-admin")
     refused = await client.post(f"/v1/namespaces/{old_ns}/retire", headers=admin_headers)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "namespace_in_use"
     missing = await client.post(f"/v1/namespaces/ns-none-{uid}/retire", headers=admin_headers)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "namespace_not_found"
-    forbidden = await client.post(f"/v1/namespaces/{old_ns}/retire", headers=token("auditor"))
-    assert forbidden.status_code == 403
+    for role in ("tenant-admin", "privacy-officer", "auditor"):
+        forbidden = await client.post(f"/v1/namespaces/{old_ns}/retire", headers=token(role))
+        assert (forbidden.status_code, forbidden.json()["error"]["code"]) == (403, "insufficient_role")
 
     await node.start(namespace=new_ns)  # the rollout: the node now serves the new model
     await _nodes_applied(database, node)
@@ -494,7 +499,12 @@ async def test_namespace_retirement(
     serving = asyncio.create_task(server.serve())
     try:
         await eventually(lambda: _started(server), what="the API server to start")
-        args = argparse.Namespace(namespace=old_ns, coordinator_url=f"http://127.0.0.1:{port}", token=None)
+        # The CLI signs a platform-admin token with the stack's operator key.
+        (tmp_path / "operator_key.pem").write_bytes(OPERATOR_PRIVATE_KEY_PEM)
+        (tmp_path / "stack.json").write_text(json.dumps({"operator_private_key_file": str(tmp_path / "operator_key.pem")}))
+        args = argparse.Namespace(
+            namespace=old_ns, coordinator_url=f"http://127.0.0.1:{port}", token=None, stack=str(tmp_path)
+        )
         monkeypatch.setenv("KVLEDGER_JWT_SECRET", JWT_SECRET)
         assert await asyncio.to_thread(admin.retire_namespace_cli, args) == 0
     finally:
@@ -513,7 +523,8 @@ async def test_namespace_retirement(
 
     await _ack_all(producer, database, command_id, {node.node_id: [_evidence("disk", [block.block_hash])]})
     await _status_is(database, command_id, "complete")
-    listed = await client.get("/v1/namespaces", headers=token("auditor"))
+    assert (await client.get("/v1/namespaces", headers=token("auditor"))).status_code == 403
+    listed = await client.get("/v1/namespaces", headers=token("platform-admin"))
     by_name = {ns["namespace"]: ns for ns in listed.json()["namespaces"]}
     assert by_name[old_ns]["status"] == "retired" and by_name[old_ns]["nodes"] == []
     assert by_name[new_ns]["status"] == "active" and by_name[new_ns]["nodes"] == [node.node_id]
@@ -656,28 +667,30 @@ async def test_api_auth_shapes_and_listing(
     url = f"/v1/invalidations/{ids[0]}"
     assert (await client.get(url)).status_code == 401
     assert (await client.get(url)).json()["error"]["type"] == "authentication_error"
-    forbidden = await client.get(url, headers=token("user"))
+    forbidden = await client.get(url, headers=token("user", tenant=tenant))
     assert forbidden.status_code == 403 and set(forbidden.json()["error"]) == {"message", "type", "code"}
-    for role in ("admin", "privacy-officer", "auditor"):
-        assert (await client.get(url, headers=token(role))).status_code == 200
-    assert (await client.get("/v1/invalidations/not-a-uuid", headers=token("admin"))).status_code == 400
-    missing = await client.get(f"/v1/invalidations/{uuid.uuid4()}", headers=token("admin"))
+    for role in ("tenant-admin", "privacy-officer", "auditor"):
+        assert (await client.get(url, headers=token(role, tenant=tenant))).status_code == 200
+    assert (await client.get(url, headers=token("platform-admin"))).status_code == 200
+    assert (await client.get("/v1/invalidations/not-a-uuid", headers=token("platform-admin"))).status_code == 400
+    missing = await client.get(f"/v1/invalidations/{uuid.uuid4()}", headers=token("platform-admin"))
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "invalidation_not_found"
-    assert (await client.get("/v1/invalidations?status=bogus", headers=token("admin"))).status_code == 400
+    assert (await client.get("/v1/invalidations?status=bogus", headers=token("platform-admin"))).status_code == 400
     assert (await client.get("/v1/namespaces")).status_code == 401
 
     seen, cursor = [], None
     while True:
         params = {"kind": "policy", "limit": 2, **({"before": cursor} if cursor else {})}
-        page = (await client.get("/v1/invalidations", params=params, headers=token("auditor"))).json()
+        page = (await client.get("/v1/invalidations", params=params, headers=token("auditor", tenant=tenant))).json()
         seen += [(item["seq"], uuid.UUID(item["command_id"])) for item in page["invalidations"]]
         assert all(item["kind"] == "policy" for item in page["invalidations"])
         cursor = page["next_cursor"]
         if cursor is None:
             break
     assert [seq for seq, _ in seen] == sorted((seq for seq, _ in seen), reverse=True)  # newest first, no repeats
-    assert len(seen) == len(set(seen)) and set(ids) <= {command_id for _, command_id in seen}
-    page = await client.get("/v1/invalidations", params={"limit": 1}, headers=token("auditor"))
+    # A tenant's auditor lists exactly its tenant's commands.
+    assert len(seen) == len(set(seen)) and {command_id for _, command_id in seen} == set(ids)
+    page = await client.get("/v1/invalidations", params={"limit": 1}, headers=token("auditor", tenant=tenant))
     (item,) = page.json()["invalidations"]
     assert {"command_id", "kind", "predicate", "cutoff", "status", "created_at", "completed_at", "latency_ms",
             "num_targets", "num_acked"} <= set(item)

@@ -20,10 +20,10 @@ from prometheus_client import REGISTRY
 from events import schema, topics
 from events.kafka import EventProducer, KafkaSettings
 from gpu_node.api import create_app
-from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.block_pool import Tier
 from gpu_node.commands import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.tokens import TokenVerifier, issue_token
 from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, scan_topic
 from node_harness import NodeServices, node_settings
 

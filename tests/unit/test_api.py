@@ -25,13 +25,15 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from ledger_helpers import OPERATOR_AUTH, operator_headers
 
 from gpu_node.api import create_app
-from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef
 from gpu_node.prompt import ChatMessage, render_prompt
-from gpu_node.settings import AuthSettings, CacheSettings, NodeSettings
+from gpu_node.settings import CacheSettings, NodeSettings
+from identity.settings import IssuerSettings
+from identity.tokens import TokenVerifier, issue_token
 
 SECRET = "api-test-secret-0123456789abcdef0123456789"
 BLOCK_SIZE = 16
@@ -55,11 +57,14 @@ def node(tiny_model_dir, tmp_path_factory):
     settings = NodeSettings(
         model_dir=tiny_model_dir,
         data_dir=tmp_path_factory.mktemp("api-node"),
-        auth=AuthSettings(jwt_secret=SECRET),
+        auth=IssuerSettings(jwt_secret=SECRET),
+        operator_auth=OPERATOR_AUTH,
         cache=CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=256, num_host_blocks=256, max_disk_blocks=512),
     )
     engine = AsyncEngine.from_settings(settings)
-    app = create_app(engine, TokenVerifier(settings.auth))
+    app = create_app(
+        engine, TokenVerifier(settings.auth), operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None)
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -365,7 +370,7 @@ def test_health_ready_metrics(node):
 
 def test_not_ready_node_refuses_traffic(tiny_model_dir, tmp_path):
     """Before ``engine.start()`` (pending invalidations not yet replayed) nothing is served."""
-    settings = NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path, auth=AuthSettings(jwt_secret=SECRET))
+    settings = NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path, auth=IssuerSettings(jwt_secret=SECRET))
     engine = AsyncEngine.from_settings(settings)
     with TestClient(create_app(engine, TokenVerifier(settings.auth))) as http:
         assert_error(http.get("/readyz"), 503, "not_ready", "server_error")
@@ -392,11 +397,16 @@ def test_cache_stats_requires_a_token(node):
     assert isinstance(response.json(), dict)
 
 
-def test_snapshot_requires_admin(node):
+def test_snapshot_requires_a_platform_admin_operator(node):
     with node.http() as http:
-        forbidden = http.post("/v1/cache/snapshots", headers={"Authorization": f"Bearer {token()}"})
-        assert_error(forbidden, 403, "insufficient_role", "permission_error")
-        created = http.post("/v1/cache/snapshots", headers={"Authorization": f"Bearer {token(roles=['admin'])}"})
+        assert_error(http.post("/v1/cache/snapshots"), 401, "missing_token", "authentication_error")
+        # End users' tokens are never operator tokens, whatever role they claim.
+        for roles in ((), ("admin",), ("platform-admin",)):
+            claimed = http.post("/v1/cache/snapshots", headers={"Authorization": f"Bearer {token(roles=roles)}"})
+            assert_error(claimed, 401, "invalid_token", "authentication_error")
+        tenant_admin = http.post("/v1/cache/snapshots", headers=operator_headers("tenant-admin"))
+        assert_error(tenant_admin, 403, "insufficient_role", "permission_error")
+        created = http.post("/v1/cache/snapshots", headers=operator_headers("platform-admin", "platform"))
     assert created.status_code == 201, created.text
     assert isinstance(created.json(), dict)
 
