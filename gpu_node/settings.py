@@ -1,11 +1,63 @@
-"""GPU node settings (pydantic-settings, env prefix ``KVLEDGER_NODE_``, nested with ``__``)."""
+"""GPU node settings (pydantic-settings, env prefix ``KVLEDGER_NODE_``, nested with ``__``).
+
+Stack-wide variables are honoured too, because one operator sets them once for every
+process: ``KVLEDGER_KAFKA_BOOTSTRAP``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_COORDINATOR_URL``,
+``KVLEDGER_METRICS_TOKEN`` and the Kafka security variables ``KVLEDGER_KAFKA_SECURITY_PROTOCOL``,
+``KVLEDGER_KAFKA_SASL_MECHANISM``, ``KVLEDGER_KAFKA_SASL_USERNAME``, ``KVLEDGER_KAFKA_SASL_PASSWORD``,
+``KVLEDGER_KAFKA_SSL_CAFILE``, ``KVLEDGER_KAFKA_SSL_CERTFILE``, ``KVLEDGER_KAFKA_SSL_KEYFILE``,
+``KVLEDGER_KAFKA_SSL_CHECK_HOSTNAME``. A node-specific variable (``KVLEDGER_NODE_METRICS__TOKEN``,
+``KVLEDGER_NODE_KAFKA__SASL_USERNAME`` …) wins over the shared one.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
+
+
+class SharedEnvSource(PydanticBaseSettingsSource):
+    """Maps stack-wide ``KVLEDGER_*`` variables (variable → path of groups in the settings tree) into settings.
+
+    Placed after the service's own environment source, so a service-specific
+    variable wins over the shared one and an explicit argument over both.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], mapping: Mapping[str, tuple[str, ...]]) -> None:
+        super().__init__(settings_cls)
+        self._mapping = mapping
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        # Unused: __call__ builds the whole tree at once.
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for variable, path in self._mapping.items():
+            value = os.environ.get(variable)
+            if value:
+                group = values
+                for name in path[:-1]:
+                    group = group.setdefault(name, {})
+                group[path[-1]] = value
+        return values
+
+
+class MetricsSettings(BaseModel):
+    """Who may read the detailed, cross-tenant operational views (``/metrics``, ``/v1/cache/stats``).
+
+    They aggregate every tenant's traffic, so they are for the operator's scraper only:
+    callers present ``token`` as a bearer token. Unset, those routes are disabled
+    (404) rather than open.
+    """
+
+    token: SecretStr | None = None
 
 
 class AuthSettings(BaseModel):
@@ -57,6 +109,23 @@ class NodeSettings(BaseSettings):
         validation_alias=AliasChoices("coordinator_url", "KVLEDGER_NODE_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"),
     )
     """Where data keys for tenant/user blocks at rest come from (``gpu_node.remote_keys``); unset: a local key file."""
+    kafka: KafkaSecurity = KafkaSecurity()
+    """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``)."""
+    metrics: MetricsSettings = MetricsSettings()
     kafka_partitions: int = Field(4, ge=1)
     publish_interval_s: float = Field(0.05, gt=0)
     heartbeat_interval_s: float = Field(5.0, gt=0)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        shared = {"KVLEDGER_METRICS_TOKEN": ("metrics", "token")} | {
+            variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()
+        }
+        return (init_settings, env_settings, SharedEnvSource(settings_cls, shared), dotenv_settings, file_secret_settings)
