@@ -2,7 +2,8 @@
 
 Errors always have the shape ``{"error": {"message", "type", "code"}}``. Ledger
 endpoints need a bearer JWT with role ``admin``, ``privacy-officer`` or
-``auditor``; ``/healthz``, ``/readyz`` and ``/metrics`` are open.
+``auditor``; ``/healthz`` and ``/readyz`` are open; ``/metrics`` needs the metrics
+bearer token (``KVLEDGER_METRICS_TOKEN``) and answers 404 when none is configured.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
 from gpu_node.auth import AuthError, TokenVerifier
 from gpu_node.kv_cache_utils import Principal
+from gpu_node.metrics import scrape_refusal
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("coordinator.access")
@@ -150,7 +152,14 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             return JSONResponse(status_code=503, content={"status": "not_ready", "reason": reason})
         return JSONResponse(content={"status": "ready", "revision": revision})
 
-    @app.get("/metrics")
+    def require_scraper(request: Request) -> None:
+        """Checked before the database session is opened: an unauthenticated scrape costs nothing."""
+        refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
+        if refusal is not None:
+            status_code, code, message = refusal
+            raise ApiError(status_code, "authentication_error" if status_code == 401 else "invalid_request_error", code, message)
+
+    @app.get("/metrics", dependencies=[Depends(require_scraper)])
     async def metrics_endpoint(session: Session) -> Response:
         try:
             await _refresh_ledger_gauges(session, heartbeat_timeout_s)

@@ -211,7 +211,7 @@ class AsyncEngine:
             if use_cache
             else []
         )
-        plan = await self.manager.acquire(keys, token_ids) if use_cache else PrefixPlan(keys=[])
+        plan = await self.manager.acquire(keys, token_ids, request.principal) if use_cache else PrefixPlan(keys=[])
         try:
             prefill = await self._run(self._prefill, plan, token_ids)
         finally:

@@ -1,21 +1,45 @@
-"""Prometheus metrics of a node (DESIGN §3, seed §16).
+"""Prometheus metrics of a node, and who may read them.
 
 Each engine owns its own registry so several nodes can live in one process
 (tests, benchmarks) without colliding. Only aggregates are exposed: no block
-hashes, tenants or subjects appear in label values.
+hashes, tenants or subjects appear in label values. Aggregates still mix every
+tenant's traffic, so they are served to the operator's scraper only
+(:func:`scrape_refusal`, docs/security.md).
 """
 
 from __future__ import annotations
 
+import hmac
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import SecretStr
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def scrape_refusal(authorization: str | None, token: SecretStr | None) -> tuple[int, str, str] | None:
+    """Why a request for an operational view (``/metrics``, cache stats) is refused: ``(status, code, message)``, or None.
+
+    Without a configured token the views are disabled (404), never open: a node or
+    coordinator deployed without one must not hand every caller the cross-tenant
+    aggregates. Otherwise the caller must present the token as a bearer token (401);
+    compared in constant time.
+    """
+    if token is None:
+        return 404, "metrics_disabled", "operational metrics are disabled: no metrics token is configured"
+    scheme, _, presented = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), token.get_secret_value().encode()):
+        return 401, "invalid_metrics_token", "this route needs the metrics bearer token"
+    return None
+
+
 class MissReason(StrEnum):
-    """Why a request did not get (more of) its prefix from the cache (seed §16.2)."""
+    """Why a request did not get (more of) its prefix from the cache.
+
+    Reasons only ever compare a request with entries its caller could have been
+    served (public ones, its tenant's, its own): see ``KVCacheManager``.
+    """
 
     NO_ENTRY = "NO_ENTRY"
     TOKENIZER_MISMATCH = "TOKENIZER_MISMATCH"
