@@ -4,8 +4,9 @@ Starts PostgreSQL and the Kafka-protocol broker (embedded unless external URLs
 are given), applies migrations, then runs the coordinator and N nodes as child
 processes, waits until each answers ``/readyz``, writes ``stack.json`` and stays
 in the foreground until Ctrl-C or SIGTERM, when everything is stopped in reverse
-order. Children share one JWT secret and one subject-digest key, generated once
-per state directory and kept there with mode 0600.
+order. Children share one JWT secret, one subject-digest key and one metrics token
+(the bearer token of every ``/metrics``), generated once per state directory and kept
+there with mode 0600; ``stack.json`` records the token for scrapers.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ async def up(args: argparse.Namespace) -> None:
         await asyncio.to_thread(upgrade, database_url)
 
         jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
+        metrics_token = os.environ.get("KVLEDGER_METRICS_TOKEN") or _secret(state_dir / "metrics_token")
         env = os.environ | {
             "KVLEDGER_JWT_SECRET": jwt_secret,
             "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
@@ -113,6 +115,7 @@ async def up(args: argparse.Namespace) -> None:
             "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
             "KVLEDGER_DATABASE_URL": database_url,
             "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+            "KVLEDGER_METRICS_TOKEN": metrics_token,
         }
         logs = state_dir / "logs"
         logs.mkdir(exist_ok=True)
@@ -144,6 +147,7 @@ async def up(args: argparse.Namespace) -> None:
             "kafka_bootstrap": kafka_bootstrap,
             "database_url": database_url,
             "jwt_secret": jwt_secret,
+            "metrics_token": metrics_token,
             "model_dir": str(model_dir),
             "logs": str(logs),
         }

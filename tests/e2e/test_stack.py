@@ -71,7 +71,7 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         )
     try:
         stack = _wait_for(lambda: _stack_file(state_dir), "stack.json", STARTUP_TIMEOUT_S, process, log)
-        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret"}
+        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret", "metrics_token"}
         assert stack["node_urls"] == [f"http://127.0.0.1:{port}"]
 
         token = issue_token(tenant="acme", sub="alice", scopes=["hr"], pv=1, roles=[], ttl_s=600, secret=stack["jwt_secret"])
@@ -97,6 +97,13 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         _wait_for(ledger_has_the_blocks, "the node's blocks in the ledger", 60, process, log)
         nodes = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers=headers).json()
         assert [node["node_id"] for node in nodes["nodes"]] == ["node-0"]
+
+        # Every process got the stack's metrics token: scrapes need it, and nothing else opens /metrics.
+        scraper = {"Authorization": f"Bearer {stack['metrics_token']}"}
+        for url in (stack["coordinator_url"], stack["node_urls"][0]):
+            assert httpx.get(f"{url}/metrics").status_code == 401
+            assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401
+            assert httpx.get(f"{url}/metrics", headers=scraper).status_code == 200
     finally:
         process.send_signal(signal.SIGTERM)
         try:
