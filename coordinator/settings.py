@@ -6,7 +6,7 @@ Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
 
 The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
 ``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY``,
-``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` and the Kafka security
+``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` (or ``_FILE``) and the Kafka security
 variables (``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_USERNAME`` …, see
 ``events.kafka.KAFKA_SHARED_ENV``) are honoured too, because
 one operator sets them once for every process (nodes, coordinator, tests); a
@@ -35,6 +35,7 @@ _SHARED_ENV: dict[str, tuple[str, ...]] = {
     "KVLEDGER_MASTER_KEY": ("keys", "master_key"),
     "KVLEDGER_RECEIPT_SIGNING_KEY": ("ledger", "receipt_signing_key"),
     "KVLEDGER_METRICS_TOKEN": ("metrics", "token"),
+    "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file"),
 } | {variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()}
 
 

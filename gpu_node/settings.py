@@ -2,7 +2,7 @@
 
 Stack-wide variables are honoured too, because one operator sets them once for every
 process: ``KVLEDGER_KAFKA_BOOTSTRAP``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_COORDINATOR_URL``,
-``KVLEDGER_METRICS_TOKEN`` and the Kafka security variables ``KVLEDGER_KAFKA_SECURITY_PROTOCOL``,
+``KVLEDGER_METRICS_TOKEN`` (or ``KVLEDGER_METRICS_TOKEN_FILE``) and the Kafka security variables ``KVLEDGER_KAFKA_SECURITY_PROTOCOL``,
 ``KVLEDGER_KAFKA_SASL_MECHANISM``, ``KVLEDGER_KAFKA_SASL_USERNAME``, ``KVLEDGER_KAFKA_SASL_PASSWORD``,
 ``KVLEDGER_KAFKA_SSL_CAFILE``, ``KVLEDGER_KAFKA_SSL_CERTFILE``, ``KVLEDGER_KAFKA_SSL_KEYFILE``,
 ``KVLEDGER_KAFKA_SSL_CHECK_HOSTNAME``. A node-specific variable (``KVLEDGER_NODE_METRICS__TOKEN``,
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
@@ -54,10 +54,27 @@ class MetricsSettings(BaseModel):
 
     They aggregate every tenant's traffic, so they are for the operator's scraper only:
     callers present ``token`` as a bearer token. Unset, those routes are disabled
-    (404) rather than open.
+    (404) rather than open. ``token_file`` reads the token from a file instead (a
+    container secret shared with the scraper, which reads the same file).
     """
 
     token: SecretStr | None = None
+    token_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _read_token_file(self) -> MetricsSettings:
+        if self.token_file is None:
+            return self
+        if self.token is not None:
+            raise ValueError("set the metrics token or the metrics token file, not both")
+        try:
+            text = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the metrics token file {self.token_file}: {exc.strerror}") from None
+        if not text:
+            raise ValueError(f"the metrics token file {self.token_file} is empty")
+        self.token = SecretStr(text)
+        return self
 
 
 class AuthSettings(BaseModel):
@@ -125,7 +142,7 @@ class NodeSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        shared = {"KVLEDGER_METRICS_TOKEN": ("metrics", "token")} | {
+        shared = {"KVLEDGER_METRICS_TOKEN": ("metrics", "token"), "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file")} | {
             variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()
         }
         return (init_settings, env_settings, SharedEnvSource(settings_cls, shared), dotenv_settings, file_secret_settings)
