@@ -130,8 +130,16 @@ def _traced_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> l
 
     Raises ValueError when the traced rendering differs from ``rendered`` or a checked
     cut is not where rendering the prefix puts it: that template cannot be split this
-    way, and the caller must send fewer messages.
+    way, and the caller must send fewer messages. The template is compiled with
+    transformers' own (private) compiler, so it runs in the same sandbox and with the
+    same globals as ``apply_chat_template``; the equality check with ``rendered``
+    catches any difference in what the two pass to it.
     """
+    unsplittable = ValueError(
+        f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages"
+    )
+    if not isinstance(tokenizer.chat_template, str):
+        raise unsplittable
     conversation = _conversation(messages)
     cuts: list[int | None] = [None] * len(messages)
     written = [0]
@@ -146,9 +154,6 @@ def _traced_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> l
             written[0] += len(piece)
     except TemplateError as exc:
         raise ValueError(f"chat template rejected the messages: {exc}") from None
-    unsplittable = ValueError(
-        f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages"
-    )
     cuts = cuts[1:]
     if "".join(pieces) != rendered or None in cuts:
         raise unsplittable
