@@ -11,6 +11,7 @@ client are built from :class:`events.kafka.KafkaSettings` through
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaConnectionError
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -29,7 +30,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from ledger_helpers import eventually
 
+from events.codec import decode_event
 from events.kafka import EventProducer, KafkaSettings, ensure_topics, kafka_client_kwargs
+from events.topics import DOCUMENTS
+from kvledger import publish
 from kvledger.net import loopback_listener
 
 TOPIC = "kvledger.tls-test"
@@ -179,3 +183,27 @@ async def test_a_certificate_from_another_ca_is_refused(tls_bootstrap: str, auth
     settings = _settings(tls_bootstrap, authority.cert_path, stranger)
     with pytest.raises(KafkaConnectionError):
         await ensure_topics(settings, [TOPIC], timeout_s=5)
+
+
+async def test_kvledger_publish_reaches_the_broker_over_mutual_tls(tls_bootstrap: str, authority: _Authority, monkeypatch):
+    """The CLI's flags and shared variables make the same client as the services' settings."""
+    certfile, keyfile = authority.issue("hr-system", server=False)
+    monkeypatch.setenv("KVLEDGER_KAFKA_SSL_CAFILE", str(authority.cert_path))
+    args = argparse.Namespace(
+        event_kind="document-deleted", tenant="acme", doc="handbook", kafka_bootstrap=tls_bootstrap,
+        kafka_security_protocol="SSL", kafka_sasl_mechanism=None, kafka_sasl_username=None, kafka_ssl_cafile=None,
+        kafka_ssl_certfile=str(certfile), kafka_ssl_keyfile=str(keyfile),
+    )  # fmt: skip
+    settings = publish.kafka_settings(args, tls_bootstrap)
+    envelope = publish.build_event(args)
+    sent = await publish.publish(settings, envelope)
+    consumer = AIOKafkaConsumer(**kafka_client_kwargs(settings), group_id=None, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        partition = TopicPartition(DOCUMENTS, sent.partition)
+        consumer.assign([partition])
+        consumer.seek(partition, sent.offset)
+        record = await asyncio.wait_for(consumer.getone(), 30)
+    finally:
+        await consumer.stop()
+    assert decode_event(record.value).event_id == envelope.event_id
