@@ -22,6 +22,7 @@ from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator.migrate import upgrade
+from events.kafka import KafkaSettings, kafka_client_kwargs
 from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
@@ -115,7 +116,8 @@ async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> N
     nothing is the true end. (Also the integration tests' helper, via ``ledger_helpers``.)
     """
     for group_id, names in groups.items():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False)
+        settings = KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")
+        consumer = AIOKafkaConsumer(**kafka_client_kwargs(settings), group_id=group_id, enable_auto_commit=False)
         await consumer.start()
         try:
             await consumer.topics()

@@ -71,13 +71,13 @@ from bench.common import (
 )
 from coordinator.consumers import consumer_groups
 from events import topics
-from events.kafka import KafkaSettings, ensure_topics
+from events.kafka import KafkaSettings, ensure_topics, kafka_client_kwargs
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
-from gpu_node.server import make_publisher, tune_interpreter
+from gpu_node.server import kafka_settings, make_publisher, tune_interpreter
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token
 from kvledger.model_init import build_tiny_model
@@ -123,8 +123,7 @@ class BenchNode:
         self.engine = AsyncEngine.from_settings(settings)
         self.publisher = make_publisher(self.engine, settings)
         self.handler = TimedHandler(self.engine, self.publisher.subject_key)
-        kafka = KafkaSettings(bootstrap=settings.kafka_bootstrap, client_id=f"kvledger-{settings.node_id}", num_partitions=settings.kafka_partitions)
-        self.commands = CommandConsumer(self.handler, self.publisher, kafka)
+        self.commands = CommandConsumer(self.handler, self.publisher, kafka_settings(settings))
         self.server: uvicorn.Server | None = None
         self.url = ""
 
@@ -267,7 +266,12 @@ async def _collect_acks(bootstrap: str, acks: dict[str, dict[str, float]], ready
     when data arrives, only when the wait expires: at aiokafka's default (500 ms)
     this clock would add up to half a second to every ack it times.
     """
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=5)
+    consumer = AIOKafkaConsumer(
+        **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")),
+        group_id=None,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=5,
+    )
     await consumer.start()
     try:
         await consumer.topics()
@@ -367,7 +371,9 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                 probers.append(asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index, args.probe_interval_ms / 1000)))
 
             versions = dict.fromkeys(documents, 1)
-            producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+            producer = AIOKafkaProducer(
+                **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")), acks="all", linger_ms=0
+            )
             await producer.start()
             num_warmup = round(args.rate * args.warmup_s)
             try:

@@ -3,7 +3,8 @@
 Errors always have the shape ``{"error": {"message", "type", "code"}}``. Ledger
 endpoints need an operator token (``coordinator.auth``): any operator role reads
 its own tenant's blocks, only ``platform-admin`` sees every tenant and the nodes;
-``/healthz``, ``/readyz`` and ``/metrics`` are open.
+``/healthz`` and ``/readyz`` are open; ``/metrics`` needs the metrics bearer token
+(``KVLEDGER_METRICS_TOKEN``) and answers 404 when none is configured.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from coordinator.models import (
 )
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
+from identity.metrics_access import scrape_refusal
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
 from identity.tokens import AuthError, Operator, TokenVerifier
 
@@ -153,7 +155,14 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             return JSONResponse(status_code=503, content={"status": "not_ready", "reason": reason})
         return JSONResponse(content={"status": "ready", "revision": revision})
 
-    @app.get("/metrics")
+    def require_scraper(request: Request) -> None:
+        """Checked before the database session is opened: an unauthenticated scrape costs nothing."""
+        refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
+        if refusal is not None:
+            status_code, code, message = refusal
+            raise ApiError(status_code, "authentication_error" if status_code == 401 else "invalid_request_error", code, message)
+
+    @app.get("/metrics", dependencies=[Depends(require_scraper)])
     async def metrics_endpoint(session: Session) -> Response:
         try:
             await _refresh_ledger_gauges(session, heartbeat_timeout_s)

@@ -43,6 +43,7 @@ def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
         num_partitions=settings.kafka.num_partitions,
         replication_factor=settings.kafka.replication_factor,
         group_id=settings.kafka.group_id,
+        **settings.kafka.security_fields(),
     )
 
 

@@ -5,8 +5,10 @@ Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
 ``KVLEDGER_COORDINATOR_HTTP__PORT``.
 
 The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
-``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY`` and
-``KVLEDGER_RECEIPT_SIGNING_KEY`` are honoured too, because
+``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY``,
+``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` (or ``_FILE``) and the Kafka security
+variables (``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_USERNAME`` …, see
+``events.kafka.KAFKA_SHARED_ENV``) are honoured too, because
 one operator sets them once for every process (nodes, coordinator, tests); a
 coordinator-specific variable wins over the shared one, an explicit argument
 over both.
@@ -16,12 +18,17 @@ from __future__ import annotations
 
 import base64
 import os
-from typing import Any
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
-from identity.settings import IssuerSettings
+from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
+from identity.metrics_access import MetricsSettings
+from identity.settings import IssuerSettings, SharedEnvSource
 from identity.tokens import JWT_SECRET_ENV
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"
@@ -34,7 +41,9 @@ _SHARED_ENV: dict[str, tuple[str, ...]] = {
     "KVLEDGER_SUBJECT_KEY": ("ledger", "subject_key"),
     "KVLEDGER_MASTER_KEY": ("keys", "master_key"),
     "KVLEDGER_RECEIPT_SIGNING_KEY": ("ledger", "receipt_signing_key"),
-}
+    "KVLEDGER_METRICS_TOKEN": ("metrics", "token"),
+    "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file"),
+} | {variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()}
 
 
 class DatabaseSettings(BaseModel):
@@ -56,10 +65,11 @@ class DatabaseSettings(BaseModel):
         return self
 
 
-class CoordinatorKafkaSettings(BaseModel):
+class CoordinatorKafkaSettings(KafkaSecurity):
     """Kafka options (turned into :class:`events.kafka.KafkaSettings` by ``coordinator.consumers``).
 
-    Idempotence is off by default: the embedded Tansu broker rejects it.
+    Idempotence is off by default: the embedded Tansu broker rejects it. The security
+    fields (SASL, TLS) come from :class:`events.kafka.KafkaSecurity`.
     """
 
     bootstrap: str = "127.0.0.1:9092"
@@ -138,22 +148,6 @@ class KeySettings(BaseModel):
         return key
 
 
-class _SharedEnvSource(PydanticBaseSettingsSource):
-    """Maps the stack-wide ``KVLEDGER_*`` variables into the nested settings tree."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        # Unused: __call__ builds the whole tree at once.
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for variable, (group, key) in _SHARED_ENV.items():
-            value = os.environ.get(variable)
-            if value:
-                values.setdefault(group, {})[key] = value
-        return values
-
-
 class CoordinatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_COORDINATOR_", env_nested_delimiter="__", extra="ignore")
 
@@ -169,6 +163,8 @@ class CoordinatorSettings(BaseSettings):
     http: HttpSettings = HttpSettings()
     ledger: LedgerSettings = LedgerSettings()
     keys: KeySettings = KeySettings()
+    metrics: MetricsSettings = MetricsSettings()
+    """The bearer token of ``/metrics`` (``KVLEDGER_COORDINATOR_METRICS__TOKEN`` or ``KVLEDGER_METRICS_TOKEN``)."""
 
     @classmethod
     def settings_customise_sources(
@@ -179,7 +175,7 @@ class CoordinatorSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _SharedEnvSource(settings_cls), dotenv_settings, file_secret_settings)
+        return (init_settings, env_settings, SharedEnvSource(settings_cls, _SHARED_ENV), dotenv_settings, file_secret_settings)
 
     @model_validator(mode="after")
     def _distinct_issuers(self) -> CoordinatorSettings:

@@ -16,16 +16,20 @@ the database anyway). Instead:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import CommitFailedError, IllegalStateError, TopicAlreadyExistsError, for_code
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from prometheus_client import Counter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
 from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
@@ -35,7 +39,76 @@ from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, route
 log = logging.getLogger(__name__)
 
 
-class KafkaSettings(BaseModel):
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+
+class KafkaSecurity(BaseModel):
+    """How a client proves who it is to the brokers and protects the connection.
+
+    One set of fields for every service's Kafka settings (this module's
+    :class:`KafkaSettings`, the coordinator's and the node's groups), so each carries
+    the same options under the same names; :func:`kafka_client_kwargs` turns them
+    into aiokafka arguments. The brokers' ACLs then decide what each principal may
+    produce and consume (docs/security.md, "Kafka authentication and ACLs").
+
+    ``SSL``/``SASL_SSL`` verify the brokers against ``ssl_cafile`` (the system CAs
+    when unset); ``ssl_certfile`` + ``ssl_keyfile`` add a client certificate (mTLS).
+    SCRAM and PLAIN both take ``sasl_username``/``sasl_password``.
+    """
+
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_check_hostname: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KafkaSecurity:
+        """Refuse combinations that would silently connect with less protection than configured."""
+        uses_sasl = self.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+        uses_ssl = self.security_protocol in ("SSL", "SASL_SSL")
+        has_sasl = self.sasl_mechanism is not None or self.sasl_username is not None or self.sasl_password is not None
+        if uses_sasl:
+            if self.sasl_mechanism is None:
+                raise ValueError(f"security_protocol {self.security_protocol} needs a sasl_mechanism")
+            if not self.sasl_username or self.sasl_password is None or not self.sasl_password.get_secret_value():
+                raise ValueError(f"sasl_mechanism {self.sasl_mechanism} needs sasl_username and sasl_password")
+        elif has_sasl:
+            raise ValueError(f"SASL settings need security_protocol SASL_PLAINTEXT or SASL_SSL, not {self.security_protocol}")
+        files = {"ssl_cafile": self.ssl_cafile, "ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile}
+        if not uses_ssl and any(path is not None for path in files.values()):
+            raise ValueError(f"ssl_* files need security_protocol SSL or SASL_SSL, not {self.security_protocol}")
+        for name, path in files.items():
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {path} does not exist")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("a client certificate (mTLS) needs both ssl_certfile and ssl_keyfile")
+        return self
+
+    def security_fields(self) -> dict[str, Any]:
+        """These fields and their values, to build another service's settings from this one's."""
+        return {name: getattr(self, name) for name in KafkaSecurity.model_fields}
+
+
+KAFKA_SHARED_ENV: dict[str, str] = {f"KVLEDGER_KAFKA_{name.upper()}": name for name in KafkaSecurity.model_fields}
+"""Stack-wide variable → :class:`KafkaSecurity` field, honoured by every service and the CLI (e.g.
+``KVLEDGER_KAFKA_SASL_PASSWORD``): one operator sets them once for every process."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class KafkaSettings(KafkaSecurity):
     """Connection and topic defaults.
 
     ``enable_idempotence`` defaults to off because the embedded Tansu broker answers the
@@ -60,6 +133,48 @@ class KafkaSettings(BaseModel):
     previous batch was handled (0: never tops up). About one fetch round trip plus the broker's
     wait; it is spent only when a poll found its records already buffered."""
 
+    @model_validator(mode="after")
+    def _warn_cleartext_credentials(self) -> KafkaSettings:
+        if self.security_protocol == "SASL_PLAINTEXT":
+            remote = sorted({hostport.rsplit(":", 1)[0] for hostport in self.bootstrap.split(",")} - {""})
+            remote = [host for host in remote if not _is_loopback(host)]
+            if remote:
+                log.warning(
+                    "Kafka SASL_PLAINTEXT to %s: credentials and records cross the network unencrypted; use SASL_SSL",
+                    ", ".join(remote),
+                )
+        return self
+
+
+def kafka_ssl_context(security: KafkaSecurity) -> ssl.SSLContext:
+    """A client TLS context: verifies the brokers (``ssl_cafile`` or the system CAs), presents a client certificate for mTLS."""
+    context = ssl.create_default_context(cafile=str(security.ssl_cafile) if security.ssl_cafile is not None else None)
+    context.check_hostname = security.ssl_check_hostname
+    if security.ssl_certfile is not None:
+        context.load_cert_chain(certfile=str(security.ssl_certfile), keyfile=str(security.ssl_keyfile))
+    return context
+
+
+def kafka_client_kwargs(settings: KafkaSettings) -> dict[str, Any]:
+    """Connection and authentication arguments for every aiokafka producer, consumer and admin client.
+
+    The one place settings become client arguments, so no client of the code base
+    connects with less than what is configured (a test checks every construction
+    site goes through here).
+    """
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": settings.bootstrap,
+        "client_id": settings.client_id,
+        "security_protocol": settings.security_protocol,
+    }
+    if settings.security_protocol in ("SSL", "SASL_SSL"):
+        kwargs["ssl_context"] = kafka_ssl_context(settings)
+    if settings.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
+        kwargs["sasl_mechanism"] = settings.sasl_mechanism
+        kwargs["sasl_plain_username"] = settings.sasl_username
+        kwargs["sasl_plain_password"] = settings.sasl_password.get_secret_value()
+    return kwargs
+
 
 async def ensure_topics(
     settings: KafkaSettings,
@@ -72,7 +187,7 @@ async def ensure_topics(
     losing a creation race (``TopicAlreadyExists``) counts as success.
     """
     wanted = list(dict.fromkeys(topics))
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap, client_id=settings.client_id)
+    admin = AIOKafkaAdminClient(**kafka_client_kwargs(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -148,8 +263,7 @@ class EventProducer:
     def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0) -> None:
         self._settings = settings
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.bootstrap,
-            client_id=settings.client_id,
+            **kafka_client_kwargs(settings),
             acks="all",
             enable_idempotence=settings.enable_idempotence,
             linger_ms=linger_ms,
@@ -298,8 +412,7 @@ class BatchConsumer:
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.bootstrap,
-            client_id=settings.client_id,
+            **kafka_client_kwargs(settings),
             group_id=group,
             enable_auto_commit=False,
             auto_offset_reset=auto_offset_reset,

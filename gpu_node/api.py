@@ -51,6 +51,7 @@ from gpu_node.engine import (
     TokenDelta,
 )
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
+from identity.metrics_access import scrape_refusal
 from gpu_node.prompt import ChatMessage
 from gpu_node.versions import Staleness, VersionRegistry
 from identity.roles import PLATFORM_ADMIN
@@ -417,7 +418,16 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
         require_ready()
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    def require_scraper(request: Request) -> None:
+        """The operational views aggregate every tenant's traffic: the operator's metrics token only."""
+        refusal = scrape_refusal(request.headers.get("authorization"), engine.settings.metrics.token)
+        if refusal is not None:
+            status_code, code, message = refusal
+            if status_code == 401:
+                raise AuthError(code, message)
+            raise ApiError(status_code, message, code=code)
+
+    @app.get("/metrics", dependencies=[Depends(require_scraper)])
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -430,8 +440,8 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
         require_model(model)
         return model_card()
 
-    @app.get("/v1/cache/stats")
-    async def cache_stats(_: Caller) -> dict:
+    @app.get("/v1/cache/stats", dependencies=[Depends(require_scraper)])
+    async def cache_stats() -> dict:
         return engine.cache_stats()
 
     @app.post("/v1/cache/snapshots", status_code=201)

@@ -49,7 +49,7 @@ from aiokafka.structs import ConsumerRecord
 
 from events import schema, topics
 from events.codec import decode_event
-from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, send_to_dead_letter
+from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockRemoved, IndexKey, PoolEvent, RemovalEvidence, RemovalReason, Tier
@@ -510,8 +510,7 @@ class CommandConsumer:
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=kafka.bootstrap,
-            client_id=kafka.client_id,
+            **kafka_client_kwargs(kafka),
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

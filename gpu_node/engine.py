@@ -112,6 +112,11 @@ class AsyncEngine:
         self.versions = VersionRegistry()
         self.ready = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-model")
+        # Rendering and tokenizing a prompt is CPU work proportional to the request: on the
+        # event loop a huge request would stall health checks, commands and heartbeats, and on
+        # the model worker it would stall every other request's decode steps. One thread also
+        # bounds how many huge requests are parsed at once.
+        self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-prompt")
         self._num_snapshot_writes = 0
         self._sweeper: asyncio.Task | None = None
 
@@ -156,6 +161,7 @@ class AsyncEngine:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
         self._worker.shutdown(wait=True)
+        self._prompt_worker.shutdown(wait=True)
 
     async def _run(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, function, *args)
@@ -188,7 +194,9 @@ class AsyncEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[PromptStats | TokenDelta | GenerationDone]:
         started = time.perf_counter()
-        prompt = render_prompt(self.runner.tokenizer, request.messages)
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            self._prompt_worker, render_prompt, self.runner.tokenizer, request.messages
+        )
         token_ids = prompt.token_ids
         if len(token_ids) >= self.max_context_tokens:
             raise PromptTooLongError(len(token_ids), self.max_context_tokens)
@@ -203,7 +211,7 @@ class AsyncEngine:
             if use_cache
             else []
         )
-        plan = await self.manager.acquire(keys, token_ids) if use_cache else PrefixPlan(keys=[])
+        plan = await self.manager.acquire(keys, token_ids, request.principal) if use_cache else PrefixPlan(keys=[])
         try:
             prefill = await self._run(self._prefill, plan, token_ids)
         finally:

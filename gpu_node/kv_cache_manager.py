@@ -4,9 +4,18 @@ Between the engine and the storage pool: finds the longest READY prefix of a
 request's block keys and locks it, makes identical missing prefixes build once
 (per-key singleflight with a bounded wait), commits newly computed blocks, and
 explains misses. Explaining a miss needs memory the pool does not keep: a
-scope-free *shadow index* (token-prefix hash → which namespace/key stored it) and
-a bounded map of recently removed blocks with the reason they went away. Both
-hold hashes only and are exposed only as aggregate counters.
+*shadow index* (who could be served it + token-prefix hash → which namespace/key
+stored it) and a bounded map of recently removed blocks with the reason they went
+away. Both hold hashes only and are exposed only as aggregate counters.
+
+A miss reason is readable by anyone who can read the counters, so it may only
+compare the request with entries its caller could have been served: public ones,
+its tenant's (for the auth scopes it presents) and its own. Whether *another*
+tenant or user cached the same tokens never changes a reason: that would tell a
+caller whether someone else sent a guessed prompt. Removed blocks are looked up by
+the caller's own block hash, which only a block it could have been served has.
+(The ``public`` scope is shared by design; its timing is the one residual channel,
+docs/security.md.)
 """
 
 from __future__ import annotations
@@ -20,7 +29,14 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_node.block_pool import BlockPool, BlockRemoved, BlockState, CacheEntry, PoolEvent, RemovalReason
-from gpu_node.kv_cache_utils import BlockKey, compute_shadow_hashes
+from gpu_node.kv_cache_utils import (
+    TENANT_WIDE_AUTH_SCOPE,
+    BlockKey,
+    BlockProvenance,
+    CacheScope,
+    Principal,
+    compute_shadow_hashes,
+)
 from gpu_node.metrics import MissReason, NodeMetrics
 
 _REMOVAL_TO_MISS = {
@@ -29,6 +45,30 @@ _REMOVAL_TO_MISS = {
     RemovalReason.RESTORE_FAILED: MissReason.KV_RESTORE_FAILED,
     RemovalReason.INVALIDATED: MissReason.NO_ENTRY,
 }
+
+
+Audience = tuple
+"""Who could be served a block: ``(PUBLIC,)``, ``(TENANT, tenant, auth scope names)`` or ``(USER, tenant, subject)``."""
+
+
+def _audience(provenance: BlockProvenance) -> Audience:
+    """Mirrors the salt of :func:`gpu_node.kv_cache_utils.scope_salt`, less the policy versions."""
+    if provenance.scope == CacheScope.PUBLIC:
+        return (CacheScope.PUBLIC,)
+    if provenance.scope == CacheScope.TENANT:
+        return (CacheScope.TENANT, provenance.tenant_id, tuple(name for name, _ in provenance.auth_scopes))
+    return (CacheScope.USER, provenance.tenant_id, provenance.subject_id)
+
+
+def _audiences_of(missing: BlockKey, principal: Principal) -> list[Audience]:
+    """Audiences whose entries ``principal`` could have been served in place of ``missing``, most specific first."""
+    audiences = [
+        _audience(missing.provenance),
+        (CacheScope.USER, principal.tenant_id, principal.subject_id),
+        (CacheScope.TENANT, principal.tenant_id, (TENANT_WIDE_AUTH_SCOPE,)),
+        (CacheScope.PUBLIC,),
+    ]
+    return list(dict.fromkeys(audiences))
 
 
 class _BoundedMap(OrderedDict):
@@ -84,8 +124,11 @@ class KVCacheManager:
         self._recently_removed = _BoundedMap(diagnostics_capacity)
         self._num_waiters = 0
 
-    async def acquire(self, keys: list[BlockKey], token_ids: Sequence[int]) -> PrefixPlan:
-        """Lock the longest READY prefix, waiting (bounded) for an in-flight build of the next block."""
+    async def acquire(self, keys: list[BlockKey], token_ids: Sequence[int], principal: Principal) -> PrefixPlan:
+        """Lock the longest READY prefix, waiting (bounded) for an in-flight build of the next block.
+
+        ``principal`` (the caller) bounds what a miss is compared with (:meth:`_classify_miss`).
+        """
         plan = PrefixPlan(keys=keys)
         if not keys:
             plan.miss_reason = MissReason.PREFIX_TOO_SHORT
@@ -107,7 +150,7 @@ class KVCacheManager:
                     self._claim_missing(plan, len(hits))
                     break
             plan.build_wait_s += await self._wait_for(future, deadline)
-        plan.miss_reason = self._classify_miss(plan, token_ids)
+        plan.miss_reason = self._classify_miss(plan, token_ids, principal)
         self.metrics.misses.labels(plan.miss_reason.value).inc()
         return plan
 
@@ -136,20 +179,23 @@ class KVCacheManager:
             plan.claimed.append(entry)
             self._inflight[key.block_hash] = loop.create_future()
 
-    def _classify_miss(self, plan: PrefixPlan, token_ids: Sequence[int]) -> MissReason:
+    def _classify_miss(self, plan: PrefixPlan, token_ids: Sequence[int], principal: Principal) -> MissReason:
         missing = plan.keys[plan.num_hit_blocks]
         plan.shadow_hashes = compute_shadow_hashes(token_ids, len(plan.keys), missing.block_size)
         removed = self._recently_removed.get(missing.block_hash)
         if removed is not None:
             return removed
-        seen = self._shadow.get(plan.shadow_hashes[plan.num_hit_blocks])
-        if seen is None:
+        shadow_hash = plan.shadow_hashes[plan.num_hit_blocks]
+        for audience in _audiences_of(missing, principal):
+            seen = self._shadow.get((audience, shadow_hash))
+            if seen is None:
+                continue
+            namespace, block_hash = seen
+            if namespace != missing.provenance.namespace:
+                return MissReason.MODEL_VERSION_MISMATCH
+            if block_hash != missing.block_hash:
+                return MissReason.AUTH_SCOPE_MISMATCH
             return MissReason.NO_ENTRY
-        namespace, block_hash = seen
-        if namespace != missing.provenance.namespace:
-            return MissReason.MODEL_VERSION_MISMATCH
-        if block_hash != missing.block_hash:
-            return MissReason.AUTH_SCOPE_MISMATCH
         return MissReason.NO_ENTRY
 
     def commit(self, plan: PrefixPlan, block_kv: torch.Tensor | None) -> int:
@@ -163,7 +209,8 @@ class KVCacheManager:
             if block_kv is not None and self.pool.commit_build(entry, block_kv[position]):
                 num_ready += 1
                 if plan.shadow_hashes:
-                    self._shadow.put(plan.shadow_hashes[entry.key.index], (entry.provenance.namespace, entry.block_hash))
+                    shadow_key = (_audience(entry.provenance), plan.shadow_hashes[entry.key.index])
+                    self._shadow.put(shadow_key, (entry.provenance.namespace, entry.block_hash))
             elif block_kv is None:
                 self.pool.fail_build(entry)
         self.metrics.blocks_built.inc(num_ready)

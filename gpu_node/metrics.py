@@ -1,8 +1,10 @@
-"""Prometheus metrics of a node (DESIGN §3, seed §16).
+"""Prometheus metrics of a node.
 
 Each engine owns its own registry so several nodes can live in one process
 (tests, benchmarks) without colliding. Only aggregates are exposed: no block
-hashes, tenants or subjects appear in label values.
+hashes, tenants or subjects appear in label values. Aggregates still mix every
+tenant's traffic, so they are served to the operator's scraper only
+(``identity.metrics_access``, docs/security.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 
 class MissReason(StrEnum):
-    """Why a request did not get (more of) its prefix from the cache (seed §16.2)."""
+    """Why a request did not get (more of) its prefix from the cache.
+
+    Reasons only ever compare a request with entries its caller could have been
+    served (public ones, its tenant's, its own): see ``KVCacheManager``.
+    """
 
     NO_ENTRY = "NO_ENTRY"
     TOKENIZER_MISMATCH = "TOKENIZER_MISMATCH"

@@ -1,26 +1,42 @@
 """Chat messages → token ids plus per-message cache-scope segments.
 
-Per-message scope (DESIGN §2) needs the token span of every message. Tokenizing the
-whole rendered prompt and mapping offsets back would make a message's tokens depend
-on the text after it (BPE merges across the boundary), and then a cached public
-system prompt would not be a token prefix of the next request that shares it. So the
-prompt is built incrementally: the chat template is rendered for ``messages[:i+1]``,
-each rendering must extend the previous one (the template is *prefix-stable*), and the
-text each message adds is tokenized on its own and appended. A message's tokens thus
-depend only on the messages before it, which is exactly what makes prefixes reusable.
+Per-message scope (see docs/architecture.md) needs the token span of every message.
+Tokenizing the whole rendered prompt and mapping offsets back would make a message's
+tokens depend on the text after it (BPE merges across the boundary), and then a cached
+public system prompt would not be a token prefix of the next request that shares it.
+So the prompt is cut into per-message *chunks*: chunk ``i`` is what rendering
+``messages[:i+1]`` adds to the rendering of ``messages[:i]`` (the template must be
+*prefix-stable*: each rendering extends the previous one), and each chunk is tokenized
+on its own. A message's tokens thus depend only on the messages before it, which is
+exactly what makes prefixes reusable.
 
 Template chrome before a message (BOS, role header) belongs to that message's segment;
 the generation prompt (``<|assistant|>\\n`` …) is a final PUBLIC segment.
+
+Cost is linear in the request: a caller controls the message count, and rendering
+every prefix (quadratic) let one request with thousands of messages hold the node for
+minutes. Short conversations still render every prefix (exact, and cheap at that
+size); long ones render once while tracing where the template's loop steps to each
+message, and check those cut points against real prefix renderings at a bounded number
+of places (:func:`_traced_cuts`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Segment
+
+MAX_EXACT_MESSAGES = 64
+"""Up to this many messages every prefix is rendered (at most ~2,000 message renders)."""
+
+NUM_CHECKED_CUTS = 16
+"""How many traced cut points of a longer conversation are checked against a prefix render."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +65,14 @@ class RenderedPrompt:
     segments: list[Segment]
 
 
+def _conversation(messages: Sequence[ChatMessage]) -> list[dict]:
+    return [{"role": message.role, "content": message.content} for message in messages]
+
+
 def _render(tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
-    conversation = [{"role": message.role, "content": message.content} for message in messages]
     try:
         rendered = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            _conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except TemplateError as exc:
         raise ValueError(f"chat template rejected the messages: {exc}") from None
@@ -66,13 +85,98 @@ def _refuse_control_tokens(tokenizer, messages: Sequence[ChatMessage]) -> None:
 
     Chunks are tokenized with special tokens recognised (the template's chrome needs
     them), so a user writing ``<|system|>`` into a message would otherwise forge a
-    role boundary. Refusing is clearer than silently escaping.
+    role boundary. Refusing is clearer than silently escaping. One alternation keeps
+    the scan one pass over the content.
     """
-    control_tokens = [token for token in tokenizer.all_special_tokens if token]
+    control_tokens = sorted((token for token in tokenizer.all_special_tokens if token), key=len, reverse=True)
+    if not control_tokens:
+        return
+    pattern = re.compile("|".join(re.escape(token) for token in control_tokens))
     for message in messages:
-        for token in control_tokens:
-            if token in message.content:
-                raise ValueError(f"message content contains the reserved control token {token!r}")
+        found = pattern.search(message.content)
+        if found is not None:
+            raise ValueError(f"message content contains the reserved control token {found.group()!r}")
+
+
+class _TracedConversation(list):
+    """The conversation as the template sees it, noting how much output was written whenever it steps to a message.
+
+    A chat template writes one message per iteration of its loop over ``messages``;
+    when the loop steps to message ``i``, everything written so far belongs to the
+    messages before it. A template that scans the messages first (e.g. for the system
+    prompt) iterates more than once; the last pass is the one that writes them, so the
+    last step to a message wins. Slices (``messages[1:]``) stay traced.
+    """
+
+    def __init__(self, items, index_of: dict[int, int], cuts: list[int | None], written: list[int]) -> None:
+        super().__init__(items)
+        self._index_of = index_of
+        self._cuts = cuts
+        self._written = written
+
+    def __iter__(self):
+        for item in list.__iter__(self):
+            self._cuts[self._index_of[id(item)]] = self._written[0]
+            yield item
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return _TracedConversation(list.__getitem__(self, key), self._index_of, self._cuts, self._written)
+        return list.__getitem__(self, key)
+
+
+def _traced_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> list[int]:
+    """Cut points of ``rendered`` (the whole conversation) from one traced rendering, spot-checked.
+
+    Raises ValueError when the traced rendering differs from ``rendered`` or a checked
+    cut is not where rendering the prefix puts it: that template cannot be split this
+    way, and the caller must send fewer messages. The template is compiled with
+    transformers' own (private) compiler, so it runs in the same sandbox and with the
+    same globals as ``apply_chat_template``; the equality check with ``rendered``
+    catches any difference in what the two pass to it.
+    """
+    unsplittable = ValueError(
+        f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages"
+    )
+    if not isinstance(tokenizer.chat_template, str):
+        raise unsplittable
+    conversation = _conversation(messages)
+    cuts: list[int | None] = [None] * len(messages)
+    written = [0]
+    traced = _TracedConversation(conversation, {id(item): index for index, item in enumerate(conversation)}, cuts, written)
+    template = _compile_jinja_template(tokenizer.chat_template)
+    pieces = []
+    try:
+        for piece in template.generate(
+            messages=traced, tools=None, documents=None, add_generation_prompt=False, **tokenizer.special_tokens_map
+        ):
+            pieces.append(piece)
+            written[0] += len(piece)
+    except TemplateError as exc:
+        raise ValueError(f"chat template rejected the messages: {exc}") from None
+    cuts = cuts[1:]
+    if "".join(pieces) != rendered or None in cuts:
+        raise unsplittable
+    num_cuts = len(cuts)
+    checked = {0, 1, 2, num_cuts - 1} | {num_cuts * step // NUM_CHECKED_CUTS for step in range(NUM_CHECKED_CUTS)}
+    for position in sorted(checked):
+        prefix = _render(tokenizer, messages[: position + 1], add_generation_prompt=False)
+        if not rendered.startswith(prefix):
+            raise ValueError("chat template is not prefix-stable")
+        if len(prefix) != cuts[position]:
+            raise unsplittable
+    return cuts
+
+
+def _exact_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> list[int]:
+    """Cut points of ``rendered`` from rendering every proper prefix (quadratic: short conversations only)."""
+    cuts = []
+    for count in range(1, len(messages)):
+        prefix = _render(tokenizer, messages[:count], add_generation_prompt=False)
+        if not rendered.startswith(prefix):
+            raise ValueError("chat template is not prefix-stable")
+        cuts.append(len(prefix))
+    return cuts
 
 
 def render_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> RenderedPrompt:
@@ -82,32 +186,31 @@ def render_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_pro
     template that is not prefix-stable (a rendering that does not extend the previous
     one, e.g. a template that reorders messages or always appends a trailer).
 
-    The template is rendered once per message (quadratic in the message count); a
-    render costs microseconds per message, far below one prefill token.
+    Blocking and CPU-bound (linear in the request): callers on an event loop run it in
+    a worker thread.
     """
     if not messages:
         raise ValueError("a prompt needs at least one message")
     _refuse_control_tokens(tokenizer, messages)
+    rendered = _render(tokenizer, messages, add_generation_prompt=False)
+    find_cuts = _exact_cuts if len(messages) <= MAX_EXACT_MESSAGES else _traced_cuts
+    cuts = [0, *find_cuts(tokenizer, messages, rendered), len(rendered)]
+    if any(later < earlier for earlier, later in zip(cuts, cuts[1:])):
+        raise ValueError("chat template is not prefix-stable")
+    chunks = [rendered[start:end] for start, end in zip(cuts, cuts[1:])]
+    scopes: list[tuple[CacheScope, DocumentRef | None]] = [(message.scope, message.document) for message in messages]
+    if add_generation_prompt:
+        with_prompt = _render(tokenizer, messages, add_generation_prompt=True)
+        if not with_prompt.startswith(rendered):
+            raise ValueError("chat template is not prefix-stable")
+        chunks.append(with_prompt[len(rendered) :])
+        scopes.append((CacheScope.PUBLIC, None))
+    # One batch call: the same ids as encoding each chunk alone, without a call per message.
+    chunk_ids = tokenizer(chunks, add_special_tokens=False)["input_ids"]
     token_ids: list[int] = []
     segments: list[Segment] = []
-    rendered_so_far = ""
-
-    def append(text: str, scope: CacheScope, document: DocumentRef | None) -> None:
+    for ids, (scope, document) in zip(chunk_ids, scopes, strict=True):
         start = len(token_ids)
-        if text:
-            token_ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        token_ids.extend(ids)
         segments.append(Segment(start, len(token_ids), scope, document))
-
-    for count in range(1, len(messages) + 1):
-        rendered = _render(tokenizer, messages[:count], add_generation_prompt=False)
-        if not rendered.startswith(rendered_so_far):
-            raise ValueError("chat template is not prefix-stable")
-        message = messages[count - 1]
-        append(rendered[len(rendered_so_far) :], message.scope, message.document)
-        rendered_so_far = rendered
-    if add_generation_prompt:
-        rendered = _render(tokenizer, messages, add_generation_prompt=True)
-        if not rendered.startswith(rendered_so_far):
-            raise ValueError("chat template is not prefix-stable")
-        append(rendered[len(rendered_so_far) :], CacheScope.PUBLIC, None)
     return RenderedPrompt(token_ids=token_ids, segments=segments)

@@ -61,9 +61,15 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     return settings.model_copy(update=updates)
 
 
-def _kafka_settings(settings: NodeSettings) -> KafkaSettings:
+def kafka_settings(settings: NodeSettings) -> KafkaSettings:
+    """The node's Kafka connection: its broker, client id, partitions and security settings."""
     assert settings.kafka_bootstrap is not None, "only a node with a broker talks to Kafka"
-    return KafkaSettings(bootstrap=settings.kafka_bootstrap, client_id=f"kvledger-{settings.node_id}", num_partitions=settings.kafka_partitions)
+    return KafkaSettings(
+        bootstrap=settings.kafka_bootstrap,
+        client_id=f"kvledger-{settings.node_id}",
+        num_partitions=settings.kafka_partitions,
+        **settings.kafka.security_fields(),
+    )
 
 
 def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher | None:
@@ -74,7 +80,7 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
         raise ValueError("a node publishing to the ledger needs KVLEDGER_SUBJECT_KEY (shared with the coordinator)")
     publisher = NodePublisher(
         engine,
-        _kafka_settings(settings),
+        kafka_settings(settings),
         settings.node_id,
         settings.subject_key.get_secret_value().encode(),
         publish_interval_s=settings.publish_interval_s,
@@ -88,7 +94,7 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
 def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings) -> CommandConsumer:
     """The command side of the ledger hook; built after :func:`make_publisher` (it taps the event sink the publisher set)."""
     handler = InvalidationHandler(engine, publisher.subject_key)
-    return CommandConsumer(handler, publisher, _kafka_settings(settings))
+    return CommandConsumer(handler, publisher, kafka_settings(settings))
 
 
 async def serve(settings: NodeSettings) -> None:

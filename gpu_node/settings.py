@@ -1,4 +1,14 @@
-"""GPU node settings (pydantic-settings, env prefix ``KVLEDGER_NODE_``, nested with ``__``)."""
+"""GPU node settings (pydantic-settings, env prefix ``KVLEDGER_NODE_``, nested with ``__``).
+
+Stack-wide variables are honoured too, because one operator sets them once for every
+process: ``KVLEDGER_KAFKA_BOOTSTRAP``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_COORDINATOR_URL``,
+``KVLEDGER_METRICS_TOKEN`` (or ``KVLEDGER_METRICS_TOKEN_FILE``) and the Kafka security
+variables ``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_MECHANISM``,
+``KVLEDGER_KAFKA_SASL_USERNAME``, ``KVLEDGER_KAFKA_SASL_PASSWORD``, ``KVLEDGER_KAFKA_SSL_CAFILE``,
+``KVLEDGER_KAFKA_SSL_CERTFILE``, ``KVLEDGER_KAFKA_SSL_KEYFILE``, ``KVLEDGER_KAFKA_SSL_CHECK_HOSTNAME``.
+A node-specific variable (``KVLEDGER_NODE_METRICS__TOKEN``, ``KVLEDGER_NODE_KAFKA__SASL_USERNAME``
+…) wins over the shared one.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +16,15 @@ import os
 from pathlib import Path
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
-from identity.settings import IssuerSettings
+from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
+from identity.metrics_access import MetricsSettings
+from identity.settings import IssuerSettings, SharedEnvSource
 from identity.tokens import JWT_SECRET_ENV
 
 
@@ -55,6 +71,9 @@ class NodeSettings(BaseSettings):
         validation_alias=AliasChoices("coordinator_url", "KVLEDGER_NODE_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"),
     )
     """Where data keys for tenant/user blocks at rest come from (``gpu_node.remote_keys``); unset: a local key file."""
+    kafka: KafkaSecurity = KafkaSecurity()
+    """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``)."""
+    metrics: MetricsSettings = MetricsSettings()
     kafka_partitions: int = Field(4, ge=1)
     publish_interval_s: float = Field(0.05, gt=0)
     heartbeat_interval_s: float = Field(5.0, gt=0)
@@ -66,3 +85,17 @@ class NodeSettings(BaseSettings):
         ):
             raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
         return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        shared = {"KVLEDGER_METRICS_TOKEN": ("metrics", "token"), "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file")} | {
+            variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()
+        }
+        return (init_settings, env_settings, SharedEnvSource(settings_cls, shared), dotenv_settings, file_secret_settings)

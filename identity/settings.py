@@ -8,10 +8,13 @@ one key for both is what stops an end user's token from acting as an operator.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 AsymmetricAlgorithm = Literal["EdDSA", "ES256", "RS256"]
 
@@ -81,3 +84,30 @@ def _same_content(a: Path, b: Path) -> bool:
         return Path(a).read_bytes().strip() == Path(b).read_bytes().strip()
     except OSError:
         return False
+
+
+class SharedEnvSource(PydanticBaseSettingsSource):
+    """Maps stack-wide ``KVLEDGER_*`` variables (variable → path of groups in the settings tree) into settings.
+
+    Placed after the service's own environment source, so a service-specific
+    variable wins over the shared one and an explicit argument over both.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], mapping: Mapping[str, tuple[str, ...]]) -> None:
+        super().__init__(settings_cls)
+        self._mapping = mapping
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        # Unused: __call__ builds the whole tree at once.
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for variable, path in self._mapping.items():
+            value = os.environ.get(variable)
+            if value:
+                group = values
+                for name in path[:-1]:
+                    group = group.setdefault(name, {})
+                group[path[-1]] = value
+        return values

@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     publish = commands.add_parser("publish", help="publish a user event (document update, permission revocation, erasure)")
     publish.add_argument("--kafka-bootstrap", help="defaults to KVLEDGER_KAFKA_BOOTSTRAP or .kvledger/stack.json")
+    publish.add_argument("--kafka-security-protocol", choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"], help="defaults to KVLEDGER_KAFKA_SECURITY_PROTOCOL or PLAINTEXT")
+    publish.add_argument("--kafka-sasl-mechanism", choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"], help="defaults to KVLEDGER_KAFKA_SASL_MECHANISM")
+    publish.add_argument("--kafka-sasl-username", help="defaults to KVLEDGER_KAFKA_SASL_USERNAME; the password only from KVLEDGER_KAFKA_SASL_PASSWORD")
+    publish.add_argument("--kafka-ssl-cafile", help="CA bundle that signed the brokers' certificates (KVLEDGER_KAFKA_SSL_CAFILE)")
+    publish.add_argument("--kafka-ssl-certfile", help="client certificate for mTLS (KVLEDGER_KAFKA_SSL_CERTFILE)")
+    publish.add_argument("--kafka-ssl-keyfile", help="client key for mTLS (KVLEDGER_KAFKA_SSL_KEYFILE)")
     publish_kinds = publish.add_subparsers(dest="event_kind", required=True)
     document_updated = publish_kinds.add_parser("document-updated")
     document_updated.add_argument("--tenant", required=True)

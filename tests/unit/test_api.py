@@ -36,6 +36,7 @@ from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
 
 SECRET = "api-test-secret-0123456789abcdef0123456789"
+METRICS_TOKEN = "api-test-metrics-token"
 BLOCK_SIZE = 16
 
 
@@ -60,6 +61,7 @@ def node(tiny_model_dir, tmp_path_factory):
         auth=IssuerSettings(jwt_secret=SECRET),
         operator_auth=OPERATOR_AUTH,
         cache=CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=256, num_host_blocks=256, max_disk_blocks=512),
+        metrics={"token": METRICS_TOKEN},
     )
     engine = AsyncEngine.from_settings(settings)
     app = create_app(
@@ -361,7 +363,7 @@ def test_health_ready_metrics(node):
     with node.http() as http:
         assert http.get("/healthz").json() == {"status": "ok"}
         assert http.get("/readyz").status_code == 200
-        metrics = http.get("/metrics")
+        metrics = http.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert metrics.status_code == 200
     assert metrics.headers["content-type"].startswith("text/plain")
     assert "kvledger_requests_total" in metrics.text
@@ -389,12 +391,27 @@ def test_concurrent_identical_requests(node):
     assert len({result.usage.prompt_tokens for result in results}) == 1
 
 
-def test_cache_stats_requires_a_token(node):
+@pytest.mark.parametrize("route", ["/metrics", "/v1/cache/stats"])
+def test_operational_views_need_the_metrics_token(node, route):
+    """They aggregate every tenant's traffic: a user's token, even an admin's, is not enough."""
     with node.http() as http:
-        assert_error(http.get("/v1/cache/stats"), 401, "missing_token", "authentication_error")
-        response = http.get("/v1/cache/stats", headers={"Authorization": f"Bearer {token()}"})
+        assert_error(http.get(route), 401, "invalid_metrics_token", "authentication_error")
+        for bearer in (token(), token(roles=["admin"]), METRICS_TOKEN + "x"):
+            assert_error(http.get(route, headers={"Authorization": f"Bearer {bearer}"}), 401, "invalid_metrics_token", "authentication_error")
+        response = http.get(route, headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert response.status_code == 200
-    assert isinstance(response.json(), dict)
+
+
+@pytest.mark.parametrize("route", ["/metrics", "/v1/cache/stats"])
+def test_operational_views_are_disabled_without_a_metrics_token(tiny_model_dir, tmp_path, monkeypatch, route):
+    monkeypatch.delenv("KVLEDGER_METRICS_TOKEN", raising=False)
+    monkeypatch.delenv("KVLEDGER_NODE_METRICS__TOKEN", raising=False)
+    settings = NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path, auth=IssuerSettings(jwt_secret=SECRET))
+    assert settings.metrics.token is None
+    engine = AsyncEngine.from_settings(settings)
+    with TestClient(create_app(engine, TokenVerifier(settings.auth))) as http:
+        for headers in ({}, {"Authorization": f"Bearer {token(roles=['admin'])}"}):
+            assert_error(http.get(route, headers=headers), 404, "metrics_disabled", "invalid_request_error")
 
 
 def test_snapshot_requires_a_platform_admin_operator(node):

@@ -52,6 +52,21 @@ def test_prometheus_scrapes_the_ports_the_services_listen_on():
     assert targets <= published
 
 
+def test_prometheus_and_the_services_share_the_metrics_token_file():
+    """/metrics answers only the metrics token: every scrape job sends the file the services read it from."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    scrape = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    services = compose["services"]
+    secret_path = "/run/secrets/metrics_token"
+    assert compose["secrets"]["metrics_token"]["file"] == "./docker/secrets/metrics_token"
+    for job in scrape["scrape_configs"]:
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": secret_path}
+    for name in ("coordinator", "gpu-node"):
+        assert services[name]["environment"]["KVLEDGER_METRICS_TOKEN_FILE"] == secret_path
+    for name in ("coordinator", "gpu-node", "prometheus"):
+        assert services[name]["secrets"] == ["metrics_token"]
+
+
 def test_every_dashboard_metric_is_exported_by_a_node_or_the_coordinator():
     dashboard = json.loads((ROOT / "docker" / "grafana" / "dashboards" / "kvledger.json").read_text())
     expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]

@@ -22,6 +22,7 @@ from gpu_node.engine import (
     TokenDelta,
 )
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys, num_cacheable_blocks
+from gpu_node.metrics import MissReason
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
 
@@ -156,9 +157,12 @@ async def test_isolation_public_prefix_shared_tenant_and_user_parts_not(engine):
     assert alice.num_cached_tokens == 0
     rendered = render_prompt(engine.runner.tokenizer, [public, document("handbook", 1, handbook), user("hi")])
     public_tokens = rendered.segments[0].end
+    misses_before = {reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason}) for reason in MissReason}
     bob = await complete(engine, [public, document("handbook", 1, handbook), user("hi")], BOB_AT_GLOBEX)
     assert bob.num_cached_tokens == (public_tokens // BLOCK) * BLOCK
-    assert metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"}) == 1
+    # Acme's copy of the document is none of globex's business: the miss reads as if nobody had cached it.
+    misses_after = {reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason}) for reason in MissReason}
+    assert {reason: misses_after[reason] - misses_before[reason] for reason in MissReason if misses_after[reason] != misses_before[reason]} == {MissReason.NO_ENTRY: 1}
 
     # Two subjects of one tenant share the document blocks but never each other's user blocks.
     history = user(long_text(40, 9))
@@ -166,6 +170,16 @@ async def test_isolation_public_prefix_shared_tenant_and_user_parts_not(engine):
     carol = await complete(engine, [public, document("handbook", 1, handbook), history], CAROL)
     user_start = render_prompt(engine.runner.tokenizer, [public, document("handbook", 1, handbook), history]).segments[2].start
     assert carol.num_cached_tokens == (user_start // BLOCK) * BLOCK
+
+
+async def test_same_tokens_under_the_callers_own_other_scope_is_an_auth_scope_mismatch(engine):
+    """A reason may compare with entries the caller could have been served: here its own user-scope copy."""
+    text = long_text(40, 21)
+    await complete(engine, [user(text)], ALICE)
+    before = metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"})
+    shared = await complete(engine, [ChatMessage("user", text, CacheScope.TENANT)], ALICE)
+    assert shared.num_cached_tokens == 0
+    assert metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"}) == before + 1
 
 
 async def test_short_prompt_counts_prefix_too_short(engine):
