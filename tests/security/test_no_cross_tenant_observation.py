@@ -26,10 +26,11 @@ import pytest
 import uvicorn
 
 from gpu_node.api import create_app
-from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.engine import AsyncEngine
 from gpu_node.metrics import MissReason
-from gpu_node.settings import AuthSettings, CacheSettings, NodeSettings
+from gpu_node.settings import CacheSettings, NodeSettings
+from identity.settings import IssuerSettings
+from identity.tokens import TokenVerifier, issue_token
 
 SECRET = "cross-tenant-test-secret-0123456789abcdef"
 METRICS_TOKEN = "cross-tenant-test-metrics-token"
@@ -44,7 +45,7 @@ def served_node(model_dir: Path, data_dir: Path) -> Iterator[str]:
     settings = NodeSettings(
         model_dir=model_dir,
         data_dir=data_dir,
-        auth=AuthSettings(jwt_secret=SECRET),
+        auth=IssuerSettings(jwt_secret=SECRET),
         cache=CacheSettings(block_size=16, num_device_blocks=256, num_host_blocks=256, max_disk_blocks=512),
         metrics={"token": METRICS_TOKEN},
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpu_node.auth import issue_token
+from identity.tokens import issue_token
 from kvledger.net import loopback_listener
 
 SECRET = "prompt-dos-test-secret-0123456789abcdef"
