@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import CommitFailedError, IllegalStateError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, TopicAlreadyExistsError, for_code
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
@@ -191,6 +191,29 @@ class EventProducer:
 
     async def send_raw(self, topic: str, value: bytes | None, key: bytes | None) -> RecordMetadata:
         return await self._producer.send_and_wait(topic, value, key=key)
+
+    async def send_raw_many(self, records: Sequence[tuple[str, bytes, bytes]]) -> list[RecordMetadata | KafkaError]:
+        """Publish already-encoded ``(topic, value, key)`` records as one pipelined batch.
+
+        Returns each record's metadata or the exception that refused it, in order, so the
+        caller can tell which records the broker holds when only some failed.
+        """
+        sent: list[asyncio.Future | KafkaError] = []
+        for topic, value, key in records:
+            try:
+                sent.append(await self._producer.send(topic, value, key=key))
+            except KafkaError as exc:  # refused before sending (e.g. larger than max_request_size)
+                sent.append(exc)
+        results: list[RecordMetadata | KafkaError] = []
+        for item in sent:  # all are in flight already: awaiting in turn costs no extra round trips
+            if isinstance(item, KafkaError):
+                results.append(item)
+                continue
+            try:
+                results.append(await item)
+            except KafkaError as exc:
+                results.append(exc)
+        return results
 
 
 async def send_to_dead_letter(

@@ -134,7 +134,7 @@ def _check_document_tag(value: str) -> str:
 DocumentTag = Annotated[
     str,
     Strict(),
-    StringConstraints(pattern=r"^.+@(?:0|[1-9][0-9]*)$", max_length=MAX_TAG_CHARS),
+    StringConstraints(pattern=r"^[\s\S]+@(?:0|[1-9][0-9]*)$", max_length=MAX_TAG_CHARS),
     AfterValidator(_check_document_tag),
 ]
 """``doc_id@version`` as it appears in a block's prefix (a :data:`Name` and a :data:`Count`)."""
@@ -600,7 +600,8 @@ class EventValidationError(ValueError):
     """
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError) -> str:
+    """Fields and problems of ``exc`` on one line, never the input values (safe to log and dead-letter)."""
     parts = []
     for error in exc.errors(include_url=False, include_input=False):
         location = ".".join(str(part) for part in error["loc"])
@@ -617,7 +618,7 @@ def parse_event(data: bytes | str) -> Envelope:
     try:
         return Envelope.model_validate_json(data)
     except ValidationError as exc:
-        raise EventValidationError(_describe(exc)) from None
+        raise EventValidationError(describe_validation_error(exc)) from None
 
 
 def make_event(payload: EventPayload, tenant_id: str | None = None) -> Envelope:
