@@ -562,8 +562,8 @@ class BatchConsumer:
         for tp, offset in offsets.items():
             if self._pending.get(tp) == offset:
                 del self._pending[tp]
-            # Committed past: the group never re-delivers these offsets.
-            self._dead_lettered[tp] = {o for o in self._dead_lettered.get(tp, ()) if o >= offset}
+            if tp in self._dead_lettered:  # committed past: the group never re-delivers these offsets
+                self._dead_lettered[tp] = {o for o in self._dead_lettered[tp] if o >= offset}
 
     async def _sleep_unless_stopping(self, seconds: float) -> None:
         try:

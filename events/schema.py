@@ -115,6 +115,12 @@ Count = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT)]
 """A version, counter, epoch or seq: an integer in 0..2^53-1. Strict so ``"3"`` or ``true`` is a
 contract violation, not a 3 or a 1; bounded so it survives JSON doubles and Postgres BIGINT."""
 
+VersionBound = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT + 1)]
+"""An exclusive upper bound on a version (``below_version``): one above the largest :data:`Count`,
+so :data:`ANY_VERSION` matches every version a block can hold."""
+ANY_VERSION = MAX_SAFE_INT + 1
+"""``below_version`` of a deleted document: every version is below it."""
+
 SmallCount = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]
 """A count stored in a Postgres INTEGER column (token offset, inventory chunk number)."""
 
@@ -406,7 +412,7 @@ class DocumentPredicate(_Model):
     kind: Literal["document"] = "document"
     tenant: Name
     doc_id: Name
-    below_version: Count
+    below_version: VersionBound
 
 
 class PolicyPredicate(_Model):
@@ -415,7 +421,7 @@ class PolicyPredicate(_Model):
     kind: Literal["policy"] = "policy"
     tenant: Name
     auth_scope: Name
-    below_version: Count
+    below_version: VersionBound
 
 
 class SubjectPredicate(_Model):
@@ -563,7 +569,7 @@ class Envelope(_Model):
             return data  # field validation reports the missing/mistyped fields
         model = EVENT_TYPES.get(event_type)
         if model is None:
-            raise ValueError(f"unknown event type {event_type!r}")
+            raise ValueError(f"unknown event type {event_type[:64]!r}")  # bounded: the text is the sender's
         try:
             typed = model.model_validate(payload)
         except ValidationError as exc:

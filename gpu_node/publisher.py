@@ -351,8 +351,9 @@ class NodePublisher:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             try:
-                heartbeat = schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq)
-                await self._producer.send(schema.make_event(heartbeat))
+                envelope = schema.make_event(schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq))
+                topic, key = route(envelope)
+                await self._producer.send_raw(topic, encode_envelope(envelope), encode_key(key))
             except Exception:  # noqa: BLE001 - liveness is best effort; the coordinator notices silence
                 log.exception("heartbeat failed")
 

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import AliasChoices, BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from events.schema import Name
+
 
 class AuthSettings(BaseModel):
     """How bearer tokens are verified. Exactly one of the two keys is expected."""
@@ -47,7 +49,8 @@ class RequestLimits(BaseModel):
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
 
-    node_id: str = "node-0"
+    node_id: Name = "node-0"
+    """Travels in every kv-event and ledger row, so it obeys the event contract's identifier bounds."""
     model_dir: Path = Path(".kvledger/models/tiny")
     model_name: str | None = None
     data_dir: Path = Path(".kvledger/node-0")
