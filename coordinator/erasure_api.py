@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -48,6 +48,7 @@ from coordinator.erasure import (
 from coordinator.invalidation import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
+from events.schema import Name, ReasonText
 from gpu_node.kv_cache_utils import Principal
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,10 @@ ERASURE_REQUESTERS = frozenset({ADMIN, PRIVACY_OFFICER})
 class ErasureRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tenant_id: str = Field(min_length=1, max_length=512)
-    subject_id: str = Field(min_length=1, max_length=512)
-    reason: str = Field(min_length=1, max_length=2000)
-    request_id: str | None = Field(None, min_length=1, max_length=512)
+    tenant_id: Name
+    subject_id: Name
+    reason: ReasonText
+    request_id: Name | None = None
     """The caller's id for this request; the ``Idempotency-Key`` header does the same."""
 
 

@@ -63,7 +63,7 @@ MAX_SAFE_INT = 2**53 - 1
 """Largest version/counter: exact in a JSON double and inside Postgres BIGINT."""
 MAX_INT32 = 2**31 - 1
 """Largest value of a Postgres INTEGER column (token offsets, inventory chunk numbers)."""
-MAX_REASON_CHARS = 1024
+MAX_REASON_CHARS = 2000
 """Longest free-text reason (an erasure request's)."""
 MAX_BLOCKS_PER_EVENT = 1000
 """Most blocks (or placements) one record lists: ~450 bytes each keeps a record well under the

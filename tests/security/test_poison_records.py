@@ -149,7 +149,7 @@ BAD_RECORDS = [
     for topic in (KV_EVENTS, DOCUMENTS, PERMISSIONS, ERASURES)
     for label, bad in [*(("id", v) for v in BAD_IDS.values()), *(("count", v) for v in BAD_COUNTS.values())]
     if not (topic == ERASURES and label == "count")
-] + [(ERASURES, "reason", "a\x00b"), (ERASURES, "reason", "r" * 1025)]
+] + [(ERASURES, "reason", "a\x00b"), (ERASURES, "reason", "r" * 2001)]
 
 
 @pytest.mark.parametrize(("topic", "kind", "bad"), BAD_RECORDS, ids=lambda v: repr(v)[:24])
