@@ -174,8 +174,8 @@ class NodePublisher:
                     payload = self._payload(kind, events[start : start + MAX_BLOCKS_PER_RECORD])
                     if payload is not None:
                         payloads.append(payload)
-            # Building is deterministic, so a retry after a send failure rebuilds the same payloads,
-            # but the records already stamped are in ``_unacked`` and are not rebuilt.
+            # The events are records now: a failed send leaves them in ``_unacked``, to go out
+            # again byte-identical, never rebuilt under a new event id.
             for _ in pending:
                 self._pending.popleft()
             await self._send_node_events(payloads)
@@ -192,16 +192,24 @@ class NodePublisher:
             ]
             return self._built("BlockStored", lambda: schema.BlockStored(**common, blocks=blocks)) if blocks else None
         if kind[0] == "removed":
-            return schema.BlockRemoved(
-                **common, reason=kind[1], blocks=[schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events]
+            return self._built(
+                "BlockRemoved",
+                lambda: schema.BlockRemoved(
+                    **common,
+                    reason=kind[1],
+                    blocks=[schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events],
+                ),
             )
         if kind[0] == "moved":
-            return schema.BlockMoved(
-                **common,
-                blocks=[
-                    schema.MovedBlock(block_hash=e.block_hash.hex(), from_tier=e.from_tier.value, to_tier=e.to_tier.value)
-                    for e in events
-                ],
+            return self._built(
+                "BlockMoved",
+                lambda: schema.BlockMoved(
+                    **common,
+                    blocks=[
+                        schema.MovedBlock(block_hash=e.block_hash.hex(), from_tier=e.from_tier.value, to_tier=e.to_tier.value)
+                        for e in events
+                    ],
+                ),
             )
         assert kind[0] == "snapshot", f"unknown batch kind {kind}"
         (_, snapshot_id, block_hashes), = events
