@@ -12,6 +12,7 @@ from coordinator.erasure import ErasureService, ReceiptKeys
 from coordinator.ingest import DeadLetterTally, LedgerIngest
 from coordinator.invalidation import InvalidationHandler
 from coordinator.outbox import OutboxRelay
+from coordinator.poison import refused_as_data
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
@@ -70,6 +71,7 @@ async def run_consumers(
         [KV_EVENTS],
         ingest,
         dead_letter_counter=tally,
+        is_poison=refused_as_data,
         max_records=settings.kafka.max_batch_records,
     )
     subject_key = settings.ledger.subject_key
@@ -93,6 +95,7 @@ async def run_consumers(
             handler,
             group_id=group_id,
             dead_letter_counter=tally,
+            is_poison=refused_as_data,
             max_records=settings.kafka.max_batch_records,
         )
         for group_id in (config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX)

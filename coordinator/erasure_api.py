@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -50,6 +50,7 @@ from coordinator.erasure import (
 from coordinator.invalidation import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
+from events.schema import Name, ReasonText
 from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS
 from identity.tokens import Operator
 
@@ -58,10 +59,10 @@ log = logging.getLogger(__name__)
 class ErasureRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tenant_id: str = Field(min_length=1, max_length=512)
-    subject_id: str = Field(min_length=1, max_length=512)
-    reason: str = Field(min_length=1, max_length=2000)
-    request_id: str | None = Field(None, min_length=1, max_length=512)
+    tenant_id: Name
+    subject_id: Name
+    reason: ReasonText
+    request_id: Name | None = None
     """The caller's id for this request; the ``Idempotency-Key`` header does the same."""
 
 

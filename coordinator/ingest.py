@@ -594,7 +594,12 @@ class _BatchApplier:
 
 
 class LedgerIngest:
-    """The kv-events batch handler: ``await ingest(events)`` commits before returning."""
+    """The kv-events batch handler: ``await ingest(events)`` commits before returning.
+
+    Any failure rolls the whole batch back and propagates. The consumer decides what it
+    means (:func:`coordinator.poison.refused_as_data`): a value the database refuses is
+    isolated by bisection and dead-lettered, anything else is retried with backoff.
+    """
 
     def __init__(
         self,

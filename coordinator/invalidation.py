@@ -87,6 +87,7 @@ from coordinator.models import (
 from coordinator.outbox import outbox_row
 from events.kafka import ConsumedEvent
 from events.schema import (
+    ANY_VERSION,
     CommandAck,
     DocumentDeleted,
     DocumentPredicate,
@@ -104,9 +105,6 @@ from events.schema import (
 )
 
 log = logging.getLogger(__name__)
-
-ANY_VERSION = 2**62
-"""``below_version`` of a deleted document: every version of it matches."""
 
 _DECISION_LOCK_KEY = 0x6B766C2D696E76  # "kvl-inv"; arbitrary, constant across releases
 _MAX_HASHES_PER_STATEMENT = 5000

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import random
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import CommitFailedError, IllegalStateError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, TopicAlreadyExistsError, for_code
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -305,6 +306,29 @@ class EventProducer:
     async def send_raw(self, topic: str, value: bytes | None, key: bytes | None) -> RecordMetadata:
         return await self._producer.send_and_wait(topic, value, key=key)
 
+    async def send_raw_many(self, records: Sequence[tuple[str, bytes, bytes]]) -> list[RecordMetadata | KafkaError]:
+        """Publish already-encoded ``(topic, value, key)`` records as one pipelined batch.
+
+        Returns each record's metadata or the exception that refused it, in order, so the
+        caller can tell which records the broker holds when only some failed.
+        """
+        sent: list[asyncio.Future | KafkaError] = []
+        for topic, value, key in records:
+            try:
+                sent.append(await self._producer.send(topic, value, key=key))
+            except KafkaError as exc:  # refused before sending (e.g. larger than max_request_size)
+                sent.append(exc)
+        results: list[RecordMetadata | KafkaError] = []
+        for item in sent:  # all are in flight already: awaiting in turn costs no extra round trips
+            if isinstance(item, KafkaError):
+                results.append(item)
+                continue
+            try:
+                results.append(await item)
+            except KafkaError as exc:
+                results.append(exc)
+        return results
+
 
 async def send_to_dead_letter(
     producer: EventProducer, record: ConsumerRecord, error: str, group_id: str | None, counter=DEAD_LETTER_TOTAL
@@ -344,6 +368,10 @@ class ConsumedEvent:
 
 
 Handler = Callable[[list[ConsumedEvent]], Awaitable[None]]
+PoisonTest = Callable[[BaseException], str | None]
+"""Classifies a handler failure: a one-line reason (without record content) when the failure is
+caused by the data of the events handed over — retrying cannot help — or ``None`` when it may
+be transient (connection lost, serialization failure, deadlock, timeout) and is retried."""
 
 
 class _CommitOnRevoke(ConsumerRebalanceListener):
@@ -367,8 +395,14 @@ class BatchConsumer:
     * a record that fails validation is published to ``kvledger.dead-letter`` (raw bytes,
       coordinates, error) and counted, then skipped — one bad record never blocks a
       partition; on :data:`events.topics.ALERT_TOPICS` it is also logged as an error;
-    * a handler exception re-delivers the whole batch (the consumer seeks back) after an
-      exponential backoff: nothing is skipped and the process keeps running;
+    * a handler exception that ``is_poison`` classifies as caused by the data (the database
+      refused a value) is narrowed down by bisection — the handler is called on halves of
+      the batch, in order, until the single refused event is isolated; that record goes to
+      the dead-letter topic with the reason, the others are applied once — so one poison
+      record never blocks its partition;
+    * any other handler exception re-delivers the whole batch (the consumer seeks back) after
+      an exponential, jittered backoff (``initial_backoff_s`` doubling up to ``max_backoff_s``):
+      nothing is skipped and the process keeps running;
     * on a rebalance the revoke callback waits for the in-flight batch and commits what
       was processed, so the next owner does not replay more than necessary.
 
@@ -385,6 +419,7 @@ class BatchConsumer:
         *,
         group_id: str | None = None,
         dead_letter_counter: Counter = DEAD_LETTER_TOTAL,
+        is_poison: PoisonTest | None = None,
         max_records: int = 500,
         poll_timeout_ms: int = 500,
         initial_backoff_s: float = 0.1,
@@ -406,6 +441,7 @@ class BatchConsumer:
         self._topics = list(topics)
         self._handler = handler
         self._dead_letter_counter = dead_letter_counter
+        self._is_poison = is_poison
         self._max_records = max_records
         self._poll_timeout_ms = poll_timeout_ms
         self._top_up_ms = settings.top_up_ms
@@ -425,7 +461,8 @@ class BatchConsumer:
         # so a rebalance never hands a partition over in the middle of a batch.
         self._lock = asyncio.Lock()
         self._pending: dict[TopicPartition, int] = {}  # processed, not yet committed
-        self._dead_lettered: dict[TopicPartition, int] = {}  # highest offset already dead-lettered
+        # Offsets already dead-lettered and not yet committed past: a re-delivered batch skips them.
+        self._dead_lettered: dict[TopicPartition, set[int]] = {}
         self._assigned = asyncio.Event()
         self._stopping = asyncio.Event()
         self._run_task: asyncio.Task | None = None
@@ -463,14 +500,16 @@ class BatchConsumer:
                 except Exception as exc:  # noqa: BLE001 - any failure means: back off, re-deliver, keep running
                     HANDLER_FAILURES_TOTAL.labels(group=self.group_id).inc()
                     # The exception text may quote record data; log only its type here.
+                    # Full jitter on the upper half: replicas that failed together do not retry together.
+                    delay = random.uniform(backoff / 2, backoff)
                     log.warning(
-                        "consumer group %s: batch failed (%s); retrying in %.1fs",
+                        "consumer group %s: batch failed (%s); retrying in %.2fs",
                         self.group_id,
                         type(exc).__name__,
-                        backoff,
+                        delay,
                     )
                     log.debug("batch failure detail", exc_info=True)
-                    await self._sleep_unless_stopping(backoff)
+                    await self._sleep_unless_stopping(delay)
                     backoff = min(backoff * 2, self._max_backoff_s)
                 else:
                     backoff = self._initial_backoff_s
@@ -547,7 +586,7 @@ class BatchConsumer:
         try:
             events = await self._validate(owned)
             if events:
-                await self._handler(events)
+                await self._handle_isolating(events, owned)
         except BaseException:
             for tp, records in owned.items():
                 if tp in self._consumer.assignment():
@@ -557,10 +596,39 @@ class BatchConsumer:
             self._pending[tp] = records[-1].offset + 1
         await self._commit_pending(None)
 
+    async def _handle_isolating(
+        self, events: list[ConsumedEvent], batch: dict[TopicPartition, list[ConsumerRecord]]
+    ) -> None:
+        """Hand ``events`` to the handler; bisect a failure caused by the data down to its one record.
+
+        Halves run in order (the first half completes before the second starts), so per
+        partition every event before a dead-lettered one was applied or dead-lettered first.
+        A failure that is not the data's propagates: the whole batch is re-delivered, and
+        the halves already committed are no-ops the second time (the handler's inbox).
+        """
+        try:
+            await self._handler(events)
+            return
+        except Exception as exc:
+            reason = self._is_poison(exc) if self._is_poison is not None else None
+            if reason is None:
+                raise
+        if len(events) > 1:
+            middle = len(events) // 2
+            await self._handle_isolating(events[:middle], batch)
+            await self._handle_isolating(events[middle:], batch)
+            return
+        (event,) = events
+        tp = TopicPartition(event.topic, event.partition)
+        record = next(record for record in batch[tp] if record.offset == event.offset)
+        await self._dead_letter(tp, record, f"refused by the {self.group_id} handler: {reason}")
+
     async def _validate(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> list[ConsumedEvent]:
         events: list[ConsumedEvent] = []
         for tp, records in batch.items():
             for record in records:
+                if record.offset in self._dead_lettered.get(tp, ()):
+                    continue  # a re-delivered batch: already on the dead-letter topic
                 try:
                     key = decode_key(record.key)
                     envelope = decode_event(record.value)
@@ -580,11 +648,10 @@ class BatchConsumer:
         return events
 
     async def _dead_letter(self, tp: TopicPartition, record: ConsumerRecord, error: str) -> None:
-        # A re-delivered batch (after a handler failure) must not dead-letter or count twice.
-        if record.offset <= self._dead_lettered.get(tp, -1):
-            return
+        """Publish (and wait for the broker's ack) before the offset can be committed past the record."""
         await send_to_dead_letter(self._dead_letters, record, error, self.group_id, self._dead_letter_counter)
-        self._dead_lettered[tp] = record.offset
+        # A re-delivered batch (after a handler failure) must not dead-letter or count twice.
+        self._dead_lettered.setdefault(tp, set()).add(record.offset)
 
     async def _commit_pending(self, only: set[TopicPartition] | None) -> None:
         assigned = self._consumer.assignment()
@@ -608,6 +675,8 @@ class BatchConsumer:
         for tp, offset in offsets.items():
             if self._pending.get(tp) == offset:
                 del self._pending[tp]
+            if tp in self._dead_lettered:  # committed past: the group never re-delivers these offsets
+                self._dead_lettered[tp] = {o for o in self._dead_lettered[tp] if o >= offset}
 
     async def _sleep_unless_stopping(self, seconds: float) -> None:
         try:

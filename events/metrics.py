@@ -6,12 +6,12 @@ from prometheus_client import Counter
 
 DEAD_LETTER_TOTAL = Counter(
     "kvledger_dead_letter_total",
-    "Records that failed contract validation and were sent to kvledger.dead-letter, by source topic.",
+    "Records sent to kvledger.dead-letter (contract violations and records the database refused as data), by source topic.",
     ["topic"],
 )
 
 HANDLER_FAILURES_TOTAL = Counter(
     "kvledger_consumer_handler_failures_total",
-    "Batches that failed (handler, dead-letter publish or offset commit); they are redelivered after a backoff, never skipped.",
+    "Batches that failed transiently (handler, dead-letter publish or offset commit); redelivered after a backoff, never skipped.",
     ["group"],
 )

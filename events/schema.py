@@ -1,4 +1,4 @@
-"""The event and command contract between GPU nodes, users and the coordinator (DESIGN §5).
+"""The event and command contract between GPU nodes, users and the coordinator (docs/events.md).
 
 Every Kafka record value is one JSON :class:`Envelope`::
 
@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -50,20 +52,98 @@ from pydantic_core import InitErrorDetails
 SCHEMA_VERSION = 1
 
 # ---------------------------------------------------------------------------
-# Scalar types
+# Scalar types: the bounds every field that reaches Postgres or Kafka obeys
+# (docs/events.md "Field limits"). Nodes, coordinator and CLI reuse them, so a
+# value one side accepts is a value every other side, and the database, accepts.
 # ---------------------------------------------------------------------------
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=512)]
-"""A non-empty identifier (tenant, document, auth scope, node, snapshot id ...)."""
+MAX_ID_CHARS = 256
+"""Longest identifier (characters): room for UUIDs, URNs and paths, small enough to index."""
+MAX_SAFE_INT = 2**53 - 1
+"""Largest version/counter: exact in a JSON double and inside Postgres BIGINT."""
+MAX_INT32 = 2**31 - 1
+"""Largest value of a Postgres INTEGER column (token offsets, inventory chunk numbers)."""
+MAX_REASON_CHARS = 2000
+"""Longest free-text reason (an erasure request's)."""
+MAX_BLOCKS_PER_EVENT = 1000
+"""Most blocks (or placements) one record lists: ~450 bytes each keeps a record well under the
+broker's default 1 MiB message limit. Producers split larger sets into several records."""
+MAX_HASHES_PER_EVENT = 12_000
+"""Most bare block hashes one record lists (a snapshot's, an ack's evidence): 67 bytes each keeps
+the record under 1 MiB, which the producer refuses to send anyway."""
+MAX_LIST_ITEMS = 256
+"""Most entries of a small list (auth scopes or documents of one block, evidence of one ack)."""
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 controls, DEL and C1 controls: NUL is refused by Postgres text, newlines forge log lines and
+header-like framing, and none of them belongs in an identifier."""
+_CONTROL_CHARS_EXCEPT_WHITESPACE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def check_identifier(value: str) -> str:
+    """Validator of :data:`Name`: no control characters (length is checked beside it).
+
+    Lone surrogates (valid Python ``str``, not UTF-8, refused by Postgres) never get here:
+    pydantic's string validation refuses them, from JSON and from Python alike.
+    """
+    if _CONTROL_CHARS.search(value):
+        raise ValueError("must not contain control characters")
+    return value
+
+
+def _check_text(value: str) -> str:
+    if _CONTROL_CHARS_EXCEPT_WHITESPACE.search(value):
+        raise ValueError("must not contain control characters other than tab and newline")
+    return value
+
+
+Name = Annotated[
+    str, Strict(), StringConstraints(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(check_identifier)
+]
+"""A non-empty identifier (tenant, document, auth scope, node, snapshot id, namespace ...):
+at most :data:`MAX_ID_CHARS` characters (code points), valid UTF-8, no control characters."""
+
+ReasonText = Annotated[
+    str, Strict(), StringConstraints(min_length=1, max_length=MAX_REASON_CHARS), AfterValidator(_check_text)
+]
+"""Free text (a reason): bounded, valid UTF-8, no control characters but tab and newline."""
 
 HexDigest = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{2}){16,64}$")]
 """Lower-case hex of a 16..64-byte digest (sha256 block hashes are 64 hex chars)."""
 
-Count = Annotated[int, Strict(), Field(ge=0)]
-"""A non-negative integer; strict so ``"3"`` or ``true`` is a contract violation, not a 3 or a 1."""
+Count = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT)]
+"""A version, counter, epoch or seq: an integer in 0..2^53-1. Strict so ``"3"`` or ``true`` is a
+contract violation, not a 3 or a 1; bounded so it survives JSON doubles and Postgres BIGINT."""
 
-DocumentTag = Annotated[str, StringConstraints(pattern=r"^.+@(?:0|[1-9][0-9]*)$", max_length=600)]
-"""``doc_id@version`` as it appears in a block's prefix."""
+VersionBound = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT + 1)]
+"""An exclusive upper bound on a version (``below_version``): one above the largest :data:`Count`,
+so :data:`ANY_VERSION` matches every version a block can hold."""
+ANY_VERSION = MAX_SAFE_INT + 1
+"""``below_version`` of a deleted document: every version is below it."""
+
+SmallCount = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]
+"""A count stored in a Postgres INTEGER column (token offset, inventory chunk number)."""
+
+MAX_TAG_CHARS = MAX_ID_CHARS + 1 + len(str(MAX_SAFE_INT))
+
+
+def _check_document_tag(value: str) -> str:
+    doc_id, _, version = value.rpartition("@")
+    check_identifier(doc_id)
+    if len(doc_id) > MAX_ID_CHARS:
+        raise ValueError(f"document id longer than {MAX_ID_CHARS} characters")
+    if int(version) > MAX_SAFE_INT:
+        raise ValueError(f"document version above {MAX_SAFE_INT}")
+    return value
+
+
+DocumentTag = Annotated[
+    str,
+    Strict(),
+    StringConstraints(pattern=r"^[\s\S]+@(?:0|[1-9][0-9]*)$", max_length=MAX_TAG_CHARS),
+    AfterValidator(_check_document_tag),
+]
+"""``doc_id@version`` as it appears in a block's prefix (a :data:`Name` and a :data:`Count`)."""
 
 CacheScopeLabel = Literal["public", "tenant", "user"]
 StorageTier = Literal["device", "host", "disk"]
@@ -161,7 +241,7 @@ class ErasureRequested(EventPayload):
     TENANT_REQUIRED: ClassVar[bool] = True
     erasure_id: uuid.UUID | None = None
     subject_id: Name
-    reason: Annotated[str, StringConstraints(min_length=1, max_length=2000)]
+    reason: ReasonText
 
 
 # --- nodes → coordinator (kvledger.kv-events) -------------------------------
@@ -193,10 +273,10 @@ class BlockProvenance(_Model):
     namespace: Name
     tenant_id: Name | None
     scope: CacheScopeLabel
-    auth_scopes: list[tuple[Name, Count]]
+    auth_scopes: Annotated[list[tuple[Name, Count]], Field(max_length=MAX_LIST_ITEMS)]
     subject_id: HexDigest | None
-    documents: list[DocumentTag]
-    token_offset: Count
+    documents: Annotated[list[DocumentTag], Field(max_length=MAX_LIST_ITEMS)]
+    token_offset: SmallCount
     created_at: AwareDatetime
 
     @model_validator(mode="after")
@@ -245,18 +325,18 @@ class NodeStarted(NodeEvent):
 
 class BlockStored(NodeEvent):
     TYPE: ClassVar[str] = "BlockStored"
-    blocks: Annotated[list[StoredBlock], Field(min_length=1)]
+    blocks: Annotated[list[StoredBlock], Field(min_length=1, max_length=MAX_BLOCKS_PER_EVENT)]
 
 
 class BlockRemoved(NodeEvent):
     TYPE: ClassVar[str] = "BlockRemoved"
-    blocks: Annotated[list[RemovedBlock], Field(min_length=1)]
+    blocks: Annotated[list[RemovedBlock], Field(min_length=1, max_length=MAX_BLOCKS_PER_EVENT)]
     reason: RemovalReason
 
 
 class BlockMoved(NodeEvent):
     TYPE: ClassVar[str] = "BlockMoved"
-    blocks: Annotated[list[MovedBlock], Field(min_length=1)]
+    blocks: Annotated[list[MovedBlock], Field(min_length=1, max_length=MAX_BLOCKS_PER_EVENT)]
 
 
 class SnapshotWritten(NodeEvent):
@@ -264,7 +344,7 @@ class SnapshotWritten(NodeEvent):
 
     TYPE: ClassVar[str] = "SnapshotWritten"
     snapshot_id: Name
-    block_hashes: list[HexDigest]
+    block_hashes: Annotated[list[HexDigest], Field(max_length=MAX_HASHES_PER_EVENT)]
 
 
 class SnapshotDeleted(NodeEvent):
@@ -298,10 +378,10 @@ class Inventory(NodeEvent):
 
     TYPE: ClassVar[str] = "Inventory"
     request_id: uuid.UUID | None = None
-    placements: list[Placement]
-    blocks: list[BlockProvenance]
-    chunk: Count = 0
-    chunks: Annotated[int, Strict(), Field(ge=1)] = 1
+    placements: Annotated[list[Placement], Field(max_length=MAX_BLOCKS_PER_EVENT)]
+    blocks: Annotated[list[BlockProvenance], Field(max_length=MAX_BLOCKS_PER_EVENT)]
+    chunk: SmallCount = 0
+    chunks: Annotated[int, Strict(), Field(ge=1, le=MAX_INT32)] = 1
 
     @model_validator(mode="after")
     def _consistent(self) -> Inventory:
@@ -332,7 +412,7 @@ class DocumentPredicate(_Model):
     kind: Literal["document"] = "document"
     tenant: Name
     doc_id: Name
-    below_version: Count
+    below_version: VersionBound
 
 
 class PolicyPredicate(_Model):
@@ -341,7 +421,7 @@ class PolicyPredicate(_Model):
     kind: Literal["policy"] = "policy"
     tenant: Name
     auth_scope: Name
-    below_version: Count
+    below_version: VersionBound
 
 
 class SubjectPredicate(_Model):
@@ -408,11 +488,11 @@ class TierEvidence(_Model):
 
     tier: Tier
     removed: Count
-    block_hashes: list[HexDigest]
+    block_hashes: Annotated[list[HexDigest], Field(max_length=MAX_HASHES_PER_EVENT)]
     method: EraseMethod
     post_check: PostCheck
     verified: Annotated[bool, Strict()]
-    key_ids: list[Name] = []
+    key_ids: Annotated[list[Name], Field(max_length=MAX_HASHES_PER_EVENT)] = []
 
     @model_validator(mode="after")
     def _count_matches(self) -> TierEvidence:
@@ -428,7 +508,7 @@ class CommandAck(EventPayload):
     command_id: uuid.UUID
     node_id: Name
     epoch: Count
-    evidence: list[TierEvidence]
+    evidence: Annotated[list[TierEvidence], Field(max_length=MAX_LIST_ITEMS)]
 
 
 EVENT_TYPES: dict[str, type[EventPayload]] = {
@@ -489,7 +569,7 @@ class Envelope(_Model):
             return data  # field validation reports the missing/mistyped fields
         model = EVENT_TYPES.get(event_type)
         if model is None:
-            raise ValueError(f"unknown event type {event_type!r}")
+            raise ValueError(f"unknown event type {event_type[:64]!r}")  # bounded: the text is the sender's
         try:
             typed = model.model_validate(payload)
         except ValidationError as exc:
@@ -526,7 +606,8 @@ class EventValidationError(ValueError):
     """
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError) -> str:
+    """Fields and problems of ``exc`` on one line, never the input values (safe to log and dead-letter)."""
     parts = []
     for error in exc.errors(include_url=False, include_input=False):
         location = ".".join(str(part) for part in error["loc"])
@@ -543,7 +624,7 @@ def parse_event(data: bytes | str) -> Envelope:
     try:
         return Envelope.model_validate_json(data)
     except ValidationError as exc:
-        raise EventValidationError(_describe(exc)) from None
+        raise EventValidationError(describe_validation_error(exc)) from None
 
 
 def make_event(payload: EventPayload, tenant_id: str | None = None) -> Envelope:

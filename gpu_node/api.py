@@ -41,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from events.schema import MAX_SAFE_INT, Count, Name
 from gpu_node.engine import (
     AsyncEngine,
     GenerationDone,
@@ -53,6 +54,7 @@ from gpu_node.engine import (
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from identity.metrics_access import scrape_refusal
 from gpu_node.prompt import ChatMessage
+from gpu_node.settings import RequestLimits
 from gpu_node.versions import Staleness, VersionRegistry
 from identity.roles import PLATFORM_ADMIN
 from identity.tokens import AuthError, Operator, TokenVerifier
@@ -114,6 +116,22 @@ def _param_from_loc(loc: tuple) -> str | None:
     return param or None
 
 
+_CODE_BY_FIELD = {
+    "messages.document.id": "invalid_document_id",
+    "messages.document.version": "invalid_document_version",
+    "messages.document.auth_scope": "invalid_auth_scope",
+    "max_tokens": "invalid_max_tokens",
+    "max_completion_tokens": "invalid_max_tokens",
+    "seed": "invalid_seed",
+}
+"""Fields whose refusal has a code of its own (they reach the ledger or the sampler); others: ``invalid_value``."""
+
+
+def _field_code(loc: tuple) -> str:
+    path = ".".join(part for part in loc if isinstance(part, str) and "[" not in part and part not in _UNION_TAGS)
+    return _CODE_BY_FIELD.get(path, "invalid_value")
+
+
 def _validation_error(exc: RequestValidationError) -> ApiError:
     errors = exc.errors()
     # For a union (e.g. content: str | list of parts) pydantic reports one error
@@ -125,7 +143,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     where = f" at '{param}'" if param else ""
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     # Only pydantic's message is echoed, never the offending input (it may be prompt text).
-    return ApiError(400, f"invalid request{where}: {deepest.get('msg')}{more}", code="invalid_value", param=param)
+    code = _field_code(tuple(deepest.get("loc", ())))
+    return ApiError(400, f"invalid request{where}: {deepest.get('msg')}{more}", code=code, param=param)
 
 
 # --------------------------------------------------------------------------- request models
@@ -143,13 +162,17 @@ class TextPart(_OpenAIModel):
 
 
 class DocumentField(BaseModel):
-    """The ``document`` extension of a message: whose text this is and who may read it."""
+    """The ``document`` extension of a message: whose text this is and who may read it.
+
+    Its fields travel into block provenance, kv-events and the ledger, so they carry the
+    event contract's bounds (no control characters, at most 256 characters, 0..2^53-1).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1)
-    version: int = Field(ge=0)
-    auth_scope: str = Field(min_length=1)
+    id: Name
+    version: Count
+    auth_scope: Name
 
 
 class ChatMessageIn(_OpenAIModel):
@@ -169,13 +192,15 @@ class StreamOptions(_OpenAIModel):
 
 
 class ChatCompletionRequest(_OpenAIModel):
-    model: str
+    """Field bounds that do not depend on settings; :func:`_check_limits` applies the configured ones."""
+
+    model: Name
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_SAFE_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_SAFE_INT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SAFE_INT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -187,16 +212,50 @@ class ChatCompletionRequest(_OpenAIModel):
 # --------------------------------------------------------------------------- request → engine
 
 
-async def _read_body(request: Request) -> ChatCompletionRequest:
-    """Parse the body only after the caller is authenticated.
+def _too_large(limits: RequestLimits) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is larger than {limits.max_request_bytes} bytes (limits.max_request_bytes)",
+        code="request_too_large",
+    )
+
+
+async def _bounded_body(request: Request, limits: RequestLimits) -> bytes:
+    """The body, refused once it exceeds ``max_request_bytes``: by its Content-Length before
+    reading anything, and while reading for chunked bodies (or a Content-Length that lies)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_request_bytes:
+        raise _too_large(limits)
+    chunks = []
+    num_bytes = 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > limits.max_request_bytes:
+            raise _too_large(limits)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_body(request: Request, limits: RequestLimits) -> ChatCompletionRequest:
+    """Parse the body only after the caller is authenticated, and only once its size is known to be bounded.
 
     A ``body: Model`` parameter would make FastAPI parse JSON before running the
     auth dependency, answering unauthenticated callers with 400 instead of 401.
     """
+    data = await _bounded_body(request, limits)
     try:
-        return ChatCompletionRequest.model_validate_json(await request.body())
+        body = ChatCompletionRequest.model_validate_json(data)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_input=False)) from None
+    if len(body.messages) > limits.max_messages:
+        raise ApiError(
+            400,
+            f"the request has {len(body.messages)} messages; at most {limits.max_messages} are allowed "
+            "(limits.max_messages)",
+            code="too_many_messages",
+            param="messages",
+        )
+    return body
 
 
 def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: VersionRegistry) -> tuple[ChatMessage, ...]:
@@ -261,8 +320,13 @@ def _stale_error(stale: Staleness) -> ApiError | AuthError:
     )
 
 
-def _sampling(body: ChatCompletionRequest, max_context_tokens: int) -> SamplingParams:
-    """Only fields the caller set are passed on, so the engine's defaults apply otherwise."""
+def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: RequestLimits) -> SamplingParams:
+    """Only fields the caller set are passed on, so the engine's defaults apply otherwise.
+
+    A requested completion length above ``limits.max_completion_tokens`` or the model's
+    context is refused (it could never be produced); the engine then stops at whatever
+    context the prompt leaves.
+    """
     if body.n is not None and body.n > 1:
         raise ApiError(400, "only n=1 is supported", code="unsupported_value", param="n")
     if body.logprobs:
@@ -272,6 +336,17 @@ def _sampling(body: ChatCompletionRequest, max_context_tokens: int) -> SamplingP
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > 4:
         raise ApiError(400, "at most 4 stop sequences are allowed", code="invalid_value", param="stop")
+    bound = min(limits.max_completion_tokens, max_context_tokens)
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(body, name)
+        if value is not None and value > bound:
+            raise ApiError(
+                400,
+                f"{name} is {value}; at most {bound} is allowed (the model's context "
+                f"and limits.max_completion_tokens)",
+                code="invalid_max_tokens",
+                param=name,
+            )
     requested = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
     options: dict = {"max_tokens": min(requested, max_context_tokens), "stop": stop}
     for name in ("temperature", "top_p", "seed"):
@@ -368,6 +443,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
     app = FastAPI(title="kvledger GPU node")
     app.state.verifier = verifier
     app.state.operator_verifier = operator_verifier
+    limits: RequestLimits = engine.settings.limits
     started_at = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -451,10 +527,10 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request, caller: Caller) -> Response:
-        body = await _read_body(http_request)
+        body = await _read_body(http_request, limits)
         require_ready()
         require_model(body.model)
-        sampling = _sampling(body, engine.max_context_tokens)
+        sampling = _sampling(body, engine.max_context_tokens, limits)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # A retired namespace's blocks are being deleted everywhere; new ones must not be built.
         use_cache = not engine.versions.is_retired(engine.namespace.namespace)

@@ -10,30 +10,82 @@ epoch and a full inventory; :class:`gpu_node.commands.CommandConsumer` calls
 
 Subjects never leave the node in clear: provenance carries the keyed
 :func:`events.schema.subject_digest` shared with the coordinator.
+
+No event can wedge the publisher (docs/security.md, "Bounded input and poison
+records"): a block whose provenance the contract refuses, a record larger than
+:data:`MAX_RECORD_BYTES`, or a record the broker refuses for good is *dead-lettered
+locally* — counted in ``kvledger_node_dead_letters``, logged without content and
+reported on ``kvledger.dead-letter`` — and everything else keeps flowing. A record
+left out before it was stamped consumes no ``seq``, so the sequence stays gap-free;
+one the broker refused after later records were stamped leaves a gap, which the
+coordinator notices and answers with an ``InventoryRequested``. A send whose outcome is
+unknown (timeout, lost connection) is retried with the *same bytes*: a seq the broker
+may already hold is never reused for different content.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import groupby
 from pathlib import Path
+from typing import TypeVar
+
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidMessageError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
+from pydantic import ValidationError
 
 from events import schema
+from events.codec import DeadLetter, encode_event, encode_key
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from events.topics import DEAD_LETTER, KV_EVENTS, route
 from gpu_node import block_pool
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
 
 log = logging.getLogger(__name__)
 
-# A stored block with its provenance is ~450 bytes of JSON; 1000 per record keeps every
-# record well under the broker's default 1 MiB message limit. One oversized record would
-# be retried forever and wedge everything queued behind it.
-MAX_BLOCKS_PER_RECORD = 1000
+MAX_BLOCKS_PER_RECORD = schema.MAX_BLOCKS_PER_EVENT
+MAX_RECORD_BYTES = 1_000_000
+"""Largest record value sent: under the broker's default 1 MiB message limit and the
+producer's ``max_request_size``, so a record that passes this check is not refused for size."""
+PERMANENT_SEND_ERRORS = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    CorruptRecordException,
+    InvalidMessageError,
+)
+"""Broker answers that say the record itself is refused: resending the same bytes cannot succeed."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """One stamped, encoded record: resent byte-identical until the broker acknowledges it."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    event_type: str
+    seq: int
+
+
+def encode_envelope(envelope: schema.Envelope) -> bytes:
+    """The bytes of one kv-events record: the single place an envelope of this node becomes bytes."""
+    return encode_event(envelope)
 
 
 def next_epoch(data_dir: Path) -> int:
@@ -65,6 +117,9 @@ class NodePublisher:
         self.epoch = 0
         self.seq = 0
         self._pending: deque[block_pool.PoolEvent | tuple[str, str, tuple[bytes, ...]]] = deque()
+        self._unacked: list[_Record] = []
+        """Stamped records whose send failed ambiguously; they go out again, identical, before anything new."""
+        self._letters: list[DeadLetter] = []
         self._producer = EventProducer(kafka)
         self._tasks: list[asyncio.Task] = []
         self._send_lock = asyncio.Lock()
@@ -106,8 +161,9 @@ class NodePublisher:
                 log.exception("publishing block events failed; will retry")
 
     async def flush(self) -> None:
-        """Publish everything pending, in order; on failure the events stay queued."""
+        """Publish everything pending, in order; records whose send failed are resent, identical, next time."""
         async with self._send_lock:
+            await self._resend_unacked()
             if not self._pending:
                 return
             pending = list(self._pending)
@@ -115,43 +171,128 @@ class NodePublisher:
             for kind, group in groupby(pending, key=_batch_kind):
                 events = list(group)
                 for start in range(0, len(events), MAX_BLOCKS_PER_RECORD):
-                    payloads.append(self._payload(kind, events[start : start + MAX_BLOCKS_PER_RECORD]))
-            await self._send_node_events(payloads)
+                    payload = self._payload(kind, events[start : start + MAX_BLOCKS_PER_RECORD])
+                    if payload is not None:
+                        payloads.append(payload)
+            # The events are records now: a failed send leaves them in ``_unacked``, to go out
+            # again byte-identical, never rebuilt under a new event id.
             for _ in pending:
                 self._pending.popleft()
+            await self._send_node_events(payloads)
 
-    def _payload(self, kind: tuple, group) -> schema.EventPayload:
+    def _payload(self, kind: tuple, group) -> schema.EventPayload | None:
+        """The record for one run of pool events; ``None`` when nothing of it satisfies the contract."""
         events = list(group)
         common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0}
         if kind[0] == "stored":
-            return schema.BlockStored(**common, blocks=[self._stored_block(e.key, e.tier.value) for e in events])
+            blocks = [
+                block
+                for block in (self._built("BlockStored", lambda e=e: self._stored_block(e.key, e.tier.value)) for e in events)
+                if block is not None
+            ]
+            return self._built("BlockStored", lambda: schema.BlockStored(**common, blocks=blocks)) if blocks else None
         if kind[0] == "removed":
-            return schema.BlockRemoved(
-                **common, reason=kind[1], blocks=[schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events]
+            return self._built(
+                "BlockRemoved",
+                lambda: schema.BlockRemoved(
+                    **common,
+                    reason=kind[1],
+                    blocks=[schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events],
+                ),
             )
         if kind[0] == "moved":
-            return schema.BlockMoved(
-                **common,
-                blocks=[
-                    schema.MovedBlock(block_hash=e.block_hash.hex(), from_tier=e.from_tier.value, to_tier=e.to_tier.value)
-                    for e in events
-                ],
+            return self._built(
+                "BlockMoved",
+                lambda: schema.BlockMoved(
+                    **common,
+                    blocks=[
+                        schema.MovedBlock(block_hash=e.block_hash.hex(), from_tier=e.from_tier.value, to_tier=e.to_tier.value)
+                        for e in events
+                    ],
+                ),
             )
         assert kind[0] == "snapshot", f"unknown batch kind {kind}"
         (_, snapshot_id, block_hashes), = events
-        return schema.SnapshotWritten(**common, snapshot_id=snapshot_id, block_hashes=[h.hex() for h in block_hashes])
+        return self._built(
+            "SnapshotWritten",
+            lambda: schema.SnapshotWritten(**common, snapshot_id=snapshot_id, block_hashes=[h.hex() for h in block_hashes]),
+        )
+
+    def _built(self, event_type: str, build: Callable[[], T]) -> T | None:
+        """``build()``, or ``None`` after dead-lettering what the contract refused (it would never be accepted)."""
+        try:
+            return build()
+        except ValidationError as exc:
+            self._dead_letter_locally(event_type, "invalid", schema.describe_validation_error(exc))
+            return None
 
     async def _send_node_events(self, payloads: list[schema.EventPayload]) -> None:
-        """Stamp consecutive seqs and send in order; seq only advances once the broker acked."""
-        envelopes = []
+        """Stamp consecutive seqs, encode and send in order; ``self.seq`` follows the broker's acks.
+
+        A record too large to send is left out before it takes a seq. Records that failed
+        ambiguously stay in ``_unacked`` (byte-identical) and the failure propagates, so the
+        caller's next flush resends them first.
+        """
+        records = []
         seq = self.seq
         for payload in payloads:
-            if payload.TYPE != "NodeStarted":
-                seq += 1
-                payload = payload.model_copy(update={"seq": seq})
-            envelopes.append(schema.make_event(payload))
-        await self._producer.send_many(envelopes)
-        self.seq = seq
+            stamped_seq = seq if payload.TYPE == "NodeStarted" else seq + 1
+            envelope = schema.make_event(payload.model_copy(update={"seq": stamped_seq}))
+            value = encode_envelope(envelope)
+            if len(value) > MAX_RECORD_BYTES:
+                self._dead_letter_locally(payload.TYPE, "too_large", f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+                continue
+            seq = stamped_seq
+            topic, key = route(envelope)
+            records.append(_Record(topic, encode_key(key), value, payload.TYPE, seq))
+        self._unacked.extend(records)
+        try:
+            await self._resend_unacked()
+        finally:
+            await self._report_dead_letters()
+
+    async def _resend_unacked(self) -> None:
+        if not self._unacked:
+            return
+        records, self._unacked = self._unacked, []
+        results = await self._producer.send_raw_many([(r.topic, r.value, r.key) for r in records])
+        failed: KafkaError | None = None
+        for record, result in zip(records, results, strict=True):
+            if isinstance(result, PERMANENT_SEND_ERRORS):
+                # Its seq is spent: the coordinator sees the gap and asks for an inventory.
+                self._dead_letter_locally(record.event_type, "refused", type(result).__name__)
+            elif isinstance(result, KafkaError):
+                self._unacked.append(record)
+                failed = failed or result
+            else:
+                self.seq = max(self.seq, record.seq)
+        if failed is not None:
+            raise failed
+
+    def _dead_letter_locally(self, event_type: str, cause: str, error: str) -> None:
+        """Count, log (no content: the error names fields, never values) and report a record that cannot be sent."""
+        self.engine.metrics.dead_letters.labels(type=event_type, cause=cause).inc()
+        log.error("node %s: %s record dead-lettered locally (%s): %s", self.node_id, event_type, cause, error)
+        letter = DeadLetter.of(
+            topic=KV_EVENTS,
+            partition=-1,
+            offset=-1,
+            timestamp_ms=int(time.time() * 1000),
+            key=encode_key(self.node_id),
+            value=None,
+            error=f"{event_type} from node {self.node_id} never sent ({cause}): {error}",
+            group_id=None,
+        )
+        self._letters.append(letter)
+
+    async def _report_dead_letters(self) -> None:
+        """Best effort: the metric and the log line already recorded each one."""
+        letters, self._letters = self._letters, []
+        for letter in letters:
+            try:
+                await self._producer.send_raw(DEAD_LETTER, letter.encode(), letter.raw_key())
+            except Exception as exc:  # noqa: BLE001 - a broker hiccup must not stop publishing
+                log.warning("node %s: reporting a dead letter failed (%s)", self.node_id, type(exc).__name__)
 
     def provenance_event(self, block_hash: bytes, parent_hash: bytes, token_offset: int, provenance: BlockProvenance) -> dict:
         subject = (
@@ -186,7 +327,16 @@ class NodePublisher:
             chunks = [held[i : i + MAX_BLOCKS_PER_RECORD] for i in range(0, len(held), MAX_BLOCKS_PER_RECORD)] or [[]]
             payloads = []
             for index, chunk in enumerate(chunks):
-                described = {key.block_hash: key for key, _, _ in chunk}
+                described = {}
+                for key, _, _ in chunk:
+                    if key.block_hash not in described:
+                        described[key.block_hash] = self._built(
+                            "Inventory",
+                            lambda key=key: schema.BlockProvenance(
+                                **self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance)
+                            ),
+                        )
+                # A block the contract refuses is left out with its placements (dead-lettered above).
                 payloads.append(
                     schema.Inventory(
                         node_id=self.node_id,
@@ -196,11 +346,9 @@ class NodePublisher:
                         placements=[
                             schema.Placement(block_hash=key.block_hash.hex(), tier=tier, snapshot_id=snapshot_id)
                             for key, tier, snapshot_id in chunk
+                            if described[key.block_hash] is not None
                         ],
-                        blocks=[
-                            schema.BlockProvenance(**self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance))
-                            for key in described.values()
-                        ],
+                        blocks=[block for block in described.values() if block is not None],
                         chunk=index,
                         chunks=len(chunks),
                     )
@@ -211,8 +359,9 @@ class NodePublisher:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             try:
-                heartbeat = schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq)
-                await self._producer.send(schema.make_event(heartbeat))
+                envelope = schema.make_event(schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq))
+                topic, key = route(envelope)
+                await self._producer.send_raw(topic, encode_envelope(envelope), encode_key(key))
             except Exception:  # noqa: BLE001 - liveness is best effort; the coordinator notices silence
                 log.exception("heartbeat failed")
 

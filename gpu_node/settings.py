@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
+from events.schema import Name
 from identity.metrics_access import MetricsSettings
 from identity.settings import IssuerSettings, SharedEnvSource
 from identity.tokens import JWT_SECRET_ENV
@@ -40,10 +41,26 @@ class CacheSettings(BaseModel):
     enabled: bool = True
 
 
+class RequestLimits(BaseModel):
+    """Bounds on one HTTP request, checked before anything is cached or published (docs/security.md).
+
+    Identifiers and versions inside a request obey the event contract's bounds
+    (:mod:`events.schema`), because they end up in kv-events and in the ledger.
+    """
+
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest request body, checked while it is read (chunked bodies too), before JSON parsing."""
+    max_messages: int = Field(10_000, ge=1)
+    """Most messages in one chat request."""
+    max_completion_tokens: int = Field(32_768, ge=1)
+    """Largest ``max_tokens``/``max_completion_tokens``; the model's context bounds it further."""
+
+
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
 
-    node_id: str = "node-0"
+    node_id: Name = "node-0"
+    """Travels in every kv-event and ledger row, so it obeys the event contract's identifier bounds."""
     model_dir: Path = Path(".kvledger/models/tiny")
     model_name: str | None = None
     data_dir: Path = Path(".kvledger/node-0")
@@ -57,6 +74,7 @@ class NodeSettings(BaseSettings):
     operator_auth: IssuerSettings = IssuerSettings()
     """Operators' tokens (``platform-admin`` writes snapshots); unset, no operator endpoint answers."""
     cache: CacheSettings = CacheSettings()
+    limits: RequestLimits = RequestLimits()
     # The ledger hooks are optional: without a broker the node runs standalone.
     # The stack-wide variables are honoured because one operator sets them once
     # for every process (see coordinator/settings.py).

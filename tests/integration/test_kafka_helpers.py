@@ -11,7 +11,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client import REGISTRY
 
-from events.codec import DeadLetter, encode_key
+from events.codec import DeadLetter, encode_event, encode_key
 from events.kafka import BatchConsumer, ConsumedEvent, EventProducer, KafkaSettings, ensure_topics, get_fresh_batch
 from events.schema import DocumentUpdated, make_event
 from events.topics import DEAD_LETTER, DOCUMENTS
@@ -300,3 +300,72 @@ async def test_settings_validation() -> None:
         BatchConsumer(settings, ["t"], Recorder())
     with pytest.raises(ValueError, match="dead-letter"):
         BatchConsumer(settings, [DEAD_LETTER], Recorder(), group_id="g")
+
+
+class PoisonRefuser:
+    """A handler that refuses (ValueError, as the database refusing a value) every batch holding ``poison``;
+    records each batch it applied (returned without error)."""
+
+    def __init__(self, poison: str) -> None:
+        self.poison = poison
+        self.calls: list[list[str]] = []
+        self.applied: list[str] = []
+
+    async def __call__(self, events: list[ConsumedEvent]) -> None:
+        doc_ids = [event.envelope.payload.doc_id for event in events]
+        self.calls.append(doc_ids)
+        if self.poison in doc_ids:
+            raise ValueError("value refused")
+        self.applied.extend(doc_ids)
+
+
+def _refused(exc: BaseException) -> str | None:
+    return "ValueError" if isinstance(exc, ValueError) else None
+
+
+async def test_a_refused_record_is_isolated_by_bisection_and_the_rest_applied_once(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    events = document_events(8)
+    metadata = [await producer.send(event, topic=unique_name, key="acme:one-partition") for event in events]
+    handler = PoisonRefuser("doc-5")
+    before = REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) or 0.0
+    async with running(consumer_for(settings, unique_name, handler, unique_name, is_poison=_refused)):
+        await eventually(lambda: len(handler.applied) == 7, what="the seven good records")
+        commits = await committed(settings, unique_name, unique_name)
+    assert handler.applied == [f"doc-{i}" for i in range(8) if i != 5]  # in order, each once
+    assert commits[metadata[0].partition] == metadata[-1].offset + 1
+    assert REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) - before == 1
+    consumer = AIOKafkaConsumer(DEAD_LETTER, bootstrap_servers=settings.bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        letters = []
+        async with asyncio.timeout(30):
+            while not letters:
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    letters += [
+                        letter
+                        for letter in (DeadLetter.model_validate_json(r.value) for r in records)
+                        if letter.topic == unique_name
+                    ]
+    finally:
+        await consumer.stop()
+    (letter,) = letters
+    assert (letter.partition, letter.offset) == (metadata[5].partition, metadata[5].offset)
+    assert letter.raw_value() == encode_event(events[5])
+    assert letter.error == f"refused by the {unique_name} handler: ValueError"
+
+
+async def test_a_failure_that_is_not_the_datas_is_retried_whole(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    events = document_events(4)
+    for event in events:
+        await producer.send(event, topic=unique_name, key="acme:one-partition")
+    recorder = Recorder(fail_times=2)
+    async with running(consumer_for(settings, unique_name, recorder, unique_name, is_poison=_refused)):
+        await eventually(lambda: len(recorder.delivered()) == 4, what="the batch after two transient failures")
+    # RuntimeError is not the data's: no bisection, the same records came back until they went through.
+    assert [e.envelope.event_id for e in recorder.delivered()] == [e.event_id for e in events]
+    assert recorder.calls[0][0].offset == recorder.calls[1][0].offset == recorder.calls[2][0].offset
+    assert REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) is None

@@ -205,7 +205,7 @@ async def test_node_down_during_the_command_applies_it_before_ready_then_acks(ma
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     alice = token(tenant)
     settings = make_settings("r")
-    predicate = schema.DocumentPredicate(tenant=tenant, doc_id="handbook", below_version=2**62)  # deleted
+    predicate = schema.DocumentPredicate(tenant=tenant, doc_id="handbook", below_version=schema.ANY_VERSION)  # deleted
     node = await Node(settings).start()
     try:
         await node.cached(alice, chat("handbook", 1))

@@ -281,28 +281,30 @@ def test_malformed_json_is_400(node):
 
 
 @pytest.mark.parametrize(
-    ("mutate", "param"),
+    ("mutate", "param", "code"),
     [
-        (lambda body: body.pop("messages"), "messages"),
-        (lambda body: body.update(messages=[]), "messages"),
-        (lambda body: body.update(max_tokens=0), "max_tokens"),
-        (lambda body: body.update(temperature=-1), "temperature"),
-        (lambda body: body["messages"][0].update(role="tool"), "messages[0].role"),
-        (lambda body: body["messages"][0].update(cache_scope="global"), "messages[0].cache_scope"),
+        (lambda body: body.pop("messages"), "messages", "invalid_value"),
+        (lambda body: body.update(messages=[]), "messages", "invalid_value"),
+        (lambda body: body.update(max_tokens=0), "max_tokens", "invalid_max_tokens"),
+        (lambda body: body.update(temperature=-1), "temperature", "invalid_value"),
+        (lambda body: body["messages"][0].update(role="tool"), "messages[0].role", "invalid_value"),
+        (lambda body: body["messages"][0].update(cache_scope="global"), "messages[0].cache_scope", "invalid_value"),
         (
             lambda body: body["messages"][0].update(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
             "messages[0].content[0].type",
+            "invalid_value",
         ),
         (
             lambda body: body["messages"][0].update(document={"id": "d", "version": -1, "auth_scope": "hr"}),
             "messages[0].document.version",
+            "invalid_document_version",
         ),
     ],
 )
-def test_validation_errors_are_400_not_422(node, mutate, param):
+def test_validation_errors_are_400_not_422(node, mutate, param, code):
     body = simple(node)
     mutate(body)
-    assert_error(post(node, body, bearer=token()), 400, "invalid_value", "invalid_request_error", param)
+    assert_error(post(node, body, bearer=token()), 400, code, "invalid_request_error", param)
 
 
 def test_document_with_contrary_scope_is_400(node):

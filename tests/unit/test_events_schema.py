@@ -13,6 +13,9 @@ from events import topics
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
 from events.schema import (
     EVENT_TYPES,
+    MAX_BLOCKS_PER_EVENT,
+    MAX_ID_CHARS,
+    MAX_SAFE_INT,
     BlockMoved,
     BlockProvenance,
     BlockRemoved,
@@ -360,3 +363,103 @@ def test_dead_letter_keeps_raw_bytes() -> None:
     assert decoded == letter
     assert decoded.raw_value() == b"\x00{bad" and decoded.raw_key() == b"\xffk"
     assert decoded.value_b64 == base64.b64encode(b"\x00{bad").decode()
+
+
+# --- bounds: every identifier, count and list that reaches Postgres or Kafka --------------------
+
+_BAD_IDS = {
+    "NUL": "doc\x00id",
+    "newline": "doc\nid",
+    "carriage return": "doc\rid",
+    "tab": "doc\tid",
+    "escape": "doc\x1bid",
+    "DEL": "doc\x7fid",
+    "C1 (NEL)": "doc\x85id",
+    "257 characters": "d" * 257,
+    "empty": "",
+}
+_BAD_COUNTS = {"2^53": 2**53, "2^63": 2**63, "-1": -1}
+_ID_FIELDS = [
+    ("tenant_id", DocumentUpdated(doc_id="d", version=1), "acme"),
+    ("payload.doc_id", DocumentUpdated(doc_id="d", version=1), "acme"),
+    ("payload.auth_scope", PermissionRevoked(auth_scope="hb", policy_version=1), "acme"),
+    ("payload.subject_id", ErasureRequested(subject_id="alice", reason="r"), "acme"),
+    ("payload.node_id", NodeStarted(**NODE, namespace="n"), None),
+    ("payload.namespace", NodeStarted(**NODE, namespace="n"), None),
+    ("payload.snapshot_id", SnapshotDeleted(**NODE, snapshot_id="s"), None),
+    ("payload.blocks.0.namespace", BlockStored(**NODE, blocks=[{**provenance(), "tier": "device"}]), None),
+    ("payload.blocks.0.tenant_id", BlockStored(**NODE, blocks=[{**provenance(), "tier": "device"}]), None),
+]
+_COUNT_FIELDS = [
+    ("payload.version", DocumentUpdated(doc_id="d", version=1), "acme"),
+    ("payload.policy_version", PermissionRevoked(auth_scope="hb", policy_version=1), "acme"),
+    ("payload.epoch", NodeStarted(**NODE, namespace="n"), None),
+    ("payload.seq", NodeStarted(**NODE, namespace="n"), None),
+]
+
+
+def _event_json(payload, tenant) -> dict:
+    return json.loads(encode_event(make_event(payload, tenant_id=tenant)))
+
+
+@pytest.mark.parametrize("bad", _BAD_IDS.values(), ids=_BAD_IDS.keys())
+@pytest.mark.parametrize(("path", "payload", "tenant"), _ID_FIELDS, ids=[f[0] for f in _ID_FIELDS])
+def test_identifiers_are_bounded(path: str, payload, tenant, bad: str) -> None:
+    with pytest.raises(EventValidationError) as caught:
+        parse_event(_with(path, bad, _event_json(payload, tenant)))
+    assert path in str(caught.value)
+
+
+@pytest.mark.parametrize("bad", _BAD_COUNTS.values(), ids=_BAD_COUNTS.keys())
+@pytest.mark.parametrize(("path", "payload", "tenant"), _COUNT_FIELDS, ids=[f[0] for f in _COUNT_FIELDS])
+def test_counts_are_bounded(path: str, payload, tenant, bad: int) -> None:
+    with pytest.raises(EventValidationError) as caught:
+        parse_event(_with(path, bad, _event_json(payload, tenant)))
+    assert path in str(caught.value)
+
+
+def test_limits_themselves_are_accepted() -> None:
+    longest = "é" * MAX_ID_CHARS  # characters, not bytes
+    event = make_event(DocumentUpdated(doc_id=longest, version=MAX_SAFE_INT), tenant_id="t" * MAX_ID_CHARS)
+    assert parse_event(encode_event(event)) == event
+    block = BlockProvenance(**provenance(documents=[f"{longest}@{MAX_SAFE_INT}"], token_offset=2**31 - 1))
+    assert block.documents == [f"{longest}@{MAX_SAFE_INT}"]
+
+
+def test_lone_surrogates_are_refused() -> None:
+    # JSON text cannot smuggle one past the parser, and a model built in Python refuses one too.
+    with pytest.raises(EventValidationError, match="Invalid JSON"):
+        parse_event(_with("payload.doc_id", "x", _event_json(DocumentUpdated(doc_id="d", version=1), "acme")).replace(b'"x"', b'"\\ud800"'))
+    with pytest.raises(ValueError, match="unicode"):
+        DocumentUpdated(doc_id="a\ud800", version=1)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"documents": ["doc\n@1"]}, "documents.0"),
+        ({"documents": [f"{'d' * 257}@1"]}, "documents.0"),
+        ({"documents": [f"doc@{2**53}"]}, "documents.0"),
+        ({"auth_scopes": [("hb", 2**53)]}, "auth_scopes.0.1"),
+        ({"auth_scopes": [("h\x00b", 1)]}, "auth_scopes.0.0"),
+        ({"token_offset": 2**31}, "token_offset"),
+        ({"auth_scopes": [("hb", 1)] * 257}, "auth_scopes"),
+    ],
+)
+def test_block_provenance_bounds(change: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        BlockProvenance(**provenance(**change))
+
+
+def test_lists_are_bounded() -> None:
+    blocks = [{"block_hash": f"{i:064x}", "tier": "host"} for i in range(MAX_BLOCKS_PER_EVENT + 1)]
+    with pytest.raises(ValueError, match="blocks"):
+        BlockRemoved(**NODE, blocks=blocks, reason="evicted")
+    assert len(BlockRemoved(**NODE, blocks=blocks[:-1], reason="evicted").blocks) == MAX_BLOCKS_PER_EVENT
+
+
+def test_reason_is_bounded_text() -> None:
+    assert ErasureRequested(subject_id="a", reason="line one\nline two\tend").reason == "line one\nline two\tend"
+    for bad in ("a\x00b", "x" * 2001, ""):
+        with pytest.raises(ValueError, match="reason"):
+            ErasureRequested(subject_id="a", reason=bad)
