@@ -67,6 +67,7 @@ from coordinator.models import (
     TreeHead,
 )
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ async def start_erasure(
     session: AsyncSession,
     *,
     subject_key: bytes,
+    command_signer: EnvelopeSigner,
     tenant_id: str,
     subject_id: str,
     reason: str,
@@ -157,6 +159,7 @@ async def start_erasure(
     decision = await decide(
         session,
         SubjectPredicate(tenant=tenant_id, subject_id=digest),
+        signer=command_signer,
         now=now,
         trigger=trigger,
         requested_at=requested_at or now,
@@ -454,8 +457,16 @@ def receipt_tiers(targets: Iterable[InvalidationTarget]) -> tuple[list[receipts.
 class ErasureService:
     """Starts erasures from events and verifies erasures; shared by the consumers of one coordinator process."""
 
-    def __init__(self, database: Database, *, subject_key: bytes | None, receipt_keys: ReceiptKeys) -> None:
+    def __init__(
+        self,
+        database: Database,
+        *,
+        subject_key: bytes | None,
+        receipt_keys: ReceiptKeys,
+        command_signer: EnvelopeSigner,
+    ) -> None:
         self._database = database
+        self._command_signer = command_signer
         self._subject_key = subject_key
         self._receipt_keys = receipt_keys
         self._reported_unavailable = False
@@ -482,6 +493,7 @@ class ErasureService:
             started = await start_erasure(
                 session,
                 subject_key=self._subject_key,
+                command_signer=self._command_signer,
                 tenant_id=envelope.tenant_id,
                 subject_id=payload.subject_id,
                 reason=payload.reason,
@@ -589,6 +601,7 @@ class ErasureService:
                 decision = await decide(
                     session,
                     subject_predicate(erasure),
+                    signer=self._command_signer,
                     now=now,
                     trigger="late_block",
                     requested_at=now,
@@ -621,6 +634,7 @@ class ErasureService:
                 tiers=tiers,
                 block_hashes=block_hashes,
                 key_ids_destroyed={*erasure.key_ids_destroyed, *key_ids, *reported_key_ids},
+                node_keys={(t.node_id, t.ack_key_id) for t in state.targets if t.ack_key_id is not None},
                 caveats=[POSTGRES_KEY_CAVEAT],
             )
             signed = receipts.sign_receipt(body, signer)

@@ -74,6 +74,7 @@ Session = Annotated[AsyncSession, Depends(request_session)]
 
 def router(settings: CoordinatorSettings) -> APIRouter:
     heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
+    command_signer = settings.command_signer()
     api = APIRouter()
 
     @api.get("/v1/invalidations/{command_id}")
@@ -159,7 +160,12 @@ def router(settings: CoordinatorSettings) -> APIRouter:
                     f"live nodes still serve this namespace: {', '.join(in_use)}; roll them to the new one first",
                 )
             decision = await decide(
-                session, NamespacePredicate(ns=namespace), now=now, trigger="api", requested_at=now
+                session,
+                NamespacePredicate(ns=namespace),
+                signer=command_signer,
+                now=now,
+                trigger="api",
+                requested_at=now,
             )
             row.status = "draining" if decision.num_targets else "retired"
             row.invalidation_id = decision.command_id

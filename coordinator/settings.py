@@ -5,8 +5,8 @@ Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
 ``KVLEDGER_COORDINATOR_HTTP__PORT``.
 
 The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
-``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY`` and
-``KVLEDGER_RECEIPT_SIGNING_KEY`` are honoured too, because
+``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY``,
+``KVLEDGER_RECEIPT_SIGNING_KEY`` and ``KVLEDGER_COMMAND_SIGNING_KEY`` are honoured too, because
 one operator sets them once for every process (nodes, coordinator, tests); a
 coordinator-specific variable wins over the shared one, an explicit argument
 over both.
@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gpu_node.settings import AuthSettings
+from identity.signing import EnvelopeSigner, load_private_key_pem
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"
 
@@ -33,6 +34,7 @@ _SHARED_ENV: dict[str, tuple[str, ...]] = {
     "KVLEDGER_SUBJECT_KEY": ("ledger", "subject_key"),
     "KVLEDGER_MASTER_KEY": ("keys", "master_key"),
     "KVLEDGER_RECEIPT_SIGNING_KEY": ("ledger", "receipt_signing_key"),
+    "KVLEDGER_COMMAND_SIGNING_KEY": ("ledger", "command_signing_key"),
 }
 
 
@@ -91,12 +93,18 @@ class LedgerSettings(BaseModel):
     erasure receipts and audit tree heads; every coordinator replica should hold the
     same one. Unset, the coordinator generates a key on first use and stores it
     wrapped under the master key, so receipts stay verifiable across restarts.
+    ``command_signing_key`` is the PEM (unencrypted PKCS#8) Ed25519 key that signs every
+    command (``Invalidate``, ``InventoryRequested``) as it is written to the outbox; the
+    nodes pin its public key and apply nothing else. Every replica holds the same one. It
+    is required by every part of the coordinator that decides commands (the API and the
+    consumers): there is no unsigned mode.
     ``erasure_verify_interval_s`` is how often unverified erasures are re-checked
     (they are also checked right after every ack batch).
     """
 
     subject_key: SecretStr | None = None
     receipt_signing_key: SecretStr | None = None
+    command_signing_key: SecretStr | None = None
     erasure_verify_interval_s: float = Field(2.0, gt=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     inventory_retry_s: float = Field(60.0, gt=0)
@@ -174,6 +182,19 @@ class CoordinatorSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _SharedEnvSource(settings_cls), dotenv_settings, file_secret_settings)
+
+    def command_signer(self) -> EnvelopeSigner:
+        """The command signing key as a signer; ValueError when unset or not an Ed25519 PEM key."""
+        if self.ledger.command_signing_key is None:
+            raise ValueError(
+                "set KVLEDGER_COMMAND_SIGNING_KEY (an Ed25519 PEM private key; nodes pin its public key):"
+                " the coordinator signs every command it sends"
+            )
+        try:
+            key = load_private_key_pem(self.ledger.command_signing_key.get_secret_value().encode())
+        except ValueError as error:
+            raise ValueError(f"KVLEDGER_COMMAND_SIGNING_KEY: {error}") from None
+        return EnvelopeSigner(key)
 
     def subject_key_bytes(self) -> bytes:
         """The subject digest key; ValueError when unset, because the ledger cannot match subjects without it."""

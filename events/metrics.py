@@ -15,3 +15,10 @@ HANDLER_FAILURES_TOTAL = Counter(
     "Batches that failed (handler, dead-letter publish or offset commit); they are redelivered after a backoff, never skipped.",
     ["group"],
 )
+
+UNVERIFIED_RECORDS_TOTAL = Counter(
+    "kvledger_unverified_records_total",
+    "Records dead-lettered because their signature is missing or invalid, or by a key that may not sign them"
+    " (not enrolled for the record's node, revoked, not the pinned command key), by source topic and reason.",
+    ["topic", "reason"],
+)

@@ -459,8 +459,21 @@ EVENT_TYPES: dict[str, type[EventPayload]] = {
 # ---------------------------------------------------------------------------
 
 
+class RecordSignature(_Model):
+    """Who signed an envelope and how: ``kid`` names the Ed25519 key (hex of the first 16 bytes of the
+    SHA-256 of its raw public key), ``sig`` is the unpadded base64url signature over the RFC 8785
+    canonical JSON of the envelope without ``signature`` (``identity.signing``, ``docs/events.md``)."""
+
+    kid: str = Field(pattern=r"^[0-9a-f]{32}$")
+    sig: str = Field(pattern=r"^[A-Za-z0-9_-]{86}$")
+
+
 class Envelope(_Model):
-    """One record value. ``event_id`` is the idempotency key of the consumers' inbox."""
+    """One record value. ``event_id`` is the idempotency key of the consumers' inbox.
+
+    ``signature`` is absent on records nobody signs (customer events); commands carry the
+    coordinator's, kv-events and acks their node's. It is left out of the encoding when unset.
+    """
 
     event_id: uuid.UUID
     type: str
@@ -468,6 +481,7 @@ class Envelope(_Model):
     occurred_at: AwareDatetime
     tenant_id: Name | None
     payload: SerializeAsAny[EventPayload]
+    signature: RecordSignature | None = Field(None, exclude_if=lambda value: value is None)
 
     @field_validator("occurred_at", mode="before")
     @classmethod

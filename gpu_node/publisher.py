@@ -10,6 +10,9 @@ epoch and a full inventory; :class:`gpu_node.commands.CommandConsumer` calls
 
 Subjects never leave the node in clear: provenance carries the keyed
 :func:`events.schema.subject_digest` shared with the coordinator.
+
+Every record is signed with the node's own key (``signer``; ``docs/security.md``):
+the coordinator applies only kv-events signed by the key enrolled for their node id.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from events import schema
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from gpu_node import block_pool
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,8 @@ class NodePublisher:
         subject_key: bytes,
         publish_interval_s: float = 0.05,
         heartbeat_interval_s: float = 5.0,
+        *,
+        signer: EnvelopeSigner,
     ) -> None:
         self.engine = engine
         self.kafka = kafka
@@ -65,7 +71,8 @@ class NodePublisher:
         self.epoch = 0
         self.seq = 0
         self._pending: deque[block_pool.PoolEvent | tuple[str, str, tuple[bytes, ...]]] = deque()
-        self._producer = EventProducer(kafka)
+        self.signer = signer
+        self._producer = EventProducer(kafka, sign=signer)
         self._tasks: list[asyncio.Task] = []
         self._send_lock = asyncio.Lock()
 

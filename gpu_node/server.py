@@ -16,8 +16,10 @@ from gpu_node.auth import TokenVerifier
 from events.kafka import KafkaSettings
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
+from gpu_node.node_identity import node_signing_key, pinned_command_key
 from gpu_node.publisher import NodePublisher
 from gpu_node.settings import NodeSettings
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
         settings.subject_key.get_secret_value().encode(),
         publish_interval_s=settings.publish_interval_s,
         heartbeat_interval_s=settings.heartbeat_interval_s,
+        signer=EnvelopeSigner(node_signing_key(settings)),
     )
     engine.manager.event_sink = publisher.on_pool_events
     engine.snapshot_sink = publisher.on_snapshot_written
@@ -88,7 +91,7 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
 def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings) -> CommandConsumer:
     """The command side of the ledger hook; built after :func:`make_publisher` (it taps the event sink the publisher set)."""
     handler = InvalidationHandler(engine, publisher.subject_key)
-    return CommandConsumer(handler, publisher, _kafka_settings(settings))
+    return CommandConsumer(handler, publisher, _kafka_settings(settings), command_key=pinned_command_key(settings))
 
 
 async def serve(settings: NodeSettings) -> None:

@@ -29,6 +29,21 @@ class CacheSettings(BaseModel):
     enabled: bool = True
 
 
+class IdentitySettings(BaseModel):
+    """Who the node is to the coordinator, and whom it trusts for commands (``docs/security.md``).
+
+    ``key_file``: the node's own Ed25519 private key (PEM); unset, ``node_key.pem`` in the
+    data dir, created at first start. Its public key must be enrolled at the coordinator
+    (``kvledger nodes enroll``) before the coordinator trusts the node's kv-events, acks
+    and key-service credentials. ``coordinator_public_key_file``: the coordinator's command
+    public key (PEM), pinned: a node on Kafka applies only commands signed by it and
+    refuses to start without it.
+    """
+
+    key_file: Path | None = None
+    coordinator_public_key_file: Path | None = None
+
+
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
 
@@ -43,6 +58,7 @@ class NodeSettings(BaseSettings):
     warm_from: Path | None = None
     auth: AuthSettings = AuthSettings()
     cache: CacheSettings = CacheSettings()
+    identity: IdentitySettings = IdentitySettings()
     # The ledger hooks are optional: without a broker the node runs standalone.
     # The stack-wide variables are honoured because one operator sets them once
     # for every process (see coordinator/settings.py).
