@@ -106,8 +106,9 @@ from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
-ANY_VERSION = 2**62
-"""``below_version`` of a deleted document: every version of it matches."""
+ANY_VERSION = 2**53 - 1
+"""``below_version`` of a deleted document: every version of it matches. The largest integer RFC 8785
+canonical JSON (what a command's signature covers) can carry, so a deletion command can be signed."""
 
 _DECISION_LOCK_KEY = 0x6B766C2D696E76  # "kvl-inv"; arbitrary, constant across releases
 _MAX_HASHES_PER_STATEMENT = 5000

@@ -39,6 +39,7 @@ from coordinator.db import Database
 from coordinator.settings import CoordinatorSettings
 from events.kafka import EventProducer
 from kvledger.model_init import build_tiny_model
+from ledger_helpers import SigningProducer
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 _HERE = Path(__file__).parent
@@ -220,7 +221,9 @@ async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
 
 @pytest.fixture(scope="module")
 async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer]:
-    async with EventProducer(kafka_settings(settings)) as producer:
+    """Signs commands, kv-events and acks as their real senders would (see ``SigningProducer``)."""
+    database_url = settings.database.url.get_secret_value()
+    async with SigningProducer(kafka_settings(settings), database_url) as producer:
         yield producer
 
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, fresh_database
 from sqlalchemy import select
 
 from coordinator import migrate
@@ -68,7 +68,7 @@ async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
         yield CoordinatorSettings(
             database={"url": url},
             auth={"jwt_secret": JWT_SECRET},
-            ledger={"subject_key": SUBJECT_KEY},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
             keys={"master_key": base64.b64encode(MASTER_KEY).decode()},
         )
 

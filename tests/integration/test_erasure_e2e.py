@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
 from node_harness import ServedNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -167,7 +167,7 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": group},
             auth={"jwt_secret": JWT_SECRET},
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.5},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.5},
             keys={"master_key": MASTER_KEY},
         )
         await kafka.ensure_topics(kafka_settings(settings))

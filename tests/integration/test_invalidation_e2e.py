@@ -35,7 +35,7 @@ import httpx
 import openai
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database
 from node_harness import Served, ServedNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -120,7 +120,7 @@ async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": group},
             auth={"jwt_secret": JWT_SECRET},
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
         )
         await kafka.ensure_topics(kafka_settings(settings))
         await start_groups_at_end(

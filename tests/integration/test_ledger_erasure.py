@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
 from sqlalchemy import func, select, text
 
 from coordinator import migrate
@@ -66,7 +66,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"erasure-test-{uuid.uuid4().hex[:8]}"},
             auth={"jwt_secret": JWT_SECRET},
-            ledger={
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, 
                 "subject_key": SUBJECT_KEY,
                 "outbox_poll_s": 0.1,
                 "inventory_retry_s": 3600,

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
@@ -69,7 +69,7 @@ async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings
     return CoordinatorSettings(
         database={"url": ledger_url},
         kafka={"bootstrap": kafka_bootstrap, "group_id": f"ledger-test-{uuid.uuid4().hex[:8]}"},
-        ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
+        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
     )
 
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import uvicorn
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, sign_command, JWT_SECRET, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
 from prometheus_client import REGISTRY
 from sqlalchemy import func, inspect, pool, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -76,7 +76,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"invalidation-test-{uuid.uuid4().hex[:8]}"},
             auth={"jwt_secret": JWT_SECRET},
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
         )
 
 
@@ -565,7 +565,7 @@ async def test_a_decision_with_no_registered_node_is_complete_at_once(database_u
         await asyncio.to_thread(migrate.upgrade, url)
         database = Database(DatabaseSettings(url=url))
         try:
-            handler = InvalidationHandler(database, erasures=_NoErasures())
+            handler = InvalidationHandler(database, erasures=_NoErasures(), command_signer=sign_command)
             event = make_event(DocumentUpdated(doc_id="guide", version=2), tenant_id="solo")
             consumed = ConsumedEvent(
                 topic=DOCUMENTS, partition=0, offset=0, key="solo:guide", timestamp_ms=0, envelope=event

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import RunningConsumers, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
 from sqlalchemy import func, select
 
 from coordinator import migrate
@@ -45,7 +45,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
         yield CoordinatorSettings(
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"replicas-{uuid.uuid4().hex[:8]}"},
-            ledger={"outbox_poll_s": 0.1, "inventory_retry_s": 3600},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
         )
 
 

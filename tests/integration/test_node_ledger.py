@@ -15,7 +15,7 @@ from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import CacheSettings, NodeSettings
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
 from node_harness import NodeServices, node_settings
 
 PRINCIPALS = [
@@ -95,7 +95,7 @@ async def coordinator(database_url, kafka_bootstrap):
         settings = CoordinatorSettings(
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"coordinator-{uuid.uuid4().hex[:8]}"},
-            ledger={"subject_key": SUBJECT_KEY},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
             auth={"jwt_secret": JWT_SECRET},
         )
         consumers = await RunningConsumers(settings).start()
