@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, enroll_nodes, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
 from node_harness import ServedNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -179,6 +179,7 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
         suffix = uuid.uuid4().hex[:6]
         root = tmp_path_factory.mktemp("erasure-nodes")
         nodes: list[Node] = []
+        await enroll_nodes(url, [f"erase-{name}-{suffix}" for name in ("a", "b")])
         try:
             for name in ("a", "b"):
                 settings_of_node = node_settings(

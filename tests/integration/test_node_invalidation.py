@@ -2,8 +2,8 @@
 
 Each node is what ``gpu_node.server.serve`` runs — engine, publisher, command
 consumer — in-process, with its HTTP app driven over ASGI. Commands are written
-to ``kvledger.commands`` with :class:`events.kafka.EventProducer`; acks are read
-back from ``kvledger.acks``.
+to ``kvledger.commands`` signed with the tests' command key (``ledger_helpers.SigningProducer``),
+which the nodes pin; acks are read back from ``kvledger.acks``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import pytest
 from prometheus_client import REGISTRY
 
 from events import schema, topics
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka import KafkaSettings
+from coordinator.invalidation import ANY_VERSION
 from gpu_node.api import create_app
 from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.block_pool import Tier
 from gpu_node.commands import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, scan_topic
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, SigningProducer, eventually, scan_topic
 from node_harness import NodeServices, node_settings
 
 SYSTEM = "You answer questions from the tenant handbook, briefly."
@@ -102,7 +103,7 @@ def chat(doc_id: str, version: int, question: str = "What is the leave policy?")
 
 async def publish(kafka_bootstrap: str, predicate, tenant: str | None) -> schema.Invalidate:
     command = schema.Invalidate(command_id=uuid.uuid4(), predicate=predicate, cutoff=datetime.now(UTC))
-    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+    async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
         await producer.send(schema.make_event(command, tenant_id=tenant))
     return command
 
@@ -205,7 +206,7 @@ async def test_node_down_during_the_command_applies_it_before_ready_then_acks(ma
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     alice = token(tenant)
     settings = make_settings("r")
-    predicate = schema.DocumentPredicate(tenant=tenant, doc_id="handbook", below_version=2**62)  # deleted
+    predicate = schema.DocumentPredicate(tenant=tenant, doc_id="handbook", below_version=ANY_VERSION)  # deleted
     node = await Node(settings).start()
     try:
         await node.cached(alice, chat("handbook", 1))
@@ -240,7 +241,7 @@ async def test_inventory_requests_are_answered_and_malformed_commands_dead_lette
     node = await Node(make_settings("i")).start()
     try:
         request_id = uuid.uuid4()
-        async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+        async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
             await producer.send_raw(topics.COMMANDS, b'{"type": "Invalidate", "not": "an envelope"}', topics.BROADCAST_TARGET.encode())
             await producer.send(schema.make_event(schema.InventoryRequested(node_id=node.node_id, request_id=request_id)))
         tenant = f"acme-{uuid.uuid4().hex[:6]}"
