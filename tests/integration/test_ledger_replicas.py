@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, SigningProducer, RunningConsumers, eventually, fresh_database, scan_topic, stored
 from sqlalchemy import func, select
 
 from coordinator import migrate
@@ -23,7 +23,6 @@ from coordinator.consumers import kafka_settings
 from coordinator.db import Database
 from coordinator.models import Node, OutboxEntry, Placement
 from coordinator.settings import CoordinatorSettings
-from events.kafka import EventProducer
 from events.schema import (
     BlockRemoved,
     BlockStored,
@@ -99,7 +98,7 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
         node_ids = [f"replica-{prefix}-{i}" for i in range(NUM_NODES)]
         gapped = set(node_ids[::2])
         expected: dict[str, set[str]] = {}
-        async with EventProducer(kafka_settings(settings)) as producer:
+        async with SigningProducer(kafka_settings(settings), settings.database.url.get_secret_value()) as producer:
             envelopes = []
             for node_id in node_ids:
                 blocks = [stored(f"{node_id}/{i}", "device") for i in range(3)]
