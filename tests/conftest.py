@@ -32,6 +32,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
+from ledger_helpers import SigningProducer
 
 from coordinator.api import create_app
 from coordinator.consumers import kafka_settings
@@ -39,7 +40,6 @@ from coordinator.db import Database
 from coordinator.settings import CoordinatorSettings
 from events.kafka import EventProducer
 from kvledger.model_init import build_tiny_model
-from ledger_helpers import SigningProducer
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 _HERE = Path(__file__).parent
