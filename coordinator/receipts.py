@@ -89,6 +89,7 @@ STANDARD_CAVEATS: tuple[str, ...] = (
 
 _LOWER_HEX = re.compile(r"^(?:[0-9a-f]{2})+$")
 _SUBJECT_HASH = re.compile(r"^[0-9a-f]{64}$")
+_NODE_KEY_ID = re.compile(r"^[0-9a-f]{32}$")
 _MAX_ID_CHARS = 512
 _RECEIPT_FIELDS = (
     "schema",
@@ -284,6 +285,12 @@ def _identifier(name: str, value: Any) -> str:
     return value
 
 
+def _node_key_id(value: Any) -> str:
+    if not isinstance(value, str) or not _NODE_KEY_ID.match(value):
+        raise ValueError("a node key id is 32 lowercase hex characters")
+    return value
+
+
 def _tier_entry(entry: TierErasure) -> dict[str, Any]:
     if entry.tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}, got {entry.tier!r}")
@@ -311,7 +318,7 @@ def build_receipt(
     tiers: Iterable[TierErasure],
     block_hashes: Iterable[str],
     key_ids_destroyed: Iterable[str],
-    node_keys: Iterable[tuple[str, str]] = (),
+    node_keys: Iterable[tuple[str, str]],
     caveats: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The unsigned receipt body (schema ``kvledger.erasure-receipt/v1``).
@@ -337,7 +344,7 @@ def build_receipt(
     destroyed = sorted({_identifier("key id", key_id) for key_id in key_ids_destroyed})
     signers = [
         {"node_id": node_id, "key_id": key_id}
-        for node_id, key_id in sorted({(_identifier("node_id", n), _identifier("node key id", k)) for n, k in node_keys})
+        for node_id, key_id in sorted({(_identifier("node_id", n), _node_key_id(k)) for n, k in node_keys})
     ]
     extra = [_identifier("caveat", caveat) for caveat in caveats]
     return {
