@@ -18,7 +18,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from coordinator.migrate import upgrade
+from gpu_node.node_identity import NODE_KEY_FILE
+from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
+from kvledger.nodes import enroll_node_key
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 
@@ -51,6 +56,30 @@ async def fresh_database(server_url: str) -> AsyncIterator[str]:
         async with admin.connect() as connection:
             await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         await admin.dispose()
+
+
+class BenchKeys:
+    """A run's command key (the coordinator signs with it, nodes pin it) and its nodes' keys, enrolled in the
+    ledger — what ``kvledger up`` sets up, so benchmarks measure the signed paths."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.command_key = load_or_create_private_key(directory / "command_key.pem")
+        self.command_public_key_file = directory / "command_key.pub"
+        self.command_public_key_file.write_bytes(public_key_pem(self.command_key.public_key()))
+
+    def coordinator_env(self) -> dict[str, str]:
+        return {"KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(self.command_key).decode()}
+
+    def node_identity(self) -> dict[str, Path]:
+        """``NodeSettings.identity`` of a bench node: the command key pinned."""
+        return {"coordinator_public_key_file": self.command_public_key_file}
+
+    async def enroll(self, database_url: str, node_id: str, data_dir: Path) -> Ed25519PrivateKey:
+        """The node's key (``node_key.pem`` in ``data_dir``, created if missing), enrolled for ``node_id``."""
+        key = load_or_create_private_key(data_dir / NODE_KEY_FILE)
+        await enroll_node_key(database_url, node_id, key.public_key())
+        return key
 
 
 def coordinator_env(database_url: str, bootstrap: str, group: str, jwt_secret: str, **extra: str) -> dict[str, str]:
