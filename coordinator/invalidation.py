@@ -86,6 +86,7 @@ from coordinator.models import (
 )
 from coordinator.outbox import outbox_row
 from events.kafka import ConsumedEvent
+from events.topics import ACKS
 from events.schema import (
     CommandAck,
     DocumentDeleted,
@@ -658,12 +659,18 @@ class InvalidationHandler:
         the decisions commit, not after the acks that arrived with them; and so an ack batch
         holds the ledger-writes lock only for its own statements. Redelivery after a failure
         between the two is safe: the inbox turns the committed half into duplicates.
+
+        Only acks read from ``kvledger.acks`` are acks: that consumer passes on only those
+        signed by their node's enrolled key (``coordinator.node_keys.VerifiedRecords``). A
+        ``CommandAck`` put on a customer topic is ignored like any other misplaced type.
         """
         if not events:
             return
         started = time.perf_counter()
-        acks = [event for event in events if isinstance(event.envelope.payload, CommandAck)]
-        others = [event for event in events if not isinstance(event.envelope.payload, CommandAck)]
+        acks, others = [], []
+        for event in events:
+            is_ack = event.topic == ACKS and isinstance(event.envelope.payload, CommandAck)
+            (acks if is_ack else others).append(event)
         if others:
             await self._decide_batch(others)
         if acks:

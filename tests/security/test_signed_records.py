@@ -40,7 +40,7 @@ from bench.common import start_groups_at_end
 from coordinator import migrate
 from coordinator.consumers import ACK_GROUP_SUFFIX, consumer_groups, kafka_settings
 from coordinator.db import Database
-from coordinator.models import Erasure, InvalidationTarget, Placement, Receipt
+from coordinator.models import Erasure, InboxEntry, InvalidationTarget, Placement, Receipt
 from coordinator.settings import CoordinatorSettings
 from events import kafka, schema, topics
 from events.codec import DeadLetter, decode_event
@@ -306,6 +306,15 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
         async with EventProducer(kafka_settings(coordinator)) as plain:
             for envelope, _ in reasons:
                 await plain.send(envelope)
+            # The same forgery on a customer topic, where nothing checks node signatures: not an ack there either.
+            misplaced = ack(two)
+            await plain.send(misplaced, topic=topics.DOCUMENTS, key=f"{tenant}:doc")
+
+        async def misplaced_consumed() -> bool:
+            async with ledger.session() as session:
+                return await session.get(InboxEntry, misplaced.event_id) is not None
+
+        await eventually(misplaced_consumed, what="the decisions consumer to take the misplaced ack")
         group = coordinator.kafka.group_id + ACK_GROUP_SUFFIX
         letters = await dead_letters(kafka_bootstrap, group, {e.event_id for e, _ in reasons})
         assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
