@@ -18,7 +18,7 @@ HANDLER_FAILURES_TOTAL = Counter(
 
 UNVERIFIED_RECORDS_TOTAL = Counter(
     "kvledger_unverified_records_total",
-    "Records dead-lettered because their signature is missing or invalid, or by a key that may not sign them"
-    " (not enrolled for the record's node, revoked, not the pinned command key), by source topic and reason.",
+    "kv-events and acks dead-lettered because their signature is missing or invalid, or by a key not enrolled"
+    " (or revoked) for the record's node, by source topic and reason.",
     ["topic", "reason"],
 )

@@ -33,7 +33,7 @@ topic's retention: retention must outlive the longest-lived document version.
 Trust. Only commands signed by the coordinator's command key, which the node pins
 (``identity.coordinator_public_key_file``), are applied, remembered or answered —
 also during the replay at start. An unsigned, tampered or otherwise-signed record is
-dead-lettered and counted (``kvledger_unverified_records_total``) the first time it
+dead-lettered and counted (the node's ``kvledger_unverified_commands_total``) the first time it
 is met and ignored on every later replay. Acks leave signed with the node's own key
 (the publisher's signer). See ``docs/security.md``, "Node identity and signed records".
 """
@@ -58,7 +58,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from events import schema, topics
 from events.codec import decode_event
 from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, send_to_dead_letter
-from events.metrics import HANDLER_FAILURES_TOTAL, UNVERIFIED_RECORDS_TOTAL
+from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockRemoved, IndexKey, PoolEvent, RemovalEvidence, RemovalReason, Tier
 from gpu_node.crypto import DataKeyProvider
@@ -793,4 +793,4 @@ class CommandConsumer:
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
         await send_to_dead_letter(self._producer, record, error, self.group_id)
         if error.startswith(SIGNATURE_ERROR):
-            UNVERIFIED_RECORDS_TOTAL.labels(topic=record.topic, reason=error.removeprefix(SIGNATURE_ERROR)).inc()
+            self.engine.metrics.unverified_commands.labels(reason=error.removeprefix(SIGNATURE_ERROR)).inc()

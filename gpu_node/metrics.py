@@ -55,6 +55,12 @@ class NodeMetrics:
         self.ttft = Histogram("kvledger_ttft_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS_S)
         self.generated_tokens = Counter("kvledger_generated_tokens", "Completion tokens generated", registry=r)
         self.decode_tokens_per_s = Gauge("kvledger_decode_tokens_per_second", "Decode throughput of the last finished request", registry=r)
+        self.unverified_commands = Counter(
+            "kvledger_unverified_commands",
+            "Records on kvledger.commands dead-lettered because they are not signed by the pinned coordinator key, by reason",
+            ["reason"],
+            registry=r,
+        )
         self._num_requests = 0
         self._num_hit_requests = 0
         self._num_prompt_tokens = 0

@@ -128,6 +128,11 @@ class Node(NodeServices):
         body = {"model": self.engine.model_name, "messages": messages, "max_tokens": 1, "temperature": 0}
         return await self.http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
 
+    def unverified(self, reason: str) -> float:
+        """This node's count of commands dead-lettered for ``reason`` (as its /metrics reports it)."""
+        sample = self.engine.metrics.registry.get_sample_value("kvledger_unverified_commands_total", {"reason": reason})
+        return sample or 0.0
+
     def holdings(self, predicate) -> set[tuple[str, str]]:
         return {(e.block_hash.hex(), e.tier.value) for e in self.engine.pool.ready_entries() if predicate(e.provenance)}
 
@@ -162,7 +167,7 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
         # An unsigned inventory request would make the node publish its whole inventory on demand.
         inventory = schema.make_event(schema.InventoryRequested(node_id=node.node_id, request_id=uuid.uuid4()))
         reasons = [(unsigned, "unsigned"), (tampered, "bad_signature"), (wrong_key, "unknown_key"), (inventory, "unsigned")]
-        before = {reason: unverified(topics.COMMANDS, reason) for _, reason in reasons}
+        before = {reason: node.unverified(reason) for _, reason in reasons}
         async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as plain:
             for envelope, _ in reasons:
                 await plain.send(envelope)
@@ -174,7 +179,7 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
 
         letters = await dead_letters(kafka_bootstrap, node.commands.group_id, {e.event_id for e, _ in reasons})
         assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
-        assert {reason: unverified(topics.COMMANDS, reason) - before[reason] for reason in before} == {
+        assert {reason: node.unverified(reason) - before[reason] for reason in before} == {
             "unsigned": 2,
             "bad_signature": 1,
             "unknown_key": 1,
@@ -188,13 +193,12 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
     finally:
         await node.stop()
 
-    # The replay at start reads the forged records again: still not applied, not remembered, not re-counted.
-    counted = {reason: unverified(topics.COMMANDS, reason) for reason in before}
+    # The replay at start reads the forged records again: still not applied, not remembered, not dead-lettered again.
     restarted = await Node(settings).start()
     try:
         assert restarted.holdings(matches) == on_disk
         assert (await restarted.chat(alice, 1)).status_code == 200
-        assert {reason: unverified(topics.COMMANDS, reason) for reason in counted} == counted
+        assert {reason: restarted.unverified(reason) for reason in before} == dict.fromkeys(before, 0.0)
 
         # The same predicate, genuinely signed: applied, acked, the old version refused.
         genuine = sign_command(invalidate(predicate))
