@@ -40,6 +40,8 @@ from bench.common import start_groups_at_end
 from coordinator import migrate
 from coordinator.consumers import ACK_GROUP_SUFFIX, consumer_groups, kafka_settings
 from coordinator.db import Database
+from coordinator.erasure import start_erasure
+from coordinator.invalidation import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure, InboxEntry, InvalidationTarget, Placement, Receipt
 from coordinator.settings import CoordinatorSettings
 from events import kafka, schema, topics
@@ -275,15 +277,26 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
         for node_id in (one, two):
             await producer.send(schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test")))
         await _registered(ledger, one, two)
-        request = schema.ErasureRequested(erasure_id=uuid.uuid4(), subject_id=f"alice-{uid}", reason="art. 17")
-        await producer.send(schema.make_event(request, tenant_id=tenant))
+        # Started as the erasure API starts one (not via kvledger.erasures: other modules' coordinators read that topic).
+        async with ledger.session() as session, session.begin():
+            now = await begin_ledger_transaction(session)
+            await lock_decisions(session)
+            started_erasure = await start_erasure(
+                session,
+                subject_key=KEY,
+                command_signer=sign_command,
+                tenant_id=tenant,
+                subject_id=f"alice-{uid}",
+                reason="art. 17",
+                idempotency_key=f"req-{uid}",
+                now=now,
+                trigger="api",
+            )
+        erasure_id, command_id = started_erasure.erasure.id, started_erasure.erasure.command_id
 
-        async def started() -> Erasure | None:
+        async def started() -> Erasure:
             async with ledger.session() as session:
-                return await session.get(Erasure, request.erasure_id)
-
-        await eventually(started, what="the erasure to start")
-        command_id = (await started()).command_id
+                return await session.get(Erasure, erasure_id)
 
         async def status() -> str:
             return (await started()).status
@@ -336,7 +349,7 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
 
         await eventually(verified, what="the erasure to be verified")
         async with ledger.session() as session:
-            receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == request.erasure_id))
+            receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure_id))
         assert receipt.document["receipt"]["node_keys"] == [
             {"node_id": one, "key_id": key_id(node_key(one).public_key())},
             {"node_id": two, "key_id": key_id(node_key(two).public_key())},
