@@ -18,12 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator.migrate import upgrade
 from events.kafka import KafkaSettings, kafka_client_kwargs
+from gpu_node.node_identity import NODE_KEY_FILE
+from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair, issue_token
+from kvledger.nodes import enroll_node_key
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 
@@ -73,6 +77,30 @@ def operator_headers(role: str, tenant: str) -> dict[str, str]:
     """An ``Authorization`` header with an operator token the coordinators of :func:`coordinator_env` accept."""
     token = issue_token(tenant=tenant, sub="bench", roles=[role], ttl_s=3600, private_key_pem=_operator_key()[0])
     return {"Authorization": f"Bearer {token}"}
+
+
+class BenchKeys:
+    """A run's command key (the coordinator signs with it, nodes pin it) and its nodes' keys, enrolled in the
+    ledger — what ``kvledger up`` sets up, so benchmarks measure the signed paths."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.command_key = load_or_create_private_key(directory / "command_key.pem")
+        self.command_public_key_file = directory / "command_key.pub"
+        self.command_public_key_file.write_bytes(public_key_pem(self.command_key.public_key()))
+
+    def coordinator_env(self) -> dict[str, str]:
+        return {"KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(self.command_key).decode()}
+
+    def node_identity(self) -> dict[str, Path]:
+        """``NodeSettings.identity`` of a bench node: the command key pinned."""
+        return {"coordinator_public_key_file": self.command_public_key_file}
+
+    async def enroll(self, database_url: str, node_id: str, data_dir: Path) -> Ed25519PrivateKey:
+        """The node's key (``node_key.pem`` in ``data_dir``, created if missing), enrolled for ``node_id``."""
+        key = load_or_create_private_key(data_dir / NODE_KEY_FILE)
+        await enroll_node_key(database_url, node_id, key.public_key())
+        return key
 
 
 def coordinator_env(database_url: str, bootstrap: str, group: str, jwt_secret: str, **extra: str) -> dict[str, str]:

@@ -44,6 +44,7 @@ import httpx
 import torch
 
 from bench.common import (
+    BenchKeys,
     connect_kwargs,
     coordinator_env,
     database_server,
@@ -114,7 +115,7 @@ class BenchNode:
 class Coordinator:
     """``kvledger coordinator --role all`` in its own process, on a free loopback port."""
 
-    def __init__(self, database_url: str, bootstrap: str, group: str, log) -> None:
+    def __init__(self, database_url: str, bootstrap: str, group: str, log, keys: BenchKeys) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -126,6 +127,7 @@ class Coordinator:
             JWT_SECRET,
             KVLEDGER_SUBJECT_KEY=SUBJECT_KEY,
             KVLEDGER_MASTER_KEY=base64.b64encode(os.urandom(32)).decode(),
+            **keys.coordinator_env(),
         )
         command = [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "all", "--host", "127.0.0.1", "--port", str(port)]
         self._log = log
@@ -205,7 +207,8 @@ async def _run(args) -> list[ErasureRun]:
             consumer_groups(group),
         )
         log = stack.enter_context(tempfile.TemporaryFile())
-        coordinator = Coordinator(database_url, bootstrap, group, log)
+        keys = BenchKeys(work / "keys")
+        coordinator = Coordinator(database_url, bootstrap, group, log, keys)
         stack.callback(coordinator.stop)
         async with httpx.AsyncClient(base_url=coordinator.url, timeout=5) as client:
 
@@ -220,9 +223,11 @@ async def _run(args) -> list[ErasureRun]:
         cache = CacheSettings(num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node)
         nodes = []
         for i in range(NUM_NODES):
+            node_id = f"bench-erasure-{group[-8:]}-{i}"
+            await keys.enroll(database_url, node_id, work / f"node-{i}")
             node = BenchNode(
                 NodeSettings(
-                    node_id=f"bench-erasure-{group[-8:]}-{i}",
+                    node_id=node_id,
                     model_dir=model_dir,
                     data_dir=work / f"node-{i}",
                     kafka_bootstrap=bootstrap,
@@ -231,6 +236,7 @@ async def _run(args) -> list[ErasureRun]:
                     auth={"jwt_secret": JWT_SECRET},
                     cache=cache,
                     publish_interval_s=0.02,
+                    identity=keys.node_identity(),
                 )
             )
             await node.start()

@@ -59,6 +59,7 @@ import uvicorn
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bench.common import (
+    BenchKeys,
     connect_kwargs,
     coordinator_env,
     database_server,
@@ -76,6 +77,7 @@ from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys
+from gpu_node.node_identity import pinned_command_key
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import kafka_settings, make_publisher, tune_interpreter
 from gpu_node.settings import CacheSettings, NodeSettings
@@ -123,7 +125,7 @@ class BenchNode:
         self.engine = AsyncEngine.from_settings(settings)
         self.publisher = make_publisher(self.engine, settings)
         self.handler = TimedHandler(self.engine, self.publisher.subject_key)
-        self.commands = CommandConsumer(self.handler, self.publisher, kafka_settings(settings))
+        self.commands = CommandConsumer(self.handler, self.publisher, kafka_settings(settings), command_key=pinned_command_key(settings))
         self.server: uvicorn.Server | None = None
         self.url = ""
 
@@ -297,7 +299,8 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
     tenant = f"bench-{run_id}"
     group = f"bench-invalidation-{run_id}"
     await start_groups_at_end(bootstrap, consumer_groups(group))
-    env = coordinator_env(database_url, bootstrap, group, JWT_SECRET, KVLEDGER_SUBJECT_KEY=SUBJECT_KEY)
+    keys = BenchKeys(work / run_id / "keys")
+    env = coordinator_env(database_url, bootstrap, group, JWT_SECRET, KVLEDGER_SUBJECT_KEY=SUBJECT_KEY, **keys.coordinator_env())
     cache = CacheSettings(num_device_blocks=args.blocks_per_node + 64, num_host_blocks=0, max_disk_blocks=0)
     nodes = [
         BenchNode(
@@ -309,10 +312,13 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                 subject_key=SUBJECT_KEY,
                 auth={"jwt_secret": JWT_SECRET},
                 cache=cache,
+                identity=keys.node_identity(),
             )
         )
         for i in range(NUM_NODES)
     ]
+    for node in nodes:
+        await keys.enroll(database_url, node.settings.node_id, Path(node.settings.data_dir))
     principal = Principal(tenant, "reader", frozenset({AUTH_SCOPE}), {AUTH_SCOPE: 1})
     token = issue_token(tenant=tenant, sub="reader", scopes=[AUTH_SCOPE], pv={AUTH_SCOPE: 1}, ttl_s=3600, secret=JWT_SECRET)
     with tempfile.TemporaryFile() as log:

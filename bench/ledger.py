@@ -27,6 +27,7 @@ from pathlib import Path
 import asyncpg
 
 from bench.common import (
+    BenchKeys,
     connect_kwargs,
     coordinator_env,
     database_server,
@@ -37,6 +38,7 @@ from bench.common import (
 )
 from events import schema
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from identity.signing import sign_envelope
 
 NUM_NODES = 4
 NAMESPACE = "bench-namespace"
@@ -98,7 +100,21 @@ class LedgerRun:
 async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, blocks_per_record: int) -> tuple[float, list[float], int]:
     run_id = uuid.uuid4().hex[:8]
     workload = _workload(num_events, blocks_per_record, run_id)
-    env = coordinator_env(database_url, kafka.bootstrap, f"bench-{run_id}", os.environ.get("KVLEDGER_JWT_SECRET", "bench-secret-" + "x" * 32))
+    with tempfile.TemporaryDirectory(prefix="kvledger-bench-keys-") as keys_dir:
+        keys = BenchKeys(Path(keys_dir))
+        # Each bench node signs its records with its own enrolled key, as a real node does.
+        node_keys = {node_id: await keys.enroll(database_url, node_id, Path(keys_dir) / node_id) for node_id in workload}
+
+    def sign_as_node(envelope: schema.Envelope) -> schema.Envelope:
+        return sign_envelope(envelope, node_keys[envelope.payload.node_id])
+
+    env = coordinator_env(
+        database_url,
+        kafka.bootstrap,
+        f"bench-{run_id}",
+        os.environ.get("KVLEDGER_JWT_SECRET", "bench-secret-" + "x" * 32),
+        **keys.coordinator_env(),
+    )
     with tempfile.TemporaryFile() as log:
         consumers = subprocess.Popen(
             [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "consumers"],
@@ -108,7 +124,7 @@ async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, 
         )
         connection = await asyncpg.connect(**connect_kwargs(database_url))
         try:
-            async with EventProducer(kafka) as producer:
+            async with EventProducer(kafka, sign=sign_as_node) as producer:
                 await producer.send_many(
                     schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace=NAMESPACE)) for node_id in workload
                 )

@@ -31,16 +31,7 @@ from coordinator.erasure_api import router as erasure_router
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
-from coordinator.models import (
-    TIERS,
-    Block,
-    BlockAuthScope,
-    BlockDocument,
-    DeadLetterCount,
-    Node,
-    OutboxEntry,
-    Placement,
-)
+from coordinator.models import TIERS, Block, BlockAuthScope, BlockDocument, DeadLetterCount, Node, OutboxEntry, Placement
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
 from identity.metrics_access import scrape_refusal
@@ -86,7 +77,6 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     if not settings.operator_auth.configured:
         raise ValueError("configure operator_auth (the operator issuer's key): the API accepts only operator tokens")
     operator_verifier = TokenVerifier(settings.operator_auth, secret_env=None)
-    node_verifier = TokenVerifier(settings.auth)
     subject_key = settings.ledger.subject_key
     heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
 
@@ -101,8 +91,6 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
 
     app = FastAPI(title="kvledger coordinator", version="1", lifespan=lifespan)
     app.state.operator_verifier = operator_verifier
-    # Only the data key endpoints (coordinator.keys_api) read this: nodes' tokens, not people's.
-    app.state.verifier = node_verifier
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))

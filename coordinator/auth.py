@@ -17,11 +17,6 @@ from fastapi import Request
 
 from identity.tokens import AuthError, Operator, TokenVerifier
 
-NODE = "node"
-KEY_CLIENTS = frozenset({NODE})
-"""The nodes' role on the data key endpoints (``coordinator.keys_api``), until nodes sign with enrolled keys."""
-
-
 class ForbiddenError(Exception):
     """A verified caller who may not do this (HTTP 403)."""
 

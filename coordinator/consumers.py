@@ -1,6 +1,11 @@
 """The coordinator's background work: the kv-events consumer, the decisions consumer
 (documents, permissions, erasures), the ack consumer, the outbox relay, the erasure
-verifier and the dead-letter tally."""
+verifier and the dead-letter tally.
+
+kv-events and acks reach their handlers only through :class:`coordinator.node_keys.VerifiedRecords`:
+a record not signed by a key enrolled for its node is dead-lettered, never applied.
+Every command is signed with the command key (``settings.command_signer()``) before it
+enters the outbox."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from coordinator.db import Database
 from coordinator.erasure import ErasureService, ReceiptKeys
 from coordinator.ingest import DeadLetterTally, LedgerIngest
 from coordinator.invalidation import InvalidationHandler
+from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords
 from coordinator.outbox import OutboxRelay
 from coordinator.poison import refused_as_data
 from coordinator.settings import CoordinatorSettings
@@ -58,6 +64,7 @@ async def run_consumers(
     flushes the producer, so a SIGTERM loses nothing and replays as little as possible.
     """
     config = kafka_settings(settings)
+    command_signer = settings.command_signer()
     await kafka.ensure_topics(config)
     database = Database(settings.database, pre_ping=False)
     producer = kafka.EventProducer(config)
@@ -65,11 +72,17 @@ async def run_consumers(
     relay = OutboxRelay(
         database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s
     )
-    ingest = LedgerIngest(database, inventory_retry_s=settings.ledger.inventory_retry_s, on_outbox=relay.wake)
+    ingest = LedgerIngest(
+        database,
+        inventory_retry_s=settings.ledger.inventory_retry_s,
+        command_signer=command_signer,
+        on_outbox=relay.wake,
+    )
+    node_keys = NodeKeyRegistry(database)
     consumer = kafka.BatchConsumer(
         config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
         [KV_EVENTS],
-        ingest,
+        VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally),
         dead_letter_counter=tally,
         is_poison=refused_as_data,
         max_records=settings.kafka.max_batch_records,
@@ -79,26 +92,32 @@ async def run_consumers(
         database,
         subject_key=None if subject_key is None else subject_key.get_secret_value().encode(),
         receipt_keys=ReceiptKeys(settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()),
+        command_signer=command_signer,
     )
     handler = InvalidationHandler(
         database,
         erasures=erasures,
+        command_signer=command_signer,
         on_outbox=relay.wake,
         publish_leased=relay.publish_leased,
         outbox_lease_s=settings.ledger.outbox_lease_s,
     )
     groups = consumer_groups(config.group_id)
+    invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
     invalidations, acks = (
         kafka.BatchConsumer(
             config,
             groups[group_id],
-            handler,
+            group_handler,
             group_id=group_id,
             dead_letter_counter=tally,
             is_poison=refused_as_data,
             max_records=settings.kafka.max_batch_records,
         )
-        for group_id in (config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX)
+        for group_id, group_handler in (
+            (invalidation_group, handler),
+            (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally)),
+        )
     )
     try:
         await producer.start()

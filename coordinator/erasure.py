@@ -47,26 +47,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import merkle, metrics, receipts
 from coordinator.db import Database
-from coordinator.invalidation import (
-    Decision,
-    begin_ledger_transaction,
-    decide,
-    live_copies_matching,
-    lock_decisions,
-    matching_blocks,
-)
+from coordinator.invalidation import Decision, begin_ledger_transaction, decide, live_copies_matching, lock_decisions, matching_blocks
 from coordinator.keys import DataKey, destroy_keys, subject_keys, unwrap_secret, wrap_secret
-from coordinator.models import (
-    AuditLogEntry,
-    Erasure,
-    Invalidation,
-    InvalidationTarget,
-    Placement,
-    Receipt,
-    ReceiptKey,
-    TreeHead,
-)
+from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt, ReceiptKey, TreeHead
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +105,7 @@ async def start_erasure(
     session: AsyncSession,
     *,
     subject_key: bytes,
+    command_signer: EnvelopeSigner,
     tenant_id: str,
     subject_id: str,
     reason: str,
@@ -157,6 +143,7 @@ async def start_erasure(
     decision = await decide(
         session,
         SubjectPredicate(tenant=tenant_id, subject_id=digest),
+        signer=command_signer,
         now=now,
         trigger=trigger,
         requested_at=requested_at or now,
@@ -454,8 +441,16 @@ def receipt_tiers(targets: Iterable[InvalidationTarget]) -> tuple[list[receipts.
 class ErasureService:
     """Starts erasures from events and verifies erasures; shared by the consumers of one coordinator process."""
 
-    def __init__(self, database: Database, *, subject_key: bytes | None, receipt_keys: ReceiptKeys) -> None:
+    def __init__(
+        self,
+        database: Database,
+        *,
+        subject_key: bytes | None,
+        receipt_keys: ReceiptKeys,
+        command_signer: EnvelopeSigner,
+    ) -> None:
         self._database = database
+        self._command_signer = command_signer
         self._subject_key = subject_key
         self._receipt_keys = receipt_keys
         self._reported_unavailable = False
@@ -482,6 +477,7 @@ class ErasureService:
             started = await start_erasure(
                 session,
                 subject_key=self._subject_key,
+                command_signer=self._command_signer,
                 tenant_id=envelope.tenant_id,
                 subject_id=payload.subject_id,
                 reason=payload.reason,
@@ -589,6 +585,7 @@ class ErasureService:
                 decision = await decide(
                     session,
                     subject_predicate(erasure),
+                    signer=self._command_signer,
                     now=now,
                     trigger="late_block",
                     requested_at=now,
@@ -621,6 +618,7 @@ class ErasureService:
                 tiers=tiers,
                 block_hashes=block_hashes,
                 key_ids_destroyed={*erasure.key_ids_destroyed, *key_ids, *reported_key_ids},
+                node_keys={(t.node_id, t.ack_key_id) for t in state.targets if t.ack_key_id is not None},
                 caveats=[POSTGRES_KEY_CAVEAT],
             )
             signed = receipts.sign_receipt(body, signer)

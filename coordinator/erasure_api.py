@@ -84,6 +84,7 @@ TreeSize = Annotated[int | None, Query(ge=1)]
 
 def router(settings: CoordinatorSettings) -> APIRouter:
     subject_key = settings.ledger.subject_key
+    command_signer = settings.command_signer()
     api = APIRouter()
 
     @api.post("/v1/erasures")
@@ -114,6 +115,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
                 started = await start_erasure(
                     session,
                     subject_key=subject_key.get_secret_value().encode(),
+                    command_signer=command_signer,
                     tenant_id=body.tenant_id,
                     subject_id=body.subject_id,
                     reason=body.reason,

@@ -80,6 +80,7 @@ from events.schema import (
     SnapshotWritten,
     make_event,
 )
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +160,11 @@ class _PendingPlacement:
 class _BatchApplier:
     """Applies one batch inside one open transaction; discarded afterwards."""
 
-    def __init__(self, session: AsyncSession, inventory_retry_s: float, now: datetime) -> None:
+    def __init__(
+        self, session: AsyncSession, inventory_retry_s: float, now: datetime, command_signer: EnvelopeSigner
+    ) -> None:
         self.session = session
+        self.sign = command_signer
         self.inventory_retry = timedelta(seconds=inventory_retry_s)
         self.now = now
         self.nodes: dict[str, Node] = {}
@@ -187,7 +191,7 @@ class _BatchApplier:
             self.outcomes[(envelope.type, await self._apply_event(envelope))] += 1
         await self._flush()
         if self.stored:
-            self.late = await reissue_for_late_blocks(self.session, self.stored, self.now)
+            self.late = await reissue_for_late_blocks(self.session, self.stored, self.now, self.sign)
         if self.outbox:
             await self.session.execute(pg_insert(OutboxEntry), self.outbox)
 
@@ -320,7 +324,8 @@ class _BatchApplier:
         node.status = "reconciling"
         node.inventory_request_id = request_id
         node.inventory_requested_at = self.now
-        self.outbox.append(outbox_row(make_event(InventoryRequested(node_id=node.node_id, request_id=request_id))))
+        request = make_event(InventoryRequested(node_id=node.node_id, request_id=request_id))
+        self.outbox.append(outbox_row(self.sign(request)))
 
     # -- set-based operations -------------------------------------------------------
 
@@ -606,9 +611,11 @@ class LedgerIngest:
         database: Database,
         *,
         inventory_retry_s: float,
+        command_signer: EnvelopeSigner,
         on_outbox: Callable[[], None] | None = None,
     ) -> None:
         self._database = database
+        self._command_signer = command_signer
         self._inventory_retry_s = inventory_retry_s
         self._on_outbox = on_outbox
 
@@ -620,7 +627,7 @@ class LedgerIngest:
             with session.no_autoflush:
                 async with session.begin():
                     now = await begin_ledger_transaction(session)
-                    applier = _BatchApplier(session, self._inventory_retry_s, now)
+                    applier = _BatchApplier(session, self._inventory_retry_s, now, self._command_signer)
                     await applier.apply(events)
         # Metrics only after the commit: a rolled-back batch is redelivered and counted then.
         for (event_type, outcome), count in applier.outcomes.items():

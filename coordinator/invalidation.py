@@ -103,6 +103,8 @@ from events.schema import (
     TenantPredicate,
     make_event,
 )
+from events.topics import ACKS
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +245,9 @@ _LOCK_TARGETS = text(
 )
 _UPDATE_TARGETS = text(
     "UPDATE invalidation_targets t"
-    " SET status = m.status, epoch = m.epoch, acked_at = :now, evidence = m.evidence::jsonb"
-    " FROM unnest(:command_ids, :node_ids, :statuses, :epochs, :evidence)"
-    " AS m(command_id, node_id, status, epoch, evidence)"
+    " SET status = m.status, epoch = m.epoch, acked_at = :now, evidence = m.evidence::jsonb, ack_key_id = m.key_id"
+    " FROM unnest(:command_ids, :node_ids, :statuses, :epochs, :evidence, :key_ids)"
+    " AS m(command_id, node_id, status, epoch, evidence, key_id)"
     " WHERE t.command_id = ANY(:command_ids) AND t.command_id = m.command_id AND t.node_id = m.node_id"
 ).bindparams(
     bindparam("now", type_=DateTime(timezone=True)),
@@ -254,6 +256,7 @@ _UPDATE_TARGETS = text(
     bindparam("statuses", type_=_TEXTS),
     bindparam("epochs", type_=_BIGINTS),
     bindparam("evidence", type_=_TEXTS),
+    bindparam("key_ids", type_=_TEXTS),
 )
 _DELETE_COPIES = text(
     # A copy listed by several acks of the batch is deleted by the first, as applying them in turn does.
@@ -390,6 +393,7 @@ async def decide(
     session: AsyncSession,
     predicate: Predicate,
     *,
+    signer: EnvelopeSigner,
     now: datetime,
     trigger: str,
     requested_at: datetime,
@@ -402,7 +406,8 @@ async def decide(
     for every coordinator replica). Expected nodes are all nodes registered now:
     one that is down keeps the command pending until it returns, replays and acks.
     With no node registered the command is complete at once (nothing can hold a copy).
-    The caller owns the transaction and the locking (:func:`lock_decisions`).
+    The caller owns the transaction and the locking (:func:`lock_decisions`); the command
+    is signed with ``signer`` (the coordinator's command key) before it enters the outbox.
     """
     command_id = uuid.uuid4()
     await session.execute(
@@ -438,12 +443,14 @@ async def decide(
         .values(invalidation_id=command_id)
     )
     tenant = getattr(predicate, "tenant", None)
-    command = make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=tenant)
+    command = signer(make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=tenant))
     await session.execute(pg_insert(OutboxEntry).values(outbox_row(command)))
     return Decision(command_id, predicate.kind, trigger, num_targets)
 
 
-async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes], now: datetime) -> list[Decision]:
+async def reissue_for_late_blocks(
+    session: AsyncSession, hashes: Iterable[bytes], now: datetime, signer: EnvelopeSigner
+) -> list[Decision]:
     """Re-send decided predicates that blocks stored in this batch still match (DESIGN §6, late events).
 
     A block is late when its provenance was superseded by a decision already taken:
@@ -514,6 +521,7 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
         await decide(
             session,
             parse_predicate(row.predicate),
+            signer=signer,
             now=now,
             trigger="late_block",
             requested_at=now,
@@ -625,6 +633,7 @@ class InvalidationHandler:
         database: Database,
         *,
         erasures: ErasureHooks,
+        command_signer: EnvelopeSigner,
         on_outbox: Callable[[], None] | None = None,
         publish_leased: Callable[[list[tuple[int, Envelope]]], None] | None = None,
         outbox_lease_s: float = 10.0,
@@ -635,6 +644,7 @@ class InvalidationHandler:
             raise ValueError("outbox_lease_s must be positive")
         self._database = database
         self._erasures = erasures
+        self._sign = command_signer
         self._on_outbox = on_outbox
         self._publish_leased = publish_leased
         self._outbox_lease = timedelta(seconds=outbox_lease_s)
@@ -646,12 +656,18 @@ class InvalidationHandler:
         the decisions commit, not after the acks that arrived with them; and so an ack batch
         holds the ledger-writes lock only for its own statements. Redelivery after a failure
         between the two is safe: the inbox turns the committed half into duplicates.
+
+        Only acks read from ``kvledger.acks`` are acks: that consumer passes on only those
+        signed by their node's enrolled key (``coordinator.node_keys.VerifiedRecords``). A
+        ``CommandAck`` put on a customer topic is ignored like any other misplaced type.
         """
         if not events:
             return
         started = time.perf_counter()
-        acks = [event for event in events if isinstance(event.envelope.payload, CommandAck)]
-        others = [event for event in events if not isinstance(event.envelope.payload, CommandAck)]
+        acks, others = [], []
+        for event in events:
+            is_ack = event.topic == ACKS and isinstance(event.envelope.payload, CommandAck)
+            (acks if is_ack else others).append(event)
         if others:
             await self._decide_batch(others)
         if acks:
@@ -803,7 +819,9 @@ class InvalidationHandler:
             marks[prefix + "below"].append(predicate.below_version)
             marks[prefix + "ord"].append(ordinal)
         commands = [
-            make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant)
+            self._sign(
+                make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant)
+            )
             for _, predicate, command_id in decided
         ]
         outbox = [outbox_row(command) for command in commands]
@@ -872,7 +890,7 @@ class InvalidationHandler:
             _LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]}
         )
         status = {(row.command_id, row.node_id): row.status for row in rows}
-        updates: dict[tuple[uuid.UUID, str], tuple[str, int, str]] = {}
+        updates: dict[tuple[uuid.UUID, str], tuple[str, int, str, str | None]] = {}
         copies: dict[str, list] = collections.defaultdict(list)
         touched: set[uuid.UUID] = set()
         for envelope in acks:
@@ -892,6 +910,7 @@ class InvalidationHandler:
                 status[key],
                 ack.epoch,
                 json.dumps([evidence.model_dump(mode="json") for evidence in ack.evidence]),
+                None if envelope.signature is None else envelope.signature.kid,
             )
             for evidence in ack.evidence:
                 if evidence.verified and evidence.block_hashes:
@@ -912,6 +931,7 @@ class InvalidationHandler:
                     "statuses": [v[0] for v in updates.values()],
                     "epochs": [v[1] for v in updates.values()],
                     "evidence": [v[2] for v in updates.values()],
+                    "key_ids": [v[3] for v in updates.values()],
                 },
             )
         await lock_ledger_writes(session)

@@ -31,14 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
-from coordinator.invalidation import (
-    begin_ledger_transaction,
-    decide,
-    deleted_by,
-    live_copies_matching,
-    lock_decisions,
-    parse_predicate,
-)
+from coordinator.invalidation import begin_ledger_transaction, decide, deleted_by, live_copies_matching, lock_decisions, parse_predicate
 from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.settings import CoordinatorSettings
 from events.schema import NamespacePredicate
@@ -69,6 +62,7 @@ Session = Annotated[AsyncSession, Depends(request_session)]
 
 def router(settings: CoordinatorSettings) -> APIRouter:
     heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
+    command_signer = settings.command_signer()
     api = APIRouter()
 
     @api.get("/v1/invalidations/{command_id}")
@@ -161,7 +155,12 @@ def router(settings: CoordinatorSettings) -> APIRouter:
                     f"live nodes still serve this namespace: {', '.join(in_use)}; roll them to the new one first",
                 )
             decision = await decide(
-                session, NamespacePredicate(ns=namespace), now=now, trigger="api", requested_at=now
+                session,
+                NamespacePredicate(ns=namespace),
+                signer=command_signer,
+                now=now,
+                trigger="api",
+                requested_at=now,
             )
             row.status = "draining" if decision.num_targets else "retired"
             row.invalidation_id = decision.command_id

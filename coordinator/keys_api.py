@@ -6,7 +6,11 @@ first use. ``GET /v1/keys/{key_id}`` → ``{key_id, key}``; 410 ``key_destroyed`
 once the key is destroyed, 404 ``key_not_found`` for an id never issued.
 Keys travel base64-encoded.
 
-Only role ``node`` may call these (see ``coordinator.auth``). Responses carry
+Only nodes may call these, each with a credential only its own enrolled key can
+make: a short-lived EdDSA JWT (``identity.node_credentials``) whose key id the
+enrollment registry (``coordinator.node_keys``) knows, unrevoked, for the node it
+names. Anything else — an end-user or operator token whatever roles it claims, an
+unknown or revoked key, a credential naming another node — is 401. Responses carry
 ``Cache-Control: no-store`` so no proxy keeps a key, and nothing here logs a
 key or a wrapped key — only key ids, which are random and name nobody.
 Without a master key (``KVLEDGER_MASTER_KEY``) or a subject key the endpoints
@@ -23,10 +27,12 @@ from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.auth import KEY_CLIENTS, authorize
 from coordinator.keys import KeyService, MasterKeyError
+from coordinator.node_keys import NodeKeyRegistry
 from coordinator.settings import CoordinatorSettings
+from identity.tokens import AuthError
 from gpu_node.crypto import KEY_ID_HEX_CHARS
+from identity.node_credentials import CredentialError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ def _master_key_mismatch(error: MasterKeyError) -> JSONResponse:
 
 
 def router(settings: CoordinatorSettings) -> APIRouter:
-    """The key endpoints for an app whose ``state.database`` and ``state.verifier`` are set (``coordinator.api``)."""
+    """The key endpoints for an app whose ``state.database`` is set (``coordinator.api``)."""
     master_key = settings.keys.master_key_bytes()
     subject_key = settings.ledger.subject_key
     missing = [
@@ -69,9 +75,19 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         if value is None
     ]
 
-    def key_service(request: Request) -> KeyService | None:
-        """Authorize the caller as a node, then the service; None when this coordinator holds no keys."""
-        authorize(request.app.state.verifier, request.headers.get("authorization"), KEY_CLIENTS)
+    async def key_service(request: Request) -> KeyService | None:
+        """Authenticate the caller as an enrolled node, then the service; None when this coordinator holds no keys."""
+        database = request.app.state.database
+        registry = getattr(request.app.state, "node_keys", None)
+        if registry is None or registry.database is not database:
+            registry = request.app.state.node_keys = NodeKeyRegistry(database)
+        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError("missing_token", "the key service needs 'Authorization: Bearer <node credential>'")
+        try:
+            await registry.authenticate(token.strip())
+        except CredentialError as error:
+            raise AuthError(error.code, error.message) from None
         if missing:
             return None
         return KeyService(request.app.state.database, master_key, subject_key.get_secret_value().encode())

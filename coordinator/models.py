@@ -349,6 +349,8 @@ class InvalidationTarget(Base):
     acked_at: Mapped[datetime | None]
     evidence: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
     """The ack's ``TierEvidence`` list as received (block hashes included: erasure receipts commit to them)."""
+    ack_key_id: Mapped[str | None]
+    """The enrolled node key that signed the ack recorded here; an erasure receipt names it."""
 
 
 ERASURE_STATUSES = ("pending", "partial", "verified", "failed")
@@ -441,3 +443,17 @@ class TreeHead(Base):
     timestamp: Mapped[datetime]
     key_id: Mapped[str] = mapped_column(ForeignKey("receipt_keys.key_id"))
     signature: Mapped[str]
+
+
+class NodeKey(Base):
+    """A node's enrolled Ed25519 public key (``coordinator.node_keys``): what its key-service credentials,
+    kv-events and acks are checked against. A key belongs to one node for good; revocation is final."""
+
+    __tablename__ = "node_keys"
+    __table_args__ = (Index(None, "node_id"),)
+
+    key_id: Mapped[str] = mapped_column(primary_key=True)
+    node_id: Mapped[str]
+    public_key: Mapped[bytes]
+    enrolled_at: Mapped[datetime] = _now()
+    revoked_at: Mapped[datetime | None]

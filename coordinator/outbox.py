@@ -49,7 +49,14 @@ _STAMP_LEASED = text("UPDATE outbox SET sent_at = now() WHERE id = ANY(:ids) AND
 
 
 def outbox_row(envelope: Envelope) -> dict[str, Any]:
-    """Column values for an outbox insert carrying ``envelope`` under its routed topic and key."""
+    """Column values for an outbox insert carrying ``envelope`` under its routed topic and key.
+
+    Only signed commands enter the outbox (``CoordinatorSettings.command_signer``): the row
+    holds the signed bytes, so the deciding process, the relay and a node's replay all see
+    the same signature, and a row written to the table by anyone without the command key
+    is refused by every node.
+    """
+    assert envelope.signature is not None, f"{envelope.type} command {envelope.event_id} entered the outbox unsigned"
     topic, key = route(envelope)
     return {"topic": topic, "key": key, "payload": envelope.model_dump(mode="json")}
 

@@ -89,6 +89,7 @@ STANDARD_CAVEATS: tuple[str, ...] = (
 
 _LOWER_HEX = re.compile(r"^(?:[0-9a-f]{2})+$")
 _SUBJECT_HASH = re.compile(r"^[0-9a-f]{64}$")
+_NODE_KEY_ID = re.compile(r"^[0-9a-f]{32}$")
 _MAX_ID_CHARS = 512
 _RECEIPT_FIELDS = (
     "schema",
@@ -101,6 +102,7 @@ _RECEIPT_FIELDS = (
     "tiers",
     "block_commitment",
     "key_ids_destroyed",
+    "node_keys",
     "caveats",
 )
 _STH_FIELDS = ("tree_size", "root_hash", "timestamp", "key_id", "signature")
@@ -283,6 +285,12 @@ def _identifier(name: str, value: Any) -> str:
     return value
 
 
+def _node_key_id(value: Any) -> str:
+    if not isinstance(value, str) or not _NODE_KEY_ID.match(value):
+        raise ValueError("a node key id is 32 lowercase hex characters")
+    return value
+
+
 def _tier_entry(entry: TierErasure) -> dict[str, Any]:
     if entry.tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}, got {entry.tier!r}")
@@ -310,6 +318,7 @@ def build_receipt(
     tiers: Iterable[TierErasure],
     block_hashes: Iterable[str],
     key_ids_destroyed: Iterable[str],
+    node_keys: Iterable[tuple[str, str]],
     caveats: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The unsigned receipt body (schema ``kvledger.erasure-receipt/v1``).
@@ -318,7 +327,9 @@ def build_receipt(
     (``events.schema.subject_digest``) — it is checked to be 64 hex characters so a
     subject id in clear cannot slip in by mistake. Entries, block hashes and key ids
     are sorted, so two replicas building the same erasure sign the same bytes.
-    ``caveats`` are appended to :data:`STANDARD_CAVEATS`.
+    ``node_keys`` are the (node id, key id) pairs of the enrolled node keys that signed
+    the acks the receipt relies on (``docs/security.md``). ``caveats`` are appended to
+    :data:`STANDARD_CAVEATS`.
     """
     if not isinstance(subject_hash, str) or not _SUBJECT_HASH.match(subject_hash):
         raise ValueError("subject_hash must be the 64-hex-character keyed subject digest, never the subject id")
@@ -331,6 +342,10 @@ def build_receipt(
         if (previous["node_id"], previous["tier"]) == (current["node_id"], current["tier"]):
             raise ValueError(f"two entries for node {current['node_id']!r} tier {current['tier']!r}")
     destroyed = sorted({_identifier("key id", key_id) for key_id in key_ids_destroyed})
+    signers = [
+        {"node_id": node_id, "key_id": key_id}
+        for node_id, key_id in sorted({(_identifier("node_id", n), _node_key_id(k)) for n, k in node_keys})
+    ]
     extra = [_identifier("caveat", caveat) for caveat in caveats]
     return {
         "schema": RECEIPT_SCHEMA,
@@ -343,6 +358,7 @@ def build_receipt(
         "tiers": entries,
         "block_commitment": block_commitment(block_hashes),
         "key_ids_destroyed": destroyed,
+        "node_keys": signers,
         "caveats": [*STANDARD_CAVEATS, *extra],
     }
 
@@ -484,6 +500,19 @@ def _run(checks: list[Check], name: str, check: Callable[[], str]) -> bool:
     except _Invalid as failure:
         checks.append(Check(name, False, str(failure)))
         return False
+
+
+def _node_keys_text(value: Any) -> str:
+    """The receipt's ``node_keys`` as ``node (key id), …``; _Invalid unless a list of {node_id, key_id}."""
+    if not isinstance(value, list):
+        raise _Invalid("node_keys is not a JSON array")
+    named = []
+    for entry in value:
+        entry = _object(entry, "a node_keys entry", ("node_id", "key_id"))
+        if not isinstance(entry["node_id"], str) or not isinstance(entry["key_id"], str):
+            raise _Invalid("a node_keys entry's node_id and key_id must be strings")
+        named.append(f"{entry['node_id']} (key {entry['key_id']})")
+    return ", ".join(named) if named else "no node key"
 
 
 def _require(value: Any, message: str) -> Any:
@@ -635,7 +664,10 @@ def verify_served_receipt(
             raise _Invalid(f"signature algorithm is {signature['algorithm']!r}, not {SIGNATURE_ALGORITHM}")
         parts["leaf"] = merkle.leaf_hash(_canonical({"receipt": receipt, "signature": signature}, "receipt"))
         parts["receipt"], parts["signature"] = receipt, signature
-        return f"{RECEIPT_SCHEMA} receipt {receipt['receipt_id']} for erasure {receipt['erasure_id']}"
+        return (
+            f"{RECEIPT_SCHEMA} receipt {receipt['receipt_id']} for erasure {receipt['erasure_id']};"
+            f" evidence signed by {_node_keys_text(receipt['node_keys'])}"
+        )
 
     _run(checks, "receipt_format", receipt_format)
 

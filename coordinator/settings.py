@@ -6,7 +6,7 @@ Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
 
 The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
 ``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY``,
-``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` (or ``_FILE``) and the Kafka security
+``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_COMMAND_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` (or ``_FILE``) and the Kafka security
 variables (``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_USERNAME`` …, see
 ``events.kafka.KAFKA_SHARED_ENV``) are honoured too, because
 one operator sets them once for every process (nodes, coordinator, tests); a
@@ -20,15 +20,12 @@ import base64
 import os
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
 from identity.metrics_access import MetricsSettings
 from identity.settings import IssuerSettings, SharedEnvSource
+from identity.signing import EnvelopeSigner, load_private_key_pem
 from identity.tokens import JWT_SECRET_ENV
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"
@@ -41,6 +38,7 @@ _SHARED_ENV: dict[str, tuple[str, ...]] = {
     "KVLEDGER_SUBJECT_KEY": ("ledger", "subject_key"),
     "KVLEDGER_MASTER_KEY": ("keys", "master_key"),
     "KVLEDGER_RECEIPT_SIGNING_KEY": ("ledger", "receipt_signing_key"),
+    "KVLEDGER_COMMAND_SIGNING_KEY": ("ledger", "command_signing_key"),
     "KVLEDGER_METRICS_TOKEN": ("metrics", "token"),
     "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file"),
 } | {variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()}
@@ -102,12 +100,18 @@ class LedgerSettings(BaseModel):
     erasure receipts and audit tree heads; every coordinator replica should hold the
     same one. Unset, the coordinator generates a key on first use and stores it
     wrapped under the master key, so receipts stay verifiable across restarts.
+    ``command_signing_key`` is the PEM (unencrypted PKCS#8) Ed25519 key that signs every
+    command (``Invalidate``, ``InventoryRequested``) as it is written to the outbox; the
+    nodes pin its public key and apply nothing else. Every replica holds the same one. It
+    is required by every part of the coordinator that decides commands (the API and the
+    consumers): there is no unsigned mode.
     ``erasure_verify_interval_s`` is how often unverified erasures are re-checked
     (they are also checked right after every ack batch).
     """
 
     subject_key: SecretStr | None = None
     receipt_signing_key: SecretStr | None = None
+    command_signing_key: SecretStr | None = None
     erasure_verify_interval_s: float = Field(2.0, gt=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     inventory_retry_s: float = Field(60.0, gt=0)
@@ -182,6 +186,19 @@ class CoordinatorSettings(BaseSettings):
         if self.operator_auth.shares_key_with(self.auth, other_secret=os.environ.get(JWT_SECRET_ENV)):
             raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
         return self
+
+    def command_signer(self) -> EnvelopeSigner:
+        """The command signing key as a signer; ValueError when unset or not an Ed25519 PEM key."""
+        if self.ledger.command_signing_key is None:
+            raise ValueError(
+                "set KVLEDGER_COMMAND_SIGNING_KEY (an Ed25519 PEM private key; nodes pin its public key):"
+                " the coordinator signs every command it sends"
+            )
+        try:
+            key = load_private_key_pem(self.ledger.command_signing_key.get_secret_value().encode())
+        except ValueError as error:
+            raise ValueError(f"KVLEDGER_COMMAND_SIGNING_KEY: {error}") from None
+        return EnvelopeSigner(key)
 
     def subject_key_bytes(self) -> bytes:
         """The subject digest key; ValueError when unset, because the ledger cannot match subjects without it."""

@@ -259,10 +259,16 @@ class EventProducer:
     No linger by default: callers that publish many events hand them over together
     (:meth:`send_many`, or sends issued before any is awaited), and the producer
     batches whatever accumulated while its previous request was in flight.
+
+    ``sign`` (e.g. ``identity.signing.EnvelopeSigner``) is applied to every envelope
+    right before it is encoded: a node's producers sign everything they publish.
     """
 
-    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0) -> None:
+    def __init__(
+        self, settings: KafkaSettings, *, linger_ms: int = 0, sign: Callable[[Envelope], Envelope] | None = None
+    ) -> None:
         self._settings = settings
+        self._sign = sign
         self._producer = AIOKafkaProducer(
             **kafka_client_kwargs(settings),
             acks="all",
@@ -290,7 +296,7 @@ class EventProducer:
         ``topic``/``key`` override :func:`events.topics.route` (e.g. to target one node).
         """
         routed_topic, routed_key = route(envelope)
-        return await self.send_raw(topic or routed_topic, encode_event(envelope), encode_key(key or routed_key))
+        return await self.send_raw(topic or routed_topic, self._encode(envelope), encode_key(key or routed_key))
 
     async def send_many(self, envelopes: Iterable[Envelope]) -> list[RecordMetadata]:
         """Publish many events as one pipelined batch; returns when all are acknowledged.
@@ -300,8 +306,11 @@ class EventProducer:
         pending = []
         for envelope in envelopes:
             topic, key = route(envelope)
-            pending.append(await self._producer.send(topic, encode_event(envelope), key=encode_key(key)))
+            pending.append(await self._producer.send(topic, self._encode(envelope), key=encode_key(key)))
         return list(await asyncio.gather(*pending))
+
+    def _encode(self, envelope: Envelope) -> bytes:
+        return encode_event(envelope if self._sign is None else self._sign(envelope))
 
     async def send_raw(self, topic: str, value: bytes | None, key: bytes | None) -> RecordMetadata:
         return await self._producer.send_and_wait(topic, value, key=key)

@@ -15,3 +15,10 @@ HANDLER_FAILURES_TOTAL = Counter(
     "Batches that failed transiently (handler, dead-letter publish or offset commit); redelivered after a backoff, never skipped.",
     ["group"],
 )
+
+UNVERIFIED_RECORDS_TOTAL = Counter(
+    "kvledger_unverified_records_total",
+    "kv-events and acks dead-lettered because their signature is missing or invalid, or by a key not enrolled"
+    " (or revoked) for the record's node, by source topic and reason.",
+    ["topic", "reason"],
+)

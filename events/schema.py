@@ -115,11 +115,17 @@ Count = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT)]
 """A version, counter, epoch or seq: an integer in 0..2^53-1. Strict so ``"3"`` or ``true`` is a
 contract violation, not a 3 or a 1; bounded so it survives JSON doubles and Postgres BIGINT."""
 
-VersionBound = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT + 1)]
-"""An exclusive upper bound on a version (``below_version``): one above the largest :data:`Count`,
-so :data:`ANY_VERSION` matches every version a block can hold."""
-ANY_VERSION = MAX_SAFE_INT + 1
-"""``below_version`` of a deleted document: every version is below it."""
+MAX_DOCUMENT_VERSION = MAX_SAFE_INT - 1
+"""The largest document version: one below :data:`ANY_VERSION`, so a deletion matches every version."""
+
+DocumentVersion = Annotated[int, Strict(), Field(ge=0, le=MAX_DOCUMENT_VERSION)]
+"""A document's version: 0..2^53-2. One short of :data:`Count` because :data:`ANY_VERSION` must lie above
+every version and still be an integer RFC 8785 canonical JSON carries (what a command's signature covers)."""
+
+VersionBound = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT)]
+"""An exclusive upper bound on a version (``below_version``), at most :data:`ANY_VERSION`."""
+ANY_VERSION = MAX_SAFE_INT
+"""``below_version`` of a deleted document: above every :data:`DocumentVersion`, so every version matches."""
 
 SmallCount = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]
 """A count stored in a Postgres INTEGER column (token offset, inventory chunk number)."""
@@ -132,8 +138,8 @@ def _check_document_tag(value: str) -> str:
     check_identifier(doc_id)
     if len(doc_id) > MAX_ID_CHARS:
         raise ValueError(f"document id longer than {MAX_ID_CHARS} characters")
-    if int(version) > MAX_SAFE_INT:
-        raise ValueError(f"document version above {MAX_SAFE_INT}")
+    if int(version) > MAX_DOCUMENT_VERSION:
+        raise ValueError(f"document version above {MAX_DOCUMENT_VERSION}")
     return value
 
 
@@ -143,7 +149,7 @@ DocumentTag = Annotated[
     StringConstraints(pattern=r"^[\s\S]+@(?:0|[1-9][0-9]*)$", max_length=MAX_TAG_CHARS),
     AfterValidator(_check_document_tag),
 ]
-"""``doc_id@version`` as it appears in a block's prefix (a :data:`Name` and a :data:`Count`)."""
+"""``doc_id@version`` as it appears in a block's prefix (a :data:`Name` and a :data:`DocumentVersion`)."""
 
 CacheScopeLabel = Literal["public", "tenant", "user"]
 StorageTier = Literal["device", "host", "disk"]
@@ -205,7 +211,7 @@ class DocumentUpdated(EventPayload):
     TYPE: ClassVar[str] = "DocumentUpdated"
     TENANT_REQUIRED: ClassVar[bool] = True
     doc_id: Name
-    version: Count
+    version: DocumentVersion
 
 
 class DocumentDeleted(EventPayload):
@@ -539,8 +545,21 @@ EVENT_TYPES: dict[str, type[EventPayload]] = {
 # ---------------------------------------------------------------------------
 
 
+class RecordSignature(_Model):
+    """Who signed an envelope and how: ``kid`` names the Ed25519 key (hex of the first 16 bytes of the
+    SHA-256 of its raw public key), ``sig`` is the unpadded base64url signature over the RFC 8785
+    canonical JSON of the envelope without ``signature`` (``identity.signing``, ``docs/events.md``)."""
+
+    kid: str = Field(pattern=r"^[0-9a-f]{32}$")
+    sig: str = Field(pattern=r"^[A-Za-z0-9_-]{86}$")
+
+
 class Envelope(_Model):
-    """One record value. ``event_id`` is the idempotency key of the consumers' inbox."""
+    """One record value. ``event_id`` is the idempotency key of the consumers' inbox.
+
+    ``signature`` is absent on records nobody signs (customer events); commands carry the
+    coordinator's, kv-events and acks their node's. It is left out of the encoding when unset.
+    """
 
     event_id: uuid.UUID
     type: str
@@ -548,6 +567,7 @@ class Envelope(_Model):
     occurred_at: AwareDatetime
     tenant_id: Name | None
     payload: SerializeAsAny[EventPayload]
+    signature: RecordSignature | None = Field(None, exclude_if=lambda value: value is None)
 
     @field_validator("occurred_at", mode="before")
     @classmethod

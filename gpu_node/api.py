@@ -41,21 +41,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from events.schema import MAX_SAFE_INT, Count, Name
-from gpu_node.engine import (
-    AsyncEngine,
-    GenerationDone,
-    GenerationRequest,
-    PromptStats,
-    PromptTooLongError,
-    SamplingParams,
-    TokenDelta,
-)
+from events.schema import MAX_SAFE_INT, DocumentVersion, Name
+from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
-from identity.metrics_access import scrape_refusal
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import RequestLimits
 from gpu_node.versions import Staleness, VersionRegistry
+from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
 from identity.tokens import AuthError, Operator, TokenVerifier
 
@@ -165,13 +157,13 @@ class DocumentField(BaseModel):
     """The ``document`` extension of a message: whose text this is and who may read it.
 
     Its fields travel into block provenance, kv-events and the ledger, so they carry the
-    event contract's bounds (no control characters, at most 256 characters, 0..2^53-1).
+    event contract's bounds (no control characters, at most 256 characters, versions 0..2^53-2).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     id: Name
-    version: Count
+    version: DocumentVersion
     auth_scope: Name
 
 

@@ -27,8 +27,15 @@ from the beginning at every start: commands below its group's committed offset
 were applied in an earlier life and only rebuild the registry; later ones are
 applied and acked now. The node reports ready only once it has consumed up to the
 end offsets it saw at start, so a node that was down applies what it missed
-before it serves (DESIGN §6). The registry is therefore as complete as the
+before it serves. The registry is therefore as complete as the
 topic's retention: retention must outlive the longest-lived document version.
+
+Trust. Only commands signed by the coordinator's command key, which the node pins
+(``identity.coordinator_public_key_file``), are applied, remembered or answered —
+also during the replay at start. An unsigned, tampered or otherwise-signed record is
+dead-lettered and counted (the node's ``kvledger_unverified_commands_total``) the first time it
+is met and ignored on every later replay. Acks leave signed with the node's own key
+(the publisher's signer). See ``docs/security.md``, "Node identity and signed records".
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from events import schema, topics
 from events.codec import decode_event
@@ -55,6 +63,7 @@ from gpu_node import snapshots
 from gpu_node.block_pool import BlockRemoved, IndexKey, PoolEvent, RemovalEvidence, RemovalReason, Tier
 from gpu_node.crypto import DataKeyProvider
 from gpu_node.kv_cache_utils import BlockProvenance
+from identity.signing import SIGNATURE_ERROR, signature_problem
 
 if TYPE_CHECKING:
     from gpu_node.engine import AsyncEngine
@@ -493,6 +502,7 @@ class CommandConsumer:
         publisher: NodePublisher,
         kafka: KafkaSettings,
         *,
+        command_key: Ed25519PublicKey,
         poll_timeout_ms: int = 200,
         max_records: int = 100,
         initial_backoff_s: float = 0.1,
@@ -504,6 +514,7 @@ class CommandConsumer:
         self.node_id = publisher.node_id
         self.group_id = f"kvledger-node-{self.node_id}"
         self.replayed = asyncio.Event()
+        self._command_key = command_key
         self._poll_timeout_ms = poll_timeout_ms
         self._top_up_ms = kafka.top_up_ms
         self._max_records = max_records
@@ -516,7 +527,7 @@ class CommandConsumer:
             auto_offset_reset="earliest",
             fetch_max_wait_ms=kafka.fetch_max_wait_ms,
         )
-        self._producer = EventProducer(kafka)
+        self._producer = EventProducer(kafka, sign=publisher.signer)
         self._committed: dict[TopicPartition, int] = {}
         # Records handled in this run whose offsets are not committed yet → the ack to publish (None: no ack).
         self._unacked: dict[tuple[TopicPartition, int], schema.Envelope | None] = {}
@@ -659,10 +670,7 @@ class CommandConsumer:
         """Handle one partition's records in order; ``handled[tp]`` follows the last one done, acks go to ``sending``."""
         to_apply: list[tuple[int, schema.Invalidate]] = []
         for record in records:
-            try:
-                envelope, error = decode_event(record.value), None
-            except schema.EventValidationError as exc:
-                envelope, error = None, str(exc)
+            envelope, error = self._verified(record)
             key = (tp, record.offset)
             if (
                 envelope is not None
@@ -679,6 +687,17 @@ class CommandConsumer:
                 sending.append(asyncio.create_task(self._producer.send(ack)))
             handled[tp] = record.offset + 1
         await self._apply(tp, to_apply, handled, sending)
+
+    def _verified(self, record: ConsumerRecord) -> tuple[schema.Envelope | None, str | None]:
+        """(envelope, None) for a valid command signed by the pinned coordinator key; (None, why) otherwise."""
+        try:
+            envelope = decode_event(record.value)
+        except schema.EventValidationError as exc:
+            return None, str(exc)
+        problem = signature_problem(envelope, self._command_key)
+        if problem is not None:
+            return None, SIGNATURE_ERROR + problem
+        return envelope, None
 
     async def _apply(
         self,
@@ -772,3 +791,5 @@ class CommandConsumer:
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
         await send_to_dead_letter(self._producer, record, error, self.group_id)
+        if error.startswith(SIGNATURE_ERROR):
+            self.engine.metrics.unverified_commands.labels(reason=error.removeprefix(SIGNATURE_ERROR)).inc()

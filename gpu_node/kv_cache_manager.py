@@ -29,14 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_node.block_pool import BlockPool, BlockRemoved, BlockState, CacheEntry, PoolEvent, RemovalReason
-from gpu_node.kv_cache_utils import (
-    TENANT_WIDE_AUTH_SCOPE,
-    BlockKey,
-    BlockProvenance,
-    CacheScope,
-    Principal,
-    compute_shadow_hashes,
-)
+from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, BlockKey, BlockProvenance, CacheScope, Principal, compute_shadow_hashes
 from gpu_node.metrics import MissReason, NodeMetrics
 
 _REMOVAL_TO_MISS = {

@@ -67,6 +67,12 @@ class NodeMetrics:
             ["type", "cause"],
             registry=r,
         )
+        self.unverified_commands = Counter(
+            "kvledger_unverified_commands",
+            "Records on kvledger.commands dead-lettered because they are not signed by the pinned coordinator key, by reason",
+            ["reason"],
+            registry=r,
+        )
         self._num_requests = 0
         self._num_hit_requests = 0
         self._num_prompt_tokens = 0

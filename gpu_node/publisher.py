@@ -21,6 +21,9 @@ one the broker refused after later records were stamped leaves a gap, which the
 coordinator notices and answers with an ``InventoryRequested``. A send whose outcome is
 unknown (timeout, lost connection) is retried with the *same bytes*: a seq the broker
 may already hold is never reused for different content.
+
+Every record is signed with the node's own key (``signer``; ``docs/security.md``):
+the coordinator applies only kv-events signed by the key enrolled for their node id.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.topics import DEAD_LETTER, KV_EVENTS, route
 from gpu_node import block_pool
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +111,8 @@ class NodePublisher:
         subject_key: bytes,
         publish_interval_s: float = 0.05,
         heartbeat_interval_s: float = 5.0,
+        *,
+        signer: EnvelopeSigner,
     ) -> None:
         self.engine = engine
         self.kafka = kafka
@@ -120,7 +126,8 @@ class NodePublisher:
         self._unacked: list[_Record] = []
         """Stamped records whose send failed ambiguously; they go out again, identical, before anything new."""
         self._letters: list[DeadLetter] = []
-        self._producer = EventProducer(kafka)
+        self.signer = signer
+        self._producer = EventProducer(kafka, sign=signer)
         self._tasks: list[asyncio.Task] = []
         self._send_lock = asyncio.Lock()
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import os
 import re
 import threading
 from collections.abc import Callable
@@ -30,18 +29,15 @@ from pathlib import Path
 import httpx
 
 from events.schema import subject_digest
-from identity.tokens import JWT_SECRET_ENV, issue_token
 from gpu_node.crypto import KEY_BYTES, KEY_ID_HEX_CHARS, DataKeyProvider, LocalKeyStore
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+from gpu_node.node_identity import node_signing_key
 from gpu_node.settings import NodeSettings
+from identity.node_credentials import issue_node_credential
 
 log = logging.getLogger(__name__)
 
-NODE_ROLE = "node"
-"""The role the coordinator requires for its key endpoints (``coordinator.auth.NODE``)."""
-NODE_TOKEN_TENANT = "kvledger-nodes"
-"""Tokens must name a tenant; a node's token acts for no tenant, so it names this placeholder."""
-NODE_TOKEN_TTL_S = 60
+NODE_CREDENTIAL_TTL_S = 30
 DEFAULT_TIMEOUT_S = 2.0
 _RESOLVE_ATTEMPTS = 2
 
@@ -51,8 +47,8 @@ _KEY_ID = re.compile(rf"[0-9a-f]{{{KEY_ID_HEX_CHARS}}}")
 class CoordinatorKeyProvider:
     """A :class:`gpu_node.crypto.DataKeyProvider` backed by the coordinator; see the module docstring.
 
-    ``token_factory`` returns a bearer token with role ``node``; it is called
-    per request, so a short token lifetime costs nothing. ``subject_key`` is
+    ``token_factory`` returns the node's bearer credential; it is called per
+    request, so a short credential lifetime costs nothing. ``subject_key`` is
     the deployment's subject digest key: the coordinator files user keys under
     the keyed digest of (tenant, subject), never the raw subject id.
     """
@@ -182,7 +178,7 @@ class CoordinatorKeyProvider:
         return True
 
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response | None:
-        """One request with a fresh node token; None when the coordinator is unreachable. Logs failures, never keys."""
+        """One request with a fresh node credential; None when the coordinator is unreachable. Logs failures, never keys."""
         try:
             response = self._client.request(
                 method, path, headers={"Authorization": f"Bearer {self._token_factory()}"}, **kwargs
@@ -218,35 +214,20 @@ def _parse_key(response: httpx.Response) -> tuple[str, bytes] | None:
 def data_key_provider(settings: NodeSettings, data_dir: Path) -> DataKeyProvider:
     """The node's key provider: the coordinator's key service when ``coordinator_url`` is set, else a local store.
 
-    The node signs its own short-lived ``node`` tokens with the shared HS256
-    secret (``auth.jwt_secret`` or ``KVLEDGER_JWT_SECRET``); a node configured
-    only with an EdDSA public key cannot sign, which is refused here.
+    The node authenticates with credentials only its own key can make
+    (``identity.node_credentials``): a fresh EdDSA JWT per request, signed with the
+    node key (``gpu_node.node_identity``), which the coordinator accepts once that key
+    is enrolled for this node id. No shared secret is involved.
     """
     if settings.coordinator_url is None:
         subject_key = None if settings.subject_key is None else settings.subject_key.get_secret_value().encode()
         return LocalKeyStore(data_dir / "keys.json", subject_key)
     if settings.subject_key is None:
         raise ValueError("coordinator_url needs the subject key (KVLEDGER_SUBJECT_KEY) shared with the coordinator")
-    secret = (
-        settings.auth.jwt_secret.get_secret_value()
-        if settings.auth.jwt_secret is not None
-        else os.environ.get(JWT_SECRET_ENV)
-    )
-    if not secret:
-        raise ValueError(
-            f"coordinator_url needs an HS256 secret (auth.jwt_secret or {JWT_SECRET_ENV}) to sign the node's key-service token"
-        )
-    audience = settings.auth.audience
+    node_key = node_signing_key(settings)
+    node_id = settings.node_id
 
-    def token() -> str:
-        return issue_token(
-            tenant=NODE_TOKEN_TENANT,
-            sub=settings.node_id,
-            roles=[NODE_ROLE],
-            ttl_s=NODE_TOKEN_TTL_S,
-            secret=secret,
-            audience=audience,
-        )
+    def credential() -> str:
+        return issue_node_credential(node_key, node_id, NODE_CREDENTIAL_TTL_S)
 
-    token()  # fail at start, not on the first demotion, if the secret is unusable (too short)
-    return CoordinatorKeyProvider(settings.coordinator_url, token, settings.subject_key.get_secret_value().encode())
+    return CoordinatorKeyProvider(settings.coordinator_url, credential, settings.subject_key.get_secret_value().encode())

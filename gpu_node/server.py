@@ -11,12 +11,14 @@ from pathlib import Path
 
 import uvicorn
 
-from gpu_node.api import create_app
 from events.kafka import KafkaSettings
+from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
+from gpu_node.node_identity import node_signing_key, pinned_command_key
 from gpu_node.publisher import NodePublisher
 from gpu_node.settings import NodeSettings
+from identity.signing import EnvelopeSigner
 from identity.tokens import TokenVerifier
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
         settings.subject_key.get_secret_value().encode(),
         publish_interval_s=settings.publish_interval_s,
         heartbeat_interval_s=settings.heartbeat_interval_s,
+        signer=EnvelopeSigner(node_signing_key(settings)),
     )
     engine.manager.event_sink = publisher.on_pool_events
     engine.snapshot_sink = publisher.on_snapshot_written
@@ -94,7 +97,7 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
 def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings) -> CommandConsumer:
     """The command side of the ledger hook; built after :func:`make_publisher` (it taps the event sink the publisher set)."""
     handler = InvalidationHandler(engine, publisher.subject_key)
-    return CommandConsumer(handler, publisher, kafka_settings(settings))
+    return CommandConsumer(handler, publisher, kafka_settings(settings), command_key=pinned_command_key(settings))
 
 
 async def serve(settings: NodeSettings) -> None:

@@ -16,11 +16,7 @@ import os
 from pathlib import Path
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
 from events.schema import Name
@@ -56,6 +52,21 @@ class RequestLimits(BaseModel):
     """Largest ``max_tokens``/``max_completion_tokens``; the model's context bounds it further."""
 
 
+class IdentitySettings(BaseModel):
+    """Who the node is to the coordinator, and whom it trusts for commands (``docs/security.md``).
+
+    ``key_file``: the node's own Ed25519 private key (PEM); unset, ``node_key.pem`` in the
+    data dir, created at first start. Its public key must be enrolled at the coordinator
+    (``kvledger nodes enroll``) before the coordinator trusts the node's kv-events, acks
+    and key-service credentials. ``coordinator_public_key_file``: the coordinator's command
+    public key (PEM), pinned: a node on Kafka applies only commands signed by it and
+    refuses to start without it.
+    """
+
+    key_file: Path | None = None
+    coordinator_public_key_file: Path | None = None
+
+
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
 
@@ -75,6 +86,7 @@ class NodeSettings(BaseSettings):
     """Operators' tokens (``platform-admin`` writes snapshots); unset, no operator endpoint answers."""
     cache: CacheSettings = CacheSettings()
     limits: RequestLimits = RequestLimits()
+    identity: IdentitySettings = IdentitySettings()
     # The ledger hooks are optional: without a broker the node runs standalone.
     # The stack-wide variables are honoured because one operator sets them once
     # for every process (see coordinator/settings.py).

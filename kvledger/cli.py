@@ -38,6 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--jwt-public-key", help="EdDSA public key (PEM) instead of KVLEDGER_JWT_SECRET")
     node.set_defaults(func=_lazy("gpu_node.server:cli"))
 
+    nodes = commands.add_parser("nodes", help="node keys and their enrollment at the coordinator").add_subparsers(
+        dest="nodes_command", required=True
+    )
+    nodes_key = nodes.add_parser("key", help="print a node's public key (PEM), creating its key in the data dir if missing")
+    nodes_key.add_argument("--data-dir", default=".kvledger/node-0")
+    nodes_key.add_argument("--key-file", help="the node's key file, when not DATA_DIR/node_key.pem")
+    nodes_key.set_defaults(func=_lazy("kvledger.nodes:key_cli"))
+    nodes_enroll = nodes.add_parser("enroll", help="enroll a node's public key in the coordinator's registry")
+    nodes_enroll.add_argument("--node-id", required=True)
+    nodes_enroll.add_argument("--public-key", required=True, help="PEM file, e.g. from `kvledger nodes key`")
+    nodes_enroll.add_argument("--database-url", help="defaults to KVLEDGER_DATABASE_URL or .kvledger/stack.json")
+    nodes_enroll.set_defaults(func=_lazy("kvledger.nodes:enroll_cli"))
+    nodes_revoke = nodes.add_parser("revoke", help="revoke a node's key (all of its keys without --key-id)")
+    nodes_revoke.add_argument("--node-id", required=True)
+    nodes_revoke.add_argument("--key-id")
+    nodes_revoke.add_argument("--database-url", help="defaults to KVLEDGER_DATABASE_URL or .kvledger/stack.json")
+    nodes_revoke.set_defaults(func=_lazy("kvledger.nodes:revoke_cli"))
+
     token = commands.add_parser("token", help="print a signed end-user or operator JWT for local use")
     token.add_argument("--tenant", required=True)
     token.add_argument("--sub", required=True)

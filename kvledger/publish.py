@@ -26,15 +26,7 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from events.kafka import KAFKA_SHARED_ENV, EventProducer, KafkaSettings, ensure_topics
-from events.schema import (
-    DocumentDeleted,
-    DocumentUpdated,
-    Envelope,
-    ErasureRequested,
-    EventPayload,
-    PermissionRevoked,
-    make_event,
-)
+from events.schema import DocumentDeleted, DocumentUpdated, Envelope, ErasureRequested, EventPayload, PermissionRevoked, make_event
 from events.topics import route
 
 STACK_FILE = Path(".kvledger") / "stack.json"

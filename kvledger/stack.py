@@ -9,6 +9,12 @@ metrics token (the bearer token of every ``/metrics``, recorded in ``stack.json`
 scrapers), generated once per state directory and kept there with mode 0600; an
 Ed25519 operator key pair (``operator_key.pem``, 0600, and ``operator_key.pub.pem``)
 signs operator tokens, and the coordinator and nodes verify them with its public half.
+
+Trust (``docs/security.md``): the coordinator alone gets the master key, the database
+URL and the command signing key (``command_key.pem`` in the state dir). Each node gets
+its own key (``node_key.pem`` in its data dir), enrolled in the registry after the
+migrations, and pins the command public key (``command_key.pub``); no node process
+sees the master key, the database credentials or any other signing key.
 """
 
 from __future__ import annotations
@@ -27,11 +33,21 @@ from pathlib import Path
 import httpx
 
 from coordinator.migrate import upgrade
+from gpu_node.node_identity import NODE_KEY_FILE
+from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair
 from kvledger.model_init import build_tiny_model
+from kvledger.nodes import enroll_node_key
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
 
 READY_TIMEOUT_S = 120.0
+COORDINATOR_ONLY_ENV = (
+    "KVLEDGER_MASTER_KEY",
+    "KVLEDGER_DATABASE_URL",
+    "KVLEDGER_COMMAND_SIGNING_KEY",
+    "KVLEDGER_RECEIPT_SIGNING_KEY",
+)
+"""Never in a node's environment, even when the shell that runs ``kvledger up`` has them."""
 
 
 def _secret(path: Path, make=lambda: secrets.token_urlsafe(32)) -> str:
@@ -124,34 +140,46 @@ async def up(args: argparse.Namespace) -> None:
         jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
         operator_private_key, operator_public_key = _operator_key_pair(state_dir)
         metrics_token = os.environ.get("KVLEDGER_METRICS_TOKEN") or _secret(state_dir / "metrics_token")
-        env = os.environ | {
-            "KVLEDGER_JWT_SECRET": jwt_secret,
-            "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
-            # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
-            "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
-            "KVLEDGER_DATABASE_URL": database_url,
-            "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        shared_env = {
             "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
             "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
             "KVLEDGER_METRICS_TOKEN": metrics_token,
+            "KVLEDGER_JWT_SECRET": jwt_secret,
+            "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
+            "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
         }
+        command_key = load_or_create_private_key(state_dir / "command_key.pem")
+        command_public_key_file = state_dir / "command_key.pub"
+        command_public_key_file.write_bytes(public_key_pem(command_key.public_key()))
+        coordinator_env = os.environ | shared_env | {
+            # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
+            "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
+            "KVLEDGER_DATABASE_URL": database_url,
+            "KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(command_key).decode(),
+        }
+        node_env = {name: value for name, value in os.environ.items() if name not in COORDINATOR_ONLY_ENV} | shared_env | {
+            "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(command_public_key_file),
+        }
+        node_ids = [f"node-{index}" for index in range(args.nodes)]
+        for node_id in node_ids:
+            node_key = load_or_create_private_key(state_dir / node_id / NODE_KEY_FILE)
+            await enroll_node_key(database_url, node_id, node_key.public_key())
         logs = state_dir / "logs"
         logs.mkdir(exist_ok=True)
 
         coordinator_port = args.port - 100
         coordinator_url = f"http://127.0.0.1:{coordinator_port}"
-        coordinator = _spawn(["coordinator", "--port", str(coordinator_port)], env, logs / "coordinator.log")
+        coordinator = _spawn(["coordinator", "--port", str(coordinator_port)], coordinator_env, logs / "coordinator.log")
         processes.append(coordinator)
         # nodes fetch their data keys from the coordinator, so it must answer first
         await _wait_ready(coordinator_url, coordinator, "coordinator")
-        env["KVLEDGER_COORDINATOR_URL"] = coordinator_url
+        node_env["KVLEDGER_COORDINATOR_URL"] = coordinator_url
         node_urls = []
-        for index in range(args.nodes):
+        for index, node_id in enumerate(node_ids):
             port = args.port + index
-            node_id = f"node-{index}"
             node = _spawn(
                 ["node", "--model", str(model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(state_dir / node_id)],
-                env,
+                node_env,
                 logs / f"{node_id}.log",
             )
             processes.append(node)

@@ -19,8 +19,6 @@ shared by those directories (``ledger_helpers``, ``node_harness``) live beside t
 
 from __future__ import annotations
 
-
-
 import asyncio
 import os
 import socket
@@ -32,6 +30,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
+from ledger_helpers import SigningProducer
 
 from coordinator.api import create_app
 from coordinator.consumers import kafka_settings
@@ -62,8 +61,9 @@ def service_mode() -> str:
 
 def _docker_or_skip() -> None:
     try:
-        import docker  # installed with testcontainers
         import testcontainers  # noqa: F401
+
+        import docker  # installed with testcontainers
     except ImportError:
         pytest.skip("KVLEDGER_TEST_SERVICES=containers needs `pip install 'testcontainers[postgres]'`")
     try:
@@ -220,7 +220,9 @@ async def database(settings: CoordinatorSettings) -> AsyncIterator[Database]:
 
 @pytest.fixture(scope="module")
 async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer]:
-    async with EventProducer(kafka_settings(settings)) as producer:
+    """Signs commands, kv-events and acks as their real senders would (see ``SigningProducer``)."""
+    database_url = settings.database.url.get_secret_value()
+    async with SigningProducer(kafka_settings(settings), database_url) as producer:
         yield producer
 
 

@@ -1,32 +1,39 @@
 """Helpers for the coordinator ledger integration tests: a fresh database per module, the coordinator's
 consumers in the test's event loop, waiting, event builders, consumer groups that start at the end of the
-shared broker's topics."""
+shared broker's topics, and the keys every party signs with (the coordinator's command key, one key per
+test node, enrolled on first use)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import UTC, datetime
+from pathlib import Path
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from coordinator.consumers import run_consumers
 from coordinator.settings import CoordinatorSettings
-from events.schema import EventValidationError, StoredBlock
+from events.kafka import EventProducer, KafkaSettings
+from events.schema import Envelope, EventValidationError, StoredBlock
+from events.topics import ACKS, COMMANDS, KV_EVENTS, route
+from gpu_node.node_identity import NODE_KEY_FILE
+from identity.signing import EnvelopeSigner, private_key_pem, public_key_pem, sign_envelope
 from identity.tokens import issue_token
+from kvledger.nodes import enroll_node_key
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
 """The end users' HS256 secret (the nodes' ``auth``); the coordinator accepts no token signed with it."""
@@ -63,6 +70,69 @@ def operator_token(role: str, tenant: str = "acme", *, sub: str = "operator-1", 
 
 def operator_headers(role: str, tenant: str = "acme") -> dict[str, str]:
     return {"Authorization": f"Bearer {operator_token(role, tenant)}"}
+
+
+COMMAND_KEY = Ed25519PrivateKey.generate()
+"""The test session's coordinator command key: coordinator settings sign with it, test nodes pin it."""
+COMMAND_SIGNING_KEY = private_key_pem(COMMAND_KEY).decode()
+sign_command = EnvelopeSigner(COMMAND_KEY)
+
+
+@functools.cache
+def command_public_key_file() -> Path:
+    """The command public key as a PEM file, for ``NodeSettings.identity.coordinator_public_key_file``."""
+    path = Path(tempfile.mkdtemp(prefix="kvledger-command-key-")) / "command_key.pub"
+    path.write_bytes(public_key_pem(COMMAND_KEY.public_key()))
+    return path
+
+
+def node_key(node_id: str) -> Ed25519PrivateKey:
+    """The test key of ``node_id``: derived from the id, so fake nodes, real nodes and enrollment agree on it."""
+    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"kvledger-test-node:{node_id}".encode()).digest())
+
+
+def install_node_key(data_dir: Path, node_id: str) -> None:
+    """Put ``node_id``'s test key where a node keeps its own (``node_key.pem`` in its data dir)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / NODE_KEY_FILE
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_bytes(private_key_pem(node_key(node_id)))
+
+
+async def enroll_nodes(database_url: str, node_ids: Iterable[str]) -> None:
+    """Enroll the test keys of ``node_ids`` in the ledger at ``database_url``."""
+    for node_id in node_ids:
+        await enroll_node_key(database_url, node_id, node_key(node_id).public_key())
+
+
+class SigningProducer(EventProducer):
+    """The tests' producer: signs what the real party would — commands with :data:`COMMAND_KEY`, kv-events
+    and acks with their node's :func:`node_key` (enrolled in ``database_url`` on first use) — and leaves
+    customer events unsigned. Tests of unsigned or forged records use a plain :class:`EventProducer`."""
+
+    def __init__(self, settings: KafkaSettings, database_url: str | None = None) -> None:
+        super().__init__(settings)
+        self._database_url = database_url
+        self._enrolled: set[str] = set()
+
+    async def signed(self, envelope: Envelope) -> Envelope:
+        topic, _ = route(envelope)
+        if topic == COMMANDS:
+            return sign_command(envelope)
+        if topic not in (KV_EVENTS, ACKS):
+            return envelope
+        node_id = envelope.payload.node_id
+        if self._database_url is not None and node_id not in self._enrolled:
+            await enroll_nodes(self._database_url, [node_id])
+            self._enrolled.add(node_id)
+        return sign_envelope(envelope, node_key(node_id))
+
+    async def send(self, envelope: Envelope, *, topic: str | None = None, key: str | None = None):
+        return await super().send(await self.signed(envelope), topic=topic, key=key)
+
+    async def send_many(self, envelopes: Iterable[Envelope]):
+        return await super().send_many([await self.signed(envelope) for envelope in envelopes])
 
 
 class RunningConsumers:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, command_public_key_file, eventually, install_node_key
 
 from gpu_node.api import create_app as create_node_app
 from gpu_node.engine import AsyncEngine
@@ -28,7 +28,11 @@ TIMEOUT_S = 30.0
 
 
 def node_settings(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str, cache: CacheSettings, **extra) -> NodeSettings:
-    """A node of the test session: its broker, the tests' subject key and JWT secret, a fast publisher."""
+    """A node of the test session: its broker, the tests' subject key and JWT secret, a fast publisher, the
+    test key of ``node_id`` as its own (enroll it with ``ledger_helpers.enroll_nodes`` where a coordinator
+    checks it) and the tests' command key pinned."""
+    install_node_key(data_dir, node_id)
+    extra.setdefault("identity", {"coordinator_public_key_file": command_public_key_file()})
     return NodeSettings(
         node_id=node_id,
         model_dir=model_dir,

@@ -51,6 +51,22 @@ def _wait_for(condition, what: str, timeout_s: float, process: subprocess.Popen,
         time.sleep(0.2)
 
 
+def _environment_of(argv_items: list[str]) -> dict[str, str]:
+    """The environment of the one running process whose command line holds all of ``argv_items``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if all(item.encode() in argv for item in argv_items):
+                found.append(dict(line.split("=", 1) for line in (proc / "environ").read_text().split("\0") if "=" in line))
+        except OSError:
+            continue  # exited meanwhile
+    assert len(found) == 1, f"expected one process running {argv_items}, found {len(found)}"
+    return found[0]
+
+
 def _stack_file(state_dir: Path):
     path = state_dir / "stack.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -133,6 +149,16 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
             assert httpx.get(f"{url}/metrics").status_code == 401
             assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401
             assert httpx.get(f"{url}/metrics", headers=scraper).status_code == 200
+
+        # The node proves who it is with its own key (its kv-events reached the ledger above, so it is
+        # enrolled), pins the command key, and holds none of the coordinator's secrets.
+        for key_file in (state_dir / "node-0" / "node_key.pem", state_dir / "command_key.pem"):
+            assert key_file.stat().st_mode & 0o777 == 0o600
+        assert (state_dir / "command_key.pub").read_text().startswith("-----BEGIN PUBLIC KEY-----")
+        node_env = _environment_of(["kvledger.cli", "node", "--node-id", "node-0", "--data-dir", str(state_dir / "node-0")])
+        assert node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"] == str(state_dir / "command_key.pub")
+        for secret in ("KVLEDGER_MASTER_KEY", "KVLEDGER_DATABASE_URL", "KVLEDGER_COMMAND_SIGNING_KEY"):
+            assert secret not in node_env
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, fresh_database, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, fresh_database, stored
 
 from coordinator import migrate
 from coordinator.api import create_app
@@ -22,16 +22,7 @@ from coordinator.db import Database
 from coordinator.ingest import LedgerIngest
 from coordinator.settings import CoordinatorSettings
 from events.kafka import ConsumedEvent
-from events.schema import (
-    BlockRemoved,
-    BlockStored,
-    NodeHeartbeat,
-    NodeStarted,
-    RemovedBlock,
-    SnapshotWritten,
-    make_event,
-    subject_digest,
-)
+from events.schema import BlockRemoved, BlockStored, NodeHeartbeat, NodeStarted, RemovedBlock, SnapshotWritten, make_event, subject_digest
 from events.topics import KV_EVENTS
 from identity.tokens import issue_token
 
@@ -89,7 +80,7 @@ async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
             database={"url": url},
             auth={"jwt_secret": JWT_SECRET},
             operator_auth=OPERATOR_AUTH,
-            ledger={"subject_key": SUBJECT_KEY, "heartbeat_timeout_s": 30},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "heartbeat_timeout_s": 30},
             metrics={"token": METRICS_TOKEN},
         )
 
@@ -99,7 +90,7 @@ async def seeded(settings: CoordinatorSettings) -> None:
     """node-a (alive): public + handbook on device, alice on host, removed handbook, snapshot of alice.
     node-b (silent for an hour): bob on disk, globex on device."""
     database = Database(settings.database)
-    ingest = LedgerIngest(database, inventory_retry_s=60)
+    ingest = LedgerIngest(database, inventory_retry_s=60, command_signer=settings.command_signer())
     now = datetime.now(UTC)
     a = [
         make_event(NodeStarted(node_id="node-a", epoch=1, seq=0, namespace="ns-test")),
@@ -338,7 +329,12 @@ async def test_open_endpoints(client: httpx.AsyncClient) -> None:
 
 async def test_readyz_is_false_until_migrated(database_url: str) -> None:
     async with fresh_database(database_url) as url:
-        settings = CoordinatorSettings(database={"url": url}, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH)
+        settings = CoordinatorSettings(
+            database={"url": url},
+            auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY},
+        )
         app = create_app(settings)
         transport = httpx.ASGITransport(app=app)
         async with (

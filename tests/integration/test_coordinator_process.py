@@ -18,14 +18,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, eventually, fresh_database, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, SigningProducer, eventually, fresh_database, stored
 from sqlalchemy import func, select
 
 from coordinator import migrate
 from coordinator.db import Database
 from coordinator.models import InboxEntry, Node, Placement
 from coordinator.settings import CoordinatorSettings
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka import KafkaSettings
 from events.schema import BlockStored, NodeStarted, make_event
 
 NUM_EVENTS = 300
@@ -53,6 +53,7 @@ class CoordinatorProcess:
             "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
             "KVLEDGER_JWT_SECRET": JWT_SECRET,
             "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
+            "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
             "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
             "KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS": "20",
         }
@@ -104,7 +105,7 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(
     coordinator = CoordinatorProcess(ledger_url, kafka_bootstrap, group_id, tmp_path / "coordinator.log")
     try:
         await coordinator.start()
-        async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+        async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap), ledger_url) as producer:
             await producer.send_many(envelopes)
 
         async def some_applied() -> bool:

@@ -23,12 +23,11 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, enroll_nodes, fresh_database, node_key
 from sqlalchemy import select
 
 from coordinator import migrate
 from coordinator.api import create_app
-from coordinator.auth import NODE
 from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService, MasterKeyError
 from coordinator.settings import CoordinatorSettings
@@ -37,8 +36,10 @@ from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig, Tier, 
 from gpu_node.crypto import LocalKeyStore, unseal
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.remote_keys import NODE_ROLE, CoordinatorKeyProvider, data_key_provider
+from gpu_node.node_identity import NODE_KEY_FILE
+from gpu_node.remote_keys import CoordinatorKeyProvider, data_key_provider
 from gpu_node.settings import NodeSettings
+from identity.node_credentials import issue_node_credential
 from identity.settings import IssuerSettings
 from identity.tokens import issue_token
 from kvledger.net import loopback_listener
@@ -54,23 +55,28 @@ ISSUED_KEYS: list[bytes] = []
 """Every key material a test saw, for the no-keys-in-logs check at the end of the module."""
 
 
-def _node_token(roles=(NODE_ROLE,)) -> str:
-    return issue_token(tenant="kvledger-nodes", sub="node-t", roles=roles, ttl_s=60, secret=JWT_SECRET)
+NODE_ID = "node-t"
+"""The node these tests act as; its test key is enrolled in the module's ledger."""
 
 
-def _auth(roles=(NODE_ROLE,)) -> dict[str, str]:
-    return {"Authorization": f"Bearer {_node_token(roles)}"}
+def _node_token() -> str:
+    return issue_node_credential(node_key(NODE_ID), NODE_ID)
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {_node_token()}"}
 
 
 @pytest.fixture(scope="module")
 async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
+        await enroll_nodes(url, [NODE_ID])
         yield CoordinatorSettings(
             database={"url": url},
             auth={"jwt_secret": JWT_SECRET},
             operator_auth=OPERATOR_AUTH,
-            ledger={"subject_key": SUBJECT_KEY},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
             keys={"master_key": base64.b64encode(MASTER_KEY).decode()},
         )
 
@@ -203,7 +209,12 @@ async def test_http_api(coordinator_url: str, service: KeyService, settings: Coo
             return response.status_code, body["code"]
 
         assert error(await client.get(f"/v1/keys/{key_id}")) == (401, "missing_token")
-        assert error(await client.get(f"/v1/keys/{key_id}", headers=_auth(roles=("admin",)))) == (403, "insufficient_role")
+        # A token minted with the end-user secret is no node credential, whatever roles it claims.
+        user = issue_token(tenant="kvledger-nodes", sub=NODE_ID, roles=["node", "admin"], ttl_s=60, secret=JWT_SECRET)
+        assert error(await client.get(f"/v1/keys/{key_id}", headers={"Authorization": f"Bearer {user}"})) == (
+            401,
+            "invalid_token",
+        )
         assert error(await client.get("/v1/keys/" + "0" * 32, headers=_auth())) == (404, "key_not_found")
         assert error(await client.get("/v1/keys/not-a-key-id", headers=_auth()))[0] == 400
         bad = {"tenant_id": "acme", "subject_hash": "alice"}
@@ -345,7 +356,6 @@ async def test_unreachable_coordinator_means_no_key() -> None:
 
 def test_node_settings_choose_the_key_provider(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLEDGER_JWT_SECRET", raising=False)
-    assert NODE == NODE_ROLE
     local = NodeSettings(data_dir=tmp_path, auth=IssuerSettings(jwt_secret=JWT_SECRET), coordinator_url=None)
     assert isinstance(data_key_provider(local, tmp_path), LocalKeyStore)
     remote = NodeSettings(
@@ -354,10 +364,14 @@ def test_node_settings_choose_the_key_provider(tmp_path, monkeypatch: pytest.Mon
     provider = data_key_provider(remote, tmp_path)
     assert isinstance(provider, CoordinatorKeyProvider)
     provider.close()
+    # The node signs its key-service credentials with its own key, created at first use, owner-only.
+    assert (tmp_path / NODE_KEY_FILE).stat().st_mode & 0o777 == 0o600
     with pytest.raises(ValueError, match="subject key"):
         data_key_provider(remote.model_copy(update={"subject_key": None}), tmp_path)
-    with pytest.raises(ValueError, match="HS256 secret"):
-        data_key_provider(remote.model_copy(update={"auth": IssuerSettings()}), tmp_path)
+    # No shared secret is involved any more: a node without one still gets its keys.
+    keyless = data_key_provider(remote.model_copy(update={"auth": IssuerSettings()}), tmp_path)
+    assert isinstance(keyless, CoordinatorKeyProvider)
+    keyless.close()
     monkeypatch.setenv("KVLEDGER_NODE_COORDINATOR_URL", "http://node-specific")
     monkeypatch.setenv("KVLEDGER_COORDINATOR_URL", "http://shared")
     assert NodeSettings().coordinator_url == "http://node-specific"

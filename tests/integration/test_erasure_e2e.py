@@ -32,7 +32,18 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database, operator_headers
+from ledger_helpers import (
+    COMMAND_SIGNING_KEY,
+    JWT_SECRET,
+    OPERATOR_AUTH,
+    SUBJECT_KEY,
+    RunningConsumers,
+    connect,
+    enroll_nodes,
+    eventually,
+    fresh_database,
+    operator_headers,
+)
 from node_harness import ServedNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -168,7 +179,7 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
             kafka={"bootstrap": kafka_bootstrap, "group_id": group},
             auth={"jwt_secret": JWT_SECRET},
             operator_auth=OPERATOR_AUTH,
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.5},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.5},
             keys={"master_key": MASTER_KEY},
         )
         await kafka.ensure_topics(kafka_settings(settings))
@@ -180,6 +191,7 @@ async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, t
         suffix = uuid.uuid4().hex[:6]
         root = tmp_path_factory.mktemp("erasure-nodes")
         nodes: list[Node] = []
+        await enroll_nodes(url, [f"erase-{name}-{suffix}" for name in ("a", "b")])
         try:
             for name in ("a", "b"):
                 settings_of_node = node_settings(

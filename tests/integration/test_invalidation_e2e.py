@@ -35,7 +35,17 @@ import httpx
 import openai
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, operator_headers
+from ledger_helpers import (
+    COMMAND_SIGNING_KEY,
+    JWT_SECRET,
+    OPERATOR_AUTH,
+    SUBJECT_KEY,
+    RunningConsumers,
+    enroll_nodes,
+    eventually,
+    fresh_database,
+    operator_headers,
+)
 from node_harness import Served, ServedNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -111,37 +121,46 @@ class Node(ServedNode):
 
 
 @pytest.fixture(scope="module")
-async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[str]:
-    """The coordinator's consumers and HTTP API on a fresh ledger; yields the API's base URL."""
+async def ledger_url(database_url: str) -> AsyncIterator[str]:
+    """A fresh, migrated ledger database (where the nodes' keys are enrolled)."""
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(upgrade, url)
-        group = f"e2e-{uuid.uuid4().hex[:8]}"
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": group},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
-        )
-        await kafka.ensure_topics(kafka_settings(settings))
-        await start_groups_at_end(
-            kafka_bootstrap,
-            consumer_groups(group),
-        )
-        consumers = await RunningConsumers(settings).start()
-        api = await Served(create_coordinator_app(settings)).start()
-        try:
-            yield api.url
-        finally:
-            await api.stop()
-            await consumers.stop()
+        yield url
 
 
 @pytest.fixture(scope="module")
-async def nodes(coordinator: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[list[Node]]:
-    """Two nodes, ready, and registered in the coordinator's ledger (so every decision targets both)."""
+async def coordinator(ledger_url: str, kafka_bootstrap: str) -> AsyncIterator[str]:
+    """The coordinator's consumers and HTTP API on a fresh ledger; yields the API's base URL."""
+    group = f"e2e-{uuid.uuid4().hex[:8]}"
+    settings = CoordinatorSettings(
+        database={"url": ledger_url},
+        kafka={"bootstrap": kafka_bootstrap, "group_id": group},
+        auth={"jwt_secret": JWT_SECRET},
+        operator_auth=OPERATOR_AUTH,
+        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
+    )
+    await kafka.ensure_topics(kafka_settings(settings))
+    await start_groups_at_end(
+        kafka_bootstrap,
+        consumer_groups(group),
+    )
+    consumers = await RunningConsumers(settings).start()
+    api = await Served(create_coordinator_app(settings)).start()
+    try:
+        yield api.url
+    finally:
+        await api.stop()
+        await consumers.stop()
+
+
+@pytest.fixture(scope="module")
+async def nodes(
+    coordinator: str, ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory
+) -> AsyncIterator[list[Node]]:
+    """Two nodes, enrolled, ready, and registered in the coordinator's ledger (so every decision targets both)."""
     suffix = uuid.uuid4().hex[:6]
     root = tmp_path_factory.mktemp("e2e-nodes")
+    await enroll_nodes(ledger_url, [f"e2e-{name}-{suffix}" for name in ("a", "b")])
     started = []
     try:
         for name in ("a", "b"):

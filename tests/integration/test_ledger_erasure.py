@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from ledger_helpers import (
+    COMMAND_SIGNING_KEY,
     JWT_SECRET,
     OPERATOR_AUTH,
     SUBJECT_KEY,
@@ -78,6 +79,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
             auth={"jwt_secret": JWT_SECRET},
             operator_auth=OPERATOR_AUTH,
             ledger={
+                "command_signing_key": COMMAND_SIGNING_KEY,
                 "subject_key": SUBJECT_KEY,
                 "outbox_poll_s": 0.1,
                 "inventory_retry_s": 3600,

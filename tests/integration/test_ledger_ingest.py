@@ -12,23 +12,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
 from coordinator import migrate
 from coordinator.db import Database
-from coordinator.models import (
-    Block,
-    BlockAuthScope,
-    BlockDocument,
-    DeadLetterCount,
-    InboxEntry,
-    Node,
-    OutboxEntry,
-    Placement,
-    Snapshot,
-)
+from coordinator.models import Block, BlockAuthScope, BlockDocument, DeadLetterCount, InboxEntry, Node, OutboxEntry, Placement, Snapshot
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_key
 from events.kafka import EventProducer
@@ -51,9 +41,7 @@ from events.schema import (
     parse_event,
     subject_digest,
 )
-from events.schema import (
-    Placement as InventoryPlacement,
-)
+from events.schema import Placement as InventoryPlacement
 from events.topics import COMMANDS, DEAD_LETTER, KV_EVENTS
 
 
@@ -69,7 +57,7 @@ async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings
     return CoordinatorSettings(
         database={"url": ledger_url},
         kafka={"bootstrap": kafka_bootstrap, "group_id": f"ledger-test-{uuid.uuid4().hex[:8]}"},
-        ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
+        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
     )
 
 

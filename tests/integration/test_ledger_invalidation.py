@@ -27,7 +27,19 @@ import httpx
 import pytest
 import uvicorn
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import (
+    COMMAND_SIGNING_KEY,
+    JWT_SECRET,
+    OPERATOR_AUTH,
+    OPERATOR_PRIVATE_KEY_PEM,
+    SUBJECT_KEY,
+    RunningConsumers,
+    eventually,
+    fresh_database,
+    scan_topic,
+    sign_command,
+    stored,
+)
 from prometheus_client import REGISTRY
 from sqlalchemy import func, inspect, pool, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -36,17 +48,7 @@ from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.db import Database
 from coordinator.invalidation import ANY_VERSION, InvalidationHandler, lock_decisions
-from coordinator.models import (
-    DeadLetterCount,
-    Document,
-    Invalidation,
-    InvalidationTarget,
-    Namespace,
-    Node,
-    OutboxEntry,
-    Placement,
-    Policy,
-)
+from coordinator.models import DeadLetterCount, Document, Invalidation, InvalidationTarget, Namespace, Node, OutboxEntry, Placement, Policy
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
 from events.kafka import ConsumedEvent, EventProducer
@@ -78,7 +80,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"invalidation-test-{uuid.uuid4().hex[:8]}"},
             auth={"jwt_secret": JWT_SECRET},
             operator_auth=OPERATOR_AUTH,
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
         )
 
 
@@ -576,7 +578,7 @@ async def test_a_decision_with_no_registered_node_is_complete_at_once(database_u
         await asyncio.to_thread(migrate.upgrade, url)
         database = Database(DatabaseSettings(url=url))
         try:
-            handler = InvalidationHandler(database, erasures=_NoErasures())
+            handler = InvalidationHandler(database, erasures=_NoErasures(), command_signer=sign_command)
             event = make_event(DocumentUpdated(doc_id="guide", version=2), tenant_id="solo")
             consumed = ConsumedEvent(
                 topic=DOCUMENTS, partition=0, offset=0, key="solo:guide", timestamp_ms=0, envelope=event

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import RunningConsumers, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, RunningConsumers, SigningProducer, eventually, fresh_database, scan_topic, stored
 from sqlalchemy import func, select
 
 from coordinator import migrate
@@ -23,16 +23,7 @@ from coordinator.consumers import kafka_settings
 from coordinator.db import Database
 from coordinator.models import Node, OutboxEntry, Placement
 from coordinator.settings import CoordinatorSettings
-from events.kafka import EventProducer
-from events.schema import (
-    BlockRemoved,
-    BlockStored,
-    InventoryRequested,
-    NodeStarted,
-    RemovedBlock,
-    make_event,
-    parse_event,
-)
+from events.schema import BlockRemoved, BlockStored, InventoryRequested, NodeStarted, RemovedBlock, make_event, parse_event
 from events.topics import COMMANDS
 
 NUM_NODES = 12
@@ -45,7 +36,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
         yield CoordinatorSettings(
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"replicas-{uuid.uuid4().hex[:8]}"},
-            ledger={"outbox_poll_s": 0.1, "inventory_retry_s": 3600},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
         )
 
 
@@ -99,7 +90,7 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
         node_ids = [f"replica-{prefix}-{i}" for i in range(NUM_NODES)]
         gapped = set(node_ids[::2])
         expected: dict[str, set[str]] = {}
-        async with EventProducer(kafka_settings(settings)) as producer:
+        async with SigningProducer(kafka_settings(settings), settings.database.url.get_secret_value()) as producer:
             envelopes = []
             for node_id in node_ids:
                 blocks = [stored(f"{node_id}/{i}", "device") for i in range(3)]

@@ -2,8 +2,8 @@
 
 Each node is what ``gpu_node.server.serve`` runs — engine, publisher, command
 consumer — in-process, with its HTTP app driven over ASGI. Commands are written
-to ``kvledger.commands`` with :class:`events.kafka.EventProducer`; acks are read
-back from ``kvledger.acks``.
+to ``kvledger.commands`` signed with the tests' command key (``ledger_helpers.SigningProducer``),
+which the nodes pin; acks are read back from ``kvledger.acks``.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, SigningProducer, eventually, scan_topic
+from node_harness import NodeServices, node_settings
 from prometheus_client import REGISTRY
 
 from events import schema, topics
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka import KafkaSettings
 from gpu_node.api import create_app
 from gpu_node.block_pool import Tier
 from gpu_node.commands import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, eventually, scan_topic
-from node_harness import NodeServices, node_settings
 
 SYSTEM = "You answer questions from the tenant handbook, briefly."
 KEY = SUBJECT_KEY.encode()
@@ -102,7 +102,7 @@ def chat(doc_id: str, version: int, question: str = "What is the leave policy?")
 
 async def publish(kafka_bootstrap: str, predicate, tenant: str | None) -> schema.Invalidate:
     command = schema.Invalidate(command_id=uuid.uuid4(), predicate=predicate, cutoff=datetime.now(UTC))
-    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+    async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
         await producer.send(schema.make_event(command, tenant_id=tenant))
     return command
 
@@ -240,7 +240,7 @@ async def test_inventory_requests_are_answered_and_malformed_commands_dead_lette
     node = await Node(make_settings("i")).start()
     try:
         request_id = uuid.uuid4()
-        async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+        async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
             await producer.send_raw(topics.COMMANDS, b'{"type": "Invalidate", "not": "an envelope"}', topics.BROADCAST_TARGET.encode())
             await producer.send(schema.make_event(schema.InventoryRequested(node_id=node.node_id, request_id=request_id)))
         tenant = f"acme-{uuid.uuid4().hex[:6]}"

@@ -8,6 +8,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, enroll_nodes, eventually, fresh_database
+from node_harness import NodeServices, node_settings
 
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
@@ -15,8 +17,6 @@ from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import CacheSettings, NodeSettings
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
-from node_harness import NodeServices, node_settings
 
 PRINCIPALS = [
     Principal("acme", "alice", frozenset({"hr"}), {"hr": 1}),
@@ -95,7 +95,7 @@ async def coordinator(database_url, kafka_bootstrap):
         settings = CoordinatorSettings(
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"coordinator-{uuid.uuid4().hex[:8]}"},
-            ledger={"subject_key": SUBJECT_KEY},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
             auth={"jwt_secret": JWT_SECRET},
         )
         consumers = await RunningConsumers(settings).start()
@@ -105,8 +105,10 @@ async def coordinator(database_url, kafka_bootstrap):
 
 async def test_ledger_equals_every_node_inventory_after_random_traffic(coordinator, kafka_bootstrap, tiny_model_dir, tmp_path):
     suffix = uuid.uuid4().hex[:6]
+    node_ids = [f"n{i}-{suffix}" for i in range(2)]
+    await enroll_nodes(coordinator, node_ids)
     nodes = [
-        await Node(settings_for(f"n{i}-{suffix}", tiny_model_dir, tmp_path / f"n{i}", kafka_bootstrap)).start() for i in range(2)
+        await Node(settings_for(node_id, tiny_model_dir, tmp_path / node_id, kafka_bootstrap)).start() for node_id in node_ids
     ]
     try:
         rng = random.Random(7)
@@ -137,6 +139,7 @@ async def _equal(database_url: str, node_id: str, expected: set[tuple[str, str]]
 async def test_node_restart_drops_memory_placements_and_keeps_verified_disk(coordinator, kafka_bootstrap, tiny_model_dir, tmp_path):
     node_id = f"restart-{uuid.uuid4().hex[:6]}"
     settings = settings_for(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap)
+    await enroll_nodes(coordinator, [node_id])
     node = await Node(settings).start()
     rng = random.Random(11)
     try:

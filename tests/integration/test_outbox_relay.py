@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from aiokafka.errors import KafkaConnectionError
-from ledger_helpers import fresh_database, scan_topic
+from ledger_helpers import COMMAND_KEY, COMMAND_SIGNING_KEY, fresh_database, scan_topic, sign_command
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -23,6 +23,7 @@ from events.codec import decode_event
 from events.kafka import EventProducer
 from events.schema import DocumentPredicate, Invalidate, make_event
 from events.topics import COMMANDS
+from identity.signing import verify_envelope
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,9 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
         yield CoordinatorSettings(
-            database={"url": url}, kafka={"bootstrap": kafka_bootstrap, "group_id": f"relay-{uuid.uuid4().hex[:8]}"}
+            database={"url": url},
+            kafka={"bootstrap": kafka_bootstrap, "group_id": f"relay-{uuid.uuid4().hex[:8]}"},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY},
         )
 
 
@@ -47,13 +50,15 @@ class _LostMidBatch(EventProducer):
 def _commands(tenant: str, num_commands: int) -> list:
     now = datetime.now(UTC)
     return [
-        make_event(
-            Invalidate(
-                command_id=uuid.uuid4(),
-                predicate=DocumentPredicate(tenant=tenant, doc_id=f"doc-{i}", below_version=2),
-                cutoff=now,
-            ),
-            tenant_id=tenant,
+        sign_command(
+            make_event(
+                Invalidate(
+                    command_id=uuid.uuid4(),
+                    predicate=DocumentPredicate(tenant=tenant, doc_id=f"doc-{i}", below_version=2),
+                    cutoff=now,
+                ),
+                tenant_id=tenant,
+            )
         )
         for i in range(num_commands)
     ]
@@ -94,9 +99,11 @@ async def test_a_batch_that_cannot_be_published_stays_unsent_and_is_relayed_in_o
     published: list[uuid.UUID] = []
 
     def visit(record) -> bool:
-        payload = decode_event(record.value).payload
-        if isinstance(payload, Invalidate) and payload.command_id in command_ids:
-            published.append(payload.command_id)
+        envelope = decode_event(record.value)
+        if isinstance(envelope.payload, Invalidate) and envelope.payload.command_id in command_ids:
+            # The relay publishes the signed bytes the decision wrote; nodes verify them against the pinned key.
+            assert verify_envelope(envelope, COMMAND_KEY.public_key())
+            published.append(envelope.payload.command_id)
         return len(published) == len(expected)
 
     await scan_topic(settings.kafka.bootstrap, COMMANDS, visit)

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 from aiokafka.errors import KafkaError
-from ledger_helpers import SUBJECT_KEY, scan_topic
+from ledger_helpers import SUBJECT_KEY, node_key, scan_topic
 
 from events import schema, topics
 from events.codec import DeadLetter
@@ -16,12 +16,19 @@ from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 from gpu_node.publisher import MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
+from identity.signing import EnvelopeSigner, verify_envelope
 
 
 async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(tiny_model_dir, tmp_path, kafka_bootstrap):
     node_id = f"pub-{uuid.uuid4().hex[:6]}"
     engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
-    publisher = NodePublisher(engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode())
+    publisher = NodePublisher(
+        engine,
+        KafkaSettings(bootstrap=kafka_bootstrap),
+        node_id,
+        SUBJECT_KEY.encode(),
+        signer=EnvelopeSigner(node_key(node_id)),
+    )
     await publisher.start(tmp_path / "node")
     num_blocks = 2 * MAX_BLOCKS_PER_RECORD + 500
     token_ids = list(range(num_blocks * 16 + 1))
@@ -34,8 +41,10 @@ async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(
         records: list[schema.BlockStored] = []
 
         def collect(record) -> bool:
-            payload = schema.parse_event(record.value).payload
+            envelope = schema.parse_event(record.value)
+            payload = envelope.payload
             if isinstance(payload, schema.BlockStored) and payload.node_id == node_id:
+                assert verify_envelope(envelope, node_key(node_id).public_key()), "every record is signed by the node's key"
                 records.append(payload)
             return sum(len(r.blocks) for r in records) == num_blocks
 

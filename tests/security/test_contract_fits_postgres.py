@@ -2,7 +2,7 @@
 
 Values are generated from the contract's bounded types — identifiers of any Unicode
 except control characters and surrogates, up to the length limit; counts up to
-2^53-1; token offsets up to 2^31-1 — wrapped in the contract's models, and ingested
+2^53-1 (document versions 2^53-2); token offsets up to 2^31-1 — wrapped in the contract's models, and ingested
 by the coordinator's real handlers (kv-events ingest, decisions, erasures) into a
 migrated database. Every row then holds exactly the values sent. A value the contract
 accepts but the database refuses would stall a consumer, so this is the property that
@@ -29,6 +29,7 @@ from coordinator.models import Base, Block, BlockAuthScope, BlockDocument, Docum
 from coordinator.settings import DatabaseSettings
 from events.kafka import ConsumedEvent
 from events.schema import (
+    MAX_DOCUMENT_VERSION,
     MAX_ID_CHARS,
     MAX_INT32,
     MAX_REASON_CHARS,
@@ -51,6 +52,7 @@ IDS = st.one_of(
     st.text(_ID_CHARS, min_size=MAX_ID_CHARS, max_size=MAX_ID_CHARS),
 )
 COUNTS = st.one_of(st.integers(0, MAX_SAFE_INT), st.just(MAX_SAFE_INT))
+DOCUMENT_VERSIONS = st.one_of(st.integers(0, MAX_DOCUMENT_VERSION), st.just(MAX_DOCUMENT_VERSION))
 REASONS = st.text(st.characters(exclude_categories=("Cc", "Cs")) | st.sampled_from("\t\n"), min_size=1, max_size=MAX_REASON_CHARS)
 
 
@@ -64,7 +66,7 @@ def ledger_cases(draw) -> dict:
         "auth_scope": draw(IDS),
         "policy_version": draw(COUNTS),
         "doc_id": draw(IDS),
-        "doc_version": draw(COUNTS),
+        "doc_version": draw(DOCUMENT_VERSIONS),
         "token_offset": draw(st.one_of(st.integers(0, MAX_INT32), st.just(MAX_INT32))),
         "snapshot_id": draw(IDS),
         "subject_id": draw(IDS),

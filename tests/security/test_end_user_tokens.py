@@ -53,7 +53,8 @@ OPEN_ROUTES = {
     ("GET", "/v1/audit/checkpoint"),
 }
 DATA_KEY_ROUTES = {("POST", "/v1/keys/resolve"), ("GET", "/v1/keys/{key_id}")}
-"""The nodes' data key endpoints: they check node credentials of their own (tests/integration/test_data_keys.py)."""
+"""The nodes' data key endpoints: they take only node credentials (tests/security/test_node_enrollment.py), so
+operators are refused there too; end users get the same 401 as everywhere else."""
 CLAIMED_ROLES = (["admin"], ["platform-admin"], ["tenant-admin"], ["privacy-officer"], ["auditor"], ["node"], ["platform-admin", "node"])
 PATH_VALUES = {"erasure_id": str(uuid.uuid4()), "receipt_id": str(uuid.uuid4()), "command_id": str(uuid.uuid4()), "namespace": "ns-x", "key_id": "0" * 32}
 BODIES = {"/v1/erasures": {"tenant_id": "acme", "subject_id": "alice", "reason": "r"}, "/v1/keys/resolve": {"tenant_id": "acme"}}
@@ -116,7 +117,7 @@ async def test_end_user_tokens_act_at_no_coordinator_route(coordinator, roles) -
     for tenant in ("acme", "platform"):
         token = issue_token(tenant=tenant, sub="mallory", scopes=["hr"], roles=roles, secret=JWT_SECRET)
         for method, path in routes:
-            if (method, path) in OPEN_ROUTES | DATA_KEY_ROUTES:
+            if (method, path) in OPEN_ROUTES:
                 continue
             response = await _call(client, method, path, {"Authorization": f"Bearer {token}"})
             assert _error(response) == (401, "invalid_token"), (method, path)

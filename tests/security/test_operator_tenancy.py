@@ -20,16 +20,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from ledger_helpers import (
-    JWT_SECRET,
-    OPERATOR_AUTH,
-    SUBJECT_KEY,
-    RunningConsumers,
-    eventually,
-    fresh_database,
-    operator_headers,
-    stored,
-)
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, operator_headers, stored
 from sqlalchemy import func, select
 
 from coordinator import migrate

@@ -30,15 +30,7 @@ from coordinator.db import Database
 from coordinator.models import Document, InboxEntry, Invalidation, Namespace, Node, Policy
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_event, encode_key
-from events.schema import (
-    DocumentUpdated,
-    ErasureRequested,
-    EventPayload,
-    NodeHeartbeat,
-    NodeStarted,
-    PermissionRevoked,
-    make_event,
-)
+from events.schema import DocumentUpdated, ErasureRequested, EventPayload, NodeHeartbeat, NodeStarted, PermissionRevoked, make_event
 from events.topics import DEAD_LETTER, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, route
 
 BAD_IDS = {

@@ -60,3 +60,18 @@ def test_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_rejects_non_postgres_url() -> None:
     with pytest.raises(ValueError, match="postgresql"):
         CoordinatorSettings(database={"url": "mysql://x/y"})
+
+
+def test_command_signer_is_required_and_must_be_an_ed25519_pem(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from identity.signing import key_id, private_key_pem
+
+    with pytest.raises(ValueError, match="KVLEDGER_COMMAND_SIGNING_KEY"):
+        CoordinatorSettings().command_signer()
+    key = Ed25519PrivateKey.generate()
+    monkeypatch.setenv("KVLEDGER_COMMAND_SIGNING_KEY", private_key_pem(key).decode())
+    assert CoordinatorSettings().command_signer().key_id == key_id(key.public_key())
+    monkeypatch.setenv("KVLEDGER_COMMAND_SIGNING_KEY", "not a key")
+    with pytest.raises(ValueError, match="KVLEDGER_COMMAND_SIGNING_KEY: not an unencrypted PEM private key"):
+        CoordinatorSettings().command_signer()

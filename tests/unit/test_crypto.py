@@ -8,17 +8,8 @@ import stat
 
 import pytest
 
-from gpu_node.crypto import (
-    KEY_BYTES,
-    KEY_ID_HEX_CHARS,
-    NONCE_BYTES,
-    TAG_BYTES,
-    LocalKeyStore,
-    overwrite_and_unlink,
-    seal,
-    unseal,
-)
 from events.schema import subject_digest
+from gpu_node.crypto import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES, LocalKeyStore, overwrite_and_unlink, seal, unseal
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 
 KEY = bytes(range(32))

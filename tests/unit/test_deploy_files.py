@@ -43,6 +43,19 @@ def test_compose_has_the_production_services_wired_together():
         assert (ROOT / dockerfile).is_file()
 
 
+def test_the_node_gets_no_coordinator_secret_and_pins_the_command_key():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    node_env = services["gpu-node"]["environment"]
+    for secret in ("KVLEDGER_MASTER_KEY", "KVLEDGER_DATABASE_URL", "KVLEDGER_COMMAND_SIGNING_KEY", "KVLEDGER_RECEIPT_SIGNING_KEY"):
+        assert secret not in node_env, f"the node must not hold {secret}"
+        assert "POSTGRES_PASSWORD" not in str(node_env)
+    pinned = node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"]
+    assert [config["target"] for config in services["gpu-node"]["configs"]] == [pinned]
+    for name in ("coordinator", "migrate"):
+        assert {"KVLEDGER_DATABASE_URL", "KVLEDGER_MASTER_KEY", "KVLEDGER_COMMAND_SIGNING_KEY"} <= set(services[name]["environment"])
+
+
 def test_prometheus_scrapes_the_ports_the_services_listen_on():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     scrape = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())

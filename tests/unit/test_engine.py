@@ -12,15 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpu_node.block_pool import Tier
-from gpu_node.engine import (
-    AsyncEngine,
-    GenerationDone,
-    GenerationRequest,
-    PromptStats,
-    PromptTooLongError,
-    SamplingParams,
-    TokenDelta,
-)
+from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys, num_cacheable_blocks
 from gpu_node.metrics import MissReason
 from gpu_node.prompt import ChatMessage, render_prompt

@@ -8,14 +8,15 @@ import uuid
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
+import rfc8785
+from pydantic import ValidationError
 
-from events import topics
+from events import schema, topics
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
 from events.schema import (
     EVENT_TYPES,
     MAX_BLOCKS_PER_EVENT,
     MAX_ID_CHARS,
-    MAX_SAFE_INT,
     BlockMoved,
     BlockProvenance,
     BlockRemoved,
@@ -27,9 +28,9 @@ from events.schema import (
     Envelope,
     ErasureRequested,
     EventValidationError,
+    Invalidate,
     Inventory,
     InventoryRequested,
-    Invalidate,
     NamespacePredicate,
     NodeHeartbeat,
     NodeStarted,
@@ -420,10 +421,10 @@ def test_counts_are_bounded(path: str, payload, tenant, bad: int) -> None:
 
 def test_limits_themselves_are_accepted() -> None:
     longest = "é" * MAX_ID_CHARS  # characters, not bytes
-    event = make_event(DocumentUpdated(doc_id=longest, version=MAX_SAFE_INT), tenant_id="t" * MAX_ID_CHARS)
+    event = make_event(DocumentUpdated(doc_id=longest, version=schema.MAX_DOCUMENT_VERSION), tenant_id="t" * MAX_ID_CHARS)
     assert parse_event(encode_event(event)) == event
-    block = BlockProvenance(**provenance(documents=[f"{longest}@{MAX_SAFE_INT}"], token_offset=2**31 - 1))
-    assert block.documents == [f"{longest}@{MAX_SAFE_INT}"]
+    block = BlockProvenance(**provenance(documents=[f"{longest}@{schema.MAX_DOCUMENT_VERSION}"], token_offset=2**31 - 1))
+    assert block.documents == [f"{longest}@{schema.MAX_DOCUMENT_VERSION}"]
 
 
 def test_lone_surrogates_are_refused() -> None:
@@ -463,3 +464,14 @@ def test_reason_is_bounded_text() -> None:
     for bad in ("a\x00b", "x" * 2001, ""):
         with pytest.raises(ValueError, match="reason"):
             ErasureRequested(subject_id="a", reason=bad)
+
+
+def test_a_deletion_matches_every_document_version_and_stays_signable() -> None:
+    """``ANY_VERSION`` lies above every version a document may have, and RFC 8785 (what a command's
+    signature covers) can carry it: the largest version is one below it."""
+    assert DocumentUpdated(doc_id="d", version=schema.MAX_DOCUMENT_VERSION).version == 2**53 - 2
+    with pytest.raises(ValidationError):
+        DocumentUpdated(doc_id="d", version=schema.ANY_VERSION)
+    deletion = schema.DocumentPredicate(tenant="acme", doc_id="d", below_version=schema.ANY_VERSION)
+    assert schema.MAX_DOCUMENT_VERSION < deletion.below_version
+    assert json.loads(rfc8785.dumps(deletion.model_dump(mode="json")))["below_version"] == 2**53 - 1

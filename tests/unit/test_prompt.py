@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys, validate_segments
 from gpu_node import prompt as prompt_module
+from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys, validate_segments
 from gpu_node.prompt import ChatMessage, RenderedPrompt, render_prompt
 
 HANDBOOK = DocumentRef(doc_id="handbook", version=3, auth_scope="staff")

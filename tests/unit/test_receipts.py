@@ -63,6 +63,7 @@ def body(**overrides):
         ],
         block_hashes=BLOCKS,
         key_ids_destroyed=["ff" * 16, "ee" * 16, "ff" * 16],
+        node_keys=[("node-b", "bb" * 16), ("node-a", "aa" * 16), ("node-a", "aa" * 16)],
     )
     arguments.update(overrides)
     return build_receipt(**arguments)
@@ -109,6 +110,8 @@ def test_receipt_body_shape_and_determinism():
     assert [(e["node_id"], e["tier"]) for e in receipt["tiers"]] == [("node-a", "device"), ("node-a", "host"), ("node-b", "disk")]
     assert receipt["tiers"][0]["evidence_digest"] == hashlib.sha256(b'{"post_check":"readback_zero","slots":[1,2,3]}').hexdigest()
     assert receipt["key_ids_destroyed"] == ["ee" * 16, "ff" * 16]
+    # The node keys whose signed acks the receipt relies on: sorted, one entry per (node, key).
+    assert receipt["node_keys"] == [{"node_id": "node-a", "key_id": "aa" * 16}, {"node_id": "node-b", "key_id": "bb" * 16}]
     assert receipt["caveats"] == list(STANDARD_CAVEATS)
     # Same inputs in another order → the same bytes to sign.
     again = body(
@@ -119,6 +122,7 @@ def test_receipt_body_shape_and_determinism():
         ],
         block_hashes=list(reversed(BLOCKS)),
         key_ids_destroyed=["ee" * 16, "ff" * 16],
+        node_keys=[("node-a", "aa" * 16), ("node-b", "bb" * 16)],
     )
     assert canonical_json(again) == canonical_json(receipt)
 
@@ -164,6 +168,8 @@ def test_receipt_holds_no_subject_in_clear():
         ({"block_hashes": ["AA" * 32]}, "block hash"),
         ({"block_hashes": ["aa" * 8 + "a"]}, "block hash"),
         ({"key_ids_destroyed": [""]}, "key id"),
+        ({"node_keys": [("node-a", "not-a-key-id")]}, "node key id"),
+        ({"node_keys": [("", "aa" * 16)]}, "node_id"),
         ({"tenant_id": ""}, "tenant_id"),
     ],
 )

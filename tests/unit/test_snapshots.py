@@ -13,14 +13,7 @@ from pool_builders import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, ma
 from gpu_node.block_pool import BlockPool, BlockStored, PoolConfig, Tier
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
-from gpu_node.snapshots import (
-    MANIFEST_NAME,
-    delete_snapshot,
-    load_snapshot,
-    read_manifest,
-    remove_from_snapshot,
-    write_snapshot,
-)
+from gpu_node.snapshots import MANIFEST_NAME, delete_snapshot, load_snapshot, read_manifest, remove_from_snapshot, write_snapshot
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK

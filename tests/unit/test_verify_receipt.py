@@ -56,6 +56,7 @@ def receipt_body(i: int, count: int = 3) -> dict:
         ],
         block_hashes=[f"{i:02x}" * 32],
         key_ids_destroyed=[f"{i:02x}" * 16],
+        node_keys=[("node-a", "ab" * 16)],
     )
 
 
@@ -115,6 +116,12 @@ def test_served_receipt_verifies(log, keys, index):
     assert result.ok, failed(result)
     assert [c.name for c in result.checks] == BASE_CHECKS
     assert result.warnings and "checkpoint" in result.warnings[0]
+
+
+def test_verification_names_the_node_keys_the_evidence_is_signed_with(log, keys):
+    result = verify_served_receipt(log.serve(1), keys)
+    (receipt_format,) = [check for check in result.checks if check.name == "receipt_format"]
+    assert receipt_format.ok and receipt_format.message.endswith("evidence signed by node-a (key " + "ab" * 16 + ")")
 
 
 def test_served_receipt_verifies_against_matching_checkpoint(log, keys):

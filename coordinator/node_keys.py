@@ -1,0 +1,209 @@
+"""The enrollment registry of node keys, and the checks that rest on it.
+
+Every node has its own Ed25519 key (``identity.signing``). An operator enrolls its
+public key for the node's id (``kvledger nodes enroll``; ``kvledger up`` does it for
+its own nodes) and may revoke it (``kvledger nodes revoke``). The registry answers two
+questions for the rest of the coordinator:
+
+* the key service (``coordinator.keys_api``): is this bearer credential a live EdDSA
+  JWT signed by a key enrolled, and not revoked, for the node it names?
+* the kv-events and ack consumers (:class:`VerifiedRecords`): was this record signed by
+  a key enrolled for the ``node_id`` its payload names? A record that was not — unsigned,
+  tampered, signed by an unknown or revoked key, or a copy of one node's record
+  relabelled with another node's id — is dead-lettered, counted, and never applied or
+  counted as evidence.
+
+Lookups are cached in memory for :data:`REVOCATION_BOUND_S`; a revocation (or an
+enrollment replacing a key) therefore takes effect at every coordinator replica
+within that bound. Unknown key ids are never cached, so a newly enrolled key works at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from aiokafka.structs import ConsumerRecord
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from coordinator.db import Database
+from coordinator.models import NodeKey
+from events.codec import encode_event, encode_key
+from events.kafka import ConsumedEvent, EventProducer, Handler, send_to_dead_letter
+from events.metrics import DEAD_LETTER_TOTAL, UNVERIFIED_RECORDS_TOTAL
+from events.schema import Envelope
+from identity.node_credentials import CredentialError, credential_key_id, verify_node_credential
+from identity.signing import SIGNATURE_ERROR, UNSIGNED, WRONG_NODE, key_id, public_key_from_raw, raw_public_key, signature_problem
+
+log = logging.getLogger(__name__)
+
+REVOCATION_BOUND_S = 5.0
+"""How long a looked-up key is trusted from memory: the longest a revoked key keeps working."""
+
+
+
+@dataclass(frozen=True, slots=True)
+class EnrolledKey:
+    key_id: str
+    node_id: str
+    public_key: Ed25519PublicKey
+
+
+async def enroll(session: AsyncSession, node_id: str, public_key: Ed25519PublicKey) -> EnrolledKey:
+    """Enroll ``public_key`` for ``node_id`` (idempotent). ValueError when the key is revoked or another node's."""
+    if not node_id or len(node_id) > 256 or not node_id.isprintable():
+        raise ValueError("a node id is 1..256 printable characters")
+    kid = key_id(public_key)
+    await session.execute(
+        pg_insert(NodeKey)
+        .values(key_id=kid, node_id=node_id, public_key=raw_public_key(public_key))
+        .on_conflict_do_nothing(index_elements=[NodeKey.key_id])
+    )
+    row = (await session.execute(select(NodeKey).where(NodeKey.key_id == kid))).scalar_one()
+    if row.node_id != node_id:
+        raise ValueError(f"key {kid} is enrolled for another node")
+    if row.revoked_at is not None:
+        raise ValueError(f"key {kid} was revoked; a revoked key is never enrolled again (make a new one)")
+    return EnrolledKey(kid, node_id, public_key)
+
+
+async def revoke(session: AsyncSession, node_id: str, kid: str | None = None) -> list[str]:
+    """Revoke ``node_id``'s key ``kid`` (every live key of the node when None); returns the key ids revoked."""
+    statement = update(NodeKey).where(NodeKey.node_id == node_id, NodeKey.revoked_at.is_(None))
+    if kid is not None:
+        statement = statement.where(NodeKey.key_id == kid)
+    result = await session.execute(statement.values(revoked_at=func.now()).returning(NodeKey.key_id))
+    return sorted(result.scalars())
+
+
+class NodeKeyRegistry:
+    """Enrolled, unrevoked keys by id, cached for :data:`REVOCATION_BOUND_S` (see the module docstring)."""
+
+    def __init__(self, database: Database, cache_s: float = REVOCATION_BOUND_S) -> None:
+        if cache_s < 0:
+            raise ValueError("cache_s must not be negative")
+        self.database = database
+        self._cache_s = cache_s
+        self._cached: dict[str, tuple[float, EnrolledKey | None]] = {}
+
+    async def lookup(self, key_ids: Iterable[str]) -> dict[str, EnrolledKey]:
+        """The live enrolled keys among ``key_ids`` (one query for those not cached)."""
+        now = time.monotonic()
+        found: dict[str, EnrolledKey] = {}
+        missing: set[str] = set()
+        for kid in set(key_ids):
+            cached = self._cached.get(kid)
+            if cached is not None and now - cached[0] < self._cache_s:
+                if cached[1] is not None:
+                    found[kid] = cached[1]
+            else:
+                missing.add(kid)
+        if missing:
+            async with self.database.session() as session:
+                rows = await session.execute(
+                    select(NodeKey).where(NodeKey.key_id.in_(missing), NodeKey.revoked_at.is_(None))
+                )
+                for row in rows.scalars():
+                    found[row.key_id] = EnrolledKey(row.key_id, row.node_id, public_key_from_raw(row.public_key))
+            for kid in missing:
+                # A known key's revocation must show within the bound, so it is re-read then; an unknown
+                # id is not cached at all (enrolling it must work at once, and nobody can sign with it).
+                if kid in found:
+                    self._cached[kid] = (now, found[kid])
+                else:
+                    self._cached.pop(kid, None)
+        return found
+
+    async def authenticate(self, token: str) -> EnrolledKey:
+        """The enrolled key whose node made this credential; CredentialError (HTTP 401) otherwise."""
+        kid = credential_key_id(token)
+        enrolled = (await self.lookup([kid])).get(kid)
+        if enrolled is None:
+            raise CredentialError("unknown_node_key", "the credential's key is not enrolled, or was revoked")
+        verify_node_credential(token, enrolled.public_key, enrolled.node_id)
+        return enrolled
+
+
+def record_problem(envelope: Envelope, enrolled: dict[str, EnrolledKey]) -> str | None:
+    """Why ``envelope`` may not be trusted as its node's record (a reason label), or None when it may.
+
+    The node is the one the payload names: the signature must be by a key enrolled for
+    exactly that node id, so a copy relabelled with another node's id fails.
+    """
+    if envelope.signature is None:
+        return UNSIGNED
+    key = enrolled.get(envelope.signature.kid)
+    if key is not None and key.node_id != getattr(envelope.payload, "node_id", None):
+        return WRONG_NODE
+    return signature_problem(envelope, None if key is None else key.public_key)
+
+
+class VerifiedRecords:
+    """A consumer handler that passes on only records signed by their node; the rest are dead-lettered.
+
+    Wraps the kv-events handler (``coordinator.ingest``) and the ack handler
+    (``coordinator.invalidation``): verification is its own step between decoding and
+    applying. A rejected record goes to ``kvledger.dead-letter`` with its reason (the
+    envelope re-encoded: the consumer hands over decoded records) and is counted in
+    ``kvledger_unverified_records_total`` and the dead-letter tally. Offsets already
+    dead-lettered are remembered, so a batch redelivered after a handler failure does
+    not dead-letter or count twice.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        registry: NodeKeyRegistry,
+        dead_letters: EventProducer,
+        *,
+        group_id: str,
+        dead_letter_counter=DEAD_LETTER_TOTAL,
+    ) -> None:
+        self._handler = handler
+        self._registry = registry
+        self._dead_letters = dead_letters
+        self._group_id = group_id
+        self._counter = dead_letter_counter
+        self._dead_lettered: dict[tuple[str, int], int] = {}
+
+    async def __call__(self, events: list[ConsumedEvent]) -> None:
+        enrolled = await self._registry.lookup(
+            event.envelope.signature.kid for event in events if event.envelope.signature is not None
+        )
+        trusted = []
+        for event in events:
+            problem = record_problem(event.envelope, enrolled)
+            if problem is None:
+                trusted.append(event)
+            else:
+                await self._reject(event, problem)
+        if trusted:
+            await self._handler(trusted)
+
+    async def _reject(self, event: ConsumedEvent, reason: str) -> None:
+        partition = (event.topic, event.partition)
+        if event.offset <= self._dead_lettered.get(partition, -1):
+            return
+        record = ConsumerRecord(
+            topic=event.topic,
+            partition=event.partition,
+            offset=event.offset,
+            timestamp=event.timestamp_ms,
+            timestamp_type=0,
+            key=None if event.key is None else encode_key(event.key),
+            value=encode_event(event.envelope),
+            checksum=None,
+            serialized_key_size=-1,
+            serialized_value_size=-1,
+            headers=(),
+        )
+        await send_to_dead_letter(
+            self._dead_letters, record, SIGNATURE_ERROR + reason, self._group_id, self._counter
+        )
+        UNVERIFIED_RECORDS_TOTAL.labels(topic=event.topic, reason=reason).inc()
+        self._dead_lettered[partition] = event.offset
