@@ -20,15 +20,15 @@ import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, eventually, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, eventually, fresh_database, operator_token
 
 from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.node_keys import REVOCATION_BOUND_S
 from coordinator.settings import CoordinatorSettings
-from gpu_node.auth import issue_token
 from identity.node_credentials import issue_node_credential
 from identity.signing import key_id, load_or_create_private_key
+from identity.tokens import issue_token
 from kvledger.nodes import enroll_node_key, revoke_node_keys
 
 MASTER_KEY = base64.b64encode(os.urandom(32)).decode()
@@ -46,6 +46,7 @@ async def client(ledger_url: str) -> AsyncIterator[httpx.AsyncClient]:
     settings = CoordinatorSettings(
         database={"url": ledger_url},
         auth={"jwt_secret": JWT_SECRET},
+        operator_auth=OPERATOR_AUTH,
         ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
         keys={"master_key": MASTER_KEY},
     )
@@ -98,9 +99,8 @@ async def test_a_revoked_key_is_refused_within_the_documented_bound(client, ledg
 async def test_end_user_and_operator_tokens_are_no_node_credentials(client, ledger_url):
     end_user = issue_token(tenant="acme", sub="node-enroll", roles=["node"], ttl_s=60, secret=JWT_SECRET)
     assert await resolve(client, end_user) == (401, "invalid_token")
-    for role in ("admin", "platform-admin", "privacy-officer"):
-        operator = issue_token(tenant="acme", sub="ops", roles=[role], ttl_s=60, secret=JWT_SECRET)
-        assert await resolve(client, operator) == (401, "invalid_token")
+    for role in ("platform-admin", "privacy-officer", "tenant-admin"):
+        assert await resolve(client, operator_token(role, "acme")) == (401, "invalid_token")
     # Signed by an enrolled node key, but an end-user token's shape (no node issuer or key-service audience).
     key = Ed25519PrivateKey.generate()
     await enroll_node_key(ledger_url, "node-shape", key.public_key())

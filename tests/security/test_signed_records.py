@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ledger_helpers import (
     COMMAND_SIGNING_KEY,
     JWT_SECRET,
+    OPERATOR_AUTH,
     SUBJECT_KEY,
     RunningConsumers,
     SigningProducer,
@@ -48,11 +49,11 @@ from events import kafka, schema, topics
 from events.codec import DeadLetter, decode_event
 from events.kafka import EventProducer, KafkaSettings
 from gpu_node.api import create_app
-from gpu_node.auth import TokenVerifier, issue_token
 from gpu_node.block_pool import Tier
 from gpu_node.commands import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.signing import key_id, sign_envelope
+from identity.tokens import TokenVerifier, issue_token
 
 KEY = SUBJECT_KEY.encode()
 SYSTEM = "You answer questions from the tenant handbook, briefly."
@@ -231,6 +232,7 @@ async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"signed-{uuid.uuid4().hex[:8]}"},
             auth={"jwt_secret": JWT_SECRET},
+            operator_auth=OPERATOR_AUTH,
             ledger={
                 "command_signing_key": COMMAND_SIGNING_KEY,
                 "subject_key": SUBJECT_KEY,
