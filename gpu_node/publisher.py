@@ -87,11 +87,6 @@ class _Record:
     seq: int
 
 
-def encode_envelope(envelope: schema.Envelope) -> bytes:
-    """The bytes of one kv-events record: the single place an envelope of this node becomes bytes."""
-    return encode_event(envelope)
-
-
 def next_epoch(data_dir: Path) -> int:
     """A restart counter persisted beside the node's data: each start is a new epoch."""
     path = data_dir / "epoch"
@@ -127,9 +122,14 @@ class NodePublisher:
         """Stamped records whose send failed ambiguously; they go out again, identical, before anything new."""
         self._letters: list[DeadLetter] = []
         self.signer = signer
-        self._producer = EventProducer(kafka, sign=signer)
+        self._producer = EventProducer(kafka)
         self._tasks: list[asyncio.Task] = []
         self._send_lock = asyncio.Lock()
+
+    def _encode(self, envelope: schema.Envelope) -> bytes:
+        """The bytes of one kv-events record, signed with the node's key: the single place an envelope of
+        this node becomes bytes, so every record the coordinator receives is signed (retries resend these bytes)."""
+        return encode_event(self.signer(envelope))
 
     async def start(self, data_dir: Path) -> None:
         """Announce the new epoch and a full inventory before block events flow."""
@@ -245,7 +245,7 @@ class NodePublisher:
         for payload in payloads:
             stamped_seq = seq if payload.TYPE == "NodeStarted" else seq + 1
             envelope = schema.make_event(payload.model_copy(update={"seq": stamped_seq}))
-            value = encode_envelope(envelope)
+            value = self._encode(envelope)
             if len(value) > MAX_RECORD_BYTES:
                 self._dead_letter_locally(payload.TYPE, "too_large", f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
                 continue
@@ -368,7 +368,7 @@ class NodePublisher:
             try:
                 envelope = schema.make_event(schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq))
                 topic, key = route(envelope)
-                await self._producer.send_raw(topic, encode_envelope(envelope), encode_key(key))
+                await self._producer.send_raw(topic, self._encode(envelope), encode_key(key))
             except Exception:  # noqa: BLE001 - liveness is best effort; the coordinator notices silence
                 log.exception("heartbeat failed")
 

@@ -301,11 +301,13 @@ async def test_metrics_need_the_metrics_token(client: httpx.AsyncClient) -> None
 async def test_metrics_are_disabled_without_a_metrics_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLEDGER_METRICS_TOKEN", raising=False)
     monkeypatch.delenv("KVLEDGER_COORDINATOR_METRICS__TOKEN", raising=False)
-    settings = CoordinatorSettings(auth={"jwt_secret": JWT_SECRET})
+    settings = CoordinatorSettings(
+        auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH, ledger={"command_signing_key": COMMAND_SIGNING_KEY}
+    )
     assert settings.metrics.token is None
     transport = httpx.ASGITransport(app=create_app(settings))
     async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
-        for headers in ({}, token("admin")):
+        for headers in ({}, token("platform-admin")):
             response = await client.get("/metrics", headers=headers)
             assert response.status_code == 404
             assert response.json()["error"]["code"] == "metrics_disabled"

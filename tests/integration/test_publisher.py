@@ -63,7 +63,9 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
 ):
     node_id = f"pub-{uuid.uuid4().hex[:6]}"
     engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
-    publisher = NodePublisher(engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode())
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
     await publisher.start(tmp_path / "node")
     principal = Principal("acme", "alice", frozenset({"hr"}))
     token_ids = list(range(3 * 16 + 1))
@@ -129,7 +131,9 @@ async def test_an_ambiguous_send_failure_resends_identical_bytes(tiny_model_dir,
     """A send whose outcome is unknown keeps its seq *and* its bytes: the retry cannot carry different content."""
     node_id = f"pub-{uuid.uuid4().hex[:6]}"
     engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
-    publisher = NodePublisher(engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode())
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
     await publisher.start(tmp_path / "node")
     keys = compute_block_keys("ns-publisher", list(range(33)), [Segment(0, 33, CacheScope.PUBLIC)], Principal("acme", "bob"), 16)
     try:

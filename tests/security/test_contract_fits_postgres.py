@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ledger_helpers import SUBJECT_KEY, fresh_database
+from ledger_helpers import SUBJECT_KEY, fresh_database, sign_command
 from sqlalchemy import select, text
 
 from coordinator import migrate
@@ -145,9 +145,11 @@ async def test_whatever_the_contract_accepts_postgres_returns_unchanged(database
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
         database = Database(DatabaseSettings(url=url))
-        ingest = LedgerIngest(database, inventory_retry_s=3600)
-        erasures = ErasureService(database, subject_key=SUBJECT_KEY.encode(), receipt_keys=ReceiptKeys(None, None))
-        decisions = InvalidationHandler(database, erasures=erasures)
+        ingest = LedgerIngest(database, inventory_retry_s=3600, command_signer=sign_command)
+        erasures = ErasureService(
+            database, subject_key=SUBJECT_KEY.encode(), receipt_keys=ReceiptKeys(None, None), command_signer=sign_command
+        )
+        decisions = InvalidationHandler(database, erasures=erasures, command_signer=sign_command)
         loop = asyncio.get_running_loop()
 
         # Hypothesis drives a synchronous function: it runs in a worker thread and hands each

@@ -28,7 +28,15 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, SUBJECT_KEY, fresh_database, operator_headers
+from ledger_helpers import (
+    COMMAND_SIGNING_KEY,
+    JWT_SECRET,
+    OPERATOR_AUTH,
+    OPERATOR_PUBLIC_KEY_FILE,
+    SUBJECT_KEY,
+    fresh_database,
+    operator_headers,
+)
 from pydantic import ValidationError
 from starlette.routing import Route
 
@@ -86,7 +94,7 @@ async def coordinator(database_url: str) -> AsyncIterator[tuple[httpx.AsyncClien
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
         settings = CoordinatorSettings(
-            database={"url": url}, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH, ledger={"subject_key": SUBJECT_KEY}
+            database={"url": url}, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH, ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY}
         )
         app = create_coordinator_app(settings)
         routes = sorted(set(_walk(app.routes)))

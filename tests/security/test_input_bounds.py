@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, enroll_nodes, eventually, fresh_database
 from node_harness import ServedNode, node_settings
 
 from coordinator.migrate import upgrade
@@ -36,7 +36,7 @@ async def ledger_url(database_url: str, kafka_bootstrap: str) -> AsyncIterator[s
         settings = CoordinatorSettings(
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"bounds-{uuid.uuid4().hex[:8]}"},
-            ledger={"subject_key": SUBJECT_KEY},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
             auth={"jwt_secret": JWT_SECRET},
         )
         consumers = await RunningConsumers(settings).start()
@@ -46,8 +46,10 @@ async def ledger_url(database_url: str, kafka_bootstrap: str) -> AsyncIterator[s
 
 @pytest.fixture(scope="module")
 async def node(ledger_url: str, kafka_bootstrap: str, tiny_model_dir, tmp_path_factory) -> AsyncIterator[ServedNode]:
+    node_id = f"bounds-{uuid.uuid4().hex[:6]}"
+    await enroll_nodes(ledger_url, [node_id])
     settings = node_settings(
-        f"bounds-{uuid.uuid4().hex[:6]}",
+        node_id,
         tiny_model_dir,
         tmp_path_factory.mktemp("bounds-node"),
         kafka_bootstrap,

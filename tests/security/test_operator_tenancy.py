@@ -20,7 +20,18 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, RunningConsumers, eventually, fresh_database, operator_headers, stored
+from ledger_helpers import (
+    COMMAND_SIGNING_KEY,
+    JWT_SECRET,
+    OPERATOR_AUTH,
+    SUBJECT_KEY,
+    RunningConsumers,
+    eventually,
+    fresh_database,
+    operator_headers,
+    sign_command,
+    stored,
+)
 from sqlalchemy import func, select
 
 from coordinator import migrate
@@ -56,7 +67,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"tenancy-{uuid.uuid4().hex[:8]}"},
             auth={"jwt_secret": JWT_SECRET},
             operator_auth=OPERATOR_AUTH,
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.2},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.2},
             keys={"master_key": base64.b64encode(os.urandom(32)).decode()},
         )
 
@@ -72,7 +83,7 @@ async def _decide(database: Database, predicate) -> str:
     async with database.session() as session, session.begin():
         now = await begin_ledger_transaction(session)
         await lock_decisions(session)
-        decision = await decide(session, predicate, now=now, trigger="api", requested_at=now)
+        decision = await decide(session, predicate, now=now, trigger="api", requested_at=now, signer=sign_command)
     return str(decision.command_id)
 
 
@@ -101,7 +112,7 @@ async def world(settings: CoordinatorSettings, database: Database, client: httpx
         namespace_invalidation_id = await _decide(database, NamespacePredicate(ns="ns-gone"))
 
         hour_ago = datetime.now(UTC) - timedelta(hours=1)
-        await LedgerIngest(database, inventory_retry_s=60)(
+        await LedgerIngest(database, inventory_retry_s=60, command_signer=sign_command)(
             [
                 _consumed(make_event(NodeStarted(node_id="node-live", epoch=1, seq=0, namespace="ns-live"))),
                 _consumed(make_event(BlockStored(node_id="node-live", epoch=1, seq=1, blocks=[ALICE_A, BOB_B]))),

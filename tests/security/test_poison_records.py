@@ -20,7 +20,17 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import SUBJECT_KEY, RunningConsumers, connect, eventually, fresh_database, scan_topic
+from ledger_helpers import (
+    COMMAND_SIGNING_KEY,
+    SUBJECT_KEY,
+    RunningConsumers,
+    connect,
+    enroll_nodes,
+    eventually,
+    fresh_database,
+    node_key,
+    scan_topic,
+)
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
@@ -32,6 +42,7 @@ from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_event, encode_key
 from events.schema import DocumentUpdated, ErasureRequested, EventPayload, NodeHeartbeat, NodeStarted, PermissionRevoked, make_event
 from events.topics import DEAD_LETTER, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, route
+from identity.signing import sign_envelope
 
 BAD_IDS = {
     "NUL": "a\x00b",
@@ -52,7 +63,7 @@ async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Coo
         yield CoordinatorSettings(
             database={"url": url},
             kafka={"bootstrap": kafka_bootstrap, "group_id": f"poison-test-{uuid.uuid4().hex[:8]}"},
-            ledger={"subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
+            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
         )
 
 
@@ -86,11 +97,20 @@ async def coordinator(settings: CoordinatorSettings, database: Database, raw_pro
                 ERASURES: (ErasureRequested(subject_id=name, reason="sync"), f"sync-{uid}"),
             }[topic]
             envelope = make_event(payload, tenant_id=tenant)
-            await raw_producer.send_and_wait(topic, encode_event(envelope), key=b"sync", partition=partition)
+            await raw_producer.send_and_wait(topic, await record_value(settings, envelope), key=b"sync", partition=partition)
             markers.append(envelope.event_id)
     await eventually(lambda: applied(database, *markers), timeout_s=120, what="the consumers to catch up")
     yield
     await consumers.stop()
+
+
+async def record_value(settings: CoordinatorSettings, envelope) -> bytes:
+    """The bytes a real producer would send: node events signed with their node's enrolled test key."""
+    if route(envelope)[0] != KV_EVENTS:
+        return encode_event(envelope)
+    node_id = envelope.payload.node_id
+    await enroll_nodes(settings.database.url.get_secret_value(), [node_id])
+    return encode_event(sign_envelope(envelope, node_key(node_id)))
 
 
 def dead_letter_count(topic: str) -> float:
@@ -161,7 +181,7 @@ async def test_a_hostile_value_is_dead_lettered_and_the_partition_keeps_flowing(
         for value in bad_values:
             await raw_producer.send_and_wait(topic, value, key=encode_key(key))
         # The same key, so the same partition: it is consumed only after the bad records.
-        metadata = await raw_producer.send_and_wait(topic, encode_event(valid), key=encode_key(key))
+        metadata = await raw_producer.send_and_wait(topic, await record_value(settings, valid), key=encode_key(key))
         await eventually(lambda: applied(database, valid.event_id), what="the valid event after the bad ones")
         letters = await dead_letters_of(settings.kafka.bootstrap, bad_values)
     group = settings.kafka.group_id + ("" if topic == KV_EVENTS else INVALIDATION_GROUP_SUFFIX)
@@ -272,10 +292,11 @@ async def test_a_kv_event_the_database_refuses_is_isolated(
             make_event(NodeStarted(node_id=f"n{i}-{uid}", epoch=1, seq=0, namespace=namespace))
             for i, namespace in enumerate([f"ns-{uid}", f"ns-poison-{uid}", f"ns-{uid}"])
         ]
-        sent = [await raw_producer.send(KV_EVENTS, encode_event(e), key=b"one-partition") for e in events]
+        values = [await record_value(settings, e) for e in events]
+        sent = [await raw_producer.send(KV_EVENTS, value, key=b"one-partition") for value in values]
         await asyncio.gather(*sent)
         await eventually(lambda: applied(database, events[0].event_id, events[2].event_id), what="the good node events")
-        (letter,) = await dead_letters_of(settings.kafka.bootstrap, [encode_event(events[1])])
+        (letter,) = await dead_letters_of(settings.kafka.bootstrap, [values[1]])
     finally:
         await _drop(settings.database.url.get_secret_value(), "namespaces", constraint)
     assert letter.error == f"refused by the {settings.kafka.group_id} handler: CheckViolationError (SQLSTATE 23514)"
