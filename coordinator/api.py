@@ -33,7 +33,7 @@ from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
 from coordinator.models import TIERS, Block, BlockAuthScope, BlockDocument, DeadLetterCount, Node, OutboxEntry, Placement
 from coordinator.settings import CoordinatorSettings
-from events.schema import subject_digest
+from events.schema import Name, subject_digest
 from identity.metrics_access import scrape_refusal
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
 from identity.tokens import AuthError, Operator, TokenVerifier
@@ -162,10 +162,10 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     async def ledger_blocks(
         reader: Reader,
         session: Session,
-        tenant: str | None = None,
-        doc_id: str | None = None,
-        subject: str | None = None,
-        node: str | None = None,
+        tenant: Annotated[Name | None, Query()] = None,
+        doc_id: Annotated[Name | None, Query()] = None,
+        subject: Annotated[Name | None, Query()] = None,
+        node: Annotated[Name | None, Query()] = None,
         tier: Literal["device", "host", "disk", "snapshot"] | None = None,
         include_deleted: bool = False,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,

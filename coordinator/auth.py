@@ -17,6 +17,7 @@ from fastapi import Request
 
 from identity.tokens import AuthError, Operator, TokenVerifier
 
+
 class ForbiddenError(Exception):
     """A verified caller who may not do this (HTTP 403)."""
 

@@ -24,7 +24,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -34,7 +34,7 @@ from coordinator.db import request_session
 from coordinator.invalidation import begin_ledger_transaction, decide, deleted_by, live_copies_matching, lock_decisions, parse_predicate
 from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.settings import CoordinatorSettings
-from events.schema import NamespacePredicate
+from events.schema import Name, NamespacePredicate
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
 from identity.tokens import Operator
 
@@ -77,7 +77,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     async def list_invalidations(
         reader: Reader,
         session: Session,
-        tenant: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+        tenant: Annotated[Name | None, Query()] = None,
         status: Literal["pending", "complete", "failed"] | None = None,
         kind: Literal["document", "policy", "subject", "namespace", "tenant"] | None = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
@@ -126,7 +126,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         return {"namespaces": [_namespace(ns, serving[ns.namespace]) for ns in namespaces]}
 
     @api.post("/v1/namespaces/{namespace}/retire")
-    async def retire_namespace(namespace: str, _: PlatformAdmin, session: Session) -> JSONResponse:
+    async def retire_namespace(namespace: Annotated[Name, Path()], _: PlatformAdmin, session: Session) -> JSONResponse:
         """Start draining ``namespace`` (202), or report the retirement already under way or done (200)."""
         async with session.begin():
             now = await begin_ledger_transaction(session)

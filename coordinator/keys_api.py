@@ -30,9 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.keys import KeyService, MasterKeyError
 from coordinator.node_keys import NodeKeyRegistry
 from coordinator.settings import CoordinatorSettings
-from identity.tokens import AuthError
+from events.schema import Name
 from gpu_node.crypto import KEY_ID_HEX_CHARS
 from identity.node_credentials import CredentialError
+from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ KEY_ID_PATTERN = rf"^[0-9a-f]{{{KEY_ID_HEX_CHARS}}}$"
 class ResolveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tenant_id: str = Field(min_length=1)
+    tenant_id: Name
     subject_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     """``events.schema.subject_digest(subject_key, tenant_id, subject)`` for a user-scope key; absent for tenant scope."""
 
