@@ -1,4 +1,4 @@
-"""Coordinator HTTP API: ledger queries, node liveness, metrics, health (DESIGN §6).
+"""Coordinator HTTP API: ledger queries, node liveness, metrics, health (docs/design.md §6).
 
 Errors always have the shape ``{"error": {"message", "type", "code"}}``. Ledger
 endpoints need an operator token (``coordinator.auth``): any operator role reads

@@ -1,4 +1,4 @@
-"""Privacy erasure in the coordinator: start, progress, verification and receipts (issue 5, DESIGN §6).
+"""Privacy erasure in the coordinator: start, progress, verification and receipts (docs/design.md §6).
 
 An erasure starts from ``POST /v1/erasures`` (``coordinator.erasure_api``) or an
 ``ErasureRequested`` on ``kvledger.erasures`` (the invalidation consumer calls

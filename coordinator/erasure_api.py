@@ -1,4 +1,4 @@
-"""HTTP API of privacy erasures, receipts and the audit log (issue 5, DESIGN §6; documents in docs/receipts.md).
+"""HTTP API of privacy erasures, receipts and the audit log (docs/design.md §6; documents in docs/receipts.md).
 
 * ``POST /v1/erasures {tenant_id, subject_id, reason[, request_id]}`` (role
   ``privacy-officer`` of that tenant, or ``platform-admin``) → 202 ``{id, status}``. Idempotent on the

@@ -1,7 +1,7 @@
 """The inbox: one row per applied event id, written in the transaction that applies the event.
 
 A redelivered record (consumer restart, rebalance, a batch retried after a failure)
-finds its row and is skipped, so every effect happens once (DESIGN §5).
+finds its row and is skipped, so every effect happens once (docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Invalidation decisions and their completion (DESIGN §5, §6; issue 4).
+"""Invalidation decisions and their completion (docs/design.md §5, §6).
 
 Users publish ``DocumentUpdated``/``DocumentDeleted`` (``kvledger.documents``) and
 ``PermissionRevoked`` (``kvledger.permissions``). For each, one database transaction
@@ -451,7 +451,7 @@ async def decide(
 async def reissue_for_late_blocks(
     session: AsyncSession, hashes: Iterable[bytes], now: datetime, signer: EnvelopeSigner
 ) -> list[Decision]:
-    """Re-send decided predicates that blocks stored in this batch still match (DESIGN §6, late events).
+    """Re-send decided predicates that blocks stored in this batch still match (docs/design.md §6, late events).
 
     A block is late when its provenance was superseded by a decision already taken:
     a document version below the recorded one (or a deleted document), a policy

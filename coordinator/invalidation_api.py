@@ -1,4 +1,4 @@
-"""HTTP API of invalidations and namespace rollout (issue 4).
+"""HTTP API of invalidations and namespace rollout.
 
 * ``GET /v1/invalidations/{command_id}`` — one command: predicate, cutoff, status,
   timings and, per expected node × tier, the node's evidence and what the ledger

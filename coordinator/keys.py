@@ -1,4 +1,4 @@
-"""Data keys for tenant/user data at rest, held by the coordinator (DESIGN §3, §6).
+"""Data keys for tenant/user data at rest, held by the coordinator (docs/design.md §3, §6).
 
 Nodes seal tenant and user blocks that leave memory (disk tier, snapshots)
 under a per-scope data key: one per tenant for tenant scope, one per

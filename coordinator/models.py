@@ -1,4 +1,4 @@
-"""The ledger schema (DESIGN §6) as SQLAlchemy 2 typed models.
+"""The ledger schema (docs/design.md §6) as SQLAlchemy 2 typed models.
 
 These classes are for querying; the schema itself is created only by the Alembic
 migrations in ``migrations/versions`` (never ``create_all``). The migration test
@@ -359,7 +359,7 @@ ERASURE_STATUSES = ("pending", "partial", "verified", "failed")
 
 
 class Erasure(Base):
-    """One privacy erasure of a subject in a tenant (issue 5, DESIGN §6 "Erasure and receipts").
+    """One privacy erasure of a subject in a tenant (docs/design.md §6 "Erasure and receipts").
 
     The subject is stored only as its keyed digest (``events.schema.subject_digest``).
     ``idempotency_key`` is the caller's request id (``Idempotency-Key`` header, body

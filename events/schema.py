@@ -266,7 +266,7 @@ class NodeEvent(EventPayload):
 
 
 class BlockProvenance(_Model):
-    """Whose data one block holds (DESIGN §2), as recorded in the ledger.
+    """Whose data one block holds (docs/design.md §2), as recorded in the ledger.
 
     ``subject_id`` is the :func:`subject_digest` of the JWT subject, never the raw id.
     The scope fields must be consistent, because the coordinator matches predicates

@@ -1,4 +1,4 @@
-"""Kafka topics and record keys (DESIGN §5).
+"""Kafka topics and record keys (docs/design.md §5).
 
 Keys decide partitions, and Kafka only orders records within a partition, so a key
 is chosen per *thing whose events must stay in order*: one document, one tenant's

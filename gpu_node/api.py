@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API of a GPU node (DESIGN §4).
+"""OpenAI-compatible HTTP API of a GPU node (docs/design.md §4).
 
 The official ``openai`` client must work unchanged, so request and response
 bodies follow OpenAI's chat-completions shapes, and *every* error — including

@@ -4,7 +4,7 @@ This is kvledger's vLLM ``block_pool.py``: it only allocates, frees, moves,
 looks up and deletes blocks. What a request needs (longest prefix, singleflight,
 miss reasons) lives in the cache manager on top.
 
-Tiers (DESIGN §3): the *device* tier is one preallocated tensor
+Tiers (docs/design.md §3): the *device* tier is one preallocated tensor
 ``[num_device_blocks, *block_shape]`` on the model's device, the *host* tier the
 same on CPU (pinned under CUDA), the *disk* tier one file per block. Tenant and
 user blocks on disk are sealed with AES-256-GCM under their scope's data key;
@@ -530,7 +530,7 @@ def _zero_slots_verified(table: torch.Tensor, slots: Sequence[int]) -> list[bool
 
 
 class BlockPool:
-    """Three-tier block store with the entry state machine of DESIGN §3 (see module docstring)."""
+    """Three-tier block store with the entry state machine of docs/design.md §3 (see module docstring)."""
 
     def __init__(
         self,

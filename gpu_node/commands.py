@@ -1,4 +1,4 @@
-"""The node's side of ``kvledger.commands``: invalidations in, verified deletions and acks out (DESIGN §5).
+"""The node's side of ``kvledger.commands``: invalidations in, verified deletions and acks out (docs/design.md §5).
 
 For every ``Invalidate`` the node
 

@@ -143,7 +143,7 @@ class AsyncEngine:
         """Re-index the disk tier and warm from a snapshot, then report ready.
 
         ``ready=False`` when the node must first replay ``kvledger.commands``:
-        the command consumer sets ``ready`` once it has (DESIGN §6), since the
+        the command consumer sets ``ready`` once it has (docs/design.md §6), since the
         disk tier and snapshot just loaded may hold blocks invalidated meanwhile.
         """
         await self._run(self.pool.load_disk_tier)

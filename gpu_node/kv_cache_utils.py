@@ -5,7 +5,7 @@ torch, storage or HTTP. Everything that decides *whether two requests may share
 a block* lives here, so it can be unit-tested with exact hash values and so the
 rest of the node cannot accidentally derive a key from client-supplied data.
 
-Key derivation (DESIGN §2)::
+Key derivation (docs/design.md §2)::
 
     h_0 = H(namespace)
     h_i = H(h_{i-1} ‖ scope_salt_i ‖ token_ids_i ‖ extra_i)

@@ -2,7 +2,7 @@
 
 The pool, the snapshot writer and the model runner must agree byte-for-byte on
 what one block is; this module is that single definition. ``kv_format`` is part
-of the cache namespace (DESIGN §2), so two nodes whose blocks differ in dtype,
+of the cache namespace (docs/design.md §2), so two nodes whose blocks differ in dtype,
 layout version or block size can never share a key.
 """
 

@@ -1,4 +1,4 @@
-"""What this node knows about current document and policy versions (DESIGN §4, §5).
+"""What this node knows about current document and policy versions (docs/design.md §4, §5).
 
 The coordinator turns ``DocumentUpdated``/``DocumentDeleted``/``PermissionRevoked``
 into ``Invalidate`` commands; every node applies them in command order. Deleting

@@ -1,6 +1,6 @@
 """``kvledger model init DIR``: build the tiny local Llama model used by tests and the demo.
 
-The node only ever loads models with ``from_pretrained(local_path)`` (DESIGN §3), so
+The node only ever loads models with ``from_pretrained(local_path)`` (docs/design.md §3), so
 tests and the demo need a real checkpoint that exists without a download. This module
 makes one in seconds: a small Llama-architecture causal LM with seeded random weights,
 a byte-level BPE tokenizer trained on ``kvledger/data/corpus.txt`` and the chat

@@ -1,4 +1,4 @@
-"""``kvledger publish``: send a user event (DESIGN §5) the way any producer would.
+"""``kvledger publish``: send a user event (docs/design.md §5) the way any producer would.
 
 Operators use it to tell the cache that a document changed or was deleted, that a
 permission was revoked, or that a person asked to be erased. The event is built

@@ -1,4 +1,4 @@
-"""Real Postgres and a real Kafka-protocol broker, started and stopped by the project (DESIGN §7).
+"""Real Postgres and a real Kafka-protocol broker, started and stopped by the project (docs/design.md §7).
 
 Used by ``kvledger up``, the integration tests and CI, where there is no Docker:
 

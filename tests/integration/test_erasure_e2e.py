@@ -1,4 +1,4 @@
-"""Privacy erasure end to end (issue 5): ``POST /v1/erasures`` → coordinator → both nodes → acks → verified → a
+"""Privacy erasure end to end: ``POST /v1/erasures`` → coordinator → both nodes → acks → verified → a
 signed receipt that ``kvledger verify-receipt`` accepts offline.
 
 Everything is real: the coordinator's consumers and HTTP API (uvicorn) on a freshly

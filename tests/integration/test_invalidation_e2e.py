@@ -1,4 +1,4 @@
-"""Invalidation end to end with both real halves (issue 4): user event → coordinator → nodes → acks → ledger.
+"""Invalidation end to end with both real halves: user event → coordinator → nodes → acks → ledger.
 
 The other invalidation tests each simulate one side (``test_ledger_invalidation``
 plays the nodes, ``test_node_invalidation`` plays the coordinator). Here everything

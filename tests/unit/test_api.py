@@ -2,7 +2,7 @@
 
 A real uvicorn server runs in a background thread around a real engine on the
 tiny local model. The official ``openai`` client is used unchanged for the
-happy paths (the compatibility promise of DESIGN §4); raw httpx checks every
+happy paths (the compatibility promise of docs/design.md §4); raw httpx checks every
 error's exact status and OpenAI error body. Isolation is checked where users
 see it: ``usage.prompt_tokens_details.cached_tokens``.
 """

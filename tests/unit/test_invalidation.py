@@ -1,6 +1,6 @@
 """Invalidation on one engine, no broker: the command handler, the version registry and the pool together.
 
-The property (DESIGN §4, §5): across random interleavings of requests, document
+The property (docs/design.md §4, §5): across random interleavings of requests, document
 updates and policy revocations, no served response reports cached tokens from a
 block whose document or policy version was superseded before the request started,
 and once a command is applied no tier or snapshot of the node holds a match.

@@ -72,7 +72,7 @@ def _field(data: bytes) -> bytes:
 
 
 def test_hashes_follow_the_documented_encoding():
-    """Recompute blocks 0 and 2 from DESIGN §2 with raw hashlib, independent of the implementation."""
+    """Recompute blocks 0 and 2 from docs/design.md §2 with raw hashlib, independent of the implementation."""
     keys = keys_for()
     root = hashlib.sha256(b"kvledger/ns/v1\x00ns-test").digest()
     no_adapter_no_docs = _field(_field(b"") + _field(b""))
@@ -213,7 +213,7 @@ def test_segment_starting_exactly_at_a_block_boundary_sets_the_scope_of_the_bloc
 
 
 def reference_keys(namespace, token_ids, segments, principal, block_size):
-    """DESIGN §2 computed the slow, obvious way: per block, scan every segment of the prefix."""
+    """docs/design.md §2 computed the slow, obvious way: per block, scan every segment of the prefix."""
     parent = namespace_root(namespace)
     hashes = []
     for index in range(num_cacheable_blocks(len(token_ids), block_size)):
