@@ -16,7 +16,7 @@ invalidation, restore failure) is zero-overwritten before the unlink; a file
 left by a promotion to the device is only unlinked, since the block stays cached
 (reasoning and its one residual in :meth:`BlockPool._promote_batch`).
 
-Entry states follow the seed (§12/§15)::
+Entry states (docs/design.md §3)::
 
     ABSENT → BUILDING → READY (read under ref_count) → EVICTING → ABSENT
              BUILDING → FAILED → ABSENT
