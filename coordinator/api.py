@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -20,7 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import and_, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -31,15 +30,15 @@ from coordinator.erasure_api import router as erasure_router
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
-from coordinator.models import TIERS, Block, BlockAuthScope, BlockDocument, DeadLetterCount, Node, OutboxEntry, Placement
+from coordinator.models import TIERS, Block, BlockAuthScope, BlockDocument, Node, Placement
 from coordinator.settings import CoordinatorSettings
+from events.logs import RequestIdMiddleware
 from events.schema import Name, subject_digest
 from identity.metrics_access import scrape_refusal
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
 from identity.tokens import AuthError, Operator, TokenVerifier
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("coordinator.access")
 
 MAX_PAGE_SIZE = 1000
 
@@ -95,14 +94,14 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))
 
-    @app.middleware("http")
-    async def _access_log(request: Request, call_next) -> Response:
-        # Replaces uvicorn's access log, which prints the query string: ?subject= is a raw subject id.
-        started = time.perf_counter()
-        response = await call_next(request)
-        elapsed_ms = (time.perf_counter() - started) * 1000
-        access_log.info("%s %s %d %.1fms", request.method, request.url.path, response.status_code, elapsed_ms)
-        return response
+    # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
+    # log, which prints the query string: ?subject= is a raw subject id.
+    app.add_middleware(
+        RequestIdMiddleware,
+        access_logger="coordinator.access",
+        error_body=b'{"error":{"message":"internal server error","type":"server_error","code":"internal_error"}}',
+        observe=metrics.observe_http,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -152,11 +151,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
 
     @app.get("/metrics", dependencies=[Depends(require_scraper)])
     async def metrics_endpoint(session: Session) -> Response:
-        try:
-            await _refresh_ledger_gauges(session, heartbeat_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - process metrics are still worth serving without the ledger
-            log.warning("metrics: ledger gauges not refreshed (%s)", type(exc).__name__)
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.exposition(session, heartbeat_timeout_s), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/ledger/blocks")
     async def ledger_blocks(
@@ -312,18 +307,3 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
         for block in blocks
     ]
 
-
-async def _refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: float) -> None:
-    for topic, count in await session.execute(select(DeadLetterCount.topic, DeadLetterCount.num_records)):
-        metrics.DEAD_LETTER_RECORDS.labels(topic=topic).set(count)
-    metrics.OUTBOX_PENDING.set(
-        await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None)))
-    )
-    alive = (
-        func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s
-    )
-    num_alive, num_total = (
-        await session.execute(select(func.count().filter(alive), func.count()).select_from(Node))
-    ).one()
-    metrics.NODES.labels(liveness="alive").set(num_alive)
-    metrics.NODES.labels(liveness="stale").set(num_total - num_alive)

@@ -641,8 +641,9 @@ class LedgerIngest:
         metrics.BATCHES_TOTAL.inc()
         metrics.BATCH_SIZE.observe(len(events))
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
-        newest = max(event.envelope.occurred_at for event in events)
-        metrics.INGEST_LAG_SECONDS.set(max(0.0, (datetime.now(UTC) - newest).total_seconds()))
+        committed_at = datetime.now(UTC)
+        for event in events:
+            metrics.INGEST_LAG_SECONDS.observe(max(0.0, (committed_at - event.envelope.occurred_at).total_seconds()))
         for decision in applier.late:
             metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
         if (applier.outbox or applier.late) and self._on_outbox is not None:

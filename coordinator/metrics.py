@@ -1,14 +1,24 @@
 """Prometheus metrics of the coordinator (registered once, on the default registry).
 
-Counters and histograms are per process (the consumers' own work). Gauges named
-``*_ledger_*`` that describe shared state (dead-letter totals, outbox backlog,
-node liveness) are refreshed from the database on each scrape, so every replica
-reports the same cluster-wide numbers.
+Counters and histograms are per process (the consumers' own work): quantiles come from
+histograms, rates from counters (docs/operations.md lists every series). Gauges that
+describe shared state (dead-letter totals, outbox backlog, node liveness, open
+invalidations and erasures) are refreshed from the database on each scrape by
+:func:`refresh_ledger_gauges`, so every replica reports the same cluster-wide numbers.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import logging
+from datetime import timedelta
+
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
+from sqlalchemy import case, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from coordinator.models import DeadLetterCount, Erasure, Invalidation, Node, OutboxEntry
+
+log = logging.getLogger(__name__)
 
 EVENTS_TOTAL = Counter(
     "kvledger_ledger_events_total",
@@ -23,9 +33,10 @@ BATCH_SIZE = Histogram(
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
 BATCH_SECONDS = Histogram("kvledger_ledger_batch_seconds", "Time to apply and commit one kv-event batch.")
-INGEST_LAG_SECONDS = Gauge(
+INGEST_LAG_SECONDS = Histogram(
     "kvledger_ledger_ingest_lag_seconds",
-    "Age (commit time minus occurred_at) of the newest event in the last committed batch.",
+    "Per applied kv-event: commit time of its batch minus the event's occurred_at.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900),
 )
 PLACEMENT_CHANGES_TOTAL = Counter(
     "kvledger_ledger_placement_changes_total",
@@ -48,6 +59,30 @@ DEAD_LETTER_RECORDS = Gauge(
 )
 OUTBOX_PENDING = Gauge("kvledger_outbox_pending", "Outbox records not yet published (from the ledger).")
 NODES = Gauge("kvledger_ledger_nodes", "Known nodes by liveness (from heartbeat age).", ["liveness"])
+INVALIDATIONS_OPEN = Gauge(
+    "kvledger_ledger_invalidations_open",
+    "Invalidations not complete, by status (pending: acks outstanding; failed: a post-check did not verify) (from the ledger).",
+    ["status"],
+)
+OLDEST_OPEN_INVALIDATION_AGE = Gauge(
+    "kvledger_ledger_oldest_open_invalidation_age_seconds",
+    "Age of the oldest invalidation that is not complete; 0 when none (from the ledger).",
+)
+ERASURE_AGE_BUCKETS: tuple[tuple[str, timedelta], ...] = (
+    ("lt_5m", timedelta(minutes=5)),
+    ("lt_1h", timedelta(hours=1)),
+    ("lt_24h", timedelta(hours=24)),
+)
+"""Age classes of unverified erasures: the first whose bound is above the age, else ``ge_24h``."""
+ERASURES_UNVERIFIED = Gauge(
+    "kvledger_ledger_erasures_unverified",
+    "Erasures without a receipt, by status (pending, partial, failed) and age class (lt_5m, lt_1h, lt_24h, ge_24h) (from the ledger).",
+    ["status", "age"],
+)
+OLDEST_UNVERIFIED_ERASURE_AGE = Gauge(
+    "kvledger_ledger_oldest_unverified_erasure_age_seconds",
+    "Age of the oldest erasure without a receipt; 0 when none (from the ledger).",
+)
 
 INVALIDATION_EVENTS_TOTAL = Counter(
     "kvledger_invalidation_events_total",
@@ -70,9 +105,89 @@ INVALIDATION_BATCH_SECONDS = Histogram(
     "kvledger_invalidation_batch_seconds", "Time to apply and commit one documents/permissions/acks batch."
 )
 
+HTTP_REQUEST_SECONDS = Histogram(
+    "kvledger_http_request_seconds",
+    "HTTP requests by method, route template and status: time to the end of the handler.",
+    ["method", "route", "status"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+
+def observe_http(method: str, route: str, status: int, seconds: float) -> None:
+    HTTP_REQUEST_SECONDS.labels(method, route, str(status)).observe(seconds)
+
+
 RECEIPTS_TOTAL = Counter("kvledger_erasure_receipts_total", "Erasures verified and given a signed receipt.")
 ERASURE_SECONDS = Histogram(
     "kvledger_erasure_seconds",
     "Time from an erasure's request to its verified receipt.",
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600),
 )
+
+
+async def exposition(session: AsyncSession, heartbeat_timeout_s: float) -> bytes:
+    """The ``/metrics`` body: the ledger gauges refreshed when the ledger answers, then every series."""
+    try:
+        await refresh_ledger_gauges(session, heartbeat_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - process metrics are still worth serving without the ledger
+        log.warning("metrics: ledger gauges not refreshed (%s)", type(exc).__name__)
+    return generate_latest()
+
+
+async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: float) -> None:
+    """Set the cluster-wide gauges from the ledger (called by every ``/metrics`` scrape)."""
+    for topic, count in await session.execute(select(DeadLetterCount.topic, DeadLetterCount.num_records)):
+        DEAD_LETTER_RECORDS.labels(topic=topic).set(count)
+    OUTBOX_PENDING.set(
+        await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None)))
+    )
+    alive = (
+        func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s
+    )
+    num_alive, num_total = (
+        await session.execute(select(func.count().filter(alive), func.count()).select_from(Node))
+    ).one()
+    NODES.labels(liveness="alive").set(num_alive)
+    NODES.labels(liveness="stale").set(num_total - num_alive)
+
+    open_statuses = ("pending", "failed")
+    counts = dict(
+        (
+            await session.execute(
+                select(Invalidation.status, func.count())
+                .where(Invalidation.status.in_(open_statuses))
+                .group_by(Invalidation.status)
+            )
+        ).all()
+    )
+    for status in open_statuses:
+        INVALIDATIONS_OPEN.labels(status=status).set(counts.get(status, 0))
+    OLDEST_OPEN_INVALIDATION_AGE.set(
+        await session.scalar(
+            select(func.coalesce(func.extract("epoch", func.now() - func.min(Invalidation.requested_at)), 0)).where(
+                Invalidation.status.in_(open_statuses)
+            )
+        )
+    )
+
+    unverified_statuses = ("pending", "partial", "failed")
+    age = func.now() - Erasure.requested_at
+    age_class = case(*((age < bound, label) for label, bound in ERASURE_AGE_BUCKETS), else_="ge_24h")
+    counts = {
+        (status, age_label): count
+        for status, age_label, count in await session.execute(
+            select(Erasure.status, age_class, func.count())
+            .where(Erasure.status.in_(unverified_statuses))
+            .group_by(Erasure.status, age_class)
+        )
+    }
+    for status in unverified_statuses:
+        for age_label in [label for label, _ in ERASURE_AGE_BUCKETS] + ["ge_24h"]:
+            ERASURES_UNVERIFIED.labels(status=status, age=age_label).set(counts.get((status, age_label), 0))
+    OLDEST_UNVERIFIED_ERASURE_AGE.set(
+        await session.scalar(
+            select(func.coalesce(func.extract("epoch", func.now() - func.min(Erasure.requested_at)), 0)).where(
+                Erasure.status.in_(unverified_statuses)
+            )
+        )
+    )

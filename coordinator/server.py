@@ -22,7 +22,9 @@ from fastapi import FastAPI
 
 from coordinator.api import create_app
 from coordinator.consumers import run_consumers
+from coordinator.ops_app import create_ops_app
 from coordinator.settings import CoordinatorSettings
+from events.logs import configure_logging, uvicorn_log_config
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,11 @@ class _Server(uvicorn.Server):
 
 
 async def serve(settings: CoordinatorSettings, app: FastAPI | None, consumers: bool) -> int:
-    """Run the HTTP ``app`` (when given) and/or the consumers until SIGTERM/SIGINT; returns the exit status."""
+    """Run the HTTP ``app`` and/or the consumers until SIGTERM/SIGINT; returns the exit status.
+
+    Without ``app`` (``--role consumers``) the process still listens on the HTTP settings,
+    with the consumers' health, readiness and metrics (:mod:`coordinator.ops_app`).
+    """
     assert app is not None or consumers, "nothing to run"
     # Imported libraries are ~10^5 long-lived objects; frozen, full collections stop rescanning
     # them (a pause of up to hundreds of ms in the middle of a batch).
@@ -46,12 +52,17 @@ async def serve(settings: CoordinatorSettings, app: FastAPI | None, consumers: b
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Task] = []
+    assigned = asyncio.Event()
+    if app is None:
+        app = create_ops_app(settings, assigned.is_set)
     if consumers:
-        tasks.append(asyncio.create_task(run_consumers(settings, stop), name="consumers"))
-    if app is not None:
-        server = _Server(uvicorn.Config(app, host=settings.http.host, port=settings.http.port, access_log=False))
-        tasks.append(asyncio.create_task(server.serve(), name="api"))
-        tasks.append(asyncio.create_task(_exit_on(stop, server), name="api stopper"))
+        tasks.append(asyncio.create_task(run_consumers(settings, stop, assigned), name="consumers"))
+    config = uvicorn.Config(
+        app, host=settings.http.host, port=settings.http.port, access_log=False, log_config=uvicorn_log_config()
+    )
+    server = _Server(config)
+    tasks.append(asyncio.create_task(server.serve(), name="http"))
+    tasks.append(asyncio.create_task(_exit_on(stop, server), name="http stopper"))
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -80,11 +91,11 @@ def cli(args: argparse.Namespace) -> int:
     http = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
     if http:
         overrides["http"] = http
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        configure_logging()
         settings = CoordinatorSettings(**overrides)
         app = create_app(settings) if args.role in ("api", "all") else None
-    except ValueError as exc:  # configuration the operator has to fix (no JWT key, bad URL, ...)
+    except ValueError as exc:  # configuration the operator has to fix (no JWT key, bad URL, log format, ...)
         print(f"kvledger coordinator: error: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(serve(settings, app, consumers=args.role in ("consumers", "all")))

@@ -20,8 +20,9 @@ KV an invalidation just deleted. On a node whose namespace was retired, requests
 are served without the prefix cache and the response says so in
 :data:`CACHE_BYPASS_HEADER`.
 
-Prompt text is never logged: log lines carry the request id, tenant and token
-counts only.
+Prompt text is never logged, nor tenant or subject ids: log lines carry the
+request id (``X-Request-Id``, :mod:`events.logs`), the completion id and token
+counts only; the access line has method, path, status and duration.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from events.logs import RequestIdMiddleware
 from events.schema import MAX_SAFE_INT, DocumentVersion, Name
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
@@ -554,7 +556,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
                     assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
                     done = item
         assert done is not None, "engine stream ended without GenerationDone"
-        _log_completion(request_id, caller, stats, done)
+        _log_completion(request_id, stats, done)
         return JSONResponse(
             {
                 "id": request_id,
@@ -574,6 +576,14 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
             headers=headers,
         )
 
+    app.add_middleware(
+        RequestIdMiddleware,
+        access_logger="gpu_node.access",
+        error_body=json.dumps(
+            {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}}
+        ).encode(),
+        observe=engine.metrics.observe_http,
+    )
     return app
 
 
@@ -635,7 +645,7 @@ async def _sse_events(
                 "usage": _usage(stats, done.num_completion_tokens),
             }
         )
-    _log_completion(request_id, caller, stats, done)
+    _log_completion(request_id, stats, done)
     yield "[DONE]"
 
 
@@ -650,11 +660,10 @@ async def _sse_frames(events):
         yield f"data: {data}\n\n"
 
 
-def _log_completion(request_id: str, caller: Principal, stats: PromptStats, done: GenerationDone) -> None:
+def _log_completion(request_id: str, stats: PromptStats, done: GenerationDone) -> None:
     logger.info(
-        "completion %s tenant=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s",
+        "completion %s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s",
         request_id,
-        caller.tenant_id,
         stats.num_prompt_tokens,
         stats.num_cached_tokens,
         done.num_completion_tokens,

@@ -73,10 +73,20 @@ class NodeMetrics:
             ["reason"],
             registry=r,
         )
+        self.http_request_seconds = Histogram(
+            "kvledger_http_request_seconds",
+            "HTTP requests by method, route template and status: time to the end of the handler",
+            ["method", "route", "status"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
         self._num_requests = 0
         self._num_hit_requests = 0
         self._num_prompt_tokens = 0
         self._num_hit_tokens = 0
+
+    def observe_http(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.http_request_seconds.labels(method, route, str(status)).observe(seconds)
 
     def observe_request(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.requests.inc()

@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from events.kafka import KafkaSettings
+from events.logs import configure_logging, uvicorn_log_config
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
@@ -119,7 +120,7 @@ async def serve(settings: NodeSettings) -> None:
     if commands is not None:
         await commands.start()
     app = create_app(engine, verifier, operator_verifier=operator_verifier)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, access_log=False, log_config=uvicorn_log_config()))
     try:
         await server.serve()
     finally:
@@ -131,7 +132,11 @@ async def serve(settings: NodeSettings) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging()
+    except ValueError as exc:
+        print(f"kvledger node: error: {exc}", file=sys.stderr)
+        return 2
     settings = settings_from_args(args)
     if not (Path(settings.model_dir) / "config.json").is_file():
         raise SystemExit(f"no model at {settings.model_dir}; create one with `kvledger model init {settings.model_dir}`")

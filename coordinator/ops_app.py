@@ -1,0 +1,70 @@
+"""The HTTP face of ``kvledger coordinator --role consumers``: health, readiness, metrics.
+
+A consumers-only process serves no ledger API, but the operator still has to scrape it
+and a supervisor still has to probe it: ``/healthz`` (the process answers), ``/readyz``
+(its kv-events consumer owns partitions, so records are being ingested) and ``/metrics``
+behind the metrics bearer token, exactly as on the API (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from coordinator import metrics
+from coordinator.db import Database
+from coordinator.settings import CoordinatorSettings
+from events.logs import RequestIdMiddleware
+from identity.metrics_access import scrape_refusal
+
+_INTERNAL_ERROR = b'{"error":{"message":"internal server error","type":"server_error","code":"internal_error"}}'
+
+
+def create_ops_app(settings: CoordinatorSettings, consuming: Callable[[], bool]) -> FastAPI:
+    """``consuming()`` says whether this member's kv-events consumer owns partitions right now."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        database = Database(settings.database)
+        app.state.database = database
+        try:
+            yield
+        finally:
+            await database.dispose()
+
+    app = FastAPI(title="kvledger coordinator consumers", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if not consuming():
+            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": "no kv-events partitions assigned"})
+        return JSONResponse(content={"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
+        if refusal is not None:
+            status_code, code, message = refusal
+            error_type = "authentication_error" if status_code == 401 else "invalid_request_error"
+            return JSONResponse(
+                status_code=status_code,
+                content={"error": {"message": message, "type": error_type, "code": code}},
+                headers={"WWW-Authenticate": "Bearer"} if status_code == 401 else None,
+            )
+        database: Database = request.app.state.database
+        async with database.session() as session:
+            body = await metrics.exposition(session, settings.ledger.heartbeat_timeout_s)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(
+        RequestIdMiddleware, access_logger="coordinator.access", error_body=_INTERNAL_ERROR, observe=metrics.observe_http
+    )
+    return app
