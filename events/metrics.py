@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
+from events.topics import ALERT_TOPICS
+
 DEAD_LETTER_TOTAL = Counter(
     "kvledger_dead_letter_total",
     "Records sent to kvledger.dead-letter (contract violations and records the database refused as data), by source topic.",
     ["topic"],
 )
+for _topic in sorted(ALERT_TOPICS):
+    # Exported at 0 from the start, so the first dead letter on these topics is an increase an alert sees.
+    DEAD_LETTER_TOTAL.labels(_topic)
 
 HANDLER_FAILURES_TOTAL = Counter(
     "kvledger_consumer_handler_failures_total",

@@ -10,7 +10,9 @@ see it: ``usage.prompt_tokens_details.cached_tokens``.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import logging
 import signal
 import socket
 import threading
@@ -27,6 +29,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from ledger_helpers import OPERATOR_AUTH, operator_headers
 
+from events.logs import make_handler
 from gpu_node.api import create_app
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef
@@ -370,6 +373,44 @@ def test_health_ready_metrics(node):
     assert metrics.headers["content-type"].startswith("text/plain")
     assert "kvledger_requests_total" in metrics.text
     assert "kvledger_hit_tokens_total" in metrics.text
+
+
+def test_access_line_has_the_request_id_and_no_prompt_or_caller(node):
+    """Every response echoes X-Request-Id; the node's lines for it carry the id, never the prompt, tenant or subject."""
+    stream = io.StringIO()
+    handler = make_handler("json", stream)
+    root = logging.getLogger()
+    previous_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    secret_prompt = unique("the patient's diagnosis is confidential")
+    body = {"model": node.engine.model_name, "messages": [{"role": "user", "content": secret_prompt}], "max_tokens": 2}
+    try:
+        with node.http() as http:
+            served = http.post(
+                "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {token(tenant='tenant-x9', sub='subject-q7')}", "X-Request-Id": "req-abc.1"},
+            )
+            refused = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "req-abc.2"})
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous_level)
+    assert (served.status_code, served.headers["x-request-id"]) == (200, "req-abc.1")
+    assert (refused.status_code, refused.headers["x-request-id"]) == (401, "req-abc.2")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    node_lines = [line for line in lines if line["logger"].startswith("gpu_node")]
+    access = [(line["request_id"], line["message"].rsplit(" ", 1)[0]) for line in node_lines if line["logger"] == "gpu_node.access"]
+    assert access == [("req-abc.1", "POST /v1/chat/completions 200"), ("req-abc.2", "POST /v1/chat/completions 401")]
+    completion = [line for line in node_lines if line["message"].startswith("completion ")]
+    assert [line["request_id"] for line in completion] == ["req-abc.1"]
+    logged = json.dumps(node_lines)
+    for private in (secret_prompt, "diagnosis", "tenant-x9", "subject-q7"):
+        assert private not in logged
+    observed = node.engine.metrics.registry.get_sample_value(
+        "kvledger_http_request_seconds_count", {"method": "POST", "route": "/v1/chat/completions", "status": "401"}
+    )
+    assert observed is not None and observed >= 1
 
 
 def test_not_ready_node_refuses_traffic(tiny_model_dir, tmp_path):
