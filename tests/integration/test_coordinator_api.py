@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, fresh_database, stored
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import migrate
 from coordinator.api import create_app
@@ -327,6 +328,38 @@ async def test_open_endpoints(client: httpx.AsyncClient) -> None:
         'kvledger_ledger_nodes{liveness="alive"}',
     ):
         assert name in scrape.text
+
+
+async def test_metrics_report_stale_nodes_and_open_erasures_from_the_ledger(client: httpx.AsyncClient) -> None:
+    """The cluster-wide gauges come from the ledger on each scrape; responses echo the caller's request id."""
+    requested = await client.post(
+        "/v1/erasures",
+        json={"tenant_id": "metrics-tenant", "subject_id": "erin", "reason": "metrics test"},
+        headers=token("privacy-officer", tenant="metrics-tenant") | {"X-Request-Id": "scrape-test-1"},
+    )
+    assert requested.status_code == 202, requested.text
+    assert requested.headers["x-request-id"] == "scrape-test-1"
+    scrape = await client.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    samples = {
+        (family.name, sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(scrape.text)
+        for sample in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name.removesuffix("_total").removesuffix("_bucket").removesuffix("_count"), name, tuple(sorted(labels.items())))]
+
+    assert value("kvledger_ledger_nodes", liveness="stale") == 1  # node-b: silent for an hour
+    assert value("kvledger_ledger_nodes", liveness="alive") == 1
+    assert value("kvledger_ledger_erasures_unverified", status="pending", age="lt_5m") == 1
+    for age in ("lt_1h", "lt_24h", "ge_24h"):
+        assert value("kvledger_ledger_erasures_unverified", status="pending", age=age) == 0
+    assert 0 <= value("kvledger_ledger_oldest_unverified_erasure_age_seconds") < 300
+    assert value("kvledger_ledger_invalidations_open", status="pending") >= 1
+    assert 0 <= value("kvledger_ledger_oldest_open_invalidation_age_seconds") < 300
+    # node-b's events were an hour old when ingested: they are in the ingest-lag histogram's +Inf bucket only.
+    assert value("kvledger_ledger_ingest_lag_seconds_bucket", le="+Inf") - value("kvledger_ledger_ingest_lag_seconds_bucket", le="900.0") >= 2
+    assert value("kvledger_http_request_seconds_count", method="POST", route="/v1/erasures", status="202") >= 1
 
 
 async def test_readyz_is_false_until_migrated(database_url: str) -> None:

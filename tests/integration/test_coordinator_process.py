@@ -8,6 +8,7 @@ inbox turns any overlap into no-ops. The ledger must end exactly as if nothing h
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -45,8 +46,11 @@ async def ledger_url(database_url: str) -> AsyncIterator[str]:
 
 
 class CoordinatorProcess:
-    def __init__(self, ledger_url: str, kafka_bootstrap: str, group_id: str, log_path: Path) -> None:
+    def __init__(
+        self, ledger_url: str, kafka_bootstrap: str, group_id: str, log_path: Path, role: str = "all", **extra_env: str
+    ) -> None:
         self.port = _free_port()
+        self.role = role
         self.env = {
             **os.environ,
             "KVLEDGER_DATABASE_URL": ledger_url,
@@ -56,6 +60,7 @@ class CoordinatorProcess:
             "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
             "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
             "KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS": "20",
+            **extra_env,
         }
         self.log_path = log_path
         self.process: asyncio.subprocess.Process | None = None
@@ -64,7 +69,7 @@ class CoordinatorProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed right after spawning
         try:
             self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvledger.cli", "coordinator", "--port", str(self.port),
+                sys.executable, "-m", "kvledger.cli", "coordinator", "--role", self.role, "--port", str(self.port),
                 env=self.env, stdout=log, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
         finally:
@@ -143,3 +148,50 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(
             coordinator.process.kill()
             await coordinator.process.wait()
         await database.dispose()
+
+
+async def test_consumers_only_process_serves_health_readiness_and_metrics(
+    ledger_url: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """``--role consumers`` has no ledger API, but is probed and scraped like the API; its logs are JSON lines."""
+    log_path = tmp_path / "consumers.log"
+    metrics_token = "consumers-metrics-token"
+    coordinator = CoordinatorProcess(
+        ledger_url,
+        kafka_bootstrap,
+        f"consumers-{uuid.uuid4().hex[:8]}",
+        log_path,
+        role="consumers",
+        KVLEDGER_METRICS_TOKEN=metrics_token,
+        KVLEDGER_LOG_FORMAT="json",
+    )
+    try:
+        await coordinator.start()  # waits for /readyz: the kv-events consumer owns partitions
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{coordinator.port}", timeout=30) as client:
+            health = await client.get("/healthz", headers={"X-Request-Id": "probe-1"})
+            assert (health.status_code, health.json(), health.headers["x-request-id"]) == (200, {"status": "ok"}, "probe-1")
+            assert (await client.get("/readyz")).json() == {"status": "ready"}
+            refused = await client.get("/metrics")
+            assert refused.status_code == 401
+            assert refused.json() == {
+                "error": {
+                    "message": "this route needs the metrics bearer token",
+                    "type": "authentication_error",
+                    "code": "invalid_metrics_token",
+                }
+            }
+            assert (await client.get("/v1/nodes")).status_code == 404  # no ledger API in this role
+            scrape = await client.get("/metrics", headers={"Authorization": f"Bearer {metrics_token}"})
+        assert scrape.status_code == 200
+        assert 'kvledger_dead_letter_total{topic="kvledger.erasures"} 0.0' in scrape.text
+        assert 'kvledger_ledger_nodes{liveness="stale"}' in scrape.text  # refreshed from the ledger
+        assert 'kvledger_ledger_ingest_lag_seconds_bucket{le="+Inf"}' in scrape.text
+        assert await coordinator.signal(signal.SIGTERM) == 0
+    finally:
+        if coordinator.process is not None and coordinator.process.returncode is None:
+            coordinator.process.kill()
+            await coordinator.process.wait()
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    access = [line for line in lines if line["logger"] == "coordinator.access" and line["request_id"] == "probe-1"]
+    assert [line["message"].rsplit(" ", 1)[0] for line in access] == ["GET /healthz 200"]
+    assert any(line["logger"].startswith("uvicorn") for line in lines)  # uvicorn logs through the same handler
