@@ -323,7 +323,10 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
     token = issue_token(tenant=tenant, sub="reader", scopes=[AUTH_SCOPE], pv={AUTH_SCOPE: 1}, ttl_s=3600, secret=JWT_SECRET)
     with tempfile.TemporaryFile() as log:
         consumers = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "consumers"], env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "consumers", "--port", "0"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         connection = await asyncpg.connect(**connect_kwargs(database_url))
         collector: list[asyncio.Task] = []
