@@ -35,7 +35,7 @@ BATCH_SIZE = Histogram(
 BATCH_SECONDS = Histogram("kvledger_ledger_batch_seconds", "Time to apply and commit one kv-event batch.")
 INGEST_LAG_SECONDS = Histogram(
     "kvledger_ledger_ingest_lag_seconds",
-    "Per applied kv-event: commit time of its batch minus the event's occurred_at.",
+    "Per kv-event in a committed batch: commit time of the batch minus the event's occurred_at.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900),
 )
 PLACEMENT_CHANGES_TOTAL = Counter(

@@ -6,6 +6,9 @@ import io
 import json
 import logging
 import logging.config
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -171,3 +174,13 @@ def test_text_format_carries_the_request_id() -> None:
         logger.removeHandler(handler)
         logger.propagate = True
     assert stream.getvalue().rstrip("\n").endswith(" WARNING kvledger.text-test [-]: hello")
+
+
+@pytest.mark.parametrize("command", ["node", "coordinator"])
+def test_a_bad_log_format_is_a_one_line_configuration_error(command: str) -> None:
+    env = {**os.environ, "KVLEDGER_LOG_FORMAT": "xml"}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", command], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 2
+    assert result.stderr == f"kvledger {command}: error: KVLEDGER_LOG_FORMAT must be one of text, json, not 'xml'\n"
