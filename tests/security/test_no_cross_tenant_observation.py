@@ -37,7 +37,7 @@ METRICS_TOKEN = "cross-tenant-test-metrics-token"
 SCRAPER = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 _COUNTER = re.compile(r'^(kvledger_[a-z_]+_total)(\{[^}]*\})? ([0-9.e+]+)$', re.MULTILINE)
 # Headers that differ between any two responses (time, per-request ids, body size of ids).
-_VOLATILE_HEADERS = {"date", "content-length"}
+_VOLATILE_HEADERS = {"date", "content-length", "x-request-id"}  # x-request-id: fresh and random per request
 
 
 @contextmanager
