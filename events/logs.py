@@ -25,6 +25,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 LOG_FORMAT_ENV = "KVLEDGER_LOG_FORMAT"
 LOG_FORMATS = ("text", "json")
@@ -113,6 +114,15 @@ def uvicorn_log_config() -> dict[str, Any]:
     }
 
 
+MAX_LOGGED_PATH_CHARS = 512
+
+
+def loggable_path(path: str) -> str:
+    """The request path percent-encoded again and bounded: a caller's ``%0A`` cannot start a fake log line."""
+    quoted = quote(path, safe="/:@!$&'()*+,;=-._~")
+    return quoted if len(quoted) <= MAX_LOGGED_PATH_CHARS else quoted[:MAX_LOGGED_PATH_CHARS] + "…"
+
+
 Observe = Callable[[str, str, int, float], None]
 """``observe(method, route, status, seconds)``: a server's request-latency histogram."""
 
@@ -167,7 +177,7 @@ class RequestIdMiddleware:
         finally:
             seconds = time.perf_counter() - started
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.access_log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, seconds * 1000)
+            self.access_log.info("%s %s %d %.1fms", scope["method"], loggable_path(scope["path"]), status, seconds * 1000)
             if self.observe is not None:
                 method = scope["method"] if scope["method"] in METRIC_METHODS else "other"
                 self.observe(method, route, status, seconds)

@@ -128,6 +128,14 @@ async def test_unhandled_errors_answer_500_with_the_request_id(json_lines: io.St
     assert [args[:3] for args in observed] == [("GET", "/boom", 500)]
 
 
+async def test_the_access_line_cannot_be_split_by_the_path(json_lines: io.StringIO) -> None:
+    await request(make_app([]), "GET", "/items/a%0A2026-01-01 ERROR forged%22line")
+    await request(make_app([]), "GET", "/items/" + "x" * 600)
+    access = [line["message"] for line in parsed(json_lines) if line["logger"] == "test.access"]
+    assert access[0].startswith("GET /items/a%0A2026-01-01%20ERROR%20forged%22line 200 ")
+    assert access[1].startswith("GET /items/" + "x" * (512 - len("/items/")) + "… 200 ")
+
+
 async def test_unknown_routes_and_methods_keep_the_metric_labels_bounded() -> None:
     observed: list[tuple] = []
     app = make_app(observed)
