@@ -53,7 +53,9 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     venv = scratch / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    install = _run(venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", str(source), cwd=scratch, timeout_s=600)
+    install = _run(
+        venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", str(source), cwd=scratch, timeout_s=600
+    )
     assert install.returncode == 0, f"pip install of the base profile failed:\n{install.stdout}\n{install.stderr}"
     return venv
 
@@ -83,7 +85,15 @@ def test_token_and_node_key_run_without_torch(base_venv: Path, tmp_path: Path) -
     assert key.returncode == 0, key.stderr
     assert key.stdout.startswith("-----BEGIN PUBLIC KEY-----")
     token = _run(
-        base_venv / "bin" / "kvledger", "token", "--tenant", "t1", "--sub", "u1", "--private-key", tmp_path / "node" / "node_key.pem", cwd=tmp_path
+        base_venv / "bin" / "kvledger",
+        "token",
+        "--tenant",
+        "t1",
+        "--sub",
+        "u1",
+        "--private-key",
+        tmp_path / "node" / "node_key.pem",
+        cwd=tmp_path,
     )
     assert token.returncode == 0, token.stderr
     assert token.stdout.count(".") == 2
@@ -93,4 +103,6 @@ def test_node_commands_name_the_missing_extra(base_venv: Path, tmp_path: Path) -
     result = _run(base_venv / "bin" / "kvledger", "model", "init", tmp_path / "model", cwd=tmp_path)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
-    assert re.fullmatch(r"kvledger: this command needs the \[node\] extra \((tokenizers|torch) is not installed\): pip install 'kvledger\[node\]'", line)
+    assert re.fullmatch(
+        r"kvledger: this command needs the \[node\] extra \((tokenizers|torch) is not installed\): pip install 'kvledger\[node\]'", line
+    )
