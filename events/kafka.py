@@ -173,6 +173,7 @@ def kafka_client_kwargs(settings: KafkaSettings) -> dict[str, Any]:
     if settings.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
         kwargs["sasl_mechanism"] = settings.sasl_mechanism
         kwargs["sasl_plain_username"] = settings.sasl_username
+        assert settings.sasl_password is not None, "KafkaSettings refuses SASL without a password"
         kwargs["sasl_plain_password"] = settings.sasl_password.get_secret_value()
     return kwargs
 
@@ -340,7 +341,7 @@ class EventProducer:
 
 
 async def send_to_dead_letter(
-    producer: EventProducer, record: ConsumerRecord, error: str, group_id: str | None, counter=DEAD_LETTER_TOTAL
+    producer: EventProducer, record: ConsumerRecord, error: str, group_id: str | None, counter: Counter = DEAD_LETTER_TOTAL
 ) -> None:
     """Put a record that failed validation on the dead-letter topic, with its error, and count it.
 
@@ -526,7 +527,9 @@ class BatchConsumer:
             if not self._cancelled_by_stop:
                 raise
             # stop() gave up waiting for the batch: the caller of run() sees a normal return.
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None, "run() is awaited inside a task"
+            task.uncancel()
         finally:
             self._run_task = None
 

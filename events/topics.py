@@ -101,7 +101,7 @@ def route(envelope: Envelope) -> tuple[str, str]:
     """The topic and key an envelope is published under."""
     payload = envelope.payload
     topic = TOPIC_BY_TYPE[envelope.type]
-    tenant = envelope.tenant_id
+    tenant = envelope.tenant_id or ""  # user events without a tenant fail the key's check
     match payload:
         case DocumentUpdated() | DocumentDeleted():
             return topic, document_key(tenant, payload.doc_id)

