@@ -5,7 +5,7 @@ the token from ``--token`` or, when absent, a short-lived operator token for the
 role the command needs, signed with the stack's operator key (``kvledger up`` creates
 it). End users' secrets never sign operator tokens. Failures are left to ``kvledger``'s
 ``main()`` to print as one line: a refusal as :class:`~kvledger.cli.CliError` carrying
-the coordinator's error message, an unreachable coordinator as httpx's transport error.
+the coordinator's error message (exit 1), an unreachable coordinator as httpx's transport error.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from identity.tokens import issue_token
-from kvledger.cli import CliError
+from kvledger.cli import EXIT_FAILURE, CliError
 from kvledger.tokens import load_stack, operator_key_pem
 
 TOKEN_TTL_S = 300
@@ -45,7 +45,7 @@ class Coordinator:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:500]
-            raise CliError(f"HTTP {response.status_code} from {method} {path}: {message}")
+            raise CliError(f"HTTP {response.status_code} from {method} {path}: {message}", EXIT_FAILURE)
         return response
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:

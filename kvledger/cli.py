@@ -15,7 +15,11 @@ EXIT_USAGE = 2
 
 
 class CliError(Exception):
-    """An expected failure whose message is the whole story: printed as one line, exit ``EXIT_USAGE``."""
+    """An expected failure whose message is the whole story: printed as one line, exit ``exit_status``."""
+
+    def __init__(self, message: str, exit_status: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,6 +43,13 @@ def _lazy(target: str):
         return getattr(importlib.import_module(module_name), function_name)(args)
 
     return run
+
+
+def _coordinator_options(parser: argparse.ArgumentParser, role: str) -> None:
+    """Where the coordinator is and who calls it, for commands that use its API (see kvledger.api)."""
+    parser.add_argument("--coordinator-url", help="the coordinator's base URL (default: coordinator_url of the stack file)")
+    parser.add_argument("--token", help=f"operator JWT to send (default: a short-lived {role} token signed with the stack's operator key)")
+    parser.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +160,30 @@ def build_parser() -> argparse.ArgumentParser:
     retire.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
     retire.set_defaults(func=_lazy("kvledger.admin:retire_namespace_cli"))
 
+    erasure = commands.add_parser("erasure", help="request erasures, follow them, fetch their receipts (coordinator API)").add_subparsers(
+        dest="erasure_command", required=True, metavar="COMMAND"
+    )
+    erasure_request = erasure.add_parser("request", help="erase everything cached for one person (a privacy-officer token of --tenant)")
+    erasure_request.add_argument("--tenant", required=True, help="tenant of the person")
+    erasure_request.add_argument("--subject", required=True, help="the person's user id (sent to the coordinator, never printed)")
+    erasure_request.add_argument("--reason", required=True, help="why, recorded in the receipt (e.g. gdpr-art17)")
+    erasure_request.add_argument("--request-id", help="your id for this request: a retry with the same id starts nothing new")
+    _coordinator_options(erasure_request, "privacy-officer")
+    erasure_request.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    erasure_request.set_defaults(func=_lazy("kvledger.erasure_cli:request_cli"))
+    erasure_status = erasure.add_parser("status", help="an erasure's status and per node × tier progress (an auditor token of --tenant)")
+    erasure_status.add_argument("erasure_id", help="the id `kvledger erasure request` printed")
+    erasure_status.add_argument("--tenant", required=True, help="tenant of the erasure")
+    _coordinator_options(erasure_status, "auditor")
+    erasure_status.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    erasure_status.set_defaults(func=_lazy("kvledger.erasure_cli:status_cli"))
+    erasure_receipt = erasure.add_parser("receipt", help="an erasure's signed receipt, ready for `kvledger verify-receipt`")
+    erasure_receipt.add_argument("erasure_id", help="the id `kvledger erasure request` printed")
+    erasure_receipt.add_argument("--tenant", required=True, help="tenant of the erasure")
+    erasure_receipt.add_argument("--output", help="directory to write receipt.json, keys.json and checkpoint.json to (default: the receipt on stdout)")
+    _coordinator_options(erasure_receipt, "auditor")
+    erasure_receipt.set_defaults(func=_lazy("kvledger.erasure_cli:receipt_cli"))
+
     verify = commands.add_parser("verify-receipt", help="verify an erasure receipt offline")
     verify.add_argument("receipt", help="receipt JSON as served by GET /v1/erasures/{id}/receipt")
     verify.add_argument("--checkpoint", help="checkpoint JSON as served by GET /v1/audit/checkpoint")
@@ -249,7 +284,9 @@ def _expected_failure(error: BaseException) -> tuple[str, int] | None:
         return f"cannot connect: {error}", EXIT_FAILURE
     if isinstance(error, FileNotFoundError):
         return f"no such file: {error.filename}" if error.filename else str(error), EXIT_USAGE
-    if isinstance(error, (CliError, ValueError, OSError)):
+    if isinstance(error, CliError):
+        return str(error), error.exit_status
+    if isinstance(error, (ValueError, OSError)):
         return str(error) or type(error).__name__, EXIT_USAGE
     return None
 
