@@ -4,7 +4,7 @@ The URL comes from ``--coordinator-url`` or the ``coordinator_url`` of the stack
 the token from ``--token`` or, when absent, a short-lived operator token for the one
 role the command needs, signed with the stack's operator key (``kvledger up`` creates
 it). End users' secrets never sign operator tokens. Failures are left to ``kvledger``'s
-``main()`` to print as one line: a refusal as :class:`~kvledger.cli.CliError` carrying
+``main()`` to print as one line: a refusal as :class:`~kvledger.errors.CliError` carrying
 the coordinator's error message (exit 1), an unreachable coordinator as httpx's transport error.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from identity.tokens import issue_token
-from kvledger.cli import EXIT_FAILURE, CliError
+from kvledger.errors import EXIT_FAILURE, CliError
 from kvledger.tokens import load_stack, operator_key_pem
 
 TOKEN_TTL_S = 300

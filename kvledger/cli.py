@@ -8,18 +8,7 @@ import importlib
 import sys
 from importlib import metadata
 
-EXIT_FAILURE = 1
-"""A service could not be reached, or a check failed."""
-EXIT_USAGE = 2
-"""Bad flags, bad input, a missing or unreadable file: nothing was attempted."""
-
-
-class CliError(Exception):
-    """An expected failure whose message is the whole story: printed as one line, exit ``exit_status``."""
-
-    def __init__(self, message: str, exit_status: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.exit_status = exit_status
+from kvledger.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 
 
 class Parser(argparse.ArgumentParser):

@@ -103,3 +103,13 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
     monkeypatch.setattr("kvledger.cost.kv_cli", broken)
     with pytest.raises(KeyError):
         main(["cost", "kv", "--config", "config.json", "--tokens", "1"])
+
+
+def test_a_command_s_own_error_is_one_line_exit_2(tmp_path):
+    """CliError raised in a command module reaches ``main()`` as the same class under ``python -m kvledger.cli``."""
+    (tmp_path / "stack.json").write_text("{}")
+    _assert_one_line_error(
+        _run("erasure", "status", "0d6c1c9e-8d5b-4a57-9d6c-2f1f5a0e5b00", "--tenant", "acme", "--stack", str(tmp_path)),
+        2,
+        "kvledger: error: pass --coordinator-url",
+    )
