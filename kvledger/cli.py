@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinator_options(erasure_receipt, "auditor")
     erasure_receipt.set_defaults(func=_lazy("kvledger.erasure_cli:receipt_cli"))
 
+    status = commands.add_parser("status", help="nodes and their liveness, outbox backlog, dead letters, ingest lag (coordinator API)")
+    _coordinator_options(status, "platform-admin")
+    status.add_argument("--metrics-token", help="bearer token of the coordinator's /metrics (default: metrics_token of the stack file)")
+    status.add_argument("--json", action="store_true", help="print nodes and figures as JSON")
+    status.set_defaults(func=_lazy("kvledger.status:cli"))
+
     verify = commands.add_parser("verify-receipt", help="verify an erasure receipt offline")
     verify.add_argument("receipt", help="receipt JSON as served by GET /v1/erasures/{id}/receipt")
     verify.add_argument("--checkpoint", help="checkpoint JSON as served by GET /v1/audit/checkpoint")
