@@ -6,7 +6,9 @@ processes, waits until each answers ``/readyz``, writes ``stack.json`` and stays
 in the foreground until Ctrl-C or SIGTERM, when everything is stopped in reverse
 order. Each step prints its elapsed time as it completes (``[  3.2s] postgres ready``),
 since a first start builds the model and can take minutes. The stack is supervised: when
-any child exits on its own, everything is stopped and ``kvledger up`` exits 1 naming it. Children share one JWT secret (end users), one subject-digest key and one
+any child exits on its own, everything is stopped and ``kvledger up`` exits 1 naming it.
+
+Children share one JWT secret (end users), one subject-digest key and one
 metrics token (the bearer token of every ``/metrics``, recorded in ``stack.json`` for
 scrapers), generated once per state directory and kept there with mode 0600; an
 Ed25519 operator key pair (``operator_key.pem``, 0600, and ``operator_key.pub.pem``)
