@@ -185,7 +185,7 @@ def load_config(model_dir: str | None, config_file: str | None) -> dict[str, Any
     except (UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"{path}: not JSON ({error})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object")
+        raise ValueError(f"{path}: not a JSON object")  # noqa: TRY004 - a bad file is bad input, reported as such
     return config
 
 
@@ -225,9 +225,17 @@ def kv_cli(args: argparse.Namespace) -> int:
     shape = kv_shape(load_config(args.model_dir, args.config), args.dtype)
     total_bytes = shape.bytes_per_token * args.tokens * args.batch
     if args.json:
-        print(json.dumps(asdict(shape) | {"bytes_per_token": shape.bytes_per_token, "tokens": args.tokens, "batch": args.batch, "total_bytes": total_bytes}, indent=2))
+        print(
+            json.dumps(
+                asdict(shape)
+                | {"bytes_per_token": shape.bytes_per_token, "tokens": args.tokens, "batch": args.batch, "total_bytes": total_bytes},
+                indent=2,
+            )
+        )
         return 0
-    print(f"layers {shape.num_layers} × 2 (K, V) × KV heads {shape.num_kv_heads} × head dim {shape.head_dim} × {shape.dtype} {shape.dtype_bytes} B")
+    print(
+        f"layers {shape.num_layers} × 2 (K, V) × KV heads {shape.num_kv_heads} × head dim {shape.head_dim} × {shape.dtype} {shape.dtype_bytes} B"
+    )
     print(f"per token             {shape.bytes_per_token:,} bytes")
     print(f"{args.tokens:,} tokens × {args.batch}  {total_bytes:,} bytes = {total_bytes / 1e9:.2f} GB = {total_bytes / 2**30:.2f} GiB")
     return 0

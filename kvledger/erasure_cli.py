@@ -78,5 +78,7 @@ def receipt_cli(args: argparse.Namespace) -> int:
         (output / name).write_text(json.dumps(document, indent=2, ensure_ascii=False), encoding="utf-8")
     files = {name: shlex.quote(str(output / name)) for name in documents}
     print(f"wrote {', '.join(files.values())}")
-    print(f"check offline: kvledger verify-receipt {files['receipt.json']} --public-key {files['keys.json']} --checkpoint {files['checkpoint.json']}")
+    print(
+        f"check offline: kvledger verify-receipt {files['receipt.json']} --public-key {files['keys.json']} --checkpoint {files['checkpoint.json']}"
+    )
     return 0

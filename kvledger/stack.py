@@ -249,7 +249,7 @@ async def up(args: argparse.Namespace) -> None:
 
         waiters = [asyncio.create_task(asyncio.to_thread(p.wait)) for p in processes]
         stop_task = asyncio.create_task(stopping.wait())
-        done, _ = await asyncio.wait([stop_task, *waiters], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([stop_task, *waiters], return_when=asyncio.FIRST_COMPLETED)
         stop_task.cancel()
         if not stopping.is_set():
             exited = next(process for process in processes if process.poll() is not None)

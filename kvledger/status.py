@@ -90,6 +90,9 @@ def cli(args: argparse.Namespace) -> int:
         return 0
     dead = figures["dead_letters"]
     print(f"outbox       {figures['outbox_pending'] if figures['outbox_pending'] is not None else '-'} pending")
-    print(f"dead letters {sum(dead.values())}" + (f" ({', '.join(f'{topic}: {n}' for topic, n in sorted(dead.items()) if n)})" if any(dead.values()) else ""))
+    print(
+        f"dead letters {sum(dead.values())}"
+        + (f" ({', '.join(f'{topic}: {n}' for topic, n in sorted(dead.items()) if n)})" if any(dead.values()) else "")
+    )
     print(f"ingest lag   {'-' if figures['ingest_lag_s'] is None else format(figures['ingest_lag_s'], '.3f') + ' s'}")
     return 0

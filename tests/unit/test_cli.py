@@ -28,7 +28,7 @@ def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("kvledger",)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvledger.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kvledger.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
 def _assert_one_line_error(run: subprocess.CompletedProcess, exit_code: int, *fragments: str) -> str:
@@ -65,7 +65,9 @@ def test_version_is_the_installed_distributions(capsys):
 
 
 def test_bad_flag_is_one_line_exit_2():
-    line = _assert_one_line_error(_run("cost", "model", "--prompt-tokens", "ten"), 2, "kvledger cost model: error:", "invalid int value: 'ten'")
+    line = _assert_one_line_error(
+        _run("cost", "model", "--prompt-tokens", "ten"), 2, "kvledger cost model: error:", "invalid int value: 'ten'"
+    )
     assert line.endswith("(see kvledger cost model --help)")
     _assert_one_line_error(_run("no-such-command"), 2, "kvledger: error:", "invalid choice: 'no-such-command'")
     _assert_one_line_error(_run("up", "--no-such-flag"), 2, "unrecognized arguments: --no-such-flag")
@@ -79,7 +81,10 @@ def test_missing_receipt_file_is_one_line_exit_2(tmp_path):
 
 def test_missing_stack_file_is_one_line_exit_2(tmp_path):
     _assert_one_line_error(
-        _run("namespace", "retire", "ns-1", "--stack", str(tmp_path / "nowhere.json")), 2, "kvledger: error:", f"no stack file at {tmp_path / 'nowhere.json'}"
+        _run("namespace", "retire", "ns-1", "--stack", str(tmp_path / "nowhere.json")),
+        2,
+        "kvledger: error:",
+        f"no stack file at {tmp_path / 'nowhere.json'}",
     )
 
 
@@ -91,7 +96,9 @@ def _unused_port() -> int:
 
 def test_coordinator_nobody_listens_on_is_one_line_exit_1():
     url = f"http://127.0.0.1:{_unused_port()}"
-    _assert_one_line_error(_run("namespace", "retire", "ns-1", "--coordinator-url", url, "--token", "t"), 1, "kvledger: error: cannot reach", url)
+    _assert_one_line_error(
+        _run("namespace", "retire", "ns-1", "--coordinator-url", url, "--token", "t"), 1, "kvledger: error: cannot reach", url
+    )
 
 
 def test_unexpected_errors_keep_their_traceback(monkeypatch):
@@ -128,4 +135,8 @@ def test_status_reads_the_backlog_from_a_prometheus_exposition():
     Gauge("kvledger_ledger_ingest_lag_seconds", "lag", registry=registry).set(0.25)
     figures = backlog(parse_samples(generate_latest(registry).decode()))
     assert figures == {"outbox_pending": 7, "dead_letters": {"kvledger.erasures": 2, 'odd"topic': 1}, "ingest_lag_s": 0.25}
-    assert backlog(parse_samples("# only comments\nnot a sample line\n")) == {"outbox_pending": None, "dead_letters": {}, "ingest_lag_s": None}
+    assert backlog(parse_samples("# only comments\nnot a sample line\n")) == {
+        "outbox_pending": None,
+        "dead_letters": {},
+        "ingest_lag_s": None,
+    }
