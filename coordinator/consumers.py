@@ -1,6 +1,6 @@
 """The coordinator's background work: the kv-events consumer, the decisions consumer
 (documents, permissions, erasures), the ack consumer, the outbox relay, the erasure
-verifier and the dead-letter tally.
+verifier, the command re-sender (``coordinator.resend``) and the dead-letter tally.
 
 kv-events and acks reach their handlers only through :class:`coordinator.node_keys.VerifiedRecords`:
 a record not signed by a key enrolled for its node is dead-lettered, never applied.
@@ -19,6 +19,7 @@ from coordinator.invalidation import InvalidationHandler
 from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords
 from coordinator.outbox import OutboxRelay
 from coordinator.poison import refused_as_data
+from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
@@ -102,6 +103,14 @@ async def run_consumers(
         publish_leased=relay.publish_leased,
         outbox_lease_s=settings.ledger.outbox_lease_s,
     )
+    resender = CommandResender(
+        database,
+        command_signer=command_signer,
+        resend_after_s=settings.ledger.command_resend_after_s,
+        resend_max_s=settings.ledger.command_resend_max_s,
+        poll_s=settings.ledger.command_resend_poll_s,
+        on_outbox=relay.wake,
+    )
     groups = consumer_groups(config.group_id)
     invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
     invalidations, acks = (
@@ -130,6 +139,7 @@ async def run_consumers(
             asyncio.create_task(acks.run(), name="ack consumer"),
             asyncio.create_task(relay.run(stop), name="outbox relay"),
             asyncio.create_task(erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
+            asyncio.create_task(resender.run(stop), name="command re-sender"),
             asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
         ]
         if assigned is not None:
