@@ -473,6 +473,10 @@ class BatchConsumer:
         # Offsets already dead-lettered and not yet committed past: a re-delivered batch skips them.
         self._dead_lettered: dict[TopicPartition, set[int]] = {}
         self._assigned = asyncio.Event()
+        # Generation of the current assignment, and whether its positions are known (see ``consuming``).
+        self._generation = 0
+        self._positioned_generation: int | None = None
+        self._positioning: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self._run_task: asyncio.Task | None = None
         self._cancelled_by_stop = False
@@ -549,6 +553,9 @@ class BatchConsumer:
                     await self._commit_pending(None)
         finally:
             self._started = False
+            if self._positioning is not None:
+                self._positioning.cancel()
+                await asyncio.gather(self._positioning, return_exceptions=True)
             try:
                 await self._consumer.stop()
             finally:
@@ -571,12 +578,34 @@ class BatchConsumer:
         await asyncio.wait_for(self._assigned.wait(), timeout_s)
         return self.assignment()
 
+    @property
+    def consuming(self) -> bool:
+        """This member joined its group and knows where it resumes on every partition it was assigned.
+
+        From then on a record published to its partitions is fetched by the next poll. An
+        empty assignment counts (a replica with more peers than partitions is consuming
+        nothing, correctly); a rebalance in progress does not.
+        """
+        return self._positioned_generation == self._generation
+
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         if assigned:
             self._assigned.set()
+        self._generation += 1
+        # Resolving positions waits for the committed offsets, which the rebalance callback must not.
+        self._positioning = asyncio.create_task(self._find_positions(self._generation, assigned))
+
+    async def _find_positions(self, generation: int, assigned: set[TopicPartition]) -> None:
+        for tp in sorted(assigned):
+            try:
+                await self._consumer.position(tp)
+            except Exception:  # noqa: BLE001 - revoked meanwhile: the next assignment looks again
+                return
+        self._positioned_generation = generation
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._assigned.clear()
+        self._generation += 1
         async with self._lock:  # let an in-flight batch finish its transaction and commit first
             await self._commit_pending(revoked)
             for tp in revoked:
