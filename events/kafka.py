@@ -20,7 +20,7 @@ import ipaddress
 import logging
 import random
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
 from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
 from events.schema import Envelope, EventValidationError
-from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, route
+from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, TOPIC_CONFIGS, route
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +177,31 @@ def kafka_client_kwargs(settings: KafkaSettings) -> dict[str, Any]:
     return kwargs
 
 
+def new_topics(settings: KafkaSettings, names: Iterable[str], configs: Mapping[str, Mapping[str, str]]) -> list[NewTopic]:
+    """The creation requests of ``names``, each with its configs (none for a name ``configs`` lacks)."""
+    return [
+        NewTopic(
+            name=name,
+            num_partitions=settings.num_partitions,
+            replication_factor=settings.replication_factor,
+            topic_configs=dict(configs.get(name, {})),
+        )
+        for name in names
+    ]
+
+
 async def ensure_topics(
     settings: KafkaSettings,
     topics: Iterable[str] = ALL_TOPICS,
     timeout_s: float = 30.0,
+    configs: Mapping[str, Mapping[str, str]] = TOPIC_CONFIGS,
 ) -> list[str]:
-    """Create the topics that do not exist yet and wait until their metadata is served.
+    """Create the topics that do not exist yet, with their ``configs``, and wait until their metadata is served.
 
     Returns the names this call created. Safe to run concurrently from several processes:
-    losing a creation race (``TopicAlreadyExists``) counts as success.
+    losing a creation race (``TopicAlreadyExists``) counts as success. A topic that exists
+    keeps the configs it has: changing a live topic's retention is the operator's call
+    (docs/operations.md, "Topics").
     """
     wanted = list(dict.fromkeys(topics))
     admin = AIOKafkaAdminClient(**kafka_client_kwargs(settings))
@@ -195,12 +211,7 @@ async def ensure_topics(
         missing = [topic for topic in wanted if topic not in existing]
         created: list[str] = []
         if missing:
-            response = await admin.create_topics(
-                [
-                    NewTopic(name=topic, num_partitions=settings.num_partitions, replication_factor=settings.replication_factor)
-                    for topic in missing
-                ]
-            )
+            response = await admin.create_topics(new_topics(settings, missing, configs))
             for topic, code, *_ in response.topic_errors:
                 error = for_code(code)
                 if code == 0:
