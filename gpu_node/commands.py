@@ -809,6 +809,7 @@ class CommandConsumer:
                 return None
             key = (tp, record.offset)
             if key not in self._unacked:
+                assert payload.command_id in self._acks, f"command {payload.command_id} neither applied nor remembered"
                 self._unacked[key] = self._acks[payload.command_id]
                 self.engine.metrics.commands_reacked.inc()
                 log.info("node %s: re-acking a re-sent %s command", self.node_id, payload.predicate.kind)
