@@ -4,6 +4,11 @@ The process owns SIGTERM/SIGINT: either one sets a stop event, uvicorn drains it
 connections and runs the app's lifespan shutdown, the consumers finish and commit
 their in-flight batch; then the process exits 0. If one half dies, the other is
 stopped too and the exit status is 1, so a supervisor restarts the whole process.
+
+``/readyz`` answers 200 only once the process's consumers are consuming
+(:class:`coordinator.consumers.ConsumerReadiness`): with ``--role all`` on the API, with
+``--role consumers`` on a minimal health server (``/healthz``, ``/readyz``) at the
+configured HTTP host and port.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from coordinator.api import create_app
-from coordinator.consumers import run_consumers
+from coordinator.consumers import ConsumerReadiness, run_consumers
 from coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
@@ -35,8 +41,31 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(settings: CoordinatorSettings, app: FastAPI | None, consumers: bool) -> int:
-    """Run the HTTP ``app`` (when given) and/or the consumers until SIGTERM/SIGINT; returns the exit status."""
+def consumers_health_app(readiness: ConsumerReadiness) -> FastAPI:
+    """The HTTP face of a consumers-only process: liveness, and readiness meaning "consuming"."""
+    app = FastAPI(title="kvledger coordinator consumers", version="1", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        problem = readiness.problem()
+        if problem is not None:
+            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": problem})
+        return JSONResponse(content={"status": "ready"})
+
+    return app
+
+
+async def serve(
+    settings: CoordinatorSettings, app: FastAPI | None, consumers: bool, readiness: ConsumerReadiness | None = None
+) -> int:
+    """Run the HTTP ``app`` (when given) and/or the consumers until SIGTERM/SIGINT; returns the exit status.
+
+    ``readiness`` is handed to the consumers; the app's ``/readyz`` should read the same one.
+    """
     assert app is not None or consumers, "nothing to run"
     # Imported libraries are ~10^5 long-lived objects; frozen, full collections stop rescanning
     # them (a pause of up to hundreds of ms in the middle of a batch).
@@ -47,7 +76,7 @@ async def serve(settings: CoordinatorSettings, app: FastAPI | None, consumers: b
         loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Task] = []
     if consumers:
-        tasks.append(asyncio.create_task(run_consumers(settings, stop), name="consumers"))
+        tasks.append(asyncio.create_task(run_consumers(settings, stop, readiness=readiness), name="consumers"))
     if app is not None:
         server = _Server(uvicorn.Config(app, host=settings.http.host, port=settings.http.port, access_log=False))
         tasks.append(asyncio.create_task(server.serve(), name="api"))
@@ -83,8 +112,13 @@ def cli(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = CoordinatorSettings(**overrides)
-        app = create_app(settings) if args.role in ("api", "all") else None
+        consumers = args.role in ("consumers", "all")
+        readiness = ConsumerReadiness() if consumers else None
+        if args.role in ("api", "all"):
+            app = create_app(settings, consumers=readiness)
+        else:
+            app = consumers_health_app(readiness)
     except ValueError as exc:  # configuration the operator has to fix (no JWT key, bad URL, ...)
         print(f"kvledger coordinator: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(settings, app, consumers=args.role in ("consumers", "all")))
+    return asyncio.run(serve(settings, app, consumers=consumers, readiness=readiness))
