@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +37,9 @@ from events.schema import Name, subject_digest
 from identity.metrics_access import scrape_refusal
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
 from identity.tokens import AuthError, Operator, TokenVerifier
+
+if TYPE_CHECKING:
+    from coordinator.consumers import ConsumerReadiness
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +74,12 @@ PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 Session = Annotated[AsyncSession, Depends(request_session)]
 
 
-def create_app(settings: CoordinatorSettings) -> FastAPI:
-    """The coordinator app. Owns its :class:`Database`: created at startup, disposed at shutdown."""
+def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | None = None) -> FastAPI:
+    """The coordinator app. Owns its :class:`Database`: created at startup, disposed at shutdown.
+
+    ``consumers``: the readiness of the consumers running in this process (``--role all``);
+    ``/readyz`` then also waits for them to consume.
+    """
     if not settings.operator_auth.configured:
         raise ValueError("configure operator_auth (the operator issuer's key): the API accepts only operator tokens")
     operator_verifier = TokenVerifier(settings.operator_auth, secret_env=None)
@@ -140,6 +147,9 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         if revision != head:
             reason = f"database schema at {revision or 'no revision'}, migrations head is {head}"
             return JSONResponse(status_code=503, content={"status": "not_ready", "reason": reason})
+        problem = None if consumers is None else consumers.problem()
+        if problem is not None:
+            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": problem})
         return JSONResponse(content={"status": "ready", "revision": revision})
 
     def require_scraper(request: Request) -> None:

@@ -1,6 +1,6 @@
 """The coordinator's background work: the kv-events consumer, the decisions consumer
 (documents, permissions, erasures), the ack consumer, the outbox relay, the erasure
-verifier and the dead-letter tally.
+verifier, the command re-sender (``coordinator.resend``) and the dead-letter tally.
 
 kv-events and acks reach their handlers only through :class:`coordinator.node_keys.VerifiedRecords`:
 a record not signed by a key enrolled for its node is dead-lettered, never applied.
@@ -19,6 +19,7 @@ from coordinator.invalidation import InvalidationHandler
 from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords
 from coordinator.outbox import OutboxRelay
 from coordinator.poison import refused_as_data
+from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
@@ -42,6 +43,33 @@ def consumer_groups(group_id: str) -> dict[str, list[str]]:
     }
 
 
+class ConsumerReadiness:
+    """Whether this process's consumers are consuming: what the coordinator's ``/readyz`` reports for them.
+
+    Consuming means every consumer (kv-events, decisions, acks) joined its group and knows
+    the position it resumes from on each partition it was assigned
+    (:attr:`events.kafka.BatchConsumer.consuming`), so an event published from then on is
+    taken by the next poll. Before that — at start, while the group join runs (seconds on
+    some brokers), or during a rebalance — a document update would wait for the join, and
+    a process that answered ready would let a client act on a version it has not applied.
+    """
+
+    def __init__(self) -> None:
+        self._consumers: list[kafka.BatchConsumer] = []
+
+    def watch(self, consumers: list[kafka.BatchConsumer]) -> None:
+        self._consumers = list(consumers)
+
+    def problem(self) -> str | None:
+        """Why the consumers are not consuming yet (None when they are)."""
+        if not self._consumers:
+            return "consumers not started"
+        waiting = [consumer.group_id for consumer in self._consumers if not consumer.consuming]
+        if waiting:
+            return "consumer groups not yet consuming: " + ", ".join(waiting)
+        return None
+
+
 def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
     return kafka.KafkaSettings(
         bootstrap=settings.kafka.bootstrap,
@@ -55,11 +83,15 @@ def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
 
 
 async def run_consumers(
-    settings: CoordinatorSettings, stop: asyncio.Event, assigned: asyncio.Event | None = None
+    settings: CoordinatorSettings,
+    stop: asyncio.Event,
+    assigned: asyncio.Event | None = None,
+    readiness: ConsumerReadiness | None = None,
 ) -> None:
     """Consume kv-events into the ledger and relay the outbox until ``stop`` is set.
 
-    ``assigned`` is set once this member owns kv-events partitions (for readiness and tests).
+    ``assigned`` is set once this member owns kv-events partitions (for tests); ``readiness``
+    is told about the consumers once they are started (for ``/readyz``).
     Shutdown finishes the in-flight batch, commits its offsets, leaves the group, then
     flushes the producer, so a SIGTERM loses nothing and replays as little as possible.
     """
@@ -102,6 +134,14 @@ async def run_consumers(
         publish_leased=relay.publish_leased,
         outbox_lease_s=settings.ledger.outbox_lease_s,
     )
+    resender = CommandResender(
+        database,
+        command_signer=command_signer,
+        resend_after_s=settings.ledger.command_resend_after_s,
+        resend_max_s=settings.ledger.command_resend_max_s,
+        poll_s=settings.ledger.command_resend_poll_s,
+        on_outbox=relay.wake,
+    )
     groups = consumer_groups(config.group_id)
     invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
     invalidations, acks = (
@@ -124,12 +164,15 @@ async def run_consumers(
         await consumer.start()
         await invalidations.start()
         await acks.start()
+        if readiness is not None:
+            readiness.watch([consumer, invalidations, acks])
         tasks = [
             asyncio.create_task(consumer.run(), name="kv-events consumer"),
             asyncio.create_task(invalidations.run(), name="invalidation consumer"),
             asyncio.create_task(acks.run(), name="ack consumer"),
             asyncio.create_task(relay.run(stop), name="outbox relay"),
             asyncio.create_task(erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
+            asyncio.create_task(resender.run(stop), name="command re-sender"),
             asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
         ]
         if assigned is not None:
@@ -138,6 +181,8 @@ async def run_consumers(
         try:
             await stop.wait()
         finally:
+            if readiness is not None:
+                readiness.watch([])
             await asyncio.gather(consumer.stop(), invalidations.stop(), acks.stop())
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)

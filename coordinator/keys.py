@@ -43,7 +43,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from coordinator.db import Database
 from coordinator.models import Base
 from events.schema import subject_digest
-from gpu_node.crypto import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES
+from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES
 
 log = logging.getLogger(__name__)
 

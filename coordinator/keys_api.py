@@ -31,8 +31,8 @@ from coordinator.keys import KeyService, MasterKeyError
 from coordinator.node_keys import NodeKeyRegistry
 from coordinator.settings import CoordinatorSettings
 from events.schema import Name
-from gpu_node.crypto import KEY_ID_HEX_CHARS
 from identity.node_credentials import CredentialError
+from identity.sealing import KEY_ID_HEX_CHARS
 from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)

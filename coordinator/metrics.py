@@ -96,6 +96,11 @@ INVALIDATIONS_TOTAL = Counter(
     "Invalidate commands decided, by predicate kind and trigger (event, api, late_block).",
     ["kind", "trigger"],
 )
+COMMAND_RESENDS_TOTAL = Counter(
+    "kvledger_command_resends_total",
+    "Invalidate commands re-sent because some expected node had not acked in time, by predicate kind.",
+    ["kind"],
+)
 INVALIDATION_SECONDS = Histogram(
     "kvledger_invalidation_seconds",
     "Decision to last expected ack, per completed invalidation.",

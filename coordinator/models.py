@@ -338,6 +338,7 @@ class InvalidationTarget(Base):
     __table_args__ = (
         CheckConstraint(_one_of("status", TARGET_STATUSES), name="status"),
         Index(None, "node_id", "status"),
+        Index("ix_invalidation_targets_pending", "command_id", postgresql_where=text("status = 'pending'")),
     )
 
     command_id: Mapped[uuid.UUID] = mapped_column(
@@ -351,6 +352,11 @@ class InvalidationTarget(Base):
     """The ack's ``TierEvidence`` list as received (block hashes included: erasure receipts commit to them)."""
     ack_key_id: Mapped[str | None]
     """The enrolled node key that signed the ack recorded here; an erasure receipt names it."""
+    resend_count: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    """How often the command went out again because this node had not acked (``coordinator.resend``)."""
+    last_resent_at: Mapped[datetime | None]
+    next_resend_at: Mapped[datetime | None]
+    """When the next re-send is due; NULL: ``command_resend_after_s`` after the decision."""
 
 
 ERASURE_STATUSES = ("pending", "partial", "verified", "failed")

@@ -2,13 +2,13 @@
 
 A consumers-only process serves no ledger API, but the operator still has to scrape it
 and a supervisor still has to probe it: ``/healthz`` (the process answers), ``/readyz``
-(its kv-events consumer owns partitions, so records are being ingested) and ``/metrics``
+(its consumer groups hold their partitions and know their positions, so records are being ingested) and ``/metrics``
 behind the metrics bearer token, exactly as on the API (docs/operations.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import metrics
+from coordinator.consumers import ConsumerReadiness
 from coordinator.db import Database
 from coordinator.settings import CoordinatorSettings
 from events.logs import RequestIdMiddleware
@@ -24,8 +25,8 @@ from identity.metrics_access import scrape_refusal
 _INTERNAL_ERROR = b'{"error":{"message":"internal server error","type":"server_error","code":"internal_error"}}'
 
 
-def create_ops_app(settings: CoordinatorSettings, consuming: Callable[[], bool]) -> FastAPI:
-    """``consuming()`` says whether this member's kv-events consumer owns partitions right now."""
+def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) -> FastAPI:
+    """``readiness`` is the one the process's consumers report to: ``/readyz`` is 200 once they consume."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,8 +45,9 @@ def create_ops_app(settings: CoordinatorSettings, consuming: Callable[[], bool])
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        if not consuming():
-            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": "no kv-events partitions assigned"})
+        problem = readiness.problem()
+        if problem is not None:
+            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": problem})
         return JSONResponse(content={"status": "ready"})
 
     @app.get("/metrics")

@@ -4,6 +4,11 @@ The process owns SIGTERM/SIGINT: either one sets a stop event, uvicorn drains it
 connections and runs the app's lifespan shutdown, the consumers finish and commit
 their in-flight batch; then the process exits 0. If one half dies, the other is
 stopped too and the exit status is 1, so a supervisor restarts the whole process.
+
+``/readyz`` answers 200 only once the process's consumers are consuming
+(:class:`coordinator.consumers.ConsumerReadiness`): with ``--role all`` on the API, with
+``--role consumers`` on :mod:`coordinator.ops_app` (``/healthz``, ``/readyz``, ``/metrics``)
+at the configured HTTP host and port.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from coordinator.api import create_app
-from coordinator.consumers import run_consumers
+from coordinator.consumers import ConsumerReadiness, run_consumers
 from coordinator.ops_app import create_ops_app
 from coordinator.settings import CoordinatorSettings
 from events.logs import configure_logging, uvicorn_log_config
@@ -37,13 +42,12 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(settings: CoordinatorSettings, app: FastAPI | None, consumers: bool) -> int:
-    """Run the HTTP ``app`` and/or the consumers until SIGTERM/SIGINT; returns the exit status.
+async def serve(settings: CoordinatorSettings, app: FastAPI, consumers: bool, readiness: ConsumerReadiness | None = None) -> int:
+    """Run the HTTP ``app`` and, with ``consumers``, the consumers until SIGTERM/SIGINT; returns the exit status.
 
-    Without ``app`` (``--role consumers``) the process still listens on the HTTP settings,
-    with the consumers' health, readiness and metrics (:mod:`coordinator.ops_app`).
+    ``readiness`` is handed to the consumers; the app's ``/readyz`` reads the same one (the
+    API's with ``--role all``, :mod:`coordinator.ops_app`'s with ``--role consumers``).
     """
-    assert app is not None or consumers, "nothing to run"
     # Imported libraries are ~10^5 long-lived objects; frozen, full collections stop rescanning
     # them (a pause of up to hundreds of ms in the middle of a batch).
     gc.freeze()
@@ -52,11 +56,8 @@ async def serve(settings: CoordinatorSettings, app: FastAPI | None, consumers: b
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Task] = []
-    assigned = asyncio.Event()
-    if app is None:
-        app = create_ops_app(settings, assigned.is_set)
     if consumers:
-        tasks.append(asyncio.create_task(run_consumers(settings, stop, assigned), name="consumers"))
+        tasks.append(asyncio.create_task(run_consumers(settings, stop, readiness=readiness), name="consumers"))
     config = uvicorn.Config(
         app, host=settings.http.host, port=settings.http.port, access_log=False, log_config=uvicorn_log_config()
     )
@@ -94,8 +95,13 @@ def cli(args: argparse.Namespace) -> int:
     try:
         configure_logging()
         settings = CoordinatorSettings(**overrides)
-        app = create_app(settings) if args.role in ("api", "all") else None
+        consumers = args.role in ("consumers", "all")
+        readiness = ConsumerReadiness() if consumers else None
+        if args.role in ("api", "all"):
+            app = create_app(settings, consumers=readiness)
+        else:
+            app = create_ops_app(settings, readiness)
     except ValueError as exc:  # configuration the operator has to fix (no JWT key, bad URL, log format, ...)
         print(f"kvledger coordinator: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(settings, app, consumers=args.role in ("consumers", "all")))
+    return asyncio.run(serve(settings, app, consumers=consumers, readiness=readiness))

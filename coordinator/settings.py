@@ -121,6 +121,19 @@ class LedgerSettings(BaseModel):
     """How long the relay leaves a decision's commands to the deciding process, which
     publishes them right after its commit; only if that process died first does the
     relay publish them, this much later."""
+    command_resend_after_s: float = Field(10.0, gt=0)
+    """A target that has not acked its command this long after the decision gets the command
+    again (``coordinator.resend``); each further re-send waits twice as long as the one before…"""
+    command_resend_max_s: float = Field(120.0, gt=0)
+    """…up to this long between two re-sends to one target."""
+    command_resend_poll_s: float = Field(1.0, gt=0)
+    """How often the consumers process looks for targets whose re-send is due."""
+
+    @model_validator(mode="after")
+    def _resend_bounds(self) -> LedgerSettings:
+        if self.command_resend_max_s < self.command_resend_after_s:
+            raise ValueError("command_resend_max_s must be at least command_resend_after_s")
+        return self
 
 
 class KeySettings(BaseModel):

@@ -20,7 +20,7 @@ import ipaddress
 import logging
 import random
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
 from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
 from events.schema import Envelope, EventValidationError
-from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, route
+from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, TOPIC_CONFIGS, route
 
 log = logging.getLogger(__name__)
 
@@ -173,19 +173,36 @@ def kafka_client_kwargs(settings: KafkaSettings) -> dict[str, Any]:
     if settings.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
         kwargs["sasl_mechanism"] = settings.sasl_mechanism
         kwargs["sasl_plain_username"] = settings.sasl_username
+        assert settings.sasl_password is not None, "KafkaSettings refuses SASL without a password"
         kwargs["sasl_plain_password"] = settings.sasl_password.get_secret_value()
     return kwargs
+
+
+def new_topics(settings: KafkaSettings, names: Iterable[str], configs: Mapping[str, Mapping[str, str]]) -> list[NewTopic]:
+    """The creation requests of ``names``, each with its configs (none for a name ``configs`` lacks)."""
+    return [
+        NewTopic(
+            name=name,
+            num_partitions=settings.num_partitions,
+            replication_factor=settings.replication_factor,
+            topic_configs=dict(configs.get(name, {})),
+        )
+        for name in names
+    ]
 
 
 async def ensure_topics(
     settings: KafkaSettings,
     topics: Iterable[str] = ALL_TOPICS,
     timeout_s: float = 30.0,
+    configs: Mapping[str, Mapping[str, str]] = TOPIC_CONFIGS,
 ) -> list[str]:
-    """Create the topics that do not exist yet and wait until their metadata is served.
+    """Create the topics that do not exist yet, with their ``configs``, and wait until their metadata is served.
 
     Returns the names this call created. Safe to run concurrently from several processes:
-    losing a creation race (``TopicAlreadyExists``) counts as success.
+    losing a creation race (``TopicAlreadyExists``) counts as success. A topic that exists
+    keeps the configs it has: changing a live topic's retention is the operator's call
+    (docs/operations.md, "Topics").
     """
     wanted = list(dict.fromkeys(topics))
     admin = AIOKafkaAdminClient(**kafka_client_kwargs(settings))
@@ -195,12 +212,7 @@ async def ensure_topics(
         missing = [topic for topic in wanted if topic not in existing]
         created: list[str] = []
         if missing:
-            response = await admin.create_topics(
-                [
-                    NewTopic(name=topic, num_partitions=settings.num_partitions, replication_factor=settings.replication_factor)
-                    for topic in missing
-                ]
-            )
+            response = await admin.create_topics(new_topics(settings, missing, configs))
             for topic, code, *_ in response.topic_errors:
                 error = for_code(code)
                 if code == 0:
@@ -340,7 +352,7 @@ class EventProducer:
 
 
 async def send_to_dead_letter(
-    producer: EventProducer, record: ConsumerRecord, error: str, group_id: str | None, counter=DEAD_LETTER_TOTAL
+    producer: EventProducer, record: ConsumerRecord, error: str, group_id: str | None, counter: Counter = DEAD_LETTER_TOTAL
 ) -> None:
     """Put a record that failed validation on the dead-letter topic, with its error, and count it.
 
@@ -473,6 +485,10 @@ class BatchConsumer:
         # Offsets already dead-lettered and not yet committed past: a re-delivered batch skips them.
         self._dead_lettered: dict[TopicPartition, set[int]] = {}
         self._assigned = asyncio.Event()
+        # Generation of the current assignment, and whether its positions are known (see ``consuming``).
+        self._generation = 0
+        self._positioned_generation: int | None = None
+        self._positioning: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self._run_task: asyncio.Task | None = None
         self._cancelled_by_stop = False
@@ -526,7 +542,9 @@ class BatchConsumer:
             if not self._cancelled_by_stop:
                 raise
             # stop() gave up waiting for the batch: the caller of run() sees a normal return.
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None, "run() is awaited inside a task"
+            task.uncancel()
         finally:
             self._run_task = None
 
@@ -549,6 +567,9 @@ class BatchConsumer:
                     await self._commit_pending(None)
         finally:
             self._started = False
+            if self._positioning is not None:
+                self._positioning.cancel()
+                await asyncio.gather(self._positioning, return_exceptions=True)
             try:
                 await self._consumer.stop()
             finally:
@@ -571,12 +592,34 @@ class BatchConsumer:
         await asyncio.wait_for(self._assigned.wait(), timeout_s)
         return self.assignment()
 
+    @property
+    def consuming(self) -> bool:
+        """This member joined its group and knows where it resumes on every partition it was assigned.
+
+        From then on a record published to its partitions is fetched by the next poll. An
+        empty assignment counts (a replica with more peers than partitions is consuming
+        nothing, correctly); a rebalance in progress does not.
+        """
+        return self._positioned_generation == self._generation
+
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         if assigned:
             self._assigned.set()
+        self._generation += 1
+        # Resolving positions waits for the committed offsets, which the rebalance callback must not.
+        self._positioning = asyncio.create_task(self._find_positions(self._generation, assigned))
+
+    async def _find_positions(self, generation: int, assigned: set[TopicPartition]) -> None:
+        for tp in sorted(assigned):
+            try:
+                await self._consumer.position(tp)
+            except Exception:  # noqa: BLE001 - revoked meanwhile: the next assignment looks again
+                return
+        self._positioned_generation = generation
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._assigned.clear()
+        self._generation += 1
         async with self._lock:  # let an in-flight batch finish its transaction and commit first
             await self._commit_pending(revoked)
             for tp in revoked:

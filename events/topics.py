@@ -38,6 +38,25 @@ DEAD_LETTER = "kvledger.dead-letter"
 
 ALL_TOPICS: tuple[str, ...] = (DOCUMENTS, PERMISSIONS, ERASURES, KV_EVENTS, COMMANDS, ACKS, DEAD_LETTER)
 
+_DAY_MS = 24 * 3600 * 1000
+
+TOPIC_CONFIGS: dict[str, dict[str, str]] = {
+    # Nodes rebuild their version registry and retired namespaces from this topic at every
+    # start, so a command must outlive any node's downtime: kept forever. Not compacted: every
+    # invalidation shares one key (one partition, one order), so compaction would keep only the last.
+    COMMANDS: {"cleanup.policy": "delete", "retention.ms": "-1"},
+    # Users' decisions: kept for the longest coordinator outage supported (30 days).
+    DOCUMENTS: {"cleanup.policy": "delete", "retention.ms": str(30 * _DAY_MS)},
+    PERMISSIONS: {"cleanup.policy": "delete", "retention.ms": str(30 * _DAY_MS)},
+    ERASURES: {"cleanup.policy": "delete", "retention.ms": str(30 * _DAY_MS)},
+    # Node reports and acks: the ledger holds their effect once consumed; 7 days of outage.
+    KV_EVENTS: {"cleanup.policy": "delete", "retention.ms": str(7 * _DAY_MS)},
+    ACKS: {"cleanup.policy": "delete", "retention.ms": str(7 * _DAY_MS)},
+    # Refused records wait for an operator to inspect and replay them.
+    DEAD_LETTER: {"cleanup.policy": "delete", "retention.ms": str(90 * _DAY_MS)},
+}
+"""The configs each topic is created with (``events.kafka.ensure_topics``); see docs/operations.md, "Topics"."""
+
 ALERT_TOPICS: frozenset[str] = frozenset({ERASURES, PERMISSIONS})
 """Topics where a dead-lettered record is an alert, not just a count: dropping one would
 leave personal data or revoked access in the cache."""
@@ -101,7 +120,7 @@ def route(envelope: Envelope) -> tuple[str, str]:
     """The topic and key an envelope is published under."""
     payload = envelope.payload
     topic = TOPIC_BY_TYPE[envelope.type]
-    tenant = envelope.tenant_id
+    tenant = envelope.tenant_id or ""  # user events without a tenant fail the key's check
     match payload:
         case DocumentUpdated() | DocumentDeleted():
             return topic, document_key(tenant, payload.doc_id)

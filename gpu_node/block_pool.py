@@ -60,9 +60,10 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.crypto import KEY_BYTES, DataKeyProvider, overwrite_and_unlink, seal, unseal
+from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink, seal, unseal
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
+from identity.sealing import KEY_BYTES
 
 
 class Tier(StrEnum):

@@ -27,7 +27,15 @@ from the beginning at every start: commands below its group's committed offset
 were applied in an earlier life and only rebuild the registry; later ones are
 applied and acked now. The node reports ready only once it has consumed up to the
 end offsets it saw at start, so a node that was down applies what it missed
-before it serves. The registry is therefore as complete as the
+before it serves.
+
+Re-sent commands. The coordinator re-sends a command to a node that has not acked it
+(``coordinator.resend``): a new record, same ``command_id``. A command this node
+already applied in this run is not applied again: its ack — the same envelope, same
+``event_id`` and evidence — is published again, so a lost ack is recovered and an ack
+that did arrive is a duplicate the coordinator's inbox drops. A command applied in an
+earlier life (its ack and evidence are gone with the process) is applied again: that is
+idempotent, finds nothing left to remove, and acks that. The registry is therefore as complete as the
 topic's retention: retention must outlive the longest-lived document version.
 
 Trust. Only commands signed by the coordinator's command key, which the node pins
@@ -41,6 +49,7 @@ is met and ignored on every later replay. Acks leave signed with the node's own 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -72,6 +81,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DEFERRED_WAIT_S = 10.0
+MAX_REMEMBERED_ACKS = 10_000
+"""Acks kept per node for re-sent commands (a few hundred bytes each): the coordinator re-sends a
+command within minutes of its decision, so only the most recent commands need theirs."""
 BUILD_GUARD_MARGIN_S = 60.0
 """Slack on top of the singleflight wait for how long a command keeps refusing matching builds."""
 
@@ -531,6 +543,8 @@ class CommandConsumer:
         self._committed: dict[TopicPartition, int] = {}
         # Records handled in this run whose offsets are not committed yet → the ack to publish (None: no ack).
         self._unacked: dict[tuple[TopicPartition, int], schema.Envelope | None] = {}
+        # command_id → its ack, for commands applied in this run (a re-send is re-acked, not re-applied).
+        self._acks: collections.OrderedDict[uuid.UUID, schema.Envelope] = collections.OrderedDict()
         self._end_offsets: dict[TopicPartition, int] = {}
         # Per partition, the offset after the last record handled in this run (see _rewind).
         self._handled_upto: dict[TopicPartition, int] = {}
@@ -677,6 +691,7 @@ class CommandConsumer:
                 and isinstance(envelope.payload, schema.Invalidate)
                 and record.offset >= self._committed[tp]
                 and key not in self._unacked
+                and envelope.payload.command_id not in self._acks
             ):
                 to_apply.append((record.offset, envelope.payload))
                 continue
@@ -718,6 +733,7 @@ class CommandConsumer:
                     schema.CommandAck(command_id=command.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
                 )
                 self._unacked[(tp, offset)] = ack
+                self._remember_ack(command.command_id, ack)
                 sending.append(asyncio.create_task(self._producer.send(ack)))
                 handled[tp] = offset + 1
                 log.info(
@@ -726,6 +742,12 @@ class CommandConsumer:
                     command.predicate.kind,
                     sum(item.removed for item in evidence),
                 )
+
+    def _remember_ack(self, command_id: uuid.UUID, ack: schema.Envelope) -> None:
+        self._acks[command_id] = ack
+        self._acks.move_to_end(command_id)
+        while len(self._acks) > MAX_REMEMBERED_ACKS:
+            self._acks.popitem(last=False)
 
     def _rewind(self) -> None:
         """After a failure, seek every partition back to its first record neither handled in this run nor committed.
@@ -780,9 +802,18 @@ class CommandConsumer:
             return None
         payload = envelope.payload
         if isinstance(payload, schema.Invalidate):
-            # Applied in an earlier life, or in this run with its ack not yet published: remember, never apply again.
+            # Applied in an earlier life, or in this run with its ack not yet published, or a re-send of a
+            # command applied in this run: remember, never apply again; a re-send gets the command's ack again.
             self.handler.remember(payload)
-            return None if applied_before else self._unacked[(tp, record.offset)]
+            if applied_before:
+                return None
+            key = (tp, record.offset)
+            if key not in self._unacked:
+                assert payload.command_id in self._acks, f"command {payload.command_id} neither applied nor remembered"
+                self._unacked[key] = self._acks[payload.command_id]
+                self.engine.metrics.commands_reacked.inc()
+                log.info("node %s: re-acking a re-sent %s command", self.node_id, payload.predicate.kind)
+            return self._unacked[key]
         if isinstance(payload, schema.InventoryRequested) and payload.node_id == self.node_id and not applied_before:
             if (tp, record.offset) not in self._unacked:
                 await self.publisher.publish_inventory(payload.request_id)

@@ -29,11 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from events.schema import subject_digest
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
-
-KEY_BYTES = 32
-NONCE_BYTES = 12
-TAG_BYTES = 16
-KEY_ID_HEX_CHARS = 32
+from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
 
 _U32 = struct.Struct("<I")
 

@@ -80,6 +80,11 @@ class NodeMetrics:
             registry=r,
             buckets=_LATENCY_BUCKETS_S,
         )
+        self.commands_reacked = Counter(
+            "kvledger_commands_reacked",
+            "Re-sent commands this node had already applied in this run and answered with their ack again",
+            registry=r,
+        )
         self._num_requests = 0
         self._num_hit_requests = 0
         self._num_prompt_tokens = 0

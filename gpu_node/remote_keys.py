@@ -29,11 +29,12 @@ from pathlib import Path
 import httpx
 
 from events.schema import subject_digest
-from gpu_node.crypto import KEY_BYTES, KEY_ID_HEX_CHARS, DataKeyProvider, LocalKeyStore
+from gpu_node.crypto import DataKeyProvider, LocalKeyStore
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 from gpu_node.node_identity import node_signing_key
 from gpu_node.settings import NodeSettings
 from identity.node_credentials import issue_node_credential
+from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS
 
 log = logging.getLogger(__name__)
 

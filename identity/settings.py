@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 AsymmetricAlgorithm = Literal["EdDSA", "ES256", "RS256"]
+ALL_ASYMMETRIC_ALGORITHMS: tuple[AsymmetricAlgorithm, ...] = ("EdDSA", "ES256", "RS256")
 
 
 class IssuerSettings(BaseModel):
@@ -38,7 +39,7 @@ class IssuerSettings(BaseModel):
     jwt_public_key_file: Path | None = None
     jwks_file: Path | None = None
     jwks_url: str | None = None
-    algorithms: list[AsymmetricAlgorithm] = Field(default_factory=lambda: ["EdDSA", "ES256", "RS256"], min_length=1)
+    algorithms: list[AsymmetricAlgorithm] = Field(default_factory=lambda: list(ALL_ASYMMETRIC_ALGORITHMS), min_length=1)
     issuer: str | None = None
     audience: str | None = None
     leeway_s: float = Field(5.0, ge=0)

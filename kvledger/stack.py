@@ -4,7 +4,11 @@ Starts PostgreSQL and the Kafka-protocol broker (embedded unless external URLs
 are given), applies migrations, then runs the coordinator and N nodes as child
 processes, waits until each answers ``/readyz``, writes ``stack.json`` and stays
 in the foreground until Ctrl-C or SIGTERM, when everything is stopped in reverse
-order. Children share one JWT secret (end users), one subject-digest key and one
+order. Each step prints its elapsed time as it completes (``[  3.2s] postgres ready``),
+since a first start builds the model and can take minutes. The stack is supervised: when
+any child exits on its own, everything is stopped and ``kvledger up`` exits 1 naming it.
+
+Children share one JWT secret (end users), one subject-digest key and one
 metrics token (the bearer token of every ``/metrics``, recorded in ``stack.json`` for
 scrapers), generated once per state directory and kept there with mode 0600; an
 Ed25519 operator key pair (``operator_key.pem``, 0600, and ``operator_key.pub.pem``)
@@ -28,6 +32,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -36,7 +41,7 @@ from coordinator.migrate import upgrade
 from gpu_node.node_identity import NODE_KEY_FILE
 from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair
-from kvledger.model_init import build_tiny_model
+from kvledger.model_init import build_tiny_model, is_complete
 from kvledger.nodes import enroll_node_key
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
 
@@ -89,6 +94,20 @@ async def _wait_ready(url: str, process: subprocess.Popen, what: str) -> None:
             await asyncio.sleep(0.2)
 
 
+class ChildExited(Exception):
+    """A child process of the stack exited on its own: the stack is incomplete and was stopped."""
+
+
+class _Progress:
+    """Prints each completed startup step with the seconds since ``kvledger up`` began."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.monotonic() - self._started:6.1f}s] {message}", flush=True)
+
+
 def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
     return subprocess.Popen(
@@ -113,13 +132,22 @@ async def _stop(processes: list[subprocess.Popen]) -> None:
 
 
 async def up(args: argparse.Namespace) -> None:
+    """Start the stack and supervise it until a signal (returns) or a child's exit (raises ChildExited)."""
+    progress = _Progress()
     state_dir = Path(args.state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model_dir).resolve()
-    build_tiny_model(model_dir)
+    if is_complete(model_dir):
+        progress(f"model found in {model_dir}")
+    else:
+        progress(f"building the tiny model in {model_dir}")
+        await asyncio.to_thread(build_tiny_model, model_dir)
+        progress("model built")
 
     postgres = kafka = None
     processes: list[subprocess.Popen] = []
+    names: dict[int, str] = {}
+    """Child pid → what it runs, to say which one exited."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -130,12 +158,15 @@ async def up(args: argparse.Namespace) -> None:
         else:
             postgres = await EmbeddedPostgres(state_dir / "postgres").start()
             database_url = postgres.database_url
+            progress("postgres ready")
         if args.kafka_bootstrap:
             kafka_bootstrap = args.kafka_bootstrap
         else:
             kafka = await EmbeddedKafka(state_dir=state_dir).start()
             kafka_bootstrap = kafka.bootstrap
+            progress("broker ready")
         await asyncio.to_thread(upgrade, database_url)
+        progress("migrations applied")
 
         jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
         operator_private_key, operator_public_key = _operator_key_pair(state_dir)
@@ -164,6 +195,7 @@ async def up(args: argparse.Namespace) -> None:
         for node_id in node_ids:
             node_key = load_or_create_private_key(state_dir / node_id / NODE_KEY_FILE)
             await enroll_node_key(database_url, node_id, node_key.public_key())
+        progress(f"node keys enrolled ({', '.join(node_ids)})")
         logs = state_dir / "logs"
         logs.mkdir(exist_ok=True)
 
@@ -171,8 +203,10 @@ async def up(args: argparse.Namespace) -> None:
         coordinator_url = f"http://127.0.0.1:{coordinator_port}"
         coordinator = _spawn(["coordinator", "--port", str(coordinator_port)], coordinator_env, logs / "coordinator.log")
         processes.append(coordinator)
+        names[coordinator.pid] = "coordinator"
         # nodes fetch their data keys from the coordinator, so it must answer first
         await _wait_ready(coordinator_url, coordinator, "coordinator")
+        progress(f"coordinator ready at {coordinator_url}")
         node_env["KVLEDGER_COORDINATOR_URL"] = coordinator_url
         node_urls = []
         for index, node_id in enumerate(node_ids):
@@ -183,9 +217,11 @@ async def up(args: argparse.Namespace) -> None:
                 logs / f"{node_id}.log",
             )
             processes.append(node)
+            names[node.pid] = node_id
             node_urls.append(f"http://127.0.0.1:{port}")
         for url, node in zip(node_urls, processes[1:], strict=True):
             await _wait_ready(url, node, f"node at {url}")
+            progress(f"{names[node.pid]} ready at {url}")
 
         stack = {
             "coordinator_url": coordinator_url,
@@ -198,6 +234,7 @@ async def up(args: argparse.Namespace) -> None:
             "metrics_token": metrics_token,
             "model_dir": str(model_dir),
             "logs": str(logs),
+            "pids": {names[process.pid]: process.pid for process in processes},
         }
         stack_file = state_dir / "stack.json"
         stack_file.touch(mode=0o600)
@@ -212,10 +249,14 @@ async def up(args: argparse.Namespace) -> None:
 
         waiters = [asyncio.create_task(asyncio.to_thread(p.wait)) for p in processes]
         stop_task = asyncio.create_task(stopping.wait())
-        done, _ = await asyncio.wait([stop_task, *waiters], return_when=asyncio.FIRST_COMPLETED)
-        if stop_task not in done:
-            print("a child process exited; stopping the stack", file=sys.stderr)
+        await asyncio.wait([stop_task, *waiters], return_when=asyncio.FIRST_COMPLETED)
         stop_task.cancel()
+        if not stopping.is_set():
+            exited = next(process for process in processes if process.poll() is not None)
+            name = names[exited.pid]
+            raise ChildExited(
+                f"{name} (pid {exited.pid}) exited with status {exited.returncode}; stopped the stack (log: {logs / (name + '.log')})"
+            )
     finally:
         await _stop(processes)
         if kafka is not None:
@@ -225,5 +266,10 @@ async def up(args: argparse.Namespace) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    asyncio.run(up(args))
+    """0 after Ctrl-C or SIGTERM; 1 with one line on stderr when a child died or a service never became ready."""
+    try:
+        asyncio.run(up(args))
+    except (ChildExited, RuntimeError, TimeoutError) as error:
+        print(f"kvledger up: error: {error}", file=sys.stderr)
+        return 1
     return 0

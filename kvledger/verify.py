@@ -1,4 +1,4 @@
-"""``kvledger verify-receipt RECEIPT --public-key KEYS [--checkpoint CHECKPOINT]``: offline receipt verification.
+"""``kvledger verify-receipt RECEIPT --public-key KEYS [--checkpoint CHECKPOINT] [--json]``: offline receipt verification.
 
 Reads the documents exactly as the coordinator serves them (``GET
 /v1/erasures/{id}/receipt``, ``GET /v1/receipts/keys``, ``GET /v1/audit/checkpoint``)
@@ -58,6 +58,10 @@ def cli(args: argparse.Namespace) -> int:
         print(f"cannot verify: {error}", file=sys.stderr)
         return 2
     result = verify_served_receipt(receipt, keys, checkpoint)
+    if args.json:
+        checks = [{"name": check.name, "ok": check.ok, "message": check.message} for check in result.checks]
+        print(json.dumps({"ok": result.ok, "checks": checks, "warnings": list(result.warnings)}, indent=2, ensure_ascii=False))
+        return 0 if result.ok else 1
     for check in result.checks:
         print(f"{'✓' if check.ok else '✗'} {check.name}: {check.message}")
     for warning in result.warnings:

@@ -168,3 +168,45 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
             raise
     assert status == 0, log.read_text()[-4000:]
     assert _port_is_free(port) and _port_is_free(port - 100)
+
+
+def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_path):
+    state_dir = tmp_path / "state"
+    port = _free_port_pair()
+    log = tmp_path / "up.log"
+    errors = tmp_path / "up.err"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")}
+    with open(log, "wb") as output, open(errors, "wb") as error_output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvledger.cli", "up", "--state-dir", str(state_dir), "--model", str(tmp_path / "model"), "--port", str(port)],
+            stdout=output,
+            stderr=error_output,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        stack = _wait_for(lambda: _stack_file(state_dir), "stack.json", STARTUP_TIMEOUT_S, process, log)
+        steps = [line.split("] ", 1)[1] for line in log.read_text().splitlines() if line.startswith("[")]
+        assert steps == [
+            f"building the tiny model in {tmp_path / 'model'}",
+            "model built",
+            "postgres ready",
+            "broker ready",
+            "migrations applied",
+            "node keys enrolled (node-0)",
+            f"coordinator ready at {stack['coordinator_url']}",
+            f"node-0 ready at http://127.0.0.1:{port}",
+        ]
+        assert set(stack["pids"]) == {"coordinator", "node-0"}
+
+        node_pid = stack["pids"]["node-0"]
+        os.kill(node_pid, signal.SIGKILL)
+        status = process.wait(timeout=90)
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    assert status == 1, log.read_text()[-4000:]
+    lines = errors.read_text().splitlines()
+    assert lines[-1] == f"kvledger up: error: node-0 (pid {node_pid}) exited with status -9; stopped the stack (log: {state_dir / 'logs' / 'node-0.log'})"
+    assert "Traceback" not in errors.read_text()
+    assert _port_is_free(port) and _port_is_free(port - 100)

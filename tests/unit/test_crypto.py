@@ -9,8 +9,9 @@ import stat
 import pytest
 
 from events.schema import subject_digest
-from gpu_node.crypto import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES, LocalKeyStore, overwrite_and_unlink, seal, unseal
+from gpu_node.crypto import LocalKeyStore, overwrite_and_unlink, seal, unseal
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
 
 KEY = bytes(range(32))
 BLOCK_HASH = b"\x11" * 32

@@ -392,3 +392,22 @@ def test_cli_reports_checkpoint_size_mismatch(log, keys, tmp_path, capsys):
     assert code == 1
     assert "✗ checkpoint_matches:" in out and "?tree_size=3" in out
     assert out.strip().endswith("receipt NOT verified")
+
+
+def test_cli_json_reports_every_check(log, keys, tmp_path, capsys):
+    receipt = write(tmp_path, "receipt.json", log.serve(2))
+    keys_file = write(tmp_path, "keys.json", keys)
+    checkpoint = write(tmp_path, "checkpoint.json", log.heads[-1])
+    assert main(["verify-receipt", receipt, "--checkpoint", checkpoint, "--public-key", keys_file, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True
+    assert {"inclusion", "checkpoint_matches", "receipt_signature"} <= {check["name"] for check in report["checks"]}
+    assert all(check["ok"] for check in report["checks"])
+
+    tampered = log.serve(2)
+    tampered["receipt"]["tenant_id"] = "other"
+    write(tmp_path, "receipt.json", tampered)
+    assert main(["verify-receipt", receipt, "--checkpoint", checkpoint, "--public-key", keys_file, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    assert [check["name"] for check in report["checks"] if not check["ok"]][0] == "receipt_signature"
