@@ -174,9 +174,9 @@ class CoordinatorSettings(BaseSettings):
     """The operator issuer: the only tokens the coordinator's API accepts (``identity.roles``).
     Required; it must not share a key with ``auth``."""
     auth: IssuerSettings = IssuerSettings()
-    """The end users' issuer, as the nodes verify it: no coordinator endpoint takes end-user
-    tokens; the coordinator reads it to refuse an ``operator_auth`` that shares its key, and the
-    data key endpoints (``coordinator.keys_api``) still check nodes' tokens with it."""
+    """The end users' issuer, as the nodes verify it. No coordinator endpoint takes end-user
+    tokens (the data key endpoints take node credentials only, ``coordinator.keys_api``); the
+    coordinator reads it only to refuse an ``operator_auth`` that shares its key."""
     http: HttpSettings = HttpSettings()
     ledger: LedgerSettings = LedgerSettings()
     keys: KeySettings = KeySettings()

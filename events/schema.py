@@ -81,19 +81,23 @@ _CONTROL_CHARS_EXCEPT_WHITESPACE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-
 
 
 def check_identifier(value: str) -> str:
-    """Validator of :data:`Name`: no control characters (length is checked beside it).
+    """Validator of :data:`Name`: no control characters, not blank (length is checked beside it).
 
     Lone surrogates (valid Python ``str``, not UTF-8, refused by Postgres) never get here:
     pydantic's string validation refuses them, from JSON and from Python alike.
     """
     if _CONTROL_CHARS.search(value):
         raise ValueError("must not contain control characters")
+    if not value.strip():
+        raise ValueError("must not be blank")
     return value
 
 
 def _check_text(value: str) -> str:
     if _CONTROL_CHARS_EXCEPT_WHITESPACE.search(value):
         raise ValueError("must not contain control characters other than tab and newline")
+    if not value.strip():
+        raise ValueError("must not be blank")
     return value
 
 
@@ -101,7 +105,7 @@ Name = Annotated[
     str, Strict(), StringConstraints(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(check_identifier)
 ]
 """A non-empty identifier (tenant, document, auth scope, node, snapshot id, namespace ...):
-at most :data:`MAX_ID_CHARS` characters (code points), valid UTF-8, no control characters."""
+at most :data:`MAX_ID_CHARS` characters (code points), valid UTF-8, no control characters, not only whitespace."""
 
 ReasonText = Annotated[
     str, Strict(), StringConstraints(min_length=1, max_length=MAX_REASON_CHARS), AfterValidator(_check_text)

@@ -23,7 +23,7 @@ End-user claims::
     pv      int | {scope: int}     policy version(s) the token was issued under
 
 Operator tokens carry ``sub``, ``tenant``, ``exp`` and ``roles`` (list) or ``role`` (str).
-Every string claim is 1..256 characters without control characters; every
+Every string claim is 1..256 characters without control characters and not blank; every
 version an integer in 0..2^53−1.
 """
 
@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, EllipticCurv
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 
+from events.schema import MAX_ID_CHARS, check_identifier
 from identity.roles import PLATFORM_ADMIN
 from identity.settings import IssuerSettings
 
@@ -56,7 +57,7 @@ JWT_SECRET_ENV = "KVLEDGER_JWT_SECRET"
 
 # RFC 7518 §3.2: an HS256 key must be at least as long as the hash output.
 MIN_SECRET_BYTES = 32
-MAX_CLAIM_CHARS = 256
+MAX_CLAIM_CHARS = MAX_ID_CHARS
 MAX_CLAIM_ITEMS = 256
 MAX_VERSION = 2**53 - 1
 
@@ -351,12 +352,15 @@ def _is_version(value: object) -> bool:
 
 
 def _is_identifier(value: object) -> bool:
-    """1..256 characters, none of them a C0, DEL or C1 control character."""
-    return (
-        isinstance(value, str)
-        and 0 < len(value) <= MAX_CLAIM_CHARS
-        and not any(ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F for char in value)
-    )
+    """An identifier the event contract accepts (:func:`events.schema.check_identifier`): claims end up
+    in block provenance, kv-events and the ledger, so a token must carry none the contract would refuse."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CLAIM_CHARS:
+        return False
+    try:
+        check_identifier(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _identifier(value: object, claim: str) -> str:

@@ -47,13 +47,16 @@ from events.topics import DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
 
 # Unicode category Cc is exactly C0, DEL and C1; Cs the surrogates.
 _ID_CHARS = st.characters(exclude_categories=("Cc", "Cs"))
+# Blank values (only whitespace) are refused by the contract, so they are no input here.
 IDS = st.one_of(
     st.text(_ID_CHARS, min_size=1, max_size=MAX_ID_CHARS),
     st.text(_ID_CHARS, min_size=MAX_ID_CHARS, max_size=MAX_ID_CHARS),
-)
+).filter(str.strip)
 COUNTS = st.one_of(st.integers(0, MAX_SAFE_INT), st.just(MAX_SAFE_INT))
 DOCUMENT_VERSIONS = st.one_of(st.integers(0, MAX_DOCUMENT_VERSION), st.just(MAX_DOCUMENT_VERSION))
-REASONS = st.text(st.characters(exclude_categories=("Cc", "Cs")) | st.sampled_from("\t\n"), min_size=1, max_size=MAX_REASON_CHARS)
+REASONS = st.text(st.characters(exclude_categories=("Cc", "Cs")) | st.sampled_from("\t\n"), min_size=1, max_size=MAX_REASON_CHARS).filter(
+    str.strip
+)
 
 
 @st.composite

@@ -475,3 +475,13 @@ def test_a_deletion_matches_every_document_version_and_stays_signable() -> None:
     deletion = schema.DocumentPredicate(tenant="acme", doc_id="d", below_version=schema.ANY_VERSION)
     assert schema.MAX_DOCUMENT_VERSION < deletion.below_version
     assert json.loads(rfc8785.dumps(deletion.model_dump(mode="json")))["below_version"] == 2**53 - 1
+
+
+@pytest.mark.parametrize("blank", [" ", "\u2003", "\u3000 "], ids=["space", "em space", "ideographic space"])
+def test_blank_identifiers_and_reasons_are_refused(blank: str) -> None:
+    """A value of only whitespace is no identifier and no reason: the coordinator's handlers refuse it too,
+    so the contract must refuse it first (found by tests/security/test_contract_fits_postgres.py)."""
+    with pytest.raises(ValidationError, match="blank"):
+        DocumentUpdated(doc_id=blank, version=1)
+    with pytest.raises(ValidationError, match="blank"):
+        schema.ErasureRequested(subject_id="alice", reason=blank)
