@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -25,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
 from coordinator.auth import ForbiddenError, require_tenant, requires
-from coordinator.db import Database, request_session
+from coordinator.db import Database, database_lifespan, request_session
 from coordinator.erasure_api import router as erasure_router
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
@@ -86,16 +84,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     subject_key = settings.ledger.subject_key
     heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        database = Database(settings.database)
-        app.state.database = database
-        try:
-            yield
-        finally:
-            await database.dispose()
-
-    app = FastAPI(title="kvledger coordinator", version="1", lifespan=lifespan)
+    app = FastAPI(title="kvledger coordinator", version="1", lifespan=database_lifespan(settings.database))
     app.state.operator_verifier = operator_verifier
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))

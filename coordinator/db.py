@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from coordinator.settings import DatabaseSettings
@@ -47,3 +47,19 @@ async def request_session(request: Request) -> AsyncIterator[AsyncSession]:
     database: Database = request.app.state.database
     async with database.session() as session:
         yield session
+
+
+def database_lifespan(settings: DatabaseSettings):
+    """A FastAPI lifespan that owns one :class:`Database` on ``app.state.database``: created at
+    startup, disposed at shutdown (the API and the consumers-only ops app both use it)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        database = Database(settings)
+        app.state.database = database
+        try:
+            yield
+        finally:
+            await database.dispose()
+
+    return lifespan

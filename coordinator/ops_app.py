@@ -8,16 +8,13 @@ behind the metrics bearer token, exactly as on the API (docs/operations.md).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import metrics
 from coordinator.consumers import ConsumerReadiness
-from coordinator.db import Database
+from coordinator.db import Database, database_lifespan
 from coordinator.settings import CoordinatorSettings
 from events.logs import RequestIdMiddleware
 from identity.metrics_access import scrape_refusal
@@ -28,16 +25,13 @@ _INTERNAL_ERROR = b'{"error":{"message":"internal server error","type":"server_e
 def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) -> FastAPI:
     """``readiness`` is the one the process's consumers report to: ``/readyz`` is 200 once they consume."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        database = Database(settings.database)
-        app.state.database = database
-        try:
-            yield
-        finally:
-            await database.dispose()
-
-    app = FastAPI(title="kvledger coordinator consumers", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="kvledger coordinator consumers",
+        lifespan=database_lifespan(settings.database),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
