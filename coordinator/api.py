@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from sqlalchemy import and_, exists, func, select
+from sqlalchemy import and_, exists, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
@@ -28,8 +28,10 @@ from coordinator.erasure_api import router as erasure_router
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
-from coordinator.models import TIERS, Block, BlockAuthScope, BlockDocument, Node, Placement
+from coordinator.models import Block, BlockAuthScope, BlockDocument, Placement
+from coordinator.node_status import node_statuses
 from coordinator.settings import CoordinatorSettings
+from coordinator.ui import router as console_router
 from events.logs import RequestIdMiddleware
 from events.schema import Name, subject_digest
 from identity.metrics_access import scrape_refusal
@@ -89,6 +91,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))
+    app.include_router(console_router(settings))
 
     # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
     # log, which prints the query string: ?subject= is a raw subject id.
@@ -204,37 +207,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     @app.get("/v1/nodes")
     async def nodes(_: PlatformAdmin, session: Session) -> dict[str, Any]:
         """Known nodes, liveness from the age of their last heartbeat or event, live copies per tier."""
-        last_seen = func.greatest(Node.last_heartbeat, Node.last_event_at)
-        rows = (
-            await session.execute(
-                select(Node, func.extract("epoch", func.now() - last_seen).label("age_s")).order_by(Node.node_id)
-            )
-        ).all()
-        counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
-        for node_id, tier, count in await session.execute(
-            select(Placement.node_id, Placement.tier, func.count())
-            .where(Placement.state == "live")
-            .group_by(Placement.node_id, Placement.tier)
-        ):
-            counts[node_id][tier] = count
-        return {
-            "nodes": [
-                {
-                    "node_id": node.node_id,
-                    "epoch": node.epoch,
-                    "last_seq": node.last_seq,
-                    "status": node.status,
-                    "namespace": node.namespace,
-                    "started_at": _iso(node.started_at),
-                    "last_heartbeat": _iso(node.last_heartbeat),
-                    "last_event_at": _iso(node.last_event_at),
-                    "last_seen_age_s": float(age_s),
-                    "alive": float(age_s) < heartbeat_timeout_s,
-                    "num_live_placements": {t: counts[node.node_id].get(t, 0) for t in TIERS},
-                }
-                for node, age_s in rows
-            ]
-        }
+        return {"nodes": await node_statuses(session, heartbeat_timeout_s)}
 
     return app
 

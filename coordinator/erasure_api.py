@@ -6,6 +6,8 @@
   erasure and starts nothing (409 ``idempotency_conflict`` if the key named another
   subject). Without either, every call is a new erasure. The body is never logged or
   echoed in an error: ``subject_id`` is a person's identifier.
+* ``GET /v1/erasures?tenant=&status=&limit=&before=`` (any operator role; ``tenant`` defaults to a
+  tenant-bound caller's own) — newest first, paged with ``before=<next_cursor>``.
 * ``GET /v1/erasures/{id}`` (any operator role of the erasure's tenant, or ``platform-admin``) — status and
   per node × tier progress: what each node reported (removed, method, verified) and
   the subject's live copies the ledger still shows.
@@ -26,12 +28,12 @@ import collections
 import logging
 import uuid
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import receipts
@@ -55,6 +57,9 @@ from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS
 from identity.tokens import Operator
 
 log = logging.getLogger(__name__)
+
+MAX_PAGE_SIZE = 1000
+
 
 class ErasureRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -131,19 +136,31 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         erasure = started.erasure
         return JSONResponse(status_code=202, content={"id": str(erasure.id), "status": erasure.status})
 
+    @api.get("/v1/erasures")
+    async def get_erasures(
+        reader: Reader,
+        session: Session,
+        tenant: Annotated[Name | None, Query()] = None,
+        status: Literal["pending", "partial", "verified", "failed"] | None = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
+        before: Annotated[str | None, Query(max_length=80)] = None,
+    ) -> Any:
+        """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
+        try:
+            return await list_erasures(session, reader, tenant=tenant, status=status, limit=limit, before=before)
+        except ValueError as error:
+            return _error(400, "invalid_request_error", "invalid_parameter", str(error))
+
     @api.get("/v1/erasures/{erasure_id}")
     async def get_erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Any:
-        erasure = await session.get(Erasure, erasure_id)
-        require_tenant(reader, None if erasure is None else erasure.tenant_id)
+        erasure = await readable_erasure(session, reader, erasure_id)
         if erasure is None:
             return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
-        receipt_id = await session.scalar(select(Receipt.receipt_id).where(Receipt.erasure_id == erasure.id))
-        return _describe(erasure, await progress(session, erasure), receipt_id)
+        return await describe_erasure(session, erasure)
 
     @api.get("/v1/erasures/{erasure_id}/receipt")
     async def get_receipt(erasure_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
-        erasure = await session.get(Erasure, erasure_id)
-        require_tenant(reader, None if erasure is None else erasure.tenant_id)
+        erasure = await readable_erasure(session, reader, erasure_id)
         if erasure is None:
             return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
         receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
@@ -151,7 +168,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
             return _error(
                 404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet"
             )
-        return await _served(session, receipt, tree_size)
+        return await served_receipt(session, receipt, tree_size)
 
     @api.get("/v1/audit/proof/{receipt_id}")
     async def get_proof(receipt_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
@@ -160,7 +177,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         require_tenant(reader, None if erasure is None else erasure.tenant_id)
         if receipt is None:
             return _error(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
-        return await _served(session, receipt, tree_size)
+        return await served_receipt(session, receipt, tree_size)
 
     @api.get("/v1/audit/checkpoint")
     async def checkpoint(session: Session) -> Any:
@@ -179,7 +196,75 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     return api
 
 
-async def _served(session: AsyncSession, receipt: Receipt, tree_size: int | None) -> Any:
+async def readable_erasure(session: AsyncSession, reader: Operator, erasure_id: uuid.UUID) -> Erasure | None:
+    """The erasure, None if there is none (only a platform admin learns that); another tenant's raises
+    :class:`coordinator.auth.TenantForbiddenError`, as a missing one does for a tenant-bound reader."""
+    erasure = await session.get(Erasure, erasure_id)
+    require_tenant(reader, None if erasure is None else erasure.tenant_id)
+    return erasure
+
+
+def _cursor(requested_at: datetime, erasure_id: uuid.UUID) -> str:
+    return f"{requested_at.isoformat()}~{erasure_id}"
+
+
+async def list_erasures(
+    session: AsyncSession,
+    reader: Operator,
+    *,
+    tenant: str | None = None,
+    status: str | None = None,
+    limit: int = 100,
+    before: str | None = None,
+) -> dict[str, Any]:
+    """Erasures newest first, as ``GET /v1/erasures`` and the console list them; ``before`` is a ``next_cursor``.
+
+    ``tenant`` defaults to a tenant-bound ``reader``'s own; another tenant raises
+    :class:`coordinator.auth.TenantForbiddenError`. ValueError for a malformed cursor.
+    """
+    if not reader.is_platform_admin:
+        tenant = reader.tenant_id if tenant is None else tenant
+        require_tenant(reader, tenant)
+    query = select(Erasure).order_by(Erasure.requested_at.desc(), Erasure.id.desc()).limit(limit)
+    if tenant is not None:
+        query = query.where(Erasure.tenant_id == tenant)
+    if status is not None:
+        query = query.where(Erasure.status == status)
+    if before is not None:
+        at, _, last_id = before.partition("~")
+        try:
+            position = (datetime.fromisoformat(at), uuid.UUID(last_id))
+        except ValueError:
+            raise ValueError("before: not a cursor this API returned") from None
+        query = query.where(tuple_(Erasure.requested_at, Erasure.id) < position)
+    erasures = (await session.scalars(query)).all()
+    receipt_ids = dict(
+        (await session.execute(select(Receipt.erasure_id, Receipt.receipt_id).where(Receipt.erasure_id.in_([e.id for e in erasures])))).all()
+    )
+    return {
+        "erasures": [
+            {
+                "id": str(erasure.id),
+                "tenant_id": erasure.tenant_id,
+                "reason": erasure.reason,
+                "status": erasure.status,
+                "requested_at": _iso(erasure.requested_at),
+                "verified_at": _iso(erasure.verified_at),
+                "receipt_id": None if erasure.id not in receipt_ids else str(receipt_ids[erasure.id]),
+            }
+            for erasure in erasures
+        ],
+        "next_cursor": _cursor(erasures[-1].requested_at, erasures[-1].id) if len(erasures) == limit else None,
+    }
+
+
+async def describe_erasure(session: AsyncSession, erasure: Erasure) -> dict[str, Any]:
+    """What ``GET /v1/erasures/{id}`` answers: status, commands and per node × tier progress."""
+    receipt_id = await session.scalar(select(Receipt.receipt_id).where(Receipt.erasure_id == erasure.id))
+    return _describe(erasure, await progress(session, erasure), receipt_id)
+
+
+async def served_receipt(session: AsyncSession, receipt: Receipt, tree_size: int | None) -> Any:
     """The served receipt with proofs into the latest tree head, or the one of ``tree_size``."""
     at_issue = await session.get(TreeHead, receipt.leaf_index + 1)
     assert at_issue is not None, f"receipt {receipt.receipt_id} without the tree head that added it"

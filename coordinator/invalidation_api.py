@@ -3,7 +3,7 @@
 * ``GET /v1/invalidations/{command_id}`` — one command: predicate, cutoff, status,
   timings and, per expected node × tier, the node's evidence and what the ledger
   shows (live copies the predicate still covers, copies the command deleted).
-* ``GET /v1/invalidations?tenant=&status=&kind=&limit=&before=`` — newest first, paged by ``seq``.
+* ``GET /v1/invalidations?tenant=&doc_id=&status=&kind=&limit=&before=`` — newest first, paged by ``seq``.
 * ``GET /v1/namespaces`` (``platform-admin``) — namespaces, lifecycle status, nodes serving each.
 * ``POST /v1/namespaces/{namespace}/retire`` (``platform-admin``) — the namespace turns
   ``draining`` and a namespace-wide ``Invalidate`` goes out through the outbox; it is
@@ -71,53 +71,23 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         require_tenant(reader, None if invalidation is None else invalidation.predicate.get("tenant"))
         if invalidation is None:
             return _error(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
-        return await _describe(session, invalidation)
+        return await describe_invalidation(session, invalidation)
 
     @api.get("/v1/invalidations")
-    async def list_invalidations(
+    async def get_invalidations(
         reader: Reader,
         session: Session,
         tenant: Annotated[Name | None, Query()] = None,
+        doc_id: Annotated[Name | None, Query()] = None,
         status: Literal["pending", "complete", "failed"] | None = None,
         kind: Literal["document", "policy", "subject", "namespace", "tenant"] | None = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
         before: Annotated[int | None, Query(ge=1)] = None,
     ) -> dict[str, Any]:
         """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
-        if not reader.is_platform_admin:
-            tenant = reader.tenant_id if tenant is None else tenant
-            require_tenant(reader, tenant)
-        counts = (
-            select(
-                InvalidationTarget.command_id,
-                func.count().label("num_targets"),
-                func.count().filter(InvalidationTarget.status == "acked").label("num_acked"),
-            )
-            .group_by(InvalidationTarget.command_id)
-            .subquery()
+        return await list_invalidations(
+            session, reader, tenant=tenant, doc_id=doc_id, status=status, kind=kind, limit=limit, before=before
         )
-        query = (
-            select(Invalidation, counts.c.num_targets, counts.c.num_acked)
-            .outerjoin(counts, counts.c.command_id == Invalidation.command_id)
-            .order_by(Invalidation.seq.desc())
-            .limit(limit)
-        )
-        if tenant is not None:
-            query = query.where(Invalidation.predicate["tenant"].astext == tenant)
-        if status is not None:
-            query = query.where(Invalidation.status == status)
-        if kind is not None:
-            query = query.where(Invalidation.kind == kind)
-        if before is not None:
-            query = query.where(Invalidation.seq < before)
-        rows = (await session.execute(query)).all()
-        return {
-            "invalidations": [
-                {**_summary(row.Invalidation), "num_targets": row.num_targets or 0, "num_acked": row.num_acked or 0}
-                for row in rows
-            ],
-            "next_cursor": rows[-1].Invalidation.seq if len(rows) == limit else None,
-        }
 
     @api.get("/v1/namespaces")
     async def list_namespaces(_: PlatformAdmin, session: Session) -> dict[str, Any]:
@@ -170,6 +140,60 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     return api
 
 
+async def list_invalidations(
+    session: AsyncSession,
+    reader: Operator,
+    *,
+    tenant: str | None = None,
+    doc_id: str | None = None,
+    status: str | None = None,
+    kind: str | None = None,
+    limit: int = 100,
+    before: int | None = None,
+) -> dict[str, Any]:
+    """Invalidations newest first with their ack counts, as ``GET /v1/invalidations`` and the console list them.
+
+    ``tenant`` defaults to a tenant-bound ``reader``'s own; another tenant raises
+    :class:`coordinator.auth.TenantForbiddenError`. ``doc_id`` matches document predicates.
+    """
+    if not reader.is_platform_admin:
+        tenant = reader.tenant_id if tenant is None else tenant
+        require_tenant(reader, tenant)
+    counts = (
+        select(
+            InvalidationTarget.command_id,
+            func.count().label("num_targets"),
+            func.count().filter(InvalidationTarget.status == "acked").label("num_acked"),
+        )
+        .group_by(InvalidationTarget.command_id)
+        .subquery()
+    )
+    query = (
+        select(Invalidation, counts.c.num_targets, counts.c.num_acked)
+        .outerjoin(counts, counts.c.command_id == Invalidation.command_id)
+        .order_by(Invalidation.seq.desc())
+        .limit(limit)
+    )
+    if tenant is not None:
+        query = query.where(Invalidation.predicate["tenant"].astext == tenant)
+    if doc_id is not None:
+        query = query.where(Invalidation.predicate["doc_id"].astext == doc_id)
+    if status is not None:
+        query = query.where(Invalidation.status == status)
+    if kind is not None:
+        query = query.where(Invalidation.kind == kind)
+    if before is not None:
+        query = query.where(Invalidation.seq < before)
+    rows = (await session.execute(query)).all()
+    return {
+        "invalidations": [
+            {**_summary(row.Invalidation), "num_targets": row.num_targets or 0, "num_acked": row.num_acked or 0}
+            for row in rows
+        ],
+        "next_cursor": rows[-1].Invalidation.seq if len(rows) == limit else None,
+    }
+
+
 async def _serving_nodes(session: AsyncSession) -> collections.defaultdict[str, list[str]]:
     serving: collections.defaultdict[str, list[str]] = collections.defaultdict(list)
     for node_id, namespace in await session.execute(
@@ -209,7 +233,7 @@ def _summary(invalidation: Invalidation) -> dict[str, Any]:
     }
 
 
-async def _describe(session: AsyncSession, invalidation: Invalidation) -> dict[str, Any]:
+async def describe_invalidation(session: AsyncSession, invalidation: Invalidation) -> dict[str, Any]:
     """The summary plus, per expected node × tier: status, evidence, and the ledger's live/deleted counts.
 
     ``latency_ms`` runs from the decision to completion (or to a node's ack);
