@@ -94,7 +94,8 @@ class ConsoleRoute(APIRoute):
             except AuthError as error:
                 response = render("login.html", 401, error=f"{error.message} ({error.code})")
                 response.headers["WWW-Authenticate"] = "Bearer"
-                response.delete_cookie(COOKIE, path="/ui")
+                if COOKIE in request.cookies:
+                    response.delete_cookie(COOKIE, path="/ui")
             except ForbiddenError as error:
                 response = render("error.html", 403, title="Forbidden", code=error.code, message=error.message)
             except RequestValidationError as error:
