@@ -233,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     cost_kv.add_argument("--json", action="store_true", help="print the sizes as JSON")
     cost_kv.set_defaults(func=_lazy("kvledger.cost:kv_cli"))
 
+    demo = commands.add_parser(
+        "demo", help="the whole story on the embedded stack, narrated: a cached hit, a document update, a revocation, an erasure"
+    )
+    demo.add_argument("--stack", help="reuse the running stack of this stack directory or stack.json (default: STATE_DIR's if it answers, else start one)")
+    demo.add_argument("--state-dir", default=".kvledger", help="where a stack the demo starts keeps its state (default .kvledger, as `kvledger up`)")
+    demo.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory for a stack the demo starts (built if empty)")
+    demo.add_argument("--port", type=int, default=8100, help="first node port of a stack the demo starts (default 8100)")
+    demo.add_argument("--output", help="directory for the receipt, keys and checkpoint it verifies (default STATE_DIR/demo-receipt)")
+    demo.set_defaults(func=_lazy("kvledger.demo:cli"))
+
     up = commands.add_parser("up", help="run the whole stack on the embedded default")
     up.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     up.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory, built as the tiny test model if empty")

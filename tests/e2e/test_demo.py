@@ -1,0 +1,79 @@
+"""`kvledger demo` as a user runs it: it starts the embedded stack, tells the story, checks the receipt, stops the stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.receipts import verify_served_receipt
+
+pytestmark = pytest.mark.e2e
+
+DEMO_TIMEOUT_S = 420
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _free_port_pair() -> int:
+    """A node port P with P and the coordinator's P - 100 both free."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port > 1200 and _port_is_free(port - 100):
+            return port
+    raise AssertionError("no free port pair")
+
+
+def _kvledger(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")}
+    return subprocess.run([sys.executable, "-m", "kvledger.cli", *args], capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+def test_demo_tells_the_whole_story_and_stops_its_stack(tmp_path: Path, tiny_model_dir: Path) -> None:
+    port = _free_port_pair()
+    state_dir, output = tmp_path / "state", tmp_path / "receipt"
+    demo = _kvledger(
+        "demo", "--state-dir", str(state_dir), "--model", str(tiny_model_dir), "--port", str(port), "--output", str(output),
+        timeout_s=DEMO_TIMEOUT_S,
+    )
+    print(demo.stdout)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    lines = demo.stdout.splitlines()
+    assert [line for line in lines if re.match(r"^\[\d/5\]", line)] == [
+        "[1/5] the stack",
+        "[2/5] a cached hit",
+        "[3/5] a document update: the old version refused, the cache rebuilt",
+        "[4/5] a permission revocation: the old token refused",
+        "[5/5] an erasure: a signed receipt, verified offline",
+    ]
+    assert sum(1 for line in lines if re.fullmatch(r"      ok \(\d+\.\d s\)", line)) == 5
+    text = demo.stdout
+    assert re.search(r"first request: 200, (\d+) prompt tokens, 0 cached", text)
+    hit = re.search(r"same prompt again: 200, \d+ prompt tokens, ([1-9]\d*) cached", text)
+    assert hit, text
+    assert re.search(r"request with handbook v1: 409 stale_document_version after", text)
+    assert re.search(r"request with a token of policy version 1: 401 stale_authorization after", text)
+    assert "receipt checked offline: 9 checks passed" in text
+    assert re.search(r"node-0: acked, removed .*device [1-9]", text)
+    assert lines[-1].startswith("demo passed: 5/5 steps in ")
+    # The receipt it wrote verifies here too, and the stack it started is gone.
+    documents = {name: json.loads((output / f"{name}.json").read_text()) for name in ("receipt", "keys", "checkpoint")}
+    assert verify_served_receipt(documents["receipt"], documents["keys"], documents["checkpoint"]).ok
+    assert _port_is_free(port) and _port_is_free(port - 100)
+
+
+def test_demo_without_a_stack_file_is_one_line(tmp_path: Path) -> None:
+    missing = _kvledger("demo", "--stack", str(tmp_path / "nowhere"), timeout_s=60)
+    assert (missing.returncode, missing.stdout) == (2, "[1/5] the stack\n")
+    assert missing.stderr == f"kvledger: error: no stack file at {tmp_path / 'nowhere'}\n"
