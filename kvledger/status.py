@@ -47,14 +47,19 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 def backlog(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
-    """Outbox records not yet published, dead-lettered records by source topic, and the last ingest lag."""
+    """Outbox records not yet published, dead-lettered records by source topic, and the mean ingest lag.
+
+    The coordinator exports ingest lag as a histogram; its ``_sum``/``_count`` give the mean over
+    the events this process committed since it started (None before the first one).
+    """
     dead_letters = {labels.get("topic", ""): int(value) for name, labels, value in samples if name == "kvledger_ledger_dead_letter_records"}
     pending = [value for name, _, value in samples if name == "kvledger_outbox_pending"]
-    lag = [value for name, _, value in samples if name == "kvledger_ledger_ingest_lag_seconds"]
+    lag_sum = sum(value for name, _, value in samples if name == "kvledger_ledger_ingest_lag_seconds_sum")
+    lag_count = sum(value for name, _, value in samples if name == "kvledger_ledger_ingest_lag_seconds_count")
     return {
         "outbox_pending": int(pending[0]) if pending else None,
         "dead_letters": dead_letters,
-        "ingest_lag_s": lag[0] if lag else None,
+        "ingest_lag_s": lag_sum / lag_count if lag_count else None,
     }
 
 
@@ -94,5 +99,5 @@ def cli(args: argparse.Namespace) -> int:
         f"dead letters {sum(dead.values())}"
         + (f" ({', '.join(f'{topic}: {n}' for topic, n in sorted(dead.items()) if n)})" if any(dead.values()) else "")
     )
-    print(f"ingest lag   {'-' if figures['ingest_lag_s'] is None else format(figures['ingest_lag_s'], '.3f') + ' s'}")
+    print(f"ingest lag   {'-' if figures['ingest_lag_s'] is None else format(figures['ingest_lag_s'], '.3f') + ' s (mean)'}")
     return 0

@@ -123,7 +123,7 @@ def test_a_command_s_own_error_is_one_line_exit_2(tmp_path):
 
 
 def test_status_reads_the_backlog_from_a_prometheus_exposition():
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
     from kvledger.status import backlog, parse_samples
 
@@ -132,9 +132,11 @@ def test_status_reads_the_backlog_from_a_prometheus_exposition():
     dead = Gauge("kvledger_ledger_dead_letter_records", "dead", ["topic"], registry=registry)
     dead.labels("kvledger.erasures").set(2)
     dead.labels('odd"topic').set(1)
-    Gauge("kvledger_ledger_ingest_lag_seconds", "lag", registry=registry).set(0.25)
+    lag = Histogram("kvledger_ledger_ingest_lag_seconds", "lag", registry=registry)
+    lag.observe(0.25)
+    lag.observe(0.75)
     figures = backlog(parse_samples(generate_latest(registry).decode()))
-    assert figures == {"outbox_pending": 7, "dead_letters": {"kvledger.erasures": 2, 'odd"topic': 1}, "ingest_lag_s": 0.25}
+    assert figures == {"outbox_pending": 7, "dead_letters": {"kvledger.erasures": 2, 'odd"topic': 1}, "ingest_lag_s": 0.5}
     assert backlog(parse_samples("# only comments\nnot a sample line\n")) == {
         "outbox_pending": None,
         "dead_letters": {},
