@@ -30,6 +30,7 @@ from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
 from coordinator.models import TIERS, Block, BlockAuthScope, BlockDocument, Node, Placement
 from coordinator.settings import CoordinatorSettings
+from coordinator.usage_api import router as usage_router
 from events.logs import RequestIdMiddleware
 from events.schema import Name, subject_digest
 from identity.metrics_access import scrape_refusal
@@ -89,6 +90,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))
+    app.include_router(usage_router())
 
     # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
     # log, which prints the query string: ?subject= is a raw subject id.

@@ -48,6 +48,7 @@ from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, Prom
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import RequestLimits
+from gpu_node.usage import usage_meter
 from gpu_node.versions import Staleness, VersionRegistry
 from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
@@ -537,6 +538,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
             use_cache=use_cache,
         )
         stream, stats = await _start(engine, request)
+        stream = usage_meter(engine).metered(stream, caller.tenant_id, stats.num_prompt_tokens, stats.num_cached_tokens)
         created = int(time.time())
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
