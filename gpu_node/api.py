@@ -46,6 +46,7 @@ from events.logs import RequestIdMiddleware
 from events.schema import MAX_SAFE_INT, DocumentVersion, Name
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
+from gpu_node.layout_sampler import layout_sampler
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import RequestLimits
 from gpu_node.usage import usage_meter
@@ -514,6 +515,10 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
     @app.get("/v1/cache/stats", dependencies=[Depends(require_scraper)])
     async def cache_stats() -> dict:
         return engine.cache_stats()
+
+    @app.get("/v1/cache/layout", dependencies=[Depends(require_scraper)])
+    async def cache_layout() -> dict:
+        return layout_sampler(engine).snapshot()
 
     @app.post("/v1/cache/snapshots", status_code=201)
     async def write_snapshot(_: PlatformAdmin) -> dict:
