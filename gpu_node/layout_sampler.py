@@ -134,7 +134,7 @@ class LayoutSampler:
             "capacity": self.capacity,
             "block_size": self.block_size,
             "num_observed": self.num_observed,
-            "samples": [asdict(sample) for sample in self._samples],
+            "samples": [asdict(sample) | {"segments": [asdict(segment) for segment in sample.segments]} for sample in self._samples],
         }
 
 
