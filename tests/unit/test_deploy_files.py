@@ -382,7 +382,7 @@ def test_every_secret_comes_from_a_file():
     assert compose["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
     # the images' entrypoint turns every kvledger variable compose passes as a file into its value
     shim = (ROOT / "docker" / "secrets-env.sh").read_text().replace("\\\n", " ")
-    (listed,) = re.findall(r"for name in (.*?); do", shim, re.S)
+    (listed,) = re.findall(r"for name in (.*?); do", shim, re.DOTALL)
     passed = {
         variable.removesuffix("_FILE")
         for service in compose["services"].values()
