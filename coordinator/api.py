@@ -32,6 +32,7 @@ from coordinator.models import Block, BlockAuthScope, BlockDocument, Placement
 from coordinator.node_status import node_statuses
 from coordinator.settings import CoordinatorSettings
 from coordinator.ui import router as console_router
+from coordinator.usage_api import router as usage_router
 from events.logs import RequestIdMiddleware
 from events.schema import Name, subject_digest
 from identity.metrics_access import scrape_refusal
@@ -92,6 +93,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))
     app.include_router(console_router(settings))
+    app.include_router(usage_router())
 
     # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
     # log, which prints the query string: ?subject= is a raw subject id.

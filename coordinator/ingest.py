@@ -61,6 +61,7 @@ from coordinator.models import (
     OutboxEntry,
     Placement,
     Snapshot,
+    UsageReport,
 )
 from coordinator.outbox import outbox_row
 from events.kafka import ConsumedEvent
@@ -78,6 +79,7 @@ from events.schema import (
     NodeStarted,
     SnapshotDeleted,
     SnapshotWritten,
+    UsageReported,
     make_event,
 )
 from identity.signing import EnvelopeSigner
@@ -85,7 +87,7 @@ from identity.signing import EnvelopeSigner
 log = logging.getLogger(__name__)
 
 PLACEMENT_CONSTRAINT = "uq_placements_block_hash_node_id_tier_snapshot_id"
-_ADD_NO_COPIES = (BlockRemoved, SnapshotDeleted, NodeHeartbeat)
+_ADD_NO_COPIES = (BlockRemoved, SnapshotDeleted, NodeHeartbeat, UsageReported)
 """Events that never add a copy to the ledger: a batch of only these cannot hide a copy from a
 concurrent decision, so it does not take the ledger-writes lock and no decision waits for it
 (most batches while an invalidation runs: the nodes report what they removed)."""
@@ -179,6 +181,7 @@ class _BatchApplier:
         self.placement_changes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.gaps: collections.Counter[str] = collections.Counter()
         self.num_inventories = 0
+        self.usage: list[dict] = []
 
     # -- batch ------------------------------------------------------------------------
 
@@ -190,6 +193,8 @@ class _BatchApplier:
         for envelope in fresh_events:
             self.outcomes[(envelope.type, await self._apply_event(envelope))] += 1
         await self._flush()
+        if self.usage:
+            await self.session.execute(pg_insert(UsageReport).on_conflict_do_nothing(), self.usage)
         if self.stored:
             self.late = await reissue_for_late_blocks(self.session, self.stored, self.now, self.sign)
         if self.outbox:
@@ -260,11 +265,11 @@ class _BatchApplier:
             elif payload.seq > node.last_seq + 1:
                 self._gap(node, "seq")
         node.last_seq = payload.seq
-        await self._dispatch(node, payload, envelope.occurred_at)
+        await self._dispatch(node, payload, envelope.occurred_at, envelope.event_id)
         self._retry_inventory(node)
         return APPLIED
 
-    async def _dispatch(self, node: Node, payload: NodeEvent, occurred_at: datetime) -> None:
+    async def _dispatch(self, node: Node, payload: NodeEvent, occurred_at: datetime, event_id: uuid.UUID) -> None:
         match payload:
             case NodeStarted():
                 node.namespace = payload.namespace
@@ -296,6 +301,8 @@ class _BatchApplier:
                 await self._delete_snapshot(node, payload.snapshot_id)
             case Inventory():
                 await self._inventory(node, payload)
+            case UsageReported():
+                self.usage.append(payload.model_dump(exclude={"epoch", "seq"}) | {"event_id": event_id})
             case _:
                 raise AssertionError(f"unhandled node event {type(payload).__name__}")
 

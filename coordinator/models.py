@@ -463,3 +463,25 @@ class NodeKey(Base):
     public_key: Mapped[bytes]
     enrolled_at: Mapped[datetime] = _now()
     revoked_at: Mapped[datetime | None]
+
+
+class UsageReport(Base):
+    """What one node served one tenant over one interval (a ``UsageReported`` kv-event): counts only.
+
+    ``kvledger cost report`` sums these per tenant over a time window (docs/operations.md, "Cost").
+    Keyed by the record's event id, so a redelivered record cannot count twice.
+    """
+
+    __tablename__ = "usage_reports"
+    __table_args__ = (Index(None, "window_end"), Index(None, "tenant_id", "window_end"))
+
+    event_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    node_id: Mapped[str]
+    tenant_id: Mapped[str]
+    window_start: Mapped[datetime]
+    window_end: Mapped[datetime]
+    num_requests: Mapped[int] = mapped_column(BigInteger)
+    num_prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    num_cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    num_output_tokens: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[datetime] = _now()

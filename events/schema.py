@@ -413,6 +413,32 @@ class NodeHeartbeat(EventPayload):
     seq: Count | None = None
 
 
+class UsageReported(NodeEvent):
+    """What one node served one tenant in ``[window_start, window_end)``: counts only, never content.
+
+    The ledger's source for ``kvledger cost report`` (docs/operations.md, "Cost"). One record per
+    tenant and reporting interval, in the node's seq chain, so a resent record (same event id)
+    is counted once by the inbox and a lost one shows as a gap.
+    """
+
+    TYPE: ClassVar[str] = "UsageReported"
+    tenant_id: Name
+    window_start: AwareDatetime
+    window_end: AwareDatetime
+    num_requests: Annotated[int, Strict(), Field(ge=1, le=MAX_SAFE_INT)]
+    num_prompt_tokens: Count
+    num_cached_tokens: Count
+    num_output_tokens: Count
+
+    @model_validator(mode="after")
+    def _consistent(self) -> UsageReported:
+        if self.window_end < self.window_start:
+            raise ValueError("window_end must not precede window_start")
+        if self.num_cached_tokens > self.num_prompt_tokens:
+            raise ValueError("num_cached_tokens cannot exceed num_prompt_tokens")
+        return self
+
+
 # --- coordinator → nodes (kvledger.commands) --------------------------------
 
 
@@ -536,6 +562,7 @@ EVENT_TYPES: dict[str, type[EventPayload]] = {
         SnapshotDeleted,
         Inventory,
         NodeHeartbeat,
+        UsageReported,
         Invalidate,
         InventoryRequested,
         CommandAck,

@@ -26,6 +26,7 @@ from events.schema import (
     PermissionRevoked,
     SnapshotDeleted,
     SnapshotWritten,
+    UsageReported,
 )
 
 DOCUMENTS = "kvledger.documents"
@@ -78,6 +79,7 @@ TOPIC_BY_TYPE: dict[str, str] = {
     SnapshotDeleted.TYPE: KV_EVENTS,
     Inventory.TYPE: KV_EVENTS,
     NodeHeartbeat.TYPE: KV_EVENTS,
+    UsageReported.TYPE: KV_EVENTS,
     Invalidate.TYPE: COMMANDS,
     InventoryRequested.TYPE: COMMANDS,
     CommandAck.TYPE: ACKS,

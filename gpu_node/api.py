@@ -46,8 +46,10 @@ from events.logs import RequestIdMiddleware
 from events.schema import MAX_SAFE_INT, DocumentVersion, Name
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
+from gpu_node.layout_sampler import layout_sampler
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import RequestLimits
+from gpu_node.usage import usage_meter
 from gpu_node.versions import Staleness, VersionRegistry
 from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
@@ -514,6 +516,10 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
     async def cache_stats() -> dict:
         return engine.cache_stats()
 
+    @app.get("/v1/cache/layout", dependencies=[Depends(require_scraper)])
+    async def cache_layout() -> dict:
+        return layout_sampler(engine).snapshot()
+
     @app.post("/v1/cache/snapshots", status_code=201)
     async def write_snapshot(_: PlatformAdmin) -> dict:
         require_ready()
@@ -537,6 +543,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
             use_cache=use_cache,
         )
         stream, stats = await _start(engine, request)
+        stream = usage_meter(engine).metered(stream, caller.tenant_id, stats.num_prompt_tokens, stats.num_cached_tokens)
         created = int(time.time())
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

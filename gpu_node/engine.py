@@ -24,6 +24,7 @@ from gpu_node import snapshots
 from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
+from gpu_node.layout_sampler import layout_sampler
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.model_runner import ModelRunner
 from gpu_node.namespace import NamespaceIdentity, compute_namespace
@@ -213,6 +214,7 @@ class AsyncEngine:
         )
         plan = await self.manager.acquire(keys, token_ids, request.principal) if use_cache else PrefixPlan(keys=[])
         try:
+            layout_sampler(self).observe(request, prompt, keys, plan.num_hit_blocks)
             prefill = await self._run(self._prefill, plan, token_ids)
         finally:
             self.manager.finish(plan)

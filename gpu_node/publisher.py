@@ -56,6 +56,7 @@ from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.topics import DEAD_LETTER, KV_EVENTS, route
 from gpu_node import block_pool
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
+from gpu_node.usage import usage_meter
 from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class NodePublisher:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.flush()
+        await self.publish_usage()
         await self._producer.stop()
 
     def on_pool_events(self, events: list[block_pool.PoolEvent]) -> None:
@@ -362,9 +364,46 @@ class NodePublisher:
                 )
             await self._send_node_events(payloads)
 
+    async def publish_usage(self) -> None:
+        """What this node served each tenant since the last report: one ``UsageReported`` per tenant.
+
+        Drained counts become stamped records at once, so a failed send resends the same
+        records (same event ids: the coordinator counts them once) on the next flush.
+        """
+        async with self._send_lock:
+            payloads = [
+                payload
+                for payload in (
+                    self._built(
+                        "UsageReported",
+                        lambda usage=usage: schema.UsageReported(
+                            node_id=self.node_id,
+                            epoch=self.epoch,
+                            seq=0,
+                            tenant_id=usage.tenant_id,
+                            window_start=usage.window_start,
+                            window_end=usage.window_end,
+                            num_requests=usage.num_requests,
+                            num_prompt_tokens=usage.num_prompt_tokens,
+                            num_cached_tokens=usage.num_cached_tokens,
+                            num_output_tokens=usage.num_output_tokens,
+                        ),
+                    )
+                    for usage in usage_meter(self.engine).drain()
+                )
+                if payload is not None
+            ]
+            if payloads:
+                await self._send_node_events(payloads)
+
     async def _heartbeat_loop(self) -> None:
+        """Usage and then liveness, every ``heartbeat_interval_s`` (the heartbeat's seq then covers the usage records)."""
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
+            try:
+                await self.publish_usage()
+            except Exception:  # noqa: BLE001 - unsent usage records stay queued and go out with the next flush
+                log.exception("publishing usage failed; will retry")
             try:
                 envelope = schema.make_event(schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq))
                 topic, key = route(envelope)

@@ -35,6 +35,8 @@ class CacheSettings(BaseModel):
     ttl_user_s: float | None = 600.0
     singleflight_wait_s: float = 30.0
     enabled: bool = True
+    layout_sample_size: int = Field(0, ge=0, le=100_000)
+    """Requests whose prompt layout (segment hashes, never text) is kept for ``kvledger advise``; 0: none (``gpu_node.layout_sampler``)."""
 
 
 class RequestLimits(BaseModel):

@@ -232,6 +232,24 @@ def build_parser() -> argparse.ArgumentParser:
     cost_kv.add_argument("--dtype", help="element type the KV is kept in, overriding the config's (e.g. bfloat16, float32)")
     cost_kv.add_argument("--json", action="store_true", help="print the sizes as JSON")
     cost_kv.set_defaults(func=_lazy("kvledger.cost:kv_cli"))
+    cost_report = cost.add_parser("report", help="what the nodes served each tenant over a window, priced with and without the cache")
+    cost_report.add_argument("--since", required=True, help="how far back: 90s, 30m, 2h, 7d or sums like 1h30m")
+    cost_report.add_argument("--tenant", help="only this tenant (a tenant-bound --token sees only its own anyway)")
+    cost_report.add_argument("--prices", help='JSON file of USD per million tokens: {"input": 1, "cached_input": 0.1, "output": 2}')
+    cost_report.add_argument("--price-input", type=float, help="USD per million uncached prompt tokens (overrides --prices)")
+    cost_report.add_argument("--price-cached-input", type=float, help="USD per million cached prompt tokens (overrides --prices)")
+    cost_report.add_argument("--price-output", type=float, help="USD per million output tokens (overrides --prices)")
+    _coordinator_options(cost_report, "platform-admin")
+    cost_report.add_argument("--json", action="store_true", help="print the per-tenant costs as JSON")
+    cost_report.set_defaults(func=_lazy("kvledger.cost:report_cli"))
+
+    advise = commands.add_parser("advise", help="prompt-layout advice from the nodes' divergence samples (segments that break a stable prefix)")
+    advise.add_argument("--node", action="append", dest="nodes", metavar="URL", help="a node's base URL (repeatable; default: the nodes of the stack file)")
+    advise.add_argument("--metrics-token", help="the nodes' metrics token (default: metrics_token of the stack file)")
+    advise.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
+    advise.add_argument("--min-share", type=float, default=0.5, help="a position counts as unstable when its most common hash is on fewer than this share of requests (default 0.5)")
+    advise.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    advise.set_defaults(func=_lazy("kvledger.advise:cli"))
 
     demo = commands.add_parser(
         "demo", help="the whole story on the embedded stack, narrated: a cached hit, a document update, a revocation, an erasure"

@@ -1,6 +1,7 @@
-"""``kvledger cost model|kv``: what a prompt cache saves, and what its KV state weighs.
+"""``kvledger cost model|kv|report``: what a prompt cache saves, and what its KV state weighs.
 
-Two estimates an operator needs before turning a prefix into a shared cache entry:
+Two estimates an operator needs before turning a prefix into a shared cache entry, and
+one account of what the cache did save:
 
 * ``model``: the token-level cost of N requests with and without the cache. The
   first request computes the whole prompt (its H prefix tokens are what it writes
@@ -13,6 +14,10 @@ Two estimates an operator needs before turning a prefix into a shared cache entr
   ``config.json`` (layers × 2 × KV heads × head dim × element bytes), times T
   tokens and B sequences — why a long shared prefix kept on the GPU can exhaust
   its memory even while it saves prefill.
+* ``report``: the ``model``'s prices applied to what the nodes actually served each
+  tenant over a window (``GET /v1/usage`` of the coordinator, summed from the nodes'
+  ``UsageReported`` records): prompt tokens at the input price without the cache; the
+  uncached ones at the input price and the cached ones at the cached price with it.
 
 Pure functions carry the arithmetic (so tests can pin the worked examples); the
 ``*_cli`` functions only parse, call and print. Nothing here imports torch.
@@ -22,9 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+
+from identity.roles import PLATFORM_ADMIN
+from kvledger.api import Coordinator
 
 TOKENS_PER_PRICE_UNIT = 1_000_000
 """Prices are in USD per million tokens, as providers quote them."""
@@ -64,6 +74,11 @@ class CostEstimate:
 
 def _usd(tokens: float, price_per_million: float) -> float:
     return tokens * price_per_million / TOKENS_PER_PRICE_UNIT
+
+
+def prompt_cost_usd(num_uncached_tokens: int, num_cached_tokens: int, price_input: float, price_cached_input: float) -> float:
+    """What prompt tokens cost: the uncached ones at the input price, the cached ones at the cached price."""
+    return _usd(num_uncached_tokens, price_input) + _usd(num_cached_tokens, price_cached_input)
 
 
 def estimate_cost(
@@ -106,10 +121,10 @@ def estimate_cost(
 
     uncached_tokens = prompt_tokens - cached_tokens
     output_usd = num_requests * _usd(output_tokens, price_output)
-    without_cache = num_requests * _usd(prompt_tokens, price_input) + output_usd
+    without_cache = num_requests * prompt_cost_usd(prompt_tokens, 0, price_input, price_cached_input) + output_usd
     write_price = price_input if price_cache_write is None else price_cache_write
     first_request = _usd(uncached_tokens, price_input) + _usd(cached_tokens, write_price)
-    later_request = _usd(uncached_tokens, price_input) + _usd(cached_tokens, price_cached_input)
+    later_request = prompt_cost_usd(uncached_tokens, cached_tokens, price_input, price_cached_input)
     with_cache = first_request + (num_requests - 1) * later_request + output_usd
     net_saving = without_cache - with_cache - storage_cost_usd
     return CostEstimate(
@@ -238,4 +253,132 @@ def kv_cli(args: argparse.Namespace) -> int:
     )
     print(f"per token             {shape.bytes_per_token:,} bytes")
     print(f"{args.tokens:,} tokens × {args.batch}  {total_bytes:,} bytes = {total_bytes / 1e9:.2f} GB = {total_bytes / 2**30:.2f} GiB")
+    return 0
+
+
+@dataclass(frozen=True)
+class Prices:
+    """USD per million tokens."""
+
+    input: float
+    cached_input: float
+    output: float
+
+    def __post_init__(self) -> None:
+        for name in ("input", "cached_input", "output"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"price {name} must be a non-negative number (got {value!r})")
+
+
+PRICE_FLAGS = {"input": "price_input", "cached_input": "price_cached_input", "output": "price_output"}
+"""Price name in a prices file → the argparse dest of the flag that overrides it."""
+
+
+def load_prices(prices_file: str | None, overrides: dict[str, float | None]) -> Prices:
+    """Prices from a JSON file (``{"input": 1, "cached_input": 0.1, "output": 2}``), each overridden by its flag.
+
+    ValueError when a price is missing from both, the file holds anything else, or a price is negative.
+    """
+    prices: dict = {}
+    if prices_file is not None:
+        text = Path(prices_file).read_text(encoding="utf-8")
+        try:
+            prices = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"{prices_file}: not JSON ({error})") from None
+        if not isinstance(prices, dict) or set(prices) - set(PRICE_FLAGS):
+            raise ValueError(f"{prices_file}: expected a JSON object with only the keys {', '.join(PRICE_FLAGS)}")
+    prices |= {name: value for name, value in overrides.items() if value is not None}
+    missing = [name for name in PRICE_FLAGS if name not in prices]
+    if missing:
+        flags = ", ".join(f"--{PRICE_FLAGS[name].replace('_', '-')}" for name in missing)
+        raise ValueError(f"missing prices: {', '.join(missing)} (pass {flags} or put them in --prices)")
+    return Prices(**prices)
+
+
+@dataclass(frozen=True)
+class ServedCost:
+    """What one tenant's served tokens cost, without and with the cache."""
+
+    tenant_id: str
+    num_requests: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    cost_without_cache_usd: float
+    cost_with_cache_usd: float
+    net_saving_usd: float
+    hit_ratio_tokens: float
+
+
+def served_cost(usage: dict, prices: Prices) -> ServedCost:
+    """Price one tenant's usage (a row of ``GET /v1/usage``) with :func:`prompt_cost_usd`, as the model does."""
+    num_prompt, num_cached, num_output = usage["num_prompt_tokens"], usage["num_cached_tokens"], usage["num_output_tokens"]
+    if not 0 <= num_cached <= num_prompt or num_output < 0:
+        raise ValueError(f"usage of {usage['tenant_id']!r} is inconsistent: {num_cached} cached of {num_prompt} prompt tokens")
+    output_usd = _usd(num_output, prices.output)
+    without_cache = prompt_cost_usd(num_prompt, 0, prices.input, prices.cached_input) + output_usd
+    with_cache = prompt_cost_usd(num_prompt - num_cached, num_cached, prices.input, prices.cached_input) + output_usd
+    return ServedCost(
+        tenant_id=usage["tenant_id"],
+        num_requests=usage["num_requests"],
+        num_prompt_tokens=num_prompt,
+        num_cached_tokens=num_cached,
+        num_output_tokens=num_output,
+        cost_without_cache_usd=without_cache,
+        cost_with_cache_usd=with_cache,
+        net_saving_usd=without_cache - with_cache,
+        hit_ratio_tokens=num_cached / num_prompt if num_prompt else 0.0,
+    )
+
+
+_DURATION_PART = re.compile(r"(\d+)([smhd])")
+_DURATION_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``30m``, ``2h``, ``7d`` or a sum of them (``1h30m``); ValueError otherwise."""
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        raise ValueError(f"bad duration {text!r}: expected e.g. 90s, 30m, 2h, 7d or 1h30m")
+    return timedelta(seconds=sum(int(number) * _DURATION_UNIT_S[unit] for number, unit in parts))
+
+
+def report_cli(args: argparse.Namespace) -> int:
+    prices = load_prices(args.prices, {name: getattr(args, dest) for name, dest in PRICE_FLAGS.items()})
+    since = datetime.now(UTC) - parse_duration(args.since)
+    params = {"since": since.isoformat()} | ({"tenant": args.tenant} if args.tenant else {})
+    usage = Coordinator(args, role=PLATFORM_ADMIN, tenant="platform").json("GET", "/v1/usage", params=params)
+    costs = [served_cost(row, prices) for row in usage["tenants"]]
+    total = served_cost(
+        {"tenant_id": "total"}
+        | {name: sum(row[name] for row in usage["tenants"]) for name in ("num_requests", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")},
+        prices,
+    )
+    if args.json:
+        def rounded(cost: ServedCost) -> dict:
+            return {name: round(value, 10) if isinstance(value, float) else value for name, value in asdict(cost).items()}
+
+        print(
+            json.dumps(
+                {"since": usage["since"], "until": usage["until"], "prices": asdict(prices),
+                 "tenants": [rounded(cost) for cost in costs], "total": rounded(total)},
+                indent=2,
+            )
+        )
+        return 0
+    print(f"served {usage['since']} .. {usage['until']}; USD per million tokens: input {_amount(prices.input)}, "
+          f"cached input {_amount(prices.cached_input)}, output {_amount(prices.output)}")
+    header = ("tenant", "requests", "prompt", "cached", "output", "hit ratio", "without cache", "with cache", "saving")
+    rows = [
+        (cost.tenant_id, str(cost.num_requests), str(cost.num_prompt_tokens), str(cost.num_cached_tokens), str(cost.num_output_tokens),
+         f"{cost.hit_ratio_tokens:.1%}", _amount(cost.cost_without_cache_usd), _amount(cost.cost_with_cache_usd), _amount(cost.net_saving_usd))
+        for cost in [*costs, total]
+    ]
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) if column == 0 else cell.rjust(width) for column, (cell, width) in enumerate(zip(row, widths))))
+    if not costs:
+        print("no usage reported in this window")
     return 0

@@ -100,7 +100,7 @@ async def database_url(service_mode: str, tmp_path_factory: pytest.TempPathFacto
         _docker_or_skip()
         from testcontainers.postgres import PostgresContainer
 
-        container = PostgresContainer("postgres:17", driver="asyncpg")
+        container = PostgresContainer("postgres:18", driver="asyncpg")
         await asyncio.to_thread(container.start)
         try:
             _TIMINGS["postgres (container)"] = time.monotonic() - started

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import fnmatch
+import json
+import os
 import re
+import shutil
+import stat
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -45,3 +55,78 @@ def test_node_image_installs_the_node_profile() -> None:
     installs = [re.search(r"pip install (\S+)", line).group(1) for line in instructions if "pip install" in line]
     assert installs == ['"torch==2.13.0"', '".[node]"']
     assert set(PROJECT["project"]["optional-dependencies"]) >= {"node", "embedded", "test"}
+
+
+def test_images_read_secrets_from_files_through_their_entrypoint() -> None:
+    for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
+        instructions = _instructions(dockerfile)
+        assert "COPY --chmod=755 docker/secrets-env.sh /usr/local/bin/kvledger-secrets-env" in instructions, dockerfile
+        assert instructions.index('ENTRYPOINT ["kvledger-secrets-env"]') > instructions.index("USER kvledger"), dockerfile
+
+
+def test_node_image_lets_its_user_fill_a_fresh_model_volume() -> None:
+    (install,) = [line for line in _instructions("Dockerfile.gpu") if 'pip install ".[node]"' in line]
+    assert install.endswith("mkdir -p /var/lib/kvledger /models && chown kvledger /var/lib/kvledger /models")
+
+
+def _shim(env: dict[str, str], *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["sh", str(ROOT / "docker" / "secrets-env.sh"), *command],
+        env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+
+
+def test_the_entrypoint_turns_secret_files_into_variables(tmp_path: Path) -> None:
+    pem = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIA==\n-----END PRIVATE KEY-----\n"
+    (tmp_path / "command_signing_key").write_text(pem)
+    (tmp_path / "jwt_secret").write_text("a secret with spaces $HOME and 'quotes'\n\n")
+    show = "import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('KVLEDGER_')}))"
+    run = _shim(
+        {"KVLEDGER_COMMAND_SIGNING_KEY_FILE": str(tmp_path / "command_signing_key"), "KVLEDGER_JWT_SECRET_FILE": str(tmp_path / "jwt_secret"),
+         "KVLEDGER_METRICS_TOKEN_FILE": "/run/secrets/metrics_token"},
+        sys.executable, "-c", show,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {
+        "KVLEDGER_COMMAND_SIGNING_KEY": pem.rstrip("\n"),
+        "KVLEDGER_JWT_SECRET": "a secret with spaces $HOME and 'quotes'",
+        "KVLEDGER_METRICS_TOKEN_FILE": "/run/secrets/metrics_token",  # read by the services themselves
+    }
+    both = _shim({"KVLEDGER_JWT_SECRET": "x", "KVLEDGER_JWT_SECRET_FILE": str(tmp_path / "jwt_secret")}, "true")
+    assert (both.returncode, both.stderr) == (2, "kvledger: set KVLEDGER_JWT_SECRET or KVLEDGER_JWT_SECRET_FILE, not both\n")
+    missing = _shim({"KVLEDGER_MASTER_KEY_FILE": str(tmp_path / "absent")}, "true")
+    assert (missing.returncode, missing.stderr) == (2, f"kvledger: cannot read KVLEDGER_MASTER_KEY_FILE ({tmp_path / 'absent'})\n")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="make-secrets.sh needs openssl")
+def test_make_secrets_writes_every_compose_secret_once(tmp_path: Path) -> None:
+    docker = tmp_path / "docker"
+    docker.mkdir()
+    shutil.copy(ROOT / "docker" / "make-secrets.sh", docker)
+    run = subprocess.run(["sh", str(docker / "make-secrets.sh")], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    secrets = docker / "secrets"
+    assert {path.name for path in secrets.iterdir()} == set(compose["secrets"])
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(path.stat().st_mode) for path in secrets.iterdir()} == {0o644}
+    password = (secrets / "postgres_password").read_text().strip()
+    assert (secrets / "database_url").read_text() == f"postgresql+asyncpg://kvledger:{password}@postgres:5432/kvledger\n"
+    assert (secrets / "command_signing_key").read_text().startswith("-----BEGIN PRIVATE KEY-----")
+    assert (docker / "command_key.pub").read_text().startswith("-----BEGIN PUBLIC KEY-----")
+    before = {path.name: path.read_bytes() for path in secrets.iterdir()}
+    again = subprocess.run(["sh", str(docker / "make-secrets.sh")], capture_output=True, text=True, timeout=60, check=False)
+    assert (again.returncode, again.stdout) == (0, "")
+    assert {path.name: path.read_bytes() for path in secrets.iterdir()} == before
+
+
+def test_the_build_context_leaves_out_secrets_and_keeps_what_the_images_copy() -> None:
+    patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    for private in (".git", ".venv", ".kvledger", ".env", "docker/secrets", "**/*.pem", "tests"):
+        assert private in patterns
+    copied = {"pyproject.toml", "README.md", "LICENSE", "docker/secrets-env.sh"} | _packages()
+    for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
+        copied |= _copied_dirs(_instructions(dockerfile))
+    for path in copied:
+        assert not any(fnmatch.fnmatch(path, pattern) or path.startswith(pattern.rstrip("/") + "/") for pattern in patterns), path
+        assert (ROOT / path).exists(), path

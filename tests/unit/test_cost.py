@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from kvledger.cli import main
-from kvledger.cost import estimate_cost, kv_shape, load_config
+from kvledger.cost import Prices, estimate_cost, kv_shape, load_config, load_prices, parse_duration, served_cost
 
 REPO = Path(__file__).resolve().parents[2]
 WORKED_EXAMPLE = {
@@ -193,3 +194,60 @@ def test_kv_cli_missing_config_is_one_line(tmp_path):
     )  # fmt: skip
     assert run.returncode == 2
     assert run.stderr == f"kvledger: error: no model config at {tmp_path / 'config.json'}\n"
+
+
+# --------------------------------------------------------------------------- cost report
+
+
+def test_served_cost_prices_actual_usage_as_the_model_prices_a_later_request():
+    prices = Prices(input=1.0, cached_input=0.1, output=2.0)
+    usage = {"tenant_id": "acme", "num_requests": 100, "num_prompt_tokens": 1_000_000, "num_cached_tokens": 792_000,
+             "num_output_tokens": 50_000}  # fmt: skip
+    cost = served_cost(usage, prices)
+    assert cost.cost_without_cache_usd == pytest.approx(1.0 + 0.1, abs=1e-12)
+    assert cost.cost_with_cache_usd == pytest.approx(0.208 + 0.0792 + 0.1, abs=1e-12)
+    assert cost.net_saving_usd == pytest.approx(1.1 - 0.3872, abs=1e-12)
+    assert cost.hit_ratio_tokens == 0.792
+    # the worked example's N requests served as the model assumes (the first writes the prefix at the
+    # input price, 99 hit it) cost exactly what the model says
+    example = estimate_cost(**WORKED_EXAMPLE)
+    assert cost.cost_with_cache_usd == pytest.approx(example.cost_with_cache_usd, abs=1e-12)
+    assert cost.cost_without_cache_usd == pytest.approx(example.cost_without_cache_usd, abs=1e-12)
+    with pytest.raises(ValueError, match="inconsistent"):
+        served_cost(usage | {"num_cached_tokens": 1_000_001}, prices)
+
+
+def test_prices_come_from_a_file_and_flags_override_it(tmp_path):
+    prices_file = tmp_path / "prices.json"
+    prices_file.write_text(json.dumps({"input": 3, "cached_input": 0.3, "output": 15}))
+    assert load_prices(str(prices_file), {"input": None, "cached_input": None, "output": None}) == Prices(3, 0.3, 15)
+    assert load_prices(str(prices_file), {"input": 1.0, "cached_input": None, "output": None}) == Prices(1.0, 0.3, 15)
+    with pytest.raises(ValueError, match=r"missing prices: cached_input, output \(pass --price-cached-input, --price-output"):
+        load_prices(None, {"input": 1.0, "cached_input": None, "output": None})
+    prices_file.write_text(json.dumps({"input": 3, "cached_input": 0.3, "output": 15, "storage": 1}))
+    with pytest.raises(ValueError, match="only the keys"):
+        load_prices(str(prices_file), {})
+    prices_file.write_text(json.dumps({"input": -1, "cached_input": 0.3, "output": 15}))
+    with pytest.raises(ValueError, match="price input must be a non-negative number"):
+        load_prices(str(prices_file), {})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("90s", timedelta(seconds=90)), ("30m", timedelta(minutes=30)), ("2h", timedelta(hours=2)), ("7d", timedelta(days=7)),
+     ("1h30m", timedelta(minutes=90))],
+)  # fmt: skip
+def test_durations(text, expected):
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "1", "h", "1.5h", "-1h", "1w", "1h 30m", "30m1"])
+def test_bad_durations_are_refused(text):
+    with pytest.raises(ValueError, match="bad duration"):
+        parse_duration(text)
+
+
+def test_cost_report_without_prices_is_one_line_and_exit_2(capsys):
+    assert main(["cost", "report", "--since", "1h", "--price-input", "1", "--coordinator-url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err == "kvledger: error: missing prices: cached_input, output (pass --price-cached-input, --price-output or put them in --prices)\n"

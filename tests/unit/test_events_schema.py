@@ -42,6 +42,7 @@ from events.schema import (
     SubjectPredicate,
     TenantPredicate,
     TierEvidence,
+    UsageReported,
     make_event,
     parse_event,
     subject_digest,
@@ -109,6 +110,19 @@ EVENTS: list[tuple[object, str | None]] = [
     ),
     (NodeHeartbeat(node_id="node-a", epoch=2), None),
     (NodeHeartbeat(node_id="node-a", epoch=2, seq=40), None),
+    (
+        UsageReported(
+            **NODE,
+            tenant_id="acme",
+            window_start=CREATED,
+            window_end=CREATED,
+            num_requests=3,
+            num_prompt_tokens=120,
+            num_cached_tokens=96,
+            num_output_tokens=12,
+        ),
+        None,
+    ),
     (InventoryRequested(node_id="node-a", request_id=uuid.uuid4()), None),
     (
         CommandAck(
@@ -485,3 +499,32 @@ def test_blank_identifiers_and_reasons_are_refused(blank: str) -> None:
         DocumentUpdated(doc_id=blank, version=1)
     with pytest.raises(ValidationError, match="blank"):
         schema.ErasureRequested(subject_id="alice", reason=blank)
+
+
+USAGE = {
+    **NODE,
+    "tenant_id": "acme",
+    "window_start": "2026-11-29T12:00:00Z",
+    "window_end": "2026-11-29T12:00:05Z",
+    "num_requests": 2,
+    "num_prompt_tokens": 10,
+    "num_cached_tokens": 10,
+    "num_output_tokens": 0,
+}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ({"num_cached_tokens": 11}, "num_cached_tokens cannot exceed num_prompt_tokens"),
+        ({"window_end": "2026-11-29T11:59:59Z"}, "window_end must not precede window_start"),
+        ({"num_requests": 0}, "num_requests"),
+        ({"num_output_tokens": -1}, "num_output_tokens"),
+        ({"num_prompt_tokens": "10"}, "num_prompt_tokens"),
+        ({"prompt": "hello"}, "prompt"),
+    ],
+)
+def test_usage_reports_are_bounded_counts(overrides: dict, problem: str) -> None:
+    assert UsageReported.model_validate(USAGE).num_cached_tokens == 10
+    with pytest.raises(ValidationError, match=problem):
+        UsageReported.model_validate(USAGE | overrides)
