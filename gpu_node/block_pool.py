@@ -2,7 +2,10 @@
 
 This is kvledger's vLLM ``block_pool.py``: it only allocates, frees, moves,
 looks up and deletes blocks. What a request needs (longest prefix, singleflight,
-miss reasons) lives in the cache manager on top.
+miss reasons) lives in the cache manager on top. What it builds on has a module
+each: the at-rest record format (:mod:`gpu_node.block_records`), the disk tier's
+files (:mod:`gpu_node.disk_tier`), batched slot I/O (:mod:`gpu_node.slot_io`) and
+the eviction order (:mod:`gpu_node.eviction`).
 
 Tiers (docs/design.md §3): the *device* tier is one preallocated tensor
 ``[num_device_blocks, *block_shape]`` on the model's device, the *host* tier the
@@ -64,7 +67,7 @@ from gpu_node.block_records import (
     payload_tensor,
     tensor_bytes,
 )
-from gpu_node.crypto import DataKeyProvider
+from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.disk_tier import DiskTier, is_sealed
 from gpu_node.eviction import LRUEvictionStrategy
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
@@ -836,14 +839,14 @@ class BlockPool:
                 data, record, meta = self._disk.open_stored(path, block_hash)
                 encrypted = is_sealed(data)
                 if record is None:
-                    self._delete_stray_file(block_hash, encrypted, RemovalReason.RESTORE_FAILED)
+                    self._delete_stray_file(path, block_hash, encrypted, RemovalReason.RESTORE_FAILED)
                     continue
                 expires_at = self._expiry_from_wall(record.expires_at_wall)
                 if expires_at is not None and expires_at <= now:
-                    self._delete_stray_file(block_hash, encrypted, RemovalReason.EXPIRED)
+                    self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EXPIRED)
                     continue
                 if not self._has_room(Tier.DISK):
-                    self._delete_stray_file(block_hash, encrypted, RemovalReason.EVICTED)
+                    self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EVICTED)
                     continue
                 entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
                 self._admit(entry)
@@ -1047,9 +1050,9 @@ class BlockPool:
         heapq.heappush(self._free_slots[entry.tier], entry.slot)
         return RemovalEvidence(entry.block_hash, entry.tier, METHOD_ZERO_FILL, False, cleared)
 
-    def _delete_stray_file(self, block_hash: bytes, encrypted: bool, reason: RemovalReason) -> None:
+    def _delete_stray_file(self, path: Path, block_hash: bytes, encrypted: bool, reason: RemovalReason) -> None:
         """Delete an unindexed block file found at start and report it, so the ledger drops its placement."""
-        verified = self._disk.delete(block_hash)
+        verified = overwrite_and_unlink(path)
         evidence = RemovalEvidence(block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified)
         if reason is RemovalReason.EXPIRED:
             self._num_expired += 1

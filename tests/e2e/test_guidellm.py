@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -43,8 +44,14 @@ OUTPUT_TOKENS = 8
 GUIDELLM_TIMEOUT_S = 120
 
 
+@dataclass
+class Node:
+    url: str
+    engine: AsyncEngine
+
+
 @pytest.fixture(scope="module")
-def node_url(tiny_model_dir, tmp_path_factory):
+def node(tiny_model_dir, tmp_path_factory) -> Node:
     """A node served like ``gpu_node.server.serve``: the engine starts on the server's own event loop."""
     settings = NodeSettings(
         model_dir=tiny_model_dir,
@@ -70,7 +77,7 @@ def node_url(tiny_model_dir, tmp_path_factory):
         assert thread.is_alive(), "the node exited during startup (see the log above)"
         assert time.monotonic() < deadline, "the node did not start within 60 s"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield Node(f"http://127.0.0.1:{sock.getsockname()[1]}", engine)
     server.should_exit = True
     thread.join(timeout=60)
     sock.close()
@@ -80,18 +87,27 @@ def _token() -> str:
     return issue_token(tenant="acme", sub="bench", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET)
 
 
-def test_vllm_health_routes_answer_like_vllm(node_url):
-    with httpx.Client(base_url=node_url, timeout=30) as http:
+def test_vllm_health_routes_answer_like_vllm(node):
+    with httpx.Client(base_url=node.url, timeout=30) as http:
         health = http.get("/health")
         assert (health.status_code, health.content) == (200, b"")
         assert http.get("/ping").json() == {} and http.post("/ping").status_code == 200
+        # Not ready (still replaying invalidations): vLLM's probes must not send traffic here.
+        node.engine.ready = False
+        try:
+            for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+                refused = http.request(method, path)
+                assert (refused.status_code, refused.json()["error"]["code"]) == (503, "not_ready"), (method, path)
+        finally:
+            node.engine.ready = True
+        assert http.get("/health").status_code == 200
         refused = http.get("/version")
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_token"
         version = http.get("/version", headers={"Authorization": f"Bearer {_token()}"})
         assert version.status_code == 200 and version.json() == {"version": "0.1.0"}
 
 
-def test_guidellm_with_its_defaults_completes_every_request(node_url, tiny_model_dir, tmp_path):
+def test_guidellm_with_its_defaults_completes_every_request(node, tiny_model_dir, tmp_path):
     guidellm = shutil.which("guidellm", path=os.path.dirname(sys.executable))
     assert guidellm is not None, "guidellm is part of the [test] extra"
     report = tmp_path / "report.json"
@@ -101,7 +117,7 @@ def test_guidellm_with_its_defaults_completes_every_request(node_url, tiny_model
         [
             guidellm,
             "run",
-            "--backend", f"kind=openai_http,target={node_url},api_key={_token()}",
+            "--backend", f"kind=openai_http,target={node.url},api_key={_token()}",
             "--profile", "kind=synchronous",
             "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
             "--tokenizer", f"kind=huggingface_auto,model={tiny_model_dir}",
