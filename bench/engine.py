@@ -20,6 +20,7 @@ import copy
 import platform
 import secrets
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -592,7 +593,7 @@ def cli(args: argparse.Namespace) -> int:
     try:
         _sections(args.sections)
     except ValueError as exc:
-        print(f"kvledger bench engine: {exc}")
+        print(f"kvledger bench engine: {exc}", file=sys.stderr)
         return 2
     report = asyncio.run(run(args))
     print(report)
