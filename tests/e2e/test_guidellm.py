@@ -6,10 +6,10 @@ the model id from ``GET /v1/models`` and then streams chat completions with
 outright. Here guidellm runs as users run it — its own CLI in its own process, default
 backend (``openai_http``: validation on, streaming, HTTP/2 offered), default request
 type, the model id it discovers — against a node on a real uvicorn socket; only the
-target, the token, a profile (guidellm has no default one), a small synthetic data set
-and a request limit are given. Its
-tokenizer is the node's own model directory and the hub is offline, so nothing is
-fetched from the internet.
+target, the token, a profile (guidellm has no default one; ``synchronous`` keeps the
+test fast), a small synthetic data set and a request limit are given. Its tokenizer is
+the node's own model directory and the hub is offline, so nothing is fetched from the
+internet.
 """
 
 from __future__ import annotations
