@@ -51,6 +51,7 @@ from gpu_node.prompt import ChatMessage
 from gpu_node.settings import RequestLimits
 from gpu_node.usage import usage_meter
 from gpu_node.versions import Staleness, VersionRegistry
+from gpu_node.vllm_routes import vllm_router
 from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
 from identity.tokens import AuthError, Operator, TokenVerifier
@@ -498,6 +499,8 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
             if status_code == 401:
                 raise AuthError(code, message)
             raise ApiError(status_code, message, code=code)
+
+    app.include_router(vllm_router(require_ready, _principal))
 
     @app.get("/metrics", dependencies=[Depends(require_scraper)])
     async def metrics() -> Response:

@@ -2,7 +2,10 @@
 
 This is kvledger's vLLM ``block_pool.py``: it only allocates, frees, moves,
 looks up and deletes blocks. What a request needs (longest prefix, singleflight,
-miss reasons) lives in the cache manager on top.
+miss reasons) lives in the cache manager on top. What it builds on has a module
+each: the at-rest record format (:mod:`gpu_node.block_records`), the disk tier's
+files (:mod:`gpu_node.disk_tier`), batched slot I/O (:mod:`gpu_node.slot_io`) and
+the eviction order (:mod:`gpu_node.eviction`).
 
 Tiers (docs/design.md §3): the *device* tier is one preallocated tensor
 ``[num_device_blocks, *block_shape]`` on the model's device, the *host* tier the
@@ -42,16 +45,11 @@ live, and expiry deletes bytes, not just the index entry.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
-import os
-import struct
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from pathlib import Path
@@ -60,10 +58,21 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink, seal, unseal
+from gpu_node.block_records import (
+    BlockRecord,
+    BlockRestoreError,
+    check_record,
+    decode_block_record,
+    encode_block_record,
+    payload_tensor,
+    tensor_bytes,
+)
+from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
+from gpu_node.disk_tier import DiskTier, is_sealed
+from gpu_node.eviction import LRUEvictionStrategy
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
-from identity.sealing import KEY_BYTES
+from gpu_node.slot_io import gather_slots, scatter_slots, zero_slots, zero_slots_verified
 
 
 class Tier(StrEnum):
@@ -89,19 +98,6 @@ class RemovalReason(StrEnum):
     EXPIRED = "expired"
     INVALIDATED = "invalidated"
     RESTORE_FAILED = "restore_failed"
-
-
-class BlockRestoreError(Exception):
-    """A block's bytes could not be produced (corrupt, undecryptable, invalidated while held).
-
-    The pool has already removed a corrupt or undecryptable entry when this is
-    raised; the caller releases its references and falls back to prefill.
-    """
-
-    def __init__(self, block_hash: bytes, reason: str) -> None:
-        super().__init__(f"block {block_hash.hex()[:16]} cannot be restored: {reason}")
-        self.block_hash = block_hash
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,274 +258,6 @@ class PoolStats:
     num_restore_failures: int
 
 
-class LRUEvictionStrategy:
-    """Least recently used first, one instance per tier (SGLang's ``LRUStrategy``).
-
-    It only orders entries; the pool skips candidates it may not touch
-    (referenced ones), so the strategy needs no knowledge of refcounts.
-    """
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[bytes, CacheEntry] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def insert(self, entry: CacheEntry) -> None:
-        assert entry.block_hash not in self._order, "an entry is ordered in one tier at most once"
-        self._order[entry.block_hash] = entry
-
-    def touch(self, entry: CacheEntry) -> None:
-        self._order.move_to_end(entry.block_hash)
-
-    def remove(self, entry: CacheEntry) -> None:
-        del self._order[entry.block_hash]
-
-    def candidates(self) -> Iterator[CacheEntry]:
-        """Entries in eviction order; the caller must stop iterating before it changes the order."""
-        return iter(self._order.values())
-
-
-# --- at-rest record format (disk files and snapshot shards) -------------------------------
-
-_MAGIC = b"KVLB"
-_RECORD_VERSION = 1
-_FLAG_PLAIN = 0
-_FLAG_SEALED = 1
-_HEADER = struct.Struct("<4sBB32s")
-_U32 = struct.Struct("<I")
-_CHECKSUM_BYTES = 32
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRecord:
-    """A block as stored at rest: identity, KV format, wall-clock expiry and raw KV bytes."""
-
-    key: BlockKey
-    kv_format: str
-    expires_at_wall: float | None
-    payload: bytes
-
-
-def _key_to_dict(key: BlockKey) -> dict:
-    return {
-        "block_hash": key.block_hash.hex(),
-        "parent_hash": key.parent_hash.hex(),
-        "index": key.index,
-        "block_size": key.block_size,
-        "provenance": key.provenance.to_dict(),
-    }
-
-
-def _key_from_dict(data: Mapping) -> BlockKey:
-    return BlockKey(
-        block_hash=bytes.fromhex(data["block_hash"]),
-        parent_hash=bytes.fromhex(data["parent_hash"]),
-        index=int(data["index"]),
-        block_size=int(data["block_size"]),
-        provenance=BlockProvenance.from_dict(data["provenance"]),
-    )
-
-
-def _record_meta(record: BlockRecord) -> bytes:
-    """The record's identity/format/expiry metadata as stored (compact JSON)."""
-    return json.dumps(
-        {"key": _key_to_dict(record.key), "kv_format": record.kv_format, "expires_at_wall": record.expires_at_wall},
-        separators=(",", ":"),
-    ).encode()
-
-
-def encode_block_record(record: BlockRecord, key_provider: DataKeyProvider, meta: bytes | None = None) -> bytes | None:
-    """Serialize a block for disk or a snapshot; None when its scope has no data key available.
-
-    Layout: ``KVLB ‖ version ‖ flags ‖ block_hash ‖ …``. Sealed (tenant/user):
-    ``len(key_id) ‖ key_id ‖ AES-GCM(meta ‖ payload)``; the provenance is inside
-    the ciphertext. Plain (public): ``meta ‖ payload ‖ sha256(everything before)``.
-    A block without a key is never written in plaintext. ``meta`` may pass
-    :func:`_record_meta` of ``record`` when the caller already built it.
-    """
-    block_hash = record.key.block_hash
-    if meta is None:
-        meta = _record_meta(record)
-    body = _U32.pack(len(meta)) + meta + record.payload
-    if record.key.provenance.scope == CacheScope.PUBLIC:
-        head = _HEADER.pack(_MAGIC, _RECORD_VERSION, _FLAG_PLAIN, block_hash) + body
-        return head + hashlib.sha256(head).digest()
-    sealing = key_provider.key_for(record.key.provenance)
-    if sealing is None:
-        return None
-    key_id, key = sealing
-    key_id_bytes = key_id.encode("ascii")
-    header = _HEADER.pack(_MAGIC, _RECORD_VERSION, _FLAG_SEALED, block_hash) + bytes([len(key_id_bytes)]) + key_id_bytes
-    return header + seal(key, key_id, block_hash, body)
-
-
-def record_key_id(data: bytes) -> str | None:
-    """The data key id in a sealed record's clear header; None for plaintext or a malformed header."""
-    if _record_block_hash(data) is None or data[5] != _FLAG_SEALED or len(data) <= _HEADER.size:
-        return None
-    key_id_end = _HEADER.size + 1 + data[_HEADER.size]
-    if len(data) < key_id_end:
-        return None
-    try:
-        return data[_HEADER.size + 1 : key_id_end].decode("ascii")
-    except UnicodeDecodeError:
-        return None
-
-
-def _record_block_hash(data: bytes) -> bytes | None:
-    """The block hash in a record's clear header; None if the header is malformed."""
-    if len(data) < _HEADER.size:
-        return None
-    magic, version, _, block_hash = _HEADER.unpack_from(data)
-    return block_hash if magic == _MAGIC and version == _RECORD_VERSION else None
-
-
-def _open_record(
-    data: bytes, key_provider: DataKeyProvider, aeads: dict[str, tuple[bytes, AESGCM]] | None = None
-) -> tuple[bytes, int, bytes | memoryview]:
-    """Authenticate a record: ``(header block hash, flags, body)``; raises :class:`BlockRestoreError`.
-
-    ``body`` is ``len(meta) ‖ meta ‖ payload``, checksummed (plain) or
-    decrypted (sealed). ``aeads`` caches key id → (key, AESGCM) for one batch
-    only; a key destroyed before the batch is never found (``key_by_id`` is
-    asked once per key id per batch).
-    """
-    block_hash = _record_block_hash(data)
-    if block_hash is None:
-        raise BlockRestoreError(b"", "bad_header")
-    flags = data[5]
-    view = memoryview(data)
-    if flags == _FLAG_PLAIN:
-        if len(data) < _HEADER.size + _CHECKSUM_BYTES or hashlib.sha256(view[:-_CHECKSUM_BYTES]).digest() != data[-_CHECKSUM_BYTES:]:
-            raise BlockRestoreError(block_hash, "checksum_mismatch")
-        return block_hash, flags, view[_HEADER.size : -_CHECKSUM_BYTES]
-    if flags != _FLAG_SEALED or len(data) <= _HEADER.size:
-        raise BlockRestoreError(block_hash, "bad_header")
-    key_id_end = _HEADER.size + 1 + data[_HEADER.size]
-    try:
-        key_id = data[_HEADER.size + 1 : key_id_end].decode("ascii")
-    except UnicodeDecodeError:
-        raise BlockRestoreError(block_hash, "bad_header") from None
-    cached = None if aeads is None else aeads.get(key_id)
-    if cached is None:
-        key = key_provider.key_by_id(key_id)
-        if key is None:
-            raise BlockRestoreError(block_hash, "key_unavailable")
-        aead = AESGCM(key) if aeads is not None and len(key) == KEY_BYTES else None
-        if aead is not None:
-            aeads[key_id] = (key, aead)
-    else:
-        key, aead = cached
-    opened = unseal(key, key_id, block_hash, view[key_id_end:], aead)
-    if opened is None:
-        raise BlockRestoreError(block_hash, "decrypt_failed")
-    return block_hash, flags, opened
-
-
-def _parse_record_body(block_hash: bytes, flags: int, body: bytes | memoryview) -> tuple[BlockRecord, bytes]:
-    """The record in an authenticated body and its raw meta bytes; checks hash and scope against the header."""
-    try:
-        (meta_len,) = _U32.unpack_from(body)
-        meta_bytes = bytes(body[4 : 4 + meta_len])
-        meta = json.loads(meta_bytes)
-        key = _key_from_dict(meta["key"])
-        expires_at_wall = meta["expires_at_wall"]
-        record = BlockRecord(key, str(meta["kv_format"]), None if expires_at_wall is None else float(expires_at_wall), bytes(body[4 + meta_len :]))
-    except (struct.error, ValueError, KeyError, TypeError):
-        raise BlockRestoreError(block_hash, "bad_metadata") from None
-    if key.block_hash != block_hash:
-        raise BlockRestoreError(block_hash, "hash_mismatch")
-    if (flags == _FLAG_PLAIN) != (key.provenance.scope == CacheScope.PUBLIC):
-        raise BlockRestoreError(block_hash, "scope_mismatch")
-    return record, meta_bytes
-
-
-def decode_block_record(data: bytes, key_provider: DataKeyProvider) -> BlockRecord:
-    """Parse and authenticate a record; raises :class:`BlockRestoreError` with the reason it is unusable."""
-    block_hash, flags, body = _open_record(data, key_provider)
-    return _parse_record_body(block_hash, flags, body)[0]
-
-
-def _read_file(path: str, size_hint: int) -> bytes:
-    """A whole file in one ``read`` when ``size_hint`` is right (raises FileNotFoundError)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        data = os.read(fd, size_hint + 1)
-        while True:
-            more = os.read(fd, 1 << 20)
-            if not more:
-                return data
-            data += more
-    finally:
-        os.close(fd)
-
-
-def _tensor_bytes(kv: torch.Tensor) -> bytes:
-    return kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-_MAX_SLICE_RUNS = 16
-_FILE_DELETE_WORKERS = 4
-
-
-def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first slot, first position, length)`` of each run of consecutive slots, in order."""
-    runs: list[tuple[int, int, int]] = []
-    for pos, slot in enumerate(slots):
-        if runs and slot == runs[-1][0] + runs[-1][2]:
-            start, first, length = runs[-1]
-            runs[-1] = (start, first, length + 1)
-        else:
-            runs.append((slot, pos, 1))
-    return runs
-
-
-# Batched slot I/O on ``[slots, block_elements]`` views: contiguous runs become plain slice copies
-# (memcpy/memset speed), anything more fragmented one indexed op. All three write every listed row.
-
-
-def _gather_slots(table: torch.Tensor, slots: Sequence[int], out: torch.Tensor) -> None:
-    """``out[i] = table[slots[i]]``."""
-    runs = _slot_runs(slots)
-    if len(runs) <= _MAX_SLICE_RUNS:
-        for start, first, length in runs:
-            out[first : first + length].copy_(table[start : start + length])
-    else:
-        torch.index_select(table, 0, torch.tensor(slots, dtype=torch.long, device=table.device), out=out)
-
-
-def _scatter_slots(table: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None:
-    """``table[slots[i]] = rows[i]``."""
-    runs = _slot_runs(slots)
-    if len(runs) <= _MAX_SLICE_RUNS:
-        for start, first, length in runs:
-            table[start : start + length].copy_(rows[first : first + length])
-    else:
-        table.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=table.device), rows)
-
-
-def _zero_slots(table: torch.Tensor, slots: Sequence[int]) -> None:
-    """``table[slot] = 0`` for every listed slot."""
-    runs = _slot_runs(slots)
-    if len(runs) <= _MAX_SLICE_RUNS:
-        for start, _, length in runs:
-            table[start : start + length].zero_()
-    else:
-        table.index_fill_(0, torch.tensor(slots, dtype=torch.long, device=table.device), 0)
-
-
-def _zero_slots_verified(table: torch.Tensor, slots: Sequence[int]) -> list[bool]:
-    """Zero every listed slot, then read them back: per slot, whether it now holds only zeros."""
-    _zero_slots(table, slots)
-    runs = _slot_runs(slots)
-    if len(runs) <= _MAX_SLICE_RUNS:
-        nonzero = torch.cat([table[start : start + length].any(dim=1) for start, _, length in runs])
-    else:
-        nonzero = table.index_select(0, torch.tensor(slots, dtype=torch.long, device=table.device)).any(dim=1)
-    return [not value for value in nonzero.tolist()]
-
-
 class BlockPool:
     """Three-tier block store with the entry state machine of docs/design.md §3 (see module docstring)."""
 
@@ -556,16 +284,14 @@ class BlockPool:
         # Two-dimensional views ``[slots, block_elements]`` of the same storage for batched slot I/O.
         self._flat_slots = {tier: table.view(table.shape[0], spec.num_elements) for tier, table in self._slots.items()}
         self._free_slots = {Tier.DEVICE: list(range(config.num_device_blocks)), Tier.HOST: list(range(config.num_host_blocks))}
-        self._disk_dir = config.disk_dir if config.disk_dir is not None and config.max_disk_blocks > 0 else None
-        if self._disk_dir is not None:
-            self._disk_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        disk_dir = config.disk_dir if config.max_disk_blocks > 0 else None
+        self._disk = None if disk_dir is None else DiskTier(disk_dir, config.namespace, spec, key_provider)
         # (predicate, until on the pool clock): builds of matching blocks are refused until then.
         self._build_guards: list[tuple[Callable[[BlockProvenance], bool], float]] = []
-        self._disk_prefix = "" if self._disk_dir is None else os.path.join(self._disk_dir, "")
         self._capacity = {
             Tier.DEVICE: config.num_device_blocks,
             Tier.HOST: config.num_host_blocks,
-            Tier.DISK: config.max_disk_blocks if self._disk_dir is not None else 0,
+            Tier.DISK: config.max_disk_blocks if self._disk is not None else 0,
         }
         self._entries: dict[bytes, CacheEntry] = {}
         # Provenance index: key → entries filed under it, in ``_entries`` order (both are inserted
@@ -574,15 +300,8 @@ class BlockPool:
         self._index: dict[IndexKey, dict[bytes, CacheEntry]] = {}
         self._lru = {tier: LRUEvictionStrategy() for tier in Tier}
         self._num_entries = dict.fromkeys(Tier, 0)
-        # Kept as running totals so stats() is O(1): the engine reads it after every request.
+        # Kept as a running total so stats() is O(1): the engine reads it after every request.
         self._num_building = 0
-        self._num_disk_bytes = 0
-        self._disk_file_bytes: dict[bytes, int] = {}
-        # The exact meta bytes this pool wrote into each block file: a disk hit whose authenticated
-        # meta equals them needs no JSON parse (same key, namespace and KV format by construction).
-        self._disk_meta: dict[bytes, bytes] = {}
-        # The data key id in each sealed block file's header, so a removal can name the key without reading the file.
-        self._disk_key_ids: dict[bytes, str] = {}
         self._events: list[PoolEvent] = []
         self._num_evictions = 0
         self._num_expired = 0
@@ -821,10 +540,10 @@ class BlockPool:
                 self._load_disk_payloads(lower, lower_kv)
                 host_pos = [pos for pos, entry in enumerate(lower) if entry.tier is Tier.HOST]
                 if len(host_pos) == len(lower):
-                    _gather_slots(self._flat_slots[Tier.HOST], [entry.slot for entry in lower], lower_flat)
+                    gather_slots(self._flat_slots[Tier.HOST], [entry.slot for entry in lower], lower_flat)
                 elif host_pos:
                     gathered = torch.empty((len(host_pos), lower_flat.shape[1]), dtype=self._spec.dtype)
-                    _gather_slots(self._flat_slots[Tier.HOST], [lower[pos].slot for pos in host_pos], gathered)
+                    gather_slots(self._flat_slots[Tier.HOST], [lower[pos].slot for pos in host_pos], gathered)
                     lower_flat.index_copy_(0, torch.tensor(host_pos, dtype=torch.long), gathered)
             if lower_kv is not None and lower_kv.device != device:
                 lower_kv = lower_kv.to(device)
@@ -837,10 +556,10 @@ class BlockPool:
                 if lower_kv is not None:
                     out.index_copy_(0, torch.tensor(lower_rows, dtype=torch.long, device=device), lower_kv)
                 if device_rows and len(device_rows) == num:
-                    _gather_slots(self._flat_slots[Tier.DEVICE], device_slots, out.view(num, -1))
+                    gather_slots(self._flat_slots[Tier.DEVICE], device_slots, out.view(num, -1))
                 elif device_rows:
                     gathered = torch.empty((len(device_rows), out[0].numel()), dtype=self._spec.dtype, device=device)
-                    _gather_slots(self._flat_slots[Tier.DEVICE], device_slots, gathered)
+                    gather_slots(self._flat_slots[Tier.DEVICE], device_slots, gathered)
                     out.view(num, -1).index_copy_(0, torch.tensor(device_rows, dtype=torch.long, device=device), gathered)
                 for row, first in duplicates:
                     out[row].copy_(out[first])
@@ -861,40 +580,12 @@ class BlockPool:
             staging_bytes[pos] = np.frombuffer(self._disk_payload(entry, aeads), dtype=np.uint8)
 
     def _disk_payload(self, entry: CacheEntry, aeads: dict[str, tuple[bytes, AESGCM]]) -> bytes | memoryview:
-        """The authenticated KV bytes of a disk entry's file; a missing or bad file is dropped and raised.
-
-        When the authenticated meta equals the bytes this pool wrote for the
-        entry, the header hash, the scope flag and the payload length are
-        checked and the JSON is not parsed again: equal meta means the same
-        key (block hash, namespace, provenance) and KV format as were checked
-        when the block was admitted. Otherwise the record is fully parsed and
-        checked, as for a file found at start.
-        """
-        block_hash = entry.block_hash
+        """The authenticated KV bytes of a disk entry's file; a missing or bad file is dropped and raised."""
         try:
-            data = _read_file(self._disk_prefix + block_hash.hex() + ".kvb", self._disk_file_bytes.get(block_hash, 0))
-        except FileNotFoundError:
-            self._drop(entry, RemovalReason.RESTORE_FAILED)
-            raise BlockRestoreError(block_hash, "file_missing") from None
-        try:
-            header_hash, flags, body = _open_record(data, self._key_provider, aeads)
-            if header_hash != block_hash:
-                raise BlockRestoreError(block_hash, "hash_mismatch")
-            known_meta = self._disk_meta.get(block_hash)
-            meta_len = _U32.unpack_from(body)[0] if len(body) >= _U32.size else -1
-            if known_meta is not None and meta_len == len(known_meta) and body[4 : 4 + meta_len] == known_meta:
-                if (flags == _FLAG_PLAIN) != (entry.provenance.scope == CacheScope.PUBLIC):
-                    raise BlockRestoreError(block_hash, "scope_mismatch")
-                payload = body[4 + meta_len :]
-                if len(payload) != self._spec.block_bytes:
-                    raise BlockRestoreError(block_hash, "format_mismatch")
-                return payload
-            record, _ = _parse_record_body(header_hash, flags, body)
-            self._check_record(record, block_hash)
-            return record.payload
+            return self._disk.payload(entry.key, aeads)
         except BlockRestoreError as error:
             self._drop(entry, RemovalReason.RESTORE_FAILED)
-            raise BlockRestoreError(block_hash, error.reason) from None
+            raise BlockRestoreError(entry.block_hash, error.reason) from None
 
     def _promote_batch(self, lower: Sequence[CacheEntry], staged: torch.Tensor) -> None:
         """Move the leading host/disk entries of ``lower`` to device slots; ``staged[i]`` is ``lower[i]``'s KV.
@@ -944,11 +635,11 @@ class BlockPool:
                 if from_tier is Tier.HOST:
                     left_host_slots.append(entry.slot)
                 else:
-                    self._unlink_promoted_file(entry)
+                    self._disk.unlink_promoted(entry.block_hash)
                 self._unplace(entry)
                 if not free_device:
                     if left_host_slots:
-                        _zero_slots(host_table, left_host_slots)
+                        zero_slots(host_table, left_host_slots)
                         for slot in left_host_slots:
                             heapq.heappush(free_host, slot)
                         left_host_slots.clear()
@@ -960,22 +651,12 @@ class BlockPool:
                 self._events.append(BlockMoved(entry.key.block_hash, from_tier, Tier.DEVICE))
         finally:
             if left_host_slots:
-                _zero_slots(host_table, left_host_slots)
+                zero_slots(host_table, left_host_slots)
                 for slot in left_host_slots:
                     heapq.heappush(free_host, slot)
             if placed:
-                _scatter_slots(self._flat_slots[Tier.DEVICE], placed, staged[: len(placed)])
+                scatter_slots(self._flat_slots[Tier.DEVICE], placed, staged[: len(placed)])
             self._num_promotions += len(placed)
-
-    def _unlink_promoted_file(self, entry: CacheEntry) -> None:
-        """Unlink the file a promoted block left (see :meth:`_promote_batch` for why no overwrite)."""
-        try:
-            os.unlink(self._disk_prefix + entry.block_hash.hex() + ".kvb")
-        except FileNotFoundError:
-            pass
-        self._num_disk_bytes -= self._disk_file_bytes.pop(entry.block_hash, 0)
-        self._disk_meta.pop(entry.block_hash, None)
-        self._disk_key_ids.pop(entry.block_hash, None)
 
     def export_record(self, entry: CacheEntry) -> bytes | None:
         """A referenced entry as an at-rest record (snapshots); None if its scope has no data key."""
@@ -995,7 +676,7 @@ class BlockPool:
         of another namespace or KV format.
         """
         record = decode_block_record(data, self._key_provider)
-        self._check_record(record, record.key.block_hash)
+        check_record(record, record.key.block_hash, self._config.namespace, self._spec)
         with self._lock:
             now = self._clock()
             expires_at = self._expiry_from_wall(record.expires_at_wall)
@@ -1004,7 +685,7 @@ class BlockPool:
             if not self._has_room(tier):
                 return False
             entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
-            kv = self._payload_tensor(record.payload)
+            kv = payload_tensor(record.payload, self._spec)
             if tier is Tier.DISK:
                 if not self._write_disk(entry, kv):
                     return False
@@ -1042,7 +723,8 @@ class BlockPool:
 
     def disk_path(self, block_hash: bytes) -> Path:
         """Where the disk tier keeps (or would keep) a block's file."""
-        return self._disk_path(block_hash)
+        assert self._disk is not None, "disk paths exist only with a disk tier"
+        return self._disk.path(block_hash)
 
     def expire(self) -> int:
         """Expire every READY entry past its TTL; returns how many (referenced ones are deleted on release)."""
@@ -1131,24 +813,12 @@ class BlockPool:
         for tier in (Tier.DEVICE, Tier.HOST):
             in_tier = sorted((entry for entry in entries if entry.tier is tier), key=lambda entry: entry.slot)
             if in_tier:
-                verified = _zero_slots_verified(self._flat_slots[tier], [entry.slot for entry in in_tier])
+                verified = zero_slots_verified(self._flat_slots[tier], [entry.slot for entry in in_tier])
                 cleared.update(zip(in_tier, verified, strict=True))
         files = [entry for entry in entries if entry.tier is Tier.DISK]
-        cleared.update(zip(files, self._delete_files(files), strict=True))
+        if files:
+            cleared.update(zip(files, self._disk.delete_many([entry.block_hash for entry in files]), strict=True))
         return cleared
-
-    def _delete_files(self, entries: Sequence[CacheEntry]) -> list[bool]:
-        """Overwrite and unlink the block files of ``entries`` in parallel; whether each is verifiably absent.
-
-        Each overwrite is flushed to disk before its unlink; the flushes wait on
-        the device, so running a few at once lets the file system commit them
-        together (about half the time of one by one for thousands of files).
-        """
-        paths = [self._disk_path(entry.block_hash) for entry in entries]
-        if len(paths) < 2:
-            return [overwrite_and_unlink(path) for path in paths]
-        with ThreadPoolExecutor(max_workers=_FILE_DELETE_WORKERS, thread_name_prefix="kvledger-unlink") as executor:
-            return list(executor.map(overwrite_and_unlink, paths))
 
     def load_disk_tier(self) -> int:
         """Re-index block files left by an earlier run; returns how many became READY.
@@ -1158,21 +828,17 @@ class BlockPool:
         Re-indexed blocks changed no bytes, so they produce no event; the node
         reports them in its inventory.
         """
-        if self._disk_dir is None:
+        if self._disk is None:
             return 0
         with self._lock:
             num_loaded = 0
             now = self._clock()
-            for path in sorted(self._disk_dir.glob("*.kvb")):
-                block_hash = _hash_from_name(path.stem)
-                if block_hash is None or block_hash in self._entries:
+            for path, block_hash in self._disk.stored_files():
+                if block_hash in self._entries:
                     continue
-                data = path.read_bytes()
-                encrypted = len(data) > _HEADER.size and data[5] == _FLAG_SEALED
-                try:
-                    record, meta = _parse_record_body(*_open_record(data, self._key_provider))
-                    self._check_record(record, block_hash)
-                except BlockRestoreError:
+                data, record, meta = self._disk.open_stored(path, block_hash)
+                encrypted = is_sealed(data)
+                if record is None:
                     self._delete_stray_file(path, block_hash, encrypted, RemovalReason.RESTORE_FAILED)
                     continue
                 expires_at = self._expiry_from_wall(record.expires_at_wall)
@@ -1184,9 +850,7 @@ class BlockPool:
                     continue
                 entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
                 self._admit(entry)
-                self._set_disk_file_bytes(block_hash, len(data))
-                self._disk_meta[block_hash] = meta
-                self._remember_key_id(block_hash, data)
+                self._disk.adopt(block_hash, data, meta)
                 self._place(entry, Tier.DISK, None)
                 num_loaded += 1
             return num_loaded
@@ -1204,7 +868,7 @@ class BlockPool:
             tier_bytes = {
                 Tier.DEVICE: self._num_entries[Tier.DEVICE] * self._spec.block_bytes,
                 Tier.HOST: self._num_entries[Tier.HOST] * self._spec.block_bytes,
-                Tier.DISK: self._num_disk_bytes,
+                Tier.DISK: 0 if self._disk is None else self._disk.num_bytes,
             }
             return PoolStats(
                 num_entries=dict(self._num_entries),
@@ -1235,10 +899,6 @@ class BlockPool:
         if entry.state is BlockState.READY:
             entry.state = BlockState.EVICTING
             self._lru[entry.tier].remove(entry)
-
-    def _set_disk_file_bytes(self, block_hash: bytes, num_bytes: int) -> None:
-        self._num_disk_bytes += num_bytes - self._disk_file_bytes.get(block_hash, 0)
-        self._disk_file_bytes[block_hash] = num_bytes
 
     def _discard_building(self, entry: CacheEntry) -> None:
         entry.state = BlockState.FAILED
@@ -1321,17 +981,11 @@ class BlockPool:
         if entry.tier is not Tier.DISK:
             return self._slots[entry.tier][entry.slot]
         try:
-            data = self._disk_path(entry.block_hash).read_bytes()
-        except FileNotFoundError:
-            self._drop(entry, RemovalReason.RESTORE_FAILED)
-            raise BlockRestoreError(entry.block_hash, "file_missing") from None
-        try:
-            record = decode_block_record(data, self._key_provider)
-            self._check_record(record, entry.block_hash)
+            record = self._disk.read_record(entry.block_hash)
         except BlockRestoreError as error:
             self._drop(entry, RemovalReason.RESTORE_FAILED)
             raise BlockRestoreError(entry.block_hash, error.reason) from None
-        return self._payload_tensor(record.payload)
+        return payload_tensor(record.payload, self._spec)
 
     def _demote(self, entry: CacheEntry, to_tier: Tier, kv: torch.Tensor) -> bool:
         """Copy ``kv`` into lower ``to_tier`` (room already made), then zero the old slot; False if unsealable."""
@@ -1349,28 +1003,6 @@ class BlockPool:
         self._place(entry, to_tier, slot)
         self._num_demotions += 1
         self._events.append(BlockMoved(entry.block_hash, from_tier, to_tier))
-        return True
-
-    def _promote(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
-        """Move a referenced host/disk entry to the device; False when every device slot is referenced.
-
-        The entry leaves its tier *before* room is made on the device, so the
-        device victim can take the place it frees (a swap) instead of pushing
-        a third block down or out.
-        """
-        if not self._has_room(Tier.DEVICE) and self._victim(Tier.DEVICE) is None:
-            return False
-        from_tier = entry.tier
-        kv = kv.clone()
-        self._delete_bytes(entry)
-        self._unplace(entry)
-        made_room = self._make_room(Tier.DEVICE)
-        assert made_room, "an unreferenced device victim always yields a slot"
-        slot = heapq.heappop(self._free_slots[Tier.DEVICE])
-        self._slots[Tier.DEVICE][slot].copy_(kv)
-        self._place(entry, Tier.DEVICE, slot)
-        self._num_promotions += 1
-        self._events.append(BlockMoved(entry.block_hash, from_tier, Tier.DEVICE))
         return True
 
     def _drop(self, entry: CacheEntry, reason: RemovalReason, cleared: bool | None = None) -> RemovalEvidence:
@@ -1407,10 +1039,8 @@ class BlockPool:
         it (:meth:`_clear_bytes`, for a batch removal); None: delete now.
         """
         if entry.tier is Tier.DISK:
-            file_absent = overwrite_and_unlink(self._disk_path(entry.block_hash)) if cleared is None else cleared
-            self._num_disk_bytes -= self._disk_file_bytes.pop(entry.block_hash, 0)
-            self._disk_meta.pop(entry.block_hash, None)
-            key_id = self._disk_key_ids.pop(entry.block_hash, None)
+            file_absent = self._disk.delete(entry.block_hash) if cleared is None else cleared
+            key_id = self._disk.forget(entry.block_hash)
             encrypted = entry.provenance.scope != CacheScope.PUBLIC
             return RemovalEvidence(entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, file_absent, key_id)
         if cleared is None:
@@ -1433,46 +1063,11 @@ class BlockPool:
         self._events.append(BlockRemoved(block_hash, Tier.DISK, reason, evidence))
 
     def _record(self, entry: CacheEntry, kv: torch.Tensor) -> BlockRecord:
-        return BlockRecord(entry.key, self._spec.kv_format, self._wall_expiry(entry), _tensor_bytes(kv))
+        return BlockRecord(entry.key, self._spec.kv_format, self._wall_expiry(entry), tensor_bytes(kv))
 
     def _write_disk(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
         """Write the block file (sealed unless public); False when its scope has no data key."""
-        record = self._record(entry, kv)
-        meta = _record_meta(record)
-        data = encode_block_record(record, self._key_provider, meta)
-        if data is None:
-            return False
-        fd = os.open(self._disk_path(entry.block_hash), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        self._set_disk_file_bytes(entry.block_hash, len(data))
-        self._disk_meta[entry.block_hash] = meta
-        self._remember_key_id(entry.block_hash, data)
-        return True
-
-    def _remember_key_id(self, block_hash: bytes, data: bytes) -> None:
-        key_id = record_key_id(data)
-        if key_id is not None:
-            self._disk_key_ids[block_hash] = key_id
-
-    def _check_record(self, record: BlockRecord, block_hash: bytes) -> None:
-        if record.key.block_hash != block_hash:
-            raise BlockRestoreError(block_hash, "hash_mismatch")
-        if record.key.provenance.namespace != self._config.namespace:
-            raise BlockRestoreError(block_hash, "namespace_mismatch")
-        if record.kv_format != self._spec.kv_format or len(record.payload) != self._spec.block_bytes:
-            raise BlockRestoreError(block_hash, "format_mismatch")
-
-    def _payload_tensor(self, payload: bytes) -> torch.Tensor:
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self._spec.dtype).reshape(self._spec.block_shape)
-
-    def _disk_path(self, block_hash: bytes) -> Path:
-        assert self._disk_dir is not None, "disk paths exist only with a disk tier"
-        return self._disk_dir / f"{block_hash.hex()}.kvb"
+        return self._disk.write(self._record(entry, kv))
 
     def _wall_expiry(self, entry: CacheEntry) -> float | None:
         """Expiry in wall-clock time, so a TTL survives a restart (the pool clock is monotonic)."""
@@ -1480,11 +1075,3 @@ class BlockPool:
 
     def _expiry_from_wall(self, expires_at_wall: float | None) -> float | None:
         return None if expires_at_wall is None else self._clock() + (expires_at_wall - self._wall_clock())
-
-
-def _hash_from_name(stem: str) -> bytes | None:
-    try:
-        block_hash = bytes.fromhex(stem)
-    except ValueError:
-        return None
-    return block_hash if len(block_hash) == HASH_BYTES else None

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from gpu_node.block_pool import BlockPool, BlockRestoreError, Tier, decode_block_record, record_key_id
+from gpu_node.block_pool import BlockPool, Tier
+from gpu_node.block_records import BlockRestoreError, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
 

@@ -271,11 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_lazy("kvledger.stack:cli"))
 
     bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
-    bench_engine = bench.add_parser("engine", help="TTFT hit/miss vs transformers, hashing, restore bandwidth")
+    bench_engine = bench.add_parser("engine", help="TTFT hit/miss vs transformers, hashing, restore bandwidth, serving under concurrency")
     bench_engine.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
     bench_engine.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
-    bench_engine.add_argument("--prefixes", default="512,2048", help="comma-separated prefix lengths in tokens")
-    bench_engine.add_argument("--suffix", type=int, default=32, help="uncached suffix length in tokens")
+    bench_engine.add_argument(
+        "--sections", default="ttft,hashing,restore,serving", help="comma-separated sections to run (default: all of ttft,hashing,restore,serving)"
+    )
+    bench_engine.add_argument("--prefixes", default="512,2048", help="ttft: comma-separated prefix lengths in tokens")
+    bench_engine.add_argument("--suffix", type=int, default=32, help="ttft: uncached suffix length in tokens")
+    bench_engine.add_argument("--concurrency", default="1,4,16,32", help="serving: comma-separated numbers of concurrent requests")
+    bench_engine.add_argument("--serving-prefix", type=int, default=2048, help="serving: shared public prefix in tokens (also run without)")
+    bench_engine.add_argument("--serving-prompt", type=int, default=100, help="serving: distinct user prompt length in tokens")
+    bench_engine.add_argument("--serving-tokens", type=int, default=64, help="serving: tokens generated per request")
     bench_engine.add_argument("--device", default="cpu", help="torch device (default cpu)")
     bench_engine.add_argument("--output", help="write the markdown table here as well")
     bench_engine.set_defaults(func=_lazy("bench.engine:cli"))

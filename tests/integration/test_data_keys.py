@@ -32,7 +32,8 @@ from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService, MasterKeyError
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
-from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig, Tier, decode_block_record
+from gpu_node.block_pool import BlockPool, PoolConfig, Tier
+from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.crypto import LocalKeyStore, unseal
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec

@@ -53,7 +53,8 @@ from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.schema import subject_digest
-from gpu_node.block_pool import BlockRestoreError, BlockState, Tier, decode_block_record
+from gpu_node.block_pool import BlockState, Tier
+from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider

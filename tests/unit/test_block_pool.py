@@ -20,7 +20,6 @@ from gpu_node.block_pool import (
     BlockMoved,
     BlockPool,
     BlockRemoved,
-    BlockRestoreError,
     BlockState,
     BlockStored,
     PoolConfig,
@@ -29,6 +28,7 @@ from gpu_node.block_pool import (
     Tier,
     provenance_index_keys,
 )
+from gpu_node.block_records import BlockRestoreError
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
@@ -940,7 +940,7 @@ def test_batched_promotion_of_disk_blocks(tmp_path, scope, order):
     stats = pool.stats()
     assert stats.num_entries == {DEVICE: BATCH, HOST: 0, DISK: 0}
     assert stats.tier_bytes == {DEVICE: BATCH * SPEC.block_bytes, HOST: 0, DISK: 0}
-    assert pool._disk_meta == {}
+    assert pool._disk.known_meta == {}
 
 
 def test_batched_read_mixes_tiers_and_repeated_entries(tmp_path):
@@ -1017,7 +1017,7 @@ def test_disk_hit_without_known_meta_is_fully_checked(tmp_path):
     pool = make_pool(tmp_path, device=2, disk=2)
     store(pool, 0, scope=TENANT)
     assert pool.demote(block_hash(0), DISK)
-    pool._disk_meta.clear()
+    pool._disk.known_meta.clear()
     assert torch.equal(read(pool, [pool.get_ready(block_hash(0))])[0], make_kv(0))
 
 

@@ -27,15 +27,14 @@ from gpu_node.block_pool import (
     BlockMoved,
     BlockPool,
     BlockRemoved,
-    BlockRestoreError,
     BlockState,
     BlockStored,
     PoolConfig,
     RemovalReason,
     Tier,
-    decode_block_record,
     provenance_index_keys,
 )
+from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 

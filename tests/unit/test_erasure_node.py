@@ -13,7 +13,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from events import schema
-from gpu_node.block_pool import BlockRestoreError, BlockState, Tier, decode_block_record
+from gpu_node.block_pool import BlockState, Tier
+from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.commands import InvalidationHandler, block_predicate
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta

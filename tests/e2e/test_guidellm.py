@@ -1,0 +1,143 @@
+"""The vLLM project's serving benchmark ``guidellm`` runs against a node with its defaults.
+
+guidellm validates a server with vLLM's ``GET /health`` before it sends anything, takes
+the model id from ``GET /v1/models`` and then streams chat completions with
+``stream_options.include_usage``. A node that answered only ``/healthz`` was refused
+outright. Here guidellm runs as users run it — its own CLI in its own process, default
+backend (``openai_http``: validation on, streaming, HTTP/2 offered), default request
+type, the model id it discovers — against a node on a real uvicorn socket; only the
+target, the token, a profile (guidellm has no default one; ``synchronous`` keeps the
+test fast), a small synthetic data set and a request limit are given. Its tokenizer is
+the node's own model directory and the hub is offline, so nothing is fetched from the
+internet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from gpu_node.api import create_app
+from gpu_node.engine import AsyncEngine
+from gpu_node.settings import CacheSettings, NodeSettings
+from identity.settings import IssuerSettings
+from identity.tokens import TokenVerifier, issue_token
+from kvledger.net import loopback_listener
+
+pytestmark = pytest.mark.e2e
+
+SECRET = "guidellm-test-secret-0123456789abcdef01234567"
+NUM_REQUESTS = 6
+PROMPT_TOKENS = 48
+OUTPUT_TOKENS = 8
+GUIDELLM_TIMEOUT_S = 120
+
+
+@dataclass
+class Node:
+    url: str
+    engine: AsyncEngine
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model_dir, tmp_path_factory) -> Node:
+    """A node served like ``gpu_node.server.serve``: the engine starts on the server's own event loop."""
+    settings = NodeSettings(
+        model_dir=tiny_model_dir,
+        data_dir=tmp_path_factory.mktemp("guidellm-node"),
+        auth=IssuerSettings(jwt_secret=SECRET),
+        cache=CacheSettings(block_size=16, num_device_blocks=256, num_host_blocks=0, max_disk_blocks=0),
+    )
+    engine = AsyncEngine.from_settings(settings)
+    sock = loopback_listener()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, TokenVerifier(settings.auth)), log_level="warning", access_log=False))
+
+    async def serve() -> None:
+        await engine.start()
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            await engine.stop()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="guidellm-test-node", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive(), "the node exited during startup (see the log above)"
+        assert time.monotonic() < deadline, "the node did not start within 60 s"
+        time.sleep(0.02)
+    yield Node(f"http://127.0.0.1:{sock.getsockname()[1]}", engine)
+    server.should_exit = True
+    thread.join(timeout=60)
+    sock.close()
+
+
+def _token() -> str:
+    return issue_token(tenant="acme", sub="bench", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET)
+
+
+def test_vllm_health_routes_answer_like_vllm(node):
+    with httpx.Client(base_url=node.url, timeout=30) as http:
+        health = http.get("/health")
+        assert (health.status_code, health.content) == (200, b"")
+        assert http.get("/ping").json() == {} and http.post("/ping").status_code == 200
+        # Not ready (still replaying invalidations): vLLM's probes must not send traffic here.
+        node.engine.ready = False
+        try:
+            for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+                refused = http.request(method, path)
+                assert (refused.status_code, refused.json()["error"]["code"]) == (503, "not_ready"), (method, path)
+        finally:
+            node.engine.ready = True
+        assert http.get("/health").status_code == 200
+        refused = http.get("/version")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_token"
+        version = http.get("/version", headers={"Authorization": f"Bearer {_token()}"})
+        assert version.status_code == 200 and version.json() == {"version": "0.1.0"}
+
+
+def test_guidellm_with_its_defaults_completes_every_request(node, tiny_model_dir, tmp_path):
+    guidellm = shutil.which("guidellm", path=os.path.dirname(sys.executable))
+    assert guidellm is not None, "guidellm is part of the [test] extra"
+    report = tmp_path / "report.json"
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "NO_COLOR": "1"}
+    # A token on the command line is visible to other local users; here it is a short-lived test token.
+    result = subprocess.run(
+        [
+            guidellm,
+            "run",
+            "--backend", f"kind=openai_http,target={node.url},api_key={_token()}",
+            "--profile", "kind=synchronous",
+            "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+            "--tokenizer", f"kind=huggingface_auto,model={tiny_model_dir}",
+            "--constraint", f"kind=max_requests,count={NUM_REQUESTS}",
+            "--output", f"kind=json,path={report}",
+            "--disable-console-interactive",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=GUIDELLM_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    benchmarks = json.loads(report.read_text())["benchmarks"]
+    assert len(benchmarks) == 1
+    metrics = benchmarks[0]["metrics"]
+    totals = metrics["request_totals"]
+    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (NUM_REQUESTS, 0, 0)
+    # Token counts come from the node's streamed usage chunk; the tiny model's greedy output does not hit EOS early.
+    assert metrics["output_token_count"]["successful"]["total_sum"] == NUM_REQUESTS * OUTPUT_TOKENS
+    sent = [json.loads(request["request_args"])["body"] for request in benchmarks[0]["requests"]["successful"]]
+    # The model id guidellm discovered from GET /v1/models, and its default request type: streamed chat completions.
+    assert {(body["model"], body["stream"], "messages" in body) for body in sent} == {(tiny_model_dir.name, True, True)}
