@@ -218,7 +218,7 @@ async def _describe(session: AsyncSession, invalidation: Invalidation) -> dict[s
     predicate = parse_predicate(invalidation.predicate)
     live = {
         (node_id, tier): count
-        for node_id, tier, count in await session.execute(live_copies_matching(predicate, invalidation.cutoff))
+        for node_id, tier, count in await session.execute(live_copies_matching(predicate))
     }
     deleted = {
         (node_id, tier): count for node_id, tier, count in await session.execute(deleted_by(invalidation.command_id))

@@ -4,12 +4,14 @@ For every ``Invalidate`` the node
 
 1. moves its :class:`~gpu_node.versions.VersionRegistry`, so the API refuses
    requests that name a superseded document or policy version;
-2. tombstones and deletes every matching block created before the command's
-   cutoff: device/host slots are zeroed and read back, disk files overwritten
+2. tombstones and deletes every matching block that exists when it applies the
+   command — whatever the command's cutoff says (docs/design.md §5, "Cutoffs"):
+   device/host slots are zeroed and read back, disk files overwritten
    and unlinked (:meth:`BlockPool.remove_where`), blocks a reader still holds are
    deleted when released (waited for, bounded), BUILDING matches are discarded
-   at commit by the pool, and for an erasure matching builds claimed after the
-   removal are refused for a bounded window (:meth:`BlockPool.guard_builds`);
+   at commit by the pool, and for an erasure matching builds keyed before the
+   application (on the node's own clock) but claimed after the removal are
+   refused for a bounded window (:meth:`BlockPool.guard_builds`);
    then every snapshot of the node is rewritten without the matches;
 3. for a subject (erasure) command, crypto-erases: destroys the subject's data
    keys in the node's key provider — the ones it resolved for the subject and
@@ -52,11 +54,10 @@ import asyncio
 import collections
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,22 +86,28 @@ MAX_REMEMBERED_ACKS = 10_000
 """Acks kept per node for re-sent commands (a few hundred bytes each): the coordinator re-sends a
 command within minutes of its decision, so only the most recent commands need theirs."""
 BUILD_GUARD_MARGIN_S = 60.0
-"""Slack on top of the singleflight wait for how long a command keeps refusing matching builds."""
+"""Slack on top of the singleflight wait for how long an erasure keeps refusing matching builds keyed before it was
+applied: a request claims its blocks at most the singleflight wait after it computed its keys (and their ``created_at``)."""
 
 
 # --------------------------------------------------------------------------- predicates
 
 
-def block_predicate(predicate: schema.Predicate, cutoff: datetime, subject_key: bytes) -> Callable[[BlockProvenance], bool]:
-    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` and the block predates ``cutoff``.
+def block_predicate(predicate: schema.Predicate, keyed_before: datetime, subject_key: bytes) -> Callable[[BlockProvenance], bool]:
+    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` and was keyed before ``keyed_before``.
 
-    Blocks created at or after the cutoff were built from data already current
-    when the coordinator decided, so they survive. Subjects are compared as the
-    keyed digest the command carries (commands never hold a raw subject id);
-    the node digests its own blocks' subjects with the shared key, once per
-    (tenant, subject).
+    ``keyed_before`` is read from the clock the node's own ``created_at`` values
+    come from (the pool's wall clock): the handler passes the moment it applies
+    the command, never the command's cutoff, which is the coordinator's database
+    time — a node clock ahead of it would spare blocks built before the request,
+    one behind it would remove blocks built after the command was applied. So a
+    command removes every matching block that exists when it is applied (and the
+    builds keyed before then), and blocks keyed after it survive.
+    Subjects are compared as the keyed digest the command carries (commands never
+    hold a raw subject id); the node digests its own blocks' subjects with the
+    shared key, once per (tenant, subject).
     """
-    cutoff_s = cutoff.timestamp()
+    cutoff_s = keyed_before.timestamp()
     match predicate:
         case schema.DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
 
@@ -320,7 +327,7 @@ class InvalidationHandler:
 
     def remember(self, command: schema.Invalidate) -> None:
         """Registry only: for commands this node applied in an earlier life (their bytes are gone)."""
-        self.engine.versions.apply(command.predicate)
+        self.engine.versions.apply(command.predicate, command.cutoff)
         predicate = command.predicate
         if isinstance(predicate, schema.NamespacePredicate) and predicate.ns == self.engine.namespace.namespace:
             log.warning("this node's namespace is retired: requests are served without the prefix cache")
@@ -346,12 +353,13 @@ class InvalidationHandler:
         """
         pool = self.engine.pool
         plans = []
+        applied_at = datetime.fromtimestamp(pool.wall_time(), UTC)
         for command in commands:
             self.remember(command)
-            matches = block_predicate(command.predicate, command.cutoff, self.subject_key)
+            matches = block_predicate(command.predicate, applied_at, self.subject_key)
             if isinstance(command.predicate, schema.SubjectPredicate):
                 # Erasures only: they are rare, and every guard is checked at every build while it lasts.
-                pool.guard_builds(matches, self._guard_s(command.cutoff))
+                pool.guard_builds(matches, self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S)
             progress = self._progress.setdefault(command.command_id, _Progress(self._num_seen))
             plans.append(_Plan(command, matches, progress))
         reports = await asyncio.to_thread(
@@ -388,16 +396,6 @@ class InvalidationHandler:
         self._progress.pop(command_id, None)
         if not self._progress:
             self._seen.clear()
-
-    def _guard_s(self, cutoff: datetime) -> float:
-        """How long matching builds stay refused: until no request whose keys predate the cutoff can still claim one.
-
-        A request claims its blocks at most the singleflight wait after it
-        computed its keys (and their ``created_at``); a cutoff ahead of this
-        node's clock extends the window by the difference.
-        """
-        ahead_s = max(0.0, cutoff.timestamp() - time.time())
-        return ahead_s + self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S
 
     async def _wait_for_release(self, progress: _Progress) -> None:
         loop = asyncio.get_running_loop()
