@@ -542,7 +542,7 @@ class CommandConsumer:
         self.group_id = f"kvledger-node-{self.node_id}"
         self.replayed = asyncio.Event()
         self._command_key = command_key
-        self._governance = governance
+        self.governance = governance
         self._poll_timeout_ms = poll_timeout_ms
         self._top_up_ms = kafka.top_up_ms
         self._max_records = max_records
@@ -585,7 +585,7 @@ class CommandConsumer:
             for tp in assigned:
                 self._committed[tp] = await self._consumer.committed(tp) or 0
             self._end_offsets = await self._consumer.end_offsets(assigned)
-            if self._governance is None:
+            if self.governance is None:
                 await self._consumer.seek_to_beginning(*assigned)
                 self._handled_upto = await self._consumer.beginning_offsets(assigned)
             else:
@@ -614,7 +614,7 @@ class CommandConsumer:
         await self._producer.stop()
 
     async def _run(self) -> None:
-        if self._governance is not None:
+        if self.governance is not None:
             await self._sync_governance()
         backoff = self._initial_backoff_s
         while True:
@@ -640,7 +640,7 @@ class CommandConsumer:
         backoff = self._initial_backoff_s
         while True:
             try:
-                state = await self._governance.fetch()
+                state = await self.governance.fetch()
                 await self._apply_governance(state)
                 return
             except Exception as exc:  # noqa: BLE001 - never ready on a partial or unverified state, never a crash loop
