@@ -87,7 +87,8 @@ class Cursor(BaseModel):
         except (ValidationError, binascii.Error, ValueError):
             raise ValueError("cursor: not a cursor this endpoint returned") from None
         widths = (1, 2, 2, 1)
-        if not 0 <= cursor.section < len(SECTIONS) or len(cursor.after) != widths[cursor.section]:
+        # An empty ``after`` starts a section from its first entry.
+        if not 0 <= cursor.section < len(SECTIONS) or len(cursor.after) not in (0, widths[cursor.section]):
             raise ValueError("cursor: not a cursor this endpoint returned")
         return cursor
 

@@ -100,8 +100,9 @@ class SkewedNode(ServedNode):
         }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[dict]:
+    """A coordinator on a fresh ledger per test: a node of an earlier test, stopped, would be a target that never acks."""
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(upgrade, url)
         group = f"clock-{uuid.uuid4().hex[:8]}"
