@@ -104,21 +104,24 @@ applied: a request claims its blocks at most the singleflight wait after it comp
 # --------------------------------------------------------------------------- predicates
 
 
-def block_predicate(predicate: schema.Predicate, keyed_before: datetime, subject_key: bytes) -> Callable[[BlockProvenance], bool]:
-    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` and was keyed before ``keyed_before``.
+def block_predicate(
+    predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes
+) -> Callable[[BlockProvenance], bool]:
+    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` (and was keyed before ``keyed_before``).
 
-    ``keyed_before`` is read from the clock the node's own ``created_at`` values
-    come from (the pool's wall clock): the handler passes the moment it applies
-    the command, never the command's cutoff, which is the coordinator's database
-    time — a node clock ahead of it would spare blocks built before the request,
-    one behind it would remove blocks built after the command was applied. So a
-    command removes every matching block that exists when it is applied (and the
-    builds keyed before then), and blocks keyed after it survive.
+    The handler removes with ``keyed_before=None``: every matching block that
+    exists when it applies the command, by the pool's order, whatever anyone's
+    clock says. Only its guard against builds claimed later (an erasure's) needs a
+    time: the moment of application on the clock the node's own ``created_at``
+    values come from (the pool's wall clock) — never the command's cutoff, the
+    coordinator's database time, which a node clock ahead of it would compare
+    against to spare blocks built before the request, and one behind it to remove
+    blocks built after the command was applied (docs/design.md §5, "Cutoffs").
     Subjects are compared as the keyed digest the command carries (commands never
     hold a raw subject id); the node digests its own blocks' subjects with the
     shared key, once per (tenant, subject).
     """
-    cutoff_s = keyed_before.timestamp()
+    keyed_before_s = None if keyed_before is None else keyed_before.timestamp()
     match predicate:
         case schema.DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
 
@@ -162,10 +165,13 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime, subject
         case _:
             raise AssertionError(f"no block predicate for {type(predicate).__name__}")
 
-    def before_cutoff(provenance: BlockProvenance) -> bool:
-        return provenance.created_at < cutoff_s and matches(provenance)
+    if keyed_before_s is None:
+        return matches
 
-    return before_cutoff
+    def keyed_in_time(provenance: BlockProvenance) -> bool:
+        return provenance.created_at < keyed_before_s and matches(provenance)
+
+    return keyed_in_time
 
 
 def predicate_index_key(predicate: schema.Predicate) -> IndexKey:
@@ -370,10 +376,11 @@ class InvalidationHandler:
         applied_at = datetime.fromtimestamp(pool.wall_time(), UTC)
         for command in commands:
             self.remember(command)
-            matches = block_predicate(command.predicate, applied_at, self.subject_key)
+            matches = block_predicate(command.predicate, None, self.subject_key)
             if isinstance(command.predicate, schema.SubjectPredicate):
                 # Erasures only: they are rare, and every guard is checked at every build while it lasts.
-                pool.guard_builds(matches, self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S)
+                keyed_before = block_predicate(command.predicate, applied_at, self.subject_key)
+                pool.guard_builds(keyed_before, self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S)
             progress = self._progress.setdefault(command.command_id, _Progress(self._num_seen))
             plans.append(_Plan(command, matches, progress))
         reports = await asyncio.to_thread(
