@@ -305,10 +305,11 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
         return len({offset for offset in await command_offsets(bootstrap, missed)}) >= 4
 
     await eventually(published, timeout_s=TIMEOUT_S, what="the four commands on the topic")
-    # A last record after them (addressed to no node), so the end the node notes lies past every missed command.
+    # A last record after them in their partition (addressed to no node), so the end the node notes lies past every
+    # missed command (Tansu reports the end of a multi-record batch as its first offset).
     marker = sign_command(schema.make_event(schema.InventoryRequested(node_id="nobody", request_id=uuid.uuid4())))
     async with EventProducer(KafkaSettings(bootstrap=bootstrap)) as producer:
-        await producer.send(marker)
+        await producer.send(marker, key=topics.BROADCAST_TARGET)
     end_before_restart = await commands_end(bootstrap)
     missed_offsets = await command_offsets(bootstrap, missed)
     assert missed_offsets and all(offset < end_before_restart[partition] for partition, offset in missed_offsets)
@@ -355,21 +356,26 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
 class ManInTheMiddle(httpx.AsyncBaseTransport):
     """Sits between the node and the coordinator: each request is answered by the next fault of ``faults``
     (``unreachable``, ``tampered``: one decision relaxed with the signature kept, ``unsigned``), then passed through.
-    ``ready_when_answered`` records whether the node was ready at each faulty answer."""
+    ``ready_when_asked`` records whether the node was ready at each request; the request of fault number
+    ``hold_at`` waits for ``release`` (``holding`` is set meanwhile), so the test can look at the node then."""
 
-    def __init__(self, node: GovNode, faults: list[str]) -> None:
+    def __init__(self, node: GovNode, faults: list[str], hold_at: int) -> None:
         self.node = node
         self.faults = list(faults)
-        self.ready_when_answered: list[bool] = []
-        self.passed = 0
+        self.hold_at = hold_at
+        self.ready_when_asked: list[bool] = []
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
         self._real = httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.ready_when_asked.append(self.node.engine.ready)
         if not self.faults:
-            self.passed += 1
             return await self._real.handle_async_request(request)
+        if len(self.ready_when_asked) - 1 == self.hold_at:
+            self.holding.set()
+            await self.release.wait()
         fault = self.faults.pop(0)
-        self.ready_when_answered.append(self.node.engine.ready)
         if fault == "unreachable":
             raise httpx.ConnectError("connection refused", request=request)
         response = await self._real.handle_async_request(request)
@@ -384,27 +390,36 @@ class ManInTheMiddle(httpx.AsyncBaseTransport):
         await self._real.aclose()
 
 
+def governance_failures(node: GovNode) -> dict[str, float | None]:
+    registry = node.engine.metrics.registry
+    return {
+        reason: registry.get_sample_value("kvledger_governance_sync_failures_total", {"reason": reason})
+        for reason in ("unavailable", "refused")
+    }
+
+
 async def test_a_node_stays_not_ready_until_an_untampered_signed_state_reaches_it(stack):
     url, node = stack["url"], stack["node"]
     await node.stop()
     node.assemble()
-    middle = ManInTheMiddle(node, ["unreachable", "unreachable", "tampered", "unsigned"])
+    faults = ["unreachable", "unreachable", "tampered", "unsigned"]
+    middle = ManInTheMiddle(node, faults, hold_at=3)
     node.commands.governance = GovernanceClient(
         url, lambda: issue_node_credential(node_key(node.node_id), node.node_id, 30), node.node_id, COMMAND_KEY.public_key(), transport=middle
     )
     try:
         await node.start(wait_ready=False)
         async with httpx.AsyncClient(base_url=node.http.url, timeout=30) as client:
-
-            async def answered_faults() -> bool:
-                return not middle.faults
-
-            await eventually(answered_faults, timeout_s=TIMEOUT_S, what="every faulty answer served")
-            assert middle.ready_when_answered == [False, False, False, False]
+            # Unreachable twice, then a tampered answer: the node is not ready and says so.
+            await asyncio.wait_for(middle.holding.wait(), TIMEOUT_S)
+            assert governance_failures(node) == {"unavailable": 2.0, "refused": 1.0}
             assert not node.engine.ready and (await client.get("/readyz")).status_code == 503
+            middle.release.set()
+            # Then an unsigned one, then the true state: ready only after that.
             await asyncio.wait_for(node.commands.replayed.wait(), TIMEOUT_S)
-            assert middle.passed >= 1 and node.engine.ready
-            assert (await client.get("/readyz")).status_code == 200
+            assert governance_failures(node) == {"unavailable": 2.0, "refused": 2.0}
+            assert middle.ready_when_asked[: len(faults) + 1] == [False] * (len(faults) + 1)
+            assert node.engine.ready and (await client.get("/readyz")).status_code == 200
     finally:
         await middle.aclose()
 
