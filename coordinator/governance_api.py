@@ -86,9 +86,14 @@ class Cursor(BaseModel):
             cursor = cls.model_validate_json(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
         except (ValidationError, binascii.Error, ValueError):
             raise ValueError("cursor: not a cursor this endpoint returned") from None
-        widths = (1, 2, 2, 1)
-        # An empty ``after`` starts a section from its first entry.
-        if not 0 <= cursor.section < len(SECTIONS) or len(cursor.after) not in (0, widths[cursor.section]):
+        # Per section: the key of its entries (names, or a decision's seq); an empty ``after`` starts the section.
+        shapes = ((str,), (str, str), (str, str), (int,))
+        if not 0 <= cursor.section < len(SECTIONS):
+            raise ValueError("cursor: not a cursor this endpoint returned")
+        shape = shapes[cursor.section]
+        if cursor.after and (
+            len(cursor.after) != len(shape) or not all(type(value) is kind for value, kind in zip(cursor.after, shape, strict=True))
+        ):
             raise ValueError("cursor: not a cursor this endpoint returned")
         return cursor
 

@@ -441,7 +441,10 @@ async def test_only_an_enrolled_unrevoked_nodes_own_credential_gets_the_signed_s
         return node_credential(node.node_id)
 
     assert (await governance_get(url, mine(), nonce="short")).status_code == 400
-    assert (await governance_get(url, mine(), cursor="not-a-cursor")).status_code == 400
+    forged = base64.urlsafe_b64encode(json.dumps({"section": 2, "after": [1, 2]}).encode()).decode().rstrip("=")
+    for cursor in ("not-a-cursor", forged):
+        refused_cursor = await governance_get(url, mine(), cursor=cursor)
+        assert refused_cursor.status_code == 400 and refused_cursor.json()["error"]["code"] == "invalid_parameter"
 
     async def memo_listed() -> bool:
         body = (await governance_get(url, mine())).json()
