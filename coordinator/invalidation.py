@@ -419,8 +419,9 @@ async def decide(
     """Record an invalidation, its expected nodes and marked placements, and queue the command.
 
     The cutoff is ``now`` (the deciding transaction's database time, the same clock
-    for every coordinator replica); it dates the decision, and no node compares its own
-    blocks' times with it (a node removes what it holds when it applies the command). Expected nodes are all nodes registered now:
+    for every coordinator replica); it dates and orders the decision, and no node
+    compares its own blocks' times with it (a node removes what it holds when it
+    applies the command). Expected nodes are all nodes registered now:
     one that is down keeps the command pending until it returns, replays and acks.
     With no node registered the command is complete at once (nothing can hold a copy).
     The caller owns the transaction and the locking (:func:`lock_decisions`); the command
