@@ -652,7 +652,9 @@ class CommandConsumer:
                 return
             except Exception as exc:  # noqa: BLE001 - never ready on a partial or unverified state, never a crash loop
                 reason = str(exc) if isinstance(exc, (GovernanceUnavailable, GovernanceRefused)) else type(exc).__name__
-                kind = "unavailable" if isinstance(exc, GovernanceUnavailable) else "refused" if isinstance(exc, GovernanceRefused) else "apply_failed"
+                kind = "apply_failed"
+                if isinstance(exc, (GovernanceUnavailable, GovernanceRefused)):
+                    kind = "unavailable" if isinstance(exc, GovernanceUnavailable) else "refused"
                 self.engine.metrics.governance_failures.labels(reason=kind).inc()
                 log.warning("node %s: governance state not applied (%s); not ready, retrying in %.1fs", self.node_id, reason, backoff)
                 log.debug("governance failure detail", exc_info=True)

@@ -161,7 +161,8 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
     node_id = f"clock-{'ahead' if skew_s > 0 else 'behind'}-{uuid.uuid4().hex[:6]}"
     await enroll_nodes(coordinator["database_url"], [node_id])
     cache = CacheSettings(num_device_blocks=48, num_host_blocks=16, max_disk_blocks=128)
-    node = await SkewedNode(node_settings(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap, cache, coordinator_url=url), skew_s).start()
+    settings = node_settings(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap, cache, coordinator_url=url)
+    node = await SkewedNode(settings, skew_s).start()
     try:
         tenant = f"acme-{uuid.uuid4().hex[:6]}"
         alice = f"alice-{uuid.uuid4().hex[:8]}"

@@ -265,8 +265,10 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
 
     async def ledger_holds_disk() -> bool:
         async with httpx.AsyncClient(base_url=url, headers=PLATFORM_ADMIN, timeout=30) as client:
-            blocks = (await client.get("/v1/ledger/blocks", params={"tenant": tenant, "node": node.node_id, "limit": 1000})).json()["blocks"]
-        return {(b["block_hash"], p["tier"]) for b in blocks for p in b["placements"] if p["state"] == "live"} >= {(h, "disk") for h in disk}
+            params = {"tenant": tenant, "node": node.node_id, "limit": 1000}
+            blocks = (await client.get("/v1/ledger/blocks", params=params)).json()["blocks"]
+        live = {(b["block_hash"], p["tier"]) for b in blocks for p in b["placements"] if p["state"] == "live"}
+        return live >= {(h, "disk") for h in disk}
 
     await eventually(ledger_holds_disk, timeout_s=TIMEOUT_S, what="the ledger to hold the disk copies")
     first_epoch = node.publisher.epoch
@@ -296,7 +298,9 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
 
     await eventually(decided, timeout_s=TIMEOUT_S, what="the document and permission decisions")
     async with database.session() as session:
-        erasure_command = await session.scalar(select(Invalidation.command_id).where(Invalidation.kind == "subject", Invalidation.predicate["tenant"].astext == tenant))
+        erasure_command = await session.scalar(
+            select(Invalidation.command_id).where(Invalidation.kind == "subject", Invalidation.predicate["tenant"].astext == tenant)
+        )
         namespace_command = await session.scalar(select(Namespace.invalidation_id).where(Namespace.namespace == other_namespace))
     missed = {row.command_id for row in await decisions_of(database, event_ids)} | {erasure_command, namespace_command}
     assert len(missed) == 4
@@ -405,7 +409,11 @@ async def test_a_node_stays_not_ready_until_an_untampered_signed_state_reaches_i
     faults = ["unreachable", "unreachable", "tampered", "unsigned"]
     middle = ManInTheMiddle(node, faults, hold_at=3)
     node.commands.governance = GovernanceClient(
-        url, lambda: issue_node_credential(node_key(node.node_id), node.node_id, 30), node.node_id, COMMAND_KEY.public_key(), transport=middle
+        url,
+        lambda: issue_node_credential(node_key(node.node_id), node.node_id, 30),
+        node.node_id,
+        COMMAND_KEY.public_key(),
+        transport=middle,
     )
     try:
         await node.start(wait_ready=False)

@@ -160,7 +160,8 @@ def test_a_signed_document_verifies_only_unchanged_under_its_key_and_context():
     assert document_signature_problem(document, signature, key.public_key(), b"another context\x00") == BAD_SIGNATURE
     assert document_signature_problem(document, signature, Ed25519PrivateKey.generate().public_key(), GOVERNANCE_CONTEXT) == UNKNOWN_KEY
     assert document_signature_problem(document, None, key.public_key(), GOVERNANCE_CONTEXT) == UNSIGNED
-    assert document_signature_problem(document, {"kid": signature["kid"], "sig": "%%%"}, key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE
+    garbled = {"kid": signature["kid"], "sig": "%%%"}
+    assert document_signature_problem(document, garbled, key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE
     # A signed envelope's signature never passes for a document with the same content, nor the reverse.
     envelope = sign_envelope(_command(), key)
     as_document = envelope.model_dump(mode="json", exclude={"signature"})
