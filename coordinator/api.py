@@ -25,6 +25,7 @@ from coordinator import metrics
 from coordinator.auth import ForbiddenError, require_tenant, requires
 from coordinator.db import Database, database_lifespan, request_session
 from coordinator.erasure_api import router as erasure_router
+from coordinator.governance_api import router as governance_router
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
@@ -94,6 +95,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     app.include_router(erasure_router(settings))
     app.include_router(console_router(settings))
     app.include_router(usage_router())
+    app.include_router(governance_router(settings))
 
     # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
     # log, which prints the query string: ?subject= is a raw subject id.

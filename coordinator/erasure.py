@@ -14,8 +14,10 @@ periodically (:meth:`ErasureService.run`), so an erasure left behind by a crashe
 coordinator is finished by whichever replica looks next. An erasure is ``verified``
 only when the subject command and every late-block re-send of it are complete (every
 node registered at the decision acked with verified evidence), the ledger holds no
-live placement of the subject's blocks created before the cutoff in any tier or
-snapshot on any node, and the subject's keys are destroyed. A node that is down keeps
+live copy of the subject's blocks that the erasure waits for in any tier or snapshot on
+any node — every copy on a node that has not acked, and on one that has, every copy
+recorded no later than its ack (:func:`progress`; no node's clock is compared with the
+database's) — and the subject's keys are destroyed. A node that is down keeps
 it ``partial``: never verified early.
 
 The receipt is built, signed and appended to the audit log, and a new tree head is
@@ -41,13 +43,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import SecretStr
-from sqlalchemy import and_, func, or_, select, text, update
+from sqlalchemy import and_, exists, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import merkle, metrics, receipts
 from coordinator.db import Database
-from coordinator.invalidation import Decision, begin_ledger_transaction, decide, live_copies_matching, lock_decisions, matching_blocks
+from coordinator.invalidation import Decision, begin_ledger_transaction, decide, lock_decisions, matching_blocks
 from coordinator.keys import DataKey, destroy_keys, subject_keys, unwrap_secret, wrap_secret
 from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt, ReceiptKey, TreeHead
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
@@ -231,20 +233,26 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
         ).all(),
         key=lambda target: (order[target.command_id], target.node_id),
     )
-    predicate = subject_predicate(erasure)
+    # The copies the erasure waits for, by the ledger's own order (docs/design.md §6, "Erasure"): every live copy of
+    # the subject's blocks on a node that has not acked, and on a node that has, those recorded no later than its ack.
+    # A copy recorded after the node's ack is one it built after applying the command: the subject's new data.
+    waited_for = and_(
+        Placement.state == "live",
+        Placement.block_hash.in_(matching_blocks(subject_predicate(erasure))),
+        ~exists().where(
+            InvalidationTarget.command_id.in_(order),
+            InvalidationTarget.node_id == Placement.node_id,
+            InvalidationTarget.status == "acked",
+            InvalidationTarget.acked_at < Placement.updated_at,
+        ),
+    )
     live = {
         (node_id, tier): count
-        for node_id, tier, count in await session.execute(live_copies_matching(predicate, erasure.cutoff))
-    }
-    newest_live = (
-        await session.scalar(
-            select(func.max(Placement.updated_at)).where(
-                Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate, erasure.cutoff))
-            )
+        for node_id, tier, count in await session.execute(
+            select(Placement.node_id, Placement.tier, func.count()).where(waited_for).group_by(Placement.node_id, Placement.tier)
         )
-        if live
-        else None
-    )
+    }
+    newest_live = await session.scalar(select(func.max(Placement.updated_at)).where(waited_for)) if live else None
     reported = sorted(
         {key_id for target in targets for item in target.evidence or [] for key_id in item.get("key_ids", [])}
     )

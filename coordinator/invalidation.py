@@ -49,7 +49,9 @@ from pydantic import TypeAdapter
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    ColumnElement,
     DateTime,
+    Exists,
     LargeBinary,
     Select,
     Text,
@@ -57,6 +59,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    exists,
     func,
     literal,
     or_,
@@ -339,13 +342,15 @@ def parse_predicate(data: dict) -> Predicate:
     return _PREDICATE.validate_python(data)
 
 
-def matching_blocks(predicate: Predicate, cutoff: datetime) -> Select:
-    """Hashes of the ledger's blocks that ``predicate`` covers.
+def matching_blocks(predicate: Predicate) -> Select:
+    """Hashes of the ledger's blocks that ``predicate`` covers, whenever they were built.
 
-    Version predicates (document, policy) and namespace predicates ignore ``cutoff``:
-    a block holding a superseded version, or living in a retired namespace, is stale
-    whenever it was built. Subject and tenant predicates remove data that existed
-    at the decision, so only blocks created before ``cutoff`` match.
+    No predicate compares a block's ``created_at`` with the decision's time: that is
+    the node's clock against the database's (docs/design.md §5, "Cutoffs"). A block
+    holding a superseded version, or living in a retired namespace, is stale whenever
+    it was built; the blocks of a subject or tenant that the ledger holds at the
+    decision were built before it, by the ledger's own order. Which copies recorded
+    later an erasure still waits for is :func:`coordinator.erasure.progress`'s rule.
     """
     match predicate:
         case DocumentPredicate():
@@ -370,15 +375,26 @@ def matching_blocks(predicate: Predicate, cutoff: datetime) -> Select:
             )
         case SubjectPredicate():
             return select(Block.block_hash).where(
-                Block.tenant_id == predicate.tenant,
-                Block.subject_hash == bytes.fromhex(predicate.subject_id),
-                Block.created_at < cutoff,
+                Block.tenant_id == predicate.tenant, Block.subject_hash == bytes.fromhex(predicate.subject_id)
             )
         case NamespacePredicate():
             return select(Block.block_hash).where(Block.namespace == predicate.ns)
         case TenantPredicate():
-            return select(Block.block_hash).where(Block.tenant_id == predicate.tenant, Block.created_at < cutoff)
+            return select(Block.block_hash).where(Block.tenant_id == predicate.tenant)
     raise AssertionError(f"no ledger match for predicate {predicate!r}")
+
+
+def acked_erasure_command(erasure_command_id: ColumnElement[uuid.UUID], node_id: ColumnElement[str]) -> Exists:
+    """Whether ``node_id`` acked the erasure command ``erasure_command_id`` or one of its re-sends (SQL expressions)."""
+    return exists().where(
+        InvalidationTarget.node_id == node_id,
+        InvalidationTarget.status == "acked",
+        InvalidationTarget.command_id.in_(
+            select(Invalidation.command_id).where(
+                or_(Invalidation.command_id == erasure_command_id, Invalidation.parent_command_id == erasure_command_id)
+            )
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +419,9 @@ async def decide(
     """Record an invalidation, its expected nodes and marked placements, and queue the command.
 
     The cutoff is ``now`` (the deciding transaction's database time, the same clock
-    for every coordinator replica). Expected nodes are all nodes registered now:
+    for every coordinator replica); it dates and orders the decision, and no node
+    compares its own blocks' times with it (a node removes what it holds when it
+    applies the command). Expected nodes are all nodes registered now:
     one that is down keeps the command pending until it returns, replays and acks.
     With no node registered the command is complete at once (nothing can hold a copy).
     The caller owns the transaction and the locking (:func:`lock_decisions`); the command
@@ -439,7 +457,7 @@ async def decide(
         )
     await session.execute(
         update(Placement)
-        .where(Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate, now)))
+        .where(Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate)))
         .values(invalidation_id=command_id)
     )
     tenant = getattr(predicate, "tenant", None)
@@ -456,9 +474,12 @@ async def reissue_for_late_blocks(
     A block is late when its provenance was superseded by a decision already taken:
     a document version below the recorded one (or a deleted document), a policy
     version below the recorded one, a namespace that is draining or retired, or a
-    subject with an erasure whose cutoff is after the block's ``created_at`` (its
-    re-send names the erasure's command as parent, which keeps the erasure from being
-    verified until every node acked it too). A node
+    subject with an erasure not yet verified whose live copy is on a node that has not
+    acked any of the erasure's commands — a node acks only after removing every copy it
+    held when it applied the command, so after its ack its new copies are the subject's
+    new data, whatever their ``created_at`` says (its re-send names the erasure's command
+    as parent, which keeps the erasure from being verified until every node acked it
+    too). A node
     can report one after the command passed it (it was built from stale input before
     the node learned the new version, or the node missed the command). The command
     is re-issued with the *same predicate* and a fresh cutoff ``now`` — a fresh cutoff
@@ -505,7 +526,8 @@ async def reissue_for_late_blocks(
         erasures = (
             select(Erasure.command_id)
             .join(Block, and_(Block.tenant_id == Erasure.tenant_id, Block.subject_hash == Erasure.subject_hash))
-            .where(in_chunk, Block.created_at < Erasure.cutoff)
+            .join(Placement, and_(Placement.block_hash == Block.block_hash, Placement.state == "live"))
+            .where(in_chunk, Erasure.status != "verified", ~acked_erasure_command(Erasure.command_id, Placement.node_id))
         )
         originals.update((await session.scalars(documents.union(policies, namespaces, erasures))).all())
     if not originals:
@@ -941,11 +963,11 @@ class InvalidationHandler:
         return touched
 
 
-def live_copies_matching(predicate: Predicate, cutoff: datetime) -> Select:
+def live_copies_matching(predicate: Predicate) -> Select:
     """(node, tier, count) of live placements of blocks ``predicate`` covers — what the ledger says remains."""
     return (
         select(Placement.node_id, Placement.tier, func.count())
-        .where(Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate, cutoff)))
+        .where(Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate)))
         .group_by(Placement.node_id, Placement.tier)
     )
 

@@ -242,7 +242,7 @@ async def describe_invalidation(session: AsyncSession, invalidation: Invalidatio
     predicate = parse_predicate(invalidation.predicate)
     live = {
         (node_id, tier): count
-        for node_id, tier, count in await session.execute(live_copies_matching(predicate, invalidation.cutoff))
+        for node_id, tier, count in await session.execute(live_copies_matching(predicate))
     }
     deleted = {
         (node_id, tier): count for node_id, tier, count in await session.execute(deleted_by(invalidation.command_id))

@@ -320,6 +320,11 @@ class BlockPool:
     def spec(self) -> KVBlockSpec:
         return self._spec
 
+    def wall_time(self) -> float:
+        """Now on the pool's wall clock (seconds since the epoch): the one clock block keys' ``created_at`` and the
+        application of invalidation commands are read from, so a node compares its blocks only with its own clock."""
+        return self._wall_clock()
+
     @property
     def config(self) -> PoolConfig:
         return self._config

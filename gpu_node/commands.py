@@ -4,12 +4,14 @@ For every ``Invalidate`` the node
 
 1. moves its :class:`~gpu_node.versions.VersionRegistry`, so the API refuses
    requests that name a superseded document or policy version;
-2. tombstones and deletes every matching block created before the command's
-   cutoff: device/host slots are zeroed and read back, disk files overwritten
+2. tombstones and deletes every matching block that exists when it applies the
+   command — whatever the command's cutoff says (docs/design.md §5, "Cutoffs"):
+   device/host slots are zeroed and read back, disk files overwritten
    and unlinked (:meth:`BlockPool.remove_where`), blocks a reader still holds are
    deleted when released (waited for, bounded), BUILDING matches are discarded
-   at commit by the pool, and for an erasure matching builds claimed after the
-   removal are refused for a bounded window (:meth:`BlockPool.guard_builds`);
+   at commit by the pool, and for an erasure matching builds keyed before the
+   application (on the node's own clock) but claimed after the removal are
+   refused for a bounded window (:meth:`BlockPool.guard_builds`);
    then every snapshot of the node is rewritten without the matches;
 3. for a subject (erasure) command, crypto-erases: destroys the subject's data
    keys in the node's key provider — the ones it resolved for the subject and
@@ -22,11 +24,20 @@ The pool's ``BlockRemoved`` events still reach ``kvledger.kv-events`` through th
 publisher, as for every other change of bytes.
 
 Ordering and restarts. Invalidations share one key, so they sit in one partition
-and every node applies them in the coordinator's order. The node reads the topic
-from the beginning at every start: commands below its group's committed offset
-were applied in an earlier life and only rebuild the registry; later ones are
-applied and acked now. The node reports ready only once it has consumed up to the
-end offsets it saw at start, so a node that was down applies what it missed
+and every node applies them in the coordinator's order. A node with a coordinator
+URL (``coordinator_url``) does not depend on how long the broker keeps the topic: at
+every start it notes the topic's end offsets, then fetches the governance state from
+the coordinator (:mod:`gpu_node.governance_sync`) — the decisions its version registry
+must hold and the commands still pending for it — applies the decisions to the
+registry, applies and acks the pending commands exactly as commands from the topic,
+and only then consumes the topic, from the offsets it noted: every decision missing
+from the state was committed after the fetch, so its command lies past them. Until
+the state is fetched and applied the node stays not ready and retries with capped
+backoff. A node without a coordinator URL reads the topic from the beginning instead:
+commands below its group's committed offset were applied in an earlier life and only
+rebuild the registry; later ones are applied and acked now — complete only as long as
+the topic's retention. Either way the node reports ready only once it has consumed up
+to the end offsets it saw at start, so a node that was down applies what it missed
 before it serves.
 
 Re-sent commands. The coordinator re-sends a command to a node that has not acked it
@@ -35,8 +46,9 @@ already applied in this run is not applied again: its ack — the same envelope,
 ``event_id`` and evidence — is published again, so a lost ack is recovered and an ack
 that did arrive is a duplicate the coordinator's inbox drops. A command applied in an
 earlier life (its ack and evidence are gone with the process) is applied again: that is
-idempotent, finds nothing left to remove, and acks that. The registry is therefore as complete as the
-topic's retention: retention must outlive the longest-lived document version.
+idempotent, removes what matches now, and acks that. The registry keeps, per document and
+policy, the latest decision by its time (:mod:`gpu_node.versions`), so a re-sent older
+command never moves it back.
 
 Trust. Only commands signed by the coordinator's command key, which the node pins
 (``identity.coordinator_public_key_file``), are applied, remembered or answered —
@@ -52,11 +64,10 @@ import asyncio
 import collections
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,6 +82,7 @@ from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockRemoved, IndexKey, PoolEvent, RemovalEvidence, RemovalReason, Tier
 from gpu_node.crypto import DataKeyProvider
+from gpu_node.governance_sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
 from gpu_node.kv_cache_utils import BlockProvenance
 from identity.signing import SIGNATURE_ERROR, signature_problem
 
@@ -85,22 +97,31 @@ MAX_REMEMBERED_ACKS = 10_000
 """Acks kept per node for re-sent commands (a few hundred bytes each): the coordinator re-sends a
 command within minutes of its decision, so only the most recent commands need theirs."""
 BUILD_GUARD_MARGIN_S = 60.0
-"""Slack on top of the singleflight wait for how long a command keeps refusing matching builds."""
+"""Slack on top of the singleflight wait for how long an erasure keeps refusing matching builds keyed before it was
+applied: a request claims its blocks at most the singleflight wait after it computed its keys (and their ``created_at``)."""
 
 
 # --------------------------------------------------------------------------- predicates
 
 
-def block_predicate(predicate: schema.Predicate, cutoff: datetime, subject_key: bytes) -> Callable[[BlockProvenance], bool]:
-    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` and the block predates ``cutoff``.
+def block_predicate(
+    predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes
+) -> Callable[[BlockProvenance], bool]:
+    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` (and was keyed before ``keyed_before``).
 
-    Blocks created at or after the cutoff were built from data already current
-    when the coordinator decided, so they survive. Subjects are compared as the
-    keyed digest the command carries (commands never hold a raw subject id);
-    the node digests its own blocks' subjects with the shared key, once per
-    (tenant, subject).
+    The handler removes with ``keyed_before=None``: every matching block that
+    exists when it applies the command, by the pool's order, whatever anyone's
+    clock says. Only its guard against builds claimed later (an erasure's) needs a
+    time: the moment of application on the clock the node's own ``created_at``
+    values come from (the pool's wall clock) — never the command's cutoff, the
+    coordinator's database time, which a node clock ahead of it would compare
+    against to spare blocks built before the request, and one behind it to remove
+    blocks built after the command was applied (docs/design.md §5, "Cutoffs").
+    Subjects are compared as the keyed digest the command carries (commands never
+    hold a raw subject id); the node digests its own blocks' subjects with the
+    shared key, once per (tenant, subject).
     """
-    cutoff_s = cutoff.timestamp()
+    keyed_before_s = None if keyed_before is None else keyed_before.timestamp()
     match predicate:
         case schema.DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
 
@@ -144,10 +165,13 @@ def block_predicate(predicate: schema.Predicate, cutoff: datetime, subject_key: 
         case _:
             raise AssertionError(f"no block predicate for {type(predicate).__name__}")
 
-    def before_cutoff(provenance: BlockProvenance) -> bool:
-        return provenance.created_at < cutoff_s and matches(provenance)
+    if keyed_before_s is None:
+        return matches
 
-    return before_cutoff
+    def keyed_in_time(provenance: BlockProvenance) -> bool:
+        return provenance.created_at < keyed_before_s and matches(provenance)
+
+    return keyed_in_time
 
 
 def predicate_index_key(predicate: schema.Predicate) -> IndexKey:
@@ -320,8 +344,11 @@ class InvalidationHandler:
 
     def remember(self, command: schema.Invalidate) -> None:
         """Registry only: for commands this node applied in an earlier life (their bytes are gone)."""
-        self.engine.versions.apply(command.predicate)
-        predicate = command.predicate
+        self.remember_decision(command.predicate, command.cutoff)
+
+    def remember_decision(self, predicate: schema.Predicate, decided_at: datetime) -> None:
+        """Registry only: a decision of the governance state, or a command's (decided at its cutoff)."""
+        self.engine.versions.apply(predicate, decided_at)
         if isinstance(predicate, schema.NamespacePredicate) and predicate.ns == self.engine.namespace.namespace:
             log.warning("this node's namespace is retired: requests are served without the prefix cache")
 
@@ -346,12 +373,14 @@ class InvalidationHandler:
         """
         pool = self.engine.pool
         plans = []
+        applied_at = datetime.fromtimestamp(pool.wall_time(), UTC)
         for command in commands:
             self.remember(command)
-            matches = block_predicate(command.predicate, command.cutoff, self.subject_key)
+            matches = block_predicate(command.predicate, None, self.subject_key)
             if isinstance(command.predicate, schema.SubjectPredicate):
                 # Erasures only: they are rare, and every guard is checked at every build while it lasts.
-                pool.guard_builds(matches, self._guard_s(command.cutoff))
+                keyed_before = block_predicate(command.predicate, applied_at, self.subject_key)
+                pool.guard_builds(keyed_before, self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S)
             progress = self._progress.setdefault(command.command_id, _Progress(self._num_seen))
             plans.append(_Plan(command, matches, progress))
         reports = await asyncio.to_thread(
@@ -388,16 +417,6 @@ class InvalidationHandler:
         self._progress.pop(command_id, None)
         if not self._progress:
             self._seen.clear()
-
-    def _guard_s(self, cutoff: datetime) -> float:
-        """How long matching builds stay refused: until no request whose keys predate the cutoff can still claim one.
-
-        A request claims its blocks at most the singleflight wait after it
-        computed its keys (and their ``created_at``); a cutoff ahead of this
-        node's clock extends the window by the difference.
-        """
-        ahead_s = max(0.0, cutoff.timestamp() - time.time())
-        return ahead_s + self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S
 
     async def _wait_for_release(self, progress: _Progress) -> None:
         loop = asyncio.get_running_loop()
@@ -499,8 +518,10 @@ class CommandConsumer:
     Its own consumer group (``kvledger-node-{node_id}``) holds the node's
     progress; every partition is assigned to it directly (the node is the
     group's only member, so there is nothing to balance and no join to wait
-    for). At start it reads the end offsets, seeks to the beginning and, once
-    it has consumed up to them, sets ``engine.ready`` — never earlier. The
+    for). At start it reads the end offsets; with ``governance`` it fetches and
+    applies the governance state and consumes from those offsets, without it it
+    seeks to the beginning (see the module docstring); once it has consumed up to
+    them, it sets ``engine.ready`` — never earlier. The
     commands of one poll are applied in order, each ack published (batched by
     the producer) once its command is applied, and the offsets committed once
     per poll after all its acks — in the background, while the next poll's
@@ -515,6 +536,7 @@ class CommandConsumer:
         kafka: KafkaSettings,
         *,
         command_key: Ed25519PublicKey,
+        governance: GovernanceClient | None = None,
         poll_timeout_ms: int = 200,
         max_records: int = 100,
         initial_backoff_s: float = 0.1,
@@ -527,6 +549,7 @@ class CommandConsumer:
         self.group_id = f"kvledger-node-{self.node_id}"
         self.replayed = asyncio.Event()
         self._command_key = command_key
+        self.governance = governance
         self._poll_timeout_ms = poll_timeout_ms
         self._top_up_ms = kafka.top_up_ms
         self._max_records = max_records
@@ -568,9 +591,17 @@ class CommandConsumer:
             self._consumer.assign(assigned)
             for tp in assigned:
                 self._committed[tp] = await self._consumer.committed(tp) or 0
-            await self._consumer.seek_to_beginning(*assigned)
-            self._handled_upto = await self._consumer.beginning_offsets(assigned)
             self._end_offsets = await self._consumer.end_offsets(assigned)
+            if self.governance is None:
+                await self._consumer.seek_to_beginning(*assigned)
+                self._handled_upto = await self._consumer.beginning_offsets(assigned)
+            else:
+                # Read before the governance state is fetched (in _run): every decision whose command lies
+                # below these offsets is in that state, so the records below them are never read.
+                for tp, end in self._end_offsets.items():
+                    self._consumer.seek(tp, end)
+                    self._committed[tp] = max(self._committed[tp], end)
+                self._handled_upto = dict(self._end_offsets)
         except BaseException:
             await self._consumer.stop()
             await self._producer.stop()
@@ -590,6 +621,8 @@ class CommandConsumer:
         await self._producer.stop()
 
     async def _run(self) -> None:
+        if self.governance is not None:
+            await self._sync_governance()
         backoff = self._initial_backoff_s
         while True:
             try:
@@ -608,6 +641,59 @@ class CommandConsumer:
                 log.debug("command failure detail", exc_info=True)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _sync_governance(self) -> None:
+        """Fetch and apply the governance state, retrying with capped backoff until it is applied; the node stays not ready."""
+        backoff = self._initial_backoff_s
+        while True:
+            try:
+                state = await self.governance.fetch()
+                await self._apply_governance(state)
+                return
+            except Exception as exc:  # noqa: BLE001 - never ready on a partial or unverified state, never a crash loop
+                reason = str(exc) if isinstance(exc, (GovernanceUnavailable, GovernanceRefused)) else type(exc).__name__
+                kind = "apply_failed"
+                if isinstance(exc, (GovernanceUnavailable, GovernanceRefused)):
+                    kind = "unavailable" if isinstance(exc, GovernanceUnavailable) else "refused"
+                self.engine.metrics.governance_failures.labels(reason=kind).inc()
+                log.warning("node %s: governance state not applied (%s); not ready, retrying in %.1fs", self.node_id, reason, backoff)
+                log.debug("governance failure detail", exc_info=True)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _apply_governance(self, state: GovernanceState) -> None:
+        """The registry decisions, then the pending commands as from the topic: applied (once in this run) and acked."""
+        for predicate, decided_at in state.decisions:
+            self.handler.remember_decision(predicate, decided_at)
+        sending = [
+            asyncio.create_task(self._producer.send(self._acks[command.command_id]))
+            for command in state.pending
+            if command.command_id in self._acks
+        ]
+        to_apply = [command for command in state.pending if command.command_id not in self._acks]
+        try:
+            async with contextlib.aclosing(self.handler.apply_batch(to_apply)) as applied:
+                async for command, evidence in applied:
+                    ack = self._ack(command, evidence)
+                    self._remember_ack(command.command_id, ack)
+                    sending.append(asyncio.create_task(self._producer.send(ack)))
+        finally:
+            results = await asyncio.gather(*sending, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        log.info(
+            "node %s: governance state applied (as of decision %d): %d decisions, %d pending commands",
+            self.node_id,
+            state.as_of_decision,
+            len(state.decisions),
+            len(state.pending),
+        )
+
+    def _ack(self, command: schema.Invalidate, evidence: list[schema.TierEvidence]) -> schema.Envelope:
+        return schema.make_event(
+            schema.CommandAck(command_id=command.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
+        )
 
     async def _check_replayed(self) -> None:
         """Ready once an empty poll finds the position at or past the end noted at start.
@@ -729,9 +815,7 @@ class CommandConsumer:
             async for command, evidence in applied:
                 offset, expected = next(offsets)
                 assert command is expected, "apply_batch yields the commands in order"
-                ack = schema.make_event(
-                    schema.CommandAck(command_id=command.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
-                )
+                ack = self._ack(command, evidence)
                 self._unacked[(tp, offset)] = ack
                 self._remember_ack(command.command_id, ack)
                 sending.append(asyncio.create_task(self._producer.send(ack)))

@@ -208,7 +208,9 @@ class AsyncEngine:
 
         use_cache = request.use_cache and self.settings.cache.enabled
         keys = (
-            compute_block_keys(self.namespace.namespace, token_ids, prompt.segments, request.principal, self.block_size)
+            compute_block_keys(
+                self.namespace.namespace, token_ids, prompt.segments, request.principal, self.block_size, now=self.pool.wall_time()
+            )
             if use_cache
             else []
         )

@@ -85,6 +85,12 @@ class NodeMetrics:
             "Re-sent commands this node had already applied in this run and answered with their ack again",
             registry=r,
         )
+        self.governance_failures = Counter(
+            "kvledger_governance_sync_failures",
+            "Start-up fetches of the governance state that failed (node stays not ready and retries), by reason",
+            ["reason"],
+            registry=r,
+        )
         self._num_requests = 0
         self._num_hit_requests = 0
         self._num_prompt_tokens = 0

@@ -16,9 +16,12 @@ from events.logs import configure_logging, uvicorn_log_config
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
+from gpu_node.governance_sync import GovernanceClient
 from gpu_node.node_identity import node_signing_key, pinned_command_key
 from gpu_node.publisher import NodePublisher
+from gpu_node.remote_keys import NODE_CREDENTIAL_TTL_S
 from gpu_node.settings import NodeSettings
+from identity.node_credentials import issue_node_credential
 from identity.signing import EnvelopeSigner
 from identity.tokens import TokenVerifier
 
@@ -96,9 +99,20 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
 
 
 def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings) -> CommandConsumer:
-    """The command side of the ledger hook; built after :func:`make_publisher` (it taps the event sink the publisher set)."""
+    """The command side of the ledger hook; built after :func:`make_publisher` (it taps the event sink the publisher set).
+
+    With ``coordinator_url`` the node takes its governance state from the coordinator at start
+    (``gpu_node.governance_sync``); without it, it replays ``kvledger.commands``.
+    """
     handler = InvalidationHandler(engine, publisher.subject_key)
-    return CommandConsumer(handler, publisher, kafka_settings(settings), command_key=pinned_command_key(settings))
+    command_key = pinned_command_key(settings)
+    governance = None
+    if settings.coordinator_url is not None:
+        node_key, node_id = node_signing_key(settings), settings.node_id
+        governance = GovernanceClient(
+            settings.coordinator_url, lambda: issue_node_credential(node_key, node_id, NODE_CREDENTIAL_TTL_S), node_id, command_key
+        )
+    return CommandConsumer(handler, publisher, kafka_settings(settings), command_key=command_key, governance=governance)
 
 
 async def serve(settings: NodeSettings) -> None:

@@ -8,20 +8,27 @@ and reuse exactly the superseded KV. So each command also moves this registry,
 and the API refuses such requests (409 ``stale_document_version`` / 401
 ``stale_authorization``) before any key is computed.
 
-The registry is a fold over the command log, not a durable store: the node
-rebuilds it by reading ``kvledger.commands`` from the beginning at every start
-(see :mod:`gpu_node.commands`), so it is complete before the node turns ready.
+The registry is not a durable store: at every start the node fills it from the
+coordinator's governance state (:mod:`gpu_node.governance_sync`), or, without a
+coordinator URL, by reading ``kvledger.commands`` from the beginning (see
+:mod:`gpu_node.commands`), so it is complete before the node turns ready; commands
+consumed afterwards move it on.
 
-"Current" is the ``below_version`` of the *latest* command for a document or
-policy in command order — the coordinator decides the order, and a
-``DocumentDeleted`` arrives as a document command with a ``below_version``
-above any real version, which makes every version stale.
+"Current" is the ``below_version`` of the *latest decision* for a document or
+policy, ordered by the decision time every command carries (its ``cutoff``, the
+coordinator's database time; decisions about one document or scope are taken one
+after another, so that order is the coordinator's). Order of arrival is not enough:
+a re-sent command (``coordinator.resend``) or the governance state can arrive after a
+newer decision, and must not move the registry back. A ``DocumentDeleted`` arrives as
+a document command with a ``below_version`` above any real version, which makes every
+version stale until a later decision re-creates the document.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
 from events import schema
@@ -48,31 +55,36 @@ class VersionRegistry:
     """
 
     def __init__(self) -> None:
-        self._documents: dict[tuple[str, str], int] = {}
-        self._policies: dict[tuple[str, str], int] = {}
+        # key → (decided at, below_version) of the latest decision recorded for it
+        self._documents: dict[tuple[str, str], tuple[datetime, int]] = {}
+        self._policies: dict[tuple[str, str], tuple[datetime, int]] = {}
         self._retired: set[str] = set()
 
-    def apply(self, predicate: schema.Predicate) -> None:
-        """Record what an ``Invalidate`` predicate says about current versions.
+    def apply(self, predicate: schema.Predicate, decided_at: datetime) -> None:
+        """Record what an ``Invalidate`` predicate decided at ``decided_at`` (the command's cutoff) says is current.
 
-        Subject and tenant predicates remove data but make no version current,
-        so they leave the registry unchanged.
+        A decision older than the one recorded for the same document or policy is
+        ignored; one at the same time or later replaces it. Subject and tenant
+        predicates remove data but make no version current, so they leave the
+        registry unchanged; a retired namespace stays retired.
         """
         match predicate:
             case schema.DocumentPredicate():
-                self._documents[(predicate.tenant, predicate.doc_id)] = predicate.below_version
+                _record(self._documents, (predicate.tenant, predicate.doc_id), decided_at, predicate.below_version)
             case schema.PolicyPredicate():
-                self._policies[(predicate.tenant, predicate.auth_scope)] = predicate.below_version
+                _record(self._policies, (predicate.tenant, predicate.auth_scope), decided_at, predicate.below_version)
             case schema.NamespacePredicate():
                 self._retired.add(predicate.ns)
 
     def document_version(self, tenant_id: str, doc_id: str) -> int | None:
         """The current version of a tenant's document; None when no command named it."""
-        return self._documents.get((tenant_id, doc_id))
+        recorded = self._documents.get((tenant_id, doc_id))
+        return None if recorded is None else recorded[1]
 
     def policy_version(self, tenant_id: str, auth_scope: str) -> int | None:
         """The current policy version of a tenant's auth scope; None when no command named it."""
-        return self._policies.get((tenant_id, auth_scope))
+        recorded = self._policies.get((tenant_id, auth_scope))
+        return None if recorded is None else recorded[1]
 
     def is_retired(self, namespace: str) -> bool:
         return namespace in self._retired
@@ -106,3 +118,9 @@ class VersionRegistry:
             if current is not None and document.version < current:
                 return Staleness("document", index, document.doc_id, document.version, current)
         return None
+
+
+def _record(registry: dict[tuple[str, str], tuple[datetime, int]], key: tuple[str, str], decided_at: datetime, version: int) -> None:
+    recorded = registry.get(key)
+    if recorded is None or decided_at >= recorded[0]:
+        registry[key] = (decided_at, version)

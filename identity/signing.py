@@ -177,3 +177,31 @@ class EnvelopeSigner:
 
     def __call__(self, envelope: Envelope) -> Envelope:
         return sign_envelope(envelope, self.private_key)
+
+
+GOVERNANCE_CONTEXT = b"kvledger/governance-state/v1\x00"
+"""The context of the command key's signature over a governance state answer (``coordinator.governance_api``)."""
+
+
+def sign_document(document: dict, private_key: Ed25519PrivateKey, context: bytes) -> dict:
+    """``{"kid", "sig"}``: ``private_key``'s signature over ``context`` + the RFC 8785 canonical JSON of ``document``.
+
+    For signed HTTP answers (the coordinator's governance state, ``coordinator.governance_api``).
+    ``context`` names what is signed, so a signed document can never pass as a signed envelope
+    or as another kind of document signed by the same key.
+    """
+    signature = private_key.sign(context + rfc8785.dumps(document))
+    return {"kid": key_id(private_key.public_key()), "sig": _b64url(signature)}
+
+
+def document_signature_problem(document: dict, signature: object, public_key: Ed25519PublicKey, context: bytes) -> str | None:
+    """Why ``signature`` (as received) is not ``public_key``'s :func:`sign_document` signature of ``document``; None when it is."""
+    if not isinstance(signature, dict) or not isinstance(signature.get("sig"), str):
+        return UNSIGNED
+    if signature.get("kid") != key_id(public_key):
+        return UNKNOWN_KEY
+    try:
+        public_key.verify(_from_b64url(signature["sig"]), context + rfc8785.dumps(document))
+    except (InvalidSignature, binascii.Error, ValueError, TypeError):
+        return BAD_SIGNATURE
+    return None

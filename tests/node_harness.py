@@ -4,17 +4,24 @@
 :class:`ServedNode` adds its OpenAI-compatible app on a real uvicorn server
 (:class:`Served`) and the official ``openai`` client. Each test module subclasses
 them with its own start/stop order and its own view of what the node holds.
+:class:`CoordinatorThread` runs a coordinator (consumers and HTTP API) for nodes that
+talk to it: on an event loop of its own in a thread, because a node's pool asks the key
+service synchronously (from whatever thread touches the pool), which must never wait on
+the loop that is making the call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import openai
 import uvicorn
-from ledger_helpers import JWT_SECRET, SUBJECT_KEY, command_public_key_file, eventually, install_node_key
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, command_public_key_file, eventually, install_node_key
 
+from coordinator.api import create_app as create_coordinator_app
+from coordinator.settings import CoordinatorSettings
 from gpu_node.api import create_app as create_node_app
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, num_cacheable_blocks
@@ -69,6 +76,55 @@ class Served:
     async def stop(self) -> None:
         self.server.should_exit = True
         await asyncio.wait_for(self.task, TIMEOUT_S)
+        self.sock.close()
+
+
+class CoordinatorThread:
+    """``run_consumers`` and the HTTP API of one coordinator, on an event loop of their own in a thread."""
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self.sock = loopback_listener()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as error:  # noqa: BLE001 - reported to the test thread
+            self.error = error
+            self.ready.set()
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        consumers = await RunningConsumers(self.settings).start()
+        server = uvicorn.Server(uvicorn.Config(create_coordinator_app(self.settings), log_level="warning", access_log=False))
+        serving = asyncio.create_task(server.serve(sockets=[self.sock]))
+        while not server.started:
+            if serving.done():
+                serving.result()
+            await asyncio.sleep(0.02)
+        self.ready.set()
+        await self._stop.wait()
+        server.should_exit = True
+        await serving
+        await consumers.stop()
+
+    async def start(self) -> CoordinatorThread:
+        self._thread.start()
+        assert await asyncio.to_thread(self.ready.wait, 90), "the coordinator did not start within 90 s"
+        if self.error is not None:
+            raise self.error
+        return self
+
+    async def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        await asyncio.to_thread(self._thread.join, 90)
         self.sock.close()
 
 

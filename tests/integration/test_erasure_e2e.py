@@ -31,23 +31,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from ledger_helpers import (
     COMMAND_SIGNING_KEY,
     JWT_SECRET,
     OPERATOR_AUTH,
     SUBJECT_KEY,
-    RunningConsumers,
     connect,
     enroll_nodes,
     eventually,
     fresh_database,
     operator_headers,
 )
-from node_harness import ServedNode, node_settings
+from node_harness import CoordinatorThread, ServedNode, node_settings
 
 from bench.common import start_groups_at_end
-from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.migrate import upgrade
 from coordinator.settings import CoordinatorSettings
@@ -60,7 +57,6 @@ from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import issue_token
-from kvledger.net import loopback_listener
 
 BLOCK_SIZE = 16
 TIMEOUT_S = 30.0
@@ -77,55 +73,6 @@ def officer(tenant: str) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- coordinator and nodes
-
-
-class CoordinatorThread:
-    """``run_consumers`` and the HTTP API of one coordinator, on an event loop of their own in a thread."""
-
-    def __init__(self, settings: CoordinatorSettings) -> None:
-        self.settings = settings
-        self.sock = loopback_listener()
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as error:  # noqa: BLE001 - reported to the test thread
-            self.error = error
-            self.ready.set()
-
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        consumers = await RunningConsumers(self.settings).start()
-        server = uvicorn.Server(uvicorn.Config(create_coordinator_app(self.settings), log_level="warning", access_log=False))
-        serving = asyncio.create_task(server.serve(sockets=[self.sock]))
-        while not server.started:
-            if serving.done():
-                serving.result()
-            await asyncio.sleep(0.02)
-        self.ready.set()
-        await self._stop.wait()
-        server.should_exit = True
-        await serving
-        await consumers.stop()
-
-    async def start(self) -> CoordinatorThread:
-        self._thread.start()
-        assert await asyncio.to_thread(self.ready.wait, 90), "the coordinator did not start within 90 s"
-        if self.error is not None:
-            raise self.error
-        return self
-
-    async def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        await asyncio.to_thread(self._thread.join, 90)
-        self.sock.close()
 
 
 class Node(ServedNode):

@@ -116,22 +116,52 @@ async def test_subject_erasure_clears_memory_and_crypto_erases_disk_and_snapshot
     assert store.current_key_id(tenant, alice.subject_id) is None
     assert await run(engine, bob) == bob_hit
     assert await run(engine, alice) == BLOCK  # only the public system block is still shared
-    assert await handler.apply(erase(tenant, alice.subject_id, datetime.now(UTC) - timedelta(hours=1))) == []
+    # A command removes what the node holds when it applies it, whatever its cutoff (docs/design.md §5, "Cutoffs"):
+    # the same erasure applied again, with a cutoff long past, removes the blocks alice's request since then built.
+    rebuilt = holdings(engine, of_subject(tenant, alice.subject_id))
+    assert rebuilt and {tier for _, tier in rebuilt} == {"device"}
+    again = await handler.apply(erase(tenant, alice.subject_id, datetime.now(UTC) - timedelta(hours=1)))
+    assert [(item.tier, sorted(item.block_hashes)) for item in again] == [("device", sorted(h.hex() for h, _ in rebuilt))]
+    assert holdings(engine, of_subject(tenant, alice.subject_id)) == set()
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert "alice-x91" not in logged
 
 
-async def test_builds_claimed_after_the_removal_with_keys_from_before_the_cutoff_are_refused(node):
-    """The cutoff lies ahead: blocks keyed before it are the subject's old data, whenever they are claimed."""
+async def test_a_cutoff_ahead_of_the_node_clock_refuses_nothing_built_after_the_command_was_applied(node):
+    """The node compares its blocks only with its own clock at application: a command's cutoff (the coordinator's
+    database time, here 30 s ahead) neither spares blocks built before it is applied nor refuses blocks built after."""
     engine, handler = node
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     alice, bob = Principal(tenant, "alice", frozenset(), {}), Principal(tenant, "bob", frozenset(), {})
-    await handler.apply(erase(tenant, "alice", datetime.now(UTC) + timedelta(seconds=30)))
     await run(engine, alice)
-    assert await run(engine, alice) == BLOCK
+    assert holdings(engine, of_subject(tenant, "alice"))
+    await handler.apply(erase(tenant, "alice", datetime.now(UTC) + timedelta(seconds=30)))
     assert holdings(engine, of_subject(tenant, "alice")) == set()
+    await run(engine, alice)
+    assert await run(engine, alice) > BLOCK
     await run(engine, bob)
     assert await run(engine, bob) > BLOCK
+
+
+async def test_builds_keyed_before_the_command_was_applied_are_refused_when_claimed_after_it(node):
+    """A request that computed its keys before the erasure was applied (on the node's clock) and claims its blocks
+    only after the removal (it waited on another build) would rebuild the subject's old data: refused."""
+    engine, handler = node
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    alice = Principal(tenant, "alice", frozenset(), {})
+    prompt = render_prompt(engine.runner.tokenizer, history("alice"))
+
+    def user_keys():
+        keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, alice, BLOCK, now=engine.pool.wall_time())
+        return [key for key in keys if key.provenance.scope is CacheScope.USER]
+
+    keyed_before = user_keys()
+    await handler.apply(erase(tenant, "alice"))
+    assert keyed_before and all(engine.pool.begin_build(key) is None for key in keyed_before)
+    keyed_after = user_keys()
+    entry = engine.pool.begin_build(keyed_after[0])
+    assert entry is not None
+    engine.pool.fail_build(entry)
 
 
 async def test_generation_streaming_while_the_subject_is_erased_completes_and_leaves_nothing(node):

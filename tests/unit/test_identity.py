@@ -23,14 +23,17 @@ from identity.node_credentials import (
 )
 from identity.signing import (
     BAD_SIGNATURE,
+    GOVERNANCE_CONTEXT,
     UNKNOWN_KEY,
     UNSIGNED,
     EnvelopeSigner,
+    document_signature_problem,
     key_id,
     load_or_create_private_key,
     load_public_key_file,
     public_key_pem,
     raw_public_key,
+    sign_document,
     sign_envelope,
     signature_problem,
     verify_envelope,
@@ -146,3 +149,20 @@ def test_a_shared_secret_token_is_not_a_node_credential():
     assert raised.value.code == "invalid_token"
     with pytest.raises(CredentialError):
         credential_key_id("not a jwt")
+
+
+def test_a_signed_document_verifies_only_unchanged_under_its_key_and_context():
+    key = Ed25519PrivateKey.generate()
+    document = {"node_id": "node-1", "nonce": "n" * 24, "decisions": [{"predicate": {"kind": "namespace", "ns": "a"}}], "limit": 2**53 - 1}
+    signature = sign_document(document, key, GOVERNANCE_CONTEXT)
+    assert document_signature_problem(dict(document), signature, key.public_key(), GOVERNANCE_CONTEXT) is None
+    assert document_signature_problem(document | {"decisions": []}, signature, key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE
+    assert document_signature_problem(document, signature, key.public_key(), b"another context\x00") == BAD_SIGNATURE
+    assert document_signature_problem(document, signature, Ed25519PrivateKey.generate().public_key(), GOVERNANCE_CONTEXT) == UNKNOWN_KEY
+    assert document_signature_problem(document, None, key.public_key(), GOVERNANCE_CONTEXT) == UNSIGNED
+    garbled = {"kid": signature["kid"], "sig": "%%%"}
+    assert document_signature_problem(document, garbled, key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE
+    # A signed envelope's signature never passes for a document with the same content, nor the reverse.
+    envelope = sign_envelope(_command(), key)
+    as_document = envelope.model_dump(mode="json", exclude={"signature"})
+    assert document_signature_problem(as_document, envelope.signature.model_dump(), key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE

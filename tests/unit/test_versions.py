@@ -31,6 +31,14 @@ def provenance(
     return BlockProvenance(namespace, tenant, scope, tuple(auth_scopes), subject, tuple(documents), created_at)
 
 
+_decisions = iter(CUTOFF + timedelta(seconds=n) for n in range(10**6))
+
+
+def next_decision() -> datetime:
+    """A decision time after every earlier one: commands applied in decision order."""
+    return next(_decisions)
+
+
 def matches(predicate, block: BlockProvenance, cutoff: datetime = CUTOFF) -> bool:
     return block_predicate(predicate, cutoff, KEY)(block)
 
@@ -118,27 +126,43 @@ def doc(doc_id: str, version: int, auth_scope: str = "hr") -> ChatMessage:
     return ChatMessage("user", "text", CacheScope.TENANT, DocumentRef(doc_id, version, auth_scope))
 
 
-def test_registry_tracks_the_latest_command_in_order_not_the_maximum():
+def test_registry_tracks_the_latest_decision_not_the_maximum():
     registry = VersionRegistry()
     assert registry.document_version("acme", "handbook") is None
-    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=5))
-    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=3))
+    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=5), next_decision())
+    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=3), next_decision())
     assert registry.document_version("acme", "handbook") == 3
     assert registry.document_version("globex", "handbook") is None
-    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=2))
+    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=2), next_decision())
     assert registry.policy_version("acme", "hr") == 2
     assert registry.policy_version("acme", "finance") is None
-    registry.apply(schema.SubjectPredicate(tenant="acme", subject_id="ab" * 32))
-    registry.apply(schema.TenantPredicate(tenant="acme"))
+    registry.apply(schema.SubjectPredicate(tenant="acme", subject_id="ab" * 32), next_decision())
+    registry.apply(schema.TenantPredicate(tenant="acme"), next_decision())
     assert not registry.is_retired("ns-a")
-    registry.apply(schema.NamespacePredicate(ns="ns-a"))
+    registry.apply(schema.NamespacePredicate(ns="ns-a"), next_decision())
     assert registry.is_retired("ns-a") and not registry.is_retired("ns-b")
+
+
+def test_an_older_decision_arriving_later_never_moves_the_registry_back():
+    """A re-sent command (or the governance state) can arrive after a newer decision about the same document."""
+    registry = VersionRegistry()
+    handbook = schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=4)
+    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=5), CUTOFF + timedelta(seconds=2))
+    registry.apply(handbook, CUTOFF + timedelta(seconds=1))
+    assert registry.document_version("acme", "handbook") == 5
+    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=3), CUTOFF + timedelta(seconds=2))
+    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=2), CUTOFF)
+    assert registry.policy_version("acme", "hr") == 3
+    deleted = schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=schema.ANY_VERSION)
+    registry.apply(deleted, CUTOFF + timedelta(seconds=3))
+    registry.apply(handbook, CUTOFF + timedelta(seconds=4))  # re-created after the deletion: a newer decision
+    assert registry.document_version("acme", "handbook") == 4
 
 
 def test_check_refuses_superseded_documents_of_the_callers_tenant_only():
     registry = VersionRegistry()
-    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=4))
-    registry.apply(schema.DocumentPredicate(tenant="globex", doc_id="memo", below_version=9))
+    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=4), next_decision())
+    registry.apply(schema.DocumentPredicate(tenant="globex", doc_id="memo", below_version=9), next_decision())
     system = ChatMessage("system", "s", CacheScope.PUBLIC)
     assert registry.check(ALICE, [system, doc("handbook", 3)]) == Staleness("document", 1, "handbook", 3, 4)
     assert registry.check(ALICE, [system, doc("handbook", 4)]) is None
@@ -148,26 +172,26 @@ def test_check_refuses_superseded_documents_of_the_callers_tenant_only():
 
 def test_deleted_document_is_stale_at_every_version():
     registry = VersionRegistry()
-    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=schema.ANY_VERSION))
+    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=schema.ANY_VERSION), next_decision())
     assert registry.check(ALICE, [doc("handbook", 10**9)]).kind == "document"
 
 
 def test_check_refuses_tokens_under_superseded_policy_versions_before_looking_at_documents():
     registry = VersionRegistry()
-    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=4))
-    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="finance", below_version=2))
+    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=4), next_decision())
+    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="finance", below_version=2), next_decision())
     # finance comes from the default pv (1) < 2; reported even though message 0 names a stale document
     assert registry.check(ALICE, [doc("handbook", 3), doc("ledger", 1, "finance")]) == Staleness("policy", 1, "finance", 1, 2)
     assert registry.check(ALICE, [doc("handbook", 4)]) is None  # hr pv 2 is untouched
-    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=2))
+    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=2), next_decision())
     assert registry.check(ALICE, [doc("handbook", 4)]) is None  # pv 2 == current
-    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=3))
+    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=3), next_decision())
     assert registry.check(ALICE, [doc("handbook", 4)]) == Staleness("policy", 0, "hr", 2, 3)
 
 
 def test_tenant_wide_messages_use_the_tenant_wide_policy_version():
     registry = VersionRegistry()
-    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope=TENANT_WIDE_AUTH_SCOPE, below_version=2))
+    registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope=TENANT_WIDE_AUTH_SCOPE, below_version=2), next_decision())
     tenant_note = ChatMessage("user", "note", CacheScope.TENANT)
     user_note = ChatMessage("user", "mine", CacheScope.USER)
     assert registry.check(ALICE, [tenant_note]) == Staleness("policy", 0, TENANT_WIDE_AUTH_SCOPE, 1, 2)
