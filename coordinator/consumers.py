@@ -10,7 +10,10 @@ enters the outbox."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+
+from aiokafka.errors import KafkaError
 
 from coordinator.db import Database
 from coordinator.erasure import ErasureService, ReceiptKeys
@@ -23,6 +26,7 @@ from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +60,21 @@ class ConsumerReadiness:
 
     def __init__(self) -> None:
         self._consumers: list[kafka.BatchConsumer] = []
+        self._waiting: str | None = None
 
     def watch(self, consumers: list[kafka.BatchConsumer]) -> None:
         self._consumers = list(consumers)
+        self._waiting = None
+
+    def wait_for(self, reason: str) -> None:
+        """The consumers are not started because of ``reason`` (e.g. the broker is unreachable)."""
+        self._consumers = []
+        self._waiting = reason
 
     def problem(self) -> str | None:
         """Why the consumers are not consuming yet (None when they are)."""
         if not self._consumers:
-            return "consumers not started"
+            return self._waiting or "consumers not started"
         waiting = [consumer.group_id for consumer in self._consumers if not consumer.consuming]
         if waiting:
             return "consumer groups not yet consuming: " + ", ".join(waiting)
@@ -94,10 +105,52 @@ async def run_consumers(
     is told about the consumers once they are started (for ``/readyz``).
     Shutdown finishes the in-flight batch, commits its offsets, leaves the group, then
     flushes the producer, so a SIGTERM loses nothing and replays as little as possible.
+
+    A broker that cannot be reached at start is not fatal: the attempt is abandoned and
+    retried after a backoff (``kafka.reconnect_initial_s`` doubling to ``reconnect_max_s``),
+    while ``readiness`` names the reason, so a process that also serves the API keeps
+    answering (docs/operations.md, "Degraded modes"). Once started, aiokafka reconnects by
+    itself and the consumers retry failed batches.
     """
-    config = kafka_settings(settings)
     command_signer = settings.command_signer()
-    await kafka.ensure_topics(config)
+    delay_s = settings.kafka.reconnect_initial_s
+    while not stop.is_set():
+        try:
+            await _run_connected(settings, command_signer, stop, assigned, readiness)
+            return
+        except BrokerUnreachable as unreachable:
+            reason = f"kafka unreachable ({unreachable}); retrying in {delay_s:.1f}s"
+            log.warning("coordinator consumers: %s", reason)
+            if readiness is not None:
+                readiness.wait_for(reason)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay_s)
+        delay_s = min(delay_s * 2, settings.kafka.reconnect_max_s)
+
+
+class BrokerUnreachable(Exception):
+    """The consumers could not connect to the broker at start (the message names the error type only)."""
+
+
+async def _started(starting, timeout_s: float) -> None:
+    """Await one start step, bounded; a broker that is down or does not answer becomes :class:`BrokerUnreachable`."""
+    try:
+        await asyncio.wait_for(starting, timeout_s)
+    except (KafkaError, OSError, TimeoutError) as error:
+        raise BrokerUnreachable(type(error).__name__) from error
+
+
+async def _run_connected(
+    settings: CoordinatorSettings,
+    command_signer: EnvelopeSigner,
+    stop: asyncio.Event,
+    assigned: asyncio.Event | None,
+    readiness: ConsumerReadiness | None,
+) -> None:
+    """One attempt of :func:`run_consumers`: BrokerUnreachable when the broker cannot be reached at start."""
+    config = kafka_settings(settings)
+    connect_timeout_s = settings.kafka.connect_timeout_s
+    await _started(kafka.ensure_topics(config), connect_timeout_s)
     database = Database(settings.database, pre_ping=False)
     producer = kafka.EventProducer(config)
     tally = DeadLetterTally()
@@ -159,11 +212,15 @@ async def run_consumers(
             (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally)),
         )
     )
+    started: list[kafka.EventProducer | kafka.BatchConsumer] = []
     try:
-        await producer.start()
-        await consumer.start()
-        await invalidations.start()
-        await acks.start()
+        for part in (producer, consumer, invalidations, acks):
+            try:
+                await _started(part.start(), connect_timeout_s)
+            except BrokerUnreachable:
+                await asyncio.gather(*(started_part.stop() for started_part in reversed(started)), return_exceptions=True)
+                raise
+            started.append(part)
         if readiness is not None:
             readiness.watch([consumer, invalidations, acks])
         tasks = [
@@ -189,7 +246,8 @@ async def run_consumers(
             # The last decision batches handed their commands over while the relay was stopping.
             await relay.finish_leased()
     finally:
-        await producer.stop()
+        if producer in started:
+            await producer.stop()
         await database.dispose()
         log.info("coordinator consumers stopped")
 

@@ -51,6 +51,13 @@ class DatabaseSettings(BaseModel):
     pool_size: int = Field(10, ge=1)
     max_overflow: int = Field(10, ge=0)
     pool_timeout_s: float = Field(30.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """The longest a new connection may take: with the server down or paused, a request or
+    batch fails (the API answers 503) after this, instead of hanging (docs/operations.md,
+    "Degraded modes")."""
+    command_timeout_s: float = Field(30.0, gt=0)
+    """The longest one statement may wait for its answer (client side): a server that stops
+    answering mid-query fails the request or batch instead of holding it."""
 
     @model_validator(mode="after")
     def _async_driver(self) -> DatabaseSettings:
@@ -82,11 +89,27 @@ class CoordinatorKafkaSettings(KafkaSecurity):
     bulk and on no user's path; with 5 ms that consumer ran a transaction for every one or
     two reports and took the CPU the decisions need (invalidation bench, 2 cores: last ack
     p99 ~250–360 → ~150–200 ms). The ledger shows a node's changes up to this much later."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """The longest one attempt to reach the broker at start may take (a paused broker accepts
+    connections and never answers)."""
+    reconnect_initial_s: float = Field(0.5, gt=0)
+    """While the broker is unreachable at start the consumers retry after this long…"""
+    reconnect_max_s: float = Field(30.0, gt=0)
+    """…doubling up to this long between attempts; the API answers meanwhile (docs/operations.md,
+    "Degraded modes")."""
+
+    @model_validator(mode="after")
+    def _reconnect_bounds(self) -> CoordinatorKafkaSettings:
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("kafka.reconnect_max_s must be at least kafka.reconnect_initial_s")
+        return self
 
 
 class HttpSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    retry_after_s: int = Field(5, ge=1)
+    """``Retry-After`` of a 503 answered while the ledger database is unreachable."""
 
 
 class LedgerSettings(BaseModel):
