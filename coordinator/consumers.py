@@ -1,6 +1,7 @@
 """The coordinator's background work: the kv-events consumer, the decisions consumer
 (documents, permissions, erasures), the ack consumer, the outbox relay, the erasure
-verifier, the command re-sender (``coordinator.resend``) and the dead-letter tally.
+verifier, the command re-sender (``coordinator.resend``), the dead-letter tally and the
+inbox/outbox pruner (``coordinator.pruning``).
 
 kv-events and acks reach their handlers only through :class:`coordinator.node_keys.VerifiedRecords`:
 a record not signed by a key enrolled for its node is dead-lettered, never applied.
@@ -22,6 +23,7 @@ from coordinator.invalidation import InvalidationHandler
 from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords
 from coordinator.outbox import OutboxRelay
 from coordinator.poison import refused_as_data
+from coordinator.pruning import Pruner
 from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings
 from events import kafka
@@ -195,6 +197,13 @@ async def _run_connected(
         poll_s=settings.ledger.command_resend_poll_s,
         on_outbox=relay.wake,
     )
+    pruner = Pruner(
+        database,
+        inbox_after_s=settings.ledger.prune_inbox_after_s,
+        outbox_after_s=settings.ledger.prune_outbox_after_s,
+        batch_size=settings.ledger.prune_batch_size,
+        interval_s=settings.ledger.prune_interval_s,
+    )
     groups = consumer_groups(config.group_id)
     invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
     invalidations, acks = (
@@ -231,6 +240,7 @@ async def _run_connected(
             asyncio.create_task(erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
             asyncio.create_task(resender.run(stop), name="command re-sender"),
             asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
+            asyncio.create_task(pruner.run(stop), name="pruner"),
         ]
         if assigned is not None:
             tasks.append(asyncio.create_task(_signal_assignment(consumer, assigned), name="assignment"))
