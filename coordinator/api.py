@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator import metrics
 from coordinator.auth import ForbiddenError, require_tenant, requires
 from coordinator.db import Database, DatabaseUnavailableMiddleware, database_lifespan, request_session
+from coordinator.dead_letters_api import router as dead_letters_router
 from coordinator.erasure_api import router as erasure_router
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
@@ -89,6 +90,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))
+    app.include_router(dead_letters_router(settings))
 
     app.add_middleware(DatabaseUnavailableMiddleware, retry_after_s=settings.http.retry_after_s)
     # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
