@@ -137,7 +137,8 @@ class BrokerUnreachable(Exception):
 async def _started(starting, timeout_s: float) -> None:
     """Await one start step, bounded; a broker that is down or does not answer becomes :class:`BrokerUnreachable`."""
     try:
-        await asyncio.wait_for(starting, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await starting
     except (KafkaError, OSError, TimeoutError) as error:
         raise BrokerUnreachable(type(error).__name__) from error
 

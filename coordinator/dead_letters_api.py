@@ -148,14 +148,18 @@ def router(settings: CoordinatorSettings) -> APIRouter:
 
 
 async def _bounded(awaitable, timeout_s: float):
+    """``awaitable`` within ``timeout_s``; a broker that fails or does not answer is :class:`_BrokerUnavailable`."""
     try:
-        return await asyncio.wait_for(awaitable, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
     except (KafkaError, OSError, TimeoutError) as error:
         raise _BrokerUnavailable from error
 
 
 async def _started_consumer(config: KafkaSettings, connect_timeout_s: float) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
-    consumer = AIOKafkaConsumer(**kafka_client_kwargs(config), group_id=None, enable_auto_commit=False)
+    # No group, so nothing is committed; a fresh assignment starts at the earliest record by
+    # itself (seeking there after assigning raced aiokafka's own reset to "latest").
+    consumer = AIOKafkaConsumer(**kafka_client_kwargs(config), group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
     try:
         await _bounded(consumer.start(), connect_timeout_s)
         await _bounded(consumer.topics(), connect_timeout_s)
@@ -186,12 +190,11 @@ async def _scan(config: KafkaSettings, connect_timeout_s: float, wanted, limit: 
             return [], False
         consumer.assign(partitions)
         ends = await _bounded(consumer.end_offsets(partitions), connect_timeout_s)
-        await _bounded(consumer.seek_to_beginning(*partitions), connect_timeout_s)
         found: list[tuple[ConsumerRecord, DeadLetter]] = []
         deadline = time.monotonic() + SCAN_LIMIT_S
         complete = False
         while not complete and time.monotonic() < deadline:
-            batch = await _bounded(consumer.getmany(*partitions, timeout_ms=200), connect_timeout_s)
+            batch = await _bounded(consumer.getmany(timeout_ms=200), connect_timeout_s)
             for records in batch.values():
                 found.extend((record, letter) for record in records if (letter := _letter(record)) is not None and wanted(letter))
             if len(found) > 2 * (limit + 1):  # memory stays bounded by the page, not by the topic
@@ -216,9 +219,10 @@ async def _read_one(config: KafkaSettings, connect_timeout_s: float, partition: 
         consumer.seek(tp, offset)
         deadline = time.monotonic() + connect_timeout_s
         while time.monotonic() < deadline:
-            batch = await _bounded(consumer.getmany(tp, timeout_ms=200, max_records=1), connect_timeout_s)
+            batch = await _bounded(consumer.getmany(timeout_ms=200), connect_timeout_s)
             for record in batch.get(tp, []):
-                return _letter(record) if record.offset == offset else None  # deleted by retention: gone
+                if record.offset >= offset:
+                    return _letter(record) if record.offset == offset else None  # deleted by retention: gone
             if offset >= end:
                 return None  # nothing there, and the broker says the partition ends before it
         raise _BrokerUnavailable from TimeoutError(f"kvledger.dead-letter[{partition}]@{offset} not fetched")
