@@ -136,6 +136,8 @@ def router(settings: CoordinatorSettings) -> APIRouter:
                 return _error(404, "invalid_request_error", "dead_letter_not_found", f"no dead letter {dead_letter_id}")
             if letter.topic not in _REPLAYABLE:
                 return _error(409, "invalid_request_error", "not_replayable", "the dead letter's source is not a kvledger topic")
+            if letter.value_b64 is None:  # a node's report of a record it never sent: there is nothing to publish
+                return _error(409, "invalid_request_error", "not_replayable", "the dead letter holds no record")
             metadata = await _publish(config, connect_timeout_s, letter)
         except _BrokerUnavailable as error:
             return unavailable(error)
