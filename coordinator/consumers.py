@@ -228,7 +228,9 @@ async def _run_connected(
             try:
                 await _started(part.start(), connect_timeout_s)
             except BrokerUnreachable:
-                await asyncio.gather(*(started_part.stop() for started_part in reversed(started)), return_exceptions=True)
+                # The half-started part too: a failed start may leave connections open.
+                await asyncio.gather(*(each.stop() for each in (part, *reversed(started))), return_exceptions=True)
+                started.clear()
                 raise
             started.append(part)
         if readiness is not None:
