@@ -14,14 +14,18 @@ from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from pool_builders import NS, block_key, make_kv
 
+from gpu_node.api import create_app
 from gpu_node.block_pool import BlockRecord, BlockRestoreError, decode_block_record, encode_block_record
+from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 from gpu_node.remote_keys import CoordinatorKeyProvider
-from gpu_node.settings import DataKeySettings
-from identity.tokens import Principal
+from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
+from identity.settings import IssuerSettings
+from identity.tokens import Principal, TokenVerifier, issue_token
 
 SUBJECT_KEY = b"unit-test-subject-key-32-bytes!!"
 PREFETCH_WAIT_S = 0.2
@@ -189,3 +193,56 @@ async def test_every_key_cache_is_bounded_least_recently_used_first(service: Key
         assert service.requests["get " + "01" * 16] == 2 and service.requests["get " + "03" * 16] == 1
     finally:
         provider.close()
+
+
+NODE_SECRET = "remote-keys-test-secret-0123456789abcdef"
+VERY_SLOW_S = 8.0
+
+
+async def test_a_slow_key_service_delays_neither_healthz_nor_another_tenants_hit_on_a_node(
+    service: KeyService, tiny_model_dir, tmp_path
+) -> None:
+    """A real node (tiny model) whose coordinator key service takes 8 s per answer: requests wait at most
+    ``prefetch_wait_s`` for their keys, public blocks are hit, ``/healthz`` answers at once."""
+    settings = NodeSettings(
+        model_dir=tiny_model_dir,
+        data_dir=tmp_path,
+        auth=IssuerSettings(jwt_secret=NODE_SECRET),
+        coordinator_url=service.url,
+        subject_key=SUBJECT_KEY.decode(),
+        cache=CacheSettings(block_size=16, num_device_blocks=64, num_host_blocks=64, max_disk_blocks=64),
+        data_keys={"prefetch_wait_s": PREFETCH_WAIT_S},
+    )
+    engine = AsyncEngine.from_settings(settings)
+    app = create_app(engine, TokenVerifier(settings.auth))
+    await engine.start()
+    system = {"role": "system", "content": "You are a careful assistant for the finance team. " * 6, "cache_scope": "public"}
+
+    def completion(tenant: str, subject: str) -> dict:
+        return {
+            "url": "/v1/chat/completions",
+            "json": {"model": engine.model_name, "messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0},
+            "headers": {"Authorization": "Bearer " + issue_token(tenant=tenant, sub=subject, scopes=["hr"], pv=1, secret=NODE_SECRET)},
+        }
+
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node", timeout=60) as client:
+            first = await client.post(**completion("acme", "alice"))
+            assert first.status_code == 200, first.text
+            service.delay_s = VERY_SLOW_S
+
+            started = time.monotonic()
+            other_tenant = asyncio.create_task(client.post(**completion("globex", "bob")))
+            await asyncio.sleep(PREFETCH_WAIT_S / 2)
+            health = await client.get("/healthz")
+            health_s = time.monotonic() - started
+            answered = await other_tenant
+            answered_s = time.monotonic() - started
+            assert health.status_code == 200 and health_s < 1.0
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the public prefix was hit
+            assert answered_s < VERY_SLOW_S / 2
+            assert service.requests["resolve"] == 4  # acme's two scopes, then globex's two (still in flight)
+    finally:
+        await engine.stop()
+        engine.pool.key_provider.close()
