@@ -23,7 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
 from coordinator.auth import ForbiddenError, require_tenant, requires
-from coordinator.db import Database, database_lifespan, request_session
+from coordinator.db import Database, DatabaseUnavailableMiddleware, database_lifespan, request_session
+from coordinator.dead_letters_api import router as dead_letters_router
 from coordinator.erasure_api import router as erasure_router
 from coordinator.governance_api import router as governance_router
 from coordinator.invalidation_api import router as invalidation_router
@@ -96,7 +97,9 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     app.include_router(console_router(settings))
     app.include_router(usage_router())
     app.include_router(governance_router(settings))
+    app.include_router(dead_letters_router(settings))
 
+    app.add_middleware(DatabaseUnavailableMiddleware, retry_after_s=settings.http.retry_after_s)
     # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
     # log, which prints the query string: ?subject= is a raw subject id.
     app.add_middleware(

@@ -1,6 +1,7 @@
 """The coordinator's background work: the kv-events consumer, the decisions consumer
 (documents, permissions, erasures), the ack consumer, the outbox relay, the erasure
-verifier, the command re-sender (``coordinator.resend``) and the dead-letter tally.
+verifier, the command re-sender (``coordinator.resend``), the dead-letter tally and the
+inbox/outbox pruner (``coordinator.pruning``).
 
 kv-events and acks reach their handlers only through :class:`coordinator.node_keys.VerifiedRecords`:
 a record not signed by a key enrolled for its node is dead-lettered, never applied.
@@ -10,7 +11,10 @@ enters the outbox."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+
+from aiokafka.errors import KafkaError
 
 from coordinator.db import Database
 from coordinator.erasure import ErasureService, ReceiptKeys
@@ -19,10 +23,12 @@ from coordinator.invalidation import InvalidationHandler
 from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords
 from coordinator.outbox import OutboxRelay
 from coordinator.poison import refused_as_data
+from coordinator.pruning import Pruner
 from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
+from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +62,21 @@ class ConsumerReadiness:
 
     def __init__(self) -> None:
         self._consumers: list[kafka.BatchConsumer] = []
+        self._waiting: str | None = None
 
     def watch(self, consumers: list[kafka.BatchConsumer]) -> None:
         self._consumers = list(consumers)
+        self._waiting = None
+
+    def wait_for(self, reason: str) -> None:
+        """The consumers are not started because of ``reason`` (e.g. the broker is unreachable)."""
+        self._consumers = []
+        self._waiting = reason
 
     def problem(self) -> str | None:
         """Why the consumers are not consuming yet (None when they are)."""
         if not self._consumers:
-            return "consumers not started"
+            return self._waiting or "consumers not started"
         waiting = [consumer.group_id for consumer in self._consumers if not consumer.consuming]
         if waiting:
             return "consumer groups not yet consuming: " + ", ".join(waiting)
@@ -94,10 +107,53 @@ async def run_consumers(
     is told about the consumers once they are started (for ``/readyz``).
     Shutdown finishes the in-flight batch, commits its offsets, leaves the group, then
     flushes the producer, so a SIGTERM loses nothing and replays as little as possible.
+
+    A broker that cannot be reached at start is not fatal: the attempt is abandoned and
+    retried after a backoff (``kafka.reconnect_initial_s`` doubling to ``reconnect_max_s``),
+    while ``readiness`` names the reason, so a process that also serves the API keeps
+    answering (docs/operations.md, "Degraded modes"). Once started, aiokafka reconnects by
+    itself and the consumers retry failed batches.
     """
-    config = kafka_settings(settings)
     command_signer = settings.command_signer()
-    await kafka.ensure_topics(config)
+    delay_s = settings.kafka.reconnect_initial_s
+    while not stop.is_set():
+        try:
+            await _run_connected(settings, command_signer, stop, assigned, readiness)
+            return
+        except BrokerUnreachable as unreachable:
+            reason = f"kafka unreachable ({unreachable}); retrying in {delay_s:.1f}s"
+            log.warning("coordinator consumers: %s", reason)
+            if readiness is not None:
+                readiness.wait_for(reason)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay_s)
+        delay_s = min(delay_s * 2, settings.kafka.reconnect_max_s)
+
+
+class BrokerUnreachable(Exception):
+    """The consumers could not connect to the broker at start (the message names the error type only)."""
+
+
+async def _started(starting, timeout_s: float) -> None:
+    """Await one start step, bounded; a broker that is down or does not answer becomes :class:`BrokerUnreachable`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await starting
+    except (KafkaError, OSError, TimeoutError) as error:
+        raise BrokerUnreachable(type(error).__name__) from error
+
+
+async def _run_connected(
+    settings: CoordinatorSettings,
+    command_signer: EnvelopeSigner,
+    stop: asyncio.Event,
+    assigned: asyncio.Event | None,
+    readiness: ConsumerReadiness | None,
+) -> None:
+    """One attempt of :func:`run_consumers`: BrokerUnreachable when the broker cannot be reached at start."""
+    config = kafka_settings(settings)
+    connect_timeout_s = settings.kafka.connect_timeout_s
+    await _started(kafka.ensure_topics(config), connect_timeout_s)
     database = Database(settings.database, pre_ping=False)
     producer = kafka.EventProducer(config)
     tally = DeadLetterTally()
@@ -142,6 +198,13 @@ async def run_consumers(
         poll_s=settings.ledger.command_resend_poll_s,
         on_outbox=relay.wake,
     )
+    pruner = Pruner(
+        database,
+        inbox_after_s=settings.ledger.prune_inbox_after_s,
+        outbox_after_s=settings.ledger.prune_outbox_after_s,
+        batch_size=settings.ledger.prune_batch_size,
+        interval_s=settings.ledger.prune_interval_s,
+    )
     groups = consumer_groups(config.group_id)
     invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
     invalidations, acks = (
@@ -159,11 +222,17 @@ async def run_consumers(
             (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally)),
         )
     )
+    started: list[kafka.EventProducer | kafka.BatchConsumer] = []
     try:
-        await producer.start()
-        await consumer.start()
-        await invalidations.start()
-        await acks.start()
+        for part in (producer, consumer, invalidations, acks):
+            try:
+                await _started(part.start(), connect_timeout_s)
+            except BrokerUnreachable:
+                # The half-started part too: a failed start may leave connections open.
+                await asyncio.gather(*(each.stop() for each in (part, *reversed(started))), return_exceptions=True)
+                started.clear()
+                raise
+            started.append(part)
         if readiness is not None:
             readiness.watch([consumer, invalidations, acks])
         tasks = [
@@ -174,6 +243,7 @@ async def run_consumers(
             asyncio.create_task(erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
             asyncio.create_task(resender.run(stop), name="command re-sender"),
             asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
+            asyncio.create_task(pruner.run(stop), name="pruner"),
         ]
         if assigned is not None:
             tasks.append(asyncio.create_task(_signal_assignment(consumer, assigned), name="assignment"))
@@ -189,7 +259,8 @@ async def run_consumers(
             # The last decision batches handed their commands over while the relay was stopping.
             await relay.finish_leased()
     finally:
-        await producer.stop()
+        if producer in started:
+            await producer.stop()
         await database.dispose()
         log.info("coordinator consumers stopped")
 

@@ -4,17 +4,58 @@ Sessions use ``expire_on_commit=False`` so ORM objects stay readable after the
 transaction commits (no implicit lazy I/O from an async context). HTTP handlers
 get a session per request from :func:`request_session`; consumers and background
 tasks open one per unit of work with :meth:`Database.session`.
+
+An unreachable database never hangs anyone: connects and statements are bounded
+(``database.connect_timeout_s``, ``command_timeout_s``), a failed connect raises
+:class:`DatabaseUnavailable`, and :class:`DatabaseUnavailableMiddleware` answers any HTTP
+request that met such a failure with 503 and ``Retry-After`` (docs/operations.md,
+"Degraded modes"). The pool replaces dropped connections by itself once the server is back.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
+import asyncpg
 from fastapi import FastAPI, Request
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from coordinator.settings import DatabaseSettings
+
+log = logging.getLogger(__name__)
+
+
+class DatabaseUnavailable(Exception):
+    """A connection to the ledger database could not be made (refused, no socket, timed out, starting up)."""
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) means the database is out of reach, not that a query is wrong.
+
+    Connect failures arrive as :class:`DatabaseUnavailable`; a server that went away under
+    an open connection or stopped answering arrives as a driver error SQLAlchemy marks as a
+    disconnect, an operational/interface error, a statement timeout or a pool timeout.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DatabaseUnavailable | sa_exc.TimeoutError | asyncpg.PostgresConnectionError):
+            return True
+        if isinstance(current, asyncpg.exceptions.OperatorInterventionError):
+            return True  # admin shutdown, cannot connect now, statement cancelled
+        if isinstance(current, sa_exc.DBAPIError) and (
+            current.connection_invalidated or isinstance(current, sa_exc.OperationalError | sa_exc.InterfaceError)
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class Database:
@@ -29,7 +70,9 @@ class Database:
             max_overflow=settings.max_overflow,
             pool_timeout=settings.pool_timeout_s,
             pool_pre_ping=pre_ping,
+            connect_args={"timeout": settings.connect_timeout_s, "command_timeout": settings.command_timeout_s},
         )
+        event.listen(self.engine.sync_engine, "do_connect", _connect_or_unavailable)
         self.sessionmaker: async_sessionmaker[AsyncSession] = async_sessionmaker(self.engine, expire_on_commit=False)
 
     @asynccontextmanager
@@ -40,6 +83,69 @@ class Database:
 
     async def dispose(self) -> None:
         await self.engine.dispose()
+
+
+def _connect_or_unavailable(dialect: Any, _record: Any, cargs: tuple, cparams: dict) -> Any:
+    """The dialect's own connect, with "cannot reach the server" raised as :class:`DatabaseUnavailable`.
+
+    asyncpg reports a refused connection, a missing unix socket or a connect timeout as a
+    bare ``OSError``/``TimeoutError``, which SQLAlchemy passes through unwrapped; naming it
+    here keeps :func:`is_unavailable` from having to treat every ``OSError`` as the database's.
+    """
+    try:
+        return dialect.connect(*cargs, **cparams)
+    except (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError) as error:
+        raise DatabaseUnavailable(f"cannot connect to the ledger database ({type(error).__name__})") from error
+
+
+class DatabaseUnavailableMiddleware:
+    """ASGI middleware: a request that failed because the database is out of reach gets 503 with ``Retry-After``.
+
+    The API's error shape, code ``database_unavailable``; the failure's text is not echoed.
+    Sits inside :class:`events.logs.RequestIdMiddleware` (which adds the request id) and
+    covers every route, whichever router added it.
+    """
+
+    def __init__(self, app: Callable, retry_after_s: int) -> None:
+        self.app = app
+        self._headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(_UNAVAILABLE_BODY)).encode()),
+            (b"retry-after", str(retry_after_s).encode()),
+        ]
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as error:
+            if started or not is_unavailable(error):
+                raise
+            log.warning("database unavailable (%s): answered 503", type(error).__name__)
+            await send({"type": "http.response.start", "status": 503, "headers": self._headers})
+            await send({"type": "http.response.body", "body": _UNAVAILABLE_BODY})
+
+
+_UNAVAILABLE_BODY = json.dumps(
+    {
+        "error": {
+            "message": "the ledger database is unavailable; retry later",
+            "type": "server_error",
+            "code": "database_unavailable",
+        }
+    },
+    separators=(",", ":"),
+).encode()
 
 
 async def request_session(request: Request) -> AsyncIterator[AsyncSession]:

@@ -51,6 +51,9 @@ SEQ_GAPS_TOTAL = Counter(
 INVENTORY_REQUESTS_TOTAL = Counter("kvledger_ledger_inventory_requests_total", "InventoryRequested commands queued.")
 INVENTORIES_TOTAL = Counter("kvledger_ledger_inventories_total", "Complete inventories reconciled.")
 OUTBOX_PUBLISHED_TOTAL = Counter("kvledger_outbox_published_total", "Outbox records published to Kafka.", ["topic"])
+PRUNED_ROWS_TOTAL = Counter(
+    "kvledger_pruned_rows_total", "Inbox and outbox rows deleted once they can no longer matter, by table.", ["table"]
+)
 
 DEAD_LETTER_RECORDS = Gauge(
     "kvledger_ledger_dead_letter_records",

@@ -20,6 +20,7 @@ within that bound. Unknown key ids are never cached, so a newly enrolled key wor
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Iterable
@@ -44,7 +45,9 @@ log = logging.getLogger(__name__)
 
 REVOCATION_BOUND_S = 5.0
 """How long a looked-up key is trusted from memory: the longest a revoked key keeps working."""
-
+MAX_CACHED_KEYS = 4096
+"""At most this many keys are held in memory, least recently used dropped first: far more than
+the nodes of a deployment, so a full cache only means one more query per lookup."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +87,13 @@ async def revoke(session: AsyncSession, node_id: str, kid: str | None = None) ->
 class NodeKeyRegistry:
     """Enrolled, unrevoked keys by id, cached for :data:`REVOCATION_BOUND_S` (see the module docstring)."""
 
-    def __init__(self, database: Database, cache_s: float = REVOCATION_BOUND_S) -> None:
-        if cache_s < 0:
-            raise ValueError("cache_s must not be negative")
+    def __init__(self, database: Database, cache_s: float = REVOCATION_BOUND_S, max_cached: int = MAX_CACHED_KEYS) -> None:
+        if cache_s < 0 or max_cached < 1:
+            raise ValueError("cache_s must not be negative and max_cached at least 1")
         self.database = database
         self._cache_s = cache_s
-        self._cached: dict[str, tuple[float, EnrolledKey | None]] = {}
+        self._max_cached = max_cached
+        self._cached: collections.OrderedDict[str, tuple[float, EnrolledKey]] = collections.OrderedDict()
 
     async def lookup(self, key_ids: Iterable[str]) -> dict[str, EnrolledKey]:
         """The live enrolled keys among ``key_ids`` (one query for those not cached)."""
@@ -99,8 +103,8 @@ class NodeKeyRegistry:
         for kid in set(key_ids):
             cached = self._cached.get(kid)
             if cached is not None and now - cached[0] < self._cache_s:
-                if cached[1] is not None:
-                    found[kid] = cached[1]
+                found[kid] = cached[1]
+                self._cached.move_to_end(kid)
             else:
                 missing.add(kid)
         if missing:
@@ -115,8 +119,11 @@ class NodeKeyRegistry:
                 # id is not cached at all (enrolling it must work at once, and nobody can sign with it).
                 if kid in found:
                     self._cached[kid] = (now, found[kid])
+                    self._cached.move_to_end(kid)
                 else:
                     self._cached.pop(kid, None)
+            while len(self._cached) > self._max_cached:
+                self._cached.popitem(last=False)
         return found
 
     async def authenticate(self, token: str) -> EnrolledKey:

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import metrics
 from coordinator.consumers import ConsumerReadiness
-from coordinator.db import Database, database_lifespan
+from coordinator.db import Database, DatabaseUnavailableMiddleware, database_lifespan
 from coordinator.settings import CoordinatorSettings
 from events.logs import RequestIdMiddleware
 from identity.metrics_access import scrape_refusal
@@ -60,6 +60,7 @@ def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) 
             body = await metrics.exposition(session, settings.ledger.heartbeat_timeout_s)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(DatabaseUnavailableMiddleware, retry_after_s=settings.http.retry_after_s)
     app.add_middleware(
         RequestIdMiddleware, access_logger="coordinator.access", error_body=_INTERNAL_ERROR, observe=metrics.observe_http
     )

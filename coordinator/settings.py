@@ -23,12 +23,16 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
+from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, TOPIC_CONFIGS
 from identity.metrics_access import MetricsSettings
 from identity.settings import IssuerSettings, SharedEnvSource
 from identity.signing import EnvelopeSigner, load_private_key_pem
 from identity.tokens import JWT_SECRET_ENV
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"
+_DAY_S = 24 * 3600.0
+CONSUMED_TOPICS = (DOCUMENTS, PERMISSIONS, ERASURES, KV_EVENTS, ACKS)
+"""The topics whose records the coordinator applies through its inbox."""
 
 # Shared variable → path inside the settings tree.
 _SHARED_ENV: dict[str, tuple[str, ...]] = {
@@ -51,6 +55,13 @@ class DatabaseSettings(BaseModel):
     pool_size: int = Field(10, ge=1)
     max_overflow: int = Field(10, ge=0)
     pool_timeout_s: float = Field(30.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """The longest a new connection may take: with the server down or paused, a request or
+    batch fails (the API answers 503) after this, instead of hanging (docs/operations.md,
+    "Degraded modes")."""
+    command_timeout_s: float = Field(30.0, gt=0)
+    """The longest one statement may wait for its answer (client side): a server that stops
+    answering mid-query fails the request or batch instead of holding it."""
 
     @model_validator(mode="after")
     def _async_driver(self) -> DatabaseSettings:
@@ -82,11 +93,27 @@ class CoordinatorKafkaSettings(KafkaSecurity):
     bulk and on no user's path; with 5 ms that consumer ran a transaction for every one or
     two reports and took the CPU the decisions need (invalidation bench, 2 cores: last ack
     p99 ~250–360 → ~150–200 ms). The ledger shows a node's changes up to this much later."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """The longest one attempt to reach the broker at start may take (a paused broker accepts
+    connections and never answers)."""
+    reconnect_initial_s: float = Field(0.5, gt=0)
+    """While the broker is unreachable at start the consumers retry after this long…"""
+    reconnect_max_s: float = Field(30.0, gt=0)
+    """…doubling up to this long between attempts; the API answers meanwhile (docs/operations.md,
+    "Degraded modes")."""
+
+    @model_validator(mode="after")
+    def _reconnect_bounds(self) -> CoordinatorKafkaSettings:
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("kafka.reconnect_max_s must be at least kafka.reconnect_initial_s")
+        return self
 
 
 class HttpSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    retry_after_s: int = Field(5, ge=1)
+    """``Retry-After`` of a 503 answered while the ledger database is unreachable."""
 
 
 class LedgerSettings(BaseModel):
@@ -129,10 +156,33 @@ class LedgerSettings(BaseModel):
     command_resend_poll_s: float = Field(1.0, gt=0)
     """How often the consumers process looks for targets whose re-send is due."""
 
+    prune_interval_s: float = Field(3600.0, gt=0)
+    """How often the consumers process deletes inbox and outbox rows that can no longer matter
+    (``coordinator.pruning``, docs/operations.md "Pruning")."""
+    prune_inbox_after_s: float = Field(37 * _DAY_S, gt=0)
+    """An inbox row is deleted this long after its event was applied. At least the longest
+    retention of a topic the coordinator consumes (30 days) plus a margin for the broker's
+    segment roll (Apache Kafka's default ``segment.ms``: 7 days): by then the broker no longer
+    holds the record, so no redelivery can meet the missing row."""
+    prune_outbox_after_s: float = Field(7 * _DAY_S, gt=0)
+    """A sent outbox row is deleted this long after it was published; unsent rows are never deleted."""
+    prune_batch_size: int = Field(5000, ge=1)
+    """Rows per delete statement (each its own short transaction)."""
+
     @model_validator(mode="after")
     def _resend_bounds(self) -> LedgerSettings:
         if self.command_resend_max_s < self.command_resend_after_s:
             raise ValueError("command_resend_max_s must be at least command_resend_after_s")
+        return self
+
+    @model_validator(mode="after")
+    def _inbox_outlives_retention(self) -> LedgerSettings:
+        longest_s = max(int(TOPIC_CONFIGS[topic]["retention.ms"]) for topic in CONSUMED_TOPICS) / 1000
+        if self.prune_inbox_after_s <= longest_s:
+            raise ValueError(
+                f"prune_inbox_after_s must exceed the longest retention of a consumed topic ({longest_s:.0f} s):"
+                " a redelivered record would otherwise be applied twice"
+            )
         return self
 
 

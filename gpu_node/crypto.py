@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from events.schema import subject_digest
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
+from identity.tokens import Principal
 
 _U32 = struct.Struct("<I")
 
@@ -59,6 +60,18 @@ class DataKeyProvider(Protocol):
         Erasure commands name a subject only by :func:`events.schema.subject_digest`,
         so the provider must find the subject's keys from the digest alone.
         """
+        ...
+
+    async def prefetch(self, principal: Principal) -> None:
+        """Make the keys of ``principal``'s scopes local before a request looks blocks up.
+
+        ``key_for`` and ``key_by_id`` run under the pool's lock; a provider whose keys live
+        elsewhere answers them from memory only, and this is where it fetches (bounded).
+        """
+        ...
+
+    def blocking(self) -> DataKeyProvider:
+        """A view whose ``key_by_id``/``key_for`` fetch a key they do not hold: for callers outside the pool's lock."""
         ...
 
 
@@ -196,6 +209,12 @@ class LocalKeyStore:
     def key_by_id(self, key_id: str) -> bytes | None:
         with self._lock:
             return self._keys.get(key_id)
+
+    async def prefetch(self, principal: Principal) -> None:
+        """Nothing to fetch: every key of this store is local."""
+
+    def blocking(self) -> LocalKeyStore:
+        return self
 
     def current_key_id(self, tenant_id: str, subject_id: str | None = None) -> str | None:
         """Id of the live key of a tenant (or of one subject in it), for erasure to destroy; None if none."""

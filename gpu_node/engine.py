@@ -207,6 +207,7 @@ class AsyncEngine:
             raise ValueError("max_tokens must be at least 1")
 
         use_cache = request.use_cache and self.settings.cache.enabled
+        await self.pool.key_provider.prefetch(request.principal)
         keys = (
             compute_block_keys(
                 self.namespace.namespace, token_ids, prompt.segments, request.principal, self.block_size, now=self.pool.wall_time()
@@ -330,7 +331,7 @@ class AsyncEngine:
             for directory in sorted(self.snapshot_root.iterdir()):
                 if (directory / snapshots.MANIFEST_NAME).is_file():
                     manifest = snapshots.read_manifest(directory)
-                    inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider)
+                    inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider.blocking())
         return inventory
 
     def may_hold_snapshots(self) -> bool:

@@ -8,23 +8,33 @@ node forgetting its cached copy (the erasure's command) leaves no way to open
 any copy of the data sealed under it: block files, snapshot shards, or files
 copied off the node.
 
-The pool calls the provider under its lock on the model worker thread, so
-calls are synchronous (one ``httpx.Client`` with a short timeout) and the cache
-is guarded by its own lock, never held across a request. When the coordinator
-cannot be reached, ``key_for`` answers None (the pool then keeps the block out
-of the disk tier rather than write it unsealed) and ``key_by_id`` None (the
-pool drops the block as undecryptable: a cache miss, never a failed request).
+The pool calls ``key_for``/``key_by_id`` under its lock, so once the node serves
+they never touch the network: they answer from memory, and a key not held is
+fetched in the background (the caller gets None: the block stays out of the disk
+tier, or a sealed block counts as a ``key_unavailable`` miss). The network happens
+ahead of the lock: :meth:`CoordinatorKeyProvider.prefetch` fetches a request's
+tenant and user keys before its prefix lookup, waiting at most ``prefetch_wait_s``.
+Before the first request (start-up re-index, warm start: nobody waits on the pool
+yet) and through :meth:`CoordinatorKeyProvider.blocking` (callers outside the
+lock), a missing key is fetched on the spot, each request bounded by ``timeout_s``.
+An answer "no such key" is remembered for ``negative_ttl_s``; every cache is an
+LRU of bounded size (``gpu_node.settings.DataKeySettings``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import collections
 import logging
 import re
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import httpx
 
@@ -32,17 +42,59 @@ from events.schema import subject_digest
 from gpu_node.crypto import DataKeyProvider, LocalKeyStore
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
 from gpu_node.node_identity import node_signing_key
-from gpu_node.settings import NodeSettings
+from gpu_node.settings import DataKeySettings, NodeSettings
 from identity.node_credentials import issue_node_credential
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS
+from identity.tokens import Principal
 
 log = logging.getLogger(__name__)
 
 NODE_CREDENTIAL_TTL_S = 30
-DEFAULT_TIMEOUT_S = 2.0
 _RESOLVE_ATTEMPTS = 2
+_FETCH_WORKERS = 2
 
 _KEY_ID = re.compile(rf"[0-9a-f]{{{KEY_ID_HEX_CHARS}}}")
+
+Scope = tuple[str, str | None]
+"""(tenant id, keyed subject digest or None): a key scope as the key service files it."""
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Lru(Generic[K, V]):  # noqa: UP046 - Python 3.11 has no type parameter syntax
+    """A dict of at most ``max_entries`` entries; the least recently used leaves first. Not thread-safe."""
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError("an LRU holds at least one entry")
+        self._max_entries = max_entries
+        self._entries: collections.OrderedDict[K, V] = collections.OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+
+    def pop(self, key: K) -> V | None:
+        return self._entries.pop(key, None)
+
+    def items(self) -> list[tuple[K, V]]:
+        return list(self._entries.items())
+
+    def __contains__(self, key: K) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class CoordinatorKeyProvider:
@@ -59,26 +111,39 @@ class CoordinatorKeyProvider:
         coordinator_url: str,
         token_factory: Callable[[], str],
         subject_key: bytes,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        settings: DataKeySettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if len(subject_key) < 16:
             raise ValueError("the subject digest key must be at least 16 bytes")
-        self._client = httpx.Client(base_url=coordinator_url, timeout=timeout_s)
+        self._settings = settings = settings or DataKeySettings()
+        self._client = httpx.Client(base_url=coordinator_url, timeout=settings.timeout_s)
         self._token_factory = token_factory
         self._subject_key = subject_key
+        self._clock = clock
         self._lock = threading.Lock()
-        self._by_scope: dict[tuple[str, str | None], tuple[str, bytes]] = {}
-        self._by_id: dict[str, bytes] = {}
-        self._destroyed: set[str] = set()
+        self._by_scope: _Lru[Scope, tuple[str, bytes]] = _Lru(settings.max_cached_keys)
+        self._by_id: _Lru[str, bytes] = _Lru(settings.max_cached_keys)
+        # Key ids destroyed by an erasure command. Bounded too: past the bound the key
+        # service's own answer (410) still refuses them.
+        self._destroyed: _Lru[str, bool] = _Lru(settings.max_negative_entries)
+        self._negative: _Lru[tuple[str, Hashable], float] = _Lru(settings.max_negative_entries)
+        self._inflight: dict[tuple[str, Hashable], Future] = {}
+        self._fetcher = ThreadPoolExecutor(max_workers=_FETCH_WORKERS, thread_name_prefix="kvledger-keys")
+        self._serving = False
 
     def close(self) -> None:
+        self._fetcher.shutdown(wait=True, cancel_futures=True)
         self._client.close()
 
-    def _scope(self, tenant_id: str, subject_id: str | None) -> tuple[str, str | None]:
+    def _scope(self, tenant_id: str, subject_id: str | None) -> Scope:
         return tenant_id, None if subject_id is None else subject_digest(self._subject_key, tenant_id, subject_id)
 
+    # -- what the pool calls, under its lock: memory only once serving ------------------------
+
     def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
-        """The live key of the block's scope (cached, else resolved); None for public scope or no coordinator."""
+        """The live key of the block's scope if held (else fetched, see the module docstring); None for public scope."""
         if provenance.scope == CacheScope.PUBLIC:
             return None
         assert provenance.tenant_id is not None, "tenant and user scope blocks always carry a tenant id"
@@ -86,56 +151,36 @@ class CoordinatorKeyProvider:
         if provenance.scope == CacheScope.USER:
             assert provenance.subject_id is not None, "user scope blocks always carry a subject id"
             subject_id = provenance.subject_id
-        scope = self._scope(provenance.tenant_id, subject_id)
-        with self._lock:
-            cached = self._by_scope.get(scope)
-        if cached is not None:
-            return cached
-        body = {"tenant_id": scope[0], "subject_hash": scope[1]}
-        for _ in range(_RESOLVE_ATTEMPTS):
-            response = self._send("POST", "/v1/keys/resolve", json=body)
-            if response is None or response.status_code != 200:
-                return None
-            resolved = _parse_key(response)
-            if resolved is None:
-                return None
-            with self._lock:
-                # A resolve answered just before an erasure destroyed the key may arrive after this
-                # node was told to forget it: never reuse such a key, ask again for the scope's next one.
-                if resolved[0] not in self._destroyed:
-                    self._by_scope[scope] = resolved
-                    self._by_id[resolved[0]] = resolved[1]
-                    return resolved
-        log.warning("the coordinator keeps answering with a destroyed data key; block not sealed")
-        return None
+        return self._lookup(("scope", self._scope(provenance.tenant_id, subject_id)), wait=not self._serving)
 
     def key_by_id(self, key_id: str) -> bytes | None:
-        """The key to unseal with: cached, else fetched; None once destroyed, unknown or unreachable."""
+        """The key to unseal with if held (else fetched, see the module docstring); None once destroyed or unknown."""
         if not _KEY_ID.fullmatch(key_id):
             return None  # a key id from a corrupt header: the coordinator never issued it
-        with self._lock:
-            if key_id in self._destroyed:
-                return None
-            cached = self._by_id.get(key_id)
-        if cached is not None:
-            return cached
-        response = self._send("GET", f"/v1/keys/{key_id}")
-        if response is None:
-            return None
-        if response.status_code == 410:
-            with self._lock:
-                self._destroyed.add(key_id)
-            return None
-        if response.status_code != 200:
-            return None
-        fetched = _parse_key(response)
-        if fetched is None or fetched[0] != key_id:
-            return None
-        with self._lock:
-            if key_id in self._destroyed:
-                return None
-            self._by_id[key_id] = fetched[1]
-        return fetched[1]
+        return self._lookup(("id", key_id), wait=not self._serving)
+
+    # -- ahead of the lock ------------------------------------------------------------------
+
+    async def prefetch(self, principal: Principal) -> None:
+        """Fetch the keys of ``principal``'s tenant and user scopes, waiting at most ``prefetch_wait_s``.
+
+        From the first call on, the pool's look-ups never fetch themselves. A fetch still
+        running when the wait ends goes on in the background and serves later requests.
+        """
+        self._serving = True
+        futures = [
+            future
+            for scope in (self._scope(principal.tenant_id, None), self._scope(principal.tenant_id, principal.subject_id))
+            if (future := self._wanted(("scope", scope))) is not None
+        ]
+        if futures:
+            await asyncio.wait([asyncio.wrap_future(future) for future in futures], timeout=self._settings.prefetch_wait_s)
+
+    def blocking(self) -> DataKeyProvider:
+        """A view that fetches a key it does not hold (bounded by ``timeout_s``): for callers outside the pool's lock."""
+        return _Blocking(self)
+
+    # -- local state --------------------------------------------------------------------------
 
     def current_key_id(self, tenant_id: str, subject_id: str | None = None) -> str | None:
         """Id of the key this node holds for a tenant (or one subject in it); None if it holds none.
@@ -164,19 +209,118 @@ class CoordinatorKeyProvider:
         which destroys every key of a subject when the erasure starts; what the
         node owes is that it can no longer unseal anything under ``key_id``. A key
         the coordinator still serves was issued after that (the subject's newer
-        data) and is not the erasure's to destroy: it is kept. When the
+        data) and is not the erasure's to destroy: it is kept (and held). When the
         coordinator cannot be asked, the key is forgotten all the same.
         """
-        if _KEY_ID.fullmatch(key_id):
-            response = self._send("GET", f"/v1/keys/{key_id}")
-            if response is not None and response.status_code == 200:
-                return False
+        if _KEY_ID.fullmatch(key_id) and self._fetch_id(key_id) is not None:
+            return False
         with self._lock:
-            self._destroyed.add(key_id)
-            self._by_id.pop(key_id, None)
+            self._destroyed.put(key_id, True)
+            self._by_id.pop(key_id)
             for scope in [scope for scope, (cached_id, _) in self._by_scope.items() if cached_id == key_id]:
-                del self._by_scope[scope]
+                self._by_scope.pop(scope)
         return True
+
+    def _cached(self, want: tuple[str, Hashable]) -> tuple[bool, tuple[str, bytes] | bytes | None]:
+        """(known, answer): whether memory answers ``want`` (held, destroyed or recently unknown). Call with the lock."""
+        kind, value = want
+        if kind == "id":
+            if value in self._destroyed:
+                return True, None
+            key = self._by_id.get(value)
+            if key is not None:
+                return True, key
+        else:
+            resolved = self._by_scope.get(value)
+            if resolved is not None:
+                return True, resolved
+        expires_at = self._negative.get(want)
+        if expires_at is not None:
+            if self._clock() < expires_at:
+                return True, None
+            self._negative.pop(want)
+        return False, None
+
+    def _lookup(self, want: tuple[str, Hashable], *, wait: bool):
+        with self._lock:
+            known, answer = self._cached(want)
+        if known:
+            return answer
+        if wait:
+            return self._fetch(want)
+        self._wanted(want)
+        return None
+
+    def _wanted(self, want: tuple[str, Hashable]) -> Future | None:
+        """The background fetch of ``want`` (started unless one runs); None when memory already answers it."""
+        with self._lock:
+            known, _ = self._cached(want)
+            if known:
+                return None
+            future = self._inflight.get(want)
+            if future is None:
+                future = self._inflight[want] = self._fetcher.submit(self._fetch_then_forget, want)
+            return future
+
+    def _fetch_then_forget(self, want: tuple[str, Hashable]):
+        try:
+            return self._fetch(want)
+        finally:
+            with self._lock:
+                self._inflight.pop(want, None)
+
+    def _fetch(self, want: tuple[str, Hashable]):
+        kind, value = want
+        return self._fetch_id(value) if kind == "id" else self._resolve(value)
+
+    def _remember_unknown(self, want: tuple[str, Hashable]) -> None:
+        if self._settings.negative_ttl_s > 0:
+            with self._lock:
+                self._negative.put(want, self._clock() + self._settings.negative_ttl_s)
+
+    # -- the network: never called under the pool's lock once serving ---------------------------
+
+    def _resolve(self, scope: Scope) -> tuple[str, bytes] | None:
+        body = {"tenant_id": scope[0], "subject_hash": scope[1]}
+        for _ in range(_RESOLVE_ATTEMPTS):
+            response = self._send("POST", "/v1/keys/resolve", json=body)
+            if response is None:
+                return None
+            if response.status_code != 200:
+                self._remember_unknown(("scope", scope))
+                return None
+            resolved = _parse_key(response)
+            if resolved is None:
+                return None
+            with self._lock:
+                # A resolve answered just before an erasure destroyed the key may arrive after this
+                # node was told to forget it: never reuse such a key, ask again for the scope's next one.
+                if resolved[0] not in self._destroyed:
+                    self._by_scope.put(scope, resolved)
+                    self._by_id.put(resolved[0], resolved[1])
+                    return resolved
+        log.warning("the coordinator keeps answering with a destroyed data key; block not sealed")
+        return None
+
+    def _fetch_id(self, key_id: str) -> bytes | None:
+        response = self._send("GET", f"/v1/keys/{key_id}")
+        if response is None:
+            return None
+        if response.status_code == 410:
+            with self._lock:
+                self._destroyed.put(key_id, True)
+            return None
+        if response.status_code != 200:
+            self._remember_unknown(("id", key_id))
+            return None
+        fetched = _parse_key(response)
+        if fetched is None or fetched[0] != key_id:
+            return None
+        with self._lock:
+            if key_id in self._destroyed:
+                return None
+            self._by_id.put(key_id, fetched[1])
+        return fetched[1]
 
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response | None:
         """One request with a fresh node credential; None when the coordinator is unreachable. Logs failures, never keys."""
@@ -190,6 +334,35 @@ class CoordinatorKeyProvider:
         if response.status_code not in (200, 404, 410):
             log.error("key service refused %s %s: HTTP %d %s", method, path, response.status_code, _error_code(response))
         return response
+
+
+class _Blocking:
+    """:meth:`CoordinatorKeyProvider.blocking`: the same memory, but a key not held is fetched before answering."""
+
+    def __init__(self, provider: CoordinatorKeyProvider) -> None:
+        self._provider = provider
+
+    def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
+        if provenance.scope == CacheScope.PUBLIC:
+            return None
+        assert provenance.tenant_id is not None, "tenant and user scope blocks always carry a tenant id"
+        subject_id = provenance.subject_id if provenance.scope == CacheScope.USER else None
+        return self._provider._lookup(("scope", self._provider._scope(provenance.tenant_id, subject_id)), wait=True)
+
+    def key_by_id(self, key_id: str) -> bytes | None:
+        return self._provider._lookup(("id", key_id), wait=True) if _KEY_ID.fullmatch(key_id) else None
+
+    def destroy(self, key_id: str) -> bool:
+        return self._provider.destroy(key_id)
+
+    def subject_key_ids(self, tenant_id: str, subject_hash: str) -> list[str]:
+        return self._provider.subject_key_ids(tenant_id, subject_hash)
+
+    async def prefetch(self, principal: Principal) -> None:
+        await self._provider.prefetch(principal)
+
+    def blocking(self) -> DataKeyProvider:
+        return self
 
 
 def _error_code(response: httpx.Response) -> str:
@@ -231,4 +404,6 @@ def data_key_provider(settings: NodeSettings, data_dir: Path) -> DataKeyProvider
     def credential() -> str:
         return issue_node_credential(node_key, node_id, NODE_CREDENTIAL_TTL_S)
 
-    return CoordinatorKeyProvider(settings.coordinator_url, credential, settings.subject_key.get_secret_value().encode())
+    return CoordinatorKeyProvider(
+        settings.coordinator_url, credential, settings.subject_key.get_secret_value().encode(), settings.data_keys
+    )

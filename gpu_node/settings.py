@@ -69,6 +69,25 @@ class IdentitySettings(BaseModel):
     coordinator_public_key_file: Path | None = None
 
 
+class DataKeySettings(BaseModel):
+    """The node's memory of data keys fetched from the coordinator (``gpu_node.remote_keys``).
+
+    The pool reads keys from memory only; they are fetched ahead of a request
+    (``prefetch_wait_s``) and in the background. Every cache is bounded, least recently
+    used first out: an evicted key is fetched again when next needed.
+    """
+
+    timeout_s: float = Field(2.0, gt=0)
+    """One request to the key service."""
+    prefetch_wait_s: float = Field(0.25, gt=0)
+    """How long a request waits for its scopes' keys before it looks blocks up; a key that
+    arrives later serves the next request (this one treats that scope's sealed blocks as misses)."""
+    max_cached_keys: int = Field(1024, ge=1)
+    negative_ttl_s: float = Field(30.0, ge=0)
+    """How long an answer "no such key" (404, unknown or refused scope) is remembered before asking again."""
+    max_negative_entries: int = Field(4096, ge=1)
+
+
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
 
@@ -103,6 +122,7 @@ class NodeSettings(BaseSettings):
         validation_alias=AliasChoices("coordinator_url", "KVLEDGER_NODE_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"),
     )
     """Where data keys for tenant/user blocks at rest come from (``gpu_node.remote_keys``); unset: a local key file."""
+    data_keys: DataKeySettings = DataKeySettings()
     kafka: KafkaSecurity = KafkaSecurity()
     """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``)."""
     metrics: MetricsSettings = MetricsSettings()

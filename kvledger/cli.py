@@ -193,6 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinator_options(erasure_receipt, "auditor")
     erasure_receipt.set_defaults(func=_lazy("kvledger.erasure_cli:receipt_cli"))
 
+    dead_letters = commands.add_parser("dead-letters", help="inspect and replay records the consumers refused (coordinator API)").add_subparsers(
+        dest="dead_letters_command", required=True, metavar="COMMAND"
+    )
+    dead_letters_list = dead_letters.add_parser("list", help="dead letters, oldest first: source, reason, size and hash (never the content)")
+    dead_letters_list.add_argument("--topic", help="only records refused on this source topic (e.g. kvledger.documents)")
+    dead_letters_list.add_argument("--reason", help="only reasons containing this text (case-insensitive)")
+    dead_letters_list.add_argument("--since", help="only dead-lettered since: an ISO 8601 time with a zone, or an age like 30m, 6h, 2d")
+    dead_letters_list.add_argument("--limit", type=int, default=100, help="at most this many (default 100, at most 1000)")
+    dead_letters_list.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    _coordinator_options(dead_letters_list, "platform-admin")
+    dead_letters_list.set_defaults(func=_lazy("kvledger.dead_letters:list_cli"))
+    dead_letters_replay = dead_letters.add_parser("replay", help="re-publish one dead letter's record to its source topic, validated again")
+    dead_letters_replay.add_argument("dead_letter_id", help="the id `kvledger dead-letters list` printed (<partition>-<offset>)")
+    dead_letters_replay.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    _coordinator_options(dead_letters_replay, "platform-admin")
+    dead_letters_replay.set_defaults(func=_lazy("kvledger.dead_letters:replay_cli"))
+
     status = commands.add_parser("status", help="nodes and their liveness, outbox backlog, dead letters, ingest lag (coordinator API)")
     _coordinator_options(status, "platform-admin")
     status.add_argument("--metrics-token", help="bearer token of the coordinator's /metrics (default: metrics_token of the stack file)")

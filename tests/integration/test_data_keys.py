@@ -39,7 +39,7 @@ from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.node_identity import NODE_KEY_FILE
 from gpu_node.remote_keys import CoordinatorKeyProvider, data_key_provider
-from gpu_node.settings import NodeSettings
+from gpu_node.settings import DataKeySettings, NodeSettings
 from identity.node_credentials import issue_node_credential
 from identity.settings import IssuerSettings
 from identity.tokens import issue_token
@@ -346,7 +346,7 @@ async def test_unreachable_coordinator_means_no_key() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         closed_port = sock.getsockname()[1]
-    provider = CoordinatorKeyProvider(f"http://127.0.0.1:{closed_port}", _node_token, SUBJECT, timeout_s=0.5)
+    provider = CoordinatorKeyProvider(f"http://127.0.0.1:{closed_port}", _node_token, SUBJECT, DataKeySettings(timeout_s=0.5))
     try:
         assert provider.key_for(_user_key(3, "alice").provenance) is None
         assert provider.key_by_id("a" * 32) is None

@@ -343,7 +343,7 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
         assert await node.cached(user_token(tenant, bob), history(bob)) == node.prefix_tokens(history(bob))[0]
         assert await node.cached(user_token(tenant, "carol"), public_chat) == node.prefix_tokens(public_chat)[0]
     # alice's next key (issued after the erasure) is live at the coordinator: a node never destroys or reports it.
-    provider = nodes[0].engine.pool.key_provider
+    provider = nodes[0].engine.pool.key_provider.blocking()
     provenance = BlockProvenance(nodes[0].engine.namespace.namespace, tenant, CacheScope.USER, (), alice, (), time.time())
     newer_id, newer_key = await asyncio.to_thread(provider.key_for, provenance)
     assert newer_id not in body["key_ids_destroyed"]

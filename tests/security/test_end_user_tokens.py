@@ -64,7 +64,7 @@ DATA_KEY_ROUTES = {("POST", "/v1/keys/resolve"), ("GET", "/v1/keys/{key_id}")}
 """The nodes' data key endpoints: they take only node credentials (tests/security/test_node_enrollment.py), so
 operators are refused there too; end users get the same 401 as everywhere else."""
 CLAIMED_ROLES = (["admin"], ["platform-admin"], ["tenant-admin"], ["privacy-officer"], ["auditor"], ["node"], ["platform-admin", "node"])
-PATH_VALUES = {"erasure_id": str(uuid.uuid4()), "receipt_id": str(uuid.uuid4()), "command_id": str(uuid.uuid4()), "namespace": "ns-x", "key_id": "0" * 32}
+PATH_VALUES = {"erasure_id": str(uuid.uuid4()), "receipt_id": str(uuid.uuid4()), "command_id": str(uuid.uuid4()), "namespace": "ns-x", "key_id": "0" * 32, "dead_letter_id": "0-0"}
 BODIES = {"/v1/erasures": {"tenant_id": "acme", "subject_id": "alice", "reason": "r"}, "/v1/keys/resolve": {"tenant_id": "acme"}}
 
 
