@@ -30,8 +30,10 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
-from ledger_helpers import SigningProducer
+from ledger_helpers import SigningProducer, fresh_database
+from sqlalchemy import make_url
 
+from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.consumers import kafka_settings
 from coordinator.db import Database
@@ -205,8 +207,24 @@ def unique_name(request: pytest.FixtureRequest) -> str:
     return f"t-{safe}-{os.urandom(3).hex()}"
 
 
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def ledger_template(database_url: str) -> AsyncIterator[str]:
+    """Name of a database migrated to head once per session: ``fresh_database(database_url, ledger_template)``
+    copies it (``CREATE DATABASE … TEMPLATE``), the same schema without running the migrations again."""
+    async with fresh_database(database_url) as url:
+        await asyncio.to_thread(migrate.upgrade, url)
+        yield make_url(url).database
+
+
+@pytest.fixture(scope="module")
+async def ledger_url(database_url: str, ledger_template: str) -> AsyncIterator[str]:
+    """A migrated ledger database of this module's own (its tests share it; each uses its own ids)."""
+    async with fresh_database(database_url, ledger_template) as url:
+        yield url
+
+
 # Coordinator-side fixtures shared by the ledger test modules. Each module that uses them
-# defines its own module-scoped ``settings`` (a CoordinatorSettings over its own database).
+# defines its own module-scoped ``settings`` (usually ``ledger_helpers.coordinator_settings`` over ``ledger_url``).
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,12 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, SigningProducer, eventually, fresh_database, stored
+from ledger_helpers import COMMAND_SIGNING_KEY, GROUP_TIMING_ENV, JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, SigningProducer, eventually, stored
 from sqlalchemy import func, select
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.models import InboxEntry, Node, Placement
 from coordinator.settings import CoordinatorSettings
@@ -36,13 +33,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-async def ledger_url(database_url: str) -> AsyncIterator[str]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield url
 
 
 class CoordinatorProcess:
@@ -60,6 +50,7 @@ class CoordinatorProcess:
             "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
             "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
             "KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS": "20",
+            **GROUP_TIMING_ENV,
             **extra_env,
         }
         self.log_path = log_path

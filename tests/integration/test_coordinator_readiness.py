@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, eventually, fresh_database
+from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, coordinator_settings, eventually, fresh_database
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
@@ -38,16 +38,9 @@ DECIDED_WITHIN_S = 3.0
 
 
 @pytest.fixture
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"ready-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "outbox_poll_s": 0.1},
-        )
+async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url, kafka_bootstrap)
         await kafka.ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
         yield settings

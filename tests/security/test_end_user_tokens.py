@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import threading
@@ -28,19 +27,10 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
-from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
-    OPERATOR_PUBLIC_KEY_FILE,
-    SUBJECT_KEY,
-    fresh_database,
-    operator_headers,
-)
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, coordinator_settings, fresh_database, operator_headers
 from pydantic import ValidationError
 from starlette.routing import Route
 
-from coordinator import migrate
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
 from gpu_node.api import create_app as create_node_app
@@ -90,12 +80,9 @@ def _walk(routes, prefix: str = "") -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-async def coordinator(database_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, list[tuple[str, str]]]]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url}, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH, ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY}
-        )
+async def coordinator(database_url: str, ledger_template: str) -> AsyncIterator[tuple[httpx.AsyncClient, list[tuple[str, str]]]]:
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url)
         app = create_coordinator_app(settings)
         routes = sorted(set(_walk(app.routes)))
         transport = httpx.ASGITransport(app=app)
