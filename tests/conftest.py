@@ -10,7 +10,13 @@ Services are chosen by ``KVLEDGER_TEST_SERVICES``:
 * ``containers``: testcontainers Postgres and ``apache/kafka`` (KRaft); skipped with the
   reason when testcontainers or a Docker engine is missing.
 * ``external``: ``KVLEDGER_DATABASE_URL`` (SQLAlchemy asyncpg URL) and
-  ``KVLEDGER_KAFKA_BOOTSTRAP`` (host:port) of services someone else runs.
+  ``KVLEDGER_KAFKA_BOOTSTRAP`` (host:port) of services someone else runs. The tests' consumer
+  groups use a 2 s session (``ledger_helpers.GROUP_TIMING``): a Kafka broker needs
+  ``group.min.session.timeout.ms`` at or below it.
+
+Waiting is kept short by sharing: services start once per session, every module copies one
+migrated database (``ledger_template``), and the tests' consumer groups join in about a second
+(``GROUP_TIMING``; the embedded broker holds each join for half the session timeout).
 
 Every test under ``tests/integration`` and ``tests/security`` is marked ``integration``
 automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. Helper modules
@@ -174,6 +180,8 @@ class _ApacheKafka:
             .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
             .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
             .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
+            # the tests' consumers use ledger_helpers.GROUP_TIMING, below the broker's 6 s default minimum
+            .with_env("KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS", "1000")
         )
 
     def __enter__(self) -> str:
