@@ -174,6 +174,22 @@ def coordinator_settings(database_url: str | None = None, bootstrap: str | None 
     return CoordinatorSettings(**_merged(defaults, overrides))
 
 
+def coordinator_env(database_url: str, bootstrap: str, group_id: str, **extra: str) -> dict[str, str]:
+    """The environment of a ``kvledger coordinator`` process configured as :func:`coordinator_settings` configures
+    one in-process (``extra``: more variables, e.g. ``KVLEDGER_METRICS_TOKEN``)."""
+    return {
+        **os.environ,
+        "KVLEDGER_DATABASE_URL": database_url,
+        "KVLEDGER_KAFKA_BOOTSTRAP": bootstrap,
+        "KVLEDGER_JWT_SECRET": JWT_SECRET,
+        "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
+        "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
+        "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
+        **GROUP_TIMING_ENV,
+        **extra,
+    }
+
+
 def kafka_client_settings(bootstrap: str, **fields) -> KafkaSettings:
     """Kafka settings of a test client of ``bootstrap`` (its own consumers join groups with :data:`GROUP_TIMING`)."""
     return KafkaSettings(**{"bootstrap": bootstrap, "client_id": "kvledger-test", **GROUP_TIMING, **fields})

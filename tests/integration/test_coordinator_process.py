@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import sys
@@ -17,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from ledger_helpers import COMMAND_SIGNING_KEY, GROUP_TIMING_ENV, JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, SigningProducer, eventually, stored
+from ledger_helpers import SigningProducer, coordinator_env, eventually, stored
 from sqlalchemy import func, select
 
 from coordinator.db import Database
@@ -41,18 +40,7 @@ class CoordinatorProcess:
     ) -> None:
         self.port = _free_port()
         self.role = role
-        self.env = {
-            **os.environ,
-            "KVLEDGER_DATABASE_URL": ledger_url,
-            "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
-            "KVLEDGER_JWT_SECRET": JWT_SECRET,
-            "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
-            "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
-            "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
-            "KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS": "20",
-            **GROUP_TIMING_ENV,
-            **extra_env,
-        }
+        self.env = coordinator_env(ledger_url, kafka_bootstrap, group_id, KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS="20", **extra_env)
         self.log_path = log_path
         self.process: asyncio.subprocess.Process | None = None
 
