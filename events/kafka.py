@@ -536,9 +536,7 @@ class BatchConsumer:
         try:
             while not self._stopping.is_set():
                 try:
-                    batch = await get_fresh_batch(
-                        self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms
-                    )
+                    batch = await self._poll_unless_stopping()
                     if batch:
                         async with self._lock:
                             await self._process(batch)
@@ -567,6 +565,29 @@ class BatchConsumer:
             task.uncancel()
         finally:
             self._run_task = None
+
+    async def _poll_unless_stopping(self) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """The next batch, or nothing as soon as :meth:`stop` is called: an idle poll does not hold a stop up.
+
+        Records an abandoned poll fetched are not handled, so their offsets are not committed: the
+        group's next owner of their partitions reads them again.
+        """
+        poll = asyncio.ensure_future(
+            get_fresh_batch(self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms)
+        )
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({poll, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            poll.cancel()
+            raise
+        finally:
+            stopping.cancel()
+        if not poll.done():
+            poll.cancel()
+            await asyncio.gather(poll, return_exceptions=True)
+            return {}
+        return poll.result()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the in-flight batch (up to ``timeout_s``, then cancel it), commit, leave the group.
