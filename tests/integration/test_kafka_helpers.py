@@ -206,6 +206,19 @@ async def test_offset_is_not_committed_while_the_handler_runs(
     assert recorder.delivered()[0].offset == seen[0].offset
 
 
+async def test_stop_does_not_wait_for_an_idle_poll(settings: KafkaSettings, unique_name: str) -> None:
+    """A consumer waiting for records (here up to 60 s a poll) stops at once, not when its poll times out."""
+    consumer = consumer_for(settings, unique_name, Recorder(), unique_name, poll_timeout_ms=60_000)
+    await consumer.start()
+    task = asyncio.create_task(consumer.run())
+    await eventually(lambda: consumer.consuming, what="the consumer to consume")
+    await asyncio.sleep(0.2)  # inside its (empty) poll now
+    started = time.monotonic()
+    await consumer.stop()
+    await asyncio.wait_for(task, 5)
+    assert time.monotonic() - started < 10
+
+
 async def test_two_consumers_split_partitions_without_duplicates(
     settings: KafkaSettings, producer: EventProducer, unique_name: str
 ) -> None:
