@@ -33,8 +33,8 @@ def _environment_of(argv_items: list[str]) -> dict[str, str]:
     return found[0]
 
 
-def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
-    up = Up.start(tmp_path)
+def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, tmp_path):
+    up = Up.start(tmp_path, tiny_model_dir)
     state_dir, port = up.state_dir, up.port
     try:
         stack = up.wait_ready()

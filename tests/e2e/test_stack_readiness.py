@@ -27,8 +27,8 @@ async def _publish_update(bootstrap: str, tenant: str) -> None:
         await producer.send(schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant))
 
 
-def test_an_update_published_as_soon_as_the_stack_is_up_is_decided_at_once(tmp_path):
-    up = Up.start(tmp_path)
+def test_an_update_published_as_soon_as_the_stack_is_up_is_decided_at_once(tiny_model_dir, tmp_path):
+    up = Up.start(tmp_path, tiny_model_dir)
     try:
         stack = up.wait_ready()
         published = time.monotonic()
