@@ -22,7 +22,7 @@ import os
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
+from events.kafka import KAFKA_SHARED_ENV, ConsumerGroupTiming, KafkaSecurity
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, TOPIC_CONFIGS
 from identity.metrics_access import MetricsSettings
 from identity.settings import IssuerSettings, SharedEnvSource
@@ -74,11 +74,12 @@ class DatabaseSettings(BaseModel):
         return self
 
 
-class CoordinatorKafkaSettings(KafkaSecurity):
+class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     """Kafka options (turned into :class:`events.kafka.KafkaSettings` by ``coordinator.consumers``).
 
     Idempotence is off by default: the embedded Tansu broker rejects it. The security
-    fields (SASL, TLS) come from :class:`events.kafka.KafkaSecurity`.
+    fields (SASL, TLS) come from :class:`events.kafka.KafkaSecurity`, the consumer groups'
+    session and heartbeat from :class:`events.kafka.ConsumerGroupTiming`.
     """
 
     bootstrap: str = "127.0.0.1:9092"

@@ -109,7 +109,29 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class KafkaSettings(KafkaSecurity):
+class ConsumerGroupTiming(BaseModel):
+    """How group members stay alive: the settings of every service whose consumers join a group."""
+
+    session_timeout_ms: int = Field(default=10_000, ge=1)
+    """How long the group coordinator waits for a :class:`BatchConsumer`'s heartbeat before it
+    drops the member and hands its partitions to the others. It also paces every group join on
+    the embedded Tansu broker, which holds a JoinGroup for half of it waiting for more members:
+    each consumer start or rebalance there costs ``session_timeout_ms / 2``. Apache Kafka
+    accepts values between its ``group.min.session.timeout.ms`` (6 s by default) and
+    ``group.max.session.timeout.ms``. The default is aiokafka's; the tests pass a small value."""
+    heartbeat_interval_ms: int = Field(default=3_000, ge=1)
+    """How often a member heartbeats; below ``session_timeout_ms`` (a third of it is usual)."""
+
+    @model_validator(mode="after")
+    def _heartbeat_within_session(self) -> ConsumerGroupTiming:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below session_timeout_ms ({self.session_timeout_ms})"
+            )
+        return self
+
+
+class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     """Connection and topic defaults.
 
     ``enable_idempotence`` defaults to off because the embedded Tansu broker answers the
@@ -446,8 +468,6 @@ class BatchConsumer:
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 30.0,
         auto_offset_reset: str = "earliest",
-        session_timeout_ms: int = 10_000,
-        heartbeat_interval_ms: int = 3_000,
     ) -> None:
         group = group_id or settings.group_id
         if not group:
@@ -473,8 +493,8 @@ class BatchConsumer:
             group_id=group,
             enable_auto_commit=False,
             auto_offset_reset=auto_offset_reset,
-            session_timeout_ms=session_timeout_ms,
-            heartbeat_interval_ms=heartbeat_interval_ms,
+            session_timeout_ms=settings.session_timeout_ms,
+            heartbeat_interval_ms=settings.heartbeat_interval_ms,
             fetch_max_wait_ms=settings.fetch_max_wait_ms,
         )
         self._dead_letters = EventProducer(settings)
@@ -516,9 +536,7 @@ class BatchConsumer:
         try:
             while not self._stopping.is_set():
                 try:
-                    batch = await get_fresh_batch(
-                        self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms
-                    )
+                    batch = await self._poll_unless_stopping()
                     if batch:
                         async with self._lock:
                             await self._process(batch)
@@ -547,6 +565,29 @@ class BatchConsumer:
             task.uncancel()
         finally:
             self._run_task = None
+
+    async def _poll_unless_stopping(self) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """The next batch, or nothing as soon as :meth:`stop` is called: an idle poll does not hold a stop up.
+
+        Records an abandoned poll fetched are not handled, so their offsets are not committed: the
+        group's next owner of their partitions reads them again.
+        """
+        poll = asyncio.ensure_future(
+            get_fresh_batch(self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms)
+        )
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({poll, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            poll.cancel()
+            raise
+        finally:
+            stopping.cancel()
+        if not poll.done():
+            poll.cancel()
+            await asyncio.gather(poll, return_exceptions=True)
+            return {}
+        return poll.result()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the in-flight batch (up to ``timeout_s``, then cancel it), commit, leave the group.

@@ -10,7 +10,13 @@ Services are chosen by ``KVLEDGER_TEST_SERVICES``:
 * ``containers``: testcontainers Postgres and ``apache/kafka`` (KRaft); skipped with the
   reason when testcontainers or a Docker engine is missing.
 * ``external``: ``KVLEDGER_DATABASE_URL`` (SQLAlchemy asyncpg URL) and
-  ``KVLEDGER_KAFKA_BOOTSTRAP`` (host:port) of services someone else runs.
+  ``KVLEDGER_KAFKA_BOOTSTRAP`` (host:port) of services someone else runs. The tests' consumer
+  groups use a 2 s session (``ledger_helpers.GROUP_TIMING``): a Kafka broker needs
+  ``group.min.session.timeout.ms`` at or below it.
+
+Waiting is kept short by sharing: services start once per session, every module copies one
+migrated database (``ledger_template``), and the tests' consumer groups join in about a second
+(``GROUP_TIMING``; the embedded broker holds each join for half the session timeout).
 
 Every test under ``tests/integration`` and ``tests/security`` is marked ``integration``
 automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. Helper modules
@@ -30,8 +36,10 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
-from ledger_helpers import SigningProducer
+from ledger_helpers import SigningProducer, fresh_database
+from sqlalchemy import make_url
 
+from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.consumers import kafka_settings
 from coordinator.db import Database
@@ -172,6 +180,8 @@ class _ApacheKafka:
             .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
             .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
             .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
+            # the tests' consumers use ledger_helpers.GROUP_TIMING, below the broker's 6 s default minimum
+            .with_env("KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS", "1000")
         )
 
     def __enter__(self) -> str:
@@ -205,8 +215,24 @@ def unique_name(request: pytest.FixtureRequest) -> str:
     return f"t-{safe}-{os.urandom(3).hex()}"
 
 
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def ledger_template(database_url: str) -> AsyncIterator[str]:
+    """Name of a database migrated to head once per session: ``fresh_database(database_url, ledger_template)``
+    copies it (``CREATE DATABASE … TEMPLATE``), the same schema without running the migrations again."""
+    async with fresh_database(database_url) as url:
+        await asyncio.to_thread(migrate.upgrade, url)
+        yield make_url(url).database
+
+
+@pytest.fixture(scope="module")
+async def ledger_url(database_url: str, ledger_template: str) -> AsyncIterator[str]:
+    """A migrated ledger database of this module's own (its tests share it; each uses its own ids)."""
+    async with fresh_database(database_url, ledger_template) as url:
+        yield url
+
+
 # Coordinator-side fixtures shared by the ledger test modules. Each module that uses them
-# defines its own module-scoped ``settings`` (a CoordinatorSettings over its own database).
+# defines its own module-scoped ``settings`` (usually ``ledger_helpers.coordinator_settings`` over ``ledger_url``).
 
 
 @pytest.fixture(scope="module")

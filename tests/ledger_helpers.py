@@ -1,7 +1,8 @@
-"""Helpers for the coordinator ledger integration tests: a fresh database per module, the coordinator's
-consumers in the test's event loop, waiting, event builders, consumer groups that start at the end of the
-shared broker's topics, and the keys every party signs with (the coordinator's command key, one key per
-test node, enrolled on first use)."""
+"""Helpers shared by the integration, security and e2e tests: a fresh database per module, coordinator
+settings (:func:`coordinator_settings`), the coordinator's consumers in the test's event loop, waiting
+(:func:`eventually`), event builders and a fake node (:class:`FakeNode`), consumer groups that start at the
+end of the shared broker's topics, and the keys every party signs with (the coordinator's command key, one
+key per test node, enrolled on first use)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import inspect
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -28,7 +30,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from coordinator.consumers import run_consumers
 from coordinator.settings import CoordinatorSettings
 from events.kafka import EventProducer, KafkaSettings
-from events.schema import Envelope, EventValidationError, StoredBlock
+from events.schema import BlockStored, Envelope, EventPayload, EventValidationError, NodeStarted, StoredBlock, make_event
 from events.topics import ACKS, COMMANDS, KV_EVENTS, route
 from gpu_node.node_identity import NODE_KEY_FILE
 from identity.signing import EnvelopeSigner, private_key_pem, public_key_pem, sign_envelope
@@ -135,6 +137,64 @@ class SigningProducer(EventProducer):
         return await super().send_many([await self.signed(envelope) for envelope in envelopes])
 
 
+GROUP_TIMING: dict[str, int] = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 500}
+"""Consumer-group timing of every test coordinator and :class:`~events.kafka.BatchConsumer`. The embedded
+broker holds each group join for half the session timeout: production's 10 s cost 5 s per group, 15 s per
+coordinator start (three groups). 2 s still survives a loaded machine's event-loop stalls between heartbeats."""
+
+
+GROUP_TIMING_ENV: dict[str, str] = {f"KVLEDGER_COORDINATOR_KAFKA__{name.upper()}": str(value) for name, value in GROUP_TIMING.items()}
+""":data:`GROUP_TIMING` as the environment of a coordinator process (``kvledger coordinator``, ``kvledger up``)."""
+
+
+def _merged(defaults: Mapping[str, object], overrides: Mapping[str, object]) -> dict[str, object]:
+    """``defaults`` with ``overrides`` applied; a group given as a dict on both sides is merged key by key."""
+    merged = dict(defaults)
+    for name, value in overrides.items():
+        base = merged.get(name)
+        merged[name] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+    return merged
+
+
+def coordinator_settings(database_url: str | None = None, bootstrap: str | None = None, **overrides) -> CoordinatorSettings:
+    """The tests' coordinator: ``database_url``'s ledger, the broker at ``bootstrap`` with a consumer group of its
+    own and :data:`GROUP_TIMING`, the tests' end-user secret, operator issuer, command key and subject key, and a
+    fast outbox relay. ``overrides`` are CoordinatorSettings arguments; a group given as a dict (``ledger={...}``)
+    is merged into the defaults key by key, so a test names only what it is about."""
+    defaults: dict[str, object] = {
+        "auth": {"jwt_secret": JWT_SECRET},
+        "operator_auth": OPERATOR_AUTH,
+        "ledger": {"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
+        "kafka": {"group_id": f"coordinator-{uuid.uuid4().hex[:8]}", **GROUP_TIMING},
+    }
+    if database_url is not None:
+        defaults["database"] = {"url": database_url}
+    if bootstrap is not None:
+        defaults["kafka"]["bootstrap"] = bootstrap
+    return CoordinatorSettings(**_merged(defaults, overrides))
+
+
+def coordinator_env(database_url: str, bootstrap: str, group_id: str, **extra: str) -> dict[str, str]:
+    """The environment of a ``kvledger coordinator`` process configured as :func:`coordinator_settings` configures
+    one in-process (``extra``: more variables, e.g. ``KVLEDGER_METRICS_TOKEN``)."""
+    return {
+        **os.environ,
+        "KVLEDGER_DATABASE_URL": database_url,
+        "KVLEDGER_KAFKA_BOOTSTRAP": bootstrap,
+        "KVLEDGER_JWT_SECRET": JWT_SECRET,
+        "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
+        "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
+        "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
+        **GROUP_TIMING_ENV,
+        **extra,
+    }
+
+
+def kafka_client_settings(bootstrap: str, **fields) -> KafkaSettings:
+    """Kafka settings of a test client of ``bootstrap`` (its own consumers join groups with :data:`GROUP_TIMING`)."""
+    return KafkaSettings(**{"bootstrap": bootstrap, "client_id": "kvledger-test", **GROUP_TIMING, **fields})
+
+
 class RunningConsumers:
     """The coordinator's consumers (``run_consumers``) as a task of the calling event loop; stoppable, restartable.
 
@@ -172,14 +232,47 @@ class RunningConsumers:
         await asyncio.wait_for(self.task, 60)
 
 
+class FakeNode:
+    """One GPU node as the ledger sees it: its kv-events with a running ``seq``, through a (signing) producer.
+
+    ``seq`` is the last one used; each epoch begins with ``NodeStarted`` at seq 0 (:meth:`start`), and every
+    further event takes the next seq unless the test names one (a gap, a replay)."""
+
+    def __init__(self, producer: EventProducer, node_id: str, *, epoch: int = 0, namespace: str = "ns-test") -> None:
+        self.producer, self.node_id, self.namespace = producer, node_id, namespace
+        self.epoch, self.seq = epoch, -1
+
+    def event(self, payload_type: type[EventPayload], *, seq: int | None = None, **fields) -> Envelope:
+        self.seq = self.seq + 1 if seq is None else seq
+        return make_event(payload_type(node_id=self.node_id, epoch=self.epoch, seq=self.seq, **fields))
+
+    async def publish(self, payload_type: type[EventPayload], **fields) -> Envelope:
+        envelope = self.event(payload_type, **fields)
+        await self.producer.send(envelope)
+        return envelope
+
+    async def start(self, epoch: int | None = None, namespace: str | None = None) -> Envelope:
+        """A new epoch (the next one unless ``epoch`` is given) announced by ``NodeStarted`` at seq 0."""
+        self.epoch = self.epoch + 1 if epoch is None else epoch
+        self.seq = -1
+        self.namespace = namespace or self.namespace
+        return await self.publish(NodeStarted, namespace=self.namespace)
+
+    async def store(self, *blocks: StoredBlock) -> Envelope:
+        return await self.publish(BlockStored, blocks=list(blocks))
+
+
 @contextlib.asynccontextmanager
-async def fresh_database(server_url: str) -> AsyncIterator[str]:
-    """CREATE a uniquely named database on the test server; DROP it afterwards. Yields its URL."""
+async def fresh_database(server_url: str, template: str | None = None) -> AsyncIterator[str]:
+    """CREATE a uniquely named database on the test server — empty, or a copy of the database named
+    ``template`` (the ``ledger_template`` fixture: migrated once per session, copied in milliseconds
+    where migrating takes seconds); DROP it afterwards. Yields its URL."""
     name = f"kvl_{uuid.uuid4().hex[:12]}"
     admin = create_async_engine(server_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    copy = "" if template is None else f' TEMPLATE "{template}"'
     try:
         async with admin.connect() as connection:
-            await connection.execute(text(f'CREATE DATABASE "{name}"'))
+            await connection.execute(text(f'CREATE DATABASE "{name}"{copy}'))
         try:
             yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
         finally:
@@ -198,14 +291,19 @@ async def connect(database_url: str) -> asyncpg.Connection:
 
 
 async def eventually(
-    condition: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition"
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition", poll_s: float = 0.05
 ) -> None:
-    """Poll an async condition until it holds; fail naming ``what`` after ``timeout_s``."""
+    """Poll ``condition`` (plain or async) until it holds; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not await condition():
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(poll_s)
 
 
 def block_hash(label: str) -> str:
@@ -264,3 +362,32 @@ async def scan_topic(
     finally:
         await consumer.stop()
 
+
+
+
+async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[ConsumerRecord]:
+    """Every record of ``topic`` that the broker acknowledged before the call, from every partition.
+
+    Reads until each partition's position reaches the end the broker reported at the start, then drains what
+    that last fetch brought (the embedded broker reports the end of a multi-record batch as the batch's base
+    offset + 1; the rest of the batch comes in the same fetch). No consumer group, so no join to wait for.
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    records: list[ConsumerRecord] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            await consumer.topics()
+            partitions = [TopicPartition(topic, partition) for partition in sorted(consumer.partitions_for_topic(topic) or ())]
+            assert partitions, f"topic {topic} does not exist"
+            consumer.assign(partitions)
+            await consumer.seek_to_beginning(*partitions)
+            ends = await consumer.end_offsets(partitions)
+            while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+                for batch in (await consumer.getmany(timeout_ms=200)).values():
+                    records.extend(batch)
+            for batch in (await consumer.getmany(timeout_ms=0)).values():
+                records.extend(batch)
+    finally:
+        await consumer.stop()
+    return records

@@ -2,8 +2,9 @@
 
 :class:`NodeServices` holds one node's engine, publisher and command consumer;
 :class:`ServedNode` adds its OpenAI-compatible app on a real uvicorn server
-(:class:`Served`) and the official ``openai`` client. Each test module subclasses
-them with its own start/stop order and its own view of what the node holds.
+(:class:`Served`) and the official ``openai`` client; :class:`RunningNode` starts and
+stops them in ``serve``'s order, restartable (a new epoch). Test modules subclass them
+with their own view of what the node holds or their own fault injection.
 :class:`CoordinatorThread` runs a coordinator (consumers and HTTP API) for nodes that
 talk to it: on an event loop of its own in a thread, because a node's pool asks the key
 service synchronously (from whatever thread touches the pool), which must never wait on
@@ -15,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Self
 
+import httpx
 import openai
 import uvicorn
 from ledger_helpers import JWT_SECRET, SUBJECT_KEY, RunningConsumers, command_public_key_file, eventually, install_node_key
@@ -176,6 +179,50 @@ class ServedNode(NodeServices):
         block_size = self.settings.cache.block_size
         full = num_cacheable_blocks(len(prompt.token_ids), block_size) * block_size
         return full, prompt.segments[0].end // block_size * block_size
+
+
+class RunningNode(ServedNode):
+    """A node started and stopped as ``serve`` does; stoppable and restartable (a new epoch)."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        super().__init__(settings)
+        self.running = False
+        self.replaying = False
+
+    async def start(self, *, replay: bool = True) -> Self:
+        """``engine.start(ready=False)`` → HTTP up → publisher → command replay; ``replay=False`` stops before the
+        publisher (:meth:`replay` goes on). The HTTP server listens from the start, as in ``serve``, so readiness
+        can be observed from outside."""
+        self.assemble()
+        await self.engine.start(ready=False)
+        self.running = True
+        await self.serve_http()
+        if replay:
+            await self.replay()
+        return self
+
+    async def replay(self) -> None:
+        self.replaying = True
+        await self.start_replay()
+
+    async def replayed(self, timeout_s: float = 60.0) -> None:
+        """Until the command log is replayed (the node then answers ready)."""
+        await asyncio.wait_for(self.commands.replayed.wait(), timeout_s)
+
+    async def ready(self) -> bool:
+        async with httpx.AsyncClient(base_url=self.http.url) as client:
+            return (await client.get("/readyz")).status_code == 200
+
+    async def stop(self) -> None:
+        """Idempotent, so a test that failed while the node was down leaves its fixture's teardown working."""
+        if not self.running:
+            return
+        self.running = False
+        await self.http.stop()
+        if self.replaying:
+            self.replaying = False
+            await self.stop_replay()
+        await self.engine.stop()
 
 
 def engine_message(message: dict) -> ChatMessage:

@@ -2,54 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
+from stack_harness import Up, cli_token, port_is_free
 
 from identity.tokens import issue_token
 
 pytestmark = pytest.mark.e2e
-
-STARTUP_TIMEOUT_S = 240
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-def _free_port_pair() -> int:
-    """A node port P with P and the coordinator's P - 100 both free."""
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port > 1200 and _port_is_free(port - 100):
-            return port
-    raise AssertionError("no free port pair")
-
-
-def _wait_for(condition, what: str, timeout_s: float, process: subprocess.Popen, log: Path):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if process.poll() is not None:
-            raise AssertionError(f"kvledger up exited ({process.returncode}) while waiting for {what}:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-
 
 def _environment_of(argv_items: list[str]) -> dict[str, str]:
     """The environment of the one running process whose command line holds all of ``argv_items``."""
@@ -67,41 +33,16 @@ def _environment_of(argv_items: list[str]) -> dict[str, str]:
     return found[0]
 
 
-def _stack_file(state_dir: Path):
-    path = state_dir / "stack.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _cli_token(state_dir: Path, *args: str) -> str:
-    """``kvledger token --stack STATE_DIR ARGS`` as a user runs it."""
-    minted = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "token", "--stack", str(state_dir), *args],
-        capture_output=True, text=True, timeout=60, check=True,
-        env={key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")},
-    )
-    return minted.stdout.strip()
-
-
-def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
-    state_dir = tmp_path / "state"
-    port = _free_port_pair()
-    log = tmp_path / "up.log"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")}
-    with open(log, "wb") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.cli", "up", "--state-dir", str(state_dir), "--model", str(tmp_path / "model"), "--port", str(port)],
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, tmp_path):
+    up = Up.start(tmp_path, tiny_model_dir)
+    state_dir, port = up.state_dir, up.port
     try:
-        stack = _wait_for(lambda: _stack_file(state_dir), "stack.json", STARTUP_TIMEOUT_S, process, log)
+        stack = up.wait_ready()
         assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret", "operator_private_key_file", "metrics_token"}
         assert stack["node_urls"] == [f"http://127.0.0.1:{port}"]
         assert os.stat(stack["operator_private_key_file"]).st_mode & 0o777 == 0o600
 
-        token = _cli_token(state_dir, "--tenant", "acme", "--sub", "alice", "--scopes", "hr", "--pv", "1")
+        token = cli_token(state_dir, "--tenant", "acme", "--sub", "alice", "--scopes", "hr", "--pv", "1")
         client = OpenAI(base_url=stack["node_urls"][0] + "/v1", api_key=token, max_retries=0)
         messages = [
             {"role": "system", "content": "You are the ACME assistant. " * 20, "cache_scope": "public"},
@@ -114,7 +55,7 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
         assert second.choices[0].message.content == first.choices[0].message.content
 
-        admin = _cli_token(state_dir, "--tenant", "platform", "--sub", "operator", "--role", "platform-admin")
+        admin = cli_token(state_dir, "--tenant", "platform", "--sub", "operator", "--role", "platform-admin")
         headers = {"Authorization": f"Bearer {admin}"}
         # The end users' secret mints no operator: the coordinator refuses it whatever it claims.
         forged = issue_token(tenant="acme", sub="mallory", roles=["platform-admin"], ttl_s=600, secret=stack["jwt_secret"])
@@ -131,10 +72,10 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
             response = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "acme", "doc_id": "handbook"}, headers=headers)
             return response.status_code == 200 and response.json()["blocks"]
 
-        _wait_for(ledger_has_the_blocks, "the node's blocks in the ledger", 60, process, log)
+        up.wait_for(ledger_has_the_blocks, "the node's blocks in the ledger", 60)
         nodes = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers=headers).json()
         assert [node["node_id"] for node in nodes["nodes"]] == ["node-0"]
-        auditor = _cli_token(state_dir, "--tenant", "acme", "--sub", "auditor-1", "--role", "auditor")
+        auditor = cli_token(state_dir, "--tenant", "acme", "--sub", "auditor-1", "--role", "auditor")
         own = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"doc_id": "handbook"}, headers={"Authorization": f"Bearer {auditor}"})
         assert own.status_code == 200 and own.json()["blocks"] and {b["tenant_id"] for b in own.json()["blocks"]} == {"acme"}
         other = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "globex"}, headers={"Authorization": f"Bearer {auditor}"})
@@ -160,33 +101,18 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tmp_path):
         for secret in ("KVLEDGER_MASTER_KEY", "KVLEDGER_DATABASE_URL", "KVLEDGER_COMMAND_SIGNING_KEY"):
             assert secret not in node_env
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            status = process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise
-    assert status == 0, log.read_text()[-4000:]
-    assert _port_is_free(port) and _port_is_free(port - 100)
+        status = up.terminate()
+    assert status == 0, up.log.read_text()[-4000:]
+    assert port_is_free(port) and port_is_free(port - 100)
 
 
 def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_path):
-    state_dir = tmp_path / "state"
-    port = _free_port_pair()
-    log = tmp_path / "up.log"
     errors = tmp_path / "up.err"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")}
-    with open(log, "wb") as output, open(errors, "wb") as error_output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.cli", "up", "--state-dir", str(state_dir), "--model", str(tmp_path / "model"), "--port", str(port)],
-            stdout=output,
-            stderr=error_output,
-            env=env,
-            start_new_session=True,
-        )
+    up = Up.start(tmp_path, errors=errors)
+    state_dir, port, process = up.state_dir, up.port, up.process
     try:
-        stack = _wait_for(lambda: _stack_file(state_dir), "stack.json", STARTUP_TIMEOUT_S, process, log)
-        steps = [line.split("] ", 1)[1] for line in log.read_text().splitlines() if line.startswith("[")]
+        stack = up.wait_ready()
+        steps = [line.split("] ", 1)[1] for line in up.log.read_text().splitlines() if line.startswith("[")]
         assert steps == [
             f"building the tiny model in {tmp_path / 'model'}",
             "model built",
@@ -203,10 +129,10 @@ def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_p
         os.kill(node_pid, signal.SIGKILL)
         status = process.wait(timeout=90)
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)
+        up.kill()
         raise
-    assert status == 1, log.read_text()[-4000:]
+    assert status == 1, up.log.read_text()[-4000:]
     lines = errors.read_text().splitlines()
     assert lines[-1] == f"kvledger up: error: node-0 (pid {node_pid}) exited with status -9; stopped the stack (log: {state_dir / 'logs' / 'node-0.log'})"
     assert "Traceback" not in errors.read_text()
-    assert _port_is_free(port) and _port_is_free(port - 100)
+    assert port_is_free(port) and port_is_free(port - 100)

@@ -26,17 +26,15 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from ledger_helpers import (
     COMMAND_KEY,
-    COMMAND_SIGNING_KEY,
     JWT_SECRET,
-    OPERATOR_AUTH,
-    SUBJECT_KEY,
     RunningConsumers,
+    coordinator_settings,
     enroll_nodes,
     eventually,
     fresh_database,
     sign_command,
 )
-from node_harness import NodeServices, node_settings
+from node_harness import RunningNode, node_settings
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select, update
 
@@ -44,16 +42,14 @@ from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.db import Database
 from coordinator.invalidation import decide
-from coordinator.migrate import upgrade
 from coordinator.models import Invalidation, InvalidationTarget, Node, OutboxEntry
 from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events import kafka, schema, topics
 from events.kafka import EventProducer, KafkaSettings
-from gpu_node.api import create_app
 from gpu_node.settings import CacheSettings
 from identity.signing import signature_problem
-from identity.tokens import TokenVerifier, issue_token
+from identity.tokens import issue_token
 
 AFTER_S = 0.2
 MAX_S = 0.8
@@ -64,9 +60,8 @@ TIMEOUT_S = 30.0
 
 
 @pytest.fixture
-async def ledger(database_url: str) -> AsyncIterator[Database]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
+async def ledger(database_url: str, ledger_template: str) -> AsyncIterator[Database]:
+    async with fresh_database(database_url, ledger_template) as url:
         database = Database(DatabaseSettings(url=url), pre_ping=False)
         try:
             yield database
@@ -184,8 +179,9 @@ async def test_settings_refuse_a_maximum_below_the_first_wait() -> None:
 # --------------------------------------------------------------------------- end to end with a real node
 
 
-class ChatNode(NodeServices):
-    """A node as ``serve`` assembles it, its API driven over ASGI; ``apply_counts`` counts applications per command."""
+class ChatNode(RunningNode):
+    """A node as ``serve`` runs it (``node_harness.RunningNode``); ``apply_counts`` counts applications per command,
+    ``drop_next_ack`` loses the next ack on its way."""
 
     def __init__(self, settings) -> None:
         super().__init__(settings)
@@ -193,11 +189,8 @@ class ChatNode(NodeServices):
         self.dropped_acks: list[schema.Envelope] = []
         self.drop_next_ack = False
 
-    async def start(self) -> ChatNode:
-        self.assemble()
-        self.http = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=create_app(self.engine, TokenVerifier(self.settings.auth))), base_url="http://node", timeout=60
-        )
+    def assemble(self) -> None:
+        super().assemble()
         real_apply_batch = self.commands.handler.apply_batch
         real_send = self.commands._producer.send
 
@@ -216,15 +209,11 @@ class ChatNode(NodeServices):
 
         self.commands.handler.apply_batch = apply_batch_counted
         self.commands._producer.send = send_dropping
-        await self.engine.start(ready=False)
-        await self.start_replay()
-        await eventually(lambda: _true(self.commands.replayed.is_set()), timeout_s=TIMEOUT_S, what=f"{self.node_id} ready")
-        return self
 
-    async def stop(self) -> None:
-        await self.http.aclose()
-        await self.stop_replay()
-        await self.engine.stop()
+    async def start(self) -> ChatNode:
+        await super().start()
+        await self.replayed(TIMEOUT_S)
+        return self
 
     async def cache(self, tenant: str, doc_id: str, version: int) -> None:
         token = issue_token(tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": 1}, ttl_s=600, secret=JWT_SECRET)
@@ -235,7 +224,8 @@ class ChatNode(NodeServices):
             {"role": "user", "content": "What is the leave policy?"},
         ]
         body = {"model": self.engine.model_name, "messages": messages, "max_tokens": 1, "temperature": 0}
-        response = await self.http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
+        async with httpx.AsyncClient(base_url=self.http.url, timeout=60) as client:
+            response = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
         assert response.status_code == 200, response.text
 
     def holdings(self, tenant: str, doc_id: str) -> set[str]:
@@ -246,10 +236,6 @@ class ChatNode(NodeServices):
         }
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 @dataclass(frozen=True)
 class Ledger:
     url: str
@@ -257,24 +243,15 @@ class Ledger:
 
 
 @pytest.fixture(scope="module")
-async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Ledger]:
+async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[Ledger]:
     """The coordinator's consumers with fast re-sends, on a fresh ledger whose groups start at the topics' ends."""
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
+    async with fresh_database(database_url, ledger_template) as url:
         group = f"resend-{uuid.uuid4().hex[:8]}"
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": group},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={
-                "command_signing_key": COMMAND_SIGNING_KEY,
-                "subject_key": SUBJECT_KEY,
-                "outbox_poll_s": 0.1,
-                "command_resend_after_s": 0.5,
-                "command_resend_max_s": 2.0,
-                "command_resend_poll_s": 0.1,
-            },
+        settings = coordinator_settings(
+            url,
+            kafka_bootstrap,
+            kafka={"group_id": group},
+            ledger={"command_resend_after_s": 0.5, "command_resend_max_s": 2.0, "command_resend_poll_s": 0.1},
         )
         await kafka.ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(group))

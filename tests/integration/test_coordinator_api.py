@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, fresh_database, stored
+from ledger_helpers import JWT_SECRET, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, coordinator_settings, fresh_database, stored
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import migrate
@@ -74,16 +74,9 @@ def _at(envelope, occurred_at: datetime):
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "heartbeat_timeout_s": 30},
-            metrics={"token": METRICS_TOKEN},
-        )
+async def settings(database_url: str, ledger_template: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        yield coordinator_settings(url, ledger={"heartbeat_timeout_s": 30}, metrics={"token": METRICS_TOKEN})
 
 
 @pytest.fixture(scope="module")
@@ -302,9 +295,7 @@ async def test_metrics_need_the_metrics_token(client: httpx.AsyncClient) -> None
 async def test_metrics_are_disabled_without_a_metrics_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLEDGER_METRICS_TOKEN", raising=False)
     monkeypatch.delenv("KVLEDGER_COORDINATOR_METRICS__TOKEN", raising=False)
-    settings = CoordinatorSettings(
-        auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH, ledger={"command_signing_key": COMMAND_SIGNING_KEY}
-    )
+    settings = coordinator_settings()
     assert settings.metrics.token is None
     transport = httpx.ASGITransport(app=create_app(settings))
     async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
@@ -364,12 +355,7 @@ async def test_metrics_report_stale_nodes_and_open_erasures_from_the_ledger(clie
 
 async def test_readyz_is_false_until_migrated(database_url: str) -> None:
     async with fresh_database(database_url) as url:
-        settings = CoordinatorSettings(
-            database={"url": url},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY},
-        )
+        settings = coordinator_settings(url)
         app = create_app(settings)
         transport = httpx.ASGITransport(app=app)
         async with (

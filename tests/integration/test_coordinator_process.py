@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_PUBLIC_KEY_FILE, SigningProducer, eventually, fresh_database, stored
+from ledger_helpers import SigningProducer, coordinator_env, eventually, stored
 from sqlalchemy import func, select
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.models import InboxEntry, Node, Placement
 from coordinator.settings import CoordinatorSettings
@@ -38,30 +34,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-async def ledger_url(database_url: str) -> AsyncIterator[str]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield url
-
-
 class CoordinatorProcess:
     def __init__(
         self, ledger_url: str, kafka_bootstrap: str, group_id: str, log_path: Path, role: str = "all", **extra_env: str
     ) -> None:
         self.port = _free_port()
         self.role = role
-        self.env = {
-            **os.environ,
-            "KVLEDGER_DATABASE_URL": ledger_url,
-            "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
-            "KVLEDGER_JWT_SECRET": JWT_SECRET,
-            "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
-            "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
-            "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
-            "KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS": "20",
-            **extra_env,
-        }
+        self.env = coordinator_env(ledger_url, kafka_bootstrap, group_id, KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS="20", **extra_env)
         self.log_path = log_path
         self.process: asyncio.subprocess.Process | None = None
 

@@ -9,7 +9,6 @@ then was decided only after the join. Real Postgres, the session's broker, the r
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, eventually, fresh_database
+from ledger_helpers import coordinator_env, coordinator_settings, eventually, fresh_database
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
@@ -38,16 +37,9 @@ DECIDED_WITHIN_S = 3.0
 
 
 @pytest.fixture
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"ready-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "outbox_poll_s": 0.1},
-        )
+async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url, kafka_bootstrap)
         await kafka.ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
         yield settings
@@ -119,15 +111,7 @@ def _free_port() -> int:
 
 async def test_a_consumers_only_process_serves_readyz_and_is_consuming_when_ready(settings: CoordinatorSettings, tmp_path: Path) -> None:
     port = _free_port()
-    env = {
-        **os.environ,
-        "KVLEDGER_DATABASE_URL": settings.database.url.get_secret_value(),
-        "KVLEDGER_KAFKA_BOOTSTRAP": settings.kafka.bootstrap,
-        "KVLEDGER_JWT_SECRET": JWT_SECRET,
-        "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
-        "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
-        "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": settings.kafka.group_id,
-    }
+    env = coordinator_env(settings.database.url.get_secret_value(), settings.kafka.bootstrap, settings.kafka.group_id)
     log_path = tmp_path / "consumers.log"
     with open(log_path, "ab") as log:
         process = await asyncio.create_subprocess_exec(

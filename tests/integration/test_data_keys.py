@@ -23,10 +23,9 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, enroll_nodes, fresh_database, node_key
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, coordinator_settings, enroll_nodes, fresh_database, node_key
 from sqlalchemy import select
 
-from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService, MasterKeyError
@@ -69,17 +68,10 @@ def _auth() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
+async def settings(database_url: str, ledger_template: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
         await enroll_nodes(url, [NODE_ID])
-        yield CoordinatorSettings(
-            database={"url": url},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-            keys={"master_key": base64.b64encode(MASTER_KEY).decode()},
-        )
+        yield coordinator_settings(url, keys={"master_key": base64.b64encode(MASTER_KEY).decode()})
 
 
 @pytest.fixture(scope="module")

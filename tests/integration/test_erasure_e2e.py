@@ -32,22 +32,19 @@ from pathlib import Path
 import httpx
 import pytest
 from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
     JWT_SECRET,
-    OPERATOR_AUTH,
     SUBJECT_KEY,
     connect,
+    coordinator_settings,
     enroll_nodes,
     eventually,
     fresh_database,
     operator_headers,
 )
-from node_harness import CoordinatorThread, ServedNode, node_settings
+from node_harness import CoordinatorThread, RunningNode, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
-from coordinator.migrate import upgrade
-from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.schema import subject_digest
 from gpu_node.block_pool import BlockState, Tier
@@ -55,7 +52,7 @@ from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
-from gpu_node.settings import CacheSettings, NodeSettings
+from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 
 BLOCK_SIZE = 16
@@ -75,31 +72,18 @@ def officer(tenant: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- coordinator and nodes
 
 
-class Node(ServedNode):
-    """One GPU node as ``gpu_node.server.serve`` assembles it; stoppable and restartable (a new epoch)."""
+class Node(RunningNode):
+    """One GPU node as ``serve`` runs it (``node_harness.RunningNode``), keeping its data keys in the coordinator."""
 
-    def __init__(self, settings: NodeSettings) -> None:
-        super().__init__(settings)
-        self.running = False
-
-    async def start(self) -> Node:
-        self.assemble()
-        await self.engine.start(ready=False)
-        self.running = True
-        await self.serve_http()
-        await self.start_replay()
-        await asyncio.wait_for(self.commands.replayed.wait(), 60)
+    async def start(self, *, replay: bool = True) -> Node:
+        await super().start(replay=replay)
+        await self.replayed()
         return self
 
     async def stop(self) -> None:
-        """Idempotent, so a test that failed while the node was down leaves the teardown working."""
-        if not self.running:
-            return
-        self.running = False
-        await self.http.stop()
-        await self.stop_replay()
-        await self.engine.stop()
-        self.engine.pool.key_provider.close()
+        if self.running:
+            await super().stop()
+            self.engine.pool.key_provider.close()
 
     async def holdings(self, tenant: str, subject: str) -> set[tuple[str, str]]:
         """(block hash, tier) of the subject's blocks this node holds, snapshots as tier ``snapshot``."""
@@ -117,17 +101,15 @@ class Node(ServedNode):
 
 
 @pytest.fixture(scope="module")
-async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[dict]:
+async def stack(database_url: str, ledger_template: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[dict]:
     """The coordinator (own thread) and two registered, ready nodes keeping their data keys in it."""
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
+    async with fresh_database(database_url, ledger_template) as url:
         group = f"erasure-e2e-{uuid.uuid4().hex[:8]}"
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": group},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.5},
+        settings = coordinator_settings(
+            url,
+            kafka_bootstrap,
+            kafka={"group_id": group},
+            ledger={"erasure_verify_interval_s": 0.5},
             keys={"master_key": MASTER_KEY},
         )
         await kafka.ensure_topics(kafka_settings(settings))

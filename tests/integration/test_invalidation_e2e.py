@@ -35,26 +35,14 @@ import httpx
 import openai
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
-    SUBJECT_KEY,
-    RunningConsumers,
-    enroll_nodes,
-    eventually,
-    fresh_database,
-    operator_headers,
-)
-from node_harness import Served, ServedNode, node_settings
+from ledger_helpers import JWT_SECRET, RunningConsumers, coordinator_settings, enroll_nodes, eventually, operator_headers
+from node_harness import RunningNode, Served, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import consumer_groups, kafka_settings
-from coordinator.migrate import upgrade
-from coordinator.settings import CoordinatorSettings
 from events import kafka, topics
-from gpu_node.settings import CacheSettings, NodeSettings
+from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 
 BLOCK_SIZE = 16
@@ -67,45 +55,8 @@ MEMORY_TIERS = ("device", "host", "disk")
 # --------------------------------------------------------------------------- nodes
 
 
-class Node(ServedNode):
-    """One GPU node as ``gpu_node.server.serve`` assembles it; can be stopped and started again (a new epoch)."""
-
-    def __init__(self, settings: NodeSettings) -> None:
-        super().__init__(settings)
-        self.running = False
-        self.replaying = False
-
-    async def start(self, *, replay: bool = True) -> Node:
-        """engine.start(ready=False) → HTTP up → publisher → command replay; ``replay=False`` stops before the publisher.
-
-        The HTTP server listens from the start, as in ``serve``, so readiness can be observed from outside.
-        """
-        self.assemble()
-        await self.engine.start(ready=False)
-        self.running = True
-        await self.serve_http()
-        if replay:
-            await self.replay()
-        return self
-
-    async def replay(self) -> None:
-        self.replaying = True
-        await self.start_replay()
-
-    async def stop(self) -> None:
-        """Idempotent, so a test that failed while the node was down leaves the fixture's teardown working."""
-        if not self.running:
-            return
-        self.running = False
-        await self.http.stop()
-        if self.replaying:
-            self.replaying = False
-            await self.stop_replay()
-        await self.engine.stop()
-
-    async def ready(self) -> bool:
-        async with httpx.AsyncClient(base_url=self.http.url) as client:
-            return (await client.get("/readyz")).status_code == 200
+class Node(RunningNode):
+    """One GPU node as ``serve`` runs it (``node_harness.RunningNode``), and what it holds."""
 
     def holdings(self, tenant: str, doc_id: str | None = None) -> set[tuple[str, str]]:
         """(block hash, tier) of the tenant's READY blocks (holding ``doc_id`` at any version, when given)."""
@@ -121,24 +72,10 @@ class Node(ServedNode):
 
 
 @pytest.fixture(scope="module")
-async def ledger_url(database_url: str) -> AsyncIterator[str]:
-    """A fresh, migrated ledger database (where the nodes' keys are enrolled)."""
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
-        yield url
-
-
-@pytest.fixture(scope="module")
 async def coordinator(ledger_url: str, kafka_bootstrap: str) -> AsyncIterator[str]:
     """The coordinator's consumers and HTTP API on a fresh ledger; yields the API's base URL."""
     group = f"e2e-{uuid.uuid4().hex[:8]}"
-    settings = CoordinatorSettings(
-        database={"url": ledger_url},
-        kafka={"bootstrap": kafka_bootstrap, "group_id": group},
-        auth={"jwt_secret": JWT_SECRET},
-        operator_auth=OPERATOR_AUTH,
-        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
-    )
+    settings = coordinator_settings(ledger_url, kafka_bootstrap, kafka={"group_id": group})
     await kafka.ensure_topics(kafka_settings(settings))
     await start_groups_at_end(
         kafka_bootstrap,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from ledger_helpers import eventually, kafka_client_settings
 from prometheus_client import REGISTRY
 
 from events.codec import DeadLetter, encode_event, encode_key
@@ -19,17 +20,9 @@ from events.topics import DEAD_LETTER, DOCUMENTS
 PARTITIONS = 4
 
 
-async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 @pytest.fixture
 async def settings(kafka_bootstrap: str, unique_name: str) -> KafkaSettings:
-    settings = KafkaSettings(bootstrap=kafka_bootstrap, client_id="kvledger-test", num_partitions=PARTITIONS)
+    settings = kafka_client_settings(kafka_bootstrap, num_partitions=PARTITIONS)
     await ensure_topics(settings, [unique_name, DEAD_LETTER])
     return settings
 
@@ -68,9 +61,7 @@ async def running(consumer: BatchConsumer, stop_timeout_s: float = 30.0) -> Asyn
 
 
 def consumer_for(settings: KafkaSettings, topic: str, handler, group: str, **options) -> BatchConsumer:
-    return BatchConsumer(
-        settings, [topic], handler, group_id=group, heartbeat_interval_ms=300, session_timeout_ms=6000, **options
-    )
+    return BatchConsumer(settings, [topic], handler, group_id=group, **options)
 
 
 async def committed(settings: KafkaSettings, group: str, topic: str) -> dict[int, int | None]:
@@ -215,6 +206,19 @@ async def test_offset_is_not_committed_while_the_handler_runs(
     assert recorder.delivered()[0].offset == seen[0].offset
 
 
+async def test_stop_does_not_wait_for_an_idle_poll(settings: KafkaSettings, unique_name: str) -> None:
+    """A consumer waiting for records (here up to 60 s a poll) stops at once, not when its poll times out."""
+    consumer = consumer_for(settings, unique_name, Recorder(), unique_name, poll_timeout_ms=60_000)
+    await consumer.start()
+    task = asyncio.create_task(consumer.run())
+    await eventually(lambda: consumer.consuming, what="the consumer to consume")
+    await asyncio.sleep(0.2)  # inside its (empty) poll now
+    started = time.monotonic()
+    await consumer.stop()
+    await asyncio.wait_for(task, 5)
+    assert time.monotonic() - started < 10
+
+
 async def test_two_consumers_split_partitions_without_duplicates(
     settings: KafkaSettings, producer: EventProducer, unique_name: str
 ) -> None:
@@ -295,7 +299,10 @@ async def test_settings_validation() -> None:
         KafkaSettings(bootstrap="")
     with pytest.raises(ValueError):
         KafkaSettings(bootstrap="x:1", num_partitions=0)
+    with pytest.raises(ValueError, match="heartbeat_interval_ms \\(2000\\) must be below session_timeout_ms \\(2000\\)"):
+        KafkaSettings(bootstrap="x:1", session_timeout_ms=2000, heartbeat_interval_ms=2000)
     settings = KafkaSettings(bootstrap="x:1")
+    assert (settings.session_timeout_ms, settings.heartbeat_interval_ms) == (10_000, 3_000)  # aiokafka's defaults
     with pytest.raises(ValueError, match="group_id"):
         BatchConsumer(settings, ["t"], Recorder())
     with pytest.raises(ValueError, match="dead-letter"):

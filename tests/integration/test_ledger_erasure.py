@@ -26,12 +26,11 @@ from pathlib import Path
 import httpx
 import pytest
 from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
     SUBJECT_KEY,
+    FakeNode,
     RunningConsumers,
     block_hash,
+    coordinator_settings,
     eventually,
     fresh_database,
     operator_headers,
@@ -40,7 +39,6 @@ from ledger_helpers import (
 )
 from sqlalchemy import func, select, text
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService
 from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt
@@ -55,7 +53,6 @@ from events.schema import (
     ErasureRequested,
     Invalidate,
     MovedBlock,
-    NodeStarted,
     SnapshotWritten,
     SubjectPredicate,
     TierEvidence,
@@ -70,21 +67,12 @@ MASTER_KEY = base64.b64encode(b"m" * 32).decode()
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"erasure-test-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={
-                "command_signing_key": COMMAND_SIGNING_KEY,
-                "subject_key": SUBJECT_KEY,
-                "outbox_poll_s": 0.1,
-                "inventory_retry_s": 3600,
-                "erasure_verify_interval_s": 0.2,
-            },
+async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        yield coordinator_settings(
+            url,
+            kafka_bootstrap,
+            ledger={"inventory_retry_s": 3600, "erasure_verify_interval_s": 0.2},
             keys={"master_key": MASTER_KEY},
         )
 
@@ -112,20 +100,6 @@ OFFICER = token("privacy-officer")
 
 def digest(subject: str) -> str:
     return subject_digest(SUBJECT_KEY.encode(), TENANT, subject)
-
-
-class FakeNode:
-    """One GPU node as the ledger sees it: kv-events with a running seq, and acks."""
-
-    def __init__(self, producer: EventProducer, node_id: str) -> None:
-        self.producer, self.node_id, self.epoch, self.seq = producer, node_id, 1, 0
-
-    async def start(self) -> None:
-        await self.producer.send(make_event(NodeStarted(node_id=self.node_id, epoch=1, seq=0, namespace="ns-test")))
-
-    async def send(self, payload_type, **fields) -> None:
-        self.seq += 1
-        await self.producer.send(make_event(payload_type(node_id=self.node_id, epoch=self.epoch, seq=self.seq, **fields)))
 
 
 async def ack(producer: EventProducer, command_id: uuid.UUID, node_id: str, *evidence: TierEvidence) -> None:
@@ -215,7 +189,7 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     keep = [block_hash(f"{uid}-other"), block_hash(f"{uid}-public")]
     for node in (node_a, node_b):
         await node.start()
-    await node_a.send(
+    await node_a.publish(
         BlockStored,
         blocks=[
             stored(f"{uid}-a-dev", "device", **user),
@@ -225,10 +199,10 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
             stored(f"{uid}-public", "host"),
         ],
     )
-    await node_b.send(
+    await node_b.publish(
         BlockStored, blocks=[stored(f"{uid}-b-dev", "device", **user), stored(f"{uid}-b-snap", "disk", **user)]
     )
-    await node_b.send(SnapshotWritten, snapshot_id=f"snap-{uid}", block_hashes=[h["b-snap"]])
+    await node_b.publish(SnapshotWritten, snapshot_id=f"snap-{uid}", block_hashes=[h["b-snap"]])
     keys = KeyService(database, base64.b64decode(MASTER_KEY), SUBJECT_KEY.encode())
     data_key_id, _ = await keys.resolve(TENANT, mine)
 
@@ -384,7 +358,7 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     command_id = uuid.UUID(erasure["commands"][0]["command_id"])
 
     # A block built from the subject before the cutoff arrives late: a re-send goes out at once.
-    await node.send(BlockStored, blocks=[stored(f"{uid}-late", "device", tenant_id=TENANT, scope="user", subject_id=mine)])
+    await node.publish(BlockStored, blocks=[stored(f"{uid}-late", "device", tenant_id=TENANT, scope="user", subject_id=mine)])
 
     async def resent() -> bool:
         async with database.session() as session:
@@ -404,7 +378,7 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     # Meanwhile the ledger records the block moving to host, after the re-send was decided: when every
     # command is complete and that copy is still live, the verifier sends the subject command once more.
     late = block_hash(f"{uid}-late")
-    await node.send(BlockMoved, blocks=[MovedBlock(block_hash=late, from_tier="device", to_tier="host")])
+    await node.publish(BlockMoved, blocks=[MovedBlock(block_hash=late, from_tier="device", to_tier="host")])
 
     async def moved() -> bool:
         return await placement_states(database, [late]) == {"deleted", "live"}

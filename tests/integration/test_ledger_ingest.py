@@ -7,16 +7,14 @@ even though the broker and its topics are shared by the whole session.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, SUBJECT_KEY, RunningConsumers, block_hash, eventually, fresh_database, scan_topic, stored
+from ledger_helpers import SUBJECT_KEY, FakeNode, RunningConsumers, block_hash, coordinator_settings, eventually, scan_topic, stored
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.models import Block, BlockAuthScope, BlockDocument, DeadLetterCount, InboxEntry, Node, OutboxEntry, Placement, Snapshot
 from coordinator.settings import CoordinatorSettings
@@ -27,13 +25,10 @@ from events.schema import (
     BlockProvenance,
     BlockRemoved,
     BlockStored,
-    Envelope,
-    EventPayload,
     Inventory,
     InventoryRequested,
     MovedBlock,
     NodeHeartbeat,
-    NodeStarted,
     RemovedBlock,
     SnapshotDeleted,
     SnapshotWritten,
@@ -46,19 +41,8 @@ from events.topics import COMMANDS, DEAD_LETTER, KV_EVENTS
 
 
 @pytest.fixture(scope="module")
-async def ledger_url(database_url: str) -> AsyncIterator[str]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield url
-
-
-@pytest.fixture(scope="module")
 async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
-    return CoordinatorSettings(
-        database={"url": ledger_url},
-        kafka={"bootstrap": kafka_bootstrap, "group_id": f"ledger-test-{uuid.uuid4().hex[:8]}"},
-        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
-    )
+    return coordinator_settings(ledger_url, kafka_bootstrap, ledger={"inventory_retry_s": 3600})
 
 
 @pytest.fixture(scope="module")
@@ -71,31 +55,6 @@ async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[None]:
 @pytest.fixture
 def node_id() -> str:
     return f"node-{uuid.uuid4().hex[:8]}"
-
-
-class FakeNode:
-    """Publishes one node's events with a running ``seq``, like a GPU node does."""
-
-    def __init__(self, producer: EventProducer, node_id: str, epoch: int = 1) -> None:
-        self.producer = producer
-        self.node_id = node_id
-        self.epoch = epoch
-        self.seq = -1
-
-    def event(self, payload_type: type[EventPayload], *, seq: int | None = None, **fields) -> Envelope:
-        if seq is None:
-            seq = self.seq + 1
-        self.seq = seq
-        return make_event(payload_type(node_id=self.node_id, epoch=self.epoch, seq=seq, **fields))
-
-    async def publish(self, payload_type: type[EventPayload], **fields) -> Envelope:
-        envelope = self.event(payload_type, **fields)
-        await self.producer.send(envelope)
-        return envelope
-
-    async def start(self, epoch: int) -> Envelope:
-        self.epoch, self.seq = epoch, -1
-        return await self.publish(NodeStarted, namespace="ns-test")
 
 
 async def node_row(database: Database, node_id: str) -> Node | None:

@@ -28,12 +28,11 @@ import pytest
 import uvicorn
 from aiokafka import AIOKafkaProducer
 from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
     JWT_SECRET,
-    OPERATOR_AUTH,
     OPERATOR_PRIVATE_KEY_PEM,
-    SUBJECT_KEY,
+    FakeNode,
     RunningConsumers,
+    coordinator_settings,
     eventually,
     fresh_database,
     scan_topic,
@@ -54,12 +53,10 @@ from events.codec import DeadLetter, encode_key
 from events.kafka import ConsumedEvent, EventProducer
 from events.schema import (
     BlockRemoved,
-    BlockStored,
     CommandAck,
     DocumentDeleted,
     DocumentUpdated,
     Invalidate,
-    NodeStarted,
     PermissionRevoked,
     RemovedBlock,
     TierEvidence,
@@ -72,16 +69,9 @@ from kvledger import admin, publish
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"invalidation-test-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
-        )
+async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        yield coordinator_settings(url, kafka_bootstrap, ledger={"inventory_retry_s": 3600})
 
 
 @pytest.fixture(scope="module")
@@ -105,27 +95,7 @@ def counter(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-class Node_:
-    """One fake GPU node: publishes kv-events with a running seq and acks commands."""
-
-    def __init__(self, producer: EventProducer, node_id: str, namespace: str = "ns-test") -> None:
-        self.producer, self.node_id, self.namespace = producer, node_id, namespace
-        self.epoch, self.seq = 0, -1
-
-    async def start(self, namespace: str | None = None) -> None:
-        self.epoch, self.seq = self.epoch + 1, 0
-        self.namespace = namespace or self.namespace
-        await self.producer.send(
-            make_event(NodeStarted(node_id=self.node_id, epoch=self.epoch, seq=0, namespace=self.namespace))
-        )
-
-    async def store(self, *blocks) -> None:
-        self.seq += 1
-        stored_event = BlockStored(node_id=self.node_id, epoch=self.epoch, seq=self.seq, blocks=list(blocks))
-        await self.producer.send(make_event(stored_event))
-
-
-async def _nodes_applied(database: Database, *nodes: Node_) -> None:
+async def _nodes_applied(database: Database, *nodes: FakeNode) -> None:
     async def applied() -> bool:
         async with database.session() as session:
             for node in nodes:
@@ -207,7 +177,7 @@ async def test_document_update_from_a_plain_producer(
     coordinator, database: Database, producer: EventProducer, client: httpx.AsyncClient, settings, uid: str
 ) -> None:
     tenant = f"acme-{uid}"
-    a, b = Node_(producer, f"a-{uid}"), Node_(producer, f"b-{uid}")
+    a, b = FakeNode(producer, f"a-{uid}"), FakeNode(producer, f"b-{uid}")
     public = stored(f"{uid}/public", "device")
     old = stored(
         f"{uid}/old", "device", tenant_id=tenant, scope="tenant", auth_scopes=[("hr", 1)], documents=["handbook@1"]
@@ -363,7 +333,7 @@ async def test_permission_revocation_invalidates_the_whole_scope(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     tenant = f"acme-{uid}"
-    node = Node_(producer, f"p-{uid}")
+    node = FakeNode(producer, f"p-{uid}")
     hr1 = stored(f"{uid}/hr1", "device", tenant_id=tenant, scope="tenant", auth_scopes=[("hr", 1)])
     hr2 = stored(f"{uid}/hr2", "device", tenant_id=tenant, scope="tenant", auth_scopes=[("hr", 2)])
     sales = stored(f"{uid}/sales", "device", tenant_id=tenant, scope="tenant", auth_scopes=[("sales", 1)])
@@ -395,7 +365,7 @@ async def test_unverified_ack_keeps_the_command_open(
     coordinator, database: Database, producer: EventProducer, uid: str
 ) -> None:
     tenant = f"acme-{uid}"
-    node = Node_(producer, f"u-{uid}")
+    node = FakeNode(producer, f"u-{uid}")
     block = stored(f"{uid}/b", "disk", tenant_id=tenant, scope="tenant", documents=["d@1"])
     await node.start()
     await node.store(block)
@@ -475,7 +445,7 @@ async def test_namespace_retirement(
     uid: str,
 ) -> None:
     old_ns, new_ns = f"ns-old-{uid}", f"ns-new-{uid}"
-    node = Node_(producer, f"n-{uid}", namespace=old_ns)
+    node = FakeNode(producer, f"n-{uid}", namespace=old_ns)
     block = stored(f"{uid}/ns", "disk", namespace=old_ns)
     await node.start()
     await node.store(block)
@@ -573,9 +543,8 @@ class _NoErasures:
         raise AssertionError("no ack in this batch")
 
 
-async def test_a_decision_with_no_registered_node_is_complete_at_once(database_url: str) -> None:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
+async def test_a_decision_with_no_registered_node_is_complete_at_once(database_url: str, ledger_template: str) -> None:
+    async with fresh_database(database_url, ledger_template) as url:
         database = Database(DatabaseSettings(url=url))
         try:
             handler = InvalidationHandler(database, erasures=_NoErasures(), command_signer=sign_command)
@@ -599,7 +568,7 @@ async def test_a_removals_only_batch_does_not_wait_for_a_decision_but_a_store_do
 ) -> None:
     """A deciding transaction holds the advisory lock: a node's removals are applied meanwhile
     (they cannot hide a copy from the decision), a new copy only once the decision committed."""
-    node = Node_(producer, f"lock-{uid}")
+    node = FakeNode(producer, f"lock-{uid}")
     kept, removed, added = (stored(f"{uid}/{label}", "device") for label in ("kept", "removed", "added"))
     await node.start()
     await node.store(kept, removed)

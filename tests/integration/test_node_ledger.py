@@ -8,11 +8,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, enroll_nodes, eventually, fresh_database
+from ledger_helpers import RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database
 from node_harness import NodeServices, node_settings
 
-from coordinator.migrate import upgrade
-from coordinator.settings import CoordinatorSettings
 from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
@@ -88,16 +86,11 @@ async def ledger_placements(database_url: str, node_id: str) -> set[tuple[str, s
     }
 
 
-@pytest.fixture
-async def coordinator(database_url, kafka_bootstrap):
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"coordinator-{uuid.uuid4().hex[:8]}"},
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-            auth={"jwt_secret": JWT_SECRET},
-        )
+@pytest.fixture(scope="module")
+async def coordinator(database_url, ledger_template, kafka_bootstrap):
+    """One coordinator for the module's tests (each plays nodes of its own); yields its ledger's URL."""
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url, kafka_bootstrap)
         consumers = await RunningConsumers(settings).start()
         yield url
         await consumers.stop()

@@ -18,11 +18,10 @@ import uuid
 from pathlib import Path
 
 import uvicorn
-from ledger_helpers import COMMAND_SIGNING_KEY, OPERATOR_AUTH, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, eventually
+from ledger_helpers import OPERATOR_PRIVATE_KEY_PEM, coordinator_settings, eventually
 from test_erasure_e2e import stack, wait_status  # noqa: F401 - the module-scoped stack fixture
 
 from coordinator.api import create_app
-from coordinator.settings import CoordinatorSettings
 from kvledger.net import loopback_listener
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,12 +124,8 @@ async def test_status_shows_live_nodes_and_says_why_figures_are_missing(stack, t
 
 async def test_status_reads_backlog_from_metrics(stack, tmp_path):  # noqa: F811 - the fixture
     """A second API process on the same ledger, with a metrics token: outbox, dead letters and lag come from its /metrics."""
-    settings = CoordinatorSettings(
-        database={"url": stack["database_url"]},
-        operator_auth=OPERATOR_AUTH,
-        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-        keys={"master_key": base64.b64encode(os.urandom(32)).decode()},
-        metrics={"token": "scrape-me"},
+    settings = coordinator_settings(
+        stack["database_url"], keys={"master_key": base64.b64encode(os.urandom(32)).decode()}, metrics={"token": "scrape-me"}
     )
     sock = loopback_listener()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

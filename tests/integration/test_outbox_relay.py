@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from aiokafka.errors import KafkaConnectionError
-from ledger_helpers import COMMAND_KEY, COMMAND_SIGNING_KEY, fresh_database, scan_topic, sign_command
+from ledger_helpers import COMMAND_KEY, coordinator_settings, fresh_database, scan_topic, sign_command
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from coordinator import migrate
 from coordinator.consumers import kafka_settings
 from coordinator.db import Database
 from coordinator.models import OutboxEntry
@@ -29,14 +27,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"relay-{uuid.uuid4().hex[:8]}"},
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY},
-        )
+async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        yield coordinator_settings(url, kafka_bootstrap)
 
 
 class _LostMidBatch(EventProducer):

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from ledger_helpers import SUBJECT_KEY, fresh_database, sign_command
 from sqlalchemy import select, text
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.erasure import ErasureService, ReceiptKeys
 from coordinator.ingest import LedgerIngest
@@ -144,9 +143,8 @@ async def _round_trip(database: Database, ingest: LedgerIngest, decisions: Inval
     assert [tuple(row) for row in erasures] == [(tenant, case["reason"])]
 
 
-async def test_whatever_the_contract_accepts_postgres_returns_unchanged(database_url: str) -> None:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
+async def test_whatever_the_contract_accepts_postgres_returns_unchanged(database_url: str, ledger_template: str) -> None:
+    async with fresh_database(database_url, ledger_template) as url:
         database = Database(DatabaseSettings(url=url))
         ingest = LedgerIngest(database, inventory_retry_s=3600, command_signer=sign_command)
         erasures = ErasureService(

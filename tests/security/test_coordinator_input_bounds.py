@@ -9,7 +9,6 @@ credential for the key service.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import urllib.parse
@@ -18,15 +17,14 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import COMMAND_SIGNING_KEY, OPERATOR_AUTH, SUBJECT_KEY, fresh_database, operator_headers
+from ledger_helpers import coordinator_settings, operator_headers
 from sqlalchemy import func, select
 
-from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.db import Database
 from coordinator.keys import DataKey
 from coordinator.models import Invalidation, Namespace
-from coordinator.settings import CoordinatorSettings, DatabaseSettings
+from coordinator.settings import DatabaseSettings
 from identity.node_credentials import issue_node_credential
 from kvledger.nodes import enroll_node_key
 
@@ -34,20 +32,8 @@ HOSTILE = {"NUL": "a\x00b", "newline": "a\nb", "DEL": "a\x7fb", "C1": "a\x9bb", 
 
 
 @pytest.fixture(scope="module")
-async def ledger_url(database_url: str) -> AsyncIterator[str]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield url
-
-
-@pytest.fixture(scope="module")
 async def client(ledger_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    settings = CoordinatorSettings(
-        database={"url": ledger_url},
-        operator_auth=OPERATOR_AUTH,
-        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-        keys={"master_key": base64.b64encode(os.urandom(32)).decode()},
-    )
+    settings = coordinator_settings(ledger_url, keys={"master_key": base64.b64encode(os.urandom(32)).decode()})
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:

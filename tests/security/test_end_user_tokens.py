@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import threading
@@ -28,19 +27,10 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
-from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
-    OPERATOR_PUBLIC_KEY_FILE,
-    SUBJECT_KEY,
-    fresh_database,
-    operator_headers,
-)
+from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, coordinator_settings, fresh_database, operator_headers
 from pydantic import ValidationError
 from starlette.routing import Route
 
-from coordinator import migrate
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
 from gpu_node.api import create_app as create_node_app
@@ -60,9 +50,13 @@ OPEN_ROUTES = {
     ("GET", "/v1/receipts/keys"),
     ("GET", "/v1/audit/checkpoint"),
 }
-DATA_KEY_ROUTES = {("POST", "/v1/keys/resolve"), ("GET", "/v1/keys/{key_id}")}
-"""The nodes' data key endpoints: they take only node credentials (tests/security/test_node_enrollment.py), so
-operators are refused there too; end users get the same 401 as everywhere else."""
+DATA_KEY_ROUTES = {("POST", "/v1/keys/resolve"), ("GET", "/v1/keys/{key_id}"), ("GET", "/v1/governance")}
+"""The nodes' endpoints (data keys, governance state): they take only node credentials
+(tests/security/test_node_enrollment.py, tests/integration/test_governance_sync.py), so operators are refused
+there too; end users get the same 401 as everywhere else."""
+CONSOLE_PREFIX = "/ui"
+CONSOLE_OPEN_ROUTES = {("GET", "/ui/login"), ("GET", "/ui/static/console.css")}
+"""The console answers in HTML, not the API's JSON error shape: it is checked on its own below."""
 CLAIMED_ROLES = (["admin"], ["platform-admin"], ["tenant-admin"], ["privacy-officer"], ["auditor"], ["node"], ["platform-admin", "node"])
 PATH_VALUES = {"erasure_id": str(uuid.uuid4()), "receipt_id": str(uuid.uuid4()), "command_id": str(uuid.uuid4()), "namespace": "ns-x", "key_id": "0" * 32, "dead_letter_id": "0-0"}
 BODIES = {"/v1/erasures": {"tenant_id": "acme", "subject_id": "alice", "reason": "r"}, "/v1/keys/resolve": {"tenant_id": "acme"}}
@@ -90,14 +84,11 @@ def _walk(routes, prefix: str = "") -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-async def coordinator(database_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, list[tuple[str, str]]]]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url}, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH, ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY}
-        )
+async def coordinator(database_url: str, ledger_template: str) -> AsyncIterator[tuple[httpx.AsyncClient, list[tuple[str, str]]]]:
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url)
         app = create_coordinator_app(settings)
-        routes = sorted(set(_walk(app.routes)))
+        routes = sorted(route for route in set(_walk(app.routes)) if not route[1].startswith(CONSOLE_PREFIX))
         transport = httpx.ASGITransport(app=app)
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
             yield client, routes
@@ -140,6 +131,27 @@ async def test_the_same_routes_take_operator_tokens(coordinator) -> None:
             continue
         response = await _call(client, method, path, headers)
         assert response.status_code not in (401, 403), (method, path, response.text)
+
+
+async def test_console_pages_need_an_operator_token(database_url: str, ledger_template: str) -> None:
+    """Every console page sends a visitor without a token to the login form and refuses an end user's token."""
+    async with fresh_database(database_url, ledger_template) as url:
+        app = create_coordinator_app(coordinator_settings(url))
+        pages = sorted(route for route in set(_walk(app.routes)) if route[1].startswith(CONSOLE_PREFIX) and route[0] == "GET")
+        assert CONSOLE_OPEN_ROUTES <= set(pages) and len(pages) > len(CONSOLE_OPEN_ROUTES)
+        end_user = issue_token(tenant="acme", sub="mallory", scopes=["hr"], roles=["platform-admin"], secret=JWT_SECRET)
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            for method, path in pages:
+                anonymous = await _call(client, method, path, {})
+                if (method, path) in CONSOLE_OPEN_ROUTES:
+                    assert anonymous.status_code == 200, path
+                    continue
+                assert (anonymous.status_code, anonymous.headers["location"]) == (303, "/ui/login"), path
+                refused = await _call(client, method, path, {"Authorization": f"Bearer {end_user}"})
+                assert refused.status_code == 401 and "text/html" in refused.headers["content-type"], path
+                admitted = await _call(client, method, path, operator_headers("platform-admin", "platform"))
+                assert admitted.status_code not in (401, 403), (path, admitted.text)
 
 
 # --------------------------------------------------------------------------- the node's operator endpoint

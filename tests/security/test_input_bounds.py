@@ -16,11 +16,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, SUBJECT_KEY, RunningConsumers, connect, enroll_nodes, eventually, fresh_database
+from ledger_helpers import JWT_SECRET, RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database
 from node_harness import ServedNode, node_settings
 
-from coordinator.migrate import upgrade
-from coordinator.settings import CoordinatorSettings
 from gpu_node.settings import CacheSettings, RequestLimits
 from identity.tokens import issue_token
 
@@ -30,15 +28,9 @@ DOCUMENT_TEXT = " ".join(f"clause{i} of the staff handbook" for i in range(40))
 
 
 @pytest.fixture(scope="module")
-async def ledger_url(database_url: str, kafka_bootstrap: str) -> AsyncIterator[str]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"bounds-{uuid.uuid4().hex[:8]}"},
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-            auth={"jwt_secret": JWT_SECRET},
-        )
+async def ledger_url(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[str]:
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url, kafka_bootstrap)
         consumers = await RunningConsumers(settings).start()
         yield url
         await consumers.stop()

@@ -80,8 +80,13 @@ def _bearer(tenant: str, sub: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {issue_token(tenant=tenant, sub=sub, scopes=['hr'], pv=1, roles=[], ttl_s=600, secret=SECRET)}"}
 
 
-ACME = _bearer("acme", "alice")
-GLOBEX = _bearer("globex", "bob")
+def acme() -> dict[str, str]:
+    """Alice of acme, minted per request: a token minted at import would expire during a slow session."""
+    return _bearer("acme", "alice")
+
+
+def globex() -> dict[str, str]:
+    return _bearer("globex", "bob")
 
 
 def _counters(http: httpx.Client) -> dict[str, float]:
@@ -114,23 +119,23 @@ def _prompt(scope: str, tag: str) -> list[dict]:
 
 def _what_globex_sees(url: str, messages: list[dict], acme_first: bool) -> dict:
     with httpx.Client(base_url=url, timeout=120) as http:
-        model = http.get("/v1/models", headers=GLOBEX).json()["data"][0]["id"]
+        model = http.get("/v1/models", headers=globex()).json()["data"][0]["id"]
         body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
         if acme_first:
-            cached = http.post("/v1/chat/completions", json=body, headers=ACME)
+            cached = http.post("/v1/chat/completions", json=body, headers=acme())
             assert cached.status_code == 200, cached.text
-            again = http.post("/v1/chat/completions", json=body, headers=ACME)
+            again = http.post("/v1/chat/completions", json=body, headers=acme())
             assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "acme's prompt was not cached"
         before = _counters(http)
-        answer = http.post("/v1/chat/completions", json=body, headers=GLOBEX)
+        answer = http.post("/v1/chat/completions", json=body, headers=globex())
         after = _counters(http)
         forbidden_document = {"role": "user", "content": messages[0]["content"], "document": {"id": "payroll", "version": 1, "auth_scope": "finance"}}
-        forbidden = http.post("/v1/chat/completions", json=body | {"messages": [forbidden_document, *messages[1:]]}, headers=GLOBEX)
+        forbidden = http.post("/v1/chat/completions", json=body | {"messages": [forbidden_document, *messages[1:]]}, headers=globex())
         return {
             "answer": _observable(answer),
             "forbidden": _observable(forbidden),
-            "stats": _observable(http.get("/v1/cache/stats", headers=GLOBEX)),
-            "metrics": _observable(http.get("/metrics", headers=GLOBEX)),
+            "stats": _observable(http.get("/v1/cache/stats", headers=globex())),
+            "metrics": _observable(http.get("/metrics", headers=globex())),
             "counter_deltas": _delta(before, after),
         }
 

@@ -20,12 +20,10 @@ import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, eventually, fresh_database, operator_token
+from ledger_helpers import JWT_SECRET, coordinator_settings, eventually, operator_token
 
-from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.node_keys import REVOCATION_BOUND_S
-from coordinator.settings import CoordinatorSettings
 from identity.node_credentials import issue_node_credential
 from identity.signing import key_id, load_or_create_private_key
 from identity.tokens import issue_token
@@ -35,21 +33,8 @@ MASTER_KEY = base64.b64encode(os.urandom(32)).decode()
 
 
 @pytest.fixture(scope="module")
-async def ledger_url(database_url: str) -> AsyncIterator[str]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield url
-
-
-@pytest.fixture(scope="module")
 async def client(ledger_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    settings = CoordinatorSettings(
-        database={"url": ledger_url},
-        auth={"jwt_secret": JWT_SECRET},
-        operator_auth=OPERATOR_AUTH,
-        ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-        keys={"master_key": MASTER_KEY},
-    )
+    settings = coordinator_settings(ledger_url, keys={"master_key": MASTER_KEY})
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:

@@ -10,7 +10,6 @@ oracle. Same-tenant operators and the platform admin are the positive controls.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import time
@@ -21,11 +20,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
     SUBJECT_KEY,
     RunningConsumers,
+    coordinator_settings,
     eventually,
     fresh_database,
     operator_headers,
@@ -34,7 +31,6 @@ from ledger_helpers import (
 )
 from sqlalchemy import func, select
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.ingest import LedgerIngest
 from coordinator.invalidation import begin_ledger_transaction, decide, lock_decisions
@@ -59,15 +55,12 @@ BOB_B = stored(
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"tenancy-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "erasure_verify_interval_s": 0.2},
+async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        yield coordinator_settings(
+            url,
+            kafka_bootstrap,
+            ledger={"erasure_verify_interval_s": 0.2},
             keys={"master_key": base64.b64encode(os.urandom(32)).decode()},
         )
 

@@ -20,21 +20,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    SUBJECT_KEY,
-    RunningConsumers,
-    connect,
-    enroll_nodes,
-    eventually,
-    fresh_database,
-    node_key,
-    scan_topic,
-)
+from ledger_helpers import RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database, node_key, scan_topic
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
-from coordinator import migrate
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX
 from coordinator.db import Database
 from coordinator.models import Document, InboxEntry, Invalidation, Namespace, Node, Policy
@@ -57,14 +46,9 @@ BAD_COUNTS = {"2^53": 2**53, "2^63": 2**63, "-1": -1}
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"poison-test-{uuid.uuid4().hex[:8]}"},
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1, "inventory_retry_s": 3600},
-        )
+async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        yield coordinator_settings(url, kafka_bootstrap, ledger={"inventory_retry_s": 3600})
 
 
 @pytest.fixture(scope="module")

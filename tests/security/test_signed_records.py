@@ -20,12 +20,11 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
     JWT_SECRET,
-    OPERATOR_AUTH,
     SUBJECT_KEY,
     RunningConsumers,
     SigningProducer,
+    coordinator_settings,
     eventually,
     fresh_database,
     node_key,
@@ -38,7 +37,6 @@ from prometheus_client import REGISTRY
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
-from coordinator import migrate
 from coordinator.consumers import ACK_GROUP_SUFFIX, consumer_groups, kafka_settings
 from coordinator.db import Database
 from coordinator.erasure import start_erasure
@@ -229,21 +227,12 @@ async def test_a_node_on_kafka_without_a_pinned_command_key_refuses_to_start(tin
 
 
 @pytest.fixture(scope="module")
-async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"signed-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={
-                "command_signing_key": COMMAND_SIGNING_KEY,
-                "subject_key": SUBJECT_KEY,
-                "outbox_poll_s": 0.1,
-                "inventory_retry_s": 3600,
-                "erasure_verify_interval_s": 0.2,
-            },
+async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(
+            url,
+            kafka_bootstrap,
+            ledger={"inventory_retry_s": 3600, "erasure_verify_interval_s": 0.2},
             keys={"master_key": base64.b64encode(os.urandom(32)).decode()},  # receipts are signed with a stored key
         )
         await kafka.ensure_topics(kafka_settings(settings))

@@ -75,3 +75,17 @@ def test_command_signer_is_required_and_must_be_an_ed25519_pem(monkeypatch: pyte
     monkeypatch.setenv("KVLEDGER_COMMAND_SIGNING_KEY", "not a key")
     with pytest.raises(ValueError, match="KVLEDGER_COMMAND_SIGNING_KEY: not an unencrypted PEM private key"):
         CoordinatorSettings().command_signer()
+
+
+def test_consumer_group_timing_reaches_every_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Production keeps aiokafka's 10 s session; a deployment (or a test) sets its own, and the consumers get it."""
+    from coordinator.consumers import kafka_settings
+
+    assert (CoordinatorSettings().kafka.session_timeout_ms, CoordinatorSettings().kafka.heartbeat_interval_ms) == (10_000, 3_000)
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__SESSION_TIMEOUT_MS", "2000")
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS", "500")
+    config = kafka_settings(CoordinatorSettings())
+    assert (config.session_timeout_ms, config.heartbeat_interval_ms) == (2000, 500)
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS", "2000")
+    with pytest.raises(ValueError, match="must be below session_timeout_ms"):
+        CoordinatorSettings()
