@@ -88,10 +88,12 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +153,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+                chunks.append(ScheduledChunk.of(seq, num_tokens))
                 budget -= num_tokens
         # No admission in a step that had to preempt: memory is short, and the preempted go first next time.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -165,7 +167,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            chunks.append(ScheduledChunk.of(seq, num_tokens))
             budget -= num_tokens
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
