@@ -892,7 +892,7 @@ class BlockPool:
             # corrupt one is removed and raised before anything moves.
             lower_kv = None
             if lower:
-                lower_kv = torch.empty((len(lower), *shape), dtype=self._spec.dtype)
+                lower_kv = torch.empty((len(lower), *shape), dtype=self._spec.dtype, pin_memory=device.type == "cuda")
                 lower_flat = lower_kv.view(len(lower), -1)
                 self._load_disk_payloads(lower, lower_kv)
                 host_pos = [pos for pos, entry in enumerate(lower) if entry.tier is Tier.HOST]
@@ -903,7 +903,7 @@ class BlockPool:
                     _gather_slots(self._flat_slots[Tier.HOST], [lower[pos].slot for pos in host_pos], gathered)
                     lower_flat.index_copy_(0, torch.tensor(host_pos, dtype=torch.long), gathered)
             if lower_kv is not None and lower_kv.device != device:
-                lower_kv = lower_kv.to(device)
+                lower_kv = lower_kv.to(device, non_blocking=True)  # pinned staging: an async copy, ordered before its readers
             if promote and lower:
                 self._promote_batch(lower, lower_kv.view(len(lower), -1))
             if lower_kv is not None and len(lower) == num:
