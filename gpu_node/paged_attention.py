@@ -61,11 +61,12 @@ class PagedStep:
     prefills: tuple[PrefillChunk, ...]
 
 
-def _gather(kv_table: torch.Tensor, blocks: torch.Tensor, layer: int, kind: int) -> torch.Tensor:
-    """``[..., kv_heads, len(blocks) * block_size, head_dim]`` for index tensor ``blocks`` of shape ``[..., n]``."""
-    gathered = kv_table[blocks, layer, kind]  # [..., n, H, bs, D]
-    gathered = gathered.movedim(-4, -3)  # [..., H, n, bs, D]
-    return gathered.flatten(-3, -2)
+def _gather(kv_table: torch.Tensor, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[..., kv_heads, len(blocks) * block_size, head_dim]`` for index tensor ``blocks`` ``[..., n]``, in one gather."""
+    gathered = kv_table[blocks, layer]  # [..., n, 2, H, bs, D]
+    gathered = gathered.movedim(-5, -3)  # [..., 2, H, n, bs, D]
+    gathered = gathered.flatten(-3, -2)  # [..., 2, H, n * bs, D]
+    return gathered.select(-4, 0), gathered.select(-4, 1)
 
 
 def paged_attention_forward(
@@ -91,15 +92,13 @@ def paged_attention_forward(
     out = query.new_empty((query.shape[2], num_heads, query.shape[3]))
     if step.num_decodes:
         q = query[0, :, : step.num_decodes].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
-        k = _gather(table, step.decode_blocks, layer, 0).to(q.dtype)
-        v = _gather(table, step.decode_blocks, layer, 1).to(q.dtype)
+        k, v = _gather(table, step.decode_blocks, layer)
         attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
         out[: step.num_decodes] = attended[:, :, 0]
     for chunk in step.prefills:
         rows = slice(chunk.first_row, chunk.first_row + chunk.num_tokens)
         q = query[0, :, rows]  # [H, n, D]
-        k = _gather(table, chunk.blocks, layer, 0).to(q.dtype)
-        v = _gather(table, chunk.blocks, layer, 1).to(q.dtype)
+        k, v = _gather(table, chunk.blocks, layer)
         attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, scale=scaling, enable_gqa=True)
         out[rows] = attended.transpose(0, 1)
     return out.unsqueeze(0), None
