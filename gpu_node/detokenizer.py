@@ -1,10 +1,12 @@
 """Incremental detokenization with stop strings, one token at a time.
 
 Each token costs two decodes of a short window (the tokens since the last text
-was emitted, plus the one before them for context), never the whole output,
+was decoded, plus the one before them for context), never the whole output,
 so streaming stays linear in the output length. Text that ends in an
 incomplete UTF-8 sequence (decoded as U+FFFD) is held back until the bytes
-that complete it arrive.
+that complete it arrive, and so is a tail that could be the start of a stop
+string, so a client never receives part of a stop string; :meth:`flush`
+releases that tail when generation ends for another reason.
 """
 
 from __future__ import annotations
@@ -18,32 +20,36 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(text for text in stop if text)
-        # a stop string may straddle what was emitted and the new text: keep this much of the emitted text to search
-        self._stop_context = max((len(text) for text in self._stop), default=1) - 1
         self._token_ids: list[int] = []
-        self._prefix_offset = 0  # window start: one token of context before the unemitted tokens
-        self._read_offset = 0  # tokens before this have their text emitted
-        self.text = ""
+        self._prefix_offset = 0  # window start: one token of context before the undecoded tokens
+        self._read_offset = 0  # tokens before this are decoded into text
+        self._pending = ""  # decoded, not emitted: could be the start of a stop string
+        self.text = ""  # emitted so far
 
     def push(self, token_id: int) -> tuple[str, bool]:
-        """Text this token completes, and whether a stop string was reached (the text then ends before it)."""
+        """Text to emit after this token, and whether a stop string was reached (the text then ends before it)."""
         self._token_ids.append(token_id)
         decode = self._tokenizer.decode
-        window = self._token_ids[self._prefix_offset :]
         prefix_text = decode(self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        new_text = decode(window, skip_special_tokens=True)
+        new_text = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=True)
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return "", False
-        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        if self._stop:
-            tail = self.text[len(self.text) - self._stop_context :] if self._stop_context else ""
-            searched = tail + delta
-            found = [index for index in (searched.find(text) for text in self._stop) if index >= 0]
-            if found:
-                delta = delta[: max(min(found) - len(tail), 0)]
-                self.text += delta
-                return delta, True
-        self.text += delta
-        return delta, False
+        pending = self._pending + new_text[len(prefix_text) :]
+        found = [index for index in (pending.find(text) for text in self._stop) if index >= 0]
+        if found:
+            self._pending = ""
+            return self._emit(pending[: min(found)]), True
+        held = max((size for text in self._stop for size in range(1, len(text)) if pending.endswith(text[:size])), default=0)
+        self._pending = pending[len(pending) - held :] if held else ""
+        return self._emit(pending[: len(pending) - held]), False
+
+    def flush(self) -> str:
+        """Emit the held-back tail (generation ended without completing a stop string)."""
+        pending, self._pending = self._pending, ""
+        return self._emit(pending)
+
+    def _emit(self, text: str) -> str:
+        self.text += text
+        return text

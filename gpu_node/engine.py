@@ -206,6 +206,11 @@ class AsyncEngine:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if self._stepper is not None:
+            deliveries, woken = await self._run(self._fail_all, GenerationError("the node is shutting down"))
+            self.manager.wake(woken)
+            self._deliver(deliveries)
+            self.manager.drain_events()
         self._worker.shutdown(wait=True)
         self._prompt_worker.shutdown(wait=True)
 
@@ -295,17 +300,36 @@ class AsyncEngine:
             await self._work.wait()
             self._work.clear()
             while self._inbox or self.scheduler.has_work:
-                deliveries, woken = await self._run(self._step)
+                try:
+                    deliveries, woken = await self._run(self._step)
+                except Exception as exc:
+                    # A broken step (an invariant, not a model error) must not leave every stream hanging.
+                    log.error("engine step failed outside the model: %s", type(exc).__name__)
+                    deliveries, woken = await self._run(self._fail_all, GenerationError("generation failed"))
                 self.manager.wake(woken)
-                for handle, items in deliveries:
-                    for item in items:
-                        handle.queue.put_nowait(item)
+                self._deliver(deliveries)
                 self.manager.drain_events()
                 self._refresh_tier_gauges()
                 self.metrics.requests_running.set(len(self.scheduler.running))
                 self.metrics.requests_waiting.set(len(self.scheduler.waiting))
 
+    @staticmethod
+    def _deliver(deliveries: list[tuple[_Request, list]]) -> None:
+        for handle, items in deliveries:
+            for item in items:
+                handle.queue.put_nowait(item)
+
     # --- one step (model worker) -------------------------------------------------------------
+
+    def _fail_all(self, error: GenerationError) -> tuple[list[tuple[_Request, list]], list[bytes]]:
+        """End every request the engine holds (queued in the inbox or scheduled) with ``error``."""
+        deliveries: dict[_Request, list] = {}
+        self._take_inbox()
+        for handle in list(self._requests.values()):
+            self._finish(handle, error, deliveries)
+        woken, self.paged_kv.woken = self.paged_kv.woken, []
+        return list(deliveries.items()), woken
+
 
     def _step(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
         deliveries: dict[_Request, list] = {}
@@ -368,12 +392,17 @@ class AsyncEngine:
             handle.first_token_at = now
             num_cached_tokens = self.paged_kv.of(handle.seq).num_cached_tokens
             self.metrics.observe_request(handle.seq.num_prompt_tokens, num_cached_tokens)
+            self.metrics.prefix_cache_queries.inc(handle.seq.num_prompt_tokens)
+            self.metrics.prefix_cache_hits.inc(num_cached_tokens)
             self.metrics.ttft.observe(now - handle.arrived)
             items.append(PromptStats(handle.seq.num_prompt_tokens, num_cached_tokens))
         else:
             self.metrics.inter_token_latency.observe(now - handle.last_token_at)
         handle.last_token_at = now
         if token in self.runner.eos_token_ids:
+            held_back = handle.detokenizer.flush()
+            if held_back:
+                items.append(TokenDelta(token, held_back))
             self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
             return
         handle.num_completion_tokens += 1
@@ -383,9 +412,11 @@ class AsyncEngine:
                 items.append(TokenDelta(token, text))
             self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
             return
-        items.append(TokenDelta(token, text))
         if handle.num_completion_tokens >= handle.max_new_tokens:
+            items.append(TokenDelta(token, text + handle.detokenizer.flush()))
             self._finish(handle, GenerationDone("length", handle.num_completion_tokens), deliveries)
+        else:
+            items.append(TokenDelta(token, text))
 
     def _finish(self, handle: _Request, last: GenerationDone | BaseException | None, deliveries: dict[_Request, list]) -> None:
         """End a request: free its slot and blocks now; ``last`` (None for an abort) goes to its stream."""

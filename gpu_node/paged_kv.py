@@ -40,8 +40,8 @@ class SequenceKV:
     plan: PrefixPlan
     held: list[CacheEntry] = field(default_factory=list)  # referenced cached blocks (hits and own commits)
     own_slots: dict[int, int] = field(default_factory=dict)  # block index → own device slot
-    admitted: bool = False
-    num_cached_tokens: int = 0  # served from cache at first admission (what the client is told)
+    admitted: bool = False  # matched its prefix once: later matches look the pool up again
+    num_cached_tokens: int = 0  # served from cache by the admission that produced its first token
 
     @property
     def pending_claims(self) -> list[CacheEntry]:
@@ -84,11 +84,9 @@ class PagedKV:
         kv.held = hits
         seq.block_table = [entry.slot for entry in hits]
         seq.num_computed_tokens = len(hits) * self.block_size
-        if not kv.admitted:
-            kv.admitted = True
-            kv.num_cached_tokens = seq.num_computed_tokens
-            self.metrics.prefix_cache_queries.inc(seq.num_prompt_tokens)
-            self.metrics.prefix_cache_hits.inc(kv.num_cached_tokens)
+        kv.admitted = True
+        if seq.num_output_tokens == 0:
+            kv.num_cached_tokens = seq.num_computed_tokens  # reported with the first token, so the last match counts
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         num_needed = -(-num_tokens // self.block_size) - len(seq.block_table)

@@ -12,7 +12,8 @@ asks it to cover a sequence's next tokens with device blocks. When it cannot,
 the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the waiting queue to be recomputed (its generated tokens are
 kept, so recomputation continues where it stopped). A request is never failed
-for lack of blocks while an older one holds them.
+for lack of blocks while an older one holds them. Of the waiting sequences only
+the head may hold blocks (the prefix matched when it last tried to join).
 """
 
 from __future__ import annotations
@@ -173,13 +174,21 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.waiting and self.waiting[0].block_table:
+            # Only the head of the queue may hold blocks (its matched prefix) while it waits: the head
+            # can then always be admitted once the running sequences are gone.
+            self._release(self.waiting[0])
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and make it match its prefix again when next admitted."""
         self.allocator.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.needs_prefix = True
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def advance(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Record a finished step: chunks' tokens are computed; ``sampled`` appends each sampling chunk's token.

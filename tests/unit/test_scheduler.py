@@ -160,3 +160,22 @@ def test_scheduler_settings_come_from_the_nested_environment(monkeypatch):
     monkeypatch.setenv("KVLEDGER_NODE_SCHEDULER__MAX_NUM_SEQS", "512")
     with pytest.raises(ValidationError, match="max_num_seqs must not exceed max_num_batched_tokens"):
         NodeSettings()
+
+
+def test_only_the_head_of_the_queue_holds_blocks_while_waiting():
+    allocator = CountingAllocator(4)
+    scheduler = Scheduler(allocator, max_num_batched_tokens=64, max_num_seqs=4)
+    running = new_seq("running", 8)
+    scheduler.add(running)
+    assert plan(run_step(scheduler)) == [("running", 0, 8)]
+    head = new_seq("head", 6)
+    allocator.prefix_tokens["head"] = 4  # its matched prefix holds one block while it waits
+    scheduler.add(head)
+    assert plan(run_step(scheduler)) == [("running", 8, 1)]  # running took a 3rd block; head (2 blocks) does not fit
+    assert head.block_table == [0] and allocator.num_free == 0
+    # running needs a 4th block... none is free: it is preempted itself, goes in front of head, and head lets go
+    running.token_ids.extend([7] * 3)
+    step = scheduler.schedule()
+    assert [seq.seq_id for seq in step.preempted] == ["running"]
+    assert [seq.seq_id for seq in scheduler.waiting] == ["running", "head"]
+    assert head.block_table == [] and head.needs_prefix and allocator.num_free == 4
