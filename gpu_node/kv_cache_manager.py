@@ -2,7 +2,8 @@
 
 Between the engine and the storage pool: finds the longest READY prefix of a
 request's block keys and locks it, makes identical missing prefixes build once
-(per-key singleflight with a bounded wait), commits newly computed blocks, and
+(per-key singleflight with a bounded wait), commits newly computed blocks in place
+(waking waiters as each block is committed, not when the builder finishes), and
 explains misses. Explaining a miss needs memory the pool does not keep: a
 *shadow index* (who could be served it + token-prefix hash → which namespace/key
 stored it) and a bounded map of recently removed blocks with the reason they went
@@ -80,7 +81,8 @@ class _BoundedMap(OrderedDict):
 class PrefixPlan:
     """What one request gets from the cache and what it promised to build.
 
-    ``hit_entries`` are locked (ref-counted) until :meth:`KVCacheManager.release`;
+    ``hit_entries`` are locked (ref-counted) until the request's sequence is freed
+    (``gpu_node.paged_kv``) or, for a plan no sequence took over, :meth:`KVCacheManager.finish`;
     ``claimed`` are BUILDING entries this request leads and must commit or fail.
     """
 

@@ -18,8 +18,9 @@ sequence holding it releases it. A hit tombstoned before the sequence's first
 step is not used (the tokens are recomputed), so nothing is served from a
 block after its tombstone.
 
-Everything here runs on the engine's model worker thread, except
-:meth:`PagedKV.register` (called there too, via the engine's inbox).
+Everything here runs on the engine's model worker thread (the engine hands new
+sequences over through its inbox), so it needs no lock of its own; the pool's
+calls take the pool's lock.
 """
 
 from __future__ import annotations

@@ -32,9 +32,6 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-_ARRIVAL = itertools.count()
-
-
 @dataclass(eq=False)
 class Sequence:
     """One request's tokens and progress. ``token_ids`` is the prompt followed by the generated tokens.
@@ -54,7 +51,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     needs_prefix: bool = False
     num_preemptions: int = 0
-    arrival: int = field(default_factory=lambda: next(_ARRIVAL))
 
     @property
     def num_tokens(self) -> int:
