@@ -85,9 +85,8 @@ def paged_attention_forward(
     step = paged_step
     layer = module.layer_idx
     table = step.kv_table
-    # [1, H, T, D] -> [T, H, D]; the new tokens' KV goes into their blocks before anything reads them
-    table[step.slot_blocks, layer, 0, :, step.slot_offsets] = key[0].transpose(0, 1).to(table.dtype)
-    table[step.slot_blocks, layer, 1, :, step.slot_offsets] = value[0].transpose(0, 1).to(table.dtype)
+    # [1, H, T, D] x2 -> [T, 2, H, D]; the new tokens' KV goes into their blocks before anything reads them
+    table[step.slot_blocks, layer, :, :, step.slot_offsets] = torch.stack((key[0], value[0]), dim=1).transpose(0, 2).to(table.dtype)
     num_heads = query.shape[1]
     out = query.new_empty((query.shape[2], num_heads, query.shape[3]))
     if step.num_decodes:
