@@ -302,7 +302,7 @@ class AsyncEngine:
             while self._inbox or self.scheduler.has_work:
                 try:
                     deliveries, woken = await self._run(self._step)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - whatever broke, no stream may be left waiting
                     # A broken step (an invariant, not a model error) must not leave every stream hanging.
                     log.error("engine step failed outside the model: %s", type(exc).__name__)
                     deliveries, woken = await self._run(self._fail_all, GenerationError("generation failed"))
@@ -345,7 +345,7 @@ class AsyncEngine:
         else:
             try:
                 self._execute(output, deliveries)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed forward ends the requests in it, not the engine
                 log.error("engine step failed: %s", type(exc).__name__)
                 for chunk in output.chunks:
                     handle = self._requests.get(chunk.seq.seq_id)

@@ -248,15 +248,18 @@ async def test_client_disconnect_mid_stream_frees_the_sequence_and_its_blocks(ti
             "max_tokens": 3000,
             "messages": [{"role": "system", "content": long_text(60, 5)}, {"role": "user", "content": "Tell me everything."}],
         }
-        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
-            async with client.stream("POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as response:
-                assert response.status_code == 200
-                num_chunks = 0
-                async for line in response.aiter_lines():
-                    if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                        num_chunks += 1
-                        if num_chunks == 3:
-                            break
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            httpx.AsyncClient(base_url=served.url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
+        ):
+            assert response.status_code == 200
+            num_chunks = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    num_chunks += 1
+                    if num_chunks == 3:
+                        break
         assert num_chunks == 3
 
         async def released() -> bool:

@@ -30,7 +30,7 @@ def test_stop_string_across_tokens_cuts_the_text_before_it(tokenizer):
     token_ids = tokenizer.encode("the handbook says each tenant keeps its own cache", add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer, ("ten" + "ant keeps",))
     for token_id in token_ids:
-        delta, stopped = detokenizer.push(token_id)
+        _, stopped = detokenizer.push(token_id)
         if stopped:
             break
     assert stopped and detokenizer.text == "the handbook says each "
