@@ -155,9 +155,12 @@ class ModelRunner:
             chunk = chunks[index]
             num_tokens = len(chunk.token_ids)
             num_blocks = -(-(chunk.start + num_tokens) // block_size)
-            query_positions = torch.arange(chunk.start, chunk.start + num_tokens, device=device)
-            causal = torch.arange(num_blocks * block_size, device=device)[None, :] <= query_positions[:, None]
-            blocks = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.long, device=device)
+            if chunk.start:
+                query_positions = torch.arange(chunk.start, chunk.start + num_tokens, device=device)
+                causal = torch.arange(num_blocks * block_size, device=device)[None, :] <= query_positions[:, None]
+                blocks = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.long, device=device)
+            else:
+                causal = blocks = None  # the chunk's own keys are its whole context (plain causal attention)
             prefills.append(PrefillChunk(first_rows[index], num_tokens, chunk.start + num_tokens, blocks, causal))
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         step = PagedStep(

@@ -12,7 +12,8 @@ Each attention layer then, through :func:`paged_attention_forward`:
 2. reads each sequence's keys and values back through its block table and runs
    SDPA: all single-token decodes together as one padded batch (a key mask
    hides the padding), each prefill chunk on its own with a causal mask offset
-   by the tokens already in its blocks.
+   by the tokens already in its blocks — or, for a chunk with nothing before
+   it (a miss), plain causal SDPA over its own new keys, with no gather.
 
 Everything that depends only on the step (indices, masks) is built once per
 step in :class:`PagedStep` and shared by all layers. Without a ``paged_step``
@@ -40,8 +41,8 @@ class PrefillChunk:
     first_row: int
     num_tokens: int
     num_context_tokens: int
-    blocks: torch.Tensor  # device slots holding the context, in order
-    causal_mask: torch.Tensor  # [num_tokens, num_blocks * block_size], True = may attend
+    blocks: torch.Tensor | None  # device slots holding the context, in order; None when the chunk is its whole context
+    causal_mask: torch.Tensor | None  # [num_tokens, num_blocks * block_size], True = may attend; None likewise
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +95,22 @@ def paged_attention_forward(
         k, v = _gather(table, step.decode_blocks, layer)
         attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
         out[: step.num_decodes] = attended[:, :, 0]
+    # Batched (4D) inputs throughout: for 3D ones SDPA on CPU falls back to its unfused math path.
     for chunk in step.prefills:
         rows = slice(chunk.first_row, chunk.first_row + chunk.num_tokens)
-        q = query[0, :, rows]  # [H, n, D]
-        k, v = _gather(table, chunk.blocks, layer)
-        attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, scale=scaling, enable_gqa=True)
-        out[rows] = attended.transpose(0, 1)
+        q = query[:, :, rows]  # [1, H, n, D]
+        if chunk.num_context_tokens == chunk.num_tokens:
+            # Nothing before this chunk: its own keys are the whole context, and plain causal SDPA
+            # (the fused kernel, no mask tensor, no gather) is what a miss costs without paging.
+            attended = functional.scaled_dot_product_attention(
+                q, key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling, enable_gqa=True
+            )
+        else:
+            k, v = _gather(table, chunk.blocks, layer)
+            attended = functional.scaled_dot_product_attention(
+                q, k[None], v[None], attn_mask=chunk.causal_mask, scale=scaling, enable_gqa=True
+            )
+        out[rows] = attended[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
