@@ -41,7 +41,6 @@ class SequenceKV:
     plan: PrefixPlan
     held: list[CacheEntry] = field(default_factory=list)  # referenced cached blocks (hits and own commits)
     own_slots: dict[int, int] = field(default_factory=dict)  # block index → own device slot
-    admitted: bool = False  # matched its prefix once: later matches look the pool up again
     num_cached_tokens: int = 0  # served from cache by the admission that produced its first token
 
     @property
@@ -60,8 +59,9 @@ class PagedKV:
         """Block hashes whose builds this worker finished (committed or abandoned): the loop wakes their waiters."""
 
     def register(self, seq: Sequence, plan: PrefixPlan) -> None:
+        """Take over a plan's references: the sequence holds its hits from now until :meth:`free`."""
         assert seq.seq_id not in self._sequences, "sequence ids are unique"
-        self._sequences[seq.seq_id] = SequenceKV(plan)
+        self._sequences[seq.seq_id] = SequenceKV(plan, held=list(plan.hit_entries))
 
     def of(self, seq: Sequence) -> SequenceKV:
         return self._sequences[seq.seq_id]
@@ -76,16 +76,13 @@ class PagedKV:
 
     def prepare_prefix(self, seq: Sequence) -> None:
         kv = self._sequences[seq.seq_id]
-        assert not seq.block_table and not kv.held, "a sequence matches its prefix once per admission"
-        if kv.admitted:
-            hits = self._rematch(kv.plan)
-        else:
-            hits = list(kv.plan.hit_entries)
-        hits = self._resident_prefix(hits)
+        assert not seq.block_table and not kv.own_slots, "a sequence matches its prefix once per admission"
+        # The hits found at request admission while they are still held, else what is cached now
+        # (after a preemption or a release, the sequence's own commits included).
+        hits = self._resident_prefix(kv.held or self._rematch(kv.plan))
         kv.held = hits
         seq.block_table = [entry.slot for entry in hits]
         seq.num_computed_tokens = len(hits) * self.block_size
-        kv.admitted = True
         if seq.num_output_tokens == 0:
             kv.num_cached_tokens = seq.num_computed_tokens  # reported with the first token, so the last match counts
 

@@ -12,8 +12,9 @@ asks it to cover a sequence's next tokens with device blocks. When it cannot,
 the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the waiting queue to be recomputed (its generated tokens are
 kept, so recomputation continues where it stopped). A request is never failed
-for lack of blocks while an older one holds them. Of the waiting sequences only
-the head may hold blocks (the prefix matched when it last tried to join).
+for lack of blocks while an older one holds them. Waiting sequences may hold
+blocks (the hits referenced when their request was admitted, the head's matched
+prefix); when nothing runs and the head cannot start, the others let go.
 """
 
 from __future__ import annotations
@@ -160,7 +161,14 @@ class Scheduler:
                 seq.needs_prefix = False
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.allocator.allocate(seq, seq.num_computed_tokens + num_tokens):
-                break
+                if self.running or len(self.waiting) == 1:
+                    break
+                # Nothing runs, so only waiting sequences hold blocks (hits referenced at request
+                # admission): they let go and match again later, so the head can always start.
+                for other in list(self.waiting)[1:]:
+                    self._release(other)
+                if not self.allocator.allocate(seq, seq.num_computed_tokens + num_tokens):
+                    break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

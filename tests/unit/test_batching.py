@@ -300,3 +300,37 @@ async def test_stopping_the_engine_ends_streams_in_flight_with_an_error(tiny_mod
     with pytest.raises(GenerationError, match="shutting down"):
         async for _ in stream:
             pass
+
+
+async def test_aborting_a_waiting_request_releases_the_hits_it_was_admitted_with(tiny_model_dir, tmp_path):
+    engine = await start_engine(tiny_model_dir, tmp_path / "one-seat", 256, SchedulerSettings(max_num_batched_tokens=64, max_num_seqs=1))
+    try:
+        cached = [system(long_text(40, 3)), user("Which blocks?")]
+        await complete(engine, cached, max_tokens=1)
+        hits = [engine.pool.get_ready(block_hash) for block_hash in block_hashes(engine, cached, ALICE)]
+        assert hits and all(entry is not None and entry.ref_count == 0 for entry in hits)
+        running = engine.generate(_requests([user(long_text(20, 1))], num=1, max_tokens=3000)[0])
+        assert isinstance(await anext(running), PromptStats)
+        waiting = asyncio.ensure_future(anext(engine.generate(_requests(cached, num=1, max_tokens=4)[0])))
+
+        async def queued() -> bool:
+            return len(engine.scheduler.waiting) == 1
+
+        await eventually(queued, timeout_s=30, what="the second request waits for the one seat")
+        assert {entry.ref_count for entry in hits} == {1}  # referenced since its admission
+        waiting.cancel()
+
+        async def released_hits() -> bool:
+            return not engine.scheduler.waiting and {entry.ref_count for entry in hits} == {0}
+
+        await eventually(released_hits, timeout_s=30, what="the aborted waiting request released its hits")
+        assert len(engine.scheduler.running) == 1
+        await running.aclose()
+        await eventually(lambda: _idle(engine), timeout_s=30, what="the running request was aborted")
+        assert_released(engine)
+    finally:
+        await engine.stop()
+
+
+async def _idle(engine: AsyncEngine) -> bool:
+    return not engine.scheduler.has_work
