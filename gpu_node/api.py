@@ -610,8 +610,9 @@ async def _sse_events(
 
     Headers are already sent when this runs, so a failure can only be reported
     in-band: an ``error`` event in OpenAI's shape, which the client raises.
-    Closing ``stream`` (also on client disconnect) lets the engine release the
-    request's cache references.
+    Closing ``stream`` (also on client disconnect, which cancels this generator
+    inside the engine's stream) aborts the request in the engine: its sequence
+    leaves the batch at the next step and its blocks are released.
     """
 
     def chunk(delta: dict, finish_reason: str | None = None) -> str:

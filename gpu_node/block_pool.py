@@ -488,6 +488,82 @@ class BlockPool:
             )
             self._discard_building(entry)
 
+    # --- paged KV: device slots owned by running sequences (gpu_node.paged_kv) ---------------
+
+    @property
+    def device_kv(self) -> torch.Tensor:
+        """The device tier ``[num_device_blocks, *block_shape]``; attention reads and writes slots it was given."""
+        return self._slots[Tier.DEVICE]
+
+    def device_usage(self) -> tuple[int, int]:
+        """``(slots in use, slots in total)`` of the device tier: cached entries plus sequences' own slots."""
+        with self._lock:
+            return self._capacity[Tier.DEVICE] - len(self._free_slots[Tier.DEVICE]), self._capacity[Tier.DEVICE]
+
+    def allocate_device_slots(self, num_slots: int) -> list[int] | None:
+        """Take ``num_slots`` device slots for a sequence's own KV; None (nothing taken) when there is no room.
+
+        Room is made like for any new block: unreferenced READY device entries
+        are demoted (or dropped) in LRU order. The slots belong to the caller
+        until :meth:`free_device_slots` or :meth:`commit_slot`; the pool never
+        reads, moves or zeroes them meanwhile.
+        """
+        if num_slots < 0:
+            raise ValueError("num_slots must be >= 0")
+        with self._lock:
+            available = len(self._free_slots[Tier.DEVICE])
+            if available < num_slots:
+                for candidate in self._lru[Tier.DEVICE].candidates():
+                    if candidate.ref_count == 0:
+                        available += 1
+                        if available >= num_slots:
+                            break
+            if available < num_slots:
+                return None
+            slots = []
+            for _ in range(num_slots):
+                made_room = self._make_room(Tier.DEVICE)
+                assert made_room, "counted victims always yield slots"
+                slots.append(heapq.heappop(self._free_slots[Tier.DEVICE]))
+            return slots
+
+    def free_device_slots(self, slots: Sequence[int]) -> None:
+        """Zero and return slots taken with :meth:`allocate_device_slots`: a request's KV never outlives it in a free slot."""
+        if not slots:
+            return
+        with self._lock:
+            ordered = sorted(slots)
+            zero_slots(self._flat_slots[Tier.DEVICE], ordered)
+            for slot in ordered:
+                heapq.heappush(self._free_slots[Tier.DEVICE], slot)
+
+    def commit_slot(self, entry: CacheEntry, slot: int) -> bool:
+        """Make a BUILDING entry READY in the caller's own device ``slot`` (its KV is already there): no copy.
+
+        The entry starts with one reference, the committing sequence's, since
+        its attention keeps reading the block; release it with
+        :meth:`dec_lock_ref`. False when the entry was tombstoned while
+        building: it is discarded and the slot stays the caller's.
+        """
+        with self._lock:
+            assert self._entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING, (
+                "commit_slot takes the BUILDING entry begin_build returned"
+            )
+            assert 0 <= slot < self._capacity[Tier.DEVICE] and slot not in self._free_slots[Tier.DEVICE], "the slot must be allocated"
+            if entry.tombstoned:
+                self._discard_building(entry)
+                return False
+            now = self._clock()
+            ttl_s = self._config.ttl_s[entry.provenance.scope]
+            entry.state = BlockState.READY
+            self._num_building -= 1
+            entry.last_access = now
+            entry.expires_at = None if ttl_s is None else now + ttl_s
+            entry.ref_count = 1
+            self._place(entry, Tier.DEVICE, slot)
+            self._events.append(BlockStored(entry.key, Tier.DEVICE))
+            return True
+
     # --- reading -------------------------------------------------------------------------
 
     def read_blocks(self, entries: Sequence[CacheEntry], promote: bool = True) -> torch.Tensor:
@@ -540,7 +616,7 @@ class BlockPool:
             # corrupt one is removed and raised before anything moves.
             lower_kv = None
             if lower:
-                lower_kv = torch.empty((len(lower), *shape), dtype=self._spec.dtype)
+                lower_kv = torch.empty((len(lower), *shape), dtype=self._spec.dtype, pin_memory=device.type == "cuda")
                 lower_flat = lower_kv.view(len(lower), -1)
                 self._load_disk_payloads(lower, lower_kv)
                 host_pos = [pos for pos, entry in enumerate(lower) if entry.tier is Tier.HOST]
@@ -551,7 +627,7 @@ class BlockPool:
                     gather_slots(self._flat_slots[Tier.HOST], [lower[pos].slot for pos in host_pos], gathered)
                     lower_flat.index_copy_(0, torch.tensor(host_pos, dtype=torch.long), gathered)
             if lower_kv is not None and lower_kv.device != device:
-                lower_kv = lower_kv.to(device)
+                lower_kv = lower_kv.to(device, non_blocking=True)  # pinned staging: an async copy, ordered before its readers
             if promote and lower:
                 self._promote_batch(lower, lower_kv.view(len(lower), -1))
             if lower_kv is not None and len(lower) == num:

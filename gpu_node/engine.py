@@ -1,35 +1,53 @@
-"""The asyncio engine: requests in, streamed tokens out.
+"""The asyncio engine: requests in, streamed tokens out, run as one continuously batched model.
 
-All torch work runs on one dedicated worker thread, so the event loop keeps
-serving HTTP, singleflight waiters and metrics while a prefill runs. Requests
-interleave at step granularity: every prefill and every decode step is its own
-job on that thread. Any failure to restore cached KV falls back to a full
-prefill and is counted — the cache is an optimisation, never a reason to fail.
+``generate`` renders the prompt, looks its prefix up under the caller's scope
+(:class:`KVCacheManager`: scoped keys, tombstones, versions, singleflight) and
+hands the request to the step loop. The step loop is one asyncio task that runs
+each engine step as one job on the model worker thread:
+
+1. take new and aborted requests from the inbox;
+2. :class:`~gpu_node.scheduler.Scheduler` picks one decode token per running
+   request plus prefill chunks of waiting ones under the token budget,
+   preempting the newest request when device blocks run out;
+3. one model forward over all of them, KV read and written in place in the
+   pool's device tier (:mod:`gpu_node.paged_kv`, :mod:`gpu_node.paged_attention`);
+4. one batched sampling call, incremental detokenization, stop checks, commits
+   of finished prefix blocks, and per-request outputs back to the loop.
+
+Other pool work that must not interleave with a step (snapshots, TTL sweeps,
+disk re-index) is queued on the same worker between steps. A request whose
+client goes away is aborted at the next step boundary: its slot and blocks are
+freed at once. The cache is an optimisation, never a reason to fail: a hit that
+cannot be used (tombstoned, corrupt, no device room) is recomputed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from gpu_node import snapshots
-from gpu_node.block_pool import BlockPool, BlockRestoreError, PoolConfig
+from gpu_node.block_pool import BlockPool, PoolConfig
+from gpu_node.detokenizer import IncrementalDetokenizer
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
 from gpu_node.layout_sampler import layout_sampler
 from gpu_node.metrics import MissReason, NodeMetrics
-from gpu_node.model_runner import ModelRunner
+from gpu_node.model_runner import ModelRunner, StepChunk
 from gpu_node.namespace import NamespaceIdentity, compute_namespace
+from gpu_node.paged_kv import PagedKV
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
+from gpu_node.sampling import SamplingState, make_sampling_state, sample_batch
+from gpu_node.scheduler import Scheduler, SchedulerOutput, Sequence
 from gpu_node.settings import NodeSettings
 from gpu_node.versions import VersionRegistry
 
@@ -84,11 +102,29 @@ class PromptTooLongError(ValueError):
         self.max_context_tokens = max_context_tokens
 
 
-@dataclass(slots=True)
-class _Prefill:
-    cache: object
-    logits: torch.Tensor
-    num_cached_tokens: int
+class GenerationError(RuntimeError):
+    """The model step carrying a request failed; the request ends with this error."""
+
+
+_SEQ_IDS = itertools.count()
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request in the engine: its sequence plus what its stream needs. Outputs go to ``queue`` on the loop."""
+
+    seq: Sequence
+    plan: PrefixPlan
+    sampling: SamplingState
+    max_new_tokens: int
+    detokenizer: IncrementalDetokenizer
+    arrived: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_completion_tokens: int = 0
+    started_output: bool = False
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    finished: bool = False
 
 
 class AsyncEngine:
@@ -109,6 +145,8 @@ class AsyncEngine:
         self.model_name = settings.model_name or runner.model_dir.name
         self.max_context_tokens = runner.max_context_tokens
         self.manager = KVCacheManager(pool, metrics, settings.cache.singleflight_wait_s)
+        self.paged_kv = PagedKV(pool, self.manager, metrics)
+        self.scheduler = Scheduler(self.paged_kv, settings.scheduler.max_num_batched_tokens, settings.scheduler.max_num_seqs)
         self.snapshot_sink: Callable[[str, tuple[bytes, ...]], None] | None = None
         self.versions = VersionRegistry()
         self.ready = False
@@ -120,6 +158,12 @@ class AsyncEngine:
         self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-prompt")
         self._num_snapshot_writes = 0
         self._sweeper: asyncio.Task | None = None
+        self._stepper: asyncio.Task | None = None
+        # Filled on the loop, drained by the worker at the start of each step (deque appends/pops are atomic).
+        self._inbox: deque[tuple[str, _Request]] = deque()
+        self._requests: dict[str, _Request] = {}  # worker thread only
+        self._work = asyncio.Event()
+        self.metrics.kv_blocks_total.set(pool.config.num_device_blocks)
 
     @classmethod
     def from_settings(cls, settings: NodeSettings) -> AsyncEngine:
@@ -154,13 +198,20 @@ class AsyncEngine:
         self.manager.drain_events()
         self._refresh_tier_gauges()
         self._sweeper = asyncio.create_task(self._sweep_expired())
+        self._stepper = asyncio.create_task(self._step_loop(), name="kvledger-steps")
         self.ready = ready
 
     async def stop(self) -> None:
         self.ready = False
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for task in (self._sweeper, self._stepper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._stepper is not None:
+            deliveries, woken = await self._run(self._fail_all, GenerationError("the node is shutting down"))
+            self.manager.wake(woken)
+            self._deliver(deliveries)
+            self.manager.drain_events()
         self._worker.shutdown(wait=True)
         self._prompt_worker.shutdown(wait=True)
 
@@ -168,7 +219,7 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._worker, function, *args)
 
     async def run_exclusive(self, function, *args):
-        """Run blocking ``function`` on the model worker, after the work queued before it.
+        """Run blocking ``function`` on the model worker, between engine steps.
 
         For node work that must not interleave with a snapshot write: removing
         invalidated blocks from snapshots runs here, so a snapshot being written
@@ -192,17 +243,28 @@ class AsyncEngine:
             self.metrics.tier_entries.labels(tier.value).set(num_entries)
         for tier, num_bytes in stats.tier_bytes.items():
             self.metrics.tier_bytes.labels(tier.value).set(num_bytes)
+        num_used, num_total = self.pool.device_usage()
+        self.metrics.kv_blocks_used.set(num_used)
+        self.metrics.kv_usage.set(num_used / num_total if num_total else 0.0)
+
+    # --- requests (event loop) -------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[PromptStats | TokenDelta | GenerationDone]:
-        started = time.perf_counter()
+        arrived = time.perf_counter()
         prompt = await asyncio.get_running_loop().run_in_executor(
             self._prompt_worker, render_prompt, self.runner.tokenizer, request.messages
         )
         token_ids = prompt.token_ids
         if len(token_ids) >= self.max_context_tokens:
             raise PromptTooLongError(len(token_ids), self.max_context_tokens)
-        sampling_state = self.runner.sampling_state(request.sampling.temperature, request.sampling.top_p, request.sampling.seed)
-        max_new_tokens = min(request.sampling.max_tokens, self.max_context_tokens - len(token_ids))
+        sampling_state = make_sampling_state(request.sampling.temperature, request.sampling.top_p, request.sampling.seed)
+        # A sequence must fit the device tier alone, or preemption could not make it progress.
+        max_sequence_tokens = min(self.max_context_tokens, self.pool.config.num_device_blocks * self.block_size)
+        if len(token_ids) >= max_sequence_tokens:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; this node's device KV memory holds {max_sequence_tokens} tokens per request"
+            )
+        max_new_tokens = min(request.sampling.max_tokens, max_sequence_tokens - len(token_ids))
         if max_new_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
 
@@ -216,88 +278,166 @@ class AsyncEngine:
             else []
         )
         plan = await self.manager.acquire(keys, token_ids, request.principal) if use_cache else PrefixPlan(keys=[])
-        try:
-            layout_sampler(self).observe(request, prompt, keys, plan.num_hit_blocks)
-            prefill = await self._run(self._prefill, plan, token_ids)
-        finally:
-            self.manager.finish(plan)
-            self._refresh_tier_gauges()
         if plan.claimed:
             self.metrics.builds.inc()
-
-        self.metrics.observe_request(len(token_ids), prefill.num_cached_tokens)
-        token = self.runner.sample(prefill.logits, sampling_state)
-        self.metrics.ttft.observe(time.perf_counter() - started)
-        yield PromptStats(len(token_ids), prefill.num_cached_tokens)
-
-        async for item in self._decode(prefill.cache, token, max_new_tokens, sampling_state, request.sampling.stop):
-            yield item
-
-    async def _decode(self, cache, token: int, max_new_tokens: int, sampling_state, stop: tuple[str, ...]):
-        tokenizer = self.runner.tokenizer
-        generated: list[int] = []
-        emitted_text = ""
-        decode_started = time.perf_counter()
-        finish_reason = "length"
-        while True:
-            if token in self.runner.eos_token_ids:
-                finish_reason = "stop"
-                break
-            generated.append(token)
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            stop_at = min((index for index in (text.find(s) for s in stop if s) if index >= 0), default=-1)
-            if stop_at >= 0:
-                if stop_at > len(emitted_text):
-                    yield TokenDelta(token, text[len(emitted_text) : stop_at])
-                finish_reason = "stop"
-                break
-            # hold back an incomplete UTF-8 sequence until its next byte arrives
-            if not text.endswith("\ufffd") and len(text) > len(emitted_text):
-                yield TokenDelta(token, text[len(emitted_text) :])
-                emitted_text = text
-            else:
-                yield TokenDelta(token, "")
-            if len(generated) >= max_new_tokens:
-                break
-            logits = await self._run(self.runner.decode, token, cache)
-            token = self.runner.sample(logits, sampling_state)
-        elapsed_s = time.perf_counter() - decode_started
-        self.metrics.generated_tokens.inc(len(generated))
-        if generated and elapsed_s > 0:
-            self.metrics.decode_tokens_per_s.set(len(generated) / elapsed_s)
-        yield GenerationDone(finish_reason, len(generated))
-
-    def _prefill(self, plan: PrefixPlan, token_ids: list[int]) -> _Prefill:
-        """Worker thread: restore hits, prefill the rest, commit claimed blocks."""
-        cache = None
-        num_cached_tokens = 0
-        if plan.hit_entries:
-            restore_started = time.perf_counter()
-            try:
-                cache = self.runner.restore(self.pool.read_blocks(plan.hit_entries))
-                num_cached_tokens = plan.num_hit_blocks * self.block_size
-            except BlockRestoreError:
-                self.metrics.misses.labels(MissReason.KV_RESTORE_FAILED.value).inc()
-            except torch.OutOfMemoryError:
-                self.metrics.misses.labels(MissReason.OOM.value).inc()
-            except ValueError:
-                log.warning("restored KV did not match the model; falling back to full prefill")
-                self.metrics.misses.labels(MissReason.KV_RESTORE_FAILED.value).inc()
-            self.metrics.restore_latency.observe(time.perf_counter() - restore_started)
-        if cache is None:
-            cache = self.runner.new_cache()
-        prefill_started = time.perf_counter()
+        seq = Sequence(f"{next(_SEQ_IDS)}", list(token_ids), len(token_ids), needs_prefix=True)
+        handle = _Request(seq, plan, sampling_state, max_new_tokens, IncrementalDetokenizer(self.runner.tokenizer, request.sampling.stop), arrived)
+        self._submit("add", handle)
         try:
-            logits = self.runner.prefill(token_ids[num_cached_tokens:], cache)
-        except BaseException:
-            self.manager.commit(plan, None)
-            raise
-        self.metrics.prefill_latency.observe(time.perf_counter() - prefill_started)
-        if plan.claimed:
-            first = plan.claimed[0].key.index
-            span = self.runner.extract_blocks(cache, first, plan.claimed[-1].key.index - first + 1)
-            self.manager.commit(plan, span[[entry.key.index - first for entry in plan.claimed]])
-        return _Prefill(cache, logits, num_cached_tokens)
+            # Inside the try: the engine owns the plan now, so a failure here still aborts and releases it.
+            layout_sampler(self).observe(request, prompt, keys, plan.num_hit_blocks)
+            while True:
+                item = await handle.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, GenerationDone):
+                    return
+        finally:
+            if not handle.finished:
+                self._submit("abort", handle)
+
+    def _submit(self, action: str, handle: _Request) -> None:
+        self._inbox.append((action, handle))
+        self._work.set()
+
+    async def _step_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while self._inbox or self.scheduler.has_work:
+                try:
+                    deliveries, woken = await self._run(self._step)
+                except Exception as exc:  # noqa: BLE001 - whatever broke, no stream may be left waiting
+                    # A broken step (an invariant, not a model error) must not leave every stream hanging.
+                    log.error("engine step failed outside the model: %s", type(exc).__name__)
+                    deliveries, woken = await self._run(self._fail_all, GenerationError("generation failed"))
+                self.manager.wake(woken)
+                self._deliver(deliveries)
+                self.manager.drain_events()
+                self._refresh_tier_gauges()
+                self.metrics.requests_running.set(len(self.scheduler.running))
+                self.metrics.requests_waiting.set(len(self.scheduler.waiting))
+
+    @staticmethod
+    def _deliver(deliveries: list[tuple[_Request, list]]) -> None:
+        for handle, items in deliveries:
+            for item in items:
+                handle.queue.put_nowait(item)
+
+    # --- one step (model worker) -------------------------------------------------------------
+
+    def _fail_all(self, error: GenerationError) -> tuple[list[tuple[_Request, list]], list[bytes]]:
+        """End every request the engine holds (queued in the inbox or scheduled) with ``error``."""
+        deliveries: dict[_Request, list] = {}
+        self._take_inbox()
+        for handle in list(self._requests.values()):
+            self._finish(handle, error, deliveries)
+        woken, self.paged_kv.woken = self.paged_kv.woken, []
+        return list(deliveries.items()), woken
+
+
+    def _step(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
+        deliveries: dict[_Request, list] = {}
+        self._take_inbox()
+        output = self.scheduler.schedule()
+        if output.preempted:
+            self.metrics.preemptions.inc(len(output.preempted))
+        if output.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running and not output.preempted:
+                # Nothing runs and the oldest waiting request cannot get blocks: fail it rather than spin.
+                handle = self._requests[self.scheduler.waiting[0].seq_id]
+                self._finish(handle, GenerationError("the device KV memory is held by waiting requests"), deliveries)
+        else:
+            try:
+                self._execute(output, deliveries)
+            except Exception as exc:  # noqa: BLE001 - a failed forward ends the requests in it, not the engine
+                log.error("engine step failed: %s", type(exc).__name__)
+                for chunk in output.chunks:
+                    handle = self._requests.get(chunk.seq.seq_id)
+                    if handle is not None and not handle.finished:
+                        self._finish(handle, GenerationError("generation failed"), deliveries)
+        woken, self.paged_kv.woken = self.paged_kv.woken, []
+        return list(deliveries.items()), woken
+
+    def _take_inbox(self) -> None:
+        while self._inbox:
+            action, handle = self._inbox.popleft()
+            if action == "add":
+                self._requests[handle.seq.seq_id] = handle
+                self.paged_kv.register(handle.seq, handle.plan)
+                self.scheduler.add(handle.seq)
+            elif not handle.finished:
+                self._finish(handle, None, {})
+
+    def _execute(self, output: SchedulerOutput, deliveries: dict[_Request, list]) -> None:
+        chunks = output.chunks
+        step_chunks = [
+            StepChunk(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens], chunk.start, chunk.seq.block_table, chunk.samples)
+            for chunk in chunks
+        ]
+        started = time.perf_counter()
+        logits = self.runner.execute(step_chunks, self.pool.device_kv)
+        sampling = [chunk for chunk in chunks if chunk.samples]
+        handles = [self._requests[chunk.seq.seq_id] for chunk in sampling]
+        tokens = sample_batch(logits, [handle.sampling for handle in handles]) if sampling else []
+        self.scheduler.advance(output, {chunk.seq.seq_id: token for chunk, token in zip(sampling, tokens, strict=True)})
+        self.metrics.iteration_tokens.observe(output.num_batched_tokens)
+        if any(chunk.start < chunk.seq.num_prompt_tokens for chunk in chunks):
+            self.metrics.prefill_latency.observe(time.perf_counter() - started)
+        for chunk in chunks:
+            self.paged_kv.commit_computed(chunk.seq)
+        now = time.perf_counter()
+        for handle, token in zip(handles, tokens, strict=True):
+            self._emit(handle, token, now, deliveries)
+
+    def _emit(self, handle: _Request, token: int, now: float, deliveries: dict[_Request, list]) -> None:
+        items = deliveries.setdefault(handle, [])
+        if not handle.started_output:
+            handle.started_output = True
+            handle.first_token_at = now
+            num_cached_tokens = self.paged_kv.of(handle.seq).num_cached_tokens
+            self.metrics.observe_request(handle.seq.num_prompt_tokens, num_cached_tokens)
+            self.metrics.prefix_cache_queries.inc(handle.seq.num_prompt_tokens)
+            self.metrics.prefix_cache_hits.inc(num_cached_tokens)
+            self.metrics.ttft.observe(now - handle.arrived)
+            items.append(PromptStats(handle.seq.num_prompt_tokens, num_cached_tokens))
+        else:
+            self.metrics.inter_token_latency.observe(now - handle.last_token_at)
+        handle.last_token_at = now
+        if token in self.runner.eos_token_ids:
+            held_back = handle.detokenizer.flush()
+            if held_back:
+                items.append(TokenDelta(token, held_back))
+            self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
+            return
+        handle.num_completion_tokens += 1
+        text, stopped = handle.detokenizer.push(token)
+        if stopped:
+            if text:
+                items.append(TokenDelta(token, text))
+            self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
+            return
+        if handle.num_completion_tokens >= handle.max_new_tokens:
+            items.append(TokenDelta(token, text + handle.detokenizer.flush()))
+            self._finish(handle, GenerationDone("length", handle.num_completion_tokens), deliveries)
+        else:
+            items.append(TokenDelta(token, text))
+
+    def _finish(self, handle: _Request, last: GenerationDone | BaseException | None, deliveries: dict[_Request, list]) -> None:
+        """End a request: free its slot and blocks now; ``last`` (None for an abort) goes to its stream."""
+        handle.finished = True
+        self.scheduler.finish([handle.seq])
+        self.paged_kv.forget(handle.seq)
+        del self._requests[handle.seq.seq_id]
+        if isinstance(last, GenerationDone):
+            self.metrics.generated_tokens.inc(handle.num_completion_tokens)
+            now = time.perf_counter()
+            self.metrics.e2e_latency.observe(now - handle.arrived)
+            if handle.num_completion_tokens > 1 and now > handle.first_token_at:
+                self.metrics.decode_tokens_per_s.set((handle.num_completion_tokens - 1) / (now - handle.first_token_at))
+        if last is not None:
+            deliveries.setdefault(handle, []).append(last)
 
     def cache_stats(self) -> dict:
         stats = self.pool.stats()

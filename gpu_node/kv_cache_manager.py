@@ -2,7 +2,8 @@
 
 Between the engine and the storage pool: finds the longest READY prefix of a
 request's block keys and locks it, makes identical missing prefixes build once
-(per-key singleflight with a bounded wait), commits newly computed blocks, and
+(per-key singleflight with a bounded wait), commits newly computed blocks in place
+(waking waiters as each block is committed, not when the builder finishes), and
 explains misses. Explaining a miss needs memory the pool does not keep: a
 *shadow index* (who could be served it + token-prefix hash → which namespace/key
 stored it) and a bounded map of recently removed blocks with the reason they went
@@ -25,8 +26,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import torch
 
 from gpu_node.block_pool import BlockPool, BlockRemoved, BlockState, CacheEntry, PoolEvent, RemovalReason
 from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, BlockKey, BlockProvenance, CacheScope, Principal, compute_shadow_hashes
@@ -82,7 +81,8 @@ class _BoundedMap(OrderedDict):
 class PrefixPlan:
     """What one request gets from the cache and what it promised to build.
 
-    ``hit_entries`` are locked (ref-counted) until :meth:`KVCacheManager.release`;
+    ``hit_entries`` are locked (ref-counted) until the request's sequence is freed
+    (``gpu_node.paged_kv``) or, for a plan no sequence took over, :meth:`KVCacheManager.finish`;
     ``claimed`` are BUILDING entries this request leads and must commit or fail.
     """
 
@@ -191,26 +191,30 @@ class KVCacheManager:
             return MissReason.NO_ENTRY
         return MissReason.NO_ENTRY
 
-    def commit(self, plan: PrefixPlan, block_kv: torch.Tensor | None) -> int:
-        """Commit claimed blocks (worker thread). ``block_kv[i]`` holds ``plan.claimed[i]``.
+    def commit_slot(self, plan: PrefixPlan, entry: CacheEntry, slot: int) -> bool:
+        """Commit one claimed block whose KV the builder wrote into its own device ``slot`` (worker thread).
 
-        ``None`` means the build failed: every claimed entry goes BUILDING → FAILED.
-        Returns the number of blocks that became READY.
+        False when the pool discarded it (tombstoned while building). The
+        builder keeps the entry's one reference (:meth:`BlockPool.commit_slot`);
+        waiters are woken by :meth:`wake` on the event loop.
         """
-        num_ready = 0
-        for position, entry in enumerate(plan.claimed):
-            if block_kv is not None and self.pool.commit_build(entry, block_kv[position]):
-                num_ready += 1
-                if plan.shadow_hashes:
-                    shadow_key = (_audience(entry.provenance), plan.shadow_hashes[entry.key.index])
-                    self._shadow.put(shadow_key, (entry.provenance.namespace, entry.block_hash))
-            elif block_kv is None:
-                self.pool.fail_build(entry)
-        self.metrics.blocks_built.inc(num_ready)
-        return num_ready
+        if not self.pool.commit_slot(entry, slot):
+            return False
+        if plan.shadow_hashes:
+            shadow_key = (_audience(entry.provenance), plan.shadow_hashes[entry.key.index])
+            self._shadow.put(shadow_key, (entry.provenance.namespace, entry.block_hash))
+        self.metrics.blocks_built.inc()
+        return True
+
+    def wake(self, block_hashes: Sequence[bytes]) -> None:
+        """Release the waiters of builds that ended (event loop thread): they look the prefix up again."""
+        for block_hash in block_hashes:
+            future = self._inflight.pop(block_hash, None)
+            if future is not None and not future.done():
+                future.set_result(None)
 
     def finish(self, plan: PrefixPlan) -> None:
-        """Release locks and wake waiters (event loop thread). Idempotent."""
+        """Release locks, abandon builds and wake waiters of a plan no sequence took over (event loop thread). Idempotent."""
         if plan.released:
             return
         plan.released = True
@@ -218,9 +222,7 @@ class KVCacheManager:
         for entry in plan.claimed:
             if entry.state == BlockState.BUILDING:
                 self.pool.fail_build(entry)
-            future = self._inflight.pop(entry.block_hash, None)
-            if future is not None and not future.done():
-                future.set_result(None)
+        self.wake([entry.block_hash for entry in plan.claimed])
         self.drain_events()
 
     def drain_events(self) -> list[PoolEvent]:

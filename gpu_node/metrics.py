@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -56,11 +57,29 @@ class NodeMetrics:
         self.blocks_built = Counter("kvledger_blocks_built", "Blocks computed and committed READY", registry=r)
         self.build_wait = Histogram("kvledger_build_wait_seconds", "Time waiting for another request's build", registry=r, buckets=_LATENCY_BUCKETS_S)
         self.singleflight_waiters = Gauge("kvledger_singleflight_waiters", "Requests currently waiting on a build", registry=r)
-        self.restore_latency = Histogram("kvledger_restore_seconds", "Gathering hit blocks into a model cache", registry=r, buckets=_LATENCY_BUCKETS_S)
+        self.restore_latency = Histogram("kvledger_restore_seconds", "Promoting host and disk hits into device blocks", registry=r, buckets=_LATENCY_BUCKETS_S)
         self.prefill_latency = Histogram("kvledger_prefill_seconds", "Prefill of the uncached suffix", registry=r, buckets=_LATENCY_BUCKETS_S)
         self.ttft = Histogram("kvledger_ttft_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS_S)
         self.generated_tokens = Counter("kvledger_generated_tokens", "Completion tokens generated", registry=r)
         self.decode_tokens_per_s = Gauge("kvledger_decode_tokens_per_second", "Decode throughput of the last finished request", registry=r)
+        # Continuous batching, named and shaped like vLLM's (gpu_node.scheduler, gpu_node.paged_kv).
+        self.requests_running = Gauge("kvledger_num_requests_running", "Requests in the running batch", registry=r)
+        self.requests_waiting = Gauge("kvledger_num_requests_waiting", "Requests waiting to join the running batch", registry=r)
+        self.kv_blocks_used = Gauge("kvledger_kv_device_blocks_used", "Device-tier blocks in use (cached entries and running requests' own)", registry=r)
+        self.kv_blocks_total = Gauge("kvledger_kv_device_blocks_total", "Device-tier blocks in total", registry=r)
+        self.kv_usage = Gauge("kvledger_kv_cache_usage_perc", "Fraction of device-tier blocks in use", registry=r)
+        self.preemptions = Counter("kvledger_num_preemptions", "Running requests preempted for lack of device blocks (recomputed later)", registry=r)
+        self.iteration_tokens = Histogram(
+            "kvledger_iteration_tokens", "Tokens computed per engine step", registry=r, buckets=_ITERATION_TOKEN_BUCKETS
+        )
+        self.inter_token_latency = Histogram(
+            "kvledger_inter_token_latency_seconds", "Time between consecutive output tokens of a request", registry=r, buckets=_LATENCY_BUCKETS_S
+        )
+        self.e2e_latency = Histogram(
+            "kvledger_e2e_request_latency_seconds", "Time from arrival to the last token of a request", registry=r, buckets=_LATENCY_BUCKETS_S
+        )
+        self.prefix_cache_queries = Counter("kvledger_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("kvledger_prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r)
         self.dead_letters = Counter(
             "kvledger_node_dead_letters",
             "kv-events records the publisher could not build or send (invalid, too_large, refused)",

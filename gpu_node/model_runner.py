@@ -1,7 +1,9 @@
 """The model runner: the only module that calls the transformers model.
 
-It turns block KV tensors into a transformers ``DynamicCache`` and back, runs
-prefill over the uncached suffix and single-token decode steps, and samples.
+:meth:`ModelRunner.execute` runs one engine step: one forward over the tokens
+of every scheduled sequence, its KV read and written in place in the pool's
+device tier through block tables (:mod:`gpu_node.paged_attention`).
+:meth:`ModelRunner.prefill` over a ``DynamicCache`` remains for benchmark floors.
 It knows nothing about keys, tiers or requests; the engine calls it from its one
 worker thread, so nothing here is thread-safe on purpose.
 """
@@ -9,13 +11,16 @@ worker thread, so nothing here is thread-safe on purpose.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
+from gpu_node import paged_attention
 from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.paged_attention import PagedStep, PrefillChunk, no_mask
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +61,13 @@ def check_supported(config) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingState:
-    """Per-request sampling configuration; ``generator`` is None for greedy."""
+class StepChunk:
+    """Tokens of one sequence computed in a step: ``token_ids`` at positions ``start ..``, KV in ``block_table``'s slots."""
 
-    temperature: float
-    top_p: float
-    generator: torch.Generator | None
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+    samples: bool
 
 
 class ModelRunner:
@@ -79,8 +85,12 @@ class ModelRunner:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype).to(self.device)
         self.model.eval()
+        # Attention reads and writes the pool's device tier (gpu_node.paged_attention); it is SDPA
+        # underneath, and plain SDPA for forwards without a paged step (HF generate, DynamicCache).
+        paged_attention.register()
+        self.model.set_attn_implementation(paged_attention.PAGED_ATTENTION)
         self.config = self.model.config
-        self.attn_implementation = getattr(self.config, "_attn_implementation", None) or "eager"
+        self.attn_implementation = paged_attention.PAGED_ATTENTION
         num_heads = self.config.num_attention_heads
         head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // num_heads
         self.kv_spec = KVBlockSpec(
@@ -97,48 +107,6 @@ class ModelRunner:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
-    def restore(self, block_kv: torch.Tensor) -> DynamicCache:
-        """Build a cache from ``[n, layers, 2, kv_heads, block_size, head_dim]`` block KV.
-
-        Blocks are concatenated along the sequence axis per layer; the cache
-        then behaves exactly as if the model had just prefilled those tokens.
-        """
-        spec = self.kv_spec
-        if block_kv.dim() != 6 or tuple(block_kv.shape[1:]) != spec.block_shape:
-            raise ValueError(f"block KV shape {tuple(block_kv.shape)} does not match [n, *{spec.block_shape}]")
-        if block_kv.dtype != spec.dtype:
-            raise ValueError(f"block KV dtype {block_kv.dtype} does not match {spec.dtype}")
-        num_blocks = block_kv.shape[0]
-        num_tokens = num_blocks * spec.block_size
-        # [n, L, 2, H, bs, D] -> [L, 2, H, n, bs, D] -> [L, 2, 1, H, n*bs, D]
-        per_layer = block_kv.to(self.device, non_blocking=True).permute(1, 2, 3, 0, 4, 5)
-        per_layer = per_layer.reshape(spec.num_layers, 2, 1, spec.num_kv_heads, num_tokens, spec.head_dim)
-        cache = self.new_cache()
-        for layer in range(spec.num_layers):
-            # update() concatenates into fresh storage, which is the one copy a restore needs;
-            # making the strided views contiguous first would copy every byte twice.
-            cache.update(per_layer[layer, 0], per_layer[layer, 1], layer)
-        assert cache.get_seq_length() == num_tokens, f"restored cache holds {cache.get_seq_length()} tokens, expected {num_tokens}"
-        return cache
-
-    def extract_blocks(self, cache: DynamicCache, first_block: int, num_blocks: int) -> torch.Tensor:
-        """Copy ``num_blocks`` full blocks starting at ``first_block`` out of a cache.
-
-        Returns ``[num_blocks, layers, 2, kv_heads, block_size, head_dim]``; a
-        fresh tensor, so later decode steps cannot change stored blocks.
-        """
-        spec = self.kv_spec
-        start = first_block * spec.block_size
-        end = start + num_blocks * spec.block_size
-        assert cache.get_seq_length() >= end, f"cache holds {cache.get_seq_length()} tokens, need {end}"
-        blocks = torch.empty((num_blocks, *spec.block_shape), dtype=spec.dtype, device=self.device)
-        for index, layer in enumerate(cache.layers[: spec.num_layers]):
-            for kind, tensor in enumerate((layer.keys, layer.values)):
-                # [H, T, D] -> [H, n, bs, D] -> [n, H, bs, D], copied straight into the output
-                span = tensor[0, :, start:end, :].reshape(spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-                blocks[:, index, kind].copy_(span.permute(1, 0, 2, 3))
-        return blocks
-
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
         """Run the tokens not yet in ``cache``; returns the last position's logits."""
@@ -148,30 +116,69 @@ class ModelRunner:
         return output.logits[0, -1].float()
 
     @torch.inference_mode()
-    def decode(self, token_id: int, cache: DynamicCache) -> torch.Tensor:
-        input_ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        output = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return output.logits[0, -1].float()
+    def execute(self, chunks: Sequence[StepChunk], kv_table: torch.Tensor) -> torch.Tensor:
+        """One forward over every chunk of a step; logits ``[num sampling chunks, vocab]`` in ``chunks`` order.
 
-    def sampling_state(self, temperature: float, top_p: float, seed: int | None) -> SamplingState:
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        if temperature == 0:
-            return SamplingState(0.0, 1.0, None)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(seed if seed is not None else torch.seed())
-        return SamplingState(temperature, top_p, generator)
-
-    @staticmethod
-    def sample(logits: torch.Tensor, state: SamplingState) -> int:
-        """Greedy when temperature is 0 (the correctness bar compares these), else top-p sampling."""
-        if state.generator is None:
-            return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.cpu() / state.temperature, dim=-1)
-        if state.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < state.top_p
-            filtered = torch.zeros_like(probs)
-            filtered[order[keep]] = sorted_probs[keep]
-            probs = filtered / filtered.sum()
-        return int(torch.multinomial(probs, 1, generator=state.generator).item())
+        Keys and values are written into ``kv_table`` (the pool's device tier) at
+        each chunk's block table, and attention reads them back from there
+        (:mod:`gpu_node.paged_attention`). Single-token chunks are laid out first
+        so their attention runs as one batch.
+        """
+        assert chunks, "a step computes at least one token"
+        block_size = self.kv_spec.block_size
+        order = sorted(range(len(chunks)), key=lambda index: len(chunks[index].token_ids) != 1)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        first_rows = [0] * len(chunks)
+        for index in order:
+            chunk = chunks[index]
+            first_rows[index] = len(token_ids)
+            token_ids.extend(chunk.token_ids)
+            end = chunk.start + len(chunk.token_ids)
+            assert len(chunk.block_table) * block_size >= end, "a chunk's blocks must cover its tokens"
+            positions.extend(range(chunk.start, end))
+            slot_blocks.extend(chunk.block_table[position // block_size] for position in range(chunk.start, end))
+        decodes = [chunks[index] for index in order if len(chunks[index].token_ids) == 1]
+        device = self.device
+        if decodes:
+            max_blocks = max(len(chunk.block_table) for chunk in decodes)
+            padded = [list(chunk.block_table) + [0] * (max_blocks - len(chunk.block_table)) for chunk in decodes]
+            context = torch.tensor([chunk.start + 1 for chunk in decodes], device=device)
+            decode_mask = torch.arange(max_blocks * block_size, device=device)[None, :] < context[:, None]
+            decode_blocks = torch.tensor(padded, dtype=torch.long, device=device)
+        else:
+            decode_mask = torch.ones((0, 0), dtype=torch.bool, device=device)
+            decode_blocks = torch.zeros((0, 1), dtype=torch.long, device=device)
+        prefills = []
+        for index in order[len(decodes) :]:
+            chunk = chunks[index]
+            num_tokens = len(chunk.token_ids)
+            num_blocks = -(-(chunk.start + num_tokens) // block_size)
+            if chunk.start:
+                query_positions = torch.arange(chunk.start, chunk.start + num_tokens, device=device)
+                causal = torch.arange(num_blocks * block_size, device=device)[None, :] <= query_positions[:, None]
+                blocks = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.long, device=device)
+            else:
+                causal = blocks = None  # the chunk's own keys are its whole context (plain causal attention)
+            prefills.append(PrefillChunk(first_rows[index], num_tokens, chunk.start + num_tokens, blocks, causal))
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        step = PagedStep(
+            kv_table=kv_table,
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
+            slot_offsets=position_tensor % block_size,
+            num_decodes=len(decodes),
+            decode_blocks=decode_blocks,
+            decode_mask=decode_mask[:, None, None, :],
+            prefills=tuple(prefills),
+        )
+        keep = [first_rows[index] + len(chunk.token_ids) - 1 for index, chunk in enumerate(chunks) if chunk.samples]
+        output = self.model(
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
+            position_ids=position_tensor[None, :],
+            attention_mask=no_mask(device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+            paged_step=step,
+        )
+        return output.logits[0].float()

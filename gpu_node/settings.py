@@ -39,6 +39,25 @@ class CacheSettings(BaseModel):
     """Requests whose prompt layout (segment hashes, never text) is kept for ``kvledger advise``; 0: none (``gpu_node.layout_sampler``)."""
 
 
+class SchedulerSettings(BaseModel):
+    """Continuous batching (``gpu_node.scheduler``): how much one model step may carry.
+
+    ``max_num_batched_tokens`` bounds the tokens of one forward pass (one decode
+    token per running request plus prefill chunks), so a long prompt delays
+    running decodes by at most one chunk. ``max_num_seqs`` bounds the running
+    batch; it may not exceed the token budget, which always fits every decode.
+    """
+
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _decodes_fit(self) -> SchedulerSettings:
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError("max_num_seqs must not exceed max_num_batched_tokens: every running request decodes one token per step")
+        return self
+
+
 class RequestLimits(BaseModel):
     """Bounds on one HTTP request, checked before anything is cached or published (docs/security.md).
 
@@ -106,6 +125,8 @@ class NodeSettings(BaseSettings):
     operator_auth: IssuerSettings = IssuerSettings()
     """Operators' tokens (``platform-admin`` writes snapshots); unset, no operator endpoint answers."""
     cache: CacheSettings = CacheSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    """``KVLEDGER_NODE_SCHEDULER__MAX_NUM_BATCHED_TOKENS``, ``KVLEDGER_NODE_SCHEDULER__MAX_NUM_SEQS``."""
     limits: RequestLimits = RequestLimits()
     identity: IdentitySettings = IdentitySettings()
     # The ledger hooks are optional: without a broker the node runs standalone.

@@ -129,7 +129,7 @@ async def stack(database_url: str, ledger_template: str, kafka_bootstrap: str, t
                     tiny_model_dir,
                     root / name,
                     kafka_bootstrap,
-                    CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=24, num_host_blocks=8, max_disk_blocks=512),
+                    CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=64, num_host_blocks=8, max_disk_blocks=512),
                     coordinator_url=coordinator.url,
                 )
                 nodes.append(await Node(settings_of_node).start())

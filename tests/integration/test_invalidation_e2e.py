@@ -12,8 +12,9 @@ is real and talks over real transports:
 * user events are published with a *plain* aiokafka producer as raw JSON bytes,
   exactly as ``docs/events.md`` tells users to.
 
-The nodes' pools are small (6 device, 6 host blocks), so one long document spreads
-its blocks over device, host and disk, and every deletion below covers all three.
+The nodes' pools are small (24 device blocks, which are also the running requests'
+KV memory, and 6 host blocks); a cached document's later blocks are moved down to
+host and disk as memory pressure would, so every deletion below covers all three tiers.
 
 The broker is shared by the whole test session. So that other modules' nodes and
 events do not enter this module's ledger (an earlier module's stopped node would be
@@ -42,6 +43,7 @@ from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import consumer_groups, kafka_settings
 from events import kafka, topics
+from gpu_node.block_pool import Tier
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 
@@ -106,7 +108,7 @@ async def nodes(
                 tiny_model_dir,
                 root / name,
                 kafka_bootstrap,
-                CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=6, num_host_blocks=6, max_disk_blocks=512),
+                CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=24, num_host_blocks=6, max_disk_blocks=512),
             )
             started.append(await Node(settings).start())
         for node in started:
@@ -237,11 +239,22 @@ def by_node(held: set[tuple[str, str, str]], node_id: str, tier: str) -> set[str
 async def spread_document(node: Node, token: str, tenant: str, doc_id: str) -> set[tuple[str, str, str]]:
     """Cache the document on ``node`` over device, host and disk; returns its (hash, node, tier) holdings.
 
-    The first request builds it (its early blocks are demoted as later ones commit);
-    the second hits the full prefix, promoting what fits into the small device tier.
+    The first request builds it on the device, the second hits the full prefix;
+    then its later blocks move down as LRU pressure would move them: the last
+    third to disk, the middle third to host.
     """
     assert await node.cached(token, document_chat(doc_id, 1)) == node.prefix_tokens(document_chat(doc_id, 1))[1]
     assert await node.cached(token, document_chat(doc_id, 1)) == node.prefix_tokens(document_chat(doc_id, 1))[0]
+    entries = sorted(
+        (entry for entry in node.engine.pool.ready_entries() if entry.provenance.tenant_id == tenant and any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)),
+        key=lambda entry: entry.key.index,
+    )
+    third = len(entries) // 3
+    for entry in entries[2 * third :]:
+        assert node.engine.pool.demote(entry.block_hash, Tier.DISK)
+    for entry in entries[third : 2 * third]:
+        assert node.engine.pool.demote(entry.block_hash, Tier.HOST)
+    node.engine.manager.drain_events()
     held = {(block, node.node_id, tier) for block, tier in node.holdings(tenant, doc_id)}
     assert {tier for _, _, tier in held} == set(MEMORY_TIERS), f"{node.node_id} holds {doc_id} in {held}"
     return held
