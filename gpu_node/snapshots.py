@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from events.fault_points import fault_point
 from gpu_node.block_pool import BlockPool, BlockRestoreError, Tier, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
@@ -171,6 +172,7 @@ def write_snapshot(pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_
     finally:
         pool.dec_lock_ref(entries)
     writer.flush()
+    fault_point("node.during_snapshot_write")
     manifest = SnapshotManifest(
         snapshot_id=uuid.uuid4().hex,
         created_at=time.time(),
