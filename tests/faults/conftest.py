@@ -1,0 +1,47 @@
+"""The fault-injection suite's system: one :class:`bench.cluster.Cluster` (private PostgreSQL and broker, a
+coordinator process, two node processes) shared by every scenario, and the invariant checker.
+
+Scenarios break the system in their own tenants and leave it running; the next scenario starts by
+bringing back any process a failed one left dead. Every test here is marked ``faults`` (and
+``integration``, so ``-m "not integration"`` still means "CPU only").
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bench.cluster import Cluster, ClusterConfig
+from bench.invariants import Invariants
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(_HERE):
+            item.add_marker(pytest.mark.faults)
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+async def fault_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    async with Cluster(tmp_path_factory.mktemp("faults"), tiny_model_dir, ClusterConfig(num_nodes=2)) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+async def cluster(fault_cluster: Cluster) -> Cluster:
+    """The shared cluster with every process running and the broker answering."""
+    fault_cluster.resume_broker()
+    for child in (fault_cluster.coordinator, *fault_cluster.nodes):
+        if not child.running:
+            await child.start()
+    return fault_cluster
+
+
+@pytest.fixture
+def invariants(cluster: Cluster) -> Invariants:
+    return Invariants(cluster)
