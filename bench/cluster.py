@@ -400,10 +400,7 @@ class Cluster:
     async def restart_postgres(self) -> None:
         """Fast shutdown and start of the same data directory (same socket, same URL)."""
         assert self.postgres is not None
-        url = self.database_url
-        await self.postgres.stop()
-        await self.postgres.start()
-        assert self.database_url == url, "PostgreSQL came back at another address"
+        await self.postgres.restart()
         self.count("postgres_restart")
 
     # -- the outside world -----------------------------------------------------------

@@ -83,13 +83,37 @@ class Invariants:
     # -- 3. erasures ------------------------------------------------------------------
 
     async def erased_copies_in_ledger(self) -> list[str]:
+        """Live placements of a verified erasure's subject whose copy was built before the erasure's cutoff.
+
+        The ledger keeps a block's first ``created_at``; the same hash built again after the erasure
+        (the subject came back) is a new copy, told apart by the build time its node reported (a
+        snapshot copy is never excused: it is only ever a copy of an earlier build).
+        """
         rows = await self._query(
-            "SELECT e.id, p.node_id, p.tier, count(*) AS n FROM erasures e"
+            "SELECT e.id, e.cutoff, p.node_id, p.tier, encode(p.block_hash, 'hex') AS block FROM erasures e"
             " JOIN blocks b ON b.tenant_id = e.tenant_id AND b.subject_hash = e.subject_hash AND b.created_at < e.cutoff"
             " JOIN placements p ON p.block_hash = b.block_hash AND p.state = 'live'"
-            " WHERE e.status = 'verified' GROUP BY e.id, p.node_id, p.tier"
+            " WHERE e.status = 'verified'"
         )
-        return [f"erasure {row['id']} verified but the ledger holds {row['n']} live {row['tier']} copies on {row['node_id']}" for row in rows]
+        if not rows:
+            return []
+        rebuilt = self._builds()
+        left = collections.Counter(
+            (row["id"], row["node_id"], row["tier"])
+            for row in rows
+            if row["tier"] == "snapshot" or not any(built >= row["cutoff"] for built in rebuilt.get((row["node_id"], row["block"]), ()))
+        )
+        return [f"erasure {erasure} verified but the ledger holds {n} live {tier} copies on {node}" for (erasure, node, tier), n in left.items()]
+
+    def _builds(self) -> dict[tuple[str, str], list]:
+        """(node, block hash) → every build time the node reported for it (``BlockStored``, inventories)."""
+        builds: dict[tuple[str, str], list] = collections.defaultdict(list)
+        for record in self.cluster.tail.kv_events:
+            payload = record.envelope.payload
+            if isinstance(payload, (schema.BlockStored, schema.Inventory)):
+                for block in payload.blocks:
+                    builds[(payload.node_id, block.block_hash)].append(block.created_at)
+        return builds
 
     async def _verified_erasures(self) -> list[asyncpg.Record]:
         return await self._query("SELECT id, tenant_id, encode(subject_hash, 'hex') AS subject, cutoff FROM erasures WHERE status = 'verified'")

@@ -34,14 +34,16 @@ import re
 import tempfile
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
 import openai
 
-from bench.cluster import READER_SCOPES, Cluster, ClusterConfig, document_chat, private_chat
+from bench.cluster import Cluster, ClusterConfig, document_chat, private_chat
 from bench.invariants import Invariants
 from events import schema
 from kvledger.model_init import build_tiny_model, is_complete
@@ -151,51 +153,81 @@ class Soak:
                     self.violations.append(f"request to {self.cluster.node_ids[index]} failed with {error.status_code}")
 
     async def _governance(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.options.action_interval_s)
-            if self._stop.is_set():
-                return
-            tenant = self.random.choice(self.tenants)
-            action = self.random.choice(("document", "revocation", "erasure"))
-            try:
-                await getattr(self, f"_{action}")(tenant)
-            except (OSError, httpx.HTTPError, asyncpg.PostgresError, TimeoutError) as error:
-                # The coordinator may be restarting: the action is retried later, its probe skipped.
-                self.counts["actions_deferred"] = self.counts.get("actions_deferred", 0) + 1
-                del error
+        """One action every ``action_interval_s``; each waits for its own completion and probes in its own task."""
+        running: set[asyncio.Task] = set()
+        try:
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.options.action_interval_s)
+                if self._stop.is_set():
+                    break
+                action = getattr(self, f"_{self.random.choice(('document', 'revocation', 'erasure'))}")
+                task = asyncio.create_task(self._act(action, self.random.choice(self.tenants)))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        finally:
+            for task in running:
+                task.cancel()
+            results = await asyncio.gather(*running, return_exceptions=True)
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+
+    async def _act(self, action, tenant: _Tenant) -> None:
+        try:
+            await action(tenant)
+        except (OSError, httpx.HTTPError, asyncpg.PostgresError, TimeoutError):
+            # The coordinator or the database is being restarted: a later action tries again, this probe is skipped.
+            self.counts["actions_deferred"] = self.counts.get("actions_deferred", 0) + 1
 
     async def _document(self, tenant: _Tenant) -> None:
-        event = await self.cluster.publish(schema.DocumentUpdated(doc_id=tenant.doc, version=tenant.doc_version + 1), tenant.name)
         stale = tenant.doc_version
-        tenant.doc_version += 1
+        tenant.doc_version += 1  # before the send: a concurrent action must not publish the same version
+        event = await self.cluster.publish(schema.DocumentUpdated(doc_id=tenant.doc, version=tenant.doc_version), tenant.name)
         self.counts["document_updates"] += 1
         if await self._completed("source_event_id = $1", event.event_id):
             for index in self._running_nodes():
-                await self.invariants.probe_stale_document(index, tenant.name, document_chat(tenant.doc, stale), READER_SCOPES | {"hr": tenant.policy_version})
+                await self._probe(self.invariants.probe_stale_document(index, tenant.name, document_chat(tenant.doc, stale), tenant.scopes))
 
     async def _revocation(self, tenant: _Tenant) -> None:
         stale = tenant.scopes
-        event = await self.cluster.publish(
-            schema.PermissionRevoked(auth_scope="hr", policy_version=tenant.policy_version + 1), tenant.name
-        )
         tenant.policy_version += 1
+        event = await self.cluster.publish(schema.PermissionRevoked(auth_scope="hr", policy_version=tenant.policy_version), tenant.name)
         self.counts["revocations"] += 1
         if await self._completed("source_event_id = $1", event.event_id):
             for index in self._running_nodes():
-                await self.invariants.probe_stale_policy(index, tenant.name, document_chat(tenant.doc, tenant.doc_version), stale)
+                await self._probe(self.invariants.probe_stale_policy(index, tenant.name, document_chat(tenant.doc, tenant.doc_version), stale))
 
     async def _erasure(self, tenant: _Tenant) -> None:
-        user = self.random.choice([u for u in tenant.users if (tenant.name, u) not in self._erasing])
+        candidates = [u for u in tenant.users if (tenant.name, u) not in self._erasing]
+        if not candidates:
+            return
+        user = self.random.choice(candidates)
         self._erasing.add((tenant.name, user))
         try:
-            erasure_id = await self.cluster.request_erasure(tenant.name, user)
+            response = await self.cluster.coordinator_api(
+                "POST",
+                "/v1/erasures",
+                role=("privacy-officer", tenant.name),
+                json={"tenant_id": tenant.name, "subject_id": user, "reason": "soak erasure"},
+            )
+            if response.status_code != 202:  # 503 while the coordinator restarts: tried again by a later action
+                self.counts["actions_deferred"] = self.counts.get("actions_deferred", 0) + 1
+                return
+            erasure_id = response.json()["id"]
             self.counts["erasures_requested"] += 1
             if await self._verified(erasure_id):
                 for index in self._running_nodes():
-                    await self.invariants.probe_erased(index, tenant.name, user, private_chat(user))
+                    await self._probe(self.invariants.probe_erased(index, tenant.name, user, private_chat(user)))
         finally:
             self._erasing.discard((tenant.name, user))
+
+    async def _probe(self, probe: Coroutine[Any, Any, None]) -> None:
+        """Run one probe; a node restarted under it (no answer, or 503 while it replays) skips it, counted."""
+        try:
+            await probe
+        except (openai.APIConnectionError, openai.InternalServerError):
+            self.counts["probes_skipped"] = self.counts.get("probes_skipped", 0) + 1
 
     async def _completed(self, where: str, *args, timeout_s: float = 60.0) -> bool:
         """Whether the invalidation matching ``where`` completed in time (a restart may delay it: then no probe)."""

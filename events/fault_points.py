@@ -7,6 +7,9 @@ reaches ``<name>``; ``KVLEDGER_FAULT_POINT=<name>:<n>`` waits for the ``n``-th t
 an exception or ``sys.exit``: nothing of the process (``finally`` blocks, atexit hooks, buffered writes,
 the Kafka client's pending sends) gets a chance to run, which is what a power cut or the OOM killer does.
 
+A few faults are not deaths: :func:`fault_triggered` names a point whose caller simulates the fault
+itself when it returns True (e.g. a send the broker took, reported to the client as timed out).
+
 Living in ``events`` (the contract shared by both sides) lets the node and the coordinator use it
 without either importing the other.
 """
@@ -31,6 +34,8 @@ POINTS = frozenset(
     }
 )
 """Every name passed to :func:`fault_point`; a setting naming anything else is a configuration error."""
+SIMULATED = frozenset({"node.kv_events_send_timed_out"})
+"""Every name passed to :func:`fault_triggered`."""
 
 
 def parse(setting: str | None) -> tuple[str, int] | None:
@@ -38,8 +43,8 @@ def parse(setting: str | None) -> tuple[str, int] | None:
     if not setting:
         return None
     name, _, count = setting.partition(":")
-    if name not in POINTS:
-        raise ValueError(f"{ENV_VAR}={setting!r}: unknown fault point; expected one of {', '.join(sorted(POINTS))}")
+    if name not in POINTS | SIMULATED:
+        raise ValueError(f"{ENV_VAR}={setting!r}: unknown fault point; expected one of {', '.join(sorted(POINTS | SIMULATED))}")
     if not count:
         return name, 1
     if not count.isdigit() or int(count) < 1:
@@ -59,3 +64,13 @@ def fault_point(name: str) -> None:
     _hits += 1
     if _hits >= _ARMED[1]:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_triggered(name: str) -> bool:
+    """True once, at the chosen hit, if this process was started with ``KVLEDGER_FAULT_POINT`` naming ``name``;
+    the caller then simulates the fault. False otherwise (one comparison when unset)."""
+    global _hits
+    if _ARMED is None or _ARMED[0] != name:
+        return False
+    _hits += 1
+    return _hits == _ARMED[1]
