@@ -31,6 +31,7 @@ import contextlib
 import json
 import random
 import re
+import sys
 import tempfile
 import time
 import uuid
@@ -252,25 +253,30 @@ class Soak:
         return False
 
     async def _faults(self, started: float) -> None:
-        """Node restarts spread over the run, a coordinator SIGKILL at half time."""
+        """Node restarts spread over the run, a coordinator SIGKILL at half time; each on its own schedule, so a
+        slow restart delays no other fault. One that started always finishes, even past the end of the run."""
         duration = self.options.duration_s
-        plan = [(duration * (i + 1) / (self.options.node_restarts + 1), "node", i) for i in range(self.options.node_restarts)]
+        plan = [(duration * (i + 1) / (self.options.node_restarts + 1), self._restart_node, i) for i in range(self.options.node_restarts)]
         if self.options.coordinator_restart:
-            plan.append((duration / 2, "coordinator", 0))
-        for at_s, kind, number in sorted(plan):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), max(0.0, started + at_s - time.monotonic()))
-            if self._stop.is_set():
-                return
-            if kind == "coordinator":
-                await self.cluster.restart_coordinator(kill=True)
-            else:
-                index = number % len(self.cluster.nodes)
-                self._restarting.add(index)
-                try:
-                    await self.cluster.restart_node(index, kill=number % 2 == 0)
-                finally:
-                    self._restarting.discard(index)
+            plan.append((duration / 2, self._restart_coordinator, 0))
+        await asyncio.gather(*(self._at(started + at_s, fault, number) for at_s, fault, number in plan))
+
+    async def _at(self, when: float, fault, number: int) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), max(0.0, when - time.monotonic()))
+        if not self._stop.is_set():
+            await fault(number)
+
+    async def _restart_coordinator(self, _: int) -> None:
+        await self.cluster.restart_coordinator(kill=True)
+
+    async def _restart_node(self, number: int) -> None:
+        index = number % len(self.cluster.nodes)
+        self._restarting.add(index)
+        try:
+            await self.cluster.restart_node(index, kill=number % 2 == 0)
+        finally:
+            self._restarting.discard(index)
 
     async def _continuous_checks(self) -> None:
         while not self._stop.is_set():
@@ -387,7 +393,7 @@ def cli(args: argparse.Namespace) -> int:
     try:
         parse_duration(args.duration)
     except ValueError as error:
-        print(f"kvledger bench soak: error: {error}")
+        print(f"kvledger bench soak: error: {error}", file=sys.stderr)
         return 2
     report = asyncio.run(_main(args))
     command = f"kvledger bench soak --duration {args.duration} --nodes {args.nodes} --tenants {args.tenants} --concurrency {args.concurrency}"
