@@ -234,6 +234,9 @@ class ClusterConfig:
     command_resend_max_s: float = 4.0
     outbox_lease_s: float = 2.0
     heartbeat_interval_s: float = 30.0
+    cache_ttl_s: float = 86400.0
+    """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
+    inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
     coordinator_extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -312,6 +315,7 @@ class Cluster:
             "KVLEDGER_NODE_CACHE__NUM_DEVICE_BLOCKS": str(self.config.num_device_blocks),
             "KVLEDGER_NODE_CACHE__NUM_HOST_BLOCKS": str(self.config.num_host_blocks),
             "KVLEDGER_NODE_CACHE__MAX_DISK_BLOCKS": str(self.config.max_disk_blocks),
+            **{f"KVLEDGER_NODE_CACHE__TTL_{scope}_S": str(self.config.cache_ttl_s) for scope in ("PUBLIC", "TENANT", "USER")},
         }
         node_env = {name: value for name, value in node_env.items() if not name.startswith("KVLEDGER_COORDINATOR_LEDGER__")}
         for index in range(self.config.num_nodes):

@@ -249,8 +249,9 @@ class Invariants:
     async def probe_erased(self, node_index: int, tenant: str, subject: str, messages: list[dict]) -> None:
         """After ``subject``'s erasure verified: its request may hit no more than a never-seen subject's identical one."""
         cluster = self.cluster
-        stranger = f"probe-{uuid.uuid4().hex[:8]}"
-        baseline = await cluster.chat(node_index, cluster.user_token(tenant, stranger), messages)
+        for _ in range(2):  # the first stranger caches the public prefix (if it was not), the second measures
+            stranger = f"probe-{uuid.uuid4().hex[:8]}"
+            baseline = await cluster.chat(node_index, cluster.user_token(tenant, stranger), messages)
         erased = await cluster.chat(node_index, cluster.user_token(tenant, subject), messages)
         self.num_probes += 1
         hit, allowed = erased.usage.prompt_tokens_details.cached_tokens, baseline.usage.prompt_tokens_details.cached_tokens

@@ -321,7 +321,7 @@ class InvalidationHandler:
 
     def remember(self, command: schema.Invalidate) -> None:
         """Registry only: for commands this node applied in an earlier life (their bytes are gone)."""
-        self.engine.versions.apply(command.predicate)
+        self.engine.versions.apply(command.predicate, command.command_id)
         predicate = command.predicate
         if isinstance(predicate, schema.NamespacePredicate) and predicate.ns == self.engine.namespace.namespace:
             log.warning("this node's namespace is retired: requests are served without the prefix cache")

@@ -20,6 +20,7 @@ above any real version, which makes every version stale.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -51,13 +52,26 @@ class VersionRegistry:
         self._documents: dict[tuple[str, str], int] = {}
         self._policies: dict[tuple[str, str], int] = {}
         self._retired: set[str] = set()
+        self._applied: set[uuid.UUID] = set()
+        """Ids of the version-moving commands already folded in; ~100 bytes each, one per document or policy
+        command in the command log (which the node reads whole at every start anyway)."""
 
-    def apply(self, predicate: schema.Predicate) -> None:
+    def apply(self, predicate: schema.Predicate, command_id: uuid.UUID | None = None) -> None:
         """Record what an ``Invalidate`` predicate says about current versions.
 
         Subject and tenant predicates remove data but make no version current,
-        so they leave the registry unchanged.
+        so they leave the registry unchanged. A command counts once, where it
+        first appears in command order: the coordinator re-sends a command (same
+        ``command_id``) to a node that has not acked it yet, possibly after newer
+        commands for the same document or policy, and a re-send folded in again
+        would move the version *back* — tokens and documents an update had
+        superseded would be served again, in this run and after every replay.
         """
+        if command_id is not None:
+            if command_id in self._applied:
+                return
+            if isinstance(predicate, (schema.DocumentPredicate, schema.PolicyPredicate)):
+                self._applied.add(command_id)
         match predicate:
             case schema.DocumentPredicate():
                 self._documents[(predicate.tenant, predicate.doc_id)] = predicate.below_version

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -133,6 +134,20 @@ def test_registry_tracks_the_latest_command_in_order_not_the_maximum():
     assert not registry.is_retired("ns-a")
     registry.apply(schema.NamespacePredicate(ns="ns-a"))
     assert registry.is_retired("ns-a") and not registry.is_retired("ns-b")
+
+
+def test_a_resent_command_does_not_move_versions_back():
+    """The coordinator re-sends v6 to a node that applied v6 then v7 but whose v6 ack was not in yet (found by the soak)."""
+    registry = VersionRegistry()
+    v6, v7, d6, d7 = uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    for command_id, version in ((v6, 6), (v7, 7), (v6, 6)):
+        registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=version), command_id)
+    for command_id, version in ((d6, 6), (d7, 7), (d6, 6)):
+        registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=version), command_id)
+    assert (registry.policy_version("acme", "hr"), registry.document_version("acme", "handbook")) == (7, 7)
+    # a later command in order still wins, even with a lower version (a document re-created after deletion)
+    registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=2), uuid.uuid4())
+    assert registry.document_version("acme", "handbook") == 2
 
 
 def test_check_refuses_superseded_documents_of_the_callers_tenant_only():
