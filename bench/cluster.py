@@ -390,6 +390,23 @@ class Cluster:
         assert code == -signal.SIGKILL, f"{child.name} exited with {code}, not by its fault point; log tail:\n{child.log_tail()}"
         self.count("fault_point_sigkill")
 
+    async def start_armed(self, child: Child, fault_point: str, timeout_s: float = READY_TIMEOUT_S) -> bool:
+        """Start ``child`` armed with ``fault_point``: True once it is ready; False when it already died at that point
+        while starting (a node replaying a command an earlier life left unacked reaches node points at start)."""
+        child.spawn(fault_point)
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while child.running:
+                try:
+                    if (await client.get(f"{child.url}/readyz")).status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"{child.name} not ready after {timeout_s:.0f}s; log tail:\n{child.log_tail()}"
+                await asyncio.sleep(0.2)
+        await self.died_at_fault_point(child)
+        return False
+
     def pause_broker(self) -> None:
         assert self.kafka is not None and self.kafka._process is not None
         self.kafka._process.send_signal(signal.SIGSTOP)
