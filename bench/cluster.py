@@ -174,8 +174,6 @@ class EventTail:
     bootstrap: str
     kv_events: list[TopicRecord] = field(default_factory=list)
     acks: list[TopicRecord] = field(default_factory=list)
-    undecodable: int = 0
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -195,12 +193,9 @@ class EventTail:
                         try:
                             envelope = decode_event(record.value)
                         except schema.EventValidationError:
-                            self.undecodable += 1
-                            continue
+                            continue  # not the contract's: the coordinator dead-letters and counts it
                         kept = TopicRecord(record.offset, tp.partition, record.value, envelope)
                         (self.kv_events if tp.topic == KV_EVENTS else self.acks).append(kept)
-                if batch:
-                    self.changed.set()
         finally:
             await consumer.stop()
 
@@ -237,7 +232,6 @@ class ClusterConfig:
     cache_ttl_s: float = 86400.0
     """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
     inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
-    coordinator_extra_env: dict[str, str] = field(default_factory=dict)
 
 
 class Cluster:
@@ -297,7 +291,6 @@ class Cluster:
             KVLEDGER_MASTER_KEY=self.master_key,
             **keys.coordinator_env(),
             **{f"KVLEDGER_COORDINATOR_LEDGER__{name}": value for name, value in ledger.items()},
-            **self.config.coordinator_extra_env,
         )
         port = free_port()
         self.coordinator = Child(
