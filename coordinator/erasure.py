@@ -52,6 +52,7 @@ from coordinator.db import Database
 from coordinator.invalidation import Decision, begin_ledger_transaction, decide, lock_decisions, matching_blocks
 from coordinator.keys import DataKey, destroy_keys, subject_keys, unwrap_secret, wrap_secret
 from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt, ReceiptKey, TreeHead
+from events.fault_points import fault_point
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
 from identity.signing import EnvelopeSigner
 
@@ -562,6 +563,7 @@ class ErasureService:
             if erasure.status == "verified":
                 return erasure.status
             state = await progress(session, erasure)
+            fault_point("coordinator.mid_erasure_verification")
             if state.status != "verified" and not state.resend_needed:
                 if state.status != erasure.status:
                     log.info("erasure %s is %s (was %s)", erasure.id, state.status, erasure.status)
@@ -631,6 +633,7 @@ class ErasureService:
             )
             signed = receipts.sign_receipt(body, signer)
             receipt, head = await append_receipt(session, signed, erasure.id, signer, now)
+            fault_point("coordinator.during_receipt_issue")
             erasure.status = "verified"
             erasure.verified_at = now
             erasure.key_ids_destroyed = sorted({*erasure.key_ids_destroyed, *key_ids})

@@ -88,6 +88,7 @@ from coordinator.models import (
     Policy,
 )
 from coordinator.outbox import outbox_row
+from events.fault_points import fault_point
 from events.kafka import ConsumedEvent
 from events.schema import (
     ANY_VERSION,
@@ -721,6 +722,7 @@ class InvalidationHandler:
                 else:
                     run.append(envelope)
             await self._decide_many(session, run, now, result)
+        fault_point("coordinator.after_decision_commit")
         _record_metrics(result)
         if result.leased:
             self._publish_leased(result.leased)
@@ -956,6 +958,7 @@ class InvalidationHandler:
                     "key_ids": [v[3] for v in updates.values()],
                 },
             )
+        fault_point("coordinator.mid_ack_batch")
         await lock_ledger_writes(session)
         if copies:
             deleted = await session.execute(_DELETE_COPIES, {"now": now, **copies})

@@ -26,6 +26,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from coordinator.db import Database
 from coordinator.metrics import OUTBOX_PUBLISHED_TOTAL
+from events.fault_points import fault_point
 from events.kafka import EventProducer
 from events.schema import Envelope
 from events.topics import route
@@ -88,6 +89,7 @@ class OutboxRelay:
             for row, envelope in zip(rows, envelopes, strict=True):
                 assert route(envelope) == (row.topic, row.key), f"outbox row {row.id} is not routed as its envelope"
             await self._producer.send_many(envelopes)
+            fault_point("coordinator.after_publish")
         for row in rows:
             OUTBOX_PUBLISHED_TOTAL.labels(topic=row.topic).inc()
         return len(rows)
@@ -107,6 +109,7 @@ class OutboxRelay:
             await asyncio.gather(previous, return_exceptions=True)
         try:
             await self._producer.send_many([envelope for _, envelope in rows])
+            fault_point("coordinator.after_publish")
             async with self._database.session() as session, session.begin():
                 await session.execute(_STAMP_LEASED, {"ids": [row_id for row_id, _ in rows]})
         except Exception as exc:  # noqa: BLE001 - the relay takes the rows over once their lease ran out

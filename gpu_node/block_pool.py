@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from events.fault_points import fault_point
 from gpu_node.block_records import (
     BlockRecord,
     BlockRestoreError,
@@ -858,6 +859,7 @@ class BlockPool:
                     if entry.state is not BlockState.BUILDING and entry.ref_count == 0:
                         dropping.add(entry)
                 matches_per_request.append(matches)
+            fault_point("node.between_tombstone_and_delete")
             cleared = self._clear_bytes(list(dropping))
             return [self._report_removal(matches, reason, cleared) for matches in matches_per_request]
 

@@ -77,6 +77,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from events import schema, topics
 from events.codec import decode_event
+from events.fault_points import fault_point
 from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
@@ -818,6 +819,7 @@ class CommandConsumer:
                 ack = self._ack(command, evidence)
                 self._unacked[(tp, offset)] = ack
                 self._remember_ack(command.command_id, ack)
+                fault_point("node.between_delete_and_ack")
                 sending.append(asyncio.create_task(self._producer.send(ack)))
                 handled[tp] = offset + 1
                 log.info(

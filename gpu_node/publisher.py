@@ -44,6 +44,7 @@ from aiokafka.errors import (
     CorruptRecordException,
     InvalidMessageError,
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
     RecordTooLargeError,
@@ -52,6 +53,7 @@ from pydantic import ValidationError
 
 from events import schema
 from events.codec import DeadLetter, encode_event, encode_key
+from events.fault_points import fault_triggered
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.topics import DEAD_LETTER, KV_EVENTS, route
 from gpu_node import block_pool
@@ -265,6 +267,8 @@ class NodePublisher:
             return
         records, self._unacked = self._unacked, []
         results = await self._producer.send_raw_many([(r.topic, r.value, r.key) for r in records])
+        if fault_triggered("node.kv_events_send_timed_out"):  # tests only: the broker took them, the client saw a timeout
+            results = [KafkaTimeoutError() for _ in records]
         failed: KafkaError | None = None
         for record, result in zip(records, results, strict=True):
             if isinstance(result, PERMANENT_SEND_ERRORS):

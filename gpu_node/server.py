@@ -13,6 +13,7 @@ import uvicorn
 
 from events.kafka import KafkaSettings
 from events.logs import configure_logging, uvicorn_log_config
+from gpu_node import snapshots
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationHandler
 from gpu_node.engine import AsyncEngine
@@ -127,6 +128,7 @@ async def serve(settings: NodeSettings) -> None:
     engine = AsyncEngine.from_settings(settings)
     publisher = make_publisher(engine, settings)
     commands = make_command_consumer(engine, publisher, settings) if publisher is not None else None
+    snapshots.delete_incomplete(engine.snapshot_root)
     await engine.start(ready=commands is None)
     tune_interpreter()
     if publisher is not None:

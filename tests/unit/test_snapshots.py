@@ -13,7 +13,15 @@ from pool_builders import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, ma
 from gpu_node.block_pool import BlockPool, BlockStored, PoolConfig, Tier
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
-from gpu_node.snapshots import MANIFEST_NAME, delete_snapshot, load_snapshot, read_manifest, remove_from_snapshot, write_snapshot
+from gpu_node.snapshots import (
+    MANIFEST_NAME,
+    delete_incomplete,
+    delete_snapshot,
+    load_snapshot,
+    read_manifest,
+    remove_from_snapshot,
+    write_snapshot,
+)
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
@@ -208,6 +216,21 @@ def test_delete_snapshot_removes_every_file(tmp_path):
     assert delete_snapshot(tmp_path / "snap") is True
     assert not (tmp_path / "snap").exists()
     assert delete_snapshot(tmp_path / "snap") is True
+
+
+def test_delete_incomplete_removes_only_snapshots_without_a_manifest(tmp_path):
+    """A write killed before its manifest (the ``node.during_snapshot_write`` fault point) leaves shards nothing reads."""
+    keys = LocalKeyStore(tmp_path / "keys.json")
+    pool = populated_pool(tmp_path, keys)
+    root = tmp_path / "snapshots"
+    write_snapshot(pool, root / "complete")
+    write_snapshot(pool, root / "interrupted")
+    (root / "interrupted" / MANIFEST_NAME).rename(root / "interrupted" / f"{MANIFEST_NAME}.tmp")
+    assert [path.name for path in (root / "interrupted").iterdir() if path.name.startswith("shard-")]
+    assert delete_incomplete(root) == 1
+    assert sorted(path.name for path in root.iterdir()) == ["complete"]
+    assert read_manifest(root / "complete").block_hashes
+    assert delete_incomplete(root) == 0 and delete_incomplete(tmp_path / "absent") == 0
 
 
 def test_empty_pool_writes_an_empty_snapshot(tmp_path):

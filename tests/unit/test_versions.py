@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -157,6 +158,16 @@ def test_an_older_decision_arriving_later_never_moves_the_registry_back():
     registry.apply(deleted, CUTOFF + timedelta(seconds=3))
     registry.apply(handbook, CUTOFF + timedelta(seconds=4))  # re-created after the deletion: a newer decision
     assert registry.document_version("acme", "handbook") == 4
+
+
+def test_a_resent_command_does_not_move_versions_back():
+    """The coordinator re-sends v6 (its own cutoff) to a node that applied v6 then v7 but whose v6 ack was not in yet
+    (found by the soak: v6 tokens were served again)."""
+    registry = VersionRegistry()
+    for decided_at, version in ((CUTOFF, 6), (CUTOFF + timedelta(seconds=1), 7), (CUTOFF, 6)):
+        registry.apply(schema.PolicyPredicate(tenant="acme", auth_scope="hr", below_version=version), decided_at)
+        registry.apply(schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=version), decided_at)
+    assert (registry.policy_version("acme", "hr"), registry.document_version("acme", "handbook")) == (7, 7)
 
 
 def test_check_refuses_superseded_documents_of_the_callers_tenant_only():
