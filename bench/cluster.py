@@ -229,6 +229,10 @@ class ClusterConfig:
     command_resend_max_s: float = 4.0
     outbox_lease_s: float = 2.0
     heartbeat_interval_s: float = 30.0
+    consumer_session_timeout_ms: int = 2000
+    consumer_heartbeat_interval_ms: int = 500
+    """The coordinator's consumer-group timing: the broker holds a group join for half the session timeout and
+    waits out a SIGKILLed member's whole session, so the production 10 s would cost most of every restart."""
     cache_ttl_s: float = 86400.0
     """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
     inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
@@ -291,6 +295,8 @@ class Cluster:
             KVLEDGER_MASTER_KEY=self.master_key,
             **keys.coordinator_env(),
             **{f"KVLEDGER_COORDINATOR_LEDGER__{name}": value for name, value in ledger.items()},
+            KVLEDGER_COORDINATOR_KAFKA__SESSION_TIMEOUT_MS=str(self.config.consumer_session_timeout_ms),
+            KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS=str(self.config.consumer_heartbeat_interval_ms),
         )
         port = free_port()
         self.coordinator = Child(
