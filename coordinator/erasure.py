@@ -49,8 +49,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import merkle, metrics, receipts
 from coordinator.db import Database
-from coordinator.invalidation import Decision, begin_ledger_transaction, decide, lock_decisions, matching_blocks
+from coordinator.invalidation import Decision, decide, matching_blocks
 from coordinator.keys import DataKey, destroy_keys, subject_keys, unwrap_secret, wrap_secret
+from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt, ReceiptKey, TreeHead
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
 from identity.signing import EnvelopeSigner
@@ -120,7 +121,7 @@ async def start_erasure(
 ) -> Started:
     """Start (or find) the erasure of ``subject_id`` in ``tenant_id``, in the caller's transaction.
 
-    The caller holds :func:`coordinator.invalidation.lock_decisions` and commits; ``now``
+    The caller holds :func:`coordinator.ledger.lock_decisions` and commits; ``now``
     is the transaction's database time and becomes the cutoff. The same
     ``idempotency_key`` in the same tenant returns the existing erasure and starts
     nothing; for another subject it raises :class:`IdempotencyConflict`. ``erasure_id``

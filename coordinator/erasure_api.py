@@ -49,7 +49,7 @@ from coordinator.erasure import (
     start_erasure,
     tree_head_document,
 )
-from coordinator.invalidation import begin_ledger_transaction, lock_decisions
+from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
 from events.schema import Name, ReasonText

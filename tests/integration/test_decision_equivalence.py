@@ -35,16 +35,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.db import Database
-from coordinator.invalidation import (
-    ANY_VERSION,
-    APPLIED,
-    SUPERSEDED,
-    InvalidationHandler,
-    _BatchResult,
-    begin_ledger_transaction,
-    decide,
-    parse_predicate,
-)
+from coordinator.invalidation import ANY_VERSION, APPLIED, SUPERSEDED, InvalidationHandler, _BatchResult, decide, parse_predicate
+from coordinator.ledger import begin_ledger_transaction
 from coordinator.models import (
     Block,
     BlockAuthScope,
