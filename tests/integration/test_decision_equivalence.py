@@ -294,9 +294,9 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
     """Everything a decision writes, with command ids replaced by the decision's ordinal (ids are random)."""
 
     def ordinal(command_id: uuid.UUID | None) -> object:
-        if command_id is None or command_id == PRIOR_COMMAND:
-            return None if command_id is None else "prior"
-        return ordinals[command_id]
+        if command_id is None:
+            return None
+        return "prior" if command_id == PRIOR_COMMAND else ordinals[command_id]
 
     placements = {
         (row.block_hash, row.node_id, row.tier): ordinal(row.invalidation_id)
@@ -466,7 +466,7 @@ async def test_bulk_decisions_mark_what_deciding_each_event_in_turn_marks(databa
     # event loop, where the database engine lives.
     loop = asyncio.get_running_loop()
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(case=events_on_ledgers())
     def check(case: tuple[Ledger, list[Envelope]]) -> None:
         ledger, events = case
@@ -478,7 +478,7 @@ async def test_bulk_decisions_mark_what_deciding_each_event_in_turn_marks(databa
 async def test_decide_marks_the_live_copies_of_the_blocks_each_predicate_covers(database: Database) -> None:
     loop = asyncio.get_running_loop()
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(ledger=ledgers(), predicates=PREDICATES)
     def check(ledger: Ledger, predicates: list[Predicate]) -> None:
         asyncio.run_coroutine_threadsafe(_check_predicates(database, ledger, predicates), loop).result(timeout=60)
