@@ -16,8 +16,9 @@ import logging
 
 from aiokafka.errors import KafkaError
 
+from coordinator.audit_log import ReceiptKeys
 from coordinator.db import Database
-from coordinator.erasure import ErasureService, ReceiptKeys
+from coordinator.erasure import ErasureService
 from coordinator.ingest import DeadLetterTally, LedgerIngest
 from coordinator.invalidation import InvalidationHandler
 from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords

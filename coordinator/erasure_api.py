@@ -37,19 +37,11 @@ from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import receipts
+from coordinator.audit_log import AuditLogCorrupted, latest_tree_head, leaf_hashes, tree_head_document
 from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
-from coordinator.erasure import (
-    AuditLogCorrupted,
-    IdempotencyConflict,
-    Progress,
-    latest_tree_head,
-    leaf_hashes,
-    progress,
-    start_erasure,
-    tree_head_document,
-)
-from coordinator.invalidation import begin_ledger_transaction, lock_decisions
+from coordinator.erasure import IdempotencyConflict, Progress, progress, start_erasure
+from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
 from events.schema import Name, ReasonText

@@ -18,7 +18,7 @@ One polled batch is one database transaction:
    superseded (a *late* ``BlockStored``) get that invalidation re-issued at once
    (:func:`coordinator.invalidation.reissue_for_late_blocks`), still in the same
    transaction. Holding the advisory lock shared, no decision interleaves with the
-   batch (see :mod:`coordinator.invalidation` for the lock order).
+   batch (see :mod:`coordinator.ledger` for the lock order).
 
 Ordering model: records of one node share a partition (key = node id), so they
 arrive in ``seq`` order within an epoch. An event whose ``seq`` is not above the
@@ -48,7 +48,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import inbox, metrics
 from coordinator.db import Database
-from coordinator.invalidation import Decision, begin_ledger_transaction, lock_ledger_writes, reissue_for_late_blocks
+from coordinator.invalidation import Decision, reissue_for_late_blocks
+from coordinator.ledger import begin_ledger_transaction, lock_ledger_writes
 from coordinator.models import (
     VOLATILE_TIERS,
     Block,

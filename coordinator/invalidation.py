@@ -15,22 +15,8 @@ Versions only move forward: an update to a version not above the recorded one is
 ignored (it is a replay or arrived out of order), so a late, older event can never
 resurrect superseded data.
 
-Locking: a decision must not interleave with a kv-events batch, or a block stored
-concurrently could escape both the decision's marking and the batch's late-block
-check (:func:`reissue_for_late_blocks`). Decisions take a transaction-level
-advisory lock exclusively; ledger writers (kv-events batches, ack batches) take it
-shared, so they run concurrently with each other and each waits at most for one
-short decision transaction. A kv-events batch that only removes copies (or only
-beats) adds nothing a decision could miss and takes no advisory lock at all.
-Lock order: node rows, advisory lock, placements.
-Writers take the advisory lock only once their node rows (and an ack batch's target
-rows) are locked, right before they touch placements: a writer queued behind another
-one's node lock holds nothing a decision waits for, so decisions wait only for the
-writers actually running. Decisions lock no node rows (their foreign-key checks take
-``KEY SHARE``, which the writers' ``NO KEY UPDATE`` does not block). The one exception
-to the order is a late-block re-issue inside a kv-events batch, which marks other
-nodes' placements too; a deadlock that could cause is detected by PostgreSQL, rolls
-the batch back and the consumer re-delivers it, so it costs time, never correctness.
+Locking: a decision holds the ledger's decision lock exclusively, so no kv-events or
+ack batch interleaves with it (:mod:`coordinator.ledger` states the lock order and why).
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Protocol
 
 from pydantic import TypeAdapter
@@ -73,6 +59,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import inbox, metrics
 from coordinator.db import Database
+from coordinator.ledger import begin_ledger_transaction, lock_decisions, lock_ledger_writes
 from coordinator.models import (
     Block,
     BlockAuthScope,
@@ -112,7 +99,6 @@ from identity.signing import EnvelopeSigner
 
 log = logging.getLogger(__name__)
 
-_DECISION_LOCK_KEY = 0x6B766C2D696E76  # "kvl-inv"; arbitrary, constant across releases
 _MAX_HASHES_PER_STATEMENT = 5000
 """Keeps ``IN`` lists of block hashes well under asyncpg's 32767 bind parameters."""
 
@@ -283,9 +269,6 @@ _DELETE_COPIES = text(
     bindparam("hashes", type_=_BYTEAS),
     bindparam("command_ids", type_=_UUIDS),
 )
-_BEGIN_LEDGER_TRANSACTION = text("SELECT now(), set_config('plan_cache_mode', 'force_custom_plan', true)")
-_LOCK_DECISIONS = text("SELECT pg_advisory_xact_lock(:key)")
-_LOCK_LEDGER_WRITES = text("SELECT pg_advisory_xact_lock_shared(:key)")
 _LOCK_INVALIDATIONS = text(
     "SELECT command_id, status, kind, created_at FROM invalidations WHERE command_id = ANY(:command_ids)"
     " ORDER BY command_id FOR UPDATE"
@@ -312,31 +295,6 @@ APPLIED = "applied"
 SUPERSEDED = "superseded"
 IGNORED = "ignored"
 UNEXPECTED = "unexpected"
-
-
-async def begin_ledger_transaction(session: AsyncSession) -> datetime:
-    """First statement of every ledger-writing transaction: returns its database time (``now()``, UTC).
-
-    It also switches the rest of the transaction to custom plans: the batch statements
-    take arrays, which a generic plan of a prepared statement (PostgreSQL switches to one
-    after five runs) cannot see into. Generic plans scanned every live placement for an
-    ack's copy deletion (~200 ms a batch, not ~5) and for a kv-events batch's removals.
-    One round trip for both, before any lock is taken.
-    """
-    return (await session.scalar(_BEGIN_LEDGER_TRANSACTION)).astimezone(UTC)
-
-
-async def lock_decisions(session: AsyncSession) -> None:
-    """Exclusive: no kv-events or ack batch is between its start and commit while this transaction decides."""
-    await session.execute(_LOCK_DECISIONS, {"key": _DECISION_LOCK_KEY})
-
-
-async def lock_ledger_writes(session: AsyncSession) -> None:
-    """Shared: many ledger writers at once, but never concurrently with a decision.
-
-    Taken after the writer's node rows are locked (lock order in the module docstring).
-    """
-    await session.execute(_LOCK_LEDGER_WRITES, {"key": _DECISION_LOCK_KEY})
 
 
 def parse_predicate(data: dict) -> Predicate:

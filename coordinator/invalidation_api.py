@@ -31,7 +31,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
-from coordinator.invalidation import begin_ledger_transaction, decide, deleted_by, live_copies_matching, lock_decisions, parse_predicate
+from coordinator.invalidation import decide, deleted_by, live_copies_matching, parse_predicate
+from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.settings import CoordinatorSettings
 from events.schema import Name, NamespacePredicate

@@ -37,9 +37,9 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
+from coordinator.audit_log import latest_tree_head, tree_head_document
 from coordinator.auth import ForbiddenError, authorize, require_tenant
 from coordinator.db import request_session
-from coordinator.erasure import latest_tree_head, tree_head_document
 from coordinator.erasure_api import describe_erasure, list_erasures, readable_erasure, served_receipt
 from coordinator.invalidation_api import describe_invalidation, list_invalidations
 from coordinator.models import TIERS, Invalidation, Receipt, ReceiptKey

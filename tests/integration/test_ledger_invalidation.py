@@ -46,7 +46,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.db import Database
-from coordinator.invalidation import ANY_VERSION, InvalidationHandler, lock_decisions
+from coordinator.invalidation import ANY_VERSION, InvalidationHandler
+from coordinator.ledger import lock_decisions
 from coordinator.models import DeadLetterCount, Document, Invalidation, InvalidationTarget, Namespace, Node, OutboxEntry, Placement, Policy
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key

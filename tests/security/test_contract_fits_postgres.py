@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from ledger_helpers import SUBJECT_KEY, fresh_database, sign_command
 from sqlalchemy import select, text
 
+from coordinator.audit_log import ReceiptKeys
 from coordinator.db import Database
-from coordinator.erasure import ErasureService, ReceiptKeys
+from coordinator.erasure import ErasureService
 from coordinator.ingest import LedgerIngest
 from coordinator.invalidation import InvalidationHandler
 from coordinator.models import Base, Block, BlockAuthScope, BlockDocument, Document, Erasure, Node, Policy, Snapshot

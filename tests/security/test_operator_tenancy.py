@@ -33,7 +33,8 @@ from sqlalchemy import func, select
 
 from coordinator.db import Database
 from coordinator.ingest import LedgerIngest
-from coordinator.invalidation import begin_ledger_transaction, decide, lock_decisions
+from coordinator.invalidation import decide
+from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure
 from coordinator.settings import CoordinatorSettings
 from events.kafka import ConsumedEvent

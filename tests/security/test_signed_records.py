@@ -40,7 +40,7 @@ from bench.common import start_groups_at_end
 from coordinator.consumers import ACK_GROUP_SUFFIX, consumer_groups, kafka_settings
 from coordinator.db import Database
 from coordinator.erasure import start_erasure
-from coordinator.invalidation import begin_ledger_transaction, lock_decisions
+from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure, InboxEntry, InvalidationTarget, Placement, Receipt
 from coordinator.settings import CoordinatorSettings
 from events import kafka, schema, topics
