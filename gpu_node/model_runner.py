@@ -141,14 +141,20 @@ class ModelRunner:
             slot_blocks.extend(chunk.block_table[position // block_size] for position in range(chunk.start, end))
         decodes = [chunks[index] for index in order if len(chunks[index].token_ids) == 1]
         device = self.device
-        if decodes:
+        decode_mask = None
+        num_decode_context_tokens = 0
+        if len(decodes) == 1:
+            # a lone decode reads exactly its own blocks and needs no mask (paged_attention cuts its keys instead)
+            num_blocks = -(-(decodes[0].start + 1) // block_size)
+            decode_blocks = torch.tensor([decodes[0].block_table[:num_blocks]], dtype=torch.long, device=device)
+            num_decode_context_tokens = decodes[0].start + 1
+        elif decodes:
             max_blocks = max(len(chunk.block_table) for chunk in decodes)
             padded = [list(chunk.block_table) + [0] * (max_blocks - len(chunk.block_table)) for chunk in decodes]
             context = torch.tensor([chunk.start + 1 for chunk in decodes], device=device)
-            decode_mask = torch.arange(max_blocks * block_size, device=device)[None, :] < context[:, None]
+            decode_mask = (torch.arange(max_blocks * block_size, device=device)[None, :] < context[:, None])[:, None, None, :]
             decode_blocks = torch.tensor(padded, dtype=torch.long, device=device)
         else:
-            decode_mask = torch.ones((0, 0), dtype=torch.bool, device=device)
             decode_blocks = torch.zeros((0, 1), dtype=torch.long, device=device)
         prefills = []
         for index in order[len(decodes) :]:
@@ -169,7 +175,8 @@ class ModelRunner:
             slot_offsets=position_tensor % block_size,
             num_decodes=len(decodes),
             decode_blocks=decode_blocks,
-            decode_mask=decode_mask[:, None, None, :],
+            decode_mask=decode_mask,
+            num_decode_context_tokens=num_decode_context_tokens,
             prefills=tuple(prefills),
         )
         keep = [first_rows[index] + len(chunk.token_ids) - 1 for index, chunk in enumerate(chunks) if chunk.samples]

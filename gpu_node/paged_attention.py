@@ -58,14 +58,20 @@ class PagedStep:
     slot_offsets: torch.Tensor  # [num_tokens]: offset of each new token inside its block
     num_decodes: int
     decode_blocks: torch.Tensor  # [num_decodes, max_blocks], padded with slot 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True = real context token
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = real context token; None for one decode
+    num_decode_context_tokens: int  # the context length of a lone decode (its keys are cut to it instead of masked); else 0
     prefills: tuple[PrefillChunk, ...]
 
 
 def _gather(kv_table: torch.Tensor, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[..., kv_heads, len(blocks) * block_size, head_dim]`` for index tensor ``blocks`` ``[..., n]``, in one gather."""
+    """Keys and values ``[..., kv_heads, len(blocks) * block_size, head_dim]`` for index tensor ``blocks`` ``[..., n]``."""
+    layer_view = kv_table[:, layer]  # [N, 2, H, bs, D], strided
+    if blocks.dim() == 1:
+        # One copy: selecting blocks along the permuted view lays them out as [2, H, n, bs, D] directly.
+        gathered = layer_view.permute(1, 2, 0, 3, 4).index_select(2, blocks).flatten(2, 3)  # [2, H, n * bs, D]
+        return gathered[0], gathered[1]
     # index_select on the layer's strided view: advanced indexing of the 6D table costs ~100x more on CPU
-    gathered = kv_table[:, layer].index_select(0, blocks.reshape(-1))  # [prod(...) * n, 2, H, bs, D]
+    gathered = layer_view.index_select(0, blocks.reshape(-1))  # [prod(...) * n, 2, H, bs, D]
     gathered = gathered.view(*blocks.shape, *gathered.shape[1:])  # [..., n, 2, H, bs, D]
     gathered = gathered.movedim(-5, -3)  # [..., 2, H, n, bs, D]
     gathered = gathered.flatten(-3, -2)  # [..., 2, H, n * bs, D]
@@ -92,7 +98,14 @@ def paged_attention_forward(
     table[step.slot_blocks, layer, :, :, step.slot_offsets] = torch.stack((key[0], value[0]), dim=1).transpose(0, 2).to(table.dtype)
     num_heads = query.shape[1]
     out = query.new_empty((query.shape[2], num_heads, query.shape[3]))
-    if step.num_decodes:
+    if step.num_decodes == 1:
+        # One decode: its keys cut to its context length need no mask (the fused kernel, no padding).
+        k, v = _gather(table, step.decode_blocks[0], layer)
+        context = slice(0, step.num_decode_context_tokens)
+        q = query[:, :, :1]  # [1, H, 1, D]
+        attended = functional.scaled_dot_product_attention(q, k[None, :, context], v[None, :, context], scale=scaling, enable_gqa=True)
+        out[:1] = attended[:, :, 0]
+    elif step.num_decodes:
         q = query[0, :, : step.num_decodes].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
         k, v = _gather(table, step.decode_blocks, layer)
         attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
