@@ -13,7 +13,10 @@ Each attention layer then, through :func:`paged_attention_forward`:
    SDPA: all single-token decodes together as one padded batch (a key mask
    hides the padding), each prefill chunk on its own with a causal mask offset
    by the tokens already in its blocks — or, for a chunk with nothing before
-   it (a miss), plain causal SDPA over its own new keys, with no gather.
+   it (a miss), plain causal SDPA over its own new keys, with no gather. A lone
+   decode reads its own blocks cut to its context (no mask); decodes whose
+   tables start with the same blocks read those once for the whole batch
+   (:func:`_decodes_over_shared_prefix`).
 
 Everything that depends only on the step (indices, masks) is built once per
 step in :class:`PagedStep` and shared by all layers. Without a ``paged_step``
