@@ -550,7 +550,8 @@ class BlockPool:
             assert self._entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING, (
                 "commit_slot takes the BUILDING entry begin_build returned"
             )
-            assert 0 <= slot < self._capacity[Tier.DEVICE] and slot not in self._free_slots[Tier.DEVICE], "the slot must be allocated"
+            # Range only: a membership scan of the free-slot heap cost ~20 µs per committed block, on every miss.
+            assert 0 <= slot < self._capacity[Tier.DEVICE], "the slot must be a device slot the caller allocated"
             if entry.tombstoned:
                 self._discard_building(entry)
                 return False

@@ -54,6 +54,7 @@ from gpu_node.versions import VersionRegistry
 log = logging.getLogger(__name__)
 
 _EXPIRY_SWEEP_INTERVAL_S = 5.0
+_GAUGE_REFRESH_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +163,10 @@ class AsyncEngine:
         # Filled on the loop, drained by the worker at the start of each step (deque appends/pops are atomic).
         self._inbox: deque[tuple[str, _Request]] = deque()
         self._requests: dict[str, _Request] = {}  # worker thread only
+        # Worker jobs queued by _run and not yet started (deque appends/pops are atomic): a burst of
+        # steps returns the worker to them at the next step boundary.
+        self._jobs_waiting: deque = deque()
+        self._gauges_refreshed_at = 0.0
         self._work = asyncio.Event()
         self.metrics.kv_blocks_total.set(pool.config.num_device_blocks)
 
@@ -209,14 +214,18 @@ class AsyncEngine:
                 await asyncio.gather(task, return_exceptions=True)
         if self._stepper is not None:
             deliveries, woken = await self._run(self._fail_all, GenerationError("the node is shutting down"))
-            self.manager.wake(woken)
-            self._deliver(deliveries)
-            self.manager.drain_events()
+            self._after_step(deliveries, woken, 0, 0)
         self._worker.shutdown(wait=True)
         self._prompt_worker.shutdown(wait=True)
 
     async def _run(self, function, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, function, *args)
+        """Queue ``function`` on the model worker; a burst of steps running there yields to it at the next step boundary."""
+        self._jobs_waiting.append(function)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._job, function, *args)
+
+    def _job(self, function, *args):
+        self._jobs_waiting.popleft()
+        return function(*args)
 
     async def run_exclusive(self, function, *args):
         """Run blocking ``function`` on the model worker, between engine steps.
@@ -302,28 +311,47 @@ class AsyncEngine:
         self._work.set()
 
     async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._work.wait()
             self._work.clear()
             while self._inbox or self.scheduler.has_work:
                 try:
-                    deliveries, woken = await self._run(self._step)
+                    # Not through _run: a burst is not a job that other bursts would wait for.
+                    await loop.run_in_executor(self._worker, self._step_burst, loop)
                 except Exception as exc:  # noqa: BLE001 - whatever broke, no stream may be left waiting
                     # A broken step (an invariant, not a model error) must not leave every stream hanging.
                     log.error("engine step failed outside the model: %s", type(exc).__name__)
                     deliveries, woken = await self._run(self._fail_all, GenerationError("generation failed"))
-                self.manager.wake(woken)
-                self._deliver(deliveries)
-                self.manager.drain_events()
-                self._refresh_tier_gauges()
-                self.metrics.requests_running.set(len(self.scheduler.running))
-                self.metrics.requests_waiting.set(len(self.scheduler.waiting))
+                    self._after_step(deliveries, woken, len(self.scheduler.running), len(self.scheduler.waiting))
 
-    @staticmethod
-    def _deliver(deliveries: list[tuple[_Request, list]]) -> None:
+    def _step_burst(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run steps back to back on the worker while there is work and no other worker job waits (model worker).
+
+        Each step's outputs go to the loop as soon as the step ends, and the next
+        step starts at once: a round trip through the event loop per token would
+        leave the worker idle between steps (a large share of a small model's
+        decode step). Snapshot writes, TTL sweeps and other :meth:`_run` jobs
+        still run between steps: the burst ends when one is queued.
+        """
+        while (self._inbox or self.scheduler.has_work) and not self._jobs_waiting:
+            deliveries, woken = self._step()
+            loop.call_soon_threadsafe(self._after_step, deliveries, woken, len(self.scheduler.running), len(self.scheduler.waiting))
+
+    def _after_step(self, deliveries: list[tuple[_Request, list]], woken: list[bytes], num_running: int, num_waiting: int) -> None:
+        """A step's effects on the event loop: wake singleflight waiters, stream outputs, publish pool events, refresh gauges."""
+        self.manager.wake(woken)
         for handle, items in deliveries:
             for item in items:
                 handle.queue.put_nowait(item)
+        self.manager.drain_events()
+        now = time.monotonic()
+        # The tier gauges take the pool's lock: at most every _GAUGE_REFRESH_S while busy, and always once idle.
+        if now >= self._gauges_refreshed_at + _GAUGE_REFRESH_S or not (num_running or num_waiting):
+            self._gauges_refreshed_at = now
+            self._refresh_tier_gauges()
+        self.metrics.requests_running.set(num_running)
+        self.metrics.requests_waiting.set(num_waiting)
 
     # --- one step (model worker) -------------------------------------------------------------
 

@@ -141,14 +141,25 @@ class ModelRunner:
             slot_blocks.extend(chunk.block_table[position // block_size] for position in range(chunk.start, end))
         decodes = [chunks[index] for index in order if len(chunks[index].token_ids) == 1]
         device = self.device
-        if decodes:
-            max_blocks = max(len(chunk.block_table) for chunk in decodes)
-            padded = [list(chunk.block_table) + [0] * (max_blocks - len(chunk.block_table)) for chunk in decodes]
-            context = torch.tensor([chunk.start + 1 for chunk in decodes], device=device)
-            decode_mask = torch.arange(max_blocks * block_size, device=device)[None, :] < context[:, None]
+        decode_mask = decode_shared_blocks = None
+        num_decode_context_tokens = 0
+        if len(decodes) == 1:
+            # a lone decode reads exactly its own blocks and needs no mask (paged_attention cuts its keys instead)
+            num_blocks = -(-(decodes[0].start + 1) // block_size)
+            decode_blocks = torch.tensor([decodes[0].block_table[:num_blocks]], dtype=torch.long, device=device)
+            num_decode_context_tokens = decodes[0].start + 1
+        elif decodes:
+            tables = [chunk.block_table[: -(-(chunk.start + 1) // block_size)] for chunk in decodes]
+            num_shared = _num_common_leading(tables, max_blocks=min(len(table) for table in tables) - 1)
+            if num_shared:
+                decode_shared_blocks = torch.tensor(tables[0][:num_shared], dtype=torch.long, device=device)
+                tables = [table[num_shared:] for table in tables]
+            max_blocks = max(len(table) for table in tables)
+            padded = [list(table) + [0] * (max_blocks - len(table)) for table in tables]
+            context = torch.tensor([chunk.start + 1 - num_shared * block_size for chunk in decodes], device=device)
+            decode_mask = (torch.arange(max_blocks * block_size, device=device)[None, :] < context[:, None])[:, None, None, :]
             decode_blocks = torch.tensor(padded, dtype=torch.long, device=device)
         else:
-            decode_mask = torch.ones((0, 0), dtype=torch.bool, device=device)
             decode_blocks = torch.zeros((0, 1), dtype=torch.long, device=device)
         prefills = []
         for index in order[len(decodes) :]:
@@ -169,7 +180,9 @@ class ModelRunner:
             slot_offsets=position_tensor % block_size,
             num_decodes=len(decodes),
             decode_blocks=decode_blocks,
-            decode_mask=decode_mask[:, None, None, :],
+            decode_shared_blocks=decode_shared_blocks,
+            decode_mask=decode_mask,
+            num_decode_context_tokens=num_decode_context_tokens,
             prefills=tuple(prefills),
         )
         keep = [first_rows[index] + len(chunk.token_ids) - 1 for index, chunk in enumerate(chunks) if chunk.samples]
@@ -182,3 +195,13 @@ class ModelRunner:
             paged_step=step,
         )
         return output.logits[0].float()
+
+
+def _num_common_leading(tables: list[Sequence[int]], max_blocks: int) -> int:
+    """How many leading blocks (at most ``max_blocks``) every table has in common: a prefix all sequences read in place."""
+    first = list(tables[0])
+    num_common = max(max_blocks, 0)
+    for table in tables[1:]:
+        if list(table[:num_common]) != first[:num_common]:  # one C-level comparison in the common case
+            num_common = next(index for index, (mine, theirs) in enumerate(zip(table, first)) if mine != theirs)
+    return num_common
