@@ -29,22 +29,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
-    SUBJECT_KEY,
-    RunningConsumers,
-    eventually,
-    fresh_database,
-    operator_headers,
-    operator_token,
-    stored,
-)
+from ledger_helpers import SUBJECT_KEY, RunningConsumers, coordinator_settings, eventually, operator_headers, operator_token, stored
+from node_harness import Served
 
 from bench.common import start_groups_at_end
-from coordinator import migrate
 from coordinator.api import create_app
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.receipts import verify_served_receipt
@@ -52,7 +40,6 @@ from coordinator.settings import CoordinatorSettings
 from events import kafka
 from events.kafka import EventProducer
 from events.schema import BlockStored, CommandAck, DocumentUpdated, NodeStarted, TierEvidence, make_event, subject_digest
-from kvledger.net import loopback_listener
 
 pytestmark = pytest.mark.integration
 
@@ -72,24 +59,17 @@ TIMEOUT_MS = 15_000
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"console-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={
-                "command_signing_key": COMMAND_SIGNING_KEY,
-                "subject_key": SUBJECT_KEY,
-                "outbox_poll_s": 0.1,
-                "erasure_verify_interval_s": 0.2,
-                # the nodes played here send no heartbeats; they must read "alive" for the whole module
-                "heartbeat_timeout_s": 3600,
-            },
-            keys={"master_key": MASTER_KEY},
-        )
+def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
+    return coordinator_settings(
+        ledger_url,
+        kafka_bootstrap,
+        ledger={
+            "erasure_verify_interval_s": 0.2,
+            # the nodes played here send no heartbeats; they must read "alive" for the whole module
+            "heartbeat_timeout_s": 3600,
+        },
+        keys={"master_key": MASTER_KEY},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +78,12 @@ async def console(settings: CoordinatorSettings) -> AsyncIterator[str]:
     await kafka.ensure_topics(kafka_settings(settings))
     await start_groups_at_end(settings.kafka.bootstrap, consumer_groups(settings.kafka.group_id))
     consumers = await RunningConsumers(settings).start()
-    sock = loopback_listener()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", access_log=False))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not serving.done(), serving.result()
-        await asyncio.sleep(0.02)
+    served = await Served(create_app(settings)).start()
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield served.url
     finally:
-        server.should_exit = True
-        await serving
+        await served.stop()
         await consumers.stop()
-        sock.close()
 
 
 def _evidence(tier: str, hashes: list[str], method: str = "overwrite", check: str = "readback_zero") -> TierEvidence:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ledger_helpers import GROUP_TIMING_ENV
+from stack_harness import free_port_pair, port_is_free, user_env
 
 from coordinator.receipts import verify_served_receipt
 
@@ -19,29 +19,15 @@ pytestmark = pytest.mark.e2e
 DEMO_TIMEOUT_S = 420
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-def _free_port_pair() -> int:
-    """A node port P with P and the coordinator's P - 100 both free."""
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port > 1200 and _port_is_free(port - 100):
-            return port
-    raise AssertionError("no free port pair")
-
-
 def _kvledger(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("KVLEDGER_")}
-    return subprocess.run([sys.executable, "-m", "kvledger.cli", *args], capture_output=True, text=True, timeout=timeout_s, env=env)
+    """``kvledger ARGS`` from a user's shell; the stack it starts joins its consumer groups with the tests' timing."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", *args], capture_output=True, text=True, timeout=timeout_s, env=user_env() | GROUP_TIMING_ENV
+    )
 
 
 def test_demo_tells_the_whole_story_and_stops_its_stack(tmp_path: Path, tiny_model_dir: Path) -> None:
-    port = _free_port_pair()
+    port = free_port_pair()
     state_dir, output = tmp_path / "state", tmp_path / "receipt"
     demo = _kvledger(
         "demo", "--state-dir", str(state_dir), "--model", str(tiny_model_dir), "--port", str(port), "--output", str(output),
@@ -70,7 +56,7 @@ def test_demo_tells_the_whole_story_and_stops_its_stack(tmp_path: Path, tiny_mod
     # The receipt it wrote verifies here too, and the stack it started is gone.
     documents = {name: json.loads((output / f"{name}.json").read_text()) for name in ("receipt", "keys", "checkpoint")}
     assert verify_served_receipt(documents["receipt"], documents["keys"], documents["checkpoint"]).ok
-    assert _port_is_free(port) and _port_is_free(port - 100)
+    assert port_is_free(port) and port_is_free(port - 100)
 
 
 def test_demo_without_a_stack_file_is_one_line(tmp_path: Path) -> None:

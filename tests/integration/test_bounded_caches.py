@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import COMMAND_SIGNING_KEY, fresh_database
+from ledger_helpers import coordinator_settings
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.node_keys import NodeKeyRegistry, enroll, revoke
 from coordinator.settings import CoordinatorSettings
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url}, kafka={"bootstrap": kafka_bootstrap}, ledger={"command_signing_key": COMMAND_SIGNING_KEY}
-        )
+def settings(ledger_url: str) -> CoordinatorSettings:
+    return coordinator_settings(ledger_url)
 
 
 async def test_the_node_key_cache_keeps_only_the_most_recently_used_keys(database: Database) -> None:

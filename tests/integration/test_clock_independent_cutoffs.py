@@ -29,25 +29,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
-    SUBJECT_KEY,
-    enroll_nodes,
-    eventually,
-    fresh_database,
-    operator_headers,
-)
+from ledger_helpers import JWT_SECRET, SUBJECT_KEY, coordinator_settings, enroll_nodes, eventually, fresh_database, operator_headers
 from node_harness import CoordinatorThread, ServedNode, node_settings
 from sqlalchemy import func, select
 
 from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.db import Database
-from coordinator.migrate import upgrade
 from coordinator.models import Block, Invalidation, InvalidationTarget, Placement
-from coordinator.settings import CoordinatorSettings, DatabaseSettings
+from coordinator.settings import DatabaseSettings
 from events import kafka, schema
 from gpu_node.block_pool import BlockPool, Tier
 from gpu_node.engine import AsyncEngine
@@ -101,26 +91,12 @@ class SkewedNode(ServedNode):
 
 
 @pytest.fixture
-async def coordinator(database_url: str, kafka_bootstrap: str) -> AsyncIterator[dict]:
+async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[dict]:
     """A coordinator on a fresh ledger per test: a node of an earlier test, stopped, would be a target that never acks."""
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
-        group = f"clock-{uuid.uuid4().hex[:8]}"
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": group},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={
-                "command_signing_key": COMMAND_SIGNING_KEY,
-                "subject_key": SUBJECT_KEY,
-                "outbox_poll_s": 0.1,
-                "erasure_verify_interval_s": 0.5,
-            },
-            keys={"master_key": MASTER_KEY},
-        )
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url, kafka_bootstrap, ledger={"erasure_verify_interval_s": 0.5}, keys={"master_key": MASTER_KEY})
         await kafka.ensure_topics(kafka_settings(settings))
-        await start_groups_at_end(kafka_bootstrap, consumer_groups(group))
+        await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
         running = await CoordinatorThread(settings).start()
         database = Database(DatabaseSettings(url=url), pre_ping=False)
         try:

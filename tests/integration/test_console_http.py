@@ -6,16 +6,13 @@ themselves are read in a real browser by ``tests/browser/test_console.py``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import uuid
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, fresh_database, operator_headers, operator_token
+from ledger_helpers import coordinator_settings, operator_headers, operator_token
 
-from coordinator import migrate
 from coordinator.settings import CoordinatorSettings
 
 ORIGIN = "http://c"
@@ -23,17 +20,8 @@ HOSTILE_TENANT = "<script>alert(1)</script>"
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"console-http-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-            keys={"master_key": base64.b64encode(b"h" * 32).decode()},
-        )
+def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
+    return coordinator_settings(ledger_url, kafka_bootstrap, keys={"master_key": base64.b64encode(b"h" * 32).decode()})
 
 
 async def test_header_or_cookie_and_nothing_else(client: httpx.AsyncClient) -> None:

@@ -18,21 +18,17 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
     OPERATOR_PRIVATE_KEY_PEM,
     RunningConsumers,
     SigningProducer,
+    coordinator_settings,
     enroll_nodes,
     eventually,
-    fresh_database,
     operator_headers,
 )
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
-from coordinator import migrate
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.db import Database
 from coordinator.models import DeadLetterCount, Invalidation, Node
@@ -47,19 +43,11 @@ ADMIN = operator_headers("platform-admin")
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"dead-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY},
-        )
-        await kafka.ensure_topics(kafka_settings(settings))
-        await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
-        yield settings
+async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
+    settings = coordinator_settings(ledger_url, kafka_bootstrap)
+    await kafka.ensure_topics(kafka_settings(settings))
+    await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
+    return settings
 
 
 @pytest.fixture(scope="module")

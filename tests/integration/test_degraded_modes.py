@@ -8,7 +8,6 @@ PostgreSQL server — private ones where the test stops or has not yet started t
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import sys
 import time
@@ -18,15 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_PUBLIC_KEY_FILE,
-    SUBJECT_KEY,
-    eventually,
-    fresh_database,
-    operator_headers,
-)
+from ledger_helpers import SUBJECT_KEY, coordinator_env, eventually, fresh_database, operator_headers
 from sqlalchemy import select
 
 from coordinator import migrate
@@ -52,19 +43,15 @@ def _free_port() -> int:
 async def coordinator(database_url: str, bootstrap: str, log_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """``kvledger coordinator --role all`` as a child process; a client of its HTTP port. SIGTERM at exit."""
     port = _free_port()
-    env = {
-        **os.environ,
-        "KVLEDGER_DATABASE_URL": database_url,
-        "KVLEDGER_KAFKA_BOOTSTRAP": bootstrap,
-        "KVLEDGER_JWT_SECRET": JWT_SECRET,
-        "KVLEDGER_SUBJECT_KEY": SUBJECT_KEY,
-        "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
-        "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
-        "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": f"degraded-{uuid.uuid4().hex[:8]}",
-        "KVLEDGER_COORDINATOR_KAFKA__RECONNECT_INITIAL_S": "0.2",
-        "KVLEDGER_COORDINATOR_KAFKA__RECONNECT_MAX_S": "1",
-        "KVLEDGER_COORDINATOR_HTTP__RETRY_AFTER_S": str(RETRY_AFTER_S),
-    }
+    env = coordinator_env(
+        database_url,
+        bootstrap,
+        f"degraded-{uuid.uuid4().hex[:8]}",
+        KVLEDGER_SUBJECT_KEY=SUBJECT_KEY,
+        KVLEDGER_COORDINATOR_KAFKA__RECONNECT_INITIAL_S="0.2",
+        KVLEDGER_COORDINATOR_KAFKA__RECONNECT_MAX_S="1",
+        KVLEDGER_COORDINATOR_HTTP__RETRY_AFTER_S=str(RETRY_AFTER_S),
+    )
     with open(log_path, "ab") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "all", "--port", str(port),
@@ -119,11 +106,12 @@ async def update_is_decided(database_url: str, bootstrap: str) -> None:
         await database.dispose()
 
 
-async def test_the_api_answers_while_the_broker_is_down_and_consumes_once_it_starts(database_url: str, tmp_path: Path) -> None:
+async def test_the_api_answers_while_the_broker_is_down_and_consumes_once_it_starts(
+    database_url: str, ledger_template: str, tmp_path: Path
+) -> None:
     port = _free_port()
     broker = EmbeddedKafka(port=port, state_dir=tmp_path / "kafka")  # not started yet
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
+    async with fresh_database(database_url, ledger_template) as url:
         async with coordinator(url, f"127.0.0.1:{port}", tmp_path / "coordinator.log") as client:
             readyz = await client.get("/readyz")
             assert readyz.status_code == 503
@@ -153,7 +141,7 @@ async def test_the_api_answers_503_while_postgres_is_down_and_recovers_when_it_r
     await postgres.start()
     try:
         url = postgres.database_url
-        await asyncio.to_thread(migrate.upgrade, url)
+        await asyncio.to_thread(migrate.upgrade, url)  # a server of its own (the test stops it): the session's template is not there
         async with coordinator(url, kafka_bootstrap, tmp_path / "coordinator.log") as client:
             await wait_ready(client)
             await postgres.stop()

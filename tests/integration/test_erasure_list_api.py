@@ -6,33 +6,20 @@ started through ``POST /v1/erasures`` (no node is needed to list them).
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import uuid
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, JWT_SECRET, OPERATOR_AUTH, SUBJECT_KEY, fresh_database, operator_headers
+from ledger_helpers import coordinator_settings, operator_headers
 
-from coordinator import migrate
 from coordinator.settings import CoordinatorSettings
 
 TENANT_A, TENANT_B = "list-acme", "list-globex"
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"erasure-list-{uuid.uuid4().hex[:8]}"},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-            keys={"master_key": base64.b64encode(b"l" * 32).decode()},
-        )
+def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
+    return coordinator_settings(ledger_url, kafka_bootstrap, keys={"master_key": base64.b64encode(b"l" * 32).decode()})
 
 
 async def _erase(client: httpx.AsyncClient, tenant: str, subject: str) -> str:

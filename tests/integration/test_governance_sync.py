@@ -33,29 +33,16 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import (
-    COMMAND_KEY,
-    COMMAND_SIGNING_KEY,
-    JWT_SECRET,
-    OPERATOR_AUTH,
-    SUBJECT_KEY,
-    enroll_nodes,
-    eventually,
-    fresh_database,
-    node_key,
-    operator_headers,
-    sign_command,
-)
+from ledger_helpers import COMMAND_KEY, JWT_SECRET, coordinator_settings, enroll_nodes, eventually, node_key, operator_headers, sign_command
 from node_harness import CoordinatorThread, ServedNode, node_settings
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.db import Database
-from coordinator.migrate import upgrade
 from coordinator.models import Invalidation, InvalidationTarget, Namespace
 from coordinator.node_keys import revoke
-from coordinator.settings import CoordinatorSettings, DatabaseSettings
+from coordinator.settings import DatabaseSettings
 from events import kafka, schema, topics
 from events.kafka import EventProducer, KafkaSettings
 from gpu_node.block_pool import Tier
@@ -117,51 +104,39 @@ class GovNode(ServedNode):
 
 
 @pytest.fixture(scope="module")
-async def stack(database_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[dict]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
-        group = f"governance-{uuid.uuid4().hex[:8]}"
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": group},
-            auth={"jwt_secret": JWT_SECRET},
-            operator_auth=OPERATOR_AUTH,
-            ledger={
-                "command_signing_key": COMMAND_SIGNING_KEY,
-                "subject_key": SUBJECT_KEY,
-                "outbox_poll_s": 0.1,
-                "erasure_verify_interval_s": 0.5,
-                "command_resend_after_s": 3600,
-                "command_resend_max_s": 3600,
-            },
-            keys={"master_key": MASTER_KEY},
-        )
-        await kafka.ensure_topics(kafka_settings(settings))
-        await start_groups_at_end(kafka_bootstrap, consumer_groups(group))
-        coordinator = await CoordinatorThread(settings).start()
-        database = Database(DatabaseSettings(url=url), pre_ping=False)
-        node_id = f"gov-{uuid.uuid4().hex[:6]}"
-        await enroll_nodes(url, [node_id])
-        cache = CacheSettings(num_device_blocks=64, num_host_blocks=16, max_disk_blocks=256)
-        settings_of_node = node_settings(
-            node_id, tiny_model_dir, tmp_path_factory.mktemp("gov-node"), kafka_bootstrap, cache, coordinator_url=coordinator.url
-        )
-        node = GovNode(settings_of_node)
-        try:
-            node.assemble()
-            await node.start()
+async def stack(ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[dict]:
+    settings = coordinator_settings(
+        ledger_url,
+        kafka_bootstrap,
+        ledger={"erasure_verify_interval_s": 0.5, "command_resend_after_s": 3600, "command_resend_max_s": 3600},
+        keys={"master_key": MASTER_KEY},
+    )
+    await kafka.ensure_topics(kafka_settings(settings))
+    await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
+    coordinator = await CoordinatorThread(settings).start()
+    database = Database(DatabaseSettings(url=ledger_url), pre_ping=False)
+    node_id = f"gov-{uuid.uuid4().hex[:6]}"
+    await enroll_nodes(ledger_url, [node_id])
+    cache = CacheSettings(num_device_blocks=64, num_host_blocks=16, max_disk_blocks=256)
+    settings_of_node = node_settings(
+        node_id, tiny_model_dir, tmp_path_factory.mktemp("gov-node"), kafka_bootstrap, cache, coordinator_url=coordinator.url
+    )
+    node = GovNode(settings_of_node)
+    try:
+        node.assemble()
+        await node.start()
 
-            async def registered() -> bool:
-                async with httpx.AsyncClient(base_url=coordinator.url, headers=PLATFORM_ADMIN, timeout=30) as client:
-                    listed = (await client.get("/v1/nodes")).json()["nodes"]
-                return node_id in {row["node_id"] for row in listed}
+        async def registered() -> bool:
+            async with httpx.AsyncClient(base_url=coordinator.url, headers=PLATFORM_ADMIN, timeout=30) as client:
+                listed = (await client.get("/v1/nodes")).json()["nodes"]
+            return node_id in {row["node_id"] for row in listed}
 
-            await eventually(registered, timeout_s=TIMEOUT_S, what="the node registered in the ledger")
-            yield {"url": coordinator.url, "database_url": url, "database": database, "node": node, "kafka": kafka_bootstrap}
-        finally:
-            await node.stop()
-            await database.dispose()
-            await coordinator.stop()
+        await eventually(registered, timeout_s=TIMEOUT_S, what="the node registered in the ledger")
+        yield {"url": coordinator.url, "database_url": ledger_url, "database": database, "node": node, "kafka": kafka_bootstrap}
+    finally:
+        await node.stop()
+        await database.dispose()
+        await coordinator.stop()
 
 
 # --------------------------------------------------------------------------- helpers

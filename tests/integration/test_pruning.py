@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-from ledger_helpers import COMMAND_SIGNING_KEY, fresh_database
+from ledger_helpers import coordinator_settings
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
-from coordinator import migrate
 from coordinator.db import Database
 from coordinator.pruning import Pruned, Pruner
 from coordinator.settings import CoordinatorSettings
@@ -20,14 +17,8 @@ DAY_S = 24 * 3600.0
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(migrate.upgrade, url)
-        yield CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap},
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY},
-        )
+def settings(ledger_url: str) -> CoordinatorSettings:
+    return coordinator_settings(ledger_url)
 
 
 async def _inbox_row(database: Database, age_days: float) -> uuid.UUID:

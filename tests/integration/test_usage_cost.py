@@ -16,11 +16,9 @@ from collections import Counter
 import httpx
 import pytest
 from ledger_helpers import (
-    COMMAND_SIGNING_KEY,
     JWT_SECRET,
-    OPERATOR_AUTH,
-    SUBJECT_KEY,
     RunningConsumers,
+    coordinator_settings,
     enroll_nodes,
     eventually,
     fresh_database,
@@ -30,8 +28,6 @@ from ledger_helpers import (
 from node_harness import Served, ServedNode, node_settings
 
 from coordinator.api import create_app as create_coordinator_app
-from coordinator.migrate import upgrade
-from coordinator.settings import CoordinatorSettings
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 from kvledger.cli import main
@@ -56,16 +52,10 @@ class Node(ServedNode):
 
 
 @pytest.fixture
-async def stack(database_url, kafka_bootstrap, tiny_model_dir, tmp_path):
+async def stack(database_url, ledger_template, kafka_bootstrap, tiny_model_dir, tmp_path):
     suffix = uuid.uuid4().hex[:6]
-    async with fresh_database(database_url) as url:
-        await asyncio.to_thread(upgrade, url)
-        settings = CoordinatorSettings(
-            database={"url": url},
-            kafka={"bootstrap": kafka_bootstrap, "group_id": f"coordinator-{suffix}"},
-            ledger={"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY},
-            operator_auth=OPERATOR_AUTH,
-        )
+    async with fresh_database(database_url, ledger_template) as url:
+        settings = coordinator_settings(url, kafka_bootstrap)
         node_ids = [f"usage-{i}-{suffix}" for i in range(2)]
         await enroll_nodes(url, node_ids)
         consumers = await RunningConsumers(settings).start()
