@@ -692,6 +692,8 @@ class CommandConsumer:
         )
 
     def _ack(self, command: schema.Invalidate, evidence: list[schema.TierEvidence]) -> schema.Envelope:
+        """The ack of an applied command, whether it came from the topic or from the governance state at start."""
+        fault_point("node.between_delete_and_ack")
         return schema.make_event(
             schema.CommandAck(command_id=command.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
         )
@@ -819,7 +821,6 @@ class CommandConsumer:
                 ack = self._ack(command, evidence)
                 self._unacked[(tp, offset)] = ack
                 self._remember_ack(command.command_id, ack)
-                fault_point("node.between_delete_and_ack")
                 sending.append(asyncio.create_task(self._producer.send(ack)))
                 handled[tp] = offset + 1
                 log.info(
