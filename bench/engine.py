@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import itertools
 import platform
 import secrets
 import statistics
@@ -267,7 +268,7 @@ class _Timed:
 
 def _timed(started: float, stamps: list[float], num_tokens: int) -> _Timed:
     assert stamps, "the request produced no token"
-    gaps = [(later - earlier) * 1000 for earlier, later in zip(stamps, stamps[1:])]
+    gaps = [(later - earlier) * 1000 for earlier, later in itertools.pairwise(stamps)]
     return _Timed((stamps[0] - started) * 1000, gaps, num_tokens)
 
 
@@ -446,7 +447,9 @@ async def bench_serving(engine: AsyncEngine, args) -> list[ServingRow]:
                     row = rows[(prefix, level)]
                     floor_prompts = _serving_prompts(runner.tokenizer, level, args.serving_prompt, system)
                     row.floor_tokens_per_s.append(await asyncio.to_thread(_generate_floor, runner, floor_prompts, args.serving_tokens))
-                    row.in_process.append(await _concurrently(in_process, _serving_prompts(runner.tokenizer, level, args.serving_prompt, system)))
+                    row.in_process.append(
+                        await _concurrently(in_process, _serving_prompts(runner.tokenizer, level, args.serving_prompt, system))
+                    )
                     row.http.append(await _concurrently(over_http, _serving_prompts(runner.tokenizer, level, args.serving_prompt, system)))
                     print(
                         f"serving run {run + 1}/{args.runs} prefix {prefix} x{level}: floor {row.floor_tokens_per_s[-1]:.0f}, "

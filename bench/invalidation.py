@@ -377,7 +377,9 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             await asyncio.wait_for(listening.wait(), 60)
             published: list[Published] = []
             for index, node in enumerate(nodes):
-                probers.append(asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index, args.probe_interval_ms / 1000)))
+                probers.append(
+                    asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index, args.probe_interval_ms / 1000))
+                )
 
             versions = dict.fromkeys(documents, 1)
             producer = AIOKafkaProducer(
@@ -411,9 +413,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                 await producer.stop()
 
             async def all_complete() -> bool:
-                complete = await connection.fetchval(
-                    "SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'"
-                )
+                complete = await connection.fetchval("SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'")
                 return complete == len(published)
 
             await wait(all_complete, "every invalidation complete", TIMEOUT_S)

@@ -103,7 +103,9 @@ class Invariants:
             for row in rows
             if row["tier"] == "snapshot" or not any(built >= row["cutoff"] for built in rebuilt.get((row["node_id"], row["block"]), ()))
         )
-        return [f"erasure {erasure} verified but the ledger holds {n} live {tier} copies on {node}" for (erasure, node, tier), n in left.items()]
+        return [
+            f"erasure {erasure} verified but the ledger holds {n} live {tier} copies on {node}" for (erasure, node, tier), n in left.items()
+        ]
 
     def _builds(self) -> dict[tuple[str, str], list]:
         """(node, block hash) → every build time the node reported for it (``BlockStored``, inventories)."""
@@ -116,7 +118,9 @@ class Invariants:
         return builds
 
     async def _verified_erasures(self) -> list[asyncpg.Record]:
-        return await self._query("SELECT id, tenant_id, encode(subject_hash, 'hex') AS subject, cutoff FROM erasures WHERE status = 'verified'")
+        return await self._query(
+            "SELECT id, tenant_id, encode(subject_hash, 'hex') AS subject, cutoff FROM erasures WHERE status = 'verified'"
+        )
 
     # -- 1. ledger = every node's inventory ---------------------------------------------
 
@@ -170,7 +174,9 @@ class Invariants:
                 await asyncio.sleep(0.5)
                 continue
             held = {
-                (placement.block_hash, placement.tier, placement.snapshot_id) for chunk in inventory for placement in chunk.payload.placements
+                (placement.block_hash, placement.tier, placement.snapshot_id)
+                for chunk in inventory
+                for placement in chunk.payload.placements
             }
             if held == ledger:
                 return [], inventory
@@ -189,7 +195,9 @@ class Invariants:
                     block.block_hash
                     for chunk in chunks
                     for block in chunk.payload.blocks
-                    if block.tenant_id == erasure["tenant_id"] and block.subject_id == erasure["subject"] and block.created_at < erasure["cutoff"]
+                    if block.tenant_id == erasure["tenant_id"]
+                    and block.subject_id == erasure["subject"]
+                    and block.created_at < erasure["cutoff"]
                 ]
                 if left:
                     violations.append(f"erasure {erasure['id']} verified but {node_id} still holds {len(left)} of the subject's blocks")
@@ -241,7 +249,9 @@ class Invariants:
                 return []
             if time.monotonic() > deadline:
                 types = collections.Counter(published[event_id] for event_id in missing)
-                return [f"{len(missing)} kv-events/acks neither applied nor dead-lettered ({dead[0]['n']} dead letters counted): {dict(types)}"]
+                return [
+                    f"{len(missing)} kv-events/acks neither applied nor dead-lettered ({dead[0]['n']} dead letters counted): {dict(types)}"
+                ]
             await asyncio.sleep(0.2)
 
     # -- 2. probes -------------------------------------------------------------------

@@ -181,9 +181,7 @@ async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: i
     connection = await asyncpg.connect(**connect_kwargs(database_url))
     try:
         await connection.execute("INSERT INTO namespaces (namespace) VALUES ($1) ON CONFLICT DO NOTHING", NAMESPACE)
-        await connection.executemany(
-            "INSERT INTO nodes (node_id, epoch, last_seq) VALUES ($1, 1, 0)", [(node_id,) for node_id in workload]
-        )
+        await connection.executemany("INSERT INTO nodes (node_id, epoch, last_seq) VALUES ($1, 1, 0)", [(node_id,) for node_id in workload])
         blocks, placements = [], []
         for node_id, records in workload.items():
             for record in records:
@@ -199,7 +197,16 @@ async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: i
                     await connection.copy_records_to_table(
                         "blocks",
                         records=blocks[offset:end],
-                        columns=["block_hash", "parent_hash", "namespace", "tenant_id", "scope", "subject_hash", "token_offset", "created_at"],
+                        columns=[
+                            "block_hash",
+                            "parent_hash",
+                            "namespace",
+                            "tenant_id",
+                            "scope",
+                            "subject_hash",
+                            "token_offset",
+                            "created_at",
+                        ],
                     )
                     await connection.copy_records_to_table(
                         "placements",
@@ -237,9 +244,7 @@ async def _run(args) -> list[LedgerRun]:
                 insert_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=False)
             async with fresh_database(server_url) as url:
                 copy_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=True)
-            runs.append(
-                LedgerRun(total, events_per_s, percentile(lags, 0.5), percentile(lags, 0.99), insert_rows_per_s, copy_rows_per_s)
-            )
+            runs.append(LedgerRun(total, events_per_s, percentile(lags, 0.5), percentile(lags, 0.99), insert_rows_per_s, copy_rows_per_s))
             print(runs[-1], file=sys.stderr, flush=True)
         return runs
 

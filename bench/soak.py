@@ -197,7 +197,9 @@ class Soak:
         self.counts["revocations"] += 1
         if await self._completed("source_event_id = $1", event.event_id):
             for index in self._running_nodes():
-                await self._probe(self.invariants.probe_stale_policy(index, tenant.name, document_chat(tenant.doc, tenant.doc_version), stale))
+                await self._probe(
+                    self.invariants.probe_stale_policy(index, tenant.name, document_chat(tenant.doc, tenant.doc_version), stale)
+                )
 
     async def _erasure(self, tenant: _Tenant) -> None:
         candidates = [u for u in tenant.users if (tenant.name, u) not in self._erasing]
@@ -305,7 +307,9 @@ class Soak:
         found = {child.name: child.resources() for child in (self.cluster.coordinator, *self.cluster.nodes)}
         connection = await asyncpg.connect(**self.cluster.connect_kwargs(), timeout=10)
         try:
-            found["tables (bytes)"] = {table: await connection.fetchval("SELECT pg_total_relation_size($1::regclass)", table) for table in TABLES}
+            found["tables (bytes)"] = {
+                table: await connection.fetchval("SELECT pg_total_relation_size($1::regclass)", table) for table in TABLES
+            }
         finally:
             await connection.close()
         return found
@@ -339,12 +343,18 @@ class Soak:
         self.violations.extend(await self.invariants.check())
         report.resources_end = await self.resources()
         totals = await self._ledger_totals()
-        report.counts = self.counts | {
-            "probes": self.invariants.num_probes,
-            "checks": self.counts["checks"] + self.invariants.num_checks,
-            "kv_events": len(self.cluster.tail.kv_events) - num_kv_events_before,
-        } | {name: totals[name] - totals_before[name] for name in totals}
-        report.faults = {kind: count - faults_before.get(kind, 0) for kind, count in self.cluster.faults.items() if count > faults_before.get(kind, 0)}
+        report.counts = (
+            self.counts
+            | {
+                "probes": self.invariants.num_probes,
+                "checks": self.counts["checks"] + self.invariants.num_checks,
+                "kv_events": len(self.cluster.tail.kv_events) - num_kv_events_before,
+            }
+            | {name: totals[name] - totals_before[name] for name in totals}
+        )
+        report.faults = {
+            kind: count - faults_before.get(kind, 0) for kind, count in self.cluster.faults.items() if count > faults_before.get(kind, 0)
+        }
         report.violations = list(dict.fromkeys(self.violations))
         return report
 
@@ -396,7 +406,9 @@ def cli(args: argparse.Namespace) -> int:
         print(f"kvledger bench soak: error: {error}", file=sys.stderr)
         return 2
     report = asyncio.run(_main(args))
-    command = f"kvledger bench soak --duration {args.duration} --nodes {args.nodes} --tenants {args.tenants} --concurrency {args.concurrency}"
+    command = (
+        f"kvledger bench soak --duration {args.duration} --nodes {args.nodes} --tenants {args.tenants} --concurrency {args.concurrency}"
+    )
     text = json.dumps(report.to_json(), indent=2) if args.json else render_markdown(report, command)
     print(text)
     if args.output:

@@ -124,9 +124,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # Name the parameter and the problem, never echo the input (it may be a subject id).
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
         return _error(400, "invalid_request_error", "invalid_parameter", problems)
 
     @app.get("/healthz")
@@ -189,9 +187,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
         if tenant is not None:
             query = query.where(Block.tenant_id == tenant)
         if doc_id is not None:
-            query = query.where(
-                exists().where(BlockDocument.block_hash == Block.block_hash, BlockDocument.doc_id == doc_id)
-            )
+            query = query.where(exists().where(BlockDocument.block_hash == Block.block_hash, BlockDocument.doc_id == doc_id))
         if subject is not None:
             query = query.where(Block.subject_hash == _subject_hash(subject_key, tenant, subject))
         placement_filter = [Placement.block_hash == Block.block_hash]
@@ -246,18 +242,14 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
         auth_scopes[row.block_hash].append({"auth_scope": row.auth_scope, "policy_version": row.policy_version})
     documents: dict[bytes, list[dict]] = collections.defaultdict(list)
     for row in await session.scalars(
-        select(BlockDocument)
-        .where(BlockDocument.block_hash.in_(hashes))
-        .order_by(BlockDocument.doc_id, BlockDocument.version)
+        select(BlockDocument).where(BlockDocument.block_hash.in_(hashes)).order_by(BlockDocument.doc_id, BlockDocument.version)
     ):
         documents[row.block_hash].append({"doc_id": row.doc_id, "version": row.version})
     placements: dict[bytes, list[dict]] = collections.defaultdict(list)
     placement_query = select(Placement).where(Placement.block_hash.in_(hashes))
     if not include_deleted:
         placement_query = placement_query.where(Placement.state == "live")
-    for row in await session.scalars(
-        placement_query.order_by(Placement.node_id, Placement.tier, Placement.snapshot_id)
-    ):
+    for row in await session.scalars(placement_query.order_by(Placement.node_id, Placement.tier, Placement.snapshot_id)):
         placements[row.block_hash].append(
             {
                 "node_id": row.node_id,
@@ -285,4 +277,3 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
         }
         for block in blocks
     ]
-

@@ -60,14 +60,10 @@ class ReceiptKeys:
             return self._signer
         if self._configured is not None:
             public = self._configured.public_key
-            await session.execute(
-                pg_insert(ReceiptKey).values(key_id=public.key_id, public_key=public.raw).on_conflict_do_nothing()
-            )
+            await session.execute(pg_insert(ReceiptKey).values(key_id=public.key_id, public_key=public.raw).on_conflict_do_nothing())
             # A configured key takes over from any key generated before it; retired keys stay listed.
             await session.execute(
-                update(ReceiptKey)
-                .where(ReceiptKey.key_id != public.key_id, ReceiptKey.retired_at.is_(None))
-                .values(retired_at=func.now())
+                update(ReceiptKey).where(ReceiptKey.key_id != public.key_id, ReceiptKey.retired_at.is_(None)).values(retired_at=func.now())
             )
             self._signer = self._configured
             return self._signer
@@ -88,9 +84,7 @@ class ReceiptKeys:
             return self._signer
         private_key = Ed25519PrivateKey.generate()
         signer = receipts.ReceiptSigner(private_key)
-        raw = private_key.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        )
+        raw = private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
         session.add(
             ReceiptKey(
                 key_id=signer.key_id,
@@ -120,9 +114,7 @@ async def leaf_hashes(session: AsyncSession, tree_size: int) -> list[bytes]:
     leaves = list(
         (
             await session.scalars(
-                select(AuditLogEntry.leaf_hash)
-                .where(AuditLogEntry.leaf_index < tree_size)
-                .order_by(AuditLogEntry.leaf_index)
+                select(AuditLogEntry.leaf_hash).where(AuditLogEntry.leaf_index < tree_size).order_by(AuditLogEntry.leaf_index)
             )
         ).all()
     )
@@ -152,14 +144,15 @@ async def append_receipt(
     leaves.append(receipts.audit_leaf_hash(signed))
     timestamp = now.replace(microsecond=now.microsecond // 1000 * 1000)  # the signed form has milliseconds
     sth = receipts.sign_tree_head(size + 1, merkle.root_hash(size + 1, leaves), timestamp, signer)
-    receipt = Receipt(
-        receipt_id=uuid.UUID(signed["receipt"]["receipt_id"]), erasure_id=erasure_id, document=signed, leaf_index=size
-    )
+    receipt = Receipt(receipt_id=uuid.UUID(signed["receipt"]["receipt_id"]), erasure_id=erasure_id, document=signed, leaf_index=size)
     session.add(receipt)
     await session.flush()
     session.add(AuditLogEntry(leaf_index=size, leaf_hash=leaves[-1], receipt_id=receipt.receipt_id))
     new_head = TreeHead(
-        tree_size=size + 1, root_hash=bytes.fromhex(sth["root_hash"]), timestamp=timestamp, key_id=signer.key_id,
+        tree_size=size + 1,
+        root_hash=bytes.fromhex(sth["root_hash"]),
+        timestamp=timestamp,
+        key_id=signer.key_id,
         signature=sth["signature"],
     )
     session.add(new_head)

@@ -160,9 +160,7 @@ async def _run_connected(
     database = Database(settings.database, pre_ping=False)
     producer = kafka.EventProducer(config)
     tally = DeadLetterTally()
-    relay = OutboxRelay(
-        database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s
-    )
+    relay = OutboxRelay(database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s)
     ingest = LedgerIngest(
         database,
         inventory_retry_s=settings.ledger.inventory_retry_s,

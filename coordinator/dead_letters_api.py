@@ -64,9 +64,7 @@ class _BrokerUnavailable(Exception):
 
 
 def _error(status_code: int, error_type: str, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}}, headers=headers
-    )
+    return JSONResponse(status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}}, headers=headers)
 
 
 def describe(record: ConsumerRecord, letter: DeadLetter) -> dict[str, Any]:
@@ -142,9 +140,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         except _BrokerUnavailable as error:
             return unavailable(error)
         log.info("dead letter %s replayed to %s[%d]@%d", dead_letter_id, letter.topic, metadata.partition, metadata.offset)
-        return JSONResponse(
-            {"id": dead_letter_id, "topic": letter.topic, "partition": metadata.partition, "offset": metadata.offset}
-        )
+        return JSONResponse({"id": dead_letter_id, "topic": letter.topic, "partition": metadata.partition, "offset": metadata.offset})
 
     return routes
 

@@ -119,9 +119,7 @@ async def start_erasure(
     _text("reason", reason, _MAX_REASON_CHARS)
     _text("idempotency_key", idempotency_key, _MAX_ID_CHARS)
     digest = subject_digest(subject_key, tenant_id, subject_id)
-    existing = await session.scalar(
-        select(Erasure).where(Erasure.tenant_id == tenant_id, Erasure.idempotency_key == idempotency_key)
-    )
+    existing = await session.scalar(select(Erasure).where(Erasure.tenant_id == tenant_id, Erasure.idempotency_key == idempotency_key))
     if existing is not None:
         if existing.subject_hash != bytes.fromhex(digest):
             raise IdempotencyConflict("this idempotency key already names an erasure of another subject")
@@ -215,9 +213,7 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
     assert commands and commands[0].command_id == erasure.command_id, f"erasure {erasure.id} without its command"
     order = {command.command_id: position for position, command in enumerate(commands)}
     targets = sorted(
-        (
-            await session.scalars(select(InvalidationTarget).where(InvalidationTarget.command_id.in_(order)))
-        ).all(),
+        (await session.scalars(select(InvalidationTarget).where(InvalidationTarget.command_id.in_(order)))).all(),
         key=lambda target: (order[target.command_id], target.node_id),
     )
     # The copies the erasure waits for, by the ledger's own order (docs/design.md §6, "Erasure"): every live copy of
@@ -240,16 +236,12 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
         )
     }
     newest_live = await session.scalar(select(func.max(Placement.updated_at)).where(waited_for)) if live else None
-    reported = sorted(
-        {key_id for target in targets for item in target.evidence or [] for key_id in item.get("key_ids", [])}
-    )
+    reported = sorted({key_id for target in targets for item in target.evidence or [] for key_id in item.get("key_ids", [])})
     contradicted = (
         list(
             (
                 await session.scalars(
-                    select(DataKey.key_id)
-                    .where(DataKey.key_id.in_(reported), DataKey.destroyed_at.is_(None))
-                    .order_by(DataKey.key_id)
+                    select(DataKey.key_id).where(DataKey.key_id.in_(reported), DataKey.destroyed_at.is_(None)).order_by(DataKey.key_id)
                 )
             ).all()
         )
@@ -321,9 +313,7 @@ class ErasureService:
         self._receipt_keys = receipt_keys
         self._reported_unavailable = False
 
-    async def start_from_event(
-        self, session: AsyncSession, envelope: Envelope, now: datetime
-    ) -> tuple[str, Decision | None]:
+    async def start_from_event(self, session: AsyncSession, envelope: Envelope, now: datetime) -> tuple[str, Decision | None]:
         """Start the erasure an ``ErasureRequested`` asks for, in the consumer's transaction: outcome and decision.
 
         The idempotency key is the event's ``erasure_id`` or, without one, its event id
@@ -469,9 +459,7 @@ class ErasureService:
             # Keys created before the cutoff by a resolve that committed after the start are destroyed too.
             key_ids = await destroy_keys(
                 session,
-                and_(
-                    subject_keys(erasure.tenant_id, erasure.subject_hash.hex()), DataKey.created_at < erasure.cutoff
-                ),
+                and_(subject_keys(erasure.tenant_id, erasure.subject_hash.hex()), DataKey.created_at < erasure.cutoff),
             )
             tiers, block_hashes, reported_key_ids = receipt_tiers(state.targets)
             signer = await self._receipt_keys.signer(session)

@@ -64,9 +64,7 @@ class ErasureRequest(BaseModel):
 
 
 def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}}
-    )
+    return JSONResponse(status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}})
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -94,9 +92,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         """Start an erasure (202); a retry with the same key answers with the same erasure."""
         require_tenant(requester, body.tenant_id)
         if subject_key is None:
-            return _error(
-                503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)"
-            )
+            return _error(503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)")
         if idempotency_key is not None and body.request_id is not None and idempotency_key != body.request_id:
             return _error(
                 400,
@@ -157,9 +153,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
             return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
         receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
         if receipt is None:
-            return _error(
-                404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet"
-            )
+            return _error(404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet")
         return await served_receipt(session, receipt, tree_size)
 
     @api.get("/v1/audit/proof/{receipt_id}")
@@ -181,9 +175,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     @api.get("/v1/receipts/keys")
     async def receipt_keys(session: Session) -> dict[str, Any]:
         rows = (await session.scalars(select(ReceiptKey).order_by(ReceiptKey.created_at, ReceiptKey.key_id))).all()
-        return receipts.public_key_document(
-            receipts.ReceiptPublicKey(row.public_key, receipts.rfc3339(row.created_at)) for row in rows
-        )
+        return receipts.public_key_document(receipts.ReceiptPublicKey(row.public_key, receipts.rfc3339(row.created_at)) for row in rows)
 
     return api
 
@@ -231,7 +223,9 @@ async def list_erasures(
         query = query.where(tuple_(Erasure.requested_at, Erasure.id) < position)
     erasures = (await session.scalars(query)).all()
     receipt_ids = dict(
-        (await session.execute(select(Receipt.erasure_id, Receipt.receipt_id).where(Receipt.erasure_id.in_([e.id for e in erasures])))).all()
+        (
+            await session.execute(select(Receipt.erasure_id, Receipt.receipt_id).where(Receipt.erasure_id.in_([e.id for e in erasures])))
+        ).all()
     )
     return {
         "erasures": [
@@ -272,9 +266,7 @@ async def served_receipt(session: AsyncSession, receipt: Receipt, tree_size: int
         )
     try:
         leaves = await leaf_hashes(session, head.tree_size)
-        return receipts.serve_receipt(
-            receipt.document, receipt.leaf_index, tree_head_document(at_issue), tree_head_document(head), leaves
-        )
+        return receipts.serve_receipt(receipt.document, receipt.leaf_index, tree_head_document(at_issue), tree_head_document(head), leaves)
     except (AuditLogCorrupted, ValueError) as error:
         log.error("receipt %s cannot be served: %s", receipt.receipt_id, error)
         return _error(500, "server_error", "audit_log_inconsistent", "the stored audit log does not hold this receipt")
@@ -313,9 +305,7 @@ def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -
         "verified_at": _iso(erasure.verified_at),
         "key_ids_destroyed": erasure.key_ids_destroyed,
         "receipt_id": None if receipt_id is None else str(receipt_id),
-        "commands": [
-            {"command_id": str(c.command_id), "trigger": c.trigger, "status": c.status} for c in state.commands
-        ],
+        "commands": [{"command_id": str(c.command_id), "trigger": c.trigger, "status": c.status} for c in state.commands],
         "live_copies": sum(state.live.values()),
         "reported_key_ids_not_destroyed": state.contradicted_key_ids,
         "nodes": nodes,

@@ -163,9 +163,7 @@ class _PendingPlacement:
 class _BatchApplier:
     """Applies one batch inside one open transaction; discarded afterwards."""
 
-    def __init__(
-        self, session: AsyncSession, inventory_retry_s: float, now: datetime, command_signer: EnvelopeSigner
-    ) -> None:
+    def __init__(self, session: AsyncSession, inventory_retry_s: float, now: datetime, command_signer: EnvelopeSigner) -> None:
         self.session = session
         self.sign = command_signer
         self.inventory_retry = timedelta(seconds=inventory_retry_s)
@@ -275,9 +273,7 @@ class _BatchApplier:
             case NodeStarted():
                 node.namespace = payload.namespace
                 node.started_at = occurred_at
-                await self.session.execute(
-                    pg_insert(Namespace).values(namespace=payload.namespace).on_conflict_do_nothing()
-                )
+                await self.session.execute(pg_insert(Namespace).values(namespace=payload.namespace).on_conflict_do_nothing())
             case BlockStored():
                 for block in payload.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
@@ -286,9 +282,7 @@ class _BatchApplier:
                     self._place(node, block_hash, block.tier, "live", payload.epoch, None)
             case BlockRemoved():
                 for block in payload.blocks:
-                    self._place(
-                        node, bytes.fromhex(block.block_hash), block.tier, "deleted", payload.epoch, payload.reason
-                    )
+                    self._place(node, bytes.fromhex(block.block_hash), block.tier, "deleted", payload.epoch, payload.reason)
             case BlockMoved():
                 for block in payload.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
@@ -428,20 +422,14 @@ class _BatchApplier:
         if payload.chunk != payload.chunks - 1:
             return
         chunks = (
-            await self.session.scalars(
-                select(InventoryChunk).where(*(getattr(InventoryChunk, k) == v for k, v in chunk_key.items()))
-            )
+            await self.session.scalars(select(InventoryChunk).where(*(getattr(InventoryChunk, k) == v for k, v in chunk_key.items())))
         ).all()
-        if sorted(c.chunk for c in chunks) != list(range(payload.chunks)) or any(
-            c.num_chunks != payload.chunks for c in chunks
-        ):
+        if sorted(c.chunk for c in chunks) != list(range(payload.chunks)) or any(c.num_chunks != payload.chunks for c in chunks):
             self._gap(node, "inventory_chunks")
             return
         everything: set[PlacementRef] = set()
         for chunk in chunks:
-            everything.update(
-                (bytes.fromhex(h), tier, snapshot_id) for h, tier, snapshot_id in chunk.placements["placements"]
-            )
+            everything.update((bytes.fromhex(h), tier, snapshot_id) for h, tier, snapshot_id in chunk.placements["placements"])
         await self._flush()
         await self._reconcile(node, everything, payload.epoch)
         await self.session.execute(InventoryChunk.__table__.delete().where(InventoryChunk.node_id == node.node_id))
@@ -492,9 +480,7 @@ class _BatchApplier:
         )
         return {(row.block_hash, row.tier, row.snapshot_id) for row in rows}
 
-    async def _mark_deleted(
-        self, node: Node, refs: Iterable[PlacementRef], epoch: int, reason: str, cause: str
-    ) -> None:
+    async def _mark_deleted(self, node: Node, refs: Iterable[PlacementRef], epoch: int, reason: str, cause: str) -> None:
         """Flip the node's live copies among ``refs`` to deleted (absent ones are already gone: no-op)."""
         refs = list(refs)
         if not refs:
@@ -533,9 +519,7 @@ class _BatchApplier:
         upserts: dict[str, dict[tuple[str, str | None], list[PlacementRef]]] = collections.defaultdict(
             lambda: collections.defaultdict(list)
         )
-        updates: dict[str, dict[str, list[PlacementRef]]] = collections.defaultdict(
-            lambda: collections.defaultdict(list)
-        )
+        updates: dict[str, dict[str, list[PlacementRef]]] = collections.defaultdict(lambda: collections.defaultdict(list))
         epochs: dict[str, int] = {}
         for (block_hash, node_id, tier), change in pending.items():
             # A new epoch is a barrier (_restart flushes first), so one node's pending changes share one epoch.
@@ -544,9 +528,7 @@ class _BatchApplier:
                 upserts[node_id][(change.state, change.reason)].append((block_hash, tier, None))
             else:
                 updates[node_id][change.reason or "removed"].append((block_hash, tier, None))
-        unknown = await self._unknown_blocks(
-            {ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs}
-        )
+        unknown = await self._unknown_blocks({ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs})
         for node_id, groups in upserts.items():
             node = self.nodes[node_id]
             for (state, reason), refs in groups.items():
@@ -563,18 +545,14 @@ class _BatchApplier:
         candidates = hashes - self.known_blocks
         if not candidates:
             return set()
-        found = set(
-            (await self.session.scalars(select(Block.block_hash).where(Block.block_hash.in_(candidates)))).all()
-        )
+        found = set((await self.session.scalars(select(Block.block_hash).where(Block.block_hash.in_(candidates)))).all())
         self.known_blocks |= found
         return candidates - found
 
     async def _write_blocks(self) -> None:
         pending, self.blocks = self.blocks, {}
         namespaces = sorted({block.namespace for block in pending.values()})
-        await self.session.execute(
-            pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces]
-        )
+        await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
         items = list(pending.items())
         await self.session.execute(
             _INSERT_BLOCKS,

@@ -124,9 +124,9 @@ _LOAD_POLICIES = text(
     " JOIN unnest(:tenants, :keys)"
     " AS k(tenant_id, auth_scope) ON p.tenant_id = k.tenant_id AND p.auth_scope = k.auth_scope"
 ).bindparams(bindparam("tenants", type_=_TEXTS), bindparam("keys", type_=_TEXTS))
-_COMPLETE = text(
-    "UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)"
-).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
+_COMPLETE = text("UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)").bindparams(
+    bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS)
+)
 _DECIDE = (
     text(
         # Every write of a batch of document/permission decisions in one statement (one round trip,
@@ -225,13 +225,15 @@ _DECIDE = (
     )
     .columns(row_kind=Text(), ref=Text(), outbox_id=BigInteger())
 )
-_LOCK_TARGETS = text(
-    "SELECT t.command_id, t.node_id, t.status FROM invalidation_targets t"
-    " JOIN unnest(:command_ids, :node_ids)"
-    " AS k(command_id, node_id) ON t.command_id = k.command_id AND t.node_id = k.node_id"
-    " WHERE t.command_id = ANY(:command_ids) ORDER BY t.command_id, t.node_id FOR UPDATE OF t"
-).bindparams(bindparam("command_ids", type_=_UUIDS), bindparam("node_ids", type_=_TEXTS)).columns(
-    command_id=Uuid(), node_id=Text(), status=Text()
+_LOCK_TARGETS = (
+    text(
+        "SELECT t.command_id, t.node_id, t.status FROM invalidation_targets t"
+        " JOIN unnest(:command_ids, :node_ids)"
+        " AS k(command_id, node_id) ON t.command_id = k.command_id AND t.node_id = k.node_id"
+        " WHERE t.command_id = ANY(:command_ids) ORDER BY t.command_id, t.node_id FOR UPDATE OF t"
+    )
+    .bindparams(bindparam("command_ids", type_=_UUIDS), bindparam("node_ids", type_=_TEXTS))
+    .columns(command_id=Uuid(), node_id=Text(), status=Text())
 )
 _UPDATE_TARGETS = text(
     "UPDATE invalidation_targets t"
@@ -269,25 +271,27 @@ _DELETE_COPIES = text(
     bindparam("hashes", type_=_BYTEAS),
     bindparam("command_ids", type_=_UUIDS),
 )
-_LOCK_INVALIDATIONS = text(
-    "SELECT command_id, status, kind, created_at FROM invalidations WHERE command_id = ANY(:command_ids)"
-    " ORDER BY command_id FOR UPDATE"
-).bindparams(bindparam("command_ids", type_=_UUIDS)).columns(
-    command_id=Uuid(), status=Text(), kind=Text(), created_at=DateTime(timezone=True)
+_LOCK_INVALIDATIONS = (
+    text(
+        "SELECT command_id, status, kind, created_at FROM invalidations WHERE command_id = ANY(:command_ids) ORDER BY command_id FOR UPDATE"
+    )
+    .bindparams(bindparam("command_ids", type_=_UUIDS))
+    .columns(command_id=Uuid(), status=Text(), kind=Text(), created_at=DateTime(timezone=True))
 )
-_TARGET_COUNTS = text(
-    "SELECT command_id, count(*) FILTER (WHERE status = 'pending') AS pending,"
-    " count(*) FILTER (WHERE status = 'failed') AS failed"
-    " FROM invalidation_targets WHERE command_id = ANY(:command_ids) GROUP BY command_id"
-).bindparams(bindparam("command_ids", type_=_UUIDS)).columns(
-    command_id=Uuid(), pending=BigInteger(), failed=BigInteger()
+_TARGET_COUNTS = (
+    text(
+        "SELECT command_id, count(*) FILTER (WHERE status = 'pending') AS pending,"
+        " count(*) FILTER (WHERE status = 'failed') AS failed"
+        " FROM invalidation_targets WHERE command_id = ANY(:command_ids) GROUP BY command_id"
+    )
+    .bindparams(bindparam("command_ids", type_=_UUIDS))
+    .columns(command_id=Uuid(), pending=BigInteger(), failed=BigInteger())
 )
 _FAIL = text("UPDATE invalidations SET status = 'failed' WHERE command_id = ANY(:command_ids)").bindparams(
     bindparam("command_ids", type_=_UUIDS)
 )
 _RETIRE_NAMESPACES = text(
-    "UPDATE namespaces SET status = 'retired', updated_at = :now"
-    " WHERE invalidation_id = ANY(:command_ids) AND status = 'draining'"
+    "UPDATE namespaces SET status = 'retired', updated_at = :now WHERE invalidation_id = ANY(:command_ids) AND status = 'draining'"
 ).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
 
 
@@ -402,18 +406,12 @@ async def decide(
     )
     targets = await session.execute(
         pg_insert(InvalidationTarget)
-        .from_select(
-            ["command_id", "node_id"], select(literal(command_id, InvalidationTarget.command_id.type), Node.node_id)
-        )
+        .from_select(["command_id", "node_id"], select(literal(command_id, InvalidationTarget.command_id.type), Node.node_id))
         .returning(InvalidationTarget.node_id)
     )
     num_targets = len(targets.all())
     if num_targets == 0:
-        await session.execute(
-            update(Invalidation)
-            .where(Invalidation.command_id == command_id)
-            .values(status="complete", completed_at=now)
-        )
+        await session.execute(update(Invalidation).where(Invalidation.command_id == command_id).values(status="complete", completed_at=now))
     await session.execute(
         update(Placement)
         .where(Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate)))
@@ -425,9 +423,7 @@ async def decide(
     return Decision(command_id, predicate.kind, trigger, num_targets)
 
 
-async def reissue_for_late_blocks(
-    session: AsyncSession, hashes: Iterable[bytes], now: datetime, signer: EnvelopeSigner
-) -> list[Decision]:
+async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes], now: datetime, signer: EnvelopeSigner) -> list[Decision]:
     """Re-send decided predicates that blocks stored in this batch still match (docs/design.md §6, late events).
 
     A block is late when its provenance was superseded by a decision already taken:
@@ -493,9 +489,7 @@ async def reissue_for_late_blocks(
         return []
     rows = (
         await session.execute(
-            select(Invalidation.command_id, Invalidation.predicate)
-            .where(Invalidation.command_id.in_(originals))
-            .order_by(Invalidation.seq)
+            select(Invalidation.command_id, Invalidation.predicate).where(Invalidation.command_id.in_(originals)).order_by(Invalidation.seq)
         )
     ).all()
     return [
@@ -536,10 +530,7 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
     found = {row.command_id for row in rows}
     missing = [command_id for command_id in ids if command_id not in found]
     assert not missing, f"target rows of {missing[0]} without an invalidation"
-    counts = {
-        row.command_id: (row.pending, row.failed)
-        for row in await session.execute(_TARGET_COUNTS, {"command_ids": ids})
-    }
+    counts = {row.command_id: (row.pending, row.failed) for row in await session.execute(_TARGET_COUNTS, {"command_ids": ids})}
     finished = Finished(subject_command_ids=[row.command_id for row in rows if row.kind == "subject"])
     complete: list[uuid.UUID] = []
     failed: list[uuid.UUID] = []
@@ -570,9 +561,7 @@ _DECISION_EVENTS = (DocumentUpdated, DocumentDeleted, PermissionRevoked, Erasure
 class ErasureHooks(Protocol):
     """What the handler needs of ``coordinator.erasure.ErasureService`` (a protocol: that module imports this one)."""
 
-    async def start_from_event(
-        self, session: AsyncSession, envelope: Envelope, now: datetime
-    ) -> tuple[str, Decision | None]:
+    async def start_from_event(self, session: AsyncSession, envelope: Envelope, now: datetime) -> tuple[str, Decision | None]:
         """Start the requested erasure in the batch's transaction (decision lock held): outcome and decision."""
 
     async def acks_applied(self, command_ids: Iterable[uuid.UUID]) -> None:
@@ -700,9 +689,7 @@ class InvalidationHandler:
 
     # -- decisions -----------------------------------------------------------------
 
-    async def _decide_many(
-        self, session: AsyncSession, envelopes: list[Envelope], now: datetime, result: _BatchResult
-    ) -> None:
+    async def _decide_many(self, session: AsyncSession, envelopes: list[Envelope], now: datetime, result: _BatchResult) -> None:
         """Decide document/permission events in order: one read of the current versions, one statement for every write.
 
         The same rows as deciding each event in turn (:func:`decide`, then the upsert of the
@@ -712,27 +699,15 @@ class InvalidationHandler:
         """
         if not envelopes:
             return
-        doc_keys = sorted(
-            {
-                (e.tenant_id, e.payload.doc_id)
-                for e in envelopes
-                if isinstance(e.payload, (DocumentUpdated, DocumentDeleted))
-            }
-        )
-        policy_keys = sorted(
-            {(e.tenant_id, e.payload.auth_scope) for e in envelopes if isinstance(e.payload, PermissionRevoked)}
-        )
+        doc_keys = sorted({(e.tenant_id, e.payload.doc_id) for e in envelopes if isinstance(e.payload, (DocumentUpdated, DocumentDeleted))})
+        policy_keys = sorted({(e.tenant_id, e.payload.auth_scope) for e in envelopes if isinstance(e.payload, PermissionRevoked)})
         documents: dict[tuple[str, str], tuple[int, bool]] = {}
         policies: dict[tuple[str, str], int] = {}
         if doc_keys:
-            rows = await session.execute(
-                _LOAD_DOCUMENTS, {"tenants": [k[0] for k in doc_keys], "keys": [k[1] for k in doc_keys]}
-            )
+            rows = await session.execute(_LOAD_DOCUMENTS, {"tenants": [k[0] for k in doc_keys], "keys": [k[1] for k in doc_keys]})
             documents = {(row.tenant_id, row.doc_id): (row.version, row.deleted) for row in rows}
         if policy_keys:
-            rows = await session.execute(
-                _LOAD_POLICIES, {"tenants": [k[0] for k in policy_keys], "keys": [k[1] for k in policy_keys]}
-            )
+            rows = await session.execute(_LOAD_POLICIES, {"tenants": [k[0] for k in policy_keys], "keys": [k[1] for k in policy_keys]})
             policies = {(row.tenant_id, row.auth_scope): row.policy_version for row in rows}
         decided: list[tuple[Envelope, Predicate, uuid.UUID]] = []
         document_ids: dict[tuple[str, str], uuid.UUID] = {}
@@ -773,9 +748,7 @@ class InvalidationHandler:
                     if current_version is not None and payload.policy_version <= current_version:
                         result.outcomes[(envelope.type, SUPERSEDED)] += 1
                         continue
-                    predicate = PolicyPredicate(
-                        tenant=tenant, auth_scope=payload.auth_scope, below_version=payload.policy_version
-                    )
+                    predicate = PolicyPredicate(tenant=tenant, auth_scope=payload.auth_scope, below_version=payload.policy_version)
                     policies[key] = payload.policy_version
                     policy_ids[key] = command_id
                 case _:
@@ -787,23 +760,27 @@ class InvalidationHandler:
         marks: dict[str, list] = {
             name: []
             for name in (
-                "d_command_ids", "d_tenants", "d_doc_ids", "d_below", "d_ord",
-                "p_command_ids", "p_tenants", "p_scopes", "p_below", "p_ord",
+                "d_command_ids",
+                "d_tenants",
+                "d_doc_ids",
+                "d_below",
+                "d_ord",
+                "p_command_ids",
+                "p_tenants",
+                "p_scopes",
+                "p_below",
+                "p_ord",
             )
         }
         for ordinal, (_, predicate, command_id) in enumerate(decided):
             prefix = "d_" if isinstance(predicate, DocumentPredicate) else "p_"
             marks[prefix + "command_ids"].append(command_id)
             marks[prefix + "tenants"].append(predicate.tenant)
-            marks[prefix + "doc_ids" if prefix == "d_" else "p_scopes"].append(
-                predicate.doc_id if prefix == "d_" else predicate.auth_scope
-            )
+            marks[prefix + "doc_ids" if prefix == "d_" else "p_scopes"].append(predicate.doc_id if prefix == "d_" else predicate.auth_scope)
             marks[prefix + "below"].append(predicate.below_version)
             marks[prefix + "ord"].append(ordinal)
         commands = [
-            self._sign(
-                make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant)
-            )
+            self._sign(make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant))
             for _, predicate, command_id in decided
         ]
         outbox = [outbox_row(command) for command in commands]
@@ -842,15 +819,11 @@ class InvalidationHandler:
                 outbox_ids[row.ref] = row.outbox_id
         if self._publish_leased is not None:
             result.leased.extend((outbox_ids[str(command.event_id)], command) for command in commands)
-        result.decisions.extend(
-            Decision(command_id, predicate.kind, "event", targets[command_id]) for _, predicate, command_id in decided
-        )
+        result.decisions.extend(Decision(command_id, predicate.kind, "event", targets[command_id]) for _, predicate, command_id in decided)
 
     # -- acks ----------------------------------------------------------------------
 
-    async def _apply_acks(
-        self, session: AsyncSession, acks: list[Envelope], now: datetime, result: _BatchResult
-    ) -> set[uuid.UUID]:
+    async def _apply_acks(self, session: AsyncSession, acks: list[Envelope], now: datetime, result: _BatchResult) -> set[uuid.UUID]:
         """Record each ack on its target row and delete the copies it verified; returns commands touched.
 
         In ack order, with one statement per step for the whole batch: the targets are
@@ -861,16 +834,9 @@ class InvalidationHandler:
         """
         node_ids = sorted({ack.payload.node_id for ack in acks})
         # Same lock as a kv-events batch of these nodes, so acks and block events of one node serialize.
-        await session.execute(
-            select(Node.node_id)
-            .where(Node.node_id.in_(node_ids))
-            .order_by(Node.node_id)
-            .with_for_update(key_share=True)
-        )
+        await session.execute(select(Node.node_id).where(Node.node_id.in_(node_ids)).order_by(Node.node_id).with_for_update(key_share=True))
         keys = sorted({(ack.payload.command_id, ack.payload.node_id) for ack in acks})
-        rows = await session.execute(
-            _LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]}
-        )
+        rows = await session.execute(_LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]})
         status = {(row.command_id, row.node_id): row.status for row in rows}
         updates: dict[tuple[uuid.UUID, str], tuple[str, int, str, str | None]] = {}
         copies: dict[str, list] = collections.defaultdict(list)
@@ -940,4 +906,3 @@ def deleted_by(command_id: uuid.UUID) -> Select:
         .where(Placement.invalidation_id == command_id, Placement.state == "deleted")
         .group_by(Placement.node_id, Placement.tier)
     )
-

@@ -43,9 +43,7 @@ MAX_PAGE_SIZE = 1000
 
 
 def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}}
-    )
+    return JSONResponse(status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}})
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -86,9 +84,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         before: Annotated[int | None, Query(ge=1)] = None,
     ) -> dict[str, Any]:
         """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
-        return await list_invalidations(
-            session, reader, tenant=tenant, doc_id=doc_id, status=status, kind=kind, limit=limit, before=before
-        )
+        return await list_invalidations(session, reader, tenant=tenant, doc_id=doc_id, status=status, kind=kind, limit=limit, before=before)
 
     @api.get("/v1/namespaces")
     async def list_namespaces(_: PlatformAdmin, session: Session) -> dict[str, Any]:
@@ -112,8 +108,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
                 select(Node.node_id)
                 .where(
                     Node.namespace == namespace,
-                    func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at))
-                    < heartbeat_timeout_s,
+                    func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s,
                 )
                 .order_by(Node.node_id)
             )
@@ -188,8 +183,7 @@ async def list_invalidations(
     rows = (await session.execute(query)).all()
     return {
         "invalidations": [
-            {**_summary(row.Invalidation), "num_targets": row.num_targets or 0, "num_acked": row.num_acked or 0}
-            for row in rows
+            {**_summary(row.Invalidation), "num_targets": row.num_targets or 0, "num_acked": row.num_acked or 0} for row in rows
         ],
         "next_cursor": rows[-1].Invalidation.seq if len(rows) == limit else None,
     }
@@ -241,18 +235,11 @@ async def describe_invalidation(session: AsyncSession, invalidation: Invalidatio
     ``end_to_end_ms`` from ``requested_at`` (the user's event), which is on the publisher's clock.
     """
     predicate = parse_predicate(invalidation.predicate)
-    live = {
-        (node_id, tier): count
-        for node_id, tier, count in await session.execute(live_copies_matching(predicate))
-    }
-    deleted = {
-        (node_id, tier): count for node_id, tier, count in await session.execute(deleted_by(invalidation.command_id))
-    }
+    live = {(node_id, tier): count for node_id, tier, count in await session.execute(live_copies_matching(predicate))}
+    deleted = {(node_id, tier): count for node_id, tier, count in await session.execute(deleted_by(invalidation.command_id))}
     targets = (
         await session.scalars(
-            select(InvalidationTarget)
-            .where(InvalidationTarget.command_id == invalidation.command_id)
-            .order_by(InvalidationTarget.node_id)
+            select(InvalidationTarget).where(InvalidationTarget.command_id == invalidation.command_id).order_by(InvalidationTarget.node_id)
         )
     ).all()
     described = []

@@ -190,11 +190,7 @@ class KeyService:
         """The key under ``key_id`` (``key`` None once destroyed); None when no such key was ever issued."""
         _check_key_id(key_id)
         async with self._database.session() as session:
-            row = (
-                await session.execute(
-                    select(DataKey.wrapped_key, DataKey.destroyed_at).where(DataKey.key_id == key_id)
-                )
-            ).first()
+            row = (await session.execute(select(DataKey.wrapped_key, DataKey.destroyed_at).where(DataKey.key_id == key_id))).first()
         if row is None:
             return None
         if row.destroyed_at is not None:
@@ -236,9 +232,7 @@ def unwrap_secret(master: AESGCM, label: bytes, wrapped: bytes, what: str) -> by
     try:
         return master.decrypt(wrapped[:NONCE_BYTES], wrapped[NONCE_BYTES:], label)
     except InvalidTag:
-        raise MasterKeyError(
-            f"{what} does not unwrap: KVLEDGER_MASTER_KEY differs from the key that wrapped it"
-        ) from None
+        raise MasterKeyError(f"{what} does not unwrap: KVLEDGER_MASTER_KEY differs from the key that wrapped it") from None
 
 
 def subject_keys(tenant_id: str, subject_hash: str) -> ColumnElement[bool]:

@@ -70,11 +70,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     """The key endpoints for an app whose ``state.database`` is set (``coordinator.api``)."""
     master_key = settings.keys.master_key_bytes()
     subject_key = settings.ledger.subject_key
-    missing = [
-        name
-        for name, value in (("KVLEDGER_MASTER_KEY", master_key), ("KVLEDGER_SUBJECT_KEY", subject_key))
-        if value is None
-    ]
+    missing = [name for name, value in (("KVLEDGER_MASTER_KEY", master_key), ("KVLEDGER_SUBJECT_KEY", subject_key)) if value is None]
 
     async def key_service(request: Request) -> KeyService | None:
         """Authenticate the caller as an enrolled node, then the service; None when this coordinator holds no keys."""

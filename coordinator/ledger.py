@@ -61,4 +61,3 @@ async def lock_ledger_writes(session: AsyncSession) -> None:
     Taken after the writer's node rows are locked (lock order in the module docstring).
     """
     await session.execute(_LOCK_LEDGER_WRITES, {"key": _DECISION_LOCK_KEY})
-

@@ -146,15 +146,9 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
     """Set the cluster-wide gauges from the ledger (called by every ``/metrics`` scrape)."""
     for topic, count in await session.execute(select(DeadLetterCount.topic, DeadLetterCount.num_records)):
         DEAD_LETTER_RECORDS.labels(topic=topic).set(count)
-    OUTBOX_PENDING.set(
-        await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None)))
-    )
-    alive = (
-        func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s
-    )
-    num_alive, num_total = (
-        await session.execute(select(func.count().filter(alive), func.count()).select_from(Node))
-    ).one()
+    OUTBOX_PENDING.set(await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None))))
+    alive = func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s
+    num_alive, num_total = (await session.execute(select(func.count().filter(alive), func.count()).select_from(Node))).one()
     NODES.labels(liveness="alive").set(num_alive)
     NODES.labels(liveness="stale").set(num_total - num_alive)
 
@@ -162,9 +156,7 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
     counts = dict(
         (
             await session.execute(
-                select(Invalidation.status, func.count())
-                .where(Invalidation.status.in_(open_statuses))
-                .group_by(Invalidation.status)
+                select(Invalidation.status, func.count()).where(Invalidation.status.in_(open_statuses)).group_by(Invalidation.status)
             )
         ).all()
     )

@@ -341,9 +341,7 @@ class InvalidationTarget(Base):
         Index("ix_invalidation_targets_pending", "command_id", postgresql_where=text("status = 'pending'")),
     )
 
-    command_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("invalidations.command_id", ondelete="CASCADE"), primary_key=True
-    )
+    command_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("invalidations.command_id", ondelete="CASCADE"), primary_key=True)
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
     status: Mapped[str] = mapped_column(server_default="pending")
     epoch: Mapped[int | None] = mapped_column(BigInteger)

@@ -109,9 +109,7 @@ class NodeKeyRegistry:
                 missing.add(kid)
         if missing:
             async with self.database.session() as session:
-                rows = await session.execute(
-                    select(NodeKey).where(NodeKey.key_id.in_(missing), NodeKey.revoked_at.is_(None))
-                )
+                rows = await session.execute(select(NodeKey).where(NodeKey.key_id.in_(missing), NodeKey.revoked_at.is_(None)))
                 for row in rows.scalars():
                     found[row.key_id] = EnrolledKey(row.key_id, row.node_id, public_key_from_raw(row.public_key))
             for kid in missing:
@@ -179,9 +177,7 @@ class VerifiedRecords:
         self._dead_lettered: dict[tuple[str, int], int] = {}
 
     async def __call__(self, events: list[ConsumedEvent]) -> None:
-        enrolled = await self._registry.lookup(
-            event.envelope.signature.kid for event in events if event.envelope.signature is not None
-        )
+        enrolled = await self._registry.lookup(event.envelope.signature.kid for event in events if event.envelope.signature is not None)
         trusted = []
         for event in events:
             problem = record_problem(event.envelope, enrolled)
@@ -209,8 +205,6 @@ class VerifiedRecords:
             serialized_value_size=-1,
             headers=(),
         )
-        await send_to_dead_letter(
-            self._dead_letters, record, SIGNATURE_ERROR + reason, self._group_id, self._counter
-        )
+        await send_to_dead_letter(self._dead_letters, record, SIGNATURE_ERROR + reason, self._group_id, self._counter)
         UNVERIFIED_RECORDS_TOTAL.labels(topic=event.topic, reason=reason).inc()
         self._dead_lettered[partition] = event.offset

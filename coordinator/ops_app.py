@@ -61,7 +61,5 @@ def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) 
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(DatabaseUnavailableMiddleware, retry_after_s=settings.http.retry_after_s)
-    app.add_middleware(
-        RequestIdMiddleware, access_logger="coordinator.access", error_body=_INTERNAL_ERROR, observe=metrics.observe_http
-    )
+    app.add_middleware(RequestIdMiddleware, access_logger="coordinator.access", error_body=_INTERNAL_ERROR, observe=metrics.observe_http)
     return app

@@ -49,9 +49,7 @@ class Pruned:
 class Pruner:
     """Deletes expired inbox and sent outbox rows, every ``interval_s``; see the module docstring."""
 
-    def __init__(
-        self, database: Database, *, inbox_after_s: float, outbox_after_s: float, batch_size: int, interval_s: float
-    ) -> None:
+    def __init__(self, database: Database, *, inbox_after_s: float, outbox_after_s: float, batch_size: int, interval_s: float) -> None:
         if inbox_after_s <= 0 or outbox_after_s <= 0 or batch_size < 1 or interval_s <= 0:
             raise ValueError("horizons and interval must be positive, batch_size at least 1")
         self._database = database

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import rfc8785
@@ -127,7 +128,7 @@ def rfc3339(moment: datetime) -> str:
     """``YYYY-MM-DDTHH:MM:SS.mmmZ`` in UTC. Naive datetimes are refused: their zone is a guess."""
     if not isinstance(moment, datetime) or moment.tzinfo is None or moment.utcoffset() is None:
         raise ValueError(f"expected a timezone-aware datetime, got {moment!r}")
-    return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def key_id_for(raw_public_key: bytes) -> str:
@@ -211,7 +212,7 @@ class ReceiptSigner:
             raise ValueError("receipt keys are Ed25519")
         self._private_key = private_key
         raw = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-        self.public_key = ReceiptPublicKey(raw, rfc3339(created_at or datetime.now(timezone.utc)))
+        self.public_key = ReceiptPublicKey(raw, rfc3339(created_at or datetime.now(UTC)))
 
     @classmethod
     def from_pem(cls, pem: SecretStr | str | bytes, created_at: datetime | None = None) -> ReceiptSigner:
@@ -338,7 +339,7 @@ def build_receipt(
         raise ValueError("verified_at is before requested_at")
     entries = [_tier_entry(entry) for entry in tiers]
     entries.sort(key=lambda e: (e["node_id"], TIERS.index(e["tier"])))
-    for previous, current in zip(entries, entries[1:]):
+    for previous, current in itertools.pairwise(entries):
         if (previous["node_id"], previous["tier"]) == (current["node_id"], current["tier"]):
             raise ValueError(f"two entries for node {current['node_id']!r} tier {current['tier']!r}")
     destroyed = sorted({_identifier("key id", key_id) for key_id in key_ids_destroyed})

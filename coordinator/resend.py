@@ -56,9 +56,7 @@ _CLAIM_DUE = (
         " FROM due WHERE t.command_id = due.command_id AND t.node_id = due.node_id"
         " RETURNING t.command_id, t.node_id, t.resend_count"
     )
-    .bindparams(
-        bindparam("after_s", type_=Double()), bindparam("max_s", type_=Double()), bindparam("limit", type_=BigInteger())
-    )
+    .bindparams(bindparam("after_s", type_=Double()), bindparam("max_s", type_=Double()), bindparam("limit", type_=BigInteger()))
     .columns(command_id=Uuid(), node_id=Text(), resend_count=Integer())
 )
 """Claims the due pending targets and moves each one's next re-send out (doubling, capped) in one statement."""
@@ -90,17 +88,13 @@ class CommandResender:
         """One pass: queue a re-send of every command with a due target; returns the number of commands queued."""
         async with self._database.session() as session, session.begin():
             claimed = (
-                await session.execute(
-                    _CLAIM_DUE, {"after_s": self._after_s, "max_s": self._max_s, "limit": MAX_TARGETS_PER_PASS}
-                )
+                await session.execute(_CLAIM_DUE, {"after_s": self._after_s, "max_s": self._max_s, "limit": MAX_TARGETS_PER_PASS})
             ).all()
             if not claimed:
                 return 0
             command_ids = sorted({row.command_id for row in claimed})
             invalidations = (
-                await session.scalars(
-                    select(Invalidation).where(Invalidation.command_id.in_(command_ids)).order_by(Invalidation.seq)
-                )
+                await session.scalars(select(Invalidation).where(Invalidation.command_id.in_(command_ids)).order_by(Invalidation.seq))
             ).all()
             assert len(invalidations) == len(command_ids), "a claimed target without its invalidation"
             commands = []

@@ -58,9 +58,7 @@ async def serve(settings: CoordinatorSettings, app: FastAPI, consumers: bool, re
     tasks: list[asyncio.Task] = []
     if consumers:
         tasks.append(asyncio.create_task(run_consumers(settings, stop, readiness=readiness), name="consumers"))
-    config = uvicorn.Config(
-        app, host=settings.http.host, port=settings.http.port, access_log=False, log_config=uvicorn_log_config()
-    )
+    config = uvicorn.Config(app, host=settings.http.host, port=settings.http.port, access_log=False, log_config=uvicorn_log_config())
     server = _Server(config)
     tasks.append(asyncio.create_task(server.serve(), name="http"))
     tasks.append(asyncio.create_task(_exit_on(stop, server), name="http stopper"))

@@ -56,7 +56,11 @@ def router() -> APIRouter:
                 content={"error": {"message": "until must not precede since", "type": "invalid_request_error", "code": "bad_window"}},
             )
         query = (
-            select(UsageReport.tenant_id, func.count().label("num_reports"), *(func.sum(getattr(UsageReport, name)).label(name) for name in COUNTS))
+            select(
+                UsageReport.tenant_id,
+                func.count().label("num_reports"),
+                *(func.sum(getattr(UsageReport, name)).label(name) for name in COUNTS),
+            )
             .where(UsageReport.window_end >= since, UsageReport.window_end < until)
             .group_by(UsageReport.tenant_id)
             .order_by(UsageReport.tenant_id)

@@ -298,9 +298,7 @@ class EventProducer:
     right before it is encoded: a node's producers sign everything they publish.
     """
 
-    def __init__(
-        self, settings: KafkaSettings, *, linger_ms: int = 0, sign: Callable[[Envelope], Envelope] | None = None
-    ) -> None:
+    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0, sign: Callable[[Envelope], Envelope] | None = None) -> None:
         self._settings = settings
         self._sign = sign
         self._producer = AIOKafkaProducer(
@@ -689,9 +687,7 @@ class BatchConsumer:
             self._pending[tp] = records[-1].offset + 1
         await self._commit_pending(None)
 
-    async def _handle_isolating(
-        self, events: list[ConsumedEvent], batch: dict[TopicPartition, list[ConsumerRecord]]
-    ) -> None:
+    async def _handle_isolating(self, events: list[ConsumedEvent], batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Hand ``events`` to the handler; bisect a failure caused by the data down to its one record.
 
         Halves run in order (the first half completes before the second starts), so per

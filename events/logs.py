@@ -108,9 +108,7 @@ def uvicorn_log_config() -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "loggers": {
-            name: {"level": "INFO", "handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
-        },
+        "loggers": {name: {"level": "INFO", "handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
     }
 
 

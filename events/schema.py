@@ -32,7 +32,7 @@ import hmac
 import re
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -101,15 +101,11 @@ def _check_text(value: str) -> str:
     return value
 
 
-Name = Annotated[
-    str, Strict(), StringConstraints(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(check_identifier)
-]
+Name = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(check_identifier)]
 """A non-empty identifier (tenant, document, auth scope, node, snapshot id, namespace ...):
 at most :data:`MAX_ID_CHARS` characters (code points), valid UTF-8, no control characters, not only whitespace."""
 
-ReasonText = Annotated[
-    str, Strict(), StringConstraints(min_length=1, max_length=MAX_REASON_CHARS), AfterValidator(_check_text)
-]
+ReasonText = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=MAX_REASON_CHARS), AfterValidator(_check_text)]
 """Free text (a reason): bounded, valid UTF-8, no control characters but tab and newline."""
 
 HexDigest = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{2}){16,64}$")]
@@ -483,7 +479,7 @@ class TenantPredicate(_Model):
 
 
 Predicate = Annotated[
-    Union[DocumentPredicate, PolicyPredicate, SubjectPredicate, NamespacePredicate, TenantPredicate],
+    DocumentPredicate | PolicyPredicate | SubjectPredicate | NamespacePredicate | TenantPredicate,
     Field(discriminator="kind"),
 ]
 

@@ -247,8 +247,7 @@ async def _read_body(request: Request, limits: RequestLimits) -> ChatCompletionR
     if len(body.messages) > limits.max_messages:
         raise ApiError(
             400,
-            f"the request has {len(body.messages)} messages; at most {limits.max_messages} are allowed "
-            "(limits.max_messages)",
+            f"the request has {len(body.messages)} messages; at most {limits.max_messages} are allowed (limits.max_messages)",
             code="too_many_messages",
             param="messages",
         )
@@ -280,8 +279,7 @@ def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: Ve
             if not principal.holds(message.document.auth_scope):
                 raise ApiError(
                     403,
-                    f"the token does not grant auth scope {message.document.auth_scope!r} "
-                    f"required by document {message.document.id!r}",
+                    f"the token does not grant auth scope {message.document.auth_scope!r} required by document {message.document.id!r}",
                     type="permission_error",
                     code="document_scope_forbidden",
                     param=f"messages[{index}].document.auth_scope",
@@ -339,8 +337,7 @@ def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: Requ
         if value is not None and value > bound:
             raise ApiError(
                 400,
-                f"{name} is {value}; at most {bound} is allowed (the model's context "
-                f"and limits.max_completion_tokens)",
+                f"{name} is {value}; at most {bound} is allowed (the model's context and limits.max_completion_tokens)",
                 code="invalid_max_tokens",
                 param=name,
             )
@@ -475,9 +472,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
 
     def require_model(name: str) -> None:
         if name != engine.model_name:
-            raise ApiError(
-                404, f"the model {name!r} does not exist on this node", code="model_not_found", param="model"
-            )
+            raise ApiError(404, f"the model {name!r} does not exist on this node", code="model_not_found", param="model")
 
     def model_card() -> dict:
         return {"id": engine.model_name, "object": "model", "created": started_at, "owned_by": "kvledger"}

@@ -369,11 +369,7 @@ class BlockPool:
         """Every READY, unexpired entry (all tiers), for snapshots and inventories. Updates nothing."""
         with self._lock:
             now = self._clock()
-            return [
-                entry
-                for entry in self._entries.values()
-                if entry.state is BlockState.READY and not self._is_expired(entry, now)
-            ]
+            return [entry for entry in self._entries.values() if entry.state is BlockState.READY and not self._is_expired(entry, now)]
 
     # --- references --------------------------------------------------------------------
 
@@ -864,9 +860,7 @@ class BlockPool:
             cleared = self._clear_bytes(list(dropping))
             return [self._report_removal(matches, reason, cleared) for matches in matches_per_request]
 
-    def _report_removal(
-        self, matches: list[CacheEntry], reason: RemovalReason, cleared: dict[CacheEntry, bool]
-    ) -> RemovalReport:
+    def _report_removal(self, matches: list[CacheEntry], reason: RemovalReason, cleared: dict[CacheEntry, bool]) -> RemovalReport:
         """Drop the unreferenced ``matches`` whose bytes :meth:`_clear_bytes` deleted; report all of them."""
         num_removed = dict.fromkeys(Tier, 0)
         removed: list[bytes] = []

@@ -181,7 +181,9 @@ def parse_record_body(block_hash: bytes, flags: int, body: bytes | memoryview) -
         meta = json.loads(meta_bytes)
         key = _key_from_dict(meta["key"])
         expires_at_wall = meta["expires_at_wall"]
-        record = BlockRecord(key, str(meta["kv_format"]), None if expires_at_wall is None else float(expires_at_wall), bytes(body[4 + meta_len :]))
+        record = BlockRecord(
+            key, str(meta["kv_format"]), None if expires_at_wall is None else float(expires_at_wall), bytes(body[4 + meta_len :])
+        )
     except (struct.error, ValueError, KeyError, TypeError):
         raise BlockRestoreError(block_hash, "bad_metadata") from None
     if key.block_hash != block_hash:

@@ -105,9 +105,7 @@ applied: a request claims its blocks at most the singleflight wait after it comp
 # --------------------------------------------------------------------------- predicates
 
 
-def block_predicate(
-    predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes
-) -> Callable[[BlockProvenance], bool]:
+def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes) -> Callable[[BlockProvenance], bool]:
     """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` (and was keyed before ``keyed_before``).
 
     The handler removes with ``keyed_before=None``: every matching block that
@@ -255,9 +253,7 @@ class CryptoErasure:
     verified: bool
 
 
-def crypto_erase_subject(
-    key_provider: DataKeyProvider, predicate: schema.SubjectPredicate, sealed_key_ids: set[str]
-) -> CryptoErasure:
+def crypto_erase_subject(key_provider: DataKeyProvider, predicate: schema.SubjectPredicate, sealed_key_ids: set[str]) -> CryptoErasure:
     """Destroy the subject's keys in ``key_provider`` and check each is gone (blocking: a local store fsyncs).
 
     The keys are the ones the provider can attribute to the subject's digest
@@ -847,9 +843,7 @@ class CommandConsumer:
             self._handled_upto[tp] = min(handled_upto, self._committed[tp])
             self._consumer.seek(tp, self._handled_upto[tp])
 
-    async def _flush_after(
-        self, previous: asyncio.Task | None, sending: list[asyncio.Task], handled: dict[TopicPartition, int]
-    ) -> None:
+    async def _flush_after(self, previous: asyncio.Task | None, sending: list[asyncio.Task], handled: dict[TopicPartition, int]) -> None:
         """:meth:`_flush` once ``previous`` (the flush of the batch before) succeeded; its failure fails this one too."""
         if previous is not None:
             try:

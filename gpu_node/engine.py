@@ -290,7 +290,9 @@ class AsyncEngine:
         if plan.claimed:
             self.metrics.builds.inc()
         seq = Sequence(f"{next(_SEQ_IDS)}", list(token_ids), len(token_ids), needs_prefix=True)
-        handle = _Request(seq, plan, sampling_state, max_new_tokens, IncrementalDetokenizer(self.runner.tokenizer, request.sampling.stop), arrived)
+        handle = _Request(
+            seq, plan, sampling_state, max_new_tokens, IncrementalDetokenizer(self.runner.tokenizer, request.sampling.stop), arrived
+        )
         self._submit("add", handle)
         try:
             # Inside the try: the engine owns the plan now, so a failure here still aborts and releases it.
@@ -363,7 +365,6 @@ class AsyncEngine:
             self._finish(handle, error, deliveries)
         woken, self.paged_kv.woken = self.paged_kv.woken, []
         return list(deliveries.items()), woken
-
 
     def _step(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
         deliveries: dict[_Request, list] = {}

@@ -105,14 +105,18 @@ class LayoutSampler:
             role = _role(messages, index)
             if index < MAX_SEGMENTS:
                 described.append(
-                    SegmentLayout(index, role, segment.scope.label, segment.start, segment.end - segment.start,
-                                  self._hash(segment, principal, token_ids[segment.start : segment.end]))
+                    SegmentLayout(
+                        index,
+                        role,
+                        segment.scope.label,
+                        segment.start,
+                        segment.end - segment.start,
+                        self._hash(segment, principal, token_ids[segment.start : segment.end]),
+                    )
                 )
             if first_miss is not None and divergence is None and segment.start <= first_miss < segment.end:
                 divergence = Divergence(index, first_miss, role, segment.scope.label)
-        self._samples.append(
-            LayoutSample(len(token_ids), num_hit_blocks * self.block_size, len(segments), tuple(described), divergence)
-        )
+        self._samples.append(LayoutSample(len(token_ids), num_hit_blocks * self.block_size, len(segments), tuple(described), divergence))
         self.num_observed += 1
 
     def _hash(self, segment: Segment, principal: Principal, token_ids: Sequence[int]) -> str:

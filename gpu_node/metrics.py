@@ -55,28 +55,44 @@ class NodeMetrics:
         self.expirations = Counter("kvledger_expirations", "Blocks deleted by TTL", registry=r)
         self.builds = Counter("kvledger_prefix_builds", "Requests that built (led) at least one missing block", registry=r)
         self.blocks_built = Counter("kvledger_blocks_built", "Blocks computed and committed READY", registry=r)
-        self.build_wait = Histogram("kvledger_build_wait_seconds", "Time waiting for another request's build", registry=r, buckets=_LATENCY_BUCKETS_S)
+        self.build_wait = Histogram(
+            "kvledger_build_wait_seconds", "Time waiting for another request's build", registry=r, buckets=_LATENCY_BUCKETS_S
+        )
         self.singleflight_waiters = Gauge("kvledger_singleflight_waiters", "Requests currently waiting on a build", registry=r)
-        self.restore_latency = Histogram("kvledger_restore_seconds", "Promoting host and disk hits into device blocks", registry=r, buckets=_LATENCY_BUCKETS_S)
-        self.prefill_latency = Histogram("kvledger_prefill_seconds", "Prefill of the uncached suffix", registry=r, buckets=_LATENCY_BUCKETS_S)
+        self.restore_latency = Histogram(
+            "kvledger_restore_seconds", "Promoting host and disk hits into device blocks", registry=r, buckets=_LATENCY_BUCKETS_S
+        )
+        self.prefill_latency = Histogram(
+            "kvledger_prefill_seconds", "Prefill of the uncached suffix", registry=r, buckets=_LATENCY_BUCKETS_S
+        )
         self.ttft = Histogram("kvledger_ttft_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS_S)
         self.generated_tokens = Counter("kvledger_generated_tokens", "Completion tokens generated", registry=r)
         self.decode_tokens_per_s = Gauge("kvledger_decode_tokens_per_second", "Decode throughput of the last finished request", registry=r)
         # Continuous batching, named and shaped like vLLM's (gpu_node.scheduler, gpu_node.paged_kv).
         self.requests_running = Gauge("kvledger_num_requests_running", "Requests in the running batch", registry=r)
         self.requests_waiting = Gauge("kvledger_num_requests_waiting", "Requests waiting to join the running batch", registry=r)
-        self.kv_blocks_used = Gauge("kvledger_kv_device_blocks_used", "Device-tier blocks in use (cached entries and running requests' own)", registry=r)
+        self.kv_blocks_used = Gauge(
+            "kvledger_kv_device_blocks_used", "Device-tier blocks in use (cached entries and running requests' own)", registry=r
+        )
         self.kv_blocks_total = Gauge("kvledger_kv_device_blocks_total", "Device-tier blocks in total", registry=r)
         self.kv_usage = Gauge("kvledger_kv_cache_usage_perc", "Fraction of device-tier blocks in use", registry=r)
-        self.preemptions = Counter("kvledger_num_preemptions", "Running requests preempted for lack of device blocks (recomputed later)", registry=r)
+        self.preemptions = Counter(
+            "kvledger_num_preemptions", "Running requests preempted for lack of device blocks (recomputed later)", registry=r
+        )
         self.iteration_tokens = Histogram(
             "kvledger_iteration_tokens", "Tokens computed per engine step", registry=r, buckets=_ITERATION_TOKEN_BUCKETS
         )
         self.inter_token_latency = Histogram(
-            "kvledger_inter_token_latency_seconds", "Time between consecutive output tokens of a request", registry=r, buckets=_LATENCY_BUCKETS_S
+            "kvledger_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request",
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
         )
         self.e2e_latency = Histogram(
-            "kvledger_e2e_request_latency_seconds", "Time from arrival to the last token of a request", registry=r, buckets=_LATENCY_BUCKETS_S
+            "kvledger_e2e_request_latency_seconds",
+            "Time from arrival to the last token of a request",
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
         )
         self.prefix_cache_queries = Counter("kvledger_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_cache_hits = Counter("kvledger_prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r)

@@ -203,5 +203,5 @@ def _num_common_leading(tables: list[Sequence[int]], max_blocks: int) -> int:
     num_common = max(max_blocks, 0)
     for table in tables[1:]:
         if list(table[:num_common]) != first[:num_common]:  # one C-level comparison in the common case
-            num_common = next(index for index, (mine, theirs) in enumerate(zip(table, first)) if mine != theirs)
+            num_common = next(index for index, (mine, theirs) in enumerate(zip(table, first, strict=False)) if mine != theirs)
     return num_common

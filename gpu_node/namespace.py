@@ -334,6 +334,4 @@ def _adapter_digest(adapter_dir: Path) -> str:
     cache = _DigestCache(adapter_dir)
     weights = _weights_digest(adapter_dir, cache)
     cache.save()
-    return _files_digest(
-        [("adapter_config.json", hashlib.sha256(_canonical_json(adapter_config)).hexdigest()), ("weights", weights)]
-    )
+    return _files_digest([("adapter_config.json", hashlib.sha256(_canonical_json(adapter_config)).hexdigest()), ("weights", weights)])

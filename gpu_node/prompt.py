@@ -23,6 +23,7 @@ of places (:func:`_traced_cuts`).
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,9 +72,7 @@ def _conversation(messages: Sequence[ChatMessage]) -> list[dict]:
 
 def _render(tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
     try:
-        rendered = tokenizer.apply_chat_template(
-            _conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        rendered = tokenizer.apply_chat_template(_conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateError as exc:
         raise ValueError(f"chat template rejected the messages: {exc}") from None
     assert isinstance(rendered, str), f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}"
@@ -135,9 +134,7 @@ def _traced_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> l
     same globals as ``apply_chat_template``; the equality check with ``rendered``
     catches any difference in what the two pass to it.
     """
-    unsplittable = ValueError(
-        f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages"
-    )
+    unsplittable = ValueError(f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages")
     if not isinstance(tokenizer.chat_template, str):
         raise unsplittable
     conversation = _conversation(messages)
@@ -195,9 +192,9 @@ def render_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_pro
     rendered = _render(tokenizer, messages, add_generation_prompt=False)
     find_cuts = _exact_cuts if len(messages) <= MAX_EXACT_MESSAGES else _traced_cuts
     cuts = [0, *find_cuts(tokenizer, messages, rendered), len(rendered)]
-    if any(later < earlier for earlier, later in zip(cuts, cuts[1:])):
+    if any(later < earlier for earlier, later in itertools.pairwise(cuts)):
         raise ValueError("chat template is not prefix-stable")
-    chunks = [rendered[start:end] for start, end in zip(cuts, cuts[1:])]
+    chunks = [rendered[start:end] for start, end in itertools.pairwise(cuts)]
     scopes: list[tuple[CacheScope, DocumentRef | None]] = [(message.scope, message.document) for message in messages]
     if add_generation_prompt:
         with_prompt = _render(tokenizer, messages, add_generation_prompt=True)

@@ -223,7 +223,7 @@ class NodePublisher:
                 ),
             )
         assert kind[0] == "snapshot", f"unknown batch kind {kind}"
-        (_, snapshot_id, block_hashes), = events
+        ((_, snapshot_id, block_hashes),) = events
         return self._built(
             "SnapshotWritten",
             lambda: schema.SnapshotWritten(**common, snapshot_id=snapshot_id, block_hashes=[h.hex() for h in block_hashes]),

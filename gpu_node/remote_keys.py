@@ -325,9 +325,7 @@ class CoordinatorKeyProvider:
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response | None:
         """One request with a fresh node credential; None when the coordinator is unreachable. Logs failures, never keys."""
         try:
-            response = self._client.request(
-                method, path, headers={"Authorization": f"Bearer {self._token_factory()}"}, **kwargs
-            )
+            response = self._client.request(method, path, headers={"Authorization": f"Bearer {self._token_factory()}"}, **kwargs)
         except httpx.HTTPError as error:
             log.warning("key service unreachable (%s %s: %s)", method, path, type(error).__name__)
             return None

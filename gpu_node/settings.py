@@ -153,9 +153,7 @@ class NodeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _distinct_issuers(self) -> NodeSettings:
-        if self.operator_auth.configured and self.operator_auth.shares_key_with(
-            self.auth, other_secret=os.environ.get(JWT_SECRET_ENV)
-        ):
+        if self.operator_auth.configured and self.operator_auth.shares_key_with(self.auth, other_secret=os.environ.get(JWT_SECRET_ENV)):
             raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
         return self
 

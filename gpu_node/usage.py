@@ -53,10 +53,7 @@ class UsageMeter:
         window_start, window_end = self._window_start, datetime.now(UTC)
         totals, self._totals = self._totals, {}
         self._window_start = window_end
-        return [
-            TenantUsage(tenant_id, window_start, window_end, *counts)
-            for tenant_id, counts in sorted(totals.items())
-        ]
+        return [TenantUsage(tenant_id, window_start, window_end, *counts) for tenant_id, counts in sorted(totals.items())]
 
     async def metered(self, stream: AsyncIterator, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> AsyncIterator:
         """``stream`` (an engine's generation) unchanged, recording its usage when its ``GenerationDone`` passes.

@@ -59,9 +59,7 @@ def public_key_from_raw(data: bytes) -> Ed25519PublicKey:
 
 def private_key_pem(private_key: Ed25519PrivateKey) -> bytes:
     """Unencrypted PKCS#8 PEM: the file's 0600 mode is what protects it."""
-    return private_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    return private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
 def public_key_pem(public_key: Ed25519PublicKey) -> bytes:
@@ -133,9 +131,7 @@ def signed_bytes(envelope: Envelope) -> bytes:
 def sign_envelope(envelope: Envelope, private_key: Ed25519PrivateKey) -> Envelope:
     """A copy of ``envelope`` carrying ``private_key``'s signature (any previous one is replaced)."""
     signature = private_key.sign(signed_bytes(envelope))
-    return envelope.model_copy(
-        update={"signature": RecordSignature(kid=key_id(private_key.public_key()), sig=_b64url(signature))}
-    )
+    return envelope.model_copy(update={"signature": RecordSignature(kid=key_id(private_key.public_key()), sig=_b64url(signature))})
 
 
 def verify_envelope(envelope: Envelope, public_key: Ed25519PublicKey) -> bool:

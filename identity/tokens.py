@@ -365,9 +365,7 @@ def _is_identifier(value: object) -> bool:
 
 def _identifier(value: object, claim: str) -> str:
     if not _is_identifier(value):
-        raise AuthError(
-            "invalid_token", f"claim {claim!r} must be a string of 1..{MAX_CLAIM_CHARS} characters without control characters"
-        )
+        raise AuthError("invalid_token", f"claim {claim!r} must be a string of 1..{MAX_CLAIM_CHARS} characters without control characters")
     return value  # type: ignore[return-value]
 
 

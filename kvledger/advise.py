@@ -108,8 +108,7 @@ def analyze(samples: Sequence[dict], block_size: int, min_share: float = 0.5) ->
     num_samples = len(samples)
 
     divergences = Counter(
-        (d["segment_index"], d["role"], d["scope"]) if (d := sample["divergence"]) is not None else (None, None, None)
-        for sample in samples
+        (d["segment_index"], d["role"], d["scope"]) if (d := sample["divergence"]) is not None else (None, None, None) for sample in samples
     )
     divergence = [
         DivergencePoint(index, role, scope, count, _ratio(count, num_samples))
@@ -195,8 +194,10 @@ def _print(url: str, layout: dict, advice: LayoutAdvice | None) -> None:
             f"{segment.num_requests} requests (most common on {segment.top_hash_share:.1%}), ~{segment.mean_tokens:.0f} tokens; "
             f"moved to the end: hit ratio {advice.replayed_hit_ratio:.1%} -> {segment.hit_ratio_after_move:.1%} (+{segment.hit_ratio_gain:.1%})"
         )
-    print(f"  all of them moved to the end: hit ratio {advice.replayed_hit_ratio:.1%} -> {advice.hit_ratio_after_moving_all:.1%} "
-          f"(+{advice.hit_ratio_gain:.1%})")
+    print(
+        f"  all of them moved to the end: hit ratio {advice.replayed_hit_ratio:.1%} -> {advice.hit_ratio_after_moving_all:.1%} "
+        f"(+{advice.hit_ratio_gain:.1%})"
+    )
 
 
 def cli(args: argparse.Namespace) -> int:
@@ -211,11 +212,20 @@ def cli(args: argparse.Namespace) -> int:
         advice = analyze(layout["samples"], layout["block_size"], args.min_share) if layout["enabled"] else None
         report.append((url, layout, advice))
     if args.json:
-        print(json.dumps(
-            [{"node": url, "enabled": layout["enabled"], "num_observed": layout["num_observed"],
-              "advice": None if advice is None else asdict(advice)} for url, layout, advice in report],
-            indent=2,
-        ))
+        print(
+            json.dumps(
+                [
+                    {
+                        "node": url,
+                        "enabled": layout["enabled"],
+                        "num_observed": layout["num_observed"],
+                        "advice": None if advice is None else asdict(advice),
+                    }
+                    for url, layout, advice in report
+                ],
+                indent=2,
+            )
+        )
         return 0
     for url, layout, advice in report:
         _print(url, layout, advice)

@@ -24,6 +24,7 @@ def _version() -> str:
     except metadata.PackageNotFoundError:
         return "unknown (not installed)"
 
+
 # Third-party modules of the optional extras (pyproject.toml): a command that needs one on a
 # base install ends with one line naming the extra, not a traceback.
 _EXTRA_OF_MODULE = {
@@ -47,8 +48,10 @@ def _lazy(target: str):
             extra = _EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
             if extra is None:
                 raise
-            print(f"kvledger: this command needs the [{extra}] extra ({exc.name} is not installed): pip install 'kvledger[{extra}]'",
-                  file=sys.stderr)
+            print(
+                f"kvledger: this command needs the [{extra}] extra ({exc.name} is not installed): pip install 'kvledger[{extra}]'",
+                file=sys.stderr,
+            )
             return 2
 
     return run
@@ -66,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvledger {_version()}", help="print the installed version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    model = commands.add_parser("model", help="local model utilities").add_subparsers(dest="model_command", required=True, metavar="COMMAND")
+    model = commands.add_parser("model", help="local model utilities").add_subparsers(
+        dest="model_command", required=True, metavar="COMMAND"
+    )
     model_init = model.add_parser("init", help="build the tiny local Llama test model (seconds, deterministic)")
     model_init.add_argument("dir", help="directory to write the model to")
     model_init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
@@ -135,21 +140,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     publish = commands.add_parser("publish", help="publish a user event (document update, permission revocation, erasure)")
     publish.add_argument("--kafka-bootstrap", help="defaults to KVLEDGER_KAFKA_BOOTSTRAP or .kvledger/stack.json")
-    publish.add_argument("--kafka-security-protocol", choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"], help="defaults to KVLEDGER_KAFKA_SECURITY_PROTOCOL or PLAINTEXT")
-    publish.add_argument("--kafka-sasl-mechanism", choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"], help="defaults to KVLEDGER_KAFKA_SASL_MECHANISM")
-    publish.add_argument("--kafka-sasl-username", help="defaults to KVLEDGER_KAFKA_SASL_USERNAME; the password only from KVLEDGER_KAFKA_SASL_PASSWORD")
+    publish.add_argument(
+        "--kafka-security-protocol",
+        choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
+        help="defaults to KVLEDGER_KAFKA_SECURITY_PROTOCOL or PLAINTEXT",
+    )
+    publish.add_argument(
+        "--kafka-sasl-mechanism", choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"], help="defaults to KVLEDGER_KAFKA_SASL_MECHANISM"
+    )
+    publish.add_argument(
+        "--kafka-sasl-username", help="defaults to KVLEDGER_KAFKA_SASL_USERNAME; the password only from KVLEDGER_KAFKA_SASL_PASSWORD"
+    )
     publish.add_argument("--kafka-ssl-cafile", help="CA bundle that signed the brokers' certificates (KVLEDGER_KAFKA_SSL_CAFILE)")
     publish.add_argument("--kafka-ssl-certfile", help="client certificate for mTLS (KVLEDGER_KAFKA_SSL_CERTFILE)")
     publish.add_argument("--kafka-ssl-keyfile", help="client key for mTLS (KVLEDGER_KAFKA_SSL_KEYFILE)")
     publish_kinds = publish.add_subparsers(dest="event_kind", required=True, metavar="EVENT")
-    document_updated = publish_kinds.add_parser("document-updated", help="a document has a new version: blocks of older versions stop being reused")
+    document_updated = publish_kinds.add_parser(
+        "document-updated", help="a document has a new version: blocks of older versions stop being reused"
+    )
     document_updated.add_argument("--tenant", required=True, help="tenant that owns the document")
     document_updated.add_argument("--doc", required=True, help="document id")
     document_updated.add_argument("--version", type=int, required=True, help="the new current version")
     document_deleted = publish_kinds.add_parser("document-deleted", help="a document is gone: no block of any version is reused")
     document_deleted.add_argument("--tenant", required=True, help="tenant that owns the document")
     document_deleted.add_argument("--doc", required=True, help="document id")
-    permission_revoked = publish_kinds.add_parser("permission-revoked", help="an authorization scope's policy version moved: older blocks stop being reused")
+    permission_revoked = publish_kinds.add_parser(
+        "permission-revoked", help="an authorization scope's policy version moved: older blocks stop being reused"
+    )
     permission_revoked.add_argument("--tenant", required=True, help="tenant of the scope")
     permission_revoked.add_argument("--auth-scope", required=True, help="authorization scope whose policy changed")
     permission_revoked.add_argument("--policy-version", type=int, required=True, help="the new policy version")
@@ -161,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     erasure_requested.add_argument("--erasure-id", help="the erasure's id (default: a new UUID)")
     publish.set_defaults(func=_lazy("kvledger.publish:cli"))
 
-    namespace = commands.add_parser("namespace", help="cache namespaces (model rollout)").add_subparsers(dest="namespace_command", required=True, metavar="COMMAND")
+    namespace = commands.add_parser("namespace", help="cache namespaces (model rollout)").add_subparsers(
+        dest="namespace_command", required=True, metavar="COMMAND"
+    )
     retire = namespace.add_parser("retire", help="drain and delete a namespace's blocks everywhere")
     retire.add_argument("namespace", help="the namespace to retire")
     retire.add_argument("--coordinator-url", help="defaults to .kvledger/stack.json")
@@ -189,14 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     erasure_receipt = erasure.add_parser("receipt", help="an erasure's signed receipt, ready for `kvledger verify-receipt`")
     erasure_receipt.add_argument("erasure_id", help="the id `kvledger erasure request` printed")
     erasure_receipt.add_argument("--tenant", required=True, help="tenant of the erasure")
-    erasure_receipt.add_argument("--output", help="directory to write receipt.json, keys.json and checkpoint.json to (default: the receipt on stdout)")
+    erasure_receipt.add_argument(
+        "--output", help="directory to write receipt.json, keys.json and checkpoint.json to (default: the receipt on stdout)"
+    )
     _coordinator_options(erasure_receipt, "auditor")
     erasure_receipt.set_defaults(func=_lazy("kvledger.erasure_cli:receipt_cli"))
 
-    dead_letters = commands.add_parser("dead-letters", help="inspect and replay records the consumers refused (coordinator API)").add_subparsers(
-        dest="dead_letters_command", required=True, metavar="COMMAND"
+    dead_letters = commands.add_parser(
+        "dead-letters", help="inspect and replay records the consumers refused (coordinator API)"
+    ).add_subparsers(dest="dead_letters_command", required=True, metavar="COMMAND")
+    dead_letters_list = dead_letters.add_parser(
+        "list", help="dead letters, oldest first: source, reason, size and hash (never the content)"
     )
-    dead_letters_list = dead_letters.add_parser("list", help="dead letters, oldest first: source, reason, size and hash (never the content)")
     dead_letters_list.add_argument("--topic", help="only records refused on this source topic (e.g. kvledger.documents)")
     dead_letters_list.add_argument("--reason", help="only reasons containing this text (case-insensitive)")
     dead_letters_list.add_argument("--since", help="only dead-lettered since: an ISO 8601 time with a zone, or an age like 30m, 6h, 2d")
@@ -235,9 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     cost_model.add_argument("--price-cached-input", type=float, required=True, help="USD per million cached prompt tokens")
     cost_model.add_argument("--price-output", type=float, required=True, help="USD per million output tokens")
     cost_model.add_argument(
-        "--price-cache-write", type=float, help="USD per million prefix tokens the first request writes to the cache (default: the input price)"
+        "--price-cache-write",
+        type=float,
+        help="USD per million prefix tokens the first request writes to the cache (default: the input price)",
     )
-    cost_model.add_argument("--storage-cost", type=float, default=0.0, help="USD to keep and manage the cached state over the N requests (default 0)")
+    cost_model.add_argument(
+        "--storage-cost", type=float, default=0.0, help="USD to keep and manage the cached state over the N requests (default 0)"
+    )
     cost_model.add_argument("--json", action="store_true", help="print the estimate as JSON")
     cost_model.set_defaults(func=_lazy("kvledger.cost:model_cli"))
     cost_kv = cost.add_parser("kv", help="KV cache bytes per token and for T tokens, from the model's config.json")
@@ -260,39 +287,60 @@ def build_parser() -> argparse.ArgumentParser:
     cost_report.add_argument("--json", action="store_true", help="print the per-tenant costs as JSON")
     cost_report.set_defaults(func=_lazy("kvledger.cost:report_cli"))
 
-    advise = commands.add_parser("advise", help="prompt-layout advice from the nodes' divergence samples (segments that break a stable prefix)")
-    advise.add_argument("--node", action="append", dest="nodes", metavar="URL", help="a node's base URL (repeatable; default: the nodes of the stack file)")
+    advise = commands.add_parser(
+        "advise", help="prompt-layout advice from the nodes' divergence samples (segments that break a stable prefix)"
+    )
+    advise.add_argument(
+        "--node", action="append", dest="nodes", metavar="URL", help="a node's base URL (repeatable; default: the nodes of the stack file)"
+    )
     advise.add_argument("--metrics-token", help="the nodes' metrics token (default: metrics_token of the stack file)")
     advise.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
-    advise.add_argument("--min-share", type=float, default=0.5, help="a position counts as unstable when its most common hash is on fewer than this share of requests (default 0.5)")
+    advise.add_argument(
+        "--min-share",
+        type=float,
+        default=0.5,
+        help="a position counts as unstable when its most common hash is on fewer than this share of requests (default 0.5)",
+    )
     advise.add_argument("--json", action="store_true", help="print the analysis as JSON")
     advise.set_defaults(func=_lazy("kvledger.advise:cli"))
 
     demo = commands.add_parser(
         "demo", help="the whole story on the embedded stack, narrated: a cached hit, a document update, a revocation, an erasure"
     )
-    demo.add_argument("--stack", help="reuse the running stack of this stack directory or stack.json (default: STATE_DIR's if it answers, else start one)")
-    demo.add_argument("--state-dir", default=".kvledger", help="where a stack the demo starts keeps its state (default .kvledger, as `kvledger up`)")
-    demo.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory for a stack the demo starts (built if empty)")
+    demo.add_argument(
+        "--stack", help="reuse the running stack of this stack directory or stack.json (default: STATE_DIR's if it answers, else start one)"
+    )
+    demo.add_argument(
+        "--state-dir", default=".kvledger", help="where a stack the demo starts keeps its state (default .kvledger, as `kvledger up`)"
+    )
+    demo.add_argument(
+        "--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory for a stack the demo starts (built if empty)"
+    )
     demo.add_argument("--port", type=int, default=8100, help="first node port of a stack the demo starts (default 8100)")
     demo.add_argument("--output", help="directory for the receipt, keys and checkpoint it verifies (default STATE_DIR/demo-receipt)")
     demo.set_defaults(func=_lazy("kvledger.demo:cli"))
 
     up = commands.add_parser("up", help="run the whole stack on the embedded default")
     up.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    up.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory, built as the tiny test model if empty")
+    up.add_argument(
+        "--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory, built as the tiny test model if empty"
+    )
     up.add_argument("--state-dir", default=".kvledger", help="where keys, data, logs and stack.json live (default .kvledger)")
     up.add_argument("--database-url", help="external PostgreSQL instead of the embedded one")
     up.add_argument("--kafka-bootstrap", help="external Kafka instead of the embedded broker")
     up.add_argument("--port", type=int, default=8100, help="first node port")
     up.set_defaults(func=_lazy("kvledger.stack:cli"))
 
-    bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
+    bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(
+        dest="bench_command", required=True, metavar="COMMAND"
+    )
     bench_engine = bench.add_parser("engine", help="TTFT hit/miss vs transformers, hashing, restore bandwidth, serving under concurrency")
     bench_engine.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
     bench_engine.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
     bench_engine.add_argument(
-        "--sections", default="ttft,hashing,restore,serving", help="comma-separated sections to run (default: all of ttft,hashing,restore,serving)"
+        "--sections",
+        default="ttft,hashing,restore,serving",
+        help="comma-separated sections to run (default: all of ttft,hashing,restore,serving)",
     )
     bench_engine.add_argument("--prefixes", default="512,2048", help="ttft: comma-separated prefix lengths in tokens")
     bench_engine.add_argument("--suffix", type=int, default=32, help="ttft: uncached suffix length in tokens")
@@ -339,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.add_argument("--nodes", type=int, default=2, help="node processes (default 2)")
     bench_soak.add_argument("--tenants", type=int, default=3, help="tenants sending requests (default 3)")
     bench_soak.add_argument("--concurrency", type=int, default=4, help="concurrent request workers (default 4)")
-    bench_soak.add_argument("--action-interval-s", type=float, default=4.0, help="seconds between document updates, revocations and erasures")
+    bench_soak.add_argument(
+        "--action-interval-s", type=float, default=4.0, help="seconds between document updates, revocations and erasures"
+    )
     bench_soak.add_argument("--check-interval-s", type=float, default=20.0, help="seconds between continuous invariant checks")
     bench_soak.add_argument("--node-restarts", type=int, default=2, help="node restarts spread over the run (SIGKILL and SIGTERM in turn)")
     bench_soak.add_argument("--seed", type=int, default=0, help="seed of the workload's choices")

@@ -353,32 +353,57 @@ def report_cli(args: argparse.Namespace) -> int:
     costs = [served_cost(row, prices) for row in usage["tenants"]]
     total = served_cost(
         {"tenant_id": "total"}
-        | {name: sum(row[name] for row in usage["tenants"]) for name in ("num_requests", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")},
+        | {
+            name: sum(row[name] for row in usage["tenants"])
+            for name in ("num_requests", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
+        },
         prices,
     )
     if args.json:
+
         def rounded(cost: ServedCost) -> dict:
             return {name: round(value, 10) if isinstance(value, float) else value for name, value in asdict(cost).items()}
 
         print(
             json.dumps(
-                {"since": usage["since"], "until": usage["until"], "prices": asdict(prices),
-                 "tenants": [rounded(cost) for cost in costs], "total": rounded(total)},
+                {
+                    "since": usage["since"],
+                    "until": usage["until"],
+                    "prices": asdict(prices),
+                    "tenants": [rounded(cost) for cost in costs],
+                    "total": rounded(total),
+                },
                 indent=2,
             )
         )
         return 0
-    print(f"served {usage['since']} .. {usage['until']}; USD per million tokens: input {_amount(prices.input)}, "
-          f"cached input {_amount(prices.cached_input)}, output {_amount(prices.output)}")
+    print(
+        f"served {usage['since']} .. {usage['until']}; USD per million tokens: input {_amount(prices.input)}, "
+        f"cached input {_amount(prices.cached_input)}, output {_amount(prices.output)}"
+    )
     header = ("tenant", "requests", "prompt", "cached", "output", "hit ratio", "without cache", "with cache", "saving")
     rows = [
-        (cost.tenant_id, str(cost.num_requests), str(cost.num_prompt_tokens), str(cost.num_cached_tokens), str(cost.num_output_tokens),
-         f"{cost.hit_ratio_tokens:.1%}", _amount(cost.cost_without_cache_usd), _amount(cost.cost_with_cache_usd), _amount(cost.net_saving_usd))
+        (
+            cost.tenant_id,
+            str(cost.num_requests),
+            str(cost.num_prompt_tokens),
+            str(cost.num_cached_tokens),
+            str(cost.num_output_tokens),
+            f"{cost.hit_ratio_tokens:.1%}",
+            _amount(cost.cost_without_cache_usd),
+            _amount(cost.cost_with_cache_usd),
+            _amount(cost.net_saving_usd),
+        )
         for cost in [*costs, total]
     ]
     widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(cell.ljust(width) if column == 0 else cell.rjust(width) for column, (cell, width) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(
+                cell.ljust(width) if column == 0 else cell.rjust(width)
+                for column, (cell, width) in enumerate(zip(row, widths, strict=True))
+            )
+        )
     if not costs:
         print("no usage reported in this window")
     return 0

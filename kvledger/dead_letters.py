@@ -59,7 +59,10 @@ def list_cli(args: argparse.Namespace) -> int:
             f"{letter['id']:<12} {letter['topic']}[{letter['partition']}]@{letter['offset']}  {letter['dead_lettered_at']}"
             f"  {letter['num_value_bytes']} B sha256:{(letter['value_sha256'] or '-')[:16]}  {letter['reason']}"
         )
-    print(f"{len(answer['dead_letters'])} dead letter(s)" + (" (more match: narrow with --since/--topic/--reason)" if answer["truncated"] else ""))
+    print(
+        f"{len(answer['dead_letters'])} dead letter(s)"
+        + (" (more match: narrow with --since/--topic/--reason)" if answer["truncated"] else "")
+    )
     return 0
 
 

@@ -104,10 +104,21 @@ class Stack:
         with open(log, "wb") as output:
             self.process = subprocess.Popen(
                 [
-                    sys.executable, "-m", "kvledger.cli", "up", "--state-dir", str(state_dir),
-                    "--model", self.args.model_dir, "--port", str(self.args.port),
+                    sys.executable,
+                    "-m",
+                    "kvledger.cli",
+                    "up",
+                    "--state-dir",
+                    str(state_dir),
+                    "--model",
+                    self.args.model_dir,
+                    "--port",
+                    str(self.args.port),
                 ],
-                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         shown = 0
 
@@ -166,10 +177,15 @@ class Story:
     def messages(self, document_version: int) -> list[dict[str, Any]]:
         return [
             # the tenant's name keeps the public prefix this run's own: an earlier run cached the same words
-            {"role": "system", "content": f"You are the assistant of {self.tenant}. Answer briefly and kindly. " * 6, "cache_scope": "public"},
+            {
+                "role": "system",
+                "content": f"You are the assistant of {self.tenant}. Answer briefly and kindly. " * 6,
+                "cache_scope": "public",
+            },
             {
                 "role": "user",
-                "content": f"Handbook version {document_version}: every employee has twenty-{document_version} vacation days per year. " * 6,
+                "content": f"Handbook version {document_version}: every employee has twenty-{document_version} vacation days per year. "
+                * 6,
                 "document": {"id": "handbook", "version": document_version, "auth_scope": "hr"},
             },
             {"role": "user", "content": "I am Alice from the people team and I plan a long trip in spring next year. " * 3},
@@ -279,7 +295,9 @@ def step_erasure(story: Story) -> None:
     erasure = _until(verified, "the erasure to be verified")
     say(f"verified after {time.monotonic() - began:.2f} s; live copies left: {erasure['live_copies']}")
     for node in erasure["nodes"]:
-        removed = ", ".join(f"{tier} {cell['removed']} ({'/'.join(cell['methods'])})" for tier, cell in node["tiers"].items() if cell["removed"])
+        removed = ", ".join(
+            f"{tier} {cell['removed']} ({'/'.join(cell['methods'])})" for tier, cell in node["tiers"].items() if cell["removed"]
+        )
         say(f"  {node['node_id']}: {node['status']}, removed {removed or 'nothing'}")
     documents = {
         "receipt.json": story.client.get(f"{coordinator}/v1/erasures/{erasure_id}/receipt", headers=auditor),
@@ -297,8 +315,10 @@ def step_erasure(story: Story) -> None:
     if not result.ok:
         raise StepFailed(f"the receipt did not verify offline: {', '.join(failed)}")
     say(f"receipt checked offline: {len(result.checks)} checks passed ({', '.join(check.name for check in result.checks)})")
-    say(f"check it yourself: kvledger verify-receipt {output_dir / 'receipt.json'} --public-key {output_dir / 'keys.json'} "
-        f"--checkpoint {output_dir / 'checkpoint.json'}")
+    say(
+        f"check it yourself: kvledger verify-receipt {output_dir / 'receipt.json'} --public-key {output_dir / 'keys.json'} "
+        f"--checkpoint {output_dir / 'checkpoint.json'}"
+    )
     say(f"see it in the console: {coordinator}/ui/erasures/{erasure_id}")
 
 

@@ -83,9 +83,7 @@ def build_event(args: argparse.Namespace) -> Envelope:
             case "document-deleted":
                 payload = DocumentDeleted(doc_id=args.doc)
             case "permission-revoked":
-                payload = PermissionRevoked(
-                    auth_scope=args.auth_scope, policy_version=args.policy_version, subject_id=args.subject
-                )
+                payload = PermissionRevoked(auth_scope=args.auth_scope, policy_version=args.policy_version, subject_id=args.subject)
             case "erasure-requested":
                 erasure_id = uuid.UUID(args.erasure_id) if args.erasure_id else None
                 payload = ErasureRequested(erasure_id=erasure_id, subject_id=args.subject, reason=args.reason)

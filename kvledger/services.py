@@ -148,7 +148,19 @@ class EmbeddedPostgres:
         assert self._watchdog is not None, "EmbeddedPostgres is not started"
         await asyncio.to_thread(
             subprocess.run,
-            [str(_POSTGRES_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.data_dir / "log"), "-w", "-t", "60", "-m", "fast", "restart"],
+            [
+                str(_POSTGRES_BIN / "pg_ctl"),
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(self.data_dir / "log"),
+                "-w",
+                "-t",
+                "60",
+                "-m",
+                "fast",
+                "restart",
+            ],
             user=_SYSTEM_USER,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -162,9 +174,7 @@ class EmbeddedPostgres:
     async def ready(self) -> bool:
         """True when the server accepts a connection and answers a query."""
         try:
-            connection = await asyncpg.connect(
-                host=str(self.socket_dir), port=self._port, user="postgres", database="postgres", timeout=5
-            )
+            connection = await asyncpg.connect(host=str(self.socket_dir), port=self._port, user="postgres", database="postgres", timeout=5)
         except (OSError, asyncpg.PostgresError, TimeoutError):
             return False
         try:
@@ -193,9 +203,7 @@ class EmbeddedPostgres:
         if handle is not None:
             handle._cleanup()
         if check and watchdog.returncode != 0:
-            raise RuntimeError(
-                f"pg_ctl stop failed (exit {watchdog.returncode}); server log: {self.data_dir / 'log'}"
-            )
+            raise RuntimeError(f"pg_ctl stop failed (exit {watchdog.returncode}); server log: {self.data_dir / 'log'}")
 
     async def __aenter__(self) -> EmbeddedPostgres:
         return await self.start()
@@ -267,8 +275,7 @@ class EmbeddedKafka:
         self._port = port
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._process = subprocess.Popen(
-            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
+            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

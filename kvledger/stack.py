@@ -182,15 +182,23 @@ async def up(args: argparse.Namespace) -> None:
         command_key = load_or_create_private_key(state_dir / "command_key.pem")
         command_public_key_file = state_dir / "command_key.pub"
         command_public_key_file.write_bytes(public_key_pem(command_key.public_key()))
-        coordinator_env = os.environ | shared_env | {
-            # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
-            "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
-            "KVLEDGER_DATABASE_URL": database_url,
-            "KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(command_key).decode(),
-        }
-        node_env = {name: value for name, value in os.environ.items() if name not in COORDINATOR_ONLY_ENV} | shared_env | {
-            "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(command_public_key_file),
-        }
+        coordinator_env = (
+            os.environ
+            | shared_env
+            | {
+                # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
+                "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
+                "KVLEDGER_DATABASE_URL": database_url,
+                "KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(command_key).decode(),
+            }
+        )
+        node_env = (
+            {name: value for name, value in os.environ.items() if name not in COORDINATOR_ONLY_ENV}
+            | shared_env
+            | {
+                "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(command_public_key_file),
+            }
+        )
         node_ids = [f"node-{index}" for index in range(args.nodes)]
         for node_id in node_ids:
             node_key = load_or_create_private_key(state_dir / node_id / NODE_KEY_FILE)

@@ -339,9 +339,7 @@ def stored(
     )
 
 
-async def scan_topic(
-    bootstrap: str, topic: str, visit: Callable[[ConsumerRecord], bool], timeout_s: float = 30.0
-) -> None:
+async def scan_topic(bootstrap: str, topic: str, visit: Callable[[ConsumerRecord], bool], timeout_s: float = 30.0) -> None:
     """Read every partition of ``topic`` from the beginning, handing records to ``visit`` until it returns True.
 
     No consumer group (``group_id=None`` takes all partitions locally), so there is no group join to wait for.
@@ -361,8 +359,6 @@ async def scan_topic(
                             continue  # shared topics hold malformed records other tests put there on purpose
     finally:
         await consumer.stop()
-
-
 
 
 async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[ConsumerRecord]:

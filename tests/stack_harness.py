@@ -87,7 +87,9 @@ class Up:
             if value:
                 return value
             if self.process.poll() is not None:
-                raise AssertionError(f"kvledger up exited ({self.process.returncode}) while waiting for {what}:\n{self.log.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"kvledger up exited ({self.process.returncode}) while waiting for {what}:\n{self.log.read_text()[-4000:]}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}:\n{self.log.read_text()[-4000:]}")
             time.sleep(0.1)

@@ -203,9 +203,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
             return render("login.html", 400, error="paste an operator token")
         await run_in_threadpool(authorize, request.app.state.operator_verifier, f"Bearer {token}", LEDGER_READERS)
         response = RedirectResponse("/ui/", status_code=303)
-        response.set_cookie(
-            COOKIE, token, path="/ui", httponly=True, samesite="strict", secure=request.url.scheme == "https"
-        )
+        response.set_cookie(COOKIE, token, path="/ui", httponly=True, samesite="strict", secure=request.url.scheme == "https")
         return response
 
     @ui.post("/logout")

@@ -91,9 +91,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("block_hash", "auth_scope", name=op.f("pk_block_auth_scopes")),
     )
-    op.create_index(
-        op.f("ix_block_auth_scopes_auth_scope_policy_version"), "block_auth_scopes", ["auth_scope", "policy_version"]
-    )
+    op.create_index(op.f("ix_block_auth_scopes_auth_scope_policy_version"), "block_auth_scopes", ["auth_scope", "policy_version"])
     op.create_table(
         "block_documents",
         sa.Column("block_hash", sa.LargeBinary(), nullable=False),
@@ -204,9 +202,7 @@ def upgrade() -> None:
         sa.Column("num_chunks", sa.Integer(), nullable=False),
         sa.Column("placements", postgresql.JSONB(), nullable=False),
         _now_column("received_at"),
-        sa.ForeignKeyConstraint(
-            ["node_id"], ["nodes.node_id"], ondelete="CASCADE", name=op.f("fk_inventory_chunks_node_id_nodes")
-        ),
+        sa.ForeignKeyConstraint(["node_id"], ["nodes.node_id"], ondelete="CASCADE", name=op.f("fk_inventory_chunks_node_id_nodes")),
         sa.PrimaryKeyConstraint("node_id", "epoch", "request_key", "chunk", name=op.f("pk_inventory_chunks")),
     )
 

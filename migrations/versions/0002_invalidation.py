@@ -43,9 +43,7 @@ def upgrade() -> None:
         sa.Column("created_at", TIMESTAMP, server_default=sa.func.now(), nullable=False),
         sa.Column("completed_at", TIMESTAMP, nullable=True),
         sa.Column("status", sa.Text(), server_default="pending", nullable=False),
-        sa.CheckConstraint(
-            "kind IN ('document', 'policy', 'subject', 'namespace', 'tenant')", name=op.f("ck_invalidations_kind")
-        ),
+        sa.CheckConstraint("kind IN ('document', 'policy', 'subject', 'namespace', 'tenant')", name=op.f("ck_invalidations_kind")),
         sa.CheckConstraint("status IN ('pending', 'complete', 'failed')", name=op.f("ck_invalidations_status")),
         sa.CheckConstraint("trigger IN ('event', 'api', 'late_block')", name=op.f("ck_invalidations_trigger")),
         sa.ForeignKeyConstraint(
@@ -75,9 +73,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["node_id"], ["nodes.node_id"], name=op.f("fk_invalidation_targets_node_id_nodes")),
         sa.PrimaryKeyConstraint("command_id", "node_id", name=op.f("pk_invalidation_targets")),
     )
-    op.create_index(
-        op.f("ix_invalidation_targets_node_id_status"), "invalidation_targets", ["node_id", "status"]
-    )
+    op.create_index(op.f("ix_invalidation_targets_node_id_status"), "invalidation_targets", ["node_id", "status"])
     for table in LINKED_TABLES:
         op.add_column(table, sa.Column("invalidation_id", sa.Uuid(), nullable=True))
         op.create_foreign_key(

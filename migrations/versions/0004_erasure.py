@@ -47,12 +47,8 @@ def upgrade() -> None:
         sa.Column("verified_at", TIMESTAMP, nullable=True),
         sa.Column("key_ids_destroyed", postgresql.JSONB(), nullable=False),
         sa.Column("updated_at", TIMESTAMP, server_default=sa.func.now(), nullable=False),
-        sa.CheckConstraint(
-            "status IN ('pending', 'partial', 'verified', 'failed')", name=op.f("ck_erasures_status")
-        ),
-        sa.ForeignKeyConstraint(
-            ["command_id"], ["invalidations.command_id"], name=op.f("fk_erasures_command_id_invalidations")
-        ),
+        sa.CheckConstraint("status IN ('pending', 'partial', 'verified', 'failed')", name=op.f("ck_erasures_status")),
+        sa.ForeignKeyConstraint(["command_id"], ["invalidations.command_id"], name=op.f("fk_erasures_command_id_invalidations")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_erasures")),
         sa.UniqueConstraint("tenant_id", "idempotency_key", name=op.f("uq_erasures_tenant_id_idempotency_key")),
     )

@@ -130,9 +130,14 @@ async def story(console: str, producer: EventProducer) -> dict:
         ],
     }
     hashes = {block.block_hash: block for node_blocks in blocks.values() for block in node_blocks}
-    by_label = {label: block.block_hash for label, block in zip(
-        ["system", "faq", "handbook-a", "alice-device", "alice-host", "system-b", "handbook-b", "alice-disk"], hashes.values(), strict=True
-    )}
+    by_label = {
+        label: block.block_hash
+        for label, block in zip(
+            ["system", "faq", "handbook-a", "alice-device", "alice-host", "system-b", "handbook-b", "alice-disk"],
+            hashes.values(),
+            strict=True,
+        )
+    }
     for node_id, node_blocks in blocks.items():
         await producer.send(make_event(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-console")))
         await producer.send(make_event(BlockStored(node_id=node_id, epoch=1, seq=1, blocks=node_blocks)))
@@ -165,7 +170,9 @@ async def story(console: str, producer: EventProducer) -> dict:
         erasure_id = started.json()["id"]
         erasure = await _get(client, f"/v1/erasures/{erasure_id}", "auditor", TENANT_A)
         erasure_command = uuid.UUID(erasure["commands"][0]["command_id"])
-        await _ack(producer, erasure_command, NODE_A, _evidence("device", [by_label["alice-device"]]), _evidence("host", [by_label["alice-host"]]))
+        await _ack(
+            producer, erasure_command, NODE_A, _evidence("device", [by_label["alice-device"]]), _evidence("host", [by_label["alice-host"]])
+        )
         await _ack(producer, erasure_command, NODE_B, _evidence("disk", [by_label["alice-disk"]], "crypto_erase", "key_destroyed"))
 
         async def settled() -> bool:
@@ -229,7 +236,11 @@ async def test_login_overview_and_logout(story: dict, browser) -> None:
     context, page = await _logged_in(browser, url, "platform-admin", "platform")
     (cookie,) = await context.cookies()
     assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"], cookie["secure"], cookie["path"]) == (
-        "kvledger_console", True, "Strict", False, "/ui"
+        "kvledger_console",
+        True,
+        "Strict",
+        False,
+        "/ui",
     )
     assert await page.inner_text("#who") == "platform-admin-1 · platform-admin · tenant platform"
 
@@ -266,7 +277,14 @@ async def test_invalidations_list_filter_and_detail(story: dict, browser) -> Non
     # seq, kind, predicate, trigger, status, acks, latency, requested
     rows = await _cells(page, "#invalidations tbody tr")
     assert [(row[0], row[1], row[2], row[3], row[4], row[5]) for row in rows] == [
-        ("3", "subject", f"tenant={TENANT_A} subject_id={subject_digest(SUBJECT_KEY.encode(), TENANT_A, SUBJECT)}", "api", "complete", "2/2"),
+        (
+            "3",
+            "subject",
+            f"tenant={TENANT_A} subject_id={subject_digest(SUBJECT_KEY.encode(), TENANT_A, SUBJECT)}",
+            "api",
+            "complete",
+            "2/2",
+        ),
         ("2", "document", f"doc_id={SCRIPT_DOC} tenant={TENANT_A} below_version=3", "event", "complete", "2/2"),
         ("1", "document", f"doc_id=handbook tenant={TENANT_A} below_version=2", "event", "complete", "2/2"),
     ]
@@ -302,7 +320,12 @@ async def test_an_id_holding_a_script_is_shown_as_text(story: dict, browser) -> 
     url = story["url"]
     context, page = await _logged_in(browser, url, "auditor", TENANT_A)
     escaped = {"&lt;script&gt;alert(&#39;doc&#39;)&lt;/script&gt;", "&lt;script&gt;alert(&#39;reason&#39;)&lt;/script&gt;"}
-    for path in ("/ui/invalidations", f"/ui/invalidations/{story['script_command']}", "/ui/erasures", f"/ui/erasures/{story['erasure_id']}"):
+    for path in (
+        "/ui/invalidations",
+        f"/ui/invalidations/{story['script_command']}",
+        "/ui/erasures",
+        f"/ui/erasures/{story['erasure_id']}",
+    ):
         response = await page.goto(f"{url}{path}")
         assert response.status == 200, path
         html = await response.text()
@@ -331,17 +354,31 @@ async def test_erasure_detail_receipt_download_verifies_offline(story: dict, bro
     assert (await page.inner_text("#status"), await page.inner_text("#live-copies")) == ("verified", "0")
     # node, status, device, host, disk, snapshot
     assert await _cells(page, "#evidence tbody tr") == [
-        [NODE_A, "acked", "removed 1 (overwrite) verified 0 live", "removed 1 (overwrite) verified 0 live", "removed 0 0 live", "removed 0 0 live"],
+        [
+            NODE_A,
+            "acked",
+            "removed 1 (overwrite) verified 0 live",
+            "removed 1 (overwrite) verified 0 live",
+            "removed 0 0 live",
+            "removed 0 0 live",
+        ],
         [NODE_B, "acked", "removed 0 0 live", "removed 0 0 live", "removed 1 (crypto_erase) verified 0 live", "removed 0 0 live"],
     ]
     receipt_file = f"receipt-{erasure_id}.json"
     verify_command = f"kvledger verify-receipt {receipt_file} --public-key receipt-keys.json --checkpoint checkpoint.json"
     assert await page.inner_text("#verify-command") == verify_command
-    assert await page.inner_text("#fetch-command") == f"kvledger erasure receipt {erasure_id} --tenant {TENANT_A} --output receipt-{erasure_id}"
+    assert (
+        await page.inner_text("#fetch-command")
+        == f"kvledger erasure receipt {erasure_id} --tenant {TENANT_A} --output receipt-{erasure_id}"
+    )
     await _screenshot(page, "erasure-detail")
 
     documents = {}
-    for link, name in (("#download-receipt", receipt_file), ("#download-keys", "receipt-keys.json"), ("#download-checkpoint", "checkpoint.json")):
+    for link, name in (
+        ("#download-receipt", receipt_file),
+        ("#download-keys", "receipt-keys.json"),
+        ("#download-checkpoint", "checkpoint.json"),
+    ):
         async with page.expect_download() as started:
             await page.click(link)
         download = await started.value
@@ -366,7 +403,9 @@ async def test_audit_log_shows_the_current_checkpoint(story: dict, browser) -> N
         checkpoint = (await client.get("/v1/audit/checkpoint")).json()
     assert checkpoint["tree_size"] == 1
     assert (await page.inner_text("#tree-size"), await page.inner_text("#root-hash"), await page.inner_text("#key-id")) == (
-        "1", checkpoint["root_hash"], checkpoint["key_id"]
+        "1",
+        checkpoint["root_hash"],
+        checkpoint["key_id"],
     )
     await _screenshot(page, "audit-log")
     await context.close()

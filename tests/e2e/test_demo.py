@@ -30,7 +30,15 @@ def test_demo_tells_the_whole_story_and_stops_its_stack(tmp_path: Path, tiny_mod
     port = free_port_pair()
     state_dir, output = tmp_path / "state", tmp_path / "receipt"
     demo = _kvledger(
-        "demo", "--state-dir", str(state_dir), "--model", str(tiny_model_dir), "--port", str(port), "--output", str(output),
+        "demo",
+        "--state-dir",
+        str(state_dir),
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--output",
+        str(output),
         timeout_s=DEMO_TIMEOUT_S,
     )
     print(demo.stdout)

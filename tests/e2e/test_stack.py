@@ -17,6 +17,7 @@ from identity.tokens import issue_token
 
 pytestmark = pytest.mark.e2e
 
+
 def _environment_of(argv_items: list[str]) -> dict[str, str]:
     """The environment of the one running process whose command line holds all of ``argv_items``."""
     found = []
@@ -38,7 +39,15 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
     state_dir, port = up.state_dir, up.port
     try:
         stack = up.wait_ready()
-        assert set(stack) >= {"coordinator_url", "node_urls", "kafka_bootstrap", "database_url", "jwt_secret", "operator_private_key_file", "metrics_token"}
+        assert set(stack) >= {
+            "coordinator_url",
+            "node_urls",
+            "kafka_bootstrap",
+            "database_url",
+            "jwt_secret",
+            "operator_private_key_file",
+            "metrics_token",
+        }
         assert stack["node_urls"] == [f"http://127.0.0.1:{port}"]
         assert os.stat(stack["operator_private_key_file"]).st_mode & 0o777 == 0o600
 
@@ -46,7 +55,11 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         client = OpenAI(base_url=stack["node_urls"][0] + "/v1", api_key=token, max_retries=0)
         messages = [
             {"role": "system", "content": "You are the ACME assistant. " * 20, "cache_scope": "public"},
-            {"role": "user", "content": "Vacation policy: " + "twenty days per year. " * 20, "document": {"id": "handbook", "version": 1, "auth_scope": "hr"}},
+            {
+                "role": "user",
+                "content": "Vacation policy: " + "twenty days per year. " * 20,
+                "document": {"id": "handbook", "version": 1, "auth_scope": "hr"},
+            },
             {"role": "user", "content": "How many days?"},
         ]
         first = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=4)
@@ -63,22 +76,30 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_token")
         node_role = subprocess.run(
             [sys.executable, "-m", "kvledger.cli", "token", "--stack", str(state_dir), "--tenant", "acme", "--sub", "n", "--role", "node"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert node_role.returncode == 2 and node_role.stdout == "" and len(node_role.stderr.splitlines()) == 1
         assert "no command mints node credentials" in node_role.stderr
 
         def ledger_has_the_blocks():
-            response = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "acme", "doc_id": "handbook"}, headers=headers)
+            response = httpx.get(
+                f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "acme", "doc_id": "handbook"}, headers=headers
+            )
             return response.status_code == 200 and response.json()["blocks"]
 
         up.wait_for(ledger_has_the_blocks, "the node's blocks in the ledger", 60)
         nodes = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers=headers).json()
         assert [node["node_id"] for node in nodes["nodes"]] == ["node-0"]
         auditor = cli_token(state_dir, "--tenant", "acme", "--sub", "auditor-1", "--role", "auditor")
-        own = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"doc_id": "handbook"}, headers={"Authorization": f"Bearer {auditor}"})
+        own = httpx.get(
+            f"{stack['coordinator_url']}/v1/ledger/blocks", params={"doc_id": "handbook"}, headers={"Authorization": f"Bearer {auditor}"}
+        )
         assert own.status_code == 200 and own.json()["blocks"] and {b["tenant_id"] for b in own.json()["blocks"]} == {"acme"}
-        other = httpx.get(f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "globex"}, headers={"Authorization": f"Bearer {auditor}"})
+        other = httpx.get(
+            f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "globex"}, headers={"Authorization": f"Bearer {auditor}"}
+        )
         assert (other.status_code, other.json()["error"]["code"]) == (403, "tenant_forbidden")
         # The node verifies operators with the stack's operator key too.
         snapshot = httpx.post(f"{stack['node_urls'][0]}/v1/cache/snapshots", headers=headers, timeout=60)
@@ -133,6 +154,9 @@ def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_p
         raise
     assert status == 1, up.log.read_text()[-4000:]
     lines = errors.read_text().splitlines()
-    assert lines[-1] == f"kvledger up: error: node-0 (pid {node_pid}) exited with status -9; stopped the stack (log: {state_dir / 'logs' / 'node-0.log'})"
+    assert (
+        lines[-1]
+        == f"kvledger up: error: node-0 (pid {node_pid}) exited with status -9; stopped the stack (log: {state_dir / 'logs' / 'node-0.log'})"
+    )
     assert "Traceback" not in errors.read_text()
     assert port_is_free(port) and port_is_free(port - 100)

@@ -37,7 +37,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.faults)
             item.add_marker(pytest.mark.integration)
             if not asked and item.path.name != "test_soak.py":
-                item.add_marker(pytest.mark.skip(reason=f"fault scenarios run with -m faults or {SCENARIOS_ENV}=1 (about 12 min on 2 cores)"))
+                item.add_marker(
+                    pytest.mark.skip(reason=f"fault scenarios run with -m faults or {SCENARIOS_ENV}=1 (about 12 min on 2 cores)")
+                )
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,9 @@ async def test_coordinator_sigkill_at_every_step_then_everything_completes(clust
     await cluster.died_at_fault_point(coordinator)
     (erasure,) = await _fetch(cluster, "SELECT id, command_id FROM erasures WHERE tenant_id = $1", tenant)
     unsent = await _fetch(
-        cluster, "SELECT count(*) AS n FROM outbox WHERE sent_at IS NULL AND payload->'payload'->>'command_id' = $1", str(erasure["command_id"])
+        cluster,
+        "SELECT count(*) AS n FROM outbox WHERE sent_at IS NULL AND payload->'payload'->>'command_id' = $1",
+        str(erasure["command_id"]),
     )
     assert unsent[0]["n"] == 1, "the erasure was decided and committed, its command not published"
 

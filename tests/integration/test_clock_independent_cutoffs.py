@@ -61,9 +61,7 @@ class SkewedNode(ServedNode):
 
     def assemble(self) -> None:
         built = AsyncEngine.from_settings(self.settings)
-        pool = BlockPool(
-            built.runner.kv_spec, built.pool.config, built.pool.key_provider, wall_clock=lambda: time.time() + self.skew_s
-        )
+        pool = BlockPool(built.runner.kv_spec, built.pool.config, built.pool.key_provider, wall_clock=lambda: time.time() + self.skew_s)
         self.engine = AsyncEngine(built.runner, built.namespace, pool, self.settings, NodeMetrics())
         self.publisher = make_publisher(self.engine, self.settings)
         self.commands = make_command_consumer(self.engine, self.publisher, self.settings)

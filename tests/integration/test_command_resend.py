@@ -70,9 +70,7 @@ async def ledger(database_url: str, ledger_template: str) -> AsyncIterator[Datab
 
 
 def resender(database: Database, after_s: float = AFTER_S) -> CommandResender:
-    return CommandResender(
-        database, command_signer=sign_command, resend_after_s=after_s, resend_max_s=max(after_s, MAX_S), poll_s=0.05
-    )
+    return CommandResender(database, command_signer=sign_command, resend_after_s=after_s, resend_max_s=max(after_s, MAX_S), poll_s=0.05)
 
 
 async def decided(database: Database, node_ids: list[str]) -> uuid.UUID:
@@ -147,7 +145,9 @@ async def test_resends_pending_targets_with_capped_exponential_backoff_and_stops
     intervals = [rows["n2"].next_resend_at - rows["n2"].last_resent_at]
     for count in (2, 3):
         await resent_once_more(ledger, command_id, count)
-        intervals.append((await targets(ledger, command_id))["n2"].next_resend_at - (await targets(ledger, command_id))["n2"].last_resent_at)
+        intervals.append(
+            (await targets(ledger, command_id))["n2"].next_resend_at - (await targets(ledger, command_id))["n2"].last_resent_at
+        )
     assert intervals == [timedelta(seconds=0.4), timedelta(seconds=0.8), timedelta(seconds=0.8)]
 
     commands = await commands_in_outbox(ledger, command_id)

@@ -98,9 +98,7 @@ async def seeded(settings: CoordinatorSettings) -> None:
                 blocks=[RemovedBlock(block_hash=HANDBOOK.block_hash, tier="device")],
             )
         ),
-        make_event(
-            SnapshotWritten(node_id="node-a", epoch=1, seq=3, snapshot_id="s1", block_hashes=[ALICE_CHAT.block_hash])
-        ),
+        make_event(SnapshotWritten(node_id="node-a", epoch=1, seq=3, snapshot_id="s1", block_hashes=[ALICE_CHAT.block_hash])),
         make_event(NodeHeartbeat(node_id="node-a", epoch=1, seq=3)),
     ]
     hour_ago = now - timedelta(hours=1)
@@ -158,12 +156,8 @@ async def test_ledger_requires_a_reader_role(client: httpx.AsyncClient) -> None:
         "token_expired",
     )
     assert_error(await client.get("/v1/nodes", headers=token()), 403, "permission_error", "insufficient_role")
-    assert_error(
-        await client.get("/v1/ledger/blocks", headers=token("user")), 403, "permission_error", "insufficient_role"
-    )
-    assert_error(
-        await client.get("/v1/ledger/blocks", headers=token("admin")), 403, "permission_error", "insufficient_role"
-    )
+    assert_error(await client.get("/v1/ledger/blocks", headers=token("user")), 403, "permission_error", "insufficient_role")
+    assert_error(await client.get("/v1/ledger/blocks", headers=token("admin")), 403, "permission_error", "insufficient_role")
     for role in ("tenant-admin", "privacy-officer", "auditor"):
         assert (await client.get("/v1/ledger/blocks", headers=token(role))).status_code == 200
         assert_error(await client.get("/v1/nodes", headers=token(role)), 403, "permission_error", "insufficient_role")
@@ -180,9 +174,7 @@ async def _hashes(client: httpx.AsyncClient, **params) -> set[str]:
 async def test_filters(client: httpx.AsyncClient) -> None:
     # Default: blocks with a live copy only (the handbook was evicted everywhere).
     assert await _hashes(client) == {b.block_hash for b in (PUBLIC, ALICE_CHAT, BOB_CHAT, OTHER_TENANT)}
-    assert await _hashes(client, include_deleted="true") == {
-        b.block_hash for b in (PUBLIC, HANDBOOK, ALICE_CHAT, BOB_CHAT, OTHER_TENANT)
-    }
+    assert await _hashes(client, include_deleted="true") == {b.block_hash for b in (PUBLIC, HANDBOOK, ALICE_CHAT, BOB_CHAT, OTHER_TENANT)}
     assert await _hashes(client, tenant="acme") == {ALICE_CHAT.block_hash, BOB_CHAT.block_hash}
     assert await _hashes(client, tenant="acme", doc_id="handbook") == {ALICE_CHAT.block_hash}
     assert await _hashes(client, tenant="acme", doc_id="handbook", include_deleted="true") == {
@@ -202,9 +194,7 @@ async def test_filters(client: httpx.AsyncClient) -> None:
 
 
 async def test_block_shape_and_paging(client: httpx.AsyncClient) -> None:
-    response = await client.get(
-        "/v1/ledger/blocks", params={"tenant": "acme", "subject": "alice"}, headers=token("privacy-officer")
-    )
+    response = await client.get("/v1/ledger/blocks", params={"tenant": "acme", "subject": "alice"}, headers=token("privacy-officer"))
     (block,) = response.json()["blocks"]
     assert block == {
         "block_hash": ALICE_CHAT.block_hash,
@@ -349,7 +339,9 @@ async def test_metrics_report_stale_nodes_and_open_erasures_from_the_ledger(clie
     assert value("kvledger_ledger_invalidations_open", status="pending") >= 1
     assert 0 <= value("kvledger_ledger_oldest_open_invalidation_age_seconds") < 300
     # node-b's events were an hour old when ingested: they are in the ingest-lag histogram's +Inf bucket only.
-    assert value("kvledger_ledger_ingest_lag_seconds_bucket", le="+Inf") - value("kvledger_ledger_ingest_lag_seconds_bucket", le="900.0") >= 2
+    assert (
+        value("kvledger_ledger_ingest_lag_seconds_bucket", le="+Inf") - value("kvledger_ledger_ingest_lag_seconds_bucket", le="900.0") >= 2
+    )
     assert value("kvledger_http_request_seconds_count", method="POST", route="/v1/erasures", status="202") >= 1
 
 
@@ -372,9 +364,7 @@ async def test_subjects_never_reach_the_logs(client: httpx.AsyncClient, caplog: 
     caplog.set_level(logging.DEBUG)
     params = {"tenant": "acme", "subject": "carol-7f3a"}
     assert (await client.get("/v1/ledger/blocks", params=params, headers=token("auditor"))).status_code == 200
-    assert (
-        await client.get("/v1/ledger/blocks", params={**params, "limit": -1}, headers=token("auditor"))
-    ).status_code == 400
+    assert (await client.get("/v1/ledger/blocks", params={**params, "limit": -1}, headers=token("auditor"))).status_code == 400
     # Server-side records only: the test's own HTTP client (httpx) logs the URL it requested.
     server_logs = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))
     assert "GET /v1/ledger/blocks 200" in server_logs  # the access log is there…

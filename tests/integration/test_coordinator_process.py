@@ -35,9 +35,7 @@ def _free_port() -> int:
 
 
 class CoordinatorProcess:
-    def __init__(
-        self, ledger_url: str, kafka_bootstrap: str, group_id: str, log_path: Path, role: str = "all", **extra_env: str
-    ) -> None:
+    def __init__(self, ledger_url: str, kafka_bootstrap: str, group_id: str, log_path: Path, role: str = "all", **extra_env: str) -> None:
         self.port = _free_port()
         self.role = role
         self.env = coordinator_env(ledger_url, kafka_bootstrap, group_id, KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS="20", **extra_env)
@@ -69,15 +67,12 @@ class CoordinatorProcess:
         return await asyncio.wait_for(self.process.wait(), timeout_s)
 
 
-async def test_sigkill_mid_stream_then_restart_ends_exact(
-    ledger_url: str, kafka_bootstrap: str, tmp_path: Path
-) -> None:
+async def test_sigkill_mid_stream_then_restart_ends_exact(ledger_url: str, kafka_bootstrap: str, tmp_path: Path) -> None:
     group_id = f"process-{uuid.uuid4().hex[:8]}"
     node_id = f"proc-{uuid.uuid4().hex[:8]}"
     blocks = [stored(f"{node_id}/{seq}", "device") for seq in range(1, NUM_EVENTS + 1)]
     envelopes = [make_event(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test"))] + [
-        make_event(BlockStored(node_id=node_id, epoch=1, seq=seq, blocks=[block]))
-        for seq, block in enumerate(blocks, start=1)
+        make_event(BlockStored(node_id=node_id, epoch=1, seq=seq, blocks=[block])) for seq, block in enumerate(blocks, start=1)
     ]
     database = Database(CoordinatorSettings(database={"url": ledger_url}).database)
 
@@ -106,15 +101,9 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(
 
         await eventually(all_applied, timeout_s=90, what="the restarted coordinator to apply everything")
         async with database.session() as session:
-            live = set(
-                await session.scalars(
-                    select(Placement.block_hash).where(Placement.node_id == node_id, Placement.state == "live")
-                )
-            )
+            live = set(await session.scalars(select(Placement.block_hash).where(Placement.node_id == node_id, Placement.state == "live")))
             num_inbox = await session.scalar(
-                select(func.count())
-                .select_from(InboxEntry)
-                .where(InboxEntry.event_id.in_([envelope.event_id for envelope in envelopes]))
+                select(func.count()).select_from(InboxEntry).where(InboxEntry.event_id.in_([envelope.event_id for envelope in envelopes]))
             )
             node = await session.get(Node, node_id)
         assert live == {bytes.fromhex(block.block_hash) for block in blocks}
@@ -129,9 +118,7 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(
         await database.dispose()
 
 
-async def test_consumers_only_process_serves_health_readiness_and_metrics(
-    ledger_url: str, kafka_bootstrap: str, tmp_path: Path
-) -> None:
+async def test_consumers_only_process_serves_health_readiness_and_metrics(ledger_url: str, kafka_bootstrap: str, tmp_path: Path) -> None:
     """``--role consumers`` has no ledger API, but is probed and scraped like the API; its logs are JSON lines."""
     log_path = tmp_path / "consumers.log"
     metrics_token = "consumers-metrics-token"

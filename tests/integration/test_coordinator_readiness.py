@@ -56,7 +56,9 @@ async def decided_after(settings: CoordinatorSettings, tenant: str) -> float:
 
         async def decided() -> bool:
             async with database.session() as session:
-                return await session.scalar(select(Invalidation.command_id).where(Invalidation.source_event_id == event.event_id)) is not None
+                return (
+                    await session.scalar(select(Invalidation.command_id).where(Invalidation.source_event_id == event.event_id)) is not None
+                )
 
         await eventually(decided, what="the update's decision")
         return time.monotonic() - started
@@ -93,7 +95,10 @@ async def test_readyz_is_503_until_the_consumers_consume_then_an_update_is_decid
                 assert status_code == 503 and body["status"] == "not_ready"
                 assert body["reason"] == "consumers not started" or body["reason"].startswith("consumer groups not yet consuming: ")
                 assert set(body["reason"].removeprefix("consumer groups not yet consuming: ").split(", ")) <= {
-                    group, f"{group}-invalidations", f"{group}-acks", "consumers not started"
+                    group,
+                    f"{group}-invalidations",
+                    f"{group}-acks",
+                    "consumers not started",
                 }
             assert await decided_after(settings, f"acme-{uuid.uuid4().hex[:6]}") < DECIDED_WITHIN_S
         finally:

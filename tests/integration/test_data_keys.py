@@ -153,9 +153,7 @@ async def test_resolve_is_stable_and_concurrent_resolves_give_one_key(service: K
 
 
 @pytest.mark.usefixtures("no_keys_in_logs")
-async def test_destroy_subject_zeroes_the_key_and_the_next_resolve_gets_a_new_one(
-    service: KeyService, database: Database
-) -> None:
+async def test_destroy_subject_zeroes_the_key_and_the_next_resolve_gets_a_new_one(service: KeyService, database: Database) -> None:
     erin = subject_digest(SUBJECT, "hooli", "erin")
     frank = subject_digest(SUBJECT, "hooli", "frank")
     first_id, first_key = await service.resolve("hooli", erin)
@@ -245,9 +243,7 @@ def _store(pool: BlockPool, key: BlockKey, value: float) -> None:
 
 
 @pytest.mark.usefixtures("no_keys_in_logs")
-async def test_node_pool_block_is_crypto_erased_with_its_subject(
-    coordinator_url: str, service: KeyService, tmp_path
-) -> None:
+async def test_node_pool_block_is_crypto_erased_with_its_subject(coordinator_url: str, service: KeyService, tmp_path) -> None:
     provider = CoordinatorKeyProvider(coordinator_url, _node_token, SUBJECT)
     fresh_node = CoordinatorKeyProvider(coordinator_url, _node_token, SUBJECT)
     config = PoolConfig("ns-keys", num_device_blocks=1, num_host_blocks=0, max_disk_blocks=4, disk_dir=tmp_path / "disk", ttl_s=NO_TTL)

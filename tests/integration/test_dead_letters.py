@@ -159,7 +159,9 @@ async def test_only_platform_admins_read_or_replay_and_bad_ids_are_refused(clien
     assert (naive.status_code, naive.json()["error"]["code"]) == (400, "invalid_parameter")
 
 
-async def test_the_cli_lists_and_replays(client: httpx.AsyncClient, settings: CoordinatorSettings, tmp_path, consumers: RunningConsumers) -> None:
+async def test_the_cli_lists_and_replays(
+    client: httpx.AsyncClient, settings: CoordinatorSettings, tmp_path, consumers: RunningConsumers
+) -> None:
     """``kvledger dead-letters`` against the coordinator over real HTTP, with the stack's operator key."""
     import uvicorn
 

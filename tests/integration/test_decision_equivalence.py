@@ -164,7 +164,9 @@ def user_events(draw, ledger: Ledger) -> list[Envelope]:
             events.append(make_event(revoked, tenant_id=tenant))
             continue
         tenant, doc_id, version = draw(documents)
-        payload = DocumentUpdated(doc_id=doc_id, version=max(0, version + draw(nearby))) if kind == "updated" else DocumentDeleted(doc_id=doc_id)
+        payload = (
+            DocumentUpdated(doc_id=doc_id, version=max(0, version + draw(nearby))) if kind == "updated" else DocumentDeleted(doc_id=doc_id)
+        )
         events.append(make_event(payload, tenant_id=tenant))
     return events
 
@@ -177,12 +179,20 @@ def events_on_ledgers(draw) -> tuple[Ledger, list[Envelope]]:
 
 PREDICATES = st.lists(
     st.one_of(
-        st.builds(DocumentPredicate, tenant=st.sampled_from(TENANTS), doc_id=st.sampled_from(DOC_IDS),
-                  below_version=st.one_of(st.integers(0, 5), st.just(ANY_VERSION))),
-        st.builds(PolicyPredicate, tenant=st.sampled_from(TENANTS), auth_scope=st.sampled_from(AUTH_SCOPES),
-                  below_version=st.integers(0, 5)),
-        st.builds(SubjectPredicate, tenant=st.sampled_from(TENANTS),
-                  subject_id=st.sampled_from(SUBJECTS).map(lambda subject: _subject_hash(subject).hex())),
+        st.builds(
+            DocumentPredicate,
+            tenant=st.sampled_from(TENANTS),
+            doc_id=st.sampled_from(DOC_IDS),
+            below_version=st.one_of(st.integers(0, 5), st.just(ANY_VERSION)),
+        ),
+        st.builds(
+            PolicyPredicate, tenant=st.sampled_from(TENANTS), auth_scope=st.sampled_from(AUTH_SCOPES), below_version=st.integers(0, 5)
+        ),
+        st.builds(
+            SubjectPredicate,
+            tenant=st.sampled_from(TENANTS),
+            subject_id=st.sampled_from(SUBJECTS).map(lambda subject: _subject_hash(subject).hex()),
+        ),
         st.builds(NamespacePredicate, ns=st.sampled_from(NAMESPACES)),
         st.builds(TenantPredicate, tenant=st.sampled_from(TENANTS)),
     ),
@@ -305,8 +315,16 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
     invalidations = sorted(
         (
             (
-                ordinal(row.command_id), row.kind, row.predicate, row.trigger, row.status, row.source_event_id,
-                row.cutoff, row.requested_at, row.completed_at, row.parent_command_id,
+                ordinal(row.command_id),
+                row.kind,
+                row.predicate,
+                row.trigger,
+                row.status,
+                row.source_event_id,
+                row.cutoff,
+                row.requested_at,
+                row.completed_at,
+                row.parent_command_id,
             )
             for row in (await session.scalars(select(Invalidation))).all()
         ),
@@ -318,15 +336,24 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
     )
     documents = sorted(
         (row.tenant_id, row.doc_id, row.version, row.deleted, ordinal(row.invalidation_id))
-        for row in await session.execute(select(Document.tenant_id, Document.doc_id, Document.version, Document.deleted, Document.invalidation_id))
+        for row in await session.execute(
+            select(Document.tenant_id, Document.doc_id, Document.version, Document.deleted, Document.invalidation_id)
+        )
     )
     policies = sorted(
         (row.tenant_id, row.auth_scope, row.policy_version, ordinal(row.invalidation_id))
         for row in await session.execute(select(Policy.tenant_id, Policy.auth_scope, Policy.policy_version, Policy.invalidation_id))
     )
     commands = [
-        (row.topic, row.key, ordinal(uuid.UUID(row.payload["payload"]["command_id"])), row.payload["tenant_id"],
-         row.payload["payload"]["predicate"], row.payload["payload"]["cutoff"], row.lease_until)
+        (
+            row.topic,
+            row.key,
+            ordinal(uuid.UUID(row.payload["payload"]["command_id"])),
+            row.payload["tenant_id"],
+            row.payload["payload"]["predicate"],
+            row.payload["payload"]["cutoff"],
+            row.lease_until,
+        )
         for row in (await session.scalars(select(OutboxEntry).order_by(OutboxEntry.id))).all()
     ]
     return {
@@ -371,8 +398,13 @@ async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: da
             outcomes[(envelope.type, SUPERSEDED)] += 1
             continue
         decision = await decide(
-            session, predicate, signer=sign_command, now=now, trigger="event",
-            requested_at=envelope.occurred_at, source_event_id=envelope.event_id,
+            session,
+            predicate,
+            signer=sign_command,
+            now=now,
+            trigger="event",
+            requested_at=envelope.occurred_at,
+            source_event_id=envelope.event_id,
         )
         command_ids.append(decision.command_id)
         outcomes[(envelope.type, APPLIED)] += 1
@@ -387,8 +419,11 @@ async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: da
             )
         else:
             statement = pg_insert(Policy).values(
-                tenant_id=tenant, auth_scope=payload.auth_scope, policy_version=payload.policy_version,
-                invalidation_id=decision.command_id, updated_at=now,
+                tenant_id=tenant,
+                auth_scope=payload.auth_scope,
+                policy_version=payload.policy_version,
+                invalidation_id=decision.command_id,
+                updated_at=now,
             )
             await session.execute(
                 statement.on_conflict_do_update(
@@ -455,9 +490,7 @@ async def _check_predicates(database: Database, ledger: Ledger, predicates: list
         written = await _written(session, {command_id: n for n, command_id in enumerate(command_ids)})
         await session.rollback()
     assert written["placements"] == expected_marks(ledger, predicates)
-    assert [(n, p) for n, _, p, *_ in written["invalidations"]] == [
-        (n, p.model_dump(mode="json")) for n, p in enumerate(predicates)
-    ]
+    assert [(n, p) for n, _, p, *_ in written["invalidations"]] == [(n, p.model_dump(mode="json")) for n, p in enumerate(predicates)]
     assert written["targets"] == sorted((n, node_id, "pending") for n in range(len(predicates)) for node_id in ledger.nodes)
 
 

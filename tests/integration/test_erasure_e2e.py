@@ -101,7 +101,9 @@ class Node(RunningNode):
 
 
 @pytest.fixture(scope="module")
-async def stack(database_url: str, ledger_template: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[dict]:
+async def stack(
+    database_url: str, ledger_template: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory
+) -> AsyncIterator[dict]:
     """The coordinator (own thread) and two registered, ready nodes keeping their data keys in it."""
     async with fresh_database(database_url, ledger_template) as url:
         group = f"erasure-e2e-{uuid.uuid4().hex[:8]}"
@@ -265,7 +267,12 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
         await spread(node, tenant, alice)
         assert {tier for _, tier in await node.holdings(tenant, alice)} == {"device", "host", "disk", "snapshot"}
     before = await ledger_knows(stack, tenant, alice)
-    disk_files = [node.engine.pool.disk_path(bytes.fromhex(block)) for block, node_id, tier in before for node in nodes if tier == "disk" and node.node_id == node_id]
+    disk_files = [
+        node.engine.pool.disk_path(bytes.fromhex(block))
+        for block, node_id, tier in before
+        for node in nodes
+        if tier == "disk" and node.node_id == node_id
+    ]
     assert disk_files and all(path.exists() for path in disk_files)
     copied = tmp_path / "copied-away.kvb"
     shutil.copyfile(disk_files[0], copied)
@@ -354,12 +361,17 @@ async def test_erasure_during_a_streaming_generation_lets_it_finish_and_leaves_n
     # Hold the node's model worker: the next request claims its new blocks (BUILDING) and waits to prefill.
     gate = threading.Event()
     held = asyncio.ensure_future(node.engine.run_exclusive(gate.wait, 60))
-    longer = history(alice) + [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Please also add my doctor's note from day 3."}]
+    longer = history(alice) + [
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Please also add my doctor's note from day 3."},
+    ]
 
     async def stream() -> tuple[str, str | None]:
         text, finish = "", None
         async with node.client(user_token(tenant, alice)) as client:
-            chunks = await client.chat.completions.create(model=node.engine.model_name, messages=longer, max_tokens=16, temperature=0, stream=True)
+            chunks = await client.chat.completions.create(
+                model=node.engine.model_name, messages=longer, max_tokens=16, temperature=0, stream=True
+            )
             async for chunk in chunks:
                 if chunk.choices:
                     text += chunk.choices[0].delta.content or ""

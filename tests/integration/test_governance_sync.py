@@ -97,9 +97,7 @@ class GovNode(ServedNode):
 
     def holdings(self, tenant: str) -> set[tuple[str, str]]:
         return {
-            (entry.block_hash.hex(), entry.tier.value)
-            for entry in self.engine.pool.ready_entries()
-            if entry.provenance.tenant_id == tenant
+            (entry.block_hash.hex(), entry.tier.value) for entry in self.engine.pool.ready_entries() if entry.provenance.tenant_id == tenant
         }
 
 
@@ -417,7 +415,6 @@ async def test_only_an_enrolled_unrevoked_nodes_own_credential_gets_the_signed_s
         refused = await governance_get(url, headers)
         assert refused.status_code == 401, refused.text
         assert set(refused.json()["error"]) == {"message", "type", "code"}
-
 
     def mine() -> dict[str, str]:
         """A fresh credential per request: one lives 30 s."""

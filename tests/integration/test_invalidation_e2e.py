@@ -246,7 +246,11 @@ async def spread_document(node: Node, token: str, tenant: str, doc_id: str) -> s
     assert await node.cached(token, document_chat(doc_id, 1)) == node.prefix_tokens(document_chat(doc_id, 1))[1]
     assert await node.cached(token, document_chat(doc_id, 1)) == node.prefix_tokens(document_chat(doc_id, 1))[0]
     entries = sorted(
-        (entry for entry in node.engine.pool.ready_entries() if entry.provenance.tenant_id == tenant and any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)),
+        (
+            entry
+            for entry in node.engine.pool.ready_entries()
+            if entry.provenance.tenant_id == tenant and any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)
+        ),
         key=lambda entry: entry.key.index,
     )
     third = len(entries) // 3
@@ -381,9 +385,7 @@ async def test_a_node_down_during_the_invalidation_applies_it_on_restart_before_
     survivors = {(block, down.node_id, "disk") for block in by_node(held, down.node_id, "disk")}
     assert survivors
 
-    event_id = await publish_raw(
-        kafka_bootstrap, topics.DOCUMENTS, f"{tenant}:handbook", "DocumentDeleted", tenant, {"doc_id": "handbook"}
-    )
+    event_id = await publish_raw(kafka_bootstrap, topics.DOCUMENTS, f"{tenant}:handbook", "DocumentDeleted", tenant, {"doc_id": "handbook"})
     decided = await invalidation_for(coordinator, event_id)
     command_id = decided["command_id"]
 

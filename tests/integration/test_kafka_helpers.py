@@ -46,7 +46,7 @@ class Recorder:
             raise RuntimeError("simulated database failure")
 
     def delivered(self) -> list[ConsumedEvent]:
-        return [event for batch in self.calls[self.fail_times:] for event in batch]
+        return [event for batch in self.calls[self.fail_times :] for event in batch]
 
 
 @contextlib.asynccontextmanager
@@ -161,9 +161,7 @@ async def test_invalid_record_is_dead_lettered_and_consumption_continues(
     assert commits[letter.partition] == letter.offset + 2  # the bad record is past, not blocking
 
 
-async def test_handler_failure_redelivers_instead_of_losing(
-    settings: KafkaSettings, producer: EventProducer, unique_name: str
-) -> None:
+async def test_handler_failure_redelivers_instead_of_losing(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
     failures_before = REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": unique_name}) or 0
     event = document_events(1)[0]
     await producer.send(event, topic=unique_name)
@@ -179,9 +177,7 @@ async def test_handler_failure_redelivers_instead_of_losing(
     assert commits[first[0].partition] == first[0].offset + 1
 
 
-async def test_offset_is_not_committed_while_the_handler_runs(
-    settings: KafkaSettings, producer: EventProducer, unique_name: str
-) -> None:
+async def test_offset_is_not_committed_while_the_handler_runs(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
     event = document_events(1)[0]
     await producer.send(event, topic=unique_name)
     entered, release = asyncio.Event(), asyncio.Event()
@@ -238,9 +234,7 @@ async def test_two_consumers_split_partitions_without_duplicates(
             assert not a.assignment() & b.assignment()
             for event in phase_two:
                 await producer.send(event, topic=unique_name)
-            await eventually(
-                lambda: len(first.delivered()) + len(second.delivered()) == 200, what="phase two across both members"
-            )
+            await eventually(lambda: len(first.delivered()) + len(second.delivered()) == 200, what="phase two across both members")
             assignment_a, assignment_b = a.assignment(), b.assignment()
 
     ids = [e.envelope.event_id for e in first.delivered() + second.delivered()]
@@ -351,9 +345,7 @@ async def test_a_refused_record_is_isolated_by_bisection_and_the_rest_applied_on
             while not letters:
                 for records in (await consumer.getmany(timeout_ms=200)).values():
                     letters += [
-                        letter
-                        for letter in (DeadLetter.model_validate_json(r.value) for r in records)
-                        if letter.topic == unique_name
+                        letter for letter in (DeadLetter.model_validate_json(r.value) for r in records) if letter.topic == unique_name
                     ]
     finally:
         await consumer.stop()
@@ -363,9 +355,7 @@ async def test_a_refused_record_is_isolated_by_bisection_and_the_rest_applied_on
     assert letter.error == f"refused by the {unique_name} handler: ValueError"
 
 
-async def test_a_failure_that_is_not_the_datas_is_retried_whole(
-    settings: KafkaSettings, producer: EventProducer, unique_name: str
-) -> None:
+async def test_a_failure_that_is_not_the_datas_is_retried_whole(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
     events = document_events(4)
     for event in events:
         await producer.send(event, topic=unique_name, key="acme:one-partition")

@@ -108,20 +108,19 @@ async def ack(producer: EventProducer, command_id: uuid.UUID, node_id: str, *evi
 
 def evidence(tier: str, hashes: list[str], method: str, check: str, key_ids: tuple[str, ...] = ()) -> TierEvidence:
     return TierEvidence(
-        tier=tier, removed=len(hashes), block_hashes=hashes, method=method, post_check=check, verified=True,
+        tier=tier,
+        removed=len(hashes),
+        block_hashes=hashes,
+        method=method,
+        post_check=check,
+        verified=True,
         key_ids=list(key_ids),
     )
 
 
 async def targets(database: Database, command_id: uuid.UUID) -> set[str]:
     async with database.session() as session:
-        return set(
-            (
-                await session.scalars(
-                    select(InvalidationTarget.node_id).where(InvalidationTarget.command_id == command_id)
-                )
-            ).all()
-        )
+        return set((await session.scalars(select(InvalidationTarget.node_id).where(InvalidationTarget.command_id == command_id))).all())
 
 
 async def status_of(client: httpx.AsyncClient, erasure_id: str) -> dict:
@@ -141,11 +140,7 @@ async def wait_status(client: httpx.AsyncClient, erasure_id: str, wanted: str) -
 async def placement_states(database: Database, hashes: list[str]) -> set[str]:
     async with database.session() as session:
         return set(
-            (
-                await session.scalars(
-                    select(Placement.state).where(Placement.block_hash.in_([bytes.fromhex(h) for h in hashes]))
-                )
-            ).all()
+            (await session.scalars(select(Placement.state).where(Placement.block_hash.in_([bytes.fromhex(h) for h in hashes])))).all()
         )
 
 
@@ -163,8 +158,15 @@ async def cli_verify(tmp_path: Path, receipt: dict, checkpoint: dict, keys: dict
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(document, indent=2))
     command = [
-        sys.executable, "-m", "kvledger.cli", "verify-receipt", str(paths["receipt"]),
-        "--checkpoint", str(paths["checkpoint"]), "--public-key", str(paths["keys"]),
+        sys.executable,
+        "-m",
+        "kvledger.cli",
+        "verify-receipt",
+        str(paths["receipt"]),
+        "--checkpoint",
+        str(paths["checkpoint"]),
+        "--public-key",
+        str(paths["keys"]),
     ]
     return await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
 
@@ -199,18 +201,19 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
             stored(f"{uid}-public", "host"),
         ],
     )
-    await node_b.publish(
-        BlockStored, blocks=[stored(f"{uid}-b-dev", "device", **user), stored(f"{uid}-b-snap", "disk", **user)]
-    )
+    await node_b.publish(BlockStored, blocks=[stored(f"{uid}-b-dev", "device", **user), stored(f"{uid}-b-snap", "disk", **user)])
     await node_b.publish(SnapshotWritten, snapshot_id=f"snap-{uid}", block_hashes=[h["b-snap"]])
     keys = KeyService(database, base64.b64decode(MASTER_KEY), SUBJECT_KEY.encode())
     data_key_id, _ = await keys.resolve(TENANT, mine)
 
     async def ledger_has_blocks() -> bool:
         async with database.session() as session:
-            return await session.scalar(
-                select(func.count()).select_from(Placement).where(Placement.node_id == node_b.node_id, Placement.tier == "snapshot")
-            ) == 1
+            return (
+                await session.scalar(
+                    select(func.count()).select_from(Placement).where(Placement.node_id == node_b.node_id, Placement.tier == "snapshot")
+                )
+                == 1
+            )
 
     await eventually(ledger_has_blocks, what="the subject's blocks in the ledger")
 
@@ -321,9 +324,7 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     async with database.session() as session:
         tables = (await session.scalars(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'"))).all()
         for table in tables:
-            hits = await session.scalar(
-                text(f'SELECT count(*) FROM "{table}" AS row WHERE row::text LIKE :raw'), {"raw": f"%{subject}%"}
-            )
+            hits = await session.scalar(text(f'SELECT count(*) FROM "{table}" AS row WHERE row::text LIKE :raw'), {"raw": f"%{subject}%"})
             assert hits == 0, f"the raw subject is stored in {table}"
     assert subject not in caplog.text
     receipts_seen.append(erasure_id)
@@ -362,9 +363,10 @@ async def test_erasure_requested_event_late_block_and_idempotency(
 
     async def resent() -> bool:
         async with database.session() as session:
-            return await session.scalar(
-                select(func.count()).select_from(Invalidation).where(Invalidation.parent_command_id == command_id)
-            ) == 1
+            return (
+                await session.scalar(select(func.count()).select_from(Invalidation).where(Invalidation.parent_command_id == command_id))
+                == 1
+            )
 
     await eventually(resent, what="the late-block re-send of the subject command")
     async with database.session() as session:
@@ -390,18 +392,16 @@ async def test_erasure_requested_event_late_block_and_idempotency(
 
     async def sent_again() -> bool:
         async with database.session() as session:
-            return await session.scalar(
-                select(func.count()).select_from(Invalidation).where(Invalidation.parent_command_id == command_id)
-            ) == 2
+            return (
+                await session.scalar(select(func.count()).select_from(Invalidation).where(Invalidation.parent_command_id == command_id))
+                == 2
+            )
 
     await eventually(sent_again, what="a second re-send for the copy recorded after the first")
     assert (await status_of(client, str(erasure_id)))["status"] == "partial"
     async with database.session() as session:
         second = await session.scalar(
-            select(Invalidation)
-            .where(Invalidation.parent_command_id == command_id)
-            .order_by(Invalidation.seq.desc())
-            .limit(1)
+            select(Invalidation).where(Invalidation.parent_command_id == command_id).order_by(Invalidation.seq.desc()).limit(1)
         )
     for target in await targets(database, second.command_id):
         items = [evidence("host", [late], "overwrite", "readback_zero")] if target == node.node_id else []
@@ -416,9 +416,7 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     ]
     assert receipt["audit"]["tree_head"]["tree_size"] == receipt["audit"]["leaf_index"] + 1
     async with database.session() as session:
-        assert await session.scalar(
-            select(func.count()).select_from(Erasure).where(Erasure.id == erasure_id)
-        ) == 1
+        assert await session.scalar(select(func.count()).select_from(Erasure).where(Erasure.id == erasure_id)) == 1
     assert subject not in caplog.text
     receipts_seen.append(str(erasure_id))
 
@@ -457,9 +455,7 @@ async def test_rewritten_audit_log_fails_verification_against_an_earlier_checkpo
     assert verify_served_receipt(receipt, key_document, checkpoint).ok
     async with database.session() as session, session.begin():
         await session.execute(
-            AuditLogEntry.__table__.update()
-            .where(AuditLogEntry.leaf_index == 0)
-            .values(leaf_hash=hashlib.sha256(b"rewritten").digest())
+            AuditLogEntry.__table__.update().where(AuditLogEntry.leaf_index == 0).values(leaf_hash=hashlib.sha256(b"rewritten").digest())
         )
     tampered, _, _ = await served_documents(client, receipts_seen[1])
     result = verify_served_receipt(tampered, key_document, checkpoint)

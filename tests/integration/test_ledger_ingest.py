@@ -74,9 +74,9 @@ async def placements(database: Database, node_id: str) -> set[tuple[str, str, st
     """(block hash, tier, snapshot id, state, reason) of every placement row of a node."""
     async with database.session() as session:
         rows = await session.execute(
-            select(
-                Placement.block_hash, Placement.tier, Placement.snapshot_id, Placement.state, Placement.reason
-            ).where(Placement.node_id == node_id)
+            select(Placement.block_hash, Placement.tier, Placement.snapshot_id, Placement.state, Placement.reason).where(
+                Placement.node_id == node_id
+            )
         )
         return {(row[0].hex(), *row[1:]) for row in rows}
 
@@ -99,9 +99,7 @@ async def first_record(topic: str, bootstrap: str, match, timeout_s: float = 30.
     return found[0]
 
 
-async def test_block_events_build_exact_ledger(
-    coordinator, database: Database, producer: EventProducer, node_id: str
-) -> None:
+async def test_block_events_build_exact_ledger(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
     node = FakeNode(producer, node_id)
     subject = subject_digest(SUBJECT_KEY.encode(), "acme", "alice")
     public = stored(f"{node_id}/p", "device")
@@ -128,12 +126,8 @@ async def test_block_events_build_exact_ledger(
     )
     await node.start(epoch=1)
     await node.publish(BlockStored, blocks=[public, handbook, chat])
-    await node.publish(
-        BlockMoved, blocks=[MovedBlock(block_hash=public.block_hash, from_tier="device", to_tier="host")]
-    )
-    await node.publish(
-        BlockRemoved, blocks=[RemovedBlock(block_hash=handbook.block_hash, tier="device")], reason="evicted"
-    )
+    await node.publish(BlockMoved, blocks=[MovedBlock(block_hash=public.block_hash, from_tier="device", to_tier="host")])
+    await node.publish(BlockRemoved, blocks=[RemovedBlock(block_hash=handbook.block_hash, tier="device")], reason="evicted")
     await node.publish(SnapshotWritten, snapshot_id="snap-1", block_hashes=[public.block_hash, chat.block_hash])
     await wait_applied(database, node_id, 1, node.seq)
 
@@ -192,9 +186,7 @@ async def test_block_events_build_exact_ledger(
 async def _ledger_rows(database: Database, node_id: str) -> tuple:
     async with database.session() as session:
         node = await session.get(Node, node_id)
-        rows = (
-            await session.execute(select(Placement).where(Placement.node_id == node_id).order_by(Placement.id))
-        ).scalars()
+        rows = (await session.execute(select(Placement).where(Placement.node_id == node_id).order_by(Placement.id))).scalars()
         num_inbox = await session.scalar(select(func.count()).select_from(InboxEntry))
         return (
             (node.epoch, node.last_seq, node.status, node.last_event_at),
@@ -203,9 +195,7 @@ async def _ledger_rows(database: Database, node_id: str) -> tuple:
         )
 
 
-async def test_redelivered_record_changes_nothing(
-    coordinator, database: Database, producer: EventProducer, node_id: str
-) -> None:
+async def test_redelivered_record_changes_nothing(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
     node = FakeNode(producer, node_id)
     await node.start(epoch=1)
     envelope = await node.publish(BlockStored, blocks=[stored(f"{node_id}/a", "device")])
@@ -242,9 +232,7 @@ async def test_malformed_record_is_dead_lettered_and_consumption_continues(
     marker = uuid.uuid4().hex
     bad = f'{{"event_id": "{marker}", "type": "BlockStored"}}'.encode()
     async with database.session() as session:
-        before = (
-            await session.scalar(select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS)) or 0
-        )
+        before = await session.scalar(select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS)) or 0
     await producer.send_raw(KV_EVENTS, bad, encode_key(node_id))
     await node.start(epoch=1)  # same key, so the same partition, after the bad record
     await wait_applied(database, node_id, 1, 0)
@@ -265,9 +253,7 @@ async def test_malformed_record_is_dead_lettered_and_consumption_continues(
     await eventually(counted, what="the dead letter to be counted in the ledger")
 
 
-async def test_restart_drops_device_and_host_but_keeps_disk(
-    coordinator, database: Database, producer: EventProducer, node_id: str
-) -> None:
+async def test_restart_drops_device_and_host_but_keeps_disk(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
     node = FakeNode(producer, node_id)
     dev, host, disk = (stored(f"{node_id}/{tier}", tier) for tier in ("device", "host", "disk"))
     await node.start(epoch=1)
@@ -366,9 +352,7 @@ async def test_seq_gap_requests_inventory_and_inventory_reconciles(
     assert (node_state.inventory_request_id, node_state.inventory_requested_at) == (None, None)
 
 
-async def test_chunked_inventory_applies_only_when_complete(
-    coordinator, database: Database, producer: EventProducer, node_id: str
-) -> None:
+async def test_chunked_inventory_applies_only_when_complete(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
     node = FakeNode(producer, node_id)
     a, b = stored(f"{node_id}/a", "device"), stored(f"{node_id}/b", "host")
     await node.start(epoch=1)

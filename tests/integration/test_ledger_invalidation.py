@@ -152,14 +152,10 @@ async def _command(bootstrap: str, command_id: uuid.UUID) -> tuple[bytes, Invali
 
 def _evidence(tier: str, hashes: list[str]) -> TierEvidence:
     method, check = ("overwrite", "readback_zero") if tier in ("device", "host") else ("unlink", "file_absent")
-    return TierEvidence(
-        tier=tier, removed=len(hashes), block_hashes=hashes, method=method, post_check=check, verified=True
-    )
+    return TierEvidence(tier=tier, removed=len(hashes), block_hashes=hashes, method=method, post_check=check, verified=True)
 
 
-async def _ack_all(
-    producer: EventProducer, database: Database, command_id: uuid.UUID, evidence: dict[str, list[TierEvidence]]
-) -> None:
+async def _ack_all(producer: EventProducer, database: Database, command_id: uuid.UUID, evidence: dict[str, list[TierEvidence]]) -> None:
     """Every expected target acks (foreign nodes of other modules with no evidence), as nodes would."""
     for node_id in await _targets(database, command_id):
         ack = CommandAck(command_id=command_id, node_id=node_id, epoch=1, evidence=evidence.get(node_id, []))
@@ -180,9 +176,7 @@ async def test_document_update_from_a_plain_producer(
     tenant = f"acme-{uid}"
     a, b = FakeNode(producer, f"a-{uid}"), FakeNode(producer, f"b-{uid}")
     public = stored(f"{uid}/public", "device")
-    old = stored(
-        f"{uid}/old", "device", tenant_id=tenant, scope="tenant", auth_scopes=[("hr", 1)], documents=["handbook@1"]
-    )
+    old = stored(f"{uid}/old", "device", tenant_id=tenant, scope="tenant", auth_scopes=[("hr", 1)], documents=["handbook@1"])
     old_disk = stored(f"{uid}/old-disk", "disk", tenant_id=tenant, scope="tenant", documents=["handbook@1"])
     other = stored(f"{uid}/other", "device", tenant_id=tenant, scope="tenant", documents=["faq@1"])
     await a.start()
@@ -235,9 +229,7 @@ async def test_document_update_from_a_plain_producer(
     # Published by the deciding process itself (leased in the decision), then stamped sent.
     async def outbox_entry() -> OutboxEntry | None:
         async with database.session() as session:
-            return await session.scalar(
-                select(OutboxEntry).where(OutboxEntry.payload["payload"]["command_id"].astext == str(command_id))
-            )
+            return await session.scalar(select(OutboxEntry).where(OutboxEntry.payload["payload"]["command_id"].astext == str(command_id)))
 
     async def sent() -> bool:
         return (await outbox_entry()).sent_at is not None
@@ -262,9 +254,7 @@ async def test_document_update_from_a_plain_producer(
     await eventually(duplicates_seen, what="the older version to be ignored")
     assert len(await _invalidations(database, source_event_id=uuid.UUID(event_id))) == 1
     async with database.session() as session:
-        mine = await session.scalar(
-            select(func.count()).select_from(Invalidation).where(Invalidation.predicate["tenant"].astext == tenant)
-        )
+        mine = await session.scalar(select(func.count()).select_from(Invalidation).where(Invalidation.predicate["tenant"].astext == tenant))
     assert mine == 1
 
     await _ack_all(
@@ -362,9 +352,7 @@ async def test_permission_revocation_invalidates_the_whole_scope(
     assert subject not in json.dumps(invalidation.predicate)
 
 
-async def test_unverified_ack_keeps_the_command_open(
-    coordinator, database: Database, producer: EventProducer, uid: str
-) -> None:
+async def test_unverified_ack_keeps_the_command_open(coordinator, database: Database, producer: EventProducer, uid: str) -> None:
     tenant = f"acme-{uid}"
     node = FakeNode(producer, f"u-{uid}")
     block = stored(f"{uid}/b", "disk", tenant_id=tenant, scope="tenant", documents=["d@1"])
@@ -475,9 +463,7 @@ async def test_namespace_retirement(
         # The CLI signs a platform-admin token with the stack's operator key.
         (tmp_path / "operator_key.pem").write_bytes(OPERATOR_PRIVATE_KEY_PEM)
         (tmp_path / "stack.json").write_text(json.dumps({"operator_private_key_file": str(tmp_path / "operator_key.pem")}))
-        args = argparse.Namespace(
-            namespace=old_ns, coordinator_url=f"http://127.0.0.1:{port}", token=None, stack=str(tmp_path)
-        )
+        args = argparse.Namespace(namespace=old_ns, coordinator_url=f"http://127.0.0.1:{port}", token=None, stack=str(tmp_path))
         monkeypatch.setenv("KVLEDGER_JWT_SECRET", JWT_SECRET)
         assert await asyncio.to_thread(admin.retire_namespace_cli, args) == 0
     finally:
@@ -550,9 +536,7 @@ async def test_a_decision_with_no_registered_node_is_complete_at_once(database_u
         try:
             handler = InvalidationHandler(database, erasures=_NoErasures(), command_signer=sign_command)
             event = make_event(DocumentUpdated(doc_id="guide", version=2), tenant_id="solo")
-            consumed = ConsumedEvent(
-                topic=DOCUMENTS, partition=0, offset=0, key="solo:guide", timestamp_ms=0, envelope=event
-            )
+            consumed = ConsumedEvent(topic=DOCUMENTS, partition=0, offset=0, key="solo:guide", timestamp_ms=0, envelope=event)
             await handler([consumed])
             (invalidation,) = await _invalidations(database, source_event_id=event.event_id)
             assert (invalidation.status, invalidation.completed_at) == ("complete", invalidation.created_at)
@@ -664,8 +648,18 @@ async def test_api_auth_shapes_and_listing(
     assert len(seen) == len(set(seen)) and {command_id for _, command_id in seen} == set(ids)
     page = await client.get("/v1/invalidations", params={"limit": 1}, headers=token("auditor", tenant=tenant))
     (item,) = page.json()["invalidations"]
-    assert {"command_id", "kind", "predicate", "cutoff", "status", "created_at", "completed_at", "latency_ms",
-            "num_targets", "num_acked"} <= set(item)
+    assert {
+        "command_id",
+        "kind",
+        "predicate",
+        "cutoff",
+        "status",
+        "created_at",
+        "completed_at",
+        "latency_ms",
+        "num_targets",
+        "num_acked",
+    } <= set(item)
 
 
 async def test_migration_0002_up_and_down(database_url: str) -> None:
@@ -692,4 +686,3 @@ async def test_migration_0002_up_and_down(database_url: str) -> None:
         assert not {"invalidations", "invalidation_targets"} & tables and "invalidation_id" not in columns
         await asyncio.to_thread(migrate.upgrade, url, "0002_invalidation")
         assert "invalidations" in (await schema())[0]
-

@@ -50,9 +50,7 @@ async def _last_seqs(database: Database, node_ids: list[str]) -> dict[str, int]:
 async def _live(database: Database, node_ids: list[str]) -> dict[str, set[str]]:
     async with database.session() as session:
         rows = await session.execute(
-            select(Placement.node_id, Placement.block_hash).where(
-                Placement.node_id.in_(node_ids), Placement.state == "live"
-            )
+            select(Placement.node_id, Placement.block_hash).where(Placement.node_id.in_(node_ids), Placement.state == "live")
         )
         live: dict[str, set[str]] = collections.defaultdict(set)
         for node_id, block_hash in rows:
@@ -99,9 +97,7 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
                     make_event(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test")),
                     make_event(BlockStored(node_id=node_id, epoch=1, seq=1, blocks=blocks[:2])),
                     make_event(BlockStored(node_id=node_id, epoch=1, seq=2, blocks=blocks[2:])),
-                    make_event(
-                        BlockRemoved(node_id=node_id, epoch=1, seq=after_removal, blocks=[removed], reason="evicted")
-                    ),
+                    make_event(BlockRemoved(node_id=node_id, epoch=1, seq=after_removal, blocks=[removed], reason="evicted")),
                 ]
                 expected[node_id] = {block.block_hash for block in blocks[1:]}
             await producer.send_many(envelopes)
@@ -139,9 +135,7 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
             await eventually(survivor_applied, timeout_s=60, what="the surviving replica to apply the new events")
             assert await _live(database, node_ids) == expected
             async with database.session() as session:
-                num_outbox = await session.scalar(
-                    select(func.count()).select_from(OutboxEntry).where(OutboxEntry.key.in_(node_ids))
-                )
+                num_outbox = await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.key.in_(node_ids)))
             assert num_outbox == len(gapped)  # no new gaps: the takeover replayed nothing as a hole
     finally:
         for replica in (first, second):

@@ -171,7 +171,11 @@ async def test_document_update_is_applied_and_acked_by_every_node(make_settings,
             stale = await node.chat(alice, chat("handbook", 1))
             assert stale.status_code == 409
             error = stale.json()["error"]
-            assert (error["code"], error["type"], error["param"]) == ("stale_document_version", "invalid_request_error", "messages[1].document.version")
+            assert (error["code"], error["type"], error["param"]) == (
+                "stale_document_version",
+                "invalid_request_error",
+                "messages[1].document.version",
+            )
             assert (await node.cached(alice, chat("policies", 1)), await node.cached(alice, public_only)) == baseline[node.node_id]
             assert await node.cached(alice, chat("handbook", 2)) == 16  # only the public system block
     finally:
@@ -210,7 +214,11 @@ async def test_node_down_during_the_command_applies_it_before_ready_then_acks(ma
     try:
         await node.cached(alice, chat("handbook", 1))
         await spread_over_tiers(node, block_predicate(predicate, datetime.now(UTC), KEY))
-        survivors = {(block, tier) for block, tier in node.holdings(block_predicate(predicate, datetime.now(UTC), KEY)) if tier in ("disk", "snapshot")}
+        survivors = {
+            (block, tier)
+            for block, tier in node.holdings(block_predicate(predicate, datetime.now(UTC), KEY))
+            if tier in ("disk", "snapshot")
+        }
         assert {tier for _, tier in survivors} == {"disk", "snapshot"}
     finally:
         await node.stop()
@@ -281,6 +289,7 @@ async def test_a_command_that_fails_is_retried_and_nothing_after_it_is_skipped(m
 
     node.commands.handler.apply_batch = apply_batch_failing_once
     try:
+
         def num_handler_failures() -> float:
             return REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": node.commands.group_id}) or 0.0
 

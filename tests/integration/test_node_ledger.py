@@ -75,14 +75,11 @@ class Node(NodeServices):
 async def ledger_placements(database_url: str, node_id: str) -> set[tuple[str, str]]:
     connection = await connect(database_url)
     try:
-        rows = await connection.fetch(
-            "SELECT block_hash, tier, snapshot_id FROM placements WHERE node_id = $1 AND state = 'live'", node_id
-        )
+        rows = await connection.fetch("SELECT block_hash, tier, snapshot_id FROM placements WHERE node_id = $1 AND state = 'live'", node_id)
     finally:
         await connection.close()
     return {
-        (bytes(row["block_hash"]).hex(), row["tier"] if row["snapshot_id"] is None else f"snapshot:{row['snapshot_id']}")
-        for row in rows
+        (bytes(row["block_hash"]).hex(), row["tier"] if row["snapshot_id"] is None else f"snapshot:{row['snapshot_id']}") for row in rows
     }
 
 
@@ -100,9 +97,7 @@ async def test_ledger_equals_every_node_inventory_after_random_traffic(coordinat
     suffix = uuid.uuid4().hex[:6]
     node_ids = [f"n{i}-{suffix}" for i in range(2)]
     await enroll_nodes(coordinator, node_ids)
-    nodes = [
-        await Node(settings_for(node_id, tiny_model_dir, tmp_path / node_id, kafka_bootstrap)).start() for node_id in node_ids
-    ]
+    nodes = [await Node(settings_for(node_id, tiny_model_dir, tmp_path / node_id, kafka_bootstrap)).start() for node_id in node_ids]
     try:
         rng = random.Random(7)
         for _ in range(240):

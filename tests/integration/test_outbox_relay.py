@@ -69,9 +69,7 @@ async def test_a_batch_that_cannot_be_published_stays_unsent_and_is_relayed_in_o
     commands = _commands(unique_name, 3)
     async with database.session() as session, session.begin():
         ids = (
-            await session.scalars(
-                pg_insert(OutboxEntry).values([outbox_row(command) for command in commands]).returning(OutboxEntry.id)
-            )
+            await session.scalars(pg_insert(OutboxEntry).values([outbox_row(command) for command in commands]).returning(OutboxEntry.id))
         ).all()
 
     async with _LostMidBatch(kafka_settings(settings)) as failing:
@@ -159,9 +157,7 @@ async def test_a_leased_row_its_process_failed_to_publish_is_relayed_once_the_le
         relay = OutboxRelay(database, producer, batch_size=10, poll_s=1.0)
         assert await relay.relay_once() == 0, "a leased row belongs to its process until the lease ran out"
         async with database.session() as session, session.begin():
-            await session.execute(
-                update(OutboxEntry).where(OutboxEntry.id.in_(ids)).values(lease_until=func.now() - timedelta(seconds=1))
-            )
+            await session.execute(update(OutboxEntry).where(OutboxEntry.id.in_(ids)).values(lease_until=func.now() - timedelta(seconds=1)))
         assert await relay.relay_once() == 1
     assert None not in await _sent_at(database, ids)
     # The failing producer got the record out before failing: published twice, absorbed by command id.

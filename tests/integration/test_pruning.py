@@ -50,9 +50,7 @@ def _pruned_total(table: str) -> float:
     return REGISTRY.get_sample_value("kvledger_pruned_rows_total", {"table": table}) or 0.0
 
 
-async def test_rows_past_their_horizon_are_deleted_in_batches_and_the_rest_stay(
-    settings: CoordinatorSettings, database: Database
-) -> None:
+async def test_rows_past_their_horizon_are_deleted_in_batches_and_the_rest_stay(settings: CoordinatorSettings, database: Database) -> None:
     old_inbox = [await _inbox_row(database, 40) for _ in range(5)]
     kept_inbox = [await _inbox_row(database, 36), await _inbox_row(database, 20), await _inbox_row(database, 0)]
     old_sent = [await _outbox_row(database, 8, sent=True) for _ in range(3)]

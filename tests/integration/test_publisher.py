@@ -32,9 +32,7 @@ async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(
     await publisher.start(tmp_path / "node")
     num_blocks = 2 * MAX_BLOCKS_PER_RECORD + 500
     token_ids = list(range(num_blocks * 16 + 1))
-    keys = compute_block_keys(
-        "ns-publisher", token_ids, [Segment(0, len(token_ids), CacheScope.USER)], Principal("acme", "alice"), 16
-    )
+    keys = compute_block_keys("ns-publisher", token_ids, [Segment(0, len(token_ids), CacheScope.USER)], Principal("acme", "alice"), 16)
     try:
         publisher.on_pool_events([BlockStored(key, Tier.DISK) for key in keys])
         await publisher.flush()
@@ -72,9 +70,7 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
 
     def keys_of(doc_id: str):
         document = DocumentRef(doc_id, 1, "hr")
-        return compute_block_keys(
-            "ns-publisher", token_ids, [Segment(0, len(token_ids), CacheScope.TENANT, document)], principal, 16
-        )
+        return compute_block_keys("ns-publisher", token_ids, [Segment(0, len(token_ids), CacheScope.TENANT, document)], principal, 16)
 
     good, poisoned, later = keys_of("handbook"), keys_of("hand\nbook"), keys_of("policy")
     dead_letters = engine.metrics.dead_letters
@@ -118,7 +114,9 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
             return len(letters) == 2
 
         await scan_topic(kafka_bootstrap, topics.DEAD_LETTER, collect_letters)
-        assert [(l.topic, l.partition, l.offset, l.value_b64) for l in letters] == [(topics.KV_EVENTS, -1, -1, None)] * 2
+        assert [(letter.topic, letter.partition, letter.offset, letter.value_b64) for letter in letters] == [
+            (topics.KV_EVENTS, -1, -1, None)
+        ] * 2
         assert letters[0].error.startswith(f"BlockStored from node {node_id} never sent (invalid): ")
         assert "control characters" in letters[0].error and "hand" not in letters[0].error
         assert letters[1].error.startswith(f"SnapshotWritten from node {node_id} never sent (invalid): block_hashes")

@@ -138,7 +138,10 @@ async def test_cost_report_equals_what_the_responses_said(stack, capsys):
     for tenant in tenants:
         want, row = expected[tenant], rows[tenant]
         assert (row["num_requests"], row["num_prompt_tokens"], row["num_cached_tokens"], row["num_output_tokens"]) == (
-            want["requests"], want["prompt"], want["cached"], want["output"]
+            want["requests"],
+            want["prompt"],
+            want["cached"],
+            want["output"],
         )
         without = (want["prompt"] * PRICES["input"] + want["output"] * PRICES["output"]) / 1e6
         with_cache = ((want["prompt"] - want["cached"]) * PRICES["input"] + want["cached"] * PRICES["cached_input"]
@@ -169,7 +172,9 @@ async def test_usage_is_tenant_scoped_for_tenant_operators(stack):
     await eventually(own_usage_arrived, timeout_s=60, what="the auditor's own tenant's usage")
     (row,) = (await _ledger_usage(url, auditor)).json()["tenants"]
     assert (row["num_prompt_tokens"], row["num_cached_tokens"], row["num_output_tokens"]) == (
-        served[mine]["prompt"], served[mine]["cached"], served[mine]["output"]
+        served[mine]["prompt"],
+        served[mine]["cached"],
+        served[mine]["output"],
     )
     refused = await _ledger_usage(url, auditor, tenant=other)
     assert (refused.status_code, refused.json()["error"]["code"]) == (403, "tenant_forbidden")

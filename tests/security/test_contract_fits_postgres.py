@@ -131,11 +131,12 @@ async def _round_trip(database: Database, ingest: LedgerIngest, decisions: Inval
         policy = await session.get(Policy, (tenant, case["auth_scope"]))
         erasures = (await session.execute(select(Erasure.tenant_id, Erasure.reason))).all()
     assert (stored_node.node_id, stored_node.epoch, stored_node.last_seq, stored_node.namespace) == (
-        case["node_id"], case["epoch"], 2, case["namespace"]
+        case["node_id"],
+        case["epoch"],
+        2,
+        case["namespace"],
     )
-    assert (stored_block.namespace, stored_block.tenant_id, stored_block.token_offset) == (
-        case["namespace"], tenant, case["token_offset"]
-    )
+    assert (stored_block.namespace, stored_block.tenant_id, stored_block.token_offset) == (case["namespace"], tenant, case["token_offset"])
     assert [tuple(row) for row in scopes] == [(case["auth_scope"], case["policy_version"])]
     assert [tuple(row) for row in documents] == [(case["doc_id"], case["doc_version"])]
     assert (snapshot.snapshot_id, snapshot.epoch, snapshot.num_blocks) == (case["snapshot_id"], case["epoch"], 1)

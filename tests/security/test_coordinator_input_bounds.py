@@ -79,9 +79,7 @@ async def test_a_hostile_namespace_is_400_and_retires_nothing(client: httpx.Asyn
 
 
 @pytest.mark.parametrize("bad", HOSTILE.values(), ids=HOSTILE.keys())
-async def test_a_hostile_tenant_at_the_key_service_is_400_and_creates_no_key(
-    client: httpx.AsyncClient, ledger_url: str, bad: str
-) -> None:
+async def test_a_hostile_tenant_at_the_key_service_is_400_and_creates_no_key(client: httpx.AsyncClient, ledger_url: str, bad: str) -> None:
     key = Ed25519PrivateKey.generate()
     await enroll_node_key(ledger_url, "bounds-node", key.public_key())
     headers = {"Authorization": f"Bearer {issue_node_credential(key, 'bounds-node')}"}

@@ -58,7 +58,14 @@ CONSOLE_PREFIX = "/ui"
 CONSOLE_OPEN_ROUTES = {("GET", "/ui/login"), ("GET", "/ui/static/console.css")}
 """The console answers in HTML, not the API's JSON error shape: it is checked on its own below."""
 CLAIMED_ROLES = (["admin"], ["platform-admin"], ["tenant-admin"], ["privacy-officer"], ["auditor"], ["node"], ["platform-admin", "node"])
-PATH_VALUES = {"erasure_id": str(uuid.uuid4()), "receipt_id": str(uuid.uuid4()), "command_id": str(uuid.uuid4()), "namespace": "ns-x", "key_id": "0" * 32, "dead_letter_id": "0-0"}
+PATH_VALUES = {
+    "erasure_id": str(uuid.uuid4()),
+    "receipt_id": str(uuid.uuid4()),
+    "command_id": str(uuid.uuid4()),
+    "namespace": "ns-x",
+    "key_id": "0" * 32,
+    "dead_letter_id": "0-0",
+}
 BODIES = {"/v1/erasures": {"tenant_id": "acme", "subject_id": "alice", "reason": "r"}, "/v1/keys/resolve": {"tenant_id": "acme"}}
 
 
@@ -158,13 +165,9 @@ async def test_console_pages_need_an_operator_token(database_url: str, ledger_te
 
 
 async def test_node_snapshot_endpoint_refuses_end_user_tokens(tiny_model_dir, tmp_path) -> None:
-    settings = NodeSettings(
-        model_dir=tiny_model_dir, data_dir=tmp_path, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH
-    )
+    settings = NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path, auth={"jwt_secret": JWT_SECRET}, operator_auth=OPERATOR_AUTH)
     engine = AsyncEngine.from_settings(settings)  # never started: the node is not ready
-    app = create_node_app(
-        engine, TokenVerifier(settings.auth), operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None)
-    )
+    app = create_node_app(engine, TokenVerifier(settings.auth), operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n") as client:
         for roles in CLAIMED_ROLES:
             token = issue_token(tenant="acme", sub="mallory", roles=roles, secret=JWT_SECRET)
@@ -287,7 +290,10 @@ def test_jwks_url_verifies_each_allowed_algorithm(jwks_server, algorithm) -> Non
     verifier = TokenVerifier(IssuerSettings(jwks_url=jwks_server.url, issuer=ISSUER, audience=AUDIENCE))
     principal = verifier.verify(_user_token(pem, "k1"))
     assert (principal.tenant_id, principal.subject_id, principal.scopes, principal.policy_version("hr")) == (
-        "acme", "alice", frozenset({"hr"}), 3
+        "acme",
+        "alice",
+        frozenset({"hr"}),
+        3,
     )
     assert jwks_server.num_fetches == 1
 
@@ -352,7 +358,9 @@ def test_jwks_refuses_algorithms_outside_the_allow_list_and_mismatched_keys(jwks
     assert verifier.verify(_user_token(rsa_pem, "rsa")).subject_id == "alice"
     eddsa_only = TokenVerifier(IssuerSettings(jwks_url=jwks_server.url, algorithms=["EdDSA"], issuer=ISSUER, audience=AUDIENCE))
     assert "algorithm not allowed" in _refused(eddsa_only, _user_token(rsa_pem, "rsa"))
-    assert "names no key id" in _refused(verifier, issue_token(tenant="acme", sub="alice", private_key_pem=ed_pem, issuer=ISSUER, audience=AUDIENCE))
+    assert "names no key id" in _refused(
+        verifier, issue_token(tenant="acme", sub="alice", private_key_pem=ed_pem, issuer=ISSUER, audience=AUDIENCE)
+    )
 
 
 def test_jwks_checks_issuer_and_audience(jwks_server) -> None:

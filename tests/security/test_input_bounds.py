@@ -121,7 +121,9 @@ async def test_a_bad_document_identifier_is_400_and_changes_nothing(node, field:
 async def test_a_bad_document_version_is_400_and_changes_nothing(node, bad) -> None:
     before = await node_state(node)
     response = await post(node, body(node, version=bad))
-    limit = {2**53 - 1: "9007199254740990", 2**53: "9007199254740990", 2**63: "9007199254740990", -1: "greater than or equal to 0"}.get(bad, "integer")
+    limit = {2**53 - 1: "9007199254740990", 2**53: "9007199254740990", 2**63: "9007199254740990", -1: "greater than or equal to 0"}.get(
+        bad, "integer"
+    )
     assert_refused(response, 400, "invalid_document_version", "messages[0].document.version", limit)
     assert await node_state(node) == before
 
@@ -195,11 +197,7 @@ async def test_a_valid_request_after_the_refusals_is_cached_published_and_in_the
     blocks_before, seq_before, _ = await node_state(node)
     response = await post(node, body(node, id=doc_id))
     assert response.status_code == 200, response.text
-    held = {
-        entry.block_hash
-        for entry in node.engine.pool.ready_entries()
-        if f"{doc_id}@1" in entry.provenance.documents
-    }
+    held = {entry.block_hash for entry in node.engine.pool.ready_entries() if f"{doc_id}@1" in entry.provenance.documents}
     assert held and not held & {block_hash for block_hash, _ in blocks_before}
     await node.publisher.flush()
     assert node.publisher.seq > seq_before

@@ -47,9 +47,11 @@ class _Authority:
         self.key = ec.generate_private_key(ec.SECP256R1())
         self.name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         self.cert_path = directory / f"{name}.pem"
-        certificate = self._builder(self.name, self.key).add_extension(
-            x509.BasicConstraints(ca=True, path_length=None), critical=True
-        ).sign(self.key, hashes.SHA256())
+        certificate = (
+            self._builder(self.name, self.key)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
         self.cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
 
     def _builder(self, subject: x509.Name, key) -> x509.CertificateBuilder:
@@ -74,9 +76,7 @@ class _Authority:
             )
         cert_path, key_path = self.directory / f"{name}.pem", self.directory / f"{name}.key"
         cert_path.write_bytes(builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        )
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         return cert_path, key_path
 
 

@@ -35,7 +35,7 @@ from identity.tokens import TokenVerifier, issue_token
 SECRET = "cross-tenant-test-secret-0123456789abcdef"
 METRICS_TOKEN = "cross-tenant-test-metrics-token"
 SCRAPER = {"Authorization": f"Bearer {METRICS_TOKEN}"}
-_COUNTER = re.compile(r'^(kvledger_[a-z_]+_total)(\{[^}]*\})? ([0-9.e+]+)$', re.MULTILINE)
+_COUNTER = re.compile(r"^(kvledger_[a-z_]+_total)(\{[^}]*\})? ([0-9.e+]+)$", re.MULTILINE)
 # Headers that differ between any two responses (time, per-request ids, body size of ids).
 _VOLATILE_HEADERS = {"date", "content-length", "x-request-id"}  # x-request-id: fresh and random per request
 
@@ -129,7 +129,11 @@ def _what_globex_sees(url: str, messages: list[dict], acme_first: bool) -> dict:
         before = _counters(http)
         answer = http.post("/v1/chat/completions", json=body, headers=globex())
         after = _counters(http)
-        forbidden_document = {"role": "user", "content": messages[0]["content"], "document": {"id": "payroll", "version": 1, "auth_scope": "finance"}}
+        forbidden_document = {
+            "role": "user",
+            "content": messages[0]["content"],
+            "document": {"id": "payroll", "version": 1, "auth_scope": "finance"},
+        }
         forbidden = http.post("/v1/chat/completions", json=body | {"messages": [forbidden_document, *messages[1:]]}, headers=globex())
         return {
             "answer": _observable(answer),

@@ -43,9 +43,7 @@ async def client(ledger_url: str) -> AsyncIterator[httpx.AsyncClient]:
 
 async def resolve(client: httpx.AsyncClient, token: str) -> tuple[int, str | None]:
     """Status and error code (None on success) of a key resolve with ``token``."""
-    response = await client.post(
-        "/v1/keys/resolve", json={"tenant_id": "acme"}, headers={"Authorization": f"Bearer {token}"}
-    )
+    response = await client.post("/v1/keys/resolve", json={"tenant_id": "acme"}, headers={"Authorization": f"Bearer {token}"})
     if response.status_code == 200:
         assert set(response.json()) == {"key_id", "key"}
         return 200, None
@@ -125,9 +123,7 @@ async def test_the_enroll_and_revoke_cli_end_to_end(client, ledger_url, tmp_path
     )
     assert taken.returncode == 2 and "enrolled for another node" in taken.stderr
 
-    revoked = await asyncio.to_thread(
-        _cli, "nodes", "revoke", "--node-id", "node-cli", "--key-id", kid, "--database-url", ledger_url
-    )
+    revoked = await asyncio.to_thread(_cli, "nodes", "revoke", "--node-id", "node-cli", "--key-id", kid, "--database-url", ledger_url)
     assert revoked.returncode == 0, revoked.stderr
     assert revoked.stdout.strip() == f"revoked key {kid} of node node-cli"
 

@@ -43,14 +43,24 @@ from events.topics import KV_EVENTS
 
 TENANT_A, TENANT_B = "tenant-a", "tenant-b"
 TENANT_ROLES = ("tenant-admin", "privacy-officer", "auditor")
-FORBIDDEN = {"error": {"message": "operators act only inside the tenant of their token", "type": "permission_error", "code": "tenant_forbidden"}}
+FORBIDDEN = {
+    "error": {"message": "operators act only inside the tenant of their token", "type": "permission_error", "code": "tenant_forbidden"}
+}
 
 ALICE_A = stored(
-    "tenancy/alice-a", "device", namespace="ns-live", tenant_id=TENANT_A, scope="user",
+    "tenancy/alice-a",
+    "device",
+    namespace="ns-live",
+    tenant_id=TENANT_A,
+    scope="user",
     subject_id=subject_digest(SUBJECT_KEY.encode(), TENANT_A, "alice"),
 )
 BOB_B = stored(
-    "tenancy/bob-b", "device", namespace="ns-live", tenant_id=TENANT_B, scope="user",
+    "tenancy/bob-b",
+    "device",
+    namespace="ns-live",
+    tenant_id=TENANT_B,
+    scope="user",
     subject_id=subject_digest(SUBJECT_KEY.encode(), TENANT_B, "bob"),
 )
 
@@ -68,8 +78,12 @@ async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str
 
 def _consumed(envelope) -> ConsumedEvent:
     return ConsumedEvent(
-        topic=KV_EVENTS, partition=0, offset=0, key=envelope.payload.node_id,
-        timestamp_ms=int(time.time() * 1000), envelope=envelope,
+        topic=KV_EVENTS,
+        partition=0,
+        offset=0,
+        key=envelope.payload.node_id,
+        timestamp_ms=int(time.time() * 1000),
+        envelope=envelope,
     )
 
 

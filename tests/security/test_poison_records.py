@@ -150,8 +150,14 @@ BAD_RECORDS = [
 
 @pytest.mark.parametrize(("topic", "kind", "bad"), BAD_RECORDS, ids=lambda v: repr(v)[:24])
 async def test_a_hostile_value_is_dead_lettered_and_the_partition_keeps_flowing(
-    coordinator, settings: CoordinatorSettings, database: Database, raw_producer: AIOKafkaProducer,
-    caplog: pytest.LogCaptureFixture, topic: str, kind: str, bad,
+    coordinator,
+    settings: CoordinatorSettings,
+    database: Database,
+    raw_producer: AIOKafkaProducer,
+    caplog: pytest.LogCaptureFixture,
+    topic: str,
+    kind: str,
+    bad,
 ) -> None:
     uid = uuid.uuid4().hex[:8]
     payload, tenant, id_paths, count_paths = _case(topic, uid)
@@ -170,9 +176,7 @@ async def test_a_hostile_value_is_dead_lettered_and_the_partition_keeps_flowing(
         letters = await dead_letters_of(settings.kafka.bootstrap, bad_values)
     group = settings.kafka.group_id + ("" if topic == KV_EVENTS else INVALIDATION_GROUP_SUFFIX)
     for letter, path in zip(letters, paths, strict=True):
-        assert (letter.topic, letter.partition, letter.raw_key(), letter.group_id) == (
-            topic, metadata.partition, key.encode(), group
-        )
+        assert (letter.topic, letter.partition, letter.raw_key(), letter.group_id) == (topic, metadata.partition, key.encode(), group)
         assert letter.offset < metadata.offset
         assert letter.error.startswith(path)
     assert dead_letter_count(topic) - before == len(bad_values)
@@ -256,9 +260,9 @@ async def test_a_document_the_database_refuses_is_isolated_and_the_rest_of_its_b
         documents = {d.doc_id: d.version for d in (await session.scalars(select(Document).where(Document.tenant_id == tenant))).all()}
         decided = (
             await session.execute(
-                select(Invalidation.source_event_id, func.count()).where(
-                    Invalidation.source_event_id.in_([e.event_id for e in events])
-                ).group_by(Invalidation.source_event_id)
+                select(Invalidation.source_event_id, func.count())
+                .where(Invalidation.source_event_id.in_([e.event_id for e in events]))
+                .group_by(Invalidation.source_event_id)
             )
         ).all()
     assert documents == {name: 3 for name in names if name != f"poison-{uid}"}

@@ -308,9 +308,7 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
         await eventually(partial, what="node-1's ack to count")
 
         # node-1's real, signed ack copied with node-2's id (and a fresh event id, past the inbox).
-        relabelled = real.model_copy(
-            update={"event_id": uuid.uuid4(), "payload": real.payload.model_copy(update={"node_id": two})}
-        )
+        relabelled = real.model_copy(update={"event_id": uuid.uuid4(), "payload": real.payload.model_copy(update={"node_id": two})})
         unsigned = ack(two)
         signed_by_other = forged_by(ack(two))
         reasons = [(relabelled, "wrong_node"), (unsigned, "unsigned"), (signed_by_other, "unknown_key")]
@@ -360,9 +358,7 @@ async def test_unsigned_and_forged_kv_events_never_reach_the_ledger(coordinator,
         await _registered(ledger, one, two)
 
         def block_stored(label: str) -> schema.Envelope:
-            return schema.make_event(
-                schema.BlockStored(node_id=one, epoch=1, seq=1, blocks=[stored(f"{uid}/{label}", "device")])
-            )
+            return schema.make_event(schema.BlockStored(node_id=one, epoch=1, seq=1, blocks=[stored(f"{uid}/{label}", "device")]))
 
         unsigned, forged, by_other_node = block_stored("unsigned"), forged_by(block_stored("forged")), block_stored("other")
         by_other_node = sign_envelope(by_other_node, node_key(two))  # node-2's enrolled key claiming to be node-1
@@ -383,9 +379,7 @@ async def test_unsigned_and_forged_kv_events_never_reach_the_ledger(coordinator,
 
         async def placed() -> set[bytes]:
             async with ledger.session() as session:
-                rows = await session.scalars(
-                    select(Placement.block_hash).where(Placement.node_id == one, Placement.state == "live")
-                )
+                rows = await session.scalars(select(Placement.block_hash).where(Placement.node_id == one, Placement.state == "live"))
                 return set(rows)
 
         async def genuine_applied() -> bool:

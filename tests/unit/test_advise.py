@@ -70,9 +70,11 @@ def test_a_varying_segment_before_a_stable_document_is_named_with_its_exact_gain
 
 def test_a_stable_layout_has_nothing_to_move() -> None:
     stable = [
-        sample([segment(0, "sys", 8), segment(1, "doc", 32, scope="tenant", start=8), segment(2, f"q{r}", 8, "user", "user", 40)],
-               num_hit_tokens=0 if r == 0 else 40,
-               divergence={"segment_index": 2, "token_offset": 40, "role": "user", "scope": "user"})
+        sample(
+            [segment(0, "sys", 8), segment(1, "doc", 32, scope="tenant", start=8), segment(2, f"q{r}", 8, "user", "user", 40)],
+            num_hit_tokens=0 if r == 0 else 40,
+            divergence={"segment_index": 2, "token_offset": 40, "role": "user", "scope": "user"},
+        )
         for r in range(3)
     ]
     advice = analyze(stable, BLOCK_SIZE)
@@ -123,8 +125,12 @@ def _prompt(timestamp: int) -> tuple[Request, RenderedPrompt]:
         ChatMessage("user", "question", CacheScope.USER),
     )
     token_ids = [timestamp] * 5 + list(range(100, 120)) + list(range(200, 206)) + [7, 7]
-    segments = [Segment(0, 5, CacheScope.PUBLIC), Segment(5, 25, CacheScope.TENANT, DocumentRef("hb", 1, "hr")),
-                Segment(25, 31, CacheScope.USER), Segment(31, 33, CacheScope.PUBLIC)]
+    segments = [
+        Segment(0, 5, CacheScope.PUBLIC),
+        Segment(5, 25, CacheScope.TENANT, DocumentRef("hb", 1, "hr")),
+        Segment(25, 31, CacheScope.USER),
+        Segment(31, 33, CacheScope.PUBLIC),
+    ]
     return Request(messages, ALICE), RenderedPrompt(token_ids, segments)
 
 
@@ -139,7 +145,10 @@ def test_the_sampler_records_layout_and_divergence_without_content() -> None:
     assert (snapshot["enabled"], snapshot["capacity"], snapshot["block_size"], snapshot["num_observed"]) == (True, 2, BLOCK_SIZE, 3)
     first, second = snapshot["samples"]  # a ring: the oldest request fell out
     assert [(s["index"], s["role"], s["scope"], s["start"], s["num_tokens"]) for s in first["segments"]] == [
-        (0, "system", "public", 0, 5), (1, "system", "tenant", 5, 20), (2, "user", "user", 25, 6), (3, "generation", "public", 31, 2)
+        (0, "system", "public", 0, 5),
+        (1, "system", "tenant", 5, 20),
+        (2, "user", "user", 25, 6),
+        (3, "generation", "public", 31, 2),
     ]
     # 3 hit blocks: the first miss is token 12, inside the document segment
     assert first["divergence"] == {"segment_index": 1, "token_offset": 12, "role": "system", "scope": "tenant"}

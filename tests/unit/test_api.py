@@ -67,9 +67,7 @@ def node(tiny_model_dir, tmp_path_factory):
         metrics={"token": METRICS_TOKEN},
     )
     engine = AsyncEngine.from_settings(settings)
-    app = create_app(
-        engine, TokenVerifier(settings.auth), operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None)
-    )
+    app = create_app(engine, TokenVerifier(settings.auth), operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -337,9 +335,7 @@ def test_document_scope_not_granted_is_403(node):
     document = {"id": "salaries", "version": 3, "auth_scope": "payroll"}
     body["messages"].insert(0, {"role": "system", "content": "Salary bands.", "document": document})
     response = post(node, body, bearer=token(scopes=["hr"]))
-    error = assert_error(
-        response, 403, "document_scope_forbidden", "permission_error", "messages[0].document.auth_scope"
-    )
+    error = assert_error(response, 403, "document_scope_forbidden", "permission_error", "messages[0].document.auth_scope")
     assert "payroll" in error["message"]
 
 
@@ -445,7 +441,9 @@ def test_operational_views_need_the_metrics_token(node, route):
     with node.http() as http:
         assert_error(http.get(route), 401, "invalid_metrics_token", "authentication_error")
         for bearer in (token(), token(roles=["admin"]), METRICS_TOKEN + "x"):
-            assert_error(http.get(route, headers={"Authorization": f"Bearer {bearer}"}), 401, "invalid_metrics_token", "authentication_error")
+            assert_error(
+                http.get(route, headers={"Authorization": f"Bearer {bearer}"}), 401, "invalid_metrics_token", "authentication_error"
+            )
         response = http.get(route, headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert response.status_code == 200
 
@@ -617,7 +615,12 @@ def test_streams_complete_after_another_server_in_the_process_shut_down(node):
         response = http.post(
             "/v1/chat/completions",
             headers={"Authorization": f"Bearer {token()}"},
-            json={"model": node.engine.model_name, "messages": [{"role": "user", "content": unique("hi")}], "stream": True, "max_tokens": 3},
+            json={
+                "model": node.engine.model_name,
+                "messages": [{"role": "user", "content": unique("hi")}],
+                "stream": True,
+                "max_tokens": 3,
+            },
         )
     events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

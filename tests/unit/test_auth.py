@@ -28,13 +28,9 @@ OTHER_SECRET = "another-secret-0123456789abcdef01234567"
 def ed25519_pem(tmp_path_factory) -> tuple[bytes, object]:
     """(private PEM, path of the public PEM file)."""
     key = Ed25519PrivateKey.generate()
-    private_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     public_path = tmp_path_factory.mktemp("keys") / "jwt.pub.pem"
-    public_path.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
+    public_path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     return private_pem, public_path
 
 
@@ -269,18 +265,14 @@ def test_token_cli_without_key_fails_clearly(no_stack, capsys):
     assert tokens.cli(_token_args()) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == (
-        f"kvledger token: error: set {JWT_SECRET_ENV}, run `kvledger up` here, or pass --stack or --private-key\n"
-    )
+    assert captured.err == (f"kvledger token: error: set {JWT_SECRET_ENV}, run `kvledger up` here, or pass --stack or --private-key\n")
 
 
 def _stack_dir(tmp_path, ed25519_pem) -> str:
     private_pem, _ = ed25519_pem
     key_file = tmp_path / "operator_key.pem"
     key_file.write_bytes(private_pem)
-    (tmp_path / "stack.json").write_text(
-        json.dumps({"jwt_secret": SECRET, "operator_private_key_file": str(key_file)})
-    )
+    (tmp_path / "stack.json").write_text(json.dumps({"jwt_secret": SECRET, "operator_private_key_file": str(key_file)}))
     return str(tmp_path)
 
 
@@ -315,9 +307,7 @@ def test_token_cli_refuses_roles_that_are_not_operator_roles(no_stack, capsys, e
 def test_token_cli_operator_role_without_operator_key(no_stack, monkeypatch, capsys):
     monkeypatch.setenv(JWT_SECRET_ENV, SECRET)
     assert tokens.cli(_token_args(role=["platform-admin"])) == 2
-    assert capsys.readouterr().err == (
-        "kvledger token: error: no operator key: run `kvledger up` in this directory or pass --stack\n"
-    )
+    assert capsys.readouterr().err == ("kvledger token: error: no operator key: run `kvledger up` in this directory or pass --stack\n")
 
 
 def test_identity_imports_neither_side():

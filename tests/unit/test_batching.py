@@ -64,7 +64,9 @@ async def start_engine(model_dir, data_dir, num_device_blocks: int, scheduler: S
 
 @pytest.fixture
 async def engines(tiny_model_dir, tmp_path):
-    started = {name: await start_engine(tiny_model_dir, tmp_path / name, blocks, scheduler) for name, (blocks, scheduler) in CONFIGS.items()}
+    started = {
+        name: await start_engine(tiny_model_dir, tmp_path / name, blocks, scheduler) for name, (blocks, scheduler) in CONFIGS.items()
+    }
     yield started
     for engine in started.values():
         await engine.stop()
@@ -157,7 +159,9 @@ async def test_isolation_under_batching_every_caller_is_served_only_its_scopes(e
     public_end, user_start = segments[0].end, segments[2].start
     await complete(engine, messages, ALICE)
     await complete(engine, messages, BOB_AT_GLOBEX)
-    alice, carol, bob, dave = await asyncio.gather(*(complete(engine, messages, who) for who in (ALICE, CAROL, BOB_AT_GLOBEX, DAVE_AT_GLOBEX)))
+    alice, carol, bob, dave = await asyncio.gather(
+        *(complete(engine, messages, who) for who in (ALICE, CAROL, BOB_AT_GLOBEX, DAVE_AT_GLOBEX))
+    )
     full = expected_cached(alice.num_prompt_tokens)
     # own blocks for the warmed callers; the tenant's document (not the other user's history) for their colleagues
     assert (alice.num_cached_tokens, bob.num_cached_tokens) == (full, full)
@@ -236,9 +240,7 @@ def _requests(messages, num: int, max_tokens: int) -> list[GenerationRequest]:
 
 
 async def test_client_disconnect_mid_stream_frees_the_sequence_and_its_blocks(tiny_model_dir, tmp_path):
-    engine = await start_engine(
-        tiny_model_dir, tmp_path / "http", 256, SchedulerSettings(), auth=IssuerSettings(jwt_secret=SECRET)
-    )
+    engine = await start_engine(tiny_model_dir, tmp_path / "http", 256, SchedulerSettings(), auth=IssuerSettings(jwt_secret=SECRET))
     served = await Served(create_app(engine, TokenVerifier(engine.settings.auth))).start()
     try:
         token = issue_token(tenant="acme", sub="alice", scopes=["hr"], pv={"hr": 1}, ttl_s=600, secret=SECRET)
@@ -278,14 +280,19 @@ async def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(engines
     engine = engines["roomy"]
 
     async def sample(messages, seed, temperature=0.8, top_p=0.9) -> list[int]:
-        request = GenerationRequest("s", tuple(messages), SamplingParams(max_tokens=12, temperature=temperature, top_p=top_p, seed=seed), ALICE)
+        request = GenerationRequest(
+            "s", tuple(messages), SamplingParams(max_tokens=12, temperature=temperature, top_p=top_p, seed=seed), ALICE
+        )
         return [item.token_id async for item in engine.generate(request) if isinstance(item, TokenDelta)]
 
     messages = [user(long_text(20, 3))]
     alone = await sample(messages, seed=7)
     assert alone == await sample(messages, seed=7)
     together = await asyncio.gather(
-        sample(messages, seed=7), sample(messages, seed=8), sample([user(long_text(25, 9))], seed=7), sample(messages, None, temperature=0.0)
+        sample(messages, seed=7),
+        sample(messages, seed=8),
+        sample([user(long_text(25, 9))], seed=7),
+        sample(messages, None, temperature=0.0),
     )
     assert together[0] == alone
     assert together[1] != alone  # another seed draws differently (fixed seeds: deterministic)

@@ -37,7 +37,9 @@ PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 
 
-def make_key(i: int, scope: CacheScope = PUBLIC, tenant: str = "acme", subject: str = "alice", documents: tuple[str, ...] = (), namespace: str = NS) -> BlockKey:
+def make_key(
+    i: int, scope: CacheScope = PUBLIC, tenant: str = "acme", subject: str = "alice", documents: tuple[str, ...] = (), namespace: str = NS
+) -> BlockKey:
     provenance = BlockProvenance(
         namespace=namespace,
         tenant_id=None if scope == PUBLIC else tenant,
@@ -480,7 +482,9 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
 
     pool.dec_lock_ref([held])
     assert pool.take_events() == [
-        BlockRemoved(block_hash(2), DEVICE, RemovalReason.INVALIDATED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True))
+        BlockRemoved(
+            block_hash(2), DEVICE, RemovalReason.INVALIDATED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True)
+        )
     ]
     assert pool.get_ready(block_hash(4)) is bob
     assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
@@ -593,9 +597,7 @@ def test_narrowed_remove_where_removes_exactly_what_the_full_scan_removes(scenar
     with tempfile.TemporaryDirectory() as root:
         root = Path(root)
         keys = LocalKeyStore(root / "keys.json")
-        full, narrowed = (
-            make_pool(root / name, device=16, host=16, disk=16, keys=keys) for name in ("full", "narrowed")
-        )
+        full, narrowed = (make_pool(root / name, device=16, host=16, disk=16, keys=keys) for name in ("full", "narrowed"))
         for pool in (full, narrowed):
             build_scenario(pool, blocks, drops)
             pool.take_events()
@@ -755,7 +757,9 @@ def test_corrupt_disk_block_raises_and_is_gone(tmp_path):
     assert pool.state_of(block_hash(0)) is None
     assert not path.exists()
     assert pool.take_events() == [
-        BlockRemoved(block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True))
+        BlockRemoved(
+            block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True)
+        )
     ]
     assert pool.stats().num_restore_failures == 1
     assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
@@ -781,7 +785,12 @@ def test_destroyed_key_raises_and_block_is_gone(tmp_path):
     assert pool.get_ready(block_hash(0)) is None
     assert not (tmp_path / "disk" / f"{block_hash(0).hex()}.kvb").exists()
     assert pool.take_events() == [
-        BlockRemoved(block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True, key_id))
+        BlockRemoved(
+            block_hash(0),
+            DISK,
+            RemovalReason.RESTORE_FAILED,
+            RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True, key_id),
+        )
     ]
 
 
@@ -800,7 +809,9 @@ def test_restart_reindexes_the_disk_tier(tmp_path):
     assert restarted.get_ready(block_hash(0)).key == make_key(0, scope=USER, subject="s0")
     assert torch.equal(read(restarted, [restarted.get_ready(block_hash(1))], promote=False)[0], make_kv(1))
     assert restarted.take_events() == [
-        BlockRemoved(block_hash(2), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(2), DISK, METHOD_OVERWRITE_UNLINK, False, True))
+        BlockRemoved(
+            block_hash(2), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(2), DISK, METHOD_OVERWRITE_UNLINK, False, True)
+        )
     ]
     assert not corrupt.exists()
     assert (tmp_path / "disk" / "notes.txt").exists()
@@ -822,7 +833,9 @@ def test_restart_deletes_blocks_of_destroyed_keys_and_expired_blocks(tmp_path):
     restarted = make_pool(tmp_path, device=1, disk=4, keys=keys, ttl=ttl, clock=FakeClock(0.0), wall_clock=wall)
     assert restarted.load_disk_tier() == 1
     assert tiers(restarted) == {2: DISK}
-    expected = sorted([(block_hash(0), RemovalReason.RESTORE_FAILED), (block_hash(1), RemovalReason.EXPIRED)], key=lambda item: item[0].hex())
+    expected = sorted(
+        [(block_hash(0), RemovalReason.RESTORE_FAILED), (block_hash(1), RemovalReason.EXPIRED)], key=lambda item: item[0].hex()
+    )
     assert [(event.block_hash, event.reason) for event in restarted.take_events()] == expected
     assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [f"{block_hash(2).hex()}.kvb"]
 

@@ -250,4 +250,6 @@ def test_bad_durations_are_refused(text):
 def test_cost_report_without_prices_is_one_line_and_exit_2(capsys):
     assert main(["cost", "report", "--since", "1h", "--price-input", "1", "--coordinator-url", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err
-    assert err == "kvledger: error: missing prices: cached_input, output (pass --price-cached-input, --price-output or put them in --prices)\n"
+    assert (
+        err == "kvledger: error: missing prices: cached_input, output (pass --price-cached-input, --price-output or put them in --prices)\n"
+    )

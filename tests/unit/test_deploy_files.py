@@ -334,7 +334,10 @@ def test_the_node_reports_health_from_readyz_and_takes_its_id_from_the_hostname(
     shell, flag, script = node["command"]
     assert (shell, flag) == ("sh", "-c")
     # $$ is compose's escape: the container's shell expands $HOSTNAME
-    assert script == 'exec kvledger node --model /models/current --host 0.0.0.0 --port 8100 --node-id "$$HOSTNAME" --data-dir /var/lib/kvledger/node'
+    assert (
+        script
+        == 'exec kvledger node --model /models/current --host 0.0.0.0 --port 8100 --node-id "$$HOSTNAME" --data-dir /var/lib/kvledger/node'
+    )
     assert "--node-id gpu-node-0" in (ROOT / "docker-compose.yml").read_text()  # the enrollment example names the hostname
 
 
@@ -389,6 +392,12 @@ def test_every_secret_comes_from_a_file():
         for variable in service.get("environment", {})
         if variable.startswith("KVLEDGER_") and variable.endswith("_FILE") and variable not in NOT_SECRET_FILES
     }
-    assert passed == {"KVLEDGER_DATABASE_URL", "KVLEDGER_JWT_SECRET", "KVLEDGER_SUBJECT_KEY", "KVLEDGER_MASTER_KEY", "KVLEDGER_COMMAND_SIGNING_KEY"}
+    assert passed == {
+        "KVLEDGER_DATABASE_URL",
+        "KVLEDGER_JWT_SECRET",
+        "KVLEDGER_SUBJECT_KEY",
+        "KVLEDGER_MASTER_KEY",
+        "KVLEDGER_COMMAND_SIGNING_KEY",
+    }
     assert passed <= set(listed.split()) <= SECRET_VARIABLES
     assert "docker/secrets/" in (ROOT / ".gitignore").read_text().splitlines()

@@ -70,7 +70,9 @@ async def complete(engine: AsyncEngine, messages, principal=ALICE, use_cache=Tru
 
 
 def node_settings(model_dir: Path, data_dir: Path, **cache) -> NodeSettings:
-    cache_settings = CacheSettings(block_size=BLOCK, **({"num_device_blocks": 256, "num_host_blocks": 256, "max_disk_blocks": 1024} | cache))
+    cache_settings = CacheSettings(
+        block_size=BLOCK, **({"num_device_blocks": 256, "num_host_blocks": 256, "max_disk_blocks": 1024} | cache)
+    )
     return NodeSettings(model_dir=model_dir, data_dir=data_dir, cache=cache_settings)
 
 
@@ -110,7 +112,13 @@ async def test_second_request_hits_every_full_block_and_matches_uncached(engine)
 
 message_strategy = st.one_of(
     st.builds(lambda n, o: system(long_text(n, o)), st.integers(1, 30), st.integers(0, 50)),
-    st.builds(lambda d, v, n, o: document(f"doc-{d}", v, long_text(n, o)), st.integers(0, 2), st.integers(1, 3), st.integers(1, 40), st.integers(0, 50)),
+    st.builds(
+        lambda d, v, n, o: document(f"doc-{d}", v, long_text(n, o)),
+        st.integers(0, 2),
+        st.integers(1, 3),
+        st.integers(1, 40),
+        st.integers(0, 50),
+    ),
     st.builds(lambda n, o: user(long_text(n, o)), st.integers(1, 30), st.integers(0, 50)),
 )
 
@@ -123,7 +131,9 @@ message_strategy = st.one_of(
 )
 async def test_greedy_tokens_with_hits_equal_uncached(engine, messages, principal, tier):
     if principal is BOB_AT_GLOBEX:
-        messages = [m if m.document is None else dataclasses.replace(m, document=dataclasses.replace(m.document, auth_scope="hr")) for m in messages]
+        messages = [
+            m if m.document is None else dataclasses.replace(m, document=dataclasses.replace(m.document, auth_scope="hr")) for m in messages
+        ]
     uncached = await complete(engine, messages, principal, use_cache=False)
     first = await complete(engine, messages, principal)
     num_blocks = num_cacheable_blocks(first.num_prompt_tokens, BLOCK)
@@ -154,7 +164,9 @@ async def test_isolation_public_prefix_shared_tenant_and_user_parts_not(engine):
     assert bob.num_cached_tokens == (public_tokens // BLOCK) * BLOCK
     # Acme's copy of the document is none of globex's business: the miss reads as if nobody had cached it.
     misses_after = {reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason}) for reason in MissReason}
-    assert {reason: misses_after[reason] - misses_before[reason] for reason in MissReason if misses_after[reason] != misses_before[reason]} == {MissReason.NO_ENTRY: 1}
+    assert {
+        reason: misses_after[reason] - misses_before[reason] for reason in MissReason if misses_after[reason] != misses_before[reason]
+    } == {MissReason.NO_ENTRY: 1}
 
     # Two subjects of one tenant share the document blocks but never each other's user blocks.
     history = user(long_text(40, 9))

@@ -130,10 +130,23 @@ EVENTS: list[tuple[object, str | None]] = [
             node_id="node-a",
             epoch=2,
             evidence=[
-                {"tier": "device", "removed": 1, "block_hashes": [H1], "method": "overwrite",
-                 "post_check": "readback_zero", "verified": True},
-                {"tier": "disk", "removed": 1, "block_hashes": [H2], "method": "crypto_erase",
-                 "post_check": "key_destroyed", "verified": True, "key_ids": ["dk-7"]},
+                {
+                    "tier": "device",
+                    "removed": 1,
+                    "block_hashes": [H1],
+                    "method": "overwrite",
+                    "post_check": "readback_zero",
+                    "verified": True,
+                },
+                {
+                    "tier": "disk",
+                    "removed": 1,
+                    "block_hashes": [H2],
+                    "method": "crypto_erase",
+                    "post_check": "key_destroyed",
+                    "verified": True,
+                    "key_ids": ["dk-7"],
+                },
             ],
         ),
         None,
@@ -371,8 +384,14 @@ def test_codec_keys_and_tombstones() -> None:
 
 def test_dead_letter_keeps_raw_bytes() -> None:
     letter = DeadLetter.of(
-        topic=topics.DOCUMENTS, partition=3, offset=17, timestamp_ms=1, key=b"\xffk", value=b"\x00{bad",
-        error="Invalid JSON", group_id="g",
+        topic=topics.DOCUMENTS,
+        partition=3,
+        offset=17,
+        timestamp_ms=1,
+        key=b"\xffk",
+        value=b"\x00{bad",
+        error="Invalid JSON",
+        group_id="g",
     )
     decoded = DeadLetter.model_validate_json(letter.encode())
     assert decoded == letter

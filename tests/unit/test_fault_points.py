@@ -53,10 +53,7 @@ def test_the_process_is_sigkilled_at_the_chosen_hit() -> None:
 
 
 def test_a_simulated_fault_is_triggered_once_at_the_chosen_hit() -> None:
-    script = (
-        "from events.fault_points import fault_triggered\n"
-        "print([fault_triggered('node.kv_events_send_timed_out') for _ in range(4)])"
-    )
+    script = "from events.fault_points import fault_triggered\nprint([fault_triggered('node.kv_events_send_timed_out') for _ in range(4)])"
     env = {name: value for name, value in os.environ.items() if name != ENV_VAR}
     unset = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     armed = subprocess.run(

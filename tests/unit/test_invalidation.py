@@ -183,7 +183,9 @@ async def test_no_response_uses_blocks_superseded_before_it_started(node, ops):
             case ("snapshot",):
                 await engine.write_snapshot()
             case ("concurrent", (_, doc_id, stale_doc, stale_pv, question), command, command_doc):
-                change = update_document(engine, handler, world, command_doc) if command == "update" else revoke_policy(engine, handler, world)
+                change = (
+                    update_document(engine, handler, world, command_doc) if command == "update" else revoke_policy(engine, handler, world)
+                )
                 await asyncio.gather(request(engine, world, doc_id, stale_doc, stale_pv, question), change)
         assert engine.versions.policy_version(world.tenant, "hr") in (None, world.policy)
         for doc_id, version in world.documents.items():
@@ -210,7 +212,10 @@ async def test_update_removes_old_version_everywhere_and_keeps_the_rest_cached(n
     evidence = {item.tier: item for item in await apply(engine, handler, command)}
     assert set(evidence) == {"device", "host", "disk", "snapshot"}
     assert evidence["host"].block_hashes == [doomed[0].hex()] and evidence["host"].method == "overwrite"
-    assert evidence["disk"].block_hashes == [doomed[1].hex()] and (evidence["disk"].method, evidence["disk"].post_check) == ("unlink", "file_absent")
+    assert evidence["disk"].block_hashes == [doomed[1].hex()] and (evidence["disk"].method, evidence["disk"].post_check) == (
+        "unlink",
+        "file_absent",
+    )
     assert sorted(evidence["device"].block_hashes) == sorted(h.hex() for h in doomed[2:])
     assert sorted(evidence["snapshot"].block_hashes) == sorted(h.hex() for h in doomed)
     assert not engine.pool.disk_path(doomed[1]).exists()
@@ -289,7 +294,11 @@ async def test_retired_namespace_is_emptied_and_then_served_without_cache(node):
     engine, handler = node
     app = create_app(engine, TokenVerifier(engine.settings.auth))
     bearer = {"Authorization": f"Bearer {issue_token(tenant='acme', sub='alice', scopes=['hr'], pv=1, ttl_s=600, secret=JWT_SECRET)}"}
-    body = {"model": engine.model_name, "max_tokens": 1, "messages": [{"role": m.role, "content": m.content, "cache_scope": m.scope.label} for m in messages_for("d0", 1, 0)[::2]]}
+    body = {
+        "model": engine.model_name,
+        "max_tokens": 1,
+        "messages": [{"role": m.role, "content": m.content, "cache_scope": m.scope.label} for m in messages_for("d0", 1, 0)[::2]],
+    }
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as client:
         await client.post("/v1/chat/completions", json=body, headers=bearer)
         cached = await client.post("/v1/chat/completions", json=body, headers=bearer)
@@ -320,14 +329,20 @@ def provenances(draw) -> BlockProvenance:
         scope=scope,
         auth_scopes=tuple(draw(st.lists(st.tuples(st.sampled_from(NAMES[4:]), st.integers(1, 3)), max_size=2))),
         subject_id=draw(st.sampled_from(["alice", "bob"])) if scope == CacheScope.USER else None,
-        documents=tuple(f"{doc}@{version}" for doc, version in draw(st.lists(st.tuples(st.sampled_from(NAMES[2:4]), st.integers(1, 3)), max_size=3))),
+        documents=tuple(
+            f"{doc}@{version}" for doc, version in draw(st.lists(st.tuples(st.sampled_from(NAMES[2:4]), st.integers(1, 3)), max_size=3))
+        ),
         created_at=0.0,
     )
 
 
 schema_predicates = st.one_of(
-    st.builds(schema.DocumentPredicate, tenant=st.sampled_from(NAMES[:2]), doc_id=st.sampled_from(NAMES[2:4]), below_version=st.integers(1, 4)),
-    st.builds(schema.PolicyPredicate, tenant=st.sampled_from(NAMES[:2]), auth_scope=st.sampled_from(NAMES[4:]), below_version=st.integers(1, 4)),
+    st.builds(
+        schema.DocumentPredicate, tenant=st.sampled_from(NAMES[:2]), doc_id=st.sampled_from(NAMES[2:4]), below_version=st.integers(1, 4)
+    ),
+    st.builds(
+        schema.PolicyPredicate, tenant=st.sampled_from(NAMES[:2]), auth_scope=st.sampled_from(NAMES[4:]), below_version=st.integers(1, 4)
+    ),
     st.builds(
         lambda tenant, subject: schema.SubjectPredicate(tenant=tenant, subject_id=schema.subject_digest(SUBJECT_KEY, tenant, subject)),
         st.sampled_from(NAMES[:2]),

@@ -127,14 +127,32 @@ def test_mtls_context_loads_the_client_certificate(pki):
     [
         ({"security_protocol": "SASL_SSL", "sasl_username": "u", "sasl_password": "p"}, "needs a sasl_mechanism"),
         ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN", "sasl_username": "u"}, "needs sasl_username and sasl_password"),
-        ({"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_password": "p"}, "needs sasl_username and sasl_password"),
-        ({"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": ""}, "needs sasl_username and sasl_password"),
+        (
+            {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_password": "p"},
+            "needs sasl_username and sasl_password",
+        ),
+        (
+            {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": ""},
+            "needs sasl_username and sasl_password",
+        ),
         ({"sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p"}, "SASL settings need security_protocol"),
         ({"security_protocol": "SSL", "ssl_cafile": "/nonexistent/ca.pem"}, "ssl_cafile /nonexistent/ca.pem does not exist"),
-        ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p", "ssl_cafile": "CA"}, "ssl_\\* files need security_protocol SSL"),
+        (
+            {
+                "security_protocol": "SASL_PLAINTEXT",
+                "sasl_mechanism": "PLAIN",
+                "sasl_username": "u",
+                "sasl_password": "p",
+                "ssl_cafile": "CA",
+            },
+            "ssl_\\* files need security_protocol SSL",
+        ),
         ({"security_protocol": "SSL", "ssl_certfile": "CERT"}, "needs both ssl_certfile and ssl_keyfile"),
         ({"security_protocol": "TLS"}, "Input should be 'PLAINTEXT', 'SSL', 'SASL_PLAINTEXT' or 'SASL_SSL'"),
-        ({"security_protocol": "SASL_SSL", "sasl_mechanism": "GSSAPI", "sasl_username": "u", "sasl_password": "p"}, "Input should be 'PLAIN'"),
+        (
+            {"security_protocol": "SASL_SSL", "sasl_mechanism": "GSSAPI", "sasl_username": "u", "sasl_password": "p"},
+            "Input should be 'PLAIN'",
+        ),
     ],
 )
 def test_inconsistent_settings_are_refused(pki, fields, message):
@@ -195,7 +213,12 @@ def _client_constructions(path: Path) -> list[tuple[int, str, bool]]:
                     and getattr(keyword.value.func, "id", None) == "kafka_client_kwargs"
                     for keyword in node.keywords
                 )
-                plain = {keyword.arg for keyword in node.keywords} & {"bootstrap_servers", "security_protocol", "ssl_context", "sasl_mechanism"}
+                plain = {keyword.arg for keyword in node.keywords} & {
+                    "bootstrap_servers",
+                    "security_protocol",
+                    "ssl_context",
+                    "sasl_mechanism",
+                }
                 found.append((node.lineno, name, uses_kwargs and not plain))
     return found
 
@@ -208,4 +231,6 @@ def test_every_kafka_client_is_built_with_the_security_kwargs():
     bypassing = {path: [(line, name) for line, name, ok in found if not ok] for path, found in constructions.items()}
     assert {path: found for path, found in bypassing.items() if found} == {}
     # The check sees the clients it is meant to see.
-    assert {"events/kafka.py", "gpu_node/commands.py", "kvledger/services.py", "bench/common.py", "bench/invalidation.py"} <= set(constructions)
+    assert {"events/kafka.py", "gpu_node/commands.py", "kvledger/services.py", "bench/common.py", "bench/invalidation.py"} <= set(
+        constructions
+    )

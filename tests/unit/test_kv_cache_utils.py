@@ -57,8 +57,12 @@ def test_exact_hash_values_are_pinned():
     # 25 tokens: the last token is always recomputed, so 24 // 4 = 6 blocks.
     assert len(keys) == 6
     assert [key.hex[:16] for key in keys] == [
-        "ffc0c12fb518a0a9", "ffef3b9664139645", "935a3fb5a61a24d4",
-        "43201c19c9ce304b", "2d3a17a3362a1a08", "96cc206bcb9f0301",
+        "ffc0c12fb518a0a9",
+        "ffef3b9664139645",
+        "935a3fb5a61a24d4",
+        "43201c19c9ce304b",
+        "2d3a17a3362a1a08",
+        "96cc206bcb9f0301",
     ]
     assert namespace_root("ns-test").hex()[:16] == "2fd4e2c62b645982"
 
@@ -118,7 +122,14 @@ def test_block_straddling_a_boundary_takes_the_stricter_scope():
 @pytest.mark.parametrize(
     "change",
     [
-        "namespace", "token", "tenant", "auth_scope", "policy_version", "subject", "document_version", "adapter",
+        "namespace",
+        "token",
+        "tenant",
+        "auth_scope",
+        "policy_version",
+        "subject",
+        "document_version",
+        "adapter",
     ],
 )
 def test_every_component_changes_the_affected_keys(change):

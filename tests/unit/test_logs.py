@@ -61,9 +61,7 @@ def make_app(observed: list[tuple]) -> FastAPI:
     async def boom() -> None:
         raise RuntimeError("broken invariant")
 
-    app.add_middleware(
-        RequestIdMiddleware, access_logger="test.access", error_body=ERROR_BODY, observe=lambda *args: observed.append(args)
-    )
+    app.add_middleware(RequestIdMiddleware, access_logger="test.access", error_body=ERROR_BODY, observe=lambda *args: observed.append(args))
     return app
 
 

@@ -67,4 +67,8 @@ def test_scrape_refusal():
     refused = (401, "invalid_metrics_token", "this route needs the metrics bearer token")
     for header in (None, "", "Bearer", "Bearer wrong", "Basic right", "right", "Bearer righ", "Bearer rightt"):
         assert scrape_refusal(header, token) == refused
-    assert scrape_refusal("Bearer right", None) == (404, "metrics_disabled", "operational metrics are disabled: no metrics token is configured")
+    assert scrape_refusal("Bearer right", None) == (
+        404,
+        "metrics_disabled",
+        "operational metrics are disabled: no metrics token is configured",
+    )

@@ -47,6 +47,6 @@ def test_an_error_merely_handled_earlier_does_not_count() -> None:
         try:
             raise ValueError("parsed something unrelated")
         except ValueError:
-            raise ConnectionResetError("connection lost")  # implicit __context__, not a cause
+            raise ConnectionResetError("connection lost")  # noqa: B904 - implicit __context__, not a cause
     except ConnectionResetError as exc:
         assert refused_as_data(exc) is None

@@ -208,9 +208,7 @@ def test_template_that_cannot_be_traced_is_refused_only_for_long_conversations(t
     # Asking loop.last before writing a message makes jinja fetch the next message early,
     # so the loop seems to step to message i+1 before message i is written.
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.chat_template = (
-        "{%- for m in messages -%}{{- '' if loop.last else '' -}}<|{{ m['role'] }}|>{{ m['content'] }}{%- endfor -%}"
-    )
+    tokenizer.chat_template = "{%- for m in messages -%}{{- '' if loop.last else '' -}}<|{{ m['role'] }}|>{{ m['content'] }}{%- endfor -%}"
     short = _conversation(prompt_module.MAX_EXACT_MESSAGES)
     assert len(render_prompt(tokenizer, short, add_generation_prompt=False).segments) == len(short)
     with pytest.raises(ValueError, match=f"cannot be split per message beyond {prompt_module.MAX_EXACT_MESSAGES} messages"):

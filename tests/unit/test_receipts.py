@@ -8,7 +8,7 @@ import json
 import re
 import typing
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -43,7 +43,7 @@ from coordinator.receipts import (
 )
 from events import schema
 
-T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 SUBJECT_HASH = schema.subject_digest(b"k" * 32, "acme", "alice@example.com")
 BLOCKS = ["bb" * 32, "aa" * 32, "cc" * 32, "aa" * 32]
 
@@ -79,7 +79,9 @@ def test_canonical_json_rfc8785_serialization_example():
         ' "string": "\\u20ac$\\u000F\\u000aA\'\\u0042\\u0022\\u005c\\\\\\"\\/",'
         ' "literals": [null, true, false]}'
     )
-    expected = '{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\\u000f\\nA\'B\\"\\\\\\\\\\"/"}'
+    expected = (
+        '{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\\u000f\\nA\'B\\"\\\\\\\\\\"/"}'
+    )
     assert canonical_json(value) == expected.encode("utf-8")
 
 

@@ -221,7 +221,12 @@ async def test_a_slow_key_service_delays_neither_healthz_nor_another_tenants_hit
     def completion(tenant: str, subject: str) -> dict:
         return {
             "url": "/v1/chat/completions",
-            "json": {"model": engine.model_name, "messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0},
+            "json": {
+                "model": engine.model_name,
+                "messages": [system, {"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "temperature": 0,
+            },
             "headers": {"Authorization": "Bearer " + issue_token(tenant=tenant, sub=subject, scopes=["hr"], pv=1, secret=NODE_SECRET)},
         }
 

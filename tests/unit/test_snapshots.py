@@ -58,7 +58,11 @@ def populated_pool(tmp_path, keys) -> BlockPool:
         entry = pool.begin_build(make_key(i, scope, subject))
         assert pool.commit_build(entry, make_kv(i))
     assert {entry.block_hash: entry.tier for entry in pool.ready_entries()} == {
-        block_hash(0): DISK, block_hash(1): DISK, block_hash(2): HOST, block_hash(3): HOST, block_hash(4): DEVICE,
+        block_hash(0): DISK,
+        block_hash(1): DISK,
+        block_hash(2): HOST,
+        block_hash(3): HOST,
+        block_hash(4): DEVICE,
     }
     pool.take_events()
     return pool
@@ -122,7 +126,8 @@ def test_load_snapshot_warms_host_first_then_disk(tmp_path):
     order = list(manifest.block_hashes)
     assert placed == {order[0]: HOST, order[1]: HOST, order[2]: DISK, order[3]: DISK}
     assert target.take_events() == [
-        BlockStored(entry.key, placed[entry.block_hash]) for entry in sorted(target.ready_entries(), key=lambda e: order.index(e.block_hash))
+        BlockStored(entry.key, placed[entry.block_hash])
+        for entry in sorted(target.ready_entries(), key=lambda e: order.index(e.block_hash))
     ]
     for block, kv in read_all(target).items():
         assert torch.equal(kv, expected[block])
@@ -143,7 +148,9 @@ def test_remove_from_snapshot_rewrites_shards_without_matches(tmp_path):
     keys = LocalKeyStore(tmp_path / "keys.json")
     old = write_snapshot(populated_pool(tmp_path, keys), tmp_path / "snap", max_shard_bytes=1)
     assert len(old.shards) == 5
-    alice_records = [(tmp_path / "snap" / block.shard).read_bytes() for block in old.blocks if block.block_hash in (block_hash(2), block_hash(4))]
+    alice_records = [
+        (tmp_path / "snap" / block.shard).read_bytes() for block in old.blocks if block.block_hash in (block_hash(2), block_hash(4))
+    ]
 
     removed = remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys)
     assert sorted((record.block_hash, record.key_id) for record in removed) == sorted(

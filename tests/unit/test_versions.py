@@ -98,7 +98,9 @@ def test_namespace_and_tenant_predicates():
     assert not matches(schema.NamespacePredicate(ns="ns-b"), provenance())
     assert matches(schema.TenantPredicate(tenant="acme"), provenance(scope=CacheScope.USER, subject="alice"))
     assert not matches(schema.TenantPredicate(tenant="acme"), provenance(tenant="globex"))
-    assert not matches(schema.TenantPredicate(tenant="acme"), provenance(tenant=None, scope=CacheScope.PUBLIC, auth_scopes=(), documents=()))
+    assert not matches(
+        schema.TenantPredicate(tenant="acme"), provenance(tenant=None, scope=CacheScope.PUBLIC, auth_scopes=(), documents=())
+    )
 
 
 @pytest.mark.parametrize(
