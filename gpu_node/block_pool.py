@@ -611,7 +611,7 @@ class BlockPool:
         """Zero the entry's slot (read back as zero) or zero+unlink its file (checked absent).
 
         ``cleared`` is the outcome of that deletion when the caller already did
-        it (:meth:`_clear_bytes`, for a batch removal); None: delete now.
+        it (:meth:`PoolRemover._clear_bytes`, for a batch removal); None: delete now.
         """
         if entry.tier is Tier.DISK:
             file_absent = self._disk.delete(entry.block_hash) if cleared is None else cleared

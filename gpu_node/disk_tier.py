@@ -136,7 +136,7 @@ class DiskTier:
     def unlink_promoted(self, block_hash: bytes) -> None:
         """Unlink the file a block promoted out of the disk tier left, without the overwrite.
 
-        The pool's promotion explains why no overwrite (``BlockPool._promote_batch``).
+        The pool's promotion explains why no overwrite (``PoolReader._promote_batch`` in :mod:`gpu_node.pool_reads`).
         """
         try:
             os.unlink(self._prefix + block_hash.hex() + ".kvb")
