@@ -51,6 +51,7 @@ from sqlalchemy import func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.db import request_session
+from coordinator.http import error_response
 from coordinator.invalidation import parse_predicate
 from coordinator.models import Document, Invalidation, InvalidationTarget, Namespace, Policy
 from coordinator.node_keys import EnrolledKey, NodeKeyRegistry
@@ -208,11 +209,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         try:
             position = Cursor(section=0, after=[]) if cursor is None else Cursor.decode(cursor)
         except ValueError as error:
-            return JSONResponse(
-                status_code=400,
-                content={"error": {"message": str(error), "type": "invalid_request_error", "code": "invalid_parameter"}},
-                headers=_NO_STORE,
-            )
+            return error_response(400, "invalid_request_error", "invalid_parameter", str(error), _NO_STORE)
         as_of = await session.scalar(select(func.coalesce(func.max(Invalidation.seq), 0)))
         decisions: list[dict] = []
         commands: list[dict] = []
