@@ -32,6 +32,7 @@ from coordinator.migrate import current_revision, head_revision
 from coordinator.models import Block, BlockAuthScope, BlockDocument, Placement
 from coordinator.node_status import node_statuses
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import PlacementState
 from coordinator.ui import router as console_router
 from coordinator.usage_api import router as usage_router
 from events.logs import RequestIdMiddleware
@@ -156,7 +157,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
         if tier is not None:
             placement_filter.append(Placement.tier == tier)
         if not include_deleted:
-            placement_filter.append(Placement.state == "live")
+            placement_filter.append(Placement.state == PlacementState.LIVE)
         if len(placement_filter) > 1:
             query = query.where(exists().where(and_(*placement_filter)))
         if after is not None:
@@ -208,7 +209,7 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
     placements: dict[bytes, list[dict]] = collections.defaultdict(list)
     placement_query = select(Placement).where(Placement.block_hash.in_(hashes))
     if not include_deleted:
-        placement_query = placement_query.where(Placement.state == "live")
+        placement_query = placement_query.where(Placement.state == PlacementState.LIVE)
     for row in await session.scalars(placement_query.order_by(Placement.node_id, Placement.tier, Placement.snapshot_id)):
         placements[row.block_hash].append(
             {

@@ -45,6 +45,7 @@ from coordinator.http import error_response, iso
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import TargetStatus
 from events.schema import Name, ReasonText
 from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS
 from identity.tokens import Operator
@@ -278,7 +279,7 @@ def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -
     nodes = []
     for node_id in sorted(set(node_status) | {node for node, _ in state.live}):
         statuses = node_status.get(node_id, set())
-        status = next((s for s in ("failed", "pending", "acked") if s in statuses), "not_targeted")
+        status = next((s for s in (TargetStatus.FAILED, TargetStatus.PENDING, TargetStatus.ACKED) if s in statuses), "not_targeted")
         tiers = {}
         for tier in TIERS:
             items = reported[node_id][tier]

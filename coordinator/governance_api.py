@@ -56,6 +56,7 @@ from coordinator.invalidation import parse_predicate
 from coordinator.models import Document, Invalidation, InvalidationTarget, Namespace, Policy
 from coordinator.node_keys import EnrolledKey, NodeKeyRegistry
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import TargetStatus
 from events.schema import ANY_VERSION, DocumentPredicate, Invalidate, NamespacePredicate, PolicyPredicate, Predicate, make_event
 from identity.node_credentials import CredentialError
 from identity.signing import GOVERNANCE_CONTEXT, sign_document
@@ -180,7 +181,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         query = (
             select(Invalidation.seq, Invalidation.command_id, Invalidation.predicate, Invalidation.cutoff)
             .join(InvalidationTarget, InvalidationTarget.command_id == Invalidation.command_id)
-            .where(InvalidationTarget.node_id == node_id, InvalidationTarget.status == "pending")
+            .where(InvalidationTarget.node_id == node_id, InvalidationTarget.status == TargetStatus.PENDING)
             .order_by(Invalidation.seq)
             .limit(limit)
         )

@@ -36,6 +36,7 @@ from coordinator.invalidation import decide, deleted_by, live_copies_matching, p
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import TargetStatus
 from events.schema import Name, NamespacePredicate
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
 from identity.tokens import Operator
@@ -152,7 +153,7 @@ async def list_invalidations(
         select(
             InvalidationTarget.command_id,
             func.count().label("num_targets"),
-            func.count().filter(InvalidationTarget.status == "acked").label("num_acked"),
+            func.count().filter(InvalidationTarget.status == TargetStatus.ACKED).label("num_acked"),
         )
         .group_by(InvalidationTarget.command_id)
         .subquery()
@@ -241,7 +242,7 @@ async def describe_invalidation(session: AsyncSession, invalidation: Invalidatio
         tiers = {}
         for tier in TIERS:
             item = evidence.get(tier)
-            if target.status == "pending":
+            if target.status == TargetStatus.PENDING:
                 tier_status = "pending"
             elif item is None:
                 tier_status = "untouched"

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.http import iso
 from coordinator.models import TIERS, Node, Placement
+from coordinator.states import PlacementState
 
 
 async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> list[dict[str, Any]]:
@@ -22,7 +23,9 @@ async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> li
     rows = (await session.execute(select(Node, func.extract("epoch", func.now() - last_seen).label("age_s")).order_by(Node.node_id))).all()
     counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
     for node_id, tier, count in await session.execute(
-        select(Placement.node_id, Placement.tier, func.count()).where(Placement.state == "live").group_by(Placement.node_id, Placement.tier)
+        select(Placement.node_id, Placement.tier, func.count())
+        .where(Placement.state == PlacementState.LIVE)
+        .group_by(Placement.node_id, Placement.tier)
     ):
         counts[node_id][tier] = count
     return [
