@@ -504,7 +504,8 @@ class _BatchApplier:
             return
         # One statement over unnest()ed arrays: the per-row work happens in Postgres, not in
         # SQLAlchemy's multi-VALUES rendering, which dominated batch time at 10k+ rows.
-        await self.session.execute(_UPSERT_PLACEMENTS, {**_placement_params(node, refs, epoch, reason), "state": state})
+        # A plain str: SQLAlchemy types a raw statement's parameter by the value's class, and an enum member is untyped.
+        await self.session.execute(_UPSERT_PLACEMENTS, {**_placement_params(node, refs, epoch, reason), "state": str(state)})
         self.placement_changes[(state, cause)] += len(refs)
 
     # -- accumulated writes -----------------------------------------------------------
