@@ -11,35 +11,35 @@ from __future__ import annotations
 
 import collections
 import logging
-from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import and_, exists, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
-from coordinator.auth import ForbiddenError, require_tenant, requires
+from coordinator.auth import require_tenant, requires
 from coordinator.db import Database, DatabaseUnavailableMiddleware, database_lifespan, request_session
 from coordinator.dead_letters_api import router as dead_letters_router
 from coordinator.erasure_api import router as erasure_router
 from coordinator.governance_api import router as governance_router
+from coordinator.http import INTERNAL_ERROR_BODY, ApiError, install_error_handlers, iso
 from coordinator.invalidation_api import router as invalidation_router
 from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
 from coordinator.models import Block, BlockAuthScope, BlockDocument, Placement
 from coordinator.node_status import node_statuses
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import PlacementState
 from coordinator.ui import router as console_router
 from coordinator.usage_api import router as usage_router
 from events.logs import RequestIdMiddleware
 from events.schema import Name, subject_digest
 from identity.metrics_access import scrape_refusal
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
-from identity.tokens import AuthError, Operator, TokenVerifier
+from identity.tokens import Operator, TokenVerifier
 
 if TYPE_CHECKING:
     from coordinator.consumers import ConsumerReadiness
@@ -47,29 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_PAGE_SIZE = 1000
-
-
-class ApiError(Exception):
-    """An error answered with the JSON error shape."""
-
-    def __init__(self, status_code: int, error_type: str, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.error_type = error_type
-        self.code = code
-        self.message = message
-
-
-def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status_code,
-        content={"error": {"message": message, "type": error_type, "code": code}},
-        headers={"WWW-Authenticate": "Bearer"} if status_code == 401 else None,
-    )
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
 
 
 Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
@@ -105,27 +82,11 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     app.add_middleware(
         RequestIdMiddleware,
         access_logger="coordinator.access",
-        error_body=b'{"error":{"message":"internal server error","type":"server_error","code":"internal_error"}}',
+        error_body=INTERNAL_ERROR_BODY,
         observe=metrics.observe_http,
     )
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status_code, exc.error_type, exc.code, exc.message)
-
-    @app.exception_handler(AuthError)
-    async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:
-        return _error(401, "authentication_error", exc.code, exc.message)
-
-    @app.exception_handler(ForbiddenError)
-    async def _forbidden(_: Request, exc: ForbiddenError) -> JSONResponse:
-        return _error(403, "permission_error", exc.code, exc.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # Name the parameter and the problem, never echo the input (it may be a subject id).
-        problems = "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
-        return _error(400, "invalid_request_error", "invalid_parameter", problems)
+    install_error_handlers(app)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -196,7 +157,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
         if tier is not None:
             placement_filter.append(Placement.tier == tier)
         if not include_deleted:
-            placement_filter.append(Placement.state == "live")
+            placement_filter.append(Placement.state == PlacementState.LIVE)
         if len(placement_filter) > 1:
             query = query.where(exists().where(and_(*placement_filter)))
         if after is not None:
@@ -248,7 +209,7 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
     placements: dict[bytes, list[dict]] = collections.defaultdict(list)
     placement_query = select(Placement).where(Placement.block_hash.in_(hashes))
     if not include_deleted:
-        placement_query = placement_query.where(Placement.state == "live")
+        placement_query = placement_query.where(Placement.state == PlacementState.LIVE)
     for row in await session.scalars(placement_query.order_by(Placement.node_id, Placement.tier, Placement.snapshot_id)):
         placements[row.block_hash].append(
             {
@@ -258,7 +219,7 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
                 "state": row.state,
                 "epoch": row.epoch,
                 "reason": row.reason,
-                "updated_at": _iso(row.updated_at),
+                "updated_at": iso(row.updated_at),
             }
         )
     return [
@@ -270,7 +231,7 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
             "scope": block.scope,
             "subject_hash": block.subject_hash.hex() if block.subject_hash is not None else None,
             "token_offset": block.token_offset,
-            "created_at": _iso(block.created_at),
+            "created_at": iso(block.created_at),
             "auth_scopes": auth_scopes[block.block_hash],
             "documents": documents[block.block_hash],
             "placements": placements[block.block_hash],

@@ -15,16 +15,15 @@ from collections.abc import Callable
 
 from fastapi import Request
 
+from coordinator.http import ApiError
 from identity.tokens import AuthError, Operator, TokenVerifier
 
 
-class ForbiddenError(Exception):
+class ForbiddenError(ApiError):
     """A verified caller who may not do this (HTTP 403)."""
 
     def __init__(self, code: str, message: str) -> None:
-        self.code = code
-        self.message = message
-        super().__init__(message)
+        super().__init__(403, "permission_error", code, message)
 
 
 class TenantForbiddenError(ForbiddenError):

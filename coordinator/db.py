@@ -26,6 +26,7 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
+from coordinator.http import error_content
 from coordinator.settings import DatabaseSettings
 
 log = logging.getLogger(__name__)
@@ -137,14 +138,7 @@ class DatabaseUnavailableMiddleware:
 
 
 _UNAVAILABLE_BODY = json.dumps(
-    {
-        "error": {
-            "message": "the ledger database is unavailable; retry later",
-            "type": "server_error",
-            "code": "database_unavailable",
-        }
-    },
-    separators=(",", ":"),
+    error_content("server_error", "database_unavailable", "the ledger database is unavailable; retry later"), separators=(",", ":")
 ).encode()
 
 

@@ -41,6 +41,7 @@ from pydantic import ValidationError
 
 from coordinator.auth import requires
 from coordinator.consumers import kafka_settings
+from coordinator.http import error_response
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter
 from events.kafka import EventProducer, KafkaSettings, kafka_client_kwargs
@@ -61,10 +62,6 @@ PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 
 class _BrokerUnavailable(Exception):
     pass
-
-
-def _error(status_code: int, error_type: str, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}}, headers=headers)
 
 
 def describe(record: ConsumerRecord, letter: DeadLetter) -> dict[str, Any]:
@@ -92,7 +89,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
 
     def unavailable(error: BaseException) -> JSONResponse:
         log.warning("dead letters: broker unavailable (%s)", type(error.__cause__ or error).__name__)
-        return _error(503, "server_error", "broker_unavailable", "the broker cannot be reached; retry later", retry_after)
+        return error_response(503, "server_error", "broker_unavailable", "the broker cannot be reached; retry later", retry_after)
 
     @routes.get("/v1/dead-letters")
     async def list_dead_letters(
@@ -105,7 +102,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         """Dead letters, oldest first: of source ``topic``, whose reason contains ``reason`` (case-insensitive),
         dead-lettered at or after ``since``; at most ``limit``, ``truncated`` when more matched or time ran out."""
         if since is not None and since.tzinfo is None:
-            return _error(400, "invalid_request_error", "invalid_parameter", "since: needs a time zone (e.g. 2026-12-01T10:00:00Z)")
+            return error_response(400, "invalid_request_error", "invalid_parameter", "since: needs a time zone (e.g. 2026-12-01T10:00:00Z)")
         needle = None if reason is None else reason.casefold()
 
         def wanted(letter: DeadLetter) -> bool:
@@ -126,16 +123,16 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         """Publish the dead letter's original record to its source topic once (see the module docstring)."""
         match = _ID.fullmatch(dead_letter_id)
         if match is None:
-            return _error(400, "invalid_request_error", "invalid_parameter", "a dead letter id is <partition>-<offset>")
+            return error_response(400, "invalid_request_error", "invalid_parameter", "a dead letter id is <partition>-<offset>")
         partition, offset = int(match[1]), int(match[2])
         try:
             letter = await _read_one(config, connect_timeout_s, partition, offset)
             if letter is None:
-                return _error(404, "invalid_request_error", "dead_letter_not_found", f"no dead letter {dead_letter_id}")
+                return error_response(404, "invalid_request_error", "dead_letter_not_found", f"no dead letter {dead_letter_id}")
             if letter.topic not in _REPLAYABLE:
-                return _error(409, "invalid_request_error", "not_replayable", "the dead letter's source is not a kvledger topic")
+                return error_response(409, "invalid_request_error", "not_replayable", "the dead letter's source is not a kvledger topic")
             if letter.value_b64 is None:  # a node's report of a record it never sent: there is nothing to publish
-                return _error(409, "invalid_request_error", "not_replayable", "the dead letter holds no record")
+                return error_response(409, "invalid_request_error", "not_replayable", "the dead letter holds no record")
             metadata = await _publish(config, connect_timeout_s, letter)
         except _BrokerUnavailable as error:
             return unavailable(error)

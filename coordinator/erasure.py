@@ -49,6 +49,7 @@ from coordinator.invalidation import Decision, decide, matching_blocks
 from coordinator.keys import DataKey, destroy_keys, subject_keys
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure, Invalidation, InvalidationTarget, Placement
+from coordinator.states import ErasureStatus, InvalidationStatus, PlacementState, TargetStatus
 from events.fault_points import fault_point
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
 from identity.signing import EnvelopeSigner
@@ -142,7 +143,7 @@ async def start_erasure(
         subject_hash=bytes.fromhex(digest),
         reason=reason,
         idempotency_key=idempotency_key,
-        status="pending",
+        status=ErasureStatus.PENDING,
         command_id=decision.command_id,
         cutoff=now,
         requested_at=requested_at or now,
@@ -187,7 +188,7 @@ class Progress:
 
     @property
     def complete(self) -> bool:
-        return all(command.status == "complete" for command in self.commands)
+        return all(command.status == InvalidationStatus.COMPLETE for command in self.commands)
 
 
 def subject_predicate(erasure: Erasure) -> SubjectPredicate:
@@ -220,12 +221,12 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
     # the subject's blocks on a node that has not acked, and on a node that has, those recorded no later than its ack.
     # A copy recorded after the node's ack is one it built after applying the command: the subject's new data.
     waited_for = and_(
-        Placement.state == "live",
+        Placement.state == PlacementState.LIVE,
         Placement.block_hash.in_(matching_blocks(subject_predicate(erasure))),
         ~exists().where(
             InvalidationTarget.command_id.in_(order),
             InvalidationTarget.node_id == Placement.node_id,
-            InvalidationTarget.status == "acked",
+            InvalidationTarget.status == TargetStatus.ACKED,
             InvalidationTarget.acked_at < Placement.updated_at,
         ),
     )
@@ -248,15 +249,15 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
         if reported
         else []
     )
-    result = Progress("pending", commands, targets, live, contradicted)
+    result = Progress(ErasureStatus.PENDING, commands, targets, live, contradicted)
     result.resend_needed = result.complete and newest_live is not None and newest_live > commands[-1].created_at
     statuses = collections.Counter(target.status for target in targets)
-    if statuses["failed"]:
-        result.status = "failed"
+    if statuses[TargetStatus.FAILED]:
+        result.status = ErasureStatus.FAILED
     elif result.complete and not live and not contradicted:
-        result.status = "verified"
-    elif statuses["acked"]:
-        result.status = "partial"
+        result.status = ErasureStatus.VERIFIED
+    elif statuses[TargetStatus.ACKED]:
+        result.status = ErasureStatus.PARTIAL
     return result
 
 
@@ -271,7 +272,7 @@ def receipt_tiers(targets: Iterable[InvalidationTarget]) -> tuple[list[receipts.
     hashes: set[str] = set()
     key_ids: set[str] = set()
     for target in targets:
-        assert target.status == "acked", "a receipt is only built from verified acks"
+        assert target.status == TargetStatus.ACKED, "a receipt is only built from verified acks"
         for item in target.evidence or []:
             grouped[(target.node_id, item["tier"])].append(item)
             hashes.update(item["block_hashes"])
@@ -369,7 +370,7 @@ class ErasureService:
             erasure_ids = (
                 await session.scalars(
                     select(Erasure.id).where(
-                        Erasure.status != "verified",
+                        Erasure.status != ErasureStatus.VERIFIED,
                         or_(Erasure.command_id.in_(command_ids), Erasure.command_id.in_(parents)),
                     )
                 )
@@ -381,7 +382,7 @@ class ErasureService:
         """Verify every erasure not yet verified (the periodic pass; also what finishes a crashed replica's work)."""
         async with self._database.session() as session:
             erasure_ids = (
-                await session.scalars(select(Erasure.id).where(Erasure.status != "verified").order_by(Erasure.requested_at))
+                await session.scalars(select(Erasure.id).where(Erasure.status != ErasureStatus.VERIFIED).order_by(Erasure.requested_at))
             ).all()
         for erasure_id in erasure_ids:
             await self.verify(erasure_id)
@@ -407,11 +408,11 @@ class ErasureService:
         async with self._database.session() as session, session.begin():
             erasure = await session.get(Erasure, erasure_id, with_for_update=True)
             assert erasure is not None, f"no erasure {erasure_id}"
-            if erasure.status == "verified":
+            if erasure.status == ErasureStatus.VERIFIED:
                 return erasure.status
             state = await progress(session, erasure)
             fault_point("coordinator.mid_erasure_verification")
-            if state.status != "verified" and not state.resend_needed:
+            if state.status != ErasureStatus.VERIFIED and not state.resend_needed:
                 if state.status != erasure.status:
                     log.info("erasure %s is %s (was %s)", erasure.id, state.status, erasure.status)
                     erasure.status = state.status
@@ -435,7 +436,7 @@ class ErasureService:
             await lock_decisions(session)
             erasure = await session.get(Erasure, erasure_id, with_for_update=True, populate_existing=True)
             assert erasure is not None, f"no erasure {erasure_id}"
-            if erasure.status == "verified":
+            if erasure.status == ErasureStatus.VERIFIED:
                 return erasure.status
             state = await progress(session, erasure)
             if state.resend_needed:
@@ -449,10 +450,12 @@ class ErasureService:
                     parent_command_id=erasure.command_id,
                 )
                 log.info("erasure %s: copies recorded after its last command; re-sent as %s", erasure.id, decision.command_id)
-                erasure.status = "partial" if any(t.status == "acked" for t in state.targets) else "pending"
+                erasure.status = (
+                    ErasureStatus.PARTIAL if any(t.status == TargetStatus.ACKED for t in state.targets) else ErasureStatus.PENDING
+                )
                 erasure.updated_at = now
                 return erasure.status
-            if state.status != "verified":
+            if state.status != ErasureStatus.VERIFIED:
                 erasure.status = state.status
                 erasure.updated_at = now
                 return state.status
@@ -479,7 +482,7 @@ class ErasureService:
             signed = receipts.sign_receipt(body, signer)
             receipt, head = await append_receipt(session, signed, erasure.id, signer, now)
             fault_point("coordinator.during_receipt_issue")
-            erasure.status = "verified"
+            erasure.status = ErasureStatus.VERIFIED
             erasure.verified_at = now
             erasure.key_ids_destroyed = sorted({*erasure.key_ids_destroyed, *key_ids})
             erasure.updated_at = now
@@ -492,4 +495,4 @@ class ErasureService:
             receipt.leaf_index,
             head.tree_size,
         )
-        return "verified"
+        return ErasureStatus.VERIFIED

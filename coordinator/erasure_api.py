@@ -41,9 +41,11 @@ from coordinator.audit_log import AuditLogCorrupted, latest_tree_head, leaf_hash
 from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
 from coordinator.erasure import IdempotencyConflict, Progress, progress, start_erasure
+from coordinator.http import error_response, iso
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import TargetStatus
 from events.schema import Name, ReasonText
 from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS
 from identity.tokens import Operator
@@ -61,14 +63,6 @@ class ErasureRequest(BaseModel):
     reason: ReasonText
     request_id: Name | None = None
     """The caller's id for this request; the ``Idempotency-Key`` header does the same."""
-
-
-def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}})
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
 
 
 Requester = Annotated[Operator, Depends(requires(ERASURE_REQUESTERS))]
@@ -92,9 +86,11 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         """Start an erasure (202); a retry with the same key answers with the same erasure."""
         require_tenant(requester, body.tenant_id)
         if subject_key is None:
-            return _error(503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)")
+            return error_response(
+                503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)"
+            )
         if idempotency_key is not None and body.request_id is not None and idempotency_key != body.request_id:
-            return _error(
+            return error_response(
                 400,
                 "invalid_request_error",
                 "idempotency_key_mismatch",
@@ -117,10 +113,10 @@ def router(settings: CoordinatorSettings) -> APIRouter:
                     trigger="api",
                 )
         except IdempotencyConflict as conflict:
-            return _error(409, "invalid_request_error", "idempotency_conflict", str(conflict))
+            return error_response(409, "invalid_request_error", "idempotency_conflict", str(conflict))
         except ValueError as error:
             # start_erasure's messages name the field, never its value.
-            return _error(400, "invalid_request_error", "invalid_parameter", str(error))
+            return error_response(400, "invalid_request_error", "invalid_parameter", str(error))
         erasure = started.erasure
         return JSONResponse(status_code=202, content={"id": str(erasure.id), "status": erasure.status})
 
@@ -137,23 +133,23 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         try:
             return await list_erasures(session, reader, tenant=tenant, status=status, limit=limit, before=before)
         except ValueError as error:
-            return _error(400, "invalid_request_error", "invalid_parameter", str(error))
+            return error_response(400, "invalid_request_error", "invalid_parameter", str(error))
 
     @api.get("/v1/erasures/{erasure_id}")
     async def get_erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Any:
         erasure = await readable_erasure(session, reader, erasure_id)
         if erasure is None:
-            return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+            return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
         return await describe_erasure(session, erasure)
 
     @api.get("/v1/erasures/{erasure_id}/receipt")
     async def get_receipt(erasure_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
         erasure = await readable_erasure(session, reader, erasure_id)
         if erasure is None:
-            return _error(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+            return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
         receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
         if receipt is None:
-            return _error(404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet")
+            return error_response(404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet")
         return await served_receipt(session, receipt, tree_size)
 
     @api.get("/v1/audit/proof/{receipt_id}")
@@ -162,14 +158,14 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         erasure = None if receipt is None else await session.get(Erasure, receipt.erasure_id)
         require_tenant(reader, None if erasure is None else erasure.tenant_id)
         if receipt is None:
-            return _error(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
+            return error_response(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
         return await served_receipt(session, receipt, tree_size)
 
     @api.get("/v1/audit/checkpoint")
     async def checkpoint(session: Session) -> Any:
         head = await latest_tree_head(session)
         if head is None:
-            return _error(404, "invalid_request_error", "audit_log_empty", "no receipt has been issued yet")
+            return error_response(404, "invalid_request_error", "audit_log_empty", "no receipt has been issued yet")
         return tree_head_document(head)
 
     @api.get("/v1/receipts/keys")
@@ -234,8 +230,8 @@ async def list_erasures(
                 "tenant_id": erasure.tenant_id,
                 "reason": erasure.reason,
                 "status": erasure.status,
-                "requested_at": _iso(erasure.requested_at),
-                "verified_at": _iso(erasure.verified_at),
+                "requested_at": iso(erasure.requested_at),
+                "verified_at": iso(erasure.verified_at),
                 "receipt_id": None if erasure.id not in receipt_ids else str(receipt_ids[erasure.id]),
             }
             for erasure in erasures
@@ -256,9 +252,9 @@ async def served_receipt(session: AsyncSession, receipt: Receipt, tree_size: int
     assert at_issue is not None, f"receipt {receipt.receipt_id} without the tree head that added it"
     head = await latest_tree_head(session) if tree_size is None else await session.get(TreeHead, tree_size)
     if head is None:
-        return _error(404, "invalid_request_error", "tree_size_not_found", f"the audit log has no tree of size {tree_size}")
+        return error_response(404, "invalid_request_error", "tree_size_not_found", f"the audit log has no tree of size {tree_size}")
     if head.tree_size < at_issue.tree_size:
-        return _error(
+        return error_response(
             400,
             "invalid_request_error",
             "tree_size_before_receipt",
@@ -269,7 +265,7 @@ async def served_receipt(session: AsyncSession, receipt: Receipt, tree_size: int
         return receipts.serve_receipt(receipt.document, receipt.leaf_index, tree_head_document(at_issue), tree_head_document(head), leaves)
     except (AuditLogCorrupted, ValueError) as error:
         log.error("receipt %s cannot be served: %s", receipt.receipt_id, error)
-        return _error(500, "server_error", "audit_log_inconsistent", "the stored audit log does not hold this receipt")
+        return error_response(500, "server_error", "audit_log_inconsistent", "the stored audit log does not hold this receipt")
 
 
 def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -> dict[str, Any]:
@@ -283,7 +279,7 @@ def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -
     nodes = []
     for node_id in sorted(set(node_status) | {node for node, _ in state.live}):
         statuses = node_status.get(node_id, set())
-        status = next((s for s in ("failed", "pending", "acked") if s in statuses), "not_targeted")
+        status = next((s for s in (TargetStatus.FAILED, TargetStatus.PENDING, TargetStatus.ACKED) if s in statuses), "not_targeted")
         tiers = {}
         for tier in TIERS:
             items = reported[node_id][tier]
@@ -300,9 +296,9 @@ def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -
         "subject_hash": erasure.subject_hash.hex(),
         "reason": erasure.reason,
         "status": erasure.status,
-        "requested_at": _iso(erasure.requested_at),
-        "cutoff": _iso(erasure.cutoff),
-        "verified_at": _iso(erasure.verified_at),
+        "requested_at": iso(erasure.requested_at),
+        "cutoff": iso(erasure.cutoff),
+        "verified_at": iso(erasure.verified_at),
         "key_ids_destroyed": erasure.key_ids_destroyed,
         "receipt_id": None if receipt_id is None else str(receipt_id),
         "commands": [{"command_id": str(c.command_id), "trigger": c.trigger, "status": c.status} for c in state.commands],

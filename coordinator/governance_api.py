@@ -51,10 +51,12 @@ from sqlalchemy import func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.db import request_session
+from coordinator.http import error_response
 from coordinator.invalidation import parse_predicate
 from coordinator.models import Document, Invalidation, InvalidationTarget, Namespace, Policy
 from coordinator.node_keys import EnrolledKey, NodeKeyRegistry
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import TargetStatus
 from events.schema import ANY_VERSION, DocumentPredicate, Invalidate, NamespacePredicate, PolicyPredicate, Predicate, make_event
 from identity.node_credentials import CredentialError
 from identity.signing import GOVERNANCE_CONTEXT, sign_document
@@ -179,7 +181,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         query = (
             select(Invalidation.seq, Invalidation.command_id, Invalidation.predicate, Invalidation.cutoff)
             .join(InvalidationTarget, InvalidationTarget.command_id == Invalidation.command_id)
-            .where(InvalidationTarget.node_id == node_id, InvalidationTarget.status == "pending")
+            .where(InvalidationTarget.node_id == node_id, InvalidationTarget.status == TargetStatus.PENDING)
             .order_by(Invalidation.seq)
             .limit(limit)
         )
@@ -208,11 +210,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         try:
             position = Cursor(section=0, after=[]) if cursor is None else Cursor.decode(cursor)
         except ValueError as error:
-            return JSONResponse(
-                status_code=400,
-                content={"error": {"message": str(error), "type": "invalid_request_error", "code": "invalid_parameter"}},
-                headers=_NO_STORE,
-            )
+            return error_response(400, "invalid_request_error", "invalid_parameter", str(error), _NO_STORE)
         as_of = await session.scalar(select(func.coalesce(func.max(Invalidation.seq), 0)))
         decisions: list[dict] = []
         commands: list[dict] = []

@@ -65,6 +65,7 @@ from coordinator.models import (
     UsageReport,
 )
 from coordinator.outbox import outbox_row
+from coordinator.states import PlacementState
 from events.kafka import ConsumedEvent
 from events.metrics import DEAD_LETTER_TOTAL
 from events.schema import (
@@ -279,15 +280,15 @@ class _BatchApplier:
                     block_hash = bytes.fromhex(block.block_hash)
                     self.blocks[block_hash] = block
                     self.stored.add(block_hash)
-                    self._place(node, block_hash, block.tier, "live", payload.epoch, None)
+                    self._place(node, block_hash, block.tier, PlacementState.LIVE, payload.epoch, None)
             case BlockRemoved():
                 for block in payload.blocks:
-                    self._place(node, bytes.fromhex(block.block_hash), block.tier, "deleted", payload.epoch, payload.reason)
+                    self._place(node, bytes.fromhex(block.block_hash), block.tier, PlacementState.DELETED, payload.epoch, payload.reason)
             case BlockMoved():
                 for block in payload.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
-                    self._place(node, block_hash, block.from_tier, "deleted", payload.epoch, "moved")
-                    self._place(node, block_hash, block.to_tier, "live", payload.epoch, None)
+                    self._place(node, block_hash, block.from_tier, PlacementState.DELETED, payload.epoch, "moved")
+                    self._place(node, block_hash, block.to_tier, PlacementState.LIVE, payload.epoch, None)
             case SnapshotWritten():
                 await self._flush()
                 await self._write_snapshot(node, payload)
@@ -304,7 +305,7 @@ class _BatchApplier:
     def _place(self, node: Node, block_hash: bytes, tier: str, state: str, epoch: int, reason: str | None) -> None:
         key = (block_hash, node.node_id, tier)
         previous = self.placements.get(key)
-        created = state == "live" or (previous is not None and previous.created)
+        created = state == PlacementState.LIVE or (previous is not None and previous.created)
         self.placements[key] = _PendingPlacement(state, epoch, reason, created)
 
     # -- holes and inventory requests --------------------------------------------
@@ -338,14 +339,14 @@ class _BatchApplier:
             update(Placement)
             .where(
                 Placement.node_id == node.node_id,
-                Placement.state == "live",
+                Placement.state == PlacementState.LIVE,
                 Placement.tier.in_(VOLATILE_TIERS),
                 Placement.epoch < epoch,
             )
-            .values(state="deleted", reason="node_restarted", updated_at=func.now())
+            .values(state=PlacementState.DELETED, reason="node_restarted", updated_at=func.now())
             .returning(Placement.id)
         )
-        self.placement_changes[("deleted", "restart")] += len(result.all())
+        self.placement_changes[(PlacementState.DELETED, "restart")] += len(result.all())
         node.epoch = epoch
         node.last_seq = -1
         node.started_at = occurred_at
@@ -358,12 +359,12 @@ class _BatchApplier:
                 node_id=node.node_id,
                 snapshot_id=payload.snapshot_id,
                 epoch=payload.epoch,
-                state="live",
+                state=PlacementState.LIVE,
                 num_blocks=len(hashes),
             )
             .on_conflict_do_update(
                 index_elements=[Snapshot.node_id, Snapshot.snapshot_id],
-                set_={"epoch": payload.epoch, "state": "live", "num_blocks": len(hashes), "deleted_at": None},
+                set_={"epoch": payload.epoch, "state": PlacementState.LIVE, "num_blocks": len(hashes), "deleted_at": None},
             )
         )
         existing = await self._live_placements(node, Placement.snapshot_id == payload.snapshot_id)
@@ -378,16 +379,16 @@ class _BatchApplier:
     async def _delete_snapshot(self, node: Node, snapshot_id: str) -> None:
         await self.session.execute(
             update(Snapshot)
-            .where(Snapshot.node_id == node.node_id, Snapshot.snapshot_id == snapshot_id, Snapshot.state == "live")
-            .values(state="deleted", deleted_at=func.now())
+            .where(Snapshot.node_id == node.node_id, Snapshot.snapshot_id == snapshot_id, Snapshot.state == PlacementState.LIVE)
+            .values(state=PlacementState.DELETED, deleted_at=func.now())
         )
         result = await self.session.execute(
             update(Placement)
-            .where(Placement.node_id == node.node_id, Placement.snapshot_id == snapshot_id, Placement.state == "live")
-            .values(state="deleted", reason="snapshot_deleted", updated_at=func.now())
+            .where(Placement.node_id == node.node_id, Placement.snapshot_id == snapshot_id, Placement.state == PlacementState.LIVE)
+            .values(state=PlacementState.DELETED, reason="snapshot_deleted", updated_at=func.now())
             .returning(Placement.id)
         )
-        self.placement_changes[("deleted", "snapshot")] += len(result.all())
+        self.placement_changes[(PlacementState.DELETED, "snapshot")] += len(result.all())
 
     async def _inventory(self, node: Node, payload: Inventory) -> None:
         """Reconcile now (single record) or once the last chunk of a complete set is in.
@@ -442,10 +443,10 @@ class _BatchApplier:
             await self.session.execute(
                 stmt.on_conflict_do_update(
                     index_elements=[Snapshot.node_id, Snapshot.snapshot_id],
-                    set_={"state": "live", "num_blocks": stmt.excluded.num_blocks, "deleted_at": None},
+                    set_={"state": PlacementState.LIVE, "num_blocks": stmt.excluded.num_blocks, "deleted_at": None},
                 ),
                 [
-                    {"node_id": node.node_id, "snapshot_id": sid, "epoch": epoch, "state": "live", "num_blocks": n}
+                    {"node_id": node.node_id, "snapshot_id": sid, "epoch": epoch, "state": PlacementState.LIVE, "num_blocks": n}
                     for sid, n in snapshot_sizes.items()
                 ],
             )
@@ -453,10 +454,10 @@ class _BatchApplier:
             update(Snapshot)
             .where(
                 Snapshot.node_id == node.node_id,
-                Snapshot.state == "live",
+                Snapshot.state == PlacementState.LIVE,
                 Snapshot.snapshot_id.not_in(list(snapshot_sizes)),
             )
-            .values(state="deleted", deleted_at=func.now())
+            .values(state=PlacementState.DELETED, deleted_at=func.now())
         )
         existing = await self._live_placements(node)
         await self._mark_deleted(node, existing - listed, epoch, "reconciled", "reconcile")
@@ -464,7 +465,7 @@ class _BatchApplier:
         # Copies that survived (disk, snapshots) are now confirmed in this epoch.
         await self.session.execute(
             update(Placement)
-            .where(Placement.node_id == node.node_id, Placement.state == "live", Placement.epoch < epoch)
+            .where(Placement.node_id == node.node_id, Placement.state == PlacementState.LIVE, Placement.epoch < epoch)
             .values(epoch=epoch, updated_at=func.now())
         )
         node.status = "active"
@@ -475,7 +476,7 @@ class _BatchApplier:
     async def _live_placements(self, node: Node, *criteria) -> set[PlacementRef]:
         rows = await self.session.execute(
             select(Placement.block_hash, Placement.tier, Placement.snapshot_id).where(
-                Placement.node_id == node.node_id, Placement.state == "live", *criteria
+                Placement.node_id == node.node_id, Placement.state == PlacementState.LIVE, *criteria
             )
         )
         return {(row.block_hash, row.tier, row.snapshot_id) for row in rows}
@@ -486,7 +487,7 @@ class _BatchApplier:
         if not refs:
             return
         result = await self.session.execute(_MARK_PLACEMENTS_DELETED, _placement_params(node, refs, epoch, reason))
-        self.placement_changes[("deleted", cause)] += len(result.all())
+        self.placement_changes[(PlacementState.DELETED, cause)] += len(result.all())
 
     async def _upsert(
         self,
@@ -494,7 +495,7 @@ class _BatchApplier:
         refs: Iterable[PlacementRef],
         epoch: int,
         cause: str,
-        state: str = "live",
+        state: str = PlacementState.LIVE,
         reason: str | None = None,
     ) -> None:
         """Insert or overwrite the node's placements ``refs`` with ``state`` (blocks must be in ``blocks``)."""
@@ -503,7 +504,8 @@ class _BatchApplier:
             return
         # One statement over unnest()ed arrays: the per-row work happens in Postgres, not in
         # SQLAlchemy's multi-VALUES rendering, which dominated batch time at 10k+ rows.
-        await self.session.execute(_UPSERT_PLACEMENTS, {**_placement_params(node, refs, epoch, reason), "state": state})
+        # A plain str: SQLAlchemy types a raw statement's parameter by the value's class, and an enum member is untyped.
+        await self.session.execute(_UPSERT_PLACEMENTS, {**_placement_params(node, refs, epoch, reason), "state": str(state)})
         self.placement_changes[(state, cause)] += len(refs)
 
     # -- accumulated writes -----------------------------------------------------------

@@ -75,6 +75,7 @@ from coordinator.models import (
     Policy,
 )
 from coordinator.outbox import outbox_row
+from coordinator.states import ErasureStatus, InvalidationStatus, PlacementState, TargetStatus
 from events.fault_points import fault_point
 from events.kafka import ConsumedEvent
 from events.schema import (
@@ -351,7 +352,7 @@ def acked_erasure_command(erasure_command_id: ColumnElement[uuid.UUID], node_id:
     """Whether ``node_id`` acked the erasure command ``erasure_command_id`` or one of its re-sends (SQL expressions)."""
     return exists().where(
         InvalidationTarget.node_id == node_id,
-        InvalidationTarget.status == "acked",
+        InvalidationTarget.status == TargetStatus.ACKED,
         InvalidationTarget.command_id.in_(
             select(Invalidation.command_id).where(
                 or_(Invalidation.command_id == erasure_command_id, Invalidation.parent_command_id == erasure_command_id)
@@ -411,10 +412,12 @@ async def decide(
     )
     num_targets = len(targets.all())
     if num_targets == 0:
-        await session.execute(update(Invalidation).where(Invalidation.command_id == command_id).values(status="complete", completed_at=now))
+        await session.execute(
+            update(Invalidation).where(Invalidation.command_id == command_id).values(status=InvalidationStatus.COMPLETE, completed_at=now)
+        )
     await session.execute(
         update(Placement)
-        .where(Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate)))
+        .where(Placement.state == PlacementState.LIVE, Placement.block_hash.in_(matching_blocks(predicate)))
         .values(invalidation_id=command_id)
     )
     tenant = getattr(predicate, "tenant", None)
@@ -481,8 +484,8 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
         erasures = (
             select(Erasure.command_id)
             .join(Block, and_(Block.tenant_id == Erasure.tenant_id, Block.subject_hash == Erasure.subject_hash))
-            .join(Placement, and_(Placement.block_hash == Block.block_hash, Placement.state == "live"))
-            .where(in_chunk, Erasure.status != "verified", ~acked_erasure_command(Erasure.command_id, Placement.node_id))
+            .join(Placement, and_(Placement.block_hash == Block.block_hash, Placement.state == PlacementState.LIVE))
+            .where(in_chunk, Erasure.status != ErasureStatus.VERIFIED, ~acked_erasure_command(Erasure.command_id, Placement.node_id))
         )
         originals.update((await session.scalars(documents.union(policies, namespaces, erasures))).all())
     if not originals:
@@ -536,7 +539,7 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
     failed: list[uuid.UUID] = []
     namespaces: list[uuid.UUID] = []
     for row in rows:
-        if row.status == "complete":
+        if row.status == InvalidationStatus.COMPLETE:
             continue
         pending, failures = counts.get(row.command_id, (0, 0))
         if pending == 0 and failures == 0:
@@ -586,7 +589,7 @@ def _record_metrics(result: _BatchResult) -> None:
         metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
     for seconds in result.finished.completed_s:
         metrics.INVALIDATION_SECONDS.observe(seconds)
-    metrics.PLACEMENT_CHANGES_TOTAL.labels(state="deleted", cause="invalidation").inc(result.copies_deleted)
+    metrics.PLACEMENT_CHANGES_TOTAL.labels(state=PlacementState.DELETED, cause="invalidation").inc(result.copies_deleted)
 
 
 class InvalidationHandler:
@@ -849,11 +852,11 @@ class InvalidationHandler:
                 # Not a command of this ledger, or a node registered after the decision.
                 result.outcomes[(envelope.type, UNEXPECTED)] += 1
                 continue
-            if current == "acked":
+            if current == TargetStatus.ACKED:
                 result.outcomes[(envelope.type, inbox.DUPLICATE)] += 1
                 continue
             verified = all(evidence.verified for evidence in ack.evidence)
-            status[key] = "acked" if verified else "failed"
+            status[key] = TargetStatus.ACKED if verified else TargetStatus.FAILED
             updates[key] = (
                 status[key],
                 ack.epoch,
@@ -894,7 +897,7 @@ def live_copies_matching(predicate: Predicate) -> Select:
     """(node, tier, count) of live placements of blocks ``predicate`` covers — what the ledger says remains."""
     return (
         select(Placement.node_id, Placement.tier, func.count())
-        .where(Placement.state == "live", Placement.block_hash.in_(matching_blocks(predicate)))
+        .where(Placement.state == PlacementState.LIVE, Placement.block_hash.in_(matching_blocks(predicate)))
         .group_by(Placement.node_id, Placement.tier)
     )
 
@@ -903,6 +906,6 @@ def deleted_by(command_id: uuid.UUID) -> Select:
     """(node, tier, count) of placements this command's acks deleted."""
     return (
         select(Placement.node_id, Placement.tier, func.count())
-        .where(Placement.invalidation_id == command_id, Placement.state == "deleted")
+        .where(Placement.invalidation_id == command_id, Placement.state == PlacementState.DELETED)
         .group_by(Placement.node_id, Placement.tier)
     )

@@ -31,23 +31,17 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
+from coordinator.http import error_response, iso
 from coordinator.invalidation import decide, deleted_by, live_copies_matching, parse_predicate
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.settings import CoordinatorSettings
+from coordinator.states import TargetStatus
 from events.schema import Name, NamespacePredicate
 from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
 from identity.tokens import Operator
 
 MAX_PAGE_SIZE = 1000
-
-
-def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status_code, content={"error": {"message": message, "type": error_type, "code": code}})
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
 
 
 def _ms(start: datetime, end: datetime | None) -> float | None:
@@ -69,7 +63,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         invalidation = await session.get(Invalidation, command_id)
         require_tenant(reader, None if invalidation is None else invalidation.predicate.get("tenant"))
         if invalidation is None:
-            return _error(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
+            return error_response(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
         return await describe_invalidation(session, invalidation)
 
     @api.get("/v1/invalidations")
@@ -100,7 +94,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
             await lock_decisions(session)
             row = await session.get(Namespace, namespace, with_for_update=True)
             if row is None:
-                return _error(404, "invalid_request_error", "namespace_not_found", "no such namespace in the ledger")
+                return error_response(404, "invalid_request_error", "namespace_not_found", "no such namespace in the ledger")
             serving = (await _serving_nodes(session))[namespace]
             if row.status != "active":
                 return JSONResponse(status_code=200, content=_namespace(row, serving))
@@ -114,7 +108,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
             )
             in_use = alive.all()
             if in_use:
-                return _error(
+                return error_response(
                     409,
                     "invalid_request_error",
                     "namespace_in_use",
@@ -159,7 +153,7 @@ async def list_invalidations(
         select(
             InvalidationTarget.command_id,
             func.count().label("num_targets"),
-            func.count().filter(InvalidationTarget.status == "acked").label("num_acked"),
+            func.count().filter(InvalidationTarget.status == TargetStatus.ACKED).label("num_acked"),
         )
         .group_by(InvalidationTarget.command_id)
         .subquery()
@@ -202,8 +196,8 @@ def _namespace(row: Namespace, nodes: list[str]) -> dict[str, Any]:
     return {
         "namespace": row.namespace,
         "status": row.status,
-        "first_seen_at": _iso(row.first_seen_at),
-        "updated_at": _iso(row.updated_at),
+        "first_seen_at": iso(row.first_seen_at),
+        "updated_at": iso(row.updated_at),
         "invalidation_id": None if row.invalidation_id is None else str(row.invalidation_id),
         "nodes": nodes,
     }
@@ -215,14 +209,14 @@ def _summary(invalidation: Invalidation) -> dict[str, Any]:
         "seq": invalidation.seq,
         "kind": invalidation.kind,
         "predicate": invalidation.predicate,
-        "cutoff": _iso(invalidation.cutoff),
+        "cutoff": iso(invalidation.cutoff),
         "trigger": invalidation.trigger,
         "source_event_id": None if invalidation.source_event_id is None else str(invalidation.source_event_id),
         "parent_command_id": None if invalidation.parent_command_id is None else str(invalidation.parent_command_id),
         "status": invalidation.status,
-        "requested_at": _iso(invalidation.requested_at),
-        "created_at": _iso(invalidation.created_at),
-        "completed_at": _iso(invalidation.completed_at),
+        "requested_at": iso(invalidation.requested_at),
+        "created_at": iso(invalidation.created_at),
+        "completed_at": iso(invalidation.completed_at),
         "latency_ms": _ms(invalidation.created_at, invalidation.completed_at),
         "end_to_end_ms": _ms(invalidation.requested_at, invalidation.completed_at),
     }
@@ -248,7 +242,7 @@ async def describe_invalidation(session: AsyncSession, invalidation: Invalidatio
         tiers = {}
         for tier in TIERS:
             item = evidence.get(tier)
-            if target.status == "pending":
+            if target.status == TargetStatus.PENDING:
                 tier_status = "pending"
             elif item is None:
                 tier_status = "untouched"
@@ -267,7 +261,7 @@ async def describe_invalidation(session: AsyncSession, invalidation: Invalidatio
                 "node_id": target.node_id,
                 "status": target.status,
                 "epoch": target.epoch,
-                "acked_at": _iso(target.acked_at),
+                "acked_at": iso(target.acked_at),
                 "latency_ms": _ms(invalidation.created_at, target.acked_at),
                 "tiers": tiers,
             }

@@ -27,6 +27,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.http import error_response
 from coordinator.keys import KeyService, MasterKeyError
 from coordinator.node_keys import NodeKeyRegistry
 from coordinator.settings import CoordinatorSettings
@@ -49,21 +50,15 @@ class ResolveRequest(BaseModel):
     """``events.schema.subject_digest(subject_key, tenant_id, subject)`` for a user-scope key; absent for tenant scope."""
 
 
-def _error(status_code: int, error_type: str, code: str, message: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status_code,
-        content={"error": {"message": message, "type": error_type, "code": code}},
-        headers=_NO_STORE,
-    )
-
-
 def _key_response(key_id: str, key: bytes) -> JSONResponse:
     return JSONResponse(content={"key_id": key_id, "key": base64.b64encode(key).decode()}, headers=_NO_STORE)
 
 
 def _master_key_mismatch(error: MasterKeyError) -> JSONResponse:
     log.error("%s", error)
-    return _error(500, "server_error", "master_key_mismatch", "a stored data key does not unwrap with the configured master key")
+    return error_response(
+        500, "server_error", "master_key_mismatch", "a stored data key does not unwrap with the configured master key", _NO_STORE
+    )
 
 
 def router(settings: CoordinatorSettings) -> APIRouter:
@@ -93,11 +88,12 @@ def router(settings: CoordinatorSettings) -> APIRouter:
     service_dependency = Depends(key_service)
 
     def not_configured() -> JSONResponse:
-        return _error(
+        return error_response(
             503,
             "server_error",
             "keys_not_configured",
             f"this coordinator serves no data keys: set {' and '.join(missing)}",
+            _NO_STORE,
         )
 
     api = APIRouter(prefix="/v1/keys")
@@ -125,9 +121,9 @@ def router(settings: CoordinatorSettings) -> APIRouter:
         except MasterKeyError as error:
             return _master_key_mismatch(error)
         if record is None:
-            return _error(404, "not_found_error", "key_not_found", "no data key was issued under this id")
+            return error_response(404, "not_found_error", "key_not_found", "no data key was issued under this id", _NO_STORE)
         if record.key is None:
-            return _error(410, "gone_error", "key_destroyed", "this data key has been destroyed")
+            return error_response(410, "gone_error", "key_destroyed", "this data key has been destroyed", _NO_STORE)
         return _key_response(key_id, record.key)
 
     return api

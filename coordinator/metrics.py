@@ -17,6 +17,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.models import DeadLetterCount, Erasure, Invalidation, Node, OutboxEntry
+from coordinator.states import ErasureStatus, InvalidationStatus
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
     NODES.labels(liveness="alive").set(num_alive)
     NODES.labels(liveness="stale").set(num_total - num_alive)
 
-    open_statuses = ("pending", "failed")
+    open_statuses = (InvalidationStatus.PENDING, InvalidationStatus.FAILED)
     counts = dict(
         (
             await session.execute(
@@ -170,7 +171,7 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
         )
     )
 
-    unverified_statuses = ("pending", "partial", "failed")
+    unverified_statuses = (ErasureStatus.PENDING, ErasureStatus.PARTIAL, ErasureStatus.FAILED)
     age = func.now() - Erasure.requested_at
     age_class = case(*((age < bound, label) for label, bound in ERASURE_AGE_BUCKETS), else_="ge_24h")
     counts = {

@@ -26,6 +26,7 @@ Design notes:
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -50,6 +51,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from coordinator.states import ErasureStatus, InvalidationStatus, PlacementState, TargetStatus
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -62,19 +65,16 @@ SCOPES = ("public", "tenant", "user")
 TIERS = ("device", "host", "disk", "snapshot")
 VOLATILE_TIERS = ("device", "host")
 """Tiers whose bytes do not survive a node restart."""
-PLACEMENT_STATES = ("live", "deleted")
 NAMESPACE_STATUSES = ("active", "draining", "retired")
 NODE_STATUSES = ("active", "reconciling")
 PREDICATE_KINDS = ("document", "policy", "subject", "namespace", "tenant")
-INVALIDATION_STATUSES = ("pending", "complete", "failed")
-"""``failed``: some node acked with a post-check that did not verify; a later verified ack can still complete it."""
 INVALIDATION_TRIGGERS = ("event", "api", "late_block")
-TARGET_STATUSES = ("pending", "acked", "failed")
 """``reconciling``: the coordinator missed some of the node's events and waits for its Inventory."""
 
 
-def _one_of(column: str, values: tuple[str, ...]) -> str:
-    return f"{column} IN ({', '.join(repr(value) for value in values)})"
+def _one_of(column: str, values: Iterable[str]) -> str:
+    """The CHECK text for an enumeration; ``str()`` keeps an enum member's value, so the text is the migrated one."""
+    return f"{column} IN ({', '.join(repr(str(value)) for value in values)})"
 
 
 class Base(DeclarativeBase):
@@ -177,7 +177,7 @@ class Snapshot(Base):
     """A node snapshot (manifest + shards): a tier of its own."""
 
     __tablename__ = "snapshots"
-    __table_args__ = (CheckConstraint(_one_of("state", PLACEMENT_STATES), name="state"),)
+    __table_args__ = (CheckConstraint(_one_of("state", PlacementState), name="state"),)
 
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
     snapshot_id: Mapped[str] = mapped_column(primary_key=True)
@@ -194,7 +194,7 @@ class Placement(Base):
     __tablename__ = "placements"
     __table_args__ = (
         CheckConstraint(_one_of("tier", TIERS), name="tier"),
-        CheckConstraint(_one_of("state", PLACEMENT_STATES), name="state"),
+        CheckConstraint(_one_of("state", PlacementState), name="state"),
         CheckConstraint("(tier = 'snapshot') = (snapshot_id IS NOT NULL)", name="snapshot_tier"),
         UniqueConstraint("block_hash", "node_id", "tier", "snapshot_id", postgresql_nulls_not_distinct=True),
         # Snapshot ids are the node's own names, so a snapshot is identified together with its node.
@@ -311,7 +311,7 @@ class Invalidation(Base):
     __tablename__ = "invalidations"
     __table_args__ = (
         CheckConstraint(_one_of("kind", PREDICATE_KINDS), name="kind"),
-        CheckConstraint(_one_of("status", INVALIDATION_STATUSES), name="status"),
+        CheckConstraint(_one_of("status", InvalidationStatus), name="status"),
         CheckConstraint(_one_of("trigger", INVALIDATION_TRIGGERS), name="trigger"),
         UniqueConstraint("seq"),
         Index(None, "status", "seq"),
@@ -328,7 +328,7 @@ class Invalidation(Base):
     requested_at: Mapped[datetime]
     created_at: Mapped[datetime] = _now()
     completed_at: Mapped[datetime | None]
-    status: Mapped[str] = mapped_column(server_default="pending")
+    status: Mapped[str] = mapped_column(server_default=InvalidationStatus.PENDING.value)
 
 
 class InvalidationTarget(Base):
@@ -336,14 +336,14 @@ class InvalidationTarget(Base):
 
     __tablename__ = "invalidation_targets"
     __table_args__ = (
-        CheckConstraint(_one_of("status", TARGET_STATUSES), name="status"),
+        CheckConstraint(_one_of("status", TargetStatus), name="status"),
         Index(None, "node_id", "status"),
-        Index("ix_invalidation_targets_pending", "command_id", postgresql_where=text("status = 'pending'")),
+        Index("ix_invalidation_targets_pending", "command_id", postgresql_where=text(f"status = '{TargetStatus.PENDING}'")),
     )
 
     command_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("invalidations.command_id", ondelete="CASCADE"), primary_key=True)
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
-    status: Mapped[str] = mapped_column(server_default="pending")
+    status: Mapped[str] = mapped_column(server_default=TargetStatus.PENDING.value)
     epoch: Mapped[int | None] = mapped_column(BigInteger)
     acked_at: Mapped[datetime | None]
     evidence: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
@@ -355,11 +355,6 @@ class InvalidationTarget(Base):
     last_resent_at: Mapped[datetime | None]
     next_resend_at: Mapped[datetime | None]
     """When the next re-send is due; NULL: ``command_resend_after_s`` after the decision."""
-
-
-ERASURE_STATUSES = ("pending", "partial", "verified", "failed")
-"""``partial``: some expected node acked, not all; ``failed``: a node reported a post-check that did not verify
-(a later verified ack can still lead to ``verified``); ``verified`` is final and has exactly one receipt."""
 
 
 class Erasure(Base):
@@ -374,7 +369,7 @@ class Erasure(Base):
 
     __tablename__ = "erasures"
     __table_args__ = (
-        CheckConstraint(_one_of("status", ERASURE_STATUSES), name="status"),
+        CheckConstraint(_one_of("status", ErasureStatus), name="status"),
         UniqueConstraint("tenant_id", "idempotency_key"),
         Index(None, "status"),
         Index(None, "tenant_id", "subject_hash"),
@@ -386,7 +381,7 @@ class Erasure(Base):
     subject_hash: Mapped[bytes]
     reason: Mapped[str]
     idempotency_key: Mapped[str]
-    status: Mapped[str] = mapped_column(server_default="pending")
+    status: Mapped[str] = mapped_column(server_default=ErasureStatus.PENDING.value)
     command_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("invalidations.command_id"))
     cutoff: Mapped[datetime]
     requested_at: Mapped[datetime]

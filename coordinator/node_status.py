@@ -7,17 +7,14 @@ Liveness is the age of a node's last heartbeat or kv-event against
 from __future__ import annotations
 
 import collections
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from coordinator.http import iso
 from coordinator.models import TIERS, Node, Placement
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
+from coordinator.states import PlacementState
 
 
 async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> list[dict[str, Any]]:
@@ -26,7 +23,9 @@ async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> li
     rows = (await session.execute(select(Node, func.extract("epoch", func.now() - last_seen).label("age_s")).order_by(Node.node_id))).all()
     counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
     for node_id, tier, count in await session.execute(
-        select(Placement.node_id, Placement.tier, func.count()).where(Placement.state == "live").group_by(Placement.node_id, Placement.tier)
+        select(Placement.node_id, Placement.tier, func.count())
+        .where(Placement.state == PlacementState.LIVE)
+        .group_by(Placement.node_id, Placement.tier)
     ):
         counts[node_id][tier] = count
     return [
@@ -36,9 +35,9 @@ async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> li
             "last_seq": node.last_seq,
             "status": node.status,
             "namespace": node.namespace,
-            "started_at": _iso(node.started_at),
-            "last_heartbeat": _iso(node.last_heartbeat),
-            "last_event_at": _iso(node.last_event_at),
+            "started_at": iso(node.started_at),
+            "last_heartbeat": iso(node.last_heartbeat),
+            "last_event_at": iso(node.last_event_at),
             "last_seen_age_s": float(age_s),
             "alive": float(age_s) < heartbeat_timeout_s,
             "num_live_placements": {t: counts[node.node_id].get(t, 0) for t in TIERS},

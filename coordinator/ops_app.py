@@ -15,11 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from coordinator import metrics
 from coordinator.consumers import ConsumerReadiness
 from coordinator.db import Database, DatabaseUnavailableMiddleware, database_lifespan
+from coordinator.http import INTERNAL_ERROR_BODY, error_response
 from coordinator.settings import CoordinatorSettings
 from events.logs import RequestIdMiddleware
 from identity.metrics_access import scrape_refusal
-
-_INTERNAL_ERROR = b'{"error":{"message":"internal server error","type":"server_error","code":"internal_error"}}'
 
 
 def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) -> FastAPI:
@@ -50,16 +49,14 @@ def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) 
         if refusal is not None:
             status_code, code, message = refusal
             error_type = "authentication_error" if status_code == 401 else "invalid_request_error"
-            return JSONResponse(
-                status_code=status_code,
-                content={"error": {"message": message, "type": error_type, "code": code}},
-                headers={"WWW-Authenticate": "Bearer"} if status_code == 401 else None,
-            )
+            return error_response(status_code, error_type, code, message)
         database: Database = request.app.state.database
         async with database.session() as session:
             body = await metrics.exposition(session, settings.ledger.heartbeat_timeout_s)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(DatabaseUnavailableMiddleware, retry_after_s=settings.http.retry_after_s)
-    app.add_middleware(RequestIdMiddleware, access_logger="coordinator.access", error_body=_INTERNAL_ERROR, observe=metrics.observe_http)
+    app.add_middleware(
+        RequestIdMiddleware, access_logger="coordinator.access", error_body=INTERNAL_ERROR_BODY, observe=metrics.observe_http
+    )
     return app

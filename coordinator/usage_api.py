@@ -17,13 +17,13 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import JSONResponse
 from pydantic import AwareDatetime
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.auth import require_tenant, requires
 from coordinator.db import request_session
+from coordinator.http import error_response
 from coordinator.models import UsageReport
 from events.schema import Name
 from identity.roles import LEDGER_READERS
@@ -51,10 +51,7 @@ def router() -> APIRouter:
             require_tenant(reader, tenant)
         until = until or datetime.now(UTC)
         if until < since:
-            return JSONResponse(
-                status_code=400,
-                content={"error": {"message": "until must not precede since", "type": "invalid_request_error", "code": "bad_window"}},
-            )
+            return error_response(400, "invalid_request_error", "bad_window", "until must not precede since")
         query = (
             select(
                 UsageReport.tenant_id,
