@@ -54,13 +54,11 @@ from coordinator.db import request_session
 from coordinator.http import error_response
 from coordinator.invalidation import parse_predicate
 from coordinator.models import Document, Invalidation, InvalidationTarget, Namespace, Policy
-from coordinator.node_keys import EnrolledKey, NodeKeyRegistry
+from coordinator.node_keys import EnrolledKey, authenticate_node
 from coordinator.settings import CoordinatorSettings
 from coordinator.states import TargetStatus
 from events.schema import ANY_VERSION, DocumentPredicate, Invalidate, NamespacePredicate, PolicyPredicate, Predicate, make_event
-from identity.node_credentials import CredentialError
 from identity.signing import GOVERNANCE_CONTEXT, sign_document
-from identity.tokens import AuthError
 
 MAX_PAGE_ENTRIES = 1000
 """Entries (decisions and commands together) in one answer: bounds its size (a command is under 2 KiB)."""
@@ -162,17 +160,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
 
     async def calling_node(request: Request) -> EnrolledKey:
         """The enrolled key of the node that made the bearer credential; AuthError (401) for anyone else."""
-        database = request.app.state.database
-        registry = getattr(request.app.state, "node_keys", None)
-        if registry is None or registry.database is not database:
-            registry = request.app.state.node_keys = NodeKeyRegistry(database)
-        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise AuthError("missing_token", "the governance state needs 'Authorization: Bearer <node credential>'")
-        try:
-            return await registry.authenticate(token.strip())
-        except CredentialError as error:
-            raise AuthError(error.code, error.message) from None
+        return await authenticate_node(request, "the governance state")
 
     node_dependency = Depends(calling_node)
     session_dependency = Depends(request_session)

@@ -29,12 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.http import error_response
 from coordinator.keys import KeyService, MasterKeyError
-from coordinator.node_keys import NodeKeyRegistry
+from coordinator.node_keys import authenticate_node
 from coordinator.settings import CoordinatorSettings
 from events.schema import Name
-from identity.node_credentials import CredentialError
 from identity.sealing import KEY_ID_HEX_CHARS
-from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +67,7 @@ def router(settings: CoordinatorSettings) -> APIRouter:
 
     async def key_service(request: Request) -> KeyService | None:
         """Authenticate the caller as an enrolled node, then the service; None when this coordinator holds no keys."""
-        database = request.app.state.database
-        registry = getattr(request.app.state, "node_keys", None)
-        if registry is None or registry.database is not database:
-            registry = request.app.state.node_keys = NodeKeyRegistry(database)
-        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise AuthError("missing_token", "the key service needs 'Authorization: Bearer <node credential>'")
-        try:
-            await registry.authenticate(token.strip())
-        except CredentialError as error:
-            raise AuthError(error.code, error.message) from None
+        await authenticate_node(request, "the key service")
         if missing:
             return None
         return KeyService(request.app.state.database, master_key, subject_key.get_secret_value().encode())

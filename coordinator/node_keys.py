@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from aiokafka.structs import ConsumerRecord
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from fastapi import Request
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -40,6 +41,7 @@ from events.metrics import DEAD_LETTER_TOTAL, UNVERIFIED_RECORDS_TOTAL
 from events.schema import Envelope
 from identity.node_credentials import CredentialError, credential_key_id, verify_node_credential
 from identity.signing import SIGNATURE_ERROR, UNSIGNED, WRONG_NODE, key_id, public_key_from_raw, raw_public_key, signature_problem
+from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +210,22 @@ class VerifiedRecords:
         await send_to_dead_letter(self._dead_letters, record, SIGNATURE_ERROR + reason, self._group_id, self._counter)
         UNVERIFIED_RECORDS_TOTAL.labels(topic=event.topic, reason=reason).inc()
         self._dead_lettered[partition] = event.offset
+
+
+async def authenticate_node(request: Request, what: str) -> EnrolledKey:
+    """The enrolled key whose node credential is the request's bearer token; :class:`AuthError` (401) for anyone else.
+
+    The node-facing routes (data keys, governance state) share one registry per app and database,
+    so its cache — and with it the revocation bound — is the same for all of them.
+    """
+    database = request.app.state.database
+    registry = getattr(request.app.state, "node_keys", None)
+    if registry is None or registry.database is not database:
+        registry = request.app.state.node_keys = NodeKeyRegistry(database)
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthError("missing_token", f"{what} needs 'Authorization: Bearer <node credential>'")
+    try:
+        return await registry.authenticate(token.strip())
+    except CredentialError as error:
+        raise AuthError(error.code, error.message) from None
