@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
@@ -35,6 +38,35 @@ from identity.tokens import TokenVerifier
 from kvledger.net import loopback_listener
 
 TIMEOUT_S = 30.0
+
+
+@contextmanager
+def node_on_thread(engine: AsyncEngine, app, name: str, start_timeout_s: float = 120.0) -> Iterator[str]:
+    """Serve ``app`` as ``gpu_node.server.serve`` does — the engine starts on the server's own event loop —
+    in a thread of its own, for tests that call the node synchronously (or from another process); yields its URL."""
+    sock = loopback_listener()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+
+    async def serve() -> None:
+        await engine.start()
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            await engine.stop()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        assert thread.is_alive(), f"{name} exited during startup (see the log above)"
+        assert time.monotonic() < deadline, f"{name} did not start within {start_timeout_s:.0f} s"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
 
 
 def node_settings(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str, cache: CacheSettings, **extra) -> NodeSettings:

@@ -14,26 +14,22 @@ internet.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
+from node_harness import node_on_thread
 
 from gpu_node.api import create_app
 from gpu_node.engine import AsyncEngine
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
-from kvledger.net import loopback_listener
 
 pytestmark = pytest.mark.e2e
 
@@ -60,27 +56,8 @@ def node(tiny_model_dir, tmp_path_factory) -> Node:
         cache=CacheSettings(block_size=16, num_device_blocks=256, num_host_blocks=0, max_disk_blocks=0),
     )
     engine = AsyncEngine.from_settings(settings)
-    sock = loopback_listener()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, TokenVerifier(settings.auth)), log_level="warning", access_log=False))
-
-    async def serve() -> None:
-        await engine.start()
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            await engine.stop()
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="guidellm-test-node", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive(), "the node exited during startup (see the log above)"
-        assert time.monotonic() < deadline, "the node did not start within 60 s"
-        time.sleep(0.02)
-    yield Node(f"http://127.0.0.1:{sock.getsockname()[1]}", engine)
-    server.should_exit = True
-    thread.join(timeout=60)
-    sock.close()
+    with node_on_thread(engine, create_app(engine, TokenVerifier(settings.auth)), "guidellm-test-node", start_timeout_s=60) as url:
+        yield Node(url, engine)
 
 
 def _token() -> str:

@@ -11,11 +11,7 @@ are shared by design, and their timing is the documented residual channel.
 
 from __future__ import annotations
 
-import asyncio
 import re
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from node_harness import node_on_thread
 
 from gpu_node.api import create_app
 from gpu_node.engine import AsyncEngine
@@ -50,30 +46,8 @@ def served_node(model_dir: Path, data_dir: Path) -> Iterator[str]:
         metrics={"token": METRICS_TOKEN},
     )
     engine = AsyncEngine.from_settings(settings)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, TokenVerifier(settings.auth)), log_level="warning", access_log=False))
-
-    async def serve() -> None:
-        await engine.start()
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            await engine.stop()
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert thread.is_alive(), "the node exited during startup"
-        assert time.monotonic() < deadline, "the node did not start within 120 s"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
+    with node_on_thread(engine, create_app(engine, TokenVerifier(settings.auth)), "cross-tenant-test-node") as url:
+        yield url
 
 
 def _bearer(tenant: str, sub: str) -> dict[str, str]:

@@ -9,12 +9,10 @@ see it: ``usage.prompt_tokens_details.cached_tokens``.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -28,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from ledger_helpers import OPERATOR_AUTH, operator_headers
+from node_harness import node_on_thread
 
 from events.logs import make_handler
 from gpu_node.api import create_app
@@ -68,29 +67,8 @@ def node(tiny_model_dir, tmp_path_factory):
     )
     engine = AsyncEngine.from_settings(settings)
     app = create_app(engine, TokenVerifier(settings.auth), operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-
-    async def serve() -> None:
-        await engine.start()
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            await engine.stop()
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="api-test-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert thread.is_alive(), "the API server exited during startup (see the log above)"
-        assert time.monotonic() < deadline, "the API server did not start within 120 s"
-        time.sleep(0.02)
-    yield Node(base_url=f"http://127.0.0.1:{port}", engine=engine)
-    server.should_exit = True
-    thread.join(timeout=60)
-    sock.close()
+    with node_on_thread(engine, app, "api-test-server") as url:
+        yield Node(base_url=url, engine=engine)
 
 
 def token(tenant: str = "acme", sub: str = "alice", scopes=("hr",), pv=1, roles=(), ttl_s: int = 600) -> str:
