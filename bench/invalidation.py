@@ -25,7 +25,7 @@ Per event it measures, from the moment before the send:
   interval after it took effect);
 * **decision** — the coordinator's invalidation row (``created_at``, database clock);
 * **command reached the last node** — the node started applying the batch holding it,
-  and **applied on the last node** — the node's ``InvalidationHandler.apply_batch``
+  and **applied on the last node** — the node's ``InvalidationApplier.apply_batch``
   yielded it, complete (timed by a subclass, see :class:`TimedHandler`);
 * **last node's ack** — this process received the later of the two ``CommandAck``s;
 * **complete** — the ledger marked the invalidation complete (``completed_at``).
@@ -74,7 +74,7 @@ from coordinator.consumers import consumer_groups
 from events import topics
 from events.kafka import KafkaSettings, ensure_topics, kafka_client_kwargs
 from gpu_node.api import create_app
-from gpu_node.commands import CommandConsumer, InvalidationHandler
+from gpu_node.commands import CommandConsumer, InvalidationApplier
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.node_identity import pinned_command_key
@@ -103,7 +103,7 @@ TARGET_P99_MS = 250.0
 # --------------------------------------------------------------------------- nodes
 
 
-class TimedHandler(InvalidationHandler):
+class TimedHandler(InvalidationApplier):
     """The node's handler, noting when each command's batch started and when the command was complete."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -75,18 +75,18 @@ from gpu_node.pool_removal import PoolRemover
 from gpu_node.pool_types import (
     METHOD_OVERWRITE_UNLINK,
     METHOD_ZERO_FILL,
-    BlockMoved,
-    BlockRemoved,
     BlockState,
-    BlockStored,
     CacheEntry,
     IndexKey,
+    MovedInPool,
     PoolConfig,
     PoolEvent,
     PoolStats,
     RemovalEvidence,
     RemovalReason,
     RemovalReport,
+    RemovedFromPool,
+    StoredInPool,
     Tier,
     provenance_index_keys,
 )
@@ -96,21 +96,21 @@ from gpu_node.pool_warm_start import PoolWarmStart
 __all__ = [
     "METHOD_OVERWRITE_UNLINK",
     "METHOD_ZERO_FILL",
-    "BlockMoved",
     "BlockPool",
     "BlockRecord",
-    "BlockRemoved",
     "BlockRestoreError",
     "BlockState",
-    "BlockStored",
     "CacheEntry",
     "IndexKey",
+    "MovedInPool",
     "PoolConfig",
     "PoolEvent",
     "PoolStats",
     "RemovalEvidence",
     "RemovalReason",
     "RemovalReport",
+    "RemovedFromPool",
+    "StoredInPool",
     "Tier",
     "decode_block_record",
     "encode_block_record",
@@ -473,7 +473,7 @@ class BlockPool:
         entry.last_access = now
         entry.expires_at = None if ttl_s is None else now + ttl_s
         self._place(entry, Tier.DEVICE, slot)
-        self._events.append(BlockStored(entry.key, Tier.DEVICE))
+        self._events.append(StoredInPool(entry.key, Tier.DEVICE))
 
     def _discard_building(self, entry: CacheEntry) -> None:
         entry.state = BlockState.FAILED
@@ -577,7 +577,7 @@ class BlockPool:
         self._unplace(entry)
         self._place(entry, to_tier, slot)
         self._num_demotions += 1
-        self._events.append(BlockMoved(entry.block_hash, from_tier, to_tier))
+        self._events.append(MovedInPool(entry.block_hash, from_tier, to_tier))
         return True
 
     def _drop(self, entry: CacheEntry, reason: RemovalReason, cleared: bool | None = None) -> RemovalEvidence:
@@ -604,7 +604,7 @@ class BlockPool:
             self._num_expired += 1
         elif reason is RemovalReason.RESTORE_FAILED:
             self._num_restore_failures += 1
-        self._events.append(BlockRemoved(entry.block_hash, tier, reason, evidence))
+        self._events.append(RemovedFromPool(entry.block_hash, tier, reason, evidence))
         return evidence
 
     def _delete_bytes(self, entry: CacheEntry, cleared: bool | None = None) -> RemovalEvidence:

@@ -20,8 +20,8 @@ For every ``Invalidate`` the node
 4. publishes a ``CommandAck`` to ``kvledger.acks`` with one ``TierEvidence`` per
    tier touched — also when nothing matched, so the coordinator can complete.
 
-The pool's ``BlockRemoved`` events still reach ``kvledger.kv-events`` through the
-publisher, as for every other change of bytes.
+The pool's removals still reach ``kvledger.kv-events`` as ``BlockRemoved`` records through
+the publisher, as for every other change of bytes.
 
 Ordering and restarts. Invalidations share one key, so they sit in one partition
 and every node applies them in the coordinator's order. A node with a coordinator
@@ -81,7 +81,7 @@ from events.fault_points import fault_point
 from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
-from gpu_node.block_pool import BlockRemoved, IndexKey, PoolEvent, RemovalEvidence, RemovalReason, Tier
+from gpu_node.block_pool import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool, Tier
 from gpu_node.crypto import DataKeyProvider
 from gpu_node.governance_sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
 from gpu_node.kv_cache_utils import BlockProvenance
@@ -94,6 +94,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DEFERRED_WAIT_S = 10.0
+EVIDENCE_SUBSCRIBER = "command-evidence"
+"""The :class:`InvalidationApplier`'s name among the cache manager's pool-event subscribers."""
 MAX_REMEMBERED_ACKS = 10_000
 """Acks kept per node for re-sent commands (a few hundred bytes each): the coordinator re-sends a
 command within minutes of its decision, so only the most recent commands need theirs."""
@@ -310,7 +312,7 @@ _POOL_METHODS: dict[Tier, tuple[schema.EraseMethod, schema.PostCheck]] = {
 }
 
 
-class InvalidationHandler:
+class InvalidationApplier:
     """Applies ``Invalidate`` commands to one engine and returns the per-tier evidence for each ack.
 
     Commands are applied in batches (:meth:`apply_batch`): one hop to a worker
@@ -320,10 +322,10 @@ class InvalidationHandler:
     bookkeeping, so a node keeps up with a burst of commands while its event
     loop shares the interpreter with the model worker.
 
-    It taps the cache manager's event sink (forwarding to whatever sink was set
-    before, e.g. the publisher): a block a reader held when the command arrived
-    is deleted on release, and its evidence only exists in that removal event.
-    Construct it after the publisher is wired.
+    It subscribes to the cache manager's pool events as ``"command-evidence"``
+    (:meth:`KVCacheManager.subscribe`, beside the publisher's ``"kv-events"``, in
+    either order): a block a reader held when the command arrived is deleted on
+    release, and its evidence only exists in that removal event.
     """
 
     def __init__(self, engine: AsyncEngine, subject_key: bytes, deferred_wait_s: float = DEFAULT_DEFERRED_WAIT_S) -> None:
@@ -336,8 +338,7 @@ class InvalidationHandler:
         # Removals observed while any command is in progress: block hash → (sequence number, evidence).
         self._seen: dict[bytes, tuple[int, RemovalEvidence]] = {}
         self._num_seen = 0
-        self._forward = engine.manager.event_sink
-        engine.manager.event_sink = self._on_pool_events
+        engine.manager.subscribe(EVIDENCE_SUBSCRIBER, self._on_pool_events)
 
     def remember(self, command: schema.Invalidate) -> None:
         """Registry only: for commands this node applied in an earlier life (their bytes are gone)."""
@@ -436,19 +437,17 @@ class InvalidationHandler:
             except TimeoutError:
                 pass
 
-    def _on_pool_events(self, events: list[PoolEvent]) -> None:
+    def _on_pool_events(self, events: Sequence[PoolEvent]) -> None:
         if self._progress:
             num_seen = self._num_seen
             for event in events:
-                if isinstance(event, BlockRemoved) and event.evidence is not None:
+                if isinstance(event, RemovedFromPool) and event.evidence is not None:
                     num_seen += 1
                     self._seen[event.block_hash] = (num_seen, event.evidence)
             if num_seen != self._num_seen:
                 self._num_seen = num_seen
                 for progress in self._progress.values():
                     progress.changed.set()
-        if self._forward is not None:
-            self._forward(events)
 
 
 def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[schema.TierEvidence]:
@@ -528,7 +527,7 @@ class CommandConsumer:
 
     def __init__(
         self,
-        handler: InvalidationHandler,
+        handler: InvalidationApplier,
         publisher: NodePublisher,
         kafka: KafkaSettings,
         *,
@@ -712,7 +711,7 @@ class CommandConsumer:
         """Apply a batch in order per partition, publishing each ack once its command is applied; commit once.
 
         Consecutive commands to apply are applied together
-        (:meth:`InvalidationHandler.apply_batch`). An ack is handed to the
+        (:meth:`InvalidationApplier.apply_batch`). An ack is handed to the
         producer right after its command was applied (never before), without
         waiting for the broker: the producer batches those that accumulate. Then a
         flush task awaits the batch's acks and commits its offsets once per

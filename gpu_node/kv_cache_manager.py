@@ -22,14 +22,20 @@ docs/security.md.)
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpu_node.block_pool import BlockPool, BlockRemoved, BlockState, CacheEntry, PoolEvent, RemovalReason
+from gpu_node.block_pool import BlockPool, BlockState, CacheEntry, PoolEvent, RemovalReason, RemovedFromPool
 from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, BlockKey, BlockProvenance, CacheScope, Principal, compute_shadow_hashes
 from gpu_node.metrics import MissReason, NodeMetrics
+
+log = logging.getLogger(__name__)
+
+PoolEventSubscriber = Callable[[Sequence[PoolEvent]], None]
+"""Receives each drained batch of pool events (:meth:`KVCacheManager.subscribe`); called on the event loop, must not block."""
 
 _REMOVAL_TO_MISS = {
     RemovalReason.EVICTED: MissReason.EVICTED,
@@ -106,12 +112,11 @@ class KVCacheManager:
         metrics: NodeMetrics,
         singleflight_wait_s: float = 30.0,
         diagnostics_capacity: int = 100_000,
-        event_sink: Callable[[list[PoolEvent]], None] | None = None,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.singleflight_wait_s = singleflight_wait_s
-        self.event_sink = event_sink
+        self._subscribers: dict[str, PoolEventSubscriber] = {}
         self._inflight: dict[bytes, asyncio.Future] = {}
         self._shadow = _BoundedMap(diagnostics_capacity)
         self._recently_removed = _BoundedMap(diagnostics_capacity)
@@ -225,14 +230,47 @@ class KVCacheManager:
         self.wake([entry.block_hash for entry in plan.claimed])
         self.drain_events()
 
-    def drain_events(self) -> list[PoolEvent]:
-        """Take the pool's events, remember removals for miss reasons, forward to the sink."""
-        events = self.pool.take_events()
+    def subscribe(self, name: str, subscriber: PoolEventSubscriber) -> None:
+        """Deliver every later batch of pool events to ``subscriber`` (see :meth:`drain_events` for the rules).
+
+        ``name`` says what it is for (``"kv-events"``, ``"command-evidence"``) and labels its
+        failures in ``kvledger_pool_event_subscriber_failures``; a name is taken once.
+        """
+        if not name:
+            raise ValueError("a subscriber needs a name")
+        if name in self._subscribers:
+            raise ValueError(f"a pool-event subscriber named {name!r} is already subscribed")
+        self._subscribers[name] = subscriber
+
+    def unsubscribe(self, name: str) -> None:
+        """Stop delivering to the subscriber ``name``; events drained later never reach it."""
+        if self._subscribers.pop(name, None) is None:
+            raise ValueError(f"no pool-event subscriber named {name!r}")
+
+    def drain_events(self) -> tuple[PoolEvent, ...]:
+        """Take the pool's events, remember removals for miss reasons, deliver them to every subscriber (event loop thread).
+
+        Every subscriber receives the same batch, in the pool's order, in the order
+        they subscribed; none depends on another having run. A subscriber that raises
+        does not keep the batch from the others: the failure is logged (type only —
+        events name blocks) and counted under its name, and the batch is not delivered
+        to it again. That loses nothing silently for governance: the command
+        evidence collector (:class:`gpu_node.commands.InvalidationApplier`) only ever
+        *adds* evidence, so a removal it missed leaves its command waiting and
+        unacknowledged (a ``DeferredRemovalTimeout``, retried) — an ack is never sent
+        without the evidence. The publisher's subscriber only queues the batch.
+        """
+        events = tuple(self.pool.take_events())
         for event in events:
-            if isinstance(event, BlockRemoved):
+            if isinstance(event, RemovedFromPool):
                 reason = _REMOVAL_TO_MISS.get(event.reason)
                 if reason is not None:
                     self._recently_removed.put(event.block_hash, reason)
-        if events and self.event_sink is not None:
-            self.event_sink(events)
+        if events:
+            for name, subscriber in tuple(self._subscribers.items()):
+                try:
+                    subscriber(events)
+                except Exception as exc:  # noqa: BLE001 - one subscriber must not starve the others (rule above)
+                    self.metrics.pool_event_subscriber_failures.labels(name).inc()
+                    log.error("pool-event subscriber %r failed on %d events: %s", name, len(events), type(exc).__name__)
         return events

@@ -59,6 +59,12 @@ class NodeMetrics:
             "kvledger_build_wait_seconds", "Time waiting for another request's build", registry=r, buckets=_LATENCY_BUCKETS_S
         )
         self.singleflight_waiters = Gauge("kvledger_singleflight_waiters", "Requests currently waiting on a build", registry=r)
+        self.pool_event_subscriber_failures = Counter(
+            "kvledger_pool_event_subscriber_failures",
+            "Pool-event batches a subscriber raised on, by subscriber",
+            ["subscriber"],
+            registry=r,
+        )
         self.restore_latency = Histogram(
             "kvledger_restore_seconds", "Promoting host and disk hits into device blocks", registry=r, buckets=_LATENCY_BUCKETS_S
         )

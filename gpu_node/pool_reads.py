@@ -17,7 +17,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpu_node.block_records import BlockRestoreError
-from gpu_node.pool_types import BlockMoved, CacheEntry, RemovalReason, Tier
+from gpu_node.pool_types import CacheEntry, MovedInPool, RemovalReason, Tier
 from gpu_node.slot_io import gather_slots, scatter_slots, zero_slots
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class PoolReader:
                 slot = heapq.heappop(free_device)
                 pool._place(entry, Tier.DEVICE, slot)
                 placed.append(slot)
-                pool._events.append(BlockMoved(entry.key.block_hash, from_tier, Tier.DEVICE))
+                pool._events.append(MovedInPool(entry.key.block_hash, from_tier, Tier.DEVICE))
         finally:
             if left_host_slots:
                 zero_slots(host_table, left_host_slots)

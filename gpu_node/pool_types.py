@@ -113,15 +113,24 @@ class RemovalEvidence:
     key_id: str | None = None
 
 
+# Pool events: what :meth:`BlockPool.take_events` reports, one per change of bytes, in order. They are
+# named apart from the kv-events records of :mod:`events.schema` (``BlockStored``, ``BlockRemoved``,
+# ``BlockMoved``) on purpose: a pool event is one block, in-process, with raw provenance and removal
+# evidence; a record batches many blocks and carries only what the ledger may see. The one translation
+# (pool event → record) is :meth:`gpu_node.publisher.NodePublisher._payload`.
+
+
 @dataclass(frozen=True, slots=True)
-class BlockStored:
+class StoredInPool:
+    """A block became READY in ``tier`` (built, or imported from a record); becomes a ``BlockStored`` record."""
+
     key: BlockKey
     tier: Tier
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Bytes of a block were deleted; ``evidence`` is set by the pool for every removal."""
+class RemovedFromPool:
+    """Bytes of a block were deleted; ``evidence`` is set by the pool for every removal. Becomes a ``BlockRemoved`` record."""
 
     block_hash: bytes
     tier: Tier
@@ -130,13 +139,15 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockMoved:
+class MovedInPool:
+    """A READY block's bytes moved between tiers (demotion or promotion); becomes a ``BlockMoved`` record."""
+
     block_hash: bytes
     from_tier: Tier
     to_tier: Tier
 
 
-PoolEvent = BlockStored | BlockRemoved | BlockMoved
+PoolEvent = StoredInPool | RemovedFromPool | MovedInPool
 
 IndexKey = tuple
 """Names the entries that may match a removal predicate (:meth:`BlockPool.remove_where`'s ``candidates``).
@@ -167,7 +178,7 @@ class RemovalReport:
 
     ``removed`` had their bytes deleted now (``num_removed`` per tier,
     ``evidence`` one per block); ``deferred`` are held by readers, tombstoned,
-    and deleted when released (their ``BlockRemoved`` event carries evidence);
+    and deleted when released (their ``RemovedFromPool`` event carries evidence);
     ``discarded_building`` will be discarded at commit and never become READY.
     """
 

@@ -30,12 +30,12 @@ from gpu_node.crypto import overwrite_and_unlink
 from gpu_node.disk_tier import is_sealed
 from gpu_node.pool_types import (
     METHOD_OVERWRITE_UNLINK,
-    BlockRemoved,
     BlockState,
-    BlockStored,
     CacheEntry,
     RemovalEvidence,
     RemovalReason,
+    RemovedFromPool,
+    StoredInPool,
     Tier,
 )
 
@@ -88,7 +88,7 @@ class PoolWarmStart:
                 pool._slots[tier][slot].copy_(kv)
             pool._admit(entry)
             pool._place(entry, tier, slot)
-            pool._events.append(BlockStored(entry.key, tier))
+            pool._events.append(StoredInPool(entry.key, tier))
             return True
 
     def load_disk_tier(self) -> int:
@@ -138,7 +138,7 @@ class PoolWarmStart:
             pool._num_restore_failures += 1
         else:
             pool._num_evictions += 1
-        pool._events.append(BlockRemoved(block_hash, Tier.DISK, reason, evidence))
+        pool._events.append(RemovedFromPool(block_hash, Tier.DISK, reason, evidence))
 
     def record(self, entry: CacheEntry, kv: torch.Tensor) -> BlockRecord:
         """``entry`` with KV ``kv`` as an at-rest record (snapshot shards and the disk tier's files alike)."""

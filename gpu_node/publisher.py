@@ -33,7 +33,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import groupby
@@ -100,6 +100,10 @@ def next_epoch(data_dir: Path) -> int:
     return epoch
 
 
+KV_EVENTS_SUBSCRIBER = "kv-events"
+"""The publisher's name among the cache manager's pool-event subscribers (:meth:`NodePublisher.on_pool_events`)."""
+
+
 class NodePublisher:
     def __init__(
         self,
@@ -156,8 +160,8 @@ class NodePublisher:
         await self.publish_usage()
         await self._producer.stop()
 
-    def on_pool_events(self, events: list[block_pool.PoolEvent]) -> None:
-        """Sink for the cache manager; called on the event loop, never blocks."""
+    def on_pool_events(self, events: Sequence[block_pool.PoolEvent]) -> None:
+        """The cache manager's ``kv-events`` subscriber (:meth:`KVCacheManager.subscribe`); on the event loop, never blocks."""
         self._pending.extend(events)
 
     def on_snapshot_written(self, snapshot_id: str, block_hashes: Iterable[bytes]) -> None:
@@ -192,7 +196,19 @@ class NodePublisher:
             await self._send_node_events(payloads)
 
     def _payload(self, kind: tuple, group) -> schema.EventPayload | None:
-        """The record for one run of pool events; ``None`` when nothing of it satisfies the contract."""
+        """The record for one run of pool events; ``None`` when nothing of it satisfies the contract.
+
+        The one place pool events (:mod:`gpu_node.pool_types`) become kv-events records (:mod:`events.schema`)::
+
+            StoredInPool(key, tier)                        → BlockStored(blocks=[StoredBlock: provenance, tier])
+            RemovedFromPool(block_hash, tier, reason, ev)  → BlockRemoved(reason, blocks=[RemovedBlock: block_hash, tier])
+            MovedInPool(block_hash, from_tier, to_tier)    → BlockMoved(blocks=[MovedBlock: block_hash, from_tier, to_tier])
+            ("snapshot", snapshot_id, block_hashes)        → SnapshotWritten(snapshot_id, block_hashes)
+
+        A run is consecutive events of one kind (one reason, for removals; :func:`_batch_kind`).
+        Provenance leaves with the subject as its keyed digest; removal evidence stays on the
+        node (it goes into command acks, :mod:`gpu_node.commands`).
+        """
         events = list(group)
         common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0}
         if kind[0] == "stored":
@@ -417,10 +433,10 @@ class NodePublisher:
 
 
 def _batch_kind(event) -> tuple:
-    if isinstance(event, block_pool.BlockStored):
+    if isinstance(event, block_pool.StoredInPool):
         return ("stored",)
-    if isinstance(event, block_pool.BlockRemoved):
+    if isinstance(event, block_pool.RemovedFromPool):
         return ("removed", event.reason.value)
-    if isinstance(event, block_pool.BlockMoved):
+    if isinstance(event, block_pool.MovedInPool):
         return ("moved",)
     return ("snapshot", id(event))

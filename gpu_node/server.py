@@ -15,11 +15,11 @@ from events.kafka import KafkaSettings
 from events.logs import configure_logging, uvicorn_log_config
 from gpu_node import snapshots
 from gpu_node.api import create_app
-from gpu_node.commands import CommandConsumer, InvalidationHandler
+from gpu_node.commands import CommandConsumer, InvalidationApplier
 from gpu_node.engine import AsyncEngine
 from gpu_node.governance_sync import GovernanceClient
 from gpu_node.node_identity import node_signing_key, pinned_command_key
-from gpu_node.publisher import NodePublisher
+from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, NodePublisher
 from gpu_node.remote_keys import NODE_CREDENTIAL_TTL_S
 from gpu_node.settings import NodeSettings
 from identity.node_credentials import issue_node_credential
@@ -94,18 +94,18 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
         heartbeat_interval_s=settings.heartbeat_interval_s,
         signer=EnvelopeSigner(node_signing_key(settings)),
     )
-    engine.manager.event_sink = publisher.on_pool_events
+    engine.manager.subscribe(KV_EVENTS_SUBSCRIBER, publisher.on_pool_events)
     engine.snapshot_sink = publisher.on_snapshot_written
     return publisher
 
 
 def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings) -> CommandConsumer:
-    """The command side of the ledger hook; built after :func:`make_publisher` (it taps the event sink the publisher set).
+    """The command side of the ledger hook (its evidence collector subscribes to pool events beside the publisher).
 
     With ``coordinator_url`` the node takes its governance state from the coordinator at start
     (``gpu_node.governance_sync``); without it, it replays ``kvledger.commands``.
     """
-    handler = InvalidationHandler(engine, publisher.subject_key)
+    handler = InvalidationApplier(engine, publisher.subject_key)
     command_key = pinned_command_key(settings)
     governance = None
     if settings.coordinator_url is not None:

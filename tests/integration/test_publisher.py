@@ -11,7 +11,7 @@ from ledger_helpers import SUBJECT_KEY, node_key, scan_topic
 from events import schema, topics
 from events.codec import DeadLetter
 from events.kafka import EventProducer, KafkaSettings
-from gpu_node.block_pool import BlockRemoved, BlockStored, RemovalReason, Tier
+from gpu_node.block_pool import RemovalReason, RemovedFromPool, StoredInPool, Tier
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 from gpu_node.publisher import MAX_BLOCKS_PER_RECORD, NodePublisher
@@ -34,7 +34,7 @@ async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(
     token_ids = list(range(num_blocks * 16 + 1))
     keys = compute_block_keys("ns-publisher", token_ids, [Segment(0, len(token_ids), CacheScope.USER)], Principal("acme", "alice"), 16)
     try:
-        publisher.on_pool_events([BlockStored(key, Tier.DISK) for key in keys])
+        publisher.on_pool_events([StoredInPool(key, Tier.DISK) for key in keys])
         await publisher.flush()
         records: list[schema.BlockStored] = []
 
@@ -77,11 +77,11 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
     try:
         first_seq = publisher.seq
         # One stored run mixing valid and refused provenance, a snapshot too large for one record, then more.
-        publisher.on_pool_events([BlockStored(key, Tier.HOST) for key in good[:2] + poisoned[:1] + good[2:]])
+        publisher.on_pool_events([StoredInPool(key, Tier.HOST) for key in good[:2] + poisoned[:1] + good[2:]])
         publisher.on_snapshot_written("snap-huge", [i.to_bytes(32, "big") for i in range(schema.MAX_HASHES_PER_EVENT + 1)])
-        publisher.on_pool_events([BlockRemoved(good[0].block_hash, Tier.HOST, RemovalReason.EVICTED)])
+        publisher.on_pool_events([RemovedFromPool(good[0].block_hash, Tier.HOST, RemovalReason.EVICTED)])
         await publisher.flush()
-        publisher.on_pool_events([BlockStored(key, Tier.DISK) for key in later])
+        publisher.on_pool_events([StoredInPool(key, Tier.DISK) for key in later])
         await publisher.flush()
 
         assert dead_letters.labels(type="BlockStored", cause="invalid")._value.get() == 1
@@ -137,7 +137,7 @@ async def test_an_ambiguous_send_failure_resends_identical_bytes(tiny_model_dir,
     try:
         first_seq = publisher.seq
         await publisher._producer.stop()  # every send now fails without reaching the broker
-        publisher.on_pool_events([BlockStored(key, Tier.DEVICE) for key in keys])
+        publisher.on_pool_events([StoredInPool(key, Tier.DEVICE) for key in keys])
         with pytest.raises(KafkaError):
             await publisher.flush()
         (unacked,) = publisher._unacked

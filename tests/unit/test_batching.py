@@ -34,7 +34,7 @@ from test_engine import (
 )
 
 from gpu_node.api import create_app
-from gpu_node.block_pool import BlockRemoved, RemovalReason, Tier
+from gpu_node.block_pool import RemovalReason, RemovedFromPool, Tier
 from gpu_node.engine import AsyncEngine, GenerationError, GenerationRequest, PromptStats, SamplingParams, TokenDelta
 from gpu_node.kv_cache_utils import Principal, compute_block_keys, num_cacheable_blocks
 from gpu_node.prompt import render_prompt
@@ -194,7 +194,7 @@ async def test_32_concurrent_requests_build_a_shared_1k_prefix_once_with_chunked
 async def test_invalidation_while_decoding_defers_deletion_to_the_last_reader_and_serves_no_hit_after(engines):
     engine = engines["roomy"]
     events: list = []
-    engine.manager.event_sink = events.extend
+    engine.manager.subscribe("test", events.extend)
     messages = [SHARED_PUBLIC, document("policy", 2, long_text(45, 23)), user("What changed?")]
     await complete(engine, messages, max_tokens=1)
     doc_hashes = {
@@ -215,7 +215,7 @@ async def test_invalidation_while_decoding_defers_deletion_to_the_last_reader_an
     )
     engine.manager.drain_events()
     assert set(report.deferred) == doc_hashes and report.removed == ()
-    assert not [event for event in events if isinstance(event, BlockRemoved) and event.block_hash in doc_hashes]
+    assert not [event for event in events if isinstance(event, RemovedFromPool) and event.block_hash in doc_hashes]
 
     # the document's blocks are tombstoned: a new request is served the public prefix only
     public_end = render_prompt(engine.runner.tokenizer, messages).segments[0].end
@@ -227,7 +227,7 @@ async def test_invalidation_while_decoding_defers_deletion_to_the_last_reader_an
         async for item in stream:
             finishes.append(type(item).__name__)
     assert finishes.count("GenerationDone") == 3
-    removed = [event for event in events if isinstance(event, BlockRemoved) and event.block_hash in doc_hashes]
+    removed = [event for event in events if isinstance(event, RemovedFromPool) and event.block_hash in doc_hashes]
     assert {event.block_hash for event in removed} == doc_hashes and len(removed) == len(doc_hashes)
     assert all(event.reason is RemovalReason.INVALIDATED and event.evidence.verified for event in removed)
     assert {event.tier for event in removed} == {Tier.DEVICE}

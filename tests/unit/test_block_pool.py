@@ -17,14 +17,14 @@ from pool_builders import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, ma
 from gpu_node.block_pool import (
     METHOD_OVERWRITE_UNLINK,
     METHOD_ZERO_FILL,
-    BlockMoved,
     BlockPool,
-    BlockRemoved,
     BlockState,
-    BlockStored,
+    MovedInPool,
     PoolConfig,
     RemovalEvidence,
     RemovalReason,
+    RemovedFromPool,
+    StoredInPool,
     Tier,
     provenance_index_keys,
 )
@@ -134,7 +134,7 @@ def test_commit_makes_block_ready_on_device_with_exact_bytes(tmp_path):
     assert (entry.state, entry.tier, entry.slot, entry.ref_count) == (BlockState.READY, DEVICE, 0, 0)
     assert pool.get_ready(block_hash(0)) is entry
     assert torch.equal(read(pool, [entry]), make_kv(0).unsqueeze(0))
-    assert pool.take_events() == [BlockStored(make_key(0), DEVICE)]
+    assert pool.take_events() == [StoredInPool(make_key(0), DEVICE)]
     assert pool.take_events() == []
     stats = pool.stats()
     assert stats.num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
@@ -191,7 +191,7 @@ def test_commit_without_room_discards(tmp_path):
     assert entry.state is BlockState.FAILED
     assert pool.state_of(block_hash(1)) is None
     assert torch.equal(pool.read_blocks([held])[0], make_kv(0))
-    assert pool.take_events() == [BlockStored(make_key(0), DEVICE)]
+    assert pool.take_events() == [StoredInPool(make_key(0), DEVICE)]
 
 
 # --- lookup and references --------------------------------------------------------------------
@@ -210,8 +210,10 @@ def test_longest_ready_prefix_stops_at_the_first_gap_and_updates_nothing(tmp_pat
     # Block 2 is now least recently used: storing block 3 evicts it although its child stays.
     child = store(pool, 3)
     assert pool.take_events() == [
-        BlockRemoved(block_hash(2), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True)),
-        BlockStored(make_key(3), DEVICE),
+        RemovedFromPool(
+            block_hash(2), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True)
+        ),
+        StoredInPool(make_key(3), DEVICE),
     ]
     assert child.slot == 2
     before = [(entry.last_access, entry.ref_count) for entry in entries[:2]]
@@ -263,17 +265,17 @@ def test_lru_demotes_device_to_host_to_disk_then_drops(tmp_path):
     assert tiers(pool) == {1: DISK, 2: HOST, 3: DEVICE, 4: DEVICE}
     unlinked = RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True)
     assert pool.take_events() == [
-        BlockStored(make_key(0), DEVICE),
-        BlockStored(make_key(1), DEVICE),
-        BlockMoved(block_hash(0), DEVICE, HOST),
-        BlockStored(make_key(2), DEVICE),
-        BlockMoved(block_hash(0), HOST, DISK),
-        BlockMoved(block_hash(1), DEVICE, HOST),
-        BlockStored(make_key(3), DEVICE),
-        BlockRemoved(block_hash(0), DISK, RemovalReason.EVICTED, unlinked),
-        BlockMoved(block_hash(1), HOST, DISK),
-        BlockMoved(block_hash(2), DEVICE, HOST),
-        BlockStored(make_key(4), DEVICE),
+        StoredInPool(make_key(0), DEVICE),
+        StoredInPool(make_key(1), DEVICE),
+        MovedInPool(block_hash(0), DEVICE, HOST),
+        StoredInPool(make_key(2), DEVICE),
+        MovedInPool(block_hash(0), HOST, DISK),
+        MovedInPool(block_hash(1), DEVICE, HOST),
+        StoredInPool(make_key(3), DEVICE),
+        RemovedFromPool(block_hash(0), DISK, RemovalReason.EVICTED, unlinked),
+        MovedInPool(block_hash(1), HOST, DISK),
+        MovedInPool(block_hash(2), DEVICE, HOST),
+        StoredInPool(make_key(4), DEVICE),
     ]
     stats = pool.stats()
     assert (stats.num_evictions, stats.num_demotions, stats.num_promotions) == (1, 5, 0)
@@ -315,7 +317,7 @@ def test_host_hit_is_promoted_by_swapping_with_the_device_victim(tmp_path):
     assert torch.equal(read(pool, [entry])[0], make_kv(0))
     assert (entry.tier, entry.slot) == (DEVICE, 0)
     assert tiers(pool) == {0: DEVICE, 1: HOST}
-    assert pool.take_events() == [BlockMoved(block_hash(1), DEVICE, HOST), BlockMoved(block_hash(0), HOST, DEVICE)]
+    assert pool.take_events() == [MovedInPool(block_hash(1), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DEVICE)]
     assert pool.stats().num_promotions == 1
 
 
@@ -354,7 +356,7 @@ def test_disk_hit_is_promoted_and_its_file_deleted(tmp_path):
     assert torch.equal(read(pool, [entry])[0], make_kv(0))
     assert entry.tier is DEVICE
     assert [path.name for path in disk.iterdir()] == [f"{block_hash(1).hex()}.kvb"]
-    assert pool.take_events() == [BlockMoved(block_hash(1), DEVICE, DISK), BlockMoved(block_hash(0), DISK, DEVICE)]
+    assert pool.take_events() == [MovedInPool(block_hash(1), DEVICE, DISK), MovedInPool(block_hash(0), DISK, DEVICE)]
 
 
 def test_explicit_demotion_zeroes_the_slot_it_leaves(tmp_path):
@@ -369,7 +371,7 @@ def test_explicit_demotion_zeroes_the_slot_it_leaves(tmp_path):
     assert pool.demote(block_hash(0), HOST) is False
     assert pool.demote(block_hash(0), DISK) is True
     assert torch.count_nonzero(pool._slots[HOST][0]) == 0
-    assert pool.take_events() == [BlockMoved(block_hash(0), DEVICE, HOST), BlockMoved(block_hash(0), HOST, DISK)]
+    assert pool.take_events() == [MovedInPool(block_hash(0), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DISK)]
     assert pool.stats().num_entries == {DEVICE: 0, HOST: 0, DISK: 1}
 
 
@@ -402,7 +404,7 @@ def test_ttl_is_checked_lazily_and_deletes_bytes(tmp_path):
     assert pool.take_events() == []
     assert pool.get_ready(block_hash(1)) is None
     assert pool.take_events() == [
-        BlockRemoved(block_hash(1), DEVICE, RemovalReason.EXPIRED, RemovalEvidence(block_hash(1), DEVICE, METHOD_ZERO_FILL, False, True))
+        RemovedFromPool(block_hash(1), DEVICE, RemovalReason.EXPIRED, RemovalEvidence(block_hash(1), DEVICE, METHOD_ZERO_FILL, False, True))
     ]
     assert torch.count_nonzero(pool._slots[DEVICE][1]) == 0
     assert pool.get_ready(block_hash(0)) is public
@@ -421,7 +423,7 @@ def test_expire_sweeps_and_defers_referenced_blocks(tmp_path):
     clock.now = 10.0
     assert pool.expire() == 2
     zero = lambda i: RemovalEvidence(block_hash(i), DEVICE, METHOD_ZERO_FILL, False, True)  # noqa: E731
-    assert pool.take_events() == [BlockRemoved(block_hash(1), DEVICE, RemovalReason.EXPIRED, zero(1))]
+    assert pool.take_events() == [RemovedFromPool(block_hash(1), DEVICE, RemovalReason.EXPIRED, zero(1))]
     assert (held.state, held.tombstoned, other.state) == (BlockState.EVICTING, True, BlockState.EVICTING)
     assert pool.get_ready(block_hash(0)) is None
     assert pool.begin_build(make_key(0)) is None
@@ -431,7 +433,7 @@ def test_expire_sweeps_and_defers_referenced_blocks(tmp_path):
     assert torch.equal(pool._slots[DEVICE][0], make_kv(0))  # still referenced: not freed
 
     pool.dec_lock_ref([held])
-    assert pool.take_events() == [BlockRemoved(block_hash(0), DEVICE, RemovalReason.EXPIRED, zero(0))]
+    assert pool.take_events() == [RemovedFromPool(block_hash(0), DEVICE, RemovalReason.EXPIRED, zero(0))]
     assert pool.expire() == 0
     assert pool.stats().num_expired == 2
     assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
@@ -468,8 +470,8 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
     assert not disk_file.exists()
     assert torch.count_nonzero(pool._slots[HOST][host_slot]) == 0
     assert pool.take_events() == [
-        BlockRemoved(block_hash(0), DISK, RemovalReason.INVALIDATED, evidence[0]),
-        BlockRemoved(block_hash(1), HOST, RemovalReason.INVALIDATED, evidence[1]),
+        RemovedFromPool(block_hash(0), DISK, RemovalReason.INVALIDATED, evidence[0]),
+        RemovedFromPool(block_hash(1), HOST, RemovalReason.INVALIDATED, evidence[1]),
     ]
     # No further hits, even for the reader that still holds block 2.
     assert pool.longest_ready_prefix([block_hash(2)]) == []
@@ -482,7 +484,7 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
 
     pool.dec_lock_ref([held])
     assert pool.take_events() == [
-        BlockRemoved(
+        RemovedFromPool(
             block_hash(2), DEVICE, RemovalReason.INVALIDATED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True)
         )
     ]
@@ -731,9 +733,11 @@ def test_tenant_block_without_a_data_key_is_dropped_not_written_in_clear(tmp_pat
     store(pool, 1)
     assert list((tmp_path / "disk").iterdir()) == []
     assert pool.take_events() == [
-        BlockStored(make_key(0, scope=TENANT), DEVICE),
-        BlockRemoved(block_hash(0), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True)),
-        BlockStored(make_key(1), DEVICE),
+        StoredInPool(make_key(0, scope=TENANT), DEVICE),
+        RemovedFromPool(
+            block_hash(0), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True)
+        ),
+        StoredInPool(make_key(1), DEVICE),
     ]
 
 
@@ -757,7 +761,7 @@ def test_corrupt_disk_block_raises_and_is_gone(tmp_path):
     assert pool.state_of(block_hash(0)) is None
     assert not path.exists()
     assert pool.take_events() == [
-        BlockRemoved(
+        RemovedFromPool(
             block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True)
         )
     ]
@@ -785,7 +789,7 @@ def test_destroyed_key_raises_and_block_is_gone(tmp_path):
     assert pool.get_ready(block_hash(0)) is None
     assert not (tmp_path / "disk" / f"{block_hash(0).hex()}.kvb").exists()
     assert pool.take_events() == [
-        BlockRemoved(
+        RemovedFromPool(
             block_hash(0),
             DISK,
             RemovalReason.RESTORE_FAILED,
@@ -809,7 +813,7 @@ def test_restart_reindexes_the_disk_tier(tmp_path):
     assert restarted.get_ready(block_hash(0)).key == make_key(0, scope=USER, subject="s0")
     assert torch.equal(read(restarted, [restarted.get_ready(block_hash(1))], promote=False)[0], make_kv(1))
     assert restarted.take_events() == [
-        BlockRemoved(
+        RemovedFromPool(
             block_hash(2), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(2), DISK, METHOD_OVERWRITE_UNLINK, False, True)
         )
     ]
@@ -852,7 +856,7 @@ def test_export_and_import_records(tmp_path):
     target = make_pool(tmp_path / "b", device=1, host=1, keys=source.key_provider)
     assert target.import_record(record, HOST) is True
     assert target.import_record(record, HOST) is False
-    assert target.take_events() == [BlockStored(make_key(0, scope=USER), HOST)]
+    assert target.take_events() == [StoredInPool(make_key(0, scope=USER), HOST)]
     assert torch.equal(read(target, [target.get_ready(block_hash(0))], promote=False)[0], make_kv(0))
     with pytest.raises(BlockRestoreError):
         target.import_record(record[:-1], HOST)
@@ -916,7 +920,7 @@ def test_batched_promotion_of_host_blocks(tmp_path, order):
     entries = [pool.get_ready(block_hash(i)) for i in indices]
     out = read(pool, entries)
     assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
-    assert pool.take_events() == [BlockMoved(block_hash(i), HOST, DEVICE) for i in indices]
+    assert pool.take_events() == [MovedInPool(block_hash(i), HOST, DEVICE) for i in indices]
     for i, entry in zip(indices, entries, strict=True):
         assert entry.tier is DEVICE and torch.equal(pool._slots[DEVICE][entry.slot], make_kv(i))
     assert torch.count_nonzero(pool._slots[HOST]) == 0  # every slot the blocks left is zeroed
@@ -945,7 +949,7 @@ def test_batched_promotion_of_disk_blocks(tmp_path, scope, order):
     entries = [pool.get_ready(block_hash(i)) for i in indices]
     out = read(pool, entries)
     assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
-    assert pool.take_events() == [BlockMoved(block_hash(i), DISK, DEVICE) for i in indices]
+    assert pool.take_events() == [MovedInPool(block_hash(i), DISK, DEVICE) for i in indices]
     for i, entry in zip(indices, entries, strict=True):
         assert entry.tier is DEVICE and torch.equal(pool._slots[DEVICE][entry.slot], make_kv(i))
         assert not pool.disk_path(block_hash(i)).exists()
@@ -968,9 +972,9 @@ def test_batched_read_mixes_tiers_and_repeated_entries(tmp_path):
     out = read(pool, entries)
     assert torch.equal(out, torch.stack([make_kv(2), make_kv(0), make_kv(1), make_kv(2), make_kv(3)]))
     assert pool.take_events() == [
-        BlockMoved(block_hash(2), DISK, DEVICE),
-        BlockMoved(block_hash(1), HOST, DEVICE),
-        BlockMoved(block_hash(3), DISK, DEVICE),
+        MovedInPool(block_hash(2), DISK, DEVICE),
+        MovedInPool(block_hash(1), HOST, DEVICE),
+        MovedInPool(block_hash(3), DISK, DEVICE),
     ]
     assert tiers(pool) == {0: DEVICE, 1: DEVICE, 2: DEVICE, 3: DEVICE}
     assert torch.count_nonzero(pool._slots[HOST]) == 0 and list((tmp_path / "disk").iterdir()) == []
@@ -992,7 +996,7 @@ def test_batched_promotion_swaps_with_device_victims_and_stops_when_device_is_he
     assert torch.equal(out, torch.stack([make_kv(0), make_kv(1)]))
     # Block 0 takes the victim's device slot; the victim takes the host slot block 0 left (a swap);
     # block 1 finds no device slot and stays on the host, served from there.
-    assert pool.take_events() == [BlockMoved(block_hash(3), DEVICE, HOST), BlockMoved(block_hash(0), HOST, DEVICE)]
+    assert pool.take_events() == [MovedInPool(block_hash(3), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DEVICE)]
     assert tiers(pool) == {0: DEVICE, 1: HOST, 2: DEVICE, 3: HOST}
     assert victim.slot == host_slots[0]
     assert torch.equal(pool._slots[HOST][victim.slot], make_kv(3))  # the batched zero-fill ran before the swap
@@ -1018,7 +1022,7 @@ def test_batched_read_with_a_corrupt_file_moves_nothing(tmp_path):
         pool.read_blocks(entries)
     pool.dec_lock_ref(entries)
     events = pool.take_events()
-    assert [type(event) for event in events] == [BlockRemoved]
+    assert [type(event) for event in events] == [RemovedFromPool]
     assert (events[0].block_hash, events[0].reason) == (block_hash(2), RemovalReason.RESTORE_FAILED)
     assert tiers(pool) == {0: HOST, 1: DISK}
     assert torch.equal(pool._slots[HOST][entries[0].slot], make_kv(0))

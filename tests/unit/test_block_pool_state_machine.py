@@ -24,13 +24,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pool_builders import NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from gpu_node.block_pool import (
-    BlockMoved,
     BlockPool,
-    BlockRemoved,
     BlockState,
-    BlockStored,
+    MovedInPool,
     PoolConfig,
     RemovalReason,
+    RemovedFromPool,
+    StoredInPool,
     Tier,
     provenance_index_keys,
 )
@@ -190,15 +190,15 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _apply_events(self) -> None:
         for event in self.pool.take_events():
-            if isinstance(event, BlockStored):
+            if isinstance(event, StoredInPool):
                 assert event.key.block_hash not in self.ledger, "stored twice without removal"
                 assert event.tier is Tier.DEVICE
                 self.ledger[event.key.block_hash] = event.tier
-            elif isinstance(event, BlockMoved):
+            elif isinstance(event, MovedInPool):
                 assert self.ledger[event.block_hash] is event.from_tier
                 self.ledger[event.block_hash] = event.to_tier
             else:
-                assert isinstance(event, BlockRemoved)
+                assert isinstance(event, RemovedFromPool)
                 assert self.ledger.pop(event.block_hash) is event.tier
                 assert event.evidence is not None and event.evidence.verified
                 self.unreadable.discard(event.block_hash)

@@ -15,7 +15,7 @@ import pytest
 from events import schema
 from gpu_node.block_pool import BlockState, Tier
 from gpu_node.block_records import BlockRestoreError, decode_block_record
-from gpu_node.commands import InvalidationHandler, block_predicate
+from gpu_node.commands import InvalidationApplier, block_predicate
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
 from gpu_node.kv_cache_utils import CacheScope, Principal, compute_block_keys
@@ -37,7 +37,7 @@ async def node(tiny_model_dir, tmp_path):
     )
     engine = AsyncEngine.from_settings(settings)
     await engine.start()
-    handler = InvalidationHandler(engine, SUBJECT_KEY.encode(), deferred_wait_s=5.0)
+    handler = InvalidationApplier(engine, SUBJECT_KEY.encode(), deferred_wait_s=5.0)
     yield engine, handler
     await engine.stop()
 

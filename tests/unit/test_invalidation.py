@@ -17,11 +17,12 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ledger_helpers import eventually
 
 from events import schema
 from gpu_node.api import CACHE_BYPASS_HEADER, create_app
-from gpu_node.block_pool import Tier, provenance_index_keys
-from gpu_node.commands import InvalidationHandler, block_predicate, predicate_index_key
+from gpu_node.block_pool import RemovalReason, Tier, provenance_index_keys
+from gpu_node.commands import EVIDENCE_SUBSCRIBER, InvalidationApplier, block_predicate, predicate_index_key
 from gpu_node.engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
 from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
@@ -44,7 +45,7 @@ async def node(tiny_model_dir, tmp_path):
     )
     engine = AsyncEngine.from_settings(settings)
     await engine.start()
-    handler = InvalidationHandler(engine, SUBJECT_KEY, deferred_wait_s=5.0)
+    handler = InvalidationApplier(engine, SUBJECT_KEY, deferred_wait_s=5.0)
     yield engine, handler
     await engine.stop()
 
@@ -123,7 +124,7 @@ async def request(engine: AsyncEngine, world: World, doc_id: str, stale_doc: boo
             assert scope != "hr" or version_used >= current_policy, "served a block of a superseded policy version"
 
 
-async def apply(engine: AsyncEngine, handler: InvalidationHandler, command: schema.Invalidate) -> list[schema.TierEvidence]:
+async def apply(engine: AsyncEngine, handler: InvalidationApplier, command: schema.Invalidate) -> list[schema.TierEvidence]:
     evidence = await handler.apply(command)
     matches = block_predicate(command.predicate, command.cutoff, SUBJECT_KEY)
     assert not [entry for entry in engine.pool.ready_entries() if matches(entry.provenance)]
@@ -288,6 +289,42 @@ async def test_blocks_held_by_a_reader_are_deleted_on_release_and_reported(node)
     engine.manager.drain_events()
     evidence = await asyncio.wait_for(applying, 5)
     assert {h for item in evidence for h in item.block_hashes} == {entry.block_hash.hex() for entry in held}
+
+
+async def test_a_failing_subscriber_ahead_of_the_applier_does_not_keep_deferred_evidence_from_its_ack(node):
+    engine, _ = node
+    # The applier subscribes after a subscriber that always raises: construction order does not matter.
+    engine.manager.unsubscribe(EVIDENCE_SUBSCRIBER)
+
+    batches_refused: list[tuple] = []
+
+    def broken(events) -> None:
+        batches_refused.append(tuple(events))
+        raise RuntimeError("broken subscriber")
+
+    engine.manager.subscribe("broken", broken)
+    handler = InvalidationApplier(engine, SUBJECT_KEY, deferred_wait_s=5.0)
+    principal = new_reader()
+    keys = await cache_document(engine, principal, "d0")
+    held = [entry for entry in engine.pool.longest_ready_prefix([key.block_hash for key in keys]) if "d0@1" in entry.provenance.documents]
+    assert held
+    engine.pool.inc_lock_ref(held)
+    applying = asyncio.create_task(
+        handler.apply(invalidate(schema.DocumentPredicate(tenant=principal.tenant_id, doc_id="d0", below_version=2)))
+    )
+    await eventually(lambda: all(entry.tombstoned for entry in held), timeout_s=5.0)
+    assert not applying.done(), "the ack waits for referenced matches"
+    engine.pool.dec_lock_ref(held)
+    engine.manager.drain_events()
+    evidence = await asyncio.wait_for(applying, 5)
+    assert {h for item in evidence for h in item.block_hashes} == {entry.block_hash.hex() for entry in held}
+    assert all(item.verified for item in evidence)
+    failures = engine.metrics.registry.get_sample_value("kvledger_pool_event_subscriber_failures_total", {"subscriber": "broken"})
+    assert failures == len(batches_refused), "every batch the broken subscriber raised on is counted"
+    invalidated = {
+        event.block_hash for batch in batches_refused for event in batch if getattr(event, "reason", None) is RemovalReason.INVALIDATED
+    }
+    assert invalidated == {entry.block_hash for entry in held}, "the broken subscriber was offered the same removals"
 
 
 async def test_retired_namespace_is_emptied_and_then_served_without_cache(node):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pool_builders import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
-from gpu_node.block_pool import BlockPool, BlockStored, PoolConfig, Tier
+from gpu_node.block_pool import BlockPool, PoolConfig, StoredInPool, Tier
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
 from gpu_node.snapshots import (
@@ -126,7 +126,7 @@ def test_load_snapshot_warms_host_first_then_disk(tmp_path):
     order = list(manifest.block_hashes)
     assert placed == {order[0]: HOST, order[1]: HOST, order[2]: DISK, order[3]: DISK}
     assert target.take_events() == [
-        BlockStored(entry.key, placed[entry.block_hash])
+        StoredInPool(entry.key, placed[entry.block_hash])
         for entry in sorted(target.ready_entries(), key=lambda e: order.index(e.block_hash))
     ]
     for block, kv in read_all(target).items():
