@@ -9,7 +9,8 @@ batched slot I/O (:mod:`gpu_node.slot_io`) and the eviction order
 (:mod:`gpu_node.eviction`). This module is the entry state machine; the paths
 that work on that state have a collaborator class each, owned by the pool and
 run under its lock: the batched read and promotion path
-(:class:`gpu_node.pool_reads.PoolReader`), governed removal
+(:class:`gpu_node.pool_reads.PoolReader`), demotion and making room
+(:class:`gpu_node.pool_demotion.PoolDemoter`), governed removal
 (:class:`gpu_node.pool_removal.PoolRemover`), warm start and disk re-index
 (:class:`gpu_node.pool_warm_start.PoolWarmStart`) and sequences' own device
 slots (:class:`gpu_node.device_slots.DeviceSlots`). They reach the pool's state
@@ -70,6 +71,7 @@ from gpu_node.disk_tier import DiskTier
 from gpu_node.eviction import LRUEvictionStrategy
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.pool_demotion import PoolDemoter
 from gpu_node.pool_reads import PoolReader
 from gpu_node.pool_removal import PoolRemover
 from gpu_node.pool_types import (
@@ -116,8 +118,6 @@ __all__ = [
     "encode_block_record",
     "provenance_index_keys",
 ]
-
-_TIER_DEPTH = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 
 
 class BlockPool:
@@ -171,6 +171,7 @@ class BlockPool:
         self._num_promotions = 0
         self._num_restore_failures = 0
         self._reader = PoolReader(self)
+        self._demoter = PoolDemoter(self)
         self._remover = PoolRemover(self)
         self._warm_start = PoolWarmStart(self)
         self._device_slots = DeviceSlots(self)
@@ -311,11 +312,11 @@ class BlockPool:
                 raise ValueError(f"kv shape {tuple(kv.shape)} != block shape {self._spec.block_shape}")
             if kv.dtype != self._spec.dtype:
                 raise ValueError(f"kv dtype {kv.dtype} != pool dtype {self._spec.dtype}")
-            if entry.tombstoned or not self._make_room(Tier.DEVICE):
+            if entry.tombstoned or not self._demoter.make_room(Tier.DEVICE):
                 self._discard_building(entry)
                 return False
-            slot = heapq.heappop(self._free_slots[Tier.DEVICE])
-            self._slots[Tier.DEVICE][slot].copy_(kv)
+            stored, slot = self._store_bytes(entry, Tier.DEVICE, kv)
+            assert stored and slot is not None, "a memory tier with room always stores"
             self._make_ready(entry, slot)
             return True
 
@@ -371,16 +372,8 @@ class BlockPool:
     # --- tier management ---------------------------------------------------------------
 
     def demote(self, block_hash: bytes, to_tier: Tier) -> bool:
-        """Move an unreferenced READY block down to ``to_tier``; False when not possible now."""
-        if to_tier is Tier.DEVICE:
-            raise ValueError("nothing can be demoted to the device tier")
-        with self._lock:
-            entry = self._entries.get(block_hash)
-            if entry is None or entry.state is not BlockState.READY or entry.ref_count > 0:
-                return False
-            if _TIER_DEPTH[entry.tier] >= _TIER_DEPTH[to_tier] or not self._make_room(to_tier):
-                return False
-            return self._demote(entry, to_tier, self._read_payload(entry))
+        """Move an unreferenced READY block down to ``to_tier``; False when not possible now (:class:`PoolDemoter`)."""
+        return self._demoter.demote(block_hash, to_tier)
 
     def evict(self, block_hash: bytes) -> bool:
         """Drop an unreferenced READY block from whatever tier holds it; False when not possible now."""
@@ -529,28 +522,6 @@ class BlockPool:
             return self._num_entries[Tier.DISK] < self._capacity[Tier.DISK]
         return bool(self._free_slots[tier])
 
-    def _lower_tier(self, tier: Tier) -> Tier | None:
-        for lower in Tier:
-            if _TIER_DEPTH[lower] > _TIER_DEPTH[tier] and self._capacity[lower] > 0:
-                return lower
-        return None
-
-    def _make_room(self, tier: Tier) -> bool:
-        """Free one unit of ``tier`` by demoting its LRU unreferenced READY entry (device → host → disk → drop)."""
-        if self._has_room(tier):
-            return True
-        victim = self._victim(tier)
-        if victim is None:
-            return False
-        lower = self._lower_tier(tier)
-        if lower is not None and self._make_room(lower) and self._demote(victim, lower, self._read_payload(victim)):
-            return True
-        self._drop(victim, RemovalReason.EVICTED)
-        return True
-
-    def _victim(self, tier: Tier) -> CacheEntry | None:
-        return next((entry for entry in self._lru[tier].candidates() if entry.ref_count == 0), None)
-
     def _read_payload(self, entry: CacheEntry) -> torch.Tensor:
         """The entry's KV: a view of its slot, or the decoded file (a corrupt one is dropped and raises)."""
         if entry.tier is not Tier.DISK:
@@ -562,23 +533,18 @@ class BlockPool:
             raise BlockRestoreError(entry.block_hash, error.reason) from None
         return payload_tensor(record.payload, self._spec)
 
-    def _demote(self, entry: CacheEntry, to_tier: Tier, kv: torch.Tensor) -> bool:
-        """Copy ``kv`` into lower ``to_tier`` (room already made), then zero the old slot; False if unsealable."""
-        from_tier = entry.tier
-        assert from_tier is not None and _TIER_DEPTH[to_tier] > _TIER_DEPTH[from_tier], "a demotion moves a placed entry down"
-        if to_tier is Tier.DISK:
-            if not self._write_disk(entry, kv):
-                return False
-            slot = None
-        else:
-            slot = heapq.heappop(self._free_slots[to_tier])
-            self._slots[to_tier][slot].copy_(kv)
-        self._delete_bytes(entry)
-        self._unplace(entry)
-        self._place(entry, to_tier, slot)
-        self._num_demotions += 1
-        self._events.append(MovedInPool(entry.block_hash, from_tier, to_tier))
-        return True
+    def _store_bytes(self, entry: CacheEntry, tier: Tier, kv: torch.Tensor) -> tuple[bool, int | None]:
+        """Write ``kv`` into ``tier``, which has room: a free device/host slot (the lowest) or the block's file.
+
+        Returns ``(stored, slot)``: ``slot`` is the slot taken (None on disk); not
+        stored only when the disk tier cannot seal the block (its scope has no
+        data key). Placing the entry is the caller's: a build, a demotion or an import.
+        """
+        if tier is Tier.DISK:
+            return self._disk.write(self._warm_start.record(entry, kv)), None
+        slot = heapq.heappop(self._free_slots[tier])
+        self._slots[tier][slot].copy_(kv)
+        return True, slot
 
     def _drop(self, entry: CacheEntry, reason: RemovalReason, cleared: bool | None = None) -> RemovalEvidence:
         """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING → ABSENT).
@@ -624,7 +590,3 @@ class BlockPool:
             cleared = not bool(slot_tensor.any())
         heapq.heappush(self._free_slots[entry.tier], entry.slot)
         return RemovalEvidence(entry.block_hash, entry.tier, METHOD_ZERO_FILL, False, cleared)
-
-    def _write_disk(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
-        """Write the block file (sealed unless public); False when its scope has no data key."""
-        return self._disk.write(self._warm_start.record(entry, kv))

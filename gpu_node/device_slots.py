@@ -55,7 +55,7 @@ class DeviceSlots:
                 return None
             slots = []
             for _ in range(num_slots):
-                made_room = pool._make_room(Tier.DEVICE)
+                made_room = pool._demoter.make_room(Tier.DEVICE)
                 assert made_room, "counted victims always yield slots"
                 slots.append(heapq.heappop(pool._free_slots[Tier.DEVICE]))
             return slots

@@ -192,7 +192,7 @@ class PoolReader:
                         for slot in left_host_slots:
                             heapq.heappush(free_host, slot)
                         left_host_slots.clear()
-                    made_room = pool._make_room(Tier.DEVICE)
+                    made_room = pool._demoter.make_room(Tier.DEVICE)
                     assert made_room, "an unreferenced device victim always yields a slot"
                 slot = heapq.heappop(free_device)
                 pool._place(entry, Tier.DEVICE, slot)

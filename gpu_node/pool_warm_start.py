@@ -11,7 +11,6 @@ under the pool's lock and places entries through the pool's own bookkeeping.
 
 from __future__ import annotations
 
-import heapq
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,14 +77,9 @@ class PoolWarmStart:
             if not pool._has_room(tier):
                 return False
             entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
-            kv = payload_tensor(record.payload, pool._spec)
-            if tier is Tier.DISK:
-                if not pool._write_disk(entry, kv):
-                    return False
-                slot = None
-            else:
-                slot = heapq.heappop(pool._free_slots[tier])
-                pool._slots[tier][slot].copy_(kv)
+            stored, slot = pool._store_bytes(entry, tier, payload_tensor(record.payload, pool._spec))
+            if not stored:
+                return False
             pool._admit(entry)
             pool._place(entry, tier, slot)
             pool._events.append(StoredInPool(entry.key, tier))
