@@ -59,7 +59,7 @@ from coordinator.consumers import consumer_groups
 from events.kafka import KafkaSettings, ensure_topics
 from events.schema import subject_digest
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import build_tiny_model
@@ -103,7 +103,7 @@ class BenchNode:
     def fill(self, tenant: str, subject: str, num_blocks: int, kv: torch.Tensor) -> None:
         """Commit ``num_blocks`` READY user blocks of ``subject`` (worker thread); the pool demotes as tiers fill."""
         pool = self.engine.pool
-        provenance = BlockProvenance(self.engine.namespace.namespace, tenant, CacheScope.USER, (), subject, (), time.time())
+        provenance = CacheProvenance(self.engine.namespace.namespace, tenant, CacheScope.USER, (), subject, (), time.time())
         parent = secrets.token_bytes(HASH_BYTES)
         for index in range(num_blocks):
             block_hash = secrets.token_bytes(HASH_BYTES)

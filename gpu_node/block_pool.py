@@ -69,7 +69,7 @@ from gpu_node.crypto import DataKeyProvider
 from gpu_node.device_slots import DeviceSlots
 from gpu_node.disk_tier import DiskTier
 from gpu_node.eviction import LRUEvictionStrategy
-from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.pool_demotion import PoolDemoter
 from gpu_node.pool_reads import PoolReader
@@ -149,7 +149,7 @@ class BlockPool:
         disk_dir = config.disk_dir if config.max_disk_blocks > 0 else None
         self._disk = None if disk_dir is None else DiskTier(disk_dir, config.namespace, spec, key_provider)
         # (predicate, until on the pool clock): builds of matching blocks are refused until then.
-        self._build_guards: list[tuple[Callable[[BlockProvenance], bool], float]] = []
+        self._build_guards: list[tuple[Callable[[CacheProvenance], bool], float]] = []
         self._capacity = {
             Tier.DEVICE: config.num_device_blocks,
             Tier.HOST: config.num_host_blocks,
@@ -268,7 +268,7 @@ class BlockPool:
 
     # --- building --------------------------------------------------------------------------
 
-    def guard_builds(self, predicate: Callable[[BlockProvenance], bool], duration_s: float) -> None:
+    def guard_builds(self, predicate: Callable[[CacheProvenance], bool], duration_s: float) -> None:
         """Refuse to build blocks matching ``predicate`` for ``duration_s`` (why: :meth:`PoolRemover.guard_builds`)."""
         self._remover.guard_builds(predicate, duration_s)
 
@@ -401,13 +401,13 @@ class BlockPool:
     # --- removal ------------------------------------------------------------------------
 
     def remove_where(
-        self, predicate: Callable[[BlockProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
+        self, predicate: Callable[[CacheProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
     ) -> RemovalReport:
         """Delete every block whose provenance matches, in every tier, with evidence (:meth:`PoolRemover.remove_where`)."""
         return self._remover.remove_where(predicate, reason, candidates)
 
     def remove_many(
-        self, requests: Sequence[tuple[Callable[[BlockProvenance], bool], IndexKey | None]], reason: RemovalReason
+        self, requests: Sequence[tuple[Callable[[CacheProvenance], bool], IndexKey | None]], reason: RemovalReason
     ) -> list[RemovalReport]:
         """:meth:`remove_where` for each ``(predicate, candidates)``, with one bulk deletion (:class:`PoolRemover`)."""
         return self._remover.remove_many(requests, reason)

@@ -20,7 +20,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpu_node.crypto import DataKeyProvider, seal, unseal
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from identity.sealing import KEY_BYTES
 
@@ -73,7 +73,7 @@ def _key_from_dict(data: Mapping) -> BlockKey:
         parent_hash=bytes.fromhex(data["parent_hash"]),
         index=int(data["index"]),
         block_size=int(data["block_size"]),
-        provenance=BlockProvenance.from_dict(data["provenance"]),
+        provenance=CacheProvenance.from_dict(data["provenance"]),
     )
 
 

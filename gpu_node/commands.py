@@ -84,7 +84,7 @@ from gpu_node import snapshots
 from gpu_node.block_pool import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool, Tier
 from gpu_node.crypto import DataKeyProvider
 from gpu_node.governance_sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
-from gpu_node.kv_cache_utils import BlockProvenance
+from gpu_node.kv_cache_utils import CacheProvenance
 from identity.signing import SIGNATURE_ERROR, signature_problem
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ applied: a request claims its blocks at most the singleflight wait after it comp
 # --------------------------------------------------------------------------- predicates
 
 
-def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes) -> Callable[[BlockProvenance], bool]:
+def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes) -> Callable[[CacheProvenance], bool]:
     """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` (and was keyed before ``keyed_before``).
 
     The handler removes with ``keyed_before=None``: every matching block that
@@ -126,7 +126,7 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
     match predicate:
         case schema.DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
 
-            def matches(provenance: BlockProvenance) -> bool:
+            def matches(provenance: CacheProvenance) -> bool:
                 if provenance.tenant_id != tenant:
                     return False
                 for tag in provenance.documents:
@@ -137,7 +137,7 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
 
         case schema.PolicyPredicate(tenant=tenant, auth_scope=auth_scope, below_version=below):
 
-            def matches(provenance: BlockProvenance) -> bool:
+            def matches(provenance: CacheProvenance) -> bool:
                 return provenance.tenant_id == tenant and any(
                     scope == auth_scope and version < below for scope, version in provenance.auth_scopes
                 )
@@ -145,7 +145,7 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
         case schema.SubjectPredicate(tenant=tenant, subject_id=digest):
             digests: dict[str, str] = {}
 
-            def matches(provenance: BlockProvenance) -> bool:
+            def matches(provenance: CacheProvenance) -> bool:
                 subject = provenance.subject_id
                 if provenance.tenant_id != tenant or subject is None:
                     return False
@@ -155,12 +155,12 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
 
         case schema.NamespacePredicate(ns=namespace):
 
-            def matches(provenance: BlockProvenance) -> bool:
+            def matches(provenance: CacheProvenance) -> bool:
                 return provenance.namespace == namespace
 
         case schema.TenantPredicate(tenant=tenant):
 
-            def matches(provenance: BlockProvenance) -> bool:
+            def matches(provenance: CacheProvenance) -> bool:
                 return provenance.tenant_id == tenant
 
         case _:
@@ -169,7 +169,7 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
     if keyed_before_s is None:
         return matches
 
-    def keyed_in_time(provenance: BlockProvenance) -> bool:
+    def keyed_in_time(provenance: CacheProvenance) -> bool:
         return provenance.created_at < keyed_before_s and matches(provenance)
 
     return keyed_in_time
@@ -212,7 +212,7 @@ class SnapshotRemoval:
 
 
 def remove_from_snapshots(
-    root: Path, predicates: Sequence[Callable[[BlockProvenance], bool]], key_provider: DataKeyProvider
+    root: Path, predicates: Sequence[Callable[[CacheProvenance], bool]], key_provider: DataKeyProvider
 ) -> list[list[SnapshotRemoval]]:
     """Rewrite every snapshot under ``root`` without blocks any predicate matches; per predicate, what it removed.
 
@@ -301,7 +301,7 @@ class _Progress:
 @dataclass(frozen=True, slots=True)
 class _Plan:
     command: schema.Invalidate
-    matches: Callable[[BlockProvenance], bool]
+    matches: Callable[[CacheProvenance], bool]
     progress: _Progress
 
 

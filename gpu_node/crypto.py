@@ -28,7 +28,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from events.schema import subject_digest
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
 from identity.tokens import Principal
 
@@ -38,7 +38,7 @@ _U32 = struct.Struct("<I")
 class DataKeyProvider(Protocol):
     """Where data keys come from. Small on purpose: the coordinator will take over key custody."""
 
-    def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
+    def key_for(self, provenance: CacheProvenance) -> tuple[str, bytes] | None:
         """``(key_id, key)`` that seals blocks of this provenance's scope; None for public scope."""
         ...
 
@@ -118,7 +118,7 @@ def scope_label(tenant_id: str, subject_id: str | None = None) -> bytes:
     return b"U" + _length_prefixed(tenant_id) + _length_prefixed(subject_id)
 
 
-def provenance_label(provenance: BlockProvenance) -> bytes | None:
+def provenance_label(provenance: CacheProvenance) -> bytes | None:
     """The key scope a block is sealed under; None for public blocks, which are not encrypted."""
     if provenance.scope == CacheScope.PUBLIC:
         return None
@@ -188,7 +188,7 @@ class LocalKeyStore:
         label_digest = self._label_digest(label)
         return label_digest, self._key_id(label_digest, self._generations.get(label_digest, 0))
 
-    def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
+    def key_for(self, provenance: CacheProvenance) -> tuple[str, bytes] | None:
         label = provenance_label(provenance)
         if label is None:
             return None

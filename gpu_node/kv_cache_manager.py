@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpu_node.block_pool import BlockPool, BlockState, CacheEntry, PoolEvent, RemovalReason, RemovedFromPool
-from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, BlockKey, BlockProvenance, CacheScope, Principal, compute_shadow_hashes
+from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, BlockKey, CacheProvenance, CacheScope, Principal, compute_shadow_hashes
 from gpu_node.metrics import MissReason, NodeMetrics
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ Audience = tuple
 """Who could be served a block: ``(PUBLIC,)``, ``(TENANT, tenant, auth scope names)`` or ``(USER, tenant, subject)``."""
 
 
-def _audience(provenance: BlockProvenance) -> Audience:
+def _audience(provenance: CacheProvenance) -> Audience:
     """Mirrors the salt of :func:`gpu_node.kv_cache_utils.scope_salt`, less the policy versions."""
     if provenance.scope == CacheScope.PUBLIC:
         return (CacheScope.PUBLIC,)

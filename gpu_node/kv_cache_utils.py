@@ -101,8 +101,13 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockProvenance:
-    """Whose data a block holds. Travels with the block to every tier and to the ledger."""
+class CacheProvenance:
+    """Whose data a cached block holds, as the node salts, seals and matches it. Travels with the block to every tier.
+
+    It names the subject as the node knows it; the ledger's record of the same facts
+    is :class:`events.schema.BlockProvenance` (subject as a keyed digest, plus the
+    block's hash and position), built from this one by the publisher.
+    """
 
     namespace: str
     tenant_id: str | None
@@ -124,7 +129,7 @@ class BlockProvenance:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> BlockProvenance:
+    def from_dict(cls, data: Mapping) -> CacheProvenance:
         return cls(
             namespace=data["namespace"],
             tenant_id=data["tenant_id"],
@@ -148,7 +153,7 @@ class BlockKey(NamedTuple):
     parent_hash: bytes
     index: int
     block_size: int
-    provenance: BlockProvenance
+    provenance: CacheProvenance
 
     @property
     def hex(self) -> str:
@@ -265,7 +270,7 @@ def compute_block_keys(
     scope = CacheScope.PUBLIC
     auth_scopes: dict[str, int] = {}
     documents: dict[str, None] = {}
-    provenance: BlockProvenance | None = None
+    provenance: CacheProvenance | None = None
     salt_field = b""
     segment_index = 0
     index = 0
@@ -298,7 +303,7 @@ def compute_block_keys(
         if changed:
             sorted_auth = tuple(sorted(auth_scopes.items()))
             salt_field = _field(scope_salt(scope, principal, sorted_auth))
-            provenance = BlockProvenance(
+            provenance = CacheProvenance(
                 namespace=namespace,
                 tenant_id=None if scope == CacheScope.PUBLIC else principal.tenant_id,
                 scope=scope,

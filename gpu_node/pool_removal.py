@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from events.fault_points import fault_point
-from gpu_node.kv_cache_utils import BlockProvenance
+from gpu_node.kv_cache_utils import CacheProvenance
 from gpu_node.pool_types import INDEX_KINDS, BlockState, CacheEntry, IndexKey, RemovalEvidence, RemovalReason, RemovalReport, Tier
 from gpu_node.slot_io import zero_slots_verified
 
@@ -27,7 +27,7 @@ class PoolRemover:
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
 
-    def guard_builds(self, predicate: Callable[[BlockProvenance], bool], duration_s: float) -> None:
+    def guard_builds(self, predicate: Callable[[CacheProvenance], bool], duration_s: float) -> None:
         """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see :meth:`BlockPool.begin_build`).
 
         :meth:`remove_where` tombstones the matching builds it finds, but a
@@ -46,7 +46,7 @@ class PoolRemover:
             pool._build_guards.append((predicate, now + duration_s))
 
     def remove_where(
-        self, predicate: Callable[[BlockProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
+        self, predicate: Callable[[CacheProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
     ) -> RemovalReport:
         """Delete every block whose provenance matches, in every tier, with per-block evidence.
 
@@ -62,7 +62,7 @@ class PoolRemover:
         return self.remove_many([(predicate, candidates)], reason)[0]
 
     def remove_many(
-        self, requests: Sequence[tuple[Callable[[BlockProvenance], bool], IndexKey | None]], reason: RemovalReason
+        self, requests: Sequence[tuple[Callable[[CacheProvenance], bool], IndexKey | None]], reason: RemovalReason
     ) -> list[RemovalReport]:
         """:meth:`remove_where` for each ``(predicate, candidates)`` in order, with one bulk deletion of bytes.
 

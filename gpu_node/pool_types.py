@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from pathlib import Path
 
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 
 
 class Tier(StrEnum):
@@ -85,7 +85,7 @@ class CacheEntry:
         return self.key.block_hash
 
     @property
-    def provenance(self) -> BlockProvenance:
+    def provenance(self) -> CacheProvenance:
         return self.key.provenance
 
 
@@ -161,7 +161,7 @@ superset of what a predicate on it can match; the predicate still decides.
 INDEX_KINDS = frozenset({"tenant", "document", "policy", "namespace"})
 
 
-def provenance_index_keys(provenance: BlockProvenance) -> list[IndexKey]:
+def provenance_index_keys(provenance: CacheProvenance) -> list[IndexKey]:
     """The provenance index keys a block is filed under (every key but ``namespace``, which is the whole pool)."""
     tenant = provenance.tenant_id
     keys: list[IndexKey] = [("tenant", tenant)]

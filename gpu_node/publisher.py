@@ -57,7 +57,7 @@ from events.fault_points import fault_triggered
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.topics import DEAD_LETTER, KV_EVENTS, route
 from gpu_node import block_pool
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance
 from gpu_node.usage import usage_meter
 from identity.signing import EnvelopeSigner
 
@@ -323,7 +323,7 @@ class NodePublisher:
             except Exception as exc:  # noqa: BLE001 - a broker hiccup must not stop publishing
                 log.warning("node %s: reporting a dead letter failed (%s)", self.node_id, type(exc).__name__)
 
-    def provenance_event(self, block_hash: bytes, parent_hash: bytes, token_offset: int, provenance: BlockProvenance) -> dict:
+    def provenance_event(self, block_hash: bytes, parent_hash: bytes, token_offset: int, provenance: CacheProvenance) -> dict:
         subject = (
             schema.subject_digest(self.subject_key, provenance.tenant_id, provenance.subject_id)
             if provenance.subject_id is not None

@@ -40,7 +40,7 @@ import httpx
 
 from events.schema import subject_digest
 from gpu_node.crypto import DataKeyProvider, LocalKeyStore
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from gpu_node.node_identity import node_signing_key
 from gpu_node.settings import DataKeySettings, NodeSettings
 from identity.node_credentials import issue_node_credential
@@ -142,7 +142,7 @@ class CoordinatorKeyProvider:
 
     # -- what the pool calls, under its lock: memory only once serving ------------------------
 
-    def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
+    def key_for(self, provenance: CacheProvenance) -> tuple[str, bytes] | None:
         """The live key of the block's scope if held (else fetched, see the module docstring); None for public scope."""
         if provenance.scope == CacheScope.PUBLIC:
             return None
@@ -340,7 +340,7 @@ class _Blocking:
     def __init__(self, provider: CoordinatorKeyProvider) -> None:
         self._provider = provider
 
-    def key_for(self, provenance: BlockProvenance) -> tuple[str, bytes] | None:
+    def key_for(self, provenance: CacheProvenance) -> tuple[str, bytes] | None:
         if provenance.scope == CacheScope.PUBLIC:
             return None
         assert provenance.tenant_id is not None, "tenant and user scope blocks always carry a tenant id"

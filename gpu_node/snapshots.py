@@ -29,7 +29,7 @@ from events.fault_points import fault_point
 from gpu_node.block_pool import BlockPool, Tier
 from gpu_node.block_records import BlockRestoreError, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance
 
 MANIFEST_NAME = "manifest.json"
 MAX_SHARD_BYTES = 64 * 1024 * 1024
@@ -255,12 +255,12 @@ class RemovedRecord(NamedTuple):
 
     block_hash: bytes
     key_id: str | None
-    provenance: BlockProvenance | None
+    provenance: CacheProvenance | None
 
 
 def remove_from_snapshot(
     directory: Path,
-    predicate: Callable[[BlockProvenance], bool],
+    predicate: Callable[[CacheProvenance], bool],
     key_provider: DataKeyProvider,
 ) -> list[RemovedRecord]:
     """Rewrite the snapshot without blocks whose provenance matches; returns what was removed.

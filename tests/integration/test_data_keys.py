@@ -34,7 +34,7 @@ from events.schema import subject_digest
 from gpu_node.block_pool import BlockPool, PoolConfig, Tier
 from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.crypto import LocalKeyStore, unseal
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.node_identity import NODE_KEY_FILE
 from gpu_node.remote_keys import CoordinatorKeyProvider, data_key_provider
@@ -223,7 +223,7 @@ async def test_http_api(coordinator_url: str, service: KeyService, settings: Coo
 
 
 def _user_key(i: int, subject: str) -> BlockKey:
-    provenance = BlockProvenance(
+    provenance = CacheProvenance(
         namespace="ns-keys",
         tenant_id="acme",
         scope=CacheScope.USER,

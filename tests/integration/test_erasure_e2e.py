@@ -49,7 +49,7 @@ from events import kafka
 from events.schema import subject_digest
 from gpu_node.block_pool import BlockState, Tier
 from gpu_node.block_records import BlockRestoreError, decode_block_record
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, Principal, compute_block_keys
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings
@@ -333,7 +333,7 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
         assert await node.cached(user_token(tenant, "carol"), public_chat) == node.prefix_tokens(public_chat)[0]
     # alice's next key (issued after the erasure) is live at the coordinator: a node never destroys or reports it.
     provider = nodes[0].engine.pool.key_provider.blocking()
-    provenance = BlockProvenance(nodes[0].engine.namespace.namespace, tenant, CacheScope.USER, (), alice, (), time.time())
+    provenance = CacheProvenance(nodes[0].engine.namespace.namespace, tenant, CacheScope.USER, (), alice, (), time.time())
     newer_id, newer_key = await asyncio.to_thread(provider.key_for, provenance)
     assert newer_id not in body["key_ids_destroyed"]
     assert await asyncio.to_thread(provider.destroy, newer_id) is False

@@ -10,7 +10,7 @@ import hashlib
 
 import torch
 
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 
 NS = "ns-test"
@@ -32,7 +32,7 @@ def block_hash(i: int) -> bytes:
     return hashlib.sha256(f"block-{i}".encode()).digest()
 
 
-def block_key(i: int, provenance: BlockProvenance) -> BlockKey:
+def block_key(i: int, provenance: CacheProvenance) -> BlockKey:
     """Block ``i`` of a chain: parent ``i - 1``, token offset ``i``."""
     return BlockKey(block_hash(i), block_hash(i - 1), i, SPEC.block_size, provenance)
 

@@ -30,7 +30,7 @@ from gpu_node.block_pool import (
 )
 from gpu_node.block_records import BlockRestoreError
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
@@ -40,7 +40,7 @@ DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 def make_key(
     i: int, scope: CacheScope = PUBLIC, tenant: str = "acme", subject: str = "alice", documents: tuple[str, ...] = (), namespace: str = NS
 ) -> BlockKey:
-    provenance = BlockProvenance(
+    provenance = CacheProvenance(
         namespace=namespace,
         tenant_id=None if scope == PUBLIC else tenant,
         scope=scope,
@@ -524,9 +524,9 @@ DOC_TAGS = ("d1@1", "d1@2", "d2@1", "d3@4")
 AUTH_SCOPES = (("hr", 1), ("hr", 2), ("kb", 1))
 
 
-def random_provenance(draw) -> BlockProvenance:
+def random_provenance(draw) -> CacheProvenance:
     scope = draw(st.sampled_from([PUBLIC, TENANT, USER]))
-    return BlockProvenance(
+    return CacheProvenance(
         namespace=NS,
         tenant_id=None if scope == PUBLIC else draw(st.sampled_from(TENANTS)),
         scope=scope,

@@ -36,7 +36,7 @@ from gpu_node.block_pool import (
 )
 from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 
 NUM_KEYS = 9
 SUBJECTS = ("alice", "bob")
@@ -49,7 +49,7 @@ HASH_INDEX = {block_hash(i): i for i in range(NUM_KEYS)}
 def make_key(i: int) -> BlockKey:
     """Block i has a fixed scope (public, tenant with a document, user) and subject, so its hash is stable."""
     scope = (CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER)[i % 3]
-    provenance = BlockProvenance(
+    provenance = CacheProvenance(
         namespace=NS,
         tenant_id=None if scope == CacheScope.PUBLIC else "acme",
         scope=scope,
@@ -157,7 +157,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(what=st.sampled_from(["alice", "bob", "handbook@1", "public"]))
     def invalidate(self, what: str) -> None:
-        def matches(provenance: BlockProvenance) -> bool:
+        def matches(provenance: CacheProvenance) -> bool:
             if what == "public":
                 return provenance.scope == CacheScope.PUBLIC
             return provenance.subject_id == what or what in provenance.documents

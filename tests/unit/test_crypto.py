@@ -10,7 +10,7 @@ import pytest
 
 from events.schema import subject_digest
 from gpu_node.crypto import LocalKeyStore, overwrite_and_unlink, seal, unseal
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
 
 KEY = bytes(range(32))
@@ -18,8 +18,8 @@ BLOCK_HASH = b"\x11" * 32
 KEY_ID = "ab" * 16
 
 
-def provenance(scope: CacheScope, tenant: str | None = "acme", subject: str | None = "alice", auth: tuple = ()) -> BlockProvenance:
-    return BlockProvenance(
+def provenance(scope: CacheScope, tenant: str | None = "acme", subject: str | None = "alice", auth: tuple = ()) -> CacheProvenance:
+    return CacheProvenance(
         namespace="ns-test",
         tenant_id=None if scope == CacheScope.PUBLIC else tenant,
         scope=scope,

@@ -24,7 +24,7 @@ from gpu_node.api import CACHE_BYPASS_HEADER, create_app
 from gpu_node.block_pool import RemovalReason, Tier, provenance_index_keys
 from gpu_node.commands import EVIDENCE_SUBSCRIBER, InvalidationApplier, block_predicate, predicate_index_key
 from gpu_node.engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope, DocumentRef, Principal, compute_block_keys
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token
@@ -358,9 +358,9 @@ ns_names = st.sampled_from(["ns-a", "ns-b"])
 
 
 @st.composite
-def provenances(draw) -> BlockProvenance:
+def provenances(draw) -> CacheProvenance:
     scope = draw(st.sampled_from(list(CacheScope)))
-    return BlockProvenance(
+    return CacheProvenance(
         namespace=draw(ns_names),
         tenant_id=None if scope == CacheScope.PUBLIC else draw(st.sampled_from(NAMES[:2])),
         scope=scope,

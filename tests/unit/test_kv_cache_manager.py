@@ -20,10 +20,10 @@ from gpu_node.block_pool import (
 )
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_manager import KVCacheManager
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from gpu_node.metrics import NodeMetrics
 
-PUBLIC_PROVENANCE = BlockProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
+PUBLIC_PROVENANCE = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
 
 
 @pytest.fixture

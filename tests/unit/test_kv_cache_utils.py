@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_node.kv_cache_utils import (
-    BlockProvenance,
+    CacheProvenance,
     CacheScope,
     DocumentRef,
     Principal,
@@ -208,7 +208,7 @@ def test_last_token_is_always_recomputed():
 
 def test_provenance_round_trips():
     provenance = keys_for()[5].provenance
-    assert BlockProvenance.from_dict(provenance.to_dict()) == provenance
+    assert CacheProvenance.from_dict(provenance.to_dict()) == provenance
 
 
 def test_segment_starting_exactly_at_a_block_boundary_sets_the_scope_of_the_blocks_after_it():

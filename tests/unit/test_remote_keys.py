@@ -21,7 +21,7 @@ from pool_builders import NS, block_key, make_kv
 from gpu_node.api import create_app
 from gpu_node.block_pool import BlockRecord, BlockRestoreError, decode_block_record, encode_block_record
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from gpu_node.remote_keys import CoordinatorKeyProvider
 from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
 from identity.settings import IssuerSettings
@@ -111,7 +111,7 @@ def _provider(service: KeyService, clock: Clock | None = None, **settings: float
 
 
 def _tenant_block(tenant: str, i: int = 1) -> BlockRecord:
-    provenance = BlockProvenance(NS, tenant, CacheScope.TENANT, (), None, (), 0.0)
+    provenance = CacheProvenance(NS, tenant, CacheScope.TENANT, (), None, (), 0.0)
     key = block_key(i, provenance)
     return BlockRecord(key, "fp32", None, make_kv(i).numpy().tobytes())
 
@@ -138,7 +138,7 @@ async def test_a_slow_key_service_holds_neither_a_lookup_nor_a_request_past_its_
         with pytest.raises(BlockRestoreError) as unavailable:
             decode_block_record(sealed, restarted)
         assert unavailable.value.reason == "key_unavailable" and time.monotonic() - started < 0.05
-        public = BlockProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
+        public = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
         (sealing, seconds) = _timed(restarted.key_for, public)
         assert sealing is None and seconds < 0.05
         (sealing, seconds) = _timed(restarted.key_for, _tenant_block("initech").key.provenance)

@@ -12,7 +12,7 @@ from pool_builders import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, ma
 
 from gpu_node.block_pool import BlockPool, PoolConfig, StoredInPool, Tier
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_cache_utils import BlockKey, BlockProvenance, CacheScope
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.snapshots import (
     MANIFEST_NAME,
     delete_incomplete,
@@ -29,7 +29,7 @@ TENANT_ID, ALICE, BOB = "acme-corp", "alice@example.com", "bob@example.com"
 
 
 def make_key(i: int, scope: CacheScope = PUBLIC, subject: str = ALICE, namespace: str = NS) -> BlockKey:
-    provenance = BlockProvenance(
+    provenance = CacheProvenance(
         namespace=namespace,
         tenant_id=None if scope == PUBLIC else TENANT_ID,
         scope=scope,

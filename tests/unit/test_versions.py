@@ -8,7 +8,7 @@ import pytest
 
 from events import schema
 from gpu_node.commands import block_predicate
-from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, BlockProvenance, CacheScope, DocumentRef, Principal
+from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, CacheProvenance, CacheScope, DocumentRef, Principal
 from gpu_node.prompt import ChatMessage
 from gpu_node.versions import Staleness, VersionRegistry
 
@@ -27,8 +27,8 @@ def provenance(
     documents=("handbook@3",),
     namespace: str = "ns-a",
     created_at: float = BEFORE,
-) -> BlockProvenance:
-    return BlockProvenance(namespace, tenant, scope, tuple(auth_scopes), subject, tuple(documents), created_at)
+) -> CacheProvenance:
+    return CacheProvenance(namespace, tenant, scope, tuple(auth_scopes), subject, tuple(documents), created_at)
 
 
 _decisions = iter(CUTOFF + timedelta(seconds=n) for n in range(10**6))
@@ -39,7 +39,7 @@ def next_decision() -> datetime:
     return next(_decisions)
 
 
-def matches(predicate, block: BlockProvenance, cutoff: datetime = CUTOFF) -> bool:
+def matches(predicate, block: CacheProvenance, cutoff: datetime = CUTOFF) -> bool:
     return block_predicate(predicate, cutoff, KEY)(block)
 
 
