@@ -30,6 +30,7 @@ from gpu_node.block_pool import (
 )
 from gpu_node.block_records import BlockRestoreError
 from gpu_node.crypto import LocalKeyStore
+from gpu_node.disk_tier import is_sealed
 from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 
@@ -864,6 +865,45 @@ def test_export_and_import_records(tmp_path):
     with pytest.raises(BlockRestoreError) as raised:
         stranger.import_record(record, HOST)
     assert raised.value.reason == "key_unavailable"
+
+
+def test_import_stores_into_every_tier_and_refuses_a_disk_copy_it_cannot_seal(tmp_path):
+    source = make_pool(tmp_path / "a", device=3)
+    records = {}
+    for i in range(3):
+        entry = store(source, i, scope=USER)
+        source.inc_lock_ref([entry])
+        records[i] = source.export_record(entry)
+        source.dec_lock_ref([entry])
+
+    target = make_pool(tmp_path / "b", device=1, host=1, disk=1, keys=source.key_provider)
+    for i, tier in zip(range(3), (DEVICE, HOST, DISK), strict=True):
+        assert target.import_record(records[i], tier) is True
+    assert target.take_events() == [StoredInPool(make_key(i, scope=USER), tier) for i, tier in zip(range(3), (DEVICE, HOST, DISK))]
+    entries = [target.get_ready(block_hash(i)) for i in range(3)]
+    target.inc_lock_ref(entries)
+    assert all(torch.equal(kv, make_kv(i)) for i, kv in enumerate(read(target, entries, promote=False)))
+    target.dec_lock_ref(entries)
+    assert is_sealed((tmp_path / "b" / "disk" / f"{block_hash(2).hex()}.kvb").read_bytes()), "the disk copy is sealed"
+
+    class ReadOnlyKeys:
+        """Opens records sealed under existing keys but has no key to seal new ones."""
+
+        def key_for(self, provenance):
+            return None
+
+        def key_by_id(self, key_id):
+            return source.key_provider.key_by_id(key_id)
+
+        def destroy(self, key_id):
+            return False
+
+    unsealable = make_pool(tmp_path / "c", device=1, disk=1, keys=ReadOnlyKeys())
+    assert unsealable.import_record(records[0], DISK) is False
+    assert unsealable.state_of(block_hash(0)) is None
+    assert list((tmp_path / "c" / "disk").iterdir()) == []
+    assert unsealable.take_events() == []
+    assert unsealable.stats().num_entries == {DEVICE: 0, HOST: 0, DISK: 0}
 
 
 def test_two_threads_share_the_pool_safely(tmp_path):
