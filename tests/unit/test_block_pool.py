@@ -877,9 +877,10 @@ def test_import_stores_into_every_tier_and_refuses_a_disk_copy_it_cannot_seal(tm
         source.dec_lock_ref([entry])
 
     target = make_pool(tmp_path / "b", device=1, host=1, disk=1, keys=source.key_provider)
-    for i, tier in zip(range(3), (DEVICE, HOST, DISK), strict=True):
+    tiers = (DEVICE, HOST, DISK)
+    for i, tier in enumerate(tiers):
         assert target.import_record(records[i], tier) is True
-    assert target.take_events() == [StoredInPool(make_key(i, scope=USER), tier) for i, tier in zip(range(3), (DEVICE, HOST, DISK))]
+    assert target.take_events() == [StoredInPool(make_key(i, scope=USER), tier) for i, tier in enumerate(tiers)]
     entries = [target.get_ready(block_hash(i)) for i in range(3)]
     target.inc_lock_ref(entries)
     assert all(torch.equal(kv, make_kv(i)) for i, kv in enumerate(read(target, entries, promote=False)))
