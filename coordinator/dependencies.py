@@ -65,42 +65,6 @@ def _command_signer(request: Request) -> EnvelopeSigner:
     return request.app.state.command_signer
 
 
-def require_scraper(request: Request, settings: Annotated[CoordinatorSettings, Depends(_settings)]) -> None:
-    """The metrics bearer token, checked before the database session is opened: an unauthenticated scrape costs nothing."""
-    refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
-    if refusal is not None:
-        status_code, code, message = refusal
-        raise ApiError(status_code, "authentication_error" if status_code == 401 else "invalid_request_error", code, message)
-
-
-async def _key_service_caller(request: Request) -> EnrolledKey:
-    return await authenticate_node(request, "the key service")
-
-
-async def _governance_caller(request: Request) -> EnrolledKey:
-    return await authenticate_node(request, "the governance state")
-
-
-def missing_key_settings(settings: CoordinatorSettings) -> list[str]:
-    """The environment variables the key service still needs (empty: it serves keys)."""
-    return [
-        name
-        for name, value in (("KVLEDGER_MASTER_KEY", settings.keys.master_key), ("KVLEDGER_SUBJECT_KEY", settings.ledger.subject_key))
-        if value is None
-    ]
-
-
-async def _key_service(
-    request: Request, _: Annotated[EnrolledKey, Depends(_key_service_caller)], settings: Annotated[CoordinatorSettings, Depends(_settings)]
-) -> KeyService | None:
-    """The data key service for an authenticated node; None when this coordinator holds no keys."""
-    master_key: bytes | None = request.app.state.master_key
-    subject_key = settings.ledger.subject_key
-    if master_key is None or subject_key is None:
-        return None
-    return KeyService(request.app.state.database, master_key, subject_key.get_secret_value().encode())
-
-
 Settings = Annotated[CoordinatorSettings, Depends(_settings)]
 Readiness = Annotated[ConsumerReadiness | None, Depends(_readiness)]
 CommandSigner = Annotated[EnvelopeSigner, Depends(_command_signer)]
@@ -111,6 +75,33 @@ Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
 """An operator of any role (tenant-bound ones still see only their tenant: ``coordinator.auth.require_tenant``)."""
 PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 ErasureRequester = Annotated[Operator, Depends(requires(ERASURE_REQUESTERS))]
+
+
+def require_scraper(request: Request, settings: Settings) -> None:
+    """The metrics bearer token, checked before the database session is opened: an unauthenticated scrape costs nothing."""
+    refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
+    if refusal is not None:
+        status_code, code, message = refusal
+        raise ApiError(status_code, "authentication_error" if status_code == 401 else "invalid_request_error", code, message)
+
+
+async def _governance_caller(request: Request) -> EnrolledKey:
+    return await authenticate_node(request, "the governance state")
+
+
+async def _key_service_caller(request: Request) -> EnrolledKey:
+    return await authenticate_node(request, "the key service")
+
+
+async def _key_service(request: Request, _: Annotated[EnrolledKey, Depends(_key_service_caller)], settings: Settings) -> KeyService | None:
+    """The data key service for an authenticated node; None when this coordinator holds no keys."""
+    master_key: bytes | None = request.app.state.master_key
+    subject_key = settings.ledger.subject_key
+    if master_key is None or subject_key is None:
+        return None
+    return KeyService(request.app.state.database, master_key, subject_key.get_secret_value().encode())
+
+
 GovernanceCaller = Annotated[EnrolledKey, Depends(_governance_caller)]
 """The enrolled node that made the request's bearer credential (401 for anyone else)."""
 KeyServiceForNode = Annotated[KeyService | None, Depends(_key_service)]

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Path
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.dependencies import KeyServiceForNode, Settings, missing_key_settings
+from coordinator.dependencies import KeyServiceForNode, Settings
 from coordinator.http import error_response
 from coordinator.keys import MasterKeyError
 from coordinator.settings import CoordinatorSettings
@@ -63,12 +63,14 @@ router = APIRouter(prefix="/v1/keys")
 
 
 def _not_configured(settings: CoordinatorSettings) -> JSONResponse:
+    """Names the settings the key service still needs (the service is None without both)."""
+    missing = [
+        name
+        for name, value in (("KVLEDGER_MASTER_KEY", settings.keys.master_key), ("KVLEDGER_SUBJECT_KEY", settings.ledger.subject_key))
+        if value is None
+    ]
     return error_response(
-        503,
-        "server_error",
-        "keys_not_configured",
-        f"this coordinator serves no data keys: set {' and '.join(missing_key_settings(settings))}",
-        _NO_STORE,
+        503, "server_error", "keys_not_configured", f"this coordinator serves no data keys: set {' and '.join(missing)}", _NO_STORE
     )
 
 
