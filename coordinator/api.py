@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import JSONResponse
 from sqlalchemy import and_, exists, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
-from coordinator.auth import require_tenant, requires
-from coordinator.db import Database, DatabaseUnavailableMiddleware, database_lifespan, request_session
+from coordinator.auth import require_tenant
+from coordinator.consumers import ConsumerReadiness
+from coordinator.db import Database, DatabaseUnavailableMiddleware, database_lifespan
 from coordinator.dead_letters_api import router as dead_letters_router
+from coordinator.dependencies import PlatformAdmin, Reader, Readiness, Session, Settings, provide_api
 from coordinator.erasure_api import router as erasure_router
 from coordinator.governance_api import router as governance_router
 from coordinator.http import INTERNAL_ERROR_BODY, ApiError, install_error_handlers, iso
@@ -31,50 +32,36 @@ from coordinator.keys_api import router as keys_router
 from coordinator.migrate import current_revision, head_revision
 from coordinator.models import Block, BlockAuthScope, BlockDocument, Placement
 from coordinator.node_status import node_statuses
+from coordinator.ops_app import probes
 from coordinator.settings import CoordinatorSettings
 from coordinator.states import PlacementState
 from coordinator.ui import router as console_router
 from coordinator.usage_api import router as usage_router
 from events.logs import RequestIdMiddleware
 from events.schema import Name, subject_digest
-from identity.metrics_access import scrape_refusal
-from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
-from identity.tokens import Operator, TokenVerifier
-
-if TYPE_CHECKING:
-    from coordinator.consumers import ConsumerReadiness
+from events.tiers import Tier
 
 log = logging.getLogger(__name__)
 
 MAX_PAGE_SIZE = 1000
 
-
-Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
-PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
-Session = Annotated[AsyncSession, Depends(request_session)]
+router = APIRouter()
+"""The ledger's own routes: readiness, blocks and nodes."""
 
 
 def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | None = None) -> FastAPI:
     """The coordinator app. Owns its :class:`Database`: created at startup, disposed at shutdown.
 
     ``consumers``: the readiness of the consumers running in this process (``--role all``);
-    ``/readyz`` then also waits for them to consume.
+    ``/readyz`` then also waits for them to consume. ValueError for a configuration the
+    operator has to fix (:func:`coordinator.dependencies.provide_api`).
     """
-    if not settings.operator_auth.configured:
-        raise ValueError("configure operator_auth (the operator issuer's key): the API accepts only operator tokens")
-    operator_verifier = TokenVerifier(settings.operator_auth, secret_env=None)
-    subject_key = settings.ledger.subject_key
-    heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
-
     app = FastAPI(title="kvledger coordinator", version="1", lifespan=database_lifespan(settings.database))
-    app.state.operator_verifier = operator_verifier
-    app.include_router(keys_router(settings))
-    app.include_router(invalidation_router(settings))
-    app.include_router(erasure_router(settings))
-    app.include_router(console_router(settings))
-    app.include_router(usage_router())
-    app.include_router(governance_router(settings))
-    app.include_router(dead_letters_router(settings))
+    provide_api(app, settings, consumers)
+    for routes in (keys_router, invalidation_router, erasure_router, console_router, usage_router, governance_router, dead_letters_router):
+        app.include_router(routes)
+    app.include_router(probes)
+    app.include_router(router)
 
     app.add_middleware(DatabaseUnavailableMiddleware, retry_after_s=settings.http.retry_after_s)
     # Outermost: the request id is set before any handler logs. It replaces uvicorn's access
@@ -85,95 +72,82 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
         error_body=INTERNAL_ERROR_BODY,
         observe=metrics.observe_http,
     )
-
     install_error_handlers(app)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz(request: Request) -> JSONResponse:
-        database: Database = request.app.state.database
-        try:
-            async with database.engine.connect() as connection:
-                revision = await current_revision(connection)
-        except Exception as exc:  # noqa: BLE001 - any failure to reach the ledger means "not ready"
-            log.warning("readiness: database unreachable (%s)", type(exc).__name__)
-            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": "database unreachable"})
-        head = head_revision()
-        if revision != head:
-            reason = f"database schema at {revision or 'no revision'}, migrations head is {head}"
-            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": reason})
-        problem = None if consumers is None else consumers.problem()
-        if problem is not None:
-            return JSONResponse(status_code=503, content={"status": "not_ready", "reason": problem})
-        return JSONResponse(content={"status": "ready", "revision": revision})
-
-    def require_scraper(request: Request) -> None:
-        """Checked before the database session is opened: an unauthenticated scrape costs nothing."""
-        refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
-        if refusal is not None:
-            status_code, code, message = refusal
-            raise ApiError(status_code, "authentication_error" if status_code == 401 else "invalid_request_error", code, message)
-
-    @app.get("/metrics", dependencies=[Depends(require_scraper)])
-    async def metrics_endpoint(session: Session) -> Response:
-        return Response(await metrics.exposition(session, heartbeat_timeout_s), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/ledger/blocks")
-    async def ledger_blocks(
-        reader: Reader,
-        session: Session,
-        tenant: Annotated[Name | None, Query()] = None,
-        doc_id: Annotated[Name | None, Query()] = None,
-        subject: Annotated[Name | None, Query()] = None,
-        node: Annotated[Name | None, Query()] = None,
-        tier: Literal["device", "host", "disk", "snapshot"] | None = None,
-        include_deleted: bool = False,
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
-        after: Annotated[str | None, Query(pattern=r"^(?:[0-9a-f]{2}){1,64}$")] = None,
-    ) -> dict[str, Any]:
-        """Blocks matching every given filter, with provenance and placements, ordered by hash.
-
-        By default only blocks with a live copy (on ``node``/``tier`` when given) are listed,
-        with their live placements; ``include_deleted=true`` lists every block ever
-        recorded and every placement with its state. Page with ``after=<next_cursor>``.
-        A tenant-bound operator sees only its own tenant (``tenant`` defaults to it).
-        """
-        if not reader.is_platform_admin:
-            tenant = reader.tenant_id if tenant is None else tenant
-            require_tenant(reader, tenant)
-        query = select(Block).order_by(Block.block_hash).limit(limit)
-        if tenant is not None:
-            query = query.where(Block.tenant_id == tenant)
-        if doc_id is not None:
-            query = query.where(exists().where(BlockDocument.block_hash == Block.block_hash, BlockDocument.doc_id == doc_id))
-        if subject is not None:
-            query = query.where(Block.subject_hash == _subject_hash(subject_key, tenant, subject))
-        placement_filter = [Placement.block_hash == Block.block_hash]
-        if node is not None:
-            placement_filter.append(Placement.node_id == node)
-        if tier is not None:
-            placement_filter.append(Placement.tier == tier)
-        if not include_deleted:
-            placement_filter.append(Placement.state == PlacementState.LIVE)
-        if len(placement_filter) > 1:
-            query = query.where(exists().where(and_(*placement_filter)))
-        if after is not None:
-            query = query.where(Block.block_hash > bytes.fromhex(after))
-        blocks = (await session.scalars(query)).all()
-        return {
-            "blocks": await _describe_blocks(session, blocks, include_deleted),
-            "next_cursor": blocks[-1].block_hash.hex() if len(blocks) == limit else None,
-        }
-
-    @app.get("/v1/nodes")
-    async def nodes(_: PlatformAdmin, session: Session) -> dict[str, Any]:
-        """Known nodes, liveness from the age of their last heartbeat or event, live copies per tier."""
-        return {"nodes": await node_statuses(session, heartbeat_timeout_s)}
-
     return app
+
+
+@router.get("/readyz")
+async def readyz(request: Request, readiness: Readiness) -> JSONResponse:
+    database: Database = request.app.state.database
+    try:
+        async with database.engine.connect() as connection:
+            revision = await current_revision(connection)
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the ledger means "not ready"
+        log.warning("readiness: database unreachable (%s)", type(exc).__name__)
+        return JSONResponse(status_code=503, content={"status": "not_ready", "reason": "database unreachable"})
+    head = head_revision()
+    if revision != head:
+        reason = f"database schema at {revision or 'no revision'}, migrations head is {head}"
+        return JSONResponse(status_code=503, content={"status": "not_ready", "reason": reason})
+    problem = None if readiness is None else readiness.problem()
+    if problem is not None:
+        return JSONResponse(status_code=503, content={"status": "not_ready", "reason": problem})
+    return JSONResponse(content={"status": "ready", "revision": revision})
+
+
+@router.get("/v1/ledger/blocks")
+async def ledger_blocks(
+    reader: Reader,
+    session: Session,
+    settings: Settings,
+    tenant: Annotated[Name | None, Query()] = None,
+    doc_id: Annotated[Name | None, Query()] = None,
+    subject: Annotated[Name | None, Query()] = None,
+    node: Annotated[Name | None, Query()] = None,
+    tier: Tier | None = None,
+    include_deleted: bool = False,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
+    after: Annotated[str | None, Query(pattern=r"^(?:[0-9a-f]{2}){1,64}$")] = None,
+) -> dict[str, Any]:
+    """Blocks matching every given filter, with provenance and placements, ordered by hash.
+
+    By default only blocks with a live copy (on ``node``/``tier`` when given) are listed,
+    with their live placements; ``include_deleted=true`` lists every block ever
+    recorded and every placement with its state. Page with ``after=<next_cursor>``.
+    A tenant-bound operator sees only its own tenant (``tenant`` defaults to it).
+    """
+    if not reader.is_platform_admin:
+        tenant = reader.tenant_id if tenant is None else tenant
+        require_tenant(reader, tenant)
+    query = select(Block).order_by(Block.block_hash).limit(limit)
+    if tenant is not None:
+        query = query.where(Block.tenant_id == tenant)
+    if doc_id is not None:
+        query = query.where(exists().where(BlockDocument.block_hash == Block.block_hash, BlockDocument.doc_id == doc_id))
+    if subject is not None:
+        query = query.where(Block.subject_hash == _subject_hash(settings.ledger.subject_key, tenant, subject))
+    placement_filter = [Placement.block_hash == Block.block_hash]
+    if node is not None:
+        placement_filter.append(Placement.node_id == node)
+    if tier is not None:
+        placement_filter.append(Placement.tier == tier)
+    if not include_deleted:
+        placement_filter.append(Placement.state == PlacementState.LIVE)
+    if len(placement_filter) > 1:
+        query = query.where(exists().where(and_(*placement_filter)))
+    if after is not None:
+        query = query.where(Block.block_hash > bytes.fromhex(after))
+    blocks = (await session.scalars(query)).all()
+    return {
+        "blocks": await _describe_blocks(session, blocks, include_deleted),
+        "next_cursor": blocks[-1].block_hash.hex() if len(blocks) == limit else None,
+    }
+
+
+@router.get("/v1/nodes")
+async def nodes(_: PlatformAdmin, session: Session, settings: Settings) -> dict[str, Any]:
+    """Known nodes, liveness from the age of their last heartbeat or event, live copies per tier."""
+    return {"nodes": await node_statuses(session, settings.ledger.heartbeat_timeout_s)}
 
 
 def _subject_hash(subject_key: Any, tenant: str | None, subject: str) -> bytes:

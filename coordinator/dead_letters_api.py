@@ -35,19 +35,17 @@ from typing import Annotated, Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from coordinator.auth import requires
 from coordinator.consumers import kafka_settings
+from coordinator.dependencies import PlatformAdmin, Settings
 from coordinator.http import error_response
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter
 from events.kafka import EventProducer, KafkaSettings, kafka_client_kwargs
 from events.topics import ALL_TOPICS, DEAD_LETTER
-from identity.roles import PLATFORM_ADMINS
-from identity.tokens import Operator
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +54,6 @@ SCAN_LIMIT_S = 20.0
 """The longest one listing reads the topic; what it read by then is answered, marked truncated."""
 _ID = re.compile(r"^(0|[1-9][0-9]{0,5})-(0|[1-9][0-9]{0,18})$")
 _REPLAYABLE = frozenset(ALL_TOPICS) - {DEAD_LETTER}
-
-PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 
 
 class _BrokerUnavailable(Exception):
@@ -81,65 +77,65 @@ def describe(record: ConsumerRecord, letter: DeadLetter) -> dict[str, Any]:
     }
 
 
-def router(settings: CoordinatorSettings) -> APIRouter:
-    config = kafka_settings(settings)
-    connect_timeout_s = settings.kafka.connect_timeout_s
+router = APIRouter()
+
+
+def _unavailable(error: BaseException, settings: CoordinatorSettings) -> JSONResponse:
+    log.warning("dead letters: broker unavailable (%s)", type(error.__cause__ or error).__name__)
     retry_after = {"Retry-After": str(settings.http.retry_after_s)}
-    routes = APIRouter()
+    return error_response(503, "server_error", "broker_unavailable", "the broker cannot be reached; retry later", retry_after)
 
-    def unavailable(error: BaseException) -> JSONResponse:
-        log.warning("dead letters: broker unavailable (%s)", type(error.__cause__ or error).__name__)
-        return error_response(503, "server_error", "broker_unavailable", "the broker cannot be reached; retry later", retry_after)
 
-    @routes.get("/v1/dead-letters")
-    async def list_dead_letters(
-        _: PlatformAdmin,
-        topic: Annotated[str | None, Query(max_length=256)] = None,
-        reason: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
-        since: datetime | None = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 100,
-    ) -> JSONResponse:
-        """Dead letters, oldest first: of source ``topic``, whose reason contains ``reason`` (case-insensitive),
-        dead-lettered at or after ``since``; at most ``limit``, ``truncated`` when more matched or time ran out."""
-        if since is not None and since.tzinfo is None:
-            return error_response(400, "invalid_request_error", "invalid_parameter", "since: needs a time zone (e.g. 2026-12-01T10:00:00Z)")
-        needle = None if reason is None else reason.casefold()
+@router.get("/v1/dead-letters")
+async def list_dead_letters(
+    _: PlatformAdmin,
+    settings: Settings,
+    topic: Annotated[str | None, Query(max_length=256)] = None,
+    reason: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+    since: datetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 100,
+) -> JSONResponse:
+    """Dead letters, oldest first: of source ``topic``, whose reason contains ``reason`` (case-insensitive),
+    dead-lettered at or after ``since``; at most ``limit``, ``truncated`` when more matched or time ran out."""
+    if since is not None and since.tzinfo is None:
+        return error_response(400, "invalid_request_error", "invalid_parameter", "since: needs a time zone (e.g. 2026-12-01T10:00:00Z)")
+    needle = None if reason is None else reason.casefold()
 
-        def wanted(letter: DeadLetter) -> bool:
-            return (
-                (topic is None or letter.topic == topic)
-                and (needle is None or needle in letter.error.casefold())
-                and (since is None or letter.dead_lettered_at >= since)
-            )
+    def wanted(letter: DeadLetter) -> bool:
+        return (
+            (topic is None or letter.topic == topic)
+            and (needle is None or needle in letter.error.casefold())
+            and (since is None or letter.dead_lettered_at >= since)
+        )
 
-        try:
-            found, truncated = await _scan(config, connect_timeout_s, wanted, limit)
-        except _BrokerUnavailable as error:
-            return unavailable(error)
-        return JSONResponse({"dead_letters": found, "truncated": truncated})
+    try:
+        found, truncated = await _scan(kafka_settings(settings), settings.kafka.connect_timeout_s, wanted, limit)
+    except _BrokerUnavailable as error:
+        return _unavailable(error, settings)
+    return JSONResponse({"dead_letters": found, "truncated": truncated})
 
-    @routes.post("/v1/dead-letters/{dead_letter_id}/replay")
-    async def replay(dead_letter_id: str, _: PlatformAdmin) -> JSONResponse:
-        """Publish the dead letter's original record to its source topic once (see the module docstring)."""
-        match = _ID.fullmatch(dead_letter_id)
-        if match is None:
-            return error_response(400, "invalid_request_error", "invalid_parameter", "a dead letter id is <partition>-<offset>")
-        partition, offset = int(match[1]), int(match[2])
-        try:
-            letter = await _read_one(config, connect_timeout_s, partition, offset)
-            if letter is None:
-                return error_response(404, "invalid_request_error", "dead_letter_not_found", f"no dead letter {dead_letter_id}")
-            if letter.topic not in _REPLAYABLE:
-                return error_response(409, "invalid_request_error", "not_replayable", "the dead letter's source is not a kvledger topic")
-            if letter.value_b64 is None:  # a node's report of a record it never sent: there is nothing to publish
-                return error_response(409, "invalid_request_error", "not_replayable", "the dead letter holds no record")
-            metadata = await _publish(config, connect_timeout_s, letter)
-        except _BrokerUnavailable as error:
-            return unavailable(error)
-        log.info("dead letter %s replayed to %s[%d]@%d", dead_letter_id, letter.topic, metadata.partition, metadata.offset)
-        return JSONResponse({"id": dead_letter_id, "topic": letter.topic, "partition": metadata.partition, "offset": metadata.offset})
 
-    return routes
+@router.post("/v1/dead-letters/{dead_letter_id}/replay")
+async def replay(dead_letter_id: str, _: PlatformAdmin, settings: Settings) -> JSONResponse:
+    """Publish the dead letter's original record to its source topic once (see the module docstring)."""
+    match = _ID.fullmatch(dead_letter_id)
+    if match is None:
+        return error_response(400, "invalid_request_error", "invalid_parameter", "a dead letter id is <partition>-<offset>")
+    partition, offset = int(match[1]), int(match[2])
+    config, connect_timeout_s = kafka_settings(settings), settings.kafka.connect_timeout_s
+    try:
+        letter = await _read_one(config, connect_timeout_s, partition, offset)
+        if letter is None:
+            return error_response(404, "invalid_request_error", "dead_letter_not_found", f"no dead letter {dead_letter_id}")
+        if letter.topic not in _REPLAYABLE:
+            return error_response(409, "invalid_request_error", "not_replayable", "the dead letter's source is not a kvledger topic")
+        if letter.value_b64 is None:  # a node's report of a record it never sent: there is nothing to publish
+            return error_response(409, "invalid_request_error", "not_replayable", "the dead letter holds no record")
+        metadata = await _publish(config, connect_timeout_s, letter)
+    except _BrokerUnavailable as error:
+        return _unavailable(error, settings)
+    log.info("dead letter %s replayed to %s[%d]@%d", dead_letter_id, letter.topic, metadata.partition, metadata.offset)
+    return JSONResponse({"id": dead_letter_id, "topic": letter.topic, "partition": metadata.partition, "offset": metadata.offset})
 
 
 async def _bounded(awaitable, timeout_s: float):

@@ -28,9 +28,9 @@ import collections
 import logging
 import uuid
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select, tuple_
@@ -38,16 +38,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import receipts
 from coordinator.audit_log import AuditLogCorrupted, latest_tree_head, leaf_hashes, tree_head_document
-from coordinator.auth import require_tenant, requires
-from coordinator.db import request_session
+from coordinator.auth import require_tenant
+from coordinator.dependencies import CommandSigner, ErasureRequester, Reader, Session, Settings
 from coordinator.erasure import IdempotencyConflict, Progress, progress, start_erasure
 from coordinator.http import error_response, iso
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
-from coordinator.models import TIERS, Erasure, Receipt, ReceiptKey, TreeHead
-from coordinator.settings import CoordinatorSettings
-from coordinator.states import TargetStatus
+from coordinator.models import Erasure, Receipt, ReceiptKey, TreeHead
+from coordinator.states import ErasureStatus, TargetStatus
 from events.schema import Name, ReasonText
-from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS
+from events.tiers import Tier
 from identity.tokens import Operator
 
 log = logging.getLogger(__name__)
@@ -65,115 +64,117 @@ class ErasureRequest(BaseModel):
     """The caller's id for this request; the ``Idempotency-Key`` header does the same."""
 
 
-Requester = Annotated[Operator, Depends(requires(ERASURE_REQUESTERS))]
-Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
-Session = Annotated[AsyncSession, Depends(request_session)]
 TreeSize = Annotated[int | None, Query(ge=1)]
 
 
-def router(settings: CoordinatorSettings) -> APIRouter:
+router = APIRouter()
+
+
+@router.post("/v1/erasures")
+async def request_erasure(
+    body: ErasureRequest,
+    requester: ErasureRequester,
+    session: Session,
+    settings: Settings,
+    command_signer: CommandSigner,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=512)] = None,
+) -> JSONResponse:
+    """Start an erasure (202); a retry with the same key answers with the same erasure."""
+    require_tenant(requester, body.tenant_id)
     subject_key = settings.ledger.subject_key
-    command_signer = settings.command_signer()
-    api = APIRouter()
-
-    @api.post("/v1/erasures")
-    async def request_erasure(
-        body: ErasureRequest,
-        requester: Requester,
-        session: Session,
-        idempotency_key: Annotated[str | None, Header(min_length=1, max_length=512)] = None,
-    ) -> JSONResponse:
-        """Start an erasure (202); a retry with the same key answers with the same erasure."""
-        require_tenant(requester, body.tenant_id)
-        if subject_key is None:
-            return error_response(
-                503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)"
+    if subject_key is None:
+        return error_response(
+            503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)"
+        )
+    if idempotency_key is not None and body.request_id is not None and idempotency_key != body.request_id:
+        return error_response(
+            400,
+            "invalid_request_error",
+            "idempotency_key_mismatch",
+            "the Idempotency-Key header and request_id differ; send one of them",
+        )
+    key = idempotency_key or body.request_id or str(uuid.uuid4())
+    try:
+        async with session.begin():
+            now = await begin_ledger_transaction(session)
+            await lock_decisions(session)
+            started = await start_erasure(
+                session,
+                subject_key=subject_key.get_secret_value().encode(),
+                command_signer=command_signer,
+                tenant_id=body.tenant_id,
+                subject_id=body.subject_id,
+                reason=body.reason,
+                idempotency_key=key,
+                now=now,
+                trigger="api",
             )
-        if idempotency_key is not None and body.request_id is not None and idempotency_key != body.request_id:
-            return error_response(
-                400,
-                "invalid_request_error",
-                "idempotency_key_mismatch",
-                "the Idempotency-Key header and request_id differ; send one of them",
-            )
-        key = idempotency_key or body.request_id or str(uuid.uuid4())
-        try:
-            async with session.begin():
-                now = await begin_ledger_transaction(session)
-                await lock_decisions(session)
-                started = await start_erasure(
-                    session,
-                    subject_key=subject_key.get_secret_value().encode(),
-                    command_signer=command_signer,
-                    tenant_id=body.tenant_id,
-                    subject_id=body.subject_id,
-                    reason=body.reason,
-                    idempotency_key=key,
-                    now=now,
-                    trigger="api",
-                )
-        except IdempotencyConflict as conflict:
-            return error_response(409, "invalid_request_error", "idempotency_conflict", str(conflict))
-        except ValueError as error:
-            # start_erasure's messages name the field, never its value.
-            return error_response(400, "invalid_request_error", "invalid_parameter", str(error))
-        erasure = started.erasure
-        return JSONResponse(status_code=202, content={"id": str(erasure.id), "status": erasure.status})
+    except IdempotencyConflict as conflict:
+        return error_response(409, "invalid_request_error", "idempotency_conflict", str(conflict))
+    except ValueError as error:
+        # start_erasure's messages name the field, never its value.
+        return error_response(400, "invalid_request_error", "invalid_parameter", str(error))
+    erasure = started.erasure
+    return JSONResponse(status_code=202, content={"id": str(erasure.id), "status": erasure.status})
 
-    @api.get("/v1/erasures")
-    async def get_erasures(
-        reader: Reader,
-        session: Session,
-        tenant: Annotated[Name | None, Query()] = None,
-        status: Literal["pending", "partial", "verified", "failed"] | None = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
-        before: Annotated[str | None, Query(max_length=80)] = None,
-    ) -> Any:
-        """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
-        try:
-            return await list_erasures(session, reader, tenant=tenant, status=status, limit=limit, before=before)
-        except ValueError as error:
-            return error_response(400, "invalid_request_error", "invalid_parameter", str(error))
 
-    @api.get("/v1/erasures/{erasure_id}")
-    async def get_erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Any:
-        erasure = await readable_erasure(session, reader, erasure_id)
-        if erasure is None:
-            return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
-        return await describe_erasure(session, erasure)
+@router.get("/v1/erasures")
+async def get_erasures(
+    reader: Reader,
+    session: Session,
+    tenant: Annotated[Name | None, Query()] = None,
+    status: ErasureStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
+    before: Annotated[str | None, Query(max_length=80)] = None,
+) -> Any:
+    """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
+    try:
+        return await list_erasures(session, reader, tenant=tenant, status=status, limit=limit, before=before)
+    except ValueError as error:
+        return error_response(400, "invalid_request_error", "invalid_parameter", str(error))
 
-    @api.get("/v1/erasures/{erasure_id}/receipt")
-    async def get_receipt(erasure_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
-        erasure = await readable_erasure(session, reader, erasure_id)
-        if erasure is None:
-            return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
-        receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
-        if receipt is None:
-            return error_response(404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet")
-        return await served_receipt(session, receipt, tree_size)
 
-    @api.get("/v1/audit/proof/{receipt_id}")
-    async def get_proof(receipt_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
-        receipt = await session.get(Receipt, receipt_id)
-        erasure = None if receipt is None else await session.get(Erasure, receipt.erasure_id)
-        require_tenant(reader, None if erasure is None else erasure.tenant_id)
-        if receipt is None:
-            return error_response(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
-        return await served_receipt(session, receipt, tree_size)
+@router.get("/v1/erasures/{erasure_id}")
+async def get_erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Any:
+    erasure = await readable_erasure(session, reader, erasure_id)
+    if erasure is None:
+        return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+    return await describe_erasure(session, erasure)
 
-    @api.get("/v1/audit/checkpoint")
-    async def checkpoint(session: Session) -> Any:
-        head = await latest_tree_head(session)
-        if head is None:
-            return error_response(404, "invalid_request_error", "audit_log_empty", "no receipt has been issued yet")
-        return tree_head_document(head)
 
-    @api.get("/v1/receipts/keys")
-    async def receipt_keys(session: Session) -> dict[str, Any]:
-        rows = (await session.scalars(select(ReceiptKey).order_by(ReceiptKey.created_at, ReceiptKey.key_id))).all()
-        return receipts.public_key_document(receipts.ReceiptPublicKey(row.public_key, receipts.rfc3339(row.created_at)) for row in rows)
+@router.get("/v1/erasures/{erasure_id}/receipt")
+async def get_receipt(erasure_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+    erasure = await readable_erasure(session, reader, erasure_id)
+    if erasure is None:
+        return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+    receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
+    if receipt is None:
+        return error_response(404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet")
+    return await served_receipt(session, receipt, tree_size)
 
-    return api
+
+@router.get("/v1/audit/proof/{receipt_id}")
+async def get_proof(receipt_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+    receipt = await session.get(Receipt, receipt_id)
+    erasure = None if receipt is None else await session.get(Erasure, receipt.erasure_id)
+    require_tenant(reader, None if erasure is None else erasure.tenant_id)
+    if receipt is None:
+        return error_response(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
+    return await served_receipt(session, receipt, tree_size)
+
+
+@router.get("/v1/audit/checkpoint")
+async def checkpoint(session: Session) -> Any:
+    head = await latest_tree_head(session)
+    if head is None:
+        return error_response(404, "invalid_request_error", "audit_log_empty", "no receipt has been issued yet")
+    return tree_head_document(head)
+
+
+@router.get("/v1/receipts/keys")
+async def receipt_keys(session: Session) -> dict[str, Any]:
+    rows = (await session.scalars(select(ReceiptKey).order_by(ReceiptKey.created_at, ReceiptKey.key_id))).all()
+    return receipts.public_key_document(receipts.ReceiptPublicKey(row.public_key, receipts.rfc3339(row.created_at)) for row in rows)
 
 
 async def readable_erasure(session: AsyncSession, reader: Operator, erasure_id: uuid.UUID) -> Erasure | None:
@@ -281,7 +282,7 @@ def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -
         statuses = node_status.get(node_id, set())
         status = next((s for s in (TargetStatus.FAILED, TargetStatus.PENDING, TargetStatus.ACKED) if s in statuses), "not_targeted")
         tiers = {}
-        for tier in TIERS:
+        for tier in Tier:
             items = reported[node_id][tier]
             tiers[tier] = {
                 "removed": sum(item["removed"] for item in items),

@@ -44,27 +44,25 @@ import json
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.db import request_session
+from coordinator.dependencies import CommandSigner, GovernanceCaller, Session
 from coordinator.http import error_response
 from coordinator.invalidation import parse_predicate
 from coordinator.models import Document, Invalidation, InvalidationTarget, Namespace, Policy
-from coordinator.node_keys import EnrolledKey, authenticate_node
-from coordinator.settings import CoordinatorSettings
-from coordinator.states import TargetStatus
+from coordinator.states import NamespaceStatus, TargetStatus
 from events.schema import ANY_VERSION, DocumentPredicate, Invalidate, NamespacePredicate, PolicyPredicate, Predicate, make_event
-from identity.signing import GOVERNANCE_CONTEXT, sign_document
+from identity.signing import GOVERNANCE_CONTEXT, EnvelopeSigner, sign_document
 
 MAX_PAGE_ENTRIES = 1000
 """Entries (decisions and commands together) in one answer: bounds its size (a command is under 2 KiB)."""
 NONCE_PATTERN = r"^[A-Za-z0-9_-]{16,128}$"
 SECTIONS = ("namespaces", "policies", "documents", "commands")
-_RETIRED = ("draining", "retired")
+_RETIRED = (NamespaceStatus.DRAINING, NamespaceStatus.RETIRED)
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
@@ -154,81 +152,73 @@ async def _documents(session: AsyncSession, after: list, limit: int) -> list[tup
     ]
 
 
-def router(settings: CoordinatorSettings) -> APIRouter:
-    """The governance endpoint for an app whose ``state.database`` is set (``coordinator.api``)."""
-    command_signer = settings.command_signer()
-
-    async def calling_node(request: Request) -> EnrolledKey:
-        """The enrolled key of the node that made the bearer credential; AuthError (401) for anyone else."""
-        return await authenticate_node(request, "the governance state")
-
-    node_dependency = Depends(calling_node)
-    session_dependency = Depends(request_session)
-
-    async def _commands(session: AsyncSession, node_id: str, after: list, limit: int) -> list[tuple[list, dict]]:
-        query = (
-            select(Invalidation.seq, Invalidation.command_id, Invalidation.predicate, Invalidation.cutoff)
-            .join(InvalidationTarget, InvalidationTarget.command_id == Invalidation.command_id)
-            .where(InvalidationTarget.node_id == node_id, InvalidationTarget.status == TargetStatus.PENDING)
-            .order_by(Invalidation.seq)
-            .limit(limit)
+async def _commands(
+    session: AsyncSession, node_id: str, after: list, limit: int, command_signer: EnvelopeSigner
+) -> list[tuple[list, dict]]:
+    query = (
+        select(Invalidation.seq, Invalidation.command_id, Invalidation.predicate, Invalidation.cutoff)
+        .join(InvalidationTarget, InvalidationTarget.command_id == Invalidation.command_id)
+        .where(InvalidationTarget.node_id == node_id, InvalidationTarget.status == TargetStatus.PENDING)
+        .order_by(Invalidation.seq)
+        .limit(limit)
+    )
+    if after:
+        query = query.where(Invalidation.seq > after[0])
+    entries = []
+    for seq, command_id, stored, cutoff in await session.execute(query):
+        predicate = parse_predicate(stored)
+        command = make_event(
+            Invalidate(command_id=command_id, predicate=predicate, cutoff=cutoff), tenant_id=getattr(predicate, "tenant", None)
         )
-        if after:
-            query = query.where(Invalidation.seq > after[0])
-        entries = []
-        for seq, command_id, stored, cutoff in await session.execute(query):
-            predicate = parse_predicate(stored)
-            command = make_event(
-                Invalidate(command_id=command_id, predicate=predicate, cutoff=cutoff), tenant_id=getattr(predicate, "tenant", None)
-            )
-            entries.append(([seq], command_signer(command).model_dump(mode="json")))
-        return entries
+        entries.append(([seq], command_signer(command).model_dump(mode="json")))
+    return entries
 
-    api = APIRouter()
 
-    @api.get("/v1/governance")
-    async def governance(
-        nonce: Annotated[str, Query(pattern=NONCE_PATTERN)],
-        node: EnrolledKey = node_dependency,
-        session: AsyncSession = session_dependency,
-        cursor: Annotated[str | None, Query(max_length=2048)] = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ENTRIES)] = MAX_PAGE_ENTRIES,
-    ) -> JSONResponse:
-        """One signed page of the governance state the calling node must enforce (see the module docstring)."""
-        try:
-            position = Cursor(section=0, after=[]) if cursor is None else Cursor.decode(cursor)
-        except ValueError as error:
-            return error_response(400, "invalid_request_error", "invalid_parameter", str(error), _NO_STORE)
-        as_of = await session.scalar(select(func.coalesce(func.max(Invalidation.seq), 0)))
-        decisions: list[dict] = []
-        commands: list[dict] = []
-        next_cursor: str | None = None
-        section, after = position.section, list(position.after)
-        while section < len(SECTIONS):
-            room = limit - len(decisions) - len(commands)
-            if SECTIONS[section] == "commands":
-                entries = await _commands(session, node.node_id, after, room + 1)
-            else:
-                reader = {"namespaces": _namespaces, "policies": _policies, "documents": _documents}[SECTIONS[section]]
-                entries = await reader(session, after, room + 1)
-            page, more = entries[:room], len(entries) > room
-            (commands if SECTIONS[section] == "commands" else decisions).extend(entry for _, entry in page)
-            if more:
-                # An empty page of a section (no room left) starts it again from the same key.
-                next_cursor = Cursor(section=section, after=page[-1][0] if page else after).encode()
-                break
-            section, after = section + 1, []
-        body = {
-            "node_id": node.node_id,
-            "nonce": nonce,
-            "as_of_decision": as_of,
-            "decisions": decisions,
-            "pending_commands": commands,
-            "next_cursor": next_cursor,
-        }
-        # The canonical form is computed over the JSON values the node will parse (no datetime objects).
-        body = json.loads(json.dumps(body))
-        body["signature"] = sign_document(body, command_signer.private_key, GOVERNANCE_CONTEXT)
-        return JSONResponse(content=body, headers=_NO_STORE)
+router = APIRouter()
 
-    return api
+
+@router.get("/v1/governance")
+async def governance(
+    nonce: Annotated[str, Query(pattern=NONCE_PATTERN)],
+    node: GovernanceCaller,
+    session: Session,
+    command_signer: CommandSigner,
+    cursor: Annotated[str | None, Query(max_length=2048)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ENTRIES)] = MAX_PAGE_ENTRIES,
+) -> JSONResponse:
+    """One signed page of the governance state the calling node must enforce (see the module docstring)."""
+    try:
+        position = Cursor(section=0, after=[]) if cursor is None else Cursor.decode(cursor)
+    except ValueError as error:
+        return error_response(400, "invalid_request_error", "invalid_parameter", str(error), _NO_STORE)
+    as_of = await session.scalar(select(func.coalesce(func.max(Invalidation.seq), 0)))
+    decisions: list[dict] = []
+    commands: list[dict] = []
+    next_cursor: str | None = None
+    section, after = position.section, list(position.after)
+    while section < len(SECTIONS):
+        room = limit - len(decisions) - len(commands)
+        if SECTIONS[section] == "commands":
+            entries = await _commands(session, node.node_id, after, room + 1, command_signer)
+        else:
+            reader = {"namespaces": _namespaces, "policies": _policies, "documents": _documents}[SECTIONS[section]]
+            entries = await reader(session, after, room + 1)
+        page, more = entries[:room], len(entries) > room
+        (commands if SECTIONS[section] == "commands" else decisions).extend(entry for _, entry in page)
+        if more:
+            # An empty page of a section (no room left) starts it again from the same key.
+            next_cursor = Cursor(section=section, after=page[-1][0] if page else after).encode()
+            break
+        section, after = section + 1, []
+    body = {
+        "node_id": node.node_id,
+        "nonce": nonce,
+        "as_of_decision": as_of,
+        "decisions": decisions,
+        "pending_commands": commands,
+        "next_cursor": next_cursor,
+    }
+    # The canonical form is computed over the JSON values the node will parse (no datetime objects).
+    body = json.loads(json.dumps(body))
+    body["signature"] = sign_document(body, command_signer.private_key, GOVERNANCE_CONTEXT)
+    return JSONResponse(content=body, headers=_NO_STORE)

@@ -75,7 +75,7 @@ from coordinator.models import (
     Policy,
 )
 from coordinator.outbox import outbox_row
-from coordinator.states import ErasureStatus, InvalidationStatus, PlacementState, TargetStatus
+from coordinator.states import ErasureStatus, InvalidationStatus, NamespaceStatus, PlacementState, TargetStatus
 from events.fault_points import fault_point
 from events.kafka import ConsumedEvent
 from events.schema import (
@@ -292,7 +292,8 @@ _FAIL = text("UPDATE invalidations SET status = 'failed' WHERE command_id = ANY(
     bindparam("command_ids", type_=_UUIDS)
 )
 _RETIRE_NAMESPACES = text(
-    "UPDATE namespaces SET status = 'retired', updated_at = :now WHERE invalidation_id = ANY(:command_ids) AND status = 'draining'"
+    f"UPDATE namespaces SET status = '{NamespaceStatus.RETIRED}', updated_at = :now"
+    f" WHERE invalidation_id = ANY(:command_ids) AND status = '{NamespaceStatus.DRAINING}'"
 ).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
 
 
@@ -478,7 +479,7 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
             .where(
                 in_chunk,
                 Namespace.invalidation_id.is_not(None),
-                Namespace.status.in_(("draining", "retired")),
+                Namespace.status.in_((NamespaceStatus.DRAINING, NamespaceStatus.RETIRED)),
             )
         )
         erasures = (

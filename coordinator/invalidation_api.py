@@ -24,21 +24,20 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import JSONResponse
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.auth import require_tenant, requires
-from coordinator.db import request_session
+from coordinator.auth import require_tenant
+from coordinator.dependencies import CommandSigner, PlatformAdmin, Reader, Session, Settings
 from coordinator.http import error_response, iso
 from coordinator.invalidation import decide, deleted_by, live_copies_matching, parse_predicate
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
-from coordinator.models import TIERS, Invalidation, InvalidationTarget, Namespace, Node
-from coordinator.settings import CoordinatorSettings
-from coordinator.states import TargetStatus
+from coordinator.models import Invalidation, InvalidationTarget, Namespace, Node
+from coordinator.states import InvalidationStatus, NamespaceStatus, TargetStatus
 from events.schema import Name, NamespacePredicate
-from identity.roles import LEDGER_READERS, PLATFORM_ADMINS
+from events.tiers import Tier
 from identity.tokens import Operator
 
 MAX_PAGE_SIZE = 1000
@@ -48,86 +47,83 @@ def _ms(start: datetime, end: datetime | None) -> float | None:
     return None if end is None else round((end - start).total_seconds() * 1000, 3)
 
 
-Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
-PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
-Session = Annotated[AsyncSession, Depends(request_session)]
+router = APIRouter()
 
 
-def router(settings: CoordinatorSettings) -> APIRouter:
-    heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
-    command_signer = settings.command_signer()
-    api = APIRouter()
+@router.get("/v1/invalidations/{command_id}")
+async def get_invalidation(command_id: uuid.UUID, reader: Reader, session: Session) -> Any:
+    invalidation = await session.get(Invalidation, command_id)
+    require_tenant(reader, None if invalidation is None else invalidation.predicate.get("tenant"))
+    if invalidation is None:
+        return error_response(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
+    return await describe_invalidation(session, invalidation)
 
-    @api.get("/v1/invalidations/{command_id}")
-    async def get_invalidation(command_id: uuid.UUID, reader: Reader, session: Session) -> Any:
-        invalidation = await session.get(Invalidation, command_id)
-        require_tenant(reader, None if invalidation is None else invalidation.predicate.get("tenant"))
-        if invalidation is None:
-            return error_response(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
-        return await describe_invalidation(session, invalidation)
 
-    @api.get("/v1/invalidations")
-    async def get_invalidations(
-        reader: Reader,
-        session: Session,
-        tenant: Annotated[Name | None, Query()] = None,
-        doc_id: Annotated[Name | None, Query()] = None,
-        status: Literal["pending", "complete", "failed"] | None = None,
-        kind: Literal["document", "policy", "subject", "namespace", "tenant"] | None = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
-        before: Annotated[int | None, Query(ge=1)] = None,
-    ) -> dict[str, Any]:
-        """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
-        return await list_invalidations(session, reader, tenant=tenant, doc_id=doc_id, status=status, kind=kind, limit=limit, before=before)
+@router.get("/v1/invalidations")
+async def get_invalidations(
+    reader: Reader,
+    session: Session,
+    tenant: Annotated[Name | None, Query()] = None,
+    doc_id: Annotated[Name | None, Query()] = None,
+    status: InvalidationStatus | None = None,
+    kind: Literal["document", "policy", "subject", "namespace", "tenant"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
+    before: Annotated[int | None, Query(ge=1)] = None,
+) -> dict[str, Any]:
+    """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
+    return await list_invalidations(session, reader, tenant=tenant, doc_id=doc_id, status=status, kind=kind, limit=limit, before=before)
 
-    @api.get("/v1/namespaces")
-    async def list_namespaces(_: PlatformAdmin, session: Session) -> dict[str, Any]:
-        namespaces = (await session.scalars(select(Namespace).order_by(Namespace.namespace))).all()
-        serving = await _serving_nodes(session)
-        return {"namespaces": [_namespace(ns, serving[ns.namespace]) for ns in namespaces]}
 
-    @api.post("/v1/namespaces/{namespace}/retire")
-    async def retire_namespace(namespace: Annotated[Name, Path()], _: PlatformAdmin, session: Session) -> JSONResponse:
-        """Start draining ``namespace`` (202), or report the retirement already under way or done (200)."""
-        async with session.begin():
-            now = await begin_ledger_transaction(session)
-            await lock_decisions(session)
-            row = await session.get(Namespace, namespace, with_for_update=True)
-            if row is None:
-                return error_response(404, "invalid_request_error", "namespace_not_found", "no such namespace in the ledger")
-            serving = (await _serving_nodes(session))[namespace]
-            if row.status != "active":
-                return JSONResponse(status_code=200, content=_namespace(row, serving))
-            alive = await session.scalars(
-                select(Node.node_id)
-                .where(
-                    Node.namespace == namespace,
-                    func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s,
-                )
-                .order_by(Node.node_id)
+@router.get("/v1/namespaces")
+async def list_namespaces(_: PlatformAdmin, session: Session) -> dict[str, Any]:
+    namespaces = (await session.scalars(select(Namespace).order_by(Namespace.namespace))).all()
+    serving = await _serving_nodes(session)
+    return {"namespaces": [_namespace(ns, serving[ns.namespace]) for ns in namespaces]}
+
+
+@router.post("/v1/namespaces/{namespace}/retire")
+async def retire_namespace(
+    namespace: Annotated[Name, Path()], _: PlatformAdmin, session: Session, settings: Settings, command_signer: CommandSigner
+) -> JSONResponse:
+    """Start draining ``namespace`` (202), or report the retirement already under way or done (200)."""
+    async with session.begin():
+        now = await begin_ledger_transaction(session)
+        await lock_decisions(session)
+        row = await session.get(Namespace, namespace, with_for_update=True)
+        if row is None:
+            return error_response(404, "invalid_request_error", "namespace_not_found", "no such namespace in the ledger")
+        serving = (await _serving_nodes(session))[namespace]
+        if row.status != NamespaceStatus.ACTIVE:
+            return JSONResponse(status_code=200, content=_namespace(row, serving))
+        alive = await session.scalars(
+            select(Node.node_id)
+            .where(
+                Node.namespace == namespace,
+                func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at))
+                < settings.ledger.heartbeat_timeout_s,
             )
-            in_use = alive.all()
-            if in_use:
-                return error_response(
-                    409,
-                    "invalid_request_error",
-                    "namespace_in_use",
-                    f"live nodes still serve this namespace: {', '.join(in_use)}; roll them to the new one first",
-                )
-            decision = await decide(
-                session,
-                NamespacePredicate(ns=namespace),
-                signer=command_signer,
-                now=now,
-                trigger="api",
-                requested_at=now,
+            .order_by(Node.node_id)
+        )
+        in_use = alive.all()
+        if in_use:
+            return error_response(
+                409,
+                "invalid_request_error",
+                "namespace_in_use",
+                f"live nodes still serve this namespace: {', '.join(in_use)}; roll them to the new one first",
             )
-            row.status = "draining" if decision.num_targets else "retired"
-            row.invalidation_id = decision.command_id
-            row.updated_at = now
-        return JSONResponse(status_code=202, content=_namespace(row, serving))
-
-    return api
+        decision = await decide(
+            session,
+            NamespacePredicate(ns=namespace),
+            signer=command_signer,
+            now=now,
+            trigger="api",
+            requested_at=now,
+        )
+        row.status = NamespaceStatus.DRAINING if decision.num_targets else NamespaceStatus.RETIRED
+        row.invalidation_id = decision.command_id
+        row.updated_at = now
+    return JSONResponse(status_code=202, content=_namespace(row, serving))
 
 
 async def list_invalidations(
@@ -240,7 +236,7 @@ async def describe_invalidation(session: AsyncSession, invalidation: Invalidatio
     for target in targets:
         evidence = {item["tier"]: item for item in target.evidence or []}
         tiers = {}
-        for tier in TIERS:
+        for tier in Tier:
             item = evidence.get(tier)
             if target.status == TargetStatus.PENDING:
                 tier_status = "pending"

@@ -23,13 +23,13 @@ import base64
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Path
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.dependencies import KeyServiceForNode, Settings
 from coordinator.http import error_response
-from coordinator.keys import KeyService, MasterKeyError
-from coordinator.node_keys import authenticate_node
+from coordinator.keys import MasterKeyError
 from coordinator.settings import CoordinatorSettings
 from events.schema import Name
 from identity.sealing import KEY_ID_HEX_CHARS
@@ -59,59 +59,44 @@ def _master_key_mismatch(error: MasterKeyError) -> JSONResponse:
     )
 
 
-def router(settings: CoordinatorSettings) -> APIRouter:
-    """The key endpoints for an app whose ``state.database`` is set (``coordinator.api``)."""
-    master_key = settings.keys.master_key_bytes()
-    subject_key = settings.ledger.subject_key
-    missing = [name for name, value in (("KVLEDGER_MASTER_KEY", master_key), ("KVLEDGER_SUBJECT_KEY", subject_key)) if value is None]
+router = APIRouter(prefix="/v1/keys")
 
-    async def key_service(request: Request) -> KeyService | None:
-        """Authenticate the caller as an enrolled node, then the service; None when this coordinator holds no keys."""
-        await authenticate_node(request, "the key service")
-        if missing:
-            return None
-        return KeyService(request.app.state.database, master_key, subject_key.get_secret_value().encode())
 
-    # A default rather than an Annotated alias: the annotations are strings (PEP 563), resolved in module globals.
-    service_dependency = Depends(key_service)
+def _not_configured(settings: CoordinatorSettings) -> JSONResponse:
+    """Names the settings the key service still needs (the service is None without both)."""
+    missing = [
+        name
+        for name, value in (("KVLEDGER_MASTER_KEY", settings.keys.master_key), ("KVLEDGER_SUBJECT_KEY", settings.ledger.subject_key))
+        if value is None
+    ]
+    return error_response(
+        503, "server_error", "keys_not_configured", f"this coordinator serves no data keys: set {' and '.join(missing)}", _NO_STORE
+    )
 
-    def not_configured() -> JSONResponse:
-        return error_response(
-            503,
-            "server_error",
-            "keys_not_configured",
-            f"this coordinator serves no data keys: set {' and '.join(missing)}",
-            _NO_STORE,
-        )
 
-    api = APIRouter(prefix="/v1/keys")
+@router.post("/resolve")
+async def resolve(body: ResolveRequest, service: KeyServiceForNode, settings: Settings) -> JSONResponse:
+    """The live key of the tenant (or subject), created on first use; the same for every caller."""
+    if service is None:
+        return _not_configured(settings)
+    try:
+        key_id, key = await service.resolve(body.tenant_id, body.subject_hash)
+    except MasterKeyError as error:
+        return _master_key_mismatch(error)
+    return _key_response(key_id, key)
 
-    @api.post("/resolve")
-    async def resolve(body: ResolveRequest, service: KeyService | None = service_dependency) -> JSONResponse:
-        """The live key of the tenant (or subject), created on first use; the same for every caller."""
-        if service is None:
-            return not_configured()
-        try:
-            key_id, key = await service.resolve(body.tenant_id, body.subject_hash)
-        except MasterKeyError as error:
-            return _master_key_mismatch(error)
-        return _key_response(key_id, key)
 
-    @api.get("/{key_id}")
-    async def get_key(
-        key_id: Annotated[str, Path(pattern=KEY_ID_PATTERN)], service: KeyService | None = service_dependency
-    ) -> JSONResponse:
-        """A key by id, to unseal a block file or snapshot shard that names it."""
-        if service is None:
-            return not_configured()
-        try:
-            record = await service.find(key_id)
-        except MasterKeyError as error:
-            return _master_key_mismatch(error)
-        if record is None:
-            return error_response(404, "not_found_error", "key_not_found", "no data key was issued under this id", _NO_STORE)
-        if record.key is None:
-            return error_response(410, "gone_error", "key_destroyed", "this data key has been destroyed", _NO_STORE)
-        return _key_response(key_id, record.key)
-
-    return api
+@router.get("/{key_id}")
+async def get_key(key_id: Annotated[str, Path(pattern=KEY_ID_PATTERN)], service: KeyServiceForNode, settings: Settings) -> JSONResponse:
+    """A key by id, to unseal a block file or snapshot shard that names it."""
+    if service is None:
+        return _not_configured(settings)
+    try:
+        record = await service.find(key_id)
+    except MasterKeyError as error:
+        return _master_key_mismatch(error)
+    if record is None:
+        return error_response(404, "not_found_error", "key_not_found", "no data key was issued under this id", _NO_STORE)
+    if record.key is None:
+        return error_response(410, "gone_error", "key_destroyed", "this data key has been destroyed", _NO_STORE)
+    return _key_response(key_id, record.key)

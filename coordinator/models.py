@@ -51,7 +51,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from coordinator.states import ErasureStatus, InvalidationStatus, PlacementState, TargetStatus
+from coordinator.states import ErasureStatus, InvalidationStatus, NamespaceStatus, NodeStatus, PlacementState, TargetStatus
+from events.tiers import VOLATILE_TIERS as VOLATILE_TIERS  # the ledger ingest asks the models which tiers a restart empties
+from events.tiers import Tier
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -62,14 +64,8 @@ NAMING_CONVENTION = {
 }
 
 SCOPES = ("public", "tenant", "user")
-TIERS = ("device", "host", "disk", "snapshot")
-VOLATILE_TIERS = ("device", "host")
-"""Tiers whose bytes do not survive a node restart."""
-NAMESPACE_STATUSES = ("active", "draining", "retired")
-NODE_STATUSES = ("active", "reconciling")
 PREDICATE_KINDS = ("document", "policy", "subject", "namespace", "tenant")
 INVALIDATION_TRIGGERS = ("event", "api", "late_block")
-"""``reconciling``: the coordinator missed some of the node's events and waits for its Inventory."""
 
 
 def _one_of(column: str, values: Iterable[str]) -> str:
@@ -96,10 +92,10 @@ class Namespace(Base):
     """A cache namespace (model/tokenizer/template/KV-format digest) and its lifecycle."""
 
     __tablename__ = "namespaces"
-    __table_args__ = (CheckConstraint(_one_of("status", NAMESPACE_STATUSES), name="status"),)
+    __table_args__ = (CheckConstraint(_one_of("status", NamespaceStatus), name="status"),)
 
     namespace: Mapped[str] = mapped_column(primary_key=True)
-    status: Mapped[str] = mapped_column(server_default="active")
+    status: Mapped[str] = mapped_column(server_default=NamespaceStatus.ACTIVE.value)
     first_seen_at: Mapped[datetime] = _now()
     updated_at: Mapped[datetime] = _now()
     invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
@@ -110,13 +106,13 @@ class Node(Base):
     """A GPU node: its restart epoch and the last kv-event ``seq`` applied in that epoch."""
 
     __tablename__ = "nodes"
-    __table_args__ = (CheckConstraint(_one_of("status", NODE_STATUSES), name="status"),)
+    __table_args__ = (CheckConstraint(_one_of("status", NodeStatus), name="status"),)
 
     node_id: Mapped[str] = mapped_column(primary_key=True)
     epoch: Mapped[int] = mapped_column(BigInteger)
     last_seq: Mapped[int] = mapped_column(BigInteger)
     namespace: Mapped[str | None]
-    status: Mapped[str] = mapped_column(server_default="active")
+    status: Mapped[str] = mapped_column(server_default=NodeStatus.ACTIVE.value)
     started_at: Mapped[datetime] = _now()
     last_heartbeat: Mapped[datetime | None]
     last_event_at: Mapped[datetime] = _now()
@@ -193,9 +189,9 @@ class Placement(Base):
 
     __tablename__ = "placements"
     __table_args__ = (
-        CheckConstraint(_one_of("tier", TIERS), name="tier"),
+        CheckConstraint(_one_of("tier", Tier), name="tier"),
         CheckConstraint(_one_of("state", PlacementState), name="state"),
-        CheckConstraint("(tier = 'snapshot') = (snapshot_id IS NOT NULL)", name="snapshot_tier"),
+        CheckConstraint(f"(tier = '{Tier.SNAPSHOT}') = (snapshot_id IS NOT NULL)", name="snapshot_tier"),
         UniqueConstraint("block_hash", "node_id", "tier", "snapshot_id", postgresql_nulls_not_distinct=True),
         # Snapshot ids are the node's own names, so a snapshot is identified together with its node.
         ForeignKeyConstraint(["node_id", "snapshot_id"], ["snapshots.node_id", "snapshots.snapshot_id"]),

@@ -13,8 +13,9 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.http import iso
-from coordinator.models import TIERS, Node, Placement
+from coordinator.models import Node, Placement
 from coordinator.states import PlacementState
+from events.tiers import Tier
 
 
 async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> list[dict[str, Any]]:
@@ -40,7 +41,7 @@ async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> li
             "last_event_at": iso(node.last_event_at),
             "last_seen_age_s": float(age_s),
             "alive": float(age_s) < heartbeat_timeout_s,
-            "num_live_placements": {t: counts[node.node_id].get(t, 0) for t in TIERS},
+            "num_live_placements": {t: counts[node.node_id].get(t, 0) for t in Tier},
         }
         for node, age_s in rows
     ]

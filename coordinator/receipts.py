@@ -40,13 +40,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import SecretStr
 
 from coordinator import merkle
+from events.tiers import Tier
 
 RECEIPT_SCHEMA = "kvledger.erasure-receipt/v1"
 SIGNATURE_ALGORITHM = "Ed25519"
 BLOCK_COMMITMENT_ALGORITHM = "rfc6962-sha256/sorted-unique-block-hashes"
 
-TIERS = ("device", "host", "disk", "snapshot")
-"""Every place the ledger tracks (same vocabulary as ``events.schema.Tier``), in receipt order."""
+TIERS = tuple(tier.value for tier in Tier)
+"""Every place the ledger tracks (``events.tiers.Tier``), in receipt order."""
 
 METHODS: dict[str, str] = {
     "clear": "NIST SP 800-88 Rev. 1 Clear: the memory slots holding the blocks were overwritten and read back as zero.",

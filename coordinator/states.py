@@ -46,3 +46,19 @@ class ErasureStatus(StrEnum):
     PARTIAL = "partial"
     VERIFIED = "verified"
     FAILED = "failed"
+
+
+class NamespaceStatus(StrEnum):
+    """Lifecycle of a cache namespace: served, being drained by its namespace-wide invalidation, gone."""
+
+    ACTIVE = "active"
+    DRAINING = "draining"
+    RETIRED = "retired"
+
+
+class NodeStatus(StrEnum):
+    """Whether the ledger's view of a node is complete."""
+
+    ACTIVE = "active"
+    RECONCILING = "reconciling"
+    """The coordinator missed some of the node's events and waits for its ``Inventory``."""

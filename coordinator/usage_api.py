@@ -16,62 +16,54 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from pydantic import AwareDatetime
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.auth import require_tenant, requires
-from coordinator.db import request_session
+from coordinator.auth import require_tenant
+from coordinator.dependencies import Reader, Session
 from coordinator.http import error_response
 from coordinator.models import UsageReport
 from events.schema import Name
-from identity.roles import LEDGER_READERS
-from identity.tokens import Operator
-
-Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
-Session = Annotated[AsyncSession, Depends(request_session)]
 
 COUNTS = ("num_requests", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 
 
-def router() -> APIRouter:
-    api = APIRouter()
+router = APIRouter()
 
-    @api.get("/v1/usage")
-    async def usage(
-        reader: Reader,
-        session: Session,
-        since: Annotated[AwareDatetime, Query(description="RFC 3339 start of the window (inclusive)")],
-        until: Annotated[AwareDatetime | None, Query(description="RFC 3339 end of the window (exclusive); default now")] = None,
-        tenant: Annotated[Name | None, Query()] = None,
-    ) -> Any:
-        if not reader.is_platform_admin:
-            tenant = reader.tenant_id if tenant is None else tenant
-            require_tenant(reader, tenant)
-        until = until or datetime.now(UTC)
-        if until < since:
-            return error_response(400, "invalid_request_error", "bad_window", "until must not precede since")
-        query = (
-            select(
-                UsageReport.tenant_id,
-                func.count().label("num_reports"),
-                *(func.sum(getattr(UsageReport, name)).label(name) for name in COUNTS),
-            )
-            .where(UsageReport.window_end >= since, UsageReport.window_end < until)
-            .group_by(UsageReport.tenant_id)
-            .order_by(UsageReport.tenant_id)
+
+@router.get("/v1/usage")
+async def usage(
+    reader: Reader,
+    session: Session,
+    since: Annotated[AwareDatetime, Query(description="RFC 3339 start of the window (inclusive)")],
+    until: Annotated[AwareDatetime | None, Query(description="RFC 3339 end of the window (exclusive); default now")] = None,
+    tenant: Annotated[Name | None, Query()] = None,
+) -> Any:
+    if not reader.is_platform_admin:
+        tenant = reader.tenant_id if tenant is None else tenant
+        require_tenant(reader, tenant)
+    until = until or datetime.now(UTC)
+    if until < since:
+        return error_response(400, "invalid_request_error", "bad_window", "until must not precede since")
+    query = (
+        select(
+            UsageReport.tenant_id,
+            func.count().label("num_reports"),
+            *(func.sum(getattr(UsageReport, name)).label(name) for name in COUNTS),
         )
-        if tenant is not None:
-            query = query.where(UsageReport.tenant_id == tenant)
-        rows = (await session.execute(query)).all()
-        return {
-            "since": since.isoformat(),
-            "until": until.isoformat(),
-            "tenants": [
-                {"tenant_id": row.tenant_id, "num_reports": row.num_reports} | {name: int(getattr(row, name)) for name in COUNTS}
-                for row in rows
-            ],
-        }
-
-    return api
+        .where(UsageReport.window_end >= since, UsageReport.window_end < until)
+        .group_by(UsageReport.tenant_id)
+        .order_by(UsageReport.tenant_id)
+    )
+    if tenant is not None:
+        query = query.where(UsageReport.tenant_id == tenant)
+    rows = (await session.execute(query)).all()
+    return {
+        "since": since.isoformat(),
+        "until": until.isoformat(),
+        "tenants": [
+            {"tenant_id": row.tenant_id, "num_reports": row.num_reports} | {name: int(getattr(row, name)) for name in COUNTS}
+            for row in rows
+        ],
+    }

@@ -34,18 +34,17 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.routing import APIRoute
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
 from coordinator.audit_log import latest_tree_head, tree_head_document
 from coordinator.auth import ForbiddenError, authorize, require_tenant
-from coordinator.db import request_session
+from coordinator.dependencies import Session, Settings
 from coordinator.erasure_api import describe_erasure, list_erasures, readable_erasure, served_receipt
 from coordinator.invalidation_api import describe_invalidation, list_invalidations
-from coordinator.models import TIERS, Invalidation, Receipt, ReceiptKey
+from coordinator.models import Invalidation, Receipt, ReceiptKey
 from coordinator.node_status import node_statuses
-from coordinator.settings import CoordinatorSettings
 from events.schema import MAX_ID_CHARS
+from events.tiers import Tier
 from identity.roles import LEDGER_READERS
 from identity.tokens import AuthError, Operator
 
@@ -77,7 +76,7 @@ class _NotFound(Exception):
 
 def render(template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     context.setdefault("operator", None)
-    return HTMLResponse(_templates.get_template(template).render(tiers=TIERS, **context), status_code=status_code)
+    return HTMLResponse(_templates.get_template(template).render(tiers=list(Tier), **context), status_code=status_code)
 
 
 class ConsoleRoute(APIRoute):
@@ -148,7 +147,7 @@ def _optional(value: str | None) -> str | None:
 
 
 Reader = Annotated[Operator, Depends(_operator)]
-Session = Annotated[AsyncSession, Depends(request_session)]
+"""Like the API's reader, with the token from the header or the console's cookie; no token: the login form."""
 Filter = Annotated[str | None, Query(max_length=MAX_ID_CHARS)]
 
 
@@ -178,122 +177,130 @@ def _ledger_figures() -> dict[str, Any]:
     }
 
 
-def router(settings: CoordinatorSettings) -> APIRouter:
+router = APIRouter(prefix="/ui", route_class=ConsoleRoute, include_in_schema=False)
+
+
+@router.get("/static/console.css")
+async def stylesheet() -> Response:
+    css = resources.files("coordinator.ui").joinpath("static/console.css").read_bytes()
+    return Response(css, media_type="text/css")
+
+
+@router.get("/login")
+async def login_form() -> HTMLResponse:
+    return render("login.html", error=None)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    """Verify the pasted token like any request would, then keep it in the cookie."""
+    _refuse_cross_site(request)
+    body = await request.body()
+    if len(body) > MAX_LOGIN_BODY_BYTES:
+        return render("login.html", 413, error="the form is too large for an operator token")
+    token = "".join(urllib.parse.parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].split())
+    if not token:
+        return render("login.html", 400, error="paste an operator token")
+    await run_in_threadpool(authorize, request.app.state.operator_verifier, f"Bearer {token}", LEDGER_READERS)
+    response = RedirectResponse("/ui/", status_code=303)
+    response.set_cookie(COOKIE, token, path="/ui", httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    _refuse_cross_site(request)
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/ui")
+    return response
+
+
+@router.get("/")
+async def overview(reader: Reader, session: Session, settings: Settings) -> HTMLResponse:
+    """Nodes and the backlog for a platform admin (what ``/v1/nodes`` and ``/metrics`` show); a tenant's operators see their counts."""
+    if not reader.is_platform_admin:
+        return render("overview.html", operator=reader, nodes=None, figures=None)
     heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s
-    ui = APIRouter(prefix="/ui", route_class=ConsoleRoute, include_in_schema=False)
+    nodes = await node_statuses(session, heartbeat_timeout_s)
+    await metrics.refresh_ledger_gauges(session, heartbeat_timeout_s)
+    return render("overview.html", operator=reader, nodes=nodes, figures=_ledger_figures())
 
-    @ui.get("/static/console.css")
-    async def stylesheet() -> Response:
-        css = resources.files("coordinator.ui").joinpath("static/console.css").read_bytes()
-        return Response(css, media_type="text/css")
 
-    @ui.get("/login")
-    async def login_form() -> HTMLResponse:
-        return render("login.html", error=None)
+@router.get("/invalidations")
+async def invalidations(
+    reader: Reader,
+    session: Session,
+    tenant: Filter = None,
+    doc_id: Filter = None,
+    status: Literal["", "pending", "complete", "failed"] = "",
+    before: Annotated[int | None, Query(ge=1)] = None,
+) -> HTMLResponse:
+    filters = {"tenant": _optional(tenant), "doc_id": _optional(doc_id), "status": status or None}
+    page = await list_invalidations(session, reader, **filters, limit=PAGE_SIZE, before=before)
+    return render("invalidations.html", operator=reader, page=page, filters=filters)
 
-    @ui.post("/login")
-    async def login(request: Request) -> Response:
-        """Verify the pasted token like any request would, then keep it in the cookie."""
-        _refuse_cross_site(request)
-        body = await request.body()
-        if len(body) > MAX_LOGIN_BODY_BYTES:
-            return render("login.html", 413, error="the form is too large for an operator token")
-        token = "".join(urllib.parse.parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].split())
-        if not token:
-            return render("login.html", 400, error="paste an operator token")
-        await run_in_threadpool(authorize, request.app.state.operator_verifier, f"Bearer {token}", LEDGER_READERS)
-        response = RedirectResponse("/ui/", status_code=303)
-        response.set_cookie(COOKIE, token, path="/ui", httponly=True, samesite="strict", secure=request.url.scheme == "https")
-        return response
 
-    @ui.post("/logout")
-    async def logout(request: Request) -> Response:
-        _refuse_cross_site(request)
-        response = RedirectResponse("/ui/login", status_code=303)
-        response.delete_cookie(COOKIE, path="/ui")
-        return response
+@router.get("/invalidations/{command_id}")
+async def invalidation(command_id: uuid.UUID, reader: Reader, session: Session) -> HTMLResponse:
+    found = await session.get(Invalidation, command_id)
+    require_tenant(reader, None if found is None else found.predicate.get("tenant"))
+    if found is None:
+        raise _NotFound(f"no invalidation {command_id}")
+    return render("invalidation.html", operator=reader, invalidation=await describe_invalidation(session, found))
 
-    @ui.get("/")
-    async def overview(reader: Reader, session: Session) -> HTMLResponse:
-        """Nodes and the backlog for a platform admin (what ``/v1/nodes`` and ``/metrics`` show); a tenant's operators see their counts."""
-        if not reader.is_platform_admin:
-            return render("overview.html", operator=reader, nodes=None, figures=None)
-        nodes = await node_statuses(session, heartbeat_timeout_s)
-        await metrics.refresh_ledger_gauges(session, heartbeat_timeout_s)
-        return render("overview.html", operator=reader, nodes=nodes, figures=_ledger_figures())
 
-    @ui.get("/invalidations")
-    async def invalidations(
-        reader: Reader,
-        session: Session,
-        tenant: Filter = None,
-        doc_id: Filter = None,
-        status: Literal["", "pending", "complete", "failed"] = "",
-        before: Annotated[int | None, Query(ge=1)] = None,
-    ) -> HTMLResponse:
-        filters = {"tenant": _optional(tenant), "doc_id": _optional(doc_id), "status": status or None}
-        page = await list_invalidations(session, reader, **filters, limit=PAGE_SIZE, before=before)
-        return render("invalidations.html", operator=reader, page=page, filters=filters)
+@router.get("/erasures")
+async def erasures(
+    reader: Reader,
+    session: Session,
+    tenant: Filter = None,
+    status: Literal["", "pending", "partial", "verified", "failed"] = "",
+    before: Annotated[str | None, Query(max_length=80)] = None,
+) -> HTMLResponse:
+    filters = {"tenant": _optional(tenant), "status": status or None}
+    try:
+        page = await list_erasures(session, reader, **filters, limit=PAGE_SIZE, before=before)
+    except ValueError as error:
+        return render("error.html", 400, operator=reader, title="Bad request", code="invalid_parameter", message=str(error))
+    return render("erasures.html", operator=reader, page=page, filters=filters)
 
-    @ui.get("/invalidations/{command_id}")
-    async def invalidation(command_id: uuid.UUID, reader: Reader, session: Session) -> HTMLResponse:
-        found = await session.get(Invalidation, command_id)
-        require_tenant(reader, None if found is None else found.predicate.get("tenant"))
-        if found is None:
-            raise _NotFound(f"no invalidation {command_id}")
-        return render("invalidation.html", operator=reader, invalidation=await describe_invalidation(session, found))
 
-    @ui.get("/erasures")
-    async def erasures(
-        reader: Reader,
-        session: Session,
-        tenant: Filter = None,
-        status: Literal["", "pending", "partial", "verified", "failed"] = "",
-        before: Annotated[str | None, Query(max_length=80)] = None,
-    ) -> HTMLResponse:
-        filters = {"tenant": _optional(tenant), "status": status or None}
-        try:
-            page = await list_erasures(session, reader, **filters, limit=PAGE_SIZE, before=before)
-        except ValueError as error:
-            return render("error.html", 400, operator=reader, title="Bad request", code="invalid_parameter", message=str(error))
-        return render("erasures.html", operator=reader, page=page, filters=filters)
+@router.get("/erasures/{erasure_id}")
+async def erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> HTMLResponse:
+    found = await readable_erasure(session, reader, erasure_id)
+    if found is None:
+        raise _NotFound(f"no erasure {erasure_id}")
+    described = await describe_erasure(session, found)
+    receipt_file = f"receipt-{erasure_id}.json"
+    commands = {
+        "fetch": shlex.join(
+            ["kvledger", "erasure", "receipt", str(erasure_id), "--tenant", found.tenant_id, "--output", f"receipt-{erasure_id}"]
+        ),
+        "verify": shlex.join(
+            ["kvledger", "verify-receipt", receipt_file, "--public-key", "receipt-keys.json", "--checkpoint", "checkpoint.json"]
+        ),
+    }
+    return render("erasure.html", operator=reader, erasure=described, receipt_file=receipt_file, commands=commands)
 
-    @ui.get("/erasures/{erasure_id}")
-    async def erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> HTMLResponse:
-        found = await readable_erasure(session, reader, erasure_id)
-        if found is None:
-            raise _NotFound(f"no erasure {erasure_id}")
-        described = await describe_erasure(session, found)
-        receipt_file = f"receipt-{erasure_id}.json"
-        commands = {
-            "fetch": shlex.join(
-                ["kvledger", "erasure", "receipt", str(erasure_id), "--tenant", found.tenant_id, "--output", f"receipt-{erasure_id}"]
-            ),
-            "verify": shlex.join(
-                ["kvledger", "verify-receipt", receipt_file, "--public-key", "receipt-keys.json", "--checkpoint", "checkpoint.json"]
-            ),
-        }
-        return render("erasure.html", operator=reader, erasure=described, receipt_file=receipt_file, commands=commands)
 
-    @ui.get("/erasures/{erasure_id}/receipt.json")
-    async def receipt(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Response:
-        """The receipt as ``GET /v1/erasures/{id}/receipt`` serves it, as a download."""
-        found = await readable_erasure(session, reader, erasure_id)
-        if found is None:
-            raise _NotFound(f"no erasure {erasure_id}")
-        issued = await session.scalar(select(Receipt).where(Receipt.erasure_id == found.id))
-        if issued is None:
-            raise _NotFound(f"the erasure is {found.status}; no receipt yet")
-        served = await served_receipt(session, issued, None)
-        if isinstance(served, Response):
-            return served
-        disposition = f'attachment; filename="receipt-{erasure_id}.json"'
-        return JSONResponse(served, headers={"Content-Disposition": disposition})
+@router.get("/erasures/{erasure_id}/receipt.json")
+async def receipt(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Response:
+    """The receipt as ``GET /v1/erasures/{id}/receipt`` serves it, as a download."""
+    found = await readable_erasure(session, reader, erasure_id)
+    if found is None:
+        raise _NotFound(f"no erasure {erasure_id}")
+    issued = await session.scalar(select(Receipt).where(Receipt.erasure_id == found.id))
+    if issued is None:
+        raise _NotFound(f"the erasure is {found.status}; no receipt yet")
+    served = await served_receipt(session, issued, None)
+    if isinstance(served, Response):
+        return served
+    disposition = f'attachment; filename="receipt-{erasure_id}.json"'
+    return JSONResponse(served, headers={"Content-Disposition": disposition})
 
-    @ui.get("/audit")
-    async def audit(reader: Reader, session: Session) -> HTMLResponse:
-        head = await latest_tree_head(session)
-        num_keys = await session.scalar(select(func.count()).select_from(ReceiptKey))
-        return render("audit.html", operator=reader, checkpoint=None if head is None else tree_head_document(head), num_keys=num_keys)
 
-    return ui
+@router.get("/audit")
+async def audit(reader: Reader, session: Session) -> HTMLResponse:
+    head = await latest_tree_head(session)
+    num_keys = await session.scalar(select(func.count()).select_from(ReceiptKey))
+    return render("audit.html", operator=reader, checkpoint=None if head is None else tree_head_document(head), num_keys=num_keys)

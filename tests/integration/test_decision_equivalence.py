@@ -22,9 +22,10 @@ import asyncio
 import hashlib
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -53,18 +54,20 @@ from coordinator.models import (
 )
 from coordinator.settings import DatabaseSettings
 from events.schema import (
+    SCHEMA_VERSION,
     DocumentDeleted,
     DocumentPredicate,
     DocumentUpdated,
     Envelope,
+    EventPayload,
     NamespacePredicate,
     PermissionRevoked,
     PolicyPredicate,
     Predicate,
     SubjectPredicate,
     TenantPredicate,
-    make_event,
 )
+from events.tiers import Tier
 
 TENANTS = ("t1", "t2")
 NAMESPACES = ("ns1", "ns2")
@@ -72,11 +75,12 @@ SUBJECTS = ("alice", "bob")
 DOC_IDS = ("a", "b", "c")
 AUTH_SCOPES = ("s1", "s2")
 NODE_IDS = ("node-1", "node-2", "node-3")
-TIERS = ("device", "host", "disk", "snapshot")
 SNAPSHOT_ID = "snap-1"
 VERSIONS = st.integers(0, 4)
 PRIOR_COMMAND = uuid.UUID(int=1)
 """An earlier command already marking some copies: a decision that does not cover them must leave it."""
+OCCURRED_BY = datetime(2026, 1, 1, tzinfo=UTC)
+"""The generated events happened in the hour before this (``requested_at`` of their decisions)."""
 
 
 def _subject_hash(subject: str) -> bytes:
@@ -131,7 +135,7 @@ def ledgers(draw) -> Ledger:
     nodes = tuple(sorted(draw(st.sets(st.sampled_from(NODE_IDS), min_size=1, max_size=3))))
     placements = []
     for block in generated:
-        for node_id, tier in sorted(draw(st.sets(st.tuples(st.sampled_from(nodes), st.sampled_from(TIERS)), max_size=4))):
+        for node_id, tier in sorted(draw(st.sets(st.tuples(st.sampled_from(nodes), st.sampled_from(tuple(Tier))), max_size=4))):
             state = draw(st.sampled_from(("live", "live", "deleted")))
             marked = draw(st.sampled_from((None, PRIOR_COMMAND)))
             placements.append(GenPlacement(block.block_hash, node_id, tier, state, marked))
@@ -153,7 +157,7 @@ def user_events(draw, ledger: Ledger) -> list[Envelope]:
     anything = st.tuples(st.sampled_from(TENANTS), st.sampled_from(AUTH_SCOPES), VERSIONS)
     scopes = st.sampled_from(held_scopes) | anything if held_scopes else anything
     nearby = st.sampled_from((-1, 0, 1, 2))
-    events = []
+    payloads: list[tuple[EventPayload, str]] = []
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(("updated", "deleted", "revoked")))
         if kind == "revoked":
@@ -161,14 +165,27 @@ def user_events(draw, ledger: Ledger) -> list[Envelope]:
             revoked = PermissionRevoked(
                 auth_scope=scope, policy_version=max(0, version + draw(nearby)), subject_id=draw(st.sampled_from((None, "alice")))
             )
-            events.append(make_event(revoked, tenant_id=tenant))
+            payloads.append((revoked, tenant))
             continue
         tenant, doc_id, version = draw(documents)
         payload = (
             DocumentUpdated(doc_id=doc_id, version=max(0, version + draw(nearby))) if kind == "updated" else DocumentDeleted(doc_id=doc_id)
         )
-        events.append(make_event(payload, tenant_id=tenant))
-    return events
+        payloads.append((payload, tenant))
+    # Every part of an envelope is drawn (no fresh uuid4 or clock reading), so an example replays exactly.
+    event_ids = draw(st.lists(st.uuids(version=4), min_size=len(payloads), max_size=len(payloads), unique=True))
+    ages_s = draw(st.lists(st.integers(0, 3600), min_size=len(payloads), max_size=len(payloads)))
+    return [
+        Envelope(
+            event_id=event_id,
+            type=payload.TYPE,
+            schema_version=SCHEMA_VERSION,
+            occurred_at=OCCURRED_BY - timedelta(seconds=age_s),
+            tenant_id=tenant,
+            payload=payload,
+        )
+        for (payload, tenant), event_id, age_s in zip(payloads, event_ids, ages_s, strict=True)
+    ]
 
 
 @st.composite
@@ -279,7 +296,7 @@ async def _build(session: AsyncSession, ledger: Ledger, now: datetime) -> None:
                         "block_hash": p.block_hash,
                         "node_id": p.node_id,
                         "tier": p.tier,
-                        "snapshot_id": SNAPSHOT_ID if p.tier == "snapshot" else None,
+                        "snapshot_id": SNAPSHOT_ID if p.tier == Tier.SNAPSHOT else None,
                         "state": p.state,
                         "epoch": 1,
                         "invalidation_id": p.invalidation_id,
@@ -434,13 +451,31 @@ async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: da
     return command_ids, outcomes
 
 
+@dataclass(frozen=True)
+class PrivateLedger:
+    loop: asyncio.AbstractEventLoop
+    database: Database
+
+    def run(self, check: Coroutine[Any, Any, None]) -> None:
+        self.loop.run_until_complete(asyncio.wait_for(check, timeout=60))
+
+
 @pytest.fixture(scope="module")
-async def database(ledger_url: str) -> AsyncIterator[Database]:
+def ledger(ledger_url: str) -> Iterator[PrivateLedger]:
+    """The ledger database on an event loop of this module's own, run only while an example is checked.
+
+    The tests are synchronous: Hypothesis draws every example in the test's thread while no event loop
+    runs, so nothing else in the process (a client left on the session's loop, aiokafka's backoff) can
+    move the global ``random`` state during a draw — Hypothesis rightly warns when that happens, since it
+    cannot then replay or shrink an example.
+    """
+    loop = asyncio.new_event_loop()
     database = Database(DatabaseSettings(url=ledger_url))
     try:
-        yield database
+        yield PrivateLedger(loop, database)
     finally:
-        await database.dispose()
+        loop.run_until_complete(database.dispose())
+        loop.close()
 
 
 class _NoErasures:
@@ -494,26 +529,16 @@ async def _check_predicates(database: Database, ledger: Ledger, predicates: list
     assert written["targets"] == sorted((n, node_id, "pending") for n in range(len(predicates)) for node_id in ledger.nodes)
 
 
-async def test_bulk_decisions_mark_what_deciding_each_event_in_turn_marks(database: Database) -> None:
-    # Hypothesis drives a synchronous function: it runs in a worker thread and hands each example to this
-    # event loop, where the database engine lives.
-    loop = asyncio.get_running_loop()
-
-    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(case=events_on_ledgers())
-    def check(case: tuple[Ledger, list[Envelope]]) -> None:
-        ledger, events = case
-        asyncio.run_coroutine_threadsafe(_check_events(database, ledger, events), loop).result(timeout=60)
-
-    await asyncio.to_thread(check)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=events_on_ledgers())
+def test_bulk_decisions_mark_what_deciding_each_event_in_turn_marks(ledger: PrivateLedger, case: tuple[Ledger, list[Envelope]]) -> None:
+    generated, events = case
+    ledger.run(_check_events(ledger.database, generated, events))
 
 
-async def test_decide_marks_the_live_copies_of_the_blocks_each_predicate_covers(database: Database) -> None:
-    loop = asyncio.get_running_loop()
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(ledger=ledgers(), predicates=PREDICATES)
-    def check(ledger: Ledger, predicates: list[Predicate]) -> None:
-        asyncio.run_coroutine_threadsafe(_check_predicates(database, ledger, predicates), loop).result(timeout=60)
-
-    await asyncio.to_thread(check)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(generated=ledgers(), predicates=PREDICATES)
+def test_decide_marks_the_live_copies_of_the_blocks_each_predicate_covers(
+    ledger: PrivateLedger, generated: Ledger, predicates: list[Predicate]
+) -> None:
+    ledger.run(_check_predicates(ledger.database, generated, predicates))
