@@ -141,7 +141,7 @@ async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> N
     answers ListOffsets(latest) with the last record *batch's* base offset + 1, so after a
     multi-record batch the reported end lies inside that batch. The caller makes sure that
     nothing else publishes while this runs, so the position after a poll that returns
-    nothing is the true end. (Also the integration tests' helper, via ``ledger_helpers``.)
+    nothing is the true end. (Also the integration tests' helper, via ``helpers.ledger``.)
     """
     for group_id, names in groups.items():
         settings = KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")

@@ -11,16 +11,18 @@ Services are chosen by ``KVLEDGER_TEST_SERVICES``:
   reason when testcontainers or a Docker engine is missing.
 * ``external``: ``KVLEDGER_DATABASE_URL`` (SQLAlchemy asyncpg URL) and
   ``KVLEDGER_KAFKA_BOOTSTRAP`` (host:port) of services someone else runs. The tests' consumer
-  groups use a 2 s session (``ledger_helpers.GROUP_TIMING``): a Kafka broker needs
+  groups use a 2 s session (``helpers.ledger.GROUP_TIMING``): a Kafka broker needs
   ``group.min.session.timeout.ms`` at or below it.
 
 Waiting is kept short by sharing: services start once per session, every module copies one
 migrated database (``ledger_template``), and the tests' consumer groups join in about a second
 (``GROUP_TIMING``; the embedded broker holds each join for half the session timeout).
 
-Every test under ``tests/integration`` and ``tests/security`` is marked ``integration``
-automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. Helper modules
-shared by those directories (``ledger_helpers``, ``node_harness``) live beside this file.
+Every test that asks (directly or through its fixtures) for PostgreSQL or the broker is marked
+``integration`` automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. The
+tests mirror the packages (``tests/gpu_node``, ``tests/coordinator``, …); helpers they share are
+the ``tests/helpers`` package (``helpers.ledger``, ``helpers.node``, ``helpers.stack``,
+``helpers.pool``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
-from ledger_helpers import SigningProducer, fresh_database
+from helpers.ledger import SigningProducer, fresh_database
 from sqlalchemy import make_url
 
 from coordinator import migrate
@@ -48,14 +50,13 @@ from events.kafka import EventProducer
 from kvledger.model_init import build_tiny_model
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
-_HERE = Path(__file__).parent
-_REAL_SERVICE_DIRS = (_HERE / "integration", _HERE / "security")
+_SERVICE_FIXTURES = frozenset({"database_url", "kafka_bootstrap"})
 _MODES = ("embedded", "containers", "external")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if any(item.path.is_relative_to(directory) for directory in _REAL_SERVICE_DIRS):
+        if _SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
 
 
@@ -180,7 +181,7 @@ class _ApacheKafka:
             .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
             .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
             .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
-            # the tests' consumers use ledger_helpers.GROUP_TIMING, below the broker's 6 s default minimum
+            # the tests' consumers use helpers.ledger.GROUP_TIMING, below the broker's 6 s default minimum
             .with_env("KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS", "1000")
         )
 
@@ -232,7 +233,7 @@ async def ledger_url(database_url: str, ledger_template: str) -> AsyncIterator[s
 
 
 # Coordinator-side fixtures shared by the ledger test modules. Each module that uses them
-# defines its own module-scoped ``settings`` (usually ``ledger_helpers.coordinator_settings`` over ``ledger_url``).
+# defines its own module-scoped ``settings`` (usually ``helpers.ledger.coordinator_settings`` over ``ledger_url``).
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 A real coordinator — its consumers and its HTTP app on uvicorn — over a fresh database and
 the session's broker. Two nodes are played by this module (signed kv-events and acks, as
-in ``tests/integration/test_ledger_erasure.py``): they hold blocks in several tiers, a
+in ``tests/coordinator/test_ledger_erasure.py``): they hold blocks in several tiers, a
 document update invalidates some, an erasure removes a person's and gets its receipt. The
 browser then logs in through the form and reads every page; each test asserts what the page
 shows (exact node ids, states, counts) and writes a screenshot to ``$KVLEDGER_SCREENSHOT_DIR``
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ledger_helpers import SUBJECT_KEY, RunningConsumers, coordinator_settings, eventually, operator_headers, operator_token, stored
-from node_harness import Served
+from helpers.ledger import SUBJECT_KEY, RunningConsumers, coordinator_settings, eventually, operator_headers, operator_token, stored
+from helpers.node import Served
 
 from bench.common import start_groups_at_end
 from coordinator.api import create_app

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from ledger_helpers import GROUP_TIMING_ENV
-from stack_harness import free_port_pair, port_is_free, user_env
+from helpers.ledger import GROUP_TIMING_ENV
+from helpers.stack import free_port_pair, port_is_free, user_env
 
 from coordinator.receipts import verify_served_receipt
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from node_harness import node_on_thread
+from helpers.node import node_on_thread
 
 from gpu_node.api import create_app
 from gpu_node.engine import AsyncEngine

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.stack import Up, cli_token, port_is_free
 from openai import OpenAI
-from stack_harness import Up, cli_token, port_is_free
 
 from identity.tokens import issue_token
 

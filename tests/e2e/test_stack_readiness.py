@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack_harness import Up
+from helpers.stack import Up
 
 from events import schema
 from events.kafka import EventProducer, KafkaSettings

@@ -15,9 +15,9 @@ import asyncio
 import uuid
 from datetime import UTC, datetime
 
+from helpers.ledger import SUBJECT_KEY, fresh_database, sign_command
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ledger_helpers import SUBJECT_KEY, fresh_database, sign_command
 from sqlalchemy import select, text
 
 from coordinator.audit_log import ReceiptKeys

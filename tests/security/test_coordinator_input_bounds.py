@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import coordinator_settings, operator_headers
+from helpers.ledger import coordinator_settings, operator_headers
 from sqlalchemy import func, select
 
 from coordinator.api import create_app

@@ -27,7 +27,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
-from ledger_helpers import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, coordinator_settings, fresh_database, operator_headers
+from helpers.ledger import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, coordinator_settings, fresh_database, operator_headers
 from pydantic import ValidationError
 from starlette.routing import Route
 
@@ -52,7 +52,7 @@ OPEN_ROUTES = {
 }
 DATA_KEY_ROUTES = {("POST", "/v1/keys/resolve"), ("GET", "/v1/keys/{key_id}"), ("GET", "/v1/governance")}
 """The nodes' endpoints (data keys, governance state): they take only node credentials
-(tests/security/test_node_enrollment.py, tests/integration/test_governance_sync.py), so operators are refused
+(tests/security/test_node_enrollment.py, tests/gpu_node/test_governance_sync.py), so operators are refused
 there too; end users get the same 401 as everywhere else."""
 CONSOLE_PREFIX = "/ui"
 CONSOLE_OPEN_ROUTES = {("GET", "/ui/login"), ("GET", "/ui/static/console.css")}

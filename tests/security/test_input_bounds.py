@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from ledger_helpers import JWT_SECRET, RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database
-from node_harness import ServedNode, node_settings
+from helpers.ledger import JWT_SECRET, RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database
+from helpers.node import ServedNode, node_settings
 
 from gpu_node.settings import CacheSettings, RequestLimits
 from identity.tokens import issue_token

@@ -28,13 +28,16 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from ledger_helpers import eventually
+from helpers.ledger import eventually
 
 from events.codec import decode_event
 from events.kafka import EventProducer, KafkaSettings, ensure_topics, kafka_client_kwargs
 from events.topics import DOCUMENTS
 from kvledger import publish
 from kvledger.net import loopback_listener
+
+# starts its own Tansu broker behind a TLS proxy instead of asking for the shared one
+pytestmark = pytest.mark.integration
 
 TOPIC = "kvledger.tls-test"
 

@@ -20,7 +20,7 @@ import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import JWT_SECRET, coordinator_settings, eventually, operator_token
+from helpers.ledger import JWT_SECRET, coordinator_settings, eventually, operator_token
 
 from coordinator.api import create_app
 from coordinator.node_keys import REVOCATION_BOUND_S

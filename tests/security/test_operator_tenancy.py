@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from ledger_helpers import (
+from helpers.ledger import (
     SUBJECT_KEY,
     RunningConsumers,
     coordinator_settings,

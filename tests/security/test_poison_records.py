@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from ledger_helpers import RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database, node_key, scan_topic
+from helpers.ledger import RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database, node_key, scan_topic
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 

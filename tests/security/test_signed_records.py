@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ledger_helpers import (
+from helpers.ledger import (
     JWT_SECRET,
     SUBJECT_KEY,
     RunningConsumers,
@@ -32,7 +32,7 @@ from ledger_helpers import (
     sign_command,
     stored,
 )
-from node_harness import NodeServices, node_settings
+from helpers.node import NodeServices, node_settings
 from prometheus_client import REGISTRY
 from sqlalchemy import select
 

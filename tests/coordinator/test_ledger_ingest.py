@@ -1,0 +1,408 @@
+"""kv-events published to a real broker end up as exact ledger rows (real Postgres, real consumer group).
+
+The coordinator's consumers run in-process (``run_consumers``) against a database
+created for this module; every test uses its own node ids, so tests are independent
+even though the broker and its topics are shared by the whole session.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from helpers.ledger import SUBJECT_KEY, FakeNode, RunningConsumers, block_hash, coordinator_settings, eventually, scan_topic, stored
+from prometheus_client import REGISTRY
+from sqlalchemy import func, select
+
+from coordinator.db import Database
+from coordinator.models import Block, BlockAuthScope, BlockDocument, DeadLetterCount, InboxEntry, Node, OutboxEntry, Placement, Snapshot
+from coordinator.settings import CoordinatorSettings
+from events.codec import DeadLetter, encode_key
+from events.kafka import EventProducer
+from events.schema import (
+    BlockMoved,
+    BlockProvenance,
+    BlockRemoved,
+    BlockStored,
+    Inventory,
+    InventoryRequested,
+    MovedBlock,
+    NodeHeartbeat,
+    RemovedBlock,
+    SnapshotDeleted,
+    SnapshotWritten,
+    make_event,
+    parse_event,
+    subject_digest,
+)
+from events.schema import Placement as InventoryPlacement
+from events.topics import COMMANDS, DEAD_LETTER, KV_EVENTS
+
+
+@pytest.fixture(scope="module")
+async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
+    return coordinator_settings(ledger_url, kafka_bootstrap, ledger={"inventory_retry_s": 3600})
+
+
+@pytest.fixture(scope="module")
+async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[None]:
+    consumers = await RunningConsumers(settings).start()
+    yield
+    await consumers.stop()
+
+
+@pytest.fixture
+def node_id() -> str:
+    return f"node-{uuid.uuid4().hex[:8]}"
+
+
+async def node_row(database: Database, node_id: str) -> Node | None:
+    async with database.session() as session:
+        return await session.get(Node, node_id)
+
+
+async def wait_applied(database: Database, node_id: str, epoch: int, seq: int) -> None:
+    async def applied() -> bool:
+        node = await node_row(database, node_id)
+        return node is not None and (node.epoch, node.last_seq) >= (epoch, seq)
+
+    await eventually(applied, what=f"{node_id} to reach epoch {epoch} seq {seq}")
+
+
+async def placements(database: Database, node_id: str) -> set[tuple[str, str, str | None, str, str | None]]:
+    """(block hash, tier, snapshot id, state, reason) of every placement row of a node."""
+    async with database.session() as session:
+        rows = await session.execute(
+            select(Placement.block_hash, Placement.tier, Placement.snapshot_id, Placement.state, Placement.reason).where(
+                Placement.node_id == node_id
+            )
+        )
+        return {(row[0].hex(), *row[1:]) for row in rows}
+
+
+def counter(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def first_record(topic: str, bootstrap: str, match, timeout_s: float = 30.0):
+    """Read ``topic`` from the beginning until a record satisfies ``match``; returns ``match``'s result."""
+    found = []
+
+    def visit(record) -> bool:
+        result = match(record)
+        if result is not None:
+            found.append(result)
+        return bool(found)
+
+    await scan_topic(bootstrap, topic, visit, timeout_s)
+    return found[0]
+
+
+async def test_block_events_build_exact_ledger(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+    node = FakeNode(producer, node_id)
+    subject = subject_digest(SUBJECT_KEY.encode(), "acme", "alice")
+    public = stored(f"{node_id}/p", "device")
+    handbook = stored(
+        f"{node_id}/t",
+        "device",
+        tenant_id="acme",
+        scope="tenant",
+        auth_scopes=[("hr", 3)],
+        documents=["handbook@7"],
+        token_offset=16,
+        parent=f"{node_id}/p",
+    )
+    chat = stored(
+        f"{node_id}/u",
+        "host",
+        tenant_id="acme",
+        scope="user",
+        subject_id=subject,
+        auth_scopes=[("hr", 3)],
+        documents=["handbook@7"],
+        token_offset=32,
+        parent=f"{node_id}/t",
+    )
+    await node.start(epoch=1)
+    await node.publish(BlockStored, blocks=[public, handbook, chat])
+    await node.publish(BlockMoved, blocks=[MovedBlock(block_hash=public.block_hash, from_tier="device", to_tier="host")])
+    await node.publish(BlockRemoved, blocks=[RemovedBlock(block_hash=handbook.block_hash, tier="device")], reason="evicted")
+    await node.publish(SnapshotWritten, snapshot_id="snap-1", block_hashes=[public.block_hash, chat.block_hash])
+    await wait_applied(database, node_id, 1, node.seq)
+
+    assert await placements(database, node_id) == {
+        (public.block_hash, "device", None, "deleted", "moved"),
+        (public.block_hash, "host", None, "live", None),
+        (handbook.block_hash, "device", None, "deleted", "evicted"),
+        (chat.block_hash, "host", None, "live", None),
+        (public.block_hash, "snapshot", "snap-1", "live", None),
+        (chat.block_hash, "snapshot", "snap-1", "live", None),
+    }
+    hashes = [bytes.fromhex(b.block_hash) for b in (public, handbook, chat)]
+    async with database.session() as session:
+        blocks = {
+            row.block_hash.hex(): (row.parent_hash, row.tenant_id, row.scope, row.subject_hash, row.token_offset)
+            for row in await session.scalars(select(Block).where(Block.block_hash.in_(hashes)))
+        }
+        auth = set(
+            (
+                await session.execute(
+                    select(BlockAuthScope.block_hash, BlockAuthScope.auth_scope, BlockAuthScope.policy_version).where(
+                        BlockAuthScope.block_hash.in_(hashes)
+                    )
+                )
+            ).all()
+        )
+        docs = set(
+            (
+                await session.execute(
+                    select(BlockDocument.block_hash, BlockDocument.doc_id, BlockDocument.version).where(
+                        BlockDocument.block_hash.in_(hashes)
+                    )
+                )
+            ).all()
+        )
+        snapshot = await session.get(Snapshot, (node_id, "snap-1"))
+        node_state = await session.get(Node, node_id)
+    assert blocks == {
+        public.block_hash: (None, None, "public", None, 0),
+        handbook.block_hash: (bytes.fromhex(public.block_hash), "acme", "tenant", None, 16),
+        chat.block_hash: (bytes.fromhex(handbook.block_hash), "acme", "user", bytes.fromhex(subject), 32),
+    }
+    assert auth == {(hashes[1], "hr", 3), (hashes[2], "hr", 3)}
+    assert docs == {(hashes[1], "handbook", 7), (hashes[2], "handbook", 7)}
+    assert (snapshot.state, snapshot.num_blocks) == ("live", 2)
+    assert (node_state.status, node_state.namespace, node_state.inventory_request_id) == ("active", "ns-test", None)
+
+    await node.publish(SnapshotDeleted, snapshot_id="snap-1")
+    await wait_applied(database, node_id, 1, node.seq)
+    assert {p for p in await placements(database, node_id) if p[1] == "snapshot"} == {
+        (public.block_hash, "snapshot", "snap-1", "deleted", "snapshot_deleted"),
+        (chat.block_hash, "snapshot", "snap-1", "deleted", "snapshot_deleted"),
+    }
+
+
+async def _ledger_rows(database: Database, node_id: str) -> tuple:
+    async with database.session() as session:
+        node = await session.get(Node, node_id)
+        rows = (await session.execute(select(Placement).where(Placement.node_id == node_id).order_by(Placement.id))).scalars()
+        num_inbox = await session.scalar(select(func.count()).select_from(InboxEntry))
+        return (
+            (node.epoch, node.last_seq, node.status, node.last_event_at),
+            [(p.block_hash, p.tier, p.state, p.epoch, p.reason, p.updated_at) for p in rows],
+            num_inbox,
+        )
+
+
+async def test_redelivered_record_changes_nothing(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+    node = FakeNode(producer, node_id)
+    await node.start(epoch=1)
+    envelope = await node.publish(BlockStored, blocks=[stored(f"{node_id}/a", "device")])
+    await wait_applied(database, node_id, 1, node.seq)
+    before = await _ledger_rows(database, node_id)
+
+    # The very same record (same event_id) again: the inbox makes it a no-op.
+    duplicates = counter("kvledger_ledger_events_total", type="BlockStored", outcome="duplicate")
+    await producer.send(envelope)
+
+    async def seen_duplicate() -> bool:
+        return counter("kvledger_ledger_events_total", type="BlockStored", outcome="duplicate") > duplicates
+
+    await eventually(seen_duplicate, what="the duplicate to be consumed")
+    assert await _ledger_rows(database, node_id) == before
+
+    # A re-publication under a new event id but an already applied seq is recognised by seq.
+    replayed = counter("kvledger_ledger_events_total", type="BlockStored", outcome="replayed")
+    await producer.send(make_event(envelope.payload))
+
+    async def seen_replay() -> bool:
+        return counter("kvledger_ledger_events_total", type="BlockStored", outcome="replayed") > replayed
+
+    await eventually(seen_replay, what="the replay to be consumed")
+    after = await _ledger_rows(database, node_id)
+    # Only its inbox row is new (and last_event_at moved: any record is a sign of life).
+    assert (after[0][:3], after[1], after[2]) == (before[0][:3], before[1], before[2] + 1)
+
+
+async def test_malformed_record_is_dead_lettered_and_consumption_continues(
+    coordinator, database: Database, producer: EventProducer, settings: CoordinatorSettings, node_id: str
+) -> None:
+    node = FakeNode(producer, node_id)
+    marker = uuid.uuid4().hex
+    bad = f'{{"event_id": "{marker}", "type": "BlockStored"}}'.encode()
+    async with database.session() as session:
+        before = await session.scalar(select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS)) or 0
+    await producer.send_raw(KV_EVENTS, bad, encode_key(node_id))
+    await node.start(epoch=1)  # same key, so the same partition, after the bad record
+    await wait_applied(database, node_id, 1, 0)
+
+    def is_ours(record) -> DeadLetter | None:
+        letter = DeadLetter.model_validate_json(record.value)
+        return letter if letter.raw_value() == bad else None
+
+    letter = await first_record(DEAD_LETTER, settings.kafka.bootstrap, is_ours)
+    assert (letter.topic, letter.raw_key(), letter.group_id) == (KV_EVENTS, node_id.encode(), settings.kafka.group_id)
+    assert "payload" in letter.error or "field" in letter.error.lower()
+
+    async def counted() -> bool:
+        async with database.session() as session:
+            count = await session.scalar(select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS))
+        return (count or 0) > before
+
+    await eventually(counted, what="the dead letter to be counted in the ledger")
+
+
+async def test_restart_drops_device_and_host_but_keeps_disk(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+    node = FakeNode(producer, node_id)
+    dev, host, disk = (stored(f"{node_id}/{tier}", tier) for tier in ("device", "host", "disk"))
+    await node.start(epoch=1)
+    await node.publish(BlockStored, blocks=[dev, host, disk])
+    await node.publish(SnapshotWritten, snapshot_id="warm", block_hashes=[disk.block_hash])
+    await wait_applied(database, node_id, 1, node.seq)
+
+    await node.start(epoch=2)
+    await wait_applied(database, node_id, 2, 0)
+    assert await placements(database, node_id) == {
+        (dev.block_hash, "device", None, "deleted", "node_restarted"),
+        (host.block_hash, "host", None, "deleted", "node_restarted"),
+        (disk.block_hash, "disk", None, "live", None),
+        (disk.block_hash, "snapshot", "warm", "live", None),
+    }
+    node_state = await node_row(database, node_id)
+    assert node_state.status == "active"  # a clean restart is not a hole
+
+    # A straggler of the old epoch describes a process that is gone: ignored.
+    stale = make_event(BlockStored(node_id=node_id, epoch=1, seq=99, blocks=[stored(f"{node_id}/late", "device")]))
+    stale_before = counter("kvledger_ledger_events_total", type="BlockStored", outcome="stale")
+    await producer.send(stale)
+
+    async def seen_stale() -> bool:
+        return counter("kvledger_ledger_events_total", type="BlockStored", outcome="stale") > stale_before
+
+    await eventually(seen_stale, what="the stale event to be consumed")
+    assert len(await placements(database, node_id)) == 4
+
+
+def _inventory_request_for(node_id: str):
+    def match(record) -> InventoryRequested | None:
+        envelope = parse_event(record.value)
+        payload = envelope.payload
+        if isinstance(payload, InventoryRequested) and payload.node_id == node_id:
+            assert record.key == node_id.encode()
+            return payload
+        return None
+
+    return match
+
+
+def _provenance(block) -> BlockProvenance:
+    return BlockProvenance(**block.model_dump(exclude={"tier"}))
+
+
+async def test_seq_gap_requests_inventory_and_inventory_reconciles(
+    coordinator, database: Database, producer: EventProducer, settings: CoordinatorSettings, node_id: str
+) -> None:
+    node = FakeNode(producer, node_id)
+    a, b = stored(f"{node_id}/a", "device"), stored(f"{node_id}/b", "device")
+    c = stored(f"{node_id}/c", "disk")
+    await node.start(epoch=1)
+    await node.publish(BlockStored, blocks=[a, b])
+    node.seq += 1  # seq 2 is lost on the way
+    await node.publish(BlockStored, blocks=[c])
+    await wait_applied(database, node_id, 1, 3)
+
+    request = await first_record(COMMANDS, settings.kafka.bootstrap, _inventory_request_for(node_id))
+    node_state = await node_row(database, node_id)
+    assert (node_state.status, node_state.inventory_request_id) == ("reconciling", request.request_id)
+
+    async def outbox_sent() -> bool:
+        async with database.session() as session:
+            rows = (await session.scalars(select(OutboxEntry).where(OutboxEntry.key == node_id))).all()
+        return len(rows) == 1 and rows[0].sent_at is not None
+
+    await eventually(outbox_sent, what="the outbox row to be marked sent")
+
+    # The node's truth: a is still on device, d (never reported) on disk and in a snapshot; b and c are gone.
+    d = stored(f"{node_id}/d", "disk", tenant_id="acme", scope="tenant", auth_scopes=[("*", 0)])
+    await node.publish(
+        Inventory,
+        request_id=request.request_id,
+        placements=[
+            InventoryPlacement(block_hash=a.block_hash, tier="device"),
+            InventoryPlacement(block_hash=d.block_hash, tier="disk"),
+            InventoryPlacement(block_hash=d.block_hash, tier="snapshot", snapshot_id="s2"),
+        ],
+        blocks=[_provenance(a), _provenance(d)],
+    )
+
+    async def reconciled() -> bool:
+        state = await node_row(database, node_id)
+        return state.status == "active" and state.last_seq == node.seq
+
+    await eventually(reconciled, what="the inventory to be reconciled")
+    assert await placements(database, node_id) == {
+        (a.block_hash, "device", None, "live", None),
+        (b.block_hash, "device", None, "deleted", "reconciled"),
+        (c.block_hash, "disk", None, "deleted", "reconciled"),
+        (d.block_hash, "disk", None, "live", None),
+        (d.block_hash, "snapshot", "s2", "live", None),
+    }
+    node_state = await node_row(database, node_id)
+    assert (node_state.inventory_request_id, node_state.inventory_requested_at) == (None, None)
+
+
+async def test_chunked_inventory_applies_only_when_complete(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+    node = FakeNode(producer, node_id)
+    a, b = stored(f"{node_id}/a", "device"), stored(f"{node_id}/b", "host")
+    await node.start(epoch=1)
+    await node.publish(BlockStored, blocks=[a, b])
+    request_id = uuid.uuid4()
+    await node.publish(
+        Inventory,
+        request_id=request_id,
+        chunk=0,
+        chunks=2,
+        placements=[InventoryPlacement(block_hash=a.block_hash, tier="device")],
+        blocks=[_provenance(a)],
+    )
+    await wait_applied(database, node_id, 1, node.seq)
+    assert await placements(database, node_id) == {
+        (a.block_hash, "device", None, "live", None),
+        (b.block_hash, "host", None, "live", None),
+    }
+    await node.publish(Inventory, request_id=request_id, chunk=1, chunks=2, placements=[], blocks=[])
+    await wait_applied(database, node_id, 1, node.seq)
+    assert await placements(database, node_id) == {
+        (a.block_hash, "device", None, "live", None),
+        (b.block_hash, "host", None, "deleted", "reconciled"),
+    }
+
+
+async def test_holes_without_seq_gap_request_inventory(
+    coordinator, database: Database, producer: EventProducer, settings: CoordinatorSettings, node_id: str
+) -> None:
+    """A never-seen node, and a heartbeat announcing events we never got, both mean the ledger is incomplete."""
+    node = FakeNode(producer, node_id, epoch=4)
+    await node.publish(
+        BlockMoved,
+        seq=7,
+        blocks=[MovedBlock(block_hash=block_hash(f"{node_id}/x"), from_tier="host", to_tier="device")],
+    )
+    await wait_applied(database, node_id, 4, 7)
+    first = await first_record(COMMANDS, settings.kafka.bootstrap, _inventory_request_for(node_id))
+    assert (await node_row(database, node_id)).status == "reconciling"
+    assert await placements(database, node_id) == set()  # the unknown block was not invented
+
+    await node.publish(Inventory, placements=[], blocks=[])
+    await eventually(lambda: _status_is(database, node_id, "active"), what="reconcile")
+
+    await producer.send(make_event(NodeHeartbeat(node_id=node_id, epoch=4, seq=node.seq + 5)))
+    await eventually(lambda: _status_is(database, node_id, "reconciling"), what="the silent gap to be noticed")
+    node_state = await node_row(database, node_id)
+    assert node_state.last_heartbeat is not None and node_state.inventory_request_id != first.request_id
+
+
+async def _status_is(database: Database, node_id: str, status: str) -> bool:
+    node = await node_row(database, node_id)
+    return node is not None and node.status == status

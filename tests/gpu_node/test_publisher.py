@@ -1,0 +1,162 @@
+"""The node publisher against the real broker: large backlogs go out in bounded records, in order; nothing wedges it."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from aiokafka.errors import KafkaError
+from helpers.ledger import SUBJECT_KEY, node_key, scan_topic
+
+from events import schema, topics
+from events.codec import DeadLetter
+from events.kafka import EventProducer, KafkaSettings
+from gpu_node.block_pool import RemovalReason, RemovedFromPool, StoredInPool, Tier
+from gpu_node.engine import AsyncEngine
+from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
+from gpu_node.publisher import MAX_BLOCKS_PER_RECORD, NodePublisher
+from gpu_node.settings import NodeSettings
+from identity.signing import EnvelopeSigner, verify_envelope
+
+
+async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(tiny_model_dir, tmp_path, kafka_bootstrap):
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine,
+        KafkaSettings(bootstrap=kafka_bootstrap),
+        node_id,
+        SUBJECT_KEY.encode(),
+        signer=EnvelopeSigner(node_key(node_id)),
+    )
+    await publisher.start(tmp_path / "node")
+    num_blocks = 2 * MAX_BLOCKS_PER_RECORD + 500
+    token_ids = list(range(num_blocks * 16 + 1))
+    keys = compute_block_keys("ns-publisher", token_ids, [Segment(0, len(token_ids), CacheScope.USER)], Principal("acme", "alice"), 16)
+    try:
+        publisher.on_pool_events([StoredInPool(key, Tier.DISK) for key in keys])
+        await publisher.flush()
+        records: list[schema.BlockStored] = []
+
+        def collect(record) -> bool:
+            envelope = schema.parse_event(record.value)
+            payload = envelope.payload
+            if isinstance(payload, schema.BlockStored) and payload.node_id == node_id:
+                assert verify_envelope(envelope, node_key(node_id).public_key()), "every record is signed by the node's key"
+                records.append(payload)
+            return sum(len(r.blocks) for r in records) == num_blocks
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        assert [len(r.blocks) for r in records] == [MAX_BLOCKS_PER_RECORD, MAX_BLOCKS_PER_RECORD, 500]
+        assert [r.seq for r in records] == [records[0].seq, records[0].seq + 1, records[0].seq + 2]
+        assert [b.block_hash for r in records for b in r.blocks] == [key.block_hash.hex() for key in keys]
+        assert {b.subject_id for r in records for b in r.blocks} == {schema.subject_digest(SUBJECT_KEY.encode(), "acme", "alice")}
+    finally:
+        await publisher.stop()
+        await engine.stop()
+
+
+async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_events_flow_gap_free(
+    tiny_model_dir, tmp_path, kafka_bootstrap
+):
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
+    await publisher.start(tmp_path / "node")
+    principal = Principal("acme", "alice", frozenset({"hr"}))
+    token_ids = list(range(3 * 16 + 1))
+
+    def keys_of(doc_id: str):
+        document = DocumentRef(doc_id, 1, "hr")
+        return compute_block_keys("ns-publisher", token_ids, [Segment(0, len(token_ids), CacheScope.TENANT, document)], principal, 16)
+
+    good, poisoned, later = keys_of("handbook"), keys_of("hand\nbook"), keys_of("policy")
+    dead_letters = engine.metrics.dead_letters
+    try:
+        first_seq = publisher.seq
+        # One stored run mixing valid and refused provenance, a snapshot too large for one record, then more.
+        publisher.on_pool_events([StoredInPool(key, Tier.HOST) for key in good[:2] + poisoned[:1] + good[2:]])
+        publisher.on_snapshot_written("snap-huge", [i.to_bytes(32, "big") for i in range(schema.MAX_HASHES_PER_EVENT + 1)])
+        publisher.on_pool_events([RemovedFromPool(good[0].block_hash, Tier.HOST, RemovalReason.EVICTED)])
+        await publisher.flush()
+        publisher.on_pool_events([StoredInPool(key, Tier.DISK) for key in later])
+        await publisher.flush()
+
+        assert dead_letters.labels(type="BlockStored", cause="invalid")._value.get() == 1
+        assert dead_letters.labels(type="SnapshotWritten", cause="invalid")._value.get() == 1
+        assert publisher.seq == first_seq + 3  # stored, removed, stored: the refused ones took no seq
+
+        mine: list = []
+
+        def collect(record) -> bool:
+            payload = schema.parse_event(record.value).payload
+            if isinstance(payload, schema.NodeEvent) and payload.node_id == node_id and payload.seq > first_seq:
+                mine.append(payload)
+            return len(mine) == 3
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        assert [(type(p).__name__, p.seq) for p in mine] == [
+            ("BlockStored", first_seq + 1),
+            ("BlockRemoved", first_seq + 2),
+            ("BlockStored", first_seq + 3),
+        ]
+        assert [b.block_hash for b in mine[0].blocks] == [key.block_hash.hex() for key in good]
+        assert [b.block_hash for b in mine[2].blocks] == [key.block_hash.hex() for key in later]
+
+        letters: list[DeadLetter] = []
+
+        def collect_letters(record) -> bool:
+            letter = DeadLetter.model_validate_json(record.value)
+            if letter.raw_key() == node_id.encode():
+                letters.append(letter)
+            return len(letters) == 2
+
+        await scan_topic(kafka_bootstrap, topics.DEAD_LETTER, collect_letters)
+        assert [(letter.topic, letter.partition, letter.offset, letter.value_b64) for letter in letters] == [
+            (topics.KV_EVENTS, -1, -1, None)
+        ] * 2
+        assert letters[0].error.startswith(f"BlockStored from node {node_id} never sent (invalid): ")
+        assert "control characters" in letters[0].error and "hand" not in letters[0].error
+        assert letters[1].error.startswith(f"SnapshotWritten from node {node_id} never sent (invalid): block_hashes")
+    finally:
+        await publisher.stop()
+        await engine.stop()
+
+
+async def test_an_ambiguous_send_failure_resends_identical_bytes(tiny_model_dir, tmp_path, kafka_bootstrap):
+    """A send whose outcome is unknown keeps its seq *and* its bytes: the retry cannot carry different content."""
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
+    await publisher.start(tmp_path / "node")
+    keys = compute_block_keys("ns-publisher", list(range(33)), [Segment(0, 33, CacheScope.PUBLIC)], Principal("acme", "bob"), 16)
+    try:
+        first_seq = publisher.seq
+        await publisher._producer.stop()  # every send now fails without reaching the broker
+        publisher.on_pool_events([StoredInPool(key, Tier.DEVICE) for key in keys])
+        with pytest.raises(KafkaError):
+            await publisher.flush()
+        (unacked,) = publisher._unacked
+        assert publisher.seq == first_seq
+        publisher._producer = EventProducer(publisher.kafka)
+        await publisher._producer.start()
+        await publisher.flush()
+        assert publisher.seq == first_seq + 1 and publisher._unacked == []
+
+        values: list[bytes] = []
+
+        def collect(record) -> bool:
+            payload = schema.parse_event(record.value).payload
+            if isinstance(payload, schema.BlockStored) and payload.node_id == node_id:
+                values.append(record.value)
+            return len(values) == 1
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        assert values == [unacked.value]
+    finally:
+        await publisher.stop()
+        await engine.stop()

@@ -1,0 +1,253 @@
+"""The node's coordinator key provider never waits on the network under the pool's lock, caches "unknown"
+briefly and bounds its memory. Against a real HTTP key service the test controls (delays, answers, counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from helpers.pool import NS, block_key, make_kv
+
+from gpu_node.api import create_app
+from gpu_node.block_pool import BlockRecord, BlockRestoreError, decode_block_record, encode_block_record
+from gpu_node.engine import AsyncEngine
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
+from gpu_node.remote_keys import CoordinatorKeyProvider
+from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
+from identity.settings import IssuerSettings
+from identity.tokens import Principal, TokenVerifier, issue_token
+
+SUBJECT_KEY = b"unit-test-subject-key-32-bytes!!"
+PREFETCH_WAIT_S = 0.2
+SLOW_S = 3.0
+
+
+def _key_of(name: str) -> tuple[str, bytes]:
+    digest = hashlib.sha256(name.encode()).digest()
+    return digest.hex()[:32], digest
+
+
+class KeyService:
+    """A key service on a real socket: ``resolve`` answers a key per scope, ``GET`` only ids in ``known``."""
+
+    def __init__(self) -> None:
+        self.delay_s = 0.0
+        self.requests: Counter[str] = Counter()
+        self.known: dict[str, bytes] = {}
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                scope = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                service.requests["resolve"] += 1
+                time.sleep(service.delay_s)
+                key_id, key = _key_of(f"{scope['tenant_id']}/{scope['subject_hash']}")
+                service.known[key_id] = key
+                self._answer(200, {"key_id": key_id, "key": base64.b64encode(key).decode()})
+
+            def do_GET(self) -> None:  # noqa: N802
+                key_id = self.path.rsplit("/", 1)[-1]
+                service.requests["get " + key_id] += 1
+                time.sleep(service.delay_s)
+                if key_id not in service.known:
+                    self._answer(404, {"error": {"message": "unknown key", "type": "invalid_request_error", "code": "key_not_found"}})
+                else:
+                    self._answer(200, {"key_id": key_id, "key": base64.b64encode(service.known[key_id]).decode()})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+
+@pytest.fixture
+def service() -> Iterator[KeyService]:
+    service = KeyService()
+    service.thread.start()
+    try:
+        yield service
+    finally:
+        service.server.shutdown()
+        service.server.server_close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _provider(service: KeyService, clock: Clock | None = None, **settings: float) -> CoordinatorKeyProvider:
+    return CoordinatorKeyProvider(
+        service.url,
+        lambda: "node-credential",
+        SUBJECT_KEY,
+        DataKeySettings(prefetch_wait_s=PREFETCH_WAIT_S, timeout_s=10, **settings),
+        clock=clock or Clock(),
+    )
+
+
+def _tenant_block(tenant: str, i: int = 1) -> BlockRecord:
+    provenance = CacheProvenance(NS, tenant, CacheScope.TENANT, (), None, (), 0.0)
+    key = block_key(i, provenance)
+    return BlockRecord(key, "fp32", None, make_kv(i).numpy().tobytes())
+
+
+def _timed(function, *args):
+    started = time.monotonic()
+    result = function(*args)
+    return result, time.monotonic() - started
+
+
+async def test_a_slow_key_service_holds_neither_a_lookup_nor_a_request_past_its_prefetch_wait(service: KeyService) -> None:
+    provider, restarted = _provider(service), _provider(service)
+    try:
+        # Before the first request (a start-up re-index) a missing key is fetched on the spot.
+        sealed = encode_block_record(_tenant_block("acme"), provider)
+        assert sealed is not None and service.requests["resolve"] == 1
+        service.delay_s = SLOW_S  # ``restarted`` has empty memory, as a node after a restart
+
+        started = time.monotonic()
+        await restarted.prefetch(Principal(tenant_id="globex", subject_id="bob"))
+        assert time.monotonic() - started < PREFETCH_WAIT_S + 0.5
+        # Serving now: the pool's look-ups answer from memory; acme's key is fetched in the background.
+        started = time.monotonic()
+        with pytest.raises(BlockRestoreError) as unavailable:
+            decode_block_record(sealed, restarted)
+        assert unavailable.value.reason == "key_unavailable" and time.monotonic() - started < 0.05
+        public = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
+        (sealing, seconds) = _timed(restarted.key_for, public)
+        assert sealing is None and seconds < 0.05
+        (sealing, seconds) = _timed(restarted.key_for, _tenant_block("initech").key.provenance)
+        assert sealing is None and seconds < 0.05
+
+        async def fetched_in_background() -> bool:
+            return restarted.key_by_id(_key_of("acme/None")[0]) is not None
+
+        deadline = time.monotonic() + 3 * SLOW_S
+        while not await fetched_in_background():
+            assert time.monotonic() < deadline, "the background fetch never completed"
+            await asyncio.sleep(0.05)
+        assert decode_block_record(sealed, restarted).key == _tenant_block("acme").key
+        assert service.requests["get " + _key_of("acme/None")[0]] == 1
+    finally:
+        provider.close()
+        restarted.close()
+
+
+async def test_unknown_keys_are_asked_for_once_per_negative_ttl(service: KeyService) -> None:
+    clock = Clock()
+    provider = _provider(service, clock, negative_ttl_s=30)
+    try:
+        await provider.prefetch(Principal(tenant_id="acme", subject_id="alice"))
+        unknown = "ab" * 16
+        for _ in range(50):
+            assert provider.key_by_id(unknown) is None
+            await asyncio.sleep(0.005)
+        assert service.requests["get " + unknown] == 1
+        clock.now += 31
+        for _ in range(20):
+            assert provider.key_by_id(unknown) is None
+            await asyncio.sleep(0.005)
+        assert service.requests["get " + unknown] == 2
+    finally:
+        provider.close()
+
+
+async def test_every_key_cache_is_bounded_least_recently_used_first(service: KeyService) -> None:
+    provider = _provider(service, max_cached_keys=2, max_negative_entries=2)
+    blocking = provider.blocking()
+    try:
+        for tenant in ("t1", "t2", "t3"):
+            assert blocking.key_for(_tenant_block(tenant).key.provenance) == _key_of(f"{tenant}/None")
+        assert [provider.current_key_id(tenant) for tenant in ("t1", "t2", "t3")] == [None, _key_of("t2/None")[0], _key_of("t3/None")[0]]
+        assert blocking.key_for(_tenant_block("t1").key.provenance) == _key_of("t1/None")
+        assert service.requests["resolve"] == 4  # t1 was evicted, so asked again
+        for key_id in ("01" * 16, "02" * 16, "03" * 16):
+            assert blocking.key_by_id(key_id) is None
+        assert blocking.key_by_id("01" * 16) is None  # its "unknown" was evicted by two newer ones
+        assert blocking.key_by_id("03" * 16) is None  # still remembered
+        assert service.requests["get " + "01" * 16] == 2 and service.requests["get " + "03" * 16] == 1
+    finally:
+        provider.close()
+
+
+NODE_SECRET = "remote-keys-test-secret-0123456789abcdef"
+VERY_SLOW_S = 8.0
+
+
+async def test_a_slow_key_service_delays_neither_healthz_nor_another_tenants_hit_on_a_node(
+    service: KeyService, tiny_model_dir, tmp_path
+) -> None:
+    """A real node (tiny model) whose coordinator key service takes 8 s per answer: requests wait at most
+    ``prefetch_wait_s`` for their keys, public blocks are hit, ``/healthz`` answers at once."""
+    settings = NodeSettings(
+        model_dir=tiny_model_dir,
+        data_dir=tmp_path,
+        auth=IssuerSettings(jwt_secret=NODE_SECRET),
+        coordinator_url=service.url,
+        subject_key=SUBJECT_KEY.decode(),
+        cache=CacheSettings(block_size=16, num_device_blocks=64, num_host_blocks=64, max_disk_blocks=64),
+        data_keys={"prefetch_wait_s": PREFETCH_WAIT_S},
+    )
+    engine = AsyncEngine.from_settings(settings)
+    app = create_app(engine, TokenVerifier(settings.auth))
+    await engine.start()
+    system = {"role": "system", "content": "You are a careful assistant for the finance team. " * 6, "cache_scope": "public"}
+
+    def completion(tenant: str, subject: str) -> dict:
+        return {
+            "url": "/v1/chat/completions",
+            "json": {
+                "model": engine.model_name,
+                "messages": [system, {"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "temperature": 0,
+            },
+            "headers": {"Authorization": "Bearer " + issue_token(tenant=tenant, sub=subject, scopes=["hr"], pv=1, secret=NODE_SECRET)},
+        }
+
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node", timeout=60) as client:
+            first = await client.post(**completion("acme", "alice"))
+            assert first.status_code == 200, first.text
+            service.delay_s = VERY_SLOW_S
+
+            started = time.monotonic()
+            other_tenant = asyncio.create_task(client.post(**completion("globex", "bob")))
+            await asyncio.sleep(PREFETCH_WAIT_S / 2)
+            health = await client.get("/healthz")
+            health_s = time.monotonic() - started
+            answered = await other_tenant
+            answered_s = time.monotonic() - started
+            assert health.status_code == 200 and health_s < 1.0
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the public prefix was hit
+            assert answered_s < VERY_SLOW_S / 2
+            assert service.requests["resolve"] == 4  # acme's two scopes, then globex's two (still in flight)
+    finally:
+        await engine.stop()
+        engine.pool.key_provider.close()
