@@ -1,6 +1,7 @@
 """``kvledger bench ledger``: block events per second from publish to committed
-ledger rows, and per-record consumer lag, against a raw asyncpg bulk insert of
-the same rows into the same database server, in the same run.
+ledger rows, and per-record consumer lag, against a raw asyncpg COPY (the
+headline ratio) and a raw asyncpg bulk INSERT of the same rows into the same
+database server, in the same run.
 
 The coordinator's consumers run as a separate process (as in production), so the
 producer, broker, consumer and Postgres share this machine's cores the way a
@@ -249,30 +250,44 @@ async def _run(args) -> list[LedgerRun]:
         return runs
 
 
+def _git_revision() -> str:
+    """The checkout's short commit (``+dirty`` with uncommitted changes); ``unknown`` outside a git checkout."""
+    try:
+        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return revision + ("+dirty" if dirty.strip() else "")
+
+
 def render_markdown(args, runs: list[LedgerRun]) -> str:
     median = statistics.median
     e2e = median(r.end_to_end_events_per_s for r in runs)
     insert = median(r.raw_insert_rows_per_s for r in runs)
     copy = median(r.raw_copy_rows_per_s for r in runs)
+    ratios_copy = [r.end_to_end_events_per_s / r.raw_copy_rows_per_s for r in runs]
     ratio_insert = median(r.end_to_end_events_per_s / r.raw_insert_rows_per_s for r in runs)
-    ratio_copy = median(r.end_to_end_events_per_s / r.raw_copy_rows_per_s for r in runs)
+    load_1m, load_5m, load_15m = os.getloadavg()
     return "\n".join(
         [
             "## Ledger ingest (`kvledger bench ledger`)",
             "",
             f"Command: `kvledger bench ledger --runs {args.runs} --events {args.events} --blocks-per-record {args.blocks_per_record}` "
             f"on {platform.machine()}, {os.cpu_count()} cores, embedded Postgres + Tansu on the same machine, coordinator consumers "
-            f"in their own process. {runs[0].num_events} block events per run over {NUM_NODES} nodes; median of {len(runs)} runs; "
+            f"in their own process; git {_git_revision()}, load average at the end {load_1m:.2f} / {load_5m:.2f} / {load_15m:.2f} "
+            f"(1 / 5 / 15 min). {runs[0].num_events} block events per run over {NUM_NODES} nodes; median of {len(runs)} runs; "
             "each ratio is taken within one run.",
             "",
             "| metric | value | target |",
             "|---|---:|---|",
-            f"| end to end (publish → committed ledger rows) | {e2e:,.0f} block events/s | ≥ 20,000 |",
-            f"| consumer lag p50 / p99 (per record, publish → visible) | {median(r.lag_p50_ms for r in runs):,.0f} / {median(r.lag_p99_ms for r in runs):,.0f} ms | |",
-            f"| raw asyncpg bulk INSERT (executemany) of the same rows | {insert:,.0f} rows/s | |",
-            f"| end to end / raw INSERT | {ratio_insert * 100:.0f} % | ≥ 50 % |",
+            f"| **end to end / raw COPY of the same rows** (per run: {', '.join(f'{r * 100:.0f} %' for r in ratios_copy)}) "
+            f"| **{median(ratios_copy) * 100:.0f} %** | ≥ 70 % |",
+            f"| end to end (publish → committed ledger rows) | {e2e:,.0f} block events/s | |",
+            f"| consumer lag p50 / p99 (per record, publish → visible) | {median(r.lag_p50_ms for r in runs):,.0f} / "
+            f"{median(r.lag_p99_ms for r in runs):,.0f} ms | |",
             f"| raw asyncpg COPY of the same rows (upper bound) | {copy:,.0f} rows/s | |",
-            f"| end to end / raw COPY | {ratio_copy * 100:.0f} % | |",
+            f"| raw asyncpg bulk INSERT (executemany) of the same rows | {insert:,.0f} rows/s | |",
+            f"| end to end / raw INSERT | {ratio_insert * 100:.0f} % | |",
             "",
         ]
     )

@@ -49,7 +49,7 @@ def test_matches_rfc8785_at_the_edges() -> None:
         {"b": 1, "a": [1.0, 1e21, 1e-7, -0.0, 5e-324]},  # ES6 number formatting
         {"n": 2**53 - 1, "m": -(2**53 - 1)},  # the largest safe integers: stdlib path
         {"n": 2**53},  # unsafe integer: rfc8785 refuses it
-        {"s": "\x00\x1f\x7f\b\f\n\r\t\"\\/\u2028\u2029é\U0001f600"},
+        {"s": '\x00\x1f\x7f\b\f\n\r\t"\\/\u2028\u2029é\U0001f600'},
         {"s": "\ud800"},  # a lone surrogate is not Unicode text: refused
         {"t": (1, "x")},  # tuples are arrays
     ]
