@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bench.common import (
     BenchKeys,
@@ -38,8 +39,9 @@ from bench.common import (
     run_and_report,
 )
 from events import schema
+from events.codec import decode_event, encode_event
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
-from identity.signing import sign_envelope
+from identity.signing import sign_envelope, signature_problem
 
 NUM_NODES = 4
 NAMESPACE = "bench-namespace"
@@ -96,6 +98,28 @@ class LedgerRun:
     lag_p99_ms: float
     raw_insert_rows_per_s: float
     raw_copy_rows_per_s: float
+    decode_ms_per_record: float
+    verify_ms_per_record: float
+    sign_ms_per_record: float
+
+
+def _cpu_per_record(num_events: int, blocks_per_record: int) -> tuple[float, float, float]:
+    """Process CPU ms per record of the workload's records for the consumer's decode and signature
+    check and the node's signing: CPU time, so other processes on the machine barely move it."""
+    records = [record for group in _workload(num_events, blocks_per_record, uuid.uuid4().hex[:8]).values() for record in group]
+    key = Ed25519PrivateKey.generate()
+    started = time.process_time()
+    signed = [sign_envelope(schema.make_event(record), key) for record in records]
+    sign_s = time.process_time() - started
+    values = [encode_event(envelope) for envelope in signed]
+    started = time.process_time()
+    decoded = [decode_event(value) for value in values]
+    decode_s = time.process_time() - started
+    started = time.process_time()
+    problems = [signature_problem(envelope, key.public_key()) for envelope in decoded]
+    verify_s = time.process_time() - started
+    assert problems == [None] * len(records), "the bench's own signatures must verify"
+    return decode_s * 1000 / len(records), verify_s * 1000 / len(records), sign_s * 1000 / len(records)
 
 
 async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, blocks_per_record: int) -> tuple[float, list[float], int]:
@@ -245,7 +269,17 @@ async def _run(args) -> list[LedgerRun]:
                 insert_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=False)
             async with fresh_database(server_url) as url:
                 copy_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=True)
-            runs.append(LedgerRun(total, events_per_s, percentile(lags, 0.5), percentile(lags, 0.99), insert_rows_per_s, copy_rows_per_s))
+            runs.append(
+                LedgerRun(
+                    total,
+                    events_per_s,
+                    percentile(lags, 0.5),
+                    percentile(lags, 0.99),
+                    insert_rows_per_s,
+                    copy_rows_per_s,
+                    *_cpu_per_record(args.events, args.blocks_per_record),
+                )
+            )
             print(runs[-1], file=sys.stderr, flush=True)
         return runs
 
@@ -288,6 +322,9 @@ def render_markdown(args, runs: list[LedgerRun]) -> str:
             f"| raw asyncpg COPY of the same rows (upper bound) | {copy:,.0f} rows/s | |",
             f"| raw asyncpg bulk INSERT (executemany) of the same rows | {insert:,.0f} rows/s | |",
             f"| end to end / raw INSERT | {ratio_insert * 100:.0f} % | |",
+            f"| CPU per {args.blocks_per_record}-block record: consumer decode / signature check, node signing | "
+            f"{median(r.decode_ms_per_record for r in runs):.2f} / {median(r.verify_ms_per_record for r in runs):.2f} ms, "
+            f"{median(r.sign_ms_per_record for r in runs):.2f} ms | |",
             "",
         ]
     )

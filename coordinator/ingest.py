@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
-from sqlalchemy import LargeBinary, any_, bindparam, func, select, text, update
+from sqlalchemy import LargeBinary, Text, any_, bindparam, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -116,8 +116,9 @@ _INSERT_STAGED_BLOCKS = text(
     INSERT INTO blocks (block_hash, parent_hash, namespace, tenant_id, scope, subject_hash, token_offset, created_at)
     SELECT block_hash, parent_hash, namespace, tenant_id, scope, subject_hash, token_offset, created_at FROM pg_temp.ingest_blocks
     ON CONFLICT (block_hash) DO NOTHING
+    RETURNING block_hash
     """
-)
+).columns(block_hash=LargeBinary())
 _INSERT_STAGED_AUTH_SCOPES = text(
     """
     INSERT INTO block_auth_scopes (block_hash, auth_scope, policy_version)
@@ -146,14 +147,15 @@ _MARK_STAGED_PLACEMENTS_DELETED = text(
         UPDATE placements p SET state = 'deleted', epoch = s.epoch, reason = s.reason, updated_at = now()
         FROM pg_temp.ingest_placements s
         WHERE NOT s.created AND p.block_hash = s.block_hash AND p.node_id = s.node_id AND p.tier = s.tier
-            AND p.snapshot_id IS NOT DISTINCT FROM s.snapshot_id AND p.state = 'live'
+            AND p.snapshot_id IS NOT DISTINCT FROM s.snapshot_id AND p.state = 'live' AND p.node_id = ANY(:node_ids)
         RETURNING 1
     )
     SELECT count(*) FROM changed
     """
-)
-"""Joins on the (block_hash, node_id, tier, snapshot_id) unique index: a removal batch costs
-its own size, not a scan of the node's live placements. Copies already gone are no-ops."""
+).bindparams(bindparam("node_ids", type_=ARRAY(Text())))
+"""Probes the (block_hash, node_id, tier, snapshot_id) unique index per staged row; a large removal
+set is hash-joined instead, and ``node_ids`` (implied by the join, stated for the planner) keeps
+that to the batch's nodes' placements rather than every node's. Copies already gone are no-ops."""
 
 APPLIED = "applied"
 REPLAYED = "replayed"
@@ -199,12 +201,17 @@ class _Staging:
         self._used: set[str] = set()
 
     async def copy(self, table: str, columns: tuple[str, ...], records: list[tuple]) -> None:
-        """Replace the staged rows of ``table`` with ``records``."""
+        """Replace the staged rows of staging table ``table`` with ``records``."""
         connection = await self._driver_connection()
         if table in self._used:
             await connection.execute(f"DELETE FROM pg_temp.{table}")
         self._used.add(table)
         await connection.copy_records_to_table(table, schema_name="pg_temp", columns=columns, records=records)
+
+    async def copy_into_ledger(self, table: str, columns: tuple[str, ...], records: list[tuple]) -> None:
+        """Append ``records`` to the ledger table ``table`` itself: only for rows that cannot conflict."""
+        connection = await self._driver_connection()
+        await connection.copy_records_to_table(table, columns=columns, records=records)
 
     async def _driver_connection(self) -> asyncpg.Connection:
         if self._connection is None:
@@ -551,27 +558,40 @@ class _BatchApplier:
         )
         return {(row.block_hash, row.tier, row.snapshot_id) for row in rows}
 
-    async def _write_placements(self, rows: list[StagedPlacement], cause: str) -> None:
-        """Stage ``rows`` and apply them: ``created`` rows are upserted (inserted, or overwritten
-        whatever their state), the others flip a live copy to deleted (absent or gone: no-op).
-        Rows name distinct placements (blocks must be in ``blocks``)."""
+    async def _write_placements(self, rows: list[StagedPlacement], cause: str, new_blocks: frozenset[bytes] = frozenset()) -> None:
+        """Apply ``rows``: ``created`` rows are upserted (inserted, or overwritten whatever their
+        state), the others flip a live copy to deleted (absent or gone: no-op). Rows name distinct
+        placements (blocks must be in ``blocks``).
+
+        ``new_blocks``: blocks this transaction inserted just now. No placement of such a block
+        can exist (a placement references its block, and blocks are never deleted), so their
+        created rows are copied straight into ``placements``: no staging, no conflict check.
+        The other rows are staged and applied by one upsert and one update.
+        """
+        upserted = collections.Counter(row[4] for row in rows if row[7])
+        for state, count in upserted.items():
+            self.placement_changes[(state, cause)] += count
+        fresh = [row[:7] for row in rows if row[7] and row[0] in new_blocks]
+        if fresh:
+            await self.staging.copy_into_ledger("placements", _PLACEMENT_COLUMNS[:7], fresh)
+        rows = [row for row in rows if not (row[7] and row[0] in new_blocks)]
         if not rows:
             return
         await self.staging.copy("ingest_placements", _PLACEMENT_COLUMNS, rows)
-        upserted = collections.Counter(row[4] for row in rows if row[7])
-        if upserted:
+        num_staged_created = upserted.total() - len(fresh)
+        if num_staged_created:
             await self.session.execute(_UPSERT_STAGED_PLACEMENTS)
-            for state, count in upserted.items():
-                self.placement_changes[(state, cause)] += count
-        if upserted.total() < len(rows):
-            self.placement_changes[(PlacementState.DELETED, cause)] += await self.session.scalar(_MARK_STAGED_PLACEMENTS_DELETED)
+        if num_staged_created < len(rows):
+            node_ids = sorted({row[1] for row in rows if not row[7]})
+            self.placement_changes[(PlacementState.DELETED, cause)] += await self.session.scalar(
+                _MARK_STAGED_PLACEMENTS_DELETED, {"node_ids": node_ids}
+            )
 
     # -- accumulated writes -----------------------------------------------------------
 
     async def _flush(self) -> None:
         """Write accumulated block provenance and per-event placement changes (net effect, bulk)."""
-        if self.blocks:
-            await self._write_blocks()
+        new_blocks = await self._write_blocks() if self.blocks else frozenset()
         if not self.placements:
             return
         pending, self.placements = self.placements, {}
@@ -592,7 +612,7 @@ class _BatchApplier:
         for node_id in sorted(missed):
             # Moved a block we never saw stored: an event went missing.
             self._gap(self.nodes[node_id], "unknown_block")
-        await self._write_placements(rows, "event")
+        await self._write_placements(rows, "event", new_blocks)
 
     async def _unknown_blocks(self, hashes: set[bytes]) -> set[bytes]:
         candidates = hashes - self.known_blocks
@@ -604,7 +624,8 @@ class _BatchApplier:
         self.known_blocks |= found
         return candidates - found
 
-    async def _write_blocks(self) -> None:
+    async def _write_blocks(self) -> frozenset[bytes]:
+        """Write the accumulated provenance; returns the blocks that were not in the ledger before."""
         pending, self.blocks = self.blocks, {}
         namespaces = sorted({block.namespace for block in pending.values()})
         await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
@@ -625,7 +646,7 @@ class _BatchApplier:
                 for block_hash, block in pending.items()
             ],
         )
-        await self.session.execute(_INSERT_STAGED_BLOCKS)
+        new_blocks = frozenset((await self.session.scalars(_INSERT_STAGED_BLOCKS)).all())
         auth_scopes = [(block_hash, scope, version) for block_hash, block in pending.items() for scope, version in block.auth_scopes]
         if auth_scopes:
             await self.staging.copy("ingest_block_auth_scopes", ("block_hash", "auth_scope", "policy_version"), auth_scopes)
@@ -639,6 +660,7 @@ class _BatchApplier:
             await self.staging.copy("ingest_block_documents", ("block_hash", "doc_id", "version"), documents)
             await self.session.execute(_INSERT_STAGED_DOCUMENTS)
         self.known_blocks |= pending.keys()
+        return new_blocks
 
 
 class LedgerIngest:
