@@ -38,14 +38,20 @@ from bench.common import (
     percentile,
     run_and_report,
 )
+from coordinator.db import Database
+from coordinator.ingest import LedgerIngest
+from coordinator.settings import CoordinatorKafkaSettings, DatabaseSettings
 from events import schema
 from events.codec import decode_event, encode_event
-from events.kafka import EventProducer, KafkaSettings, ensure_topics
-from identity.signing import sign_envelope, signature_problem
+from events.kafka import ConsumedEvent, EventProducer, KafkaSettings, ensure_topics
+from events.topics import KV_EVENTS
+from identity.signing import EnvelopeSigner, sign_envelope, signature_problem
 
 NUM_NODES = 4
 NAMESPACE = "bench-namespace"
 RECORDS_PER_SEND = 20
+CONSUMER_BATCH_RECORDS = CoordinatorKafkaSettings.model_fields["max_batch_records"].default
+"""The largest batch the coordinator's kv-events consumer hands over (its default ``kafka.max_batch_records``)."""
 POLL_INTERVAL_S = 0.01
 TIMEOUT_S = 600.0
 
@@ -98,6 +104,7 @@ class LedgerRun:
     lag_p99_ms: float
     raw_insert_rows_per_s: float
     raw_copy_rows_per_s: float
+    apply_events_per_s: float
     decode_ms_per_record: float
     verify_ms_per_record: float
     sign_ms_per_record: float
@@ -199,6 +206,29 @@ async def _wait(probe, expected: int) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _apply_only(database_url: str, num_events: int, blocks_per_record: int) -> float:
+    """The coordinator's batch handler alone on already decoded, verified records (no broker, no
+    consumer process), in batches of the consumer's default size: the database side of ingest."""
+    run_id = uuid.uuid4().hex[:8]
+    workload = _workload(num_events, blocks_per_record, run_id)
+    database = Database(DatabaseSettings(url=database_url), pre_ping=False)
+    try:
+        ingest = LedgerIngest(database, inventory_retry_s=60.0, command_signer=EnvelopeSigner(Ed25519PrivateKey.generate()))
+        starts = [schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace=NAMESPACE)) for node_id in workload]
+        records = [schema.make_event(record) for group in zip(*workload.values(), strict=False) for record in group]
+        events = [
+            ConsumedEvent(topic=KV_EVENTS, partition=0, offset=offset, key=envelope.payload.node_id, timestamp_ms=0, envelope=envelope)
+            for offset, envelope in enumerate([*starts, *records])
+        ]
+        await ingest(events[: len(starts)])
+        started = time.perf_counter()
+        for offset in range(len(starts), len(events), CONSUMER_BATCH_RECORDS):
+            await ingest(events[offset : offset + CONSUMER_BATCH_RECORDS])
+        return sum(len(record.payload.blocks) for record in records) / (time.perf_counter() - started)
+    finally:
+        await database.dispose()
+
+
 async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: int, use_copy: bool) -> float:
     """The same block + placement rows written straight through asyncpg (no broker, no consumer)."""
     run_id = uuid.uuid4().hex[:8]
@@ -269,6 +299,8 @@ async def _run(args) -> list[LedgerRun]:
                 insert_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=False)
             async with fresh_database(server_url) as url:
                 copy_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=True)
+            async with fresh_database(server_url) as url:
+                apply_events_per_s = await _apply_only(url, args.events, args.blocks_per_record)
             runs.append(
                 LedgerRun(
                     total,
@@ -277,6 +309,7 @@ async def _run(args) -> list[LedgerRun]:
                     percentile(lags, 0.99),
                     insert_rows_per_s,
                     copy_rows_per_s,
+                    apply_events_per_s,
                     *_cpu_per_record(args.events, args.blocks_per_record),
                 )
             )
@@ -322,6 +355,9 @@ def render_markdown(args, runs: list[LedgerRun]) -> str:
             f"| raw asyncpg COPY of the same rows (upper bound) | {copy:,.0f} rows/s | |",
             f"| raw asyncpg bulk INSERT (executemany) of the same rows | {insert:,.0f} rows/s | |",
             f"| end to end / raw INSERT | {ratio_insert * 100:.0f} % | |",
+            f"| ledger apply alone (the batch handler on decoded records, no broker) / raw COPY | "
+            f"{median(r.apply_events_per_s / r.raw_copy_rows_per_s for r in runs) * 100:.0f} % "
+            f"({median(r.apply_events_per_s for r in runs):,.0f} block events/s) | |",
             f"| CPU per {args.blocks_per_record}-block record: consumer decode / signature check, node signing | "
             f"{median(r.decode_ms_per_record for r in runs):.2f} / {median(r.verify_ms_per_record for r in runs):.2f} ms, "
             f"{median(r.sign_ms_per_record for r in runs):.2f} ms | |",
