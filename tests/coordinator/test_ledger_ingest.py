@@ -8,27 +8,41 @@ even though the broker and its topics are shared by the whole session.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
-from helpers.ledger import SUBJECT_KEY, FakeNode, RunningConsumers, block_hash, coordinator_settings, eventually, scan_topic, stored
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers.ledger import (
+    SUBJECT_KEY,
+    FakeNode,
+    RunningConsumers,
+    block_hash,
+    coordinator_settings,
+    eventually,
+    fresh_database,
+    scan_topic,
+    stored,
+)
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
 from coordinator.db import Database
+from coordinator.ingest import LedgerIngest
 from coordinator.models import Block, BlockAuthScope, BlockDocument, DeadLetterCount, InboxEntry, Node, OutboxEntry, Placement, Snapshot
-from coordinator.settings import CoordinatorSettings
+from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
-from events.kafka import EventProducer
+from events.kafka import ConsumedEvent, EventProducer
 from events.schema import (
     BlockMoved,
     BlockProvenance,
     BlockRemoved,
     BlockStored,
+    Envelope,
     Inventory,
     InventoryRequested,
     MovedBlock,
     NodeHeartbeat,
+    NodeStarted,
     RemovedBlock,
     SnapshotDeleted,
     SnapshotWritten,
@@ -38,6 +52,7 @@ from events.schema import (
 )
 from events.schema import Placement as InventoryPlacement
 from events.topics import COMMANDS, DEAD_LETTER, KV_EVENTS
+from identity.signing import EnvelopeSigner
 
 
 @pytest.fixture(scope="module")
@@ -406,3 +421,142 @@ async def test_holes_without_seq_gap_request_inventory(
 async def _status_is(database: Database, node_id: str, status: str) -> bool:
     node = await node_row(database, node_id)
     return node is not None and node.status == status
+
+
+# -- the batch handler on its own: batch boundaries chosen by the test --------------------------
+
+
+def _mixed_history(node_id: str) -> tuple[list[Envelope], list[Envelope]]:
+    """(prelude, mixed): the prelude stores blocks in an earlier batch; ``mixed`` stores, moves and removes
+    the same blocks again and again, places a block it never stored, writes a snapshot and restarts the
+    node between its block events (both flush what is accumulated), so every write path of a batch runs."""
+    node = FakeNode(None, node_id)  # type: ignore[arg-type]  # builds envelopes only
+    a, b, c, d, e, old, early = (stored(f"{node_id}/{label}", "device") for label in ("a", "b", "c", "d", "e", "old", "early"))
+    node.epoch = 1
+    prelude = [node.event(NodeStarted, seq=0, namespace="ns-test"), node.event(BlockStored, blocks=[old, early])]
+    mixed = [
+        node.event(BlockStored, blocks=[a, b, c]),
+        node.event(BlockMoved, blocks=[MovedBlock(block_hash=a.block_hash, from_tier="device", to_tier="host")]),
+        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=b.block_hash, tier="device")], reason="evicted"),
+        node.event(BlockStored, blocks=[b]),  # stored again after its removal: live again
+        node.event(BlockMoved, blocks=[MovedBlock(block_hash=a.block_hash, from_tier="host", to_tier="disk")]),
+        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=old.block_hash, tier="device")], reason="evicted"),  # an earlier batch's
+        node.event(BlockMoved, blocks=[MovedBlock(block_hash=early.block_hash, from_tier="device", to_tier="host")]),
+        node.event(BlockStored, blocks=[d.model_copy(update={"tier": "host"})]),
+        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=d.block_hash, tier="host")], reason="evicted"),  # stored and gone
+        node.event(SnapshotWritten, snapshot_id="snap-1", block_hashes=[a.block_hash, b.block_hash, c.block_hash]),
+        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=c.block_hash, tier="device")], reason="evicted"),
+        node.event(BlockMoved, blocks=[MovedBlock(block_hash=block_hash(f"{node_id}/never"), from_tier="device", to_tier="host")]),
+    ]
+    node.epoch = 2
+    mixed += [
+        node.event(NodeStarted, seq=0, namespace="ns-test"),
+        node.event(BlockStored, blocks=[e, a]),
+        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=a.block_hash, tier="disk")], reason="evicted"),
+        node.event(BlockMoved, blocks=[MovedBlock(block_hash=e.block_hash, from_tier="device", to_tier="host")]),
+    ]
+    return prelude, mixed
+
+
+def _consumed(envelopes: Sequence[Envelope], first_offset: int = 0) -> list[ConsumedEvent]:
+    return [
+        ConsumedEvent(
+            topic=KV_EVENTS, partition=0, offset=first_offset + i, key=envelope.payload.node_id, timestamp_ms=0, envelope=envelope
+        )
+        for i, envelope in enumerate(envelopes)
+    ]
+
+
+async def _ingest_batches(database_url: str, ledger_template: str, batches: Sequence[Sequence[Envelope]]) -> tuple:
+    """Apply ``batches`` (each one handler call, offsets continuing) to a fresh ledger; returns its rows."""
+    async with fresh_database(database_url, ledger_template) as url:
+        database = Database(DatabaseSettings(url=url))
+        try:
+            ingest = LedgerIngest(database, inventory_retry_s=3600, command_signer=EnvelopeSigner(Ed25519PrivateKey.generate()))
+            offset = 0
+            for batch in batches:
+                await ingest(_consumed(batch, offset))
+                offset += len(batch)
+            return await _everything(database)
+        finally:
+            await database.dispose()
+
+
+async def _everything(database: Database) -> tuple:
+    """Every ledger row a kv-events batch writes, in a comparable form (ids and times left out)."""
+    async with database.session() as session:
+        placement_rows = await session.execute(
+            select(
+                Placement.block_hash,
+                Placement.node_id,
+                Placement.tier,
+                Placement.snapshot_id,
+                Placement.state,
+                Placement.epoch,
+                Placement.reason,
+            )
+        )
+        block_rows = await session.execute(
+            select(
+                Block.block_hash, Block.parent_hash, Block.namespace, Block.tenant_id, Block.scope, Block.subject_hash, Block.token_offset
+            )
+        )
+        node_rows = await session.execute(select(Node.node_id, Node.epoch, Node.last_seq, Node.status, Node.namespace))
+        snapshot_rows = await session.execute(select(Snapshot.node_id, Snapshot.snapshot_id, Snapshot.state, Snapshot.num_blocks))
+        num_inbox = await session.scalar(select(func.count()).select_from(InboxEntry))
+        requests = [
+            payload["payload"]["node_id"]
+            for payload in await session.scalars(select(OutboxEntry.payload))
+            if payload["type"] == InventoryRequested.TYPE
+        ]
+        return (
+            sorted(tuple(row) for row in placement_rows),
+            sorted(tuple(row) for row in block_rows),
+            sorted(tuple(row) for row in node_rows),
+            sorted(tuple(row) for row in snapshot_rows),
+            num_inbox,
+            sorted(requests),
+        )
+
+
+async def test_one_batch_builds_the_ledger_that_one_event_per_batch_builds(database_url: str, ledger_template: str) -> None:
+    """A batch is staged and written set-based (net change per placement); the result must not depend on
+    where batch boundaries fall."""
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    prelude, mixed = _mixed_history(node_id)
+    as_one = await _ingest_batches(database_url, ledger_template, [prelude, mixed])
+    one_by_one = await _ingest_batches(database_url, ledger_template, [prelude, *([event] for event in mixed)])
+    assert as_one == one_by_one
+    placements_of_node = {(h.hex(), tier, sid, state, epoch, reason) for h, _, tier, sid, state, epoch, reason in as_one[0]}
+    a, b, c, d, e, old, early = (block_hash(f"{node_id}/{label}") for label in ("a", "b", "c", "d", "e", "old", "early"))
+    assert placements_of_node == {
+        (a, "device", None, "live", 2, None),  # moved away in epoch 1, stored again in epoch 2
+        (a, "host", None, "deleted", 1, "moved"),
+        (a, "disk", None, "deleted", 2, "evicted"),  # survived the restart (disk), removed after it
+        (a, "snapshot", "snap-1", "live", 1, None),
+        (b, "device", None, "deleted", 1, "node_restarted"),  # live again after its removal, until the restart
+        (b, "snapshot", "snap-1", "live", 1, None),
+        (c, "device", None, "deleted", 1, "evicted"),
+        (c, "snapshot", "snap-1", "live", 1, None),
+        (d, "host", None, "deleted", 1, "evicted"),  # stored and removed within the batch: the row exists
+        (old, "device", None, "deleted", 1, "evicted"),
+        (early, "device", None, "deleted", 1, "moved"),
+        (early, "host", None, "deleted", 1, "node_restarted"),
+        (e, "device", None, "deleted", 2, "moved"),
+        (e, "host", None, "live", 2, None),
+    }
+    assert as_one[3] == [(node_id, "snap-1", "live", 3)]
+    # The move of a block never stored is a hole: the node is reconciling, asked once for an inventory.
+    assert as_one[2] == [(node_id, 2, 3, "reconciling", "ns-test")] and as_one[5] == [node_id]
+    assert as_one[4] == len(prelude) + len(mixed)
+
+
+async def test_redelivered_batch_after_a_crash_applies_nothing_twice(database_url: str, ledger_template: str) -> None:
+    """A coordinator that dies after its database commit but before the offset commit gets its batch
+    again, possibly with newer records behind it: the applied part must be a no-op, the rest applied once."""
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    prelude, mixed = _mixed_history(node_id)
+    applied_once = await _ingest_batches(database_url, ledger_template, [prelude, mixed])
+    half = len(mixed) // 2
+    redelivered = await _ingest_batches(database_url, ledger_template, [prelude, mixed[:half], mixed[:half], mixed, mixed])
+    assert redelivered == applied_once
