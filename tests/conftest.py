@@ -28,6 +28,7 @@ shared by those directories (``ledger_helpers``, ``node_harness``) live beside t
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import socket
 import time
@@ -72,14 +73,13 @@ def service_mode() -> str:
 def _docker_or_skip() -> None:
     from container_images import EngineUnavailable, prepare_engine
 
+    # looked up, not imported: testcontainers reads TESTCONTAINERS_RYUK_DISABLED (set by prepare_engine) at import
+    if importlib.util.find_spec("testcontainers") is None:
+        pytest.skip("KVLEDGER_TEST_SERVICES=containers needs testcontainers: pip install -e '.[test]'")
     try:
         prepare_engine()
     except EngineUnavailable as exc:
         pytest.skip(f"KVLEDGER_TEST_SERVICES=containers but no Docker engine can start here: {exc}")
-    try:
-        import testcontainers  # noqa: F401
-    except ImportError:
-        pytest.skip("KVLEDGER_TEST_SERVICES=containers needs testcontainers: pip install -e '.[test]'")
 
 
 def _external(name: str) -> str:

@@ -18,13 +18,9 @@ from pathlib import Path
 import pytest
 from container_images import LABEL, ROOT, EngineUnavailable, build, prepare_engine
 
-pytestmark = [
-    pytest.mark.containers,
-    pytest.mark.skipif(
-        os.environ.get("KVLEDGER_TEST_SERVICES") != "containers",
-        reason="builds Docker images: runs with KVLEDGER_TEST_SERVICES=containers",
-    ),
-]
+containers_mode = pytest.mark.skipif(
+    os.environ.get("KVLEDGER_TEST_SERVICES") != "containers", reason="builds Docker images: runs with KVLEDGER_TEST_SERVICES=containers"
+)
 
 RUN_TIMEOUT_S = 120
 TORCH = "torch==2.13.0"
@@ -57,6 +53,8 @@ def _run(image: str, *command: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.containers
+@containers_mode
 def test_coordinator_image_builds_on_the_local_base_and_runs_without_torch(engine: None, tmp_path: Path) -> None:
     image = build(ROOT / "docker" / "Dockerfile", "kvledger/coordinator:local", _context(tmp_path))
     usage = _run(image, "kvledger", "verify-receipt", "--help")
@@ -70,6 +68,8 @@ def test_coordinator_image_builds_on_the_local_base_and_runs_without_torch(engin
     assert (user.returncode, user.stdout) == (0, "10001\n"), user.stderr
 
 
+@pytest.mark.containers
+@containers_mode
 def test_node_image_builds_on_the_local_base_with_the_cpu_torch(engine: None, tmp_path: Path) -> None:
     if os.environ.get("KVLEDGER_TEST_NODE_IMAGE") != "1":
         pytest.skip("the node image (torch, ~1.7 GB, ~5 min to build) is built only with KVLEDGER_TEST_NODE_IMAGE=1")
@@ -86,3 +86,21 @@ def test_node_image_builds_on_the_local_base_with_the_cpu_torch(engine: None, tm
     usage = _run(image, "kvledger", "node", "--help")
     assert usage.returncode == 0, usage.stderr
     assert usage.stdout.startswith("usage: kvledger node")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as non-root the script starts dockerd through sudo, whose PATH skips the stubs")
+def test_where_no_engine_can_start_the_reason_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The skip reason of the containers mode: dockerd is started, does not answer, and the script says so."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("docker", "dockerd", "debootstrap"):  # an engine that never answers
+        (stubs / name).write_text("#!/bin/sh\nexit 1\n")
+        (stubs / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    monkeypatch.setenv("KVLEDGER_DOCKERD_LOG", str(tmp_path / "dockerd.log"))
+    monkeypatch.setenv("KVLEDGER_DOCKERD_START_TIMEOUT_S", "1")
+    monkeypatch.setenv("TESTCONTAINERS_RYUK_DISABLED", "true")
+    with pytest.raises(EngineUnavailable) as raised:
+        prepare_engine()
+    assert str(raised.value).startswith("docker/build-base.sh exited 1: ")
+    assert "dockerd did not answer within 1s" in str(raised.value)
