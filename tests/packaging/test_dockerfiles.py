@@ -35,32 +35,53 @@ def _copied_dirs(instructions: list[str]) -> set[str]:
 
 
 def test_images_take_their_base_image_as_a_build_argument() -> None:
-    for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
+    """The public image by default; the local Debian base of docker/build-base.sh where registries are out of reach."""
+    defaults = {
+        "Dockerfile": "python:3.11-slim",
+        "Dockerfile.gpu": "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04",
+        "Dockerfile.postgres": "debian:bookworm-slim",
+        "Dockerfile.tansu": "debian:bookworm-slim",
+    }
+    for dockerfile, default in defaults.items():
         instructions = _instructions(dockerfile)
-        assert instructions[0].startswith("ARG BASE_IMAGE="), dockerfile
+        assert instructions[0] == f"ARG BASE_IMAGE={default}", dockerfile
         assert instructions[1] == "FROM ${BASE_IMAGE}", dockerfile
+        users = [line for line in instructions if line.startswith("USER ")]
+        assert users and users[-1] != "USER root", dockerfile
+
+
+def test_images_build_without_buildkit() -> None:
+    """The legacy builder (the only one where buildx is not installed) rejects ``COPY --chmod`` and ``RUN --mount``."""
+    for dockerfile in ("Dockerfile", "Dockerfile.gpu", "Dockerfile.postgres", "Dockerfile.tansu"):
+        for line in _instructions(dockerfile):
+            assert not re.match(r"(COPY|ADD|RUN) --(chmod|chown|mount|link)", line), (dockerfile, line)
 
 
 def test_coordinator_image_installs_the_base_profile_only() -> None:
     instructions = _instructions("Dockerfile")
     assert _copied_dirs(instructions) == _packages()
     installs = [line for line in instructions if "pip install" in line]
-    assert installs == ["RUN pip install . && useradd --system --uid 10001 kvledger"]
+    assert installs == ["RUN pip install . && chmod 755 /usr/local/bin/kvledger-secrets-env && useradd --system --uid 10001 kvledger"]
     assert not any("torch" in line for line in instructions)
 
 
 def test_node_image_installs_the_node_profile() -> None:
     instructions = _instructions("Dockerfile.gpu")
     assert _copied_dirs(instructions) == _packages()
-    installs = [re.search(r"pip install (\S+)", line).group(1) for line in instructions if "pip install" in line]
+    installs = [
+        re.search(r"pip install (--find-links /tmp/wheels )?(\S+)", line).group(2) for line in instructions if "pip install" in line
+    ]
     assert installs == ['"torch==2.13.0"', '".[node]"']
+    # a torch wheel put in docker/wheels/ (the CPU build, for a CPU-only image) wins over the index
+    assert "COPY docker/wheels/ /tmp/wheels/" in instructions
     assert set(PROJECT["project"]["optional-dependencies"]) >= {"node", "embedded", "test"}
 
 
 def test_images_read_secrets_from_files_through_their_entrypoint() -> None:
     for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
         instructions = _instructions(dockerfile)
-        assert "COPY --chmod=755 docker/secrets-env.sh /usr/local/bin/kvledger-secrets-env" in instructions, dockerfile
+        assert "COPY docker/secrets-env.sh /usr/local/bin/kvledger-secrets-env" in instructions, dockerfile
+        assert "chmod 755 /usr/local/bin/kvledger-secrets-env" in next(line for line in instructions if "useradd" in line), dockerfile
         assert instructions.index('ENTRYPOINT ["kvledger-secrets-env"]') > instructions.index("USER kvledger"), dockerfile
 
 
@@ -124,7 +145,14 @@ def test_the_build_context_leaves_out_secrets_and_keeps_what_the_images_copy() -
     patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     for private in (".git", ".venv", ".kvledger", ".env", "docker/secrets", "**/*.pem", "tests"):
         assert private in patterns
-    copied = {"pyproject.toml", "README.md", "LICENSE", "docker/secrets-env.sh"} | _packages()
+    copied = {
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        "docker/secrets-env.sh",
+        "docker/wheels",
+        "docker/postgres-entrypoint.sh",
+    } | _packages()
     for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
         copied |= _copied_dirs(_instructions(dockerfile))
     for path in copied:
