@@ -197,7 +197,6 @@ class ModelRunner:
         )
         return output.logits[0].float()
 
-
     def _row_index(self, kv_table: torch.Tensor) -> RowIndex:
         """The :class:`RowIndex` of ``kv_table``'s shape (the pool's device tier: one per runner in practice)."""
         if self._rows is None or not self._rows.fits(kv_table):
