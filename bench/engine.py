@@ -400,7 +400,11 @@ def _client_level(url: str, token: str, model: str, bodies: list[list[dict]], ma
     async def send(body: list[dict]) -> _Timed:
         return await _http_request(client, model, body, max_tokens)
 
-    return _CLIENT["loop"].run_until_complete(_concurrently(send, bodies))
+    loop = _CLIENT["loop"]
+    sample = loop.run_until_complete(_concurrently(send, bodies))
+    # The client's finished streams leave async generators to close: let their finalizers run now, not never.
+    loop.run_until_complete(asyncio.sleep(0))
+    return sample
 
 
 class _HttpNode:
