@@ -112,7 +112,13 @@ _SEQ_IDS = itertools.count()
 
 @dataclass(eq=False)
 class _Request:
-    """One request in the engine: its sequence plus what its stream needs. Outputs go to ``queue`` on the loop."""
+    """One request in the engine: its sequence plus what its stream needs.
+
+    Outputs go to ``outbox`` on the loop; ``wake`` is set while the stream waits
+    for them. A plain deque and one future per wait instead of an
+    ``asyncio.Queue``: a step hands every stream its items with one call on the
+    loop, and a stream that fell behind takes all of its items in one wake-up.
+    """
 
     seq: Sequence
     plan: PrefixPlan
@@ -120,7 +126,8 @@ class _Request:
     max_new_tokens: int
     detokenizer: IncrementalDetokenizer
     arrived: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outbox: deque = field(default_factory=deque)
+    wake: asyncio.Future | None = None
     num_completion_tokens: int = 0
     started_output: bool = False
     first_token_at: float = 0.0
@@ -297,8 +304,13 @@ class AsyncEngine:
         try:
             # Inside the try: the engine owns the plan now, so a failure here still aborts and releases it.
             layout_sampler(self).observe(request, prompt, keys, plan.num_hit_blocks)
+            loop = asyncio.get_running_loop()
+            outbox = handle.outbox
             while True:
-                item = await handle.queue.get()
+                while not outbox:
+                    handle.wake = loop.create_future()
+                    await handle.wake
+                item = outbox.popleft()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -344,8 +356,11 @@ class AsyncEngine:
         """A step's effects on the event loop: wake singleflight waiters, stream outputs, publish pool events, refresh gauges."""
         self.manager.wake(woken)
         for handle, items in deliveries:
-            for item in items:
-                handle.queue.put_nowait(item)
+            handle.outbox.extend(items)
+            if handle.wake is not None:
+                if not handle.wake.done():
+                    handle.wake.set_result(None)
+                handle.wake = None
         self.manager.drain_events()
         now = time.monotonic()
         # The tier gauges take the pool's lock: at most every _GAUGE_REFRESH_S while busy, and always once idle.

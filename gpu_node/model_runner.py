@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 
 from gpu_node import paged_attention
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.paged_attention import PagedStep, PrefillChunk, no_mask
+from gpu_node.paged_attention import PagedStep, PrefillChunk, RowIndex, no_mask, row_view
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class ModelRunner:
         self.max_context_tokens = int(getattr(self.config, "max_position_embeddings", 2048))
         eos = self.config.eos_token_id if self.config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._rows: RowIndex | None = None
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -141,48 +142,48 @@ class ModelRunner:
             slot_blocks.extend(chunk.block_table[position // block_size] for position in range(chunk.start, end))
         decodes = [chunks[index] for index in order if len(chunks[index].token_ids) == 1]
         device = self.device
-        decode_mask = decode_shared_blocks = None
-        num_decode_context_tokens = 0
+        rows = self._row_index(kv_table)
+        decode_mask = decode_shared_rows = None
         if len(decodes) == 1:
-            # a lone decode reads exactly its own blocks and needs no mask (paged_attention cuts its keys instead)
-            num_blocks = -(-(decodes[0].start + 1) // block_size)
-            decode_blocks = torch.tensor([decodes[0].block_table[:num_blocks]], dtype=torch.long, device=device)
-            num_decode_context_tokens = decodes[0].start + 1
+            # a lone decode reads exactly its own context and needs no mask
+            blocks = torch.tensor(decodes[0].block_table, dtype=torch.long, device=device)
+            decode_rows = rows.context_rows(blocks, decodes[0].start + 1)
         elif decodes:
             tables = [chunk.block_table[: -(-(chunk.start + 1) // block_size)] for chunk in decodes]
             num_shared = _num_common_leading(tables, max_blocks=min(len(table) for table in tables) - 1)
             if num_shared:
-                decode_shared_blocks = torch.tensor(tables[0][:num_shared], dtype=torch.long, device=device)
+                shared_blocks = torch.tensor(tables[0][:num_shared], dtype=torch.long, device=device)
+                decode_shared_rows = rows.context_rows(shared_blocks, num_shared * block_size)
                 tables = [table[num_shared:] for table in tables]
             max_blocks = max(len(table) for table in tables)
             padded = [list(table) + [0] * (max_blocks - len(table)) for table in tables]
             context = torch.tensor([chunk.start + 1 - num_shared * block_size for chunk in decodes], device=device)
-            decode_mask = (torch.arange(max_blocks * block_size, device=device)[None, :] < context[:, None])[:, None, None, :]
-            decode_blocks = torch.tensor(padded, dtype=torch.long, device=device)
+            num_context_tokens = max(chunk.start + 1 for chunk in decodes) - num_shared * block_size
+            decode_mask = (rows.arange(num_context_tokens)[None, :] < context[:, None])[:, None, None, :]
+            decode_rows = rows.context_rows(torch.tensor(padded, dtype=torch.long, device=device), num_context_tokens)
         else:
-            decode_blocks = torch.zeros((0, 1), dtype=torch.long, device=device)
+            decode_rows = torch.zeros((0,), dtype=torch.long, device=device)
         prefills = []
         for index in order[len(decodes) :]:
             chunk = chunks[index]
             num_tokens = len(chunk.token_ids)
-            num_blocks = -(-(chunk.start + num_tokens) // block_size)
+            num_context_tokens = chunk.start + num_tokens
             if chunk.start:
-                query_positions = torch.arange(chunk.start, chunk.start + num_tokens, device=device)
-                causal = torch.arange(num_blocks * block_size, device=device)[None, :] <= query_positions[:, None]
-                blocks = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.long, device=device)
+                context_positions = rows.arange(num_context_tokens)
+                causal = context_positions[None, :] <= context_positions[chunk.start :, None]
+                blocks = torch.tensor(chunk.block_table[: -(-num_context_tokens // block_size)], dtype=torch.long, device=device)
+                context_rows = rows.context_rows(blocks, num_context_tokens)
             else:
-                causal = blocks = None  # the chunk's own keys are its whole context (plain causal attention)
-            prefills.append(PrefillChunk(first_rows[index], num_tokens, chunk.start + num_tokens, blocks, causal))
+                causal = context_rows = None  # the chunk's own keys are its whole context (plain causal attention)
+            prefills.append(PrefillChunk(first_rows[index], num_tokens, num_context_tokens, context_rows, causal))
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         step = PagedStep(
-            kv_table=kv_table,
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
-            slot_offsets=position_tensor % block_size,
+            kv_rows=row_view(kv_table),
+            write_rows=rows.slot_rows(torch.tensor(slot_blocks, dtype=torch.long, device=device), position_tensor % block_size),
             num_decodes=len(decodes),
-            decode_blocks=decode_blocks,
-            decode_shared_blocks=decode_shared_blocks,
+            decode_rows=decode_rows,
+            decode_shared_rows=decode_shared_rows,
             decode_mask=decode_mask,
-            num_decode_context_tokens=num_decode_context_tokens,
             prefills=tuple(prefills),
         )
         keep = [first_rows[index] + len(chunk.token_ids) - 1 for index, chunk in enumerate(chunks) if chunk.samples]
@@ -195,6 +196,12 @@ class ModelRunner:
             paged_step=step,
         )
         return output.logits[0].float()
+
+    def _row_index(self, kv_table: torch.Tensor) -> RowIndex:
+        """The :class:`RowIndex` of ``kv_table``'s shape (the pool's device tier: one per runner in practice)."""
+        if self._rows is None or not self._rows.fits(kv_table):
+            self._rows = RowIndex(kv_table)
+        return self._rows
 
 
 def _num_common_leading(tables: list[Sequence[int]], max_blocks: int) -> int:

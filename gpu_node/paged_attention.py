@@ -44,8 +44,8 @@ class PrefillChunk:
     first_row: int
     num_tokens: int
     num_context_tokens: int
-    blocks: torch.Tensor | None  # device slots holding the context, in order; None when the chunk is its whole context
-    causal_mask: torch.Tensor | None  # [num_tokens, num_blocks * block_size], True = may attend; None likewise
+    context_rows: torch.Tensor | None  # [layers, 2, kv_heads, num_context_tokens]; None when the chunk is its whole context
+    causal_mask: torch.Tensor | None  # [num_tokens, num_context_tokens], True = may attend; None likewise
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,48 +53,98 @@ class PagedStep:
     """What one step's attention layers need: where new KV goes and how to read each sequence's KV.
 
     Rows ``[0, num_decodes)`` of the flattened batch are single-token decodes,
-    the rest are :class:`PrefillChunk` s.
+    the rest are :class:`PrefillChunk` s. Every ``*_rows`` tensor indexes
+    ``kv_rows`` (:func:`kv_rows`), one index tensor per layer.
     """
 
-    kv_table: torch.Tensor
-    slot_blocks: torch.Tensor  # [num_tokens]: device slot of each new token
-    slot_offsets: torch.Tensor  # [num_tokens]: offset of each new token inside its block
+    kv_rows: torch.Tensor  # the pool's device tier viewed as [num_rows, head_dim]: one row per (slot, layer, k/v, head, offset)
+    write_rows: torch.Tensor  # [layers, 2, kv_heads, num_tokens]: where each new token's keys and values go
     num_decodes: int
-    decode_blocks: torch.Tensor  # [num_decodes, max_blocks], padded with slot 0; after the shared blocks when those are set
-    decode_shared_blocks: torch.Tensor | None  # [num_shared]: leading blocks of every decode's table (2+ decodes), read once
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = real context token; None for one decode
-    num_decode_context_tokens: int  # the context length of a lone decode (its keys are cut to it instead of masked); else 0
+    decode_rows: torch.Tensor  # [layers, num_decodes, 2, kv_heads, T] after the shared tokens, padded; [layers, 2, kv_heads, T] for one
+    decode_shared_rows: torch.Tensor | None  # [layers, 2, kv_heads, P]: the leading tokens of every decode (2+ decodes), read once
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, T], True = real context token; None for one decode (its rows are exact)
     prefills: tuple[PrefillChunk, ...]
 
 
-def _gather(kv_table: torch.Tensor, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[..., kv_heads, len(blocks) * block_size, head_dim]`` for index tensor ``blocks`` ``[..., n]``."""
-    layer_view = kv_table[:, layer]  # [N, 2, H, bs, D], strided
-    if blocks.dim() == 1:
-        # One copy: selecting blocks along the permuted view lays them out as [2, H, n, bs, D] directly.
-        gathered = layer_view.permute(1, 2, 0, 3, 4).index_select(2, blocks).flatten(2, 3)  # [2, H, n * bs, D]
-        return gathered[0], gathered[1]
-    # index_select on the layer's strided view: advanced indexing of the 6D table costs ~100x more on CPU
-    gathered = layer_view.index_select(0, blocks.reshape(-1))  # [prod(...) * n, 2, H, bs, D]
-    gathered = gathered.view(*blocks.shape, *gathered.shape[1:])  # [..., n, 2, H, bs, D]
-    gathered = gathered.movedim(-5, -3)  # [..., 2, H, n, bs, D]
-    gathered = gathered.flatten(-3, -2)  # [..., 2, H, n * bs, D]
+def row_view(kv_table: torch.Tensor) -> torch.Tensor:
+    """``kv_table`` ``[slots, layers, 2, kv_heads, block_size, head_dim]`` as rows of ``head_dim`` values, without a copy."""
+    return kv_table.view(-1, kv_table.shape[-1])
+
+
+class RowIndex:
+    """Builds the ``*_rows`` index tensors of a :class:`PagedStep` for one device tier's shape.
+
+    The row of the key (``kv`` 0) or value (1) of head ``h`` at offset ``o`` of
+    slot ``s`` in layer ``l`` of :func:`row_view` is
+    ``s * rows_per_slot + l * rows_per_layer + (kv * kv_heads + h) * block_size + o``.
+    The constant part per (layer, kv, head) and the positions ``0, 1, ..`` (with
+    their block index and offset) are built once and sliced, so a step's indices
+    cost a few tensor operations whatever its number of sequences.
+    """
+
+    def __init__(self, kv_table: torch.Tensor) -> None:
+        _, num_layers, _, num_kv_heads, block_size, _ = kv_table.shape
+        device = kv_table.device
+        self._block_shape = (kv_table.shape[1:], device)
+        self.block_size = block_size
+        rows_per_layer = 2 * num_kv_heads * block_size
+        self.rows_per_slot = num_layers * rows_per_layer
+        kv_head = torch.arange(2 * num_kv_heads, device=device).view(2, num_kv_heads, 1) * block_size
+        self.within_slot = torch.arange(num_layers, device=device).view(num_layers, 1, 1, 1) * rows_per_layer + kv_head  # [L, 2, H, 1]
+        self.positions = torch.arange(0, device=device)
+        self._grow(4096)
+
+    def fits(self, kv_table: torch.Tensor) -> bool:
+        """Whether these indices are valid for ``kv_table`` (same block shape, same device; any number of slots)."""
+        return (kv_table.shape[1:], kv_table.device) == self._block_shape
+
+    def _grow(self, num_positions: int) -> None:
+        self.positions = torch.arange(num_positions, device=self.positions.device)
+        self.block_of = torch.div(self.positions, self.block_size, rounding_mode="floor")
+        self.offset_of = self.positions % self.block_size
+
+    def arange(self, num_positions: int) -> torch.Tensor:
+        """Positions ``0 .. num_positions - 1`` (a view of a cached tensor)."""
+        if num_positions > len(self.positions):
+            self._grow(max(num_positions, 2 * len(self.positions)))
+        return self.positions[:num_positions]
+
+    def slot_rows(self, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows ``[layers, ..., 2, kv_heads, T]`` of the keys and values at ``offsets`` of device ``slots`` (both ``[..., T]``).
+
+        One ``index_select`` of a layer's rows lays the tokens' keys and values
+        out as ``[..., kv_heads, T, head_dim]``, ready for attention: a single
+        copy, where selecting whole blocks and then flattening them copies twice.
+        """
+        token_rows = torch.add(offsets, slots, alpha=self.rows_per_slot)  # [..., T]
+        within_slot = self.within_slot.view(self.within_slot.shape[0], *([1] * (token_rows.dim() - 1)), *self.within_slot.shape[1:])
+        return token_rows[..., None, None, :] + within_slot
+
+    def context_rows(self, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """:meth:`slot_rows` of the first ``num_tokens`` tokens (at most ``n * block_size``) of block table(s) ``blocks`` ``[..., n]``."""
+        self.arange(num_tokens)
+        block_index = self.block_of[:num_tokens].expand(*blocks.shape[:-1], -1)
+        return self.slot_rows(torch.gather(blocks, -1, block_index), self.offset_of[:num_tokens])
+
+
+def _gather(step: PagedStep, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[..., kv_heads, T, head_dim]`` at ``rows`` ``[layers, ..., 2, kv_heads, T]`` of ``layer``."""
+    layer_rows = rows[layer]
+    gathered = step.kv_rows.index_select(0, layer_rows.reshape(-1)).view(*layer_rows.shape, -1)
     return gathered.select(-4, 0), gathered.select(-4, 1)
 
 
-def _decodes_over_shared_prefix(
-    query: torch.Tensor, table: torch.Tensor, step: PagedStep, layer: int, scaling: float | None
-) -> torch.Tensor:
-    """Attention ``[S, H, D]`` of ``S`` decode queries whose block tables all start with ``step.decode_shared_blocks``.
+def _decodes_over_shared_prefix(query: torch.Tensor, step: PagedStep, layer: int, scaling: float | None) -> torch.Tensor:
+    """Attention ``[S, H, D]`` of ``S`` decode queries whose contexts all start with the tokens at ``step.decode_shared_rows``.
 
-    The shared blocks (a common system prompt, say) are gathered once and
+    The shared tokens (a common system prompt, say) are gathered once and
     scored by every query in one matmul, instead of being copied once per
-    sequence into a padded batch; each sequence's own blocks are gathered and
+    sequence into a padded batch; each sequence's own tokens are gathered and
     masked as usual. One softmax over both score parts keeps it exact attention.
     """
     num_seqs, num_heads, head_dim = query.shape
-    shared_k, shared_v = _gather(table, step.decode_shared_blocks, layer)  # [Hkv, P, D]
-    own_k, own_v = _gather(table, step.decode_blocks, layer)  # [S, Hkv, T, D]
+    shared_k, shared_v = _gather(step, step.decode_shared_rows, layer)  # [Hkv, P, D]
+    own_k, own_v = _gather(step, step.decode_rows, layer)  # [S, Hkv, T, D]
     num_kv_heads = shared_k.shape[0]
     group = num_heads // num_kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
@@ -127,23 +177,21 @@ def paged_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     step = paged_step
     layer = module.layer_idx
-    table = step.kv_table
-    # [1, H, T, D] x2 -> [T, 2, H, D]; the new tokens' KV goes into their blocks before anything reads them
-    table[step.slot_blocks, layer, :, :, step.slot_offsets] = torch.stack((key[0], value[0]), dim=1).transpose(0, 2).to(table.dtype)
+    # [1, H, T, D] x2 -> rows in write_rows' [2, H, T] order; the new tokens' KV goes into their blocks before anything reads them
+    new_kv = torch.stack((key[0], value[0])).to(step.kv_rows.dtype)
+    step.kv_rows.index_copy_(0, step.write_rows[layer].reshape(-1), new_kv.view(-1, new_kv.shape[-1]))
     num_heads = query.shape[1]
     out = query.new_empty((query.shape[2], num_heads, query.shape[3]))
     if step.num_decodes == 1:
-        # One decode: its keys cut to its context length need no mask (the fused kernel, no padding).
-        k, v = _gather(table, step.decode_blocks[0], layer)
-        context = slice(0, step.num_decode_context_tokens)
-        q = query[:, :, :1]  # [1, H, 1, D]
-        attended = functional.scaled_dot_product_attention(q, k[None, :, context], v[None, :, context], scale=scaling, enable_gqa=True)
+        # One decode: its rows are exactly its context, so it needs no mask (the fused kernel, no padding).
+        k, v = _gather(step, step.decode_rows, layer)
+        attended = functional.scaled_dot_product_attention(query[:, :, :1], k[None], v[None], scale=scaling, enable_gqa=True)
         out[:1] = attended[:, :, 0]
-    elif step.decode_shared_blocks is not None:
-        out[: step.num_decodes] = _decodes_over_shared_prefix(query[0, :, : step.num_decodes].transpose(0, 1), table, step, layer, scaling)
+    elif step.decode_shared_rows is not None:
+        out[: step.num_decodes] = _decodes_over_shared_prefix(query[0, :, : step.num_decodes].transpose(0, 1), step, layer, scaling)
     elif step.num_decodes:
         q = query[0, :, : step.num_decodes].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
-        k, v = _gather(table, step.decode_blocks, layer)
+        k, v = _gather(step, step.decode_rows, layer)
         attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
         out[: step.num_decodes] = attended[:, :, 0]
     # Batched (4D) inputs throughout: for 3D ones SDPA on CPU falls back to its unfused math path.
@@ -157,7 +205,7 @@ def paged_attention_forward(
                 q, key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling, enable_gqa=True
             )
         else:
-            k, v = _gather(table, chunk.blocks, layer)
+            k, v = _gather(step, chunk.context_rows, layer)
             attended = functional.scaled_dot_product_attention(
                 q, k[None], v[None], attn_mask=chunk.causal_mask, scale=scaling, enable_gqa=True
             )

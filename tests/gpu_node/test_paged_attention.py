@@ -11,6 +11,7 @@ from test_engine import ALICE, complete, engine, long_text, system, user  # noqa
 
 from gpu_node.engine import AsyncEngine
 from gpu_node.model_runner import ModelRunner, StepChunk, _num_common_leading
+from gpu_node.paged_attention import RowIndex, row_view
 
 BLOCK = 16
 
@@ -74,3 +75,23 @@ async def test_a_worker_job_runs_between_steps_while_requests_decode(engine: Asy
     completions = await asyncio.gather(*streams)
     assert still_decoding, "the job waited until every request had finished"
     assert all(completion.token_ids for completion in completions)
+
+
+def test_row_index_names_each_tokens_key_and_value_in_every_layer(runner):
+    """The rows of (block table, position) are the table's own [slot, layer, k/v, head, offset] elements."""
+    table = torch.randn(12, *fresh_table(runner, 1).shape[1:])
+    rows = RowIndex(table)
+    block_table = torch.tensor([[7, 2, 11], [3, 0, 5]])
+    num_tokens = 2 * BLOCK + 5
+    indices = rows.context_rows(block_table, num_tokens)  # [layers, 2 sequences, 2, kv_heads, tokens]
+    gathered = row_view(table)[indices]
+    _, num_layers, _, num_kv_heads, _, _ = table.shape
+    for layer in range(num_layers):
+        for seq in range(2):
+            for position in (0, BLOCK - 1, BLOCK, num_tokens - 1):
+                slot = int(block_table[seq, position // BLOCK])
+                for kv in range(2):
+                    for head in range(num_kv_heads):
+                        expected = table[slot, layer, kv, head, position % BLOCK]
+                        assert torch.equal(gathered[layer, seq, kv, head, position], expected)
+    assert rows.fits(torch.zeros(99, *table.shape[1:])) and not rows.fits(torch.zeros(12, 3, *table.shape[2:]))
