@@ -254,6 +254,43 @@ class Invariants:
                 ]
             await asyncio.sleep(0.2)
 
+    async def taken_over(self, partitions: set[int], since_ms: int, until_ms: int, grace_ms: int = 5000) -> tuple[int, list[str]]:
+        """Partition takeover: the coordinator that owned kv-events ``partitions`` was dead from ``since_ms`` to
+        ``until_ms`` (wall clock); on each of them, the first kv-event published in that window (up to ``grace_ms``
+        before its end: the survivor must notice the death, rejoin and catch up first) was applied before
+        ``until_ms`` — so by another member. That nothing was lost or applied twice is :meth:`nothing_lost`'s and
+        :meth:`kv_events_exact`'s.
+
+        Returns how many of the window's records on ``partitions`` were applied before ``until_ms``, and the violations.
+        """
+        records = [
+            record
+            for record in self.cluster.tail.kv_events
+            if record.partition in partitions and since_ms <= record.timestamp_ms < until_ms
+        ]
+        if not records:
+            return 0, []
+        rows = await self._query(
+            "SELECT event_id FROM inbox WHERE event_id = ANY($1::uuid[]) AND processed_at < to_timestamp($2::float8 / 1000)",
+            [record.envelope.event_id for record in records],
+            float(until_ms),
+        )
+        applied = {row["event_id"] for row in rows}
+        violations = []
+        for partition in sorted(partitions):
+            first = min(
+                (r for r in records if r.partition == partition and r.timestamp_ms < until_ms - grace_ms),
+                key=lambda r: r.offset,
+                default=None,
+            )
+            if first is not None and first.envelope.event_id not in applied:
+                violations.append(
+                    f"kv-events partition {partition}: a record published {(first.timestamp_ms - since_ms) / 1000:.1f}s after its"
+                    f" coordinator died was not applied in the {(until_ms - since_ms) / 1000:.1f}s until it came back:"
+                    " nobody took the partition over"
+                )
+        return sum(record.envelope.event_id in applied for record in records), violations
+
     # -- 2. probes -------------------------------------------------------------------
 
     async def probe_erased(self, node_index: int, tenant: str, subject: str, messages: list[dict]) -> None:
