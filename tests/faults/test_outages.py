@@ -21,9 +21,11 @@ from events import schema
 
 BROKER_PAUSE_S = 30.0
 """The issue's 30 s: longer than every consumer session (the coordinator's 2 s, each node's command
-consumer's 10 s), so the broker expires every group member and each must rejoin after the resume, and
-than the node's publish interval and heartbeat by orders of magnitude, so block events pile up. Below
-aiokafka's produce request timeout (40 s): a send in flight across the pause is answered, not failed."""
+consumer's 10 s), so a broker that times sessions by its clock across the pause expires every member
+and each must rejoin after the resume (the embedded Tansu keeps them: its members resume their
+assignments), and longer than the node's publish interval and heartbeat by orders of magnitude, so
+block events pile up and commands wait (the re-sender queues copies meanwhile). Below aiokafka's
+produce request timeout (40 s): a send in flight across the pause is answered, not failed."""
 
 
 async def _burst(cluster: Cluster, tenant: str, duration_s: float) -> int:
