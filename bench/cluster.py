@@ -81,8 +81,11 @@ def spread_node_id(index: int, num_partitions: int) -> str:
 class Child:
     """One ``python -m kvledger.cli ...`` process: started, probed, killed, paused, restarted."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path, url: str) -> None:
+    def __init__(
+        self, name: str, args: list[str], env: dict[str, str], log_path: Path, url: str, ready_timeout_s: float = READY_TIMEOUT_S
+    ) -> None:
         self.name = name
+        self.ready_timeout_s = ready_timeout_s
         self.args = args
         self.env = env
         self.log_path = log_path
@@ -113,7 +116,8 @@ class Child:
             )
         self.num_starts += 1
 
-    async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
 
             async def ready() -> bool:
@@ -269,6 +273,8 @@ class ClusterConfig:
     consumer_heartbeat_interval_ms: int = 500
     """The coordinator's consumer-group timing: the broker holds a group join for half the session timeout and
     waits out a SIGKILLed member's whole session, so the production 10 s would cost most of every restart."""
+    ready_timeout_s: float = READY_TIMEOUT_S
+    """How long each start (and restart) of a process may take to answer ready."""
     cache_ttl_s: float = 86400.0
     """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
     inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
@@ -337,7 +343,7 @@ class Cluster:
         for index in range(self.config.num_coordinators):
             name, port = "coordinator" if index == 0 else f"coordinator-{index}", free_port()
             args = ["coordinator", "--role", "all", "--port", str(port)]
-            self.coordinators.append(Child(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}"))
+            self.coordinators.append(Child(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s))
         self.tail = EventTail(self.bootstrap)
         await self.tail.start()
         for coordinator in self.coordinators:
@@ -363,7 +369,9 @@ class Cluster:
             await keys.enroll(self.database_url, node_id, data_dir)
             port = free_port()
             args = ["node", "--model", str(self.model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(data_dir)]
-            self.nodes.append(Child(node_id, args, node_env, logs / f"{node_id}.log", f"http://127.0.0.1:{port}"))
+            self.nodes.append(
+                Child(node_id, args, node_env, logs / f"{node_id}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s)
+            )
             self.node_ids.append(node_id)
         for node in self.nodes:
             node.spawn()

@@ -56,6 +56,9 @@ from kvledger.model_init import build_tiny_model, is_complete
 TABLES = ("blocks", "placements", "inbox", "outbox", "invalidations", "invalidation_targets", "erasures", "receipts", "audit_log")
 """Ledger tables whose growth the report shows."""
 NUM_USERS_PER_TENANT = 6
+SOAK_READY_TIMEOUT_S = 900.0
+"""A long run on a shared machine rides out a slow restart rather than abort: a node restarted while its
+coordinator's key service answered slowly (load 22 on 2 cores) was still re-indexing its disk tier after 300 s."""
 
 
 def parse_duration(text: str) -> float:
@@ -423,7 +426,9 @@ async def _main(args: argparse.Namespace) -> SoakReport:
         coordinator_down_s=args.coordinator_down_s,
         seed=args.seed,
     )
-    async with Cluster(work, model_dir, ClusterConfig(num_nodes=args.nodes, num_coordinators=args.coordinators)) as cluster:
+    async with Cluster(
+        work, model_dir, ClusterConfig(num_nodes=args.nodes, num_coordinators=args.coordinators, ready_timeout_s=SOAK_READY_TIMEOUT_S)
+    ) as cluster:
         return await run_soak(cluster, options)
 
 
