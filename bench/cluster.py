@@ -2,8 +2,9 @@
 (``tests/faults``) and ``kvledger bench soak`` both run on it.
 
 :class:`Cluster` starts a private embedded PostgreSQL and Tansu broker, migrates the ledger, and runs
-one ``kvledger coordinator --role all`` and N ``kvledger node`` processes set up as ``kvledger up``
-sets them up (signed commands, enrolled node keys, data keys in the coordinator). Every process can be
+M ``kvledger coordinator --role all`` processes (one by default; more share the consumer groups, so the
+broker splits the partitions between them and a survivor takes over a dead one's) and N ``kvledger node``
+processes set up as ``kvledger up`` sets them up (signed commands, enrolled node keys, data keys in the coordinator). Every process can be
 killed (``SIGKILL``), paused (``SIGSTOP``/``SIGCONT``) and restarted — a node with the same data
 directory — optionally armed with a fault point (``KVLEDGER_FAULT_POINT``, docs/operations.md "Fault
 points"). The broker can be paused and PostgreSQL restarted. :class:`EventTail` reads the node-side
@@ -19,6 +20,7 @@ import asyncio
 import base64
 import contextlib
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -31,24 +33,31 @@ from pathlib import Path
 import httpx
 import openai
 from aiokafka import AIOKafkaConsumer
+from aiokafka.partitioner import murmur2
 from sqlalchemy import make_url
 
 from bench.common import BenchKeys, coordinator_env, operator_headers, wait
 from coordinator.migrate import upgrade
 from events import schema
-from events.codec import decode_event
+from events.codec import decode_event, encode_key
 from events.fault_points import ENV_VAR as FAULT_POINT_ENV
 from events.kafka import EventProducer, KafkaSettings, kafka_client_kwargs
-from events.topics import ACKS, COMMANDS, KV_EVENTS
+from events.topics import ACKS, COMMANDS, KV_EVENTS, node_key
 from identity.signing import EnvelopeSigner
 from identity.tokens import issue_token
 from kvledger.net import loopback_listener
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
 from kvledger.stack import COORDINATOR_ONLY_ENV
 
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 300.0
+"""How long a process may take to answer ready. Generous: several node processes importing torch at once on a
+machine shared with other work took over 120 s (4 nodes, 2 cores, load average 16)."""
 SUBJECT_KEY = "kvledger-cluster-subject-key"
 PLATFORM_ADMIN = ("platform-admin", "platform")
+NUM_PARTITIONS = KafkaSettings.model_fields["num_partitions"].default
+"""Partitions of every topic the cluster's processes create (the settings' default)."""
+COORDINATOR_GROUP = "kvledger-coordinator"
+"""The consumer group of every coordinator process's kv-events consumer (decisions and acks: suffixed groups)."""
 
 
 def free_port() -> int:
@@ -59,11 +68,24 @@ def free_port() -> int:
         sock.close()
 
 
+def spread_node_id(index: int, num_partitions: int) -> str:
+    """A fresh id for node ``index`` whose kv-events land on partition ``index % num_partitions``: the nodes of a run
+    spread over the partitions, so each coordinator process owns some node's events and a takeover moves real traffic."""
+    wanted = index % num_partitions
+    while True:
+        node_id = f"node-{index}-{uuid.uuid4().hex[:6]}"
+        if (murmur2(encode_key(node_key(node_id))) & 0x7FFFFFFF) % num_partitions == wanted:  # aiokafka's DefaultPartitioner
+            return node_id
+
+
 class Child:
     """One ``python -m kvledger.cli ...`` process: started, probed, killed, paused, restarted."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path, url: str) -> None:
+    def __init__(
+        self, name: str, args: list[str], env: dict[str, str], log_path: Path, url: str, ready_timeout_s: float = READY_TIMEOUT_S
+    ) -> None:
         self.name = name
+        self.ready_timeout_s = ready_timeout_s
         self.args = args
         self.env = env
         self.log_path = log_path
@@ -94,7 +116,8 @@ class Child:
             )
         self.num_starts += 1
 
-    async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
 
             async def ready() -> bool:
@@ -139,6 +162,18 @@ class Child:
         assert self.process is not None
         self.process.send_signal(signal.SIGCONT)
 
+    def assigned_partitions(self, group_id: str, topic: str) -> set[int] | None:
+        """The partitions of ``topic`` that this process's consumer in ``group_id`` was last assigned, from its log
+        (``events.kafka.BatchConsumer`` logs every assignment); None when it logged none."""
+        pattern = re.compile(rf"consumer group {re.escape(group_id)}: assigned (.*)$")
+        found = None
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            match = pattern.search(line)
+            if match is not None:
+                names = match.group(1).split()
+                found = {int(name.rsplit("/", 1)[1]) for name in names if name.rsplit("/", 1)[0] == topic}
+        return found
+
     def log_tail(self, limit: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-limit:]
@@ -164,6 +199,8 @@ class TopicRecord:
     partition: int
     value: bytes
     envelope: schema.Envelope
+    timestamp_ms: int
+    """When the producer made the record (the broker's ``CreateTime``), on this machine's clock."""
 
 
 @dataclass
@@ -194,7 +231,7 @@ class EventTail:
                             envelope = decode_event(record.value)
                         except schema.EventValidationError:
                             continue  # not the contract's: the coordinator dead-letters and counts it
-                        kept = TopicRecord(record.offset, tp.partition, record.value, envelope)
+                        kept = TopicRecord(record.offset, tp.partition, record.value, envelope, record.timestamp)
                         (self.kv_events if tp.topic == KV_EVENTS else self.acks).append(kept)
         finally:
             await consumer.stop()
@@ -221,6 +258,9 @@ class EventTail:
 @dataclass(frozen=True)
 class ClusterConfig:
     num_nodes: int = 2
+    num_coordinators: int = 1
+    """Coordinator processes, all ``--role all`` in the same consumer groups. Nodes and :meth:`Cluster.coordinator_api`
+    talk to the first one (the nodes' ``coordinator_url``) while it runs; the others consume and serve too."""
     num_device_blocks: int = 48
     num_host_blocks: int = 16
     """Small tiers, so the workload always spills blocks to disk (sealed files), the tier erasures must purge."""
@@ -233,6 +273,8 @@ class ClusterConfig:
     consumer_heartbeat_interval_ms: int = 500
     """The coordinator's consumer-group timing: the broker holds a group join for half the session timeout and
     waits out a SIGKILLed member's whole session, so the production 10 s would cost most of every restart."""
+    ready_timeout_s: float = READY_TIMEOUT_S
+    """How long each start (and restart) of a process may take to answer ready."""
     cache_ttl_s: float = 86400.0
     """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
     inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
@@ -249,7 +291,7 @@ class Cluster:
         self.master_key = base64.b64encode(secrets.token_bytes(32)).decode()
         self.postgres: EmbeddedPostgres | None = None
         self.kafka: EmbeddedKafka | None = None
-        self.coordinator: Child | None = None
+        self.coordinators: list[Child] = []
         self.nodes: list[Child] = []
         self.node_ids: list[str] = []
         self.tail: EventTail | None = None
@@ -289,7 +331,7 @@ class Cluster:
         env = coordinator_env(
             self.database_url,
             self.bootstrap,
-            "kvledger-coordinator",
+            COORDINATOR_GROUP,
             self.jwt_secret,
             KVLEDGER_SUBJECT_KEY=SUBJECT_KEY,
             KVLEDGER_MASTER_KEY=self.master_key,
@@ -298,13 +340,16 @@ class Cluster:
             KVLEDGER_COORDINATOR_KAFKA__SESSION_TIMEOUT_MS=str(self.config.consumer_session_timeout_ms),
             KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS=str(self.config.consumer_heartbeat_interval_ms),
         )
-        port = free_port()
-        self.coordinator = Child(
-            "coordinator", ["coordinator", "--role", "all", "--port", str(port)], env, logs / "coordinator.log", f"http://127.0.0.1:{port}"
-        )
+        for index in range(self.config.num_coordinators):
+            name, port = "coordinator" if index == 0 else f"coordinator-{index}", free_port()
+            args = ["coordinator", "--role", "all", "--port", str(port)]
+            self.coordinators.append(Child(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s))
         self.tail = EventTail(self.bootstrap)
         await self.tail.start()
-        await self.coordinator.start()
+        for coordinator in self.coordinators:
+            coordinator.spawn()
+        for coordinator in self.coordinators:
+            await coordinator.wait_ready()
         node_env = {name: value for name, value in env.items() if name not in COORDINATOR_ONLY_ENV} | {
             "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(keys.command_public_key_file),
             "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": env["KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE"],
@@ -318,13 +363,15 @@ class Cluster:
         }
         node_env = {name: value for name, value in node_env.items() if not name.startswith("KVLEDGER_COORDINATOR_LEDGER__")}
         for index in range(self.config.num_nodes):
-            node_id = f"node-{index}-{uuid.uuid4().hex[:6]}"
+            node_id = spread_node_id(index, NUM_PARTITIONS)
             data_dir = self.work_dir / node_id
             data_dir.mkdir(parents=True)
             await keys.enroll(self.database_url, node_id, data_dir)
             port = free_port()
             args = ["node", "--model", str(self.model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(data_dir)]
-            self.nodes.append(Child(node_id, args, node_env, logs / f"{node_id}.log", f"http://127.0.0.1:{port}"))
+            self.nodes.append(
+                Child(node_id, args, node_env, logs / f"{node_id}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s)
+            )
             self.node_ids.append(node_id)
         for node in self.nodes:
             node.spawn()
@@ -332,9 +379,8 @@ class Cluster:
             await node.wait_ready()
 
     async def stop(self) -> None:
-        for child in [*self.nodes, self.coordinator]:
-            if child is not None:
-                await child.stop()
+        for child in [*self.nodes, *self.coordinators]:
+            await child.stop()
         if self.tail is not None:
             await self.tail.stop()
         if self.kafka is not None:
@@ -342,6 +388,17 @@ class Cluster:
             await self.kafka.stop()
         if self.postgres is not None:
             await self.postgres.stop()
+
+    @property
+    def coordinator(self) -> Child:
+        """The first coordinator process: the one the nodes' ``coordinator_url`` names."""
+        assert self.coordinators, "the cluster has not started"
+        return self.coordinators[0]
+
+    @property
+    def children(self) -> list[Child]:
+        """Every coordinator and node process, started or not."""
+        return [*self.coordinators, *self.nodes]
 
     @property
     def database_url(self) -> str:
@@ -362,16 +419,18 @@ class Cluster:
     def count(self, fault: str) -> None:
         self.faults[fault] = self.faults.get(fault, 0) + 1
 
-    async def restart_coordinator(self, fault_point: str | None = None, *, kill: bool = False) -> None:
-        """Stop (SIGTERM, or SIGKILL with ``kill``) and start again, optionally armed with ``fault_point``."""
-        assert self.coordinator is not None
+    async def restart_coordinator(self, fault_point: str | None = None, *, kill: bool = False, index: int = 0, down_s: float = 0.0) -> None:
+        """Stop coordinator ``index`` (SIGTERM, or SIGKILL with ``kill``), leave it down ``down_s`` (the others, if
+        any, take its partitions over meanwhile), start it again, optionally armed with ``fault_point``."""
+        coordinator = self.coordinators[index]
         if kill:
-            await self.coordinator.kill()
+            await coordinator.kill()
             self.count("coordinator_sigkill")
         else:
-            await self.coordinator.stop()
+            await coordinator.stop()
         self.count("coordinator_restart")
-        await self.coordinator.start(fault_point)
+        await asyncio.sleep(down_s)
+        await coordinator.start(fault_point)
 
     async def restart_node(self, index: int, fault_point: str | None = None, *, kill: bool = False) -> None:
         node = self.nodes[index]
@@ -453,8 +512,9 @@ class Cluster:
         return request_id
 
     async def coordinator_api(self, method: str, path: str, role: tuple[str, str] = PLATFORM_ADMIN, **kwargs) -> httpx.Response:
-        assert self.coordinator is not None
-        async with httpx.AsyncClient(base_url=self.coordinator.url, headers=operator_headers(*role), timeout=30) as client:
+        """To the first running coordinator process (the first one while it runs)."""
+        running = [child for child in self.coordinators if child.running] or self.coordinators
+        async with httpx.AsyncClient(base_url=running[0].url, headers=operator_headers(*role), timeout=30) as client:
             return await client.request(method, path, **kwargs)
 
     async def request_erasure(self, tenant: str, subject: str) -> str:

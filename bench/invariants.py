@@ -90,13 +90,17 @@ class Invariants:
         snapshot copy is never excused: it is only ever a copy of an earlier build).
         """
         rows = await self._query(
-            "SELECT e.id, e.cutoff, p.node_id, p.tier, encode(p.block_hash, 'hex') AS block FROM erasures e"
+            "SELECT e.id, e.cutoff, p.node_id, p.tier, encode(p.block_hash, 'hex') AS block, n.epoch, n.last_seq FROM erasures e"
             " JOIN blocks b ON b.tenant_id = e.tenant_id AND b.subject_hash = e.subject_hash AND b.created_at < e.cutoff"
             " JOIN placements p ON p.block_hash = b.block_hash AND p.state = 'live'"
+            " JOIN nodes n ON n.node_id = p.node_id"
             " WHERE e.status = 'verified'"
         )
         if not rows:
             return []
+        # The build times come from the tail, which reads the topic apart from the coordinator: a rebuild the ledger
+        # applied a moment ago may not be in the tail yet. Judge only once the tail read what the ledger applied.
+        await self._tail_caught_up({(row["node_id"], row["epoch"]): row["last_seq"] for row in rows})
         rebuilt = self._builds()
         left = collections.Counter(
             (row["id"], row["node_id"], row["tier"])
@@ -106,6 +110,20 @@ class Invariants:
         return [
             f"erasure {erasure} verified but the ledger holds {n} live {tier} copies on {node}" for (erasure, node, tier), n in left.items()
         ]
+
+    async def _tail_caught_up(self, applied: dict[tuple[str, int], int], timeout_s: float = 30.0) -> None:
+        """Wait until the tail holds, for each (node, epoch), the record of the ledger's last applied ``seq``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen: dict[tuple[str, int], int] = {}
+            for record in self.cluster.tail.kv_events:
+                payload = record.envelope.payload
+                key = (getattr(payload, "node_id", None), getattr(payload, "epoch", None))
+                if key in applied:
+                    seen[key] = max(seen.get(key, -1), payload.seq)
+            if all(seen.get(key, -1) >= last_seq for key, last_seq in applied.items()):
+                return
+            await asyncio.sleep(0.2)
 
     def _builds(self) -> dict[tuple[str, str], list]:
         """(node, block hash) → every build time the node reported for it (``BlockStored``, inventories)."""
@@ -253,6 +271,43 @@ class Invariants:
                     f"{len(missing)} kv-events/acks neither applied nor dead-lettered ({dead[0]['n']} dead letters counted): {dict(types)}"
                 ]
             await asyncio.sleep(0.2)
+
+    async def taken_over(self, partitions: set[int], since_ms: int, until_ms: int, grace_ms: int = 5000) -> tuple[int, list[str]]:
+        """Partition takeover: the coordinator that owned kv-events ``partitions`` was dead from ``since_ms`` to
+        ``until_ms`` (wall clock); on each of them, the first kv-event published in that window (up to ``grace_ms``
+        before its end: the survivor must notice the death, rejoin and catch up first) was applied before
+        ``until_ms`` — so by another member. That nothing was lost or applied twice is :meth:`nothing_lost`'s and
+        :meth:`kv_events_exact`'s.
+
+        Returns how many of the window's records on ``partitions`` were applied before ``until_ms``, and the violations.
+        """
+        records = [
+            record
+            for record in self.cluster.tail.kv_events
+            if record.partition in partitions and since_ms <= record.timestamp_ms < until_ms
+        ]
+        if not records:
+            return 0, []
+        rows = await self._query(
+            "SELECT event_id FROM inbox WHERE event_id = ANY($1::uuid[]) AND processed_at < to_timestamp($2::float8 / 1000)",
+            [record.envelope.event_id for record in records],
+            float(until_ms),
+        )
+        applied = {row["event_id"] for row in rows}
+        violations = []
+        for partition in sorted(partitions):
+            first = min(
+                (r for r in records if r.partition == partition and r.timestamp_ms < until_ms - grace_ms),
+                key=lambda r: r.offset,
+                default=None,
+            )
+            if first is not None and first.envelope.event_id not in applied:
+                violations.append(
+                    f"kv-events partition {partition}: a record published {(first.timestamp_ms - since_ms) / 1000:.1f}s after its"
+                    f" coordinator died was not applied in the {(until_ms - since_ms) / 1000:.1f}s until it came back:"
+                    " nobody took the partition over"
+                )
+        return sum(record.envelope.event_id in applied for record in records), violations
 
     # -- 2. probes -------------------------------------------------------------------
 

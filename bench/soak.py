@@ -1,7 +1,7 @@
 """``kvledger bench soak``: a mixed workload with faults for a set duration, checking the invariants throughout.
 
-On a :class:`bench.cluster.Cluster` (private embedded PostgreSQL and broker, a coordinator process,
-N node processes), for ``--duration``:
+On a :class:`bench.cluster.Cluster` (private embedded PostgreSQL and broker, ``--coordinators``
+coordinator processes sharing the consumer groups, ``--nodes`` node processes), for ``--duration``:
 
 * **requests** — ``--concurrency`` workers send chat requests over real HTTP with the ``openai`` client,
   from ``--tenants`` tenants and several users each: private chats and questions about each tenant's
@@ -11,8 +11,11 @@ N node processes), for ``--duration``:
   completed (or the erasure verified) it is probed on every running node: the replaced document version
   is refused (409), the revoked policy's token is refused (401), the erased user hits no more than a
   stranger would (:class:`bench.invariants.Invariants`);
-* **faults** — node restarts (SIGKILL and SIGTERM in turn) spread over the run, and one coordinator
-  SIGKILL and restart at half time;
+* **faults** — node restarts (SIGKILL and SIGTERM in turn) spread over the run, and coordinator
+  SIGKILLs (one at half time by default), each restarted after ``--coordinator-down-s``. With
+  ``--coordinators 2`` or more the kills take turns, the second process first: while one is dead the
+  others own its partitions and must apply what is published to them meanwhile, before it comes back
+  (partition takeover, :meth:`bench.invariants.Invariants.taken_over`);
 * **checks** — every ``--check-interval-s`` the cheap invariants (one content per seq and no seq hole,
   no live copy of a verified erasure's subject, probe results); at the end, with the workload stopped,
   all of them (:meth:`Invariants.check`, which also waits for everything to finish and compares the
@@ -44,14 +47,18 @@ import asyncpg
 import httpx
 import openai
 
-from bench.cluster import Cluster, ClusterConfig, document_chat, private_chat
+from bench.cluster import COORDINATOR_GROUP, Cluster, ClusterConfig, document_chat, private_chat
 from bench.invariants import Invariants
 from events import schema
+from events.topics import KV_EVENTS
 from kvledger.model_init import build_tiny_model, is_complete
 
 TABLES = ("blocks", "placements", "inbox", "outbox", "invalidations", "invalidation_targets", "erasures", "receipts", "audit_log")
 """Ledger tables whose growth the report shows."""
 NUM_USERS_PER_TENANT = 6
+SOAK_READY_TIMEOUT_S = 900.0
+"""A long run on a shared machine rides out a slow restart rather than abort: a node restarted while its
+coordinator's key service answered slowly (load 22 on 2 cores) was still re-indexing its disk tier after 300 s."""
 
 
 def parse_duration(text: str) -> float:
@@ -70,7 +77,10 @@ class SoakOptions:
     action_interval_s: float = 4.0
     check_interval_s: float = 20.0
     node_restarts: int = 2
-    coordinator_restart: bool = True
+    coordinator_restarts: int = 1
+    coordinator_down_s: float = 0.0
+    """How long a SIGKILLed coordinator stays dead before its restart: with more than one coordinator process,
+    the time the survivors own its partitions (each such window is checked, :meth:`Invariants.taken_over`)."""
     seed: int = 0
 
 
@@ -255,12 +265,12 @@ class Soak:
         return False
 
     async def _faults(self, started: float) -> None:
-        """Node restarts spread over the run, a coordinator SIGKILL at half time; each on its own schedule, so a
-        slow restart delays no other fault. One that started always finishes, even past the end of the run."""
-        duration = self.options.duration_s
+        """Node restarts spread over the run, coordinator SIGKILLs in the middles of equal slices (one: at half time);
+        each on its own schedule, so a slow restart delays no other fault. One that started always finishes, even
+        past the end of the run."""
+        duration, num_kills = self.options.duration_s, self.options.coordinator_restarts
         plan = [(duration * (i + 1) / (self.options.node_restarts + 1), self._restart_node, i) for i in range(self.options.node_restarts)]
-        if self.options.coordinator_restart:
-            plan.append((duration / 2, self._restart_coordinator, 0))
+        plan += [(duration * (2 * i + 1) / (2 * num_kills), self._restart_coordinator, i) for i in range(num_kills)]
         await asyncio.gather(*(self._at(started + at_s, fault, number) for at_s, fault, number in plan))
 
     async def _at(self, when: float, fault, number: int) -> None:
@@ -269,8 +279,24 @@ class Soak:
         if not self._stop.is_set():
             await fault(number)
 
-    async def _restart_coordinator(self, _: int) -> None:
-        await self.cluster.restart_coordinator(kill=True)
+    async def _restart_coordinator(self, number: int) -> None:
+        """SIGKILL coordinator ``number + 1`` (modulo their count: the second first, the API's last), restart it after
+        ``coordinator_down_s``; with others alive, check that they took its kv-events partitions over meanwhile."""
+        cluster = self.cluster
+        index = (number + 1) % len(cluster.coordinators)
+        held = cluster.coordinators[index].assigned_partitions(COORDINATOR_GROUP, KV_EVENTS)
+        killed_ms = int(time.time() * 1000)
+        await cluster.coordinators[index].kill()
+        cluster.count("coordinator_sigkill")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), self.options.coordinator_down_s)
+        restarted_ms = int(time.time() * 1000)
+        await cluster.restart_coordinator(index=index)
+        if len(cluster.coordinators) > 1 and held:
+            num_records, found = await self.invariants.taken_over(held, killed_ms, restarted_ms)
+            self.counts["takeovers"] = self.counts.get("takeovers", 0) + 1
+            self.counts["kv_events_taken_over"] = self.counts.get("kv_events_taken_over", 0) + num_records
+            self.violations.extend(found)
 
     async def _restart_node(self, number: int) -> None:
         index = number % len(self.cluster.nodes)
@@ -297,6 +323,10 @@ class Soak:
         try:
             return {
                 "commands": await connection.fetchval("SELECT count(*) FROM invalidations"),
+                "commands_late_block": await connection.fetchval("SELECT count(*) FROM invalidations WHERE trigger = 'late_block'"),
+                "erasure_late_block_reissues": await connection.fetchval(
+                    "SELECT count(*) FROM invalidations WHERE trigger = 'late_block' AND kind = 'subject'"
+                ),
                 "command_resends": await connection.fetchval("SELECT coalesce(sum(resend_count), 0) FROM invalidation_targets"),
                 "erasures_verified": await connection.fetchval("SELECT count(*) FROM erasures WHERE status = 'verified'"),
             }
@@ -304,7 +334,7 @@ class Soak:
             await connection.close()
 
     async def resources(self) -> dict[str, dict[str, int]]:
-        found = {child.name: child.resources() for child in (self.cluster.coordinator, *self.cluster.nodes)}
+        found = {child.name: child.resources() for child in self.cluster.children}
         connection = await asyncpg.connect(**self.cluster.connect_kwargs(), timeout=10)
         try:
             found["tables (bytes)"] = {
@@ -337,7 +367,7 @@ class Soak:
         failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
             raise failures[0]
-        for child in (self.cluster.coordinator, *self.cluster.nodes):
+        for child in self.cluster.children:
             if not child.running:
                 await child.start()
         self.violations.extend(await self.invariants.check())
@@ -392,9 +422,13 @@ async def _main(args: argparse.Namespace) -> SoakReport:
         action_interval_s=args.action_interval_s,
         check_interval_s=args.check_interval_s,
         node_restarts=args.node_restarts,
+        coordinator_restarts=args.coordinator_restarts,
+        coordinator_down_s=args.coordinator_down_s,
         seed=args.seed,
     )
-    async with Cluster(work, model_dir, ClusterConfig(num_nodes=args.nodes)) as cluster:
+    async with Cluster(
+        work, model_dir, ClusterConfig(num_nodes=args.nodes, num_coordinators=args.coordinators, ready_timeout_s=SOAK_READY_TIMEOUT_S)
+    ) as cluster:
         return await run_soak(cluster, options)
 
 
@@ -407,7 +441,9 @@ def cli(args: argparse.Namespace) -> int:
         return 2
     report = asyncio.run(_main(args))
     command = (
-        f"kvledger bench soak --duration {args.duration} --nodes {args.nodes} --tenants {args.tenants} --concurrency {args.concurrency}"
+        f"kvledger bench soak --duration {args.duration} --nodes {args.nodes} --coordinators {args.coordinators}"
+        f" --coordinator-restarts {args.coordinator_restarts} --coordinator-down-s {args.coordinator_down_s:g}"
+        f" --node-restarts {args.node_restarts} --tenants {args.tenants} --concurrency {args.concurrency}"
     )
     text = json.dumps(report.to_json(), indent=2) if args.json else render_markdown(report, command)
     print(text)

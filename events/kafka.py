@@ -642,6 +642,10 @@ class BatchConsumer:
         return self._positioned_generation == self._generation
 
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        # Which member owns which partitions: how an operator (and the takeover test) sees a rebalance.
+        log.info(
+            "consumer group %s: assigned %s", self.group_id, " ".join(sorted(f"{tp.topic}/{tp.partition}" for tp in assigned)) or "nothing"
+        )
         if assigned:
             self._assigned.set()
         self._generation += 1

@@ -17,8 +17,9 @@ tenant and user keys before its prefix lookup, waiting at most ``prefetch_wait_s
 Before the first request (start-up re-index, warm start: nobody waits on the pool
 yet) and through :meth:`CoordinatorKeyProvider.blocking` (callers outside the
 lock), a missing key is fetched on the spot, each request bounded by ``timeout_s``.
-An answer "no such key" is remembered for ``negative_ttl_s``; every cache is an
-LRU of bounded size (``gpu_node.settings.DataKeySettings``).
+An answer "no such key" is remembered for ``negative_ttl_s``, a request that failed in
+transit for :data:`UNREACHABLE_RETRY_S`; every cache is an LRU of bounded size
+(``gpu_node.settings.DataKeySettings``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ log = logging.getLogger(__name__)
 NODE_CREDENTIAL_TTL_S = 30
 _RESOLVE_ATTEMPTS = 2
 _FETCH_WORKERS = 2
+UNREACHABLE_RETRY_S = 5.0
+"""After a request to the key service failed in transit (refused, timed out), the same key is not asked for
+again before this long. Before the node serves, look-ups fetch on the spot, one block after the other:
+without it, re-indexing a disk tier of N blocks sealed under one key cost N timeouts while the coordinator
+was slow (a restarted node in a soak was still re-indexing after 300 s)."""
 
 _KEY_ID = re.compile(rf"[0-9a-f]{{{KEY_ID_HEX_CHARS}}}")
 
@@ -273,10 +279,11 @@ class CoordinatorKeyProvider:
         kind, value = want
         return self._fetch_id(value) if kind == "id" else self._resolve(value)
 
-    def _remember_unknown(self, want: tuple[str, Hashable]) -> None:
-        if self._settings.negative_ttl_s > 0:
+    def _remember_unknown(self, want: tuple[str, Hashable], ttl_s: float | None = None) -> None:
+        ttl_s = self._settings.negative_ttl_s if ttl_s is None else ttl_s
+        if ttl_s > 0:
             with self._lock:
-                self._negative.put(want, self._clock() + self._settings.negative_ttl_s)
+                self._negative.put(want, self._clock() + ttl_s)
 
     # -- the network: never called under the pool's lock once serving ---------------------------
 
@@ -285,6 +292,7 @@ class CoordinatorKeyProvider:
         for _ in range(_RESOLVE_ATTEMPTS):
             response = self._send("POST", "/v1/keys/resolve", json=body)
             if response is None:
+                self._remember_unknown(("scope", scope), UNREACHABLE_RETRY_S)
                 return None
             if response.status_code != 200:
                 self._remember_unknown(("scope", scope))
@@ -305,6 +313,7 @@ class CoordinatorKeyProvider:
     def _fetch_id(self, key_id: str) -> bytes | None:
         response = self._send("GET", f"/v1/keys/{key_id}")
         if response is None:
+            self._remember_unknown(("id", key_id), UNREACHABLE_RETRY_S)
             return None
         if response.status_code == 410:
             with self._lock:

@@ -392,6 +392,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_soak.add_argument("--check-interval-s", type=float, default=20.0, help="seconds between continuous invariant checks")
     bench_soak.add_argument("--node-restarts", type=int, default=2, help="node restarts spread over the run (SIGKILL and SIGTERM in turn)")
+    bench_soak.add_argument(
+        "--coordinators", type=int, default=1, help="coordinator processes sharing the consumer groups (default 1; 2+ shows takeover)"
+    )
+    bench_soak.add_argument("--coordinator-restarts", type=int, default=1, help="coordinator SIGKILLs spread over the run (default 1)")
+    bench_soak.add_argument(
+        "--coordinator-down-s", type=float, default=0.0, help="seconds a killed coordinator stays down before its restart (default 0)"
+    )
     bench_soak.add_argument("--seed", type=int, default=0, help="seed of the workload's choices")
     bench_soak.add_argument("--work-dir", help="where services, node data and logs go (default: a new temporary directory)")
     bench_soak.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")

@@ -1,21 +1,23 @@
-"""The CI variant of ``kvledger bench soak``: a short mixed workload with a node and a coordinator restart
-on the suite's cluster; no invariant violated, and every kind of work actually happened."""
+"""The CI variant of ``kvledger bench soak``: two minutes of mixed workload with two node restarts and a
+coordinator restart on the suite's cluster; no invariant violated, and every kind of work actually happened."""
 
 from __future__ import annotations
 
 from bench.cluster import Cluster
 from bench.soak import SoakOptions, run_soak
 
-SOAK_S = 60.0
-"""Long enough for one node restart and one coordinator restart (each 10-30 s on a loaded CI machine)
-with requests and governance actions flowing around them."""
+SOAK_S = 120.0
+"""The issue's two minutes: room for two node restarts and a coordinator restart (each 10-30 s on a loaded CI
+machine) with requests and governance actions flowing around them. Under ``./run test`` the whole of
+``tests/faults`` is one unit that a worker takes first, so the wait overlaps the rest of
+the suite."""
 
 
 async def test_a_short_soak_keeps_every_invariant(cluster: Cluster) -> None:
-    options = SoakOptions(duration_s=SOAK_S, tenants=2, concurrency=3, action_interval_s=3.0, check_interval_s=15.0, node_restarts=1)
+    options = SoakOptions(duration_s=SOAK_S, tenants=2, concurrency=3, action_interval_s=3.0, check_interval_s=20.0, node_restarts=2)
     report = await run_soak(cluster, options)
     assert report.violations == [], "\n".join(report.violations)
     for count in ("requests_ok", "kv_events", "commands", "document_updates", "erasures_verified", "probes", "checks"):
         assert report.counts[count] > 0, f"the soak did no {count}: {report.counts}"
-    assert report.faults.get("node_restart") == 1 and report.faults.get("coordinator_sigkill") == 1, report.faults
+    assert report.faults.get("node_restart") == 2 and report.faults.get("coordinator_sigkill") == 1, report.faults
     assert set(report.resources_end) == set(report.resources_start)

@@ -22,7 +22,7 @@ from gpu_node.api import create_app
 from gpu_node.block_pool import BlockRecord, BlockRestoreError, decode_block_record, encode_block_record
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
-from gpu_node.remote_keys import CoordinatorKeyProvider
+from gpu_node.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
 from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import Principal, TokenVerifier, issue_token
@@ -173,6 +173,36 @@ async def test_unknown_keys_are_asked_for_once_per_negative_ttl(service: KeyServ
             assert provider.key_by_id(unknown) is None
             await asyncio.sleep(0.005)
         assert service.requests["get " + unknown] == 2
+    finally:
+        provider.close()
+
+
+def test_a_start_up_reindex_waits_one_timeout_per_key_not_per_block_while_the_key_service_is_slow(service: KeyService) -> None:
+    clock = Clock()
+    timeout_s = 0.2
+    provider = CoordinatorKeyProvider(
+        service.url, lambda: "node-credential", SUBJECT_KEY, DataKeySettings(timeout_s=timeout_s), clock=clock
+    )
+    key_id, _ = _key_of("acme/None")
+    try:
+        encode_block_record(_tenant_block("acme"), provider)  # the key service now knows acme's key
+        restarted = CoordinatorKeyProvider(
+            service.url, lambda: "node-credential", SUBJECT_KEY, DataKeySettings(timeout_s=timeout_s), clock=clock
+        )
+        service.delay_s = 1.0  # past the node's timeout: every request fails in transit
+        try:
+            started = time.monotonic()
+            for _ in range(20):  # twenty sealed blocks under one key, re-indexed before the node serves
+                assert restarted.key_by_id(key_id) is None
+            assert service.requests["get " + key_id] == 1
+            assert time.monotonic() - started < 20 * timeout_s / 2, "each block waited for its own timeout"
+            service.delay_s = 0.0
+            assert restarted.key_by_id(key_id) is None, "asked again before UNREACHABLE_RETRY_S passed"
+            clock.now += UNREACHABLE_RETRY_S + 1
+            assert restarted.key_by_id(key_id) == _key_of("acme/None")[1]
+            assert service.requests["get " + key_id] == 2
+        finally:
+            restarted.close()
     finally:
         provider.close()
 
