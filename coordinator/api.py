@@ -68,6 +68,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
 
     app = FastAPI(title="kvledger coordinator", version="1", lifespan=database_lifespan(settings.database))
     app.state.operator_verifier = operator_verifier
+    app.state.node_key_cache_s = settings.ledger.node_key_cache_s  # the node keys' revocation bound (coordinator.node_keys)
     app.include_router(keys_router(settings))
     app.include_router(invalidation_router(settings))
     app.include_router(erasure_router(settings))

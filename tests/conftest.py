@@ -53,10 +53,47 @@ _REAL_SERVICE_DIRS = (_HERE / "integration", _HERE / "security")
 _MODES = ("embedded", "containers", "external")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+_SHARED_SESSION_DIRS = ("tests/faults/",)
+"""Directories whose test files share a session fixture of their own (``tests/faults``: one cluster of real
+processes): a parallel run hands each out as one unit, to one worker, so it is set up once."""
+_LONGEST_FIRST = ("tests/faults/", "tests/e2e/", "tests/browser/", "tests/security/test_prompt_dos.py")
+"""Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest first
+(measured with ``--durations``): a parallel run hands them out first, so none of them starts late while
+the other workers are running out of work."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.path.is_relative_to(directory) for directory in _REAL_SERVICE_DIRS):
             item.add_marker(pytest.mark.integration)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the order units are handed out in
+        items.sort(key=lambda item: _rank(item.nodeid))
+
+
+def _rank(nodeid: str) -> int:
+    return next((index for index, prefix in enumerate(_LONGEST_FIRST) if nodeid.startswith(prefix)), len(_LONGEST_FIRST))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``./run test`` runs the suite on pytest-xdist workers with ``--dist loadfile``: each test file is one unit
+    of work, so its module-scoped fixtures (a ledger database, a coordinator and its consumer groups) are set up
+    once, on one worker. Here a directory of :data:`_SHARED_SESSION_DIRS` is one unit too, and units are handed
+    out in collection order (:data:`_LONGEST_FIRST` first), not xdist's most-tests-first.
+
+    Each worker is a pytest session of its own: the session fixtures below start a PostgreSQL and a broker per
+    worker (in the worker's own temporary directory, on free ports), so workers share no service."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            shared = next((directory for directory in _SHARED_SESSION_DIRS if nodeid.startswith(directory)), None)
+            return shared or super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileUnits(config, log)
 
 
 @pytest.fixture(scope="session")
