@@ -18,6 +18,10 @@ Waiting is kept short by sharing: services start once per session, every module 
 migrated database (``ledger_template``), and the tests' consumer groups join in about a second
 (``GROUP_TIMING``; the embedded broker holds each join for half the session timeout).
 
+``./run test`` runs the suite on pytest-xdist workers (``-n 4 --dist loadfile``; ``-n 0`` runs it serially):
+each worker is a session of its own, so it starts its own services; a test file, or all of ``tests/faults``,
+runs whole on one worker (``pytest_xdist_make_scheduler`` below).
+
 Every test under ``tests/integration`` and ``tests/security`` is marked ``integration``
 automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. Helper modules
 shared by those directories (``ledger_helpers``, ``node_harness``) live beside this file.
@@ -58,8 +62,9 @@ _SHARED_SESSION_DIRS = ("tests/faults/",)
 processes): a parallel run hands each out as one unit, to one worker, so it is set up once."""
 _LONGEST_FIRST = ("tests/faults/", "tests/e2e/", "tests/browser/", "tests/security/test_prompt_dos.py")
 """Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest first
-(measured with ``--durations``): a parallel run hands them out first, so none of them starts late while
-the other workers are running out of work."""
+(``--durations``: the fault suite about 2.5 min on 2 cores, each e2e file starts ``kvledger up`` stacks, the
+browser file a coordinator and Chromium): a parallel run hands them out first, so none of them starts late
+while the other workers are running out of work."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
