@@ -60,11 +60,22 @@ _MODES = ("embedded", "containers", "external")
 _SHARED_SESSION_DIRS = ("tests/faults/",)
 """Directories whose test files share a session fixture of their own (``tests/faults``: one cluster of real
 processes): a parallel run hands each out as one unit, to one worker, so it is set up once."""
-_LONGEST_FIRST = ("tests/faults/", "tests/e2e/", "tests/browser/", "tests/security/test_prompt_dos.py")
+_LONGEST_FIRST = (
+    "tests/faults/",
+    "tests/e2e/test_stack.py",
+    "tests/integration/test_decision_equivalence.py",
+    "tests/integration/test_erasure_e2e.py",
+    "tests/integration/test_invalidation_e2e.py",
+    "tests/integration/test_operator_cli.py",
+    "tests/e2e/",
+    "tests/integration/test_degraded_modes.py",
+    "tests/security/test_prompt_dos.py",
+    "tests/browser/",
+)
 """Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest first
-(``--durations``: the fault suite about 2.5 min on 2 cores, each e2e file starts ``kvledger up`` stacks, the
-browser file a coordinator and Chromium): a parallel run hands them out first, so none of them starts late
-while the other workers are running out of work."""
+(the sums of ``--durations`` per file: the fault suite about 2.5 min on 2 cores, the e2e files start
+``kvledger up`` stacks, the others run real nodes and coordinators through whole stories): a parallel run
+hands them out first, so none of them starts late while the other workers are running out of work."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
