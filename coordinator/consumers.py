@@ -167,7 +167,7 @@ async def _run_connected(
         command_signer=command_signer,
         on_outbox=relay.wake,
     )
-    node_keys = NodeKeyRegistry(database)
+    node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
     consumer = kafka.BatchConsumer(
         config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
         [KV_EVENTS],

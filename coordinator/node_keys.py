@@ -13,8 +13,8 @@ questions for the rest of the coordinator:
   relabelled with another node's id — is dead-lettered, counted, and never applied or
   counted as evidence.
 
-Lookups are cached in memory for :data:`REVOCATION_BOUND_S`; a revocation (or an
-enrollment replacing a key) therefore takes effect at every coordinator replica
+Lookups are cached in memory for ``ledger.node_key_cache_s`` (5 s by default); a revocation
+(or an enrollment replacing a key) therefore takes effect at every coordinator replica
 within that bound. Unknown key ids are never cached, so a newly enrolled key works at once.
 """
 
@@ -45,8 +45,6 @@ from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)
 
-REVOCATION_BOUND_S = 5.0
-"""How long a looked-up key is trusted from memory: the longest a revoked key keeps working."""
 MAX_CACHED_KEYS = 4096
 """At most this many keys are held in memory, least recently used dropped first: far more than
 the nodes of a deployment, so a full cache only means one more query per lookup."""
@@ -87,9 +85,10 @@ async def revoke(session: AsyncSession, node_id: str, kid: str | None = None) ->
 
 
 class NodeKeyRegistry:
-    """Enrolled, unrevoked keys by id, cached for :data:`REVOCATION_BOUND_S` (see the module docstring)."""
+    """Enrolled, unrevoked keys by id, each trusted from memory for ``cache_s`` after its lookup: the
+    revocation bound, ``ledger.node_key_cache_s`` (see the module docstring)."""
 
-    def __init__(self, database: Database, cache_s: float = REVOCATION_BOUND_S, max_cached: int = MAX_CACHED_KEYS) -> None:
+    def __init__(self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS) -> None:
         if cache_s < 0 or max_cached < 1:
             raise ValueError("cache_s must not be negative and max_cached at least 1")
         self.database = database
@@ -216,12 +215,13 @@ async def authenticate_node(request: Request, what: str) -> EnrolledKey:
     """The enrolled key whose node credential is the request's bearer token; :class:`AuthError` (401) for anyone else.
 
     The node-facing routes (data keys, governance state) share one registry per app and database,
-    so its cache — and with it the revocation bound — is the same for all of them.
+    so its cache — and with it the revocation bound, the app's ``ledger.node_key_cache_s`` — is the
+    same for all of them.
     """
     database = request.app.state.database
     registry = getattr(request.app.state, "node_keys", None)
     if registry is None or registry.database is not database:
-        registry = request.app.state.node_keys = NodeKeyRegistry(database)
+        registry = request.app.state.node_keys = NodeKeyRegistry(database, request.app.state.settings.ledger.node_key_cache_s)
     scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise AuthError("missing_token", f"{what} needs 'Authorization: Bearer <node credential>'")

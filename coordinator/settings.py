@@ -156,6 +156,9 @@ class LedgerSettings(BaseModel):
     """…up to this long between two re-sends to one target."""
     command_resend_poll_s: float = Field(1.0, gt=0)
     """How often the consumers process looks for targets whose re-send is due."""
+    node_key_cache_s: float = Field(5.0, ge=0)
+    """How long a looked-up node key is trusted from memory (``coordinator.node_keys``): the longest
+    a revoked node key keeps working at a replica, and the price of one key query per node per period."""
 
     prune_interval_s: float = Field(3600.0, gt=0)
     """How often the consumers process deletes inbox and outbox rows that can no longer matter

@@ -20,6 +20,10 @@ Waiting is kept short by sharing: services start once per session, every module 
 migrated database (``ledger_template``), and the tests' consumer groups join in about a second
 (``GROUP_TIMING``; the embedded broker holds each join for half the session timeout).
 
+``./run test`` runs the suite on pytest-xdist workers (``-n 4 --dist loadfile``; ``-n 0`` runs it serially):
+each worker is a session of its own, so it starts its own services; a test file, or all of ``tests/faults``,
+runs whole on one worker (``pytest_xdist_make_scheduler`` below).
+
 Every test that asks (directly or through its fixtures) for PostgreSQL or the broker is marked
 ``integration`` automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. The
 tests mirror the packages (``tests/gpu_node``, ``tests/coordinator``, …); helpers they share are
@@ -57,10 +61,65 @@ _SERVICE_FIXTURES = frozenset({"database_url", "kafka_bootstrap"})
 _MODES = ("embedded", "containers", "external")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+_SHARED_SESSION_DIRS = ("tests/faults/",)
+"""Directories whose test files share a session fixture of their own (``tests/faults``: one cluster of real
+processes): a parallel run hands each out as one unit, to one worker, so it is set up once."""
+_OWN_UNITS = ("tests/faults/test_takeover.py",)
+"""Files inside :data:`_SHARED_SESSION_DIRS` that start a cluster of their own (two coordinators): a unit by
+themselves, so they run beside the shared cluster's tests instead of after them."""
+_LONGEST_FIRST = (
+    "tests/faults/test_takeover.py",
+    "tests/faults/",
+    "tests/e2e/test_stack.py",
+    "tests/coordinator/test_decision_equivalence.py",
+    "tests/e2e/test_erasure_e2e.py",
+    "tests/e2e/test_invalidation_e2e.py",
+    "tests/e2e/test_operator_cli.py",
+    "tests/e2e/",
+    "tests/coordinator/test_degraded_modes.py",
+    "tests/security/test_prompt_dos.py",
+    "tests/browser/",
+)
+"""Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest first
+(the sums of ``--durations`` per file: the fault suite's shared cluster several minutes on 2 cores, the e2e
+files start ``kvledger up`` stacks, the others run real nodes and coordinators through whole stories): a
+parallel run hands them out first, so none of them starts late while the other workers are running out of work."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the order units are handed out in
+        items.sort(key=lambda item: _rank(item.nodeid))
+
+
+def _rank(nodeid: str) -> int:
+    return next((index for index, prefix in enumerate(_LONGEST_FIRST) if nodeid.startswith(prefix)), len(_LONGEST_FIRST))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``./run test`` runs the suite on pytest-xdist workers with ``--dist loadfile``: each test file is one unit
+    of work, so its module-scoped fixtures (a ledger database, a coordinator and its consumer groups) are set up
+    once, on one worker. Here a directory of :data:`_SHARED_SESSION_DIRS` is one unit too, and units are handed
+    out in collection order (:data:`_LONGEST_FIRST` first), not xdist's most-tests-first.
+
+    Each worker is a pytest session of its own: the session fixtures below start a PostgreSQL and a broker per
+    worker (in the worker's own temporary directory, on free ports), so workers share no service."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(_OWN_UNITS):
+                return super()._split_scope(nodeid)
+            shared = next((directory for directory in _SHARED_SESSION_DIRS if nodeid.startswith(directory)), None)
+            return shared or super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileUnits(config, log)
 
 
 @pytest.fixture(scope="session")

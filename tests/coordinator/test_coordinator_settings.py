@@ -89,3 +89,12 @@ def test_consumer_group_timing_reaches_every_consumer(monkeypatch: pytest.Monkey
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS", "2000")
     with pytest.raises(ValueError, match="must be below session_timeout_ms"):
         CoordinatorSettings()
+
+
+def test_the_node_key_revocation_bound_is_five_seconds_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert CoordinatorSettings().ledger.node_key_cache_s == 5.0
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_LEDGER__NODE_KEY_CACHE_S", "0.5")
+    assert CoordinatorSettings().ledger.node_key_cache_s == 0.5
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_LEDGER__NODE_KEY_CACHE_S", "-1")
+    with pytest.raises(ValueError, match="node_key_cache_s"):
+        CoordinatorSettings()

@@ -3,7 +3,8 @@ coordinator process, two node processes) shared by every scenario, and the invar
 
 Scenarios break the system in their own tenants and leave it running; the next scenario starts by
 bringing back any process a failed one left dead. Every test here is marked ``faults`` (and
-``integration``, so ``-m "not integration"`` still means "CPU only") and runs in a plain ``./run test``.
+``integration``, so ``-m "not integration"`` still means "CPU only") and runs in a plain ``./run test``: on
+one of its parallel workers, the whole directory as one unit, so the cluster starts once (``tests/conftest.py``).
 """
 
 from __future__ import annotations

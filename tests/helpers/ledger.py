@@ -144,6 +144,11 @@ broker holds each group join for half the session timeout: production's 10 s cos
 coordinator start (three groups). 2 s still survives a loaded machine's event-loop stalls between heartbeats."""
 
 
+NODE_KEY_CACHE_S = 1.0
+"""``ledger.node_key_cache_s`` of every test coordinator: a revoked node key is refused within a second, not
+production's 5 s, so the tests that revoke one wait that much less."""
+
+
 GROUP_TIMING_ENV: dict[str, str] = {f"KVLEDGER_COORDINATOR_KAFKA__{name.upper()}": str(value) for name, value in GROUP_TIMING.items()}
 """:data:`GROUP_TIMING` as the environment of a coordinator process (``kvledger coordinator``, ``kvledger up``)."""
 
@@ -159,13 +164,18 @@ def _merged(defaults: Mapping[str, object], overrides: Mapping[str, object]) -> 
 
 def coordinator_settings(database_url: str | None = None, bootstrap: str | None = None, **overrides) -> CoordinatorSettings:
     """The tests' coordinator: ``database_url``'s ledger, the broker at ``bootstrap`` with a consumer group of its
-    own and :data:`GROUP_TIMING`, the tests' end-user secret, operator issuer, command key and subject key, and a
-    fast outbox relay. ``overrides`` are CoordinatorSettings arguments; a group given as a dict (``ledger={...}``)
+    own and :data:`GROUP_TIMING`, the tests' end-user secret, operator issuer, command key and subject key, a
+    fast outbox relay and the short node-key cache of :data:`NODE_KEY_CACHE_S`. ``overrides`` are CoordinatorSettings arguments; a group given as a dict (``ledger={...}``)
     is merged into the defaults key by key, so a test names only what it is about."""
     defaults: dict[str, object] = {
         "auth": {"jwt_secret": JWT_SECRET},
         "operator_auth": OPERATOR_AUTH,
-        "ledger": {"command_signing_key": COMMAND_SIGNING_KEY, "subject_key": SUBJECT_KEY, "outbox_poll_s": 0.1},
+        "ledger": {
+            "command_signing_key": COMMAND_SIGNING_KEY,
+            "subject_key": SUBJECT_KEY,
+            "outbox_poll_s": 0.1,
+            "node_key_cache_s": NODE_KEY_CACHE_S,
+        },
         "kafka": {"group_id": f"coordinator-{uuid.uuid4().hex[:8]}", **GROUP_TIMING},
     }
     if database_url is not None:
@@ -186,6 +196,7 @@ def coordinator_env(database_url: str, bootstrap: str, group_id: str, **extra: s
         "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": OPERATOR_PUBLIC_KEY_FILE,
         "KVLEDGER_COMMAND_SIGNING_KEY": COMMAND_SIGNING_KEY,
         "KVLEDGER_COORDINATOR_KAFKA__GROUP_ID": group_id,
+        "KVLEDGER_COORDINATOR_LEDGER__NODE_KEY_CACHE_S": str(NODE_KEY_CACHE_S),
         **GROUP_TIMING_ENV,
         **extra,
     }
