@@ -8,12 +8,10 @@ One polled batch is one database transaction:
    that briefly own the same partition during a rebalance serialize per node (and
    with ack batches of those nodes); then the invalidation advisory lock is taken,
    shared — unless every event only removes copies or beats (:data:`_ADD_NO_COPIES`);
-3. events are applied in order. Block and placement changes are accumulated (one net
-   change per placement) and written set-based: binary ``COPY`` into per-connection
-   temporary staging tables, then one ``INSERT … SELECT … ON CONFLICT`` or
-   ``UPDATE … FROM`` per target table (:class:`_Staging`), all in the batch's
-   transaction; set-based operations (restart, snapshot, inventory) first flush what
-   is accumulated, so the net effect always equals applying the events one by one;
+3. events are applied in order. Block and placement changes are accumulated and
+   written with bulk statements (``INSERT … ON CONFLICT`` executemany); set-based
+   operations (restart, snapshot, inventory) first flush what is accumulated, so
+   the net effect always equals applying the events one by one;
 4. commands decided on the way (``InventoryRequested``) are inserted into the
    outbox in the same transaction;
 5. blocks stored by the batch whose provenance an earlier invalidation already
@@ -44,9 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-import asyncpg
-from sqlalchemy import LargeBinary, Text, any_, bindparam, func, select, text, update
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -57,6 +53,8 @@ from coordinator.ledger import begin_ledger_transaction, lock_ledger_writes
 from coordinator.models import (
     VOLATILE_TIERS,
     Block,
+    BlockAuthScope,
+    BlockDocument,
     DeadLetterCount,
     InventoryChunk,
     Namespace,
@@ -96,66 +94,40 @@ _ADD_NO_COPIES = (BlockRemoved, SnapshotDeleted, NodeHeartbeat, UsageReported)
 concurrent decision, so it does not take the ledger-writes lock and no decision waits for it
 (most batches while an invalidation runs: the nodes report what they removed)."""
 
-_STAGING_TABLES = {
-    "ingest_blocks": "block_hash bytea, parent_hash bytea, namespace text, tenant_id text, scope text,"
-    " subject_hash bytea, token_offset integer, created_at timestamptz",
-    "ingest_block_auth_scopes": "block_hash bytea, auth_scope text, policy_version bigint",
-    "ingest_block_documents": "block_hash bytea, doc_id text, version bigint",
-    "ingest_placements": "block_hash bytea, node_id text, tier text, snapshot_id text, state text, epoch bigint, reason text,"
-    " created boolean",
-}
-"""Staging tables of a batch's rows, by name → columns. Temporary (each connection has its own)
-and ``ON COMMIT DELETE ROWS``: what a batch staged is gone when its transaction ends, either way."""
-
-_CREATE_STAGING = ";".join(
-    f"CREATE TEMPORARY TABLE IF NOT EXISTS {name} ({columns}) ON COMMIT DELETE ROWS" for name, columns in _STAGING_TABLES.items()
-)
-
-_INSERT_STAGED_BLOCKS = text(
+_INSERT_BLOCKS = text(
     """
     INSERT INTO blocks (block_hash, parent_hash, namespace, tenant_id, scope, subject_hash, token_offset, created_at)
-    SELECT block_hash, parent_hash, namespace, tenant_id, scope, subject_hash, token_offset, created_at FROM pg_temp.ingest_blocks
+    SELECT * FROM unnest(
+        CAST(:block_hashes AS bytea[]), CAST(:parent_hashes AS bytea[]), CAST(:namespaces AS text[]),
+        CAST(:tenant_ids AS text[]), CAST(:scopes AS text[]), CAST(:subject_hashes AS bytea[]),
+        CAST(:token_offsets AS integer[]), CAST(:created_ats AS timestamptz[])
+    )
     ON CONFLICT (block_hash) DO NOTHING
-    RETURNING block_hash
-    """
-).columns(block_hash=LargeBinary())
-_INSERT_STAGED_AUTH_SCOPES = text(
-    """
-    INSERT INTO block_auth_scopes (block_hash, auth_scope, policy_version)
-    SELECT block_hash, auth_scope, policy_version FROM pg_temp.ingest_block_auth_scopes
-    ON CONFLICT DO NOTHING
     """
 )
-_INSERT_STAGED_DOCUMENTS = text(
-    """
-    INSERT INTO block_documents (block_hash, doc_id, version)
-    SELECT block_hash, doc_id, version FROM pg_temp.ingest_block_documents
-    ON CONFLICT DO NOTHING
-    """
-)
-_UPSERT_STAGED_PLACEMENTS = text(
+
+_UPSERT_PLACEMENTS = text(
     f"""
     INSERT INTO placements (block_hash, node_id, tier, snapshot_id, state, epoch, reason)
-    SELECT block_hash, node_id, tier, snapshot_id, state, epoch, reason FROM pg_temp.ingest_placements WHERE created
+    SELECT block_hash, :node_id, tier, snapshot_id, :state, :epoch, :reason
+    FROM unnest(CAST(:block_hashes AS bytea[]), CAST(:tiers AS text[]), CAST(:snapshot_ids AS text[]))
+        AS batch(block_hash, tier, snapshot_id)
     ON CONFLICT ON CONSTRAINT {PLACEMENT_CONSTRAINT}
     DO UPDATE SET state = EXCLUDED.state, epoch = EXCLUDED.epoch, reason = EXCLUDED.reason, updated_at = now()
     """
 )
-_MARK_STAGED_PLACEMENTS_DELETED = text(
+_MARK_PLACEMENTS_DELETED = text(
     """
-    WITH changed AS (
-        UPDATE placements p SET state = 'deleted', epoch = s.epoch, reason = s.reason, updated_at = now()
-        FROM pg_temp.ingest_placements s
-        WHERE NOT s.created AND p.block_hash = s.block_hash AND p.node_id = s.node_id AND p.tier = s.tier
-            AND p.snapshot_id IS NOT DISTINCT FROM s.snapshot_id AND p.state = 'live' AND p.node_id = ANY(:node_ids)
-        RETURNING 1
-    )
-    SELECT count(*) FROM changed
+    UPDATE placements p SET state = 'deleted', epoch = :epoch, reason = :reason, updated_at = now()
+    FROM unnest(CAST(:block_hashes AS bytea[]), CAST(:tiers AS text[]), CAST(:snapshot_ids AS text[]))
+        AS batch(block_hash, tier, snapshot_id)
+    WHERE p.block_hash = batch.block_hash AND p.node_id = :node_id AND p.tier = batch.tier
+        AND p.snapshot_id IS NOT DISTINCT FROM batch.snapshot_id AND p.state = 'live'
+    RETURNING p.id
     """
-).bindparams(bindparam("node_ids", type_=ARRAY(Text())))
-"""Probes the (block_hash, node_id, tier, snapshot_id) unique index per staged row; a large removal
-set is hash-joined instead, and ``node_ids`` (implied by the join, stated for the planner) keeps
-that to the batch's nodes' placements rather than every node's. Copies already gone are no-ops."""
+)
+"""Probes the (block_hash, node_id, tier, snapshot_id) unique index once per ref: a removal batch costs
+its own size, not a scan of the node's live placements."""
 
 APPLIED = "applied"
 REPLAYED = "replayed"
@@ -164,65 +136,18 @@ IGNORED = "ignored"
 
 # (block_hash, tier, snapshot_id) of one node.
 PlacementRef = tuple[bytes, str, str | None]
-_BLOCK_COLUMNS = ("block_hash", "parent_hash", "namespace", "tenant_id", "scope", "subject_hash", "token_offset", "created_at")
-_PLACEMENT_COLUMNS = ("block_hash", "node_id", "tier", "snapshot_id", "state", "epoch", "reason", "created")
-# A row of ``ingest_placements``: block_hash, node_id, tier, snapshot_id, state, epoch, reason, created.
-# ``created``: the row is upserted (it must exist afterwards); otherwise only a live copy is marked deleted.
-StagedPlacement = tuple[bytes, str, str, str | None, str, int, str | None, bool]
 
 
-def _live_rows(node: Node, refs: Iterable[PlacementRef], epoch: int) -> list[StagedPlacement]:
-    """Rows that make the node's copies ``refs`` live (inserted, or overwritten)."""
-    return [
-        (block_hash, node.node_id, tier, snapshot_id, PlacementState.LIVE.value, epoch, None, True)
-        for block_hash, tier, snapshot_id in refs
-    ]
-
-
-def _deleted_rows(node: Node, refs: Iterable[PlacementRef], epoch: int, reason: str) -> list[StagedPlacement]:
-    """Rows that flip the node's live copies among ``refs`` to deleted."""
-    return [
-        (block_hash, node.node_id, tier, snapshot_id, PlacementState.DELETED.value, epoch, reason, False)
-        for block_hash, tier, snapshot_id in refs
-    ]
-
-
-class _Staging:
-    """The batch transaction's staging tables, written by binary ``COPY`` on the session's own
-    connection (so inside its transaction: what is staged and written rolls back with the inbox rows).
-
-    ``COPY`` moves a batch's rows to the server in one stream with no per-row statement
-    and no array parameters to build; the set-based statements that follow read them there.
-    """
-
-    def __init__(self, session: AsyncSession) -> None:
-        self._session = session
-        self._connection: asyncpg.Connection | None = None
-        self._used: set[str] = set()
-
-    async def copy(self, table: str, columns: tuple[str, ...], records: list[tuple]) -> None:
-        """Replace the staged rows of staging table ``table`` with ``records``."""
-        connection = await self._driver_connection()
-        if table in self._used:
-            await connection.execute(f"DELETE FROM pg_temp.{table}")
-        self._used.add(table)
-        await connection.copy_records_to_table(table, schema_name="pg_temp", columns=columns, records=records)
-
-    async def copy_into_ledger(self, table: str, columns: tuple[str, ...], records: list[tuple]) -> None:
-        """Append ``records`` to the ledger table ``table`` itself: only for rows that cannot conflict."""
-        connection = await self._driver_connection()
-        await connection.copy_records_to_table(table, columns=columns, records=records)
-
-    async def _driver_connection(self) -> asyncpg.Connection:
-        if self._connection is None:
-            proxied = await (await self._session.connection()).get_raw_connection()
-            connection = proxied.driver_connection
-            assert isinstance(connection, asyncpg.Connection), "the ledger database is reached through asyncpg"
-            # The session's first statement (begin_ledger_transaction) opened the transaction on this connection.
-            assert connection.is_in_transaction(), "staging outside the batch's transaction"
-            await connection.execute(_CREATE_STAGING)
-            self._connection = connection
-        return self._connection
+def _placement_params(node: Node, refs: list[PlacementRef], epoch: int, reason: str | None) -> dict:
+    """Parameters of the bulk placement statements: ``refs`` as parallel arrays, the rest as scalars."""
+    return {
+        "block_hashes": [block_hash for block_hash, _, _ in refs],
+        "tiers": [tier for _, tier, _ in refs],
+        "snapshot_ids": [snapshot_id for _, _, snapshot_id in refs],
+        "node_id": node.node_id,
+        "epoch": epoch,
+        "reason": reason,
+    }
 
 
 @dataclass(slots=True)
@@ -241,7 +166,6 @@ class _BatchApplier:
 
     def __init__(self, session: AsyncSession, inventory_retry_s: float, now: datetime, command_signer: EnvelopeSigner) -> None:
         self.session = session
-        self.staging = _Staging(session)
         self.sign = command_signer
         self.inventory_retry = timedelta(seconds=inventory_retry_s)
         self.now = now
@@ -445,12 +369,12 @@ class _BatchApplier:
         )
         existing = await self._live_placements(node, Placement.snapshot_id == payload.snapshot_id)
         gone = {ref for ref in existing if ref[0] not in hashes}
+        await self._mark_deleted(node, gone, payload.epoch, "replaced", "snapshot")
         unknown = await self._unknown_blocks(hashes)
         if unknown:
             self._gap(node, "unknown_block")
-        rows = _deleted_rows(node, gone, payload.epoch, "replaced")
-        rows += _live_rows(node, [(h, "snapshot", payload.snapshot_id) for h in hashes - unknown], payload.epoch)
-        await self._write_placements(rows, "snapshot")
+        known = hashes - unknown
+        await self._upsert(node, [(h, "snapshot", payload.snapshot_id) for h in known], payload.epoch, "snapshot")
 
     async def _delete_snapshot(self, node: Node, snapshot_id: str) -> None:
         await self.session.execute(
@@ -536,9 +460,8 @@ class _BatchApplier:
             .values(state=PlacementState.DELETED, deleted_at=func.now())
         )
         existing = await self._live_placements(node)
-        await self._write_placements(
-            _deleted_rows(node, existing - listed, epoch, "reconciled") + _live_rows(node, listed - existing, epoch), "reconcile"
-        )
+        await self._mark_deleted(node, existing - listed, epoch, "reconciled", "reconcile")
+        await self._upsert(node, listed - existing, epoch, "reconcile")
         # Copies that survived (disk, snapshots) are now confirmed in this epoch.
         await self.session.execute(
             update(Placement)
@@ -558,109 +481,109 @@ class _BatchApplier:
         )
         return {(row.block_hash, row.tier, row.snapshot_id) for row in rows}
 
-    async def _write_placements(self, rows: list[StagedPlacement], cause: str, new_blocks: frozenset[bytes] = frozenset()) -> None:
-        """Apply ``rows``: ``created`` rows are upserted (inserted, or overwritten whatever their
-        state), the others flip a live copy to deleted (absent or gone: no-op). Rows name distinct
-        placements (blocks must be in ``blocks``).
-
-        ``new_blocks``: blocks this transaction inserted just now. No placement of such a block
-        can exist (a placement references its block, and blocks are never deleted), so their
-        created rows are copied straight into ``placements``: no staging, no conflict check.
-        The other rows are staged and applied by one upsert and one update.
-        """
-        upserted = collections.Counter(row[4] for row in rows if row[7])
-        for state, count in upserted.items():
-            self.placement_changes[(state, cause)] += count
-        fresh = [row[:7] for row in rows if row[7] and row[0] in new_blocks]
-        if fresh:
-            await self.staging.copy_into_ledger("placements", _PLACEMENT_COLUMNS[:7], fresh)
-        rows = [row for row in rows if not (row[7] and row[0] in new_blocks)]
-        if not rows:
+    async def _mark_deleted(self, node: Node, refs: Iterable[PlacementRef], epoch: int, reason: str, cause: str) -> None:
+        """Flip the node's live copies among ``refs`` to deleted (absent ones are already gone: no-op)."""
+        refs = list(refs)
+        if not refs:
             return
-        await self.staging.copy("ingest_placements", _PLACEMENT_COLUMNS, rows)
-        num_staged_created = upserted.total() - len(fresh)
-        if num_staged_created:
-            await self.session.execute(_UPSERT_STAGED_PLACEMENTS)
-        if num_staged_created < len(rows):
-            node_ids = sorted({row[1] for row in rows if not row[7]})
-            self.placement_changes[(PlacementState.DELETED, cause)] += await self.session.scalar(
-                _MARK_STAGED_PLACEMENTS_DELETED, {"node_ids": node_ids}
-            )
+        result = await self.session.execute(_MARK_PLACEMENTS_DELETED, _placement_params(node, refs, epoch, reason))
+        self.placement_changes[(PlacementState.DELETED, cause)] += len(result.all())
+
+    async def _upsert(
+        self,
+        node: Node,
+        refs: Iterable[PlacementRef],
+        epoch: int,
+        cause: str,
+        state: str = PlacementState.LIVE,
+        reason: str | None = None,
+    ) -> None:
+        """Insert or overwrite the node's placements ``refs`` with ``state`` (blocks must be in ``blocks``)."""
+        refs = list(refs)
+        if not refs:
+            return
+        # One statement over unnest()ed arrays: the per-row work happens in Postgres, not in
+        # SQLAlchemy's multi-VALUES rendering, which dominated batch time at 10k+ rows.
+        # A plain str: SQLAlchemy types a raw statement's parameter by the value's class, and an enum member is untyped.
+        await self.session.execute(_UPSERT_PLACEMENTS, {**_placement_params(node, refs, epoch, reason), "state": str(state)})
+        self.placement_changes[(state, cause)] += len(refs)
 
     # -- accumulated writes -----------------------------------------------------------
 
     async def _flush(self) -> None:
         """Write accumulated block provenance and per-event placement changes (net effect, bulk)."""
-        new_blocks = await self._write_blocks() if self.blocks else frozenset()
+        if self.blocks:
+            await self._write_blocks()
         if not self.placements:
             return
         pending, self.placements = self.placements, {}
+        # node → (state, reason) → refs; rows that must exist are upserted, the rest only updated.
+        upserts: dict[str, dict[tuple[str, str | None], list[PlacementRef]]] = collections.defaultdict(
+            lambda: collections.defaultdict(list)
+        )
+        updates: dict[str, dict[str, list[PlacementRef]]] = collections.defaultdict(lambda: collections.defaultdict(list))
         epochs: dict[str, int] = {}
-        for (_, node_id, _), change in pending.items():
+        for (block_hash, node_id, tier), change in pending.items():
             # A new epoch is a barrier (_restart flushes first), so one node's pending changes share one epoch.
             assert epochs.setdefault(node_id, change.epoch) == change.epoch, "pending placements span epochs"
-        unknown = await self._unknown_blocks({block_hash for (block_hash, _, _), change in pending.items() if change.created})
-        rows: list[StagedPlacement] = []
-        missed: set[str] = set()
-        for (block_hash, node_id, tier), change in pending.items():
-            if not change.created:
-                rows.append((block_hash, node_id, tier, None, str(change.state), change.epoch, change.reason or "removed", False))
-            elif block_hash in unknown:
-                missed.add(node_id)
+            if change.created:
+                upserts[node_id][(change.state, change.reason)].append((block_hash, tier, None))
             else:
-                rows.append((block_hash, node_id, tier, None, str(change.state), change.epoch, change.reason, True))
-        for node_id in sorted(missed):
-            # Moved a block we never saw stored: an event went missing.
-            self._gap(self.nodes[node_id], "unknown_block")
-        await self._write_placements(rows, "event", new_blocks)
+                updates[node_id][change.reason or "removed"].append((block_hash, tier, None))
+        unknown = await self._unknown_blocks({ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs})
+        for node_id, groups in upserts.items():
+            node = self.nodes[node_id]
+            for (state, reason), refs in groups.items():
+                if any(ref[0] in unknown for ref in refs):
+                    # Moved a block we never saw stored: an event went missing.
+                    self._gap(node, "unknown_block")
+                known = [ref for ref in refs if ref[0] not in unknown]
+                await self._upsert(node, known, epochs[node_id], "event", state, reason)
+        for node_id, groups in updates.items():
+            for reason, refs in groups.items():
+                await self._mark_deleted(self.nodes[node_id], refs, epochs[node_id], reason, "event")
 
     async def _unknown_blocks(self, hashes: set[bytes]) -> set[bytes]:
         candidates = hashes - self.known_blocks
         if not candidates:
             return set()
-        # One array parameter, not one bind per hash (statement compilation grew with the batch).
-        in_candidates = Block.block_hash == any_(bindparam("candidates", list(candidates), type_=ARRAY(LargeBinary)))
-        found = set((await self.session.scalars(select(Block.block_hash).where(in_candidates))).all())
+        found = set((await self.session.scalars(select(Block.block_hash).where(Block.block_hash.in_(candidates)))).all())
         self.known_blocks |= found
         return candidates - found
 
-    async def _write_blocks(self) -> frozenset[bytes]:
-        """Write the accumulated provenance; returns the blocks that were not in the ledger before."""
+    async def _write_blocks(self) -> None:
         pending, self.blocks = self.blocks, {}
         namespaces = sorted({block.namespace for block in pending.values()})
         await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
-        await self.staging.copy(
-            "ingest_blocks",
-            _BLOCK_COLUMNS,
-            [
-                (
-                    block_hash,
-                    bytes.fromhex(block.parent_hash) if block.parent_hash else None,
-                    block.namespace,
-                    block.tenant_id,
-                    block.scope,
-                    bytes.fromhex(block.subject_id) if block.subject_id else None,
-                    block.token_offset,
-                    block.created_at,
-                )
-                for block_hash, block in pending.items()
-            ],
+        items = list(pending.items())
+        await self.session.execute(
+            _INSERT_BLOCKS,
+            {
+                "block_hashes": [block_hash for block_hash, _ in items],
+                "parent_hashes": [bytes.fromhex(b.parent_hash) if b.parent_hash else None for _, b in items],
+                "namespaces": [b.namespace for _, b in items],
+                "tenant_ids": [b.tenant_id for _, b in items],
+                "scopes": [b.scope for _, b in items],
+                "subject_hashes": [bytes.fromhex(b.subject_id) if b.subject_id else None for _, b in items],
+                "token_offsets": [b.token_offset for _, b in items],
+                "created_ats": [b.created_at for _, b in items],
+            },
         )
-        new_blocks = frozenset((await self.session.scalars(_INSERT_STAGED_BLOCKS)).all())
-        auth_scopes = [(block_hash, scope, version) for block_hash, block in pending.items() for scope, version in block.auth_scopes]
+        auth_scopes = [
+            {"block_hash": block_hash, "auth_scope": scope, "policy_version": version}
+            for block_hash, block in pending.items()
+            for scope, version in block.auth_scopes
+        ]
         if auth_scopes:
-            await self.staging.copy("ingest_block_auth_scopes", ("block_hash", "auth_scope", "policy_version"), auth_scopes)
-            await self.session.execute(_INSERT_STAGED_AUTH_SCOPES)
+            await self.session.execute(pg_insert(BlockAuthScope).on_conflict_do_nothing(), auth_scopes)
         documents = [
-            (block_hash, doc_id, int(version))
+            {"block_hash": block_hash, "doc_id": doc_id, "version": int(version)}
             for block_hash, block in pending.items()
             for doc_id, version in (tag.rsplit("@", 1) for tag in block.documents)
         ]
         if documents:
-            await self.staging.copy("ingest_block_documents", ("block_hash", "doc_id", "version"), documents)
-            await self.session.execute(_INSERT_STAGED_DOCUMENTS)
+            await self.session.execute(pg_insert(BlockDocument).on_conflict_do_nothing(), documents)
         self.known_blocks |= pending.keys()
-        return new_blocks
 
 
 class LedgerIngest:
