@@ -46,6 +46,7 @@ import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
 from helpers.ledger import SigningProducer, fresh_database
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy import make_url
 
 from coordinator import migrate
@@ -58,6 +59,12 @@ from kvledger.model_init import build_tiny_model
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 _SERVICE_FIXTURES = frozenset({"database_url", "kafka_bootstrap"})
+
+# CI draws the same examples every run (KVLEDGER_HYPOTHESIS_PROFILE=ci, set by .ci/run), so a red CI is a change's
+# doing; a developer's run draws new ones. A seed that breaks the batched-equals-alone property of
+# tests/gpu_node/test_batching.py is known and open (issue 12's note); random runs keep looking for more.
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("KVLEDGER_HYPOTHESIS_PROFILE", "default"))
 _MODES = ("embedded", "containers", "external")
 
 

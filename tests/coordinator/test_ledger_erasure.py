@@ -343,7 +343,6 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     subject = f"carol-{uid}"
     mine = digest(subject)
     node = FakeNode(producer, f"erase-c-{uid}")
-    await node.start()
     erasure_id = uuid.uuid4()
     request = ErasureRequested(erasure_id=erasure_id, subject_id=subject, reason="user asked")
     await producer.send(make_event(request, tenant_id=TENANT))
@@ -357,6 +356,12 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     erasure = await status_of(client, str(erasure_id))
     assert erasure["subject_hash"] == mine and erasure["status"] == "pending"
     command_id = uuid.UUID(erasure["commands"][0]["command_id"])
+    # The node registers after the erasure was decided, so it is not a target of the subject command: its
+    # copies are covered by nothing it acked until the re-sends reach it. (Registered before the decision, its
+    # ack of the subject command would cover everything it holds, and a copy recorded after that ack counts
+    # as data built after the erasure: docs/design.md §6, "Erasure".)
+    await node.start()
+    assert node.node_id not in await targets(database, command_id)
 
     # A block built from the subject before the cutoff arrives late: a re-send goes out at once.
     await node.publish(BlockStored, blocks=[stored(f"{uid}-late", "device", tenant_id=TENANT, scope="user", subject_id=mine)])
