@@ -61,8 +61,7 @@ from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 _SERVICE_FIXTURES = frozenset({"database_url", "kafka_bootstrap"})
 
 # CI draws the same examples every run (KVLEDGER_HYPOTHESIS_PROFILE=ci, set by .ci/run), so a red CI is a change's
-# doing; a developer's run draws new ones. A seed that breaks the batched-equals-alone property of
-# tests/gpu_node/test_batching.py is known and open (issue 12's note); random runs keep looking for more.
+# doing; a developer's run draws new ones, so random runs keep looking for failing examples.
 hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
 hypothesis_settings.load_profile(os.environ.get("KVLEDGER_HYPOTHESIS_PROFILE", "default"))
 _MODES = ("embedded", "containers", "external")
