@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvledger {_version()}", help="print the installed version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_model_commands(commands)
+    _add_node_key_commands(commands)
+    _add_token_command(commands)
+    _add_coordinator_commands(commands)
+    _add_governance_commands(commands)
+    _add_offline_commands(commands)
+    _add_stack_commands(commands)
+    _add_bench_commands(commands)
+    return parser
+
+
+def _add_model_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for the tiny test model and a node's server."""
     model = commands.add_parser("model", help="local model utilities").add_subparsers(
         dest="model_command", required=True, metavar="COMMAND"
     )
@@ -88,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--jwt-public-key", help="EdDSA public key (PEM) instead of KVLEDGER_JWT_SECRET")
     node.set_defaults(func=_lazy("gpu_node.server:cli"))
 
+
+def _add_node_key_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for node keys and their enrollment."""
     nodes = commands.add_parser("nodes", help="node keys and their enrollment at the coordinator").add_subparsers(
         dest="nodes_command", required=True, metavar="COMMAND"
     )
@@ -106,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     nodes_revoke.add_argument("--database-url", help="defaults to KVLEDGER_DATABASE_URL or .kvledger/stack.json")
     nodes_revoke.set_defaults(func=_lazy("kvledger.nodes:revoke_cli"))
 
+
+def _add_token_command(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for signed tokens for local use."""
     token = commands.add_parser("token", help="print a signed end-user or operator JWT for local use")
     token.add_argument("--tenant", required=True, help="tenant the token is for")
     token.add_argument("--sub", required=True, help="subject: the user or operator the token names")
@@ -122,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--stack", help="stack directory or stack.json (default .kvledger/stack.json)")
     token.set_defaults(func=_lazy("kvledger.tokens:cli"))
 
+
+def _add_coordinator_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for the coordinator, its migrations and event publishing."""
     coordinator = commands.add_parser("coordinator", help="run the coordinator (ledger API and/or consumers)")
     coordinator.add_argument(
         "--role", choices=["api", "consumers", "all"], default="all", help="serve the HTTP API, run the Kafka consumers, or both (default)"
@@ -178,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     erasure_requested.add_argument("--erasure-id", help="the erasure's id (default: a new UUID)")
     publish.set_defaults(func=_lazy("kvledger.publish:cli"))
 
+
+def _add_governance_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for namespaces, erasures, dead letters and status over the coordinator's API."""
     namespace = commands.add_parser("namespace", help="cache namespaces (model rollout)").add_subparsers(
         dest="namespace_command", required=True, metavar="COMMAND"
     )
@@ -239,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print nodes and figures as JSON")
     status.set_defaults(func=_lazy("kvledger.status:cli"))
 
+
+def _add_offline_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for receipt verification and cost figures, which need no running service."""
     verify = commands.add_parser("verify-receipt", help="verify an erasure receipt offline")
     verify.add_argument("receipt", help="receipt JSON as served by GET /v1/erasures/{id}/receipt")
     verify.add_argument("--checkpoint", help="checkpoint JSON as served by GET /v1/audit/checkpoint")
@@ -287,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     cost_report.add_argument("--json", action="store_true", help="print the per-tenant costs as JSON")
     cost_report.set_defaults(func=_lazy("kvledger.cost:report_cli"))
 
+
+def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for advice, the demo and the whole-stack runner."""
     advise = commands.add_parser(
         "advise", help="prompt-layout advice from the nodes' divergence samples (segments that break a stable prefix)"
     )
@@ -331,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8100, help="first node port")
     up.set_defaults(func=_lazy("kvledger.stack:cli"))
 
+
+def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
+    """Subcommands for the benchmarks."""
     bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(
         dest="bench_command", required=True, metavar="COMMAND"
     )
@@ -404,7 +438,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
     bench_soak.add_argument("--output", help="write the report here as well")
     bench_soak.set_defaults(func=_lazy("bench.soak:cli"))
-    return parser
 
 
 def _expected_failure(error: BaseException) -> tuple[str, int] | None:
