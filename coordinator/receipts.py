@@ -642,66 +642,96 @@ def verify_served_receipt(
     A check that needs a part which failed to parse fails too, saying which.
     Without a checkpoint a warning says the log proofs are only self-consistent.
     """
+    served = _ServedReceipt(document, keys_document, checkpoint)
     checks: list[Check] = []
-    keys, problems = _parse_keys(keys_document)
+    for name, check in served.checks():
+        _run(checks, name, check)
+    warnings: tuple[str, ...] = ()
+    if checkpoint is None:
+        warnings = (
+            "no checkpoint given: the log proofs are checked only against the tree head served with the receipt; "
+            "pass a checkpoint fetched independently (GET /v1/audit/checkpoint) to detect a rewritten or forked log",
+        )
+    return VerificationResult(tuple(checks), warnings)
 
-    def keys_check() -> str:
-        if problems:
-            raise _Invalid("; ".join(problems))
-        if not keys:
+
+class _ServedReceipt:
+    """One verification of :func:`verify_served_receipt`: each check is a method, and the parts a
+    check parses (receipt, signature, leaf, tree heads) are kept for the checks after it, so a
+    later check can say which earlier part it could not use."""
+
+    def __init__(self, document: Any, keys_document: Any, checkpoint: Any) -> None:
+        self._document = document
+        self._checkpoint = checkpoint
+        self._keys, self._key_problems = _parse_keys(keys_document)
+        self._receipt: Mapping[str, Any] | None = None
+        self._signature: Mapping[str, Any] = {}
+        self._leaf: bytes | None = None
+        self._heads: dict[str, _TreeHead] = {}
+        self._checkpoint_head: _TreeHead | None = None
+
+    def checks(self) -> list[tuple[str, Callable[[], str]]]:
+        """The checks in the order they run (and are reported)."""
+        ordered: list[tuple[str, Callable[[], str]]] = [
+            ("keys", self._keys_check),
+            ("receipt_format", self._receipt_format),
+            ("receipt_signature", self._receipt_signature),
+            ("tree_head_at_issue_signature", lambda: self._tree_head("tree_head_at_issue")),
+            ("tree_head_signature", lambda: self._tree_head("tree_head")),
+            ("inclusion", self._inclusion),
+            ("consistency", self._consistency),
+        ]
+        if self._checkpoint is not None:
+            ordered += [("checkpoint_signature", self._checkpoint_signature), ("checkpoint_matches", self._checkpoint_matches)]
+        return ordered
+
+    def _keys_check(self) -> str:
+        if self._key_problems:
+            raise _Invalid("; ".join(self._key_problems))
+        if not self._keys:
             raise _Invalid("the key document lists no keys")
-        return f"{len(keys)} key(s), each key_id derived from its public key"
+        return f"{len(self._keys)} key(s), each key_id derived from its public key"
 
-    _run(checks, "keys", keys_check)
-
-    parts: dict[str, Any] = {}
-
-    def receipt_format() -> str:
-        top = _object(document, "the receipt document", ("receipt", "signature", "audit"))
+    def _receipt_format(self) -> str:
+        top = _object(self._document, "the receipt document", ("receipt", "signature", "audit"))
         receipt = _object(top["receipt"], "receipt", _RECEIPT_FIELDS)
         if receipt["schema"] != RECEIPT_SCHEMA:
             raise _Invalid(f"receipt schema is {receipt['schema']!r}, not {RECEIPT_SCHEMA}")
         signature = _object(top["signature"], "signature", ("key_id", "algorithm", "value"))
         if signature["algorithm"] != SIGNATURE_ALGORITHM:
             raise _Invalid(f"signature algorithm is {signature['algorithm']!r}, not {SIGNATURE_ALGORITHM}")
-        parts["leaf"] = merkle.leaf_hash(_canonical({"receipt": receipt, "signature": signature}, "receipt"))
-        parts["receipt"], parts["signature"] = receipt, signature
+        self._leaf = merkle.leaf_hash(_canonical({"receipt": receipt, "signature": signature}, "receipt"))
+        self._receipt, self._signature = receipt, signature
         return (
             f"{RECEIPT_SCHEMA} receipt {receipt['receipt_id']} for erasure {receipt['erasure_id']};"
             f" evidence signed by {_node_keys_text(receipt['node_keys'])}"
         )
 
-    _run(checks, "receipt_format", receipt_format)
+    def _receipt_signature(self) -> str:
+        receipt = _require(self._receipt, "not checked: receipt_format failed")
+        signature = self._signature
+        return _verify_signature(self._keys, signature["key_id"], signature["value"], _canonical(receipt, "receipt"), "receipt")
 
-    def receipt_signature() -> str:
-        receipt = _require(parts.get("receipt"), "not checked: receipt_format failed")
-        signature = parts["signature"]
-        return _verify_signature(keys, signature["key_id"], signature["value"], _canonical(receipt, "receipt"), "receipt")
-
-    _run(checks, "receipt_signature", receipt_signature)
-
-    def audit() -> Mapping[str, Any]:
-        top = _object(document, "the receipt document")
+    def _audit(self) -> Mapping[str, Any]:
+        top = _object(self._document, "the receipt document")
         return _object(top.get("audit"), "audit", _AUDIT_FIELDS)
 
-    heads: dict[str, _TreeHead] = {}
-    for name in ("tree_head_at_issue", "tree_head"):
+    def _tree_head(self, name: str) -> str:
+        head = _parse_tree_head(self._audit()[name], name)
+        self._heads[name] = head
+        return _verify_tree_head(self._keys, head, name)
 
-        def head_check(name: str = name) -> str:
-            head = _parse_tree_head(audit()[name], name)
-            heads[name] = head
-            return _verify_tree_head(keys, head, name)
+    def _head(self, name: str) -> _TreeHead:
+        return _require(self._heads.get(name), f"not checked: {name} is invalid")
 
-        _run(checks, f"{name}_signature", head_check)
-
-    def inclusion() -> str:
-        leaf = _require(parts.get("leaf"), "not checked: receipt_format failed")
-        at_issue = _require(heads.get("tree_head_at_issue"), "not checked: tree_head_at_issue is invalid")
-        head = _require(heads.get("tree_head"), "not checked: tree_head is invalid")
-        index = _size(audit()["leaf_index"], "leaf_index")
+    def _inclusion(self) -> str:
+        leaf = _require(self._leaf, "not checked: receipt_format failed")
+        at_issue = self._head("tree_head_at_issue")
+        head = self._head("tree_head")
+        index = _size(self._audit()["leaf_index"], "leaf_index")
         if index >= at_issue.tree_size:
             raise _Invalid(f"leaf_index {index} is outside the tree head at issue (size {at_issue.tree_size})")
-        proof = _proof(audit()["inclusion_proof"], "inclusion_proof")
+        proof = _proof(self._audit()["inclusion_proof"], "inclusion_proof")
         if not merkle.verify_inclusion(leaf, index, head.tree_size, proof, head.root):
             raise _Invalid(
                 f"the receipt is not leaf {index} of the tree of size {head.tree_size} with root {head.root.hex()}: "
@@ -709,12 +739,10 @@ def verify_served_receipt(
             )
         return f"receipt is leaf {index} of the tree of size {head.tree_size}"
 
-    _run(checks, "inclusion", inclusion)
-
-    def consistency() -> str:
-        at_issue = _require(heads.get("tree_head_at_issue"), "not checked: tree_head_at_issue is invalid")
-        head = _require(heads.get("tree_head"), "not checked: tree_head is invalid")
-        proof = _proof(audit()["consistency_proof"], "consistency_proof")
+    def _consistency(self) -> str:
+        at_issue = self._head("tree_head_at_issue")
+        head = self._head("tree_head")
+        proof = _proof(self._audit()["consistency_proof"], "consistency_proof")
         if not merkle.verify_consistency(at_issue.tree_size, head.tree_size, at_issue.root, head.root, proof):
             raise _Invalid(
                 f"the tree of size {head.tree_size} does not extend the tree head at issue (size {at_issue.tree_size}): "
@@ -722,49 +750,32 @@ def verify_served_receipt(
             )
         return f"tree of size {head.tree_size} extends the tree head at issue (size {at_issue.tree_size})"
 
-    _run(checks, "consistency", consistency)
+    def _checkpoint_signature(self) -> str:
+        self._checkpoint_head = _parse_tree_head(self._checkpoint, "checkpoint")
+        return _verify_tree_head(self._keys, self._checkpoint_head, "checkpoint")
 
-    warnings: tuple[str, ...] = ()
-    if checkpoint is None:
-        warnings = (
-            "no checkpoint given: the log proofs are checked only against the tree head served with the receipt; "
-            "pass a checkpoint fetched independently (GET /v1/audit/checkpoint) to detect a rewritten or forked log",
-        )
-    else:
-        checkpoint_head: dict[str, _TreeHead] = {}
-
-        def checkpoint_signature() -> str:
-            checkpoint_head["head"] = _parse_tree_head(checkpoint, "checkpoint")
-            return _verify_tree_head(keys, checkpoint_head["head"], "checkpoint")
-
-        _run(checks, "checkpoint_signature", checkpoint_signature)
-
-        def checkpoint_matches() -> str:
-            wanted = _require(checkpoint_head.get("head"), "not checked: the checkpoint is invalid")
-            head = _require(heads.get("tree_head"), "not checked: tree_head is invalid")
-            at_issue = _require(heads.get("tree_head_at_issue"), "not checked: tree_head_at_issue is invalid")
-            if wanted.tree_size == head.tree_size:
-                if wanted.root != head.root:
-                    raise _Invalid(
-                        f"the checkpoint and the receipt's tree head both have size {head.tree_size} but different roots: "
-                        "the log shown with this receipt is not the one that was checkpointed (rewritten or forked)"
-                    )
-                return f"the receipt's tree head is the checkpoint (size {wanted.tree_size})"
-            if wanted.tree_size < at_issue.tree_size:
+    def _checkpoint_matches(self) -> str:
+        wanted = _require(self._checkpoint_head, "not checked: the checkpoint is invalid")
+        head = self._head("tree_head")
+        at_issue = self._head("tree_head_at_issue")
+        if wanted.tree_size == head.tree_size:
+            if wanted.root != head.root:
                 raise _Invalid(
-                    f"the checkpoint (size {wanted.tree_size}) is older than this receipt's tree head at issue "
-                    f"(size {at_issue.tree_size}); fetch a newer checkpoint (GET /v1/audit/checkpoint) and verify again"
+                    f"the checkpoint and the receipt's tree head both have size {head.tree_size} but different roots: "
+                    "the log shown with this receipt is not the one that was checkpointed (rewritten or forked)"
                 )
-            erasure = parts["receipt"]["erasure_id"] if "receipt" in parts else "{id}"
+            return f"the receipt's tree head is the checkpoint (size {wanted.tree_size})"
+        if wanted.tree_size < at_issue.tree_size:
             raise _Invalid(
-                f"the checkpoint is for tree size {wanted.tree_size} but the receipt was served with a tree head of size "
-                f"{head.tree_size}; fetch the receipt with ?tree_size={wanted.tree_size} "
-                f"(GET /v1/erasures/{erasure}/receipt?tree_size={wanted.tree_size}) and verify again"
+                f"the checkpoint (size {wanted.tree_size}) is older than this receipt's tree head at issue "
+                f"(size {at_issue.tree_size}); fetch a newer checkpoint (GET /v1/audit/checkpoint) and verify again"
             )
-
-        _run(checks, "checkpoint_matches", checkpoint_matches)
-
-    return VerificationResult(tuple(checks), warnings)
+        erasure = self._receipt["erasure_id"] if self._receipt is not None else "{id}"
+        raise _Invalid(
+            f"the checkpoint is for tree size {wanted.tree_size} but the receipt was served with a tree head of size "
+            f"{head.tree_size}; fetch the receipt with ?tree_size={wanted.tree_size} "
+            f"(GET /v1/erasures/{erasure}/receipt?tree_size={wanted.tree_size}) and verify again"
+        )
 
 
 def _proof(value: Any, what: str) -> list[bytes]:
