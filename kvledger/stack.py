@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -168,37 +169,8 @@ async def up(args: argparse.Namespace) -> None:
         await asyncio.to_thread(upgrade, database_url)
         progress("migrations applied")
 
-        jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
-        operator_private_key, operator_public_key = _operator_key_pair(state_dir)
-        metrics_token = os.environ.get("KVLEDGER_METRICS_TOKEN") or _secret(state_dir / "metrics_token")
-        shared_env = {
-            "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
-            "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
-            "KVLEDGER_METRICS_TOKEN": metrics_token,
-            "KVLEDGER_JWT_SECRET": jwt_secret,
-            "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
-            "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
-        }
-        command_key = load_or_create_private_key(state_dir / "command_key.pem")
-        command_public_key_file = state_dir / "command_key.pub"
-        command_public_key_file.write_bytes(public_key_pem(command_key.public_key()))
-        coordinator_env = (
-            os.environ
-            | shared_env
-            | {
-                # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
-                "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
-                "KVLEDGER_DATABASE_URL": database_url,
-                "KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(command_key).decode(),
-            }
-        )
-        node_env = (
-            {name: value for name, value in os.environ.items() if name not in COORDINATOR_ONLY_ENV}
-            | shared_env
-            | {
-                "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(command_public_key_file),
-            }
-        )
+        env = _environments(state_dir, database_url, kafka_bootstrap)
+        coordinator_env, node_env = env.coordinator, env.node
         node_ids = [f"node-{index}" for index in range(args.nodes)]
         for node_id in node_ids:
             node_key = load_or_create_private_key(state_dir / node_id / NODE_KEY_FILE)
@@ -231,46 +203,107 @@ async def up(args: argparse.Namespace) -> None:
             await _wait_ready(url, node, f"node at {url}")
             progress(f"{names[node.pid]} ready at {url}")
 
-        stack = {
-            "coordinator_url": coordinator_url,
-            "node_urls": node_urls,
-            "kafka_bootstrap": kafka_bootstrap,
-            "database_url": database_url,
-            "jwt_secret": jwt_secret,
-            "operator_private_key_file": str(operator_private_key),
-            "operator_public_key_file": str(operator_public_key),
-            "metrics_token": metrics_token,
-            "model_dir": str(model_dir),
-            "logs": str(logs),
-            "pids": {names[process.pid]: process.pid for process in processes},
-        }
-        stack_file = state_dir / "stack.json"
-        stack_file.touch(mode=0o600)
-        stack_file.write_text(json.dumps(stack, indent=2))
-        print(f"coordinator  {coordinator_url}")
-        for url in node_urls:
-            print(f"node         {url}   (OpenAI base_url {url}/v1)")
-        print(f"kafka        {kafka_bootstrap}")
-        print(f"database     {database_url}")
-        print(f"stack file   {stack_file}   logs in {logs}")
-        print("Ctrl-C stops everything.", flush=True)
-
-        waiters = [asyncio.create_task(asyncio.to_thread(p.wait)) for p in processes]
-        stop_task = asyncio.create_task(stopping.wait())
-        await asyncio.wait([stop_task, *waiters], return_when=asyncio.FIRST_COMPLETED)
-        stop_task.cancel()
-        if not stopping.is_set():
-            exited = next(process for process in processes if process.poll() is not None)
-            name = names[exited.pid]
-            raise ChildExited(
-                f"{name} (pid {exited.pid}) exited with status {exited.returncode}; stopped the stack (log: {logs / (name + '.log')})"
-            )
+        _write_stack_file(
+            state_dir,
+            {
+                "coordinator_url": coordinator_url,
+                "node_urls": node_urls,
+                "kafka_bootstrap": kafka_bootstrap,
+                "database_url": database_url,
+                "jwt_secret": env.jwt_secret,
+                "operator_private_key_file": str(env.operator_private_key_file),
+                "operator_public_key_file": str(env.operator_public_key_file),
+                "metrics_token": env.metrics_token,
+                "model_dir": str(model_dir),
+                "logs": str(logs),
+                "pids": {names[process.pid]: process.pid for process in processes},
+            },
+        )
+        await _supervise(processes, names, stopping, logs)
     finally:
         await _stop(processes)
         if kafka is not None:
             await kafka.stop()
         if postgres is not None:
             await postgres.stop()
+
+
+@dataclass(frozen=True)
+class _Environments:
+    """The stack's secrets and the environment each kind of child starts with."""
+
+    jwt_secret: str
+    operator_private_key_file: Path
+    operator_public_key_file: Path
+    metrics_token: str
+    coordinator: dict[str, str]
+    node: dict[str, str]
+
+
+def _environments(state_dir: Path, database_url: str, kafka_bootstrap: str) -> _Environments:
+    """Secrets are made once in the state directory and reused by later runs; the coordinator alone
+    gets the master key, the database and the command signing key (nodes never see them)."""
+    jwt_secret = os.environ.get("KVLEDGER_JWT_SECRET") or _secret(state_dir / "jwt_secret")
+    operator_private_key, operator_public_key = _operator_key_pair(state_dir)
+    metrics_token = os.environ.get("KVLEDGER_METRICS_TOKEN") or _secret(state_dir / "metrics_token")
+    shared_env = {
+        "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
+        "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": str(operator_public_key),
+        "KVLEDGER_METRICS_TOKEN": metrics_token,
+        "KVLEDGER_JWT_SECRET": jwt_secret,
+        "KVLEDGER_SUBJECT_KEY": _secret(state_dir / "subject_key"),
+        "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+    }
+    command_key = load_or_create_private_key(state_dir / "command_key.pem")
+    command_public_key_file = state_dir / "command_key.pub"
+    command_public_key_file.write_bytes(public_key_pem(command_key.public_key()))
+    coordinator_env = (
+        dict(os.environ)
+        | shared_env
+        | {
+            # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
+            "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
+            "KVLEDGER_DATABASE_URL": database_url,
+            "KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(command_key).decode(),
+        }
+    )
+    node_env = (
+        {name: value for name, value in os.environ.items() if name not in COORDINATOR_ONLY_ENV}
+        | shared_env
+        | {
+            "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(command_public_key_file),
+        }
+    )
+    return _Environments(jwt_secret, operator_private_key, operator_public_key, metrics_token, coordinator_env, node_env)
+
+
+def _write_stack_file(state_dir: Path, stack: dict) -> Path:
+    """Write ``stack.json`` (owner-only: it holds the stack's secrets) and print where things are."""
+    stack_file = state_dir / "stack.json"
+    stack_file.touch(mode=0o600)
+    stack_file.write_text(json.dumps(stack, indent=2))
+    print(f"coordinator  {stack['coordinator_url']}")
+    for url in stack["node_urls"]:
+        print(f"node         {url}   (OpenAI base_url {url}/v1)")
+    print(f"kafka        {stack['kafka_bootstrap']}")
+    print(f"database     {stack['database_url']}")
+    print(f"stack file   {stack_file}   logs in {stack['logs']}")
+    print("Ctrl-C stops everything.", flush=True)
+    return stack_file
+
+
+async def _supervise(processes: list[subprocess.Popen], names: dict[int, str], stopping: asyncio.Event, logs: Path) -> None:
+    """Wait for a stop signal (return) or the first child to exit (raise ChildExited naming it)."""
+    waiters = [asyncio.create_task(asyncio.to_thread(p.wait)) for p in processes]
+    stop_task = asyncio.create_task(stopping.wait())
+    await asyncio.wait([stop_task, *waiters], return_when=asyncio.FIRST_COMPLETED)
+    stop_task.cancel()
+    if not stopping.is_set():
+        exited = next(process for process in processes if process.poll() is not None)
+        name = names[exited.pid]
+        raise ChildExited(
+            f"{name} (pid {exited.pid}) exited with status {exited.returncode}; stopped the stack (log: {logs / (name + '.log')})"
+        )
 
 
 def cli(args: argparse.Namespace) -> int:
