@@ -294,15 +294,10 @@ async def _collect_acks(bootstrap: str, acks: dict[str, dict[str, float]], ready
         await consumer.stop()
 
 
-async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, work: Path) -> InvalidationRun:
-    run_id = uuid.uuid4().hex[:8]
-    tenant = f"bench-{run_id}"
-    group = f"bench-invalidation-{run_id}"
-    await start_groups_at_end(bootstrap, consumer_groups(group))
-    keys = BenchKeys(work / run_id / "keys")
-    env = coordinator_env(database_url, bootstrap, group, JWT_SECRET, KVLEDGER_SUBJECT_KEY=SUBJECT_KEY, **keys.coordinator_env())
+def _bench_nodes(args, run_id: str, model_dir: Path, work: Path, bootstrap: str, keys: BenchKeys) -> list[BenchNode]:
+    """The run's nodes, each with room for ``blocks_per_node`` device blocks and no other tier."""
     cache = CacheSettings(num_device_blocks=args.blocks_per_node + 64, num_host_blocks=0, max_disk_blocks=0)
-    nodes = [
+    return [
         BenchNode(
             NodeSettings(
                 node_id=f"bench-{run_id}-{i}",
@@ -317,6 +312,126 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
         )
         for i in range(NUM_NODES)
     ]
+
+
+async def _fill_nodes(nodes: list[BenchNode], principal: Principal, blocks_per_node: int, connection) -> tuple[list, list[str]]:
+    """Fill every node with documents of about 10 blocks each until it holds ``blocks_per_node``,
+    and wait until the ledger holds each of them live; returns the block keys and the documents."""
+    node_ids = [node.settings.node_id for node in nodes]
+    engine = nodes[0].engine
+    kv = torch.randn(engine.pool.spec.block_shape, dtype=engine.pool.spec.dtype)
+    keys, documents = [], []
+    while len(keys) < blocks_per_node:
+        doc_id = f"doc-{len(documents):05d}"
+        documents.append(doc_id)
+        keys += document_keys(engine, principal, doc_id)
+    for node in nodes:
+        for start in range(0, len(keys), FILL_CHUNK_BLOCKS):
+            await asyncio.to_thread(node.fill, keys[start : start + FILL_CHUNK_BLOCKS], kv)
+            await node.publisher.flush()
+
+    async def in_ledger() -> bool:
+        rows = await connection.fetch(
+            "SELECT node_id, count(*) AS n FROM placements WHERE state = 'live' AND node_id = ANY($1::text[]) GROUP BY node_id",
+            node_ids,
+        )
+        return len(rows) == len(node_ids) and all(row["n"] == len(keys) for row in rows)
+
+    await wait(in_ledger, "every block in the ledger", TIMEOUT_S)
+    return keys, documents
+
+
+async def _publish_document_updates(bootstrap: str, tenant: str, documents: list[str], args, published: list[Published]) -> None:
+    """Publish warm-up and measured DocumentUpdated events at ``args.rate`` per second, round robin
+    over the documents, recording each one's publish time in ``published``."""
+    versions = dict.fromkeys(documents, 1)
+    producer = AIOKafkaProducer(
+        **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")), acks="all", linger_ms=0
+    )
+    await producer.start()
+    num_warmup = round(args.rate * args.warmup_s)
+    try:
+        sends = []
+        loop_started = time.perf_counter()
+        for i in range(num_warmup + args.events):
+            delay = loop_started + i / args.rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            doc_id = documents[i % len(documents)]
+            versions[doc_id] += 1
+            event_id = str(uuid.uuid4())
+            event = {
+                "event_id": event_id,
+                "type": "DocumentUpdated",
+                "schema_version": 1,
+                "occurred_at": datetime.now(UTC).isoformat(),
+                "tenant_id": tenant,
+                "payload": {"doc_id": doc_id, "version": versions[doc_id]},
+            }
+            at = time.time()
+            sends.append(await producer.send(topics.DOCUMENTS, json.dumps(event).encode(), key=f"{tenant}:{doc_id}".encode()))
+            published.append(Published(event_id, doc_id, versions[doc_id] - 1, at, measured=i >= num_warmup))
+        await asyncio.gather(*sends)
+    finally:
+        await producer.stop()
+
+
+def _summarize(
+    args,
+    rows: list,
+    measured: dict[str, float],
+    acks: dict[str, dict[str, float]],
+    nodes: list[BenchNode],
+    probes: _Probes,
+    *,
+    blocks_per_node: int,
+    blocks_per_document: float,
+    late: int,
+    elapsed_s: float,
+) -> InvalidationRun:
+    """Each measured command's stages as milliseconds after its event was published."""
+    decided, reached, applied, acked, complete, durations = [], [], [], [], [], []
+    for row in rows:
+        command_id, published_at = row["command_id"], measured[str(row["source_event_id"])]
+        decided.append((row["created_at"].timestamp() - published_at) * 1000)
+        complete.append((row["completed_at"].timestamp() - published_at) * 1000)
+        acked.append((max(acks[str(command_id)].values()) - published_at) * 1000)
+        spans = [node.handler.applied[command_id] for node in nodes]
+        reached.append((max(begin for begin, _ in spans) - published_at) * 1000)
+        applied.append((max(end for _, end in spans) - published_at) * 1000)
+        durations += [(end - begin) * 1000 for begin, end in spans]
+    # Sustained rate of one node: its commands over the span from its first apply to its last.
+    throughputs = []
+    for node in nodes:
+        spans = [node.handler.applied[row["command_id"]] for row in rows]
+        throughputs.append(len(spans) / (max(end for _, end in spans) - min(begin for begin, _ in spans)))
+    return InvalidationRun(
+        num_events=args.events,
+        blocks_per_node=blocks_per_node,
+        blocks_per_event=blocks_per_document,
+        refused_ms=list(probes.refused.values()),
+        decided_ms=decided,
+        reached_ms=reached,
+        applied_ms=applied,
+        acked_ms=acked,
+        complete_ms=complete,
+        apply_duration_ms=durations,
+        node_commands_per_s=min(throughputs),
+        num_refused_by_409=probes.by_409,
+        num_refused_by_miss=probes.by_miss,
+        num_late_reissues=late,
+        elapsed_s=elapsed_s,
+    )
+
+
+async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, work: Path) -> InvalidationRun:
+    run_id = uuid.uuid4().hex[:8]
+    tenant = f"bench-{run_id}"
+    group = f"bench-invalidation-{run_id}"
+    await start_groups_at_end(bootstrap, consumer_groups(group))
+    keys = BenchKeys(work / run_id / "keys")
+    env = coordinator_env(database_url, bootstrap, group, JWT_SECRET, KVLEDGER_SUBJECT_KEY=SUBJECT_KEY, **keys.coordinator_env())
+    nodes = _bench_nodes(args, run_id, model_dir, work, bootstrap, keys)
     for node in nodes:
         await keys.enroll(database_url, node.settings.node_id, Path(node.settings.data_dir))
     principal = Principal(tenant, "reader", frozenset({AUTH_SCOPE}), {AUTH_SCOPE: 1})
@@ -347,29 +462,9 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
 
             await wait(registered, "both nodes registered", TIMEOUT_S)
 
-            # Blocks: documents of about 10 blocks each until every node holds blocks_per_node.
-            engine = nodes[0].engine
-            kv = torch.randn(engine.pool.spec.block_shape, dtype=engine.pool.spec.dtype)
-            keys, documents = [], []
-            while len(keys) < args.blocks_per_node:
-                doc_id = f"doc-{len(documents):05d}"
-                documents.append(doc_id)
-                keys += document_keys(engine, principal, doc_id)
+            keys, documents = await _fill_nodes(nodes, principal, args.blocks_per_node, connection)
             blocks_per_document = len(keys) / len(documents)
-            full_tokens = len(document_keys(engine, principal, documents[0])) * engine.block_size
-            for node in nodes:
-                for start in range(0, len(keys), FILL_CHUNK_BLOCKS):
-                    await asyncio.to_thread(node.fill, keys[start : start + FILL_CHUNK_BLOCKS], kv)
-                    await node.publisher.flush()
-
-            async def in_ledger() -> bool:
-                rows = await connection.fetch(
-                    "SELECT node_id, count(*) AS n FROM placements WHERE state = 'live' AND node_id = ANY($1::text[]) GROUP BY node_id",
-                    node_ids,
-                )
-                return len(rows) == len(node_ids) and all(row["n"] == len(keys) for row in rows)
-
-            await wait(in_ledger, "every block in the ledger", TIMEOUT_S)
+            full_tokens = len(document_keys(nodes[0].engine, principal, documents[0])) * nodes[0].engine.block_size
 
             acks: dict[str, dict[str, float]] = {}
             listening = asyncio.Event()
@@ -381,36 +476,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                     asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index, args.probe_interval_ms / 1000))
                 )
 
-            versions = dict.fromkeys(documents, 1)
-            producer = AIOKafkaProducer(
-                **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")), acks="all", linger_ms=0
-            )
-            await producer.start()
-            num_warmup = round(args.rate * args.warmup_s)
-            try:
-                sends = []
-                loop_started = time.perf_counter()
-                for i in range(num_warmup + args.events):
-                    delay = loop_started + i / args.rate - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    doc_id = documents[i % len(documents)]
-                    versions[doc_id] += 1
-                    event_id = str(uuid.uuid4())
-                    event = {
-                        "event_id": event_id,
-                        "type": "DocumentUpdated",
-                        "schema_version": 1,
-                        "occurred_at": datetime.now(UTC).isoformat(),
-                        "tenant_id": tenant,
-                        "payload": {"doc_id": doc_id, "version": versions[doc_id]},
-                    }
-                    at = time.time()
-                    sends.append(await producer.send(topics.DOCUMENTS, json.dumps(event).encode(), key=f"{tenant}:{doc_id}".encode()))
-                    published.append(Published(event_id, doc_id, versions[doc_id] - 1, at, measured=i >= num_warmup))
-                await asyncio.gather(*sends)
-            finally:
-                await producer.stop()
+            await _publish_document_updates(bootstrap, tenant, documents, args, published)
 
             async def all_complete() -> bool:
                 complete = await connection.fetchval("SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'")
@@ -453,36 +519,16 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 raise result
 
-    decided, reached, applied, acked, complete, durations = [], [], [], [], [], []
-    for row in rows:
-        command_id, published_at = row["command_id"], measured[str(row["source_event_id"])]
-        decided.append((row["created_at"].timestamp() - published_at) * 1000)
-        complete.append((row["completed_at"].timestamp() - published_at) * 1000)
-        acked.append((max(acks[str(command_id)].values()) - published_at) * 1000)
-        spans = [node.handler.applied[command_id] for node in nodes]
-        reached.append((max(begin for begin, _ in spans) - published_at) * 1000)
-        applied.append((max(end for _, end in spans) - published_at) * 1000)
-        durations += [(end - begin) * 1000 for begin, end in spans]
-    # Sustained rate of one node: its commands over the span from its first apply to its last.
-    throughputs = []
-    for node in nodes:
-        spans = [node.handler.applied[row["command_id"]] for row in rows]
-        throughputs.append(len(spans) / (max(end for _, end in spans) - min(begin for begin, _ in spans)))
-    return InvalidationRun(
-        num_events=args.events,
+    return _summarize(
+        args,
+        rows,
+        measured,
+        acks,
+        nodes,
+        probes,
         blocks_per_node=len(keys),
-        blocks_per_event=blocks_per_document,
-        refused_ms=list(probes.refused.values()),
-        decided_ms=decided,
-        reached_ms=reached,
-        applied_ms=applied,
-        acked_ms=acked,
-        complete_ms=complete,
-        apply_duration_ms=durations,
-        node_commands_per_s=min(throughputs),
-        num_refused_by_409=probes.by_409,
-        num_refused_by_miss=probes.by_miss,
-        num_late_reissues=late,
+        blocks_per_document=blocks_per_document,
+        late=late,
         elapsed_s=elapsed_s,
     )
 
