@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -432,155 +432,22 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
     The caller owns the engine's lifecycle (``gpu_node.server`` starts it on the
     serving event loop before the app takes traffic); until ``engine.ready`` the
     app answers 503 rather than serve from a cache that may still hold blocks
-    pending invalidation.
+    pending invalidation. The routes are module-level (:data:`router`); what they
+    serve from is put on ``app.state`` here, once, and read back per request by
+    the dependencies above.
     """
     app = FastAPI(title="kvledger GPU node")
+    app.state.engine = engine
     app.state.verifier = verifier
     app.state.operator_verifier = operator_verifier
-    limits: RequestLimits = engine.settings.limits
-    started_at = int(time.time())
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(AuthError)
-    async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:
-        error = ApiError(401, exc.message, type="authentication_error", code=exc.code)
-        return _error_response(error, headers={"WWW-Authenticate": "Bearer"})
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        error = ApiError(exc.status_code, str(exc.detail), code=code)
-        return _error_response(error, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.error("unhandled %s in request", type(exc).__name__)
-        return _error_response(ApiError(500, "internal server error", type="server_error", code="internal_error"))
-
-    def require_ready() -> None:
-        # Until the node has replayed pending invalidations it may hold blocks
-        # that must no longer be served, so it serves nothing.
-        if not engine.ready:
-            raise ApiError(503, "the node is not ready yet", type="server_error", code="not_ready")
-
-    def require_model(name: str) -> None:
-        if name != engine.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist on this node", code="model_not_found", param="model")
-
-    def model_card() -> dict:
-        return {"id": engine.model_name, "object": "model", "created": started_at, "owned_by": "kvledger"}
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz() -> dict:
-        require_ready()
-        return {"status": "ready"}
-
-    def require_scraper(request: Request) -> None:
-        """The operational views aggregate every tenant's traffic: the operator's metrics token only."""
-        refusal = scrape_refusal(request.headers.get("authorization"), engine.settings.metrics.token)
-        if refusal is not None:
-            status_code, code, message = refusal
-            if status_code == 401:
-                raise AuthError(code, message)
-            raise ApiError(status_code, message, code=code)
-
+    app.state.started_at = int(time.time())
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(AuthError, _auth_error)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(router)
     app.include_router(vllm_router(require_ready, _principal))
-
-    @app.get("/metrics", dependencies=[Depends(require_scraper)])
-    async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def list_models(_: Caller) -> dict:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str, _: Caller) -> dict:
-        require_model(model)
-        return model_card()
-
-    @app.get("/v1/cache/stats", dependencies=[Depends(require_scraper)])
-    async def cache_stats() -> dict:
-        return engine.cache_stats()
-
-    @app.get("/v1/cache/layout", dependencies=[Depends(require_scraper)])
-    async def cache_layout() -> dict:
-        return layout_sampler(engine).snapshot()
-
-    @app.post("/v1/cache/snapshots", status_code=201)
-    async def write_snapshot(_: PlatformAdmin) -> dict:
-        require_ready()
-        return await engine.write_snapshot()
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http_request: Request, caller: Caller) -> Response:
-        body = await _read_body(http_request, limits)
-        require_ready()
-        require_model(body.model)
-        sampling = _sampling(body, engine.max_context_tokens, limits)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        # A retired namespace's blocks are being deleted everywhere; new ones must not be built.
-        use_cache = not engine.versions.is_retired(engine.namespace.namespace)
-        headers = None if use_cache else {CACHE_BYPASS_HEADER: "namespace_retired"}
-        request = GenerationRequest(
-            request_id=request_id,
-            messages=_to_messages(body, caller, engine.versions),
-            sampling=sampling,
-            principal=caller,
-            use_cache=use_cache,
-        )
-        stream, stats = await _start(engine, request)
-        stream = usage_meter(engine).metered(stream, caller.tenant_id, stats.num_prompt_tokens, stats.num_cached_tokens)
-        created = int(time.time())
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller)
-            return StreamingResponse(
-                events,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
-            )
-        async with aclosing(stream):
-            texts: list[str] = []
-            done: GenerationDone | None = None
-            async for item in stream:
-                if isinstance(item, TokenDelta):
-                    texts.append(item.text)
-                else:
-                    assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
-                    done = item
-        assert done is not None, "engine stream ended without GenerationDone"
-        _log_completion(request_id, stats, done)
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": engine.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "".join(texts)},
-                        "logprobs": None,
-                        "finish_reason": done.finish_reason,
-                    }
-                ],
-                "usage": _usage(stats, done.num_completion_tokens),
-            },
-            headers=headers,
-        )
-
     app.add_middleware(
         RequestIdMiddleware,
         access_logger="gpu_node.access",
@@ -590,6 +457,178 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
         observe=engine.metrics.observe_http,
     )
     return app
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError), f"registered for ApiError, got {type(exc).__name__}"
+    return _error_response(exc)
+
+
+async def _auth_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, AuthError), f"registered for AuthError, got {type(exc).__name__}"
+    error = ApiError(401, exc.message, type="authentication_error", code=exc.code)
+    return _error_response(error, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError), f"registered for RequestValidationError, got {type(exc).__name__}"
+    return _error_response(_validation_error(exc))
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException), f"registered for HTTPException, got {type(exc).__name__}"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    error = ApiError(exc.status_code, str(exc.detail), code=code)
+    return _error_response(error, headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.error("unhandled %s in request", type(exc).__name__)
+    return _error_response(ApiError(500, "internal server error", type="server_error", code="internal_error"))
+
+
+def _engine(request: Request) -> AsyncEngine:
+    return request.app.state.engine
+
+
+Engine = Annotated[AsyncEngine, Depends(_engine)]
+
+
+def _require_ready(engine: AsyncEngine) -> None:
+    # Until the node has replayed pending invalidations it may hold blocks
+    # that must no longer be served, so it serves nothing.
+    if not engine.ready:
+        raise ApiError(503, "the node is not ready yet", type="server_error", code="not_ready")
+
+
+def require_ready(engine: Engine) -> None:
+    """Dependency: the node's 503 ``not_ready`` until its engine is ready."""
+    _require_ready(engine)
+
+
+def _require_model(engine: AsyncEngine, name: str) -> None:
+    if name != engine.model_name:
+        raise ApiError(404, f"the model {name!r} does not exist on this node", code="model_not_found", param="model")
+
+
+def _model_card(request: Request, engine: AsyncEngine) -> dict:
+    return {"id": engine.model_name, "object": "model", "created": request.app.state.started_at, "owned_by": "kvledger"}
+
+
+def _require_scraper(request: Request, engine: Engine) -> None:
+    """The operational views aggregate every tenant's traffic: the operator's metrics token only."""
+    refusal = scrape_refusal(request.headers.get("authorization"), engine.settings.metrics.token)
+    if refusal is not None:
+        status_code, code, message = refusal
+        if status_code == 401:
+            raise AuthError(code, message)
+        raise ApiError(status_code, message, code=code)
+
+
+router = APIRouter()
+"""The node's own routes; vLLM's operational routes are :func:`gpu_node.vllm_routes.vllm_router`."""
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", dependencies=[Depends(require_ready)])
+async def readyz() -> dict:
+    return {"status": "ready"}
+
+
+@router.get("/metrics", dependencies=[Depends(_require_scraper)])
+async def metrics(engine: Engine) -> Response:
+    return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, _: Caller, engine: Engine) -> dict:
+    return {"object": "list", "data": [_model_card(request, engine)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(request: Request, model: str, _: Caller, engine: Engine) -> dict:
+    _require_model(engine, model)
+    return _model_card(request, engine)
+
+
+@router.get("/v1/cache/stats", dependencies=[Depends(_require_scraper)])
+async def cache_stats(engine: Engine) -> dict:
+    return engine.cache_stats()
+
+
+@router.get("/v1/cache/layout", dependencies=[Depends(_require_scraper)])
+async def cache_layout(engine: Engine) -> dict:
+    return layout_sampler(engine).snapshot()
+
+
+@router.post("/v1/cache/snapshots", status_code=201)
+async def write_snapshot(_: PlatformAdmin, engine: Engine) -> dict:
+    _require_ready(engine)
+    return await engine.write_snapshot()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(http_request: Request, caller: Caller, engine: Engine) -> Response:
+    limits = engine.settings.limits
+    body = await _read_body(http_request, limits)
+    _require_ready(engine)
+    _require_model(engine, body.model)
+    sampling = _sampling(body, engine.max_context_tokens, limits)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    # A retired namespace's blocks are being deleted everywhere; new ones must not be built.
+    use_cache = not engine.versions.is_retired(engine.namespace.namespace)
+    headers = None if use_cache else {CACHE_BYPASS_HEADER: "namespace_retired"}
+    request = GenerationRequest(
+        request_id=request_id,
+        messages=_to_messages(body, caller, engine.versions),
+        sampling=sampling,
+        principal=caller,
+        use_cache=use_cache,
+    )
+    stream, stats = await _start(engine, request)
+    stream = usage_meter(engine).metered(stream, caller.tenant_id, stats.num_prompt_tokens, stats.num_cached_tokens)
+    created = int(time.time())
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller)
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
+        )
+    async with aclosing(stream):
+        texts: list[str] = []
+        done: GenerationDone | None = None
+        async for item in stream:
+            if isinstance(item, TokenDelta):
+                texts.append(item.text)
+            else:
+                assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
+                done = item
+    assert done is not None, "engine stream ended without GenerationDone"
+    _log_completion(request_id, stats, done)
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": engine.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(texts)},
+                    "logprobs": None,
+                    "finish_reason": done.finish_reason,
+                }
+            ],
+            "usage": _usage(stats, done.num_completion_tokens),
+        },
+        headers=headers,
+    )
 
 
 async def _sse_events(
