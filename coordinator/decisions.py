@@ -301,7 +301,7 @@ async def decide(
     applies the command). Expected nodes are all nodes registered now:
     one that is down keeps the command pending until it returns, replays and acks.
     With no node registered the command is complete at once (nothing can hold a copy).
-    The caller owns the transaction and the locking (:func:`lock_decisions`); the command
+    The caller owns the transaction and the locking (:func:`coordinator.ledger.lock_decisions`); the command
     is signed with ``signer`` (the coordinator's command key) before it enters the outbox.
     """
     command_id = uuid.uuid4()
