@@ -6,7 +6,7 @@ An erasure starts from ``POST /v1/erasures`` (``coordinator.erasure_api``) or an
 caller's transaction, under the decision lock: the subject becomes its keyed digest
 (the raw id is used for nothing else and stored nowhere), its data keys are destroyed
 (cryptographic erase of every sealed copy), and a ``subject`` ``Invalidate`` with
-cutoff = now is decided (:func:`coordinator.invalidation.decide`), so the erasure row,
+cutoff = now is decided (:func:`coordinator.decisions.decide`), so the erasure row,
 the destroyed keys and the command in the outbox exist together or not at all.
 
 Verification (:meth:`ErasureService.verify`) runs after every ack batch and
@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator import metrics, receipts
 from coordinator.audit_log import AuditLogCorrupted, ReceiptKeys, ReceiptKeyUnavailable, append_receipt
 from coordinator.db import Database
-from coordinator.invalidation import Decision, decide, matching_blocks
+from coordinator.decisions import Decision, decide, matching_blocks
 from coordinator.keys import DataKey, destroy_keys, subject_keys
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure, Invalidation, InvalidationTarget, Placement

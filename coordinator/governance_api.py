@@ -50,9 +50,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from coordinator.decisions import parse_predicate
 from coordinator.dependencies import CommandSigner, GovernanceCaller, Session
 from coordinator.http import error_response
-from coordinator.invalidation import parse_predicate
 from coordinator.models import Document, Invalidation, InvalidationTarget, Namespace, Policy
 from coordinator.states import NamespaceStatus, TargetStatus
 from events.schema import ANY_VERSION, DocumentPredicate, Invalidate, NamespacePredicate, PolicyPredicate, Predicate, make_event

@@ -16,7 +16,7 @@ One polled batch is one database transaction:
    outbox in the same transaction;
 5. blocks stored by the batch whose provenance an earlier invalidation already
    superseded (a *late* ``BlockStored``) get that invalidation re-issued at once
-   (:func:`coordinator.invalidation.reissue_for_late_blocks`), still in the same
+   (:func:`coordinator.decisions.reissue_for_late_blocks`), still in the same
    transaction. Holding the advisory lock shared, no decision interleaves with the
    batch (see :mod:`coordinator.ledger` for the lock order).
 
@@ -48,7 +48,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import inbox, metrics
 from coordinator.db import Database
-from coordinator.invalidation import Decision, reissue_for_late_blocks
+from coordinator.decisions import Decision, reissue_for_late_blocks
 from coordinator.ledger import begin_ledger_transaction, lock_ledger_writes
 from coordinator.models import (
     VOLATILE_TIERS,

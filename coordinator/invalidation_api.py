@@ -30,9 +30,9 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.auth import require_tenant
+from coordinator.decisions import decide, deleted_by, live_copies_matching, parse_predicate
 from coordinator.dependencies import CommandSigner, PlatformAdmin, Reader, Session, Settings
 from coordinator.http import error_response, iso
-from coordinator.invalidation import decide, deleted_by, live_copies_matching, parse_predicate
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Invalidation, InvalidationTarget, Namespace, Node
 from coordinator.states import InvalidationStatus, NamespaceStatus, TargetStatus

@@ -6,7 +6,7 @@ gives it the database's time — one clock for every coordinator replica.
 
 Locking: a decision must not interleave with a kv-events batch, or a block stored
 concurrently could escape both the decision's marking and the batch's late-block
-check (:func:`coordinator.invalidation.reissue_for_late_blocks`). Decisions take a
+check (:func:`coordinator.decisions.reissue_for_late_blocks`). Decisions take a
 transaction-level advisory lock exclusively (:func:`lock_decisions`); ledger writers
 (kv-events batches, ack batches) take it shared (:func:`lock_ledger_writes`), so they
 run concurrently with each other and each waits at most for one short decision

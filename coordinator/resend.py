@@ -31,7 +31,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from coordinator import metrics
 from coordinator.db import Database
-from coordinator.invalidation import parse_predicate
+from coordinator.decisions import parse_predicate
 from coordinator.models import Invalidation, OutboxEntry
 from coordinator.outbox import outbox_row
 from events.schema import Invalidate, make_event

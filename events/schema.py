@@ -49,6 +49,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails
 
+from events.tiers import StorageTier, Tier
+
 SCHEMA_VERSION = 1
 
 # ---------------------------------------------------------------------------
@@ -152,10 +154,6 @@ DocumentTag = Annotated[
 """``doc_id@version`` as it appears in a block's prefix (a :data:`Name` and a :data:`DocumentVersion`)."""
 
 CacheScopeLabel = Literal["public", "tenant", "user"]
-StorageTier = Literal["device", "host", "disk"]
-"""Tiers a single block lives in on a node."""
-Tier = Literal["device", "host", "disk", "snapshot"]
-"""Every place the ledger tracks, snapshots included."""
 RemovalReason = Literal["evicted", "expired", "invalidated", "restore_failed", "replaced"]
 EraseMethod = Literal["overwrite", "unlink", "crypto_erase"]
 """How bytes were destroyed: ``overwrite`` is NIST 800-88 Clear (memory slots zeroed);
@@ -367,7 +365,7 @@ class Placement(_Model):
 
     @model_validator(mode="after")
     def _snapshot_id_matches_tier(self) -> Placement:
-        if (self.tier == "snapshot") != (self.snapshot_id is not None):
+        if (self.tier == Tier.SNAPSHOT) != (self.snapshot_id is not None):
             raise ValueError("snapshot_id is required for tier 'snapshot' and forbidden otherwise")
         return self
 

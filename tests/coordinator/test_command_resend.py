@@ -41,7 +41,7 @@ from sqlalchemy import func, select, update
 from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.db import Database
-from coordinator.invalidation import decide
+from coordinator.decisions import decide
 from coordinator.models import Invalidation, InvalidationTarget, Node, OutboxEntry
 from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings, DatabaseSettings

@@ -1,9 +1,9 @@
 """Property: the decision rule's two implementations mark exactly the same placements.
 
-The rule "which live copies does a decision cover" exists twice in ``coordinator.invalidation``:
-:func:`~coordinator.invalidation.decide` with :func:`~coordinator.invalidation.matching_blocks` (SQLAlchemy,
+The rule "which live copies does a decision cover" exists twice in ``coordinator.decisions``:
+:func:`~coordinator.decisions.decide` with :func:`~coordinator.decisions.matching_blocks` (SQLAlchemy,
 one decision at a time: late re-sends, erasures, namespace retirement, the API) and the bulk ``_DECIDE``
-statement of ``InvalidationHandler._decide_many`` (every document/permission event of a batch at once).
+statement of :func:`~coordinator.decisions.decide_many` (every document/permission event of a batch at once).
 A rule change made in one of them only would silently diverge, so for random ledgers — blocks of a few
 tenants, namespaces and subjects, with documents and auth scopes at several versions, copies on a few nodes
 in every tier, live or deleted — and random event sequences (documents updated or deleted, permissions
@@ -36,7 +36,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator.db import Database
-from coordinator.invalidation import ANY_VERSION, APPLIED, SUPERSEDED, InvalidationHandler, _BatchResult, decide, parse_predicate
+from coordinator.decisions import APPLIED, SUPERSEDED, decide, decide_many, parse_predicate
 from coordinator.ledger import begin_ledger_transaction
 from coordinator.models import (
     Block,
@@ -54,6 +54,7 @@ from coordinator.models import (
 )
 from coordinator.settings import DatabaseSettings
 from events.schema import (
+    ANY_VERSION,
     SCHEMA_VERSION,
     DocumentDeleted,
     DocumentPredicate,
@@ -384,7 +385,7 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
 
 
 async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: datetime) -> tuple[list[uuid.UUID], Counter]:
-    """The per-event semantics ``_decide_many`` promises: each event, in order, is ignored when the recorded version
+    """The per-event semantics ``decide_many`` promises: each event, in order, is ignored when the recorded version
     supersedes it, else decided with ``decide()`` and recorded as the new current version."""
     command_ids: list[uuid.UUID] = []
     outcomes: Counter = Counter()
@@ -478,25 +479,14 @@ def ledger(ledger_url: str) -> Iterator[PrivateLedger]:
         loop.close()
 
 
-class _NoErasures:
-    """The handler's erasure hooks: the batches here hold no erasure request (never called)."""
-
-    async def start_from_event(self, session, envelope, now):
-        raise AssertionError("no erasure in this batch")
-
-    async def acks_applied(self, command_ids) -> None:
-        raise AssertionError("no ack in this batch")
-
-
 async def _check_events(database: Database, ledger: Ledger, events: list[Envelope]) -> None:
-    handler = InvalidationHandler(database, erasures=_NoErasures(), command_signer=sign_command)
     async with database.session() as session, session.begin():
         now = await begin_ledger_transaction(session)
         await _build(session, ledger, now)
 
-        bulk = _BatchResult()
+        bulk_outcomes: Counter = Counter()
         savepoint = await session.begin_nested()
-        await handler._decide_many(session, events, now, bulk)
+        bulk = await decide_many(session, events, now, signer=sign_command, lease_until=None, outcomes=bulk_outcomes)
         bulk_ids = [decision.command_id for decision in bulk.decisions]
         by_bulk = await _written(session, {command_id: n for n, command_id in enumerate(bulk_ids)})
         await savepoint.rollback()
@@ -508,7 +498,7 @@ async def _check_events(database: Database, ledger: Ledger, events: list[Envelop
         await session.rollback()
 
     assert by_bulk == by_decide
-    assert bulk.outcomes == in_turn_outcomes
+    assert bulk_outcomes == in_turn_outcomes
     assert [d.num_targets for d in bulk.decisions] == [len(ledger.nodes)] * len(bulk_ids)
     decided = [parse_predicate(invalidation[2]) for invalidation in by_decide["invalidations"]]
     assert by_decide["placements"] == expected_marks(ledger, decided)

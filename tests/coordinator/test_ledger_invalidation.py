@@ -45,14 +45,17 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator import migrate
 from coordinator.api import create_app
+from coordinator.audit_log import ReceiptKeys
 from coordinator.db import Database
-from coordinator.invalidation import ANY_VERSION, InvalidationHandler
+from coordinator.erasure import ErasureService
+from coordinator.invalidation import InvalidationHandler
 from coordinator.ledger import lock_decisions
 from coordinator.models import DeadLetterCount, Document, Invalidation, InvalidationTarget, Namespace, Node, OutboxEntry, Placement, Policy
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
 from events.kafka import ConsumedEvent, EventProducer
 from events.schema import (
+    ANY_VERSION,
     BlockRemoved,
     CommandAck,
     DocumentDeleted,
@@ -520,21 +523,12 @@ async def test_publish_cli(coordinator, database: Database, settings, capsys: py
     assert await asyncio.to_thread(run, "erasure-requested", **bad_id) == 2
 
 
-class _NoErasures:
-    """The handler's erasure hooks, for a batch without erasure requests or acks (never called)."""
-
-    async def start_from_event(self, session, envelope, now):
-        raise AssertionError("no erasure in this batch")
-
-    async def acks_applied(self, command_ids) -> None:
-        raise AssertionError("no ack in this batch")
-
-
 async def test_a_decision_with_no_registered_node_is_complete_at_once(database_url: str, ledger_template: str) -> None:
     async with fresh_database(database_url, ledger_template) as url:
         database = Database(DatabaseSettings(url=url))
         try:
-            handler = InvalidationHandler(database, erasures=_NoErasures(), command_signer=sign_command)
+            erasures = ErasureService(database, subject_key=None, receipt_keys=ReceiptKeys(None, None), command_signer=sign_command)
+            handler = InvalidationHandler(database, erasures=erasures, command_signer=sign_command)
             event = make_event(DocumentUpdated(doc_id="guide", version=2), tenant_id="solo")
             consumed = ConsumedEvent(topic=DOCUMENTS, partition=0, offset=0, key="solo:guide", timestamp_ms=0, envelope=event)
             await handler([consumed])

@@ -67,7 +67,7 @@ async def test_the_models_check_constraints_are_the_migrated_ones(database_url: 
 
 
 def test_the_tiers_of_the_contract_and_the_node_are_the_ledgers() -> None:
-    assert tuple(Tier) == typing.get_args(schema.Tier)
-    assert STORAGE_TIERS == typing.get_args(schema.StorageTier)
+    assert schema.Placement.model_fields["tier"].annotation is Tier
+    assert typing.get_args(schema.StoredBlock.model_fields["tier"].annotation) == STORAGE_TIERS
     assert tuple(PoolTier) == STORAGE_TIERS
     assert set(VOLATILE_TIERS) < set(STORAGE_TIERS)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import rfc8785
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from events import schema, topics
@@ -47,6 +50,8 @@ from events.schema import (
     parse_event,
     subject_digest,
 )
+from events.tiers import STORAGE_TIERS, Tier
+from identity.signing import sign_envelope, verify_envelope
 
 KEY = b"k" * 32
 H1, H2, H3 = "11" * 32, "22" * 32, "33" * 32
@@ -547,3 +552,118 @@ def test_usage_reports_are_bounded_counts(overrides: dict, problem: str) -> None
     assert UsageReported.model_validate(USAGE).num_cached_tokens == 10
     with pytest.raises(ValidationError, match=problem):
         UsageReported.model_validate(USAGE | overrides)
+
+
+# --- tiers on the wire ------------------------------------------------------------------------
+#
+# The wire models type tiers with the one enum, ``events.tiers.Tier``. Signatures cover the RFC 8785
+# canonical JSON of a record, so a tier must serialize as its value (``"device"``, never
+# ``"Tier.DEVICE"``) or every signature made before would stop verifying. ``wire_records_with_tiers.jsonl``
+# holds the records :func:`_records_with_tiers` built, encoded and signed when the models still spelled
+# tiers as string literals, one per line: today's models must produce them byte for byte.
+
+WIRE_RECORDS = (Path(__file__).parent / "wire_records_with_tiers.jsonl").read_bytes().splitlines()
+
+WIRE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+"""A fixed key: Ed25519 signatures are deterministic, so a record signs to the same bytes every time."""
+
+
+def _records_with_tiers(tier: Callable[[str], str]) -> list[Envelope]:
+    """One signed record of each model that names a tier, every tier value included, spelled ``tier(value)``."""
+    user = provenance(H2, scope="user", subject_id=SUBJECT)
+    payloads: list[tuple[schema.EventPayload, str | None]] = [
+        (BlockStored(**NODE, blocks=[{**provenance(H1), "tier": tier("device")}, {**user, "tier": tier("disk")}]), None),
+        (BlockRemoved(**NODE, blocks=[{"block_hash": H1, "tier": tier("host")}], reason="evicted"), None),
+        (BlockMoved(**NODE, blocks=[{"block_hash": H1, "from_tier": tier("device"), "to_tier": tier("host")}]), None),
+        (
+            Inventory(
+                **NODE,
+                request_id=uuid.UUID(int=7),
+                placements=[
+                    Placement(block_hash=H1, tier=tier("host")),
+                    Placement(block_hash=H2, tier=tier("snapshot"), snapshot_id="snap-1"),
+                ],
+                blocks=[BlockProvenance(**provenance(H1)), BlockProvenance(**user)],
+            ),
+            None,
+        ),
+        (
+            CommandAck(
+                command_id=uuid.UUID(int=9),
+                node_id="node-a",
+                epoch=2,
+                evidence=[
+                    TierEvidence(
+                        tier=tier("device"), removed=1, block_hashes=[H1], method="overwrite", post_check="readback_zero", verified=True
+                    ),
+                    TierEvidence(
+                        tier=tier("snapshot"),
+                        removed=1,
+                        block_hashes=[H2],
+                        method="crypto_erase",
+                        post_check="key_destroyed",
+                        verified=True,
+                        key_ids=["key-1"],
+                    ),
+                ],
+            ),
+            "acme",
+        ),
+    ]
+    return [
+        sign_envelope(
+            Envelope(
+                event_id=uuid.UUID(int=n + 1),
+                type=payload.TYPE,
+                schema_version=1,
+                occurred_at=CREATED,
+                tenant_id=tenant,
+                payload=payload,
+            ),
+            WIRE_KEY,
+        )
+        for n, (payload, tenant) in enumerate(payloads)
+    ]
+
+
+@pytest.mark.parametrize("tier", [str, Tier], ids=["plain-strings", "enum-members"])
+def test_tiers_go_on_the_wire_exactly_as_before(tier: Callable[[str], str]) -> None:
+    records = _records_with_tiers(tier)
+    assert [encode_event(record) for record in records] == WIRE_RECORDS
+    assert [rfc8785.dumps(record.model_dump(mode="json")) for record in records] == [
+        rfc8785.dumps(json.loads(line)) for line in WIRE_RECORDS
+    ]
+
+
+def test_records_signed_before_still_verify_and_read_as_the_enum() -> None:
+    assert len(WIRE_RECORDS) == 5
+    for line in WIRE_RECORDS:
+        record = parse_event(line)
+        assert verify_envelope(record, WIRE_KEY.public_key()), record.type
+        assert encode_event(record) == line
+    stored, removed, moved, inventory, ack = (parse_event(line).payload for line in WIRE_RECORDS)
+    tiers = [
+        *(block.tier for block in stored.blocks),
+        *(block.tier for block in removed.blocks),
+        *(t for block in moved.blocks for t in (block.from_tier, block.to_tier)),
+        *(placement.tier for placement in inventory.placements),
+        *(evidence.tier for evidence in ack.evidence),
+    ]
+    assert tiers == [Tier.DEVICE, Tier.DISK, Tier.HOST, Tier.DEVICE, Tier.HOST, Tier.HOST, Tier.SNAPSHOT, Tier.DEVICE, Tier.SNAPSHOT]
+    assert all(type(t) is Tier for t in tiers)
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        {"blocks": [{"block_hash": H1, "tier": "snapshot"}], "reason": "evicted"},
+        {"blocks": [{"block_hash": H1, "tier": "DEVICE"}], "reason": "evicted"},
+        {"blocks": [{"block_hash": H1, "tier": "Tier.DEVICE"}], "reason": "evicted"},
+    ],
+)
+def test_a_block_event_names_only_storage_tiers_by_value(blocks: dict) -> None:
+    raw = json.loads(WIRE_RECORDS[1])
+    raw["payload"] |= blocks
+    with pytest.raises(EventValidationError, match="tier"):
+        parse_event(json.dumps(raw))
+    assert {block.tier for block in parse_event(WIRE_RECORDS[1]).payload.blocks} <= set(STORAGE_TIERS)

@@ -32,8 +32,8 @@ from helpers.ledger import (
 from sqlalchemy import func, select
 
 from coordinator.db import Database
+from coordinator.decisions import decide
 from coordinator.ingest import LedgerIngest
-from coordinator.invalidation import decide
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure
 from coordinator.settings import CoordinatorSettings

@@ -1,0 +1,242 @@
+"""Acks: recording nodes' answers to commands and completing the commands (docs/design.md §5, §6).
+
+Nodes answer every ``Invalidate`` on ``kvledger.acks``. An ack with verified evidence
+marks the node's target row ``acked`` and the node's removed copies ``deleted``; one with
+an unverified post-check marks it ``failed``. A command is ``complete`` once every
+expected node acked (a namespace it drained becomes ``retired``).
+
+Locking: the node rows first (the same lock a kv-events batch of those nodes takes, so a
+node's acks and block events serialize), then the target rows, then the ledger-writes
+lock right before the placements (:mod:`coordinator.ledger` states the order and why).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import BigInteger, DateTime, LargeBinary, Text, Uuid, bindparam, select, text
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from coordinator import inbox
+from coordinator.decisions import APPLIED
+from coordinator.ledger import lock_ledger_writes
+from coordinator.models import Node
+from coordinator.states import InvalidationStatus, NamespaceStatus, TargetStatus
+from events.fault_points import fault_point
+from events.schema import CommandAck, Envelope
+
+UNEXPECTED = "unexpected"
+UNVERIFIED = "unverified"
+
+# Fixed SQL text with array parameters: one prepared statement per step whatever the batch size.
+
+_UUIDS = ARRAY(Uuid())
+_TEXTS = ARRAY(Text())
+_BIGINTS = ARRAY(BigInteger())
+_BYTEAS = ARRAY(LargeBinary())
+
+_COMPLETE = text("UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)").bindparams(
+    bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS)
+)
+_LOCK_TARGETS = (
+    text(
+        "SELECT t.command_id, t.node_id, t.status FROM invalidation_targets t"
+        " JOIN unnest(:command_ids, :node_ids)"
+        " AS k(command_id, node_id) ON t.command_id = k.command_id AND t.node_id = k.node_id"
+        " WHERE t.command_id = ANY(:command_ids) ORDER BY t.command_id, t.node_id FOR UPDATE OF t"
+    )
+    .bindparams(bindparam("command_ids", type_=_UUIDS), bindparam("node_ids", type_=_TEXTS))
+    .columns(command_id=Uuid(), node_id=Text(), status=Text())
+)
+_UPDATE_TARGETS = text(
+    "UPDATE invalidation_targets t"
+    " SET status = m.status, epoch = m.epoch, acked_at = :now, evidence = m.evidence::jsonb, ack_key_id = m.key_id"
+    " FROM unnest(:command_ids, :node_ids, :statuses, :epochs, :evidence, :key_ids)"
+    " AS m(command_id, node_id, status, epoch, evidence, key_id)"
+    " WHERE t.command_id = ANY(:command_ids) AND t.command_id = m.command_id AND t.node_id = m.node_id"
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)),
+    bindparam("command_ids", type_=_UUIDS),
+    bindparam("node_ids", type_=_TEXTS),
+    bindparam("statuses", type_=_TEXTS),
+    bindparam("epochs", type_=_BIGINTS),
+    bindparam("evidence", type_=_TEXTS),
+    bindparam("key_ids", type_=_TEXTS),
+)
+_DELETE_COPIES = text(
+    # A copy listed by several acks of the batch is deleted by the first, as applying them in turn does.
+    # Each copy is probed by its hash alone (a LATERAL lookup behind an ``OFFSET 0`` fence), which only
+    # the (block_hash, ...) unique index serves. Without statistics (right after a fill) the planner
+    # otherwise chose badly: given node, tier and state too, the (node, tier, state) index, reading
+    # every live placement of the node; given ``block_hash = ANY(...)``, a scan of the whole table.
+    "UPDATE placements p SET state = 'deleted', reason = 'invalidated',"
+    " invalidation_id = m.command_id, updated_at = :now"
+    " FROM (SELECT DISTINCT ON (d.node_id, d.tier, d.block_hash) d.node_id, d.tier, d.block_hash, d.command_id"
+    "  FROM unnest(:node_ids, :tiers, :hashes, :command_ids) WITH ORDINALITY"
+    " AS d(node_id, tier, block_hash, command_id, ord)"
+    "  ORDER BY d.node_id, d.tier, d.block_hash, d.ord) m"
+    " CROSS JOIN LATERAL (SELECT id, node_id, tier FROM placements WHERE block_hash = m.block_hash OFFSET 0) c"
+    " WHERE p.id = c.id AND c.node_id = m.node_id AND c.tier = m.tier AND p.state = 'live' RETURNING p.id"
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)),
+    bindparam("node_ids", type_=_TEXTS),
+    bindparam("tiers", type_=_TEXTS),
+    bindparam("hashes", type_=_BYTEAS),
+    bindparam("command_ids", type_=_UUIDS),
+)
+_LOCK_INVALIDATIONS = (
+    text(
+        "SELECT command_id, status, kind, created_at FROM invalidations WHERE command_id = ANY(:command_ids) ORDER BY command_id FOR UPDATE"
+    )
+    .bindparams(bindparam("command_ids", type_=_UUIDS))
+    .columns(command_id=Uuid(), status=Text(), kind=Text(), created_at=DateTime(timezone=True))
+)
+_TARGET_COUNTS = (
+    text(
+        "SELECT command_id, count(*) FILTER (WHERE status = 'pending') AS pending,"
+        " count(*) FILTER (WHERE status = 'failed') AS failed"
+        " FROM invalidation_targets WHERE command_id = ANY(:command_ids) GROUP BY command_id"
+    )
+    .bindparams(bindparam("command_ids", type_=_UUIDS))
+    .columns(command_id=Uuid(), pending=BigInteger(), failed=BigInteger())
+)
+_FAIL = text("UPDATE invalidations SET status = 'failed' WHERE command_id = ANY(:command_ids)").bindparams(
+    bindparam("command_ids", type_=_UUIDS)
+)
+_RETIRE_NAMESPACES = text(
+    f"UPDATE namespaces SET status = '{NamespaceStatus.RETIRED}', updated_at = :now"
+    f" WHERE invalidation_id = ANY(:command_ids) AND status = '{NamespaceStatus.DRAINING}'"
+).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
+
+
+@dataclass(slots=True)
+class Finished:
+    """What :func:`finish_if_acked` found: latencies of the commands completed now, and the erasure commands."""
+
+    completed_s: list[float] = field(default_factory=list)
+    subject_command_ids: list[uuid.UUID] = field(default_factory=list)
+    """The commands among those given that carry a subject predicate (erasures and their re-sends),
+    complete or not: only their acks can advance an erasure."""
+
+
+async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID], now: datetime) -> Finished:
+    """Set each command's status from its targets.
+
+    ``complete`` when every target acked with verified evidence (a namespace drained
+    by it becomes ``retired``), ``failed`` while some target reported an unverified
+    post-check, else still ``pending``.
+    """
+    ids = sorted(set(command_ids))
+    if not ids:
+        return Finished()
+    rows = (await session.execute(_LOCK_INVALIDATIONS, {"command_ids": ids})).all()
+    found = {row.command_id for row in rows}
+    missing = [command_id for command_id in ids if command_id not in found]
+    assert not missing, f"target rows of {missing[0]} without an invalidation"
+    counts = {row.command_id: (row.pending, row.failed) for row in await session.execute(_TARGET_COUNTS, {"command_ids": ids})}
+    finished = Finished(subject_command_ids=[row.command_id for row in rows if row.kind == "subject"])
+    complete: list[uuid.UUID] = []
+    failed: list[uuid.UUID] = []
+    namespaces: list[uuid.UUID] = []
+    for row in rows:
+        if row.status == InvalidationStatus.COMPLETE:
+            continue
+        pending, failures = counts.get(row.command_id, (0, 0))
+        if pending == 0 and failures == 0:
+            complete.append(row.command_id)
+            finished.completed_s.append((now - row.created_at).total_seconds())
+            if row.kind == "namespace":
+                namespaces.append(row.command_id)
+        elif failures:
+            failed.append(row.command_id)
+    if complete:
+        await session.execute(_COMPLETE, {"now": now, "command_ids": complete})
+    if failed:
+        await session.execute(_FAIL, {"command_ids": failed})
+    if namespaces:
+        await session.execute(_RETIRE_NAMESPACES, {"now": now, "command_ids": namespaces})
+    return finished
+
+
+@dataclass(slots=True)
+class AppliedAcks:
+    """What :func:`apply_acks` did: the copies it deleted and the commands it completed."""
+
+    num_copies_deleted: int = 0
+    finished: Finished = field(default_factory=Finished)
+
+
+async def apply_acks(
+    session: AsyncSession, acks: list[Envelope], now: datetime, outcomes: collections.Counter[tuple[str, str]]
+) -> AppliedAcks:
+    """Record each ack on its target row, delete the copies it verified, then complete the commands it touched.
+
+    In ack order, with one statement per step for the whole batch: the targets are
+    locked and read at once, folded in order here (a second ack of a target already
+    acked is a duplicate, one after a failure replaces it), then written at once.
+    The caller owns the transaction; every outcome is counted in ``outcomes``.
+    """
+    node_ids = sorted({ack.payload.node_id for ack in acks})
+    # Same lock as a kv-events batch of these nodes, so acks and block events of one node serialize.
+    await session.execute(select(Node.node_id).where(Node.node_id.in_(node_ids)).order_by(Node.node_id).with_for_update(key_share=True))
+    keys = sorted({(ack.payload.command_id, ack.payload.node_id) for ack in acks})
+    rows = await session.execute(_LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]})
+    status = {(row.command_id, row.node_id): row.status for row in rows}
+    updates: dict[tuple[uuid.UUID, str], tuple[str, int, str, str | None]] = {}
+    copies: dict[str, list] = collections.defaultdict(list)
+    touched: set[uuid.UUID] = set()
+    for envelope in acks:
+        ack: CommandAck = envelope.payload
+        key = (ack.command_id, ack.node_id)
+        current = status.get(key)
+        if current is None:
+            # Not a command of this ledger, or a node registered after the decision.
+            outcomes[(envelope.type, UNEXPECTED)] += 1
+            continue
+        if current == TargetStatus.ACKED:
+            outcomes[(envelope.type, inbox.DUPLICATE)] += 1
+            continue
+        verified = all(evidence.verified for evidence in ack.evidence)
+        status[key] = TargetStatus.ACKED if verified else TargetStatus.FAILED
+        updates[key] = (
+            status[key],
+            ack.epoch,
+            json.dumps([evidence.model_dump(mode="json") for evidence in ack.evidence]),
+            None if envelope.signature is None else envelope.signature.kid,
+        )
+        for evidence in ack.evidence:
+            if evidence.verified and evidence.block_hashes:
+                for block_hash in evidence.block_hashes:
+                    copies["node_ids"].append(ack.node_id)
+                    copies["tiers"].append(evidence.tier)
+                    copies["hashes"].append(bytes.fromhex(block_hash))
+                    copies["command_ids"].append(ack.command_id)
+        touched.add(ack.command_id)
+        outcomes[(envelope.type, APPLIED if verified else UNVERIFIED)] += 1
+    if updates:
+        await session.execute(
+            _UPDATE_TARGETS,
+            {
+                "now": now,
+                "command_ids": [k[0] for k in updates],
+                "node_ids": [k[1] for k in updates],
+                "statuses": [v[0] for v in updates.values()],
+                "epochs": [v[1] for v in updates.values()],
+                "evidence": [v[2] for v in updates.values()],
+                "key_ids": [v[3] for v in updates.values()],
+            },
+        )
+    fault_point("coordinator.mid_ack_batch")
+    await lock_ledger_writes(session)
+    applied = AppliedAcks()
+    if copies:
+        deleted = await session.execute(_DELETE_COPIES, {"now": now, **copies})
+        applied.num_copies_deleted = len(deleted.all())
+    applied.finished = await finish_if_acked(session, touched, now)
+    return applied
