@@ -43,6 +43,7 @@ from coordinator.erasure_api import describe_erasure, list_erasures, readable_er
 from coordinator.invalidation_api import describe_invalidation, list_invalidations
 from coordinator.models import Invalidation, Receipt, ReceiptKey
 from coordinator.node_status import node_statuses
+from coordinator.states import ErasureStatus, InvalidationStatus
 from events.schema import MAX_ID_CHARS
 from events.tiers import Tier
 from identity.roles import LEDGER_READERS
@@ -232,7 +233,7 @@ async def invalidations(
     session: Session,
     tenant: Filter = None,
     doc_id: Filter = None,
-    status: Literal["", "pending", "complete", "failed"] = "",
+    status: InvalidationStatus | Literal[""] = "",  # "": the form's "any status"
     before: Annotated[int | None, Query(ge=1)] = None,
 ) -> HTMLResponse:
     filters = {"tenant": _optional(tenant), "doc_id": _optional(doc_id), "status": status or None}
@@ -254,7 +255,7 @@ async def erasures(
     reader: Reader,
     session: Session,
     tenant: Filter = None,
-    status: Literal["", "pending", "partial", "verified", "failed"] = "",
+    status: ErasureStatus | Literal[""] = "",  # "": the form's "any status"
     before: Annotated[str | None, Query(max_length=80)] = None,
 ) -> HTMLResponse:
     filters = {"tenant": _optional(tenant), "status": status or None}

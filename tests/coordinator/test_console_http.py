@@ -84,3 +84,18 @@ async def test_a_hostile_tenant_id_is_escaped_everywhere(client: httpx.AsyncClie
     assert missing.status_code == 404
     malformed = await client.get("/ui/erasures/not-a-uuid", headers=auditor)
     assert malformed.status_code == 400 and "not-a-uuid" not in malformed.text
+
+
+@pytest.mark.parametrize(
+    ("page", "status"), [("invalidations", "complete"), ("invalidations", ""), ("erasures", "partial"), ("erasures", "")]
+)
+async def test_status_filters_take_the_ledgers_states_or_any(client: httpx.AsyncClient, page: str, status: str) -> None:
+    listed = await client.get(f"/ui/{page}", params={"status": status}, headers=operator_headers("auditor", "acme"))
+    assert listed.status_code == 200
+
+
+@pytest.mark.parametrize("page", ["invalidations", "erasures"])
+async def test_a_status_outside_the_ledgers_states_is_refused_without_echoing_it(client: httpx.AsyncClient, page: str) -> None:
+    refused = await client.get(f"/ui/{page}", params={"status": "acked<b>"}, headers=operator_headers("auditor", "acme"))
+    assert refused.status_code == 400 and "invalid_parameter" in refused.text
+    assert "acked<b>" not in refused.text and "acked&lt;b&gt;" not in refused.text
