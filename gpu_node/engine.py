@@ -152,6 +152,9 @@ class AsyncEngine:
         self.block_size = runner.kv_spec.block_size
         self.model_name = settings.model_name or runner.model_dir.name
         self.max_context_tokens = runner.max_context_tokens
+        # A sequence must fit the device tier alone, or preemption could not make it progress: on a node whose
+        # device tier holds fewer tokens than the model's context, this is the node's context length.
+        self.max_sequence_tokens = min(self.max_context_tokens, pool.config.num_device_blocks * self.block_size)
         self.manager = KVCacheManager(pool, metrics, settings.cache.singleflight_wait_s)
         self.paged_kv = PagedKV(pool, self.manager, metrics)
         self.scheduler = Scheduler(self.paged_kv, settings.scheduler.max_num_batched_tokens, settings.scheduler.max_num_seqs)
@@ -274,13 +277,12 @@ class AsyncEngine:
         if len(token_ids) >= self.max_context_tokens:
             raise PromptTooLongError(len(token_ids), self.max_context_tokens)
         sampling_state = make_sampling_state(request.sampling.temperature, request.sampling.top_p, request.sampling.seed)
-        # A sequence must fit the device tier alone, or preemption could not make it progress.
-        max_sequence_tokens = min(self.max_context_tokens, self.pool.config.num_device_blocks * self.block_size)
-        if len(token_ids) >= max_sequence_tokens:
+        if len(token_ids) >= self.max_sequence_tokens:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens; this node's device KV memory holds {max_sequence_tokens} tokens per request"
+                f"prompt has {len(token_ids)} tokens; this node's device KV memory holds {self.max_sequence_tokens} tokens per request"
             )
-        max_new_tokens = min(request.sampling.max_tokens, max_sequence_tokens - len(token_ids))
+        # Capped like at the model's context: the request ends with finish_reason "length" where the device tier is full.
+        max_new_tokens = min(request.sampling.max_tokens, self.max_sequence_tokens - len(token_ids))
         if max_new_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
 
