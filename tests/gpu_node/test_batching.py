@@ -188,6 +188,55 @@ async def test_a_request_may_grow_to_what_the_device_tier_holds_for_it_alone_or_
     assert_released(engine)
 
 
+async def test_the_head_of_the_queue_waits_for_requests_being_admitted_instead_of_failing(tiny_model_dir, tmp_path):
+    """A request references its hits at admission, on the event loop, before the engine's step takes it in.
+
+    In that window its hits may hold the device blocks the head of the queue needs while nothing runs. The
+    head waits for it instead of failing ("the device KV memory is held by waiting requests", before); once
+    it is queued it lets go, the head starts, and both complete with the tokens they get alone.
+    """
+    engine = await start_engine(tiny_model_dir, tmp_path / "admitting", *CONFIGS["tight"])
+    try:
+        prefix, own = LONGEST_ON_THE_TIGHT_NODE[1][:2]
+        head_messages = [*prefix, *own]  # 345 tokens: a first chunk of 256 needs 16 of the 24 device blocks
+        head_alone = await complete(engine, head_messages, use_cache=False, max_tokens=40)
+        admitting_messages = [system(long_text(60, 5)), user("Which blocks?")]
+        admitting_alone = await complete(engine, admitting_messages, max_tokens=3)
+        hits = [engine.pool.get_ready(block_hash) for block_hash in block_hashes(engine, admitting_messages, ALICE)]
+        assert len(hits) >= 9 and all(entry is not None and entry.tier is Tier.DEVICE for entry in hits)
+
+        admitted, proceed = asyncio.Event(), asyncio.Event()
+        acquire = engine.manager.acquire
+
+        async def acquire_then_hold(*args):
+            """The real admission, then a pause before the request is handed to the engine (its hits referenced)."""
+            del engine.manager.acquire  # only this request's admission pauses
+            plan = await acquire(*args)
+            admitted.set()
+            await proceed.wait()
+            return plan
+
+        engine.manager.acquire = acquire_then_hold
+        admitting = asyncio.ensure_future(complete(engine, admitting_messages, max_tokens=3))
+        await asyncio.wait_for(admitted.wait(), timeout=30)
+        assert {entry.ref_count for entry in hits} == {1}
+        head = asyncio.ensure_future(complete(engine, head_messages, use_cache=False, max_tokens=40))
+
+        async def head_waits() -> bool:
+            waiting = metric(engine, "kvledger_num_requests_waiting") == 1 and metric(engine, "kvledger_num_requests_running") == 0
+            return waiting or head.done()  # done: failed (checked next)
+
+        await eventually(head_waits, timeout_s=30, what="a step found the head of the queue unable to start")
+        assert not head.done() and len(engine.scheduler.waiting) == 1
+        proceed.set()
+        head_result, admitting_result = await asyncio.wait_for(asyncio.gather(head, admitting), timeout=120)
+        assert (head_result.token_ids, head_result.finish_reason) == (head_alone.token_ids, "length")
+        assert admitting_result.token_ids == admitting_alone.token_ids
+        assert_released(engine)
+    finally:
+        await engine.stop()
+
+
 async def test_isolation_under_batching_every_caller_is_served_only_its_scopes(engines):
     engine = engines["roomy"]
     handbook = long_text(40, 11)
