@@ -24,6 +24,7 @@ cannot be used (tombstoned, corrupt, no device room) is recomputed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _EXPIRY_SWEEP_INTERVAL_S = 5.0
 _GAUGE_REFRESH_S = 0.05
+_STALL_RETRY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,9 @@ class AsyncEngine:
         self.block_size = runner.kv_spec.block_size
         self.model_name = settings.model_name or runner.model_dir.name
         self.max_context_tokens = runner.max_context_tokens
+        # A sequence must fit the device tier alone, or preemption could not make it progress: on a node whose
+        # device tier holds fewer tokens than the model's context, this is the node's context length.
+        self.max_sequence_tokens = min(self.max_context_tokens, pool.config.num_device_blocks * self.block_size)
         self.manager = KVCacheManager(pool, metrics, settings.cache.singleflight_wait_s)
         self.paged_kv = PagedKV(pool, self.manager, metrics)
         self.scheduler = Scheduler(self.paged_kv, settings.scheduler.max_num_batched_tokens, settings.scheduler.max_num_seqs)
@@ -175,6 +180,9 @@ class AsyncEngine:
         self._jobs_waiting: deque = deque()
         self._gauges_refreshed_at = 0.0
         self._work = asyncio.Event()
+        # Set by a step (worker) that could schedule nothing because the device tier is referenced by requests
+        # not yet in the inbox; read by the step loop between bursts. See _step.
+        self._stalled = False
         self.metrics.kv_blocks_total.set(pool.config.num_device_blocks)
 
     @classmethod
@@ -274,13 +282,12 @@ class AsyncEngine:
         if len(token_ids) >= self.max_context_tokens:
             raise PromptTooLongError(len(token_ids), self.max_context_tokens)
         sampling_state = make_sampling_state(request.sampling.temperature, request.sampling.top_p, request.sampling.seed)
-        # A sequence must fit the device tier alone, or preemption could not make it progress.
-        max_sequence_tokens = min(self.max_context_tokens, self.pool.config.num_device_blocks * self.block_size)
-        if len(token_ids) >= max_sequence_tokens:
+        if len(token_ids) >= self.max_sequence_tokens:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens; this node's device KV memory holds {max_sequence_tokens} tokens per request"
+                f"prompt has {len(token_ids)} tokens; this node's device KV memory holds {self.max_sequence_tokens} tokens per request"
             )
-        max_new_tokens = min(request.sampling.max_tokens, max_sequence_tokens - len(token_ids))
+        # Capped like at the model's context: the request ends with finish_reason "length" where the device tier is full.
+        max_new_tokens = min(request.sampling.max_tokens, self.max_sequence_tokens - len(token_ids))
         if max_new_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
 
@@ -324,12 +331,22 @@ class AsyncEngine:
         self._inbox.append((action, handle))
         self._work.set()
 
+    def _can_step(self) -> bool:
+        """Whether a step has work: requests to take in, or scheduled sequences that are not stalled waiting for them."""
+        return bool(self._inbox) or (self.scheduler.has_work and not self._stalled)
+
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._work.wait()
+            if self._stalled:
+                # The next request's arrival ends a stall; retrying after a while covers references released otherwise.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), _STALL_RETRY_S)
+                self._stalled = False
+            else:
+                await self._work.wait()
             self._work.clear()
-            while self._inbox or self.scheduler.has_work:
+            while self._can_step():
                 try:
                     # Not through _run: a burst is not a job that other bursts would wait for.
                     await loop.run_in_executor(self._worker, self._step_burst, loop)
@@ -348,7 +365,7 @@ class AsyncEngine:
         decode step). Snapshot writes, TTL sweeps and other :meth:`_run` jobs
         still run between steps: the burst ends when one is queued.
         """
-        while (self._inbox or self.scheduler.has_work) and not self._jobs_waiting:
+        while self._can_step() and not self._jobs_waiting:
             deliveries, woken = self._step()
             loop.call_soon_threadsafe(self._after_step, deliveries, woken, len(self.scheduler.running), len(self.scheduler.waiting))
 
@@ -387,12 +404,13 @@ class AsyncEngine:
         output = self.scheduler.schedule()
         if output.preempted:
             self.metrics.preemptions.inc(len(output.preempted))
-        if output.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running and not output.preempted:
-                # Nothing runs and the oldest waiting request cannot get blocks: fail it rather than spin.
-                handle = self._requests[self.scheduler.waiting[0].seq_id]
-                self._finish(handle, GenerationError("the device KV memory is held by waiting requests"), deliveries)
-        else:
+        # Nothing runs and the head of the queue cannot get its blocks although every other scheduled sequence let
+        # go of its own (Scheduler.schedule): the rest of the device tier is referenced by requests the event loop
+        # admitted after this step took the inbox (a request references its hits before it is handed over). The
+        # engine waits for them instead of failing the head: once queued they let go too, and the head, which fits
+        # the device tier alone (max_sequence_tokens), starts. No request fails for lack of device blocks.
+        self._stalled = output.is_empty and not output.preempted and not self.scheduler.running and bool(self.scheduler.waiting)
+        if not output.is_empty:
             try:
                 self._execute(output, deliveries)
             except Exception as exc:  # noqa: BLE001 - a failed forward ends the requests in it, not the engine

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from helpers.ledger import eventually
 from helpers.node import Served
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from test_engine import (
     ALICE,
@@ -108,10 +108,24 @@ request_strategy = st.tuples(
 )
 
 
+# A 345-token prompt asking for 40 tokens on the tight node (24 blocks of 16: 384 tokens per request), beside a
+# short one: the node's device tier caps it at 39 (finish "length"), and so must the reference it is compared with.
+LONGEST_ON_THE_TIGHT_NODE = [
+    ((), [system(long_text(1, 0))], ALICE, "miss", 1),
+    ((SHARED_PUBLIC, SHARED_DOC), [system(long_text(18, 8)), document("doc-0", 1, long_text(25, 0))], ALICE, "miss", 40),
+]
+
+
 @settings(max_examples=18, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(request_strategy, min_size=2, max_size=5), config=st.sampled_from(["tight", "chunked", "tight", "roomy"]))
+@example(requests=LONGEST_ON_THE_TIGHT_NODE, config="tight")
 async def test_greedy_tokens_of_a_batch_equal_each_request_alone(engines, requests, config):
-    """Prompt lengths, shared public/tenant prefixes, documents, hits from every tier, misses, chunked prefill, preemption."""
+    """Prompt lengths, shared public/tenant prefixes, documents, hits from every tier, misses, chunked prefill, preemption.
+
+    Alone runs on the roomy node without the cache, under the limit of the node under test: a request may
+    reach ``max_sequence_tokens`` (what that node's device tier holds for one request), so ``max_tokens``
+    is capped to it on both sides.
+    """
     engine = engines[config]
     alone_engine = engines["roomy"]
     preemptions_before = metric(engine, "kvledger_num_preemptions_total")
@@ -119,7 +133,11 @@ async def test_greedy_tokens_of_a_batch_equal_each_request_alone(engines, reques
     for prefix, own, principal, warm, max_tokens in requests:
         event(f"warm: {warm}")
         messages = [*prefix, *own]
-        alone = await complete(alone_engine, messages, principal, use_cache=False, max_tokens=max_tokens)
+        num_prompt_tokens = len(render_prompt(engine.runner.tokenizer, messages).token_ids)
+        num_room_tokens = engine.max_sequence_tokens - num_prompt_tokens
+        if num_room_tokens < max_tokens:
+            event(f"{config}: max_tokens capped by the device tier")
+        alone = await complete(alone_engine, messages, principal, use_cache=False, max_tokens=min(max_tokens, num_room_tokens))
         if warm != "miss":
             await complete(engine, messages, principal, max_tokens=1)
             if warm is not Tier.DEVICE:
@@ -145,6 +163,75 @@ async def test_tight_device_tier_preempts_and_recomputes_without_changing_output
         together = await asyncio.gather(*(complete(engine, messages, use_cache=False, max_tokens=40) for messages in prompts))
         assert [result.token_ids for result in together] == [result.token_ids for result in alone]
         assert metric(engine, "kvledger_num_preemptions_total") > 0
+        assert_released(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_a_request_may_grow_to_what_the_device_tier_holds_for_it_alone_or_batched(engines):
+    """The tight node holds 384 tokens per request: max_tokens is capped to the room left (finish "length"), a longer prompt is refused."""
+    engine = engines["tight"]
+    assert engine.max_sequence_tokens == 24 * BLOCK
+    prefix, own = LONGEST_ON_THE_TIGHT_NODE[1][:2]
+    messages = [*prefix, *own]
+    alone = await complete(engine, messages, max_tokens=40)
+    assert (alone.num_prompt_tokens, len(alone.token_ids), alone.finish_reason) == (345, 39, "length")
+    # beside requests that grow into new blocks: preempted and recomputed, it still ends exactly at the device tier's room
+    preemptions_before = metric(engine, "kvledger_num_preemptions_total")
+    together = await asyncio.gather(
+        complete(engine, messages, max_tokens=40), *(complete(engine, [user(long_text(60, offset))], max_tokens=40) for offset in (1, 2))
+    )
+    assert (together[0].token_ids, together[0].finish_reason) == (alone.token_ids, "length")
+    assert metric(engine, "kvledger_num_preemptions_total") > preemptions_before
+    with pytest.raises(ValueError, match="device KV memory holds 384 tokens per request"):
+        await complete(engine, [*messages, user(long_text(20, 3))], max_tokens=1)
+    assert_released(engine)
+
+
+async def test_the_head_of_the_queue_waits_for_requests_being_admitted_instead_of_failing(tiny_model_dir, tmp_path):
+    """A request references its hits at admission, on the event loop, before the engine's step takes it in.
+
+    In that window its hits may hold the device blocks the head of the queue needs while nothing runs. The
+    head waits for it instead of failing ("the device KV memory is held by waiting requests", before); once
+    it is queued it lets go, the head starts, and both complete with the tokens they get alone.
+    """
+    engine = await start_engine(tiny_model_dir, tmp_path / "admitting", *CONFIGS["tight"])
+    try:
+        prefix, own = LONGEST_ON_THE_TIGHT_NODE[1][:2]
+        head_messages = [*prefix, *own]  # 345 tokens: a first chunk of 256 needs 16 of the 24 device blocks
+        head_alone = await complete(engine, head_messages, use_cache=False, max_tokens=40)
+        admitting_messages = [system(long_text(60, 5)), user("Which blocks?")]
+        admitting_alone = await complete(engine, admitting_messages, max_tokens=3)
+        hits = [engine.pool.get_ready(block_hash) for block_hash in block_hashes(engine, admitting_messages, ALICE)]
+        assert len(hits) >= 9 and all(entry is not None and entry.tier is Tier.DEVICE for entry in hits)
+
+        admitted, proceed = asyncio.Event(), asyncio.Event()
+        acquire = engine.manager.acquire
+
+        async def acquire_then_hold(*args):
+            """The real admission, then a pause before the request is handed to the engine (its hits referenced)."""
+            del engine.manager.acquire  # only this request's admission pauses
+            plan = await acquire(*args)
+            admitted.set()
+            await proceed.wait()
+            return plan
+
+        engine.manager.acquire = acquire_then_hold
+        admitting = asyncio.ensure_future(complete(engine, admitting_messages, max_tokens=3))
+        await asyncio.wait_for(admitted.wait(), timeout=30)
+        assert {entry.ref_count for entry in hits} == {1}
+        head = asyncio.ensure_future(complete(engine, head_messages, use_cache=False, max_tokens=40))
+
+        async def head_waits() -> bool:
+            waiting = metric(engine, "kvledger_num_requests_waiting") == 1 and metric(engine, "kvledger_num_requests_running") == 0
+            return waiting or head.done()  # done: failed (checked next)
+
+        await eventually(head_waits, timeout_s=30, what="a step found the head of the queue unable to start")
+        assert not head.done() and len(engine.scheduler.waiting) == 1
+        proceed.set()
+        head_result, admitting_result = await asyncio.wait_for(asyncio.gather(head, admitting), timeout=120)
+        assert (head_result.token_ids, head_result.finish_reason) == (head_alone.token_ids, "length")
+        assert admitting_result.token_ids == admitting_alone.token_ids
         assert_released(engine)
     finally:
         await engine.stop()
