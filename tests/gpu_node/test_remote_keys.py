@@ -16,14 +16,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from helpers.pool import NS, block_key, make_kv
+from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from gpu_node.api import create_app
-from gpu_node.block_pool import BlockRecord, BlockRestoreError, decode_block_record, encode_block_record
+from gpu_node.block_pool import BlockPool, BlockRecord, BlockRestoreError, PoolConfig, decode_block_record, encode_block_record
+from gpu_node.crypto import KeyServiceUnavailable
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from gpu_node.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
 from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
+from gpu_node.snapshots import readable_blocks, write_snapshot
 from identity.settings import IssuerSettings
 from identity.tokens import Principal, TokenVerifier, issue_token
 
@@ -38,12 +40,15 @@ def _key_of(name: str) -> tuple[str, bytes]:
 
 
 class KeyService:
-    """A key service on a real socket: ``resolve`` answers a key per scope, ``GET`` only ids in ``known``."""
+    """A key service on a real socket: ``resolve`` answers a key per scope, ``GET`` only ids in ``known`` (410 for
+    ``destroyed`` ones); with ``failing_status`` set, ``GET`` answers that error (a coordinator starting or failing)."""
 
     def __init__(self) -> None:
         self.delay_s = 0.0
         self.requests: Counter[str] = Counter()
         self.known: dict[str, bytes] = {}
+        self.destroyed: set[str] = set()
+        self.failing_status: int | None = None
         service = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -70,7 +75,11 @@ class KeyService:
                 key_id = self.path.rsplit("/", 1)[-1]
                 service.requests["get " + key_id] += 1
                 time.sleep(service.delay_s)
-                if key_id not in service.known:
+                if service.failing_status is not None:
+                    self._answer(service.failing_status, {"error": {"message": "failing", "type": "api_error", "code": "unavailable"}})
+                elif key_id in service.destroyed:
+                    self._answer(410, {"error": {"message": "destroyed", "type": "gone_error", "code": "key_destroyed"}})
+                elif key_id not in service.known:
                     self._answer(404, {"error": {"message": "unknown key", "type": "invalid_request_error", "code": "key_not_found"}})
                 else:
                     self._answer(200, {"key_id": key_id, "key": base64.b64encode(service.known[key_id]).decode()})
@@ -281,3 +290,45 @@ async def test_a_slow_key_service_delays_neither_healthz_nor_another_tenants_hit
     finally:
         await engine.stop()
         engine.pool.key_provider.close()
+
+
+def test_a_snapshot_inventory_never_reports_a_sealed_copy_gone_while_the_key_service_cannot_be_asked(service: KeyService, tmp_path) -> None:
+    """The node's inventory lists a snapshot's readable blocks, and the ledger replaces the node's placements with it.
+    A restarted node whose key service is down, slow or failing cannot tell its sealed copies readable or gone: it
+    must not report them gone (the ledger would drop copies still on disk, and the next inventory would bring them
+    back: the soak saw "placements only on the node"). Only a definitive answer (410 destroyed) leaves one out."""
+    clock = Clock()
+    sealing = _provider(service, clock)
+    pool = BlockPool(SPEC, PoolConfig(NS, 2, 2, 2, tmp_path / "disk", NO_TTL), sealing, clock=FakeClock(), wall_clock=lambda: 1e6)
+    public = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
+    for key in (block_key(0, public), _tenant_block("acme", 1).key):
+        assert pool.commit_build(pool.begin_build(key), make_kv(key.token_offset))
+    directory = tmp_path / "snapshot"
+    write_snapshot(pool, directory)
+    key_id, _ = _key_of("acme/None")
+    restarted = CoordinatorKeyProvider(service.url, lambda: "node-credential", SUBJECT_KEY, DataKeySettings(timeout_s=0.2), clock=clock)
+    try:
+        service.delay_s = 1.0  # past the node's timeout: the request fails in transit
+        with pytest.raises(KeyServiceUnavailable):
+            readable_blocks(directory, restarted.blocking())
+        service.delay_s, service.failing_status = 0.0, 503
+        clock.now += UNREACHABLE_RETRY_S + 1
+        with pytest.raises(KeyServiceUnavailable):
+            readable_blocks(directory, restarted.blocking())
+        assert service.requests["get " + key_id] == 2
+        with pytest.raises(KeyServiceUnavailable):  # remembered as unanswered: not asked again yet, still in doubt
+            readable_blocks(directory, restarted.blocking())
+        assert service.requests["get " + key_id] == 2
+
+        service.failing_status = None
+        clock.now += UNREACHABLE_RETRY_S + 1
+        assert [key.block_hash for key in readable_blocks(directory, restarted.blocking())] == [block_hash(0), block_hash(1)]
+    finally:
+        restarted.close()
+    after_erasure = CoordinatorKeyProvider(service.url, lambda: "node-credential", SUBJECT_KEY, DataKeySettings(), clock=clock)
+    try:
+        service.destroyed.add(key_id)
+        assert [key.block_hash for key in readable_blocks(directory, after_erasure.blocking())] == [block_hash(0)]
+    finally:
+        after_erasure.close()
+        sealing.close()
