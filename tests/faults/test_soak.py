@@ -5,7 +5,7 @@ happened."""
 from __future__ import annotations
 
 from bench.cluster import Cluster
-from bench.soak import SoakOptions, run_soak
+from bench.soak import SoakOptions, render_markdown, run_soak
 
 SOAK_S = 120.0
 """The issue's two minutes: room for two node restarts and a coordinator SIGKILL (each 10-30 s on a loaded CI
@@ -18,6 +18,7 @@ is down, the case that once reported a node's snapshot placements missing from t
 async def test_a_short_soak_keeps_every_invariant(cluster: Cluster) -> None:
     options = SoakOptions(duration_s=SOAK_S, tenants=2, concurrency=3, action_interval_s=3.0, check_interval_s=20.0, node_restarts=2)
     report = await run_soak(cluster, options)
+    print(render_markdown(report, f"tests/faults/test_soak.py: {options}"))  # the counts, for ``pytest -rP``
     assert report.violations == [], "\n".join(report.violations)
     for count in ("requests_ok", "kv_events", "commands", "document_updates", "erasures_verified", "probes", "checks"):
         assert report.counts[count] > 0, f"the soak did no {count}: {report.counts}"
