@@ -86,11 +86,14 @@ class Invariants:
         """Live placements of a verified erasure's subject whose copy was built before the erasure's cutoff.
 
         The ledger keeps a block's first ``created_at``; the same hash built again after the erasure
-        (the subject came back) is a new copy, told apart by the build time its node reported (a
-        snapshot copy is never excused: it is only ever a copy of an earlier build).
+        (the subject came back) is a new copy, told apart by the build time its node reported. A
+        snapshot copy is a copy of what the pool held when the snapshot was written: excused only when
+        the node reported a build after the cutoff no later than it first announced that snapshot (its
+        ``SnapshotWritten``, or an inventory listing it) — a snapshot written before the rebuild is never.
         """
         rows = await self._query(
-            "SELECT e.id, e.cutoff, p.node_id, p.tier, encode(p.block_hash, 'hex') AS block, n.epoch, n.last_seq FROM erasures e"
+            "SELECT e.id, e.cutoff, p.node_id, p.tier, p.snapshot_id, encode(p.block_hash, 'hex') AS block, n.epoch, n.last_seq"
+            " FROM erasures e"
             " JOIN blocks b ON b.tenant_id = e.tenant_id AND b.subject_hash = e.subject_hash AND b.created_at < e.cutoff"
             " JOIN placements p ON p.block_hash = b.block_hash AND p.state = 'live'"
             " JOIN nodes n ON n.node_id = p.node_id"
@@ -101,12 +104,16 @@ class Invariants:
         # The build times come from the tail, which reads the topic apart from the coordinator: a rebuild the ledger
         # applied a moment ago may not be in the tail yet. Judge only once the tail read what the ledger applied.
         await self._tail_caught_up({(row["node_id"], row["epoch"]): row["last_seq"] for row in rows})
-        rebuilt = self._builds()
-        left = collections.Counter(
-            (row["id"], row["node_id"], row["tier"])
-            for row in rows
-            if row["tier"] == "snapshot" or not any(built >= row["cutoff"] for built in rebuilt.get((row["node_id"], row["block"]), ()))
-        )
+        rebuilt, announced = self._builds(), self._snapshots_announced()
+
+        def rebuilt_after_cutoff(row: asyncpg.Record) -> bool:
+            builds = rebuilt.get((row["node_id"], row["block"]), ())
+            if row["tier"] != "snapshot":
+                return any(built >= row["cutoff"] for _, built in builds)
+            written = announced.get((row["node_id"], row["snapshot_id"]))
+            return written is not None and any(built >= row["cutoff"] and index <= written for index, built in builds)
+
+        left = collections.Counter((row["id"], row["node_id"], row["tier"]) for row in rows if not rebuilt_after_cutoff(row))
         return [
             f"erasure {erasure} verified but the ledger holds {n} live {tier} copies on {node}" for (erasure, node, tier), n in left.items()
         ]
@@ -126,14 +133,29 @@ class Invariants:
             await asyncio.sleep(0.2)
 
     def _builds(self) -> dict[tuple[str, str], list]:
-        """(node, block hash) → every build time the node reported for it (``BlockStored``, inventories)."""
+        """(node, block hash) → (position in the tail, build time) of every build the node reported for it
+        (``BlockStored``, inventories). A node's records share one partition, so its positions are its publish order."""
         builds: dict[tuple[str, str], list] = collections.defaultdict(list)
-        for record in self.cluster.tail.kv_events:
+        for index, record in enumerate(self.cluster.tail.kv_events):
             payload = record.envelope.payload
             if isinstance(payload, (schema.BlockStored, schema.Inventory)):
                 for block in payload.blocks:
-                    builds[(payload.node_id, block.block_hash)].append(block.created_at)
+                    builds[(payload.node_id, block.block_hash)].append((index, block.created_at))
         return builds
+
+    def _snapshots_announced(self) -> dict[tuple[str, str], int]:
+        """(node, snapshot id) → position in the tail of the first record naming it: its ``SnapshotWritten``, or the
+        first inventory listing it (a node killed before it published the ``SnapshotWritten`` lists it at restart)."""
+        announced: dict[tuple[str, str], int] = {}
+        for index, record in enumerate(self.cluster.tail.kv_events):
+            payload = record.envelope.payload
+            if isinstance(payload, schema.SnapshotWritten):
+                announced.setdefault((payload.node_id, payload.snapshot_id), index)
+            elif isinstance(payload, schema.Inventory):
+                for placement in payload.placements:
+                    if placement.snapshot_id is not None:
+                        announced.setdefault((payload.node_id, placement.snapshot_id), index)
+        return announced
 
     async def _verified_erasures(self) -> list[asyncpg.Record]:
         return await self._query(

@@ -35,6 +35,15 @@ from identity.tokens import Principal
 _U32 = struct.Struct("<I")
 
 
+class KeyServiceUnavailable(Exception):
+    """Whether a data key still exists could not be learned now (its service unreachable, or answering with an error).
+
+    Raised only by :meth:`DataKeyProvider.blocking` views, for callers that must not mistake "cannot ask" for
+    "destroyed": a snapshot's inventory (:func:`gpu_node.snapshots.readable_blocks`) would otherwise tell the
+    ledger that copies still on disk are gone. The message names no key.
+    """
+
+
 class DataKeyProvider(Protocol):
     """Where data keys come from. Small on purpose: the coordinator will take over key custody."""
 
@@ -71,7 +80,11 @@ class DataKeyProvider(Protocol):
         ...
 
     def blocking(self) -> DataKeyProvider:
-        """A view whose ``key_by_id``/``key_for`` fetch a key they do not hold: for callers outside the pool's lock."""
+        """A view whose ``key_by_id``/``key_for`` fetch a key they do not hold: for callers outside the pool's lock.
+
+        Its ``key_by_id`` answers None only when the key is known to be gone (destroyed, never issued); when
+        that cannot be learned now it raises :class:`KeyServiceUnavailable`.
+        """
         ...
 
 

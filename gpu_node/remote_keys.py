@@ -18,8 +18,10 @@ Before the first request (start-up re-index, warm start: nobody waits on the poo
 yet) and through :meth:`CoordinatorKeyProvider.blocking` (callers outside the
 lock), a missing key is fetched on the spot, each request bounded by ``timeout_s``.
 An answer "no such key" is remembered for ``negative_ttl_s``, a request that failed in
-transit for :data:`UNREACHABLE_RETRY_S`; every cache is an LRU of bounded size
-(``gpu_node.settings.DataKeySettings``).
+transit (or got an error answer) for :data:`UNREACHABLE_RETRY_S`; every cache is an LRU of bounded size
+(``gpu_node.settings.DataKeySettings``). The two stay apart: the blocking view raises
+:class:`gpu_node.crypto.KeyServiceUnavailable` for the second, so a snapshot's inventory never reports
+a copy as gone because the coordinator was down or slow at that moment.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Generic, TypeVar
 import httpx
 
 from events.schema import subject_digest
-from gpu_node.crypto import DataKeyProvider, LocalKeyStore
+from gpu_node.crypto import DataKeyProvider, KeyServiceUnavailable, LocalKeyStore
 from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from gpu_node.node_identity import node_signing_key
 from gpu_node.settings import DataKeySettings, NodeSettings
@@ -134,7 +136,8 @@ class CoordinatorKeyProvider:
         # Key ids destroyed by an erasure command. Bounded too: past the bound the key
         # service's own answer (410) still refuses them.
         self._destroyed: _Lru[str, bool] = _Lru(settings.max_negative_entries)
-        self._negative: _Lru[tuple[str, Hashable], float] = _Lru(settings.max_negative_entries)
+        self._negative: _Lru[tuple[str, Hashable], tuple[float, bool]] = _Lru(settings.max_negative_entries)
+        """What memory answers None for, until when, and whether in doubt (the service could not answer) rather than "no such key"."""
         self._inflight: dict[tuple[str, Hashable], Future] = {}
         self._fetcher = ThreadPoolExecutor(max_workers=_FETCH_WORKERS, thread_name_prefix="kvledger-keys")
         self._serving = False
@@ -240,12 +243,20 @@ class CoordinatorKeyProvider:
             resolved = self._by_scope.get(value)
             if resolved is not None:
                 return True, resolved
-        expires_at = self._negative.get(want)
-        if expires_at is not None:
-            if self._clock() < expires_at:
+        negative = self._negative.get(want)
+        if negative is not None:
+            if self._clock() < negative[0]:
                 return True, None
             self._negative.pop(want)
         return False, None
+
+    def _in_doubt(self, want: tuple[str, Hashable]) -> bool:
+        """Whether memory answers None for ``want`` only because the key service could not answer lately."""
+        with self._lock:
+            if want[0] == "id" and want[1] in self._destroyed:
+                return False
+            negative = self._negative.get(want)
+        return negative is not None and negative[1] and self._clock() < negative[0]
 
     def _lookup(self, want: tuple[str, Hashable], *, wait: bool):
         with self._lock:
@@ -279,11 +290,16 @@ class CoordinatorKeyProvider:
         kind, value = want
         return self._fetch_id(value) if kind == "id" else self._resolve(value)
 
-    def _remember_unknown(self, want: tuple[str, Hashable], ttl_s: float | None = None) -> None:
-        ttl_s = self._settings.negative_ttl_s if ttl_s is None else ttl_s
-        if ttl_s > 0:
+    def _remember_unknown(self, want: tuple[str, Hashable]) -> None:
+        """The key service answered that ``want`` does not exist (or is not this node's to have)."""
+        if self._settings.negative_ttl_s > 0:
             with self._lock:
-                self._negative.put(want, self._clock() + ttl_s)
+                self._negative.put(want, (self._clock() + self._settings.negative_ttl_s, False))
+
+    def _remember_unanswered(self, want: tuple[str, Hashable]) -> None:
+        """The key service could not say (unreachable, an error answer): not asked again for :data:`UNREACHABLE_RETRY_S`."""
+        with self._lock:
+            self._negative.put(want, (self._clock() + UNREACHABLE_RETRY_S, True))
 
     # -- the network: never called under the pool's lock once serving ---------------------------
 
@@ -292,7 +308,7 @@ class CoordinatorKeyProvider:
         for _ in range(_RESOLVE_ATTEMPTS):
             response = self._send("POST", "/v1/keys/resolve", json=body)
             if response is None:
-                self._remember_unknown(("scope", scope), UNREACHABLE_RETRY_S)
+                self._remember_unanswered(("scope", scope))
                 return None
             if response.status_code != 200:
                 self._remember_unknown(("scope", scope))
@@ -312,18 +328,16 @@ class CoordinatorKeyProvider:
 
     def _fetch_id(self, key_id: str) -> bytes | None:
         response = self._send("GET", f"/v1/keys/{key_id}")
-        if response is None:
-            self._remember_unknown(("id", key_id), UNREACHABLE_RETRY_S)
-            return None
-        if response.status_code == 410:
+        if response is not None and response.status_code == 410:
             with self._lock:
                 self._destroyed.put(key_id, True)
             return None
-        if response.status_code != 200:
+        if response is not None and response.status_code == 404:
             self._remember_unknown(("id", key_id))
             return None
-        fetched = _parse_key(response)
+        fetched = None if response is None or response.status_code != 200 else _parse_key(response)
         if fetched is None or fetched[0] != key_id:
+            self._remember_unanswered(("id", key_id))
             return None
         with self._lock:
             if key_id in self._destroyed:
@@ -357,7 +371,15 @@ class _Blocking:
         return self._provider._lookup(("scope", self._provider._scope(provenance.tenant_id, subject_id)), wait=True)
 
     def key_by_id(self, key_id: str) -> bytes | None:
-        return self._provider._lookup(("id", key_id), wait=True) if _KEY_ID.fullmatch(key_id) else None
+        """The key; None when it is gone (destroyed, never issued, a malformed id); raises
+        :class:`KeyServiceUnavailable` when the key service could not say (see :meth:`CoordinatorKeyProvider._in_doubt`)."""
+        if not _KEY_ID.fullmatch(key_id):
+            return None
+        want = ("id", key_id)
+        key = self._provider._lookup(want, wait=True)
+        if key is None and self._provider._in_doubt(want):
+            raise KeyServiceUnavailable("the key service could not be asked for a data key")
+        return key
 
     def destroy(self, key_id: str) -> bool:
         return self._provider.destroy(key_id)

@@ -231,7 +231,11 @@ def readable_blocks(directory: Path, key_provider: DataKeyProvider) -> list[Bloc
 
     This is what the node reports to the ledger as its snapshot tier: a block
     whose data key was destroyed (crypto-erased) or whose bytes are corrupt is
-    no longer held in any meaningful sense, so it is left out.
+    no longer held in any meaningful sense, so it is left out. A key the
+    provider cannot ask for now is another matter: the block is still held, and
+    an inventory that left it out would make the ledger drop a copy that is on
+    disk — so :class:`gpu_node.crypto.KeyServiceUnavailable` (from a blocking
+    provider) propagates and the caller asks again later.
     """
     keys = []
     for _, record in _iter_records(directory, read_manifest(directory)):

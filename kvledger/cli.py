@@ -425,7 +425,12 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
         "--action-interval-s", type=float, default=4.0, help="seconds between document updates, revocations and erasures"
     )
     bench_soak.add_argument("--check-interval-s", type=float, default=20.0, help="seconds between continuous invariant checks")
-    bench_soak.add_argument("--node-restarts", type=int, default=2, help="node restarts spread over the run (SIGKILL and SIGTERM in turn)")
+    bench_soak.add_argument(
+        "--node-restarts",
+        type=int,
+        default=2,
+        help="node restarts spread over the run (SIGKILL and SIGTERM in turn, each after a snapshot)",
+    )
     bench_soak.add_argument(
         "--coordinators", type=int, default=1, help="coordinator processes sharing the consumer groups (default 1; 2+ shows takeover)"
     )

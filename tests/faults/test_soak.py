@@ -1,22 +1,27 @@
-"""The CI variant of ``kvledger bench soak``: one minute of mixed workload with a node restart and a
-coordinator restart on the suite's cluster; no invariant violated, and every kind of work actually happened."""
+"""The CI variant of ``kvledger bench soak``: two minutes of mixed workload with two node restarts (each after a
+snapshot) and a coordinator restart on the suite's cluster; no invariant violated, and every kind of work actually
+happened."""
 
 from __future__ import annotations
 
 from bench.cluster import Cluster
-from bench.soak import SoakOptions, run_soak
+from bench.soak import SoakOptions, render_markdown, run_soak
 
-SOAK_S = 60.0
-"""One minute, not the issue's two: the two-minute variant (two node restarts) reported a node's snapshot placements
-missing from the ledger in two of four full runs on 2 cores; until that is explained (a race in the checker or
-in the node's snapshot/inventory order, see docs/benchmarks.md "Soak"), CI runs the variant that has held."""
+SOAK_S = 120.0
+"""The issue's two minutes: room for two node restarts and a coordinator SIGKILL (each 10-30 s on a loaded CI
+machine) with requests and governance actions flowing around them. The restarts (at 40 s and 80 s) and the
+coordinator's (at 60 s) overlap on a slow machine: a node then takes its start inventory while the key service
+is down, the case that once reported a node's snapshot placements missing from the ledger
+(docs/benchmarks.md, "Soak")."""
 
 
 async def test_a_short_soak_keeps_every_invariant(cluster: Cluster) -> None:
-    options = SoakOptions(duration_s=SOAK_S, tenants=2, concurrency=3, action_interval_s=3.0, check_interval_s=15.0, node_restarts=1)
+    options = SoakOptions(duration_s=SOAK_S, tenants=2, concurrency=3, action_interval_s=3.0, check_interval_s=20.0, node_restarts=2)
     report = await run_soak(cluster, options)
+    print(render_markdown(report, f"tests/faults/test_soak.py: {options}"))  # the counts, for ``pytest -rP``
     assert report.violations == [], "\n".join(report.violations)
     for count in ("requests_ok", "kv_events", "commands", "document_updates", "erasures_verified", "probes", "checks"):
         assert report.counts[count] > 0, f"the soak did no {count}: {report.counts}"
-    assert report.faults.get("node_restart") == 1 and report.faults.get("coordinator_sigkill") == 1, report.faults
+    assert report.counts.get("snapshots") == 2, report.counts
+    assert report.faults.get("node_restart") == 2 and report.faults.get("coordinator_sigkill") == 1, report.faults
     assert set(report.resources_end) == set(report.resources_start)

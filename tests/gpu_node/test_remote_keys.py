@@ -10,20 +10,31 @@ import hashlib
 import json
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
-from helpers.pool import NS, block_key, make_kv
+from helpers.ledger import eventually, read_topic
+from helpers.node import node_settings
+from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
+from events import schema
+from events.codec import decode_event, encode_key
+from events.topics import KV_EVENTS, node_key
 from gpu_node.api import create_app
-from gpu_node.block_pool import BlockRecord, BlockRestoreError, decode_block_record, encode_block_record
-from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
+from gpu_node.block_pool import BlockPool, BlockRecord, BlockRestoreError, PoolConfig, decode_block_record, encode_block_record
+from gpu_node.crypto import KeyServiceUnavailable
+from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
+from gpu_node.kv_cache_utils import CacheProvenance, CacheScope, DocumentRef
+from gpu_node.prompt import ChatMessage
 from gpu_node.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
+from gpu_node.server import make_publisher
 from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
+from gpu_node.snapshots import readable_blocks, write_snapshot
 from identity.settings import IssuerSettings
 from identity.tokens import Principal, TokenVerifier, issue_token
 
@@ -38,12 +49,15 @@ def _key_of(name: str) -> tuple[str, bytes]:
 
 
 class KeyService:
-    """A key service on a real socket: ``resolve`` answers a key per scope, ``GET`` only ids in ``known``."""
+    """A key service on a real socket: ``resolve`` answers a key per scope, ``GET`` only ids in ``known`` (410 for
+    ``destroyed`` ones); with ``failing_status`` set, ``GET`` answers that error (a coordinator starting or failing)."""
 
     def __init__(self) -> None:
         self.delay_s = 0.0
         self.requests: Counter[str] = Counter()
         self.known: dict[str, bytes] = {}
+        self.destroyed: set[str] = set()
+        self.failing_status: int | None = None
         service = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -70,7 +84,11 @@ class KeyService:
                 key_id = self.path.rsplit("/", 1)[-1]
                 service.requests["get " + key_id] += 1
                 time.sleep(service.delay_s)
-                if key_id not in service.known:
+                if service.failing_status is not None:
+                    self._answer(service.failing_status, {"error": {"message": "failing", "type": "api_error", "code": "unavailable"}})
+                elif key_id in service.destroyed:
+                    self._answer(410, {"error": {"message": "destroyed", "type": "gone_error", "code": "key_destroyed"}})
+                elif key_id not in service.known:
                     self._answer(404, {"error": {"message": "unknown key", "type": "invalid_request_error", "code": "key_not_found"}})
                 else:
                     self._answer(200, {"key_id": key_id, "key": base64.b64encode(service.known[key_id]).decode()})
@@ -281,3 +299,108 @@ async def test_a_slow_key_service_delays_neither_healthz_nor_another_tenants_hit
     finally:
         await engine.stop()
         engine.pool.key_provider.close()
+
+
+def test_a_snapshot_inventory_never_reports_a_sealed_copy_gone_while_the_key_service_cannot_be_asked(service: KeyService, tmp_path) -> None:
+    """The node's inventory lists a snapshot's readable blocks, and the ledger replaces the node's placements with it.
+    A restarted node whose key service is down, slow or failing cannot tell its sealed copies readable or gone: it
+    must not report them gone (the ledger would drop copies still on disk, and the next inventory would bring them
+    back: the soak saw "placements only on the node"). Only a definitive answer (410 destroyed) leaves one out."""
+    clock = Clock()
+    sealing = _provider(service, clock)
+    pool = BlockPool(SPEC, PoolConfig(NS, 2, 2, 2, tmp_path / "disk", NO_TTL), sealing, clock=FakeClock(), wall_clock=lambda: 1e6)
+    public = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
+    for key in (block_key(0, public), _tenant_block("acme", 1).key):
+        assert pool.commit_build(pool.begin_build(key), make_kv(key.token_offset))
+    directory = tmp_path / "snapshot"
+    write_snapshot(pool, directory)
+    key_id, _ = _key_of("acme/None")
+    restarted = CoordinatorKeyProvider(service.url, lambda: "node-credential", SUBJECT_KEY, DataKeySettings(timeout_s=0.2), clock=clock)
+    try:
+        service.delay_s = 1.0  # past the node's timeout: the request fails in transit
+        with pytest.raises(KeyServiceUnavailable):
+            readable_blocks(directory, restarted.blocking())
+        service.delay_s, service.failing_status = 0.0, 503
+        clock.now += UNREACHABLE_RETRY_S + 1
+        with pytest.raises(KeyServiceUnavailable):
+            readable_blocks(directory, restarted.blocking())
+        assert service.requests["get " + key_id] == 2
+        with pytest.raises(KeyServiceUnavailable):  # remembered as unanswered: not asked again yet, still in doubt
+            readable_blocks(directory, restarted.blocking())
+        assert service.requests["get " + key_id] == 2
+
+        service.failing_status = None
+        clock.now += UNREACHABLE_RETRY_S + 1
+        assert [key.block_hash for key in readable_blocks(directory, restarted.blocking())] == [block_hash(0), block_hash(1)]
+    finally:
+        restarted.close()
+    after_erasure = CoordinatorKeyProvider(service.url, lambda: "node-credential", SUBJECT_KEY, DataKeySettings(), clock=clock)
+    try:
+        service.destroyed.add(key_id)
+        assert [key.block_hash for key in readable_blocks(directory, after_erasure.blocking())] == [block_hash(0)]
+    finally:
+        after_erasure.close()
+        sealing.close()
+
+
+async def test_a_restarted_node_holds_its_start_inventory_until_the_key_service_answers_for_its_snapshot(
+    service: KeyService, tiny_model_dir, tmp_path, kafka_bootstrap
+) -> None:
+    """A real node (tiny model, real broker) snapshots a tenant's blocks and restarts while its key service answers
+    503: it must not publish a start inventory without the snapshot's sealed blocks (the ledger would drop copies
+    still on disk), so it asks again, and once the key service answers its inventory lists every snapshot block."""
+    node_id = f"snap-{uuid.uuid4().hex[:6]}"
+    cache = CacheSettings(block_size=16, num_device_blocks=64, num_host_blocks=64, max_disk_blocks=64)
+    settings = node_settings(node_id, tiny_model_dir, tmp_path, kafka_bootstrap, cache, coordinator_url=service.url)
+    principal = Principal(tenant_id="acme", subject_id="alice", scopes=frozenset({"hr"}), policy_versions={"hr": 1})
+    messages = (
+        ChatMessage("system", "You are a careful assistant for the finance team. " * 4, CacheScope.PUBLIC),
+        ChatMessage(
+            "user", "The handbook says staff rest on day one and day two. " * 6, CacheScope.TENANT, DocumentRef("handbook", 1, "hr")
+        ),
+    )
+    engine = AsyncEngine.from_settings(settings)
+    await engine.start()
+    try:
+        async for _ in engine.generate(GenerationRequest("fill", messages, SamplingParams(max_tokens=1), principal)):
+            pass
+        await eventually(lambda: engine.pool.key_provider.current_key_id("acme") is not None, timeout_s=30, what="acme's key fetched")
+        written = await engine.write_snapshot()
+    finally:
+        await engine.stop()
+        engine.pool.key_provider.close()
+    reader = _provider(service)
+    try:
+        snapshot = {key.block_hash.hex(): key.provenance.scope for key in readable_blocks(Path(written["path"]), reader.blocking())}
+    finally:
+        reader.close()
+    assert CacheScope.TENANT in snapshot.values() and len(snapshot) == written["num_blocks"], snapshot
+    key_id = _key_of("acme/None")[0]
+
+    restarted = AsyncEngine.from_settings(settings)  # a new life: no key in memory
+    service.failing_status = 503
+    await restarted.start()
+    publisher = make_publisher(restarted, settings)
+    starting = asyncio.create_task(publisher.start(tmp_path))
+    try:
+        # Asked once, refused; asked again only after UNREACHABLE_RETRY_S: the start inventory was retried, not sent.
+        await eventually(lambda: service.requests["get " + key_id] >= 2, timeout_s=UNREACHABLE_RETRY_S * 4, what="the key asked for again")
+        assert not starting.done(), "the start inventory went out while the key service could not answer for the snapshot"
+        service.failing_status = None
+        await asyncio.wait_for(starting, 30)
+        records = [record for record in await read_topic(kafka_bootstrap, KV_EVENTS) if record.key == encode_key(node_key(node_id))]
+        inventories = [
+            envelope.payload
+            for envelope in (decode_event(record.value) for record in records)
+            if isinstance(envelope.payload, schema.Inventory)
+        ]
+        assert [inventory.epoch for inventory in inventories] == [publisher.epoch]
+        listed = {p.block_hash for inventory in inventories for p in inventory.placements if p.tier == "snapshot"}
+        assert listed == set(snapshot)
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await publisher.stop()
+        await restarted.stop()
+        restarted.pool.key_provider.close()
