@@ -42,7 +42,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, select, text, update
+import asyncpg
+from sqlalchemy import LargeBinary, any_, bindparam, func, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -94,6 +96,20 @@ _ADD_NO_COPIES = (BlockRemoved, SnapshotDeleted, NodeHeartbeat, UsageReported)
 concurrent decision, so it does not take the ledger-writes lock and no decision waits for it
 (most batches while an invalidation runs: the nodes report what they removed)."""
 
+_BLOCK_COLUMNS = ("block_hash", "parent_hash", "namespace", "tenant_id", "scope", "subject_hash", "token_offset", "created_at")
+_BLOCK_PARAMETERS = (
+    "block_hashes",
+    "parent_hashes",
+    "namespaces",
+    "tenant_ids",
+    "scopes",
+    "subject_hashes",
+    "token_offsets",
+    "created_ats",
+)
+"""The array parameters of :data:`_INSERT_BLOCKS`, in the order of :data:`_BLOCK_COLUMNS`."""
+_PLACEMENT_COLUMNS = ("block_hash", "node_id", "tier", "snapshot_id", "state", "epoch", "reason")
+
 _INSERT_BLOCKS = text(
     """
     INSERT INTO blocks (block_hash, parent_hash, namespace, tenant_id, scope, subject_hash, token_offset, created_at)
@@ -103,8 +119,11 @@ _INSERT_BLOCKS = text(
         CAST(:token_offsets AS integer[]), CAST(:created_ats AS timestamptz[])
     )
     ON CONFLICT (block_hash) DO NOTHING
+    RETURNING block_hash
     """
 )
+"""The fallback of :meth:`_BatchApplier._write_blocks` when another transaction inserted one of the batch's new blocks
+meanwhile: returns the hashes this statement inserted."""
 
 _UPSERT_PLACEMENTS = text(
     f"""
@@ -511,9 +530,15 @@ class _BatchApplier:
     # -- accumulated writes -----------------------------------------------------------
 
     async def _flush(self) -> None:
-        """Write accumulated block provenance and per-event placement changes (net effect, bulk)."""
-        if self.blocks:
-            await self._write_blocks()
+        """Write accumulated block provenance and per-event placement changes (net effect, bulk).
+
+        Placements of blocks that this flush inserted cannot exist yet (a placement references its
+        block), so they are copied straight into ``placements`` (binary ``COPY``, the bulk path of the
+        server); every other change goes through the upsert / update statements, which settle
+        conflicts with existing rows. One flush writes each (block, node, tier) once, so the copied
+        rows never collide with each other.
+        """
+        inserted = await self._write_blocks() if self.blocks else set()
         if not self.placements:
             return
         pending, self.placements = self.placements, {}
@@ -523,13 +548,19 @@ class _BatchApplier:
         )
         updates: dict[str, dict[str, list[PlacementRef]]] = collections.defaultdict(lambda: collections.defaultdict(list))
         epochs: dict[str, int] = {}
+        copied: list[tuple] = []
         for (block_hash, node_id, tier), change in pending.items():
             # A new epoch is a barrier (_restart flushes first), so one node's pending changes share one epoch.
             assert epochs.setdefault(node_id, change.epoch) == change.epoch, "pending placements span epochs"
-            if change.created:
-                upserts[node_id][(change.state, change.reason)].append((block_hash, tier, None))
-            else:
+            if not change.created:
                 updates[node_id][change.reason or "removed"].append((block_hash, tier, None))
+            elif block_hash in inserted:
+                copied.append((block_hash, node_id, tier, None, str(change.state), change.epoch, change.reason))
+                self.placement_changes[(change.state, "event")] += 1
+            else:
+                upserts[node_id][(change.state, change.reason)].append((block_hash, tier, None))
+        if copied:
+            await self._copy("placements", _PLACEMENT_COLUMNS, copied)
         unknown = await self._unknown_blocks({ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs})
         for node_id, groups in upserts.items():
             node = self.nodes[node_id]
@@ -551,24 +582,56 @@ class _BatchApplier:
         self.known_blocks |= found
         return candidates - found
 
-    async def _write_blocks(self) -> None:
+    async def _copy(self, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+        """Binary ``COPY`` of ``rows`` into ``table`` on the session's connection, inside the batch's transaction."""
+        connection = await (await self.session.connection()).get_raw_connection()
+        await connection.driver_connection.copy_records_to_table(table, records=rows, columns=columns)
+
+    async def _write_blocks(self) -> set[bytes]:
+        """Write the accumulated provenance; returns the hashes of the blocks this call inserted.
+
+        Blocks are content-addressed and shared by nodes, so most of a busy ledger's stores may
+        name known blocks: those are looked up first (index probes, no writes) and only the rest
+        are copied in. A concurrent transaction (another replica ingesting another node's
+        partition) may insert one of them between the lookup and the copy: the copy then fails
+        on the primary key, is rolled back to its savepoint, and the batch's new blocks go
+        through ``INSERT … ON CONFLICT DO NOTHING`` instead, which tells which rows it inserted.
+        """
         pending, self.blocks = self.blocks, {}
         namespaces = sorted({block.namespace for block in pending.values()})
         await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
-        items = list(pending.items())
-        await self.session.execute(
-            _INSERT_BLOCKS,
-            {
-                "block_hashes": [block_hash for block_hash, _ in items],
-                "parent_hashes": [bytes.fromhex(b.parent_hash) if b.parent_hash else None for _, b in items],
-                "namespaces": [b.namespace for _, b in items],
-                "tenant_ids": [b.tenant_id for _, b in items],
-                "scopes": [b.scope for _, b in items],
-                "subject_hashes": [bytes.fromhex(b.subject_id) if b.subject_id else None for _, b in items],
-                "token_offsets": [b.token_offset for _, b in items],
-                "created_ats": [b.created_at for _, b in items],
-            },
+        hashes = list(pending)
+        existing = set(
+            (
+                await self.session.scalars(
+                    select(Block.block_hash).where(Block.block_hash == any_(bindparam("hashes", hashes, type_=ARRAY(LargeBinary))))
+                )
+            ).all()
         )
+        new = {block_hash: block for block_hash, block in pending.items() if block_hash not in existing}
+        rows = [
+            (
+                block_hash,
+                bytes.fromhex(block.parent_hash) if block.parent_hash else None,
+                block.namespace,
+                block.tenant_id,
+                block.scope,
+                bytes.fromhex(block.subject_id) if block.subject_id else None,
+                block.token_offset,
+                block.created_at,
+            )
+            for block_hash, block in new.items()
+        ]
+        inserted: set[bytes] = set(new)
+        if rows:
+            try:
+                async with self.session.begin_nested():
+                    await self._copy("blocks", _BLOCK_COLUMNS, rows)
+            except asyncpg.UniqueViolationError:
+                result = await self.session.execute(
+                    _INSERT_BLOCKS, {name: list(column) for name, column in zip(_BLOCK_PARAMETERS, zip(*rows, strict=True), strict=True)}
+                )
+                inserted = set(result.scalars().all())
         auth_scopes = [
             {"block_hash": block_hash, "auth_scope": scope, "policy_version": version}
             for block_hash, block in pending.items()
@@ -584,6 +647,7 @@ class _BatchApplier:
         if documents:
             await self.session.execute(pg_insert(BlockDocument).on_conflict_do_nothing(), documents)
         self.known_blocks |= pending.keys()
+        return inserted
 
 
 class LedgerIngest:
