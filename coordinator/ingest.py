@@ -9,7 +9,9 @@ One polled batch is one database transaction:
    with ack batches of those nodes); then the invalidation advisory lock is taken,
    shared — unless every event only removes copies or beats (:data:`_ADD_NO_COPIES`);
 3. events are applied in order. Block and placement changes are accumulated and
-   written with bulk statements (``INSERT … ON CONFLICT`` executemany); set-based
+   written in bulk: blocks new to the ledger and their placements by binary ``COPY``
+   (the server's bulk path; such placements cannot exist yet), changes to known
+   blocks' placements by ``INSERT … ON CONFLICT`` / ``UPDATE`` over arrays; set-based
    operations (restart, snapshot, inventory) first flush what is accumulated, so
    the net effect always equals applying the events one by one;
 4. commands decided on the way (``InventoryRequested``) are inserted into the

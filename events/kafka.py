@@ -475,7 +475,10 @@ class BatchConsumer:
       an exponential, jittered backoff (``initial_backoff_s`` doubling up to ``max_backoff_s``):
       nothing is skipped and the process keeps running;
     * on a rebalance the revoke callback waits for the in-flight batch and commits what
-      was processed, so the next owner does not replay more than necessary.
+      was processed, so the next owner does not replay more than necessary;
+    * batches are handled one at a time, in order, but the next one is polled and decoded
+      while the handler runs (:meth:`run`); a failed batch takes the prefetched one back
+      with it (both rewound), so nothing after a failure is handled before it.
 
     A batch may mix partitions; order is kept within each partition (i.e. per key). The
     handler must return within the group's ``max_poll_interval_ms`` (aiokafka default
