@@ -45,8 +45,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
-from sqlalchemy import LargeBinary, any_, bindparam, func, select, text, update
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -111,6 +110,9 @@ _BLOCK_PARAMETERS = (
 )
 """The array parameters of :data:`_INSERT_BLOCKS`, in the order of :data:`_BLOCK_COLUMNS`."""
 _PLACEMENT_COLUMNS = ("block_hash", "node_id", "tier", "snapshot_id", "state", "epoch", "reason")
+
+_KNOWN_BLOCKS = text("SELECT block_hash FROM blocks WHERE block_hash = ANY(CAST(:block_hashes AS bytea[]))")
+"""Which of a batch's blocks the ledger already has (a raw array parameter: no per-element bind processing)."""
 
 _INSERT_BLOCKS = text(
     """
@@ -603,13 +605,7 @@ class _BatchApplier:
         namespaces = sorted({block.namespace for block in pending.values()})
         await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
         hashes = list(pending)
-        existing = set(
-            (
-                await self.session.scalars(
-                    select(Block.block_hash).where(Block.block_hash == any_(bindparam("hashes", hashes, type_=ARRAY(LargeBinary))))
-                )
-            ).all()
-        )
+        existing = set((await self.session.scalars(_KNOWN_BLOCKS, {"block_hashes": hashes})).all())
         new = {block_hash: block for block_hash, block in pending.items() if block_hash not in existing}
         rows = [
             (
