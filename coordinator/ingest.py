@@ -52,7 +52,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator import inbox, metrics
 from coordinator.db import Database
 from coordinator.invalidation import Decision, reissue_for_late_blocks
-from coordinator.ledger import begin_ledger_transaction, lock_ledger_writes
+from coordinator.ledger import begin_ledger_transaction, generic_plans, lock_ledger_writes
 from coordinator.models import (
     VOLATILE_TIERS,
     Block,
@@ -534,15 +534,10 @@ class _BatchApplier:
     # -- accumulated writes -----------------------------------------------------------
 
     async def _flush(self) -> None:
-        """Write accumulated block provenance and per-event placement changes (net effect, bulk).
-
-        Placements of blocks that this flush inserted cannot exist yet (a placement references its
-        block), so they are copied straight into ``placements`` (binary ``COPY``, the bulk path of the
-        server); every other change goes through the upsert / update statements, which settle
-        conflicts with existing rows. One flush writes each (block, node, tier) once, so the copied
-        rows never collide with each other.
-        """
-        inserted = await self._write_blocks() if self.blocks else set()
+        """Write accumulated block provenance and per-event placement changes (net effect, bulk)."""
+        if self.blocks:
+            async with generic_plans(self.session):
+                await self._copy_placements(await self._write_blocks())
         if not self.placements:
             return
         pending, self.placements = self.placements, {}
@@ -552,31 +547,48 @@ class _BatchApplier:
         )
         updates: dict[str, dict[str, list[PlacementRef]]] = collections.defaultdict(lambda: collections.defaultdict(list))
         epochs: dict[str, int] = {}
-        copied: list[tuple] = []
         for (block_hash, node_id, tier), change in pending.items():
             # A new epoch is a barrier (_restart flushes first), so one node's pending changes share one epoch.
             assert epochs.setdefault(node_id, change.epoch) == change.epoch, "pending placements span epochs"
-            if not change.created:
-                updates[node_id][change.reason or "removed"].append((block_hash, tier, None))
-            elif block_hash in inserted:
-                copied.append((block_hash, node_id, tier, None, str(change.state), change.epoch, change.reason))
-                self.placement_changes[(change.state, "event")] += 1
-            else:
+            if change.created:
                 upserts[node_id][(change.state, change.reason)].append((block_hash, tier, None))
-        if copied:
-            await self._copy("placements", _PLACEMENT_COLUMNS, copied)
+            else:
+                updates[node_id][change.reason or "removed"].append((block_hash, tier, None))
         unknown = await self._unknown_blocks({ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs})
-        for node_id, groups in upserts.items():
-            node = self.nodes[node_id]
-            for (state, reason), refs in groups.items():
-                if any(ref[0] in unknown for ref in refs):
-                    # Moved a block we never saw stored: an event went missing.
-                    self._gap(node, "unknown_block")
-                known = [ref for ref in refs if ref[0] not in unknown]
-                await self._upsert(node, known, epochs[node_id], "event", state, reason)
+        # The upserts' per-row foreign-key checks want cached plans too; the upsert itself (rows from
+        # unnest(), no join) has one plan either way. The removals below join: custom plans.
+        async with generic_plans(self.session) if upserts else contextlib.nullcontext():
+            for node_id, groups in upserts.items():
+                node = self.nodes[node_id]
+                for (state, reason), refs in groups.items():
+                    if any(ref[0] in unknown for ref in refs):
+                        # Moved a block we never saw stored: an event went missing.
+                        self._gap(node, "unknown_block")
+                    known = [ref for ref in refs if ref[0] not in unknown]
+                    await self._upsert(node, known, epochs[node_id], "event", state, reason)
         for node_id, groups in updates.items():
             for reason, refs in groups.items():
                 await self._mark_deleted(self.nodes[node_id], refs, epochs[node_id], reason, "event")
+
+    async def _copy_placements(self, inserted: set[bytes]) -> None:
+        """Copy the accumulated placements of blocks in ``inserted`` (just inserted by this flush) straight
+        into ``placements``, and take them off the accumulated changes.
+
+        Such a placement cannot exist yet (a placement references its block), and one flush writes each
+        (block, node, tier) once, so the copied rows collide with nothing; every other change goes
+        through the upsert / update statements, which settle conflicts with existing rows.
+        """
+        copied = [
+            (block_hash, node_id, tier, None, str(change.state), change.epoch, change.reason)
+            for (block_hash, node_id, tier), change in self.placements.items()
+            if change.created and block_hash in inserted
+        ]
+        if not copied:
+            return
+        for block_hash, node_id, tier, _, state, _, _ in copied:
+            del self.placements[(block_hash, node_id, tier)]
+            self.placement_changes[(state, "event")] += 1
+        await self._copy("placements", _PLACEMENT_COLUMNS, copied)
 
     async def _unknown_blocks(self, hashes: set[bytes]) -> set[bytes]:
         candidates = hashes - self.known_blocks
