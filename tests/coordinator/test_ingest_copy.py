@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from coordinator.db import Database
 from coordinator.ingest import LedgerIngest
+from coordinator.ledger import begin_ledger_transaction, generic_plans
 from coordinator.models import Block, Namespace, Node, Placement
 from coordinator.settings import DatabaseSettings
 from events.kafka import ConsumedEvent
@@ -151,5 +152,25 @@ async def test_block_inserted_by_a_concurrent_transaction_falls_back_to_the_conf
                 [(contested.block_hash, "device", "live"), (own.block_hash, "device", "live")]
             )
             assert num_blocks == 2
+        finally:
+            await database.dispose()
+
+
+async def test_bulk_writes_run_with_default_plan_caching_and_the_rest_with_custom_plans(database_url: str, ledger_template: str) -> None:
+    """A ledger transaction forces custom plans (array statements need them); the bulk writes switch to
+    PostgreSQL's default for their foreign-key checks and switch back, so the statements after them do not."""
+    async with fresh_database(database_url, ledger_template) as url:
+        database = Database(DatabaseSettings(url=url))
+        try:
+            async with database.session() as session, session.begin():
+
+                async def mode() -> str:
+                    return await session.scalar(text("SELECT current_setting('plan_cache_mode')"))
+
+                await begin_ledger_transaction(session)
+                assert await mode() == "force_custom_plan"
+                async with generic_plans(session):
+                    assert await mode() == "auto"
+                assert await mode() == "force_custom_plan"
         finally:
             await database.dispose()
