@@ -632,21 +632,26 @@ class BatchConsumer:
         batch: dict[TopicPartition, list[ConsumerRecord]] = {}
         decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str] = {}
         num_records = 0
-        while True:
-            more = await get_fresh_batch(
-                self._consumer,
-                timeout_ms=self._top_up_ms if num_records else self._poll_timeout_ms,
-                max_records=self._max_records - num_records,
-                top_up_ms=self._top_up_ms,
-            )
-            if more:
-                for tp, records in more.items():
-                    batch[tp] = batch.get(tp, []) + records
-                    num_records += len(records)
-                decoded.update(await asyncio.to_thread(_decode_batch, more))
-            idle = handled is None or handled.is_set()
-            if idle or num_records >= self._max_records or (num_records and not self._top_up_ms):
-                return _Fetched(batch, decoded)
+        try:
+            while True:
+                more = await get_fresh_batch(
+                    self._consumer,
+                    timeout_ms=self._top_up_ms if num_records else self._poll_timeout_ms,
+                    max_records=self._max_records - num_records,
+                    top_up_ms=self._top_up_ms,
+                )
+                if more:
+                    for tp, records in more.items():
+                        batch[tp] = batch.get(tp, []) + records
+                        num_records += len(records)
+                    decoded.update(await asyncio.to_thread(_decode_batch, more))
+                idle = handled is None or handled.is_set()
+                if idle or num_records >= self._max_records or (num_records and not self._top_up_ms):
+                    return _Fetched(batch, decoded)
+        except BaseException:
+            # The records taken so far are never handed over: back to the first of them.
+            self._rewind(batch)
+            raise
 
     async def _unless_stopping(self, fetching: asyncio.Task[_Fetched]) -> _Fetched | None:
         """``fetching``'s result, or None as soon as :meth:`stop` is called: an idle poll does not hold a stop up.
