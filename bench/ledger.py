@@ -37,7 +37,9 @@ from bench.common import (
     kafka_broker,
     percentile,
     run_and_report,
+    start_groups_at_end,
 )
+from coordinator.consumers import consumer_groups
 from coordinator.db import Database
 from coordinator.ingest import LedgerIngest
 from coordinator.settings import CoordinatorKafkaSettings, DatabaseSettings
@@ -140,10 +142,14 @@ async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, 
     def sign_as_node(envelope: schema.Envelope) -> schema.Envelope:
         return sign_envelope(envelope, node_keys[envelope.payload.node_id])
 
+    group = f"bench-{run_id}"
+    # A fresh group would start at the beginning of the shared topic and re-read (and dead-letter: their
+    # nodes are not enrolled here) every earlier run's records while this run is measured.
+    await start_groups_at_end(kafka.bootstrap, consumer_groups(group))
     env = coordinator_env(
         database_url,
         kafka.bootstrap,
-        f"bench-{run_id}",
+        group,
         os.environ.get("KVLEDGER_JWT_SECRET", "bench-secret-" + "x" * 32),
         **keys.coordinator_env(),
     )

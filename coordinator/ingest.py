@@ -9,7 +9,9 @@ One polled batch is one database transaction:
    with ack batches of those nodes); then the invalidation advisory lock is taken,
    shared — unless every event only removes copies or beats (:data:`_ADD_NO_COPIES`);
 3. events are applied in order. Block and placement changes are accumulated and
-   written with bulk statements (``INSERT … ON CONFLICT`` executemany); set-based
+   written in bulk: blocks new to the ledger and their placements by binary ``COPY``
+   (the server's bulk path; such placements cannot exist yet), changes to known
+   blocks' placements by ``INSERT … ON CONFLICT`` / ``UPDATE`` over arrays; set-based
    operations (restart, snapshot, inventory) first flush what is accumulated, so
    the net effect always equals applying the events one by one;
 4. commands decided on the way (``InventoryRequested``) are inserted into the
@@ -42,6 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
 from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -49,7 +52,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator import inbox, metrics
 from coordinator.db import Database
 from coordinator.decisions import Decision, reissue_for_late_blocks
-from coordinator.ledger import begin_ledger_transaction, lock_ledger_writes
+from coordinator.ledger import begin_ledger_transaction, generic_plans, lock_ledger_writes
 from coordinator.models import (
     VOLATILE_TIERS,
     Block,
@@ -94,6 +97,23 @@ _ADD_NO_COPIES = (BlockRemoved, SnapshotDeleted, NodeHeartbeat, UsageReported)
 concurrent decision, so it does not take the ledger-writes lock and no decision waits for it
 (most batches while an invalidation runs: the nodes report what they removed)."""
 
+_BLOCK_COLUMNS = ("block_hash", "parent_hash", "namespace", "tenant_id", "scope", "subject_hash", "token_offset", "created_at")
+_BLOCK_PARAMETERS = (
+    "block_hashes",
+    "parent_hashes",
+    "namespaces",
+    "tenant_ids",
+    "scopes",
+    "subject_hashes",
+    "token_offsets",
+    "created_ats",
+)
+"""The array parameters of :data:`_INSERT_BLOCKS`, in the order of :data:`_BLOCK_COLUMNS`."""
+_PLACEMENT_COLUMNS = ("block_hash", "node_id", "tier", "snapshot_id", "state", "epoch", "reason")
+
+_KNOWN_BLOCKS = text("SELECT block_hash FROM blocks WHERE block_hash = ANY(CAST(:block_hashes AS bytea[]))")
+"""Which of a batch's blocks the ledger already has (a raw array parameter: no per-element bind processing)."""
+
 _INSERT_BLOCKS = text(
     """
     INSERT INTO blocks (block_hash, parent_hash, namespace, tenant_id, scope, subject_hash, token_offset, created_at)
@@ -103,8 +123,11 @@ _INSERT_BLOCKS = text(
         CAST(:token_offsets AS integer[]), CAST(:created_ats AS timestamptz[])
     )
     ON CONFLICT (block_hash) DO NOTHING
+    RETURNING block_hash
     """
 )
+"""The fallback of :meth:`_BatchApplier._write_blocks` when another transaction inserted one of the batch's new blocks
+meanwhile: returns the hashes this statement inserted."""
 
 _UPSERT_PLACEMENTS = text(
     f"""
@@ -513,7 +536,8 @@ class _BatchApplier:
     async def _flush(self) -> None:
         """Write accumulated block provenance and per-event placement changes (net effect, bulk)."""
         if self.blocks:
-            await self._write_blocks()
+            async with generic_plans(self.session):
+                await self._copy_placements(await self._write_blocks())
         if not self.placements:
             return
         pending, self.placements = self.placements, {}
@@ -531,17 +555,40 @@ class _BatchApplier:
             else:
                 updates[node_id][change.reason or "removed"].append((block_hash, tier, None))
         unknown = await self._unknown_blocks({ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs})
-        for node_id, groups in upserts.items():
-            node = self.nodes[node_id]
-            for (state, reason), refs in groups.items():
-                if any(ref[0] in unknown for ref in refs):
-                    # Moved a block we never saw stored: an event went missing.
-                    self._gap(node, "unknown_block")
-                known = [ref for ref in refs if ref[0] not in unknown]
-                await self._upsert(node, known, epochs[node_id], "event", state, reason)
+        # The upserts' per-row foreign-key checks want cached plans too; the upsert itself (rows from
+        # unnest(), no join) has one plan either way. The removals below join: custom plans.
+        async with generic_plans(self.session) if upserts else contextlib.nullcontext():
+            for node_id, groups in upserts.items():
+                node = self.nodes[node_id]
+                for (state, reason), refs in groups.items():
+                    if any(ref[0] in unknown for ref in refs):
+                        # Moved a block we never saw stored: an event went missing.
+                        self._gap(node, "unknown_block")
+                    known = [ref for ref in refs if ref[0] not in unknown]
+                    await self._upsert(node, known, epochs[node_id], "event", state, reason)
         for node_id, groups in updates.items():
             for reason, refs in groups.items():
                 await self._mark_deleted(self.nodes[node_id], refs, epochs[node_id], reason, "event")
+
+    async def _copy_placements(self, inserted: set[bytes]) -> None:
+        """Copy the accumulated placements of blocks in ``inserted`` (just inserted by this flush) straight
+        into ``placements``, and take them off the accumulated changes.
+
+        Such a placement cannot exist yet (a placement references its block), and one flush writes each
+        (block, node, tier) once, so the copied rows collide with nothing; every other change goes
+        through the upsert / update statements, which settle conflicts with existing rows.
+        """
+        copied = [
+            (block_hash, node_id, tier, None, str(change.state), change.epoch, change.reason)
+            for (block_hash, node_id, tier), change in self.placements.items()
+            if change.created and block_hash in inserted
+        ]
+        if not copied:
+            return
+        for block_hash, node_id, tier, _, state, _, _ in copied:
+            del self.placements[(block_hash, node_id, tier)]
+            self.placement_changes[(state, "event")] += 1
+        await self._copy("placements", _PLACEMENT_COLUMNS, copied)
 
     async def _unknown_blocks(self, hashes: set[bytes]) -> set[bytes]:
         candidates = hashes - self.known_blocks
@@ -551,24 +598,50 @@ class _BatchApplier:
         self.known_blocks |= found
         return candidates - found
 
-    async def _write_blocks(self) -> None:
+    async def _copy(self, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+        """Binary ``COPY`` of ``rows`` into ``table`` on the session's connection, inside the batch's transaction."""
+        connection = await (await self.session.connection()).get_raw_connection()
+        await connection.driver_connection.copy_records_to_table(table, records=rows, columns=columns)
+
+    async def _write_blocks(self) -> set[bytes]:
+        """Write the accumulated provenance; returns the hashes of the blocks this call inserted.
+
+        Blocks are content-addressed and shared by nodes, so most of a busy ledger's stores may
+        name known blocks: those are looked up first (index probes, no writes) and only the rest
+        are copied in. A concurrent transaction (another replica ingesting another node's
+        partition) may insert one of them between the lookup and the copy: the copy then fails
+        on the primary key, is rolled back to its savepoint, and the batch's new blocks go
+        through ``INSERT … ON CONFLICT DO NOTHING`` instead, which tells which rows it inserted.
+        """
         pending, self.blocks = self.blocks, {}
         namespaces = sorted({block.namespace for block in pending.values()})
         await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
-        items = list(pending.items())
-        await self.session.execute(
-            _INSERT_BLOCKS,
-            {
-                "block_hashes": [block_hash for block_hash, _ in items],
-                "parent_hashes": [bytes.fromhex(b.parent_hash) if b.parent_hash else None for _, b in items],
-                "namespaces": [b.namespace for _, b in items],
-                "tenant_ids": [b.tenant_id for _, b in items],
-                "scopes": [b.scope for _, b in items],
-                "subject_hashes": [bytes.fromhex(b.subject_id) if b.subject_id else None for _, b in items],
-                "token_offsets": [b.token_offset for _, b in items],
-                "created_ats": [b.created_at for _, b in items],
-            },
-        )
+        hashes = list(pending)
+        existing = set((await self.session.scalars(_KNOWN_BLOCKS, {"block_hashes": hashes})).all())
+        new = {block_hash: block for block_hash, block in pending.items() if block_hash not in existing}
+        rows = [
+            (
+                block_hash,
+                bytes.fromhex(block.parent_hash) if block.parent_hash else None,
+                block.namespace,
+                block.tenant_id,
+                block.scope,
+                bytes.fromhex(block.subject_id) if block.subject_id else None,
+                block.token_offset,
+                block.created_at,
+            )
+            for block_hash, block in new.items()
+        ]
+        inserted: set[bytes] = set(new)
+        if rows:
+            try:
+                async with self.session.begin_nested():
+                    await self._copy("blocks", _BLOCK_COLUMNS, rows)
+            except asyncpg.UniqueViolationError:
+                result = await self.session.execute(
+                    _INSERT_BLOCKS, {name: list(column) for name, column in zip(_BLOCK_PARAMETERS, zip(*rows, strict=True), strict=True)}
+                )
+                inserted = set(result.scalars().all())
         auth_scopes = [
             {"block_hash": block_hash, "auth_scope": scope, "policy_version": version}
             for block_hash, block in pending.items()
@@ -584,6 +657,7 @@ class _BatchApplier:
         if documents:
             await self.session.execute(pg_insert(BlockDocument).on_conflict_do_nothing(), documents)
         self.known_blocks |= pending.keys()
+        return inserted
 
 
 class LedgerIngest:

@@ -415,6 +415,36 @@ caused by the data of the events handed over — retrying cannot help — or ``N
 be transient (connection lost, serialization failure, deadlock, timeout) and is retried."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Fetched:
+    """A polled batch and, per (partition, offset), its record decoded or the reason it is invalid."""
+
+    batch: dict[TopicPartition, list[ConsumerRecord]]
+    decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str]
+
+
+def _decode_batch(batch: dict[TopicPartition, list[ConsumerRecord]]) -> dict[tuple[TopicPartition, int], ConsumedEvent | str]:
+    """Decode and validate every record of ``batch`` (pure CPU: runs on a worker thread)."""
+    decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str] = {}
+    for tp, records in batch.items():
+        for record in records:
+            try:
+                key = decode_key(record.key)
+                envelope = decode_event(record.value)
+            except EventValidationError as exc:
+                decoded[(tp, record.offset)] = str(exc)
+                continue
+            decoded[(tp, record.offset)] = ConsumedEvent(
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                key=key,
+                timestamp_ms=record.timestamp,
+                envelope=envelope,
+            )
+    return decoded
+
+
 class _CommitOnRevoke(ConsumerRebalanceListener):
     def __init__(self, owner: BatchConsumer) -> None:
         self._owner = owner
@@ -445,7 +475,10 @@ class BatchConsumer:
       an exponential, jittered backoff (``initial_backoff_s`` doubling up to ``max_backoff_s``):
       nothing is skipped and the process keeps running;
     * on a rebalance the revoke callback waits for the in-flight batch and commits what
-      was processed, so the next owner does not replay more than necessary.
+      was processed, so the next owner does not replay more than necessary;
+    * batches are handled one at a time, in order, but the next one is polled and decoded
+      while the handler runs (:meth:`run`); a failed batch takes the prefetched one back
+      with it (both rewound), so nothing after a failure is handled before it.
 
     A batch may mix partitions; order is kept within each partition (i.e. per key). The
     handler must return within the group's ``max_poll_interval_ms`` (aiokafka default
@@ -526,19 +559,40 @@ class BatchConsumer:
         self._started = True
 
     async def run(self) -> None:
-        """Poll, validate, handle and commit until :meth:`stop`; then return. Never raises for handler errors."""
+        """Poll, validate, handle and commit until :meth:`stop`; then return. Never raises for handler errors.
+
+        Pipelined: while the handler applies one batch (mostly waiting for its database), the next
+        batch is polled and decoded on a worker thread (:meth:`_fetch`), so the consumer's
+        decoding and the database's work on the previous batch overlap instead of taking turns.
+        Batches are still handled one at a time and in order; a prefetched batch is only decoded,
+        never dead-lettered or handed over, until its turn comes.
+        """
         assert self._started, "BatchConsumer.start() must complete before run()"
         assert self._run_task is None, "BatchConsumer.run() is already running"
         self._run_task = asyncio.current_task()
         backoff = self._initial_backoff_s
+        prefetch: asyncio.Task[_Fetched] | None = None
         try:
             while not self._stopping.is_set():
+                fetched: _Fetched | None = None
                 try:
-                    batch = await self._poll_unless_stopping()
-                    if batch:
-                        async with self._lock:
-                            await self._process(batch)
+                    if prefetch is None:
+                        prefetch = asyncio.ensure_future(self._fetch(None))
+                    fetched, prefetch = await self._unless_stopping(prefetch), None
+                    if fetched is not None and fetched.batch:
+                        handled = asyncio.Event()
+                        prefetch = asyncio.ensure_future(self._fetch(handled))
+                        try:
+                            async with self._lock:
+                                await self._process(fetched)
+                        finally:
+                            handled.set()
                 except Exception as exc:  # noqa: BLE001 - any failure means: back off, re-deliver, keep running
+                    # Nothing after the failed batch may be handled before it: the prefetched batch is
+                    # dropped and every partition of both goes back to its first unhandled record.
+                    dropped = await self._settle(prefetch)
+                    prefetch = None
+                    self._rewind(*(each.batch for each in (fetched, dropped) if each is not None))
                     HANDLER_FAILURES_TOTAL.labels(group=self.group_id).inc()
                     # The exception text may quote record data; log only its type here.
                     # Full jitter on the upper half: replicas that failed together do not retry together.
@@ -562,30 +616,83 @@ class BatchConsumer:
             assert task is not None, "run() is awaited inside a task"
             task.uncancel()
         finally:
+            if prefetch is not None:
+                # Records a dropped prefetch took are not handled, so their offsets are not committed:
+                # the group's next owner of their partitions (or this member, restarted) reads them again.
+                prefetch.cancel()
+                await asyncio.gather(prefetch, return_exceptions=True)
             self._run_task = None
 
-    async def _poll_unless_stopping(self) -> dict[TopicPartition, list[ConsumerRecord]]:
-        """The next batch, or nothing as soon as :meth:`stop` is called: an idle poll does not hold a stop up.
+    async def _fetch(self, handled: asyncio.Event | None) -> _Fetched:
+        """The next batch, polled while the previous one is handled (until ``handled`` is set; None: nothing
+        in flight), each chunk decoded on a worker thread as it arrives: the decoding overlaps the
+        handler's database waits, and the batch takes what reached the broker meanwhile (up to
+        ``max_records``), as a poll after the handler would. With nothing in flight it is one poll, as
+        before; ``top_up_ms`` 0 takes the first records that come, without collecting more."""
+        batch: dict[TopicPartition, list[ConsumerRecord]] = {}
+        decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str] = {}
+        num_records = 0
+        try:
+            while True:
+                more = await get_fresh_batch(
+                    self._consumer,
+                    timeout_ms=self._top_up_ms if num_records else self._poll_timeout_ms,
+                    max_records=self._max_records - num_records,
+                    top_up_ms=self._top_up_ms,
+                )
+                if more:
+                    for tp, records in more.items():
+                        batch[tp] = batch.get(tp, []) + records
+                        num_records += len(records)
+                    decoded.update(await asyncio.to_thread(_decode_batch, more))
+                idle = handled is None or handled.is_set()
+                if idle or num_records >= self._max_records or (num_records and not self._top_up_ms):
+                    return _Fetched(batch, decoded)
+        except BaseException:
+            # The records taken so far are never handed over: back to the first of them.
+            self._rewind(batch)
+            raise
+
+    async def _unless_stopping(self, fetching: asyncio.Task[_Fetched]) -> _Fetched | None:
+        """``fetching``'s result, or None as soon as :meth:`stop` is called: an idle poll does not hold a stop up.
 
         Records an abandoned poll fetched are not handled, so their offsets are not committed: the
         group's next owner of their partitions reads them again.
         """
-        poll = asyncio.ensure_future(
-            get_fresh_batch(self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms)
-        )
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
-            await asyncio.wait({poll, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            poll.cancel()
+            fetching.cancel()
             raise
         finally:
             stopping.cancel()
-        if not poll.done():
-            poll.cancel()
-            await asyncio.gather(poll, return_exceptions=True)
-            return {}
-        return poll.result()
+        if not fetching.done():
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+            return None
+        return fetching.result()
+
+    async def _settle(self, prefetch: asyncio.Task[_Fetched] | None) -> _Fetched | None:
+        """Let an in-flight prefetch finish (cancelling a poll could lose records it took) and return what it fetched."""
+        if prefetch is None:
+            return None
+        try:
+            return await prefetch
+        except Exception:  # noqa: BLE001 - a failed poll took no records
+            return None
+
+    def _rewind(self, *batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Seek every still-assigned partition of ``batches`` back to its earliest record among them."""
+        first: dict[TopicPartition, int] = {}
+        for batch in batches:
+            for tp, records in batch.items():
+                if records:
+                    first[tp] = min(first.get(tp, records[0].offset), records[0].offset)
+        assigned = self._consumer.assignment()
+        for tp, offset in first.items():
+            if tp in assigned:
+                self._consumer.seek(tp, offset)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the in-flight batch (up to ``timeout_s``, then cancel it), commit, leave the group.
@@ -671,22 +778,17 @@ class BatchConsumer:
 
     # -- one batch -------------------------------------------------------------
 
-    async def _process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+    async def _process(self, fetched: _Fetched) -> None:
+        """Dead-letter the batch's invalid records, hand the rest over, commit. A failure propagates; :meth:`run` rewinds."""
         assigned = self._consumer.assignment()
         # A partition revoked while we were fetching belongs to another member now; it
         # resumes from the committed offset, so dropping these records loses nothing.
-        owned = {tp: records for tp, records in batch.items() if records and tp in assigned}
+        owned = {tp: records for tp, records in fetched.batch.items() if records and tp in assigned}
         if not owned:
             return
-        try:
-            events = await self._validate(owned)
-            if events:
-                await self._handle_isolating(events, owned)
-        except BaseException:
-            for tp, records in owned.items():
-                if tp in self._consumer.assignment():
-                    self._consumer.seek(tp, records[0].offset)
-            raise
+        events = await self._validate(owned, fetched.decoded)
+        if events:
+            await self._handle_isolating(events, owned)
         for tp, records in owned.items():
             self._pending[tp] = records[-1].offset + 1
         await self._commit_pending(None)
@@ -716,28 +818,20 @@ class BatchConsumer:
         record = next(record for record in batch[tp] if record.offset == event.offset)
         await self._dead_letter(tp, record, f"refused by the {self.group_id} handler: {reason}")
 
-    async def _validate(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> list[ConsumedEvent]:
+    async def _validate(
+        self, batch: dict[TopicPartition, list[ConsumerRecord]], decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str]
+    ) -> list[ConsumedEvent]:
+        """The batch's valid events, in order; each invalid record is dead-lettered in its place."""
         events: list[ConsumedEvent] = []
         for tp, records in batch.items():
             for record in records:
                 if record.offset in self._dead_lettered.get(tp, ()):
                     continue  # a re-delivered batch: already on the dead-letter topic
-                try:
-                    key = decode_key(record.key)
-                    envelope = decode_event(record.value)
-                except EventValidationError as exc:
-                    await self._dead_letter(tp, record, str(exc))
-                    continue
-                events.append(
-                    ConsumedEvent(
-                        topic=record.topic,
-                        partition=record.partition,
-                        offset=record.offset,
-                        key=key,
-                        timestamp_ms=record.timestamp,
-                        envelope=envelope,
-                    )
-                )
+                event = decoded[(tp, record.offset)]
+                if isinstance(event, str):
+                    await self._dead_letter(tp, record, event)
+                else:
+                    events.append(event)
         return events
 
     async def _dead_letter(self, tp: TopicPartition, record: ConsumerRecord, error: str) -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 from helpers.ledger import eventually, kafka_client_settings
 from prometheus_client import REGISTRY
 
@@ -366,3 +367,53 @@ async def test_a_failure_that_is_not_the_datas_is_retried_whole(settings: KafkaS
     assert [e.envelope.event_id for e in recorder.delivered()] == [e.event_id for e in events]
     assert recorder.calls[0][0].offset == recorder.calls[1][0].offset == recorder.calls[2][0].offset
     assert REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) is None
+
+
+def _keys_on_two_partitions() -> tuple[str, str]:
+    """Two record keys the producer's default partitioner sends to different partitions."""
+    partitioner = DefaultPartitioner()
+    partitions = list(range(PARTITIONS))
+    by_partition: dict[int, str] = {}
+    for i in range(100):
+        key = f"key-{i}"
+        by_partition.setdefault(partitioner(key.encode(), partitions, partitions), key)
+        if len(by_partition) == 2:
+            first, second = by_partition.values()
+            return first, second
+    raise AssertionError("100 keys all hashed to one partition")
+
+
+async def test_a_failed_batch_also_rewinds_the_batch_prefetched_meanwhile(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    """The consumer polls the next batch while the handler runs. When the handler fails, the records that
+    prefetch took — here on another partition than the failed batch — must come back too, in order."""
+    first_key, later_key = _keys_on_two_partitions()
+    first = document_events(1)[0]
+    later = document_events(3, tenant="later")
+    first_partition = (await producer.send(first, topic=unique_name, key=first_key)).partition
+    consumer: BatchConsumer
+
+    async def fail_once_after_prefetch(events: list[ConsumedEvent]) -> None:
+        recorder.calls.append(events)
+        if len(recorder.calls) > 1:
+            return
+        sent = [await producer.send(event, topic=unique_name, key=later_key) for event in later]
+        tp = TopicPartition(unique_name, sent[0].partition)
+        assert tp.partition != first_partition, "the prefetched records must be on another partition than the failed batch"
+
+        async def prefetched() -> bool:
+            # The consumer's fetch position: past the last record once a poll has returned it.
+            return await consumer._consumer.position(tp) > sent[-1].offset
+
+        await eventually(prefetched, what="the prefetch to take the records published meanwhile")
+        raise RuntimeError("simulated database failure")
+
+    recorder = Recorder(fail_times=1)
+    consumer = consumer_for(settings, unique_name, fail_once_after_prefetch, unique_name, initial_backoff_s=0.1)
+    async with running(consumer):
+        await eventually(lambda: len(recorder.delivered()) >= 4, what="every record after the failure")
+    assert [e.envelope.event_id for e in recorder.calls[0]] == [first.event_id]
+    delivered = [e.envelope.event_id for e in recorder.delivered()]
+    assert sorted(map(str, delivered)) == sorted(str(e.event_id) for e in [first, *later])
+    assert [i for i in delivered if i != first.event_id] == [e.event_id for e in later]  # in partition order
