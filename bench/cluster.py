@@ -271,8 +271,11 @@ class ClusterConfig:
     heartbeat_interval_s: float = 30.0
     consumer_session_timeout_ms: int = 2000
     consumer_heartbeat_interval_ms: int = 500
-    """The coordinator's consumer-group timing: the broker holds a group join for half the session timeout and
-    waits out a SIGKILLed member's whole session, so the production 10 s would cost most of every restart."""
+    """The coordinators' and nodes' consumer-group timing: the broker holds a group join for half the session
+    timeout and waits out a SIGKILLed member's whole session, so the production 10 s would cost most of every restart."""
+    consumer_fetch_max_wait_ms: int = 5
+    """Every consumer's ``fetch_max_wait_ms``: the production default, which times hops as deployed; the fault
+    tests, which time nothing, take 50 ms (a tenth of the idle fetches, see ``events.kafka.ConsumerGroupTiming``)."""
     ready_timeout_s: float = READY_TIMEOUT_S
     """How long each start (and restart) of a process may take to answer ready."""
     cache_ttl_s: float = 86400.0
@@ -337,8 +340,15 @@ class Cluster:
             KVLEDGER_MASTER_KEY=self.master_key,
             **keys.coordinator_env(),
             **{f"KVLEDGER_COORDINATOR_LEDGER__{name}": value for name, value in ledger.items()},
-            KVLEDGER_COORDINATOR_KAFKA__SESSION_TIMEOUT_MS=str(self.config.consumer_session_timeout_ms),
-            KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS=str(self.config.consumer_heartbeat_interval_ms),
+            **{
+                f"KVLEDGER_{service}_KAFKA__{name}": str(value)
+                for service in ("COORDINATOR", "NODE")
+                for name, value in (
+                    ("SESSION_TIMEOUT_MS", self.config.consumer_session_timeout_ms),
+                    ("HEARTBEAT_INTERVAL_MS", self.config.consumer_heartbeat_interval_ms),
+                    ("FETCH_MAX_WAIT_MS", self.config.consumer_fetch_max_wait_ms),
+                )
+            },
         )
         for index in range(self.config.num_coordinators):
             name, port = "coordinator" if index == 0 else f"coordinator-{index}", free_port()

@@ -79,7 +79,7 @@ class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
 
     Idempotence is off by default: the embedded Tansu broker rejects it. The security
     fields (SASL, TLS) come from :class:`events.kafka.KafkaSecurity`, the consumer groups'
-    session and heartbeat from :class:`events.kafka.ConsumerGroupTiming`.
+    session, heartbeat and fetch wait from :class:`events.kafka.ConsumerGroupTiming`.
     """
 
     bootstrap: str = "127.0.0.1:9092"
@@ -90,7 +90,7 @@ class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     max_batch_records: int = Field(500, ge=1)
     ingest_fetch_max_wait_ms: int = Field(50, ge=1)
     """How long the broker may hold an empty fetch of the kv-events consumer (the other
-    consumers: 5 ms, see ``events.kafka.KafkaSettings.fetch_max_wait_ms``). Node reports are
+    consumers: ``fetch_max_wait_ms``, 5 ms by default, see ``events.kafka.ConsumerGroupTiming``). Node reports are
     bulk and on no user's path; with 5 ms that consumer ran a transaction for every one or
     two reports and took the CPU the decisions need (invalidation bench, 2 cores: last ack
     p99 ~250–360 → ~150–200 ms). The ledger shows a node's changes up to this much later."""

@@ -110,7 +110,8 @@ def _is_loopback(host: str) -> bool:
 
 
 class ConsumerGroupTiming(BaseModel):
-    """How group members stay alive: the settings of every service whose consumers join a group."""
+    """How group members stay alive and how long their fetches wait: the settings of every service whose
+    consumers join a group."""
 
     session_timeout_ms: int = Field(default=10_000, ge=1)
     """How long the group coordinator waits for a :class:`BatchConsumer`'s heartbeat before it
@@ -121,6 +122,13 @@ class ConsumerGroupTiming(BaseModel):
     ``group.max.session.timeout.ms``. The default is aiokafka's; the tests pass a small value."""
     heartbeat_interval_ms: int = Field(default=3_000, ge=1)
     """How often a member heartbeats; below ``session_timeout_ms`` (a third of it is usual)."""
+    fetch_max_wait_ms: int = Field(default=5, ge=1)
+    """How long the broker may hold a fetch waiting for data. Brokers that answer a waiting
+    fetch only when the wait expires (Tansu does) add up to this much to every consumer hop
+    (aiokafka's default: 500 ms), and an invalidation crosses three hops before its last ack.
+    An idle consumer costs the broker one empty fetch per wait in exchange (at 5 ms about a
+    sixth of a core between client and broker, per idle consumer). Apache Kafka answers a
+    waiting fetch as soon as data arrives, so there a long wait costs no latency."""
 
     @model_validator(mode="after")
     def _heartbeat_within_session(self) -> ConsumerGroupTiming:
@@ -146,11 +154,6 @@ class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     num_partitions: int = Field(default=4, ge=1)
     replication_factor: int = Field(default=1, ge=1)
     group_id: str | None = None
-    fetch_max_wait_ms: int = Field(default=5, ge=1)
-    """How long the broker may hold a fetch waiting for data. Brokers that answer a waiting
-    fetch only when the wait expires (Tansu does) add up to this much to every consumer hop
-    (aiokafka's default: 500 ms), and an invalidation crosses three hops before its last ack.
-    An idle consumer costs the broker one empty fetch per wait in exchange."""
     top_up_ms: int = Field(default=10, ge=0)
     """How long :func:`get_fresh_batch` waits for the records that reached the broker while the
     previous batch was handled (0: never tops up). About one fetch round trip plus the broker's

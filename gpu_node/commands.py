@@ -557,6 +557,8 @@ class CommandConsumer:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             fetch_max_wait_ms=kafka.fetch_max_wait_ms,
+            session_timeout_ms=kafka.session_timeout_ms,
+            heartbeat_interval_ms=kafka.heartbeat_interval_ms,
         )
         self._producer = EventProducer(kafka, sign=publisher.signer)
         self._committed: dict[TopicPartition, int] = {}
@@ -770,12 +772,16 @@ class CommandConsumer:
         for record in records:
             envelope, error = self._verified(record)
             key = (tp, record.offset)
+            # A command already waiting in ``to_apply`` (re-sent while this node was down or slow, so several copies
+            # arrive in one batch) is not applied twice: the commands before it are applied first, then this copy is
+            # answered with that application's ack (_handle_record).
             if (
                 envelope is not None
                 and isinstance(envelope.payload, schema.Invalidate)
                 and record.offset >= self._committed[tp]
                 and key not in self._unacked
                 and envelope.payload.command_id not in self._acks
+                and all(envelope.payload.command_id != waiting.command_id for _, waiting in to_apply)
             ):
                 to_apply.append((record.offset, envelope.payload))
                 continue

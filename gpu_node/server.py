@@ -69,12 +69,15 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
 
 
 def kafka_settings(settings: NodeSettings) -> KafkaSettings:
-    """The node's Kafka connection: its broker, client id, partitions and security settings."""
+    """The node's Kafka connection: its broker, client id, partitions, security settings and consumer timing."""
     assert settings.kafka_bootstrap is not None, "only a node with a broker talks to Kafka"
     return KafkaSettings(
         bootstrap=settings.kafka_bootstrap,
         client_id=f"kvledger-{settings.node_id}",
         num_partitions=settings.kafka_partitions,
+        session_timeout_ms=settings.kafka.session_timeout_ms,
+        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
+        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
         **settings.kafka.security_fields(),
     )
 

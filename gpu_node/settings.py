@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from events.kafka import KAFKA_SHARED_ENV, KafkaSecurity
+from events.kafka import KAFKA_SHARED_ENV, ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
 from identity.settings import IssuerSettings, SharedEnvSource
@@ -107,6 +107,11 @@ class DataKeySettings(BaseModel):
     max_negative_entries: int = Field(4096, ge=1)
 
 
+class NodeKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
+    """How the node authenticates to the brokers (:class:`events.kafka.KafkaSecurity`) and how its command
+    consumer's group member stays alive and waits on fetches (:class:`events.kafka.ConsumerGroupTiming`)."""
+
+
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
 
@@ -144,8 +149,9 @@ class NodeSettings(BaseSettings):
     )
     """Where data keys for tenant/user blocks at rest come from (``gpu_node.remote_keys``); unset: a local key file."""
     data_keys: DataKeySettings = DataKeySettings()
-    kafka: KafkaSecurity = KafkaSecurity()
-    """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``)."""
+    kafka: NodeKafkaSettings = NodeKafkaSettings()
+    """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``) and
+    its command consumer's group timing (``KVLEDGER_NODE_KAFKA__SESSION_TIMEOUT_MS``, ``…__FETCH_MAX_WAIT_MS``)."""
     metrics: MetricsSettings = MetricsSettings()
     kafka_partitions: int = Field(4, ge=1)
     publish_interval_s: float = Field(0.05, gt=0)

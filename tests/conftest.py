@@ -76,11 +76,13 @@ themselves, so they run beside the shared cluster's tests instead of after them.
 _LONGEST_FIRST = (
     "tests/faults/test_takeover.py",
     "tests/faults/",
-    "tests/e2e/test_stack.py",
     "tests/coordinator/test_decision_equivalence.py",
-    "tests/e2e/test_erasure_e2e.py",
     "tests/e2e/test_invalidation_e2e.py",
+    "tests/gpu_node/test_node_ledger.py",
+    "tests/e2e/test_stack.py",
     "tests/e2e/test_operator_cli.py",
+    "tests/packaging/test_base_install.py",
+    "tests/e2e/test_erasure_e2e.py",
     "tests/e2e/",
     "tests/coordinator/test_degraded_modes.py",
     "tests/security/test_prompt_dos.py",
@@ -88,7 +90,8 @@ _LONGEST_FIRST = (
 )
 """Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest first
 (the sums of ``--durations`` per file: the fault suite's shared cluster several minutes on 2 cores, the e2e
-files start ``kvledger up`` stacks, the others run real nodes and coordinators through whole stories): a
+files start ``kvledger up`` stacks, the base install builds a virtualenv, the others run real nodes and
+coordinators through whole stories or hundreds of requests): a
 parallel run hands them out first, so none of them starts late while the other workers are running out of work."""
 
 

@@ -81,11 +81,13 @@ def test_consumer_group_timing_reaches_every_consumer(monkeypatch: pytest.Monkey
     """Production keeps aiokafka's 10 s session; a deployment (or a test) sets its own, and the consumers get it."""
     from coordinator.consumers import kafka_settings
 
-    assert (CoordinatorSettings().kafka.session_timeout_ms, CoordinatorSettings().kafka.heartbeat_interval_ms) == (10_000, 3_000)
+    defaults = kafka_settings(CoordinatorSettings())
+    assert (defaults.session_timeout_ms, defaults.heartbeat_interval_ms, defaults.fetch_max_wait_ms) == (10_000, 3_000, 5)
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__SESSION_TIMEOUT_MS", "2000")
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS", "500")
+    monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__FETCH_MAX_WAIT_MS", "50")
     config = kafka_settings(CoordinatorSettings())
-    assert (config.session_timeout_ms, config.heartbeat_interval_ms) == (2000, 500)
+    assert (config.session_timeout_ms, config.heartbeat_interval_ms, config.fetch_max_wait_ms) == (2000, 500, 50)
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS", "2000")
     with pytest.raises(ValueError, match="must be below session_timeout_ms"):
         CoordinatorSettings()

@@ -192,6 +192,17 @@ def test_node_and_coordinator_take_the_shared_and_their_own_variables(monkeypatc
     assert kafka_client_kwargs(node)["sasl_plain_username"] == "node-7"
 
 
+def test_the_nodes_consumer_timing_reaches_its_kafka_settings(monkeypatch):
+    """The node's command consumer joins a group of its own: the coordinator's timing settings, its own variables."""
+    defaults = node_kafka_settings(NodeSettings(kafka_bootstrap="127.0.0.1:9092"))
+    assert (defaults.session_timeout_ms, defaults.heartbeat_interval_ms, defaults.fetch_max_wait_ms) == (10_000, 3_000, 5)
+    monkeypatch.setenv("KVLEDGER_NODE_KAFKA__SESSION_TIMEOUT_MS", "2000")
+    monkeypatch.setenv("KVLEDGER_NODE_KAFKA__HEARTBEAT_INTERVAL_MS", "500")
+    monkeypatch.setenv("KVLEDGER_NODE_KAFKA__FETCH_MAX_WAIT_MS", "50")
+    config = node_kafka_settings(NodeSettings(kafka_bootstrap="127.0.0.1:9092"))
+    assert (config.session_timeout_ms, config.heartbeat_interval_ms, config.fetch_max_wait_ms) == (2000, 500, 50)
+
+
 def test_invalid_environment_fails_at_startup(monkeypatch):
     monkeypatch.setenv("KVLEDGER_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
     with pytest.raises(ValidationError, match="needs a sasl_mechanism"):

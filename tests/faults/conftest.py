@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from helpers.ledger import GROUP_TIMING
 
 from bench.cluster import Cluster, ClusterConfig
 from bench.invariants import Invariants
@@ -22,7 +23,7 @@ _HERE = Path(__file__).parent
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark everything here ``faults`` and ``integration`` (``-m faults`` runs just this suite). The whole
-    directory takes about 2.5 minutes on 2 cores: the coordinator's consumer groups use a 2 s session
+    directory takes about 2.5 minutes on 2 cores: the coordinators' and nodes' consumer groups use a 2 s session
     (``ClusterConfig``), so a restart no longer waits out 5 s joins and a killed member's 10 s session."""
     for item in items:
         if item.path.is_relative_to(_HERE):
@@ -32,7 +33,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 async def fault_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    async with Cluster(tmp_path_factory.mktemp("faults"), tiny_model_dir, ClusterConfig(num_nodes=2)) as cluster:
+    # the tests' fetch wait, not production's: these tests time nothing, and idle consumers cost a tenth of the CPU
+    config = ClusterConfig(num_nodes=2, consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"])
+    async with Cluster(tmp_path_factory.mktemp("faults"), tiny_model_dir, config) as cluster:
         yield cluster
 
 

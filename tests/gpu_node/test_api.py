@@ -9,6 +9,7 @@ see it: ``usage.prompt_tokens_details.cached_tokens``.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -25,7 +26,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from helpers.ledger import OPERATOR_AUTH, operator_headers
+from helpers.ledger import OPERATOR_AUTH, eventually, operator_headers
 from helpers.node import node_on_thread
 
 from events.logs import make_handler
@@ -367,29 +368,37 @@ def test_access_line_has_the_request_id_and_no_prompt_or_caller(node):
                 headers={"Authorization": f"Bearer {token(tenant='tenant-x9', sub='subject-q7')}", "X-Request-Id": "req-abc.1"},
             )
             refused = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "req-abc.2"})
+
+        def node_lines() -> list[dict]:
+            return [line for line in map(json.loads, stream.getvalue().splitlines()) if line["logger"].startswith("gpu_node")]
+
+        # Only this test's requests, and only once both are written: a request's access line is written after its
+        # response went out (its time includes sending), so it may land after the client has the response.
+        def access() -> list[tuple[str, str]]:
+            return [
+                (line["request_id"], line["message"].rsplit(" ", 1)[0])
+                for line in node_lines()
+                if line["logger"] == "gpu_node.access" and line["request_id"].startswith("req-abc.")
+            ]
+
+        def refusals_observed() -> float:
+            labels = {"method": "POST", "route": "/v1/chat/completions", "status": "401"}
+            return node.engine.metrics.registry.get_sample_value("kvledger_http_request_seconds_count", labels) or 0.0
+
+        # the latency metric is observed right after the access line
+        asyncio.run(eventually(lambda: len(access()) == 2 and refusals_observed() >= 1, timeout_s=30, what="both access lines"))
     finally:
         root.removeHandler(handler)
         root.setLevel(previous_level)
     assert (served.status_code, served.headers["x-request-id"]) == (200, "req-abc.1")
     assert (refused.status_code, refused.headers["x-request-id"]) == (401, "req-abc.2")
-    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    node_lines = [line for line in lines if line["logger"].startswith("gpu_node")]
-    # Only this test's requests: the access line of an earlier test's last request may land after its response did.
-    access = [
-        (line["request_id"], line["message"].rsplit(" ", 1)[0])
-        for line in node_lines
-        if line["logger"] == "gpu_node.access" and line["request_id"].startswith("req-abc.")
-    ]
-    assert access == [("req-abc.1", "POST /v1/chat/completions 200"), ("req-abc.2", "POST /v1/chat/completions 401")]
-    completion = [line for line in node_lines if line["message"].startswith("completion ")]
+    assert access() == [("req-abc.1", "POST /v1/chat/completions 200"), ("req-abc.2", "POST /v1/chat/completions 401")]
+    completion = [line for line in node_lines() if line["message"].startswith("completion ")]
     assert [line["request_id"] for line in completion] == ["req-abc.1"]
-    logged = json.dumps(node_lines)
+    logged = json.dumps(node_lines())
     for private in (secret_prompt, "diagnosis", "tenant-x9", "subject-q7"):
         assert private not in logged
-    observed = node.engine.metrics.registry.get_sample_value(
-        "kvledger_http_request_seconds_count", {"method": "POST", "route": "/v1/chat/completions", "status": "401"}
-    )
-    assert observed is not None and observed >= 1
+    assert refusals_observed() >= 1
 
 
 def test_not_ready_node_refuses_traffic(tiny_model_dir, tmp_path):

@@ -341,3 +341,42 @@ async def test_an_ack_that_could_not_be_published_is_sent_again_without_applying
         assert num_sends >= 3, "the failed ack was sent again"
     finally:
         await node.stop()
+
+
+async def test_copies_of_a_command_in_one_batch_are_applied_once_and_acked_with_the_same_ack(make_settings, kafka_bootstrap):
+    """A node that was down while the coordinator re-sent a command finds several records of it past its
+    committed offset, fetched in one batch: the first is applied, the others are answered with its ack."""
+    tenant = f"acme-{uuid.uuid4().hex[:6]}"
+    settings = make_settings("c")
+    await (await Node(settings).start()).stop()  # the node's group has a committed position before the command
+
+    command = schema.Invalidate(command_id=uuid.uuid4(), predicate=schema.TenantPredicate(tenant=tenant), cutoff=datetime.now(UTC))
+    async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+        for _ in range(3):  # the command and two re-sends: new envelopes, the same command
+            await producer.send(schema.make_event(command, tenant_id=tenant))
+    restarted = Node(settings)
+    applied: list[uuid.UUID] = []
+    real_apply_batch = restarted.commands.handler.apply_batch
+
+    async def apply_batch_counted(commands):
+        async for applied_command, evidence in real_apply_batch(commands):
+            applied.append(applied_command.command_id)
+            yield applied_command, evidence
+
+    restarted.commands.handler.apply_batch = apply_batch_counted
+    await restarted.start()
+    try:
+        acks: list[schema.Envelope] = []
+
+        def visit(record) -> bool:
+            envelope = schema.parse_event(record.value)
+            if envelope.payload.command_id == command.command_id and envelope.payload.node_id == restarted.node_id:
+                acks.append(envelope)
+            return len(acks) == 3
+
+        await scan_topic(kafka_bootstrap, topics.ACKS, visit)
+        assert applied.count(command.command_id) == 1
+        assert len({ack.event_id for ack in acks}) == 1, "every copy is answered with the one application's ack"
+        assert restarted.engine.metrics.registry.get_sample_value("kvledger_commands_reacked_total") == 2
+    finally:
+        await restarted.stop()

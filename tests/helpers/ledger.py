@@ -138,10 +138,14 @@ class SigningProducer(EventProducer):
         return await super().send_many([await self.signed(envelope) for envelope in envelopes])
 
 
-GROUP_TIMING: dict[str, int] = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 500}
-"""Consumer-group timing of every test coordinator and :class:`~events.kafka.BatchConsumer`. The embedded
-broker holds each group join for half the session timeout: production's 10 s cost 5 s per group, 15 s per
-coordinator start (three groups). 2 s still survives a loaded machine's event-loop stalls between heartbeats."""
+GROUP_TIMING: dict[str, int] = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 500, "fetch_max_wait_ms": 50}
+"""Consumer timing (:class:`~events.kafka.ConsumerGroupTiming`) of every test coordinator, node and
+:class:`~events.kafka.BatchConsumer`. The embedded broker holds each group join for half the session timeout:
+production's 10 s cost 5 s per group, 15 s per coordinator start (three groups), 5 s per node start. 2 s still
+survives a loaded machine's event-loop stalls between heartbeats. The embedded broker answers a waiting fetch
+only when its wait expires, so every idle consumer fetches once per wait: at the default 5 ms an idle
+coordinator and the broker burnt about a third of a core between them, most of the suite's time on 2 cores;
+50 ms costs a tenth of that and adds at most 50 ms per hop to what a test waits for."""
 
 
 NODE_KEY_CACHE_S = 1.0
@@ -149,8 +153,11 @@ NODE_KEY_CACHE_S = 1.0
 production's 5 s, so the tests that revoke one wait that much less."""
 
 
-GROUP_TIMING_ENV: dict[str, str] = {f"KVLEDGER_COORDINATOR_KAFKA__{name.upper()}": str(value) for name, value in GROUP_TIMING.items()}
-""":data:`GROUP_TIMING` as the environment of a coordinator process (``kvledger coordinator``, ``kvledger up``)."""
+GROUP_TIMING_ENV: dict[str, str] = {
+    f"KVLEDGER_{service}_KAFKA__{name.upper()}": str(value) for service in ("COORDINATOR", "NODE") for name, value in GROUP_TIMING.items()
+}
+""":data:`GROUP_TIMING` as the environment of coordinator and node processes (``kvledger coordinator``, ``kvledger node``,
+``kvledger up``)."""
 
 
 def _merged(defaults: Mapping[str, object], overrides: Mapping[str, object]) -> dict[str, object]:

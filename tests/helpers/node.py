@@ -33,7 +33,7 @@ from gpu_node.kv_cache_utils import CacheScope, DocumentRef, num_cacheable_block
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
-from helpers.ledger import JWT_SECRET, SUBJECT_KEY, RunningConsumers, command_public_key_file, eventually, install_node_key
+from helpers.ledger import GROUP_TIMING, JWT_SECRET, SUBJECT_KEY, RunningConsumers, command_public_key_file, eventually, install_node_key
 from identity.tokens import TokenVerifier
 from kvledger.net import loopback_listener
 
@@ -70,11 +70,12 @@ def node_on_thread(engine: AsyncEngine, app, name: str, start_timeout_s: float =
 
 
 def node_settings(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str, cache: CacheSettings, **extra) -> NodeSettings:
-    """A node of the test session: its broker, the tests' subject key and JWT secret, a fast publisher, the
-    test key of ``node_id`` as its own (enroll it with ``helpers.ledger.enroll_nodes`` where a coordinator
-    checks it) and the tests' command key pinned."""
+    """A node of the test session: its broker, the tests' subject key and JWT secret, a fast publisher, the tests'
+    consumer timing (``helpers.ledger.GROUP_TIMING``), the test key of ``node_id`` as its own (enroll it with
+    ``helpers.ledger.enroll_nodes`` where a coordinator checks it) and the tests' command key pinned."""
     install_node_key(data_dir, node_id)
     extra.setdefault("identity", {"coordinator_public_key_file": command_public_key_file()})
+    extra["kafka"] = {**GROUP_TIMING, **extra.get("kafka", {})}
     return NodeSettings(
         node_id=node_id,
         model_dir=model_dir,
