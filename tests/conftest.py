@@ -70,11 +70,14 @@ _MODES = ("embedded", "containers", "external")
 _SHARED_SESSION_DIRS = ("tests/faults/",)
 """Directories whose test files share a session fixture of their own (``tests/faults``: one cluster of real
 processes): a parallel run hands each out as one unit, to one worker, so it is set up once."""
-_OWN_UNITS = ("tests/faults/test_takeover.py",)
-"""Files inside :data:`_SHARED_SESSION_DIRS` that start a cluster of their own (two coordinators): a unit by
-themselves, so they run beside the shared cluster's tests instead of after them."""
+_OWN_UNITS = ("tests/faults/test_takeover.py", "tests/faults/test_soak.py")
+"""Files inside :data:`_SHARED_SESSION_DIRS` that are a unit by themselves, so they run beside the shared
+cluster's tests instead of after them: the takeover test starts a cluster of its own (two coordinators); the
+two-minute soak would add its minutes to the shared cluster's unit, the longest of the run, so its worker starts
+a cluster for it alone (in a serial run it shares the one cluster)."""
 _LONGEST_FIRST = (
     "tests/faults/test_takeover.py",
+    "tests/faults/test_soak.py",
     "tests/faults/",
     "tests/coordinator/test_decision_equivalence.py",
     "tests/e2e/test_invalidation_e2e.py",

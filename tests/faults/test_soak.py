@@ -1,6 +1,6 @@
 """The CI variant of ``kvledger bench soak``: two minutes of mixed workload with two node restarts (each after a
-snapshot) and a coordinator restart on the suite's cluster; no invariant violated, and every kind of work actually
-happened."""
+snapshot) and a coordinator restart on the fault suite's cluster (one of its own in a parallel run, see
+tests/conftest.py); no invariant violated, and every kind of work actually happened."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from bench.cluster import Cluster
 from bench.soak import SoakOptions, render_markdown, run_soak
 
 SOAK_S = 120.0
-"""The issue's two minutes: room for two node restarts and a coordinator SIGKILL (each 10-30 s on a loaded CI
+"""Two minutes: room for two node restarts and a coordinator SIGKILL (each 10-30 s on a loaded CI
 machine) with requests and governance actions flowing around them. The restarts (at 40 s and 80 s) and the
 coordinator's (at 60 s) overlap on a slow machine: a node then takes its start inventory while the key service
 is down, the case that once reported a node's snapshot placements missing from the ledger
