@@ -449,6 +449,63 @@ async def decide_many(
     """
     if not envelopes:
         return BulkDecisions()
+    documents, policies = await _current_versions(session, envelopes)
+    decided, document_ids, policy_ids = _in_order(envelopes, documents, policies, outcomes)
+    if not decided:
+        return BulkDecisions()
+    marks = _mark_arrays(decided)
+    commands = [
+        signer(make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant))
+        for _, predicate, command_id in decided
+    ]
+    outbox = [outbox_row(command) for command in commands]
+    document_keys, policy_keys = sorted(document_ids), sorted(policy_ids)
+    rows = await session.execute(
+        _DECIDE,
+        {
+            "now": now,
+            "command_ids": [command_id for _, _, command_id in decided],
+            "kinds": [predicate.kind for _, predicate, _ in decided],
+            "predicates": [json.dumps(predicate.model_dump(mode="json")) for _, predicate, _ in decided],
+            "source_event_ids": [envelope.event_id for envelope, _, _ in decided],
+            "requested_at": [envelope.occurred_at for envelope, _, _ in decided],
+            **marks,
+            "doc_tenants": [k[0] for k in document_keys],
+            "doc_ids": [k[1] for k in document_keys],
+            "doc_versions": [documents[k][0] for k in document_keys],
+            "doc_deleted": [documents[k][1] for k in document_keys],
+            "doc_invalidation_ids": [document_ids[k] for k in document_keys],
+            "policy_tenants": [k[0] for k in policy_keys],
+            "policy_scopes": [k[1] for k in policy_keys],
+            "policy_versions": [policies[k] for k in policy_keys],
+            "policy_invalidation_ids": [policy_ids[k] for k in policy_keys],
+            "lease_until": lease_until,
+            "topics": [row["topic"] for row in outbox],
+            "keys": [row["key"] for row in outbox],
+            "payloads": [json.dumps(row["payload"]) for row in outbox],
+        },
+    )
+    targets: collections.Counter[uuid.UUID] = collections.Counter()
+    outbox_ids: dict[str, int] = {}
+    for row in rows:
+        if row.row_kind == "target":
+            targets[uuid.UUID(row.ref)] += 1
+        else:
+            outbox_ids[row.ref] = row.outbox_id
+    return BulkDecisions(
+        decisions=[Decision(command_id, predicate.kind, "event", targets[command_id]) for _, predicate, command_id in decided],
+        queued=[(outbox_ids[str(command.event_id)], command) for command in commands],
+    )
+
+
+_Decided = list[tuple[Envelope, Predicate, uuid.UUID]]
+"""The events of a batch that apply, in order, each with its predicate and new command id."""
+
+
+async def _current_versions(
+    session: AsyncSession, envelopes: list[Envelope]
+) -> tuple[dict[tuple[str, str], tuple[int, bool]], dict[tuple[str, str], int]]:
+    """The recorded (version, deleted) of every document and the policy version of every scope the batch names."""
     doc_keys = sorted({(e.tenant_id, e.payload.doc_id) for e in envelopes if isinstance(e.payload, (DocumentUpdated, DocumentDeleted))})
     policy_keys = sorted({(e.tenant_id, e.payload.auth_scope) for e in envelopes if isinstance(e.payload, PermissionRevoked)})
     documents: dict[tuple[str, str], tuple[int, bool]] = {}
@@ -459,6 +516,18 @@ async def decide_many(
     if policy_keys:
         rows = await session.execute(_LOAD_POLICIES, {"tenants": [k[0] for k in policy_keys], "keys": [k[1] for k in policy_keys]})
         policies = {(row.tenant_id, row.auth_scope): row.policy_version for row in rows}
+    return documents, policies
+
+
+def _in_order(
+    envelopes: list[Envelope],
+    documents: dict[tuple[str, str], tuple[int, bool]],
+    policies: dict[tuple[str, str], int],
+    outcomes: collections.Counter[tuple[str, str]],
+) -> tuple[_Decided, dict[tuple[str, str], uuid.UUID], dict[tuple[str, str], uuid.UUID]]:
+    """Decide each event against the versions recorded *and* those of the batch's earlier events, which
+    ``documents``/``policies`` are advanced to; returns the events that apply and, per document and per
+    scope, the command id of the last one (the current version's invalidation)."""
     decided: list[tuple[Envelope, Predicate, uuid.UUID]] = []
     document_ids: dict[tuple[str, str], uuid.UUID] = {}
     policy_ids: dict[tuple[str, str], uuid.UUID] = {}
@@ -505,8 +574,12 @@ async def decide_many(
                 raise AssertionError(f"not a decision event: {envelope.type}")
         decided.append((envelope, predicate, command_id))
         outcomes[(envelope.type, APPLIED)] += 1
-    if not decided:
-        return BulkDecisions()
+    return decided, document_ids, policy_ids
+
+
+def _mark_arrays(decided: _Decided) -> dict[str, list]:
+    """The decided predicates as the parallel arrays ``_DECIDE`` unnests (``d_*``: documents, ``p_*``: policies),
+    each with the event's ordinal so a placement matched by several keeps the last command id."""
     marks: dict[str, list] = {
         name: []
         for name in (
@@ -529,48 +602,7 @@ async def decide_many(
         marks[prefix + "doc_ids" if prefix == "d_" else "p_scopes"].append(predicate.doc_id if prefix == "d_" else predicate.auth_scope)
         marks[prefix + "below"].append(predicate.below_version)
         marks[prefix + "ord"].append(ordinal)
-    commands = [
-        signer(make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant))
-        for _, predicate, command_id in decided
-    ]
-    outbox = [outbox_row(command) for command in commands]
-    document_keys, policy_keys = sorted(document_ids), sorted(policy_ids)
-    rows = await session.execute(
-        _DECIDE,
-        {
-            "now": now,
-            "command_ids": [command_id for _, _, command_id in decided],
-            "kinds": [predicate.kind for _, predicate, _ in decided],
-            "predicates": [json.dumps(predicate.model_dump(mode="json")) for _, predicate, _ in decided],
-            "source_event_ids": [envelope.event_id for envelope, _, _ in decided],
-            "requested_at": [envelope.occurred_at for envelope, _, _ in decided],
-            **marks,
-            "doc_tenants": [k[0] for k in document_keys],
-            "doc_ids": [k[1] for k in document_keys],
-            "doc_versions": [documents[k][0] for k in document_keys],
-            "doc_deleted": [documents[k][1] for k in document_keys],
-            "doc_invalidation_ids": [document_ids[k] for k in document_keys],
-            "policy_tenants": [k[0] for k in policy_keys],
-            "policy_scopes": [k[1] for k in policy_keys],
-            "policy_versions": [policies[k] for k in policy_keys],
-            "policy_invalidation_ids": [policy_ids[k] for k in policy_keys],
-            "lease_until": lease_until,
-            "topics": [row["topic"] for row in outbox],
-            "keys": [row["key"] for row in outbox],
-            "payloads": [json.dumps(row["payload"]) for row in outbox],
-        },
-    )
-    targets: collections.Counter[uuid.UUID] = collections.Counter()
-    outbox_ids: dict[str, int] = {}
-    for row in rows:
-        if row.row_kind == "target":
-            targets[uuid.UUID(row.ref)] += 1
-        else:
-            outbox_ids[row.ref] = row.outbox_id
-    return BulkDecisions(
-        decisions=[Decision(command_id, predicate.kind, "event", targets[command_id]) for _, predicate, command_id in decided],
-        queued=[(outbox_ids[str(command.event_id)], command) for command in commands],
-    )
+    return marks
 
 
 def live_copies_matching(predicate: Predicate) -> Select:
