@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
 from aiokafka.errors import KafkaError
 
@@ -147,6 +148,93 @@ async def _started(starting, timeout_s: float) -> None:
         raise BrokerUnreachable(type(error).__name__) from error
 
 
+@dataclass(frozen=True)
+class _Parts:
+    """What one run of the consumers is made of: the database, the producer and the outbox relay they share,
+    the three consumer groups (kv-events, decisions, acks) and the background loops."""
+
+    database: Database
+    producer: kafka.EventProducer
+    tally: DeadLetterTally
+    relay: OutboxRelay
+    consumer: kafka.BatchConsumer
+    invalidations: kafka.BatchConsumer
+    acks: kafka.BatchConsumer
+    erasures: ErasureService
+    resender: CommandResender
+    pruner: Pruner
+
+    @classmethod
+    def build(cls, settings: CoordinatorSettings, config: kafka.KafkaSettings, command_signer: EnvelopeSigner) -> _Parts:
+        database = Database(settings.database, pre_ping=False)
+        producer = kafka.EventProducer(config)
+        tally = DeadLetterTally()
+        relay = OutboxRelay(database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s)
+        ingest = LedgerIngest(
+            database,
+            inventory_retry_s=settings.ledger.inventory_retry_s,
+            command_signer=command_signer,
+            on_outbox=relay.wake,
+        )
+        node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
+        consumer = kafka.BatchConsumer(
+            config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
+            [KV_EVENTS],
+            VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally),
+            dead_letter_counter=tally,
+            is_poison=refused_as_data,
+            max_records=settings.kafka.max_batch_records,
+        )
+        subject_key = settings.ledger.subject_key
+        erasures = ErasureService(
+            database,
+            subject_key=None if subject_key is None else subject_key.get_secret_value().encode(),
+            receipt_keys=ReceiptKeys(settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()),
+            command_signer=command_signer,
+        )
+        handler = InvalidationHandler(
+            database,
+            erasures=erasures,
+            command_signer=command_signer,
+            on_outbox=relay.wake,
+            publish_leased=relay.publish_leased,
+            outbox_lease_s=settings.ledger.outbox_lease_s,
+        )
+        resender = CommandResender(
+            database,
+            command_signer=command_signer,
+            resend_after_s=settings.ledger.command_resend_after_s,
+            resend_max_s=settings.ledger.command_resend_max_s,
+            poll_s=settings.ledger.command_resend_poll_s,
+            on_outbox=relay.wake,
+        )
+        pruner = Pruner(
+            database,
+            inbox_after_s=settings.ledger.prune_inbox_after_s,
+            outbox_after_s=settings.ledger.prune_outbox_after_s,
+            batch_size=settings.ledger.prune_batch_size,
+            interval_s=settings.ledger.prune_interval_s,
+        )
+        groups = consumer_groups(config.group_id)
+        invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
+        invalidations, acks = (
+            kafka.BatchConsumer(
+                config,
+                groups[group_id],
+                group_handler,
+                group_id=group_id,
+                dead_letter_counter=tally,
+                is_poison=refused_as_data,
+                max_records=settings.kafka.max_batch_records,
+            )
+            for group_id, group_handler in (
+                (invalidation_group, handler),
+                (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally)),
+            )
+        )
+        return cls(database, producer, tally, relay, consumer, invalidations, acks, erasures, resender, pruner)
+
+
 async def _run_connected(
     settings: CoordinatorSettings,
     command_signer: EnvelopeSigner,
@@ -158,75 +246,10 @@ async def _run_connected(
     config = kafka_settings(settings)
     connect_timeout_s = settings.kafka.connect_timeout_s
     await _started(kafka.ensure_topics(config), connect_timeout_s)
-    database = Database(settings.database, pre_ping=False)
-    producer = kafka.EventProducer(config)
-    tally = DeadLetterTally()
-    relay = OutboxRelay(database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s)
-    ingest = LedgerIngest(
-        database,
-        inventory_retry_s=settings.ledger.inventory_retry_s,
-        command_signer=command_signer,
-        on_outbox=relay.wake,
-    )
-    node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
-    consumer = kafka.BatchConsumer(
-        config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
-        [KV_EVENTS],
-        VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally),
-        dead_letter_counter=tally,
-        is_poison=refused_as_data,
-        max_records=settings.kafka.max_batch_records,
-    )
-    subject_key = settings.ledger.subject_key
-    erasures = ErasureService(
-        database,
-        subject_key=None if subject_key is None else subject_key.get_secret_value().encode(),
-        receipt_keys=ReceiptKeys(settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()),
-        command_signer=command_signer,
-    )
-    handler = InvalidationHandler(
-        database,
-        erasures=erasures,
-        command_signer=command_signer,
-        on_outbox=relay.wake,
-        publish_leased=relay.publish_leased,
-        outbox_lease_s=settings.ledger.outbox_lease_s,
-    )
-    resender = CommandResender(
-        database,
-        command_signer=command_signer,
-        resend_after_s=settings.ledger.command_resend_after_s,
-        resend_max_s=settings.ledger.command_resend_max_s,
-        poll_s=settings.ledger.command_resend_poll_s,
-        on_outbox=relay.wake,
-    )
-    pruner = Pruner(
-        database,
-        inbox_after_s=settings.ledger.prune_inbox_after_s,
-        outbox_after_s=settings.ledger.prune_outbox_after_s,
-        batch_size=settings.ledger.prune_batch_size,
-        interval_s=settings.ledger.prune_interval_s,
-    )
-    groups = consumer_groups(config.group_id)
-    invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
-    invalidations, acks = (
-        kafka.BatchConsumer(
-            config,
-            groups[group_id],
-            group_handler,
-            group_id=group_id,
-            dead_letter_counter=tally,
-            is_poison=refused_as_data,
-            max_records=settings.kafka.max_batch_records,
-        )
-        for group_id, group_handler in (
-            (invalidation_group, handler),
-            (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally)),
-        )
-    )
+    parts = _Parts.build(settings, config, command_signer)
     started: list[kafka.EventProducer | kafka.BatchConsumer] = []
     try:
-        for part in (producer, consumer, invalidations, acks):
+        for part in (parts.producer, parts.consumer, parts.invalidations, parts.acks):
             try:
                 await _started(part.start(), connect_timeout_s)
             except BrokerUnreachable:
@@ -236,34 +259,34 @@ async def _run_connected(
                 raise
             started.append(part)
         if readiness is not None:
-            readiness.watch([consumer, invalidations, acks])
+            readiness.watch([parts.consumer, parts.invalidations, parts.acks])
         tasks = [
-            asyncio.create_task(consumer.run(), name="kv-events consumer"),
-            asyncio.create_task(invalidations.run(), name="invalidation consumer"),
-            asyncio.create_task(acks.run(), name="ack consumer"),
-            asyncio.create_task(relay.run(stop), name="outbox relay"),
-            asyncio.create_task(erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
-            asyncio.create_task(resender.run(stop), name="command re-sender"),
-            asyncio.create_task(tally.run(database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
-            asyncio.create_task(pruner.run(stop), name="pruner"),
+            asyncio.create_task(parts.consumer.run(), name="kv-events consumer"),
+            asyncio.create_task(parts.invalidations.run(), name="invalidation consumer"),
+            asyncio.create_task(parts.acks.run(), name="ack consumer"),
+            asyncio.create_task(parts.relay.run(stop), name="outbox relay"),
+            asyncio.create_task(parts.erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
+            asyncio.create_task(parts.resender.run(stop), name="command re-sender"),
+            asyncio.create_task(parts.tally.run(parts.database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
+            asyncio.create_task(parts.pruner.run(stop), name="pruner"),
         ]
         if assigned is not None:
-            tasks.append(asyncio.create_task(_signal_assignment(consumer, assigned), name="assignment"))
-        log.info("coordinator consumers running (group %s)", consumer.group_id)
+            tasks.append(asyncio.create_task(_signal_assignment(parts.consumer, assigned), name="assignment"))
+        log.info("coordinator consumers running (group %s)", parts.consumer.group_id)
         try:
             await stop.wait()
         finally:
             if readiness is not None:
                 readiness.watch([])
-            await asyncio.gather(consumer.stop(), invalidations.stop(), acks.stop())
+            await asyncio.gather(parts.consumer.stop(), parts.invalidations.stop(), parts.acks.stop())
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             # The last decision batches handed their commands over while the relay was stopping.
-            await relay.finish_leased()
+            await parts.relay.finish_leased()
     finally:
-        if producer in started:
-            await producer.stop()
-        await database.dispose()
+        if parts.producer in started:
+            await parts.producer.stop()
+        await parts.database.dispose()
         log.info("coordinator consumers stopped")
 
 
