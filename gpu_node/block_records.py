@@ -43,6 +43,8 @@ RECORD_VERSION = 1
 FLAG_PLAIN = 0
 FLAG_SEALED = 1
 HEADER = struct.Struct("<4sBB32s")
+MAX_CLEAR_HEADER_BYTES = HEADER.size + 1 + 255
+"""The longest clear header a record can have: the fixed header, then a sealed record's key id with its length byte."""
 META_LENGTH = struct.Struct("<I")
 CHECKSUM_BYTES = 32
 

@@ -211,6 +211,24 @@ class SnapshotRemoval:
     key_ids: frozenset[str] = frozenset()
 
 
+def fetch_snapshot_keys(root: Path, key_provider: DataKeyProvider) -> None:
+    """Ask ``key_provider`` (a blocking view) for every data key that sealed a snapshot under ``root``.
+
+    Blocking, and meant for a thread: run before :func:`remove_from_snapshots`,
+    it leaves the keys in memory, so the pass on the model worker waits on the
+    key service only for a snapshot written in between. Raises
+    :class:`gpu_node.crypto.KeyServiceUnavailable` when a key can be neither
+    fetched nor known destroyed: the command fails and is retried, its
+    snapshots untouched.
+    """
+    if not root.is_dir():
+        return
+    for directory in sorted(root.iterdir()):
+        if (directory / snapshots.MANIFEST_NAME).is_file():
+            for key_id in sorted(snapshots.sealing_key_ids(directory)):
+                key_provider.key_by_id(key_id)
+
+
 def remove_from_snapshots(
     root: Path, predicates: Sequence[Callable[[CacheProvenance], bool]], key_provider: DataKeyProvider
 ) -> list[list[SnapshotRemoval]]:
@@ -392,8 +410,10 @@ class InvalidationApplier:
                 plan.progress.removed[(evidence.block_hash, evidence.tier)] = evidence
             plan.progress.pending.update(report.deferred)
         if self.engine.may_hold_snapshots():
+            keys = pool.key_provider.blocking()
+            await asyncio.to_thread(fetch_snapshot_keys, self.engine.snapshot_root, keys)
             removals = await self.engine.run_exclusive(
-                remove_from_snapshots, self.engine.snapshot_root, [plan.matches for plan in plans], pool.key_provider
+                remove_from_snapshots, self.engine.snapshot_root, [plan.matches for plan in plans], keys
             )
             for plan, removed in zip(plans, removals, strict=True):
                 for removal in removed:

@@ -15,14 +15,17 @@ subject ids in clear: they appear in block files and snapshot shards.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 import struct
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -32,7 +35,11 @@ from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
 from identity.tokens import Principal
 
+log = logging.getLogger(__name__)
+
 _U32 = struct.Struct("<I")
+
+T = TypeVar("T")
 
 
 class KeyServiceUnavailable(Exception):
@@ -42,6 +49,29 @@ class KeyServiceUnavailable(Exception):
     "destroyed": a snapshot's inventory (:func:`gpu_node.snapshots.readable_blocks`) would otherwise tell the
     ledger that copies still on disk are gone. The message names no key.
     """
+
+
+KEY_SERVICE_RETRY_S = (0.5, 5.0)
+"""First and longest wait between attempts at start-up work that needs the key service to answer for sealed copies
+(the longest: :data:`gpu_node.remote_keys.UNREACHABLE_RETRY_S`, how long an unanswered key is not asked for again)."""
+
+
+async def until_key_service_answers(attempt: Callable[[], Awaitable[T]], what: str) -> T:
+    """``attempt()`` retried with capped backoff for as long as it raises :class:`KeyServiceUnavailable`.
+
+    For start-up work that must not mistake "cannot ask" for "destroyed" and has nothing better to do than wait:
+    re-indexing the disk tier (a file whose key cannot be asked for would be deleted as unreadable) and the start
+    inventory (it would tell the ledger a snapshot's sealed copies are gone). The node is not ready meanwhile, as
+    while it fetches its governance state from the same coordinator.
+    """
+    wait_s, max_wait_s = KEY_SERVICE_RETRY_S
+    while True:
+        try:
+            return await attempt()
+        except KeyServiceUnavailable:
+            log.warning("%s: the key service cannot answer for sealed copies; trying again in %.1fs", what, wait_s)
+            await asyncio.sleep(wait_s)
+            wait_s = min(wait_s * 2, max_wait_s)
 
 
 class DataKeyProvider(Protocol):

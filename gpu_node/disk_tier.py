@@ -169,10 +169,15 @@ class DiskTier:
                 yield path, block_hash
 
     def open_stored(self, path: Path, block_hash: bytes) -> tuple[bytes, BlockRecord | None, bytes]:
-        """A stored file's bytes, its checked record (None when unusable) and the meta bytes it holds."""
+        """A stored file's bytes, its checked record (None when unusable) and the meta bytes it holds.
+
+        Asks the key service for a key not held (the blocking view: a start-up re-index runs before anyone waits on
+        the pool), so that "cannot ask now" raises :class:`gpu_node.crypto.KeyServiceUnavailable` instead of
+        reading as "key destroyed" — the file is then not deleted as unreadable.
+        """
         data = path.read_bytes()
         try:
-            record, meta = parse_record_body(*open_record(data, self._key_provider))
+            record, meta = parse_record_body(*open_record(data, self._key_provider.blocking()))
             check_record(record, block_hash, self._namespace, self._spec)
         except BlockRestoreError:
             return data, None, b""

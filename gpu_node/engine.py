@@ -37,6 +37,7 @@ from pathlib import Path
 
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockPool, PoolConfig
+from gpu_node.crypto import until_key_service_answers
 from gpu_node.detokenizer import IncrementalDetokenizer
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
@@ -210,8 +211,10 @@ class AsyncEngine:
         ``ready=False`` when the node must first replay ``kvledger.commands``:
         the command consumer sets ``ready`` once it has (docs/design.md §6), since the
         disk tier and snapshot just loaded may hold blocks invalidated meanwhile.
+        The re-index waits for the key service to answer for sealed block files
+        rather than delete files whose keys it cannot ask for now.
         """
-        await self._run(self.pool.load_disk_tier)
+        await until_key_service_answers(lambda: self._run(self.pool.load_disk_tier), "disk tier re-index")
         if self.settings.warm_from is not None:
             num_loaded = await self._run(snapshots.load_snapshot, self.pool, Path(self.settings.warm_from))
             log.info("warm start: %d blocks loaded from snapshot", num_loaded)

@@ -91,7 +91,10 @@ class PoolWarmStart:
         Corrupt, undecryptable, foreign-namespace and expired files are deleted
         (and reported as removed), as are files beyond ``max_disk_blocks``.
         Re-indexed blocks changed no bytes, so they produce no event; the node
-        reports them in its inventory.
+        reports them in its inventory. Raises
+        :class:`gpu_node.crypto.KeyServiceUnavailable` when a file's key can be
+        neither found nor known destroyed now; the files indexed until then stay
+        indexed, so calling again resumes (see :meth:`gpu_node.engine.AsyncEngine.start`).
         """
         pool = self._pool
         if pool._disk is None:

@@ -57,7 +57,7 @@ from events.fault_points import fault_triggered
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.topics import DEAD_LETTER, KV_EVENTS, route
 from gpu_node import block_pool
-from gpu_node.crypto import KeyServiceUnavailable
+from gpu_node.crypto import until_key_service_answers
 from gpu_node.kv_cache_utils import BlockKey, CacheProvenance
 from gpu_node.usage import usage_meter
 from identity.signing import EnvelopeSigner
@@ -76,10 +76,6 @@ PERMANENT_SEND_ERRORS = (
     InvalidMessageError,
 )
 """Broker answers that say the record itself is refused: resending the same bytes cannot succeed."""
-
-START_INVENTORY_RETRY_S = (0.5, 5.0)
-"""First and longest wait between attempts at the start inventory while the key service cannot be asked
-(the longest: :data:`gpu_node.remote_keys.UNREACHABLE_RETRY_S`, how long an unanswered key is not asked for again)."""
 
 T = TypeVar("T")
 
@@ -151,26 +147,13 @@ class NodePublisher:
         await self._send_node_events(
             [schema.NodeStarted(node_id=self.node_id, epoch=self.epoch, seq=0, namespace=self.engine.namespace.namespace)]
         )
-        await self._publish_start_inventory()
+        # The ledger replaces the node's placements with an inventory: one that left out a snapshot's sealed
+        # blocks because their keys could not be asked for would make it drop copies still on disk.
+        await until_key_service_answers(lambda: self.publish_inventory(request_id=None), f"node {self.node_id}: start inventory")
         self._tasks = [
             asyncio.create_task(self._flush_loop()),
             asyncio.create_task(self._heartbeat_loop()),
         ]
-
-    async def _publish_start_inventory(self) -> None:
-        """The start inventory, retried with capped backoff while the key service cannot say whether a snapshot's
-        sealed blocks are still readable (coordinator down or slow): the ledger replaces the node's placements with
-        an inventory, so one that left them out would make it drop snapshot copies still on disk. The node is not
-        ready meanwhile, as while it fetches its governance state from the same coordinator."""
-        wait_s, max_wait_s = START_INVENTORY_RETRY_S
-        while True:
-            try:
-                await self.publish_inventory(request_id=None)
-                return
-            except KeyServiceUnavailable:
-                log.warning("node %s: a snapshot's data keys cannot be asked for; start inventory again in %.1fs", self.node_id, wait_s)
-                await asyncio.sleep(wait_s)
-                wait_s = min(wait_s * 2, max_wait_s)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -368,7 +351,7 @@ class NodePublisher:
     async def publish_inventory(self, request_id: uuid.UUID | None) -> None:
         """Everything this node holds, chunked; queued events are flushed first so seq stays ordered.
 
-        Raises :class:`KeyServiceUnavailable`, publishing nothing, when a snapshot's blocks cannot be told readable
+        Raises :class:`gpu_node.crypto.KeyServiceUnavailable`, publishing nothing, when a snapshot's blocks cannot be told readable
         or gone now (:func:`gpu_node.snapshots.readable_blocks`); the command consumer retries an
         ``InventoryRequested`` with backoff, :meth:`start` its own inventory.
         """

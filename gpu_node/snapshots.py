@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from events.fault_points import fault_point
 from gpu_node.block_pool import BlockPool, Tier
-from gpu_node.block_records import BlockRestoreError, decode_block_record, record_key_id
+from gpu_node.block_records import MAX_CLEAR_HEADER_BYTES, BlockRestoreError, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.kv_cache_utils import BlockKey, CacheProvenance
 
@@ -149,6 +149,15 @@ class _ShardWriter:
             _write_file(self._directory / self._name, self._chunks)
         self._name, self._chunks, self._size = None, [], 0
 
+    def discard(self) -> None:
+        """Overwrite and unlink the shards written so far: a rewrite that failed leaves no file no manifest names."""
+        self._name, self._chunks, self._size = None, [], 0
+        for name in dict.fromkeys(block.shard for block in self.blocks):
+            path = self._directory / name
+            if path.exists():
+                overwrite_and_unlink(path)
+        self.blocks = []
+
 
 def write_snapshot(pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> SnapshotManifest:
     """Write every READY block of the pool to a new snapshot directory; the manifest is written last."""
@@ -248,6 +257,32 @@ def readable_blocks(directory: Path, key_provider: DataKeyProvider) -> list[Bloc
     return keys
 
 
+def sealing_key_ids(directory: Path) -> set[str]:
+    """Ids of the data keys that sealed a snapshot's records, from their clear headers (no record is read whole).
+
+    Lets a caller fetch those keys outside the model worker before a pass that
+    unseals every record (:func:`remove_from_snapshot`), so the pass finds them
+    in memory instead of waiting on the key service between engine steps.
+    """
+    directory = Path(directory)
+    key_ids = set()
+    by_shard: dict[str, list[SnapshotBlock]] = {}
+    for block in read_manifest(directory).blocks:
+        by_shard.setdefault(block.shard, []).append(block)
+    for name, blocks in by_shard.items():
+        try:
+            shard = (directory / name).open("rb")
+        except FileNotFoundError:
+            continue
+        with shard:
+            for block in blocks:
+                shard.seek(block.offset)
+                key_id = record_key_id(shard.read(min(block.length, MAX_CLEAR_HEADER_BYTES)))
+                if key_id is not None:
+                    key_ids.add(key_id)
+    return key_ids
+
+
 class RemovedRecord(NamedTuple):
     """One record :func:`remove_from_snapshot` dropped.
 
@@ -270,7 +305,12 @@ def remove_from_snapshot(
     """Rewrite the snapshot without blocks whose provenance matches; returns what was removed.
     Records that cannot be decoded any more (key destroyed, corrupt) are
     removed too: they can never be loaded, and their predicate cannot be
-    evaluated, so keeping them could only keep data that should be gone. New
+    evaluated, so keeping them could only keep data that should be gone. That
+    needs ``key_provider`` to tell "destroyed" from "cannot ask now": pass a
+    blocking view (:meth:`gpu_node.crypto.DataKeyProvider.blocking`), whose
+    :class:`gpu_node.crypto.KeyServiceUnavailable` ends the pass with the
+    snapshot unchanged — a node restarted without its keys in memory would
+    otherwise drop every sealed record of other scopes as unreadable. New
     shards are written under new names, the manifest switched atomically, and
     only then are the old shards overwritten and unlinked.
     """
@@ -278,20 +318,25 @@ def remove_from_snapshot(
     manifest = read_manifest(directory)
     writer = _ShardWriter(directory, MAX_SHARD_BYTES)
     removed: list[RemovedRecord] = []
-    for block, record in _iter_records(directory, manifest):
-        if record is None:
-            removed.append(RemovedRecord(block.block_hash, None, None))
-            continue
-        try:
-            provenance = decode_block_record(record, key_provider).key.provenance
-        except BlockRestoreError:
-            removed.append(RemovedRecord(block.block_hash, None, None))
-            continue
-        if predicate(provenance):
-            removed.append(RemovedRecord(block.block_hash, record_key_id(record), provenance))
-        else:
-            writer.add(block.block_hash, record)
+    try:
+        for block, record in _iter_records(directory, manifest):
+            if record is None:
+                removed.append(RemovedRecord(block.block_hash, None, None))
+                continue
+            try:
+                provenance = decode_block_record(record, key_provider).key.provenance
+            except BlockRestoreError:
+                removed.append(RemovedRecord(block.block_hash, None, None))
+                continue
+            if predicate(provenance):
+                removed.append(RemovedRecord(block.block_hash, record_key_id(record), provenance))
+            else:
+                writer.add(block.block_hash, record)
+    except BaseException:
+        writer.discard()
+        raise
     if not removed:
+        writer.discard()
         return removed
     writer.flush()
     rewritten = SnapshotManifest(manifest.snapshot_id, manifest.created_at, manifest.namespace, manifest.kv_format, tuple(writer.blocks))

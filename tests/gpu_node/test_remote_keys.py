@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,8 +26,19 @@ from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, mak
 from events import schema
 from events.codec import decode_event, encode_key
 from events.topics import KV_EVENTS, node_key
+from gpu_node import snapshots
 from gpu_node.api import create_app
-from gpu_node.block_pool import BlockPool, BlockRecord, BlockRestoreError, PoolConfig, decode_block_record, encode_block_record
+from gpu_node.block_pool import (
+    BlockPool,
+    BlockRecord,
+    BlockRestoreError,
+    PoolConfig,
+    RemovalReason,
+    Tier,
+    decode_block_record,
+    encode_block_record,
+)
+from gpu_node.commands import InvalidationApplier, fetch_snapshot_keys, remove_from_snapshots
 from gpu_node.crypto import KeyServiceUnavailable
 from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.kv_cache_utils import CacheProvenance, CacheScope, DocumentRef
@@ -34,7 +46,7 @@ from gpu_node.prompt import ChatMessage
 from gpu_node.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
 from gpu_node.server import make_publisher
 from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
-from gpu_node.snapshots import readable_blocks, write_snapshot
+from gpu_node.snapshots import MANIFEST_NAME, readable_blocks, write_snapshot
 from identity.settings import IssuerSettings
 from identity.tokens import Principal, TokenVerifier, issue_token
 
@@ -343,6 +355,111 @@ def test_a_snapshot_inventory_never_reports_a_sealed_copy_gone_while_the_key_ser
         sealing.close()
 
 
+def _restarted_provider(service: KeyService, clock: Clock) -> CoordinatorKeyProvider:
+    """A node's provider after a restart: no key in memory, a short timeout."""
+    return CoordinatorKeyProvider(service.url, lambda: "node-credential", SUBJECT_KEY, DataKeySettings(timeout_s=0.2), clock=clock)
+
+
+def test_a_restarted_pool_keeps_the_block_files_it_cannot_get_keys_for_and_indexes_them_once_it_can(service: KeyService, tmp_path) -> None:
+    """A start-up re-index deletes files it cannot read (corrupt, key destroyed). A key service that is down or
+    failing is not "key destroyed": the files stay, nothing is reported removed, and a later attempt indexes them;
+    only a definitive answer (410) deletes the file."""
+    clock = Clock()
+    sealing = _provider(service, clock)
+    pool = BlockPool(SPEC, PoolConfig(NS, 2, 2, 4, tmp_path / "disk", NO_TTL), sealing, clock=FakeClock(), wall_clock=lambda: 1e6)
+    public = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
+    for key in (block_key(0, public), _tenant_block("acme", 1).key):
+        assert pool.commit_build(pool.begin_build(key), make_kv(key.token_offset))
+        assert pool.demote(key.block_hash, Tier.DISK)
+    files = sorted(path.name for path in (tmp_path / "disk").iterdir())
+    assert files == sorted(f"{block_hash(i).hex()}.kvb" for i in (0, 1))
+    key_id = _key_of("acme/None")[0]
+
+    def restarted_pool(keys: CoordinatorKeyProvider) -> BlockPool:
+        config = PoolConfig(NS, 2, 2, 4, tmp_path / "disk", NO_TTL)
+        return BlockPool(SPEC, config, keys, clock=FakeClock(), wall_clock=lambda: 1e6)
+
+    restarted = _restarted_provider(service, clock)
+    try:
+        service.failing_status = 503
+        pool_after_restart = restarted_pool(restarted)
+        with pytest.raises(KeyServiceUnavailable):
+            pool_after_restart.load_disk_tier()
+        assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == files
+        assert pool_after_restart.take_events() == []
+        num_indexed = len(pool_after_restart.ready_entries())  # files before the sealed one, in name order
+
+        service.failing_status = None
+        clock.now += UNREACHABLE_RETRY_S + 1
+        assert pool_after_restart.load_disk_tier() == 2 - num_indexed, "a second attempt resumes"
+        assert {entry.block_hash for entry in pool_after_restart.ready_entries()} == {block_hash(0), block_hash(1)}
+        assert pool_after_restart.take_events() == []
+        assert service.requests["get " + key_id] == 2
+    finally:
+        restarted.close()
+
+    after_erasure = _restarted_provider(service, clock)
+    try:
+        service.destroyed.add(key_id)
+        pool_after_erasure = restarted_pool(after_erasure)
+        assert pool_after_erasure.load_disk_tier() == 1
+        assert [(event.block_hash, event.reason) for event in pool_after_erasure.take_events()] == [
+            (block_hash(1), RemovalReason.RESTORE_FAILED)
+        ]
+        assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [f"{block_hash(0).hex()}.kvb"]
+    finally:
+        after_erasure.close()
+        sealing.close()
+
+
+def test_a_snapshot_pass_keeps_other_scopes_records_while_their_keys_cannot_be_asked_for(
+    service: KeyService, tmp_path, monkeypatch
+) -> None:
+    """An invalidation rewrites each snapshot without its matches, and drops records it cannot decode (their key
+    destroyed). A node restarted with no key in memory must not read "not held" as "destroyed": while the key service
+    cannot answer the command fails (and is retried) with every snapshot file as it was; once it answers, the keys
+    are fetched ahead in a thread and the pass removes exactly the matches without asking the service again."""
+    monkeypatch.setattr(snapshots, "MAX_SHARD_BYTES", 1)  # one record per shard: a failed pass has written shards
+    clock = Clock()
+    sealing = _provider(service, clock)
+    pool = BlockPool(SPEC, PoolConfig(NS, 4, 2, 2, tmp_path / "disk", NO_TTL), sealing, clock=FakeClock(), wall_clock=lambda: 1e6)
+    public = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
+    for key in (block_key(0, public), block_key(1, public), _tenant_block("acme", 2).key, _tenant_block("globex", 3).key):
+        assert pool.commit_build(pool.begin_build(key), make_kv(key.token_offset))
+    root = tmp_path / "snapshots"
+    directory = root / "one"
+    write_snapshot(pool, directory, max_shard_bytes=1)
+    before = {path.name: path.read_bytes() for path in directory.iterdir()}
+    acme_key, globex_key = _key_of("acme/None")[0], _key_of("globex/None")[0]
+    assert snapshots.sealing_key_ids(directory) == {acme_key, globex_key}
+
+    def acme(provenance: CacheProvenance) -> bool:
+        return provenance.tenant_id == "acme"
+
+    restarted = _restarted_provider(service, clock)
+    try:
+        service.failing_status = 503
+        with pytest.raises(KeyServiceUnavailable):
+            fetch_snapshot_keys(root, restarted.blocking())
+        with pytest.raises(KeyServiceUnavailable):
+            remove_from_snapshots(root, [acme], restarted.blocking())
+        assert {path.name: path.read_bytes() for path in directory.iterdir()} == before
+
+        service.failing_status = None
+        clock.now += UNREACHABLE_RETRY_S + 1
+        fetch_snapshot_keys(root, restarted.blocking())
+        asked = service.requests.copy()
+        [removals] = remove_from_snapshots(root, [acme], restarted.blocking())
+        assert service.requests == asked, "the pass asked the key service for a key fetched ahead"
+        assert [(removal.block_hashes, removal.key_ids) for removal in removals] == [((block_hash(2),), frozenset({acme_key}))]
+        remaining = readable_blocks(directory, restarted.blocking())
+        assert [key.block_hash for key in remaining] == [block_hash(0), block_hash(1), block_hash(3)]
+        assert set(path.name for path in directory.iterdir()) == {MANIFEST_NAME} | set(snapshots.read_manifest(directory).shards)
+    finally:
+        restarted.close()
+        sealing.close()
+
+
 async def test_a_restarted_node_holds_its_start_inventory_until_the_key_service_answers_for_its_snapshot(
     service: KeyService, tiny_model_dir, tmp_path, kafka_bootstrap
 ) -> None:
@@ -386,8 +503,19 @@ async def test_a_restarted_node_holds_its_start_inventory_until_the_key_service_
         # Asked once, refused; asked again only after UNREACHABLE_RETRY_S: the start inventory was retried, not sent.
         await eventually(lambda: service.requests["get " + key_id] >= 2, timeout_s=UNREACHABLE_RETRY_S * 4, what="the key asked for again")
         assert not starting.done(), "the start inventory went out while the key service could not answer for the snapshot"
+        # An invalidation of another document meanwhile: the snapshot pass cannot decode the sealed records, and must
+        # not drop them as unreadable; the command fails (the consumer retries it) and the snapshot stays as it was.
+        applier = InvalidationApplier(restarted, SUBJECT_KEY, deferred_wait_s=5.0)
+        other_document = schema.DocumentPredicate(tenant="acme", doc_id="policy", below_version=2)
+        command = schema.Invalidate(command_id=uuid.uuid4(), predicate=other_document, cutoff=datetime.now(UTC))
+        shards = {path.name: path.read_bytes() for path in Path(written["path"]).iterdir()}
+        with pytest.raises(KeyServiceUnavailable):
+            await applier.apply(command)
+        assert {path.name: path.read_bytes() for path in Path(written["path"]).iterdir()} == shards
         service.failing_status = None
         await asyncio.wait_for(starting, 30)
+        assert await applier.apply(command) == []
+        assert {path.name: path.read_bytes() for path in Path(written["path"]).iterdir()} == shards
         records = [record for record in await read_topic(kafka_bootstrap, KV_EVENTS) if record.key == encode_key(node_key(node_id))]
         inventories = [
             envelope.payload
