@@ -51,6 +51,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 import asyncpg
 import httpx
@@ -424,6 +425,53 @@ def _summarize(
     )
 
 
+async def _wait_registered(connection: asyncpg.Connection, node_ids: list[str], consumers: subprocess.Popen, log: IO[bytes]) -> None:
+    """Until the ledger knows every node; a consumer process that exits meanwhile fails the run with its log's tail."""
+
+    async def registered() -> bool:
+        count = await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids)
+        if consumers.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"coordinator consumers exited:\n{log.read().decode()[-4000:]}")
+        return count == len(node_ids)
+
+    await wait(registered, "both nodes registered", TIMEOUT_S)
+
+
+async def _wait_invalidated(
+    connection: asyncpg.Connection, published: list[Published], acks: dict[str, dict[str, float]], collector: asyncio.Task
+) -> tuple[list, dict[str, float], int, float]:
+    """Until every published update's invalidation is complete and acked by every node.
+
+    Returns the measured updates' invalidation rows, their publish times by event id, the number
+    of late-block re-issues and the seconds from the first measured publish to completion.
+    """
+
+    async def all_complete() -> bool:
+        complete = await connection.fetchval("SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'")
+        return complete == len(published)
+
+    await wait(all_complete, "every invalidation complete", TIMEOUT_S)
+    measured = {p.event_id: p.at for p in published if p.measured}
+    elapsed_s = time.time() - min(measured.values())
+    rows = [
+        row
+        for row in await connection.fetch(
+            "SELECT command_id, source_event_id, created_at, completed_at FROM invalidations WHERE trigger = 'event'"
+        )
+        if str(row["source_event_id"]) in measured
+    ]
+    late = await connection.fetchval("SELECT count(*) FROM invalidations WHERE trigger = 'late_block'")
+
+    async def all_acked() -> bool:
+        if collector.done():  # it never returns: an exception, surfaced here rather than as a timeout
+            collector.result()
+        return all(len(acks.get(str(row["command_id"]), {})) == NUM_NODES for row in rows)
+
+    await wait(all_acked, "both acks of every command seen", 30)
+    return rows, measured, late, elapsed_s
+
+
 async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, work: Path) -> InvalidationRun:
     run_id = uuid.uuid4().hex[:8]
     tenant = f"bench-{run_id}"
@@ -451,16 +499,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             for node in nodes:
                 await node.start()
             tune_interpreter()  # as gpu_node.server.serve does once its engine started
-            node_ids = [node.settings.node_id for node in nodes]
-
-            async def registered() -> bool:
-                count = await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids)
-                if consumers.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"coordinator consumers exited:\n{log.read().decode()[-4000:]}")
-                return count == len(node_ids)
-
-            await wait(registered, "both nodes registered", TIMEOUT_S)
+            await _wait_registered(connection, [node.settings.node_id for node in nodes], consumers, log)
 
             keys, documents = await _fill_nodes(nodes, principal, args.blocks_per_node, connection)
             blocks_per_document = len(keys) / len(documents)
@@ -477,29 +516,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                 )
 
             await _publish_document_updates(bootstrap, tenant, documents, args, published)
-
-            async def all_complete() -> bool:
-                complete = await connection.fetchval("SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'")
-                return complete == len(published)
-
-            await wait(all_complete, "every invalidation complete", TIMEOUT_S)
-            measured = {p.event_id: p.at for p in published if p.measured}
-            elapsed_s = time.time() - min(measured.values())
-            rows = [
-                row
-                for row in await connection.fetch(
-                    "SELECT command_id, source_event_id, created_at, completed_at FROM invalidations WHERE trigger = 'event'"
-                )
-                if str(row["source_event_id"]) in measured
-            ]
-            late = await connection.fetchval("SELECT count(*) FROM invalidations WHERE trigger = 'late_block'")
-
-            async def all_acked() -> bool:
-                if collector[0].done():  # it never returns: an exception, surfaced here rather than as a timeout
-                    collector[0].result()
-                return all(len(acks.get(str(row["command_id"]), {})) == NUM_NODES for row in rows)
-
-            await wait(all_acked, "both acks of every command seen", 30)
+            rows, measured, late, elapsed_s = await _wait_invalidated(connection, published, acks, collector[0])
         finally:
             # Probers finish their request in flight (a cancelled one would be a client disconnect), the collector is cancelled.
             done.set()
