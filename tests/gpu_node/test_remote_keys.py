@@ -194,15 +194,20 @@ async def test_unknown_keys_are_asked_for_once_per_negative_ttl(service: KeyServ
     try:
         await provider.prefetch(Principal(tenant_id="acme", subject_id="alice"))
         unknown = "ab" * 16
-        for _ in range(50):
+
+        async def ask_repeatedly(num_requests: int) -> None:
+            """Ask until the key service has seen ``num_requests`` requests for the key, then 50 times more:
+            the background fetch answers "unknown", and the answer is remembered for the negative TTL."""
             assert provider.key_by_id(unknown) is None
-            await asyncio.sleep(0.005)
-        assert service.requests["get " + unknown] == 1
+            await eventually(lambda: service.requests["get " + unknown] >= num_requests, timeout_s=10, what="the key asked for")
+            for _ in range(50):
+                assert provider.key_by_id(unknown) is None
+                await asyncio.sleep(0.005)
+            assert service.requests["get " + unknown] == num_requests
+
+        await ask_repeatedly(1)
         clock.now += 31
-        for _ in range(20):
-            assert provider.key_by_id(unknown) is None
-            await asyncio.sleep(0.005)
-        assert service.requests["get " + unknown] == 2
+        await ask_repeatedly(2)
     finally:
         provider.close()
 
