@@ -454,6 +454,8 @@ def test_a_snapshot_pass_keeps_other_scopes_records_while_their_keys_cannot_be_a
         clock.now += UNREACHABLE_RETRY_S + 1
         fetch_snapshot_keys(root, restarted.blocking())
         asked = service.requests.copy()
+        assert remove_from_snapshots(root, [lambda provenance: False], restarted.blocking()) == [[]]
+        assert {path.name: path.read_bytes() for path in directory.iterdir()} == before, "a pass that removed nothing left shards"
         [removals] = remove_from_snapshots(root, [acme], restarted.blocking())
         assert service.requests == asked, "the pass asked the key service for a key fetched ahead"
         assert [(removal.block_hashes, removal.key_ids) for removal in removals] == [((block_hash(2),), frozenset({acme_key}))]
