@@ -369,9 +369,14 @@ def test_a_restarted_pool_keeps_the_block_files_it_cannot_get_keys_for_and_index
     """A start-up re-index deletes files it cannot read (corrupt, key destroyed). A key service that is down or
     failing is not "key destroyed": the files stay, nothing is reported removed, and a later attempt indexes them;
     only a definitive answer (410) deletes the file."""
+
+    def pool_on_disk(keys: CoordinatorKeyProvider) -> BlockPool:
+        """A pool over the test's disk tier: the same directory in every life."""
+        return BlockPool(SPEC, PoolConfig(NS, 2, 2, 4, tmp_path / "disk", NO_TTL), keys, clock=FakeClock(), wall_clock=lambda: 1e6)
+
     clock = Clock()
     sealing = _provider(service, clock)
-    pool = BlockPool(SPEC, PoolConfig(NS, 2, 2, 4, tmp_path / "disk", NO_TTL), sealing, clock=FakeClock(), wall_clock=lambda: 1e6)
+    pool = pool_on_disk(sealing)
     public = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
     for key in (block_key(0, public), _tenant_block("acme", 1).key):
         assert pool.commit_build(pool.begin_build(key), make_kv(key.token_offset))
@@ -380,14 +385,10 @@ def test_a_restarted_pool_keeps_the_block_files_it_cannot_get_keys_for_and_index
     assert files == sorted(f"{block_hash(i).hex()}.kvb" for i in (0, 1))
     key_id = _key_of("acme/None")[0]
 
-    def restarted_pool(keys: CoordinatorKeyProvider) -> BlockPool:
-        config = PoolConfig(NS, 2, 2, 4, tmp_path / "disk", NO_TTL)
-        return BlockPool(SPEC, config, keys, clock=FakeClock(), wall_clock=lambda: 1e6)
-
     restarted = _restarted_provider(service, clock)
     try:
         service.failing_status = 503
-        pool_after_restart = restarted_pool(restarted)
+        pool_after_restart = pool_on_disk(restarted)
         with pytest.raises(KeyServiceUnavailable):
             pool_after_restart.load_disk_tier()
         assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == files
@@ -406,7 +407,7 @@ def test_a_restarted_pool_keeps_the_block_files_it_cannot_get_keys_for_and_index
     after_erasure = _restarted_provider(service, clock)
     try:
         service.destroyed.add(key_id)
-        pool_after_erasure = restarted_pool(after_erasure)
+        pool_after_erasure = pool_on_disk(after_erasure)
         assert pool_after_erasure.load_disk_tier() == 1
         assert [(event.block_hash, event.reason) for event in pool_after_erasure.take_events()] == [
             (block_hash(1), RemovalReason.RESTORE_FAILED)
@@ -423,7 +424,8 @@ def test_a_snapshot_pass_keeps_other_scopes_records_while_their_keys_cannot_be_a
     """An invalidation rewrites each snapshot without its matches, and drops records it cannot decode (their key
     destroyed). A node restarted with no key in memory must not read "not held" as "destroyed": while the key service
     cannot answer the command fails (and is retried) with every snapshot file as it was; once it answers, the keys
-    are fetched ahead in a thread and the pass removes exactly the matches without asking the service again."""
+    are fetched ahead (``fetch_snapshot_keys``, which the node runs in a thread) and the pass removes exactly the
+    matches without asking the service again."""
     monkeypatch.setattr(snapshots, "MAX_SHARD_BYTES", 1)  # one record per shard: a failed pass has written shards
     clock = Clock()
     sealing = _provider(service, clock)
