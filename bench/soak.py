@@ -22,9 +22,11 @@ coordinator processes sharing the consumer groups, ``--nodes`` node processes), 
   all of them (:meth:`Invariants.check`, which also waits for everything to finish and compares the
   ledger with every node's inventory).
 
-Reports counts (requests, kv-events, commands, erasures verified, faults injected, violations) and
+Reports counts (requests, kv-events, commands, erasures verified, faults injected, violations),
 resource growth between the end of the warm-up and the end of the run (RSS and open files of each
-process, sizes of the ledger's tables) as Markdown, or JSON with ``--json``.
+process, sizes of the ledger's tables) and, since a restarted process is a new life, each process
+life's RSS from its first to its last sample (every ``rss_sample_interval_s``), as Markdown, or JSON
+with ``--json``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,45 @@ class SoakOptions:
     """How long a SIGKILLed coordinator stays dead before its restart: with more than one coordinator process,
     the time the survivors own its partitions (each such window is checked, :meth:`Invariants.taken_over`)."""
     seed: int = 0
+    rss_sample_interval_s: float = 30.0
+    """How often each running process's RSS is sampled for :attr:`SoakReport.rss_samples`."""
+
+
+@dataclass(frozen=True)
+class RssSample:
+    """One process's resident memory at ``at_s`` seconds into the run; ``pid`` tells its lives apart."""
+
+    at_s: float
+    name: str
+    pid: int
+    rss_bytes: int
+
+
+@dataclass(frozen=True)
+class ProcessLife:
+    """The RSS samples of one life of one process (between two restarts): what growth means."""
+
+    name: str
+    pid: int
+    first: RssSample
+    last: RssSample
+    num_samples: int
+
+    @property
+    def mib_per_10_min(self) -> float | None:
+        """RSS growth rate over the life; None for a life sampled less than a minute apart."""
+        span_s = self.last.at_s - self.first.at_s
+        if span_s < 60:
+            return None
+        return (self.last.rss_bytes - self.first.rss_bytes) / 2**20 * 600 / span_s
+
+
+def process_lives(samples: list[RssSample]) -> list[ProcessLife]:
+    """Samples grouped by (process, pid), in the order each life was first sampled."""
+    lives: dict[tuple[str, int], list[RssSample]] = {}
+    for sample in samples:
+        lives.setdefault((sample.name, sample.pid), []).append(sample)
+    return [ProcessLife(name, pid, life[0], life[-1], len(life)) for (name, pid), life in lives.items()]
 
 
 @dataclass
@@ -93,6 +134,9 @@ class SoakReport:
     violations: list[str] = field(default_factory=list)
     resources_start: dict[str, dict[str, int]] = field(default_factory=dict)
     resources_end: dict[str, dict[str, int]] = field(default_factory=dict)
+    rss_samples: list[RssSample] = field(default_factory=list)
+    """Every running process's RSS every :attr:`SoakOptions.rss_sample_interval_s`: ``resources_*`` compare
+    whichever processes hold the names at the start and the end, different lives after a restart."""
 
     @property
     def num_violations(self) -> int:
@@ -325,6 +369,19 @@ class Soak:
                 self.counts["checks"] += 1
                 self.violations.extend(v for v in found if v not in self.violations)
 
+    def _sample_rss_once(self, started: float, samples: list[RssSample]) -> None:
+        at_s = round(time.monotonic() - started, 1)
+        for child in self.cluster.children:
+            rss_bytes = child.resources().get("rss_bytes")
+            if rss_bytes is not None:
+                samples.append(RssSample(at_s, child.name, child.process.pid, rss_bytes))
+
+    async def _sample_rss(self, started: float, samples: list[RssSample]) -> None:
+        while not self._stop.is_set():
+            self._sample_rss_once(started, samples)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.options.rss_sample_interval_s)
+
     # -- the run -----------------------------------------------------------------------
 
     async def _ledger_totals(self) -> dict[str, int]:
@@ -366,6 +423,7 @@ class Soak:
             asyncio.create_task(self._governance()),
             asyncio.create_task(self._faults(started)),
             asyncio.create_task(self._continuous_checks()),
+            asyncio.create_task(self._sample_rss(started, report.rss_samples)),
         ]
         try:
             done, _ = await asyncio.wait(tasks, timeout=self.options.duration_s, return_when=asyncio.FIRST_EXCEPTION)
@@ -381,6 +439,7 @@ class Soak:
             if not child.running:
                 await child.start()
         self.violations.extend(await self.invariants.check())
+        self._sample_rss_once(started, report.rss_samples)  # the last lives' end, however short they were
         report.resources_end = await self.resources()
         totals = await self._ledger_totals()
         report.counts = (
@@ -415,6 +474,16 @@ def render_markdown(report: SoakReport, command: str) -> str:
             after = end.get(measure)
             growth = "" if after is None else f"{after - before:+d}"
             lines.append(f"| {name} | {measure} | {before} | {'' if after is None else after} | {growth} |")
+    lives = process_lives(report.rss_samples)
+    if lives:
+        lines += ["", "| process | life (pid) | sampled from – to (s) | samples | RSS first → last (MiB) | per 10 min (MiB) |"]
+        lines += ["|---|---|---|---:|---:|---:|"]
+        for life in lives:
+            rate = life.mib_per_10_min
+            lines.append(
+                f"| {life.name} | {life.pid} | {life.first.at_s:.0f} – {life.last.at_s:.0f} | {life.num_samples} "
+                f"| {life.first.rss_bytes / 2**20:.1f} → {life.last.rss_bytes / 2**20:.1f} | {'' if rate is None else f'{rate:+.1f}'} |"
+            )
     if report.violations:
         lines += ["", "Violations:", *[f"- {violation}" for violation in report.violations]]
     return "\n".join(lines)
