@@ -181,22 +181,26 @@ class NodePublisher:
     async def flush(self) -> None:
         """Publish everything pending, in order; records whose send failed are resent, identical, next time."""
         async with self._send_lock:
-            await self._resend_unacked()
-            if not self._pending:
-                return
-            pending = list(self._pending)
-            payloads = []
-            for kind, group in groupby(pending, key=_batch_kind):
-                events = list(group)
-                for start in range(0, len(events), MAX_BLOCKS_PER_RECORD):
-                    payload = self._payload(kind, events[start : start + MAX_BLOCKS_PER_RECORD])
-                    if payload is not None:
-                        payloads.append(payload)
-            # The events are records now: a failed send leaves them in ``_unacked``, to go out
-            # again byte-identical, never rebuilt under a new event id.
-            for _ in pending:
-                self._pending.popleft()
-            await self._send_node_events(payloads)
+            await self._flush_pending()
+
+    async def _flush_pending(self) -> None:
+        """:meth:`flush`'s work; call with the send lock held."""
+        await self._resend_unacked()
+        if not self._pending:
+            return
+        pending = list(self._pending)
+        payloads = []
+        for kind, group in groupby(pending, key=_batch_kind):
+            events = list(group)
+            for start in range(0, len(events), MAX_BLOCKS_PER_RECORD):
+                payload = self._payload(kind, events[start : start + MAX_BLOCKS_PER_RECORD])
+                if payload is not None:
+                    payloads.append(payload)
+        # The events are records now: a failed send leaves them in ``_unacked``, to go out
+        # again byte-identical, never rebuilt under a new event id.
+        for _ in pending:
+            self._pending.popleft()
+        await self._send_node_events(payloads)
 
     def _payload(self, kind: tuple, group) -> schema.EventPayload | None:
         """The record for one run of pool events; ``None`` when nothing of it satisfies the contract.
@@ -349,16 +353,23 @@ class NodePublisher:
         return schema.StoredBlock(**self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance), tier=tier)
 
     async def publish_inventory(self, request_id: uuid.UUID | None) -> None:
-        """Everything this node holds, chunked; queued events are flushed first so seq stays ordered.
+        """Everything this node holds, chunked; the events behind it are published first so seq stays ordered.
 
         Raises :class:`gpu_node.crypto.KeyServiceUnavailable`, publishing nothing, when a snapshot's blocks cannot be told readable
         or gone now (:func:`gpu_node.snapshots.readable_blocks`); the command consumer retries an
         ``InventoryRequested`` with backoff, :meth:`start` its own inventory.
         """
-        await self.flush()
         snapshot_inventory = await asyncio.to_thread(self.engine.snapshot_inventory)
         async with self._send_lock:
-            held: list[tuple[BlockKey, str, str | None]] = [(e.key, e.tier.value, None) for e in self.engine.pool.ready_entries()]
+            pool = self.engine.pool
+            with pool.lock:
+                # The pool's events and the state they led to, taken at one instant: every change the inventory
+                # shows goes out before it (lower seq), none after. A step's changes are in the pool before its
+                # events are drained on this loop; an inventory read between the two showed moves whose
+                # records followed it, and the ledger, read before the inventory, looked stale.
+                self.engine.manager.drain_events()
+                held: list[tuple[BlockKey, str, str | None]] = [(e.key, e.tier.value, None) for e in pool.ready_entries()]
+            await self._flush_pending()
             for snapshot_id, keys in snapshot_inventory.items():
                 held.extend((key, "snapshot", snapshot_id) for key in keys)
             chunks = [held[i : i + MAX_BLOCKS_PER_RECORD] for i in range(0, len(held), MAX_BLOCKS_PER_RECORD)] or [[]]

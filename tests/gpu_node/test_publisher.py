@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import torch
 from aiokafka.errors import KafkaError
 from helpers.ledger import SUBJECT_KEY, node_key, scan_topic
 
@@ -14,7 +15,7 @@ from events.kafka import EventProducer, KafkaSettings
 from gpu_node.block_pool import RemovalReason, RemovedFromPool, StoredInPool, Tier
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
-from gpu_node.publisher import MAX_BLOCKS_PER_RECORD, NodePublisher
+from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
 from identity.signing import EnvelopeSigner, verify_envelope
 
@@ -157,6 +158,49 @@ async def test_an_ambiguous_send_failure_resends_identical_bytes(tiny_model_dir,
 
         await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
         assert values == [unacked.value]
+    finally:
+        await publisher.stop()
+        await engine.stop()
+
+
+async def test_an_inventory_follows_every_event_of_the_state_it_shows(tiny_model_dir, tmp_path, kafka_bootstrap):
+    """A step changes the pool on the model worker and its events are drained on the event loop just after. An
+    inventory read in between showed changes whose records came after it (the soak's final check found the ledger
+    "stale" by exactly those moves). The inventory takes the pool's undrained events with the state, and publishes
+    them first: every block it lists was reported by a record with a lower seq."""
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
+    engine.manager.subscribe(KV_EVENTS_SUBSCRIBER, publisher.on_pool_events)  # as gpu_node.server.make_publisher does
+    await publisher.start(tmp_path / "node")
+    pool, spec = engine.pool, engine.runner.kv_spec
+    token_ids = list(range(2 * spec.block_size + 1))
+    keys = compute_block_keys(
+        engine.namespace.namespace, token_ids, [Segment(0, len(token_ids), CacheScope.PUBLIC)], Principal("acme", "bob"), spec.block_size
+    )
+    try:
+        for key in keys:  # as a step does: in the pool, its events not drained yet
+            assert pool.commit_build(pool.begin_build(key), torch.zeros(spec.block_shape, dtype=spec.dtype))
+        request_id = uuid.uuid4()
+        await publisher.publish_inventory(request_id)
+        stored: dict[str, int] = {}
+        inventory: list[schema.Inventory] = []
+
+        def collect(record) -> bool:
+            payload = schema.parse_event(record.value).payload
+            if getattr(payload, "node_id", None) == node_id:
+                if isinstance(payload, schema.BlockStored):
+                    stored.update((block.block_hash, payload.seq) for block in payload.blocks)
+                elif isinstance(payload, schema.Inventory) and payload.request_id == request_id:
+                    inventory.append(payload)
+            return bool(inventory)
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        [listed] = inventory
+        assert sorted(placement.block_hash for placement in listed.placements) == sorted(key.block_hash.hex() for key in keys)
+        assert all(stored.get(key.block_hash.hex(), listed.seq) < listed.seq for key in keys), (stored, listed.seq)
     finally:
         await publisher.stop()
         await engine.stop()
