@@ -93,9 +93,7 @@ def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
         num_partitions=settings.kafka.num_partitions,
         replication_factor=settings.kafka.replication_factor,
         group_id=settings.kafka.group_id,
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
-        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+        **settings.kafka.timing_fields(),
         **settings.kafka.security_fields(),
     )
 

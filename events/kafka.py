@@ -138,6 +138,11 @@ class ConsumerGroupTiming(BaseModel):
             )
         return self
 
+    def timing_fields(self) -> dict[str, int]:
+        """These fields and their values: another service's settings, or an ``AIOKafkaConsumer``'s keyword
+        arguments of the same names."""
+        return {name: getattr(self, name) for name in ConsumerGroupTiming.model_fields}
+
 
 class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     """Connection and topic defaults.
@@ -527,9 +532,7 @@ class BatchConsumer:
             group_id=group,
             enable_auto_commit=False,
             auto_offset_reset=auto_offset_reset,
-            session_timeout_ms=settings.session_timeout_ms,
-            heartbeat_interval_ms=settings.heartbeat_interval_ms,
-            fetch_max_wait_ms=settings.fetch_max_wait_ms,
+            **settings.timing_fields(),
         )
         self._dead_letters = EventProducer(settings)
         # Held while a batch is handled and committed; the revoke callback takes it too,

@@ -576,9 +576,7 @@ class CommandConsumer:
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            fetch_max_wait_ms=kafka.fetch_max_wait_ms,
-            session_timeout_ms=kafka.session_timeout_ms,
-            heartbeat_interval_ms=kafka.heartbeat_interval_ms,
+            **kafka.timing_fields(),
         )
         self._producer = EventProducer(kafka, sign=publisher.signer)
         self._committed: dict[TopicPartition, int] = {}

@@ -75,9 +75,7 @@ def kafka_settings(settings: NodeSettings) -> KafkaSettings:
         bootstrap=settings.kafka_bootstrap,
         client_id=f"kvledger-{settings.node_id}",
         num_partitions=settings.kafka_partitions,
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
-        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+        **settings.kafka.timing_fields(),
         **settings.kafka.security_fields(),
     )
 
