@@ -55,7 +55,6 @@ from coordinator.decisions import Decision, reissue_for_late_blocks
 from coordinator.ledger import begin_ledger_transaction, generic_plans, lock_ledger_writes
 from coordinator.models import (
     VOLATILE_TIERS,
-    Block,
     BlockAuthScope,
     BlockDocument,
     DeadLetterCount,
@@ -594,9 +593,13 @@ class _BatchApplier:
         candidates = hashes - self.known_blocks
         if not candidates:
             return set()
-        found = set((await self.session.scalars(select(Block.block_hash).where(Block.block_hash.in_(candidates)))).all())
+        found = await self._existing_blocks(candidates)
         self.known_blocks |= found
         return candidates - found
+
+    async def _existing_blocks(self, hashes: Iterable[bytes]) -> set[bytes]:
+        """Which of ``hashes`` the ledger has (one array probe of the primary key)."""
+        return set((await self.session.scalars(_KNOWN_BLOCKS, {"block_hashes": list(hashes)})).all())
 
     async def _copy(self, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
         """Binary ``COPY`` of ``rows`` into ``table`` on the session's connection, inside the batch's transaction."""
@@ -616,8 +619,7 @@ class _BatchApplier:
         pending, self.blocks = self.blocks, {}
         namespaces = sorted({block.namespace for block in pending.values()})
         await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
-        hashes = list(pending)
-        existing = set((await self.session.scalars(_KNOWN_BLOCKS, {"block_hashes": hashes})).all())
+        existing = await self._existing_blocks(pending)
         new = {block_hash: block for block_hash, block in pending.items() if block_hash not in existing}
         rows = [
             (
