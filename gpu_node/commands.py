@@ -221,12 +221,9 @@ def fetch_snapshot_keys(root: Path, key_provider: DataKeyProvider) -> None:
     fetched nor known destroyed: the command fails and is retried, its
     snapshots untouched.
     """
-    if not root.is_dir():
-        return
-    for directory in sorted(root.iterdir()):
-        if (directory / snapshots.MANIFEST_NAME).is_file():
-            for key_id in sorted(snapshots.sealing_key_ids(directory)):
-                key_provider.key_by_id(key_id)
+    for directory in snapshots.complete_snapshots(root):
+        for key_id in sorted(snapshots.sealing_key_ids(directory)):
+            key_provider.key_by_id(key_id)
 
 
 def remove_from_snapshots(
@@ -242,11 +239,9 @@ def remove_from_snapshots(
     that would have removed it had the commands been applied one by one.
     """
     removals: list[list[SnapshotRemoval]] = [[] for _ in predicates]
-    if not predicates or not root.is_dir():
+    if not predicates:
         return removals
-    for directory in sorted(root.iterdir()):
-        if not (directory / snapshots.MANIFEST_NAME).is_file():
-            continue
+    for directory in snapshots.complete_snapshots(root):
         before = snapshots.read_manifest(directory)
         records = snapshots.remove_from_snapshot(directory, lambda p: any(match(p) for match in predicates), key_provider)
         if not records:

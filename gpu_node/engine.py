@@ -532,11 +532,9 @@ class AsyncEngine:
     def snapshot_inventory(self) -> dict[str, list[BlockKey]]:
         """Readable blocks of every snapshot this node holds, by snapshot id (blocking: reads shards)."""
         inventory = {}
-        if self.snapshot_root.is_dir():
-            for directory in sorted(self.snapshot_root.iterdir()):
-                if (directory / snapshots.MANIFEST_NAME).is_file():
-                    manifest = snapshots.read_manifest(directory)
-                    inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider.blocking())
+        for directory in snapshots.complete_snapshots(self.snapshot_root):
+            manifest = snapshots.read_manifest(directory)
+            inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider.blocking())
         return inventory
 
     def may_hold_snapshots(self) -> bool:

@@ -357,6 +357,18 @@ def delete_snapshot(directory: Path) -> bool:
     return not directory.exists()
 
 
+def complete_snapshots(root: Path) -> list[Path]:
+    """Every snapshot directory under ``root`` whose manifest is written, in name order (none if ``root`` is absent).
+
+    The manifest is written last: a directory without one is a write in progress or one a crash
+    interrupted (:func:`delete_incomplete`), which nothing reads.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [directory for directory in sorted(root.iterdir()) if (directory / MANIFEST_NAME).is_file()]
+
+
 def delete_incomplete(root: Path) -> int:
     """Delete every snapshot directory under ``root`` that has no manifest; returns how many.
 
