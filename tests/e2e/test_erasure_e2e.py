@@ -41,7 +41,7 @@ from helpers.ledger import (
     fresh_database,
     operator_headers,
 )
-from helpers.node import CoordinatorThread, RunningNode, node_settings
+from helpers.node import CoordinatorThread, RunningNode, demote_to_disk, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
@@ -233,7 +233,7 @@ async def spread(node: Node, tenant: str, subject: str) -> None:
     mine = sorted(block for block, tier in await node.holdings(tenant, subject) if tier == "device")
     assert len(mine) >= 3
     assert await asyncio.to_thread(node.engine.pool.demote, bytes.fromhex(mine[0]), Tier.HOST)
-    assert await asyncio.to_thread(node.engine.pool.demote, bytes.fromhex(mine[1]), Tier.DISK)
+    await demote_to_disk(node.engine, mine[1])
     await node.engine.write_snapshot()
     node.engine.manager.drain_events()
 

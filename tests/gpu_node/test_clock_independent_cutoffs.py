@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.ledger import JWT_SECRET, SUBJECT_KEY, coordinator_settings, enroll_nodes, eventually, fresh_database, operator_headers
-from helpers.node import CoordinatorThread, ServedNode, node_settings
+from helpers.node import CoordinatorThread, ServedNode, demote_to_disk, node_settings
 from sqlalchemy import func, select
 
 from bench.common import start_groups_at_end
@@ -147,7 +147,7 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
         # One copy on host and one on disk, so every tier the erasure must clear is covered.
         device = sorted(block for block, _ in before)
         assert await asyncio.to_thread(node.engine.pool.demote, bytes.fromhex(device[0]), Tier.HOST)
-        assert await asyncio.to_thread(node.engine.pool.demote, bytes.fromhex(device[1]), Tier.DISK)
+        await demote_to_disk(node.engine, device[1])
         node.engine.manager.drain_events()
         before = node.holdings(tenant, alice)
         built_before = {block for block, _ in before}

@@ -34,7 +34,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from helpers.ledger import COMMAND_KEY, JWT_SECRET, coordinator_settings, enroll_nodes, eventually, node_key, operator_headers, sign_command
-from helpers.node import CoordinatorThread, ServedNode, node_settings
+from helpers.node import CoordinatorThread, ServedNode, demote_to_disk, node_settings
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
@@ -45,7 +45,6 @@ from coordinator.node_keys import revoke
 from coordinator.settings import DatabaseSettings
 from events import kafka, schema, topics
 from events.kafka import EventProducer, KafkaSettings
-from gpu_node.block_pool import Tier
 from gpu_node.governance_sync import GovernanceClient
 from gpu_node.settings import CacheSettings
 from identity.node_credentials import issue_node_credential
@@ -231,7 +230,7 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
     held = sorted(block for block, tier in node.holdings(tenant) if tier == "device")
     assert len(held) >= 4
     for block in held:
-        assert await asyncio.to_thread(node.engine.pool.demote, bytes.fromhex(block), Tier.DISK)
+        await demote_to_disk(node.engine, block)
     node.engine.manager.drain_events()
     disk = {block for block, tier in node.holdings(tenant) if tier == "disk"}
     assert disk == set(held)

@@ -28,6 +28,7 @@ import uvicorn
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
 from gpu_node.api import create_app as create_node_app
+from gpu_node.block_pool import Tier
 from gpu_node.engine import AsyncEngine
 from gpu_node.kv_cache_utils import CacheScope, DocumentRef, num_cacheable_blocks
 from gpu_node.prompt import ChatMessage, render_prompt
@@ -38,6 +39,21 @@ from identity.tokens import TokenVerifier
 from kvledger.net import loopback_listener
 
 TIMEOUT_S = 30.0
+
+
+async def demote_to_disk(engine: AsyncEngine, block_hash: str, timeout_s: float = TIMEOUT_S) -> None:
+    """Move a cached block to the disk tier, waiting until its scope's data key is in the node's memory.
+
+    With the coordinator's key service, a request's prefetch waits at most ``prefetch_wait_s`` for
+    its keys and the fetch finishes in the background; on a loaded machine that can be after the
+    response. Until then a tenant or user block cannot be sealed and ``demote`` answers False,
+    leaving the block where it was (its look-up asked for the key meanwhile), so it is retried.
+    """
+
+    async def moved() -> bool:
+        return await asyncio.to_thread(engine.pool.demote, bytes.fromhex(block_hash), Tier.DISK)
+
+    await eventually(moved, timeout_s=timeout_s, what=f"block {block_hash[:12]} sealed onto the disk tier")
 
 
 @contextmanager
