@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -64,6 +65,18 @@ def node(tiny_model_dir, tmp_path_factory) -> Node:
 
 def _token() -> str:
     return issue_token(tenant="acme", sub="bench", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET)
+
+
+def _num_answered(node: Node, timeout_s: float = 30.0) -> int:
+    """Chat completions the node streamed to the end with status 200 (its HTTP histogram counts a response once
+    its last byte is sent), once no request is running or waiting any more."""
+    registry = node.engine.metrics.registry
+    deadline = time.monotonic() + timeout_s
+    while registry.get_sample_value("kvledger_num_requests_running") or registry.get_sample_value("kvledger_num_requests_waiting"):
+        assert time.monotonic() < deadline, f"the node still runs requests after {timeout_s}s"
+        time.sleep(0.05)
+    labels = {"method": "POST", "route": "/v1/chat/completions", "status": "200"}
+    return int(registry.get_sample_value("kvledger_http_request_seconds_count", labels) or 0)
 
 
 def test_vllm_health_routes_answer_like_vllm(node):
@@ -112,11 +125,17 @@ def test_guidellm_with_its_defaults_completes_every_request(node, tiny_model_dir
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     benchmarks = json.loads(report.read_text())["benchmarks"]
     assert len(benchmarks) == 1
-    metrics = benchmarks[0]["metrics"]
+    metrics, state = benchmarks[0]["metrics"], benchmarks[0]["scheduler_state"]
     totals = metrics["request_totals"]
-    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (NUM_REQUESTS, 0, 0)
+    assert (totals["errored"], totals["incomplete"], state["errored_requests"], state["cancelled_requests"]) == (0, 0, 0, 0)
+    # guidellm 0.8 may close a synchronous run before its worker process has reported the last request back (seen
+    # on 2 loaded cores: 5 successful, 1 still "processing", none errored), so its report holds all of them or all
+    # but that one; the node's own count below says every one was answered.
+    assert state["created_requests"] == NUM_REQUESTS
+    assert totals["successful"] + state["processing_requests"] == NUM_REQUESTS and state["processing_requests"] <= 1
+    assert _num_answered(node) == NUM_REQUESTS
     # Token counts come from the node's streamed usage chunk; the tiny model's greedy output does not hit EOS early.
-    assert metrics["output_token_count"]["successful"]["total_sum"] == NUM_REQUESTS * OUTPUT_TOKENS
+    assert metrics["output_token_count"]["successful"]["total_sum"] == totals["successful"] * OUTPUT_TOKENS
     sent = [json.loads(request["request_args"])["body"] for request in benchmarks[0]["requests"]["successful"]]
     # The model id guidellm discovered from GET /v1/models, and its default request type: streamed chat completions.
     assert {(body["model"], body["stream"], "messages" in body) for body in sent} == {(tiny_model_dir.name, True, True)}
