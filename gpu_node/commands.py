@@ -920,6 +920,7 @@ class CommandConsumer:
         return None
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
-        await send_to_dead_letter(self._producer, record, error, self.group_id)
+        # The node's own topic: nodes never write kvledger.dead-letter, whose letters replay republishes.
+        await send_to_dead_letter(self._producer, record, error, self.group_id, topic=topics.NODE_DEAD_LETTER)
         if error.startswith(SIGNATURE_ERROR):
             self.engine.metrics.unverified_commands.labels(reason=error.removeprefix(SIGNATURE_ERROR)).inc()

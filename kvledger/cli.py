@@ -8,6 +8,7 @@ import importlib
 import sys
 from importlib import metadata
 
+from events.logs import escape_control
 from kvledger.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 
 
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         if failure is None:
             raise
         message, status = failure
-        print(f"kvledger: error: {' '.join(message.split())}", file=sys.stderr)
+        print(f"kvledger: error: {escape_control(' '.join(message.split()))}", file=sys.stderr)
         return status
     return int(result or 0)
 

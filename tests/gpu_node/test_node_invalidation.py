@@ -265,7 +265,7 @@ async def test_inventory_requests_are_answered_and_malformed_commands_dead_lette
         def dead_lettered(record) -> bool:
             return json.loads(record.value).get("group_id") == node.commands.group_id
 
-        await scan_topic(kafka_bootstrap, topics.DEAD_LETTER, dead_lettered)
+        await scan_topic(kafka_bootstrap, topics.NODE_DEAD_LETTER, dead_lettered)
     finally:
         await node.stop()
 
