@@ -19,12 +19,21 @@ import bisect
 import hashlib
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
-from helpers.ledger import COMMAND_KEY, RunningConsumers, coordinator_settings, eventually, kafka_client_settings, scan_topic
+from helpers.ledger import (
+    COMMAND_KEY,
+    RunningConsumers,
+    coordinator_settings,
+    eventually,
+    kafka_client_settings,
+    operator_headers,
+    scan_topic,
+)
 from prometheus_client import REGISTRY
 from sqlalchemy import select
 
@@ -41,6 +50,7 @@ from events.topics import DEAD_LETTER, ERASURES
 from identity.signing import EnvelopeSigner, dead_letter_signature_problem
 
 BIG_RECORD_BYTES = 850_000
+ADMIN = operator_headers("platform-admin")
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +90,9 @@ async def letter_of(bootstrap: str, value: bytes) -> DeadLetter:
 
 
 async def test_an_850_kb_invalid_erasure_is_dead_lettered_by_reference_and_later_decisions_are_decided(
-    consumers: RunningConsumers, settings: CoordinatorSettings, database: Database, kafka_bootstrap: str
+    consumers: RunningConsumers, settings: CoordinatorSettings, database: Database, kafka_bootstrap: str, client: httpx.AsyncClient
 ) -> None:
+    since = datetime.now(UTC).isoformat()
     marker = uuid.uuid4().hex
     big = b'{"type": "ErasureRequested", "padding": "' + marker.encode() + b"x" * BIG_RECORD_BYTES + b'"}'
     update = schema.make_event(schema.DocumentUpdated(doc_id=f"doc-{marker}", version=2), tenant_id="acme")
@@ -106,6 +117,13 @@ async def test_an_850_kb_invalid_erasure_is_dead_lettered_by_reference_and_later
     assert letter.value_prefix_b64 is not None and len(letter.value_prefix_b64) < 2048
     assert dead_letter_signature_problem(letter, COMMAND_KEY.public_key()) is None  # the coordinator's, replay can tell
     assert by_reference_count(ERASURES) == counted_before + 1
+    # Listed as held by reference; its replay is refused, saying why: the bytes are not held.
+    answer = await client.get("/v1/dead-letters", params={"since": since, "topic": ERASURES}, headers=ADMIN)
+    (listed,) = [each for each in answer.json()["dead_letters"] if each["value_sha256"] == letter.value_sha256]
+    assert listed["by_reference"] and listed["trusted"] and not listed["replayable"] and listed["num_value_bytes"] == len(big)
+    refused = await client.post(f"/v1/dead-letters/{listed['id']}/replay", headers=ADMIN)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (409, "held_by_reference")
+    assert "bytes are not held" in refused.json()["error"]["message"]
 
 
 def _record(num_value_bytes: int) -> ConsumerRecord:
