@@ -25,6 +25,7 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
+from helpers.cli import kvledger, served_stack
 from helpers.ledger import (
     COMMAND_KEY,
     RunningConsumers,
@@ -90,7 +91,12 @@ async def letter_of(bootstrap: str, value: bytes) -> DeadLetter:
 
 
 async def test_an_850_kb_invalid_erasure_is_dead_lettered_by_reference_and_later_decisions_are_decided(
-    consumers: RunningConsumers, settings: CoordinatorSettings, database: Database, kafka_bootstrap: str, client: httpx.AsyncClient
+    consumers: RunningConsumers,
+    settings: CoordinatorSettings,
+    database: Database,
+    kafka_bootstrap: str,
+    client: httpx.AsyncClient,
+    tmp_path,
 ) -> None:
     since = datetime.now(UTC).isoformat()
     marker = uuid.uuid4().hex
@@ -124,6 +130,9 @@ async def test_an_850_kb_invalid_erasure_is_dead_lettered_by_reference_and_later
     refused = await client.post(f"/v1/dead-letters/{listed['id']}/replay", headers=ADMIN)
     assert (refused.status_code, refused.json()["error"]["code"]) == (409, "held_by_reference")
     assert "bytes are not held" in refused.json()["error"]["message"]
+    async with served_stack(settings, tmp_path) as stack:
+        status, _, err = await kvledger("dead-letters", "replay", listed["id"], "--stack", str(stack))
+    assert status != 0 and "HTTP 409" in err and "bytes are not held" in err and "cannot be replayed" in err
 
 
 def _record(num_value_bytes: int) -> ConsumerRecord:

@@ -13,24 +13,21 @@ processes' own handler (``events.logs.make_handler``), its API over real HTTP an
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
 import re
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 
 import pytest
-import uvicorn
 from aiokafka import AIOKafkaProducer
-from helpers.ledger import OPERATOR_PRIVATE_KEY_PEM, RunningConsumers, coordinator_settings, eventually, operator_headers
+from helpers.cli import kvledger, served_stack
+from helpers.ledger import RunningConsumers, coordinator_settings, eventually, operator_headers
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from bench.common import start_groups_at_end
-from coordinator.api import create_app
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.settings import CoordinatorSettings
 from events import kafka
@@ -109,26 +106,10 @@ async def test_a_key_name_that_forges_a_line_yields_one_escaped_log_line_and_esc
 
 async def _cli_listing(settings: CoordinatorSettings, tmp_path, since: str) -> str:
     """``kvledger dead-letters list`` (text) against the coordinator's API over real HTTP."""
-    (tmp_path / "operator_key.pem").write_bytes(OPERATOR_PRIVATE_KEY_PEM)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))
-    serving = asyncio.create_task(server.serve())
-    try:
-        await eventually(lambda: server.started, what="the API server")
-        port = server.servers[0].sockets[0].getsockname()[1]
-        stack = {"coordinator_url": f"http://127.0.0.1:{port}", "operator_private_key_file": str(tmp_path / "operator_key.pem")}
-        (tmp_path / "stack.json").write_text(json.dumps(stack))
-        process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "kvledger.cli", "dead-letters", "list", "--topic", ERASURES, "--since", since),
-            *("--stack", str(tmp_path)),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(process.communicate(), 60)
-        assert process.returncode == 0, err.decode()
-        return out.decode()
-    finally:
-        server.should_exit = True
-        await serving
+    async with served_stack(settings, tmp_path) as stack:
+        status, out, err = await kvledger("dead-letters", "list", "--topic", ERASURES, "--since", since, "--stack", str(stack))
+    assert status == 0, err
+    return out
 
 
 class _Strict(BaseModel):
