@@ -618,8 +618,8 @@ class BatchConsumer:
             raise ValueError("BatchConsumer needs a group_id (argument or KafkaSettings.group_id)")
         if not topics:
             raise ValueError("BatchConsumer needs at least one topic")
-        if DEAD_LETTER in topics:
-            raise ValueError("the dead-letter topic is not consumed with BatchConsumer (its records are not envelopes)")
+        if set(DEAD_LETTER_TOPICS) & set(topics):
+            raise ValueError("the dead-letter topics are not consumed with BatchConsumer (their records are not envelopes)")
         if max_records < 1 or poll_timeout_ms < 1 or not 0 < initial_backoff_s <= max_backoff_s or stall_after_s <= 0:
             raise ValueError("max_records, poll_timeout_ms, stall_after_s and backoffs must be positive, initial <= max")
         self.group_id = group
