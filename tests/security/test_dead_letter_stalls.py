@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import hashlib
 import uuid
 from collections.abc import AsyncIterator
@@ -45,7 +46,7 @@ from coordinator.models import Invalidation
 from coordinator.ops_app import create_ops_app
 from coordinator.settings import CoordinatorSettings
 from events import kafka, schema
-from events.codec import DeadLetter
+from events.codec import MAX_DEAD_LETTER_ERROR_CHARS, MAX_REFERENCE_PREFIX_BYTES, DeadLetter
 from events.kafka import MIN_REQUEST_BYTES, SIZE_REFUSALS, EventProducer, dead_letter_record, record_size_bytes, send_to_dead_letter
 from events.topics import DEAD_LETTER, ERASURES
 from identity.signing import EnvelopeSigner, dead_letter_signature_problem
@@ -232,3 +233,21 @@ async def test_a_consumer_whose_batch_keeps_failing_is_stalled_in_readiness_and_
         await eventually(recovered, what="the group advancing again")
         await consumer.stop()
         await running
+
+
+def test_the_largest_record_with_the_largest_key_and_error_still_has_a_letter_that_fits_the_smallest_limit() -> None:
+    huge = dataclasses.replace(_record(0), key=b"k" * 900_000, value=b"\x00" * 900_000)
+    error = "\x00" * 100_000  # each NUL is six bytes of JSON (\u0000)
+    letter, value, key = dead_letter_record(huge, error, "g" * 256, MIN_REQUEST_BYTES, EnvelopeSigner(COMMAND_KEY).sign_dead_letter)
+    assert letter.by_reference and record_size_bytes(key, value) <= MIN_REQUEST_BYTES
+    assert len(letter.error) == MAX_DEAD_LETTER_ERROR_CHARS and key == huge.key[:MAX_REFERENCE_PREFIX_BYTES]
+
+
+def test_a_letter_written_before_letters_were_signed_still_parses_and_is_unsigned() -> None:
+    old = (
+        b'{"topic":"kvledger.documents","partition":1,"offset":2,"timestamp_ms":3,"key_b64":null,"value_b64":"e30=",'
+        b'"error":"bad","group_id":"g","dead_lettered_at":"2026-11-29T12:00:00Z"}'
+    )
+    letter = DeadLetter.model_validate_json(old)
+    assert letter.raw_value() == b"{}" and not letter.by_reference
+    assert dead_letter_signature_problem(letter, COMMAND_KEY.public_key()) == "unsigned"
