@@ -61,7 +61,7 @@ class ConsumerReadiness:
     some brokers), or during a rebalance — a document update would wait for the join, and
     a process that answered ready would let a client act on a version it has not applied.
 
-    A consumer that is :attr:`~events.kafka.BatchConsumer.stalled` (records waiting, its
+    A consumer that is stalled (:class:`events.kafka.StallClock`: records waiting, its
     batch failing for longer than ``kafka.stall_after_s``) is a problem too: every later
     decision of its partitions waits behind the failing batch.
     """
@@ -86,7 +86,7 @@ class ConsumerReadiness:
         waiting = [consumer.group_id for consumer in self._consumers if not consumer.consuming]
         if waiting:
             return "consumer groups not yet consuming: " + ", ".join(waiting)
-        stalled = [f"{each.group_id} ({each.stalled_for_s:.0f}s)" for each in self._consumers if each.stalled]
+        stalled = [f"{each.group_id} ({each.stall.stalled_for_s:.0f}s)" for each in self._consumers if each.stall.stalled]
         if stalled:
             return "consumer groups stalled (records waiting, not committed past): " + ", ".join(stalled)
         return None

@@ -502,6 +502,40 @@ async def send_to_dead_letter(
     )
 
 
+class StallClock:
+    """How long a consumer's fetched records have waited without it committing past them: when that exceeds
+    ``stall_after_s`` the consumer is *stalled* (its partitions do not advance; every later record waits).
+
+    The consumer calls :meth:`waiting` when it takes records in hand and :meth:`advanced` once it
+    committed past them (or gave them up to another member). A batch that keeps failing is
+    retried forever by design (nothing is skipped); this is how that becomes visible instead
+    of silent. Shared by :class:`BatchConsumer` and the node's command consumer.
+    """
+
+    def __init__(self, stall_after_s: float) -> None:
+        if stall_after_s <= 0:
+            raise ValueError("stall_after_s must be positive")
+        self.stall_after_s = stall_after_s
+        self._since: float | None = None
+
+    def waiting(self) -> None:
+        """Records are in hand; the clock runs from the first such call since the last :meth:`advanced`."""
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def advanced(self) -> None:
+        self._since = None
+
+    @property
+    def stalled_for_s(self) -> float:
+        """How long records have waited (0 when none wait)."""
+        return 0.0 if self._since is None else time.monotonic() - self._since
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_for_s > self.stall_after_s
+
+
 @dataclass(frozen=True, slots=True)
 class ConsumedEvent:
     """A validated record handed to a handler, with its coordinates (for logs and inbox rows)."""
@@ -586,7 +620,7 @@ class BatchConsumer:
       while the handler runs (:meth:`run`); a failed batch takes the prefetched one back
       with it (both rewound), so nothing after a failure is handled before it;
     * a member whose fetched records stay uncommitted for longer than ``stall_after_s`` (a
-      batch that keeps failing or never returns) is :attr:`stalled`: the
+      batch that keeps failing or never returns) is stalled (:attr:`stall`, a :class:`StallClock`): the
       ``kvledger_consumer_stalled{group}`` gauge and the coordinator's ``/readyz`` say so;
     * dead letters are sealed with ``seal`` (the coordinator signs its own), so that replay
       can tell them from letters anyone else wrote.
@@ -620,8 +654,8 @@ class BatchConsumer:
             raise ValueError("BatchConsumer needs at least one topic")
         if set(DEAD_LETTER_TOPICS) & set(topics):
             raise ValueError("the dead-letter topics are not consumed with BatchConsumer (their records are not envelopes)")
-        if max_records < 1 or poll_timeout_ms < 1 or not 0 < initial_backoff_s <= max_backoff_s or stall_after_s <= 0:
-            raise ValueError("max_records, poll_timeout_ms, stall_after_s and backoffs must be positive, initial <= max")
+        if max_records < 1 or poll_timeout_ms < 1 or not 0 < initial_backoff_s <= max_backoff_s:
+            raise ValueError("max_records, poll_timeout_ms and backoffs must be positive, initial <= max")
         self.group_id = group
         self._topics = list(topics)
         self._handler = handler
@@ -633,10 +667,8 @@ class BatchConsumer:
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
         self._seal = seal
-        self.stall_after_s = stall_after_s
-        # When the oldest fetched record not yet committed past was handed to _process (None: none waits).
-        self._waiting_since: float | None = None
-        CONSUMER_STALLED.labels(group=group).set_function(lambda: float(self.stalled))
+        self.stall = StallClock(stall_after_s)
+        CONSUMER_STALLED.labels(group=group).set_function(lambda: float(self.stall.stalled))
         self._consumer = AIOKafkaConsumer(
             **kafka_client_kwargs(settings),
             group_id=group,
@@ -829,7 +861,7 @@ class BatchConsumer:
                     await self._commit_pending(None)
         finally:
             self._started = False
-            self._waiting_since = None
+            self.stall.advanced()
             if self._positioning is not None:
                 self._positioning.cancel()
                 await asyncio.gather(self._positioning, return_exceptions=True)
@@ -854,22 +886,6 @@ class BatchConsumer:
         """Wait until the group gave this member at least one partition (e.g. for readiness)."""
         await asyncio.wait_for(self._assigned.wait(), timeout_s)
         return self.assignment()
-
-    @property
-    def stalled_for_s(self) -> float:
-        """How long records have waited without this member committing past them (0 when none wait)."""
-        if self._waiting_since is None:
-            return 0.0
-        return time.monotonic() - self._waiting_since
-
-    @property
-    def stalled(self) -> bool:
-        """Records wait, uncommitted, for longer than ``stall_after_s``: the partition does not advance.
-
-        A batch that keeps failing transiently is retried forever by design (nothing is skipped);
-        this is how that becomes visible instead of silent: every later record of its partitions waits.
-        """
-        return self.stalled_for_s > self.stall_after_s
 
     @property
     def consuming(self) -> bool:
@@ -903,7 +919,7 @@ class BatchConsumer:
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._assigned.clear()
         self._generation += 1
-        self._waiting_since = None  # the partitions' next owner keeps its own clock
+        self.stall.advanced()  # the partitions' next owner keeps its own clock
         async with self._lock:  # let an in-flight batch finish its transaction and commit first
             await self._commit_pending(revoked)
             for tp in revoked:
@@ -920,15 +936,14 @@ class BatchConsumer:
         owned = {tp: records for tp, records in fetched.batch.items() if records and tp in assigned}
         if not owned:
             return
-        if self._waiting_since is None:
-            self._waiting_since = time.monotonic()
+        self.stall.waiting()
         events = await self._validate(owned, fetched.decoded)
         if events:
             await self._handle_isolating(events, owned)
         for tp, records in owned.items():
             self._pending[tp] = records[-1].offset + 1
         await self._commit_pending(None)
-        self._waiting_since = None
+        self.stall.advanced()
 
     async def _handle_isolating(self, events: list[ConsumedEvent], batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Hand ``events`` to the handler; bisect a failure caused by the data down to its one record.
