@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from importlib import metadata
 
-from events.logs import escape_control
+from events.logs import configure_logging, escape_control
 from kvledger.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 
 
@@ -472,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Expected failures end as one ``kvledger: error: …`` line on stderr and a non-zero exit."""
     args = build_parser().parse_args(argv)
     try:
+        # Warnings of the libraries a command uses (aiokafka, the Kafka settings) go through the same
+        # escaping formatter as every service's log; a service command configures its own level.
+        configure_logging(logging.WARNING)
         result = args.func(args)
     except KeyboardInterrupt:
         return 130
