@@ -89,10 +89,8 @@ def cli(args: argparse.Namespace) -> int:
     print(f"{'node':<16} {'alive':<5} {'status':<10} {'last seen':>10}  " + " ".join(f"{tier:>8}" for tier in TIERS))
     for node in nodes:
         placements = node["num_live_placements"]
-        print(
-            f"{node['node_id']:<16} {'yes' if node['alive'] else 'NO':<5} {node['status']:<10} {node['last_seen_age_s']:>9.1f}s  "
-            + " ".join(f"{placements.get(tier, 0):>8}" for tier in TIERS)
-        )
+        row = f"{node['node_id']:<16} {'yes' if node['alive'] else 'NO':<5} {node['status']:<10} {node['last_seen_age_s']:>9.1f}s  "
+        print(escape_control(row + " ".join(f"{placements.get(tier, 0):>8}" for tier in TIERS)))
     if not nodes:
         print("(no node has reported yet)")
     if figures is None:
@@ -100,10 +98,8 @@ def cli(args: argparse.Namespace) -> int:
         return 0
     dead = figures["dead_letters"]
     print(f"outbox       {figures['outbox_pending'] if figures['outbox_pending'] is not None else '-'} pending")
-    print(
-        f"dead letters {sum(dead.values())}"
-        + (f" ({', '.join(f'{topic}: {n}' for topic, n in sorted(dead.items()) if n)})" if any(dead.values()) else "")
-    )
+    by_topic = f" ({', '.join(f'{topic}: {n}' for topic, n in sorted(dead.items()) if n)})" if any(dead.values()) else ""
+    print(escape_control(f"dead letters {sum(dead.values())}{by_topic}"))
     print(f"ingest lag   {'-' if figures['ingest_lag_s'] is None else format(figures['ingest_lag_s'], '.3f') + ' s (mean)'}")
     stalled = figures["stalled_groups"]
     print(escape_control(f"consumers    {'STALLED: ' + ', '.join(stalled) if stalled else 'none stalled'}"))
