@@ -251,3 +251,24 @@ def test_a_letter_written_before_letters_were_signed_still_parses_and_is_unsigne
     letter = DeadLetter.model_validate_json(old)
     assert letter.raw_value() == b"{}" and not letter.by_reference
     assert dead_letter_signature_problem(letter, COMMAND_KEY.public_key()) == "unsigned"
+
+
+async def test_a_letter_the_broker_refuses_for_its_size_is_sent_again_by_reference_not_retried(kafka_bootstrap: str) -> None:
+    """A broker whose message limit is below the producer's refuses a letter the producer let through; injected here
+    (the embedded broker has no such limit): the refusal is permanent, so the letter goes by reference at once."""
+    refused: list[int] = []
+    async with EventProducer(kafka_client_settings(kafka_bootstrap)) as producer:
+        real_send_raw = producer.send_raw
+
+        async def broker_refusing_whole_letters(topic: str, value: bytes | None, key: bytes | None):
+            if not DeadLetter.model_validate_json(value or b"").by_reference:
+                refused.append(len(value or b""))
+                raise SIZE_REFUSALS[0]("injected: the broker's message.max.bytes")
+            return await real_send_raw(topic, value, key)
+
+        producer.send_raw = broker_refusing_whole_letters
+        record = dataclasses.replace(_record(20_000), value=uuid.uuid4().bytes * 1250)
+        await send_to_dead_letter(producer, record, "invalid", "g")
+    assert len(refused) == 1
+    letter = await letter_of(kafka_bootstrap, record.value)
+    assert letter.by_reference and letter.num_value_bytes == len(record.value)
