@@ -9,7 +9,7 @@ import logging
 import sys
 from importlib import metadata
 
-from events.logs import configure_logging, escape_control
+from events.logs import configure_logging, escape_control, make_handler
 from kvledger.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 
 
@@ -469,13 +469,20 @@ def _expected_failure(error: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def _configure_logging() -> None:
+    """Warnings of the libraries a command uses (aiokafka, the Kafka settings) go through the same escaping
+    formatter as every service's log; a service command configures its own level and format."""
+    try:
+        configure_logging(logging.WARNING)
+    except ValueError:  # a bad KVLEDGER_LOG_FORMAT: a service command reports it as its own error (exit 2)
+        logging.getLogger().addHandler(make_handler("text"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Expected failures end as one ``kvledger: error: …`` line on stderr and a non-zero exit."""
     args = build_parser().parse_args(argv)
+    _configure_logging()
     try:
-        # Warnings of the libraries a command uses (aiokafka, the Kafka settings) go through the same
-        # escaping formatter as every service's log; a service command configures its own level.
-        configure_logging(logging.WARNING)
         result = args.func(args)
     except KeyboardInterrupt:
         return 130
