@@ -60,6 +60,10 @@ class ConsumerReadiness:
     taken by the next poll. Before that — at start, while the group join runs (seconds on
     some brokers), or during a rebalance — a document update would wait for the join, and
     a process that answered ready would let a client act on a version it has not applied.
+
+    A consumer that is stalled (:class:`events.kafka.StallClock`: records waiting, its
+    batch failing for longer than ``kafka.stall_after_s``) is a problem too: every later
+    decision of its partitions waits behind the failing batch.
     """
 
     def __init__(self) -> None:
@@ -82,6 +86,9 @@ class ConsumerReadiness:
         waiting = [consumer.group_id for consumer in self._consumers if not consumer.consuming]
         if waiting:
             return "consumer groups not yet consuming: " + ", ".join(waiting)
+        stalled = [f"{each.group_id} ({each.stall.stalled_for_s:.0f}s)" for each in self._consumers if each.stall.stalled]
+        if stalled:
+            return "consumer groups stalled (records waiting, not committed past): " + ", ".join(stalled)
         return None
 
 
@@ -175,13 +182,16 @@ class _Parts:
             on_outbox=relay.wake,
         )
         node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
+        seal = command_signer.sign_dead_letter  # replay trusts only letters the coordinator signed
         consumer = kafka.BatchConsumer(
             config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
             [KV_EVENTS],
-            VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally),
+            VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally, seal=seal),
             dead_letter_counter=tally,
             is_poison=refused_as_data,
             max_records=settings.kafka.max_batch_records,
+            seal=seal,
+            stall_after_s=settings.kafka.stall_after_s,
         )
         subject_key = settings.ledger.subject_key
         erasures = ErasureService(
@@ -224,10 +234,12 @@ class _Parts:
                 dead_letter_counter=tally,
                 is_poison=refused_as_data,
                 max_records=settings.kafka.max_batch_records,
+                seal=seal,
+                stall_after_s=settings.kafka.stall_after_s,
             )
             for group_id, group_handler in (
                 (invalidation_group, handler),
-                (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally)),
+                (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally, seal=seal)),
             )
         )
         return cls(database, producer, tally, relay, consumer, invalidations, acks, erasures, resender, pruner)

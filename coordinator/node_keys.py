@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator.db import Database
 from coordinator.models import NodeKey
 from events.codec import encode_event, encode_key
-from events.kafka import ConsumedEvent, EventProducer, Handler, send_to_dead_letter
+from events.kafka import ConsumedEvent, EventProducer, Handler, Seal, send_to_dead_letter
 from events.metrics import DEAD_LETTER_TOTAL, UNVERIFIED_RECORDS_TOTAL
 from events.schema import Envelope
 from identity.node_credentials import CredentialError, credential_key_id, verify_node_credential
@@ -169,8 +169,11 @@ class VerifiedRecords:
         *,
         group_id: str,
         dead_letter_counter=DEAD_LETTER_TOTAL,
+        seal: Seal | None = None,
     ) -> None:
+        """``seal`` signs the dead letters (the coordinator's command key, see ``coordinator.consumers``)."""
         self._handler = handler
+        self._seal = seal
         self._registry = registry
         self._dead_letters = dead_letters
         self._group_id = group_id
@@ -206,7 +209,7 @@ class VerifiedRecords:
             serialized_value_size=-1,
             headers=(),
         )
-        await send_to_dead_letter(self._dead_letters, record, SIGNATURE_ERROR + reason, self._group_id, self._counter)
+        await send_to_dead_letter(self._dead_letters, record, SIGNATURE_ERROR + reason, self._group_id, self._counter, seal=self._seal)
         UNVERIFIED_RECORDS_TOTAL.labels(topic=event.topic, reason=reason).inc()
         self._dead_lettered[partition] = event.offset
 

@@ -102,6 +102,10 @@ class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     reconnect_max_s: float = Field(30.0, gt=0)
     """…doubling up to this long between attempts; the API answers meanwhile (docs/operations.md,
     "Degraded modes")."""
+    stall_after_s: float = Field(60.0, gt=0)
+    """A consumer whose fetched records stay uncommitted this long (a batch failing again and again)
+    is *stalled*: ``/readyz`` answers 503 naming it and ``kvledger_consumer_stalled{group}`` is 1
+    (docs/operations.md, "Stalled consumers")."""
 
     @model_validator(mode="after")
     def _reconnect_bounds(self) -> CoordinatorKafkaSettings:

@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import random
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +28,25 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAlreadyExistsError,
+    for_code,
+)
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
-from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
+from events.metrics import CONSUMER_STALLED, DEAD_LETTER_BY_REFERENCE_TOTAL, DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
 from events.schema import Envelope, EventValidationError
-from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, TOPIC_CONFIGS, route
+from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, DEAD_LETTER_TOPICS, TOPIC_CONFIGS, route
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +155,23 @@ class ConsumerGroupTiming(BaseModel):
         return {name: getattr(self, name) for name in ConsumerGroupTiming.model_fields}
 
 
+MAX_REQUEST_BYTES = 1_048_576
+"""The producers' ``max_request_size`` (aiokafka's default; under Apache Kafka's default
+``message.max.bytes`` of 1,048,588 for a record batch). :class:`KafkaSettings` takes it as its
+default and every :class:`EventProducer` is built with the setting, so it is also the budget a
+dead letter has to fit (:func:`dead_letter_record`): one number, one place."""
+MIN_REQUEST_BYTES = 65_536
+"""The smallest ``max_request_size`` accepted: a by-reference dead letter (bounded prefixes and
+error, see ``events.codec``) always fits in it."""
+SIZE_REFUSALS: tuple[type[KafkaError], ...] = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
+"""How a producer or broker refuses a record for its size: permanent, retrying cannot help."""
+
+
+def record_size_bytes(key: bytes | None, value: bytes | None) -> int:
+    """The size the producer checks against ``max_request_size`` before it sends a record (aiokafka's own estimate)."""
+    return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, []))
+
+
 class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     """Connection and topic defaults.
 
@@ -159,6 +187,8 @@ class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     num_partitions: int = Field(default=4, ge=1)
     replication_factor: int = Field(default=1, ge=1)
     group_id: str | None = None
+    max_request_size: int = Field(default=MAX_REQUEST_BYTES, ge=MIN_REQUEST_BYTES)
+    """The largest record (with its batch overhead) a producer sends, see :data:`MAX_REQUEST_BYTES`."""
     top_up_ms: int = Field(default=10, ge=0)
     """How long :func:`get_fresh_batch` waits for the records that reached the broker while the
     previous batch was handled (0: never tops up). About one fetch round trip plus the broker's
@@ -314,7 +344,13 @@ class EventProducer:
             acks="all",
             enable_idempotence=settings.enable_idempotence,
             linger_ms=linger_ms,
+            max_request_size=settings.max_request_size,
         )
+
+    @property
+    def max_request_size(self) -> int:
+        """The largest record this producer sends (:func:`record_size_bytes`), from its settings."""
+        return self._settings.max_request_size
 
     async def start(self) -> None:
         await self._producer.start()
@@ -379,29 +415,125 @@ class EventProducer:
         return results
 
 
-async def send_to_dead_letter(
-    producer: EventProducer, record: ConsumerRecord, error: str, group_id: str | None, counter: Counter = DEAD_LETTER_TOTAL
-) -> None:
-    """Put a record that failed validation on the dead-letter topic, with its error, and count it.
+Seal = Callable[[DeadLetter], DeadLetter]
+"""Signs a dead letter before it is sent (the coordinator's ``EnvelopeSigner.sign_dead_letter``)."""
 
-    Never dropped, never a crash loop: the raw bytes and coordinates travel with the
-    error so an operator can replay it. Invalid records on alerting topics
-    (erasures, permissions) are logged at ERROR.
+
+def dead_letter_record(
+    record: ConsumerRecord,
+    error: str,
+    group_id: str | None,
+    max_request_size: int,
+    seal: Seal | None = None,
+    *,
+    by_reference: bool = False,
+) -> tuple[DeadLetter, bytes, bytes | None]:
+    """The dead letter of ``record``, its encoded value and its key: whole when it fits ``max_request_size``.
+
+    A letter carries the record's bytes base64-encoded (a third larger) plus metadata, so a
+    record well under the limit can have a letter over it; such a record, or one whose
+    letter the broker refused for size (``by_reference``), is dead-lettered *by reference*:
+    coordinates, size, SHA-256 and bounded prefixes, which always fit (:data:`MIN_REQUEST_BYTES`).
+    The size checked is the producer's own (:func:`record_size_bytes`), signature included.
     """
-    letter = DeadLetter.of(
-        topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        timestamp_ms=record.timestamp,
-        key=record.key,
-        value=record.value,
-        error=error,
-        group_id=group_id,
-    )
-    await producer.send_raw(DEAD_LETTER, letter.encode(), record.key)
+
+    def encoded(reference: bool) -> tuple[DeadLetter, bytes, bytes | None]:
+        letter = DeadLetter.of(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp_ms=record.timestamp,
+            key=record.key,
+            value=record.value,
+            error=error,
+            group_id=group_id,
+            by_reference=reference,
+        )
+        if seal is not None:
+            letter = seal(letter)
+        return letter, letter.encode(), letter.raw_key()
+
+    letter, value, key = encoded(by_reference)
+    if not by_reference and record_size_bytes(key, value) > max_request_size:
+        letter, value, key = encoded(True)
+    assert record_size_bytes(key, value) <= max_request_size, "a by-reference dead letter always fits MIN_REQUEST_BYTES"
+    return letter, value, key
+
+
+async def send_to_dead_letter(
+    producer: EventProducer,
+    record: ConsumerRecord,
+    error: str,
+    group_id: str | None,
+    counter: Counter = DEAD_LETTER_TOTAL,
+    *,
+    topic: str = DEAD_LETTER,
+    seal: Seal | None = None,
+) -> None:
+    """Put a record that failed validation on a dead-letter ``topic``, with its error, and count it.
+
+    Never dropped, never a crash loop: the raw bytes (or, for a record too large for its
+    letter, a reference to them, :func:`dead_letter_record`) and coordinates travel with the
+    error so an operator can inspect, and replay, it. A letter the broker refuses for its
+    size is sent again by reference; no size refusal is retried. Invalid records on
+    alerting topics (erasures, permissions) are logged at ERROR.
+    """
+    assert topic in DEAD_LETTER_TOPICS, f"{topic} is not a dead-letter topic"
+    letter, value, key = dead_letter_record(record, error, group_id, producer.max_request_size, seal)
+    try:
+        await producer.send_raw(topic, value, key)
+    except SIZE_REFUSALS:
+        if letter.by_reference:
+            raise
+        letter, value, key = dead_letter_record(record, error, group_id, producer.max_request_size, seal, by_reference=True)
+        await producer.send_raw(topic, value, key)
     counter.labels(topic=record.topic).inc()
+    if letter.by_reference:
+        DEAD_LETTER_BY_REFERENCE_TOTAL.labels(topic=record.topic).inc()
     level = logging.ERROR if record.topic in ALERT_TOPICS else logging.WARNING
-    log.log(level, "dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
+    log.log(
+        level,
+        "dead-lettered %s[%d]@%d%s: %s",
+        record.topic,
+        record.partition,
+        record.offset,
+        f" by reference ({letter.num_value_bytes} bytes)" if letter.by_reference else "",
+        letter.error,
+    )
+
+
+class StallClock:
+    """How long a consumer's fetched records have waited without it committing past them: when that exceeds
+    ``stall_after_s`` the consumer is *stalled* (its partitions do not advance; every later record waits).
+
+    The consumer calls :meth:`waiting` when it takes records in hand and :meth:`advanced` once it
+    committed past them (or gave them up to another member). A batch that keeps failing is
+    retried forever by design (nothing is skipped); this is how that becomes visible instead
+    of silent. Shared by :class:`BatchConsumer` and the node's command consumer.
+    """
+
+    def __init__(self, stall_after_s: float) -> None:
+        if stall_after_s <= 0:
+            raise ValueError("stall_after_s must be positive")
+        self.stall_after_s = stall_after_s
+        self._since: float | None = None
+
+    def waiting(self) -> None:
+        """Records are in hand; the clock runs from the first such call since the last :meth:`advanced`."""
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def advanced(self) -> None:
+        self._since = None
+
+    @property
+    def stalled_for_s(self) -> float:
+        """How long records have waited (0 when none wait)."""
+        return 0.0 if self._since is None else time.monotonic() - self._since
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_for_s > self.stall_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,7 +618,12 @@ class BatchConsumer:
       was processed, so the next owner does not replay more than necessary;
     * batches are handled one at a time, in order, but the next one is polled and decoded
       while the handler runs (:meth:`run`); a failed batch takes the prefetched one back
-      with it (both rewound), so nothing after a failure is handled before it.
+      with it (both rewound), so nothing after a failure is handled before it;
+    * a member whose fetched records stay uncommitted for longer than ``stall_after_s`` (a
+      batch that keeps failing or never returns) is stalled (:attr:`stall`, a :class:`StallClock`): the
+      ``kvledger_consumer_stalled{group}`` gauge and the coordinator's ``/readyz`` say so;
+    * dead letters are sealed with ``seal`` (the coordinator signs its own), so that replay
+      can tell them from letters anyone else wrote.
 
     A batch may mix partitions; order is kept within each partition (i.e. per key). The
     handler must return within the group's ``max_poll_interval_ms`` (aiokafka default
@@ -507,14 +644,16 @@ class BatchConsumer:
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 30.0,
         auto_offset_reset: str = "earliest",
+        seal: Seal | None = None,
+        stall_after_s: float = 60.0,
     ) -> None:
         group = group_id or settings.group_id
         if not group:
             raise ValueError("BatchConsumer needs a group_id (argument or KafkaSettings.group_id)")
         if not topics:
             raise ValueError("BatchConsumer needs at least one topic")
-        if DEAD_LETTER in topics:
-            raise ValueError("the dead-letter topic is not consumed with BatchConsumer (its records are not envelopes)")
+        if set(DEAD_LETTER_TOPICS) & set(topics):
+            raise ValueError("the dead-letter topics are not consumed with BatchConsumer (their records are not envelopes)")
         if max_records < 1 or poll_timeout_ms < 1 or not 0 < initial_backoff_s <= max_backoff_s:
             raise ValueError("max_records, poll_timeout_ms and backoffs must be positive, initial <= max")
         self.group_id = group
@@ -527,6 +666,9 @@ class BatchConsumer:
         self._top_up_ms = settings.top_up_ms
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
+        self._seal = seal
+        self.stall = StallClock(stall_after_s)
+        CONSUMER_STALLED.labels(group=group).set_function(lambda: float(self.stall.stalled))
         self._consumer = AIOKafkaConsumer(
             **kafka_client_kwargs(settings),
             group_id=group,
@@ -719,6 +861,7 @@ class BatchConsumer:
                     await self._commit_pending(None)
         finally:
             self._started = False
+            self.stall.advanced()
             if self._positioning is not None:
                 self._positioning.cancel()
                 await asyncio.gather(self._positioning, return_exceptions=True)
@@ -776,6 +919,7 @@ class BatchConsumer:
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._assigned.clear()
         self._generation += 1
+        self.stall.advanced()  # the partitions' next owner keeps its own clock
         async with self._lock:  # let an in-flight batch finish its transaction and commit first
             await self._commit_pending(revoked)
             for tp in revoked:
@@ -792,12 +936,14 @@ class BatchConsumer:
         owned = {tp: records for tp, records in fetched.batch.items() if records and tp in assigned}
         if not owned:
             return
+        self.stall.waiting()
         events = await self._validate(owned, fetched.decoded)
         if events:
             await self._handle_isolating(events, owned)
         for tp, records in owned.items():
             self._pending[tp] = records[-1].offset + 1
         await self._commit_pending(None)
+        self.stall.advanced()
 
     async def _handle_isolating(self, events: list[ConsumedEvent], batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Hand ``events`` to the handler; bisect a failure caused by the data down to its one record.
@@ -842,7 +988,7 @@ class BatchConsumer:
 
     async def _dead_letter(self, tp: TopicPartition, record: ConsumerRecord, error: str) -> None:
         """Publish (and wait for the broker's ack) before the offset can be committed past the record."""
-        await send_to_dead_letter(self._dead_letters, record, error, self.group_id, self._dead_letter_counter)
+        await send_to_dead_letter(self._dead_letters, record, error, self.group_id, self._dead_letter_counter, seal=self._seal)
         # A re-delivered batch (after a handler failure) must not dead-letter or count twice.
         self._dead_lettered.setdefault(tp, set()).add(record.offset)
 

@@ -9,7 +9,13 @@ process logs the same way (docs/operations.md "Logs"):
 * :class:`RequestIdMiddleware` accepts a caller's ``X-Request-Id`` when it is short and
   plain (else makes a fresh one), echoes it on every response, puts it in every log
   line written while the request runs, and writes one access line per request:
-  method, path, status, duration — never a body, a query string, a tenant or a subject.
+  method, path, status, duration — never a body, a query string, a tenant or a subject;
+* one log record is one line: :class:`SafeTextFormatter` escapes every character that
+  could end a line, forge one or hide text (C0/C1 controls, ANSI escapes, Unicode line
+  separators and bidi controls, :func:`escape_control`) in the message and all its
+  arguments, and indents a traceback's lines; the JSON format escapes the same characters.
+  Field names and values an outsider sent (a Kafka record's keys, a header) can therefore
+  never write a line of their own.
 """
 
 from __future__ import annotations
@@ -37,6 +43,34 @@ _REQUEST_ID_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 NO_REQUEST_ID = "-"
 METRIC_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Methods kept as a metric label; any other (caller-chosen) method is counted as ``other``."""
+
+_UNSAFE_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
+"""What may not reach a log line or a terminal raw: C0 and C1 controls (newline, carriage
+return, ESC of every ANSI sequence, DEL, CSI), the Unicode line and paragraph separators
+(line breaks to many readers) and the bidirectional controls and marks that reorder what a
+reader sees (Trojan Source)."""
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match[0]
+    code = ord(char)
+    return _SHORT_ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def escape_control(text: str) -> str:
+    """``text`` with every character of :data:`_UNSAFE_CHARS` written as a visible escape (``\\n``, ``\\x1b``, ``\\u2028``).
+
+    The one escaping of text an outsider may have chosen before it is logged or printed on a
+    terminal: log lines (:class:`SafeTextFormatter`), validation errors (``events.schema``) and the
+    CLI's tables all use it.
+    """
+    return _UNSAFE_CHARS.sub(_escaped, text)
+
+
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
+"""What ``json.dumps(ensure_ascii=False)`` leaves raw of :data:`_UNSAFE_CHARS` (it escapes C0 itself)."""
+
 
 request_id_var: ContextVar[str] = ContextVar("kvledger_request_id", default=NO_REQUEST_ID)
 """The id of the request being served by this task, ``-`` outside of one."""
@@ -74,7 +108,29 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False)
+        # These characters only ever occur inside JSON strings here, where \uXXXX means the same.
+        return _JSON_UNSAFE.sub(lambda match: f"\\u{ord(match[0]):04x}", json.dumps(line, ensure_ascii=False))
+
+
+class SafeTextFormatter(logging.Formatter):
+    """The text format, one line per record whatever the message and its arguments hold (:func:`escape_control`).
+
+    A traceback keeps its lines, each indented and escaped, so none of them can pass for a
+    record of its own (an exception message may quote what an outsider sent).
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging.Formatter's name
+        return escape_control(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join("    " + escape_control(line) for line in text.splitlines())
 
 
 def log_format() -> str:
@@ -89,7 +145,7 @@ def make_handler(fmt: str, stream: Any = None) -> logging.Handler:
     """A stream handler (stderr by default) writing ``fmt`` lines that carry the request id."""
     assert fmt in LOG_FORMATS, f"unknown log format {fmt!r}"
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else SafeTextFormatter(TEXT_FORMAT))
     handler.addFilter(RequestIdFilter())
     return handler
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from events.topics import ALERT_TOPICS
 
@@ -14,6 +14,20 @@ DEAD_LETTER_TOTAL = Counter(
 for _topic in sorted(ALERT_TOPICS):
     # Exported at 0 from the start, so the first dead letter on these topics is an increase an alert sees.
     DEAD_LETTER_TOTAL.labels(_topic)
+
+DEAD_LETTER_BY_REFERENCE_TOTAL = Counter(
+    "kvledger_dead_letter_by_reference_total",
+    "Dead letters that refer to their record (coordinates, size, SHA-256, a prefix) instead of carrying it,"
+    " because the letter would not fit one producer request; such letters cannot be replayed. By source topic.",
+    ["topic"],
+)
+
+CONSUMER_STALLED = Gauge(
+    "kvledger_consumer_stalled",
+    "1 while the consumer group's member in this process has records waiting and has not committed past them"
+    " for longer than its stall threshold (a batch that keeps failing), else 0.",
+    ["group"],
+)
 
 HANDLER_FAILURES_TOTAL = Counter(
     "kvledger_consumer_handler_failures_total",

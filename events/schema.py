@@ -49,6 +49,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails
 
+from events.logs import escape_control
 from events.tiers import StorageTier, Tier
 
 SCHEMA_VERSION = 1
@@ -651,12 +652,35 @@ class EventValidationError(ValueError):
     """
 
 
+MAX_LOCATION_PART_CHARS = 64
+"""The longest part of a field's location a validation error names: the sender chose the keys."""
+MAX_DESCRIBED_ERRORS = 10
+"""How many of a record's validation errors are described; the rest are counted."""
+
+
+def _location_part(part: str | int) -> str:
+    text = str(part)
+    if len(text) > MAX_LOCATION_PART_CHARS:
+        text = text[: MAX_LOCATION_PART_CHARS - 1] + "…"
+    return escape_control(text)
+
+
 def describe_validation_error(exc: ValidationError) -> str:
-    """Fields and problems of ``exc`` on one line, never the input values (safe to log and dead-letter)."""
+    """Fields and problems of ``exc`` on one line, never the input values (safe to log and dead-letter).
+
+    A location is made of the sender's key names, so each part is bounded and escaped
+    (``events.logs.escape_control``): a key holding a newline or an ANSI sequence cannot
+    forge a log line or a terminal's output. At most :data:`MAX_DESCRIBED_ERRORS` are
+    described, so a record with thousands of bad fields has a short description.
+    """
+    errors = exc.errors(include_url=False, include_input=False)
     parts = []
-    for error in exc.errors(include_url=False, include_input=False):
-        location = ".".join(str(part) for part in error["loc"])
-        parts.append(f"{location}: {error['msg']}" if location else error["msg"])
+    for error in errors[:MAX_DESCRIBED_ERRORS]:
+        location = ".".join(_location_part(part) for part in error["loc"])
+        message = escape_control(error["msg"])
+        parts.append(f"{location}: {message}" if location else message)
+    if len(errors) > MAX_DESCRIBED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_DESCRIBED_ERRORS} more errors")
     return "; ".join(parts)
 
 

@@ -36,8 +36,13 @@ KV_EVENTS = "kvledger.kv-events"
 COMMANDS = "kvledger.commands"
 ACKS = "kvledger.acks"
 DEAD_LETTER = "kvledger.dead-letter"
+"""Records the coordinator's consumers refused, each letter signed by the coordinator: the only topic replay reads."""
+NODE_DEAD_LETTER = "kvledger.node-dead-letter"
+"""Records GPU nodes refused or could not send. Nodes write here, never to :data:`DEAD_LETTER`, so a node's
+credentials cannot plant a letter that replay would republish with the coordinator's; listed, never replayed."""
+DEAD_LETTER_TOPICS: tuple[str, ...] = (DEAD_LETTER, NODE_DEAD_LETTER)
 
-ALL_TOPICS: tuple[str, ...] = (DOCUMENTS, PERMISSIONS, ERASURES, KV_EVENTS, COMMANDS, ACKS, DEAD_LETTER)
+ALL_TOPICS: tuple[str, ...] = (DOCUMENTS, PERMISSIONS, ERASURES, KV_EVENTS, COMMANDS, ACKS, DEAD_LETTER, NODE_DEAD_LETTER)
 
 _DAY_MS = 24 * 3600 * 1000
 
@@ -55,6 +60,7 @@ TOPIC_CONFIGS: dict[str, dict[str, str]] = {
     ACKS: {"cleanup.policy": "delete", "retention.ms": str(7 * _DAY_MS)},
     # Refused records wait for an operator to inspect and replay them.
     DEAD_LETTER: {"cleanup.policy": "delete", "retention.ms": str(90 * _DAY_MS)},
+    NODE_DEAD_LETTER: {"cleanup.policy": "delete", "retention.ms": str(90 * _DAY_MS)},
 }
 """The configs each topic is created with (``events.kafka.ensure_topics``); see docs/operations.md, "Topics"."""
 

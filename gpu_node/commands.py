@@ -78,7 +78,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from events import schema, topics
 from events.codec import decode_event
 from events.fault_points import fault_point
-from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
+from events.kafka import EventProducer, KafkaSettings, StallClock, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
 from gpu_node.block_pool import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool, Tier
@@ -552,6 +552,7 @@ class CommandConsumer:
         max_records: int = 100,
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 10.0,
+        stall_after_s: float = 60.0,
     ) -> None:
         self.handler = handler
         self.engine = handler.engine
@@ -566,6 +567,9 @@ class CommandConsumer:
         self._max_records = max_records
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
+        # Commands that keep failing are retried forever (never skipped): the clock makes that visible.
+        self.stall = StallClock(stall_after_s)
+        self.engine.metrics.consumer_stalled.labels(group=self.group_id).set_function(lambda: float(self.stall.stalled))
         self._consumer = AIOKafkaConsumer(
             **kafka_client_kwargs(kafka),
             group_id=self.group_id,
@@ -641,7 +645,10 @@ class CommandConsumer:
                 batch = await get_fresh_batch(
                     self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms
                 )
+                if any(batch.values()):
+                    self.stall.waiting()
                 await self._handle(batch)
+                self.stall.advanced()
                 if not self.replayed.is_set() and not any(batch.values()):
                     await self._check_replayed()
                 backoff = self._initial_backoff_s
@@ -920,6 +927,7 @@ class CommandConsumer:
         return None
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
-        await send_to_dead_letter(self._producer, record, error, self.group_id)
+        # The node's own topic: nodes never write kvledger.dead-letter, whose letters replay republishes.
+        await send_to_dead_letter(self._producer, record, error, self.group_id, topic=topics.NODE_DEAD_LETTER)
         if error.startswith(SIGNATURE_ERROR):
             self.engine.metrics.unverified_commands.labels(reason=error.removeprefix(SIGNATURE_ERROR)).inc()

@@ -121,6 +121,13 @@ class NodeMetrics:
             registry=r,
             buckets=_LATENCY_BUCKETS_S,
         )
+        self.consumer_stalled = Gauge(
+            "kvledger_consumer_stalled",
+            "1 while the command consumer has commands waiting and has not handled them for longer than"
+            " kafka.stall_after_s (a command that keeps failing), else 0",
+            ["group"],
+            registry=r,
+        )
         self.commands_reacked = Counter(
             "kvledger_commands_reacked",
             "Re-sent commands this node had already applied in this run and answered with their ack again",

@@ -15,7 +15,7 @@ No event can wedge the publisher (docs/security.md, "Bounded input and poison
 records"): a block whose provenance the contract refuses, a record larger than
 :data:`MAX_RECORD_BYTES`, or a record the broker refuses for good is *dead-lettered
 locally* — counted in ``kvledger_node_dead_letters``, logged without content and
-reported on ``kvledger.dead-letter`` — and everything else keeps flowing. A record
+reported on ``kvledger.node-dead-letter`` — and everything else keeps flowing. A record
 left out before it was stamped consumes no ``seq``, so the sequence stays gap-free;
 one the broker refused after later records were stamped leaves a gap, which the
 coordinator notices and answers with an ``InventoryRequested``. A send whose outcome is
@@ -55,7 +55,7 @@ from events import schema
 from events.codec import DeadLetter, encode_event, encode_key
 from events.fault_points import fault_triggered
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
-from events.topics import DEAD_LETTER, KV_EVENTS, route
+from events.topics import KV_EVENTS, NODE_DEAD_LETTER, route
 from gpu_node import block_pool
 from gpu_node.crypto import until_key_service_answers
 from gpu_node.kv_cache_utils import BlockKey, CacheProvenance
@@ -326,7 +326,7 @@ class NodePublisher:
         letters, self._letters = self._letters, []
         for letter in letters:
             try:
-                await self._producer.send_raw(DEAD_LETTER, letter.encode(), letter.raw_key())
+                await self._producer.send_raw(NODE_DEAD_LETTER, letter.encode(), letter.raw_key())
             except Exception as exc:  # noqa: BLE001 - a broker hiccup must not stop publishing
                 log.warning("node %s: reporting a dead letter failed (%s)", self.node_id, type(exc).__name__)
 

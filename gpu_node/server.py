@@ -114,7 +114,14 @@ def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, setting
         governance = GovernanceClient(
             settings.coordinator_url, lambda: issue_node_credential(node_key, node_id, NODE_CREDENTIAL_TTL_S), node_id, command_key
         )
-    return CommandConsumer(handler, publisher, kafka_settings(settings), command_key=command_key, governance=governance)
+    return CommandConsumer(
+        handler,
+        publisher,
+        kafka_settings(settings),
+        command_key=command_key,
+        governance=governance,
+        stall_after_s=settings.kafka.stall_after_s,
+    )
 
 
 async def serve(settings: NodeSettings) -> None:

@@ -111,6 +111,10 @@ class NodeKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     """How the node authenticates to the brokers (:class:`events.kafka.KafkaSecurity`) and how its command
     consumer's group member stays alive and waits on fetches (:class:`events.kafka.ConsumerGroupTiming`)."""
 
+    stall_after_s: float = Field(60.0, gt=0)
+    """Commands waiting this long without being handled (one failing again and again) make the command
+    consumer *stalled*: ``kvledger_consumer_stalled{group}`` is 1 (docs/operations.md, "Stalled consumers")."""
+
 
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")

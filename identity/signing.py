@@ -28,6 +28,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from events.codec import DeadLetter, LetterSignature
 from events.schema import Envelope, RecordSignature
 
 PUBLIC_KEY_BYTES = 32
@@ -225,9 +226,35 @@ class EnvelopeSigner:
     def __call__(self, envelope: Envelope) -> Envelope:
         return sign_envelope(envelope, self.private_key)
 
+    def sign_dead_letter(self, letter: DeadLetter) -> DeadLetter:
+        """``letter`` signed with this key (:func:`sign_dead_letter`): what the coordinator's consumers seal letters with."""
+        return sign_dead_letter(letter, self.private_key)
+
 
 GOVERNANCE_CONTEXT = b"kvledger/governance-state/v1\x00"
 """The context of the command key's signature over a governance state answer (``coordinator.governance_api``)."""
+
+
+DEAD_LETTER_CONTEXT = b"kvledger/dead-letter/v1\x00"
+"""The context of the coordinator's signature over a dead letter it wrote.
+
+The coordinator signs its dead letters with its command key (the key nodes already pin):
+replay republishes a letter's bytes with the coordinator's credentials, so only letters
+the coordinator itself wrote may be replayed. The context keeps such a signature from
+ever passing as a command's (an envelope's signed bytes have no context) or a governance
+state's."""
+
+
+def sign_dead_letter(letter: DeadLetter, private_key: Ed25519PrivateKey) -> DeadLetter:
+    """A copy of ``letter`` carrying ``private_key``'s signature over its content (:data:`DEAD_LETTER_CONTEXT`)."""
+    signature = sign_document(letter.signed_content(), private_key, DEAD_LETTER_CONTEXT)
+    return letter.model_copy(update={"signature": LetterSignature(**signature)})
+
+
+def dead_letter_signature_problem(letter: DeadLetter, public_key: Ed25519PublicKey) -> str | None:
+    """Why ``letter`` is not signed by ``public_key`` (a reason constant: unsigned, by another key, tampered); None when it is."""
+    signature = None if letter.signature is None else letter.signature.model_dump()
+    return document_signature_problem(letter.signed_content(), signature, public_key, DEAD_LETTER_CONTEXT)
 
 
 def sign_document(document: dict, private_key: Ed25519PrivateKey, context: bytes) -> dict:
@@ -237,7 +264,7 @@ def sign_document(document: dict, private_key: Ed25519PrivateKey, context: bytes
     ``context`` names what is signed, so a signed document can never pass as a signed envelope
     or as another kind of document signed by the same key.
     """
-    signature = private_key.sign(context + rfc8785.dumps(document))
+    signature = private_key.sign(context + canonical_json(document))
     return {"kid": key_id(private_key.public_key()), "sig": _b64url(signature)}
 
 
@@ -248,7 +275,7 @@ def document_signature_problem(document: dict, signature: object, public_key: Ed
     if signature.get("kid") != key_id(public_key):
         return UNKNOWN_KEY
     try:
-        public_key.verify(_from_b64url(signature["sig"]), context + rfc8785.dumps(document))
+        public_key.verify(_from_b64url(signature["sig"]), context + canonical_json(document))
     except (InvalidSignature, binascii.Error, ValueError, TypeError):
         return BAD_SIGNATURE
     return None

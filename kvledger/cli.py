@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from importlib import metadata
 
+from events.logs import configure_logging, escape_control, make_handler
 from kvledger.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 
 
@@ -467,9 +469,19 @@ def _expected_failure(error: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def _configure_logging() -> None:
+    """Warnings of the libraries a command uses (aiokafka, the Kafka settings) go through the same escaping
+    formatter as every service's log; a service command configures its own level and format."""
+    try:
+        configure_logging(logging.WARNING)
+    except ValueError:  # a bad KVLEDGER_LOG_FORMAT: a service command reports it as its own error (exit 2)
+        logging.getLogger().addHandler(make_handler("text"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Expected failures end as one ``kvledger: error: …`` line on stderr and a non-zero exit."""
     args = build_parser().parse_args(argv)
+    _configure_logging()
     try:
         result = args.func(args)
     except KeyboardInterrupt:
@@ -479,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         if failure is None:
             raise
         message, status = failure
-        print(f"kvledger: error: {' '.join(message.split())}", file=sys.stderr)
+        print(f"kvledger: error: {escape_control(' '.join(message.split()))}", file=sys.stderr)
         return status
     return int(result or 0)
 

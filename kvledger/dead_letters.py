@@ -3,11 +3,15 @@
 * ``list [--topic T] [--reason TEXT] [--since WHEN] [--limit N] [--json]``:
   ``GET /v1/dead-letters`` with a ``platform-admin`` token. One line per dead letter: its
   id, source topic, partition and offset, when it was dead-lettered, size and SHA-256 of
-  the record's bytes, and the reason. The record's content is never printed (the API does
-  not return it). ``--since`` is an ISO 8601 time with a zone or an age such as ``30m``,
-  ``6h``, ``2d``.
+  the record's bytes, whether the letter is trusted (signed by the coordinator) and held
+  whole, and the reason. The record's content is never printed (the API does not return
+  it), and every field that came from a record is printed escaped (``events.logs.escape_control``):
+  a reason quoting a hostile key name cannot move the cursor, recolour or forge a line.
+  ``--since`` is an ISO 8601 time with a zone or an age such as ``30m``, ``6h``, ``2d``.
 * ``replay ID``: ``POST /v1/dead-letters/{ID}/replay`` re-publishes the record to its
   source topic once; it is validated again like any record (docs/operations.md, "Dead letters").
+  The coordinator refuses letters it did not sign and letters that refer to their record
+  by reference (its bytes are not held); the error says which.
 
 Tokens and URL: :mod:`kvledger.api`.
 """
@@ -20,6 +24,7 @@ import re
 from datetime import UTC, datetime, timedelta
 from urllib.parse import quote
 
+from events.logs import escape_control
 from identity.roles import PLATFORM_ADMIN
 from kvledger.api import Coordinator
 
@@ -52,18 +57,25 @@ def list_cli(args: argparse.Namespace) -> int:
         params["since"] = since_time(args.since)
     answer = Coordinator(args, role=PLATFORM_ADMIN, tenant="platform").json("GET", "/v1/dead-letters", params=params)
     if args.json:
-        print(json.dumps(answer, indent=2, ensure_ascii=False))
+        print(json.dumps(answer, indent=2))  # ASCII: no raw C1, bidi or line-separator character reaches the terminal
         return 0
     for letter in answer["dead_letters"]:
-        print(
-            f"{letter['id']:<12} {letter['topic']}[{letter['partition']}]@{letter['offset']}  {letter['dead_lettered_at']}"
-            f"  {letter['num_value_bytes']} B sha256:{(letter['value_sha256'] or '-')[:16]}  {letter['reason']}"
-        )
+        print(escape_control(_line(letter)))
     print(
         f"{len(answer['dead_letters'])} dead letter(s)"
         + (" (more match: narrow with --since/--topic/--reason)" if answer["truncated"] else "")
     )
     return 0
+
+
+def _line(letter: dict) -> str:
+    """One dead letter of the listing; the caller escapes it (planted letters choose every field)."""
+    held = "by-reference" if letter.get("by_reference") else "whole"
+    trusted = "trusted" if letter.get("trusted") else f"UNTRUSTED({letter.get('signature')})"
+    return (
+        f"{letter['id']:<12} {letter['topic']}[{letter['partition']}]@{letter['offset']}  {letter['dead_lettered_at']}"
+        f"  {letter['num_value_bytes']} B sha256:{str(letter['value_sha256'] or '-')[:16]}  {trusted} {held}  {letter['reason']}"
+    )
 
 
 def replay_cli(args: argparse.Namespace) -> int:
@@ -72,5 +84,6 @@ def replay_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(replayed, indent=2))
     else:
-        print(f"dead letter {replayed['id']} replayed to {replayed['topic']}[{replayed['partition']}]@{replayed['offset']}")
+        line = f"dead letter {replayed['id']} replayed to {replayed['topic']}[{replayed['partition']}]@{replayed['offset']}"
+        print(escape_control(line))
     return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from events.logs import escape_control
 from identity.roles import AUDITOR, PRIVACY_OFFICER
 from kvledger.api import Coordinator
 
@@ -49,7 +50,8 @@ def status_cli(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(erasure)
         return 0
-    print(f"erasure {erasure['id']} ({erasure['tenant_id']}, reason {erasure['reason']}): {erasure['status']}")
+    # The reason and node ids come from records and nodes: printed escaped (events.logs.escape_control).
+    print(escape_control(f"erasure {erasure['id']} ({erasure['tenant_id']}, reason {erasure['reason']}): {erasure['status']}"))
     print(f"requested {erasure['requested_at']}   verified {erasure['verified_at'] or '-'}   receipt {erasure['receipt_id'] or '-'}")
     for node in erasure["nodes"]:
         tiers = "   ".join(
@@ -57,7 +59,7 @@ def status_cli(args: argparse.Namespace) -> int:
             + ("" if state["verified"] is None else f", {'verified' if state['verified'] else 'NOT verified'}")
             for tier, state in node["tiers"].items()
         )
-        print(f"  {node['node_id']:<12} {node['status']:<12} {tiers}")
+        print(escape_control(f"  {node['node_id']:<12} {node['status']:<12} {tiers}"))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``kvledger status``: the stack at a glance — nodes and their liveness, outbox backlog, dead letters, ingest lag.
+"""``kvledger status``: the stack at a glance — nodes and their liveness, outbox backlog, dead letters, ingest lag,
+stalled consumer groups.
 
 Nodes come from ``GET /v1/nodes`` (a ``platform-admin`` token, see :mod:`kvledger.api`);
 the backlog figures from the coordinator's ``/metrics`` with the metrics token
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from events.logs import escape_control
 from identity.roles import PLATFORM_ADMIN
 from kvledger.api import REQUEST_TIMEOUT_S, Coordinator
 from kvledger.tokens import load_stack
@@ -47,7 +49,8 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 def backlog(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
-    """Outbox records not yet published, dead-lettered records by source topic, and the mean ingest lag.
+    """Outbox records not yet published, dead-lettered records by source topic, the mean ingest lag and the
+    consumer groups that are stalled (``kvledger_consumer_stalled``: records waiting, not committed past).
 
     The coordinator exports ingest lag as a histogram; its ``_sum``/``_count`` give the mean over
     the events this process committed since it started (None before the first one).
@@ -56,7 +59,9 @@ def backlog(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
     pending = [value for name, _, value in samples if name == "kvledger_outbox_pending"]
     lag_sum = sum(value for name, _, value in samples if name == "kvledger_ledger_ingest_lag_seconds_sum")
     lag_count = sum(value for name, _, value in samples if name == "kvledger_ledger_ingest_lag_seconds_count")
+    stalled = sorted({labels.get("group", "") for name, labels, value in samples if name == "kvledger_consumer_stalled" and value > 0})
     return {
+        "stalled_groups": stalled,
         "outbox_pending": int(pending[0]) if pending else None,
         "dead_letters": dead_letters,
         "ingest_lag_s": lag_sum / lag_count if lag_count else None,
@@ -84,10 +89,8 @@ def cli(args: argparse.Namespace) -> int:
     print(f"{'node':<16} {'alive':<5} {'status':<10} {'last seen':>10}  " + " ".join(f"{tier:>8}" for tier in TIERS))
     for node in nodes:
         placements = node["num_live_placements"]
-        print(
-            f"{node['node_id']:<16} {'yes' if node['alive'] else 'NO':<5} {node['status']:<10} {node['last_seen_age_s']:>9.1f}s  "
-            + " ".join(f"{placements.get(tier, 0):>8}" for tier in TIERS)
-        )
+        row = f"{node['node_id']:<16} {'yes' if node['alive'] else 'NO':<5} {node['status']:<10} {node['last_seen_age_s']:>9.1f}s  "
+        print(escape_control(row + " ".join(f"{placements.get(tier, 0):>8}" for tier in TIERS)))
     if not nodes:
         print("(no node has reported yet)")
     if figures is None:
@@ -95,9 +98,9 @@ def cli(args: argparse.Namespace) -> int:
         return 0
     dead = figures["dead_letters"]
     print(f"outbox       {figures['outbox_pending'] if figures['outbox_pending'] is not None else '-'} pending")
-    print(
-        f"dead letters {sum(dead.values())}"
-        + (f" ({', '.join(f'{topic}: {n}' for topic, n in sorted(dead.items()) if n)})" if any(dead.values()) else "")
-    )
+    by_topic = f" ({', '.join(f'{topic}: {n}' for topic, n in sorted(dead.items()) if n)})" if any(dead.values()) else ""
+    print(escape_control(f"dead letters {sum(dead.values())}{by_topic}"))
     print(f"ingest lag   {'-' if figures['ingest_lag_s'] is None else format(figures['ingest_lag_s'], '.3f') + ' s (mean)'}")
+    stalled = figures["stalled_groups"]
+    print(escape_control(f"consumers    {'STALLED: ' + ', '.join(stalled) if stalled else 'none stalled'}"))
     return 0

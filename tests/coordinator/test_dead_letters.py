@@ -179,8 +179,10 @@ async def test_the_cli_lists_and_replays(
         listing = await _kvledger("dead-letters", "list", "--topic", DOCUMENTS, "--since", "1h", "--json", "--stack", str(tmp_path))
         first = json.loads(listing)["dead_letters"][0]
         assert set(first) == {
-            "id", "topic", "partition", "offset", "reason", "group_id", "num_value_bytes", "value_sha256", "record_time", "dead_lettered_at"
+            "id", "source", "topic", "partition", "offset", "reason", "group_id", "num_value_bytes", "value_sha256", "by_reference",
+            "signature", "trusted", "replayable", "record_time", "dead_lettered_at",
         }  # fmt: skip
+        assert first["trusted"] and first["signature"] == "verified" and first["source"] == "coordinator"
         out = await _kvledger("dead-letters", "replay", first["id"], "--stack", str(tmp_path))
         assert out.startswith(f"dead letter {first['id']} replayed to {DOCUMENTS}[{first['partition']}]@")
     finally:

@@ -147,8 +147,9 @@ async def test_status_reads_backlog_from_metrics(stack, tmp_path):  # noqa: F811
         assert isinstance(figures["outbox_pending"], int) and figures["outbox_pending"] >= 0
         assert isinstance(figures["dead_letters"], dict) and all(isinstance(n, int) for n in figures["dead_letters"].values())
         text = await _cli("status", "--stack", state)
-        assert text.stdout.splitlines()[-3].startswith("outbox       ")
-        assert text.stdout.splitlines()[-2].startswith("dead letters ")
+        assert text.stdout.splitlines()[-4].startswith("outbox       ")
+        assert text.stdout.splitlines()[-3].startswith("dead letters ")
+        assert text.stdout.splitlines()[-1].startswith("consumers    ")  # stalled groups: none in this process
     finally:
         server.should_exit = True
         await serving

@@ -375,7 +375,7 @@ def test_routing_and_keys() -> None:
     assert topics.node_key("n") == "n" and topics.command_key("n") == "n"
     with pytest.raises(ValueError):
         topics.document_key("", "d")
-    assert len(set(topics.ALL_TOPICS)) == 7 and all(t.startswith("kvledger.") for t in topics.ALL_TOPICS)
+    assert len(set(topics.ALL_TOPICS)) == 8 and all(t.startswith("kvledger.") for t in topics.ALL_TOPICS)
 
 
 def test_codec_keys_and_tombstones() -> None:

@@ -265,7 +265,7 @@ async def test_inventory_requests_are_answered_and_malformed_commands_dead_lette
         def dead_lettered(record) -> bool:
             return json.loads(record.value).get("group_id") == node.commands.group_id
 
-        await scan_topic(kafka_bootstrap, topics.DEAD_LETTER, dead_lettered)
+        await scan_topic(kafka_bootstrap, topics.NODE_DEAD_LETTER, dead_lettered)
     finally:
         await node.stop()
 
@@ -380,3 +380,32 @@ async def test_copies_of_a_command_in_one_batch_are_applied_once_and_acked_with_
         assert restarted.engine.metrics.registry.get_sample_value("kvledger_commands_reacked_total") == 2
     finally:
         await restarted.stop()
+
+
+async def test_a_command_that_keeps_failing_marks_the_command_consumer_stalled_until_it_passes(make_settings, kafka_bootstrap):
+    """The node retries a failing command forever (never skipping it); ``kvledger_consumer_stalled`` makes that visible."""
+    node = await Node(make_settings("s")).start()
+    node.commands.stall.stall_after_s = 0.5
+    real_apply_batch = node.commands.handler.apply_batch
+    failing = True
+
+    async def apply_batch_failing(commands):
+        if failing:
+            raise ConnectionError("injected: keeps failing")
+        async for item in real_apply_batch(commands):
+            yield item
+
+    def stalled() -> float | None:
+        return node.engine.metrics.registry.get_sample_value("kvledger_consumer_stalled", {"group": node.commands.group_id})
+
+    node.commands.handler.apply_batch = apply_batch_failing
+    try:
+        assert stalled() == 0
+        tenant = f"acme-{uuid.uuid4().hex[:6]}"
+        command = await publish(kafka_bootstrap, schema.TenantPredicate(tenant=tenant), tenant)
+        await eventually(lambda: stalled() == 1, what="the node's command consumer reported stalled")
+        failing = False
+        await acks_for(kafka_bootstrap, command.command_id, {node.node_id})
+        await eventually(lambda: stalled() == 0, what="the stall cleared once the command passed")
+    finally:
+        await node.stop()

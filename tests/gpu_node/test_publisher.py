@@ -114,7 +114,7 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
                 letters.append(letter)
             return len(letters) == 2
 
-        await scan_topic(kafka_bootstrap, topics.DEAD_LETTER, collect_letters)
+        await scan_topic(kafka_bootstrap, topics.NODE_DEAD_LETTER, collect_letters)
         assert [(letter.topic, letter.partition, letter.offset, letter.value_b64) for letter in letters] == [
             (topics.KV_EVENTS, -1, -1, None)
         ] * 2

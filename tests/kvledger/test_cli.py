@@ -135,10 +135,19 @@ def test_status_reads_the_backlog_from_a_prometheus_exposition():
     lag = Histogram("kvledger_ledger_ingest_lag_seconds", "lag", registry=registry)
     lag.observe(0.25)
     lag.observe(0.75)
+    stalled = Gauge("kvledger_consumer_stalled", "stalled", ["group"], registry=registry)
+    stalled.labels("kvledger-coordinator-invalidations").set(1)
+    stalled.labels("kvledger-coordinator").set(0)
     figures = backlog(parse_samples(generate_latest(registry).decode()))
-    assert figures == {"outbox_pending": 7, "dead_letters": {"kvledger.erasures": 2, 'odd"topic': 1}, "ingest_lag_s": 0.5}
+    assert figures == {
+        "outbox_pending": 7,
+        "dead_letters": {"kvledger.erasures": 2, 'odd"topic': 1},
+        "ingest_lag_s": 0.5,
+        "stalled_groups": ["kvledger-coordinator-invalidations"],
+    }
     assert backlog(parse_samples("# only comments\nnot a sample line\n")) == {
         "outbox_pending": None,
         "dead_letters": {},
         "ingest_lag_s": None,
+        "stalled_groups": [],
     }

@@ -248,6 +248,7 @@ def test_every_alert_reads_exported_series_by_their_type():
         "KvledgerStaleNodes",
         "KvledgerOutboxBacklog",
         "KvledgerIngestLag",
+        "KvledgerConsumerStalled",
     }
 
 

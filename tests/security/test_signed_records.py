@@ -64,8 +64,10 @@ def unverified(topic: str, reason: str) -> float:
     return REGISTRY.get_sample_value("kvledger_unverified_records_total", {"topic": topic, "reason": reason}) or 0.0
 
 
-async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID]) -> dict[uuid.UUID, str]:
-    """The dead-letter error of each of ``event_ids`` that ``group_id`` dead-lettered (waits for all of them)."""
+async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID], topic: str = topics.DEAD_LETTER) -> dict[uuid.UUID, str]:
+    """The dead-letter error of each of ``event_ids`` that ``group_id`` dead-lettered on ``topic`` (waits for all of them).
+
+    Nodes dead-letter on their own topic (``kvledger.node-dead-letter``), the coordinator on ``kvledger.dead-letter``."""
     found: dict[uuid.UUID, str] = {}
 
     def visit(record) -> bool:
@@ -80,7 +82,7 @@ async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID])
                 found[event_id] = letter.error
         return set(found) == event_ids
 
-    await scan_topic(bootstrap, topics.DEAD_LETTER, visit)
+    await scan_topic(bootstrap, topic, visit)
     return found
 
 
@@ -182,7 +184,7 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
             await signing.send(control)
         await acked(kafka_bootstrap, control.payload.command_id, node.node_id)
 
-        letters = await dead_letters(kafka_bootstrap, node.commands.group_id, {e.event_id for e, _ in reasons})
+        letters = await dead_letters(kafka_bootstrap, node.commands.group_id, {e.event_id for e, _ in reasons}, topics.NODE_DEAD_LETTER)
         assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
         assert {reason: node.unverified(reason) - before[reason] for reason in before} == {
             "unsigned": 2,
