@@ -221,6 +221,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.num_head_bytes = 0
         self.busy = False
         """A request is being served (head complete, response not yet)."""
+        self.deferred_refusal: int | None = None
+        """The status to answer once the requests being served are answered (:meth:`refuse`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -257,19 +259,30 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def refuse(self, status: int) -> None:
-        """Answer ``status`` without the application and close the connection."""
+        """Answer ``status`` without the application and close the connection.
+
+        A refused head behind complete requests still being answered (pipelined) waits for their
+        responses, which go first, as HTTP/1.1 orders them; what the client sends meanwhile is
+        dropped. A request whose own body cannot be parsed is answered at once, as uvicorn does.
+        """
         self.cancel_head_timer()
+        if self.busy and self.in_head:
+            self.deferred_refusal = status
+            return
         if not self.transport.is_closing():
             self.transport.write(refusal_bytes(status))
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        """Feed the parser, a head never more than ``max_header_bytes`` at once (plus what one read held
-        after the end of a pipelined request's body)."""
+        """Feed the parser, a head never more than ``max_header_bytes`` at once.
+
+        Counting restarts at each message's end, so a pipelined head that arrived in the same
+        slice as that end is counted only from the next slice on (docs/security.md).
+        """
         self._unset_keepalive_if_required()
         if not self.busy:
             self.start_head_timer()
-        while data and not self.transport.is_closing():
+        while data and not self.transport.is_closing() and self.deferred_refusal is None:
             if self.in_head:
                 room = self.limits.max_header_bytes - self.num_head_bytes
                 if room <= 0:
@@ -315,9 +328,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        """Idle again once the newest request is answered too (``self.cycle`` is the last one parsed; a
+        pipelined request behind this response has just been started)."""
         super().on_response_complete()
-        if not self.transport.is_closing() and not self.pipeline:
+        if not self.transport.is_closing() and self.cycle.response_complete:
             self.busy = False
+            if self.deferred_refusal is not None:
+                self.refuse(self.deferred_refusal)
+                return
             self.idle[self] = None
 
 

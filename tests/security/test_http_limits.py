@@ -122,6 +122,21 @@ async def test_idle_keep_alive_connection_is_closed(node: ServerProcess):
         assert await connection.closed_by_server(CLOSE_DEADLINE_S)
 
 
+async def test_pipelined_requests_are_answered_and_bounded_alike(node: ServerProcess):
+    """Requests sent back to back are each answered; an endless head behind them is still cut off (a pipelined
+    head is counted from the slice after the previous request's end, so it may pass the bound by one slice)."""
+    async with connections(node.port, 1) as (connection,):
+        endless = b"GET /healthz HTTP/1.1\r\nX-Fill: " + b"a" * (3 * DEFAULTS.max_header_bytes)
+        await connection.send(get("/healthz") + get("/readyz") + endless)
+        assert [(await connection.response())[0] for _ in range(2)] == [200, 200]
+        assert await connection.status() == 431
+    async with connections(node.port, 1) as (connection,):
+        await connection.send(get("/healthz"))
+        assert (await connection.response())[0] == 200
+        await connection.send(get("/healthz", f"X-Fill: {'a' * DEFAULTS.max_header_bytes}"))
+        assert await connection.status() == 431, "the second request on a connection has the same bound"
+
+
 async def test_connection_bound_answers_503_while_probes_answer(node: ServerProcess):
     """Requests held open (bodies never finished) fill what other requests may use; the next one is 503,
     ``/healthz`` still 200, also once idle connections fill the rest of the bound."""
