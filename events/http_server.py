@@ -7,7 +7,8 @@ what one unauthenticated client may hold is bounded here, below the application
 * **Request head size.** The request target may be at most ``max_url_bytes`` (else ``414``),
   the whole head (request line and headers) at most ``max_header_bytes`` and
   ``max_headers`` fields (else ``431``). The head is fed to the parser in slices that never
-  pass the bound, so neither the parser nor uvicorn ever buffers more.
+  pass the bound, so neither the parser nor uvicorn buffers more (a pipelined request: at
+  most one slice more, see :meth:`BoundedHttpProtocol.data_received`).
 * **Time.** A connection must deliver a complete request head within
   ``header_read_timeout_s`` of connecting or of its first byte after a response (slowloris);
   an idle keep-alive connection is closed after ``keep_alive_timeout_s``.
@@ -18,7 +19,7 @@ what one unauthenticated client may hold is bounded here, below the application
   past it), so there is always an idle connection to evict for a probe: ``/healthz`` keeps
   answering while the bound is full.
 * **File descriptors.** :func:`raise_file_limit` lifts the soft ``RLIMIT_NOFILE`` to the hard
-  one and the connection bound stays well below it, so the process itself never runs out.
+  one and the connection bound stays well below it: client connections alone cannot exhaust it.
 * **Logs.** Refusals are counted, not logged one by one: :class:`RefusalLog` writes the
   first of a kind and then one summary line per kind per interval, never a traceback.
 
