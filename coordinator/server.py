@@ -29,7 +29,8 @@ from coordinator.api import create_app
 from coordinator.consumers import ConsumerReadiness, run_consumers
 from coordinator.ops_app import create_ops_app
 from coordinator.settings import CoordinatorSettings
-from events.logs import configure_logging, uvicorn_log_config
+from events.http_server import server_config
+from events.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,7 @@ async def serve(settings: CoordinatorSettings, app: FastAPI, consumers: bool, re
     tasks: list[asyncio.Task] = []
     if consumers:
         tasks.append(asyncio.create_task(run_consumers(settings, stop, readiness=readiness), name="consumers"))
-    config = uvicorn.Config(app, host=settings.http.host, port=settings.http.port, access_log=False, log_config=uvicorn_log_config())
-    server = _Server(config)
+    server = _Server(server_config(app, settings.http.host, settings.http.port, settings.http_limits))
     tasks.append(asyncio.create_task(server.serve(), name="http"))
     tasks.append(asyncio.create_task(_exit_on(stop, server), name="http stopper"))
     try:

@@ -22,6 +22,7 @@ import os
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from events.http_server import HttpServerLimits
 from events.kafka import KAFKA_SHARED_ENV, ConsumerGroupTiming, KafkaSecurity
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, TOPIC_CONFIGS
 from identity.metrics_access import MetricsSettings
@@ -236,6 +237,8 @@ class CoordinatorSettings(BaseSettings):
     tokens (the data key endpoints take node credentials only, ``coordinator.keys_api``); the
     coordinator reads it only to refuse an ``operator_auth`` that shares its key."""
     http: HttpSettings = HttpSettings()
+    http_limits: HttpServerLimits = HttpServerLimits()
+    """What one unauthenticated client may hold of the HTTP server (``KVLEDGER_COORDINATOR_HTTP_LIMITS__*``)."""
     ledger: LedgerSettings = LedgerSettings()
     keys: KeySettings = KeySettings()
     metrics: MetricsSettings = MetricsSettings()

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import uvicorn
 
+from events.http_server import server_config
 from events.kafka import KafkaSettings
-from events.logs import configure_logging, uvicorn_log_config
+from events.logs import configure_logging
 from gpu_node import snapshots
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationApplier
@@ -144,7 +145,7 @@ async def serve(settings: NodeSettings) -> None:
     if commands is not None:
         await commands.start()
     app = create_app(engine, verifier, operator_verifier=operator_verifier)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, access_log=False, log_config=uvicorn_log_config()))
+    server = uvicorn.Server(server_config(app, settings.host, settings.port, settings.http_limits))
     try:
         await server.serve()
     finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from events.http_server import HttpServerLimits
 from events.kafka import KAFKA_SHARED_ENV, ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
@@ -137,6 +138,8 @@ class NodeSettings(BaseSettings):
     scheduler: SchedulerSettings = SchedulerSettings()
     """``KVLEDGER_NODE_SCHEDULER__MAX_NUM_BATCHED_TOKENS``, ``KVLEDGER_NODE_SCHEDULER__MAX_NUM_SEQS``."""
     limits: RequestLimits = RequestLimits()
+    http_limits: HttpServerLimits = HttpServerLimits()
+    """What one unauthenticated client may hold of the HTTP server (``KVLEDGER_NODE_HTTP_LIMITS__*``)."""
     identity: IdentitySettings = IdentitySettings()
     # The ledger hooks are optional: without a broker the node runs standalone.
     # The stack-wide variables are honoured because one operator sets them once
