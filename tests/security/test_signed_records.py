@@ -153,17 +153,20 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
         inventory = schema.make_event(schema.InventoryRequested(node_id=node.node_id, request_id=uuid.uuid4()))
         reasons = [(unsigned, "unsigned"), (tampered, "bad_signature"), (wrong_key, "unknown_key"), (inventory, "unsigned")]
         before = {reason: node.unverified(reason) for _, reason in reasons}
+        # A customer event signed with the command key itself: the commands topic does not carry that type.
+        misplaced = sign_command(schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=99), tenant_id=tenant))
         async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as plain:
             for envelope, _ in reasons:
                 await plain.send(envelope)
+            await plain.send(misplaced, topic=topics.COMMANDS, key=topics.BROADCAST_TARGET)
         # Positive control, after them in the same partition: a command the coordinator really signed.
         control = sign_command(invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="other", below_version=2)))
         async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as signing:
             await signing.send(control)
         await acked(kafka_bootstrap, control.payload.command_id, node.node_id)
 
-        letters = await dead_letters(kafka_bootstrap, node.commands.group_id, {e.event_id for e, _ in reasons})
-        assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
+        letters = await dead_letters(kafka_bootstrap, node.commands.group_id, {e.event_id for e, _ in reasons} | {misplaced.event_id})
+        assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons} | {misplaced.event_id: "routing: wrong_topic"}
         assert {reason: node.unverified(reason) - before[reason] for reason in before} == {
             "unsigned": 2,
             "bad_signature": 1,
