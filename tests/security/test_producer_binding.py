@@ -253,3 +253,38 @@ async def test_tenant_admins_bind_keys_to_their_own_tenant_only_and_platform_adm
         headers=operator_headers("tenant-admin", acme),
     )
     assert (reenrolled.status_code, reenrolled.json()["error"]["code"]) == (400, "invalid_public_key")
+
+
+def test_an_event_signed_without_kvledger_code_as_docs_events_md_shows_is_trusted() -> None:
+    """The recipe of docs/events.md ("Publishing without kvledger code"): sign the JSON you send, written as
+    kvledger reads it back (every payload field, UTC ``Z`` time), with rfc8785 and cryptography only."""
+    import base64
+    import hashlib
+    import json
+    from datetime import UTC, datetime
+
+    import rfc8785
+    from cryptography.hazmat.primitives import serialization
+
+    from coordinator.producer_keys import ProducerBinding, producer_record_problem
+    from events.schema import parse_event
+
+    key = Ed25519PrivateKey.generate()
+    event = {
+        "event_id": str(uuid.uuid4()),
+        "type": "PermissionRevoked",
+        "schema_version": 1,
+        "occurred_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "tenant_id": "acme",
+        "payload": {"auth_scope": "hr", "policy_version": 8, "subject_id": None},
+    }
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    kid = hashlib.sha256(raw).digest()[:16].hex()
+    event["signature"] = {"kid": kid, "sig": base64.urlsafe_b64encode(key.sign(rfc8785.dumps(event))).rstrip(b"=").decode()}
+    received = parse_event(json.dumps(event))
+    binding = ProducerBinding(kid, "hr-system", key.public_key(), all_tenants=False, tenants=frozenset({"acme"}), revoked=False)
+    assert producer_record_problem(received, {kid: binding}) is None
+    # Omitting an optional field changes what kvledger reads back: the signature no longer matches.
+    del event["payload"]["subject_id"], event["signature"]
+    event["signature"] = {"kid": kid, "sig": base64.urlsafe_b64encode(key.sign(rfc8785.dumps(event))).rstrip(b"=").decode()}
+    assert producer_record_problem(parse_event(json.dumps(event)), {kid: binding}) == "bad_signature"
