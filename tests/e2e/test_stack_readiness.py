@@ -8,6 +8,7 @@ then was decided seconds later — a request in between was served from the old 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def test_an_update_published_as_soon_as_the_stack_is_up_is_decided_at_once(tiny_
     try:
         stack = up.wait_ready()
         published = time.monotonic()
+        assert os.stat(stack["producer_key_file"]).st_mode & 0o777 == 0o600  # the stack's dev producer key, enrolled for all tenants
         asyncio.run(_publish_update(stack["kafka_bootstrap"], "acme", stack["producer_key_file"]))
         ready = httpx.get(f"{stack['coordinator_url']}/readyz")
         assert ready.status_code == 200, ready.text
