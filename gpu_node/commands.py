@@ -79,7 +79,7 @@ from events import schema, topics
 from events.codec import decode_event, decode_key
 from events.fault_points import fault_point
 from events.kafka import EventProducer, KafkaSettings, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
-from events.metrics import HANDLER_FAILURES_TOTAL, MISROUTED_RECORDS_TOTAL
+from events.metrics import HANDLER_FAILURES_TOTAL
 from gpu_node import snapshots
 from gpu_node.block_pool import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool, Tier
 from gpu_node.crypto import DataKeyProvider
@@ -926,6 +926,6 @@ class CommandConsumer:
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
         await send_to_dead_letter(self._producer, record, error, self.group_id)
         if error.startswith(topics.ROUTING_ERROR):
-            MISROUTED_RECORDS_TOTAL.labels(topic=record.topic, reason=error.removeprefix(topics.ROUTING_ERROR)).inc()
+            self.engine.metrics.misrouted_commands.labels(reason=error.removeprefix(topics.ROUTING_ERROR)).inc()
         if error.startswith(SIGNATURE_ERROR):
             self.engine.metrics.unverified_commands.labels(reason=error.removeprefix(SIGNATURE_ERROR)).inc()

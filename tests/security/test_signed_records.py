@@ -167,6 +167,8 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
 
         letters = await dead_letters(kafka_bootstrap, node.commands.group_id, {e.event_id for e, _ in reasons} | {misplaced.event_id})
         assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons} | {misplaced.event_id: "routing: wrong_topic"}
+        misrouted = node.engine.metrics.registry.get_sample_value("kvledger_misrouted_commands_total", {"reason": "wrong_topic"})
+        assert misrouted == 1
         assert {reason: node.unverified(reason) - before[reason] for reason in before} == {
             "unsigned": 2,
             "bad_signature": 1,
