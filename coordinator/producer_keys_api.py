@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator import producer_keys
-from coordinator.auth import require_tenant
+from coordinator.auth import TenantForbiddenError, require_tenant
 from coordinator.dependencies import ProducerKeyAdmin, Session
 from coordinator.http import error_response
 from events.schema import MAX_LIST_ITEMS, Name
@@ -102,7 +102,7 @@ async def revoke_producer_key(key_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32
         if not operator.is_platform_admin and (
             binding is None or binding.all_tenants or binding.tenants != frozenset({operator.tenant_id})
         ):
-            require_tenant(operator, None)  # 403 tenant_forbidden: shared, another tenant's, or no such key alike
+            raise TenantForbiddenError()  # shared, another tenant's, or no such key: the same answer
         if binding is None or not await producer_keys.revoke(session, key_id):
             return error_response(404, "invalid_request_error", "producer_key_not_found", f"no live producer key {key_id}")
     return {"key_id": key_id, "revoked": True}

@@ -25,6 +25,8 @@ from identity.roles import PLATFORM_ADMIN, TENANT_ADMIN
 from identity.signing import key_id, load_or_create_private_key, load_public_key_file, public_key_pem
 from kvledger.api import Coordinator
 
+DIRECT_ENROLLMENT = "database"
+"""``enrolled_by`` of a key enrolled straight into the database (``kvledger up``, benchmarks), not through the API."""
 PLATFORM_TENANT = "platform"
 """The ``tenant`` claim of the platform-admin tokens these commands mint (a platform-admin acts on every tenant)."""
 
@@ -41,7 +43,7 @@ async def enroll_producer_key(database_url: str, public_key: Ed25519PublicKey, t
     database = Database(DatabaseSettings(url=database_url), pre_ping=False)
     try:
         async with database.session() as session, session.begin():
-            return (await enroll(session, public_key, tenants, name=name, enrolled_by="kvledger-up")).key_id
+            return (await enroll(session, public_key, tenants, name=name, enrolled_by=DIRECT_ENROLLMENT)).key_id
     finally:
         await database.dispose()
 
