@@ -2,8 +2,10 @@
 
 Keys decide partitions, and Kafka only orders records within a partition, so a key
 is chosen per *thing whose events must stay in order*: one document, one tenant's
-auth scope, one subject, one node. Keys are for ordering only — nothing parses them
-back (a ``:`` inside an id merely changes which partition a key hashes to).
+auth scope, one subject, one node. Nothing parses a key back (a ``:`` inside an id merely
+changes which partition a key hashes to), but a customer event's key must be exactly the one
+:func:`route` gives its envelope, and every topic carries only its own event types
+(:data:`TYPES_BY_TOPIC`): consumers check both (:func:`routing_problem`).
 """
 
 from __future__ import annotations
