@@ -323,6 +323,8 @@ class Cluster:
         await asyncio.to_thread(upgrade, self.database_url)
         keys = BenchKeys(self.work_dir / "keys")
         self._command_signer = EnvelopeSigner(keys.command_key)
+        self._producer_signer = keys.sign_as_producer
+        await keys.enroll_producer(self.database_url)
         ledger = {
             "OUTBOX_POLL_S": "0.1",
             "ERASURE_VERIFY_INTERVAL_S": "0.5",
@@ -507,8 +509,8 @@ class Cluster:
             return await client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0)
 
     async def publish(self, payload: schema.EventPayload, tenant: str) -> schema.Envelope:
-        """A customer event (unsigned, as customer systems publish them)."""
-        event = schema.make_event(payload, tenant_id=tenant)
+        """A customer event, signed with the run's producer key (enrolled for every tenant)."""
+        event = self._producer_signer(schema.make_event(payload, tenant_id=tenant))
         async with EventProducer(KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-cluster-customer")) as producer:
             await producer.send(event)
         return event

@@ -25,9 +25,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from coordinator.migrate import upgrade
 from events.kafka import KafkaSettings, kafka_client_kwargs
 from gpu_node.node_identity import NODE_KEY_FILE
-from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
+from identity.signing import EnvelopeSigner, load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.nodes import enroll_node_key
+from kvledger.producers import enroll_producer_key
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 
@@ -80,12 +81,13 @@ def operator_headers(role: str, tenant: str) -> dict[str, str]:
 
 
 class BenchKeys:
-    """A run's command key (the coordinator signs with it, nodes pin it) and its nodes' keys, enrolled in the
-    ledger — what ``kvledger up`` sets up, so benchmarks measure the signed paths."""
+    """A run's command key (the coordinator signs with it, nodes pin it), its nodes' keys and its producer key
+    (customer events), enrolled in the ledger — what ``kvledger up`` sets up, so benchmarks measure the signed paths."""
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.command_key = load_or_create_private_key(directory / "command_key.pem")
+        self.sign_as_producer = EnvelopeSigner(load_or_create_private_key(directory / "producer_key.pem"))
         self.command_public_key_file = directory / "command_key.pub"
         self.command_public_key_file.write_bytes(public_key_pem(self.command_key.public_key()))
 
@@ -95,6 +97,11 @@ class BenchKeys:
     def node_identity(self) -> dict[str, Path]:
         """``NodeSettings.identity`` of a bench node: the command key pinned."""
         return {"coordinator_public_key_file": self.command_public_key_file}
+
+    async def enroll_producer(self, database_url: str) -> None:
+        """Enroll the run's producer key for every tenant, as ``kvledger up`` enrolls the stack's."""
+        public_key = self.sign_as_producer.private_key.public_key()
+        await enroll_producer_key(database_url, public_key, None, name="kvledger bench producer")
 
     async def enroll(self, database_url: str, node_id: str, data_dir: Path) -> Ed25519PrivateKey:
         """The node's key (``node_key.pem`` in ``data_dir``, created if missing), enrolled for ``node_id``."""

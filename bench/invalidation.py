@@ -49,7 +49,6 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
@@ -72,7 +71,8 @@ from bench.common import (
     wait,
 )
 from coordinator.consumers import consumer_groups
-from events import topics
+from events import schema, topics
+from events.codec import encode_event
 from events.kafka import KafkaSettings, ensure_topics, kafka_client_kwargs
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationApplier
@@ -82,6 +82,7 @@ from gpu_node.node_identity import pinned_command_key
 from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import kafka_settings, make_publisher, tune_interpreter
 from gpu_node.settings import CacheSettings, NodeSettings
+from identity.signing import EnvelopeSigner
 from identity.tokens import TokenVerifier, issue_token
 from kvledger.model_init import build_tiny_model
 from kvledger.net import loopback_listener
@@ -342,9 +343,11 @@ async def _fill_nodes(nodes: list[BenchNode], principal: Principal, blocks_per_n
     return keys, documents
 
 
-async def _publish_document_updates(bootstrap: str, tenant: str, documents: list[str], args, published: list[Published]) -> None:
-    """Publish warm-up and measured DocumentUpdated events at ``args.rate`` per second, round robin
-    over the documents, recording each one's publish time in ``published``."""
+async def _publish_document_updates(
+    bootstrap: str, tenant: str, documents: list[str], args, published: list[Published], sign: EnvelopeSigner
+) -> None:
+    """Publish warm-up and measured DocumentUpdated events (signed with the run's producer key) at ``args.rate``
+    per second, round robin over the documents, recording each one's publish time in ``published``."""
     versions = dict.fromkeys(documents, 1)
     producer = AIOKafkaProducer(
         **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")), acks="all", linger_ms=0
@@ -360,17 +363,11 @@ async def _publish_document_updates(bootstrap: str, tenant: str, documents: list
                 await asyncio.sleep(delay)
             doc_id = documents[i % len(documents)]
             versions[doc_id] += 1
-            event_id = str(uuid.uuid4())
-            event = {
-                "event_id": event_id,
-                "type": "DocumentUpdated",
-                "schema_version": 1,
-                "occurred_at": datetime.now(UTC).isoformat(),
-                "tenant_id": tenant,
-                "payload": {"doc_id": doc_id, "version": versions[doc_id]},
-            }
+            event = sign(schema.make_event(schema.DocumentUpdated(doc_id=doc_id, version=versions[doc_id]), tenant_id=tenant))
+            event_id = str(event.event_id)
             at = time.time()
-            sends.append(await producer.send(topics.DOCUMENTS, json.dumps(event).encode(), key=f"{tenant}:{doc_id}".encode()))
+            key = topics.document_key(tenant, doc_id).encode()
+            sends.append(await producer.send(topics.DOCUMENTS, encode_event(event), key=key))
             published.append(Published(event_id, doc_id, versions[doc_id] - 1, at, measured=i >= num_warmup))
         await asyncio.gather(*sends)
     finally:
@@ -482,6 +479,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
     nodes = _bench_nodes(args, run_id, model_dir, work, bootstrap, keys)
     for node in nodes:
         await keys.enroll(database_url, node.settings.node_id, Path(node.settings.data_dir))
+    await keys.enroll_producer(database_url)
     principal = Principal(tenant, "reader", frozenset({AUTH_SCOPE}), {AUTH_SCOPE: 1})
     token = issue_token(tenant=tenant, sub="reader", scopes=[AUTH_SCOPE], pv={AUTH_SCOPE: 1}, ttl_s=3600, secret=JWT_SECRET)
     with tempfile.TemporaryFile() as log:
@@ -515,7 +513,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
                     asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index, args.probe_interval_ms / 1000))
                 )
 
-            await _publish_document_updates(bootstrap, tenant, documents, args, published)
+            await _publish_document_updates(bootstrap, tenant, documents, args, published, keys.sign_as_producer)
             rows, measured, late, elapsed_s = await _wait_invalidated(connection, published, acks, collector[0])
         finally:
             # Probers finish their request in flight (a cancelled one would be a client disconnect), the collector is cancelled.

@@ -33,6 +33,7 @@ from coordinator.migrate import current_revision, head_revision
 from coordinator.models import Block, BlockAuthScope, BlockDocument, Placement
 from coordinator.node_status import node_statuses
 from coordinator.ops_app import probes
+from coordinator.producer_keys_api import router as producer_keys_router
 from coordinator.settings import CoordinatorSettings
 from coordinator.states import PlacementState
 from coordinator.ui import router as console_router
@@ -58,7 +59,16 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
     """
     app = FastAPI(title="kvledger coordinator", version="1", lifespan=database_lifespan(settings.database))
     provide_api(app, settings, consumers)
-    for routes in (keys_router, invalidation_router, erasure_router, console_router, usage_router, governance_router, dead_letters_router):
+    for routes in (
+        keys_router,
+        invalidation_router,
+        erasure_router,
+        console_router,
+        usage_router,
+        governance_router,
+        dead_letters_router,
+        producer_keys_router,
+    ):
         app.include_router(routes)
     app.include_router(probes)
     app.include_router(router)

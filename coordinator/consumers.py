@@ -4,7 +4,9 @@ verifier, the command re-sender (``coordinator.resend``), the dead-letter tally 
 inbox/outbox pruner (``coordinator.pruning``).
 
 kv-events and acks reach their handlers only through :class:`coordinator.node_keys.VerifiedRecords`:
-a record not signed by a key enrolled for its node is dead-lettered, never applied.
+a record not signed by a key enrolled for its node is dead-lettered, never applied. Customer events
+(documents, permissions, erasures) pass the same step with producer keys
+(``coordinator.producer_keys``): one not signed by a key bound to its tenant is never decided.
 Every command is signed with the command key (``settings.command_signer()``) before it
 enters the outbox."""
 
@@ -25,6 +27,7 @@ from coordinator.invalidation import InvalidationHandler
 from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords
 from coordinator.outbox import OutboxRelay
 from coordinator.poison import refused_as_data
+from coordinator.producer_keys import ProducerKeyRegistry, producer_record_problem
 from coordinator.pruning import Pruner
 from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings
@@ -225,6 +228,15 @@ class _Parts:
         )
         groups = consumer_groups(config.group_id)
         invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
+        decisions = VerifiedRecords(
+            handler,
+            ProducerKeyRegistry(database, settings.ledger.node_key_cache_s),
+            producer,
+            group_id=invalidation_group,
+            dead_letter_counter=tally,
+            seal=seal,
+            problem=producer_record_problem,
+        )
         invalidations, acks = (
             kafka.BatchConsumer(
                 config,
@@ -238,7 +250,7 @@ class _Parts:
                 stall_after_s=settings.kafka.stall_after_s,
             )
             for group_id, group_handler in (
-                (invalidation_group, handler),
+                (invalidation_group, decisions),
                 (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally, seal=seal)),
             )
         )

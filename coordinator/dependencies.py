@@ -28,7 +28,7 @@ from coordinator.keys import KeyService
 from coordinator.node_keys import EnrolledKey, authenticate_node
 from coordinator.settings import CoordinatorSettings
 from identity.metrics_access import scrape_refusal
-from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS, PLATFORM_ADMINS
+from identity.roles import ERASURE_REQUESTERS, LEDGER_READERS, PLATFORM_ADMINS, PRODUCER_KEY_ADMINS
 from identity.signing import EnvelopeSigner
 from identity.tokens import Operator, TokenVerifier
 
@@ -75,6 +75,7 @@ Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
 """An operator of any role (tenant-bound ones still see only their tenant: ``coordinator.auth.require_tenant``)."""
 PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 ErasureRequester = Annotated[Operator, Depends(requires(ERASURE_REQUESTERS))]
+ProducerKeyAdmin = Annotated[Operator, Depends(requires(PRODUCER_KEY_ADMINS))]
 
 
 def require_scraper(request: Request, settings: Settings) -> None:

@@ -454,6 +454,23 @@ class NodeKey(Base):
     revoked_at: Mapped[datetime | None]
 
 
+class ProducerKey(Base):
+    """A customer-event producer's enrolled Ed25519 public key (``coordinator.producer_keys``) and the tenants it
+    may publish for: ``tenants``, or every tenant when ``all_tenants``. Revocation is final."""
+
+    __tablename__ = "producer_keys"
+    __table_args__ = (CheckConstraint("all_tenants OR jsonb_array_length(tenants) > 0", name="bound"),)
+
+    key_id: Mapped[str] = mapped_column(primary_key=True)
+    name: Mapped[str]
+    public_key: Mapped[bytes]
+    all_tenants: Mapped[bool]
+    tenants: Mapped[list[str]] = mapped_column(JSONB)
+    enrolled_at: Mapped[datetime] = _now()
+    enrolled_by: Mapped[str]
+    revoked_at: Mapped[datetime | None]
+
+
 class UsageReport(Base):
     """What one node served one tenant over one interval (a ``UsageReported`` kv-event): counts only.
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from aiokafka.structs import ConsumerRecord
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -44,6 +45,8 @@ from identity.signing import SIGNATURE_ERROR, UNSIGNED, WRONG_NODE, key_id, publ
 from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 MAX_CACHED_KEYS = 4096
 """At most this many keys are held in memory, least recently used dropped first: far more than
@@ -84,22 +87,30 @@ async def revoke(session: AsyncSession, node_id: str, kid: str | None = None) ->
     return sorted(result.scalars())
 
 
-class NodeKeyRegistry:
-    """Enrolled, unrevoked keys by id, each trusted from memory for ``cache_s`` after its lookup: the
-    revocation bound, ``ledger.node_key_cache_s`` (see the module docstring)."""
+class KeyCache(Generic[K]):
+    """Keys by id, each trusted from memory for ``cache_s`` after its lookup: the revocation bound of a
+    registry (see the module docstring). ``load`` reads the keys among a set of ids from the database;
+    the node registry and the producer registry (``coordinator.producer_keys``) differ only in that."""
 
-    def __init__(self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS) -> None:
+    def __init__(
+        self,
+        database: Database,
+        cache_s: float,
+        load: Callable[[AsyncSession, set[str]], Awaitable[dict[str, K]]],
+        max_cached: int = MAX_CACHED_KEYS,
+    ) -> None:
         if cache_s < 0 or max_cached < 1:
             raise ValueError("cache_s must not be negative and max_cached at least 1")
         self.database = database
         self._cache_s = cache_s
+        self._load = load
         self._max_cached = max_cached
-        self._cached: collections.OrderedDict[str, tuple[float, EnrolledKey]] = collections.OrderedDict()
+        self._cached: collections.OrderedDict[str, tuple[float, K]] = collections.OrderedDict()
 
-    async def lookup(self, key_ids: Iterable[str]) -> dict[str, EnrolledKey]:
-        """The live enrolled keys among ``key_ids`` (one query for those not cached)."""
+    async def lookup(self, key_ids: Iterable[str]) -> dict[str, K]:
+        """The keys among ``key_ids`` that ``load`` finds (one query for those not cached)."""
         now = time.monotonic()
-        found: dict[str, EnrolledKey] = {}
+        found: dict[str, K] = {}
         missing: set[str] = set()
         for kid in set(key_ids):
             cached = self._cached.get(kid)
@@ -110,9 +121,7 @@ class NodeKeyRegistry:
                 missing.add(kid)
         if missing:
             async with self.database.session() as session:
-                rows = await session.execute(select(NodeKey).where(NodeKey.key_id.in_(missing), NodeKey.revoked_at.is_(None)))
-                for row in rows.scalars():
-                    found[row.key_id] = EnrolledKey(row.key_id, row.node_id, public_key_from_raw(row.public_key))
+                found.update(await self._load(session, missing))
             for kid in missing:
                 # A known key's revocation must show within the bound, so it is re-read then; an unknown
                 # id is not cached at all (enrolling it must work at once, and nobody can sign with it).
@@ -124,6 +133,18 @@ class NodeKeyRegistry:
             while len(self._cached) > self._max_cached:
                 self._cached.popitem(last=False)
         return found
+
+
+async def _live_node_keys(session: AsyncSession, key_ids: set[str]) -> dict[str, EnrolledKey]:
+    rows = await session.execute(select(NodeKey).where(NodeKey.key_id.in_(key_ids), NodeKey.revoked_at.is_(None)))
+    return {row.key_id: EnrolledKey(row.key_id, row.node_id, public_key_from_raw(row.public_key)) for row in rows.scalars()}
+
+
+class NodeKeyRegistry(KeyCache[EnrolledKey]):
+    """Enrolled, unrevoked node keys by id, cached for ``ledger.node_key_cache_s`` (:class:`KeyCache`)."""
+
+    def __init__(self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS) -> None:
+        super().__init__(database, cache_s, _live_node_keys, max_cached)
 
     async def authenticate(self, token: str) -> EnrolledKey:
         """The enrolled key whose node made this credential; CredentialError (HTTP 401) otherwise."""
@@ -150,11 +171,14 @@ def record_problem(envelope: Envelope, enrolled: dict[str, EnrolledKey]) -> str 
 
 
 class VerifiedRecords:
-    """A consumer handler that passes on only records signed by their node; the rest are dead-lettered.
+    """A consumer handler that passes on only records signed by their party; the rest are dead-lettered.
 
     Wraps the kv-events handler (``coordinator.ingest``) and the ack handler
-    (``coordinator.invalidation``): verification is its own step between decoding and
-    applying. A rejected record goes to ``kvledger.dead-letter`` with its reason (the
+    (``coordinator.invalidation``), whose records must be signed by their node
+    (:func:`record_problem`, the default ``problem``), and the decisions handler, whose customer
+    events must be signed by a producer key bound to their tenant
+    (``coordinator.producer_keys.producer_record_problem`` over a ``ProducerKeyRegistry``):
+    verification is its own step between decoding and applying. A rejected record goes to ``kvledger.dead-letter`` with its reason (the
     envelope re-encoded: the consumer hands over decoded records) and is counted in
     ``kvledger_unverified_records_total`` and the dead-letter tally. Offsets already
     dead-lettered are remembered, so a batch redelivered after a handler failure does
@@ -164,17 +188,19 @@ class VerifiedRecords:
     def __init__(
         self,
         handler: Handler,
-        registry: NodeKeyRegistry,
+        registry: KeyCache[Any],
         dead_letters: EventProducer,
         *,
         group_id: str,
         dead_letter_counter=DEAD_LETTER_TOTAL,
         seal: Seal | None = None,
+        problem: Callable[[Envelope, dict[str, Any]], str | None] = record_problem,
     ) -> None:
         """``seal`` signs the dead letters (the coordinator's command key, see ``coordinator.consumers``)."""
         self._handler = handler
         self._seal = seal
         self._registry = registry
+        self._problem = problem
         self._dead_letters = dead_letters
         self._group_id = group_id
         self._counter = dead_letter_counter
@@ -184,7 +210,7 @@ class VerifiedRecords:
         enrolled = await self._registry.lookup(event.envelope.signature.kid for event in events if event.envelope.signature is not None)
         trusted = []
         for event in events:
-            problem = record_problem(event.envelope, enrolled)
+            problem = self._problem(event.envelope, enrolled)
             if problem is None:
                 trusted.append(event)
             else:

@@ -28,6 +28,7 @@ write jwt_secret openssl rand -base64 48
 write subject_key openssl rand -base64 32
 write metrics_token openssl rand -base64 32
 write grafana_admin_password openssl rand -base64 18
+write producer_key openssl genpkey -algorithm ed25519
 if [ ! -s "$docker_dir/command_key.pub" ]; then
     openssl pkey -in "$dir/command_signing_key" -pubout -out "$docker_dir/command_key.pub"
     echo "wrote docker/command_key.pub"

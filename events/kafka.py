@@ -44,9 +44,15 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
-from events.metrics import CONSUMER_STALLED, DEAD_LETTER_BY_REFERENCE_TOTAL, DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
+from events.metrics import (
+    CONSUMER_STALLED,
+    DEAD_LETTER_BY_REFERENCE_TOTAL,
+    DEAD_LETTER_TOTAL,
+    HANDLER_FAILURES_TOTAL,
+    MISROUTED_RECORDS_TOTAL,
+)
 from events.schema import Envelope, EventValidationError
-from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, DEAD_LETTER_TOPICS, TOPIC_CONFIGS, route
+from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, DEAD_LETTER_TOPICS, ROUTING_ERROR, TOPIC_CONFIGS, route, routing_problem
 
 log = logging.getLogger(__name__)
 
@@ -574,6 +580,10 @@ def _decode_batch(batch: dict[TopicPartition, list[ConsumerRecord]]) -> dict[tup
             except EventValidationError as exc:
                 decoded[(tp, record.offset)] = str(exc)
                 continue
+            misrouted = routing_problem(record.topic, key, envelope)
+            if misrouted is not None:
+                decoded[(tp, record.offset)] = ROUTING_ERROR + misrouted
+                continue
             decoded[(tp, record.offset)] = ConsumedEvent(
                 topic=record.topic,
                 partition=record.partition,
@@ -982,6 +992,8 @@ class BatchConsumer:
                 event = decoded[(tp, record.offset)]
                 if isinstance(event, str):
                     await self._dead_letter(tp, record, event)
+                    if event.startswith(ROUTING_ERROR):
+                        MISROUTED_RECORDS_TOTAL.labels(topic=record.topic, reason=event.removeprefix(ROUTING_ERROR)).inc()
                 else:
                     events.append(event)
         return events

@@ -37,7 +37,14 @@ HANDLER_FAILURES_TOTAL = Counter(
 
 UNVERIFIED_RECORDS_TOTAL = Counter(
     "kvledger_unverified_records_total",
-    "kv-events and acks dead-lettered because their signature is missing or invalid, or by a key not enrolled"
-    " (or revoked) for the record's node, by source topic and reason.",
+    "kv-events, acks and customer events dead-lettered because their signature is missing or invalid, or by a key"
+    " not enrolled (or revoked) for the record's node, or not bound to the record's tenant, by source topic and reason.",
+    ["topic", "reason"],
+)
+
+MISROUTED_RECORDS_TOTAL = Counter(
+    "kvledger_misrouted_records_total",
+    "Records dead-lettered because their event type is not one their topic carries (wrong_topic) or a customer"
+    " event's record key is not its envelope's tenant key (key_tenant_mismatch), by source topic and reason.",
     ["topic", "reason"],
 )

@@ -2,8 +2,10 @@
 
 Keys decide partitions, and Kafka only orders records within a partition, so a key
 is chosen per *thing whose events must stay in order*: one document, one tenant's
-auth scope, one subject, one node. Keys are for ordering only — nothing parses them
-back (a ``:`` inside an id merely changes which partition a key hashes to).
+auth scope, one subject, one node. Nothing parses a key back (a ``:`` inside an id merely
+changes which partition a key hashes to), but a customer event's key must be exactly the one
+:func:`route` gives its envelope, and every topic carries only its own event types
+(:data:`TYPES_BY_TOPIC`): consumers check both (:func:`routing_problem`).
 """
 
 from __future__ import annotations
@@ -72,24 +74,60 @@ BROADCAST_TARGET = "*"
 """Command key for commands every node executes (invalidations). One key keeps them in
 one partition, so every node applies them in the order the coordinator decided them."""
 
-TOPIC_BY_TYPE: dict[str, str] = {
-    DocumentUpdated.TYPE: DOCUMENTS,
-    DocumentDeleted.TYPE: DOCUMENTS,
-    PermissionRevoked.TYPE: PERMISSIONS,
-    ErasureRequested.TYPE: ERASURES,
-    NodeStarted.TYPE: KV_EVENTS,
-    BlockStored.TYPE: KV_EVENTS,
-    BlockRemoved.TYPE: KV_EVENTS,
-    BlockMoved.TYPE: KV_EVENTS,
-    SnapshotWritten.TYPE: KV_EVENTS,
-    SnapshotDeleted.TYPE: KV_EVENTS,
-    Inventory.TYPE: KV_EVENTS,
-    NodeHeartbeat.TYPE: KV_EVENTS,
-    UsageReported.TYPE: KV_EVENTS,
-    Invalidate.TYPE: COMMANDS,
-    InventoryRequested.TYPE: COMMANDS,
-    CommandAck.TYPE: ACKS,
+TYPES_BY_TOPIC: dict[str, frozenset[str]] = {
+    DOCUMENTS: frozenset({DocumentUpdated.TYPE, DocumentDeleted.TYPE}),
+    PERMISSIONS: frozenset({PermissionRevoked.TYPE}),
+    ERASURES: frozenset({ErasureRequested.TYPE}),
+    KV_EVENTS: frozenset(
+        {
+            NodeStarted.TYPE,
+            BlockStored.TYPE,
+            BlockRemoved.TYPE,
+            BlockMoved.TYPE,
+            SnapshotWritten.TYPE,
+            SnapshotDeleted.TYPE,
+            Inventory.TYPE,
+            NodeHeartbeat.TYPE,
+            UsageReported.TYPE,
+        }
+    ),
+    COMMANDS: frozenset({Invalidate.TYPE, InventoryRequested.TYPE}),
+    ACKS: frozenset({CommandAck.TYPE}),
 }
+"""The event types each topic carries, and no others: the one table producers route by and every
+consumer enforces (:func:`routing_problem`). Per-topic ACLs rest on it: a principal allowed to
+write ``kvledger.documents`` must not start an erasure by writing an ``ErasureRequested`` there."""
+
+TOPIC_BY_TYPE: dict[str, str] = {event_type: topic for topic, types in TYPES_BY_TOPIC.items() for event_type in types}
+"""The topic of each event type (the inverse of :data:`TYPES_BY_TOPIC`)."""
+
+CUSTOMER_TOPICS: frozenset[str] = frozenset({DOCUMENTS, PERMISSIONS, ERASURES})
+"""Topics of customer events (users' decisions), whose record key starts with the envelope's tenant."""
+
+ROUTING_ERROR = "routing: "
+"""Prefix of the dead-letter error of a record refused by :func:`routing_problem`; a reason below follows."""
+WRONG_TOPIC = "wrong_topic"
+"""The record's event type is not one its topic carries (:data:`TYPES_BY_TOPIC`)."""
+KEY_TENANT_MISMATCH = "key_tenant_mismatch"
+"""A customer event whose record key is not the one its envelope routes to (``tenant:…``): the key
+names one tenant and the envelope another, or the key is missing or for another document/scope/subject."""
+
+
+def routing_problem(topic: str, key: str | None, envelope: Envelope) -> str | None:
+    """Why a record read from ``topic`` under ``key`` may not be handled (a reason constant), or None.
+
+    A record's type must be one its topic carries, and a customer event's key must be exactly the
+    key :func:`route` gives its envelope, so the tenant in the key (which a broker ACL on key
+    prefixes could check) and the tenant the handler acts on are the same.
+    """
+    carried = TYPES_BY_TOPIC.get(topic)
+    if carried is None:
+        return None  # not a kvledger topic (a test's scratch topic): no rule to hold it to
+    if envelope.type not in carried:
+        return WRONG_TOPIC
+    if topic in CUSTOMER_TOPICS and key != route(envelope)[1]:
+        return KEY_TENANT_MISMATCH
+    return None
 
 
 def _require(**parts: str | None) -> None:

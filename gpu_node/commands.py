@@ -76,7 +76,7 @@ from aiokafka.structs import ConsumerRecord
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from events import schema, topics
-from events.codec import decode_event
+from events.codec import decode_event, decode_key
 from events.fault_points import fault_point
 from events.kafka import EventProducer, KafkaSettings, StallClock, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
@@ -817,8 +817,12 @@ class CommandConsumer:
         """(envelope, None) for a valid command signed by the pinned coordinator key; (None, why) otherwise."""
         try:
             envelope = decode_event(record.value)
+            key = decode_key(record.key)
         except schema.EventValidationError as exc:
             return None, str(exc)
+        misrouted = topics.routing_problem(record.topic, key, envelope)
+        if misrouted is not None:
+            return None, topics.ROUTING_ERROR + misrouted
         problem = signature_problem(envelope, self._command_key)
         if problem is not None:
             return None, SIGNATURE_ERROR + problem
@@ -929,5 +933,7 @@ class CommandConsumer:
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
         # The node's own topic: nodes never write kvledger.dead-letter, whose letters replay republishes.
         await send_to_dead_letter(self._producer, record, error, self.group_id, topic=topics.NODE_DEAD_LETTER)
+        if error.startswith(topics.ROUTING_ERROR):
+            self.engine.metrics.misrouted_commands.labels(reason=error.removeprefix(topics.ROUTING_ERROR)).inc()
         if error.startswith(SIGNATURE_ERROR):
             self.engine.metrics.unverified_commands.labels(reason=error.removeprefix(SIGNATURE_ERROR)).inc()

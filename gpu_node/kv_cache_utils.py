@@ -10,8 +10,8 @@ Key derivation (docs/design.md §2)::
     h_0 = H(namespace)
     h_i = H(h_{i-1} ‖ scope_salt_i ‖ token_ids_i ‖ extra_i)
 
-Every field is length-prefixed and token ids are packed as little-endian u32, so
-the byte encoding is canonical (no str/pickle ambiguity between ``[1, 23]`` and
+Every field is length-prefixed, token ids are packed as little-endian u32 and policy
+versions as little-endian u64 (:data:`TENANT_SALT_TAG`), so the byte encoding is canonical (no str/pickle ambiguity between ``[1, 23]`` and
 ``[12, 3]``). The salt is derived from :class:`Principal`, which is only ever
 built from a verified JWT.
 """
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
+from events.schema import MAX_SAFE_INT
 from identity.tokens import Principal
 
 HASH_BYTES = 32
@@ -34,7 +35,13 @@ DEFAULT_BLOCK_SIZE = 16
 KV_LAYOUT_VERSION = 1
 
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 _sha256 = hashlib.sha256
+
+TENANT_SALT_TAG = b"T2"
+"""Format tag of a tenant-scope salt. ``T2``: each policy version packed as little-endian u64, so every
+version a token may carry (0..2^53-1, ``events.schema.MAX_SAFE_INT``) has an encoding. The first format
+(``T``) packed u32 and failed on versions from 2^32; its blocks are never looked up again."""
 
 
 class CacheScope(IntEnum):
@@ -187,16 +194,17 @@ def scope_salt(
 ) -> bytes:
     """Canonical salt bytes for one block, derived only from verified claims.
 
-    public → empty; tenant → tenant id + (auth scope, policy version) pairs;
+    public → empty; tenant → tenant id + (auth scope, policy version as u64) pairs;
     user → tenant id + subject id.
     """
     if scope == CacheScope.PUBLIC:
         return b""
     if scope == CacheScope.TENANT:
-        parts = [b"T", _text(principal.tenant_id), _U32.pack(len(auth_scopes))]
+        parts = [TENANT_SALT_TAG, _text(principal.tenant_id), _U32.pack(len(auth_scopes))]
         for auth_scope, version in auth_scopes:
+            assert 0 <= version <= MAX_SAFE_INT, "a Principal's policy versions come from a verified token (0..2^53-1)"
             parts.append(_text(auth_scope))
-            parts.append(_U32.pack(version))
+            parts.append(_U64.pack(version))
         return b"".join(parts)
     return b"U" + _text(principal.tenant_id) + _text(principal.subject_id)
 

@@ -114,6 +114,12 @@ class NodeMetrics:
             ["reason"],
             registry=r,
         )
+        self.misrouted_commands = Counter(
+            "kvledger_misrouted_commands",
+            "Records on kvledger.commands dead-lettered because their event type is not one the topic carries, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.http_request_seconds = Histogram(
             "kvledger_http_request_seconds",
             "HTTP requests by method, route template and status: time to the end of the handler",

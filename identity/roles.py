@@ -26,3 +26,6 @@ LEDGER_READERS = OPERATOR_ROLES
 ERASURE_REQUESTERS = frozenset({PRIVACY_OFFICER, PLATFORM_ADMIN})
 """Who may order an erasure; a tenant-admin or auditor may only follow it."""
 PLATFORM_ADMINS = frozenset({PLATFORM_ADMIN})
+PRODUCER_KEY_ADMINS = frozenset({TENANT_ADMIN, PLATFORM_ADMIN})
+"""Who may enroll, list and revoke customer-event producer keys: a tenant-admin for keys bound to its own tenant
+only, a platform-admin for any tenants or for all of them."""

@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, EllipticCurv
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 
-from events.schema import MAX_ID_CHARS, check_identifier
+from events.schema import MAX_ID_CHARS, MAX_SAFE_INT, check_identifier
 from identity.roles import PLATFORM_ADMIN
 from identity.settings import IssuerSettings
 
@@ -59,7 +59,9 @@ JWT_SECRET_ENV = "KVLEDGER_JWT_SECRET"
 MIN_SECRET_BYTES = 32
 MAX_CLAIM_CHARS = MAX_ID_CHARS
 MAX_CLAIM_ITEMS = 256
-MAX_VERSION = 2**53 - 1
+MAX_VERSION = MAX_SAFE_INT
+"""The largest policy version a token may carry: the event contract's (``events.schema.Count``), so every version a
+token holds is one a ``PermissionRevoked`` can name, the ledger can store and the node's key derivation can pack."""
 
 _REQUIRED_CLAIMS = ("exp", "sub", "tenant")
 

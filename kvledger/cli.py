@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_model_commands(commands)
     _add_node_key_commands(commands)
+    _add_producer_key_commands(commands)
     _add_token_command(commands)
     _add_coordinator_commands(commands)
     _add_governance_commands(commands)
@@ -123,6 +124,33 @@ def _add_node_key_commands(commands: argparse._SubParsersAction) -> None:
     nodes_revoke.add_argument("--key-id", help="the one key to revoke (as printed by `kvledger nodes key`)")
     nodes_revoke.add_argument("--database-url", help="defaults to KVLEDGER_DATABASE_URL or .kvledger/stack.json")
     nodes_revoke.set_defaults(func=_lazy("kvledger.nodes:revoke_cli"))
+
+
+def _add_producer_key_commands(commands: argparse._SubParsersAction) -> None:
+    """``kvledger producers``: customer-event producer keys and their tenant bindings at the coordinator."""
+    producers = commands.add_parser("producers", help="producer keys that sign customer events, bound to tenants").add_subparsers(
+        dest="producers_command", required=True, metavar="COMMAND"
+    )
+    key = producers.add_parser("key", help="print a producer key's public key (PEM), creating the key file if missing")
+    key.add_argument("--key-file", required=True, help="the producer's private key file (created with mode 0600)")
+    key.set_defaults(func=_lazy("kvledger.producers:key_cli"))
+    enroll = producers.add_parser("enroll", help="enroll a producer's public key for tenants (coordinator API)")
+    enroll.add_argument("--public-key", required=True, help="PEM file, e.g. from `kvledger producers key`")
+    enroll.add_argument("--name", required=True, help="who the producer is (a label shown by `list`)")
+    enroll.add_argument("--tenant", action="append", help="a tenant the key may publish for (repeatable)")
+    enroll.add_argument("--all-tenants", action="store_true", help="bind the key to every tenant (platform-admin)")
+    _coordinator_options(enroll, "tenant-admin (one --tenant) or platform-admin")
+    enroll.set_defaults(func=_lazy("kvledger.producers:enroll_cli"))
+    listing = producers.add_parser("list", help="enrolled producer keys and their bindings (coordinator API)")
+    listing.add_argument("--tenant", help="only keys that may publish for this tenant (as its tenant-admin)")
+    listing.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    _coordinator_options(listing, "tenant-admin (--tenant) or platform-admin")
+    listing.set_defaults(func=_lazy("kvledger.producers:list_cli"))
+    revoke = producers.add_parser("revoke", help="revoke a producer key for good (coordinator API)")
+    revoke.add_argument("key_id", help="the key id `kvledger producers key` or `list` printed")
+    revoke.add_argument("--tenant", help="act as this tenant's tenant-admin (only keys bound to it alone)")
+    _coordinator_options(revoke, "tenant-admin (--tenant) or platform-admin")
+    revoke.set_defaults(func=_lazy("kvledger.producers:revoke_cli"))
 
 
 def _add_token_command(commands: argparse._SubParsersAction) -> None:
@@ -178,6 +206,10 @@ def _add_coordinator_commands(commands: argparse._SubParsersAction) -> None:
     publish.add_argument("--kafka-ssl-cafile", help="CA bundle that signed the brokers' certificates (KVLEDGER_KAFKA_SSL_CAFILE)")
     publish.add_argument("--kafka-ssl-certfile", help="client certificate for mTLS (KVLEDGER_KAFKA_SSL_CERTFILE)")
     publish.add_argument("--kafka-ssl-keyfile", help="client key for mTLS (KVLEDGER_KAFKA_SSL_KEYFILE)")
+    publish.add_argument(
+        "--producer-key",
+        help="the producer key file the event is signed with (default: KVLEDGER_PRODUCER_KEY_FILE or the stack's producer key)",
+    )
     publish_kinds = publish.add_subparsers(dest="event_kind", required=True, metavar="EVENT")
     document_updated = publish_kinds.add_parser(
         "document-updated", help="a document has a new version: blocks of older versions stop being reused"

@@ -38,7 +38,7 @@ from events.schema import DocumentUpdated, PermissionRevoked, make_event
 from identity.roles import AUDITOR, PRIVACY_OFFICER
 from identity.tokens import issue_token
 from kvledger.errors import EXIT_FAILURE, CliError
-from kvledger.publish import publish
+from kvledger.publish import producer_signer, publish
 from kvledger.tokens import load_stack, operator_key_pem
 
 STACK_START_TIMEOUT_S = 300.0
@@ -228,7 +228,8 @@ class Story:
 
     def publish(self, payload: Any) -> None:
         envelope = make_event(payload, tenant_id=self.tenant)
-        asyncio.run(publish(KafkaSettings(bootstrap=self.stack["kafka_bootstrap"]), envelope))
+        signer = producer_signer(self.stack.get("producer_key_file"))
+        asyncio.run(publish(KafkaSettings(bootstrap=self.stack["kafka_bootstrap"]), envelope, signer))
         say(f"published {envelope.type} (event {envelope.event_id})")
 
 

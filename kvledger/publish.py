@@ -8,7 +8,10 @@ to look for in ``GET /v1/invalidations?…`` (``source_event_id``) or in logs.
 ``docs/events.md`` documents the same JSON for producers in other languages.
 
 The broker comes from ``--kafka-bootstrap``, else ``KVLEDGER_KAFKA_BOOTSTRAP``, else the
-``kafka_bootstrap`` of ``.kvledger/stack.json`` written by ``kvledger up``.
+``kafka_bootstrap`` of ``.kvledger/stack.json`` written by ``kvledger up``. The event is signed
+with the producer key in ``--producer-key``, else ``KVLEDGER_PRODUCER_KEY_FILE``, else the stack's
+``producer_key_file``: the coordinator decides only events signed by a key enrolled for their
+tenant (``kvledger producers``; docs/security.md, "Signed customer events").
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from pydantic import ValidationError
 from events.kafka import KAFKA_SHARED_ENV, EventProducer, KafkaSettings, ensure_topics
 from events.schema import DocumentDeleted, DocumentUpdated, Envelope, ErasureRequested, EventPayload, PermissionRevoked, make_event
 from events.topics import route
+from identity.signing import EnvelopeSigner, load_private_key_pem
 
 STACK_FILE = Path(".kvledger") / "stack.json"
 BOOTSTRAP_ENV = "KVLEDGER_KAFKA_BOOTSTRAP"
+PRODUCER_KEY_ENV = "KVLEDGER_PRODUCER_KEY_FILE"
 
 
 def stack_setting(key: str) -> str | None:
@@ -49,6 +54,23 @@ def _bootstrap(args: argparse.Namespace) -> str:
     if not bootstrap:
         raise ValueError(f"no broker: pass --kafka-bootstrap, set {BOOTSTRAP_ENV}, or run `kvledger up` here")
     return bootstrap
+
+
+def producer_signer(key_file: str | None) -> EnvelopeSigner:
+    """The signer of ``key_file``, else of ``KVLEDGER_PRODUCER_KEY_FILE``, else of the stack's producer key.
+
+    ValueError when there is none or it is not an Ed25519 private key; the key is never created
+    here (an unenrolled new key would only get every event dead-lettered).
+    """
+    path = key_file or os.environ.get(PRODUCER_KEY_ENV) or stack_setting("producer_key_file")
+    if not path:
+        raise ValueError(f"no producer key: pass --producer-key, set {PRODUCER_KEY_ENV}, or run `kvledger up` here")
+    try:
+        return EnvelopeSigner(load_private_key_pem(Path(path).read_bytes()))
+    except OSError as exc:
+        raise ValueError(f"cannot read the producer key {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ValueError(f"producer key {path}: {exc}") from None
 
 
 _SECURITY_FLAGS = ("security_protocol", "sasl_mechanism", "sasl_username", "ssl_cafile", "ssl_certfile", "ssl_keyfile")
@@ -98,10 +120,10 @@ def build_event(args: argparse.Namespace) -> Envelope:
         raise ValueError(problems) from None
 
 
-async def publish(settings: KafkaSettings, envelope: Envelope) -> Any:
+async def publish(settings: KafkaSettings, envelope: Envelope, signer: EnvelopeSigner) -> Any:
     topic, _ = route(envelope)
     await ensure_topics(settings, [topic])
-    async with EventProducer(settings) as producer:
+    async with EventProducer(settings, sign=signer) as producer:
         return await producer.send(envelope)
 
 
@@ -110,11 +132,12 @@ def cli(args: argparse.Namespace) -> int:
         envelope = build_event(args)
         bootstrap = _bootstrap(args)
         settings = kafka_settings(args, bootstrap)
+        signer = producer_signer(args.producer_key)
     except ValueError as exc:
         print(f"kvledger publish: error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(publish(settings, envelope))
+        asyncio.run(publish(settings, envelope, signer))
     except (KafkaError, OSError, TimeoutError) as exc:
         print(f"kvledger publish: error: cannot publish to {bootstrap}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

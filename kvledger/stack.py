@@ -18,7 +18,9 @@ Trust (``docs/security.md``): the coordinator alone gets the master key, the dat
 URL and the command signing key (``command_key.pem`` in the state dir). Each node gets
 its own key (``node_key.pem`` in its data dir), enrolled in the registry after the
 migrations, and pins the command public key (``command_key.pub``); no node process
-sees the master key, the database credentials or any other signing key.
+sees the master key, the database credentials or any other signing key. The stack's
+producer key (``producer_key.pem``, 0600, ``producer_key_file`` in ``stack.json``) is enrolled
+for every tenant, so ``kvledger publish`` and ``kvledger demo`` sign customer events with it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from identity.signing import load_or_create_private_key, private_key_pem, public
 from identity.tokens import generate_ed25519_key_pair
 from kvledger.model_init import build_tiny_model, is_complete
 from kvledger.nodes import enroll_node_key
+from kvledger.producers import enroll_producer_key
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
 
 READY_TIMEOUT_S = 120.0
@@ -172,10 +175,7 @@ async def up(args: argparse.Namespace) -> None:
         env = _environments(state_dir, database_url, kafka_bootstrap)
         coordinator_env, node_env = env.coordinator, env.node
         node_ids = [f"node-{index}" for index in range(args.nodes)]
-        for node_id in node_ids:
-            node_key = load_or_create_private_key(state_dir / node_id / NODE_KEY_FILE)
-            await enroll_node_key(database_url, node_id, node_key.public_key())
-        progress(f"node keys enrolled ({', '.join(node_ids)})")
+        producer_key_file = await _enroll_keys(state_dir, database_url, node_ids, progress)
         logs = state_dir / "logs"
         logs.mkdir(exist_ok=True)
 
@@ -213,6 +213,7 @@ async def up(args: argparse.Namespace) -> None:
                 "jwt_secret": env.jwt_secret,
                 "operator_private_key_file": str(env.operator_private_key_file),
                 "operator_public_key_file": str(env.operator_public_key_file),
+                "producer_key_file": str(producer_key_file),
                 "metrics_token": env.metrics_token,
                 "model_dir": str(model_dir),
                 "logs": str(logs),
@@ -226,6 +227,25 @@ async def up(args: argparse.Namespace) -> None:
             await kafka.stop()
         if postgres is not None:
             await postgres.stop()
+
+
+PRODUCER_KEY_FILE = "producer_key.pem"
+"""The dev stack's customer-event producer key in the state directory, enrolled for every tenant."""
+
+
+async def _enroll_keys(state_dir: Path, database_url: str, node_ids: list[str], progress: _Progress) -> Path:
+    """Enroll each node's key (created in its data dir if missing) and the stack's producer key
+    (``producer_key.pem``, 0600, bound to all tenants: what ``kvledger publish`` and ``kvledger demo``
+    sign with); returns the producer key's path."""
+    for node_id in node_ids:
+        node_key = load_or_create_private_key(state_dir / node_id / NODE_KEY_FILE)
+        await enroll_node_key(database_url, node_id, node_key.public_key())
+    progress(f"node keys enrolled ({', '.join(node_ids)})")
+    producer_key_file = state_dir / PRODUCER_KEY_FILE
+    producer_key = load_or_create_private_key(producer_key_file)
+    await enroll_producer_key(database_url, producer_key.public_key(), None, name="kvledger-up dev producer")
+    progress(f"producer key enrolled for all tenants ({producer_key_file})")
+    return producer_key_file
 
 
 @dataclass(frozen=True)

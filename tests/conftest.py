@@ -45,7 +45,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
-from helpers.ledger import SigningProducer, fresh_database
+from helpers.ledger import SigningProducer, enroll_producer, fresh_database
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy import make_url
 
@@ -289,6 +289,7 @@ async def ledger_template(database_url: str) -> AsyncIterator[str]:
     copies it (``CREATE DATABASE … TEMPLATE``), the same schema without running the migrations again."""
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
+        await enroll_producer(url)  # every copy trusts the tests' customer events (helpers.ledger.PRODUCER_KEY)
         yield make_url(url).database
 
 

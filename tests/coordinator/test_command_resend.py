@@ -33,6 +33,7 @@ from helpers.ledger import (
     eventually,
     fresh_database,
     sign_command,
+    sign_customer_event,
 )
 from helpers.node import RunningNode, node_settings
 from prometheus_client import REGISTRY
@@ -285,9 +286,9 @@ async def node(coordinator: Ledger, tiny_model_dir: Path, tmp_path_factory, kafk
 
 
 async def update_document(kafka_bootstrap: str, tenant: str, doc_id: str, version: int) -> uuid.UUID:
-    """A user's DocumentUpdated (customer events are unsigned); returns its event id."""
+    """A user's DocumentUpdated (signed with the tests' producer key); returns its event id."""
     event = schema.make_event(schema.DocumentUpdated(doc_id=doc_id, version=version), tenant_id=tenant)
-    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap), sign=sign_customer_event) as producer:
         await producer.send(event)
     return event.event_id
 

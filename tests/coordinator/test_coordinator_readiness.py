@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.ledger import coordinator_env, coordinator_settings, eventually, fresh_database
+from helpers.ledger import coordinator_env, coordinator_settings, eventually, fresh_database, sign_customer_event
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
@@ -50,7 +50,7 @@ async def decided_after(settings: CoordinatorSettings, tenant: str) -> float:
     event = schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant)
     database = Database(settings.database, pre_ping=False)
     try:
-        async with EventProducer(KafkaSettings(bootstrap=settings.kafka.bootstrap)) as producer:
+        async with EventProducer(KafkaSettings(bootstrap=settings.kafka.bootstrap), sign=sign_customer_event) as producer:
             started = time.monotonic()
             await producer.send(event)
 

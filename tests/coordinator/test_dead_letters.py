@@ -25,6 +25,7 @@ from helpers.ledger import (
     enroll_nodes,
     eventually,
     operator_headers,
+    sign_customer_event,
 )
 from sqlalchemy import select
 
@@ -76,7 +77,7 @@ async def test_a_poison_record_is_listed_without_its_content_and_a_still_invalid
 ) -> None:
     since = datetime.now(UTC).isoformat()
     marker = uuid.uuid4().hex
-    update = schema.make_event(schema.DocumentUpdated(doc_id=f"doc-{marker}", version=2), tenant_id="acme")
+    update = sign_customer_event(schema.make_event(schema.DocumentUpdated(doc_id=f"doc-{marker}", version=2), tenant_id="acme"))
     _, key = route(update)
     poison = b'{"not an envelope": "' + marker.encode() + b'"'
     digest = hashlib.sha256(poison).hexdigest()

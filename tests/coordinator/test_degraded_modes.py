@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-from helpers.ledger import SUBJECT_KEY, coordinator_env, eventually, fresh_database, operator_headers
+from helpers.ledger import SUBJECT_KEY, coordinator_env, enroll_producer, eventually, fresh_database, operator_headers, sign_customer_event
 from sqlalchemy import select
 
 from coordinator import migrate
@@ -91,7 +91,7 @@ async def wait_ready(client: httpx.AsyncClient, timeout_s: float = 90) -> None:
 async def update_is_decided(database_url: str, bootstrap: str) -> None:
     """Publish a DocumentUpdated; wait until the coordinator recorded its decision."""
     event = schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=2), tenant_id=f"acme-{uuid.uuid4().hex[:6]}")
-    async with EventProducer(KafkaSettings(bootstrap=bootstrap)) as producer:
+    async with EventProducer(KafkaSettings(bootstrap=bootstrap), sign=sign_customer_event) as producer:
         await producer.send(event)
     database = Database(DatabaseSettings(url=database_url))
     try:
@@ -142,6 +142,7 @@ async def test_the_api_answers_503_while_postgres_is_down_and_recovers_when_it_r
     try:
         url = postgres.database_url
         await asyncio.to_thread(migrate.upgrade, url)  # a server of its own (the test stops it): the session's template is not there
+        await enroll_producer(url)
         async with coordinator(url, kafka_bootstrap, tmp_path / "coordinator.log") as client:
             await wait_ready(client)
             await postgres.stop()

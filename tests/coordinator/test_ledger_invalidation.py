@@ -30,6 +30,7 @@ from aiokafka import AIOKafkaProducer
 from helpers.ledger import (
     JWT_SECRET,
     OPERATOR_PRIVATE_KEY_PEM,
+    PRODUCER_KEY,
     FakeNode,
     RunningConsumers,
     coordinator_settings,
@@ -37,6 +38,7 @@ from helpers.ledger import (
     fresh_database,
     scan_topic,
     sign_command,
+    signed_customer_value,
     stored,
 )
 from prometheus_client import REGISTRY
@@ -68,6 +70,7 @@ from events.schema import (
     parse_event,
 )
 from events.topics import COMMANDS, DEAD_LETTER, DOCUMENTS, PERMISSIONS
+from identity.signing import private_key_pem
 from identity.tokens import issue_token
 from kvledger import admin, publish
 
@@ -188,18 +191,20 @@ async def test_document_update_from_a_plain_producer(
     await b.store(old, old_disk)
     await _nodes_applied(database, a, b)
 
-    # A user's system: a plain producer, JSON bytes built by hand, no kvledger code.
+    # A user's system: a plain producer, JSON bytes built by hand (then signed with its producer key).
     event_id = str(uuid.uuid4())
-    value = json.dumps(
-        {
-            "event_id": event_id,
-            "type": "DocumentUpdated",
-            "schema_version": 1,
-            "occurred_at": datetime.now(UTC).isoformat(),
-            "tenant_id": tenant,
-            "payload": {"doc_id": "handbook", "version": 2},
-        }
-    ).encode()
+    value = signed_customer_value(
+        json.dumps(
+            {
+                "event_id": event_id,
+                "type": "DocumentUpdated",
+                "schema_version": 1,
+                "occurred_at": datetime.now(UTC).isoformat(),
+                "tenant_id": tenant,
+                "payload": {"doc_id": "handbook", "version": 2},
+            }
+        ).encode()
+    )
     plain = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap, acks="all")
     await plain.start()
     try:
@@ -209,7 +214,7 @@ async def test_document_update_from_a_plain_producer(
         superseded = counter("kvledger_invalidation_events_total", type="DocumentUpdated", outcome="superseded")
         await plain.send_and_wait(DOCUMENTS, value, key=f"{tenant}:handbook".encode())
         older = json.loads(value) | {"event_id": str(uuid.uuid4()), "payload": {"doc_id": "handbook", "version": 1}}
-        await plain.send_and_wait(DOCUMENTS, json.dumps(older).encode(), key=f"{tenant}:handbook".encode())
+        await plain.send_and_wait(DOCUMENTS, signed_customer_value(json.dumps(older).encode()), key=f"{tenant}:handbook".encode())
     finally:
         await plain.stop()
 
@@ -501,12 +506,22 @@ async def _started(server: uvicorn.Server) -> bool:
     return server.started
 
 
-async def test_publish_cli(coordinator, database: Database, settings, capsys: pytest.CaptureFixture, uid: str) -> None:
+async def test_publish_cli(
+    coordinator, database: Database, settings, capsys: pytest.CaptureFixture, uid: str, tmp_path, monkeypatch
+) -> None:
     tenant = f"cli-{uid}"
+    key_file = tmp_path / "producer_key.pem"
+    key_file.write_bytes(private_key_pem(PRODUCER_KEY))
+    monkeypatch.chdir(tmp_path)  # no stack file: the key comes from --producer-key only
 
-    def run(kind: str, **fields) -> int:
-        args = argparse.Namespace(kafka_bootstrap=settings.kafka.bootstrap, event_kind=kind, tenant=tenant, **fields)
+    def run(kind: str, producer_key: str | None = str(key_file), **fields) -> int:
+        args = argparse.Namespace(
+            kafka_bootstrap=settings.kafka.bootstrap, event_kind=kind, tenant=tenant, producer_key=producer_key, **fields
+        )
         return publish.cli(args)
+
+    assert await asyncio.to_thread(run, "document-updated", producer_key=None, doc="guide", version=5) == 2
+    assert "no producer key" in capsys.readouterr().err
 
     assert await asyncio.to_thread(run, "document-updated", doc="guide", version=5) == 0
     event_id = uuid.UUID(capsys.readouterr().out.strip())

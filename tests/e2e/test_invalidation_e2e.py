@@ -9,8 +9,8 @@ is real and talks over real transports:
 * two nodes, each what ``gpu_node.server.serve`` runs (engine, publisher, command
   consumer) with its OpenAI-compatible app served by uvicorn; generation requests
   go through the official ``openai`` client, ledger reads through ``httpx``;
-* user events are published with a *plain* aiokafka producer as raw JSON bytes,
-  exactly as ``docs/events.md`` tells users to.
+* user events are published with a *plain* aiokafka producer as raw JSON bytes, signed
+  with the tests' producer key, exactly as ``docs/events.md`` tells users to.
 
 The nodes' pools are small (24 device blocks, which are also the running requests'
 KV memory, and 6 host blocks); a cached document's later blocks are moved down to
@@ -26,6 +26,8 @@ coordinator's consumer groups start at the current end of their topics
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -35,8 +37,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import rfc8785
 from aiokafka import AIOKafkaProducer
-from helpers.ledger import JWT_SECRET, RunningConsumers, coordinator_settings, enroll_nodes, eventually, operator_headers
+from cryptography.hazmat.primitives import serialization
+from helpers.ledger import JWT_SECRET, PRODUCER_KEY, RunningConsumers, coordinator_settings, enroll_nodes, eventually, operator_headers
 from helpers.node import RunningNode, Served, node_settings
 
 from bench.common import start_groups_at_end
@@ -180,15 +184,21 @@ PUBLIC_CHAT = [{"role": "system", "content": SYSTEM, "cache_scope": "public"}, {
 
 
 async def publish_raw(bootstrap: str, topic: str, key: str, event_type: str, tenant: str, payload: dict) -> str:
-    """A user event as docs/events.md shows it: plain aiokafka, raw JSON bytes, acks=all. Returns the event id."""
+    """A user event as docs/events.md shows it: plain aiokafka, raw JSON bytes signed with rfc8785 and cryptography
+    (the tests' producer key), acks=all. Returns the event id."""
     event_id = str(uuid.uuid4())
     event = {
         "event_id": event_id,
         "type": event_type,
         "schema_version": 1,
-        "occurred_at": datetime.now(UTC).isoformat(),
+        "occurred_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "tenant_id": tenant,
         "payload": payload,
+    }
+    raw = PRODUCER_KEY.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    event["signature"] = {
+        "kid": hashlib.sha256(raw).digest()[:16].hex(),
+        "sig": base64.urlsafe_b64encode(PRODUCER_KEY.sign(rfc8785.dumps(event))).rstrip(b"=").decode(),
     }
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
@@ -341,7 +351,12 @@ async def test_permission_revocation_refuses_old_tokens_and_rebuilds_under_the_n
     await ledger_matches(coordinator, tenant, "handbook", held)
 
     event_id = await publish_raw(
-        kafka_bootstrap, topics.PERMISSIONS, f"{tenant}:hr", "PermissionRevoked", tenant, {"auth_scope": "hr", "policy_version": 2}
+        kafka_bootstrap,
+        topics.PERMISSIONS,
+        f"{tenant}:hr",
+        "PermissionRevoked",
+        tenant,
+        {"auth_scope": "hr", "policy_version": 2, "subject_id": None},
     )
     decided = await invalidation_for(coordinator, event_id)
     described = await until_status(coordinator, decided["command_id"], "complete")

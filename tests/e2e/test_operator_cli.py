@@ -17,8 +17,9 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import uvicorn
-from helpers.ledger import OPERATOR_PRIVATE_KEY_PEM, coordinator_settings, eventually
+from helpers.ledger import OPERATOR_PRIVATE_KEY_PEM, coordinator_settings, eventually, operator_headers, operator_token
 from test_erasure_e2e import stack, wait_status  # noqa: F401 - the module-scoped stack fixture
 
 from coordinator.api import create_app
@@ -154,3 +155,60 @@ async def test_status_reads_backlog_from_metrics(stack, tmp_path):  # noqa: F811
         server.should_exit = True
         await serving
         sock.close()
+
+
+async def test_a_producer_key_made_enrolled_and_revoked_from_the_cli_signs_what_kvledger_publish_sends(
+    stack,  # noqa: F811 - the fixture
+    tmp_path,
+    kafka_bootstrap,
+):
+    state = _stack_dir(tmp_path, stack["url"])
+    tenant = f"acme-{uuid.uuid4().hex[:6]}"
+    key_file, public_file = tmp_path / "hr-system.pem", tmp_path / "hr-system.pub"
+
+    made = await _cli("producers", "key", "--key-file", str(key_file))
+    assert made.returncode == 0, made.stderr
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    public_file.write_text(made.stdout)
+    key_id = made.stderr.split()[2]
+
+    enrolled = await _cli(
+        "producers", "enroll", "--stack", state, "--public-key", str(public_file), "--name", "hr-system", "--tenant", tenant
+    )
+    assert (enrolled.returncode, enrolled.stdout.strip()) == (0, f"enrolled producer key {key_id} (hr-system) for {tenant}"), (
+        enrolled.stderr
+    )
+    # A tenant-admin token (one --tenant) cannot bind a key to all tenants.
+    token = operator_token("tenant-admin", tenant)
+    refused = await _cli(
+        "producers", "enroll", "--stack", state, "--public-key", str(public_file), "--name", "x", "--all-tenants", "--token", token
+    )
+    assert refused.returncode == 1 and "HTTP 403" in refused.stderr
+
+    published = await _cli(
+        "publish", "--kafka-bootstrap", kafka_bootstrap, "--producer-key", str(key_file),
+        "document-updated", "--tenant", tenant, "--doc", "handbook", "--version", "2",
+    )  # fmt: skip
+    assert published.returncode == 0, published.stderr
+    event_id = published.stdout.strip()
+
+    async def decided() -> bool:
+        listed = await asyncio.to_thread(
+            httpx.get,
+            f"{stack['url']}/v1/invalidations",
+            params={"tenant": tenant},
+            headers=operator_headers("auditor", tenant),
+            timeout=30,
+        )
+        return any(row["source_event_id"] == event_id for row in listed.json()["invalidations"])
+
+    await eventually(decided, timeout_s=60, what="the decision for the CLI's signed event")
+
+    listed = await _cli("producers", "list", "--stack", state, "--tenant", tenant, "--json")
+    (mine,) = [key for key in json.loads(listed.stdout) if key["key_id"] == key_id]
+    assert (mine["tenants"], mine["revoked_at"]) == ([tenant], None)
+    revoked = await _cli("producers", "revoke", key_id, "--stack", state, "--tenant", tenant)
+    assert (revoked.returncode, revoked.stdout.strip()) == (0, f"revoked producer key {key_id}"), revoked.stderr
+    listed = await _cli("producers", "list", "--stack", state, "--tenant", tenant, "--json")
+    (mine,) = [key for key in json.loads(listed.stdout) if key["key_id"] == key_id]
+    assert mine["revoked_at"] is not None

@@ -8,6 +8,7 @@ then was decided seconds later — a request in between was served from the old 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -18,14 +19,16 @@ from helpers.stack import Up
 from events import schema
 from events.kafka import EventProducer, KafkaSettings
 from identity.tokens import issue_token
+from kvledger.publish import producer_signer
 
 pytestmark = pytest.mark.e2e
 
 DECIDED_WITHIN_S = 3.0
 
 
-async def _publish_update(bootstrap: str, tenant: str) -> None:
-    async with EventProducer(KafkaSettings(bootstrap=bootstrap)) as producer:
+async def _publish_update(bootstrap: str, tenant: str, producer_key_file: str) -> None:
+    """A DocumentUpdated signed with the stack's producer key, as ``kvledger publish`` signs it."""
+    async with EventProducer(KafkaSettings(bootstrap=bootstrap), sign=producer_signer(producer_key_file)) as producer:
         await producer.send(schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant))
 
 
@@ -34,7 +37,8 @@ def test_an_update_published_as_soon_as_the_stack_is_up_is_decided_at_once(tiny_
     try:
         stack = up.wait_ready()
         published = time.monotonic()
-        asyncio.run(_publish_update(stack["kafka_bootstrap"], "acme"))
+        assert os.stat(stack["producer_key_file"]).st_mode & 0o777 == 0o600  # the stack's dev producer key, enrolled for all tenants
+        asyncio.run(_publish_update(stack["kafka_bootstrap"], "acme", stack["producer_key_file"]))
         ready = httpx.get(f"{stack['coordinator_url']}/readyz")
         assert ready.status_code == 200, ready.text
 

@@ -33,7 +33,17 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers.ledger import COMMAND_KEY, JWT_SECRET, coordinator_settings, enroll_nodes, eventually, node_key, operator_headers, sign_command
+from helpers.ledger import (
+    COMMAND_KEY,
+    JWT_SECRET,
+    coordinator_settings,
+    enroll_nodes,
+    eventually,
+    node_key,
+    operator_headers,
+    sign_command,
+    sign_customer_event,
+)
 from helpers.node import CoordinatorThread, ServedNode, demote_to_disk, node_settings
 from sqlalchemy import select
 
@@ -161,7 +171,7 @@ async def chat(node: GovNode, bearer: str, body_messages: list[dict]) -> httpx.R
 
 async def publish(kafka_bootstrap: str, payload, tenant: str | None) -> uuid.UUID:
     event = schema.make_event(payload, tenant_id=tenant)
-    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as producer:
+    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap), sign=sign_customer_event) as producer:
         await producer.send(event)
     return event.event_id
 

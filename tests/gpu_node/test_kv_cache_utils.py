@@ -59,10 +59,10 @@ def test_exact_hash_values_are_pinned():
     assert [key.hex[:16] for key in keys] == [
         "ffc0c12fb518a0a9",
         "ffef3b9664139645",
-        "935a3fb5a61a24d4",
-        "43201c19c9ce304b",
-        "2d3a17a3362a1a08",
-        "96cc206bcb9f0301",
+        "ba1bcec44170c119",
+        "e48026f61fe52a2e",
+        "f065690785b0cf93",
+        "5f1781571753f766",
     ]
     assert namespace_root("ns-test").hex()[:16] == "2fd4e2c62b645982"
 
@@ -82,7 +82,8 @@ def test_hashes_follow_the_documented_encoding():
     no_adapter_no_docs = _field(_field(b"") + _field(b""))
     block0 = hashlib.sha256(root + _field(b"") + _field(struct.pack("<4I", 100, 101, 102, 103)) + no_adapter_no_docs)
     assert keys[0].block_hash == block0.digest()
-    salt = b"T" + _field(b"acme") + _u32(1) + _field(b"hr") + _u32(3)
+    # Tenant salt format T2: policy versions as little-endian u64 (any version 0..2^53-1 a token may carry).
+    salt = b"T2" + _field(b"acme") + _u32(1) + _field(b"hr") + struct.pack("<Q", 3)
     extra = _field(_field(b"") + _field(b"handbook@7"))
     block2 = hashlib.sha256(keys[1].block_hash + _field(salt) + _field(struct.pack("<4I", 108, 109, 110, 111)) + extra)
     assert keys[2].block_hash == block2.digest()

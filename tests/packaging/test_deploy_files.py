@@ -45,7 +45,9 @@ def test_compose_file_is_valid_against_the_compose_spec():
 def test_compose_has_the_production_services_wired_together():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"kafka", "postgres", "migrate", "model-init", "coordinator", "gpu-node", "prometheus", "grafana"}
+    assert set(services) == {"kafka", "postgres", "migrate", "model-init", "coordinator", "gpu-node", "prometheus", "grafana", "publisher"}
+    # the publisher is a tool (`docker compose run --rm publisher …`): it holds the producer key, and nothing else
+    assert (services["publisher"]["profiles"], services["publisher"]["secrets"]) == (["tools"], ["producer_key"])
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft, no ZooKeeper
     assert services["coordinator"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["gpu-node"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -355,14 +357,14 @@ def test_one_postgres_major_version_everywhere():
 
 SECRETS = {
     "postgres_password", "database_url", "master_key", "command_signing_key", "jwt_secret", "subject_key", "metrics_token",
-    "grafana_admin_password",
+    "grafana_admin_password", "producer_key",
 }  # fmt: skip
 SECRET_VARIABLES = {
     "KVLEDGER_DATABASE_URL", "KVLEDGER_JWT_SECRET", "KVLEDGER_SUBJECT_KEY", "KVLEDGER_MASTER_KEY", "KVLEDGER_COMMAND_SIGNING_KEY",
     "KVLEDGER_RECEIPT_SIGNING_KEY", "KVLEDGER_KAFKA_SASL_PASSWORD", "KVLEDGER_METRICS_TOKEN", "POSTGRES_PASSWORD",
     "GF_SECURITY_ADMIN_PASSWORD",
 }  # fmt: skip
-NOT_SECRET_FILES = {"KVLEDGER_METRICS_TOKEN_FILE", "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"}
+NOT_SECRET_FILES = {"KVLEDGER_METRICS_TOKEN_FILE", "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE", "KVLEDGER_PRODUCER_KEY_FILE"}
 """``*_FILE`` variables the services read themselves (the shim leaves them alone)."""
 
 

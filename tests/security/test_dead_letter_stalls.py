@@ -30,6 +30,7 @@ from helpers.cli import kvledger, served_stack
 from helpers.ledger import (
     COMMAND_KEY,
     RunningConsumers,
+    SigningProducer,
     coordinator_settings,
     eventually,
     kafka_client_settings,
@@ -110,7 +111,7 @@ async def test_an_850_kb_invalid_erasure_is_dead_lettered_by_reference_and_later
         await raw.send_and_wait(ERASURES, big, key=f"acme:{marker}".encode())
     finally:
         await raw.stop()
-    async with EventProducer(kafka_settings(settings)) as producer:
+    async with SigningProducer(kafka_settings(settings)) as producer:
         await producer.send(update)
 
     async def decided() -> bool:

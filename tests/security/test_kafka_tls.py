@@ -28,7 +28,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from helpers.ledger import eventually
+from helpers.ledger import eventually, sign_customer_event
 
 from events.codec import decode_event
 from events.kafka import EventProducer, KafkaSettings, ensure_topics, kafka_client_kwargs
@@ -199,7 +199,7 @@ async def test_kvledger_publish_reaches_the_broker_over_mutual_tls(tls_bootstrap
     )  # fmt: skip
     settings = publish.kafka_settings(args, tls_bootstrap)
     envelope = publish.build_event(args)
-    sent = await publish.publish(settings, envelope)
+    sent = await publish.publish(settings, envelope, sign_customer_event)
     consumer = AIOKafkaConsumer(**kafka_client_kwargs(settings), group_id=None, auto_offset_reset="earliest")
     await consumer.start()
     try:

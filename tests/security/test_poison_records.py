@@ -20,7 +20,17 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from helpers.ledger import RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database, node_key, scan_topic
+from helpers.ledger import (
+    RunningConsumers,
+    connect,
+    coordinator_settings,
+    enroll_nodes,
+    eventually,
+    fresh_database,
+    node_key,
+    scan_topic,
+    sign_customer_event,
+)
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
@@ -30,7 +40,7 @@ from coordinator.models import Document, InboxEntry, Invalidation, Namespace, No
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_event, encode_key
 from events.schema import DocumentUpdated, ErasureRequested, EventPayload, NodeHeartbeat, NodeStarted, PermissionRevoked, make_event
-from events.topics import DEAD_LETTER, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, route
+from events.topics import DEAD_LETTER, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, document_key, route
 from identity.signing import sign_envelope
 
 BAD_IDS = {
@@ -81,7 +91,8 @@ async def coordinator(settings: CoordinatorSettings, database: Database, raw_pro
                 ERASURES: (ErasureRequested(subject_id=name, reason="sync"), f"sync-{uid}"),
             }[topic]
             envelope = make_event(payload, tenant_id=tenant)
-            await raw_producer.send_and_wait(topic, await record_value(settings, envelope), key=b"sync", partition=partition)
+            value, key = await record_value(settings, envelope), encode_key(route(envelope)[1])
+            await raw_producer.send_and_wait(topic, value, key=key, partition=partition)
             markers.append(envelope.event_id)
     await eventually(lambda: applied(database, *markers), timeout_s=120, what="the consumers to catch up")
     yield
@@ -89,9 +100,10 @@ async def coordinator(settings: CoordinatorSettings, database: Database, raw_pro
 
 
 async def record_value(settings: CoordinatorSettings, envelope) -> bytes:
-    """The bytes a real producer would send: node events signed with their node's enrolled test key."""
+    """The bytes a real producer would send: node events signed with their node's enrolled test key, customer
+    events with the tests' producer key."""
     if route(envelope)[0] != KV_EVENTS:
-        return encode_event(envelope)
+        return encode_event(sign_customer_event(envelope))
     node_id = envelope.payload.node_id
     await enroll_nodes(settings.database.url.get_secret_value(), [node_id])
     return encode_event(sign_envelope(envelope, node_key(node_id)))
@@ -198,7 +210,7 @@ async def test_a_lone_surrogate_is_dead_lettered(
     coordinator, settings: CoordinatorSettings, database: Database, raw_producer: AIOKafkaProducer
 ) -> None:
     uid = uuid.uuid4().hex[:8]
-    valid = make_event(DocumentUpdated(doc_id=f"d-{uid}", version=1), tenant_id=f"t-{uid}")
+    valid = sign_customer_event(make_event(DocumentUpdated(doc_id=f"d-{uid}", version=1), tenant_id=f"t-{uid}"))
     bad = encode_event(valid).replace(f"d-{uid}".encode(), b"d-\\ud800")
     before = dead_letter_count(DOCUMENTS)
     await raw_producer.send_and_wait(DOCUMENTS, bad, key=encode_key(f"t-{uid}:d-{uid}"))
@@ -240,10 +252,13 @@ async def test_a_document_the_database_refuses_is_isolated_and_the_rest_of_its_b
     constraint = await _refuse(settings.database.url.get_secret_value(), "documents", "doc_id", f"poison-{uid}")
     try:
         names = [f"a-{uid}", f"b-{uid}", f"poison-{uid}", f"c-{uid}", f"d-{uid}"]
-        events = [make_event(DocumentUpdated(doc_id=name, version=3), tenant_id=tenant) for name in names]
+        events = [sign_customer_event(make_event(DocumentUpdated(doc_id=name, version=3), tenant_id=tenant)) for name in names]
         before = dead_letter_count(DOCUMENTS)
-        # One key: one partition, so the consumer fetches them as one batch (and in this order).
-        sent = [await raw_producer.send(DOCUMENTS, encode_event(e), key=encode_key(tenant)) for e in events]
+        # One partition, so the consumer fetches them as one batch (and in this order); each under its own key.
+        sent = [
+            await raw_producer.send(DOCUMENTS, encode_event(e), key=encode_key(document_key(tenant, e.payload.doc_id)), partition=0)
+            for e in events
+        ]
         metadata = [await future for future in sent]
         good = [e.event_id for e in events if e.payload.doc_id != f"poison-{uid}"]
         await eventually(lambda: applied(database, *good), what="the good documents of the batch")
@@ -304,7 +319,7 @@ async def test_a_transient_failure_is_retried_and_nothing_is_dead_lettered(
     """The consumer's connection is killed mid-batch (pg_terminate_backend): the batch is retried, not dead-lettered."""
     uid = uuid.uuid4().hex[:8]
     tenant = f"t-{uid}"
-    event = make_event(DocumentUpdated(doc_id=f"d-{uid}", version=2), tenant_id=tenant)
+    event = sign_customer_event(make_event(DocumentUpdated(doc_id=f"d-{uid}", version=2), tenant_id=tenant))
     group = settings.kafka.group_id + INVALIDATION_GROUP_SUFFIX
     failures_before, letters_before = handler_failures(group), dead_letter_count(DOCUMENTS)
     blocker = await connect(settings.database.url.get_secret_value())

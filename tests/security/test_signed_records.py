@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +24,7 @@ from helpers.ledger import (
     RunningConsumers,
     SigningProducer,
     coordinator_settings,
+    dead_letters,
     eventually,
     fresh_database,
     node_key,
@@ -37,14 +37,14 @@ from prometheus_client import REGISTRY
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
-from coordinator.consumers import ACK_GROUP_SUFFIX, consumer_groups, kafka_settings
+from coordinator.consumers import ACK_GROUP_SUFFIX, INVALIDATION_GROUP_SUFFIX, consumer_groups, kafka_settings
 from coordinator.db import Database
 from coordinator.erasure import start_erasure
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
-from coordinator.models import Erasure, InboxEntry, InvalidationTarget, Placement, Receipt
+from coordinator.models import Erasure, InvalidationTarget, Placement, Receipt
 from coordinator.settings import CoordinatorSettings
 from events import kafka, schema, topics
-from events.codec import DeadLetter, decode_event
+from events.codec import decode_event
 from events.kafka import EventProducer, KafkaSettings
 from gpu_node.api import create_app
 from gpu_node.block_pool import Tier
@@ -62,28 +62,6 @@ SYSTEM = "You answer questions from the tenant handbook, briefly."
 
 def unverified(topic: str, reason: str) -> float:
     return REGISTRY.get_sample_value("kvledger_unverified_records_total", {"topic": topic, "reason": reason}) or 0.0
-
-
-async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID], topic: str = topics.DEAD_LETTER) -> dict[uuid.UUID, str]:
-    """The dead-letter error of each of ``event_ids`` that ``group_id`` dead-lettered on ``topic`` (waits for all of them).
-
-    Nodes dead-letter on their own topic (``kvledger.node-dead-letter``), the coordinator on ``kvledger.dead-letter``."""
-    found: dict[uuid.UUID, str] = {}
-
-    def visit(record) -> bool:
-        letter = DeadLetter.model_validate_json(record.value)
-        if letter.group_id == group_id:
-            # The node replays the whole shared command topic: other tests' garbage is dead-lettered too.
-            try:
-                event_id = uuid.UUID(json.loads(letter.raw_value() or b"null")["event_id"])
-            except (ValueError, TypeError, KeyError):
-                return False
-            if event_id in event_ids:
-                found[event_id] = letter.error
-        return set(found) == event_ids
-
-    await scan_topic(bootstrap, topic, visit)
-    return found
 
 
 async def acked(bootstrap: str, command_id: uuid.UUID, node_id: str) -> schema.CommandAck:
@@ -175,17 +153,23 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
         inventory = schema.make_event(schema.InventoryRequested(node_id=node.node_id, request_id=uuid.uuid4()))
         reasons = [(unsigned, "unsigned"), (tampered, "bad_signature"), (wrong_key, "unknown_key"), (inventory, "unsigned")]
         before = {reason: node.unverified(reason) for _, reason in reasons}
+        # A customer event signed with the command key itself: the commands topic does not carry that type.
+        misplaced = sign_command(schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=99), tenant_id=tenant))
         async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as plain:
             for envelope, _ in reasons:
                 await plain.send(envelope)
+            await plain.send(misplaced, topic=topics.COMMANDS, key=topics.BROADCAST_TARGET)
         # Positive control, after them in the same partition: a command the coordinator really signed.
         control = sign_command(invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="other", below_version=2)))
         async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as signing:
             await signing.send(control)
         await acked(kafka_bootstrap, control.payload.command_id, node.node_id)
 
-        letters = await dead_letters(kafka_bootstrap, node.commands.group_id, {e.event_id for e, _ in reasons}, topics.NODE_DEAD_LETTER)
-        assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
+        event_ids = {e.event_id for e, _ in reasons} | {misplaced.event_id}
+        letters = await dead_letters(kafka_bootstrap, node.commands.group_id, event_ids, topics.NODE_DEAD_LETTER)
+        assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons} | {misplaced.event_id: "routing: wrong_topic"}
+        misrouted = node.engine.metrics.registry.get_sample_value("kvledger_misrouted_commands_total", {"reason": "wrong_topic"})
+        assert misrouted == 1
         assert {reason: node.unverified(reason) - before[reason] for reason in before} == {
             "unsigned": 2,
             "bad_signature": 1,
@@ -318,15 +302,15 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
         async with EventProducer(kafka_settings(coordinator)) as plain:
             for envelope, _ in reasons:
                 await plain.send(envelope)
-            # The same forgery on a customer topic, where nothing checks node signatures: not an ack there either.
+            # The same forgery on a customer topic: an ack is not a type that topic carries, so the decisions
+            # consumer refuses it before anything looks at it.
             misplaced = ack(two)
             await plain.send(misplaced, topic=topics.DOCUMENTS, key=f"{tenant}:doc")
 
-        async def misplaced_consumed() -> bool:
-            async with ledger.session() as session:
-                return await session.get(InboxEntry, misplaced.event_id) is not None
-
-        await eventually(misplaced_consumed, what="the decisions consumer to take the misplaced ack")
+        misplaced_letters = await dead_letters(
+            kafka_bootstrap, coordinator.kafka.group_id + INVALIDATION_GROUP_SUFFIX, {misplaced.event_id}
+        )
+        assert misplaced_letters == {misplaced.event_id: "routing: wrong_topic"}
         group = coordinator.kafka.group_id + ACK_GROUP_SUFFIX
         letters = await dead_letters(kafka_bootstrap, group, {e.event_id for e, _ in reasons})
         assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
