@@ -347,6 +347,7 @@ class NodePublisher:
             "documents": list(provenance.documents),
             "token_offset": token_offset,
             "created_at": datetime.fromtimestamp(provenance.created_at, UTC),
+            "creator_subject_id": provenance.creator_subject_id,
         }
 
     def _stored_block(self, key: BlockKey, tier: str) -> schema.StoredBlock:
