@@ -10,7 +10,8 @@ One checker for the fault-injection suite (``tests/faults``) and ``kvledger benc
    request hits no more than a never-seen subject's identical request; a request naming a replaced
    document version is refused (409), a token of a revoked policy version too (401).
 3. **Erasures.** Every erasure eventually ``verified``; a verified erasure leaves no copy of the
-   subject's blocks created before its cutoff, neither in the ledger nor in any node's inventory.
+   subject's blocks created before its cutoff, neither in the ledger nor in any node's inventory
+   (on the nodes, also no public or tenant copy the subject's request created).
 4. **Nothing applied twice.** One content per ``(node, epoch, seq)`` on ``kvledger.kv-events`` (a retry
    resends identical bytes; heartbeats, which repeat the last seq, aside); per node and epoch the
    published ``seq`` values have no hole.
@@ -235,8 +236,10 @@ class Invariants:
                     block.block_hash
                     for chunk in chunks
                     for block in chunk.payload.blocks
-                    if block.tenant_id == erasure["tenant_id"]
-                    and block.subject_id == erasure["subject"]
+                    if (
+                        (block.tenant_id == erasure["tenant_id"] and block.subject_id == erasure["subject"])
+                        or block.creator_subject_id == erasure["subject"]  # a public or tenant block the subject's request built
+                    )
                     and block.created_at < erasure["cutoff"]
                 ]
                 if left:

@@ -58,6 +58,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator.models import (
     Block,
     BlockAuthScope,
+    BlockCreator,
     BlockDocument,
     Document,
     Erasure,
@@ -251,14 +252,27 @@ def matching_blocks(predicate: Predicate) -> Select:
                 )
             )
         case SubjectPredicate():
-            return select(Block.block_hash).where(
-                Block.tenant_id == predicate.tenant, Block.subject_hash == bytes.fromhex(predicate.subject_id)
-            )
+            return user_blocks(predicate).union(created_blocks(predicate))
         case NamespacePredicate():
             return select(Block.block_hash).where(Block.namespace == predicate.ns)
         case TenantPredicate():
             return select(Block.block_hash).where(Block.tenant_id == predicate.tenant)
     raise AssertionError(f"no ledger match for predicate {predicate!r}")
+
+
+def user_blocks(predicate: SubjectPredicate) -> Select:
+    """The subject's user-scope blocks: salted with the subject, so no other subject ever has them."""
+    return select(Block.block_hash).where(Block.tenant_id == predicate.tenant, Block.subject_hash == bytes.fromhex(predicate.subject_id))
+
+
+def created_blocks(predicate: SubjectPredicate) -> Select:
+    """Blocks of any scope that a node reported the subject's requests created (``block_creators``).
+
+    A public or tenant block is shared: other subjects may hit the same copy, and other nodes
+    hold copies of their own that someone else created. An erasure removes every copy the
+    subject created, and the nodes recompute the block for its next caller.
+    """
+    return select(BlockCreator.block_hash).where(BlockCreator.subject_hash == bytes.fromhex(predicate.subject_id))
 
 
 def acked_erasure_command(erasure_command_id: ColumnElement[uuid.UUID], node_id: ColumnElement[str]) -> Exists:
@@ -350,7 +364,8 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
     held when it applied the command, so after its ack its new copies are the subject's
     new data, whatever their ``created_at`` says (its re-send names the erasure's command
     as parent, which keeps the erasure from being verified until every node acked it
-    too). A node
+    too) — the subject's user blocks, and any block a node reported the subject created
+    (:func:`created_blocks`). A node
     can report one after the command passed it (it was built from stale input before
     the node learned the new version, or the node missed the command). The command
     is re-issued with the *same predicate* and a fresh cutoff ``now`` — a fresh cutoff
@@ -400,7 +415,17 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
             .join(Placement, and_(Placement.block_hash == Block.block_hash, Placement.state == PlacementState.LIVE))
             .where(in_chunk, Erasure.status != ErasureStatus.VERIFIED, ~acked_erasure_command(Erasure.command_id, Placement.node_id))
         )
-        originals.update((await session.scalars(documents.union(policies, namespaces, erasures))).all())
+        created = (
+            select(Erasure.command_id)
+            .join(BlockCreator, BlockCreator.subject_hash == Erasure.subject_hash)
+            .join(Placement, and_(Placement.block_hash == BlockCreator.block_hash, Placement.state == PlacementState.LIVE))
+            .where(
+                BlockCreator.block_hash == any_(bindparam("late_created_hashes", chunk, type_=ARRAY(LargeBinary))),
+                Erasure.status != ErasureStatus.VERIFIED,
+                ~acked_erasure_command(Erasure.command_id, Placement.node_id),
+            )
+        )
+        originals.update((await session.scalars(documents.union(policies, namespaces, erasures, created))).all())
     if not originals:
         return []
     rows = (

@@ -39,16 +39,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy import LargeBinary, and_, any_, bindparam, exists, func, or_, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics, receipts
 from coordinator.audit_log import AuditLogCorrupted, ReceiptKeys, ReceiptKeyUnavailable, append_receipt
 from coordinator.db import Database
-from coordinator.decisions import Decision, decide, matching_blocks
+from coordinator.decisions import Decision, created_blocks, decide, user_blocks
 from coordinator.keys import DataKey, destroy_keys, subject_keys
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
-from coordinator.models import Erasure, Invalidation, InvalidationTarget, Placement
+from coordinator.models import Block, Erasure, Invalidation, InvalidationTarget, Placement
 from coordinator.states import ErasureStatus, InvalidationStatus, PlacementState, TargetStatus
 from events.fault_points import fault_point
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
@@ -218,16 +219,25 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
         key=lambda target: (order[target.command_id], target.node_id),
     )
     # The copies the erasure waits for, by the ledger's own order (docs/design.md §6, "Erasure"): every live copy of
-    # the subject's blocks on a node that has not acked, and on a node that has, those recorded no later than its ack.
-    # A copy recorded after the node's ack is one it built after applying the command: the subject's new data.
+    # the subject's user blocks on a node that has not acked, and on a node that has, those recorded no later than its
+    # ack. A copy recorded after the node's ack is one it built after applying the command: the subject's new data.
+    # A shared (public or tenant) block the subject created is waited for on every node until that node acks: the
+    # ledger knows who created *a* copy of it, not which node's copy (each node's own may be another subject's, and
+    # stays), so past its ack the node's evidence says which of its copies were the subject's.
+    predicate = subject_predicate(erasure)
+    acked = exists().where(
+        InvalidationTarget.command_id.in_(order),
+        InvalidationTarget.node_id == Placement.node_id,
+        InvalidationTarget.status == TargetStatus.ACKED,
+    )
     waited_for = and_(
         Placement.state == PlacementState.LIVE,
-        Placement.block_hash.in_(matching_blocks(subject_predicate(erasure))),
-        ~exists().where(
-            InvalidationTarget.command_id.in_(order),
-            InvalidationTarget.node_id == Placement.node_id,
-            InvalidationTarget.status == TargetStatus.ACKED,
-            InvalidationTarget.acked_at < Placement.updated_at,
+        or_(
+            and_(
+                Placement.block_hash.in_(user_blocks(predicate)),
+                ~acked.where(InvalidationTarget.acked_at < Placement.updated_at),
+            ),
+            and_(Placement.block_hash.in_(created_blocks(predicate)), ~acked),
         ),
     )
     live = {
@@ -290,6 +300,22 @@ def receipt_tiers(targets: Iterable[InvalidationTarget]) -> tuple[list[receipts.
             )
         )
     return entries, hashes, key_ids
+
+
+async def blocks_by_scope(session: AsyncSession, block_hashes: set[str]) -> dict[str, int]:
+    """How many of the erased blocks (hex hashes) the ledger records in each cache scope (``receipts.SCOPE_COVERAGE_KEYS``).
+
+    ``unrecorded``: blocks a node removed that the ledger holds no provenance for (their
+    ``BlockStored`` not ingested yet, or never sent); their scope is not known here.
+    """
+    counts = dict.fromkeys(receipts.SCOPE_COVERAGE_KEYS, 0)
+    hashes = [bytes.fromhex(block_hash) for block_hash in sorted(block_hashes)]
+    # One array parameter, not a bind per hash: an erasure can remove thousands of blocks.
+    erased = Block.block_hash == any_(bindparam("erased", hashes, type_=ARRAY(LargeBinary)))
+    for scope, count in await session.execute(select(Block.scope, func.count()).where(erased).group_by(Block.scope)):
+        counts[scope] = count
+    counts["unrecorded"] = len(hashes) - sum(counts.values())
+    return counts
 
 
 # ---------------------------------------------------------------------------
@@ -465,6 +491,7 @@ class ErasureService:
                 and_(subject_keys(erasure.tenant_id, erasure.subject_hash.hex()), DataKey.created_at < erasure.cutoff),
             )
             tiers, block_hashes, reported_key_ids = receipt_tiers(state.targets)
+            coverage = await blocks_by_scope(session, block_hashes)
             signer = await self._receipt_keys.signer(session)
             body = receipts.build_receipt(
                 receipt_id=str(uuid.uuid4()),
@@ -478,6 +505,7 @@ class ErasureService:
                 key_ids_destroyed={*erasure.key_ids_destroyed, *key_ids, *reported_key_ids},
                 node_keys={(t.node_id, t.ack_key_id) for t in state.targets if t.ack_key_id is not None},
                 caveats=[POSTGRES_KEY_CAVEAT],
+                blocks_by_scope=coverage,
             )
             signed = receipts.sign_receipt(body, signer)
             receipt, head = await append_receipt(session, signed, erasure.id, signer, now)

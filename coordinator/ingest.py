@@ -56,6 +56,7 @@ from coordinator.ledger import begin_ledger_transaction, generic_plans, lock_led
 from coordinator.models import (
     VOLATILE_TIERS,
     BlockAuthScope,
+    BlockCreator,
     BlockDocument,
     DeadLetterCount,
     InventoryChunk,
@@ -194,6 +195,8 @@ class _BatchApplier:
         self.nodes: dict[str, Node] = {}
         self.fresh_nodes: set[str] = set()
         self.blocks: dict[bytes, BlockProvenance] = {}
+        self.creators: set[tuple[bytes, bytes]] = set()
+        """(block hash, creator digest) of every provenance in the batch: nodes may name different creators of one block."""
         self.known_blocks: set[bytes] = set()
         self.placements: dict[tuple[bytes, str, str], _PendingPlacement] = {}
         self.outbox: list[dict] = []
@@ -300,7 +303,7 @@ class _BatchApplier:
             case BlockStored():
                 for block in payload.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
-                    self.blocks[block_hash] = block
+                    self._describe(block_hash, block)
                     self.stored.add(block_hash)
                     self._place(node, block_hash, block.tier, PlacementState.LIVE, payload.epoch, None)
             case BlockRemoved():
@@ -323,6 +326,12 @@ class _BatchApplier:
                 self.usage.append(payload.model_dump(exclude={"epoch", "seq"}) | {"event_id": event_id})
             case _:
                 raise AssertionError(f"unhandled node event {type(payload).__name__}")
+
+    def _describe(self, block_hash: bytes, block: BlockProvenance) -> None:
+        """Keep a block's provenance for :meth:`_write_blocks`, and its creator (every one reported)."""
+        self.blocks[block_hash] = block
+        if block.creator_subject_id is not None:
+            self.creators.add((block_hash, bytes.fromhex(block.creator_subject_id)))
 
     def _place(self, node: Node, block_hash: bytes, tier: str, state: str, epoch: int, reason: str | None) -> None:
         key = (block_hash, node.node_id, tier)
@@ -420,7 +429,7 @@ class _BatchApplier:
         chunks; the reconciled state is the node's state at the last chunk.
         """
         for block in payload.blocks:
-            self.blocks[bytes.fromhex(block.block_hash)] = block
+            self._describe(bytes.fromhex(block.block_hash), block)
         refs = {(bytes.fromhex(p.block_hash), p.tier, p.snapshot_id) for p in payload.placements}
         if payload.chunks == 1:
             await self._flush()
@@ -658,6 +667,12 @@ class _BatchApplier:
         ]
         if documents:
             await self.session.execute(pg_insert(BlockDocument).on_conflict_do_nothing(), documents)
+        creators, self.creators = self.creators, set()
+        if creators:
+            await self.session.execute(
+                pg_insert(BlockCreator).on_conflict_do_nothing(),
+                [{"block_hash": block_hash, "subject_hash": subject_hash} for block_hash, subject_hash in sorted(creators)],
+            )
         self.known_blocks |= pending.keys()
         return inserted
 

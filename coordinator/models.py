@@ -169,6 +169,21 @@ class BlockDocument(Base):
     version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
 
 
+class BlockCreator(Base):
+    """A subject whose request created a copy of the block on some node, in any scope (keyed digest).
+
+    What an erasure of that subject removes besides its user blocks (docs/security.md, "Erasure").
+    A block may have several creators: each node builds its own copy, and so does a node that
+    rebuilds a block after evicting it. Written from ``creator_subject_id`` of block provenance.
+    """
+
+    __tablename__ = "block_creators"
+    __table_args__ = (Index(None, "subject_hash"),)
+
+    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    subject_hash: Mapped[bytes] = mapped_column(primary_key=True)
+
+
 class Snapshot(Base):
     """A node snapshot (manifest + shards): a tier of its own."""
 

@@ -107,6 +107,16 @@ _RECEIPT_FIELDS = (
     "node_keys",
     "caveats",
 )
+SCOPE_COVERAGE_CAVEAT = (
+    "blocks_by_scope counts the erased blocks by cache scope. Public and tenant blocks are shared: the erasure "
+    "removed every copy this subject's requests created, in any scope; a copy another subject created (this "
+    "subject may have reused it, or sent the same text later) is that subject's and is not covered."
+)
+"""The caveat of a receipt that states ``blocks_by_scope``: what per-scope coverage does and does not mean."""
+_OPTIONAL_RECEIPT_FIELDS = ("blocks_by_scope",)
+"""Fields a receipt may lack: receipts issued before them stay valid (the signature covers whatever the body holds)."""
+SCOPE_COVERAGE_KEYS = ("public", "tenant", "user", "unrecorded")
+"""``blocks_by_scope``: erased blocks per cache scope, and ``unrecorded`` ones the ledger held no provenance for."""
 _STH_FIELDS = ("tree_size", "root_hash", "timestamp", "key_id", "signature")
 _AUDIT_FIELDS = ("leaf_index", "tree_head_at_issue", "tree_head", "inclusion_proof", "consistency_proof")
 
@@ -322,6 +332,7 @@ def build_receipt(
     key_ids_destroyed: Iterable[str],
     node_keys: Iterable[tuple[str, str]],
     caveats: Iterable[str] = (),
+    blocks_by_scope: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The unsigned receipt body (schema ``kvledger.erasure-receipt/v1``).
 
@@ -331,7 +342,8 @@ def build_receipt(
     are sorted, so two replicas building the same erasure sign the same bytes.
     ``node_keys`` are the (node id, key id) pairs of the enrolled node keys that signed
     the acks the receipt relies on (``docs/security.md``). ``caveats`` are appended to
-    :data:`STANDARD_CAVEATS`.
+    :data:`STANDARD_CAVEATS`. ``blocks_by_scope`` counts the distinct erased blocks per
+    :data:`SCOPE_COVERAGE_KEYS` entry; the counts must add up to the block commitment's.
     """
     if not isinstance(subject_hash, str) or not _SUBJECT_HASH.match(subject_hash):
         raise ValueError("subject_hash must be the 64-hex-character keyed subject digest, never the subject id")
@@ -349,6 +361,11 @@ def build_receipt(
         for node_id, key_id in sorted({(_identifier("node_id", n), _node_key_id(k)) for n, k in node_keys})
     ]
     extra = [_identifier("caveat", caveat) for caveat in caveats]
+    commitment = block_commitment(block_hashes)
+    coverage = {}
+    if blocks_by_scope is not None:
+        coverage = {"blocks_by_scope": _scope_coverage(blocks_by_scope, commitment["count"])}
+        extra.insert(0, SCOPE_COVERAGE_CAVEAT)
     return {
         "schema": RECEIPT_SCHEMA,
         "receipt_id": _identifier("receipt_id", receipt_id),
@@ -358,11 +375,23 @@ def build_receipt(
         "requested_at": requested,
         "verified_at": verified,
         "tiers": entries,
-        "block_commitment": block_commitment(block_hashes),
+        "block_commitment": commitment,
         "key_ids_destroyed": destroyed,
         "node_keys": signers,
         "caveats": [*STANDARD_CAVEATS, *extra],
+        **coverage,
     }
+
+
+def _scope_coverage(counts: Mapping[str, int], num_blocks: int) -> dict[str, int]:
+    if set(counts) != set(SCOPE_COVERAGE_KEYS):
+        raise ValueError(f"blocks_by_scope must have exactly the keys {SCOPE_COVERAGE_KEYS}")
+    for scope, count in counts.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"blocks_by_scope[{scope!r}] must be a non-negative integer, got {count!r}")
+    if sum(counts.values()) != num_blocks:
+        raise ValueError(f"blocks_by_scope adds up to {sum(counts.values())}, but {num_blocks} distinct blocks were erased")
+    return {scope: counts[scope] for scope in SCOPE_COVERAGE_KEYS}
 
 
 def sign_receipt(body: Mapping[str, Any], signer: ReceiptSigner) -> dict[str, Any]:
@@ -523,12 +552,12 @@ def _require(value: Any, message: str) -> Any:
     return value
 
 
-def _object(value: Any, what: str, fields: tuple[str, ...] | None = None) -> Mapping[str, Any]:
+def _object(value: Any, what: str, fields: tuple[str, ...] | None = None, optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise _Invalid(f"{what} is not a JSON object")
     if fields is not None:
         missing = [f for f in fields if f not in value]
-        unknown = sorted(set(value) - set(fields))
+        unknown = sorted(set(value) - set(fields) - set(optional))
         if missing:
             raise _Invalid(f"{what} lacks {', '.join(missing)}")
         if unknown:
@@ -676,6 +705,7 @@ class _ServedReceipt:
             ("keys", self._keys_check),
             ("receipt_format", self._receipt_format),
             ("receipt_signature", self._receipt_signature),
+            ("scope_coverage", self._scope_coverage),
             ("tree_head_at_issue_signature", lambda: self._tree_head("tree_head_at_issue")),
             ("tree_head_signature", lambda: self._tree_head("tree_head")),
             ("inclusion", self._inclusion),
@@ -694,7 +724,7 @@ class _ServedReceipt:
 
     def _receipt_format(self) -> str:
         top = _object(self._document, "the receipt document", ("receipt", "signature", "audit"))
-        receipt = _object(top["receipt"], "receipt", _RECEIPT_FIELDS)
+        receipt = _object(top["receipt"], "receipt", _RECEIPT_FIELDS, _OPTIONAL_RECEIPT_FIELDS)
         if receipt["schema"] != RECEIPT_SCHEMA:
             raise _Invalid(f"receipt schema is {receipt['schema']!r}, not {RECEIPT_SCHEMA}")
         signature = _object(top["signature"], "signature", ("key_id", "algorithm", "value"))
@@ -711,6 +741,19 @@ class _ServedReceipt:
         receipt = _require(self._receipt, "not checked: receipt_format failed")
         signature = self._signature
         return _verify_signature(self._keys, signature["key_id"], signature["value"], _canonical(receipt, "receipt"), "receipt")
+
+    def _scope_coverage(self) -> str:
+        """The erased blocks per cache scope, checked to add up to the block commitment's count."""
+        receipt = _require(self._receipt, "not checked: receipt_format failed")
+        if "blocks_by_scope" not in receipt:
+            return "not stated: a receipt issued before per-scope coverage (its erasure matched user-scope blocks only)"
+        counts = _object(receipt["blocks_by_scope"], "blocks_by_scope", SCOPE_COVERAGE_KEYS)
+        numbers = {scope: _size(counts[scope], f"blocks_by_scope.{scope}") for scope in SCOPE_COVERAGE_KEYS}
+        commitment = _object(receipt["block_commitment"], "block_commitment")
+        committed = _size(commitment.get("count"), "block_commitment.count")
+        if sum(numbers.values()) != committed:
+            raise _Invalid(f"blocks_by_scope adds up to {sum(numbers.values())}, but the block commitment counts {committed}")
+        return "erased blocks by scope: " + ", ".join(f"{scope} {count}" for scope, count in numbers.items())
 
     def _audit(self) -> Mapping[str, Any]:
         top = _object(self._document, "the receipt document")

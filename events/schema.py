@@ -271,6 +271,13 @@ class BlockProvenance(_Model):
     The scope fields must be consistent, because the coordinator matches predicates
     on them: public blocks belong to nobody (no tenant, subject, auth scope or
     document); tenant blocks have a tenant and no subject; user blocks have both.
+
+    ``creator_subject_id`` is the :func:`subject_digest` of the subject whose request
+    created this copy of the block, in every scope (a public or tenant block holds its
+    creator's text too), so an erasure of that subject removes the copy whatever its
+    scope. It names the creator of the node's copy, not everyone who sent the same
+    tokens since. Optional: absent from records of nodes that predate it, and left out
+    of the encoding when unset. In a user block it can only be the block's subject.
     """
 
     block_hash: HexDigest
@@ -283,6 +290,7 @@ class BlockProvenance(_Model):
     documents: Annotated[list[DocumentTag], Field(max_length=MAX_LIST_ITEMS)]
     token_offset: SmallCount
     created_at: AwareDatetime
+    creator_subject_id: HexDigest | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _scope_is_consistent(self) -> BlockProvenance:
@@ -295,6 +303,8 @@ class BlockProvenance(_Model):
             raise ValueError("a tenant block has no subject_id")
         elif self.scope == "user" and self.subject_id is None:
             raise ValueError("a user block needs subject_id (a keyed digest)")
+        if self.scope == "user" and self.creator_subject_id not in (None, self.subject_id):
+            raise ValueError("a user block is created by its own subject: creator_subject_id must equal subject_id")
         return self
 
 
@@ -456,7 +466,11 @@ class PolicyPredicate(_Model):
 
 
 class SubjectPredicate(_Model):
-    """User blocks of one subject; ``subject_id`` is its :func:`subject_digest`."""
+    """Blocks of one subject: its user blocks, and every block of any scope that its requests created.
+
+    ``subject_id`` is its :func:`subject_digest`, compared with both ``subject_id`` and
+    ``creator_subject_id`` of a block's provenance.
+    """
 
     kind: Literal["subject"] = "subject"
     tenant: Name

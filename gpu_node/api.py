@@ -43,9 +43,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from events.logs import RequestIdMiddleware
-from events.schema import MAX_SAFE_INT, DocumentVersion, Name
+from events.schema import MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
+from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, CacheScope, DocumentRef, Principal
 from gpu_node.layout_sampler import layout_sampler
 from gpu_node.prompt import ChatMessage
 from gpu_node.settings import RequestLimits
@@ -251,7 +251,33 @@ async def _read_body(request: Request, limits: RequestLimits) -> ChatCompletionR
             code="too_many_messages",
             param="messages",
         )
+    _check_provenance_limits(body)
     return body
+
+
+def _check_provenance_limits(body: ChatCompletionRequest) -> None:
+    """Refuse a prompt whose blocks would carry more documents or auth scopes than a kv-event lists.
+
+    A block's provenance accumulates every document and auth scope before it, and the wire
+    contract (:data:`events.schema.MAX_LIST_ITEMS` on ``BlockProvenance``) carries at most that
+    many of each: past it a block could be cached and served but never reported to the ledger,
+    so neither invalidated by it nor covered by an erasure receipt. Counted over the whole
+    request (distinct ``id@version`` documents; distinct auth scopes, tenant-wide ``*``
+    included), before anything is rendered or cached.
+    """
+    documents = {(m.document.id, m.document.version) for m in body.messages if m.document is not None}
+    auth_scopes = {m.document.auth_scope for m in body.messages if m.document is not None}
+    if any(m.document is None and m.cache_scope == "tenant" for m in body.messages):
+        auth_scopes.add(TENANT_WIDE_AUTH_SCOPE)
+    for what, count in (("documents", len(documents)), ("auth scopes", len(auth_scopes))):
+        if count > MAX_LIST_ITEMS:
+            raise ApiError(
+                400,
+                f"the request names {count} distinct {what}; at most {MAX_LIST_ITEMS} are allowed "
+                f"(the ledger contract's MAX_LIST_ITEMS per block)",
+                code=f"too_many_{what.replace(' ', '_')}",
+                param="messages",
+            )
 
 
 def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: VersionRegistry) -> tuple[ChatMessage, ...]:

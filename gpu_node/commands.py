@@ -120,7 +120,10 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
     blocks built after the command was applied (docs/design.md §5, "Cutoffs").
     Subjects are compared as the keyed digest the command carries (commands never
     hold a raw subject id); the node digests its own blocks' subjects with the
-    shared key, once per (tenant, subject).
+    shared key, once per (tenant, subject). A subject predicate also matches every
+    block of any scope whose ``creator_subject_id`` is that digest: an erasure covers
+    the public and tenant blocks the subject's requests created (a shared block is
+    then recomputed by its next caller).
     """
     keyed_before_s = None if keyed_before is None else keyed_before.timestamp()
     match predicate:
@@ -146,6 +149,8 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
             digests: dict[str, str] = {}
 
             def matches(provenance: CacheProvenance) -> bool:
+                if provenance.creator_subject_id == digest:
+                    return True
                 subject = provenance.subject_id
                 if provenance.tenant_id != tenant or subject is None:
                     return False
@@ -175,19 +180,23 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
     return keyed_in_time
 
 
-def predicate_index_key(predicate: schema.Predicate) -> IndexKey:
+def predicate_index_key(predicate: schema.Predicate) -> IndexKey | None:
     """The pool's provenance index key whose entries include every block :func:`block_predicate` can match.
 
     Only narrows the scan (:meth:`BlockPool.remove_where`); the block predicate
-    still decides each candidate. A subject predicate carries the subject's
-    digest, not its id, so it narrows to the tenant.
+    still decides each candidate. A subject predicate has none (``None``: the whole
+    pool): it matches the blocks the subject created in every scope, public ones
+    (filed under no tenant) included, and the user blocks of records that predate
+    ``creator_subject_id``; erasures are rare and the check per block is one compare.
     """
     match predicate:
         case schema.DocumentPredicate(tenant=tenant, doc_id=doc_id):
             return ("document", tenant, doc_id)
         case schema.PolicyPredicate(tenant=tenant, auth_scope=auth_scope):
             return ("policy", tenant, auth_scope)
-        case schema.SubjectPredicate(tenant=tenant) | schema.TenantPredicate(tenant=tenant):
+        case schema.SubjectPredicate():
+            return None
+        case schema.TenantPredicate(tenant=tenant):
             return ("tenant", tenant)
         case schema.NamespacePredicate(ns=namespace):
             return ("namespace", namespace)

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from events.schema import subject_digest
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockPool, PoolConfig
 from gpu_node.crypto import until_key_service_answers
@@ -298,7 +299,13 @@ class AsyncEngine:
         await self.pool.key_provider.prefetch(request.principal)
         keys = (
             compute_block_keys(
-                self.namespace.namespace, token_ids, prompt.segments, request.principal, self.block_size, now=self.pool.wall_time()
+                self.namespace.namespace,
+                token_ids,
+                prompt.segments,
+                request.principal,
+                self.block_size,
+                now=self.pool.wall_time(),
+                creator_subject_id=self._creator_digest(request.principal),
             )
             if use_cache
             else []
@@ -536,6 +543,16 @@ class AsyncEngine:
             manifest = snapshots.read_manifest(directory)
             inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider.blocking())
         return inventory
+
+    def _creator_digest(self, principal: Principal) -> str | None:
+        """The keyed digest recorded as the creator of the blocks ``principal``'s request builds.
+
+        ``None`` on a node without the subject key (no ledger, no erasure commands to match it).
+        """
+        subject_key = self.settings.subject_key
+        if subject_key is None:
+            return None
+        return subject_digest(subject_key.get_secret_value().encode(), principal.tenant_id, principal.subject_id)
 
     def may_hold_snapshots(self) -> bool:
         """Whether a snapshot exists under :attr:`snapshot_root` or is being written.

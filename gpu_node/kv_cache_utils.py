@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
-from events.schema import MAX_SAFE_INT
+from events.schema import MAX_LIST_ITEMS, MAX_SAFE_INT
 from identity.tokens import Principal
 
 HASH_BYTES = 32
@@ -114,6 +114,13 @@ class CacheProvenance:
     It names the subject as the node knows it; the ledger's record of the same facts
     is :class:`events.schema.BlockProvenance` (subject as a keyed digest, plus the
     block's hash and position), built from this one by the publisher.
+
+    ``creator_subject_id`` is the keyed digest (:func:`events.schema.subject_digest`) of
+    the subject whose request created the block, in every scope, so an erasure of that
+    subject reaches the public and tenant blocks holding its text. A digest, not the raw
+    id, because a public block's record lies on disk in plaintext. A block later hit by
+    another subject keeps its creator. ``None`` on a node without the subject key and in
+    records written before the field existed.
     """
 
     namespace: str
@@ -123,6 +130,7 @@ class CacheProvenance:
     subject_id: str | None
     documents: tuple[str, ...]
     created_at: float
+    creator_subject_id: str | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -133,6 +141,7 @@ class CacheProvenance:
             "subject_id": self.subject_id,
             "documents": list(self.documents),
             "created_at": self.created_at,
+            "creator_subject_id": self.creator_subject_id,
         }
 
     @classmethod
@@ -145,6 +154,7 @@ class CacheProvenance:
             subject_id=data["subject_id"],
             documents=tuple(data["documents"]),
             created_at=float(data["created_at"]),
+            creator_subject_id=data.get("creator_subject_id"),
         )
 
 
@@ -257,12 +267,20 @@ def compute_block_keys(
     block_size: int = DEFAULT_BLOCK_SIZE,
     adapter: str | None = None,
     now: float | None = None,
+    creator_subject_id: str | None = None,
 ) -> list[BlockKey]:
     """Chained keys and provenance for every cacheable full block of a prompt.
 
     Scope is monotone along the prompt: block *i* takes the strictest scope of
     any token in ``[0, end_i)``. Provenance accumulates every document and auth
     scope seen so far, because a block's KV depends on all tokens before it.
+    ``creator_subject_id`` (the requester's keyed subject digest) is recorded on
+    every block as its creator.
+
+    ValueError when a block would list more documents or auth scopes than a
+    kv-event carries (:data:`events.schema.MAX_LIST_ITEMS`): such a block could be
+    cached but never reported to the ledger, so it is refused rather than cut
+    short. The API refuses such prompts first, naming the limit.
     """
     validate_segments(segments, len(token_ids))
     created_at = time.time() if now is None else now
@@ -309,6 +327,7 @@ def compute_block_keys(
                 break
             segment_index += 1
         if changed:
+            _check_provenance_size(index, len(documents), len(auth_scopes))
             sorted_auth = tuple(sorted(auth_scopes.items()))
             salt_field = _field(scope_salt(scope, principal, sorted_auth))
             provenance = CacheProvenance(
@@ -319,6 +338,7 @@ def compute_block_keys(
                 subject_id=principal.subject_id if scope == CacheScope.USER else None,
                 documents=tuple(documents),
                 created_at=created_at,
+                creator_subject_id=creator_subject_id,
             )
         extra_field = _field(adapter_field + _field("\x00".join(block_documents).encode()))
         block_hash = _sha256(b"".join((parent, salt_field, token_length, packed[start * 4 : end * 4], extra_field))).digest()
@@ -342,6 +362,12 @@ def compute_block_keys(
                 parent = block_hash
                 index += 1
     return keys
+
+
+def _check_provenance_size(index: int, num_documents: int, num_auth_scopes: int) -> None:
+    for what, count in (("documents", num_documents), ("auth scopes", num_auth_scopes)):
+        if count > MAX_LIST_ITEMS:
+            raise ValueError(f"block {index} would hold {count} {what}; a block's provenance carries at most {MAX_LIST_ITEMS}")
 
 
 def compute_shadow_hashes(token_ids: Sequence[int], num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:

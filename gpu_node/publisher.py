@@ -22,6 +22,11 @@ coordinator notices and answers with an ``InventoryRequested``. A send whose out
 unknown (timeout, lost connection) is retried with the *same bytes*: a seq the broker
 may already hold is never reused for different content.
 
+A served block must never be one the contract refuses, since the ledger would never know
+it: a block with more documents or auth scopes than a kv-event lists is refused where its
+key is computed (:func:`gpu_node.kv_cache_utils.compute_block_keys`, an error, never a
+shortened list), and the API refuses such a prompt with 400 before that.
+
 Every record is signed with the node's own key (``signer``; ``docs/security.md``):
 the coordinator applies only kv-events signed by the key enrolled for their node id.
 """
@@ -347,6 +352,7 @@ class NodePublisher:
             "documents": list(provenance.documents),
             "token_offset": token_offset,
             "created_at": datetime.fromtimestamp(provenance.created_at, UTC),
+            "creator_subject_id": provenance.creator_subject_id,
         }
 
     def _stored_block(self, key: BlockKey, tier: str) -> schema.StoredBlock:

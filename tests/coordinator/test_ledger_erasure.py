@@ -452,6 +452,83 @@ async def test_malformed_erasure_event_is_dead_lettered_with_an_alert(
     assert subject not in caplog.text
 
 
+async def test_erasure_waits_for_the_shared_blocks_the_subject_created_and_not_for_another_creators_copy(
+    coordinator: RunningConsumers, database: Database, producer: EventProducer, client: httpx.AsyncClient
+) -> None:
+    """Public and tenant blocks the subject's requests created are the erasure's too; a node's own copy of the same
+    block that another subject created is not. The erasure waits for the first and still verifies beside the second,
+    and the receipt counts the erased blocks per scope."""
+    uid = uuid.uuid4().hex[:8]
+    subject = f"dora-{uid}"
+    mine, other = digest(subject), digest(f"erin-{uid}")
+    node_a, node_b = FakeNode(producer, f"erase-d-{uid}"), FakeNode(producer, f"erase-e-{uid}")
+    public, shared = block_hash(f"{uid}-public"), block_hash(f"{uid}-tenant")
+    for node in (node_a, node_b):
+        await node.start()
+
+    def created_by(creator: str, block) -> object:
+        return block.model_copy(update={"creator_subject_id": creator})
+
+    await node_a.publish(
+        BlockStored,
+        blocks=[
+            created_by(mine, stored(f"{uid}-public", "device")),
+            created_by(mine, stored(f"{uid}-tenant", "host", tenant_id=TENANT, scope="tenant", auth_scopes=[("*", 0)])),
+        ],
+    )
+    await node_b.publish(BlockStored, blocks=[created_by(other, stored(f"{uid}-public", "device"))])
+
+    async def recorded() -> bool:
+        async with database.session() as session:
+            return (
+                await session.scalar(
+                    select(func.count())
+                    .select_from(Placement)
+                    .where(Placement.block_hash.in_([bytes.fromhex(public), bytes.fromhex(shared)]))
+                )
+                == 3
+            )
+
+    await eventually(recorded, what="both nodes' copies in the ledger")
+    started = await client.post("/v1/erasures", json={"tenant_id": TENANT, "subject_id": subject, "reason": "art. 17"}, headers=OFFICER)
+    assert started.status_code == 202, started.text
+    erasure_id = started.json()["id"]
+    command_id = uuid.UUID((await status_of(client, erasure_id))["commands"][0]["command_id"])
+    # node_b's copy is erin's: its node keeps it and acks with nothing removed.
+    for target in await targets(database, command_id) - {node_a.node_id}:
+        await ack(producer, command_id, target)
+
+    async def others_acked() -> bool:
+        async with database.session() as session:
+            pending = select(InvalidationTarget.node_id).where(
+                InvalidationTarget.command_id == command_id, InvalidationTarget.status != "acked"
+            )
+            return set((await session.scalars(pending)).all()) == {node_a.node_id}
+
+    await eventually(others_acked, what="every target but node_a acked")
+    waiting = await wait_status(client, erasure_id, "partial")
+    assert waiting["live_copies"] == 2, waiting  # node_a's two copies, not node_b's
+
+    await ack(
+        producer,
+        command_id,
+        node_a.node_id,
+        evidence("device", [public], "overwrite", "readback_zero"),
+        evidence("host", [shared], "overwrite", "readback_zero"),
+    )
+    verified = await wait_status(client, erasure_id, "verified")
+    assert verified["live_copies"] == 0
+    receipt, checkpoint, key_document = await served_documents(client, erasure_id)
+    assert receipt["receipt"]["blocks_by_scope"] == {"public": 1, "tenant": 1, "user": 0, "unrecorded": 0}
+    result = verify_served_receipt(receipt, key_document, checkpoint)
+    assert result.ok and "public 1, tenant 1, user 0" in {c.name: c.message for c in result.checks}["scope_coverage"]
+    async with database.session() as session:
+        kept = await session.scalar(
+            select(Placement.state).where(Placement.block_hash == bytes.fromhex(public), Placement.node_id == node_b.node_id)
+        )
+    assert kept == "live"
+
+
 async def test_rewritten_audit_log_fails_verification_against_an_earlier_checkpoint(
     coordinator: RunningConsumers, database: Database, client: httpx.AsyncClient, receipts_seen: list[str]
 ) -> None:

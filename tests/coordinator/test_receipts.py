@@ -22,6 +22,7 @@ from coordinator.receipts import (
     METHOD_FOR_NODE_ERASE_METHOD,
     METHODS,
     RECEIPT_SCHEMA,
+    SCOPE_COVERAGE_CAVEAT,
     STANDARD_CAVEATS,
     TIERS,
     ReceiptPublicKey,
@@ -173,11 +174,21 @@ def test_receipt_holds_no_subject_in_clear():
         ({"node_keys": [("node-a", "not-a-key-id")]}, "node key id"),
         ({"node_keys": [("", "aa" * 16)]}, "node_id"),
         ({"tenant_id": ""}, "tenant_id"),
+        ({"blocks_by_scope": {"public": 1, "tenant": 1, "user": 1, "unrecorded": 1}}, "adds up to 4, but 3"),
+        ({"blocks_by_scope": {"public": 3, "tenant": 0, "user": 0}}, "exactly the keys"),
+        ({"blocks_by_scope": {"public": 3, "tenant": 0, "user": 0, "unrecorded": True}}, "non-negative integer"),
     ],
 )
 def test_build_receipt_rejects_bad_input(overrides, message):
     with pytest.raises(ValueError, match=message):
         body(**overrides)
+
+
+def test_per_scope_coverage_is_in_the_body_with_its_caveat_only_when_given():
+    assert "blocks_by_scope" not in body() and SCOPE_COVERAGE_CAVEAT not in body()["caveats"]
+    covered = body(blocks_by_scope={"user": 1, "unrecorded": 0, "public": 2, "tenant": 0}, caveats=["extra"])
+    assert list(covered["blocks_by_scope"].items()) == [("public", 2), ("tenant", 0), ("user", 1), ("unrecorded", 0)]
+    assert covered["caveats"] == [*STANDARD_CAVEATS, SCOPE_COVERAGE_CAVEAT, "extra"]
 
 
 def test_extra_caveats_follow_the_standard_ones():

@@ -438,3 +438,74 @@ async def test_a_node_down_keeps_the_erasure_partial_until_it_replays_and_acks(s
     for node in nodes:
         assert await node.holdings(tenant, alice) == set()
     assert await ledger_live(url, tenant, alice) == set()
+
+
+async def creators_in_ledger(database_url: str, tenant: str, subject: str) -> dict[str, int]:
+    """Scope → how many blocks the ledger records the subject's requests created (``block_creators``)."""
+    connection = await connect(database_url)
+    try:
+        rows = await connection.fetch(
+            "SELECT b.scope, count(*) FROM block_creators c JOIN blocks b USING (block_hash) WHERE c.subject_hash = $1 GROUP BY b.scope",
+            bytes.fromhex(subject_digest(SUBJECT_KEY.encode(), tenant, subject)),
+        )
+    finally:
+        await connection.close()
+    return {row["scope"]: row["count"] for row in rows}
+
+
+async def test_erasure_covers_what_the_subject_sent_in_tenant_and_public_scope(stack, tmp_path):
+    """A subject who shared their text (``cache_scope`` tenant or public) is erased from every scope: afterwards
+    another user of the tenant and another tenant get nothing of it from the cache, and the receipt counts the
+    erased blocks per scope."""
+    url, nodes = stack["url"], stack["nodes"]
+    tenant, elsewhere = f"acme-{uuid.uuid4().hex[:6]}", f"globex-{uuid.uuid4().hex[:6]}"
+    alice, bob, carol = (f"{name}-{uuid.uuid4().hex[:8]}" for name in ("alice", "bob", "carol"))
+    marker = uuid.uuid4().hex
+    shared_with_tenant = [
+        {
+            "role": "user",
+            "content": f"{marker} " + " ".join(f"my salary in month {i} was {1000 + i}" for i in range(24)),
+            "cache_scope": "tenant",
+        }
+    ]
+    shared_with_everyone = [
+        {
+            "role": "user",
+            "content": f"{marker} " + " ".join(f"my diagnosis on day {i} was code {i * 7}" for i in range(24)),
+            "cache_scope": "public",
+        }
+    ]
+    full = {id(chat): nodes[0].prefix_tokens(chat)[0] for chat in (shared_with_tenant, shared_with_everyone)}
+    assert all(tokens >= 10 * BLOCK_SIZE for tokens in full.values())
+    for node in nodes:
+        assert await node.cached(user_token(tenant, alice), shared_with_tenant) == 0
+        assert await node.cached(user_token(tenant, alice), shared_with_everyone) == 0
+        # The leak the erasure must close: what alice sent is served from the cache to others.
+        assert await node.cached(user_token(tenant, bob), shared_with_tenant) == full[id(shared_with_tenant)]
+        assert await node.cached(user_token(elsewhere, carol), shared_with_everyone) == full[id(shared_with_everyone)]
+        await node.publisher.flush()
+    expected = {"tenant": full[id(shared_with_tenant)] // BLOCK_SIZE, "public": full[id(shared_with_everyone)] // BLOCK_SIZE}
+
+    async def recorded() -> bool:
+        return await creators_in_ledger(stack["database_url"], tenant, alice) == expected
+
+    await eventually(recorded, timeout_s=TIMEOUT_S, what="the ledger records alice as the creator of her shared blocks")
+
+    started = await request_erasure(url, tenant, alice)
+    assert started.status_code == 202, started.text
+    erasure_id = started.json()["id"]
+    await wait_status(url, erasure_id, "verified")
+
+    for node in nodes:
+        assert await node.cached(user_token(tenant, bob), shared_with_tenant) == 0
+        assert await node.cached(user_token(elsewhere, carol), shared_with_everyone) == 0
+    served = await api_get(url, f"/v1/erasures/{erasure_id}/receipt", officer(tenant))
+    body = served["receipt"]
+    assert body["blocks_by_scope"] == {**expected, "user": 0, "unrecorded": 0}
+    assert body["block_commitment"]["count"] == sum(expected.values())
+    checkpoint = await api_get(url, "/v1/audit/checkpoint", {})
+    keys = await api_get(url, "/v1/receipts/keys", {})
+    result = verify_receipt(tmp_path, served, checkpoint, keys)
+    assert result.returncode == 0, result.stdout + result.stderr
+    coverage = f"public {expected['public']}, tenant {expected['tenant']}, user 0, unrecorded 0"
+    assert f"✓ scope_coverage: erased blocks by scope: {coverage}" in result.stdout

@@ -667,3 +667,33 @@ def test_a_block_event_names_only_storage_tiers_by_value(blocks: dict) -> None:
     with pytest.raises(EventValidationError, match="tier"):
         parse_event(json.dumps(raw))
     assert {block.tier for block in parse_event(WIRE_RECORDS[1]).payload.blocks} <= set(STORAGE_TIERS)
+
+
+def test_creator_subject_id_is_optional_and_left_out_of_the_encoding_when_unset() -> None:
+    """Records of nodes that predate the field stay valid and encode byte for byte as before."""
+    old = BlockProvenance(**provenance())
+    assert old.creator_subject_id is None and "creator_subject_id" not in old.model_dump_json()
+    creator = "ab" * 32
+    for scope, tenant_id, subject_id, auth_scopes, documents in (
+        ("public", None, None, [], []),
+        ("tenant", "acme", None, [("handbook", 3)], ["doc-1@7"]),
+        ("user", "acme", creator, [], []),
+    ):
+        block = BlockProvenance(
+            **provenance(scope=scope, tenant_id=tenant_id, subject_id=subject_id, auth_scopes=auth_scopes, documents=documents),
+            creator_subject_id=creator,
+        )
+        assert BlockProvenance.model_validate_json(block.model_dump_json()) == block
+        assert block.creator_subject_id == creator
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"creator_subject_id": "alice"}, "creator_subject_id"),
+        ({"scope": "user", "subject_id": "ab" * 32, "creator_subject_id": "cd" * 32}, "its own subject"),
+    ],
+)
+def test_creator_subject_id_is_a_digest_and_a_user_block_is_its_subjects(change: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        BlockProvenance(**provenance(**change))

@@ -151,6 +151,13 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
         node.engine.manager.drain_events()
         before = node.holdings(tenant, alice)
         built_before = {block for block, _ in before}
+        # Her request was the first: the public system block is hers too, and goes with her.
+        shared = {
+            (entry.block_hash.hex(), entry.tier.value)
+            for entry in node.engine.pool.ready_entries()
+            if entry.provenance.creator_subject_id == digest and entry.provenance.subject_id is None
+        }
+        assert shared
 
         async def ledger_has_them() -> bool:
             return set(await live_in_ledger(database, node_id, digest)) == built_before
@@ -187,7 +194,7 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
             )
             target = await session.get(InvalidationTarget, (command_id, node_id))
         assert target.status == "acked"
-        assert {(block, item["tier"]) for item in target.evidence for block in item["block_hashes"]} == before
+        assert {(block, item["tier"]) for item in target.evidence for block in item["block_hashes"]} == before | shared
 
         # Built after the node applied the command: cached, recorded, never re-sent against, still served from the cache.
         await node.cached(user_token(tenant, alice), history(alice, "summer"))

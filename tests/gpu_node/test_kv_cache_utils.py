@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from events.schema import MAX_LIST_ITEMS
 from gpu_node.kv_cache_utils import (
     CacheProvenance,
     CacheScope,
@@ -210,6 +211,37 @@ def test_last_token_is_always_recomputed():
 def test_provenance_round_trips():
     provenance = keys_for()[5].provenance
     assert CacheProvenance.from_dict(provenance.to_dict()) == provenance
+
+
+def test_every_block_records_its_creator_in_every_scope_without_changing_its_hash():
+    creator = "ab" * 32
+    keys = keys_for(creator_subject_id=creator)
+    assert {key.provenance.scope for key in keys} == set(CacheScope)
+    assert all(key.provenance.creator_subject_id == creator for key in keys)
+    assert hashes(keys) == hashes(keys_for()), "who created a block is provenance, never part of its key"
+    provenance = keys[0].provenance
+    assert CacheProvenance.from_dict(provenance.to_dict()) == provenance
+    written_before = {k: v for k, v in provenance.to_dict().items() if k != "creator_subject_id"}
+    assert CacheProvenance.from_dict(written_before).creator_subject_id is None
+
+
+@pytest.mark.parametrize("what", ["documents", "auth scopes"])
+def test_a_block_with_more_documents_or_auth_scopes_than_a_kv_event_carries_is_refused(what):
+    """Exactly MAX_LIST_ITEMS of them is a block the ledger can record; one more is an error, never a block cut short."""
+
+    def prompt(count: int) -> tuple[Principal, list[int], list[Segment]]:
+        segments = []
+        for i in range(count):
+            # one document under many auth scopes, or many documents under one
+            document = DocumentRef("doc", 1, f"scope-{i}") if what == "auth scopes" else DocumentRef(f"doc-{i}", 1, "hr")
+            segments.append(Segment(i * BLOCK, (i + 1) * BLOCK, CacheScope.TENANT, document))
+        segments.append(Segment(count * BLOCK, count * BLOCK + 1, CacheScope.USER))
+        return Principal("acme", "alice", frozenset(), {}), tokens(count * BLOCK + 1), segments
+
+    provenance = keys_for(*prompt(MAX_LIST_ITEMS))[-1].provenance
+    assert MAX_LIST_ITEMS == len(provenance.documents if what == "documents" else provenance.auth_scopes)
+    with pytest.raises(ValueError, match=f"{MAX_LIST_ITEMS + 1} {what}; .* at most {MAX_LIST_ITEMS}"):
+        keys_for(*prompt(MAX_LIST_ITEMS + 1))
 
 
 def test_segment_starting_exactly_at_a_block_boundary_sets_the_scope_of_the_blocks_after_it():

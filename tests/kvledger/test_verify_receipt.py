@@ -35,6 +35,7 @@ BASE_CHECKS = [
     "keys",
     "receipt_format",
     "receipt_signature",
+    "scope_coverage",
     "tree_head_at_issue_signature",
     "tree_head_signature",
     "inclusion",
@@ -42,7 +43,8 @@ BASE_CHECKS = [
 ]
 
 
-def receipt_body(i: int, count: int = 3) -> dict:
+def receipt_body(i: int, count: int = 3, blocks_by_scope: dict | None = None) -> dict:
+    """Receipts 0..5 of the log are of the format before per-scope coverage (no ``blocks_by_scope``)."""
     return build_receipt(
         receipt_id=f"receipt-{i}",
         erasure_id=f"erasure-{i}",
@@ -57,6 +59,7 @@ def receipt_body(i: int, count: int = 3) -> dict:
         block_hashes=[f"{i:02x}" * 32],
         key_ids_destroyed=[f"{i:02x}" * 16],
         node_keys=[("node-a", "ab" * 16)],
+        blocks_by_scope=blocks_by_scope,
     )
 
 
@@ -353,6 +356,55 @@ def test_cli_subprocess_verifies_and_rejects(log, keys, tmp_path):
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert run.returncode == 1
     assert "✗ receipt_signature:" in run.stdout
+
+
+# --- per-scope coverage ------------------------------------------------------------------------
+
+COVERAGE = {"public": 0, "tenant": 1, "user": 0, "unrecorded": 0}
+
+
+def test_a_receipt_without_per_scope_coverage_still_verifies_and_says_so(log, keys):
+    result = verify_served_receipt(log.serve(0), keys)
+    (coverage,) = [check for check in result.checks if check.name == "scope_coverage"]
+    assert result.ok and coverage.message.startswith("not stated")
+
+
+def test_per_scope_coverage_is_signed_checked_and_printed(log, keys, tmp_path):
+    index = log.append(receipt_body(6, blocks_by_scope=COVERAGE))
+    result = verify_served_receipt(log.serve(index), keys, checkpoint=log.heads[-1])
+    assert result.ok, failed(result)
+    (coverage,) = [check for check in result.checks if check.name == "scope_coverage"]
+    assert coverage.message == "erased blocks by scope: public 0, tenant 1, user 0, unrecorded 0"
+    receipt = write(tmp_path, "receipt.json", log.serve(index))
+    keys_file = write(tmp_path, "keys.json", keys)
+    command = [sys.executable, "-m", "kvledger.cli", "verify-receipt", receipt, "--public-key", keys_file]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "✓ scope_coverage: erased blocks by scope: public 0, tenant 1, user 0, unrecorded 0" in run.stdout
+
+    # Altered after signing: the signature fails.
+    tampered = log.serve(index)
+    tampered["receipt"]["blocks_by_scope"]["user"] = 0
+    tampered["receipt"]["blocks_by_scope"]["public"] = 1
+    assert "receipt_signature" in failed(verify_served_receipt(tampered, keys))
+
+
+@pytest.mark.parametrize(
+    "coverage, message",
+    [
+        ({**COVERAGE, "tenant": 2}, "adds up to 2"),
+        ({"public": 0, "tenant": 1, "user": 0}, "lacks unrecorded"),
+        ({**COVERAGE, "shared": 0}, "nothing signs or proves: shared"),
+        ({**COVERAGE, "tenant": "1"}, "not a non-negative integer"),
+        ([1], "not a JSON object"),
+    ],
+)
+def test_signed_but_inconsistent_coverage_fails_its_check(log, keys, coverage, message):
+    body = receipt_body(6, blocks_by_scope=COVERAGE)
+    body["blocks_by_scope"] = coverage  # signed as is: only the coverage check can catch it
+    index = log.append(body)
+    problems = failed(verify_served_receipt(log.serve(index), keys))
+    assert list(problems) == ["scope_coverage"] and message in problems["scope_coverage"]
 
 
 def test_cli_without_public_key_cannot_verify(log, tmp_path, capsys):

@@ -25,7 +25,7 @@ from coordinator.db import Database
 from coordinator.erasure import ErasureService
 from coordinator.ingest import LedgerIngest
 from coordinator.invalidation import InvalidationHandler
-from coordinator.models import Base, Block, BlockAuthScope, BlockDocument, Document, Erasure, Node, Policy, Snapshot
+from coordinator.models import Base, Block, BlockAuthScope, BlockCreator, BlockDocument, Document, Erasure, Node, Policy, Snapshot
 from coordinator.settings import DatabaseSettings
 from events.kafka import ConsumedEvent
 from events.schema import (
@@ -42,6 +42,7 @@ from events.schema import (
     SnapshotWritten,
     StoredBlock,
     make_event,
+    subject_digest,
 )
 from events.topics import DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
 
@@ -99,6 +100,7 @@ async def _round_trip(database: Database, ingest: LedgerIngest, decisions: Inval
         token_offset=case["token_offset"],
         created_at=datetime(2026, 12, 1, tzinfo=UTC),
         tier="disk",
+        creator_subject_id=subject_digest(SUBJECT_KEY.encode(), case["tenant_id"], case["subject_id"]),
     )
     await ingest(
         [
@@ -126,6 +128,7 @@ async def _round_trip(database: Database, ingest: LedgerIngest, decisions: Inval
         stored_block = await session.get(Block, bytes.fromhex(block_hash))
         scopes = (await session.execute(select(BlockAuthScope.auth_scope, BlockAuthScope.policy_version))).all()
         documents = (await session.execute(select(BlockDocument.doc_id, BlockDocument.version))).all()
+        creators = (await session.scalars(select(BlockCreator.subject_hash))).all()
         snapshot = await session.get(Snapshot, (case["node_id"], case["snapshot_id"]))
         document = await session.get(Document, (tenant, case["doc_id"]))
         policy = await session.get(Policy, (tenant, case["auth_scope"]))
@@ -139,6 +142,7 @@ async def _round_trip(database: Database, ingest: LedgerIngest, decisions: Inval
     assert (stored_block.namespace, stored_block.tenant_id, stored_block.token_offset) == (case["namespace"], tenant, case["token_offset"])
     assert [tuple(row) for row in scopes] == [(case["auth_scope"], case["policy_version"])]
     assert [tuple(row) for row in documents] == [(case["doc_id"], case["doc_version"])]
+    assert [subject_hash.hex() for subject_hash in creators] == [block.creator_subject_id]
     assert (snapshot.snapshot_id, snapshot.epoch, snapshot.num_blocks) == (case["snapshot_id"], case["epoch"], 1)
     assert (document.doc_id, document.version) == (case["doc_id"], case["doc_version"])
     assert (policy.auth_scope, policy.policy_version) == (case["auth_scope"], case["policy_version"])
