@@ -35,12 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockPool, PoolConfig
 from gpu_node.crypto import until_key_service_answers
 from gpu_node.detokenizer import IncrementalDetokenizer
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
+from gpu_node.kv_memory import TierPlan, measure_available, plan_tiers
 from gpu_node.layout_sampler import layout_sampler
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.model_runner import ModelRunner, StepChunk
@@ -201,17 +204,27 @@ class AsyncEngine:
         data_dir = Path(settings.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         cache = settings.cache
+        # Measured now that the weights are loaded: the device tier takes a share of what they left.
+        tiers = plan_tiers(cache, runner.kv_spec, measure_available(settings.device), torch.device(settings.device).type)
+        log.info("%s", tiers.describe(runner.max_context_tokens))
         config = PoolConfig(
             namespace=namespace.namespace,
-            num_device_blocks=cache.num_device_blocks,
-            num_host_blocks=cache.num_host_blocks,
-            max_disk_blocks=cache.max_disk_blocks,
+            num_device_blocks=tiers.num_device_blocks,
+            num_host_blocks=tiers.num_host_blocks,
+            max_disk_blocks=tiers.max_disk_blocks,
             disk_dir=data_dir / "blocks",
             ttl_s={CacheScope.PUBLIC: cache.ttl_public_s, CacheScope.TENANT: cache.ttl_tenant_s, CacheScope.USER: cache.ttl_user_s},
             device=settings.device,
         )
         pool = BlockPool(runner.kv_spec, config, data_key_provider(settings, data_dir))
         return cls(runner, namespace, pool, settings, NodeMetrics())
+
+    @property
+    def tier_plan(self) -> TierPlan:
+        """The pool's capacities as blocks, tokens and bytes."""
+        config = self.pool.config
+        spec = self.runner.kv_spec
+        return TierPlan(config.num_device_blocks, config.num_host_blocks, config.max_disk_blocks, spec.block_size, spec.block_bytes)
 
     async def start(self, *, ready: bool = True) -> None:
         """Re-index the disk tier and warm from a snapshot, then report ready.
@@ -534,6 +547,11 @@ class AsyncEngine:
             "tiers": {
                 tier.value: {"num_entries": stats.num_entries.get(tier, 0), "num_bytes": stats.tier_bytes.get(tier, 0)}
                 for tier in stats.num_entries
+            },
+            "capacity": self.tier_plan.tier_stats(),
+            "max_concurrency": {
+                "context_tokens": self.max_context_tokens,
+                "num_requests": round(self.tier_plan.max_concurrency(self.max_context_tokens), 2),
             },
             "num_evictions": stats.num_evictions,
             "num_requests": registry.get_sample_value("kvledger_requests_total") or 0,

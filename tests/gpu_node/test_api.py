@@ -524,6 +524,19 @@ def test_operational_views_need_the_metrics_token(node, route):
     assert response.status_code == 200
 
 
+def test_cache_stats_report_each_tiers_capacity(node):
+    with node.http() as http:
+        stats = http.get("/v1/cache/stats", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).json()
+    block_bytes = 4 * 2 * 2 * 32 * BLOCK_SIZE * 4  # the tiny model: 4 layers, k and v, 2 KV heads, head dim 32, float32
+    assert stats["block_bytes"] == block_bytes
+    assert stats["capacity"] == {
+        tier: {"num_blocks": num, "num_tokens": num * BLOCK_SIZE, "num_bytes": num * block_bytes}
+        for tier, num in (("device", 256), ("host", 256), ("disk", 512))
+    }
+    # 256 blocks of 16 tokens hold one request of the model's 4,096-token context
+    assert stats["max_concurrency"] == {"context_tokens": 4096, "num_requests": 1.0}
+
+
 @pytest.mark.parametrize("route", ["/metrics", "/v1/cache/stats"])
 def test_operational_views_are_disabled_without_a_metrics_token(tiny_model_dir, tmp_path, monkeypatch, route):
     monkeypatch.delenv("KVLEDGER_METRICS_TOKEN", raising=False)
