@@ -45,6 +45,8 @@ STACK_START_TIMEOUT_S = 300.0
 EXPECTATION_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
 SUBJECT = "alice"
+ANSWER_TOKENS = 12
+"""Enough of the model's answer to read it (each step prints it), few enough for a CPU."""
 
 
 class StepFailed(Exception):
@@ -112,6 +114,7 @@ class Stack:
                     str(state_dir),
                     "--model",
                     self.args.model_dir,
+                    *(["--tiny"] if self.args.tiny else []),
                     "--port",
                     str(self.args.port),
                 ],
@@ -196,7 +199,7 @@ class Story:
         return self.client.post(
             f"{self.node_url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {token}"},
-            json={"model": self.model, "messages": self.messages(document_version), "max_tokens": 4, "temperature": 0},
+            json={"model": self.model, "messages": self.messages(document_version), "max_tokens": ANSWER_TOKENS, "temperature": 0},
             timeout=REQUEST_TIMEOUT_S,
         )
 
@@ -207,7 +210,8 @@ class Story:
             raise StepFailed(f"{label}: expected 200, got {response.status_code}: {response.text[:300]}")
         usage = response.json()["usage"]
         prompt_tokens, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
-        say(f"{label}: 200, {prompt_tokens} prompt tokens, {cached} cached")
+        answer = response.json()["choices"][0]["message"]["content"].strip().replace("\n", " ")
+        say(f"{label}: 200, {prompt_tokens} prompt tokens, {cached} cached — {answer!r}")
         return prompt_tokens, cached
 
     def refused(self, token: str, document_version: int, status_code: int, code: str, label: str) -> float:
