@@ -178,21 +178,27 @@ class Story:
         return {"Authorization": f"Bearer {token}"}
 
     def messages(self, document_version: int) -> list[dict[str, Any]]:
+        # Worded for the real model (SmolLM2-135M-Instruct): with the question in the same message as the
+        # user's introduction and a system prompt that asks for one sentence, it answers from the handbook
+        # ("You have 21 vacation days.", then 22 for version 2).
         return [
             # the tenant's name keeps the public prefix this run's own: an earlier run cached the same words
             {
                 "role": "system",
-                "content": f"You are the assistant of {self.tenant}. Answer briefly and kindly. " * 6,
+                "content": f"You are the HR assistant of {self.tenant}. Answer the employee's question from the handbook in one sentence. "
+                * 3,
                 "cache_scope": "public",
             },
             {
                 "role": "user",
-                "content": f"Handbook version {document_version}: every employee has twenty-{document_version} vacation days per year. "
-                * 6,
+                "content": f"Handbook version {document_version}: every employee has {20 + document_version} vacation days per year. " * 6,
                 "document": {"id": "handbook", "version": document_version, "auth_scope": "hr"},
             },
-            {"role": "user", "content": "I am Alice from the people team and I plan a long trip in spring next year. " * 3},
-            {"role": "user", "content": "How many vacation days do I have?"},
+            {
+                "role": "user",
+                "content": "I am Alice from the people team and I plan a long trip in spring next year. " * 3
+                + "How many vacation days do I have?",
+            },
         ]
 
     def chat(self, token: str, document_version: int) -> httpx.Response:
