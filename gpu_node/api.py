@@ -224,8 +224,8 @@ class ChatCompletionRequest(_OpenAIModel):
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     tools: list[dict] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     min_tokens: int = Field(0, ge=0, le=MAX_SAFE_INT)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
