@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_commands(commands: argparse._SubParsersAction) -> None:
-    """Subcommands for the tiny test model and a node's server."""
+    """Subcommands for model directories and a node's server."""
     model = commands.add_parser("model", help="local model utilities").add_subparsers(
         dest="model_command", required=True, metavar="COMMAND"
     )
