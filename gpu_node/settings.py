@@ -134,7 +134,7 @@ class NodeSettings(BaseSettings):
     node_id: Name = "node-0"
     """Travels in every kv-event and ledger row, so it obeys the event contract's identifier bounds."""
     model_dir: Path = Path(".kvledger/models/smollm2-135m-instruct")
-    """Where `kvledger up` builds the default model (SmolLM2-135M-Instruct, `kvledger model init`)."""
+    """Where ``kvledger up`` builds the default model (SmolLM2-135M-Instruct, ``kvledger model init``)."""
     model_name: str | None = None
     data_dir: Path = Path(".kvledger/node-0")
     device: str = "cpu"
