@@ -554,7 +554,8 @@ def render_markdown(
     serving_rows: list[ServingRow] | None = None,
 ) -> str:
     command = (
-        f"kvledger bench engine --runs {args.runs} --sections {args.sections} --prefixes {args.prefixes} --suffix {args.suffix} "
+        f"kvledger bench engine --model {Path(args.model_dir).name} --runs {args.runs} --sections {args.sections} "
+        f"--prefixes {args.prefixes} --suffix {args.suffix} "
         f"--concurrency {args.concurrency} --serving-prefix {args.serving_prefix} --serving-prompt {args.serving_prompt} "
         f"--serving-tokens {args.serving_tokens}"
     )
@@ -562,7 +563,7 @@ def render_markdown(
         "## Engine (`kvledger bench engine`)",
         "",
         f"Command: `{command}` "
-        f"on {platform.machine()} / {torch.get_num_threads()} torch threads / device `{args.device}`, tiny model, fp32. "
+        f"on {platform.machine()} / {torch.get_num_threads()} torch threads / device `{args.device}`, model `{Path(args.model_dir).name}`, fp32. "
         f"Median of {args.runs} runs; every ratio is within one run.",
     ]
     if ttft_rows is not None:

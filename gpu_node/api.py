@@ -129,6 +129,9 @@ def _field_code(loc: tuple) -> str:
     return _CODE_BY_FIELD.get(path, "invalid_value")
 
 
+MAX_ECHOED_NAME_CHARS = 100
+
+
 def _validation_error(exc: RequestValidationError) -> ApiError:
     errors = exc.errors()
     # For a union (e.g. content: str | list of parts) pydantic reports one error
@@ -137,6 +140,10 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if deepest.get("type") == "json_invalid":
         return ApiError(400, f"request body is not valid JSON: {deepest.get('msg')}", code="invalid_json")
     param = _param_from_loc(tuple(deepest.get("loc", ())))
+    if deepest.get("type") == "extra_forbidden":
+        # The name is the caller's own key, cut short: it may be as long as the body.
+        param = (param or "")[:MAX_ECHOED_NAME_CHARS]
+        return ApiError(400, f"'{param}' is not supported by this node", code="unsupported_parameter", param=param)
     where = f" at '{param}'" if param else ""
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     # Only pydantic's message is echoed, never the offending input (it may be prompt text).
@@ -148,9 +155,10 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 
 class _OpenAIModel(BaseModel):
-    """OpenAI adds request fields often; unknown ones are accepted and ignored."""
+    """A field this node does not implement is refused (400 ``unsupported_parameter`` naming it), never
+    dropped: a caller who sends ``logit_bias``, ``response_format`` or ``user`` expects it to have an effect."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class TextPart(_OpenAIModel):
@@ -186,10 +194,22 @@ class ChatMessageIn(_OpenAIModel):
 
 class StreamOptions(_OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every content chunk carries the usage so far (guidellm asks for it)."""
+
+
+MAX_STOP_TOKEN_IDS = 64
+"""Most ``stop_token_ids`` in one request: each is checked per generated token."""
 
 
 class ChatCompletionRequest(_OpenAIModel):
-    """Field bounds that do not depend on settings; :func:`_check_limits` applies the configured ones."""
+    """Field bounds that do not depend on settings; :func:`_sampling` applies the configured ones.
+
+    Beyond OpenAI's fields the node implements vLLM's ``min_tokens``, ``ignore_eos`` and
+    ``stop_token_ids``. ``n``, ``logprobs``, ``tools``, ``presence_penalty`` and
+    ``frequency_penalty`` are accepted only at the value that changes nothing (1, false,
+    none, 0, 0); any other field is refused (:class:`_OpenAIModel`).
+    """
 
     model: Name
     messages: list[ChatMessageIn] = Field(min_length=1)
@@ -204,6 +224,11 @@ class ChatCompletionRequest(_OpenAIModel):
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     tools: list[dict] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    min_tokens: int = Field(0, ge=0, le=MAX_SAFE_INT)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
 
 
 # --------------------------------------------------------------------------- request → engine
@@ -354,6 +379,9 @@ def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: Requ
         raise ApiError(400, "logprobs are not supported", code="unsupported_value", param="logprobs")
     if body.tools:
         raise ApiError(400, "tools are not supported", code="unsupported_parameter", param="tools")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported; only 0 is accepted", code="unsupported_value", param=name)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > 4:
         raise ApiError(400, "at most 4 stop sequences are allowed", code="invalid_value", param="stop")
@@ -368,7 +396,17 @@ def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: Requ
                 param=name,
             )
     requested = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-    options: dict = {"max_tokens": min(requested, max_context_tokens), "stop": stop}
+    if body.min_tokens > requested:
+        raise ApiError(
+            400, f"min_tokens is {body.min_tokens}; it must not exceed max_tokens ({requested})", code="invalid_value", param="min_tokens"
+        )
+    options: dict = {
+        "max_tokens": min(requested, max_context_tokens),
+        "stop": stop,
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+        "min_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos,
+    }
     for name in ("temperature", "top_p", "seed"):
         value = getattr(body, name)
         if value is not None:
@@ -395,19 +433,22 @@ async def _start(engine: AsyncEngine, request: GenerationRequest) -> tuple[Async
             param="messages",
         ) from None
     except ValueError as exc:
-        # The engine's contract: bad caller input surfaces as ValueError.
-        raise ApiError(400, str(exc), code="invalid_value") from None
+        # The engine's contract: bad caller input surfaces as ValueError (a SamplingError names its field).
+        raise ApiError(400, str(exc), code="invalid_value", param=getattr(exc, "param", None)) from None
     assert isinstance(stats, PromptStats), f"engine must yield PromptStats first, got {type(stats).__name__}"
     return stream, stats
 
 
-def _usage(stats: PromptStats, num_completion_tokens: int) -> dict:
-    return {
+def _usage(stats: PromptStats, num_completion_tokens: int, details: bool = True) -> dict:
+    """A response's usage; ``details`` false for vLLM's per-chunk usage, which has only the three counts."""
+    usage: dict = {
         "prompt_tokens": stats.num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": stats.num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.num_cached_tokens},
     }
+    if details:
+        usage["prompt_tokens_details"] = {"cached_tokens": stats.num_cached_tokens}
+    return usage
 
 
 # --------------------------------------------------------------------------- app
@@ -620,7 +661,8 @@ async def chat_completions(http_request: Request, caller: Caller, engine: Engine
     created = int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller)
+        continuous_usage = include_usage and body.stream_options is not None and body.stream_options.continuous_usage_stats
+        events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller, continuous_usage)
         return StreamingResponse(
             events,
             media_type="text/event-stream",
@@ -665,6 +707,7 @@ async def _sse_events(
     model: str,
     include_usage: bool,
     caller: Principal,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """``chat.completion.chunk`` events, then ``[DONE]``, framed as server-sent events (``data: ...`` and a blank line).
 
@@ -681,9 +724,13 @@ async def _sse_events(
     rather than sse-starlette: that library keeps a process-wide "server is
     exiting" flag that, once any uvicorn server in the process has shut down,
     ends every later stream at once (tests run several).
+
+    ``continuous_usage`` (vLLM's ``stream_options.continuous_usage_stats``, with
+    ``include_usage``): every chunk carries the usage so far instead of null; content
+    chunks are then serialized whole.
     """
 
-    def chunk(delta: dict, finish_reason: str | None = None) -> str:
+    def chunk(delta: dict, finish_reason: str | None = None, num_completion_tokens: int = 0) -> str:
         payload: dict = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -692,7 +739,7 @@ async def _sse_events(
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
         if include_usage:
-            payload["usage"] = None
+            payload["usage"] = _usage(stats, num_completion_tokens, details=False) if continuous_usage else None
         return _sse(json.dumps(payload))
 
     head, tail = chunk({"content": _CONTENT_MARK}).split(json.dumps(_CONTENT_MARK))
@@ -703,7 +750,9 @@ async def _sse_events(
             async for item in stream:
                 if isinstance(item, TokenDelta):
                     # The engine holds back incomplete UTF-8 as empty deltas; they carry nothing.
-                    if item.text:
+                    if item.text and continuous_usage:
+                        yield chunk({"content": item.text}, None, item.num_completion_tokens)
+                    elif item.text:
                         yield head + json.dumps(item.text) + tail
                 else:
                     assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
@@ -713,7 +762,7 @@ async def _sse_events(
             logger.error("request %s failed while streaming: %s", request_id, type(exc).__name__)
             yield _sse(json.dumps(error_body("generation failed", type="server_error", code="internal_error")))
             return
-    yield chunk({}, done.finish_reason)
+    yield chunk({}, done.finish_reason, done.num_completion_tokens)
     if include_usage:
         yield _sse(
             json.dumps(

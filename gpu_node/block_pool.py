@@ -70,6 +70,7 @@ from gpu_node.device_slots import DeviceSlots
 from gpu_node.disk_tier import DiskTier
 from gpu_node.eviction import LRUEvictionStrategy
 from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
+from gpu_node.kv_memory import lazy_zeros
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.pool_demotion import PoolDemoter
 from gpu_node.pool_reads import PoolReader
@@ -137,10 +138,16 @@ class BlockPool:
         self._clock = clock
         self._wall_clock = wall_clock
         self._lock = threading.RLock()
-        pin = torch.device(config.device).type == "cuda"
+        on_cuda = torch.device(config.device).type == "cuda"
+        device_shape = (config.num_device_blocks, *spec.block_shape)
+        host_shape = (config.num_host_blocks, *spec.block_shape)
+        # CPU tiers are backed page by page as slots are first written (lowest free slot first, below); a
+        # pinned host tier (CUDA) is page-locked, so it is committed in full.
         self._slots = {
-            Tier.DEVICE: torch.zeros((config.num_device_blocks, *spec.block_shape), dtype=spec.dtype, device=config.device),
-            Tier.HOST: torch.zeros((config.num_host_blocks, *spec.block_shape), dtype=spec.dtype, pin_memory=pin),
+            Tier.DEVICE: torch.zeros(device_shape, dtype=spec.dtype, device=config.device)
+            if on_cuda
+            else lazy_zeros(device_shape, spec.dtype),
+            Tier.HOST: torch.zeros(host_shape, dtype=spec.dtype, pin_memory=True) if on_cuda else lazy_zeros(host_shape, spec.dtype),
         }
         # Sorted lists are valid heaps: the lowest free slot is reused first, which keeps layouts deterministic.
         # Two-dimensional views ``[slots, block_elements]`` of the same storage for batched slot I/O.

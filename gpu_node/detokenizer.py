@@ -26,8 +26,12 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded, not emitted: could be the start of a stop string
         self.text = ""  # emitted so far
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Text to emit after this token, and whether a stop string was reached (the text then ends before it)."""
+    def push(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Text to emit after this token, and whether a stop string was reached (the text then ends before it).
+
+        ``check_stop`` false (the request is short of its ``min_tokens``): stop strings are not
+        looked for in this token's text, nor held back, as vLLM does.
+        """
         self._token_ids.append(token_id)
         decode = self._tokenizer.decode
         prefix_text = decode(self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
@@ -37,6 +41,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
         pending = self._pending + new_text[len(prefix_text) :]
+        if not check_stop:
+            self._pending = ""
+            return self._emit(pending), False
         found = [index for index in (pending.find(text) for text in self._stop) if index >= 0]
         if found:
             self._pending = ""

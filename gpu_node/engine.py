@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from events.schema import subject_digest
 from gpu_node import snapshots
 from gpu_node.block_pool import BlockPool, PoolConfig
@@ -42,6 +44,7 @@ from gpu_node.crypto import until_key_service_answers
 from gpu_node.detokenizer import IncrementalDetokenizer
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
+from gpu_node.kv_memory import TierPlan, measure_available, plan_tiers
 from gpu_node.layout_sampler import layout_sampler
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.model_runner import ModelRunner, StepChunk
@@ -68,6 +71,12 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation like end of sequence does (vLLM's ``stop_token_ids``); not part of the output."""
+    min_tokens: int = 0
+    """No stop (end of sequence, stop token or stop string) before this many generated tokens (vLLM's ``min_tokens``)."""
+    ignore_eos: bool = False
+    """Generate past the model's end-of-sequence tokens (they then count as output), up to ``max_tokens``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,8 @@ class PromptStats:
 class TokenDelta:
     token_id: int
     text: str
+    num_completion_tokens: int
+    """The request's completion tokens so far, this one included when it counts (an end-of-sequence token does not)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,17 +205,27 @@ class AsyncEngine:
         data_dir = Path(settings.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         cache = settings.cache
+        # Measured now that the weights are loaded: the device tier takes a share of what they left.
+        tiers = plan_tiers(cache, runner.kv_spec, measure_available(settings.device), torch.device(settings.device).type)
+        log.info("%s", tiers.describe(runner.max_context_tokens))
         config = PoolConfig(
             namespace=namespace.namespace,
-            num_device_blocks=cache.num_device_blocks,
-            num_host_blocks=cache.num_host_blocks,
-            max_disk_blocks=cache.max_disk_blocks,
+            num_device_blocks=tiers.num_device_blocks,
+            num_host_blocks=tiers.num_host_blocks,
+            max_disk_blocks=tiers.max_disk_blocks,
             disk_dir=data_dir / "blocks",
             ttl_s={CacheScope.PUBLIC: cache.ttl_public_s, CacheScope.TENANT: cache.ttl_tenant_s, CacheScope.USER: cache.ttl_user_s},
             device=settings.device,
         )
         pool = BlockPool(runner.kv_spec, config, data_key_provider(settings, data_dir))
         return cls(runner, namespace, pool, settings, NodeMetrics())
+
+    @property
+    def tier_plan(self) -> TierPlan:
+        """The pool's capacities as blocks, tokens and bytes."""
+        config = self.pool.config
+        spec = self.runner.kv_spec
+        return TierPlan(config.num_device_blocks, config.num_host_blocks, config.max_disk_blocks, spec.block_size, spec.block_bytes)
 
     async def start(self, *, ready: bool = True) -> None:
         """Re-index the disk tier and warm from a snapshot, then report ready.
@@ -277,6 +298,17 @@ class AsyncEngine:
 
     # --- requests (event loop) -------------------------------------------------------------
 
+    def _sampling_state(self, params: SamplingParams) -> SamplingState:
+        stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.runner.eos_token_ids)
+        return make_sampling_state(
+            params.temperature,
+            params.top_p,
+            params.seed,
+            vocab_size=self.runner.config.vocab_size,
+            stop_token_ids=stop_token_ids,
+            min_tokens=params.min_tokens,
+        )
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[PromptStats | TokenDelta | GenerationDone]:
         arrived = time.perf_counter()
         prompt = await asyncio.get_running_loop().run_in_executor(
@@ -285,7 +317,7 @@ class AsyncEngine:
         token_ids = prompt.token_ids
         if len(token_ids) >= self.max_context_tokens:
             raise PromptTooLongError(len(token_ids), self.max_context_tokens)
-        sampling_state = make_sampling_state(request.sampling.temperature, request.sampling.top_p, request.sampling.seed)
+        sampling_state = self._sampling_state(request.sampling)
         if len(token_ids) >= self.max_sequence_tokens:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; this node's device KV memory holds {self.max_sequence_tokens} tokens per request"
@@ -452,7 +484,8 @@ class AsyncEngine:
         logits = self.runner.execute(step_chunks, self.pool.device_kv)
         sampling = [chunk for chunk in chunks if chunk.samples]
         handles = [self._requests[chunk.seq.seq_id] for chunk in sampling]
-        tokens = sample_batch(logits, [handle.sampling for handle in handles]) if sampling else []
+        states = [handle.sampling for handle in handles]
+        tokens = sample_batch(logits, states, [handle.num_completion_tokens for handle in handles]) if sampling else []
         self.scheduler.advance(output, {chunk.seq.seq_id: token for chunk, token in zip(sampling, tokens, strict=True)})
         self.metrics.iteration_tokens.observe(output.num_batched_tokens)
         if any(chunk.start < chunk.seq.num_prompt_tokens for chunk in chunks):
@@ -477,24 +510,24 @@ class AsyncEngine:
         else:
             self.metrics.inter_token_latency.observe(now - handle.last_token_at)
         handle.last_token_at = now
-        if token in self.runner.eos_token_ids:
+        if token in handle.sampling.stop_token_ids:
             held_back = handle.detokenizer.flush()
             if held_back:
-                items.append(TokenDelta(token, held_back))
+                items.append(TokenDelta(token, held_back, handle.num_completion_tokens))
             self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
             return
         handle.num_completion_tokens += 1
-        text, stopped = handle.detokenizer.push(token)
+        text, stopped = handle.detokenizer.push(token, check_stop=handle.num_completion_tokens >= handle.sampling.min_tokens)
         if stopped:
             if text:
-                items.append(TokenDelta(token, text))
+                items.append(TokenDelta(token, text, handle.num_completion_tokens))
             self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
             return
         if handle.num_completion_tokens >= handle.max_new_tokens:
-            items.append(TokenDelta(token, text + handle.detokenizer.flush()))
+            items.append(TokenDelta(token, text + handle.detokenizer.flush(), handle.num_completion_tokens))
             self._finish(handle, GenerationDone("length", handle.num_completion_tokens), deliveries)
         else:
-            items.append(TokenDelta(token, text))
+            items.append(TokenDelta(token, text, handle.num_completion_tokens))
 
     def _finish(self, handle: _Request, last: GenerationDone | BaseException | None, deliveries: dict[_Request, list]) -> None:
         """End a request: free its slot and blocks now; ``last`` (None for an abort) goes to its stream."""
@@ -521,6 +554,11 @@ class AsyncEngine:
             "tiers": {
                 tier.value: {"num_entries": stats.num_entries.get(tier, 0), "num_bytes": stats.tier_bytes.get(tier, 0)}
                 for tier in stats.num_entries
+            },
+            "capacity": self.tier_plan.tier_stats(),
+            "max_concurrency": {
+                "context_tokens": self.max_context_tokens,
+                "num_requests": round(self.tier_plan.max_concurrency(self.max_context_tokens), 2),
             },
             "num_evictions": stats.num_evictions,
             "num_requests": registry.get_sample_value("kvledger_requests_total") or 0,

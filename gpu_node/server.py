@@ -19,6 +19,7 @@ from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationApplier
 from gpu_node.engine import AsyncEngine
 from gpu_node.governance_sync import GovernanceClient
+from gpu_node.kv_memory import KVMemoryError
 from gpu_node.node_identity import node_signing_key, pinned_command_key
 from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, NodePublisher
 from gpu_node.remote_keys import NODE_CREDENTIAL_TTL_S
@@ -165,5 +166,9 @@ def cli(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not (Path(settings.model_dir) / "config.json").is_file():
         raise SystemExit(f"no model at {settings.model_dir}; create one with `kvledger model init {settings.model_dir}`")
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except KVMemoryError as exc:  # the cache cannot fit this machine: one line naming the numbers, no traceback
+        print(f"kvledger node: error: {exc}", file=sys.stderr)
+        return 2
     return 0

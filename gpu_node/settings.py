@@ -27,10 +27,20 @@ from identity.tokens import JWT_SECRET_ENV
 
 
 class CacheSettings(BaseModel):
+    """The prefix cache. Tiers are sized in bytes; their block counts follow from the model's KV block
+    (``gpu_node.kv_memory``). An explicit ``num_device_blocks`` / ``num_host_blocks`` / ``max_disk_blocks``
+    replaces the byte size of its tier (exact sizes for tests and benchmarks)."""
+
     block_size: int = Field(16, gt=0)
-    num_device_blocks: int = Field(4096, ge=0)
-    num_host_blocks: int = Field(8192, ge=0)
-    max_disk_blocks: int = Field(65536, ge=0)
+    device_memory_fraction: float | None = Field(None, gt=0, le=0.95)
+    """Of the device memory left after the weights (CPU: of ``MemAvailable`` less the host tier); unset: 0.8 on CUDA, 0.4 on CPU."""
+    host_memory_bytes: int = Field(2 * 1024**3, ge=0)
+    """Host tier (CPU RAM; pinned under CUDA)."""
+    disk_bytes: int = Field(16 * 1024**3, ge=0)
+    """Disk tier (block files under the data directory)."""
+    num_device_blocks: int | None = Field(None, ge=1)
+    num_host_blocks: int | None = Field(None, ge=0)
+    max_disk_blocks: int | None = Field(None, ge=0)
     ttl_public_s: float | None = 3600.0
     ttl_tenant_s: float | None = 1800.0
     ttl_user_s: float | None = 600.0
@@ -38,6 +48,12 @@ class CacheSettings(BaseModel):
     enabled: bool = True
     layout_sample_size: int = Field(0, ge=0, le=100_000)
     """Requests whose prompt layout (segment hashes, never text) is kept for ``kvledger advise``; 0: none (``gpu_node.layout_sampler``)."""
+
+    @model_validator(mode="after")
+    def _one_device_size(self) -> CacheSettings:
+        if self.num_device_blocks is not None and self.device_memory_fraction is not None:
+            raise ValueError("set num_device_blocks or device_memory_fraction, not both")
+        return self
 
 
 class SchedulerSettings(BaseModel):
@@ -122,7 +138,8 @@ class NodeSettings(BaseSettings):
 
     node_id: Name = "node-0"
     """Travels in every kv-event and ledger row, so it obeys the event contract's identifier bounds."""
-    model_dir: Path = Path(".kvledger/models/tiny")
+    model_dir: Path = Path(".kvledger/models/smollm2-135m-instruct")
+    """Where ``kvledger up`` builds the default model (SmolLM2-135M-Instruct, ``kvledger model init``)."""
     model_name: str | None = None
     data_dir: Path = Path(".kvledger/node-0")
     device: str = "cpu"

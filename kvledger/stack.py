@@ -44,7 +44,7 @@ from coordinator.migrate import upgrade
 from gpu_node.node_identity import NODE_KEY_FILE
 from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair
-from kvledger.model_init import build_tiny_model, is_complete
+from kvledger.model_init import build_default_model, build_tiny_model, is_complete
 from kvledger.nodes import enroll_node_key
 from kvledger.producers import enroll_producer_key
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
@@ -144,8 +144,9 @@ async def up(args: argparse.Namespace) -> None:
     if is_complete(model_dir):
         progress(f"model found in {model_dir}")
     else:
-        progress(f"building the tiny model in {model_dir}")
-        await asyncio.to_thread(build_tiny_model, model_dir)
+        # The default is the real SmolLM2-135M-Instruct; the tiny test model is seconds to build and says nothing.
+        progress(f"building the {'tiny' if args.tiny else 'SmolLM2-135M-Instruct'} model in {model_dir}")
+        await asyncio.to_thread(build_tiny_model if args.tiny else build_default_model, model_dir)
         progress("model built")
 
     postgres = kafka = None

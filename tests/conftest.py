@@ -79,6 +79,7 @@ _LONGEST_FIRST = (
     "tests/faults/test_takeover.py",
     "tests/faults/test_soak.py",
     "tests/faults/",
+    "tests/gpu_node/test_real_model.py",
     "tests/coordinator/test_decision_equivalence.py",
     "tests/e2e/test_invalidation_e2e.py",
     "tests/gpu_node/test_node_ledger.py",
@@ -93,7 +94,8 @@ _LONGEST_FIRST = (
 )
 """Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest first
 (the sums of ``--durations`` per file: the fault suite's shared cluster several minutes on 2 cores, the e2e
-files start ``kvledger up`` stacks, the base install builds a virtualenv, the others run real nodes and
+files start ``kvledger up`` stacks, the base install builds a virtualenv, the real-model tests build SmolLM2
+twice and generate on it on CPU, the others run real nodes and
 coordinators through whole stories or hundreds of requests): a
 parallel run hands them out first, so none of them starts late while the other workers are running out of work."""
 

@@ -110,7 +110,7 @@ def test_non_streaming_then_cached(node):
         },
         {"role": "user", "content": "Summarise the quarterly report in three short bullet points please."},
     ]
-    first = greedy(client, node.engine.model_name, messages, n=1, user="alice", logprobs=False)
+    first = greedy(client, node.engine.model_name, messages, n=1, logprobs=False)
     assert first.object == "chat.completion"
     assert first.model == node.engine.model_name
     assert len(first.choices) == 1 and first.choices[0].message.role == "assistant"
@@ -298,9 +298,98 @@ def test_n_greater_than_one_is_400(node):
     assert_error(post(node, simple(node, n=2), bearer=token()), 400, "unsupported_value", "invalid_request_error", "n")
 
 
-def test_unknown_openai_fields_are_ignored(node):
-    body = simple(node, n=1, user="alice", logprobs=False, presence_penalty=0, some_future_field={"x": 1})
+def test_fields_at_their_no_op_value_are_accepted(node):
+    body = simple(node, n=1, logprobs=False, tools=[], presence_penalty=0, frequency_penalty=0.0, stop=None)
     assert post(node, body, bearer=token()).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("mutate", "param"),
+    [
+        (lambda body: body.update(user="alice"), "user"),
+        (lambda body: body.update(logit_bias={"50": 100}), "logit_bias"),
+        (lambda body: body.update(response_format={"type": "json_object"}), "response_format"),
+        (lambda body: body.update(top_k=5), "top_k"),
+        (lambda body: body.update(some_future_field={"x": 1}), "some_future_field"),
+        (lambda body: body["messages"][0].update(name="alice"), "messages[0].name"),
+        (lambda body: body["messages"][0].update(content=[{"type": "text", "text": "hi", "cache": 1}]), "messages[0].content[0].cache"),
+        (lambda body: body.update(stream=True, stream_options={"include_usage": True, "chunk_size": 4}), "stream_options.chunk_size"),
+    ],
+)
+def test_fields_the_node_does_not_implement_are_refused_by_name(node, mutate, param):
+    body = simple(node)
+    mutate(body)
+    error = assert_error(post(node, body, bearer=token()), 400, "unsupported_parameter", "invalid_request_error", param)
+    assert param in error["message"]
+
+
+def test_unsupported_field_name_is_echoed_cut_short(node):
+    error = assert_error(
+        post(node, simple(node, **{"x" * 5000: 1}), bearer=token()), 400, "unsupported_parameter", "invalid_request_error", "x" * 100
+    )
+    assert len(error["message"]) < 200
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+def test_penalties_other_than_zero_are_400(node, name):
+    assert_error(post(node, simple(node, **{name: 0.5}), bearer=token()), 400, "unsupported_value", "invalid_request_error", name)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 300}, "min_tokens"),  # above the default max_tokens (256)
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+        ({"stop_token_ids": [3072]}, "stop_token_ids"),  # the tiny model's vocabulary is 0..3071
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"stop_token_ids": "2"}, "stop_token_ids"),
+        ({"ignore_eos": "maybe"}, "ignore_eos"),
+    ],
+)
+def test_invalid_stop_extensions_are_400(node, extra, param):
+    body = simple(node) | extra
+    if "max_tokens" not in extra and extra.get("min_tokens") == 300:
+        del body["max_tokens"]
+    assert_error(post(node, body, bearer=token()), 400, "invalid_value", "invalid_request_error", param)
+
+
+def first_greedy_token(node: Node, messages: list[dict]) -> int:
+    """The token the model picks first for ``messages``, from one forward pass outside the node."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt_ids = render(node, messages).token_ids
+    model = AutoModelForCausalLM.from_pretrained(node.engine.runner.model_dir, local_files_only=True, dtype=torch.float32)
+    with torch.inference_mode():
+        return int(model(torch.tensor([prompt_ids])).logits[0, -1].argmax())
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos_reach_the_engine(node):
+    messages = [{"role": "user", "content": unique("Tell me about the handbook.")}]
+    client = node.client(token())
+    first = first_greedy_token(node, messages)
+    stopped = greedy(client, node.engine.model_name, messages, extra_body={"stop_token_ids": [first]})
+    assert (stopped.choices[0].message.content, stopped.choices[0].finish_reason) == ("", "stop")
+    assert stopped.usage.completion_tokens == 0
+    # greedy() asks for 8 tokens
+    held = greedy(client, node.engine.model_name, messages, extra_body={"stop_token_ids": [first], "min_tokens": 8})
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("length", 8)
+    assert held.choices[0].message.content
+    ignored = greedy(client, node.engine.model_name, messages, extra_body={"ignore_eos": True, "min_tokens": 8})
+    assert (ignored.choices[0].finish_reason, ignored.usage.completion_tokens) == ("length", 8)
+
+
+def test_continuous_usage_stats_count_every_chunk(node):
+    messages = [{"role": "user", "content": unique("Write a haiku about rain.")}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(greedy(node.client(token()), node.engine.model_name, messages, stream=True, stream_options=options))
+    assert all(chunk.usage is not None for chunk in chunks)
+    counts = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices]
+    assert counts == sorted(counts) and counts[0] == 0
+    assert counts[-1] == chunks[-1].usage.completion_tokens == 8
+    assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
 
 
 def test_unknown_model_is_404(node):
@@ -433,6 +522,19 @@ def test_operational_views_need_the_metrics_token(node, route):
             )
         response = http.get(route, headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert response.status_code == 200
+
+
+def test_cache_stats_report_each_tiers_capacity(node):
+    with node.http() as http:
+        stats = http.get("/v1/cache/stats", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).json()
+    block_bytes = 4 * 2 * 2 * 32 * BLOCK_SIZE * 4  # the tiny model: 4 layers, k and v, 2 KV heads, head dim 32, float32
+    assert stats["block_bytes"] == block_bytes
+    assert stats["capacity"] == {
+        tier: {"num_blocks": num, "num_tokens": num * BLOCK_SIZE, "num_bytes": num * block_bytes}
+        for tier, num in (("device", 256), ("host", 256), ("disk", 512))
+    }
+    # 256 blocks of 16 tokens hold one request of the model's 4,096-token context
+    assert stats["max_concurrency"] == {"context_tokens": 4096, "num_requests": 1.0}
 
 
 @pytest.mark.parametrize("route", ["/metrics", "/v1/cache/stats"])

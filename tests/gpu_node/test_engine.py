@@ -51,8 +51,8 @@ def long_text(num_words: int, offset: int = 0) -> str:
     return " ".join(WORDS[(offset + i) % len(WORDS)] + str((offset + i) % 97) for i in range(num_words))
 
 
-async def complete(engine: AsyncEngine, messages, principal=ALICE, use_cache=True, max_tokens=6) -> Completion:
-    request = GenerationRequest("test", tuple(messages), SamplingParams(max_tokens=max_tokens), principal, use_cache)
+async def complete(engine: AsyncEngine, messages, principal=ALICE, use_cache=True, max_tokens=6, **sampling) -> Completion:
+    request = GenerationRequest("test", tuple(messages), SamplingParams(max_tokens=max_tokens, **sampling), principal, use_cache)
     token_ids: list[int] = []
     text = ""
     stats = done = None
@@ -266,3 +266,94 @@ async def test_prompt_longer_than_context_is_refused(engine):
     with pytest.raises(PromptTooLongError) as error:
         await complete(engine, [user(long_text(3000))])
     assert error.value.max_context_tokens == engine.max_context_tokens
+
+
+# --------------------------------------------------------------------------- vLLM's stop extensions
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, min_new_tokens: int, stop_ids) -> list[int]:
+    """transformers' own greedy ``generate`` with the same stop rule: what the node must produce."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    output = model.generate(
+        torch.tensor([prompt_ids]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        eos_token_id=sorted(stop_ids),
+        pad_token_id=0,
+    )
+    generated = output[0, len(prompt_ids) :].tolist()
+    return generated[:-1] if generated and generated[-1] in stop_ids else generated
+
+
+def model_with_eos(tiny_model_dir: Path, directory: Path, eos_token_id: int) -> Path:
+    """A copy of the tiny model whose end-of-sequence token is ``eos_token_id`` (the tiny model's greedy output never
+    reaches its own), so that stopping at it, and not stopping, can be observed."""
+    import json
+
+    shutil.copytree(tiny_model_dir, directory)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((directory / name).read_text())
+        config["eos_token_id"] = [eos_token_id]
+        (directory / name).write_text(json.dumps(config))
+    return directory
+
+
+HELLO = [user("hello there, what does the handbook say")]
+
+
+async def test_stop_token_ids_end_generation_before_the_token(engine):
+    baseline = await complete(engine, HELLO, max_tokens=12)
+    assert baseline.finish_reason == "length"
+    stop_at = next(index for index, token in enumerate(baseline.token_ids) if index > 0 and token != baseline.token_ids[0])
+    stopped = await complete(engine, HELLO, max_tokens=12, stop_token_ids=(baseline.token_ids[stop_at],))
+    assert (stopped.token_ids, stopped.finish_reason) == (baseline.token_ids[:stop_at], "stop")
+
+
+async def test_min_tokens_masks_stop_tokens_like_transformers(engine, tiny_model_dir):
+    baseline = await complete(engine, HELLO, max_tokens=12)
+    stop_ids = {baseline.token_ids[0], baseline.token_ids[1]}
+    prompt_ids = render_prompt(engine.runner.tokenizer, tuple(HELLO)).token_ids
+    expected = reference_greedy(tiny_model_dir, prompt_ids, 12, 5, stop_ids | engine.runner.eos_token_ids)
+    assert not stop_ids & set(expected[:5])  # the minimum changed the output: it is not the baseline's
+    got = await complete(engine, HELLO, max_tokens=12, min_tokens=5, stop_token_ids=tuple(stop_ids))
+    assert got.token_ids == expected
+    assert got.finish_reason == ("stop" if len(expected) < 12 else "length")
+
+
+async def test_eos_stops_unless_ignored_and_min_tokens_defers_it(tiny_model_dir, tmp_path, engine):
+    baseline = await complete(engine, HELLO, max_tokens=10)
+    eos = baseline.token_ids[1]
+    model_dir = model_with_eos(tiny_model_dir, tmp_path / "eos-model", eos)
+    eos_engine = AsyncEngine.from_settings(node_settings(model_dir, tmp_path / "eos-node"))
+    await eos_engine.start()
+    try:
+        stopped = await complete(eos_engine, HELLO, max_tokens=10)
+        assert (stopped.token_ids, stopped.finish_reason) == (baseline.token_ids[:1], "stop")
+        # ignore_eos: the end-of-sequence token is generated, streamed and counted like any other.
+        ignored = await complete(eos_engine, HELLO, max_tokens=10, ignore_eos=True)
+        assert (ignored.token_ids, ignored.finish_reason) == (baseline.token_ids, "length")
+        prompt_ids = render_prompt(eos_engine.runner.tokenizer, tuple(HELLO)).token_ids
+        deferred = await complete(eos_engine, HELLO, max_tokens=10, min_tokens=4)
+        assert deferred.token_ids == reference_greedy(model_dir, prompt_ids, 10, 4, {eos})
+        assert eos not in deferred.token_ids[:4]
+    finally:
+        await eos_engine.stop()
+
+
+async def test_stop_strings_wait_for_min_tokens(engine):
+    baseline = await complete(engine, HELLO, max_tokens=8)
+    first_text = engine.runner.tokenizer.decode(baseline.token_ids[:1])
+    assert first_text.strip(), "the first token has text to stop at"
+    assert (await complete(engine, HELLO, max_tokens=8, stop=(first_text,))).token_ids == []
+    late = await complete(engine, HELLO, max_tokens=8, stop=(first_text,), min_tokens=3)
+    assert late.token_ids[:3] == baseline.token_ids[:3]
+    assert late.finish_reason == ("stop" if first_text in engine.runner.tokenizer.decode(baseline.token_ids[3:]) else "length")
+
+
+async def test_out_of_vocabulary_stop_token_is_refused(engine):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        await complete(engine, HELLO, stop_token_ids=(engine.runner.config.vocab_size,))

