@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from events.codec import DeadLetter, decode_event, decode_key, encode_event, encode_key
 from events.metrics import DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL
+from events.record_size import MAX_REQUEST_BYTES
 from events.schema import Envelope, EventValidationError
 from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, TOPIC_CONFIGS, route
 
@@ -314,6 +315,7 @@ class EventProducer:
             acks="all",
             enable_idempotence=settings.enable_idempotence,
             linger_ms=linger_ms,
+            max_request_size=MAX_REQUEST_BYTES,
         )
 
     async def start(self) -> None:

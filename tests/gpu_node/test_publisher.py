@@ -77,9 +77,9 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
     dead_letters = engine.metrics.dead_letters
     try:
         first_seq = publisher.seq
-        # One stored run mixing valid and refused provenance, a snapshot too large for one record, then more.
+        # One stored run mixing valid and refused provenance, a snapshot the contract refuses, then more.
         publisher.on_pool_events([StoredInPool(key, Tier.HOST) for key in good[:2] + poisoned[:1] + good[2:]])
-        publisher.on_snapshot_written("snap-huge", [i.to_bytes(32, "big") for i in range(schema.MAX_HASHES_PER_EVENT + 1)])
+        publisher.on_snapshot_written("snap\nbad", [(1).to_bytes(32, "big")])
         publisher.on_pool_events([RemovedFromPool(good[0].block_hash, Tier.HOST, RemovalReason.EVICTED)])
         await publisher.flush()
         publisher.on_pool_events([StoredInPool(key, Tier.DISK) for key in later])
@@ -120,7 +120,7 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
         ] * 2
         assert letters[0].error.startswith(f"BlockStored from node {node_id} never sent (invalid): ")
         assert "control characters" in letters[0].error and "hand" not in letters[0].error
-        assert letters[1].error.startswith(f"SnapshotWritten from node {node_id} never sent (invalid): block_hashes")
+        assert letters[1].error.startswith(f"SnapshotWritten from node {node_id} never sent (invalid): snapshot_id")
     finally:
         await publisher.stop()
         await engine.stop()
