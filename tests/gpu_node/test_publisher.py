@@ -12,9 +12,10 @@ from helpers.ledger import SUBJECT_KEY, node_key, scan_topic
 from events import schema, topics
 from events.codec import DeadLetter
 from events.kafka import EventProducer, KafkaSettings
+from events.record_size import MAX_RECORD_BYTES
 from gpu_node.block_pool import RemovalReason, RemovedFromPool, StoredInPool, Tier
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
 from identity.signing import EnvelopeSigner, verify_envelope
@@ -52,6 +53,47 @@ async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(
         assert [r.seq for r in records] == [records[0].seq, records[0].seq + 1, records[0].seq + 2]
         assert [b.block_hash for r in records for b in r.blocks] == [key.block_hash.hex() for key in keys]
         assert {b.subject_id for r in records for b in r.blocks} == {schema.subject_digest(SUBJECT_KEY.encode(), "acme", "alice")}
+    finally:
+        await publisher.stop()
+        await engine.stop()
+
+
+async def test_blocks_of_the_largest_provenance_and_a_large_snapshot_go_out_in_records_that_fit(tiny_model_dir, tmp_path, kafka_bootstrap):
+    """One block may name 256 auth scopes and 256 documents of 256 characters: 1000 of them are far over the
+    producer's limit, so block events are cut by size too; a snapshot of more hashes than one record lists
+    goes out as ``SnapshotWritten`` parts. Every record arrives, signed, within ``MAX_RECORD_BYTES``."""
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
+    await publisher.start(tmp_path / "node")
+    name = "\u00e9" * schema.MAX_ID_CHARS
+    scopes = tuple((f"{name[:-4]}{j:04d}", schema.MAX_SAFE_INT) for j in range(schema.MAX_LIST_ITEMS))
+    documents = tuple(f"{name[:-4]}{j:04d}@{schema.MAX_DOCUMENT_VERSION}" for j in range(schema.MAX_LIST_ITEMS))
+    provenance = CacheProvenance(name, name, CacheScope.USER, scopes, "alice", documents, 0.0)
+    keys = [BlockKey(bytes([i]) * 32, bytes([i + 1]) * 32, i, 16, provenance) for i in range(10)]
+    snapshot = [i.to_bytes(32, "big") for i in range(schema.MAX_HASHES_PER_EVENT + 5)]
+    try:
+        publisher.on_pool_events([StoredInPool(key, Tier.HOST) for key in keys])
+        publisher.on_snapshot_written("snap-large", snapshot)
+        await publisher.flush()
+        stored: list[schema.BlockStored] = []
+        parts: list[schema.SnapshotWritten] = []
+
+        def collect(record) -> bool:
+            envelope = schema.parse_event(record.value)
+            if isinstance(envelope.payload, (schema.BlockStored, schema.SnapshotWritten)) and envelope.payload.node_id == node_id:
+                assert len(record.value) <= MAX_RECORD_BYTES and verify_envelope(envelope, node_key(node_id).public_key())
+                (stored if isinstance(envelope.payload, schema.BlockStored) else parts).append(envelope.payload)
+            return sum(len(r.blocks) for r in stored) == len(keys) and sum(len(p.block_hashes) for p in parts) == len(snapshot)
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        assert len(stored) > 1 and [b.block_hash for r in stored for b in r.blocks] == [key.block_hash.hex() for key in keys]
+        assert [(p.part, p.parts) for p in parts] == [(0, 2), (1, 2)]
+        assert [h for p in parts for h in p.block_hashes] == [h.hex() for h in snapshot]
+        seqs = [r.seq for r in [*stored, *parts]]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     finally:
         await publisher.stop()
         await engine.stop()
