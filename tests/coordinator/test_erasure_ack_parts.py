@@ -26,6 +26,7 @@ from helpers.ledger import (
     eventually,
     fresh_database,
     operator_headers,
+    own_broker,
     scan_topic,
     stored,
 )
@@ -52,6 +53,13 @@ NUM_BLOCKS = {"device": 40_000, "host": 30_000, "disk": 30_000}
 NUM_SNAPSHOT_BLOCKS = MAX_HASHES_PER_EVENT + 3_000
 """The snapshot lists the first disk blocks: more than one SnapshotWritten record carries."""
 TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+async def kafka_bootstrap(kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """This module's own broker: what it publishes is too large to leave on the shared one (``helpers.ledger.own_broker``)."""
+    async with own_broker(kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")) as bootstrap:
+        yield bootstrap
 
 
 @pytest.fixture(scope="module")

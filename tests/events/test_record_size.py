@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import random
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import pytest
 from aiokafka.errors import MessageSizeTooLargeError
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from helpers.ledger import scan_topic
+from helpers.ledger import own_broker, scan_topic
 from pydantic import ValidationError
 
 from events.ack_parts import TierReport, ack_parts, merge_evidence
@@ -46,6 +47,14 @@ SIGN = EnvelopeSigner(Ed25519PrivateKey.generate())
 def signed_bytes_of(payload) -> int:
     """The length of ``payload``'s record as a writer sends it: stamped now, signed, encoded."""
     return len(encode_event(SIGN(make_event(payload))))
+
+
+@pytest.fixture(scope="module")
+async def kafka_bootstrap(kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """This module's own broker: a megabyte of non-JSON on ``kvledger.acks`` would be dead-lettered by every later
+    module's coordinator on the shared one (``helpers.ledger.own_broker``)."""
+    async with own_broker(kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")) as bootstrap:
+        yield bootstrap
 
 
 # --------------------------------------------------------------------------- the limit itself

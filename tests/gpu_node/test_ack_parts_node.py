@@ -14,9 +14,11 @@ import hashlib
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 
+import pytest
 import torch
-from helpers.ledger import SUBJECT_KEY, SigningProducer, node_key, scan_topic
+from helpers.ledger import SUBJECT_KEY, SigningProducer, node_key, own_broker, scan_topic
 from helpers.node import node_settings
 from test_node_invalidation import Node, publish
 
@@ -30,6 +32,13 @@ from identity.signing import verify_envelope
 
 NUM_DEVICE_BLOCKS = 8_000
 NUM_HOST_BLOCKS = 8_000
+
+
+@pytest.fixture(scope="module")
+async def kafka_bootstrap(kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """This module's own broker: what it publishes is too large to leave on the shared one (``helpers.ledger.own_broker``)."""
+    async with own_broker(kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")) as bootstrap:
+        yield bootstrap
 
 
 def fill(node: Node, tenant: str, subject: str) -> set[tuple[str, str]]:
