@@ -68,11 +68,7 @@ async def test_blocks_of_the_largest_provenance_and_a_large_snapshot_go_out_in_r
         engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
     )
     await publisher.start(tmp_path / "node")
-    name = "\u00e9" * schema.MAX_ID_CHARS
-    scopes = tuple((f"{name[:-4]}{j:04d}", schema.MAX_SAFE_INT) for j in range(schema.MAX_LIST_ITEMS))
-    documents = tuple(f"{name[:-4]}{j:04d}@{schema.MAX_DOCUMENT_VERSION}" for j in range(schema.MAX_LIST_ITEMS))
-    provenance = CacheProvenance(name, name, CacheScope.USER, scopes, "alice", documents, 0.0)
-    keys = [BlockKey(bytes([i]) * 32, bytes([i + 1]) * 32, i, 16, provenance) for i in range(10)]
+    keys = largest_provenance_keys(10)
     snapshot = [i.to_bytes(32, "big") for i in range(schema.MAX_HASHES_PER_EVENT + 5)]
     try:
         publisher.on_pool_events([StoredInPool(key, Tier.HOST) for key in keys])
@@ -97,6 +93,51 @@ async def test_blocks_of_the_largest_provenance_and_a_large_snapshot_go_out_in_r
     finally:
         await publisher.stop()
         await engine.stop()
+
+
+async def test_an_inventory_of_blocks_with_the_largest_provenance_is_chunked_to_fit(tiny_model_dir, tmp_path, kafka_bootstrap):
+    """Inventory chunks are cut by size too: each carries its placements' provenance, a few such blocks fill one."""
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
+    await publisher.start(tmp_path / "node")
+    pool = engine.pool
+    kv = torch.ones(pool.spec.block_shape, dtype=pool.spec.dtype)
+    for key in largest_provenance_keys(10, engine.namespace.namespace, pool.spec.block_size):
+        entry = pool.begin_build(key)
+        assert entry is not None and pool.commit_build(entry, kv)
+    held = {entry.block_hash.hex() for entry in pool.ready_entries()}
+    request_id = uuid.uuid4()
+    try:
+        await publisher.publish_inventory(request_id)
+        chunks: list[schema.Inventory] = []
+
+        def collect(record) -> bool:
+            payload = schema.parse_event(record.value).payload
+            if isinstance(payload, schema.Inventory) and payload.request_id == request_id:
+                assert len(record.value) <= MAX_RECORD_BYTES
+                chunks.append(payload)
+            return bool(chunks) and len(chunks) == chunks[0].chunks
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        assert len(held) == 10 and len(chunks) > 1 and [chunk.chunk for chunk in chunks] == list(range(len(chunks)))
+        assert {p.block_hash for chunk in chunks for p in chunk.placements} == held
+        assert all({p.block_hash for p in chunk.placements} == {b.block_hash for b in chunk.blocks} for chunk in chunks)
+    finally:
+        await publisher.stop()
+        await engine.stop()
+
+
+def largest_provenance_keys(num_blocks: int, namespace: str | None = None, block_size: int = 16) -> list[BlockKey]:
+    """Blocks whose provenance is as large as the contract allows: 256 auth scopes and 256 documents of 256 characters
+    (and a namespace of 256 unless one is given)."""
+    name = "\u00e9" * schema.MAX_ID_CHARS
+    scopes = tuple((f"{name[:-4]}{j:04d}", schema.MAX_SAFE_INT) for j in range(schema.MAX_LIST_ITEMS))
+    documents = tuple(f"{name[:-4]}{j:04d}@{schema.MAX_DOCUMENT_VERSION}" for j in range(schema.MAX_LIST_ITEMS))
+    provenance = CacheProvenance(namespace or name, name, CacheScope.USER, scopes, "alice", documents, 0.0)
+    return [BlockKey(bytes([i]) * 32, bytes([i + 1]) * 32, i, block_size, provenance) for i in range(num_blocks)]
 
 
 async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_events_flow_gap_free(
