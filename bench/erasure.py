@@ -18,6 +18,14 @@ placement. The clock runs from just before ``POST /v1/erasures`` until
 decides and destroys the keys, both nodes delete every tier, rewrite their
 snapshots and crypto-erase, ack, the ledger applies the evidence and the
 receipt is signed and appended to the audit log.
+
+``--sweep 1000,10000,100000`` repeats that for each size, in ascending order, with
+fresh nodes sized for it (one coordinator throughout): the time per size, how it
+grows (the target: no worse than linear, so 10x the blocks in at most 10x the
+time), and the peak resident memory (``VmHWM``) of the coordinator process and of
+this process (both nodes) once the size's runs are done. Past about 6,000 blocks
+per node a node's ack no longer fits one record and goes out in parts
+(``events.ack_parts``), which the coordinator assembles before it counts them.
 """
 
 from __future__ import annotations
@@ -77,6 +85,17 @@ class ErasureRun:
     num_blocks: int
     num_placements: int
     seconds: float
+    coordinator_peak_rss_bytes: int = 0
+    nodes_peak_rss_bytes: int = 0
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set size so far (``VmHWM``); 0 where /proc does not say."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 class BenchNode:
@@ -120,6 +139,7 @@ class Coordinator:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        self.database_url = database_url
         env = coordinator_env(
             database_url,
             bootstrap,
@@ -200,65 +220,91 @@ async def _run(args) -> list[ErasureRun]:
         model_dir = Path(args.model_dir)
         if not (model_dir / "config.json").is_file():
             model_dir = build_tiny_model(work / "model", seed=0)
-        database_url = await stack.enter_async_context(fresh_database(server_url))
-        group = f"bench-erasure-{uuid.uuid4().hex[:8]}"
-        await start_groups_at_end(
-            bootstrap,
-            consumer_groups(group),
-        )
-        log = stack.enter_context(tempfile.TemporaryFile())
         keys = BenchKeys(work / "keys")
-        coordinator = Coordinator(database_url, bootstrap, group, log, keys)
-        stack.callback(coordinator.stop)
-        async with httpx.AsyncClient(base_url=coordinator.url, timeout=5) as client:
-
-            async def serving() -> bool:
-                coordinator.check()
-                with contextlib.suppress(httpx.HTTPError):
-                    return (await client.get("/healthz")).status_code == 200
-                return False
-
-            await wait(serving, "the coordinator's HTTP API", TIMEOUT_S, POLL_S)
-        per_node = -(-args.blocks // NUM_NODES)
-        cache = CacheSettings(num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node)
-        nodes = []
-        for i in range(NUM_NODES):
-            node_id = f"bench-erasure-{group[-8:]}-{i}"
-            await keys.enroll(database_url, node_id, work / f"node-{i}")
-            node = BenchNode(
-                NodeSettings(
-                    node_id=node_id,
-                    model_dir=model_dir,
-                    data_dir=work / f"node-{i}",
-                    kafka_bootstrap=bootstrap,
-                    subject_key=SUBJECT_KEY,
-                    coordinator_url=coordinator.url,
-                    auth={"jwt_secret": JWT_SECRET},
-                    cache=cache,
-                    publish_interval_s=0.02,
-                    identity=keys.node_identity(),
-                )
-            )
-            await node.start()
-            stack.push_async_callback(node.stop)
-            nodes.append(node)
-        connection = await asyncpg.connect(**connect_kwargs(database_url))
-        stack.push_async_callback(connection.close)
-        node_ids = [node.settings.node_id for node in nodes]
-
-        async def registered() -> bool:
-            coordinator.check()
-            return await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids) == len(node_ids)
-
-        await wait(registered, "both nodes registered", TIMEOUT_S, POLL_S)
         runs = []
-        for _ in range(args.runs):
-            runs.append(await _run_once(nodes, coordinator, connection, args.blocks))
-            print(runs[-1], file=sys.stderr, flush=True)
+        for num_blocks in args.sweep or [args.blocks]:
+            # Every size gets a ledger, a coordinator and nodes of its own: every registered node is a
+            # target of every command, and a coordinator's peak memory is then the size's own.
+            async with contextlib.AsyncExitStack() as size_stack:
+                database_url = await size_stack.enter_async_context(fresh_database(server_url))
+                coordinator = await _start_coordinator(size_stack, database_url, bootstrap, keys)
+                connection = await asyncpg.connect(**connect_kwargs(database_url))
+                size_stack.push_async_callback(connection.close)
+                nodes = await _start_nodes(size_stack, num_blocks, keys, work, model_dir, bootstrap, coordinator, connection)
+                for _ in range(args.runs):
+                    run = await _run_once(nodes, coordinator, connection, num_blocks)
+                    run.coordinator_peak_rss_bytes = peak_rss_bytes(coordinator.process.pid)
+                    run.nodes_peak_rss_bytes = peak_rss_bytes(os.getpid())
+                    runs.append(run)
+                    print(run, file=sys.stderr, flush=True)
         return runs
 
 
-def render_markdown(args, runs: list[ErasureRun]) -> str:
+async def _start_coordinator(stack: contextlib.AsyncExitStack, database_url: str, bootstrap: str, keys: BenchKeys) -> Coordinator:
+    """``kvledger coordinator --role all`` on ``database_url``, its consumer groups starting at the topics' end, serving."""
+    group = f"bench-erasure-{uuid.uuid4().hex[:8]}"
+    await start_groups_at_end(bootstrap, consumer_groups(group))
+    log = stack.enter_context(tempfile.TemporaryFile())
+    coordinator = Coordinator(database_url, bootstrap, group, log, keys)
+    stack.callback(coordinator.stop)
+    async with httpx.AsyncClient(base_url=coordinator.url, timeout=5) as client:
+
+        async def serving() -> bool:
+            coordinator.check()
+            with contextlib.suppress(httpx.HTTPError):
+                return (await client.get("/healthz")).status_code == 200
+            return False
+
+        await wait(serving, "the coordinator's HTTP API", TIMEOUT_S, POLL_S)
+    return coordinator
+
+
+async def _start_nodes(
+    stack: contextlib.AsyncExitStack,
+    num_blocks: int,
+    keys: BenchKeys,
+    work: Path,
+    model_dir: Path,
+    bootstrap: str,
+    coordinator: Coordinator,
+    connection: asyncpg.Connection,
+) -> list[BenchNode]:
+    """Two fresh nodes (new ids and data directories) whose tiers are sized for ``num_blocks``, registered in the ledger."""
+    per_node = -(-num_blocks // NUM_NODES)
+    cache = CacheSettings(num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node)
+    nodes = []
+    for i in range(NUM_NODES):
+        node_id = f"bench-erasure-{uuid.uuid4().hex[:8]}-{i}"
+        data_dir = work / node_id
+        await keys.enroll(coordinator.database_url, node_id, data_dir)
+        node = BenchNode(
+            NodeSettings(
+                node_id=node_id,
+                model_dir=model_dir,
+                data_dir=data_dir,
+                kafka_bootstrap=bootstrap,
+                subject_key=SUBJECT_KEY,
+                coordinator_url=coordinator.url,
+                auth={"jwt_secret": JWT_SECRET},
+                cache=cache,
+                publish_interval_s=0.02,
+                identity=keys.node_identity(),
+            )
+        )
+        await node.start()
+        stack.push_async_callback(node.stop)
+        nodes.append(node)
+    node_ids = [node.settings.node_id for node in nodes]
+
+    async def registered() -> bool:
+        coordinator.check()
+        return await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids) == len(node_ids)
+
+    await wait(registered, "both nodes registered", TIMEOUT_S, POLL_S)
+    return nodes
+
+
+def render_single(args, runs: list[ErasureRun]) -> str:
     seconds = sorted(run.seconds for run in runs)
     p50 = statistics.median(seconds)
     return "\n".join(
@@ -281,7 +327,49 @@ def render_markdown(args, runs: list[ErasureRun]) -> str:
     )
 
 
+def render_sweep(args, runs: list[ErasureRun]) -> str:
+    """One row per size: p50 time, its growth over the size before, and peak memory."""
+    rows = []
+    previous: tuple[int, float] | None = None
+    medians: dict[int, float] = {}
+    for num_blocks in args.sweep:
+        mine = [run for run in runs if run.num_blocks == num_blocks]
+        seconds = sorted(run.seconds for run in mine)
+        p50 = medians[num_blocks] = statistics.median(seconds)
+        growth = "" if previous is None else f"{p50 / previous[1]:.1f}x for {num_blocks / previous[0]:.0f}x the blocks"
+        coordinator_mib = max(run.coordinator_peak_rss_bytes for run in mine) / 2**20
+        nodes_mib = max(run.nodes_peak_rss_bytes for run in mine) / 2**20
+        rows.append(
+            f"| {num_blocks} | {mine[0].num_placements} | {p50:.2f} s | {seconds[0]:.2f} / {seconds[-1]:.2f} s | {growth} "
+            f"| {coordinator_mib:.0f} MiB | {nodes_mib:.0f} MiB |"
+        )
+        previous = (num_blocks, p50)
+    sizes = ",".join(str(size) for size in args.sweep)
+    return "\n".join(
+        [
+            "## Erasure size sweep (`kvledger bench erasure --sweep`)",
+            "",
+            f"Command: `kvledger bench erasure --sweep {sizes} --runs {args.runs}` on {platform.machine()}, {os.cpu_count()} cores, "
+            "embedded Postgres + Tansu on the same machine; per size a fresh ledger, coordinator (`--role all`, own process) "
+            "and two nodes (tiny model, CPU, in the benchmark process) sized so a third of each node's blocks sits on device, "
+            "host and disk, plus a snapshot of all of them. Timed from `POST /v1/erasures` to the signed receipt being served. "
+            "Peak RSS is `VmHWM` after the size's runs: the coordinator process, and the benchmark process holding both nodes.",
+            "",
+            "| blocks | ledger placements | request → receipt, p50 | min / max | growth | coordinator peak RSS | nodes peak RSS |",
+            "|---:|---:|---:|---:|---|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
+
+
+def render_markdown(args, runs: list[ErasureRun]) -> str:
+    return render_sweep(args, runs) if args.sweep else render_single(args, runs)
+
+
 def cli(args: argparse.Namespace) -> int:
-    if args.runs < 1 or args.blocks < 3 * NUM_NODES:
-        raise SystemExit(f"--runs must be >= 1 and --blocks >= {3 * NUM_NODES} (every node needs blocks in every tier)")
+    if args.runs < 1 or min([args.blocks, *(args.sweep or [])]) < 3 * NUM_NODES:
+        raise SystemExit(f"--runs must be >= 1 and every size >= {3 * NUM_NODES} (every node needs blocks in every tier)")
+    if args.sweep and args.sweep != sorted(set(args.sweep)):
+        raise SystemExit("--sweep sizes must be distinct and ascending")
     return run_and_report(args, _run, render_markdown)

@@ -5,6 +5,12 @@ marks the node's target row ``acked`` and the node's removed copies ``deleted``;
 an unverified post-check marks it ``failed``. A command is ``complete`` once every
 expected node acked (a namespace it drained becomes ``retired``).
 
+An ack too large for one record arrives as parts (``events.ack_parts``): each part is staged
+in ``ack_parts`` and counts for nothing until every part of that ack is in; then the parts'
+evidence is merged into one entry per tier and the ack is applied like an ack of one record.
+A lost part leaves the target pending, so the command is re-sent (``coordinator.resend``) and
+the node re-sends every part of the same ack: the staged ones are duplicates.
+
 Locking: the node rows first (the same lock a kv-events batch of those nodes takes, so a
 node's acks and block events serialize), then the target rows, then the ledger-writes
 lock right before the placements (:mod:`coordinator.ledger` states the order and why).
@@ -19,20 +25,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, LargeBinary, Text, Uuid, bindparam, select, text
+from sqlalchemy import BigInteger, DateTime, LargeBinary, Text, Uuid, bindparam, delete, select, text, tuple_
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import inbox
 from coordinator.decisions import APPLIED
 from coordinator.ledger import lock_ledger_writes
-from coordinator.models import Node
+from coordinator.models import AckPart, Node
 from coordinator.states import InvalidationStatus, NamespaceStatus, TargetStatus
+from events.ack_parts import merge_evidence
 from events.fault_points import fault_point
 from events.schema import CommandAck, Envelope
 
 UNEXPECTED = "unexpected"
 UNVERIFIED = "unverified"
+PART_STAGED = "part_staged"
+"""Outcome of an ack part that was staged while other parts of its ack are still missing."""
 
 # Fixed SQL text with array parameters: one prepared statement per step whatever the batch size.
 
@@ -164,6 +174,117 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
     return finished
 
 
+@dataclass(frozen=True, slots=True)
+class _WholeAck:
+    """One node's whole answer to one command: an ack of one record, or the merge of every part of one."""
+
+    event_type: str
+    command_id: uuid.UUID
+    node_id: str
+    epoch: int
+    evidence: list[dict]
+    key_id: str | None
+
+    @classmethod
+    def of(cls, envelope: Envelope) -> _WholeAck:
+        """An ack of one record, as it is."""
+        ack: CommandAck = envelope.payload
+        return cls(
+            envelope.type,
+            ack.command_id,
+            ack.node_id,
+            ack.epoch,
+            [item.model_dump(mode="json") for item in ack.evidence],
+            None if envelope.signature is None else envelope.signature.kid,
+        )
+
+
+async def _whole_acks(
+    session: AsyncSession,
+    acks: list[Envelope],
+    status: dict[tuple[uuid.UUID, str], str],
+    outcomes: collections.Counter[tuple[str, str]],
+) -> list[_WholeAck]:
+    """The batch's acks as whole acks, in order: parts are staged, and an ack whose last part is in is merged.
+
+    A part of a target that is not pending or failed is counted like an ack of one record
+    would be (unexpected, duplicate) and not staged, so ``ack_parts`` only holds parts that
+    can still complete an ack.
+    """
+    whole: list[_WholeAck | tuple[uuid.UUID, str, uuid.UUID, int]] = []
+    staging: list[dict] = []
+    for envelope in acks:
+        ack: CommandAck = envelope.payload
+        if ack.parts == 1:
+            whole.append(_WholeAck.of(envelope))
+            continue
+        current = status.get((ack.command_id, ack.node_id))
+        if current is None or current == TargetStatus.ACKED:
+            outcomes[(envelope.type, UNEXPECTED if current is None else inbox.DUPLICATE)] += 1
+            continue
+        staging.append(
+            {
+                "command_id": ack.command_id,
+                "node_id": ack.node_id,
+                "ack_id": ack.ack_id,
+                "part": ack.part,
+                "num_parts": ack.parts,
+                "epoch": ack.epoch,
+                "evidence": [item.model_dump(mode="json") for item in ack.evidence],
+                "key_id": None if envelope.signature is None else envelope.signature.kid,
+            }
+        )
+        whole.append((ack.command_id, ack.node_id, ack.ack_id, ack.part))
+    if not staging:
+        return [item for item in whole if isinstance(item, _WholeAck)]
+    inserted = await session.execute(
+        pg_insert(AckPart)
+        .values(staging)
+        .on_conflict_do_nothing()
+        .returning(AckPart.command_id, AckPart.node_id, AckPart.ack_id, AckPart.part)
+    )
+    staged = {tuple(row) for row in inserted}
+    complete = await _complete_parts(session, {item[:3] for item in whole if isinstance(item, tuple)})
+    result: list[_WholeAck] = []
+    for item in whole:
+        if isinstance(item, _WholeAck):
+            result.append(item)
+        elif item[:3] in complete:
+            result.append(complete.pop(item[:3]))  # the first part of the batch that completes it stands for the ack
+        else:
+            outcomes[(CommandAck.TYPE, PART_STAGED if item in staged else inbox.DUPLICATE)] += 1
+    return result
+
+
+async def _complete_parts(session: AsyncSession, ack_keys: set[tuple[uuid.UUID, str, uuid.UUID]]) -> dict:
+    """(command id, node id, ack id) → the merged :class:`_WholeAck` of each of ``ack_keys`` with every part staged."""
+    rows = await session.execute(
+        select(
+            AckPart.command_id,
+            AckPart.node_id,
+            AckPart.ack_id,
+            AckPart.part,
+            AckPart.num_parts,
+            AckPart.epoch,
+            AckPart.evidence,
+            AckPart.key_id,
+        )
+        .where(tuple_(AckPart.command_id, AckPart.node_id, AckPart.ack_id).in_(sorted(ack_keys)))
+        .order_by(AckPart.command_id, AckPart.node_id, AckPart.ack_id, AckPart.part)
+    )
+    staged: dict[tuple[uuid.UUID, str, uuid.UUID], list] = collections.defaultdict(list)
+    for row in rows:
+        staged[(row.command_id, row.node_id, row.ack_id)].append(row)
+    complete = {}
+    for key, parts in staged.items():
+        # Complete: parts 0..n-1 all staged, all saying n (a node that said otherwise never completes).
+        if [row.part for row in parts] == list(range(parts[0].num_parts)) and {row.num_parts for row in parts} == {len(parts)}:
+            complete[key] = _WholeAck(
+                CommandAck.TYPE, key[0], key[1], parts[-1].epoch, merge_evidence(row.evidence for row in parts), parts[-1].key_id
+            )
+    return complete
+
+
 @dataclass(slots=True)
 class AppliedAcks:
     """What :func:`apply_acks` did: the copies it deleted and the commands it completed."""
@@ -191,34 +312,28 @@ async def apply_acks(
     updates: dict[tuple[uuid.UUID, str], tuple[str, int, str, str | None]] = {}
     copies: dict[str, list] = collections.defaultdict(list)
     touched: set[uuid.UUID] = set()
-    for envelope in acks:
-        ack: CommandAck = envelope.payload
+    for ack in await _whole_acks(session, acks, status, outcomes):
         key = (ack.command_id, ack.node_id)
         current = status.get(key)
         if current is None:
             # Not a command of this ledger, or a node registered after the decision.
-            outcomes[(envelope.type, UNEXPECTED)] += 1
+            outcomes[(ack.event_type, UNEXPECTED)] += 1
             continue
         if current == TargetStatus.ACKED:
-            outcomes[(envelope.type, inbox.DUPLICATE)] += 1
+            outcomes[(ack.event_type, inbox.DUPLICATE)] += 1
             continue
-        verified = all(evidence.verified for evidence in ack.evidence)
+        verified = all(evidence["verified"] for evidence in ack.evidence)
         status[key] = TargetStatus.ACKED if verified else TargetStatus.FAILED
-        updates[key] = (
-            status[key],
-            ack.epoch,
-            json.dumps([evidence.model_dump(mode="json") for evidence in ack.evidence]),
-            None if envelope.signature is None else envelope.signature.kid,
-        )
+        updates[key] = (status[key], ack.epoch, json.dumps(ack.evidence), ack.key_id)
         for evidence in ack.evidence:
-            if evidence.verified and evidence.block_hashes:
-                for block_hash in evidence.block_hashes:
+            if evidence["verified"]:
+                for block_hash in evidence["block_hashes"]:
                     copies["node_ids"].append(ack.node_id)
-                    copies["tiers"].append(evidence.tier)
+                    copies["tiers"].append(evidence["tier"])
                     copies["hashes"].append(bytes.fromhex(block_hash))
                     copies["command_ids"].append(ack.command_id)
         touched.add(ack.command_id)
-        outcomes[(envelope.type, APPLIED if verified else UNVERIFIED)] += 1
+        outcomes[(ack.event_type, APPLIED if verified else UNVERIFIED)] += 1
     if updates:
         await session.execute(
             _UPDATE_TARGETS,
@@ -232,6 +347,8 @@ async def apply_acks(
                 "key_ids": [v[3] for v in updates.values()],
             },
         )
+        # Staged parts of a target now recorded are spent: its ack (whole or merged) is on the target row.
+        await session.execute(delete(AckPart).where(tuple_(AckPart.command_id, AckPart.node_id).in_(sorted(updates))))
     fault_point("coordinator.mid_ack_batch")
     await lock_ledger_writes(session)
     applied = AppliedAcks()

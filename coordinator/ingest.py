@@ -383,7 +383,13 @@ class _BatchApplier:
         node.started_at = occurred_at
 
     async def _write_snapshot(self, node: Node, payload: SnapshotWritten) -> None:
+        """Part 0 (or a snapshot of one record) replaces the snapshot's placements; a later part adds its slice.
+
+        The parts are consecutive seqs of the node, applied in seq order, so after the last
+        part the ledger holds exactly the snapshot's blocks.
+        """
         hashes = {bytes.fromhex(block_hash) for block_hash in payload.block_hashes}
+        num_blocks = len(hashes) if payload.part == 0 else Snapshot.num_blocks + len(hashes)
         await self.session.execute(
             pg_insert(Snapshot)
             .values(
@@ -395,12 +401,13 @@ class _BatchApplier:
             )
             .on_conflict_do_update(
                 index_elements=[Snapshot.node_id, Snapshot.snapshot_id],
-                set_={"epoch": payload.epoch, "state": PlacementState.LIVE, "num_blocks": len(hashes), "deleted_at": None},
+                set_={"epoch": payload.epoch, "state": PlacementState.LIVE, "num_blocks": num_blocks, "deleted_at": None},
             )
         )
-        existing = await self._live_placements(node, Placement.snapshot_id == payload.snapshot_id)
-        gone = {ref for ref in existing if ref[0] not in hashes}
-        await self._mark_deleted(node, gone, payload.epoch, "replaced", "snapshot")
+        if payload.part == 0:
+            existing = await self._live_placements(node, Placement.snapshot_id == payload.snapshot_id)
+            gone = {ref for ref in existing if ref[0] not in hashes}
+            await self._mark_deleted(node, gone, payload.epoch, "replaced", "snapshot")
         unknown = await self._unknown_blocks(hashes)
         if unknown:
             self._gap(node, "unknown_block")

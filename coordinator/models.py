@@ -368,6 +368,33 @@ class InvalidationTarget(Base):
     """When the next re-send is due; NULL: ``command_resend_after_s`` after the decision."""
 
 
+class AckPart(Base):
+    """A received part of a command ack split over several records, held until every part is in.
+
+    The parts of one ack share ``ack_id``; the ack counts (``coordinator.acks``) only once
+    ``num_parts`` distinct parts are staged, and its rows go as soon as the target is acked.
+    """
+
+    __tablename__ = "ack_parts"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["command_id", "node_id"],
+            ["invalidation_targets.command_id", "invalidation_targets.node_id"],
+            ondelete="CASCADE",
+        ),
+    )
+
+    command_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    node_id: Mapped[str] = mapped_column(primary_key=True)
+    ack_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    num_parts: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    evidence: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
+    key_id: Mapped[str | None]
+    received_at: Mapped[datetime] = _now()
+
+
 class Erasure(Base):
     """One privacy erasure of a subject in a tenant (docs/design.md §6 "Erasure and receipts").
 

@@ -38,7 +38,6 @@ from aiokafka.errors import (
     TopicAlreadyExistsError,
     for_code,
 )
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -51,6 +50,7 @@ from events.metrics import (
     HANDLER_FAILURES_TOTAL,
     MISROUTED_RECORDS_TOTAL,
 )
+from events.record_size import MAX_REQUEST_BYTES, request_bytes
 from events.schema import Envelope, EventValidationError
 from events.topics import ALERT_TOPICS, ALL_TOPICS, DEAD_LETTER, DEAD_LETTER_TOPICS, ROUTING_ERROR, TOPIC_CONFIGS, route, routing_problem
 
@@ -161,21 +161,11 @@ class ConsumerGroupTiming(BaseModel):
         return {name: getattr(self, name) for name in ConsumerGroupTiming.model_fields}
 
 
-MAX_REQUEST_BYTES = 1_048_576
-"""The producers' ``max_request_size`` (aiokafka's default; under Apache Kafka's default
-``message.max.bytes`` of 1,048,588 for a record batch). :class:`KafkaSettings` takes it as its
-default and every :class:`EventProducer` is built with the setting, so it is also the budget a
-dead letter has to fit (:func:`dead_letter_record`): one number, one place."""
 MIN_REQUEST_BYTES = 65_536
-"""The smallest ``max_request_size`` accepted: a by-reference dead letter (bounded prefixes and
-error, see ``events.codec``) always fits in it."""
+"""What a by-reference dead letter (bounded prefixes and error, see ``events.codec``) always fits in:
+far below the producers' :data:`~events.record_size.MAX_REQUEST_BYTES`, so one can always be sent."""
 SIZE_REFUSALS: tuple[type[KafkaError], ...] = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
 """How a producer or broker refuses a record for its size: permanent, retrying cannot help."""
-
-
-def record_size_bytes(key: bytes | None, value: bytes | None) -> int:
-    """The size the producer checks against ``max_request_size`` before it sends a record (aiokafka's own estimate)."""
-    return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, []))
 
 
 class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
@@ -193,8 +183,6 @@ class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     num_partitions: int = Field(default=4, ge=1)
     replication_factor: int = Field(default=1, ge=1)
     group_id: str | None = None
-    max_request_size: int = Field(default=MAX_REQUEST_BYTES, ge=MIN_REQUEST_BYTES)
-    """The largest record (with its batch overhead) a producer sends, see :data:`MAX_REQUEST_BYTES`."""
     top_up_ms: int = Field(default=10, ge=0)
     """How long :func:`get_fresh_batch` waits for the records that reached the broker while the
     previous batch was handled (0: never tops up). About one fetch round trip plus the broker's
@@ -350,13 +338,13 @@ class EventProducer:
             acks="all",
             enable_idempotence=settings.enable_idempotence,
             linger_ms=linger_ms,
-            max_request_size=settings.max_request_size,
+            max_request_size=MAX_REQUEST_BYTES,
         )
 
     @property
     def max_request_size(self) -> int:
-        """The largest record this producer sends (:func:`record_size_bytes`), from its settings."""
-        return self._settings.max_request_size
+        """The largest record this producer sends (by :func:`~events.record_size.request_bytes`)."""
+        return MAX_REQUEST_BYTES
 
     async def start(self) -> None:
         await self._producer.start()
@@ -440,7 +428,7 @@ def dead_letter_record(
     record well under the limit can have a letter over it; such a record, or one whose
     letter the broker refused for size (``by_reference``), is dead-lettered *by reference*:
     coordinates, size, SHA-256 and bounded prefixes, which always fit (:data:`MIN_REQUEST_BYTES`).
-    The size checked is the producer's own (:func:`record_size_bytes`), signature included.
+    The size checked is the producer's own (:func:`~events.record_size.request_bytes`), signature included.
     """
 
     def encoded(reference: bool) -> tuple[DeadLetter, bytes, bytes | None]:
@@ -460,9 +448,9 @@ def dead_letter_record(
         return letter, letter.encode(), letter.raw_key()
 
     letter, value, key = encoded(by_reference)
-    if not by_reference and record_size_bytes(key, value) > max_request_size:
+    if not by_reference and request_bytes(key, value) > max_request_size:
         letter, value, key = encoded(True)
-    assert record_size_bytes(key, value) <= max_request_size, "a by-reference dead letter always fits MIN_REQUEST_BYTES"
+    assert request_bytes(key, value) <= max_request_size, "a by-reference dead letter always fits MIN_REQUEST_BYTES"
     return letter, value, key
 
 

@@ -76,6 +76,9 @@ MAX_HASHES_PER_EVENT = 12_000
 the record under 1 MiB, which the producer refuses to send anyway."""
 MAX_LIST_ITEMS = 256
 """Most entries of a small list (auth scopes or documents of one block, evidence of one ack)."""
+MAX_ACK_PARTS = 128
+"""Most records one command's ack is split into (``CommandAck.parts``): room for about 1.5 million
+removed blocks per node and command, and a bound on what the coordinator stages and assembles."""
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 """C0 controls, DEL and C1 controls: NUL is refused by Postgres text, newlines forge log lines and
@@ -355,11 +358,25 @@ class BlockMoved(NodeEvent):
 
 
 class SnapshotWritten(NodeEvent):
-    """A consistent snapshot now holds ``block_hashes`` (a tier of its own in the ledger)."""
+    """A consistent snapshot now holds ``block_hashes`` (a tier of its own in the ledger).
+
+    A snapshot too large for one record is listed by ``parts`` consecutive records (this
+    node's next seqs), part ``part`` carrying a slice: part 0 replaces what the ledger held
+    for the snapshot, each later part adds to it. The part fields are left out of a
+    snapshot of one record, which encodes as before.
+    """
 
     TYPE: ClassVar[str] = "SnapshotWritten"
     snapshot_id: Name
     block_hashes: Annotated[list[HexDigest], Field(max_length=MAX_HASHES_PER_EVENT)]
+    part: SmallCount = Field(0, exclude_if=lambda value: value == 0)
+    parts: Annotated[int, Strict(), Field(ge=1, le=MAX_INT32)] = Field(1, exclude_if=lambda value: value == 1)
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> SnapshotWritten:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} is out of range for {self.parts} parts")
+        return self
 
 
 class SnapshotDeleted(NodeEvent):
@@ -547,13 +564,30 @@ class TierEvidence(_Model):
 
 
 class CommandAck(EventPayload):
-    """A node finished ``command_id`` in ``epoch``; ``evidence`` has one entry per tier touched."""
+    """A node finished ``command_id`` in ``epoch``; ``evidence`` has one entry per tier touched.
+
+    An ack too large for one record is split into ``parts`` records sharing ``ack_id``, part
+    ``part`` listing a slice of the evidence (``events.ack_parts``); the ack is the union of all
+    of them. The part fields are left out of an ack of one record, which encodes as before.
+    """
 
     TYPE: ClassVar[str] = "CommandAck"
     command_id: uuid.UUID
     node_id: Name
     epoch: Count
     evidence: Annotated[list[TierEvidence], Field(max_length=MAX_LIST_ITEMS)]
+    ack_id: uuid.UUID | None = Field(None, exclude_if=lambda value: value is None)
+    """Names one ack split into ``parts`` records (``events.ack_parts``): every part carries it; unset on an ack of one record."""
+    part: SmallCount = Field(0, exclude_if=lambda value: value == 0)
+    parts: Annotated[int, Strict(), Field(ge=1, le=MAX_ACK_PARTS)] = Field(1, exclude_if=lambda value: value == 1)
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> CommandAck:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} is out of range for {self.parts} parts")
+        if self.parts > 1 and self.ack_id is None:
+            raise ValueError("an ack of several parts needs ack_id")
+        return self
 
 
 EVENT_TYPES: dict[str, type[EventPayload]] = {

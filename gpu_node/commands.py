@@ -18,7 +18,9 @@ For every ``Invalidate`` the node
    the ones named by the sealed copies it removed — so any copy of those
    blocks, including one copied off the node, no longer decrypts here;
 4. publishes a ``CommandAck`` to ``kvledger.acks`` with one ``TierEvidence`` per
-   tier touched — also when nothing matched, so the coordinator can complete.
+   tier touched — also when nothing matched, so the coordinator can complete. An ack
+   too large for one record goes out as several signed parts (:mod:`events.ack_parts`),
+   which the coordinator assembles before it counts the evidence.
 
 The pool's removals still reach ``kvledger.kv-events`` as ``BlockRemoved`` records through
 the publisher, as for every other change of bytes.
@@ -43,7 +45,7 @@ before it serves.
 Re-sent commands. The coordinator re-sends a command to a node that has not acked it
 (``coordinator.resend``): a new record, same ``command_id``. A command this node
 already applied in this run is not applied again: its ack — the same envelope, same
-``event_id`` and evidence — is published again, so a lost ack is recovered and an ack
+``event_id`` and evidence, every part of it — is published again, so a lost ack is recovered and an ack
 that did arrive is a duplicate the coordinator's inbox drops. A command applied in an
 earlier life (its ack and evidence are gone with the process) is applied again: that is
 idempotent, removes what matches now, and acks that. The registry keeps, per document and
@@ -76,10 +78,12 @@ from aiokafka.structs import ConsumerRecord
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from events import schema, topics
+from events.ack_parts import TierReport, ack_parts
 from events.codec import decode_event, decode_key
 from events.fault_points import fault_point
 from events.kafka import EventProducer, KafkaSettings, StallClock, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
+from events.tiers import Tier as LedgerTier
 from gpu_node import snapshots
 from gpu_node.block_pool import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool, Tier
 from gpu_node.crypto import DataKeyProvider
@@ -372,16 +376,14 @@ class InvalidationApplier:
         if isinstance(predicate, schema.NamespacePredicate) and predicate.ns == self.engine.namespace.namespace:
             log.warning("this node's namespace is retired: requests are served without the prefix cache")
 
-    async def apply(self, command: schema.Invalidate) -> list[schema.TierEvidence]:
+    async def apply(self, command: schema.Invalidate) -> list[TierReport]:
         """Apply one command fully; returns the ack's evidence (a batch of one, see :meth:`apply_batch`)."""
         async with contextlib.aclosing(self.apply_batch([command])) as applied:
             async for _, evidence in applied:
                 return evidence
         raise AssertionError("apply_batch yields every command it completes")
 
-    async def apply_batch(
-        self, commands: Sequence[schema.Invalidate]
-    ) -> AsyncIterator[tuple[schema.Invalidate, list[schema.TierEvidence]]]:
+    async def apply_batch(self, commands: Sequence[schema.Invalidate]) -> AsyncIterator[tuple[schema.Invalidate, list[TierReport]]]:
         """Apply ``commands`` in order; yields each with its ack's evidence as soon as it is complete.
 
         Every command's registry move and tombstones happen before the first is
@@ -474,8 +476,8 @@ class InvalidationApplier:
                     progress.changed.set()
 
 
-def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[schema.TierEvidence]:
-    """One ``TierEvidence`` per tier touched.
+def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[TierReport]:
+    """One :class:`TierReport` (a whole tier's ``TierEvidence``, however many blocks) per tier touched.
 
     Disk and snapshot copies of a crypto-erased subject report ``crypto_erase``
     / ``key_destroyed`` with the destroyed key ids — only when every removed
@@ -500,9 +502,8 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[schema
             method, post_check, key_ids = "crypto_erase", "key_destroyed", list(erasure.key_ids)
             verified = verified and erasure.verified
         result.append(
-            schema.TierEvidence(
-                tier=tier.value,
-                removed=len(items),
+            TierReport(
+                tier=LedgerTier(tier.value),
                 block_hashes=[item.block_hash.hex() for item in items],
                 method=method,
                 post_check=post_check,
@@ -516,9 +517,8 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[schema
             method, post_check, key_ids = "crypto_erase", "key_destroyed", list(erasure.key_ids)
             verified = verified and erasure.verified
         result.append(
-            schema.TierEvidence(
-                tier="snapshot",
-                removed=len(progress.snapshot_hashes),
+            TierReport(
+                tier=LedgerTier.SNAPSHOT,
                 block_hashes=sorted(block_hash.hex() for block_hash in progress.snapshot_hashes),
                 method=method,
                 post_check=post_check,
@@ -527,6 +527,23 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[schema
             )
         )
     return result
+
+
+# --------------------------------------------------------------------------- acks
+
+
+AckRecords = tuple[schema.Envelope, ...]
+"""One command's ack as the records that carry it: one, or the parts of :func:`events.ack_parts.ack_parts`."""
+
+
+def ack_records(command: schema.Invalidate, node_id: str, epoch: int, evidence: Sequence[TierReport]) -> AckRecords:
+    """The envelopes of the ack of ``command``, each small enough to be sent once signed.
+
+    Built once per application and kept: a re-sent command gets these same envelopes (same
+    event ids, same parts) again, so the coordinator's inbox drops the parts it holds and
+    stages the ones it missed.
+    """
+    return tuple(schema.make_event(part) for part in ack_parts(command.command_id, node_id, epoch, evidence))
 
 
 # --------------------------------------------------------------------------- consumer
@@ -588,10 +605,10 @@ class CommandConsumer:
         )
         self._producer = EventProducer(kafka, sign=publisher.signer)
         self._committed: dict[TopicPartition, int] = {}
-        # Records handled in this run whose offsets are not committed yet → the ack to publish (None: no ack).
-        self._unacked: dict[tuple[TopicPartition, int], schema.Envelope | None] = {}
-        # command_id → its ack, for commands applied in this run (a re-send is re-acked, not re-applied).
-        self._acks: collections.OrderedDict[uuid.UUID, schema.Envelope] = collections.OrderedDict()
+        # Records handled in this run whose offsets are not committed yet → the ack's parts to publish (None: no ack).
+        self._unacked: dict[tuple[TopicPartition, int], AckRecords | None] = {}
+        # command_id → its ack's parts, for commands applied in this run (a re-send is re-acked, not re-applied).
+        self._acks: collections.OrderedDict[uuid.UUID, AckRecords] = collections.OrderedDict()
         self._end_offsets: dict[TopicPartition, int] = {}
         # Per partition, the offset after the last record handled in this run (see _rewind).
         self._handled_upto: dict[TopicPartition, int] = {}
@@ -693,7 +710,7 @@ class CommandConsumer:
         for predicate, decided_at in state.decisions:
             self.handler.remember_decision(predicate, decided_at)
         sending = [
-            asyncio.create_task(self._producer.send(self._acks[command.command_id]))
+            asyncio.create_task(self._producer.send_many(self._acks[command.command_id]))
             for command in state.pending
             if command.command_id in self._acks
         ]
@@ -703,7 +720,7 @@ class CommandConsumer:
                 async for command, evidence in applied:
                     ack = self._ack(command, evidence)
                     self._remember_ack(command.command_id, ack)
-                    sending.append(asyncio.create_task(self._producer.send(ack)))
+                    sending.append(asyncio.create_task(self._producer.send_many(ack)))
         finally:
             results = await asyncio.gather(*sending, return_exceptions=True)
         for result in results:
@@ -717,12 +734,10 @@ class CommandConsumer:
             len(state.pending),
         )
 
-    def _ack(self, command: schema.Invalidate, evidence: list[schema.TierEvidence]) -> schema.Envelope:
+    def _ack(self, command: schema.Invalidate, evidence: list[TierReport]) -> AckRecords:
         """The ack of an applied command, whether it came from the topic or from the governance state at start."""
         fault_point("node.between_delete_and_ack")
-        return schema.make_event(
-            schema.CommandAck(command_id=command.command_id, node_id=self.node_id, epoch=self.publisher.epoch, evidence=evidence)
-        )
+        return ack_records(command, self.node_id, self.publisher.epoch, evidence)
 
     async def _check_replayed(self) -> None:
         """Ready once an empty poll finds the position at or past the end noted at start.
@@ -818,7 +833,7 @@ class CommandConsumer:
             to_apply = []
             ack = await self._handle_record(tp, record, envelope, error)
             if ack is not None:
-                sending.append(asyncio.create_task(self._producer.send(ack)))
+                sending.append(asyncio.create_task(self._producer.send_many(ack)))
             handled[tp] = record.offset + 1
         await self._apply(tp, to_apply, handled, sending)
 
@@ -855,7 +870,7 @@ class CommandConsumer:
                 ack = self._ack(command, evidence)
                 self._unacked[(tp, offset)] = ack
                 self._remember_ack(command.command_id, ack)
-                sending.append(asyncio.create_task(self._producer.send(ack)))
+                sending.append(asyncio.create_task(self._producer.send_many(ack)))
                 handled[tp] = offset + 1
                 log.info(
                     "node %s: applied %s command, %d blocks removed",
@@ -864,7 +879,7 @@ class CommandConsumer:
                     sum(item.removed for item in evidence),
                 )
 
-    def _remember_ack(self, command_id: uuid.UUID, ack: schema.Envelope) -> None:
+    def _remember_ack(self, command_id: uuid.UUID, ack: AckRecords) -> None:
         self._acks[command_id] = ack
         self._acks.move_to_end(command_id)
         while len(self._acks) > MAX_REMEMBERED_ACKS:
@@ -908,10 +923,10 @@ class CommandConsumer:
 
     async def _handle_record(
         self, tp: TopicPartition, record: ConsumerRecord, envelope: schema.Envelope | None, error: str | None
-    ) -> schema.Envelope | None:
+    ) -> AckRecords | None:
         """Everything but applying a command: dead letters, replays, acks to resend, inventory requests.
 
-        Returns the ack to publish (None when there is none). Commits nothing.
+        Returns the ack's parts to publish (None when there is none). Commits nothing.
         """
         applied_before = record.offset < self._committed[tp]
         if envelope is None:

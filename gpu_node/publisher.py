@@ -13,7 +13,7 @@ Subjects never leave the node in clear: provenance carries the keyed
 
 No event can wedge the publisher (docs/security.md, "Bounded input and poison
 records"): a block whose provenance the contract refuses, a record larger than
-:data:`MAX_RECORD_BYTES`, or a record the broker refuses for good is *dead-lettered
+:data:`~events.record_size.MAX_RECORD_BYTES`, or a record the broker refuses for good is *dead-lettered
 locally* — counted in ``kvledger_node_dead_letters``, logged without content and
 reported on ``kvledger.node-dead-letter`` — and everything else keeps flowing. A record
 left out before it was stamped consumes no ``seq``, so the sequence stays gap-free;
@@ -60,6 +60,7 @@ from events import schema
 from events.codec import DeadLetter, encode_event, encode_key
 from events.fault_points import fault_triggered
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from events.record_size import MAX_RECORD_BYTES, envelope_bytes, split_to_fit
 from events.topics import KV_EVENTS, NODE_DEAD_LETTER, route
 from gpu_node import block_pool
 from gpu_node.crypto import until_key_service_answers
@@ -70,9 +71,8 @@ from identity.signing import EnvelopeSigner
 log = logging.getLogger(__name__)
 
 MAX_BLOCKS_PER_RECORD = schema.MAX_BLOCKS_PER_EVENT
-MAX_RECORD_BYTES = 1_000_000
-"""Largest record value sent: under the broker's default 1 MiB message limit and the
-producer's ``max_request_size``, so a record that passes this check is not refused for size."""
+"""Most blocks one record lists; a record is also cut short of :data:`~events.record_size.MAX_RECORD_BYTES`
+(one block's provenance may name 256 auth scopes and 256 documents: 1000 such blocks are far over it)."""
 PERMANENT_SEND_ERRORS = (
     MessageSizeTooLargeError,
     RecordListTooLargeError,
@@ -196,66 +196,72 @@ class NodePublisher:
         pending = list(self._pending)
         payloads = []
         for kind, group in groupby(pending, key=_batch_kind):
-            events = list(group)
-            for start in range(0, len(events), MAX_BLOCKS_PER_RECORD):
-                payload = self._payload(kind, events[start : start + MAX_BLOCKS_PER_RECORD])
-                if payload is not None:
-                    payloads.append(payload)
+            payloads.extend(self._payloads(kind, list(group)))
         # The events are records now: a failed send leaves them in ``_unacked``, to go out
         # again byte-identical, never rebuilt under a new event id.
         for _ in pending:
             self._pending.popleft()
         await self._send_node_events(payloads)
 
-    def _payload(self, kind: tuple, group) -> schema.EventPayload | None:
-        """The record for one run of pool events; ``None`` when nothing of it satisfies the contract.
+    def _payloads(self, kind: tuple, events: list) -> list[schema.EventPayload]:
+        """The records for one run of pool events, each within the count and size limits; none for what the contract refuses.
 
         The one place pool events (:mod:`gpu_node.pool_types`) become kv-events records (:mod:`events.schema`)::
 
             StoredInPool(key, tier)                        → BlockStored(blocks=[StoredBlock: provenance, tier])
             RemovedFromPool(block_hash, tier, reason, ev)  → BlockRemoved(reason, blocks=[RemovedBlock: block_hash, tier])
             MovedInPool(block_hash, from_tier, to_tier)    → BlockMoved(blocks=[MovedBlock: block_hash, from_tier, to_tier])
-            ("snapshot", snapshot_id, block_hashes)        → SnapshotWritten(snapshot_id, block_hashes)
+            ("snapshot", snapshot_id, block_hashes)        → SnapshotWritten(snapshot_id, block_hashes, part, parts)
 
         A run is consecutive events of one kind (one reason, for removals; :func:`_batch_kind`).
         Provenance leaves with the subject as its keyed digest; removal evidence stays on the
         node (it goes into command acks, :mod:`gpu_node.commands`).
         """
-        events = list(group)
         common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0}
         if kind[0] == "stored":
-            blocks = [
-                block
-                for block in (self._built("BlockStored", lambda e=e: self._stored_block(e.key, e.tier.value)) for e in events)
-                if block is not None
-            ]
-            return self._built("BlockStored", lambda: schema.BlockStored(**common, blocks=blocks)) if blocks else None
+            built = (self._built("BlockStored", lambda e=e: self._stored_block(e.key, e.tier.value)) for e in events)
+            return self._split(schema.BlockStored, common, [block for block in built if block is not None])
         if kind[0] == "removed":
-            return self._built(
-                "BlockRemoved",
-                lambda: schema.BlockRemoved(
-                    **common,
-                    reason=kind[1],
-                    blocks=[schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events],
-                ),
-            )
+            removed = [schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events]
+            return self._split(schema.BlockRemoved, {**common, "reason": kind[1]}, removed)
         if kind[0] == "moved":
-            return self._built(
-                "BlockMoved",
-                lambda: schema.BlockMoved(
-                    **common,
-                    blocks=[
-                        schema.MovedBlock(block_hash=e.block_hash.hex(), from_tier=e.from_tier.value, to_tier=e.to_tier.value)
-                        for e in events
-                    ],
-                ),
-            )
+            moved = [schema.MovedBlock(block_hash=e.block_hash.hex(), from_tier=e.from_tier.value, to_tier=e.to_tier.value) for e in events]
+            return self._split(schema.BlockMoved, common, moved)
         assert kind[0] == "snapshot", f"unknown batch kind {kind}"
         ((_, snapshot_id, block_hashes),) = events
-        return self._built(
-            "SnapshotWritten",
-            lambda: schema.SnapshotWritten(**common, snapshot_id=snapshot_id, block_hashes=[h.hex() for h in block_hashes]),
+        return self._snapshot_parts(common, snapshot_id, [h.hex() for h in block_hashes])
+
+    def _split(self, model: type[schema.NodeEvent], fields: dict, blocks: list) -> list[schema.EventPayload]:
+        """``model`` records listing ``blocks``, as few as the count and size limits allow."""
+        runs = split_to_fit(
+            blocks,
+            lambda run: envelope_bytes(model.model_construct(**fields, blocks=list(run))),
+            max_items=MAX_BLOCKS_PER_RECORD,
         )
+        return [
+            payload for payload in (self._built(model.TYPE, lambda run=run: model(**fields, blocks=list(run))) for run in runs) if payload
+        ]
+
+    def _snapshot_parts(self, common: dict, snapshot_id: str, block_hashes: list[str]) -> list[schema.EventPayload]:
+        """A snapshot's ``SnapshotWritten`` as parts within the limits (``part``/``parts``, one when it fits)."""
+
+        def size_of(run) -> int:
+            payload = schema.SnapshotWritten.model_construct(
+                **common, snapshot_id=snapshot_id, block_hashes=list(run), part=schema.MAX_INT32 - 1, parts=schema.MAX_INT32
+            )
+            return envelope_bytes(payload)
+
+        runs = split_to_fit(block_hashes, size_of, max_items=schema.MAX_HASHES_PER_EVENT) or [[]]
+        built = (
+            self._built(
+                "SnapshotWritten",
+                lambda number=number, run=run: schema.SnapshotWritten(
+                    **common, snapshot_id=snapshot_id, block_hashes=list(run), part=number, parts=len(runs)
+                ),
+            )
+            for number, run in enumerate(runs)
+        )
+        return [payload for payload in built if payload is not None]
 
     def _built(self, event_type: str, build: Callable[[], T]) -> T | None:
         """``build()``, or ``None`` after dead-lettering what the contract refused (it would never be accepted)."""
@@ -378,35 +384,35 @@ class NodePublisher:
             await self._flush_pending()
             for snapshot_id, keys in snapshot_inventory.items():
                 held.extend((key, "snapshot", snapshot_id) for key in keys)
-            chunks = [held[i : i + MAX_BLOCKS_PER_RECORD] for i in range(0, len(held), MAX_BLOCKS_PER_RECORD)] or [[]]
-            payloads = []
-            for index, chunk in enumerate(chunks):
-                described = {}
-                for key, _, _ in chunk:
-                    if key.block_hash not in described:
-                        described[key.block_hash] = self._built(
-                            "Inventory",
-                            lambda key=key: schema.BlockProvenance(
-                                **self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance)
-                            ),
-                        )
-                # A block the contract refuses is left out with its placements (dead-lettered above).
-                payloads.append(
-                    schema.Inventory(
-                        node_id=self.node_id,
-                        epoch=self.epoch,
-                        seq=0,
-                        request_id=request_id,
-                        placements=[
-                            schema.Placement(block_hash=key.block_hash.hex(), tier=tier, snapshot_id=snapshot_id)
-                            for key, tier, snapshot_id in chunk
-                            if described[key.block_hash] is not None
-                        ],
-                        blocks=[block for block in described.values() if block is not None],
-                        chunk=index,
-                        chunks=len(chunks),
+            described: dict[bytes, schema.BlockProvenance | None] = {}
+            for key, _, _ in held:
+                if key.block_hash not in described:
+                    described[key.block_hash] = self._built(
+                        "Inventory",
+                        lambda key=key: schema.BlockProvenance(
+                            **self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance)
+                        ),
                     )
-                )
+            # A block the contract refuses is left out with its placements (dead-lettered above).
+            listed = [
+                (schema.Placement(block_hash=key.block_hash.hex(), tier=tier, snapshot_id=snapshot_id), provenance)
+                for key, tier, snapshot_id in held
+                if (provenance := described[key.block_hash]) is not None
+            ]
+            common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0, "request_id": request_id}
+
+            def chunk_fields(run) -> dict:
+                blocks = {provenance.block_hash: provenance for _, provenance in run}
+                return {**common, "placements": [placement for placement, _ in run], "blocks": list(blocks.values())}
+
+            runs = split_to_fit(
+                listed,
+                lambda run: envelope_bytes(
+                    schema.Inventory.model_construct(**chunk_fields(run), chunk=schema.MAX_INT32 - 1, chunks=schema.MAX_INT32)
+                ),
+                max_items=MAX_BLOCKS_PER_RECORD,
+            ) or [[]]
+            payloads = [schema.Inventory(**chunk_fields(run), chunk=index, chunks=len(runs)) for index, run in enumerate(runs)]
             await self._send_node_events(payloads)
 
     async def publish_usage(self) -> None:

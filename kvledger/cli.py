@@ -457,6 +457,11 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     bench_erasure.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
     bench_erasure.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
     bench_erasure.add_argument("--blocks", type=int, default=10_000, help="the subject's blocks, split over the two nodes")
+    bench_erasure.add_argument(
+        "--sweep",
+        type=lambda text: [int(size) for size in text.split(",")],
+        help="sizes to run in turn instead of --blocks, e.g. 1000,10000,100000 (time growth and peak memory per size)",
+    )
     bench_erasure.add_argument("--database-url", help="external PostgreSQL (default: embedded)")
     bench_erasure.add_argument("--kafka-bootstrap", help="external Kafka (default: embedded broker)")
     bench_erasure.add_argument("--output", help="write the markdown table here as well")

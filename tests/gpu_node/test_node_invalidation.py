@@ -311,7 +311,7 @@ async def test_an_ack_that_could_not_be_published_is_sent_again_without_applying
     tenants = [f"acme-{uuid.uuid4().hex[:6]}" for _ in range(2)]
     applied: list[uuid.UUID] = []
     real_apply_batch = node.commands.handler.apply_batch
-    real_send = node.commands._producer.send
+    real_send_many = node.commands._producer.send_many
     num_sends = 0
 
     async def apply_batch_counted(commands):
@@ -319,15 +319,16 @@ async def test_an_ack_that_could_not_be_published_is_sent_again_without_applying
             applied.append(command.command_id)
             yield command, evidence
 
-    async def send_failing_first(envelope, **options):
+    async def send_failing_first(envelopes):
+        """An ack's records (one here) go out in one call: the first ack's call fails."""
         nonlocal num_sends
         num_sends += 1
         if num_sends == 1:
             raise ConnectionError("injected: broker unreachable")
-        return await real_send(envelope, **options)
+        return await real_send_many(envelopes)
 
     node.commands.handler.apply_batch = apply_batch_counted
-    node.commands._producer.send = send_failing_first
+    node.commands._producer.send_many = send_failing_first
     try:
         holdings = {}
         for tenant in tenants:

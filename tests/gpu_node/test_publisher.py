@@ -12,9 +12,10 @@ from helpers.ledger import SUBJECT_KEY, node_key, scan_topic
 from events import schema, topics
 from events.codec import DeadLetter
 from events.kafka import EventProducer, KafkaSettings
+from events.record_size import MAX_RECORD_BYTES
 from gpu_node.block_pool import RemovalReason, RemovedFromPool, StoredInPool, Tier
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
+from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
 from identity.signing import EnvelopeSigner, verify_envelope
@@ -57,6 +58,88 @@ async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(
         await engine.stop()
 
 
+async def test_blocks_of_the_largest_provenance_and_a_large_snapshot_go_out_in_records_that_fit(tiny_model_dir, tmp_path, kafka_bootstrap):
+    """One block may name 256 auth scopes and 256 documents of 256 characters: 1000 of them are far over the
+    producer's limit, so block events are cut by size too; a snapshot of more hashes than one record lists
+    goes out as ``SnapshotWritten`` parts. Every record arrives, signed, within ``MAX_RECORD_BYTES``."""
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
+    await publisher.start(tmp_path / "node")
+    keys = largest_provenance_keys(10)
+    snapshot = [i.to_bytes(32, "big") for i in range(schema.MAX_HASHES_PER_EVENT + 5)]
+    try:
+        publisher.on_pool_events([StoredInPool(key, Tier.HOST) for key in keys])
+        publisher.on_snapshot_written("snap-large", snapshot)
+        await publisher.flush()
+        stored: list[schema.BlockStored] = []
+        parts: list[schema.SnapshotWritten] = []
+
+        def collect(record) -> bool:
+            envelope = schema.parse_event(record.value)
+            if isinstance(envelope.payload, (schema.BlockStored, schema.SnapshotWritten)) and envelope.payload.node_id == node_id:
+                assert len(record.value) <= MAX_RECORD_BYTES and verify_envelope(envelope, node_key(node_id).public_key())
+                (stored if isinstance(envelope.payload, schema.BlockStored) else parts).append(envelope.payload)
+            return sum(len(r.blocks) for r in stored) == len(keys) and sum(len(p.block_hashes) for p in parts) == len(snapshot)
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        assert len(stored) > 1 and [b.block_hash for r in stored for b in r.blocks] == [key.block_hash.hex() for key in keys]
+        assert [(p.part, p.parts) for p in parts] == [(0, 2), (1, 2)]
+        assert [h for p in parts for h in p.block_hashes] == [h.hex() for h in snapshot]
+        seqs = [r.seq for r in [*stored, *parts]]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    finally:
+        await publisher.stop()
+        await engine.stop()
+
+
+async def test_an_inventory_of_blocks_with_the_largest_provenance_is_chunked_to_fit(tiny_model_dir, tmp_path, kafka_bootstrap):
+    """Inventory chunks are cut by size too: each carries its placements' provenance, a few such blocks fill one."""
+    node_id = f"pub-{uuid.uuid4().hex[:6]}"
+    engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node"))
+    publisher = NodePublisher(
+        engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
+    )
+    await publisher.start(tmp_path / "node")
+    pool = engine.pool
+    kv = torch.ones(pool.spec.block_shape, dtype=pool.spec.dtype)
+    for key in largest_provenance_keys(10, engine.namespace.namespace, pool.spec.block_size):
+        entry = pool.begin_build(key)
+        assert entry is not None and pool.commit_build(entry, kv)
+    held = {entry.block_hash.hex() for entry in pool.ready_entries()}
+    request_id = uuid.uuid4()
+    try:
+        await publisher.publish_inventory(request_id)
+        chunks: list[schema.Inventory] = []
+
+        def collect(record) -> bool:
+            payload = schema.parse_event(record.value).payload
+            if isinstance(payload, schema.Inventory) and payload.request_id == request_id:
+                assert len(record.value) <= MAX_RECORD_BYTES
+                chunks.append(payload)
+            return bool(chunks) and len(chunks) == chunks[0].chunks
+
+        await scan_topic(kafka_bootstrap, topics.KV_EVENTS, collect)
+        assert len(held) == 10 and len(chunks) > 1 and [chunk.chunk for chunk in chunks] == list(range(len(chunks)))
+        assert {p.block_hash for chunk in chunks for p in chunk.placements} == held
+        assert all({p.block_hash for p in chunk.placements} == {b.block_hash for b in chunk.blocks} for chunk in chunks)
+    finally:
+        await publisher.stop()
+        await engine.stop()
+
+
+def largest_provenance_keys(num_blocks: int, namespace: str | None = None, block_size: int = 16) -> list[BlockKey]:
+    """Blocks whose provenance is as large as the contract allows: 256 auth scopes and 256 documents of 256 characters
+    (and a namespace of 256 unless one is given)."""
+    name = "\u00e9" * schema.MAX_ID_CHARS
+    scopes = tuple((f"{name[:-4]}{j:04d}", schema.MAX_SAFE_INT) for j in range(schema.MAX_LIST_ITEMS))
+    documents = tuple(f"{name[:-4]}{j:04d}@{schema.MAX_DOCUMENT_VERSION}" for j in range(schema.MAX_LIST_ITEMS))
+    provenance = CacheProvenance(namespace or name, name, CacheScope.USER, scopes, "alice", documents, 0.0)
+    return [BlockKey(bytes([i]) * 32, bytes([i + 1]) * 32, i, block_size, provenance) for i in range(num_blocks)]
+
+
 async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_events_flow_gap_free(
     tiny_model_dir, tmp_path, kafka_bootstrap
 ):
@@ -77,9 +160,9 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
     dead_letters = engine.metrics.dead_letters
     try:
         first_seq = publisher.seq
-        # One stored run mixing valid and refused provenance, a snapshot too large for one record, then more.
+        # One stored run mixing valid and refused provenance, a snapshot the contract refuses, then more.
         publisher.on_pool_events([StoredInPool(key, Tier.HOST) for key in good[:2] + poisoned[:1] + good[2:]])
-        publisher.on_snapshot_written("snap-huge", [i.to_bytes(32, "big") for i in range(schema.MAX_HASHES_PER_EVENT + 1)])
+        publisher.on_snapshot_written("snap\nbad", [(1).to_bytes(32, "big")])
         publisher.on_pool_events([RemovedFromPool(good[0].block_hash, Tier.HOST, RemovalReason.EVICTED)])
         await publisher.flush()
         publisher.on_pool_events([StoredInPool(key, Tier.DISK) for key in later])
@@ -120,7 +203,7 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
         ] * 2
         assert letters[0].error.startswith(f"BlockStored from node {node_id} never sent (invalid): ")
         assert "control characters" in letters[0].error and "hand" not in letters[0].error
-        assert letters[1].error.startswith(f"SnapshotWritten from node {node_id} never sent (invalid): block_hashes")
+        assert letters[1].error.startswith(f"SnapshotWritten from node {node_id} never sent (invalid): snapshot_id")
     finally:
         await publisher.stop()
         await engine.stop()

@@ -443,3 +443,24 @@ async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID],
 
     await scan_topic(bootstrap, topic, visit)
     return found
+
+
+@contextlib.asynccontextmanager
+async def own_broker(shared_bootstrap: str, service_mode: str, state_dir: Path) -> AsyncIterator[str]:
+    """A Kafka-protocol broker for one module (embedded mode; other modes keep the shared one).
+
+    For modules that publish tens of megabytes (100,000-block erasures, acks near the record limit):
+    on the session's shared broker every later module's coordinator would read them again from the
+    start of ``kvledger.kv-events`` and ``kvledger.acks``.
+    """
+    if service_mode != "embedded":
+        yield shared_bootstrap
+        return
+    from kvledger.services import EmbeddedKafka
+
+    kafka = EmbeddedKafka(state_dir=state_dir)
+    await kafka.start()
+    try:
+        yield kafka.bootstrap
+    finally:
+        await kafka.stop()

@@ -6,7 +6,7 @@ Real broker (the session's), real Postgres, the coordinator's consumers in-proce
 * The dead letter of a record carries its bytes base64-encoded (a third larger) plus metadata: an ~850 KB record
   fits a 1 MiB producer request, its letter does not. Such a letter used to be refused by the producer on every
   retry, the batch rewound forever, and every later decision of the group waited behind it.
-* The size budget is the producer's own ``max_request_size`` (``events.kafka.KafkaSettings``): a record whose
+* The size budget is the producer's own ``max_request_size`` (``events.record_size.MAX_REQUEST_BYTES``): a record whose
   letter just fits is carried whole, one byte more goes by reference.
 * A consumer whose batch keeps failing is *stalled*: ``/readyz`` answers 503 naming it and
   ``kvledger_consumer_stalled{group}`` is 1, until the batch passes.
@@ -48,7 +48,8 @@ from coordinator.ops_app import create_ops_app
 from coordinator.settings import CoordinatorSettings
 from events import kafka, schema
 from events.codec import MAX_DEAD_LETTER_ERROR_CHARS, MAX_REFERENCE_PREFIX_BYTES, DeadLetter
-from events.kafka import MIN_REQUEST_BYTES, SIZE_REFUSALS, EventProducer, dead_letter_record, record_size_bytes, send_to_dead_letter
+from events.kafka import MIN_REQUEST_BYTES, SIZE_REFUSALS, EventProducer, dead_letter_record, send_to_dead_letter
+from events.record_size import MAX_REQUEST_BYTES, request_bytes
 from events.topics import DEAD_LETTER, ERASURES
 from identity.signing import EnvelopeSigner, dead_letter_signature_problem
 
@@ -154,15 +155,15 @@ def _record(num_value_bytes: int) -> ConsumerRecord:
 
 
 async def test_a_letter_that_just_fits_the_producers_limit_is_whole_and_one_byte_more_goes_by_reference(kafka_bootstrap: str) -> None:
-    config = kafka_client_settings(kafka_bootstrap, max_request_size=MIN_REQUEST_BYTES)
+    config = kafka_client_settings(kafka_bootstrap)
     seal = EnvelopeSigner(COMMAND_KEY).sign_dead_letter
 
     def goes_by_reference(num_value_bytes: int) -> bool:
-        return dead_letter_record(_record(num_value_bytes), "invalid", "g", config.max_request_size, seal)[0].by_reference
+        return dead_letter_record(_record(num_value_bytes), "invalid", "g", MAX_REQUEST_BYTES, seal)[0].by_reference
 
-    first_by_reference = bisect.bisect_left(range(MIN_REQUEST_BYTES), True, key=goes_by_reference)
+    first_by_reference = bisect.bisect_left(range(MAX_REQUEST_BYTES), True, key=goes_by_reference)
     fits, too_large = _record(first_by_reference - 1), _record(first_by_reference)
-    whole, whole_value, key = dead_letter_record(fits, "invalid", "g", config.max_request_size, seal)
+    whole, whole_value, key = dead_letter_record(fits, "invalid", "g", MAX_REQUEST_BYTES, seal)
     assert not whole.by_reference and whole.raw_value() == fits.value
     # The whole letter of one byte more: over the limit by the producer's own measure, refused by the producer.
     r = too_large
@@ -178,7 +179,7 @@ async def test_a_letter_that_just_fits_the_producers_limit_is_whole_and_one_byte
             group_id="g",
         )
     )
-    assert record_size_bytes(key, whole_value) <= config.max_request_size < record_size_bytes(key, over.encode())
+    assert request_bytes(key, whole_value) <= MAX_REQUEST_BYTES < request_bytes(key, over.encode())
     async with EventProducer(config) as producer:
         with pytest.raises(SIZE_REFUSALS):
             await producer.send_raw(DEAD_LETTER, over.encode(), key)
@@ -240,7 +241,7 @@ def test_the_largest_record_with_the_largest_key_and_error_still_has_a_letter_th
     huge = dataclasses.replace(_record(0), key=b"k" * 900_000, value=b"\x00" * 900_000)
     error = "\x00" * 100_000  # each NUL is six bytes of JSON (\u0000)
     letter, value, key = dead_letter_record(huge, error, "g" * 256, MIN_REQUEST_BYTES, EnvelopeSigner(COMMAND_KEY).sign_dead_letter)
-    assert letter.by_reference and record_size_bytes(key, value) <= MIN_REQUEST_BYTES
+    assert letter.by_reference and request_bytes(key, value) <= MIN_REQUEST_BYTES
     assert len(letter.error) == MAX_DEAD_LETTER_ERROR_CHARS and key == huge.key[:MAX_REFERENCE_PREFIX_BYTES]
 
 
