@@ -58,13 +58,13 @@ class UsageMeter:
     async def metered(self, stream: AsyncIterator, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> AsyncIterator:
         """``stream`` (an engine's generation) unchanged, recording its usage when its ``GenerationDone`` passes.
 
-        Duck-typed on ``num_completion_tokens`` so this module does not import the engine (and torch).
+        Duck-typed on ``finish_reason`` so this module does not import the engine (and torch): every
+        streamed token carries its running ``num_completion_tokens`` too, only the end has a reason.
         """
         async with aclosing(stream):
             async for item in stream:
-                num_completion_tokens = getattr(item, "num_completion_tokens", None)
-                if num_completion_tokens is not None:
-                    self.record(tenant_id, num_prompt_tokens, num_cached_tokens, num_completion_tokens)
+                if getattr(item, "finish_reason", None) is not None:
+                    self.record(tenant_id, num_prompt_tokens, num_cached_tokens, item.num_completion_tokens)
                 yield item
 
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
+from gpu_node.engine import GenerationDone, TokenDelta
 from gpu_node.usage import TenantUsage, UsageMeter, usage_meter
 
 
-@dataclass
-class Done:
-    num_completion_tokens: int
+def Done(num_completion_tokens: int) -> GenerationDone:
+    return GenerationDone("stop", num_completion_tokens)
 
 
 async def _stream(items):
@@ -21,9 +19,11 @@ async def _stream(items):
 
 async def test_metered_streams_record_once_when_generation_is_done_and_pass_items_unchanged():
     meter = UsageMeter()
-    items = ["stats", "delta", Done(7)]
+    # Every token carries its running count; only the end of the generation is a completed request.
+    items = ["stats", TokenDelta(5, "a", 1), TokenDelta(6, "b", 2), Done(7)]
     assert [item async for item in meter.metered(_stream(items), "acme", 40, 32)] == items
-    assert [item async for item in meter.metered(_stream(["delta"]), "acme", 99, 0)] == ["delta"]  # never finished: not counted
+    unfinished = [TokenDelta(5, "a", 1)]
+    assert [item async for item in meter.metered(_stream(unfinished), "acme", 99, 0)] == unfinished  # never finished: not counted
     async for _ in meter.metered(_stream([Done(1)]), "globex", 10, 0):
         pass
     first = meter.drain()
