@@ -58,7 +58,7 @@ def test_demo_tells_the_whole_story_and_stops_its_stack(tmp_path: Path, tiny_mod
     assert hit, text
     assert re.search(r"request with handbook v1: 409 stale_document_version after", text)
     assert re.search(r"request with a token of policy version 1: 401 stale_authorization after", text)
-    assert "receipt checked offline: 9 checks passed" in text
+    assert "receipt checked offline: 10 checks passed" in text
     assert re.search(r"node-0: acked, removed .*device [1-9]", text)
     assert lines[-1].startswith("demo passed: 5/5 steps in ")
     # The receipt it wrote verifies here too, and the stack it started is gone.

@@ -141,6 +141,7 @@ def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_p
             "broker ready",
             "migrations applied",
             "node keys enrolled (node-0)",
+            f"producer key enrolled for all tenants ({state_dir / 'producer_key.pem'})",
             f"coordinator ready at {stack['coordinator_url']}",
             f"node-0 ready at http://127.0.0.1:{port}",
         ]
