@@ -82,7 +82,12 @@ class ChatMessage:
             raise ValueError(f"a document message is tenant scope, not {self.scope.label}")
 
 
-def request_message(role: str, content: str, scope: CacheScope, document: DocumentRef | None) -> ChatMessage:
+def request_message(
+    role: str,
+    content: str,
+    scope: CacheScope,
+    document: DocumentRef | None,
+) -> ChatMessage:
     """A message of an OpenAI-style request as the template renders it and the keys scope it.
 
     ``developer`` is OpenAI's newer name for the ``system`` role, and a document is tenant
@@ -90,7 +95,9 @@ def request_message(role: str, content: str, scope: CacheScope, document: Docume
     before this; a router only needs the keys the node would compute).
     """
     role = "system" if role == "developer" else role
-    return ChatMessage(role, content, CacheScope.TENANT if document is not None else scope, document)
+    if document is not None:
+        scope = CacheScope.TENANT
+    return ChatMessage(role, content, scope, document)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +117,7 @@ def _conversation(messages: Sequence[ChatMessage]) -> list[dict]:
 
 
 def _template_source(tokenizer: ChatTokenizer) -> str:
-    """The template ``apply_chat_template`` would pick: the only one, or the one named ``default``."""
+    """The template ``apply_chat_template`` picks: the only one, or the one named ``default``."""
     template = tokenizer.chat_template
     if isinstance(template, Mapping):
         template = template.get("default")
@@ -119,9 +126,14 @@ def _template_source(tokenizer: ChatTokenizer) -> str:
     return template
 
 
-def _render(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+) -> str:
     template = compile_chat_template(_template_source(tokenizer))
-    variables = template_variables(_conversation(messages), add_generation_prompt, tokenizer.special_tokens_map)
+    special_tokens = tokenizer.special_tokens_map
+    variables = template_variables(_conversation(messages), add_generation_prompt, special_tokens)
     try:
         return template.render(**variables)
     except TemplateError as exc:
@@ -156,7 +168,13 @@ class _TracedConversation(list[dict]):
     last step to a message wins. Slices (``messages[1:]``) stay traced.
     """
 
-    def __init__(self, items: Iterable[dict], index_of: dict[int, int], cuts: list[int | None], written: list[int]) -> None:
+    def __init__(
+        self,
+        items: Iterable[dict],
+        index_of: dict[int, int],
+        cuts: list[int | None],
+        written: list[int],
+    ) -> None:
         super().__init__(items)
         self._index_of = index_of
         self._cuts = cuts
@@ -173,7 +191,11 @@ class _TracedConversation(list[dict]):
         return list.__getitem__(self, key)
 
 
-def _traced_cuts(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], rendered: str) -> list[int]:
+def _traced_cuts(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    rendered: str,
+) -> list[int]:
     """Cut points of ``rendered`` (the whole conversation) from one traced rendering, spot-checked.
 
     Raises ValueError when the traced rendering differs from ``rendered`` or a checked
@@ -190,7 +212,8 @@ def _traced_cuts(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], rend
     template = compile_chat_template(_template_source(tokenizer))
     pieces = []
     try:
-        for piece in template.generate(**template_variables(traced, False, tokenizer.special_tokens_map)):
+        variables = template_variables(traced, False, tokenizer.special_tokens_map)
+        for piece in template.generate(**variables):
             pieces.append(piece)
             written[0] += len(piece)
     except TemplateError as exc:
@@ -209,7 +232,11 @@ def _traced_cuts(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], rend
     return resolved
 
 
-def _exact_cuts(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], rendered: str) -> list[int]:
+def _exact_cuts(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    rendered: str,
+) -> list[int]:
     """Cut points of ``rendered`` from rendering every proper prefix (quadratic: short conversations only)."""
     cuts = []
     for count in range(1, len(messages)):
@@ -220,7 +247,11 @@ def _exact_cuts(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], rende
     return cuts
 
 
-def render_prompt(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> RenderedPrompt:
+def render_prompt(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool = True,
+) -> RenderedPrompt:
     """Render ``messages`` with the tokenizer's chat template into tokens and scope segments.
 
     Raises ValueError for an empty conversation, a message the template rejects, or a
