@@ -40,14 +40,14 @@ from gpu_node.api import create_app
 from gpu_node.block_pool import BlockPool, PoolConfig, Tier
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
-from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, Segment, compute_block_keys
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
 from kvledger.model_init import build_tiny_model
 from kvledger.net import loopback_listener
+from prefix_keys.blocks import BlockKey, CacheScope, Principal, Segment, compute_block_keys
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 if TYPE_CHECKING:
     import openai

@@ -67,10 +67,10 @@ from coordinator.consumers import consumer_groups
 from events.kafka import KafkaSettings, ensure_topics
 from events.schema import subject_digest
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import build_tiny_model
+from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
 
 JWT_SECRET = "bench-erasure-secret-" + "x" * 32
 SUBJECT_KEY = "bench-erasure-subject-key"

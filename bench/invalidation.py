@@ -77,15 +77,15 @@ from events.kafka import KafkaSettings, ensure_topics, kafka_client_kwargs
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationApplier
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys
 from gpu_node.node_identity import pinned_command_key
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import kafka_settings, make_publisher, tune_interpreter
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.signing import EnvelopeSigner
 from identity.tokens import TokenVerifier, issue_token
 from kvledger.model_init import build_tiny_model
 from kvledger.net import loopback_listener
+from prefix_keys.blocks import CacheScope, DocumentRef, Principal, compute_block_keys
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 NUM_NODES = 2
 AUTH_SCOPE = "kb"

@@ -45,9 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from events.logs import RequestIdMiddleware
 from events.schema import MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
-from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, CacheScope, DocumentRef, Principal
 from gpu_node.layout_sampler import layout_sampler
-from gpu_node.prompt import ChatMessage
 from gpu_node.settings import RequestLimits
 from gpu_node.usage import usage_meter
 from gpu_node.versions import Staleness, VersionRegistry
@@ -55,6 +53,8 @@ from gpu_node.vllm_routes import vllm_router
 from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
 from identity.tokens import AuthError, Operator, TokenVerifier
+from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheScope, DocumentRef, Principal
+from prefix_keys.prompt import ChatMessage, request_message
 
 logger = logging.getLogger(__name__)
 
@@ -335,15 +335,12 @@ def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: Ve
                     code="document_scope_forbidden",
                     param=f"messages[{index}].document.auth_scope",
                 )
-            scope = CacheScope.TENANT
             document = DocumentRef(
                 doc_id=message.document.id,
                 version=message.document.version,
                 auth_scope=message.document.auth_scope,
             )
-        # "developer" is OpenAI's newer name for the system role.
-        role = "system" if message.role == "developer" else message.role
-        messages.append(ChatMessage(role=role, content=message.text(), scope=scope, document=document))
+        messages.append(request_message(message.role, message.text(), scope, document))
     stale = versions.check(principal, messages)
     if stale is not None:
         raise _stale_error(stale)

@@ -69,7 +69,6 @@ from gpu_node.crypto import DataKeyProvider
 from gpu_node.device_slots import DeviceSlots
 from gpu_node.disk_tier import DiskTier
 from gpu_node.eviction import LRUEvictionStrategy
-from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_memory import lazy_zeros
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.pool_demotion import PoolDemoter
@@ -94,6 +93,7 @@ from gpu_node.pool_types import (
     provenance_index_keys,
 )
 from gpu_node.pool_warm_start import PoolWarmStart
+from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
 
 # The pool's vocabulary and record format are defined in their own modules; callers import them from here.
 __all__ = [

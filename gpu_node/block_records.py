@@ -20,9 +20,9 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpu_node.crypto import DataKeyProvider, seal, unseal
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from identity.sealing import KEY_BYTES
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 
 class BlockRestoreError(Exception):

@@ -88,8 +88,8 @@ from gpu_node import snapshots
 from gpu_node.block_pool import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool, Tier
 from gpu_node.crypto import DataKeyProvider
 from gpu_node.governance_sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
-from gpu_node.kv_cache_utils import CacheProvenance
 from identity.signing import SIGNATURE_ERROR, signature_problem
+from prefix_keys.blocks import CacheProvenance
 
 if TYPE_CHECKING:
     from gpu_node.engine import AsyncEngine

@@ -31,9 +31,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from events.schema import subject_digest
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
 from identity.tokens import Principal
+from prefix_keys.blocks import CacheProvenance, CacheScope
 
 log = logging.getLogger(__name__)
 

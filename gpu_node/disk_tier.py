@@ -34,8 +34,8 @@ from gpu_node.block_records import (
     record_meta,
 )
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
-from gpu_node.kv_cache_utils import HASH_BYTES, BlockKey, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
+from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheScope
 
 FILE_DELETE_WORKERS = 4
 """Block files overwritten and unlinked at once by a bulk removal."""

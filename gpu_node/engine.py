@@ -43,19 +43,19 @@ from gpu_node.block_pool import BlockPool, PoolConfig
 from gpu_node.crypto import until_key_service_answers
 from gpu_node.detokenizer import IncrementalDetokenizer
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
-from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, compute_block_keys
 from gpu_node.kv_memory import TierPlan, measure_available, plan_tiers
 from gpu_node.layout_sampler import layout_sampler
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.model_runner import ModelRunner, StepChunk
 from gpu_node.namespace import NamespaceIdentity, compute_namespace
 from gpu_node.paged_kv import PagedKV
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.sampling import SamplingState, make_sampling_state, sample_batch
 from gpu_node.scheduler import Scheduler, SchedulerOutput, Sequence
 from gpu_node.settings import NodeSettings
 from gpu_node.versions import VersionRegistry
+from prefix_keys.blocks import BlockKey, CacheScope, Principal, compute_block_keys
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 log = logging.getLogger(__name__)
 

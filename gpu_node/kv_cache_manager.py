@@ -29,8 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpu_node.block_pool import BlockPool, BlockState, CacheEntry, PoolEvent, RemovalReason, RemovedFromPool
-from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, BlockKey, CacheProvenance, CacheScope, Principal, compute_shadow_hashes
+from gpu_node.kv_cache_utils import compute_shadow_hashes
 from gpu_node.metrics import MissReason, NodeMetrics
+from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, BlockKey, CacheProvenance, CacheScope, Principal
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ Audience = tuple
 
 
 def _audience(provenance: CacheProvenance) -> Audience:
-    """Mirrors the salt of :func:`gpu_node.kv_cache_utils.scope_salt`, less the policy versions."""
+    """Mirrors the salt of :func:`prefix_keys.blocks.scope_salt`, less the policy versions."""
     if provenance.scope == CacheScope.PUBLIC:
         return (CacheScope.PUBLIC,)
     if provenance.scope == CacheScope.TENANT:

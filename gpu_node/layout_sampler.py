@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from hashlib import sha256
 
-from gpu_node.kv_cache_utils import BlockKey, CacheScope, Principal, Segment, pack_token_ids
+from prefix_keys.blocks import BlockKey, CacheScope, Principal, Segment, pack_token_ids
 
 MAX_SEGMENTS = 64
 """Segments described per sampled request; a longer conversation's later segments are only counted."""

@@ -83,6 +83,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        # Prompts are encoded on the tokenizers backend itself (prefix_keys.prompt), as a router
+        # encodes them: without the truncation or padding a tokenizer.json may configure, which
+        # transformers would only switch off inside its own calls.
+        self.tokenizer.backend_tokenizer.no_truncation()
+        self.tokenizer.backend_tokenizer.no_padding()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype).to(self.device)
         self.model.eval()
         # Attention reads and writes the pool's device tier (gpu_node.paged_attention); it is SDPA

@@ -7,7 +7,7 @@ any adapter, on the parts of the model config that shape attention (architecture
 positions, head dims, layer count, attention implementation) and on the KV storage
 format (dtype, layout version, block size). The namespace is a digest over a digest of
 each of those, in a fixed order; it is the root of every block key
-(``kv_cache_utils.namespace_root``), so anything that differs can never share a key.
+(``prefix_keys.blocks.namespace_root``), so anything that differs can never share a key.
 
 Hashing multi-gigabyte safetensors shards on every start would be slow, so per-file
 digests are cached by (name, size, mtime_ns) in a small JSON file inside the model
@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from prefix_keys.model_files import chat_templates, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ def compute_namespace(
 
     model_files = _DigestCache(model_dir)
     weights = _weights_digest(model_dir, model_files)
-    tokenizer_config = _read_json_object(model_dir / "tokenizer_config.json")
+    tokenizer_config = read_json_object(model_dir / "tokenizer_config.json")
     tokenizer = _tokenizer_digest(model_dir, model_files, tokenizer_config)
     model_files.save()
     template = _template_digest(model_dir, tokenizer_config)
@@ -161,19 +163,6 @@ def _normalise_numbers(value: object) -> object:
     if isinstance(value, list):
         return [_normalise_numbers(item) for item in value]
     return value
-
-
-def _read_json_object(path: Path) -> dict | None:
-    """The JSON object in ``path``, or None when the file does not exist."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
 
 
 def _sha256_file(path: Path) -> str:
@@ -271,29 +260,9 @@ def _tokenizer_digest(model_dir: Path, cache: _DigestCache, tokenizer_config: di
 
 
 def _template_digest(model_dir: Path, tokenizer_config: dict | None) -> str:
-    """Digest of the chat template(s) transformers would load from ``model_dir``.
-
-    Mirrors the loader's precedence: ``chat_template.jinja`` (plus any named templates
-    in ``additional_chat_templates/``) wins over ``tokenizer_config.json``'s
-    ``chat_template``. A model without a template digests to the empty template list.
-    """
-    templates: dict[str, str] = {}
-    default_file = model_dir / "chat_template.jinja"
-    if default_file.is_file():
-        templates["default"] = default_file.read_text(encoding="utf-8")
-    extra_dir = model_dir / "additional_chat_templates"
-    if extra_dir.is_dir():
-        for path in sorted(extra_dir.glob("*.jinja")):
-            templates[path.stem] = path.read_text(encoding="utf-8")
-    if not templates and tokenizer_config is not None:
-        configured = tokenizer_config.get("chat_template")
-        if isinstance(configured, str):
-            templates["default"] = configured
-        elif isinstance(configured, list):
-            for item in configured:
-                if not (isinstance(item, dict) and isinstance(item.get("name"), str) and "template" in item):
-                    raise ValueError(f"{model_dir}/tokenizer_config.json: malformed chat_template list")
-                templates[item["name"]] = item["template"]
+    """Digest of the chat template(s) transformers would load from ``model_dir`` (by name;
+    a model without a template digests to the empty template list)."""
+    templates = chat_templates(model_dir, tokenizer_config)
     return hashlib.sha256(_canonical_json(templates)).hexdigest()
 
 
@@ -318,7 +287,7 @@ def _canonical_config(config: dict, attn_implementation: str) -> dict:
 
 
 def _config_digest(model_dir: Path, attn_implementation: str) -> str:
-    config = _read_json_object(model_dir / "config.json")
+    config = read_json_object(model_dir / "config.json")
     if config is None:
         raise ValueError(f"{model_dir} holds no config.json")
     return hashlib.sha256(_canonical_json(_canonical_config(config, attn_implementation))).hexdigest()
@@ -328,7 +297,7 @@ def _adapter_digest(adapter_dir: Path) -> str:
     """Adapter config (canonical JSON) plus its safetensors weights, cached like the model's."""
     if not adapter_dir.is_dir():
         raise ValueError(f"adapter directory {adapter_dir} does not exist")
-    adapter_config = _read_json_object(adapter_dir / "adapter_config.json")
+    adapter_config = read_json_object(adapter_dir / "adapter_config.json")
     if adapter_config is None:
         raise ValueError(f"{adapter_dir} holds no adapter_config.json")
     cache = _DigestCache(adapter_dir)

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from events.fault_points import fault_point
-from gpu_node.kv_cache_utils import CacheProvenance
 from gpu_node.pool_types import INDEX_KINDS, BlockState, CacheEntry, IndexKey, RemovalEvidence, RemovalReason, RemovalReport, Tier
 from gpu_node.slot_io import zero_slots_verified
+from prefix_keys.blocks import CacheProvenance
 
 if TYPE_CHECKING:
     from gpu_node.block_pool import BlockPool

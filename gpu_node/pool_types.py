@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from pathlib import Path
 
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 
 class Tier(StrEnum):

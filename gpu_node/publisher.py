@@ -24,7 +24,7 @@ may already hold is never reused for different content.
 
 A served block must never be one the contract refuses, since the ledger would never know
 it: a block with more documents or auth scopes than a kv-event lists is refused where its
-key is computed (:func:`gpu_node.kv_cache_utils.compute_block_keys`, an error, never a
+key is computed (:func:`prefix_keys.blocks.compute_block_keys`, an error, never a
 shortened list), and the API refuses such a prompt with 400 before that.
 
 Every record is signed with the node's own key (``signer``; ``docs/security.md``):
@@ -64,9 +64,9 @@ from events.record_size import MAX_RECORD_BYTES, envelope_bytes, split_to_fit
 from events.topics import KV_EVENTS, NODE_DEAD_LETTER, route
 from gpu_node import block_pool
 from gpu_node.crypto import until_key_service_answers
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance
 from gpu_node.usage import usage_meter
 from identity.signing import EnvelopeSigner
+from prefix_keys.blocks import BlockKey, CacheProvenance
 
 log = logging.getLogger(__name__)
 

@@ -43,12 +43,12 @@ import httpx
 
 from events.schema import subject_digest
 from gpu_node.crypto import DataKeyProvider, KeyServiceUnavailable, LocalKeyStore
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from gpu_node.node_identity import node_signing_key
 from gpu_node.settings import DataKeySettings, NodeSettings
 from identity.node_credentials import issue_node_credential
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS
 from identity.tokens import Principal
+from prefix_keys.blocks import CacheProvenance, CacheScope
 
 log = logging.getLogger(__name__)
 

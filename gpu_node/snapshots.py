@@ -29,7 +29,7 @@ from events.fault_points import fault_point
 from gpu_node.block_pool import BlockPool, Tier
 from gpu_node.block_records import MAX_CLEAR_HEADER_BYTES, BlockRestoreError, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance
+from prefix_keys.blocks import BlockKey, CacheProvenance
 
 MANIFEST_NAME = "manifest.json"
 MAX_SHARD_BYTES = 64 * 1024 * 1024

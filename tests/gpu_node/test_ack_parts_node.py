@@ -26,9 +26,9 @@ from events import schema, topics
 from events.kafka import KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
 from gpu_node.block_pool import Tier
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.settings import CacheSettings
 from identity.signing import verify_envelope
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 NUM_DEVICE_BLOCKS = 8_000
 NUM_HOST_BLOCKS = 8_000

@@ -32,11 +32,11 @@ from helpers.node import node_on_thread
 from events.logs import make_handler
 from gpu_node.api import create_app
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
+from prefix_keys.blocks import CacheScope, DocumentRef
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 SECRET = "api-test-secret-0123456789abcdef0123456789"
 METRICS_TOKEN = "api-test-metrics-token"

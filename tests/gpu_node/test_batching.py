@@ -36,11 +36,11 @@ from test_engine import (
 from gpu_node.api import create_app
 from gpu_node.block_pool import RemovalReason, RemovedFromPool, Tier
 from gpu_node.engine import AsyncEngine, GenerationError, GenerationRequest, PromptStats, SamplingParams, TokenDelta
-from gpu_node.kv_cache_utils import Principal, compute_block_keys, num_cacheable_blocks
-from gpu_node.prompt import render_prompt
 from gpu_node.settings import SchedulerSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
+from prefix_keys.blocks import Principal, compute_block_keys, num_cacheable_blocks
+from prefix_keys.prompt import render_prompt
 
 DAVE_AT_GLOBEX = dataclasses.replace(BOB_AT_GLOBEX, subject_id="dave")
 SHARED_PUBLIC = system(long_text(40, 60))

@@ -31,8 +31,8 @@ from gpu_node.block_pool import (
 from gpu_node.block_records import BlockRestoreError
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.disk_tier import is_sealed
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK

@@ -36,7 +36,7 @@ from gpu_node.block_pool import (
 )
 from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 NUM_KEYS = 9
 SUBJECTS = ("alice", "bob")

@@ -10,8 +10,8 @@ import pytest
 
 from events.schema import subject_digest
 from gpu_node.crypto import LocalKeyStore, overwrite_and_unlink, seal, unseal
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
+from prefix_keys.blocks import CacheProvenance, CacheScope
 
 KEY = bytes(range(32))
 BLOCK_HASH = b"\x11" * 32

@@ -34,7 +34,6 @@ from events.schema import subject_digest
 from gpu_node.block_pool import BlockPool, PoolConfig, Tier
 from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.crypto import LocalKeyStore, unseal
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.node_identity import NODE_KEY_FILE
 from gpu_node.remote_keys import CoordinatorKeyProvider, data_key_provider
@@ -43,6 +42,7 @@ from identity.node_credentials import issue_node_credential
 from identity.settings import IssuerSettings
 from identity.tokens import issue_token
 from kvledger.net import loopback_listener
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 MASTER_KEY = os.urandom(32)
 SUBJECT = SUBJECT_KEY.encode()

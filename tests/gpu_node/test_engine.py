@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from gpu_node.block_pool import Tier
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys, num_cacheable_blocks
 from gpu_node.metrics import MissReason
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
+from prefix_keys.blocks import CacheScope, DocumentRef, Principal, compute_block_keys, num_cacheable_blocks
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 BLOCK = 16
 ALICE = Principal("acme", "alice", frozenset({"hr", "finance"}), {"hr": 1, "finance": 1})

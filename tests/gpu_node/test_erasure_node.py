@@ -18,9 +18,9 @@ from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.commands import InvalidationApplier, block_predicate
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
-from gpu_node.kv_cache_utils import CacheScope, Principal, compute_block_keys
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
+from prefix_keys.blocks import CacheScope, Principal, compute_block_keys
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 BLOCK = 16
 SUBJECT_KEY = "unit-test-subject-key-0123456789"

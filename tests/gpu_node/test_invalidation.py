@@ -24,10 +24,10 @@ from gpu_node.api import CACHE_BYPASS_HEADER, create_app
 from gpu_node.block_pool import RemovalReason, Tier, provenance_index_keys
 from gpu_node.commands import EVIDENCE_SUBSCRIBER, InvalidationApplier, block_predicate, predicate_index_key
 from gpu_node.engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope, DocumentRef, Principal, compute_block_keys
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token
+from prefix_keys.blocks import CacheProvenance, CacheScope, DocumentRef, Principal, compute_block_keys
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 BLOCK = 16
 SUBJECT_KEY = b"unit-test-subject-key-0123456789"

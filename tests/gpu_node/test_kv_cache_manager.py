@@ -20,8 +20,8 @@ from gpu_node.block_pool import (
 )
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_cache_manager import KVCacheManager
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope
 from gpu_node.metrics import NodeMetrics
+from prefix_keys.blocks import CacheProvenance, CacheScope
 
 PUBLIC_PROVENANCE = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)
 

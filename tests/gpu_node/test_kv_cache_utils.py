@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.schema import MAX_LIST_ITEMS
-from gpu_node.kv_cache_utils import (
+from gpu_node.kv_cache_utils import compute_shadow_hashes
+from prefix_keys.blocks import (
     CacheProvenance,
     CacheScope,
     DocumentRef,
     Principal,
     Segment,
     compute_block_keys,
-    compute_shadow_hashes,
     hash_block,
     namespace_root,
     num_cacheable_blocks,

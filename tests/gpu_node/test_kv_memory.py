@@ -12,10 +12,10 @@ import torch
 from gpu_node.block_pool import BlockPool, PoolConfig
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheScope
 from gpu_node.kv_memory import AvailableMemory, KVMemoryError, lazy_zeros, mem_available_bytes, plan_tiers
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.settings import CacheSettings, NodeSettings
+from prefix_keys.blocks import CacheScope
 
 GiB = 1024**3
 TINY = KVBlockSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)  # kvledger model init --tiny

@@ -12,9 +12,9 @@ from helpers.ledger import RunningConsumers, connect, coordinator_settings, enro
 from helpers.node import NodeServices, node_settings
 
 from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
-from gpu_node.prompt import ChatMessage
 from gpu_node.settings import CacheSettings, NodeSettings
+from prefix_keys.blocks import CacheScope, DocumentRef, Principal
+from prefix_keys.prompt import ChatMessage
 
 PRINCIPALS = [
     Principal("acme", "alice", frozenset({"hr"}), {"hr": 1}),

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from gpu_node import prompt as prompt_module
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, compute_block_keys, validate_segments
-from gpu_node.prompt import ChatMessage, RenderedPrompt, render_prompt
+from prefix_keys import prompt as prompt_module
+from prefix_keys.blocks import CacheScope, DocumentRef, Principal, compute_block_keys, validate_segments
+from prefix_keys.prompt import ChatMessage, RenderedPrompt, render_prompt
 
 HANDBOOK = DocumentRef(doc_id="handbook", version=3, auth_scope="staff")
 SYSTEM = ChatMessage("system", "You answer questions about the staff handbook.", CacheScope.PUBLIC)
@@ -215,39 +215,47 @@ def test_template_that_cannot_be_traced_is_refused_only_for_long_conversations(t
         render_prompt(tokenizer, _conversation(prompt_module.MAX_EXACT_MESSAGES + 1), add_generation_prompt=False)
 
 
+class CountingEncoder:
+    """The real tokenizers backend, counting the encode calls rendering makes."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self.num_calls = 0
+
+    def encode_batch(self, *args, **kwargs):
+        self.num_calls += 1
+        return self._backend.encode_batch(*args, **kwargs)
+
+
 class CountingTokenizer:
     """The real tokenizer, counting the work rendering asks of it."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self.num_rendered_messages = 0
-        self.num_tokenizer_calls = 0
-
-    def apply_chat_template(self, conversation, **kwargs):
-        self.num_rendered_messages += len(conversation)
-        return self._tokenizer.apply_chat_template(conversation, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        self.num_tokenizer_calls += 1
-        return self._tokenizer(*args, **kwargs)
-
-    def encode(self, *args, **kwargs):
-        self.num_tokenizer_calls += 1
-        return self._tokenizer.encode(*args, **kwargs)
+        self.backend_tokenizer = CountingEncoder(tokenizer.backend_tokenizer)
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
 
 
-def test_rendering_work_grows_linearly_with_the_message_count(tokenizer):
+def test_rendering_work_grows_linearly_with_the_message_count(tokenizer, monkeypatch):
     """A caller controls the message count: 4x the messages may cost 4x the template work, not 16x."""
+    num_rendered_messages = [0]
+    render = prompt_module._render
+
+    def counting_render(tokenizer, messages, add_generation_prompt):
+        num_rendered_messages[0] += len(messages)
+        return render(tokenizer, messages, add_generation_prompt)
+
+    monkeypatch.setattr(prompt_module, "_render", counting_render)
     work = {}
     for num_messages in (1_000, 4_000):
         counting = CountingTokenizer(tokenizer)
+        num_rendered_messages[0] = 0
         prompt = render_prompt(counting, _conversation(num_messages))
         assert len(prompt.segments) == num_messages + 1
-        assert counting.num_tokenizer_calls == 1
-        work[num_messages] = counting.num_rendered_messages
+        assert counting.backend_tokenizer.num_calls == 1
+        work[num_messages] = num_rendered_messages[0]
     # Every prefix (the quadratic way) would be ~500k and ~8M message renders.
     assert work[1_000] <= 20 * 1_000
     assert work[4_000] / work[1_000] <= 4.5

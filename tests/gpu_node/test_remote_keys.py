@@ -41,14 +41,14 @@ from gpu_node.block_pool import (
 from gpu_node.commands import InvalidationApplier, fetch_snapshot_keys, remove_from_snapshots
 from gpu_node.crypto import KeyServiceUnavailable
 from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
-from gpu_node.kv_cache_utils import CacheProvenance, CacheScope, DocumentRef
-from gpu_node.prompt import ChatMessage
 from gpu_node.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
 from gpu_node.server import make_publisher
 from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
 from gpu_node.snapshots import MANIFEST_NAME, readable_blocks, write_snapshot
 from identity.settings import IssuerSettings
 from identity.tokens import Principal, TokenVerifier, issue_token
+from prefix_keys.blocks import CacheProvenance, CacheScope, DocumentRef
+from prefix_keys.prompt import ChatMessage
 
 SUBJECT_KEY = b"unit-test-subject-key-32-bytes!!"
 PREFETCH_WAIT_S = 0.2

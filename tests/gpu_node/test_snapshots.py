@@ -12,7 +12,6 @@ from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, mak
 
 from gpu_node.block_pool import BlockPool, PoolConfig, StoredInPool, Tier
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.snapshots import (
     MANIFEST_NAME,
     delete_incomplete,
@@ -22,6 +21,7 @@ from gpu_node.snapshots import (
     remove_from_snapshot,
     write_snapshot,
 )
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK

@@ -8,9 +8,9 @@ import pytest
 
 from events import schema
 from gpu_node.commands import block_predicate
-from gpu_node.kv_cache_utils import TENANT_WIDE_AUTH_SCOPE, CacheProvenance, CacheScope, DocumentRef, Principal
-from gpu_node.prompt import ChatMessage
 from gpu_node.versions import Staleness, VersionRegistry
+from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheProvenance, CacheScope, DocumentRef, Principal
+from prefix_keys.prompt import ChatMessage
 
 KEY = b"unit-test-subject-key-0123456789"
 CUTOFF = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -30,13 +30,13 @@ from coordinator.settings import CoordinatorSettings
 from gpu_node.api import create_app as create_node_app
 from gpu_node.block_pool import Tier
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, num_cacheable_blocks
-from gpu_node.prompt import ChatMessage, render_prompt
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from helpers.ledger import GROUP_TIMING, JWT_SECRET, SUBJECT_KEY, RunningConsumers, command_public_key_file, eventually, install_node_key
 from identity.tokens import TokenVerifier
 from kvledger.net import loopback_listener
+from prefix_keys.blocks import CacheScope, DocumentRef, num_cacheable_blocks
+from prefix_keys.prompt import ChatMessage, render_prompt
 
 TIMEOUT_S = 30.0
 

@@ -10,8 +10,8 @@ import hashlib
 
 import torch
 
-from gpu_node.kv_cache_utils import BlockKey, CacheProvenance, CacheScope
 from gpu_node.kv_spec import KVBlockSpec
+from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 NS = "ns-test"
 SPEC = KVBlockSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 from gpu_node.layout_sampler import MAX_SEGMENTS, LayoutSampler
-from gpu_node.prompt import ChatMessage, RenderedPrompt
 from kvledger.advise import analyze, replay_hit_tokens
+from prefix_keys.blocks import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
+from prefix_keys.prompt import ChatMessage, RenderedPrompt
 
 BLOCK_SIZE = 4
 ALICE = Principal("acme", "alice", frozenset({"hr"}), {"hr": 1})

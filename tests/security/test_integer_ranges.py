@@ -53,10 +53,10 @@ from events.schema import (
 )
 from gpu_node.api import create_app
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_cache_utils import CacheScope, scope_salt
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import AuthError, TokenVerifier
+from prefix_keys.blocks import CacheScope, scope_salt
 
 BOUNDARIES = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 - 2, 2**53 - 1, 2**53, -1]
 """Where the layers used to disagree: int32, uint32, the largest document version, the largest safe integer."""

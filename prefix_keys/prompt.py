@@ -19,25 +19,53 @@ minutes. Short conversations still render every prefix (exact, and cheap at that
 size); long ones render once while tracing where the template's loop steps to each
 message, and check those cut points against real prefix renderings at a bounded number
 of places (:func:`_traced_cuts`).
+
+The tokenizer is anything shaped like :class:`ChatTokenizer`: the node passes the
+transformers tokenizer it loaded, a router the files of the same model directory
+(:func:`prefix_keys.model_files.load_chat_tokenizer`); both render with
+:mod:`prefix_keys.chat_template` and encode with the same ``tokenizers`` backend.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, SupportsIndex
 
-from jinja2.exceptions import TemplateError
-from transformers.utils.chat_template_utils import _compile_jinja_template
+from tokenizers import Tokenizer
 
-from gpu_node.kv_cache_utils import CacheScope, DocumentRef, Segment
+from prefix_keys.blocks import CacheScope, DocumentRef, Segment
+from prefix_keys.chat_template import TemplateError, compile_chat_template, template_variables
 
 MAX_EXACT_MESSAGES = 64
 """Up to this many messages every prefix is rendered (at most ~2,000 message renders)."""
 
 NUM_CHECKED_CUTS = 16
 """How many traced cut points of a longer conversation are checked against a prefix render."""
+
+
+class ChatTokenizer(Protocol):
+    """What rendering needs of a tokenizer: the attributes a transformers fast tokenizer has.
+
+    ``chat_template`` is the template text, or transformers' mapping of named templates
+    (``default`` is used); ``special_tokens_map`` the named special tokens a template sees
+    (``bos_token`` …); ``all_special_tokens`` every control token message content may not
+    spell; ``backend_tokenizer`` the ``tokenizers`` encoder.
+    """
+
+    @property
+    def chat_template(self) -> str | Mapping[str, str] | None: ...
+
+    @property
+    def special_tokens_map(self) -> Mapping[str, str]: ...
+
+    @property
+    def all_special_tokens(self) -> Sequence[str]: ...
+
+    @property
+    def backend_tokenizer(self) -> Tokenizer: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +80,24 @@ class ChatMessage:
     def __post_init__(self) -> None:
         if self.document is not None and self.scope != CacheScope.TENANT:
             raise ValueError(f"a document message is tenant scope, not {self.scope.label}")
+
+
+def request_message(
+    role: str,
+    content: str,
+    scope: CacheScope,
+    document: DocumentRef | None,
+) -> ChatMessage:
+    """A message of an OpenAI-style request as the template renders it and the keys scope it.
+
+    ``developer`` is OpenAI's newer name for the ``system`` role, and a document is tenant
+    scope whatever scope the request states (the node refuses a contrary explicit scope
+    before this; a router only needs the keys the node would compute).
+    """
+    role = "system" if role == "developer" else role
+    if document is not None:
+        scope = CacheScope.TENANT
+    return ChatMessage(role, content, scope, document)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +116,31 @@ def _conversation(messages: Sequence[ChatMessage]) -> list[dict]:
     return [{"role": message.role, "content": message.content} for message in messages]
 
 
-def _render(tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+def _template_source(tokenizer: ChatTokenizer) -> str:
+    """The template ``apply_chat_template`` picks: the only one, or the one named ``default``."""
+    template = tokenizer.chat_template
+    if isinstance(template, Mapping):
+        template = template.get("default")
+    if not isinstance(template, str):
+        raise ValueError("this model has no (default) chat template")
+    return template
+
+
+def _render(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+) -> str:
+    template = compile_chat_template(_template_source(tokenizer))
+    special_tokens = tokenizer.special_tokens_map
+    variables = template_variables(_conversation(messages), add_generation_prompt, special_tokens)
     try:
-        rendered = tokenizer.apply_chat_template(_conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        return template.render(**variables)
     except TemplateError as exc:
         raise ValueError(f"chat template rejected the messages: {exc}") from None
-    assert isinstance(rendered, str), f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}"
-    return rendered
 
 
-def _refuse_control_tokens(tokenizer, messages: Sequence[ChatMessage]) -> None:
+def _refuse_control_tokens(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage]) -> None:
     """Message content may not spell the template's control tokens.
 
     Chunks are tokenized with special tokens recognised (the template's chrome needs
@@ -97,7 +158,7 @@ def _refuse_control_tokens(tokenizer, messages: Sequence[ChatMessage]) -> None:
             raise ValueError(f"message content contains the reserved control token {found.group()!r}")
 
 
-class _TracedConversation(list):
+class _TracedConversation(list[dict]):
     """The conversation as the template sees it, noting how much output was written whenever it steps to a message.
 
     A chat template writes one message per iteration of its loop over ``messages``;
@@ -107,65 +168,75 @@ class _TracedConversation(list):
     last step to a message wins. Slices (``messages[1:]``) stay traced.
     """
 
-    def __init__(self, items, index_of: dict[int, int], cuts: list[int | None], written: list[int]) -> None:
+    def __init__(
+        self,
+        items: Iterable[dict],
+        index_of: dict[int, int],
+        cuts: list[int | None],
+        written: list[int],
+    ) -> None:
         super().__init__(items)
         self._index_of = index_of
         self._cuts = cuts
         self._written = written
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[dict]:
         for item in list.__iter__(self):
             self._cuts[self._index_of[id(item)]] = self._written[0]
             yield item
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: SupportsIndex | slice) -> Any:
         if isinstance(key, slice):
             return _TracedConversation(list.__getitem__(self, key), self._index_of, self._cuts, self._written)
         return list.__getitem__(self, key)
 
 
-def _traced_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> list[int]:
+def _traced_cuts(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    rendered: str,
+) -> list[int]:
     """Cut points of ``rendered`` (the whole conversation) from one traced rendering, spot-checked.
 
     Raises ValueError when the traced rendering differs from ``rendered`` or a checked
     cut is not where rendering the prefix puts it: that template cannot be split this
-    way, and the caller must send fewer messages. The template is compiled with
-    transformers' own (private) compiler, so it runs in the same sandbox and with the
-    same globals as ``apply_chat_template``; the equality check with ``rendered``
-    catches any difference in what the two pass to it.
+    way, and the caller must send fewer messages. The template gets the same variables
+    as :func:`_render` gives it; the equality check with ``rendered`` catches any
+    difference the tracing makes.
     """
     unsplittable = ValueError(f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages")
-    if not isinstance(tokenizer.chat_template, str):
-        raise unsplittable
     conversation = _conversation(messages)
     cuts: list[int | None] = [None] * len(messages)
     written = [0]
     traced = _TracedConversation(conversation, {id(item): index for index, item in enumerate(conversation)}, cuts, written)
-    template = _compile_jinja_template(tokenizer.chat_template)
+    template = compile_chat_template(_template_source(tokenizer))
     pieces = []
     try:
-        for piece in template.generate(
-            messages=traced, tools=None, documents=None, add_generation_prompt=False, **tokenizer.special_tokens_map
-        ):
+        variables = template_variables(traced, False, tokenizer.special_tokens_map)
+        for piece in template.generate(**variables):
             pieces.append(piece)
             written[0] += len(piece)
     except TemplateError as exc:
         raise ValueError(f"chat template rejected the messages: {exc}") from None
-    cuts = cuts[1:]
-    if "".join(pieces) != rendered or None in cuts:
+    resolved = [cut for cut in cuts[1:] if cut is not None]
+    if "".join(pieces) != rendered or len(resolved) != len(cuts) - 1:
         raise unsplittable
-    num_cuts = len(cuts)
+    num_cuts = len(resolved)
     checked = {0, 1, 2, num_cuts - 1} | {num_cuts * step // NUM_CHECKED_CUTS for step in range(NUM_CHECKED_CUTS)}
     for position in sorted(checked):
         prefix = _render(tokenizer, messages[: position + 1], add_generation_prompt=False)
         if not rendered.startswith(prefix):
             raise ValueError("chat template is not prefix-stable")
-        if len(prefix) != cuts[position]:
+        if len(prefix) != resolved[position]:
             raise unsplittable
-    return cuts
+    return resolved
 
 
-def _exact_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> list[int]:
+def _exact_cuts(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    rendered: str,
+) -> list[int]:
     """Cut points of ``rendered`` from rendering every proper prefix (quadratic: short conversations only)."""
     cuts = []
     for count in range(1, len(messages)):
@@ -176,7 +247,11 @@ def _exact_cuts(tokenizer, messages: Sequence[ChatMessage], rendered: str) -> li
     return cuts
 
 
-def render_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> RenderedPrompt:
+def render_prompt(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool = True,
+) -> RenderedPrompt:
     """Render ``messages`` with the tokenizer's chat template into tokens and scope segments.
 
     Raises ValueError for an empty conversation, a message the template rejects, or a
@@ -203,7 +278,9 @@ def render_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_pro
         chunks.append(with_prompt[len(rendered) :])
         scopes.append((CacheScope.PUBLIC, None))
     # One batch call: the same ids as encoding each chunk alone, without a call per message.
-    chunk_ids = tokenizer(chunks, add_special_tokens=False)["input_ids"]
+    # transformers' ``tokenizer(chunks, add_special_tokens=False)`` is this very call.
+    encodings = tokenizer.backend_tokenizer.encode_batch(chunks, add_special_tokens=False)
+    chunk_ids = [encoding.ids for encoding in encodings]
     token_ids: list[int] = []
     segments: list[Segment] = []
     for ids, (scope, document) in zip(chunk_ids, scopes, strict=True):
