@@ -21,20 +21,20 @@ from helpers.ledger import (
     OPERATOR_PRIVATE_KEY_PEM,
     RunningConsumers,
     SigningProducer,
-    coordinator_settings,
     enroll_nodes,
     eventually,
     operator_headers,
+    running_consumers,
+    settings_at_topic_ends,
     sign_customer_event,
 )
 from sqlalchemy import select
 
-from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
+from coordinator.consumers import kafka_settings
 from coordinator.db import Database
 from coordinator.models import DeadLetterCount, Invalidation, Node
 from coordinator.settings import CoordinatorSettings
-from events import kafka, schema
+from events import schema
 from events.codec import encode_key
 from events.kafka import EventProducer
 from events.topics import DOCUMENTS, KV_EVENTS, route
@@ -45,19 +45,13 @@ ADMIN = operator_headers("platform-admin")
 
 @pytest.fixture(scope="module")
 async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
-    settings = coordinator_settings(ledger_url, kafka_bootstrap)
-    await kafka.ensure_topics(kafka_settings(settings))
-    await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
-    return settings
+    return await settings_at_topic_ends(ledger_url, kafka_bootstrap)
 
 
 @pytest.fixture(scope="module")
 async def consumers(settings: CoordinatorSettings) -> AsyncIterator[RunningConsumers]:
-    running = await RunningConsumers(settings).start()
-    try:
+    async with running_consumers(settings) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 async def listed(client: httpx.AsyncClient, **params: str) -> list[dict]:

@@ -28,11 +28,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from bench.common import connect_kwargs
-from coordinator.consumers import run_consumers
+from bench.common import connect_kwargs, start_groups_at_end
+from coordinator.consumers import consumer_groups, kafka_settings, run_consumers
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_event
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.schema import BlockStored, Envelope, EventPayload, EventValidationError, NodeStarted, StoredBlock, make_event, parse_event
 from events.topics import COMMANDS, CUSTOMER_TOPICS, DEAD_LETTER, route
 from gpu_node.node_identity import NODE_KEY_FILE
@@ -464,3 +464,25 @@ async def own_broker(shared_bootstrap: str, service_mode: str, state_dir: Path) 
         yield kafka.bootstrap
     finally:
         await kafka.stop()
+
+
+async def settings_at_topic_ends(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
+    """A module's coordinator settings, its consumer groups positioned at the end of every topic.
+
+    The worker's broker is shared by the modules it runs: what earlier modules published is not
+    this module's to consume (and some of it is garbage on purpose).
+    """
+    settings = coordinator_settings(ledger_url, kafka_bootstrap)
+    await ensure_topics(kafka_settings(settings))
+    await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
+    return settings
+
+
+@contextlib.asynccontextmanager
+async def running_consumers(settings: CoordinatorSettings) -> AsyncIterator[RunningConsumers]:
+    """The coordinator's consumers of ``settings``, started and, on leaving, stopped."""
+    running = await RunningConsumers(settings).start()
+    try:
+        yield running
+    finally:
+        await running.stop()

@@ -31,17 +31,17 @@ from helpers.ledger import (
     COMMAND_KEY,
     RunningConsumers,
     SigningProducer,
-    coordinator_settings,
     eventually,
     kafka_client_settings,
     operator_headers,
+    running_consumers,
     scan_topic,
+    settings_at_topic_ends,
 )
 from prometheus_client import REGISTRY
 from sqlalchemy import select
 
-from bench.common import start_groups_at_end
-from coordinator.consumers import ConsumerReadiness, consumer_groups, kafka_settings
+from coordinator.consumers import ConsumerReadiness, kafka_settings
 from coordinator.db import Database
 from coordinator.models import Invalidation
 from coordinator.ops_app import create_ops_app
@@ -59,19 +59,13 @@ ADMIN = operator_headers("platform-admin")
 
 @pytest.fixture(scope="module")
 async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
-    settings = coordinator_settings(ledger_url, kafka_bootstrap)
-    await kafka.ensure_topics(kafka_settings(settings))
-    await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
-    return settings
+    return await settings_at_topic_ends(ledger_url, kafka_bootstrap)
 
 
 @pytest.fixture(scope="module")
 async def consumers(settings: CoordinatorSettings) -> AsyncIterator[RunningConsumers]:
-    running = await RunningConsumers(settings).start()
-    try:
+    async with running_consumers(settings) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 def by_reference_count(topic: str) -> float:

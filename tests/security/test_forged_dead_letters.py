@@ -19,12 +19,10 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from helpers.ledger import RunningConsumers, coordinator_settings, eventually, node_key, operator_headers
+from helpers.ledger import RunningConsumers, eventually, node_key, operator_headers, running_consumers, settings_at_topic_ends
 
-from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.settings import CoordinatorSettings
-from events import kafka, schema
+from events import schema
 from events.codec import DeadLetter, encode_event
 from events.topics import DEAD_LETTER, DOCUMENTS, ERASURES, NODE_DEAD_LETTER
 from identity.signing import sign_dead_letter
@@ -34,19 +32,13 @@ ADMIN = operator_headers("platform-admin")
 
 @pytest.fixture(scope="module")
 async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
-    settings = coordinator_settings(ledger_url, kafka_bootstrap)
-    await kafka.ensure_topics(kafka_settings(settings))
-    await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
-    return settings
+    return await settings_at_topic_ends(ledger_url, kafka_bootstrap)
 
 
 @pytest.fixture(scope="module")
 async def consumers(settings: CoordinatorSettings) -> AsyncIterator[RunningConsumers]:
-    running = await RunningConsumers(settings).start()
-    try:
+    async with running_consumers(settings) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 def victim_erasure(marker: str) -> bytes:

@@ -24,13 +24,10 @@ from datetime import UTC, datetime
 import pytest
 from aiokafka import AIOKafkaProducer
 from helpers.cli import kvledger, served_stack
-from helpers.ledger import RunningConsumers, coordinator_settings, eventually, operator_headers
+from helpers.ledger import RunningConsumers, eventually, operator_headers, running_consumers, settings_at_topic_ends
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.settings import CoordinatorSettings
-from events import kafka
 from events.logs import JsonFormatter, escape_control, make_handler
 from events.schema import MAX_DESCRIBED_ERRORS, MAX_LOCATION_PART_CHARS, describe_validation_error
 from events.topics import ERASURES
@@ -43,19 +40,13 @@ RAW_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2
 
 @pytest.fixture(scope="module")
 async def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
-    settings = coordinator_settings(ledger_url, kafka_bootstrap)
-    await kafka.ensure_topics(kafka_settings(settings))
-    await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
-    return settings
+    return await settings_at_topic_ends(ledger_url, kafka_bootstrap)
 
 
 @pytest.fixture(scope="module")
 async def consumers(settings: CoordinatorSettings) -> AsyncIterator[RunningConsumers]:
-    running = await RunningConsumers(settings).start()
-    try:
+    async with running_consumers(settings) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest.fixture
