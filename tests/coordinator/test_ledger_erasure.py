@@ -207,13 +207,13 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     data_key_id, _ = await keys.resolve(TENANT, mine)
 
     async def ledger_has_blocks() -> bool:
+        # Both nodes: their records lie on different partitions, which the consumer may reach at different times.
         async with database.session() as session:
-            return (
-                await session.scalar(
-                    select(func.count()).select_from(Placement).where(Placement.node_id == node_b.node_id, Placement.tier == "snapshot")
-                )
-                == 1
+            placed_on_a = await session.scalar(select(func.count()).select_from(Placement).where(Placement.node_id == node_a.node_id))
+            snapshot_on_b = await session.scalar(
+                select(func.count()).select_from(Placement).where(Placement.node_id == node_b.node_id, Placement.tier == "snapshot")
             )
+            return placed_on_a == 5 and snapshot_on_b == 1
 
     await eventually(ledger_has_blocks, what="the subject's blocks in the ledger")
 
