@@ -18,9 +18,18 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def distribution_packages() -> set[str]:
+    """Top-level packages of the distribution (``[tool.setuptools.packages.find] include``): what the images copy."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {pattern.rstrip("*") for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+
+
 BASE_IMAGE = os.environ.get("KVLEDGER_BASE_IMAGE", "kvledger/debian-base:bookworm")
 LABEL = "org.kvledger.test"
 """Label of every container the tests start (value: the service), so leftovers can be found."""

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.containers import LABEL, ROOT, EngineUnavailable, build, prepare_engine
+from helpers.containers import LABEL, ROOT, EngineUnavailable, build, distribution_packages, prepare_engine
 
 containers_mode = pytest.mark.skipif(
     os.environ.get("KVLEDGER_TEST_SERVICES") != "containers", reason="builds Docker images: runs with KVLEDGER_TEST_SERVICES=containers"
@@ -39,7 +39,7 @@ def _context(directory: Path) -> Path:
     directory.mkdir(exist_ok=True)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, directory / name)
-    for package in ("events", "identity", "gpu_node", "coordinator", "migrations", "kvledger", "bench"):
+    for package in sorted(distribution_packages()):
         shutil.copytree(ROOT / package, directory / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (directory / "docker" / "wheels").mkdir(parents=True)
     shutil.copy(ROOT / "docker" / "secrets-env.sh", directory / "docker" / "secrets-env.sh")

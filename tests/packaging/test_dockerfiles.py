@@ -15,14 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.containers import distribution_packages
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-
-def _packages() -> set[str]:
-    """Top-level packages of the distribution (``[tool.setuptools.packages.find] include``)."""
-    return {pattern.rstrip("*") for pattern in PROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
 
 
 def _instructions(dockerfile: str) -> list[str]:
@@ -59,7 +55,7 @@ def test_images_build_without_buildkit() -> None:
 
 def test_coordinator_image_installs_the_base_profile_only() -> None:
     instructions = _instructions("Dockerfile")
-    assert _copied_dirs(instructions) == _packages()
+    assert _copied_dirs(instructions) == distribution_packages()
     installs = [line for line in instructions if "pip install" in line]
     assert installs == ["RUN pip install . && chmod 755 /usr/local/bin/kvledger-secrets-env && useradd --system --uid 10001 kvledger"]
     assert not any("torch" in line for line in instructions)
@@ -67,7 +63,7 @@ def test_coordinator_image_installs_the_base_profile_only() -> None:
 
 def test_node_image_installs_the_node_profile() -> None:
     instructions = _instructions("Dockerfile.gpu")
-    assert _copied_dirs(instructions) == _packages()
+    assert _copied_dirs(instructions) == distribution_packages()
     installs = [
         re.search(r"pip install (--find-links /tmp/wheels )?(\S+)", line).group(2) for line in instructions if "pip install" in line
     ]
@@ -152,7 +148,7 @@ def test_the_build_context_leaves_out_secrets_and_keeps_what_the_images_copy() -
         "docker/secrets-env.sh",
         "docker/wheels",
         "docker/postgres-entrypoint.sh",
-    } | _packages()
+    } | distribution_packages()
     for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
         copied |= _copied_dirs(_instructions(dockerfile))
     for path in copied:
