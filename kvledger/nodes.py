@@ -20,7 +20,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from gpu_node.node_identity import NODE_KEY_FILE
-from identity.signing import key_id, load_or_create_private_key, load_public_key_file, public_key_pem
+from identity.signing import load_public_key_file
+from kvledger.own_key import print_public_key
 from kvledger.publish import stack_setting
 
 DATABASE_URL_ENV = "KVLEDGER_DATABASE_URL"
@@ -62,15 +63,7 @@ async def revoke_node_keys(database_url: str, node_id: str, kid: str | None) -> 
 
 
 def key_cli(args: argparse.Namespace) -> int:
-    key_file = Path(args.key_file) if args.key_file else Path(args.data_dir) / NODE_KEY_FILE
-    try:
-        private_key = load_or_create_private_key(key_file)
-    except (OSError, ValueError) as error:
-        print(f"kvledger nodes key: error: {key_file}: {error}", file=sys.stderr)
-        return 2
-    sys.stdout.write(public_key_pem(private_key.public_key()).decode())
-    print(f"key id {key_id(private_key.public_key())} ({key_file})", file=sys.stderr)
-    return 0
+    return print_public_key(Path(args.key_file) if args.key_file else Path(args.data_dir) / NODE_KEY_FILE, "nodes key")
 
 
 def enroll_cli(args: argparse.Namespace) -> int:

@@ -22,8 +22,9 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from identity.roles import PLATFORM_ADMIN, TENANT_ADMIN
-from identity.signing import key_id, load_or_create_private_key, load_public_key_file, public_key_pem
+from identity.signing import load_public_key_file, public_key_pem
 from kvledger.api import Coordinator
+from kvledger.own_key import print_public_key
 
 DIRECT_ENROLLMENT = "database"
 """``enrolled_by`` of a key enrolled straight into the database (``kvledger up``, benchmarks), not through the API."""
@@ -56,15 +57,7 @@ def _coordinator(args: argparse.Namespace, tenant: str | None) -> Coordinator:
 
 
 def key_cli(args: argparse.Namespace) -> int:
-    key_file = Path(args.key_file)
-    try:
-        private_key = load_or_create_private_key(key_file)
-    except (OSError, ValueError) as error:
-        print(f"kvledger producers key: error: {key_file}: {error}", file=sys.stderr)
-        return 2
-    sys.stdout.write(public_key_pem(private_key.public_key()).decode())
-    print(f"key id {key_id(private_key.public_key())} ({key_file})", file=sys.stderr)
-    return 0
+    return print_public_key(Path(args.key_file), "producers key")
 
 
 def enroll_cli(args: argparse.Namespace) -> int:
