@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers.ledger import JWT_SECRET, RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database
-from helpers.node import ServedNode, node_settings
+from helpers.node import RunningNode, node_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -56,20 +56,7 @@ class Cluster:
         self.loop.close()
 
 
-class Node(ServedNode):
-    async def start(self) -> Node:
-        self.assemble()
-        await self.engine.start(ready=False)
-        await self.serve_http()
-        await self.start_replay()
-        await asyncio.wait_for(self.commands.replayed.wait(), TIMEOUT_S)
-        return self
-
-    async def stop(self) -> None:
-        await self.http.stop()
-        await self.stop_replay()
-        await self.engine.stop()
-
+class Node(RunningNode):
     def holdings(self) -> set[tuple[str, str]]:
         return {(entry.block_hash.hex(), entry.tier.value) for entry in self.engine.pool.ready_entries()}
 
@@ -85,6 +72,7 @@ def cluster(database_url: str, ledger_template: str, kafka_bootstrap: str, tiny_
     # A device tier that holds the model's whole context: a prompt of 257 documents must fit to be served.
     cache = CacheSettings(num_device_blocks=320, num_host_blocks=64, max_disk_blocks=64)
     node = cluster.run(Node(node_settings(node_id, tiny_model_dir, tmp_path_factory.mktemp("limits-node"), kafka_bootstrap, cache)).start())
+    cluster.run(node.replayed(TIMEOUT_S))
     try:
         yield {"run": cluster.run, "node": node, "url": url}
     finally:
