@@ -11,6 +11,20 @@ evidence is merged into one entry per tier and the ack is applied like an ack of
 A lost part leaves the target pending, so the command is re-sent (``coordinator.resend``) and
 the node re-sends every part of the same ack: the staged ones are duplicates.
 
+An ack names the last kv-event ``seq`` the node had published when it built it (its fence,
+``CommandAck.after_seq``). Acks and kv-events travel on different topics to different consumer
+groups, so an ack may overtake the very events it is fenced behind — the ``SnapshotWritten`` of
+a snapshot it rewrote, the ``BlockRemoved`` of its removals. Applied then, it would delete
+nothing and leave copies live in the ledger that the node no longer holds. So an ack whose
+node's ledger row has not reached its fence (same epoch, lower ``last_seq``) is *deferred*: held
+whole in ``deferred_acks``, its target still pending, and applied by
+:func:`release_deferred_acks` once the node's kv-events catch up (the kv-events consumer wakes
+it after every batch; a node's heartbeats keep its row moving). Applied after its fence, a
+fenced ack deletes only the snapshot copies it lists: the node's block events already deleted
+its pool copies (device, host, disk), and deleting by hash again could delete a copy of the same
+block the node stored after its removal. An ack without a fence (a node that predates it)
+deletes every copy it lists, at once.
+
 Locking: the node rows first (the same lock a kv-events batch of those nodes takes, so a
 node's acks and block events serialize), then the target rows, then the ledger-writes
 lock right before the placements (:mod:`coordinator.ledger` states the order and why).
@@ -33,16 +47,21 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator import inbox
 from coordinator.decisions import APPLIED
 from coordinator.ledger import lock_ledger_writes
-from coordinator.models import AckPart, Node
+from coordinator.models import AckPart, DeferredAck, Node
 from coordinator.states import InvalidationStatus, NamespaceStatus, TargetStatus
 from events.ack_parts import merge_evidence
 from events.fault_points import fault_point
 from events.schema import CommandAck, Envelope
+from events.tiers import Tier
 
 UNEXPECTED = "unexpected"
 UNVERIFIED = "unverified"
 PART_STAGED = "part_staged"
 """Outcome of an ack part that was staged while other parts of its ack are still missing."""
+DEFERRED = "deferred"
+"""Outcome of an ack held in ``deferred_acks`` until the ledger has its node's events up to its fence."""
+RELEASED = "released"
+"""Outcome of a deferred ack applied once its node's events caught up."""
 
 # Fixed SQL text with array parameters: one prepared statement per step whatever the batch size.
 
@@ -184,6 +203,7 @@ class _WholeAck:
     epoch: int
     evidence: list[dict]
     key_id: str | None
+    after_seq: int | None
 
     @classmethod
     def of(cls, envelope: Envelope) -> _WholeAck:
@@ -196,7 +216,24 @@ class _WholeAck:
             ack.epoch,
             [item.model_dump(mode="json") for item in ack.evidence],
             None if envelope.signature is None else envelope.signature.kid,
+            ack.after_seq,
         )
+
+    def caught_up(self, position: tuple[int, int]) -> bool:
+        """Whether a node whose ledger row is at ``position`` (epoch, last seq) holds every event this ack is fenced behind.
+
+        A later epoch counts: the events of the ack's epoch either were applied before the
+        restart or describe bytes the restart already dropped (the new epoch's inventory
+        replaces the node's placements).
+        """
+        if self.after_seq is None:
+            return True
+        epoch, last_seq = position
+        return epoch > self.epoch or (epoch == self.epoch and last_seq >= self.after_seq)
+
+    def deletes(self, tier: str) -> bool:
+        """Whether applying this ack deletes its verified copies in ``tier`` (see the module docstring)."""
+        return self.after_seq is None or tier == Tier.SNAPSHOT
 
 
 async def _whole_acks(
@@ -232,6 +269,7 @@ async def _whole_acks(
                 "epoch": ack.epoch,
                 "evidence": [item.model_dump(mode="json") for item in ack.evidence],
                 "key_id": None if envelope.signature is None else envelope.signature.kid,
+                "after_seq": ack.after_seq,
             }
         )
         whole.append((ack.command_id, ack.node_id, ack.ack_id, ack.part))
@@ -268,6 +306,7 @@ async def _complete_parts(session: AsyncSession, ack_keys: set[tuple[uuid.UUID, 
             AckPart.epoch,
             AckPart.evidence,
             AckPart.key_id,
+            AckPart.after_seq,
         )
         .where(tuple_(AckPart.command_id, AckPart.node_id, AckPart.ack_id).in_(sorted(ack_keys)))
         .order_by(AckPart.command_id, AckPart.node_id, AckPart.ack_id, AckPart.part)
@@ -280,17 +319,55 @@ async def _complete_parts(session: AsyncSession, ack_keys: set[tuple[uuid.UUID, 
         # Complete: parts 0..n-1 all staged, all saying n (a node that said otherwise never completes).
         if [row.part for row in parts] == list(range(parts[0].num_parts)) and {row.num_parts for row in parts} == {len(parts)}:
             complete[key] = _WholeAck(
-                CommandAck.TYPE, key[0], key[1], parts[-1].epoch, merge_evidence(row.evidence for row in parts), parts[-1].key_id
+                CommandAck.TYPE,
+                key[0],
+                key[1],
+                parts[-1].epoch,
+                merge_evidence(row.evidence for row in parts),
+                parts[-1].key_id,
+                parts[-1].after_seq,
             )
     return complete
 
 
 @dataclass(slots=True)
 class AppliedAcks:
-    """What :func:`apply_acks` did: the copies it deleted and the commands it completed."""
+    """What :func:`apply_acks` or :func:`release_deferred_acks` did: the copies deleted and the commands completed."""
 
     num_copies_deleted: int = 0
     finished: Finished = field(default_factory=Finished)
+
+
+_CAUGHT_UP = "(n.epoch > d.epoch OR (n.epoch = d.epoch AND n.last_seq >= d.after_seq))"
+_RELEASABLE_NODES = text(
+    f"SELECT DISTINCT d.node_id FROM deferred_acks d JOIN nodes n ON n.node_id = d.node_id WHERE {_CAUGHT_UP} ORDER BY d.node_id"
+).columns(node_id=Text())
+_TAKE_RELEASABLE = (
+    text(
+        "DELETE FROM deferred_acks d USING nodes n"
+        f" WHERE n.node_id = d.node_id AND d.node_id = ANY(:node_ids) AND {_CAUGHT_UP}"
+        " RETURNING d.command_id, d.node_id, d.epoch, d.after_seq, d.evidence, d.key_id"
+    )
+    .bindparams(bindparam("node_ids", type_=_TEXTS))
+    .columns(command_id=Uuid(), node_id=Text(), epoch=BigInteger(), after_seq=BigInteger(), key_id=Text())
+)
+
+
+async def _lock_nodes(session: AsyncSession, node_ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Lock the node rows (the same lock a kv-events batch of these nodes takes, so a node's acks and
+    block events serialize); returns each node's ledger position (epoch, last applied seq)."""
+    rows = await session.execute(
+        select(Node.node_id, Node.epoch, Node.last_seq)
+        .where(Node.node_id.in_(node_ids))
+        .order_by(Node.node_id)
+        .with_for_update(key_share=True)
+    )
+    return {row.node_id: (row.epoch, row.last_seq) for row in rows}
+
+
+async def _lock_targets(session: AsyncSession, keys: list[tuple[uuid.UUID, str]]) -> dict[tuple[uuid.UUID, str], str]:
+    rows = await session.execute(_LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]})
+    return {(row.command_id, row.node_id): row.status for row in rows}
 
 
 async def apply_acks(
@@ -300,19 +377,53 @@ async def apply_acks(
 
     In ack order, with one statement per step for the whole batch: the targets are
     locked and read at once, folded in order here (a second ack of a target already
-    acked is a duplicate, one after a failure replaces it), then written at once.
-    The caller owns the transaction; every outcome is counted in ``outcomes``.
+    acked is a duplicate, one after a failure replaces it), then written at once. An ack
+    fenced behind kv-events the ledger does not hold yet is deferred instead (module
+    docstring). The caller owns the transaction; every outcome is counted in ``outcomes``.
     """
-    node_ids = sorted({ack.payload.node_id for ack in acks})
-    # Same lock as a kv-events batch of these nodes, so acks and block events of one node serialize.
-    await session.execute(select(Node.node_id).where(Node.node_id.in_(node_ids)).order_by(Node.node_id).with_for_update(key_share=True))
-    keys = sorted({(ack.payload.command_id, ack.payload.node_id) for ack in acks})
-    rows = await session.execute(_LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]})
-    status = {(row.command_id, row.node_id): row.status for row in rows}
+    positions = await _lock_nodes(session, sorted({ack.payload.node_id for ack in acks}))
+    status = await _lock_targets(session, sorted({(ack.payload.command_id, ack.payload.node_id) for ack in acks}))
+    whole = await _whole_acks(session, acks, status, outcomes)
+    return await _record(session, whole, positions, status, now, outcomes)
+
+
+async def release_deferred_acks(session: AsyncSession, now: datetime, outcomes: collections.Counter[tuple[str, str]]) -> AppliedAcks:
+    """Apply every deferred ack whose node's ledger row reached its fence, as :func:`apply_acks` would have.
+
+    Same lock order as an ack batch: the node rows first, so a concurrent batch of the same
+    node (which may defer another ack of it) waits, and each deferred ack is taken exactly once.
+    """
+    node_ids = list((await session.scalars(_RELEASABLE_NODES)).all())
+    if not node_ids:
+        return AppliedAcks()
+    positions = await _lock_nodes(session, node_ids)
+    rows = (await session.execute(_TAKE_RELEASABLE, {"node_ids": node_ids})).all()
+    status = await _lock_targets(session, sorted({(row.command_id, row.node_id) for row in rows}))
+    whole = [
+        _WholeAck(CommandAck.TYPE, row.command_id, row.node_id, row.epoch, row.evidence, row.key_id, row.after_seq)
+        for row in sorted(rows, key=lambda row: (row.command_id, row.node_id))
+    ]
+    released = collections.Counter[tuple[str, str]]()
+    applied = await _record(session, whole, positions, status, now, released)
+    for (event_type, outcome), count in released.items():
+        outcomes[(event_type, RELEASED if outcome == APPLIED else outcome)] += count
+    return applied
+
+
+async def _record(
+    session: AsyncSession,
+    whole: list[_WholeAck],
+    positions: dict[str, tuple[int, int]],
+    status: dict[tuple[uuid.UUID, str], str],
+    now: datetime,
+    outcomes: collections.Counter[tuple[str, str]],
+) -> AppliedAcks:
+    """Fold ``whole`` into the locked targets in order, defer what is not caught up, write the rest, complete commands."""
     updates: dict[tuple[uuid.UUID, str], tuple[str, int, str, str | None]] = {}
+    deferred: dict[tuple[uuid.UUID, str], _WholeAck] = {}
     copies: dict[str, list] = collections.defaultdict(list)
     touched: set[uuid.UUID] = set()
-    for ack in await _whole_acks(session, acks, status, outcomes):
+    for ack in whole:
         key = (ack.command_id, ack.node_id)
         current = status.get(key)
         if current is None:
@@ -322,11 +433,15 @@ async def apply_acks(
         if current == TargetStatus.ACKED:
             outcomes[(ack.event_type, inbox.DUPLICATE)] += 1
             continue
+        if not ack.caught_up(positions[ack.node_id]):
+            deferred[key] = ack  # a later ack of the same target replaces it, as on the target row
+            outcomes[(ack.event_type, DEFERRED)] += 1
+            continue
         verified = all(evidence["verified"] for evidence in ack.evidence)
         status[key] = TargetStatus.ACKED if verified else TargetStatus.FAILED
         updates[key] = (status[key], ack.epoch, json.dumps(ack.evidence), ack.key_id)
         for evidence in ack.evidence:
-            if evidence["verified"]:
+            if evidence["verified"] and ack.deletes(evidence["tier"]):
                 for block_hash in evidence["block_hashes"]:
                     copies["node_ids"].append(ack.node_id)
                     copies["tiers"].append(evidence["tier"])
@@ -334,6 +449,8 @@ async def apply_acks(
                     copies["command_ids"].append(ack.command_id)
         touched.add(ack.command_id)
         outcomes[(ack.event_type, APPLIED if verified else UNVERIFIED)] += 1
+    if deferred:
+        await _defer(session, [ack for key, ack in deferred.items() if key not in updates])
     if updates:
         await session.execute(
             _UPDATE_TARGETS,
@@ -347,8 +464,9 @@ async def apply_acks(
                 "key_ids": [v[3] for v in updates.values()],
             },
         )
-        # Staged parts of a target now recorded are spent: its ack (whole or merged) is on the target row.
+        # Staged parts and deferred acks of a target now recorded are spent: its ack is on the target row.
         await session.execute(delete(AckPart).where(tuple_(AckPart.command_id, AckPart.node_id).in_(sorted(updates))))
+        await session.execute(delete(DeferredAck).where(tuple_(DeferredAck.command_id, DeferredAck.node_id).in_(sorted(updates))))
     fault_point("coordinator.mid_ack_batch")
     await lock_ledger_writes(session)
     applied = AppliedAcks()
@@ -357,3 +475,35 @@ async def apply_acks(
         applied.num_copies_deleted = len(deleted.all())
     applied.finished = await finish_if_acked(session, touched, now)
     return applied
+
+
+async def _defer(session: AsyncSession, acks: list[_WholeAck]) -> None:
+    """Hold ``acks`` in ``deferred_acks``; one already held for the same target is replaced (the later ack stands)."""
+    if not acks:
+        return
+    statement = pg_insert(DeferredAck).values(
+        [
+            {
+                "command_id": ack.command_id,
+                "node_id": ack.node_id,
+                "epoch": ack.epoch,
+                "after_seq": ack.after_seq,
+                "evidence": ack.evidence,
+                "key_id": ack.key_id,
+            }
+            for ack in acks
+        ]
+    )
+    excluded = statement.excluded
+    await session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[DeferredAck.command_id, DeferredAck.node_id],
+            set_={
+                "epoch": excluded.epoch,
+                "after_seq": excluded.after_seq,
+                "evidence": excluded.evidence,
+                "key_id": excluded.key_id,
+                "deferred_at": excluded.deferred_at,
+            },
+        )
+    )

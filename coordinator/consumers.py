@@ -169,6 +169,7 @@ class _Parts:
     invalidations: kafka.BatchConsumer
     acks: kafka.BatchConsumer
     erasures: ErasureService
+    handler: InvalidationHandler
     resender: CommandResender
     pruner: Pruner
 
@@ -178,24 +179,6 @@ class _Parts:
         producer = kafka.EventProducer(config)
         tally = DeadLetterTally()
         relay = OutboxRelay(database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s)
-        ingest = LedgerIngest(
-            database,
-            inventory_retry_s=settings.ledger.inventory_retry_s,
-            command_signer=command_signer,
-            on_outbox=relay.wake,
-        )
-        node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
-        seal = command_signer.sign_dead_letter  # replay trusts only letters the coordinator signed
-        consumer = kafka.BatchConsumer(
-            config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
-            [KV_EVENTS],
-            VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally, seal=seal),
-            dead_letter_counter=tally,
-            is_poison=refused_as_data,
-            max_records=settings.kafka.max_batch_records,
-            seal=seal,
-            stall_after_s=settings.kafka.stall_after_s,
-        )
         subject_key = settings.ledger.subject_key
         erasures = ErasureService(
             database,
@@ -210,6 +193,25 @@ class _Parts:
             on_outbox=relay.wake,
             publish_leased=relay.publish_leased,
             outbox_lease_s=settings.ledger.outbox_lease_s,
+        )
+        ingest = LedgerIngest(
+            database,
+            inventory_retry_s=settings.ledger.inventory_retry_s,
+            command_signer=command_signer,
+            on_outbox=relay.wake,
+            on_committed=handler.wake_releases,
+        )
+        node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
+        seal = command_signer.sign_dead_letter  # replay trusts only letters the coordinator signed
+        consumer = kafka.BatchConsumer(
+            config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
+            [KV_EVENTS],
+            VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally, seal=seal),
+            dead_letter_counter=tally,
+            is_poison=refused_as_data,
+            max_records=settings.kafka.max_batch_records,
+            seal=seal,
+            stall_after_s=settings.kafka.stall_after_s,
         )
         resender = CommandResender(
             database,
@@ -254,7 +256,7 @@ class _Parts:
                 (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally, seal=seal)),
             )
         )
-        return cls(database, producer, tally, relay, consumer, invalidations, acks, erasures, resender, pruner)
+        return cls(database, producer, tally, relay, consumer, invalidations, acks, erasures, handler, resender, pruner)
 
 
 async def _run_connected(
@@ -289,6 +291,7 @@ async def _run_connected(
             asyncio.create_task(parts.relay.run(stop), name="outbox relay"),
             asyncio.create_task(parts.erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
             asyncio.create_task(parts.resender.run(stop), name="command re-sender"),
+            asyncio.create_task(parts.handler.run_releases(stop, settings.ledger.deferred_ack_poll_s), name="deferred-ack release"),
             asyncio.create_task(parts.tally.run(parts.database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
             asyncio.create_task(parts.pruner.run(stop), name="pruner"),
         ]

@@ -699,11 +699,15 @@ class LedgerIngest:
         inventory_retry_s: float,
         command_signer: EnvelopeSigner,
         on_outbox: Callable[[], None] | None = None,
+        on_committed: Callable[[], None] | None = None,
     ) -> None:
+        """``on_committed`` is called after every committed batch: nodes' ledger rows moved, so acks
+        deferred behind their events may be released (``coordinator.acks``)."""
         self._database = database
         self._command_signer = command_signer
         self._inventory_retry_s = inventory_retry_s
         self._on_outbox = on_outbox
+        self._on_committed = on_committed
 
     async def __call__(self, events: list[ConsumedEvent]) -> None:
         if not events:
@@ -715,6 +719,8 @@ class LedgerIngest:
                     now = await begin_ledger_transaction(session)
                     applier = _BatchApplier(session, self._inventory_retry_s, now, self._command_signer)
                     await applier.apply(events)
+        if self._on_committed is not None:
+            self._on_committed()
         # Metrics only after the commit: a rolled-back batch is redelivered and counted then.
         for (event_type, outcome), count in applier.outcomes.items():
             metrics.EVENTS_TOTAL.labels(type=event_type, outcome=outcome).inc(count)

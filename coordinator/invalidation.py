@@ -7,6 +7,8 @@ the inbox and decides them in order (:mod:`coordinator.decisions`; an erasure re
 through :meth:`coordinator.erasure.ErasureService.start_from_event`), so redelivery is a
 no-op. Nodes answer on ``kvledger.acks``; a second transaction applies the acks
 (:mod:`coordinator.acks`), and the erasure service then verifies the erasures they advanced.
+An ack that overtook its node's kv-events is deferred there; :meth:`InvalidationHandler.run_releases`
+applies it once the kv-events consumer, which wakes it after every batch, has caught the node up.
 
 Dependencies point one way: this handler composes decisions, erasures and acks; none of
 them imports it (an import-linter contract in ``pyproject.toml`` keeps it so).
@@ -17,17 +19,19 @@ ack batch interleaves with it (:mod:`coordinator.ledger` states the lock order a
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import inbox, metrics
-from coordinator.acks import Finished, apply_acks
+from coordinator.acks import AppliedAcks, Finished, apply_acks, release_deferred_acks
 from coordinator.db import Database
 from coordinator.decisions import Decision, decide_many
 from coordinator.erasure import ErasureService
@@ -96,6 +100,7 @@ class InvalidationHandler:
         self._on_outbox = on_outbox
         self._publish_leased = publish_leased
         self._outbox_lease = timedelta(seconds=outbox_lease_s)
+        self._release_wanted = asyncio.Event()
 
     async def __call__(self, events: list[ConsumedEvent]) -> None:
         """Decide the batch's user events in one transaction, then apply its acks in another.
@@ -155,15 +160,44 @@ class InvalidationHandler:
             self._on_outbox()
 
     async def _ack_batch(self, events: list[ConsumedEvent]) -> None:
+        async def claimed_and_applied(session: AsyncSession, now: datetime, result: _BatchResult) -> AppliedAcks:
+            acks = await inbox.claim(session, events, result.outcomes)
+            return await apply_acks(session, acks, now, result.outcomes) if acks else AppliedAcks()
+
+        await self._applying_acks(claimed_and_applied)
+
+    async def release_deferred_acks(self) -> None:
+        """Apply, in one transaction, the deferred acks whose nodes' kv-events the ledger now holds."""
+        await self._applying_acks(lambda session, now, result: release_deferred_acks(session, now, result.outcomes))
+
+    async def _applying_acks(self, apply: Callable[[AsyncSession, datetime, _BatchResult], Awaitable[AppliedAcks]]) -> None:
         result = _BatchResult()
         async with self._database.session() as session, session.begin():
             now = await begin_ledger_transaction(session)
-            acks = await inbox.claim(session, events, result.outcomes)
-            if acks:
-                applied = await apply_acks(session, acks, now, result.outcomes)
-                result.num_copies_deleted, result.finished = applied.num_copies_deleted, applied.finished
+            applied = await apply(session, now, result)
+            result.num_copies_deleted, result.finished = applied.num_copies_deleted, applied.finished
         _record_metrics(result)
         await self._erasures.acks_applied(result.finished.subject_command_ids)
+
+    def wake_releases(self) -> None:
+        """A kv-events batch committed: a node's ledger row may have reached a deferred ack's fence."""
+        self._release_wanted.set()
+
+    async def run_releases(self, stop: asyncio.Event, poll_s: float) -> None:
+        """Release deferred acks when woken (:meth:`wake_releases`) and every ``poll_s`` until ``stop``.
+
+        The poll covers a wake lost to a crash between a kv-events commit and the release; the
+        kv-events consumer of any replica wakes its own process, and any process may release
+        any node's acks (each is taken once, under the node's row lock).
+        """
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._release_wanted.wait(), poll_s)
+            self._release_wanted.clear()
+            try:
+                await self.release_deferred_acks()
+            except Exception as exc:  # noqa: BLE001 - the acks stay deferred and the next wake or poll retries
+                log.warning("releasing deferred acks failed (%s)", type(exc).__name__)
 
     async def _decide_run(self, session: AsyncSession, run: list[Envelope], now: datetime, result: _BatchResult) -> None:
         """Decide consecutive document/permission events at once; lease their commands when this process publishes them."""

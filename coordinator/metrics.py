@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.models import DeadLetterCount, Erasure, Invalidation, Node, OutboxEntry
+from coordinator.models import DeadLetterCount, DeferredAck, Erasure, Invalidation, Node, OutboxEntry
 from coordinator.states import ErasureStatus, InvalidationStatus
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,10 @@ OLDEST_OPEN_INVALIDATION_AGE = Gauge(
     "kvledger_ledger_oldest_open_invalidation_age_seconds",
     "Age of the oldest invalidation that is not complete; 0 when none (from the ledger).",
 )
+OLDEST_DEFERRED_ACK_AGE = Gauge(
+    "kvledger_ledger_oldest_deferred_ack_age_seconds",
+    "Age of the oldest ack waiting for its node's kv-events to reach its fence; 0 when none (from the ledger).",
+)
 ERASURE_AGE_BUCKETS: tuple[tuple[str, timedelta], ...] = (
     ("lt_5m", timedelta(minutes=5)),
     ("lt_1h", timedelta(hours=1)),
@@ -92,7 +96,9 @@ INVALIDATION_EVENTS_TOTAL = Counter(
     "kvledger_invalidation_events_total",
     "Document, permission and ack events seen by the invalidation consumer, by type and outcome "
     "(applied; duplicate = inbox hit or repeated ack; superseded = version not above the recorded one; "
-    "unexpected = ack for no known target; unverified = ack whose post-check failed).",
+    "unexpected = ack for no known target; unverified = ack whose post-check failed; part_staged = ack part held "
+    "for the rest of its ack; deferred = ack held until its node's kv-events reach its fence; released = a deferred "
+    "ack applied once they did).",
     ["type", "outcome"],
 )
 INVALIDATIONS_TOTAL = Counter(
@@ -169,6 +175,10 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
                 Invalidation.status.in_(open_statuses)
             )
         )
+    )
+
+    OLDEST_DEFERRED_ACK_AGE.set(
+        await session.scalar(select(func.coalesce(func.extract("epoch", func.now() - func.min(DeferredAck.deferred_at)), 0)))
     )
 
     unverified_statuses = (ErasureStatus.PENDING, ErasureStatus.PARTIAL, ErasureStatus.FAILED)

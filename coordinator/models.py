@@ -392,7 +392,37 @@ class AckPart(Base):
     epoch: Mapped[int] = mapped_column(BigInteger)
     evidence: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
     key_id: Mapped[str | None]
+    after_seq: Mapped[int | None] = mapped_column(BigInteger)
+    """The ack's fence (``CommandAck.after_seq``); every part of one ack carries the same."""
     received_at: Mapped[datetime] = _now()
+
+
+class DeferredAck(Base):
+    """A whole ack that arrived before the node's kv-events it is fenced behind, held until the ledger has them.
+
+    The ack names the last kv-event ``seq`` of its ``epoch`` its removals were published under
+    (``CommandAck.after_seq``); acks and kv-events travel on different topics to different
+    consumer groups, so the ack may overtake them. It is applied (``coordinator.acks``) as soon
+    as the node's ledger row reaches that seq or a later epoch; until then its target stays
+    pending.
+    """
+
+    __tablename__ = "deferred_acks"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["command_id", "node_id"],
+            ["invalidation_targets.command_id", "invalidation_targets.node_id"],
+            ondelete="CASCADE",
+        ),
+    )
+
+    command_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    node_id: Mapped[str] = mapped_column(primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    after_seq: Mapped[int] = mapped_column(BigInteger)
+    evidence: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
+    key_id: Mapped[str | None]
+    deferred_at: Mapped[datetime] = _now()
 
 
 class Erasure(Base):

@@ -161,6 +161,9 @@ class LedgerSettings(BaseModel):
     """…up to this long between two re-sends to one target."""
     command_resend_poll_s: float = Field(1.0, gt=0)
     """How often the consumers process looks for targets whose re-send is due."""
+    deferred_ack_poll_s: float = Field(5.0, gt=0)
+    """How often the consumers process looks for deferred acks (``coordinator.acks``) to release without
+    being woken: every kv-events batch wakes it, so this only bounds a wake lost to a crash."""
     node_key_cache_s: float = Field(5.0, ge=0)
     """How long a looked-up node key is trusted from memory (``coordinator.node_keys``): the longest
     a revoked node key keeps working at a replica, and the price of one key query per node per period."""

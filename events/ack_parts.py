@@ -44,14 +44,21 @@ _Item = tuple[int, Literal["tier", "hash", "key"], str]
 
 
 def ack_parts(
-    command_id: uuid.UUID, node_id: str, epoch: int, reports: Sequence[TierReport], *, max_bytes: int = MAX_RECORD_BYTES
+    command_id: uuid.UUID,
+    node_id: str,
+    epoch: int,
+    reports: Sequence[TierReport],
+    *,
+    after_seq: int | None = None,
+    max_bytes: int = MAX_RECORD_BYTES,
 ) -> list[CommandAck]:
     """The ack of ``reports`` as the fewest consecutive parts whose signed records fit ``max_bytes``.
 
     One part (no part fields, the encoding of an ack before parts existed) when it fits; else
     parts with a shared fresh ``ack_id``, each listing at most
     :data:`~events.schema.MAX_HASHES_PER_EVENT` hashes and key ids. ValueError when even
-    :data:`~events.schema.MAX_ACK_PARTS` parts cannot hold the evidence.
+    :data:`~events.schema.MAX_ACK_PARTS` parts cannot hold the evidence. Every part carries
+    ``after_seq`` (the node's fence, :class:`~events.schema.CommandAck`).
     """
     items: list[_Item] = []
     for index, report in enumerate(reports):
@@ -59,7 +66,7 @@ def ack_parts(
         items.extend((index, "hash", block_hash) for block_hash in report.block_hashes)
         items.extend((index, "key", key_id) for key_id in report.key_ids)
     if len(items) <= MAX_HASHES_PER_EVENT:
-        single = CommandAck(command_id=command_id, node_id=node_id, epoch=epoch, evidence=_evidence(reports, items))
+        single = CommandAck(command_id=command_id, node_id=node_id, epoch=epoch, evidence=_evidence(reports, items), after_seq=after_seq)
         if envelope_bytes(single) <= max_bytes:
             return [single]
     ack_id = uuid.uuid4()
@@ -75,6 +82,7 @@ def ack_parts(
                 ack_id=ack_id,
                 part=MAX_ACK_PARTS - 1,
                 parts=MAX_ACK_PARTS,
+                after_seq=after_seq,
             )
         )
 
@@ -90,6 +98,7 @@ def ack_parts(
             ack_id=ack_id,
             part=number,
             parts=len(runs),
+            after_seq=after_seq,
         )
         for number, run in enumerate(runs)
     ]

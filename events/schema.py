@@ -569,6 +569,12 @@ class CommandAck(EventPayload):
     An ack too large for one record is split into ``parts`` records sharing ``ack_id``, part
     ``part`` listing a slice of the evidence (``events.ack_parts``); the ack is the union of all
     of them. The part fields are left out of an ack of one record, which encodes as before.
+
+    ``after_seq`` fences the ack into the node's kv-events stream: the last ``seq`` of ``epoch``
+    the broker had taken from the node when the ack was built, so every block event that
+    describes the command's removals (and every ``SnapshotWritten`` it rewrote) is at or below
+    it. The coordinator applies the ack only once its ledger holds the node's events through
+    that seq (``coordinator.acks``). Left out when unset (a node that does not fence).
     """
 
     TYPE: ClassVar[str] = "CommandAck"
@@ -580,6 +586,7 @@ class CommandAck(EventPayload):
     """Names one ack split into ``parts`` records (``events.ack_parts``): every part carries it; unset on an ack of one record."""
     part: SmallCount = Field(0, exclude_if=lambda value: value == 0)
     parts: Annotated[int, Strict(), Field(ge=1, le=MAX_ACK_PARTS)] = Field(1, exclude_if=lambda value: value == 1)
+    after_seq: Count | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _part_in_range(self) -> CommandAck:

@@ -536,14 +536,16 @@ AckRecords = tuple[schema.Envelope, ...]
 """One command's ack as the records that carry it: one, or the parts of :func:`events.ack_parts.ack_parts`."""
 
 
-def ack_records(command: schema.Invalidate, node_id: str, epoch: int, evidence: Sequence[TierReport]) -> AckRecords:
+def ack_records(command: schema.Invalidate, node_id: str, epoch: int, evidence: Sequence[TierReport], after_seq: int) -> AckRecords:
     """The envelopes of the ack of ``command``, each small enough to be sent once signed.
 
     Built once per application and kept: a re-sent command gets these same envelopes (same
     event ids, same parts) again, so the coordinator's inbox drops the parts it holds and
-    stages the ones it missed.
+    stages the ones it missed. ``after_seq`` is the publisher's fence
+    (:meth:`gpu_node.publisher.NodePublisher.fence`).
     """
-    return tuple(schema.make_event(part) for part in ack_parts(command.command_id, node_id, epoch, evidence))
+    parts = ack_parts(command.command_id, node_id, epoch, evidence, after_seq=after_seq)
+    return tuple(schema.make_event(part) for part in parts)
 
 
 # --------------------------------------------------------------------------- consumer
@@ -718,7 +720,7 @@ class CommandConsumer:
         try:
             async with contextlib.aclosing(self.handler.apply_batch(to_apply)) as applied:
                 async for command, evidence in applied:
-                    ack = self._ack(command, evidence)
+                    ack = await self._ack(command, evidence)
                     self._remember_ack(command.command_id, ack)
                     sending.append(asyncio.create_task(self._producer.send_many(ack)))
         finally:
@@ -734,10 +736,17 @@ class CommandConsumer:
             len(state.pending),
         )
 
-    def _ack(self, command: schema.Invalidate, evidence: list[TierReport]) -> AckRecords:
-        """The ack of an applied command, whether it came from the topic or from the governance state at start."""
+    async def _ack(self, command: schema.Invalidate, evidence: list[TierReport]) -> AckRecords:
+        """The ack of an applied command, whether it came from the topic or from the governance state at start.
+
+        Fenced: the block events of the command's removals (and the ``SnapshotWritten`` of every
+        snapshot it rewrote) are on the broker before the ack is built, and the ack names the
+        last seq among them, so the coordinator never applies the ack ahead of them (they
+        travel on another topic, to another consumer group).
+        """
         fault_point("node.between_delete_and_ack")
-        return ack_records(command, self.node_id, self.publisher.epoch, evidence)
+        after_seq = await self.publisher.fence()
+        return ack_records(command, self.node_id, self.publisher.epoch, evidence, after_seq)
 
     async def _check_replayed(self) -> None:
         """Ready once an empty poll finds the position at or past the end noted at start.
@@ -867,7 +876,7 @@ class CommandConsumer:
             async for command, evidence in applied:
                 offset, expected = next(offsets)
                 assert command is expected, "apply_batch yields the commands in order"
-                ack = self._ack(command, evidence)
+                ack = await self._ack(command, evidence)
                 self._unacked[(tp, offset)] = ack
                 self._remember_ack(command.command_id, ack)
                 sending.append(asyncio.create_task(self._producer.send_many(ack)))

@@ -183,6 +183,18 @@ class NodePublisher:
             except Exception:  # noqa: BLE001 - a broker hiccup must not stop publishing; the next flush retries
                 log.exception("publishing block events failed; will retry")
 
+    async def fence(self) -> int:
+        """Publish every pool event handed over so far; returns the last seq of this epoch the broker took.
+
+        A command ack carries it (``CommandAck.after_seq``): every block event that happened
+        before the call is at or below it. Raises what :meth:`flush` raises (the broker did not
+        take them): the command is then applied again and acked later, never acked ahead of its
+        events.
+        """
+        self.engine.manager.drain_events()
+        await self.flush()
+        return self.seq
+
     async def flush(self) -> None:
         """Publish everything pending, in order; records whose send failed are resent, identical, next time."""
         async with self._send_lock:

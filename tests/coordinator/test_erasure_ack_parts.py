@@ -42,7 +42,17 @@ from events.ack_parts import TierReport
 from events.codec import encode_event
 from events.kafka import EventProducer
 from events.record_size import MAX_RECORD_BYTES
-from events.schema import MAX_BLOCKS_PER_EVENT, MAX_HASHES_PER_EVENT, BlockStored, Invalidate, SnapshotWritten, parse_event, subject_digest
+from events.schema import (
+    MAX_BLOCKS_PER_EVENT,
+    MAX_HASHES_PER_EVENT,
+    BlockRemoved,
+    BlockStored,
+    Invalidate,
+    RemovedBlock,
+    SnapshotWritten,
+    parse_event,
+    subject_digest,
+)
 from events.tiers import Tier
 from events.topics import COMMANDS
 from gpu_node.commands import ack_records
@@ -156,7 +166,15 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
         TierReport(Tier.DISK, hashes["disk"], "crypto_erase", "key_destroyed", True, [data_key_id]),
         TierReport(Tier.SNAPSHOT, hashes["snapshot"], "crypto_erase", "key_destroyed", True, [data_key_id]),
     ]
-    parts = ack_records(command, node.node_id, node.epoch, reports)
+    # As the node does: its removals go out as block events first, and the ack is fenced behind them.
+    await producer.send_many(
+        [
+            node.event(BlockRemoved, reason="invalidated", blocks=[RemovedBlock(block_hash=h, tier=tier) for h in run])
+            for tier in NUM_BLOCKS
+            for run in (hashes[tier][start : start + MAX_BLOCKS_PER_EVENT] for start in range(0, NUM_BLOCKS[tier], MAX_BLOCKS_PER_EVENT))
+        ]
+    )
+    parts = ack_records(command, node.node_id, node.epoch, reports, node.seq)
     assert len(parts) >= 10 and all(envelope.payload.parts == len(parts) for envelope in parts)
     assert max([len(encode_event(await producer.signed(envelope))) for envelope in parts]) <= MAX_RECORD_BYTES
     async with database.session() as session:
@@ -168,7 +186,7 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
             )
         ).all()
     for other in others:  # nodes of other modules on the shared broker: nothing of this subject
-        await producer.send_many(ack_records(command, other, 1, []))
+        await producer.send_many(ack_records(command, other, 1, [], 0))
 
     # One part lost on its way: the rest is staged, nothing is counted, the erasure is not verified.
     await producer.send_many(parts[:5] + parts[6:])

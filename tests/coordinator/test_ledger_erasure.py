@@ -20,7 +20,7 @@ import logging
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -37,22 +37,25 @@ from helpers.ledger import (
     scan_topic,
     stored,
 )
+from prometheus_client import REGISTRY
 from sqlalchemy import func, select, text
 
 from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService
-from coordinator.models import AuditLogEntry, Erasure, Invalidation, InvalidationTarget, Placement, Receipt
+from coordinator.models import AuditLogEntry, DeferredAck, Erasure, Invalidation, InvalidationTarget, Node, Placement, Receipt
 from coordinator.receipts import verify_served_receipt
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter
 from events.kafka import EventProducer
 from events.schema import (
     BlockMoved,
+    BlockRemoved,
     BlockStored,
     CommandAck,
     ErasureRequested,
     Invalidate,
     MovedBlock,
+    RemovedBlock,
     SnapshotWritten,
     SubjectPredicate,
     TierEvidence,
@@ -527,6 +530,152 @@ async def test_erasure_waits_for_the_shared_blocks_the_subject_created_and_not_f
             select(Placement.state).where(Placement.block_hash == bytes.fromhex(public), Placement.node_id == node_b.node_id)
         )
     assert kept == "live"
+
+
+def live_on(database: Database, node: FakeNode, num_copies: int) -> Callable[[], Awaitable[bool]]:
+    """A condition: the ledger holds ``num_copies`` live copies on ``node``."""
+
+    async def holds() -> bool:
+        async with database.session() as session:
+            live = select(func.count()).select_from(Placement).where(Placement.node_id == node.node_id, Placement.state == "live")
+            return await session.scalar(live) == num_copies
+
+    return holds
+
+
+def ack_outcomes() -> tuple[float, float]:
+    """(deferred, released) acks counted by this process's coordinator so far."""
+    counts = [
+        REGISTRY.get_sample_value("kvledger_invalidation_events_total", {"type": "CommandAck", "outcome": outcome}) or 0.0
+        for outcome in ("deferred", "released")
+    ]
+    return counts[0], counts[1]
+
+
+async def erasure_command(client: httpx.AsyncClient, settings: CoordinatorSettings, subject: str) -> tuple[str, uuid.UUID]:
+    """Start an erasure of ``subject``; (erasure id, its command id) once the command is on the topic."""
+    body = {"tenant_id": TENANT, "subject_id": subject, "reason": "GDPR art. 17 request"}
+    started = await client.post("/v1/erasures", json=body, headers=OFFICER)
+    assert started.status_code == 202, started.text
+    erasure_id = started.json()["id"]
+    command_id = uuid.UUID((await status_of(client, erasure_id))["commands"][0]["command_id"])
+
+    def visit(record) -> bool:
+        payload = parse_event(record.value).payload
+        return isinstance(payload, Invalidate) and payload.command_id == command_id
+
+    await scan_topic(settings.kafka.bootstrap, COMMANDS, visit)
+    return erasure_id, command_id
+
+
+async def test_an_ack_that_overtakes_its_nodes_kv_events_waits_for_them(
+    coordinator: RunningConsumers, database: Database, producer: EventProducer, client: httpx.AsyncClient, settings: CoordinatorSettings
+) -> None:
+    """The node wrote a snapshot, then the erasure removed the subject's blocks and rewrote the snapshot. Its ack,
+    fenced behind those events, reaches the coordinator before them (another topic, another consumer group):
+    applied then, it would delete nothing and the snapshot copy would arrive afterwards, live for good."""
+    uid = uuid.uuid4().hex[:8]
+    subject = f"carol-{uid}@example.com"
+    user = {"tenant_id": TENANT, "scope": "user", "subject_id": digest(subject)}
+    node = FakeNode(producer, f"fence-{uid}")
+    await node.start()
+    device, disk = block_hash(f"{uid}-dev"), block_hash(f"{uid}-disk")
+    await node.publish(BlockStored, blocks=[stored(f"{uid}-dev", "device", **user), stored(f"{uid}-disk", "disk", **user)])
+    await eventually(live_on(database, node, 2), what="the subject's blocks in the ledger")
+    erasure_id, command_id = await erasure_command(client, settings, subject)
+    for foreign in await targets(database, command_id) - {node.node_id}:
+        await ack(producer, command_id, foreign)
+
+    # The node's events, built (seqs taken) but not yet delivered, and its ack fenced behind them.
+    snapshot = node.event(SnapshotWritten, snapshot_id=f"snap-{uid}", block_hashes=[disk])
+    removed = node.event(
+        BlockRemoved,
+        reason="invalidated",
+        blocks=[RemovedBlock(block_hash=device, tier="device"), RemovedBlock(block_hash=disk, tier="disk")],
+    )
+    deferred_before, released_before = ack_outcomes()
+    fenced = CommandAck(
+        command_id=command_id,
+        node_id=node.node_id,
+        epoch=node.epoch,
+        evidence=[
+            evidence("device", [device], "overwrite", "readback_zero"),
+            evidence("disk", [disk], "unlink", "file_absent"),
+            evidence("snapshot", [disk], "unlink", "file_absent"),
+        ],
+        after_seq=node.seq,
+    )
+    await producer.send(make_event(fenced))
+
+    async def deferred() -> bool:
+        async with database.session() as session:
+            return await session.get(DeferredAck, (command_id, node.node_id)) is not None
+
+    await eventually(deferred, what="the ack deferred")
+    assert ack_outcomes() == (deferred_before + 1, released_before)
+    async with database.session() as session:
+        assert (await session.get(InvalidationTarget, (command_id, node.node_id))).status == "pending"
+    assert (await status_of(client, erasure_id))["status"] in ("pending", "partial")
+
+    await producer.send_many([snapshot, removed])
+    verified = await wait_status(client, erasure_id, "verified")
+    assert verified["live_copies"] == 0
+    assert ack_outcomes() == (deferred_before + 1, released_before + 1)
+    async with database.session() as session:
+        copies = (
+            await session.execute(
+                select(Placement.tier, Placement.state, Placement.reason, Placement.invalidation_id)
+                .where(Placement.node_id == node.node_id)
+                .order_by(Placement.tier)
+            )
+        ).all()
+        assert await session.get(DeferredAck, (command_id, node.node_id)) is None
+    # The pool copies were deleted by the node's own removal events, the snapshot copy by the ack.
+    assert [tuple(row) for row in copies] == [
+        ("device", "deleted", "invalidated", command_id),
+        ("disk", "deleted", "invalidated", command_id),
+        ("snapshot", "deleted", "invalidated", command_id),
+    ]
+
+
+async def test_a_fenced_ack_never_deletes_a_copy_the_node_stored_again_after_its_removal(
+    coordinator: RunningConsumers, database: Database, producer: EventProducer, client: httpx.AsyncClient, settings: CoordinatorSettings
+) -> None:
+    """The node removed the block for the command, then built it again (the subject's new request after the
+    erasure) and reported both before its ack was applied: the ack lists the block, yet the copy is live."""
+    uid = uuid.uuid4().hex[:8]
+    subject = f"dave-{uid}@example.com"
+    user = {"tenant_id": TENANT, "scope": "user", "subject_id": digest(subject)}
+    node = FakeNode(producer, f"restore-{uid}")
+    await node.start()
+    again = block_hash(f"{uid}-again")
+    await node.publish(BlockStored, blocks=[stored(f"{uid}-again", "device", **user)])
+    await eventually(live_on(database, node, 1), what="the subject's block in the ledger")
+    _, command_id = await erasure_command(client, settings, subject)
+    await node.publish(BlockRemoved, reason="invalidated", blocks=[RemovedBlock(block_hash=again, tier="device")])
+    fence = node.seq
+    await node.publish(BlockStored, blocks=[stored(f"{uid}-again", "device", **user)])
+
+    async def stored_again() -> bool:
+        async with database.session() as session:
+            return await session.scalar(select(Node.last_seq).where(Node.node_id == node.node_id)) == node.seq
+
+    await eventually(stored_again, what="the removal and the new copy in the ledger")
+    ack_event = CommandAck(
+        command_id=command_id,
+        node_id=node.node_id,
+        epoch=node.epoch,
+        evidence=[evidence("device", [again], "overwrite", "readback_zero")],
+        after_seq=fence,
+    )
+    await producer.send(make_event(ack_event))
+
+    async def acked() -> bool:
+        async with database.session() as session:
+            return (await session.get(InvalidationTarget, (command_id, node.node_id))).status == "acked"
+
+    await eventually(acked, what="the ack applied")
+    assert await placement_states(database, [again]) == {"live"}
 
 
 async def test_rewritten_audit_log_fails_verification_against_an_earlier_checkpoint(

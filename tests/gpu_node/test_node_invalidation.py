@@ -120,6 +120,25 @@ async def acks_for(kafka_bootstrap: str, command_id: uuid.UUID, node_ids: set[st
     return found
 
 
+async def events_behind_fence(kafka_bootstrap: str, ack: schema.CommandAck, expected: set[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """Seq of the kv-event that reported each of ``expected`` (hash, tier) gone in ``ack``'s epoch: a ``BlockRemoved``
+    for a pool tier, the ``SnapshotWritten`` that listed it for the snapshot tier (whose removal only the ack reports)."""
+    seqs: dict[tuple[str, str], int] = {}
+
+    def visit(record) -> bool:
+        payload = schema.parse_event(record.value).payload
+        if getattr(payload, "node_id", None) != ack.node_id or getattr(payload, "epoch", None) != ack.epoch:
+            return False
+        if isinstance(payload, schema.BlockRemoved):
+            seqs.update({(block.block_hash, block.tier): payload.seq for block in payload.blocks})
+        elif isinstance(payload, schema.SnapshotWritten):
+            seqs.update({(block_hash, "snapshot"): payload.seq for block_hash in payload.block_hashes})
+        return expected <= set(seqs)
+
+    await scan_topic(kafka_bootstrap, topics.KV_EVENTS, visit)
+    return {key: seqs[key] for key in expected}
+
+
 def evidence_set(ack: schema.CommandAck) -> set[tuple[str, str]]:
     return {(block_hash, item.tier) for item in ack.evidence for block_hash in item.block_hashes}
 
@@ -159,6 +178,8 @@ async def test_document_update_is_applied_and_acked_by_every_node(make_settings,
             ack = acks[node.node_id]
             assert ack.epoch == node.publisher.epoch
             assert evidence_set(ack) == expected[node.node_id]
+            fenced = await events_behind_fence(kafka_bootstrap, ack, expected[node.node_id])
+            assert ack.after_seq is not None and max(fenced.values()) <= ack.after_seq, (ack.after_seq, fenced)
             assert all(item.verified for item in ack.evidence)
             methods = {item.tier: (item.method, item.post_check) for item in ack.evidence}
             assert methods == {
