@@ -368,6 +368,13 @@ class InvalidationTarget(Base):
     """When the next re-send is due; NULL: ``command_resend_after_s`` after the decision."""
 
 
+def _of_target() -> ForeignKeyConstraint:
+    """(command_id, node_id) → the invalidation target an ack row answers; it goes with the target."""
+    return ForeignKeyConstraint(
+        ["command_id", "node_id"], ["invalidation_targets.command_id", "invalidation_targets.node_id"], ondelete="CASCADE"
+    )
+
+
 class AckPart(Base):
     """A received part of a command ack split over several records, held until every part is in.
 
@@ -376,13 +383,7 @@ class AckPart(Base):
     """
 
     __tablename__ = "ack_parts"
-    __table_args__ = (
-        ForeignKeyConstraint(
-            ["command_id", "node_id"],
-            ["invalidation_targets.command_id", "invalidation_targets.node_id"],
-            ondelete="CASCADE",
-        ),
-    )
+    __table_args__ = (_of_target(),)
 
     command_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
     node_id: Mapped[str] = mapped_column(primary_key=True)
@@ -408,13 +409,7 @@ class DeferredAck(Base):
     """
 
     __tablename__ = "deferred_acks"
-    __table_args__ = (
-        ForeignKeyConstraint(
-            ["command_id", "node_id"],
-            ["invalidation_targets.command_id", "invalidation_targets.node_id"],
-            ondelete="CASCADE",
-        ),
-    )
+    __table_args__ = (_of_target(),)
 
     command_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
     node_id: Mapped[str] = mapped_column(primary_key=True)
