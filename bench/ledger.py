@@ -125,13 +125,15 @@ def _cpu_per_record(num_events: int, blocks_per_record: int) -> tuple[float, flo
     signed = [sign_envelope(schema.make_event(record), key) for record in records]
     sign_s = time.process_time() - started
     values = [encode_event(envelope) for envelope in signed]
-    started = time.process_time()
-    decoded = [decode_event(value) for value in values]
-    decode_s = time.process_time() - started
+    # Each decoder is timed with only its own results alive: the collector's work grows with live objects.
     started = time.process_time()
     parsed = [schema.parse_event(value) for value in values]
     parse_s = time.process_time() - started
-    assert parsed == decoded, "the compiled decoder must decode the bench's records as the contract does"
+    assert parsed == [decode_event(value) for value in values], "the compiled decoder must decode the bench's records as the contract does"
+    del parsed
+    started = time.process_time()
+    decoded = [decode_event(value) for value in values]
+    decode_s = time.process_time() - started
     started = time.process_time()
     problems = [signature_problem(envelope, key.public_key()) for envelope in decoded]
     verify_s = time.process_time() - started
