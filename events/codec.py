@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
-from events.schema import Envelope, EventValidationError, parse_event
+from events.kv_decoder import decode_kv_event
+from events.schema import Envelope, EventValidationError
 
 
 def encode_event(envelope: Envelope) -> bytes:
@@ -26,10 +27,14 @@ def encode_event(envelope: Envelope) -> bytes:
 
 
 def decode_event(value: bytes | None) -> Envelope:
-    """Validate one record value; a tombstone (``None``) is malformed too."""
+    """Validate one record value; a tombstone (``None``) is malformed too.
+
+    kv-events types are read by the compiled decoder (``events.kv_decoder``), which yields what
+    ``events.schema.parse_event`` yields and leaves every refusal, and its message, to it.
+    """
     if value is None:
         raise EventValidationError("record has no value")
-    return parse_event(value)
+    return decode_kv_event(value)
 
 
 def encode_key(key: str) -> bytes:
