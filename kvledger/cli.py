@@ -115,6 +115,14 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
     node.add_argument("--jwt-public-key", help="EdDSA public key (PEM) instead of KVLEDGER_JWT_SECRET")
     node.set_defaults(func=_lazy("gpu_node.server:cli"))
 
+    fleet_router = commands.add_parser(
+        "router", help="serve a fleet router: each request to the node holding its prefix (OpenAI-compatible)"
+    )
+    fleet_router.add_argument("--model", dest="model_dir", help="the model directory the nodes serve (its tokenizer keys requests)")
+    fleet_router.add_argument("--host", help="interface to listen on (default from the router settings)")
+    fleet_router.add_argument("--port", type=int, help="port to listen on (default from the router settings)")
+    fleet_router.set_defaults(func=_lazy("router.server:cli"))
+
 
 def _add_node_key_commands(commands: argparse._SubParsersAction) -> None:
     """Subcommands for node keys and their enrollment."""

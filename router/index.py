@@ -378,7 +378,9 @@ class PrefixIndex:
 
     # -- the ledger -------------------------------------------------------------
 
-    def replace_node(self, node_id: str, epoch: int, last_seq: int, placements: Iterable[Placement], now: float | None = None) -> str | None:
+    def replace_node(
+        self, node_id: str, epoch: int, last_seq: int, placements: Iterable[Placement], now: float | None = None
+    ) -> str | None:
         """Make ``node_id``'s copies exactly ``placements`` (the ledger's live ones as of ``(epoch, last_seq)``),
         then replay its records consumed after that; returns the node's new re-read reason (None: exact)."""
         node = self._node(node_id)
@@ -428,7 +430,9 @@ class PrefixIndex:
             self._node_ids.append(node_id)
         return node
 
-    def _add(self, node: NodeState, block_hash: bytes, tier: Tier, tags: BlockTags, creator: str | None, creators: Iterable[str] = ()) -> None:
+    def _add(
+        self, node: NodeState, block_hash: bytes, tier: Tier, tags: BlockTags, creator: str | None, creators: Iterable[str] = ()
+    ) -> None:
         entry = self._blocks.get(block_hash)
         if entry is None:
             if len(self._blocks) >= self.max_blocks:

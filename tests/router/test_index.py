@@ -6,6 +6,7 @@ import uuid
 from datetime import UTC, datetime
 
 import pytest
+from helpers.ledger import block_hash, stored
 
 from events.schema import (
     BlockMoved,
@@ -25,7 +26,6 @@ from events.schema import (
     TenantPredicate,
 )
 from events.tiers import Tier
-from helpers.ledger import block_hash, stored
 from router import index as index_module
 from router.index import APPLIED, DUPLICATE, GAP, RESTARTED, STALE, BlockTags, PrefixIndex, PrefixMatch, TierWeights
 from router.index import Placement as LedgerPlacement
@@ -142,7 +142,7 @@ def test_a_node_the_index_never_read_is_a_gap(index):
 
 
 def test_a_heartbeat_naming_an_unseen_seq_is_a_gap(index):
-    a = Node(index, "a")
+    Node(index, "a")
     assert index.apply(NodeHeartbeat(node_id="a", epoch=1, seq=0), now=5.0) == APPLIED
     assert index.node("a").last_seen == 5.0
     assert index.node("a").reread_reason is None
@@ -169,7 +169,10 @@ def test_a_complete_inventory_replaces_the_node_copies(index):
     assert a.send(Inventory, chunk=0, placements=[Placement(block_hash=block_hash("x"), tier="host")], **first) == APPLIED
     assert index.holders(key("gone")) == {"a": Tier.DEVICE}  # not before the last chunk
     second = dict(request_id=request_id, chunks=2, blocks=[stored("y", "device")])
-    placements = [Placement(block_hash=block_hash("y"), tier="disk"), Placement(block_hash=block_hash("y"), tier="snapshot", snapshot_id="s")]
+    placements = [
+        Placement(block_hash=block_hash("y"), tier="disk"),
+        Placement(block_hash=block_hash("y"), tier="snapshot", snapshot_id="s"),
+    ]
     assert a.send(Inventory, chunk=1, placements=placements, **second) == APPLIED
     assert [index.holders(key(label)) for label in ("gone", "x", "y")] == [{}, {"a": Tier.HOST}, {"a": Tier.DISK}]
 
