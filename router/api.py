@@ -19,6 +19,7 @@ Prompt text is never logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -100,10 +101,18 @@ def create_app(
     settings: RouterSettings, fleet: Fleet, feed: Feed | None, verifier: TokenVerifier, strategy: Strategy | None = None
 ) -> FastAPI:
     """The router's app over ``fleet``; ``feed`` (None in tests that fill the index themselves) keeps the index exact."""
-    app = FastAPI(title="kvledger router")
     metrics = feed.metrics if feed is not None else RouterMetrics(fleet.index)
     timeout = httpx.Timeout(settings.routing.read_timeout_s, connect=settings.routing.connect_timeout_s)
     http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await http.aclose()
+
+    app = FastAPI(title="kvledger router", lifespan=lifespan)
     state = _State(settings, fleet, feed, verifier, strategy or PrefixLoadStrategy(settings.routing.load_cost_blocks), metrics, http)
     app.state.router = state
 
@@ -165,10 +174,6 @@ def create_app(
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, str(exc.detail), type="invalid_request_error", code=code)
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        await http.aclose()
 
     internal = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}}
     app.add_middleware(RequestIdMiddleware, access_logger="router.access", error_body=json.dumps(internal).encode())
