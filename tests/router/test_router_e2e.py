@@ -9,6 +9,8 @@ through the official ``openai`` client.
 from __future__ import annotations
 
 import re
+import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,17 +27,21 @@ from helpers.ledger import (
     operator_token,
     running_consumers,
     settings_at_topic_ends,
+    stored,
 )
 from helpers.node import RunningNode, Served, node_settings
 
 from coordinator.api import create_app as create_coordinator_app
+from events.schema import BlockStored, NodeStarted
 from gpu_node.settings import CacheSettings
 from identity.settings import IssuerSettings
 from identity.tokens import Principal, TokenVerifier, issue_token
-from router.api import NODE_HEADER
-from router.keying import request_messages
+from router.api import NODE_HEADER, Fleet, create_app
+from router.health import Liveness
+from router.index import PrefixIndex
+from router.keying import Keying, request_messages
 from router.server import Router
-from router.settings import RouterSettings
+from router.settings import NodeEndpoint, RouterSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -214,3 +220,35 @@ async def test_metrics_count_decisions_and_cached_tokens_behind_the_token(router
 
 def _principal(tenant: str) -> Principal:
     return TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET)).verify(token(tenant))
+
+
+async def test_a_node_failing_before_its_first_byte_is_retried_once_on_the_next_best(router, nodes, tiny_model_dir):
+    """A second app over the same index type: a dead node holds the prompt's prefix, so it is tried first."""
+    built, _ = router
+    real = nodes[0]
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    keying = Keying(tiny_model_dir, "tiny")
+    keying.nodes = {"dead": built.fleet.keying.nodes[real.node_id], real.node_id: built.fleet.keying.nodes[real.node_id]}
+    index = PrefixIndex()
+    now = time.monotonic()
+    for node_id in ("dead", real.node_id):
+        index.apply(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns"), now)
+    tenant = f"acme-{uuid.uuid4().hex[:6]}"
+    (hashes,) = keying.keys(_principal(tenant), request_messages({"messages": messages("Retry me.")})).values()
+    blocks = [stored(f"retry-{position}", "device").model_copy(update={"block_hash": block.hex()}) for position, block in enumerate(hashes)]
+    index.apply(BlockStored(node_id="dead", epoch=1, seq=1, blocks=blocks), now)
+    endpoints = {"dead": NodeEndpoint(node_id="dead", url=dead_url), real.node_id: NodeEndpoint(node_id=real.node_id, url=real.http.url)}
+    fleet = Fleet(endpoints, index, keying, Liveness(60.0), failure_threshold=3, breaker_open_s=10.0)
+    app = create_app(built.settings, fleet, None, TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET)))
+    served = await Served(app).start()
+    try:
+        node, _ = await ask(served.url, tenant, "Retry me.")
+    finally:
+        await served.stop()
+        dead.close()
+    assert node == real.node_id
+    assert fleet.breaker("dead").num_failures == 1
+    assert app.state.router.metrics.decisions.labels(reason="retry")._value.get() == 1
+    assert fleet.in_flight == {"dead": 0, real.node_id: 0}
