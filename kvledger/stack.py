@@ -43,8 +43,8 @@ import httpx
 
 from coordinator.migrate import upgrade
 from gpu_node.node_identity import NODE_KEY_FILE
-from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
 from identity.roles import ROUTER
+from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.model_init import build_default_model, build_tiny_model, is_complete
 from kvledger.nodes import enroll_node_key
@@ -207,7 +207,9 @@ async def up(args: argparse.Namespace) -> None:
             progress(f"{names[node.pid]} ready at {url}")
         router_url = f"http://127.0.0.1:{args.port + ROUTER_PORT_OFFSET}"
         router_env = _router_env(state_dir, node_env, env.operator_private_key_file, dict(zip(node_ids, node_urls, strict=True)))
-        router = _spawn(["router", "--model", str(model_dir), "--port", str(args.port + ROUTER_PORT_OFFSET)], router_env, logs / "router.log")
+        router = _spawn(
+            ["router", "--model", str(model_dir), "--port", str(args.port + ROUTER_PORT_OFFSET)], router_env, logs / "router.log"
+        )
         processes.append(router)
         names[router.pid] = "router"
         await _wait_ready(router_url, router, f"router at {router_url}")
@@ -251,7 +253,11 @@ def _router_env(state_dir: Path, node_env: dict[str, str], operator_private_key_
     """The router's environment: what a node gets (no coordinator secrets), its nodes, and an operator token with the
     ``router`` role (``router_token``, 0600, signed with the stack's operator key) for the coordinator's ``/v1/router/*``."""
     token = issue_token(
-        tenant="platform", sub="kvledger-up-router", roles=[ROUTER], ttl_s=ROUTER_TOKEN_TTL_S, private_key_pem=operator_private_key_file.read_bytes()
+        tenant="platform",
+        sub="kvledger-up-router",
+        roles=[ROUTER],
+        ttl_s=ROUTER_TOKEN_TTL_S,
+        private_key_pem=operator_private_key_file.read_bytes(),
     )
     token_file = state_dir / ROUTER_TOKEN_FILE
     token_file.touch(mode=0o600)

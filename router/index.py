@@ -41,7 +41,6 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -172,6 +171,8 @@ class _Entry:
         self.creators: set[str] = set()
 
 
+_new_match = tuple.__new__
+"""Builds a :class:`PrefixMatch` without the Python-level ``__new__`` of a NamedTuple (a lookup builds one per node)."""
 _MASK = attrgetter("mask")
 _PACKED = attrgetter("packed")
 
@@ -272,21 +273,20 @@ class PrefixIndex:
             return []
         del entries[end:]
         masks = list(accumulate(map(_MASK, entries), and_))
+        totals = list(accumulate(map(_PACKED, entries)))
         ascending = masks[::-1]
-        width = LANE_BITS // 8 * len(self._node_ids)
-        node_ids, device, indexes = self._node_ids, self.weights.device, self._indexes
+        node_ids, device, indexes, new = self._node_ids, self.weights.device, self._indexes, _new_match
         matches = []
-        start, total, value = 0, 0, masks[0]
+        value = masks[0]
         while value:
             # The last position holding ``value``: masks only lose bits, so they never increase.
             stop = end - bisect.bisect_left(ascending, value)
-            total += sum(map(_PACKED, entries[start:stop]))
+            total = totals[stop - 1]
             following = masks[stop] if stop < end else 0
-            lanes = memoryview(total.to_bytes(width, sys.byteorder)).cast("I")
             leaving = value & ~following
             for index in indexes.get(leaving) or self._bits(leaving):
-                matches.append(PrefixMatch(node_ids[index], stop, lanes[index] / device))
-            start, value = stop, following
+                matches.append(new(PrefixMatch, (node_ids[index], stop, (total >> index * LANE_BITS & _LANE_MASK) / device)))
+            value = following
         return matches
 
     def _bits(self, mask: int) -> tuple[int, ...]:
