@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import and_, attrgetter
@@ -516,7 +516,7 @@ def _discard(index: dict[str, set[bytes]], key: str, block_hash: bytes) -> None:
             del index[key]
 
 
-def _matcher(predicate: Predicate):
+def _matcher(predicate: Predicate) -> Callable[[BlockTags, set[str]], bool]:
     """``(tags, creators) -> bool`` for ``predicate``, matching what a node removes for it (``gpu_node.commands``)."""
     match predicate:
         case DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):

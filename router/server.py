@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 
 from events.http_server import server_config
 from events.kafka import KafkaSettings
@@ -42,7 +43,7 @@ class Router:
     fleet: Fleet
     feed: Feed
     coordinator: CoordinatorClient
-    app: object
+    app: FastAPI
 
     @classmethod
     def build(cls, settings: RouterSettings) -> Router:
@@ -87,7 +88,7 @@ class Router:
 
     async def refresh_keying(self) -> None:
         token = self.settings.metrics.token
-        http = self.app.state.router.http  # type: ignore[attr-defined]
+        http = self.app.state.router.http
         await self.fleet.keying.refresh(http, self.settings.nodes, None if token is None else token.get_secret_value())
 
     async def _keep_keying(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from helpers.ledger import (
     COMMAND_KEY,
@@ -194,3 +195,20 @@ async def test_a_decision_stops_a_block_attracting_traffic_before_any_ack(replic
 
 async def _held(replica: Replica, label: str) -> bool:
     return bool(replica.index.holders(key(label)))
+
+
+async def test_the_router_routes_of_the_coordinator_take_the_router_role_only(coordinator_url):
+    async with httpx.AsyncClient(base_url=coordinator_url) as http:
+
+        def as_role(role: str, tenant: str = "platform") -> dict[str, str]:
+            return {"Authorization": f"Bearer {operator_token(role, tenant)}"}
+
+        assert (await http.get("/v1/router/nodes", headers=as_role("router"))).status_code == 200
+        assert (await http.get("/v1/router/nodes", headers=as_role("platform-admin"))).status_code == 200
+        refused = await http.get("/v1/router/nodes", headers=as_role("tenant-admin", "acme"))
+        assert (refused.status_code, refused.json()["error"]["code"]) == (403, "insufficient_role")
+        ledger = await http.get("/v1/ledger/blocks", headers=as_role("router"))
+        assert (ledger.status_code, ledger.json()["error"]["code"]) == (403, "insufficient_role")
+        unknown = await http.get("/v1/router/placements", params={"node": "no-such-node"}, headers=as_role("router"))
+        assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "unknown_node")
+        assert (await http.get("/v1/router/nodes")).status_code == 401
