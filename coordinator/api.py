@@ -34,6 +34,7 @@ from coordinator.models import Block, BlockAuthScope, BlockDocument, Placement
 from coordinator.node_status import node_statuses
 from coordinator.ops_app import probes
 from coordinator.producer_keys_api import router as producer_keys_router
+from coordinator.router_api import router as fleet_router_router
 from coordinator.settings import CoordinatorSettings
 from coordinator.states import PlacementState
 from coordinator.ui import router as console_router
@@ -68,6 +69,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
         governance_router,
         dead_letters_router,
         producer_keys_router,
+        fleet_router_router,
     ):
         app.include_router(routes)
     app.include_router(probes)

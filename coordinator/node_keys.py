@@ -24,7 +24,6 @@ import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from aiokafka.structs import ConsumerRecord
@@ -41,7 +40,7 @@ from events.kafka import ConsumedEvent, EventProducer, Handler, Seal, send_to_de
 from events.metrics import DEAD_LETTER_TOTAL, UNVERIFIED_RECORDS_TOTAL
 from events.schema import Envelope
 from identity.node_credentials import CredentialError, credential_key_id, verify_node_credential
-from identity.signing import SIGNATURE_ERROR, UNSIGNED, WRONG_NODE, key_id, public_key_from_raw, raw_public_key, signature_problem
+from identity.signing import SIGNATURE_ERROR, EnrolledKey, key_id, public_key_from_raw, raw_public_key, record_problem
 from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)
@@ -51,13 +50,6 @@ K = TypeVar("K")
 MAX_CACHED_KEYS = 4096
 """At most this many keys are held in memory, least recently used dropped first: far more than
 the nodes of a deployment, so a full cache only means one more query per lookup."""
-
-
-@dataclass(frozen=True, slots=True)
-class EnrolledKey:
-    key_id: str
-    node_id: str
-    public_key: Ed25519PublicKey
 
 
 async def enroll(session: AsyncSession, node_id: str, public_key: Ed25519PublicKey) -> EnrolledKey:
@@ -154,20 +146,6 @@ class NodeKeyRegistry(KeyCache[EnrolledKey]):
             raise CredentialError("unknown_node_key", "the credential's key is not enrolled, or was revoked")
         verify_node_credential(token, enrolled.public_key, enrolled.node_id)
         return enrolled
-
-
-def record_problem(envelope: Envelope, enrolled: dict[str, EnrolledKey]) -> str | None:
-    """Why ``envelope`` may not be trusted as its node's record (a reason label), or None when it may.
-
-    The node is the one the payload names: the signature must be by a key enrolled for
-    exactly that node id, so a copy relabelled with another node's id fails.
-    """
-    if envelope.signature is None:
-        return UNSIGNED
-    key = enrolled.get(envelope.signature.kid)
-    if key is not None and key.node_id != getattr(envelope.payload, "node_id", None):
-        return WRONG_NODE
-    return signature_problem(envelope, None if key is None else key.public_key)
 
 
 class VerifiedRecords:

@@ -27,6 +27,7 @@ counts only; the access line has method, path, status and duration.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -54,6 +55,7 @@ from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
 from identity.tokens import AuthError, Operator, TokenVerifier
 from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheScope, DocumentRef, Principal
+from prefix_keys.model_files import keying_digest
 from prefix_keys.prompt import ChatMessage, request_message
 
 logger = logging.getLogger(__name__)
@@ -622,6 +624,17 @@ async def get_model(request: Request, model: str, _: Caller, engine: Engine) -> 
 @router.get("/v1/cache/stats", dependencies=[Depends(_require_scraper)])
 async def cache_stats(engine: Engine) -> dict:
     return engine.cache_stats()
+
+
+@router.get("/v1/kvledger/keying", dependencies=[Depends(_require_scraper)])
+async def keying(request: Request, engine: Engine) -> dict:
+    """What a fleet router needs to compute this node's block keys (``kvledger router``): the model name,
+    namespace and block size, and the digest of the tokenizer and chat template files
+    (:func:`prefix_keys.model_files.keying_digest`), which the router compares with its own copy's."""
+    digest = getattr(request.app.state, "keying_digest", None)
+    if digest is None:
+        digest = request.app.state.keying_digest = await asyncio.to_thread(keying_digest, engine.settings.model_dir)
+    return {"model": engine.model_name, "namespace": engine.namespace.namespace, "block_size": engine.block_size, "keying_digest": digest}
 
 
 @router.get("/v1/cache/layout", dependencies=[Depends(_require_scraper)])

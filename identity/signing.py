@@ -19,6 +19,7 @@ import binascii
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,31 @@ def verify_envelope(envelope: Envelope, public_key: Ed25519PublicKey) -> bool:
     except (InvalidSignature, binascii.Error, ValueError):
         return False
     return True
+
+
+@dataclass(frozen=True, slots=True)
+class EnrolledKey:
+    """A node key enrolled at the coordinator (``coordinator.node_keys``): what that node's records are checked against."""
+
+    key_id: str
+    node_id: str
+    public_key: Ed25519PublicKey
+
+
+def record_problem(envelope: Envelope, enrolled: Mapping[str, EnrolledKey]) -> str | None:
+    """Why ``envelope`` may not be trusted as its node's record (a reason label), or None when it may.
+
+    ``enrolled``: the enrolled, unrevoked node keys by key id. The node is the one the payload
+    names: the signature must be by a key enrolled for exactly that node id, so a copy relabelled
+    with another node's id fails. The coordinator's consumers and the router check kv-events and
+    acks with this one function.
+    """
+    if envelope.signature is None:
+        return UNSIGNED
+    key = enrolled.get(envelope.signature.kid)
+    if key is not None and key.node_id != getattr(envelope.payload, "node_id", None):
+        return WRONG_NODE
+    return signature_problem(envelope, None if key is None else key.public_key)
 
 
 def signature_problem(envelope: Envelope, public_key: Ed25519PublicKey | None) -> str | None:

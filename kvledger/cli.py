@@ -115,6 +115,14 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
     node.add_argument("--jwt-public-key", help="EdDSA public key (PEM) instead of KVLEDGER_JWT_SECRET")
     node.set_defaults(func=_lazy("gpu_node.server:cli"))
 
+    fleet_router = commands.add_parser(
+        "router", help="serve a fleet router: each request to the node holding its prefix (OpenAI-compatible)"
+    )
+    fleet_router.add_argument("--model", dest="model_dir", help="the model directory the nodes serve (its tokenizer keys requests)")
+    fleet_router.add_argument("--host", help="interface to listen on (default from the router settings)")
+    fleet_router.add_argument("--port", type=int, help="port to listen on (default from the router settings)")
+    fleet_router.set_defaults(func=_lazy("router.server:cli"))
+
 
 def _add_node_key_commands(commands: argparse._SubParsersAction) -> None:
     """Subcommands for node keys and their enrollment."""
@@ -438,6 +446,17 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     bench_ledger.add_argument("--kafka-bootstrap", help="external Kafka (default: embedded broker)")
     bench_ledger.add_argument("--output", help="write the markdown table here as well")
     bench_ledger.set_defaults(func=_lazy("bench.ledger:cli"))
+    bench_routing = bench.add_parser("routing", help="the router's index: lookups, routing decisions and block events per second per core")
+    bench_routing.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
+    bench_routing.add_argument("--lookups", type=int, default=200_000, help="lookups per run")
+    bench_routing.add_argument("--nodes", type=int, default=8, help="nodes in the index (default 8)")
+    bench_routing.add_argument("--blocks", type=int, default=30, help="blocks per prompt (default 30)")
+    bench_routing.add_argument("--fleet", action="store_true", help="instead: round-robin, affinity and the router on a real kvledger up")
+    bench_routing.add_argument("--fleet-nodes", type=int, default=2, help="--fleet: nodes (default 2)")
+    bench_routing.add_argument("--device-blocks", type=int, default=80, help="--fleet: device blocks per node (default 80)")
+    bench_routing.add_argument("--documents", type=int, default=6, help="--fleet: tenant documents (default 6)")
+    bench_routing.add_argument("--output", help="write the markdown table here as well")
+    bench_routing.set_defaults(func=_lazy("bench.routing:cli"))
     bench_invalidation = bench.add_parser("invalidation", help="event publish → refused reuse and → last node's ack, p50/p99")
     bench_invalidation.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
     bench_invalidation.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")

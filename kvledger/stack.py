@@ -2,7 +2,8 @@
 
 Starts PostgreSQL and the Kafka-protocol broker (embedded unless external URLs
 are given), applies migrations, then runs the coordinator and N nodes as child
-processes, waits until each answers ``/readyz``, writes ``stack.json`` and stays
+processes and one fleet router in front of the nodes (``kvledger router``, ``router_url`` in
+``stack.json``), waits until each answers ``/readyz``, writes ``stack.json`` and stays
 in the foreground until Ctrl-C or SIGTERM, when everything is stopped in reverse
 order. Each step prints its elapsed time as it completes (``[  3.2s] postgres ready``),
 since a first start builds the model and can take minutes. The stack is supervised: when
@@ -42,8 +43,9 @@ import httpx
 
 from coordinator.migrate import upgrade
 from gpu_node.node_identity import NODE_KEY_FILE
+from identity.roles import ROUTER
 from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
-from identity.tokens import generate_ed25519_key_pair
+from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.model_init import build_default_model, build_tiny_model, is_complete
 from kvledger.nodes import enroll_node_key
 from kvledger.producers import enroll_producer_key
@@ -203,12 +205,22 @@ async def up(args: argparse.Namespace) -> None:
         for url, node in zip(node_urls, processes[1:], strict=True):
             await _wait_ready(url, node, f"node at {url}")
             progress(f"{names[node.pid]} ready at {url}")
+        router_url = f"http://127.0.0.1:{args.port + ROUTER_PORT_OFFSET}"
+        router_env = _router_env(state_dir, node_env, env.operator_private_key_file, dict(zip(node_ids, node_urls, strict=True)))
+        router = _spawn(
+            ["router", "--model", str(model_dir), "--port", str(args.port + ROUTER_PORT_OFFSET)], router_env, logs / "router.log"
+        )
+        processes.append(router)
+        names[router.pid] = "router"
+        await _wait_ready(router_url, router, f"router at {router_url}")
+        progress(f"router ready at {router_url}")
 
         _write_stack_file(
             state_dir,
             {
                 "coordinator_url": coordinator_url,
                 "node_urls": node_urls,
+                "router_url": router_url,
                 "kafka_bootstrap": kafka_bootstrap,
                 "database_url": database_url,
                 "jwt_secret": env.jwt_secret,
@@ -228,6 +240,33 @@ async def up(args: argparse.Namespace) -> None:
             await kafka.stop()
         if postgres is not None:
             await postgres.stop()
+
+
+ROUTER_PORT_OFFSET = 100
+"""The router listens 100 above the first node's port (8200 by default), as the coordinator listens 100 below it."""
+ROUTER_TOKEN_FILE = "router_token"
+ROUTER_TOKEN_TTL_S = 30 * 24 * 3600
+"""The dev router's operator token (role ``router``) is minted again at every ``kvledger up``; a month outlasts any session."""
+
+
+def _router_env(state_dir: Path, node_env: dict[str, str], operator_private_key_file: Path, node_urls: dict[str, str]) -> dict[str, str]:
+    """The router's environment: what a node gets (no coordinator secrets), its nodes, and an operator token with the
+    ``router`` role (``router_token``, 0600, signed with the stack's operator key) for the coordinator's ``/v1/router/*``."""
+    token = issue_token(
+        tenant="platform",
+        sub="kvledger-up-router",
+        roles=[ROUTER],
+        ttl_s=ROUTER_TOKEN_TTL_S,
+        private_key_pem=operator_private_key_file.read_bytes(),
+    )
+    token_file = state_dir / ROUTER_TOKEN_FILE
+    token_file.touch(mode=0o600)
+    token_file.write_text(token)
+    return node_env | {
+        "KVLEDGER_ROUTER_NODES": json.dumps([{"node_id": node_id, "url": url} for node_id, url in node_urls.items()]),
+        "KVLEDGER_ROUTER_COORDINATOR_TOKEN_FILE": str(token_file),
+        "KVLEDGER_ROUTER_COORDINATOR_PUBLIC_KEY_FILE": node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"],
+    }
 
 
 PRODUCER_KEY_FILE = "producer_key.pem"

@@ -10,6 +10,7 @@ the namespace digests (``gpu_node.namespace``), so it lives here once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -147,3 +148,24 @@ def load_chat_tokenizer(model_dir: Path) -> ChatTokenizerFiles:
         all_special_tokens=all_special_tokens,
         backend_tokenizer=backend,
     )
+
+
+KEYING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+"""The files :func:`load_chat_tokenizer` reads besides the chat template(s)."""
+
+
+def keying_digest(model_dir: Path) -> str:
+    """SHA-256 over everything a request's token ids depend on in ``model_dir``: the files
+    :func:`load_chat_tokenizer` reads (by name, each length-prefixed) and the chat templates
+    transformers loads. A node advertises it and a router compares its own model directory's:
+    equal digests (with the node's namespace and block size) mean equal block keys."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256(b"kvledger/keying/v1\x00")
+    parts = [(name, (model_dir / name).read_bytes()) for name in KEYING_FILES if (model_dir / name).is_file()]
+    templates = chat_templates(model_dir, read_json_object(model_dir / "tokenizer_config.json"))
+    parts.append(("templates", json.dumps(templates, sort_keys=True, ensure_ascii=False).encode()))
+    for name, data in parts:
+        for field in (name.encode(), data):
+            digest.update(len(field).to_bytes(8, "little"))
+            digest.update(field)
+    return digest.hexdigest()

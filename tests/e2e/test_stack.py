@@ -49,10 +49,11 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
             "metrics_token",
         }
         assert stack["node_urls"] == [f"http://127.0.0.1:{port}"]
+        assert stack["router_url"] == f"http://127.0.0.1:{port + 100}"
         assert os.stat(stack["operator_private_key_file"]).st_mode & 0o777 == 0o600
 
         token = cli_token(state_dir, "--tenant", "acme", "--sub", "alice", "--scopes", "hr", "--pv", "1")
-        client = OpenAI(base_url=stack["node_urls"][0] + "/v1", api_key=token, max_retries=0)
+        client = OpenAI(base_url=stack["router_url"] + "/v1", api_key=token, max_retries=0)
         messages = [
             {"role": "system", "content": "You are the ACME assistant. " * 20, "cache_scope": "public"},
             {
@@ -107,7 +108,7 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
 
         # Every process got the stack's metrics token: scrapes need it, and nothing else opens /metrics.
         scraper = {"Authorization": f"Bearer {stack['metrics_token']}"}
-        for url in (stack["coordinator_url"], stack["node_urls"][0]):
+        for url in (stack["coordinator_url"], stack["node_urls"][0], stack["router_url"]):
             assert httpx.get(f"{url}/metrics").status_code == 401
             assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401
             assert httpx.get(f"{url}/metrics", headers=scraper).status_code == 200
@@ -119,12 +120,15 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         assert (state_dir / "command_key.pub").read_text().startswith("-----BEGIN PUBLIC KEY-----")
         node_env = _environment_of(["kvledger.cli", "node", "--node-id", "node-0", "--data-dir", str(state_dir / "node-0")])
         assert node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"] == str(state_dir / "command_key.pub")
+        router_env = _environment_of(["kvledger.cli", "router", "--port", str(port + 100)])
         for secret in ("KVLEDGER_MASTER_KEY", "KVLEDGER_DATABASE_URL", "KVLEDGER_COMMAND_SIGNING_KEY"):
             assert secret not in node_env
+            assert secret not in router_env
+        assert (state_dir / "router_token").stat().st_mode & 0o777 == 0o600
     finally:
         status = up.terminate()
     assert status == 0, up.log.read_text()[-4000:]
-    assert port_is_free(port) and port_is_free(port - 100)
+    assert port_is_free(port) and port_is_free(port - 100) and port_is_free(port + 100)
 
 
 def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_path):
@@ -144,8 +148,9 @@ def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_p
             f"producer key enrolled for all tenants ({state_dir / 'producer_key.pem'})",
             f"coordinator ready at {stack['coordinator_url']}",
             f"node-0 ready at http://127.0.0.1:{port}",
+            f"router ready at http://127.0.0.1:{port + 100}",
         ]
-        assert set(stack["pids"]) == {"coordinator", "node-0"}
+        assert set(stack["pids"]) == {"coordinator", "node-0", "router"}
 
         node_pid = stack["pids"]["node-0"]
         os.kill(node_pid, signal.SIGKILL)

@@ -27,12 +27,12 @@ def port_is_free(port: int) -> bool:
 
 
 def free_port_pair() -> int:
-    """A node port P with P and the coordinator's P - 100 both free."""
+    """A node port P with P, the coordinator's P - 100 and the router's P + 100 free."""
     for _ in range(50):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port > 1200 and port_is_free(port - 100):
+        if 1200 < port < 65_000 and port_is_free(port - 100) and port_is_free(port + 100):
             return port
     raise AssertionError("no free port pair")
 

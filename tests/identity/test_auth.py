@@ -299,7 +299,7 @@ def test_token_cli_refuses_roles_that_are_not_operator_roles(no_stack, capsys, e
     refused = ", ".join(sorted(set(roles) - {"platform-admin"}))
     assert captured.err == (
         f"kvledger token: error: role {refused} is not an operator role "
-        "(auditor, platform-admin, privacy-officer, tenant-admin); "
+        "(auditor, platform-admin, privacy-officer, router, tenant-admin); "
         "no command mints node credentials from a user or operator key\n"
     )
 

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the base profile serves, every module imported at its top level: the coordinator's
-# processes and migrations, the event contract, identity, and the CLI commands that need no extra.
+# processes and migrations, the event contract, identity, the fleet router, and the CLI commands that need no extra.
 BASE_MODULES = (
     "coordinator.api",
     "coordinator.consumers",
@@ -29,6 +29,7 @@ BASE_MODULES = (
     "identity.sealing",
     "prefix_keys.prompt",
     "prefix_keys.model_files",
+    "router.server",
     "kvledger.cli",
     "kvledger.verify",
     "kvledger.tokens",

@@ -45,7 +45,11 @@ def test_compose_file_is_valid_against_the_compose_spec():
 def test_compose_has_the_production_services_wired_together():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"kafka", "postgres", "migrate", "model-init", "coordinator", "gpu-node", "prometheus", "grafana", "publisher"}
+    assert set(services) == {
+        "kafka", "postgres", "migrate", "model-init", "coordinator", "gpu-node", "router", "prometheus", "grafana", "publisher",
+    }  # fmt: skip
+    # the router needs an operator token the operator issuer mints, so it starts only with its profile, and gets no coordinator secret
+    assert (services["router"]["profiles"], services["router"]["secrets"]) == (["router"], ["jwt_secret", "metrics_token", "router_token"])
     # the publisher is a tool (`docker compose run --rm publisher …`): it holds the producer key, and nothing else
     assert (services["publisher"]["profiles"], services["publisher"]["secrets"]) == (["tools"], ["producer_key"])
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft, no ZooKeeper
@@ -357,14 +361,17 @@ def test_one_postgres_major_version_everywhere():
 
 SECRETS = {
     "postgres_password", "database_url", "master_key", "command_signing_key", "jwt_secret", "subject_key", "metrics_token",
-    "grafana_admin_password", "producer_key",
+    "grafana_admin_password", "producer_key", "router_token",
 }  # fmt: skip
 SECRET_VARIABLES = {
     "KVLEDGER_DATABASE_URL", "KVLEDGER_JWT_SECRET", "KVLEDGER_SUBJECT_KEY", "KVLEDGER_MASTER_KEY", "KVLEDGER_COMMAND_SIGNING_KEY",
     "KVLEDGER_RECEIPT_SIGNING_KEY", "KVLEDGER_KAFKA_SASL_PASSWORD", "KVLEDGER_METRICS_TOKEN", "POSTGRES_PASSWORD",
     "GF_SECURITY_ADMIN_PASSWORD",
 }  # fmt: skip
-NOT_SECRET_FILES = {"KVLEDGER_METRICS_TOKEN_FILE", "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE", "KVLEDGER_PRODUCER_KEY_FILE"}
+NOT_SECRET_FILES = {
+    "KVLEDGER_METRICS_TOKEN_FILE", "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE", "KVLEDGER_PRODUCER_KEY_FILE",
+    "KVLEDGER_ROUTER_COORDINATOR_TOKEN_FILE", "KVLEDGER_ROUTER_COORDINATOR_PUBLIC_KEY_FILE",
+}  # fmt: skip
 """``*_FILE`` variables the services read themselves (the shim leaves them alone)."""
 
 
