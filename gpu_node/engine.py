@@ -522,8 +522,11 @@ class AsyncEngine:
         self.metrics.iteration_tokens.observe(output.num_batched_tokens)
         if any(chunk.start < chunk.seq.num_prompt_tokens for chunk in chunks):
             self.metrics.prefill_latency.observe(forward_s)
+        block_size = self.block_size
         for chunk in chunks:
-            self.paged_kv.commit_computed(chunk.seq)
+            # A claimed block can only have become complete in a step whose chunk reached a block boundary.
+            if (chunk.start + chunk.num_tokens) // block_size != chunk.start // block_size:
+                self.paged_kv.commit_computed(chunk.seq)
         now = time.perf_counter()
         for handle, token in zip(handles, tokens, strict=True):
             self._emit(handle, token, now, deliveries)

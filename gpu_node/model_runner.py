@@ -149,12 +149,17 @@ class ModelRunner:
         """
         assert chunks, "a step computes at least one token"
         block_size = self.kv_spec.block_size
-        order = sorted(range(len(chunks)), key=lambda index: len(chunks[index].token_ids) != 1)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
+        decode_order = [index for index, chunk in enumerate(chunks) if len(chunk.token_ids) == 1]
+        order = decode_order + [index for index, chunk in enumerate(chunks) if len(chunk.token_ids) != 1]
+        decodes = [chunks[index] for index in decode_order]
+        # Decodes, one row each, in comprehensions: at 64 running they are most of a step's rows.
+        token_ids = [chunk.token_ids[0] for chunk in decodes]
+        positions = [chunk.start for chunk in decodes]
+        slot_blocks = [chunk.block_table[chunk.start // block_size] for chunk in decodes]  # IndexError: blocks do not cover it
         first_rows = [0] * len(chunks)
-        for index in order:
+        for row, index in enumerate(decode_order):
+            first_rows[index] = row
+        for index in order[len(decodes) :]:
             chunk = chunks[index]
             first_rows[index] = len(token_ids)
             token_ids.extend(chunk.token_ids)
@@ -162,7 +167,6 @@ class ModelRunner:
             assert len(chunk.block_table) * block_size >= end, "a chunk's blocks must cover its tokens"
             positions.extend(range(chunk.start, end))
             slot_blocks.extend(chunk.block_table[position // block_size] for position in range(chunk.start, end))
-        decodes = [chunks[index] for index in order if len(chunks[index].token_ids) == 1]
         device = self.device
         rows = self._row_index(kv_table)
         decode_mask = decode_shared_rows = None
