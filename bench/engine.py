@@ -7,6 +7,17 @@ prompt; each number is the median of ``--runs`` repetitions. ``--sections`` pick
 which sections run. Wall-clock numbers live here and in docs/benchmarks.md, never
 in tests.
 
+The floors (plain transformers, the held ``DynamicCache``, the padded ``generate``
+batch) run in an idle process of their own, :class:`_FloorProcess`, and every other
+torch operation of this process runs on the engine's model worker
+(``run_exclusive``). torch's OpenMP keeps a team of threads for each thread that ever
+ran a parallel operation; once the teams of a process hold more threads than the
+machine has cores, their threads stop spinning between operations and sleep, and a
+small model's forward then runs at about one core. Measured from a second thread of
+the engine's process, the padded batch made about half the tokens/s of an idle
+process of its own, and the engine beside it was slowed the same way
+(docs/benchmarks.md, "Why the floor was slow").
+
 The serving section drives the engine only through its public interface
 (``AsyncEngine.generate`` in process, the official ``openai`` client over HTTP from its own process),
 so it measures whatever engine the node runs.
@@ -39,9 +50,9 @@ from bench.common import percentile
 from gpu_node.api import create_app
 from gpu_node.block_pool import BlockPool, PoolConfig, Tier
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
+from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, StepTiming, TokenDelta
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.settings import CacheSettings, NodeSettings
+from gpu_node.settings import CacheSettings, NodeSettings, SchedulerSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
 from kvledger.model_init import build_tiny_model
@@ -106,6 +117,65 @@ async def _engine_ttft_ms(engine: AsyncEngine, messages: list[ChatMessage]) -> t
     return elapsed_ms, num_cached
 
 
+_FLOOR: dict = {}
+"""In the floor process: its own ModelRunner over the benchmark's model directory."""
+
+
+def _floor_init(model_dir: str, device: str, block_size: int, num_threads: int) -> None:
+    """Build the model directory if empty, load it, and warm ``generate`` up (the first call pays one-off costs)."""
+    from gpu_node.model_runner import ModelRunner
+
+    torch.set_num_threads(num_threads)
+    build_tiny_model(Path(model_dir))
+    runner = ModelRunner(Path(model_dir), device, block_size=block_size)
+    _FLOOR["runner"] = runner
+    _generate_floor(runner, _serving_prompts(runner.tokenizer, 2, 16, None), 4)
+
+
+def _floor_ttft(messages: list[ChatMessage], num_cached_tokens: int) -> tuple[float, float]:
+    """In the floor process: plain transformers' TTFT, then the held-cache floor's over the first ``num_cached_tokens``."""
+    runner = _FLOOR["runner"]
+    plain_ms = _plain_ttft_ms(runner, messages)
+    held = runner.new_cache()
+    runner.prefill(render_prompt(runner.tokenizer, messages).token_ids[:num_cached_tokens], held)
+    return plain_ms, _floor_ttft_ms(runner, messages, held, num_cached_tokens)
+
+
+def _floor_generate(prompts: list[list[ChatMessage]], max_tokens: int) -> float:
+    return _generate_floor(_FLOOR["runner"], prompts, max_tokens)
+
+
+def _floor_ready() -> int:
+    return torch.get_num_threads()
+
+
+class _FloorProcess:
+    """The floors' own process (spawned, idle while the engine runs): the same model directory, device and torch threads.
+
+    ``await floor(function, *args)`` runs one of this module's ``_floor_*``
+    functions there; each times itself, so the process hop is not in the numbers.
+    """
+
+    def __init__(self, model_dir: Path, device: str, block_size: int) -> None:
+        self._executor = ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_floor_init,
+            initargs=(str(model_dir), device, block_size, torch.get_num_threads()),
+        )
+
+    async def start(self) -> None:
+        """Start the process: it builds the model directory when empty, so before the engine loads it."""
+        num_threads = await self(_floor_ready)
+        assert num_threads == torch.get_num_threads(), "the floor process runs on as many torch threads as the engine"
+
+    async def __call__(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
 def _plain_ttft_ms(runner, messages) -> float:
     """Plain transformers: tokenize, full prefill, greedy first token."""
     started = time.perf_counter()
@@ -125,26 +195,27 @@ def _floor_ttft_ms(runner, messages, held_cache, num_cached_tokens: int) -> floa
     return (time.perf_counter() - started) * 1000
 
 
-async def bench_ttft(engine: AsyncEngine, prefix_tokens: int, suffix_tokens: int, runs: int, seed_base: int = 0) -> TTFTRow:
+async def bench_ttft(
+    engine: AsyncEngine, floor: _FloorProcess, prefix_tokens: int, suffix_tokens: int, runs: int, seed_base: int = 0
+) -> TTFTRow:
     runner = engine.runner
-    plain, floor, miss, hit = [], [], [], []
+    plain, held, miss, hit = [], [], [], []
     num_prompt_tokens = 0
     for run in range(runs):
         # A fresh prefix per run so the miss is a real miss; everything else interleaved.
         messages, _ = _messages_for(runner.tokenizer, prefix_tokens, suffix_tokens, seed=seed_base + prefix_tokens * 100 + run)
         token_ids = render_prompt(runner.tokenizer, messages).token_ids
         num_prompt_tokens = len(token_ids)
-        plain.append(await asyncio.to_thread(_plain_ttft_ms, runner, messages))
         miss_ms, num_cached = await _engine_ttft_ms(engine, messages)
         assert num_cached == 0, "miss run hit the cache"
         miss.append(miss_ms)
         hit_ms, num_cached = await _engine_ttft_ms(engine, messages)
         assert num_cached > 0, "hit run missed the cache"
         hit.append(hit_ms)
-        held = runner.new_cache()
-        await asyncio.to_thread(runner.prefill, token_ids[:num_cached], held)
-        floor.append(await asyncio.to_thread(_floor_ttft_ms, runner, messages, held, num_cached))
-    return TTFTRow(prefix_tokens, num_prompt_tokens, _median(plain), _median(floor), _median(miss), _median(hit))
+        plain_ms, floor_ms = await floor(_floor_ttft, messages, num_cached)
+        plain.append(plain_ms)
+        held.append(floor_ms)
+    return TTFTRow(prefix_tokens, num_prompt_tokens, _median(plain), _median(held), _median(miss), _median(hit))
 
 
 def bench_hashing(engine: AsyncEngine, num_tokens: int, runs: int) -> float:
@@ -256,7 +327,7 @@ def bench_restore(spec: KVBlockSpec, num_blocks: int, runs: int) -> list[Restore
 
 # --- serving: throughput and latency under concurrency ------------------------------------------
 
-SECTIONS = ("ttft", "hashing", "restore", "serving")
+SECTIONS = ("ttft", "hashing", "restore", "steps", "serving")
 
 
 @dataclass
@@ -308,8 +379,9 @@ def _serving_prompts(tokenizer, num_prompts: int, prompt_tokens: int, system: Ch
     return prompts
 
 
-async def _in_process_request(engine: AsyncEngine, messages: list[ChatMessage], max_tokens: int) -> _Timed:
-    request = GenerationRequest(f"bench-{uuid.uuid4().hex}", tuple(messages), SamplingParams(max_tokens=max_tokens), PRINCIPAL)
+async def _in_process_request(engine: AsyncEngine, messages: list[ChatMessage], max_tokens: int, ignore_eos: bool = False) -> _Timed:
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    request = GenerationRequest(f"bench-{uuid.uuid4().hex}", tuple(messages), sampling, PRINCIPAL)
     started = time.perf_counter()
     stamps: list[float] = []
     num_tokens = 0
@@ -357,7 +429,7 @@ def _generate_floor(runner, prompts: list[list[ChatMessage]], max_tokens: int) -
     """Hugging Face ``generate`` on the same prompts as one left-padded batch, greedy, exactly ``max_tokens`` each.
 
     Timed from rendering the prompts (the engine renders them too) to the last token.
-    Same model object and torch thread count as the engine; no prefix reuse.
+    Run in the floor process (:class:`_FloorProcess`): same model, device and torch thread count as the engine; no prefix reuse.
     """
     tokenizer = runner.tokenizer
     started = time.perf_counter()
@@ -450,7 +522,7 @@ class _HttpNode:
         self.sock.close()
 
 
-async def bench_serving(engine: AsyncEngine, args) -> list[ServingRow]:
+async def bench_serving(engine: AsyncEngine, floor: _FloorProcess, args) -> list[ServingRow]:
     """Aggregate tokens/s, TTFT and inter-token latency at each concurrency, with and without a shared prefix.
 
     Per run, per cell: the ``generate`` floor, then the engine in process, then over
@@ -458,7 +530,7 @@ async def bench_serving(engine: AsyncEngine, args) -> list[ServingRow]:
     The shared prefix is one public system prompt, built once before the cells that
     use it: the steady state of a deployment whose system prompt is cached.
     """
-    levels = [int(level) for level in args.concurrency.split(",")]
+    levels = _levels(args.concurrency)
     prefixes = sorted({0, args.serving_prefix})
     rows = {(prefix, level): ServingRow(prefix, level) for prefix in prefixes for level in levels}
     runner = engine.runner
@@ -467,10 +539,12 @@ async def bench_serving(engine: AsyncEngine, args) -> list[ServingRow]:
         async def in_process(prompt: list[ChatMessage]) -> _Timed:
             return await _in_process_request(engine, prompt, args.serving_tokens)
 
-        # warm-up: allocator, kernels, the HTTP stack
-        warm = _serving_prompts(runner.tokenizer, 2, args.serving_prompt, None)
-        await _concurrently(in_process, warm[:1])
-        await over_http(warm[1:], args.serving_tokens)
+        # warm-up at every level, both sides: allocator, kernels, the HTTP stack, generate's batch shapes
+        for level in levels:
+            warm = _serving_prompts(runner.tokenizer, level, args.serving_prompt, None)
+            await floor(_floor_generate, warm, 4)
+            await _concurrently(lambda prompt: _in_process_request(engine, prompt, 4), warm)
+            await over_http(warm, 4)
         for run in range(args.runs):
             for prefix in prefixes:
                 system = None
@@ -480,7 +554,7 @@ async def bench_serving(engine: AsyncEngine, args) -> list[ServingRow]:
                 for level in levels:
                     row = rows[(prefix, level)]
                     floor_prompts = _serving_prompts(runner.tokenizer, level, args.serving_prompt, system)
-                    row.floor_tokens_per_s.append(await asyncio.to_thread(_generate_floor, runner, floor_prompts, args.serving_tokens))
+                    row.floor_tokens_per_s.append(await floor(_floor_generate, floor_prompts, args.serving_tokens))
                     row.in_process.append(
                         await _concurrently(in_process, _serving_prompts(runner.tokenizer, level, args.serving_prompt, system))
                     )
@@ -493,6 +567,68 @@ async def bench_serving(engine: AsyncEngine, args) -> list[ServingRow]:
                         flush=True,
                     )
     return list(rows.values())
+
+
+def _levels(value: str) -> list[int]:
+    return [int(level) for level in value.split(",")]
+
+
+@dataclass
+class StepRow:
+    """Steady decode steps with ``num_running`` requests, over ``--runs`` runs: each step's :class:`StepTiming`."""
+
+    num_running: int
+    steps: list[StepTiming] = field(default_factory=list)
+
+    def quantiles_ms(self, value: Callable[[StepTiming], float]) -> str:
+        values = [value(step) * 1000 for step in self.steps]
+        return "/".join(f"{percentile(values, q):.3f}" for q in (0.5, 0.99))
+
+
+async def bench_steps(engine: AsyncEngine, args) -> list[StepRow]:
+    """The engine's time per step outside the model forward, with exactly ``n`` requests decoding.
+
+    ``n`` requests start at once and each generates ``--serving-tokens`` tokens
+    (``ignore_eos``, so none ends early); the steps that decode all ``n`` and
+    nothing else are kept (prefill and ramp-down steps are not the steady state).
+    """
+    rows = []
+    for level in _levels(args.step_levels):
+        row = StepRow(level)
+        for run in range(args.runs + 1):  # the first run warms up
+            timings: list[StepTiming] = []
+            engine.step_sink = timings.append
+            try:
+                prompts = _serving_prompts(engine.runner.tokenizer, level, args.serving_prompt, None)
+                await _concurrently(lambda prompt: _in_process_request(engine, prompt, args.serving_tokens, ignore_eos=True), prompts)
+            finally:
+                engine.step_sink = None
+            if run:
+                row.steps += [timing for timing in timings if timing.num_seqs == level and timing.num_tokens == level]
+        assert row.steps, f"no step decoded {level} requests together"
+        rows.append(row)
+        print(f"steps x{level}: overhead p50/p99 {row.quantiles_ms(lambda step: step.overhead_s)} ms", flush=True)
+    return rows
+
+
+def _render_steps(args, rows: list[StepRow]) -> list[str]:
+    lines = [
+        "",
+        f"Engine step outside the model forward (`kvledger_engine_step_overhead_seconds`): n requests of "
+        f"{args.serving_prompt}-token prompts decoding {args.serving_tokens} tokens each (`ignore_eos`), in process; "
+        f"the steps that decode all n and nothing else, over {args.runs} runs. Overhead = the step's wall time on the "
+        f"model worker less the forward (scheduling, step tensors, sampling, detokenizing, hand-off to the streams); "
+        f"CPU = the worker thread's CPU time in it (the rest is waiting: for the interpreter lock, for a core). ms, p50/p99.",
+        "",
+        "| running | steps | overhead p50/p99 (≤ 1 ms at 16) | overhead CPU p50/p99 | forward p50/p99 |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.num_running} | {len(row.steps)} | {row.quantiles_ms(lambda step: step.overhead_s)} | "
+            f"{row.quantiles_ms(lambda step: step.overhead_cpu_s)} | {row.quantiles_ms(lambda step: step.forward_s)} |"
+        )
+    return lines
 
 
 def _mode_cells(samples: list[ModeSample]) -> tuple[float, str, str]:
@@ -517,7 +653,7 @@ def _render_serving(args, rows: list[ServingRow]) -> list[str]:
         f"Serving: {args.serving_prompt}-token distinct user prompts, {args.serving_tokens} generated tokens each (greedy), "
         f"all requests of a level started at once; tokens/s = all generated tokens / time until the last finished. "
         f"Floor = Hugging Face `generate` of the same number of prompts of the same shape as one left-padded batch "
-        f"(same model object, same torch threads, rendering included, no prefix reuse). In process = `AsyncEngine.generate`; "
+        f"in an idle process of its own (same model, same torch threads, rendering included, no prefix reuse). In process = `AsyncEngine.generate`; "
         f"HTTP = the official `openai` client in a process of its own, streaming, against the node's app on uvicorn in the benchmark's process. "
         f"TTFT and inter-token latency (ITL) in ms, p50/p99 over the requests of a run (ITL over HTTP: between content chunks).",
         "",
@@ -552,12 +688,13 @@ def render_markdown(
     ns_per_token: float | None,
     restore_rows: list[RestoreRow] | None,
     serving_rows: list[ServingRow] | None = None,
+    step_rows: list[StepRow] | None = None,
 ) -> str:
     command = (
         f"kvledger bench engine --model {Path(args.model_dir).name} --runs {args.runs} --sections {args.sections} "
         f"--prefixes {args.prefixes} --suffix {args.suffix} "
         f"--concurrency {args.concurrency} --serving-prefix {args.serving_prefix} --serving-prompt {args.serving_prompt} "
-        f"--serving-tokens {args.serving_tokens}"
+        f"--serving-tokens {args.serving_tokens} --step-levels {args.step_levels}"
     )
     lines = [
         "## Engine (`kvledger bench engine`)",
@@ -591,6 +728,8 @@ def render_markdown(
             lines.append(
                 f"| {row.shape} | {row.tier} | {row.num_bytes} | {row.restore_gbps:.2f} | {row.baseline} | {row.baseline_gbps:.2f} | {row.ratio * 100:.0f} % |"
             )
+    if step_rows is not None:
+        lines += _render_steps(args, step_rows)
     if serving_rows is not None:
         lines += _render_serving(args, serving_rows)
     return "\n".join(lines) + "\n"
@@ -607,32 +746,43 @@ def _sections(value: str) -> set[str]:
 async def run(args) -> str:
     sections = _sections(args.sections)
     model_dir = Path(args.model_dir)
-    build_tiny_model(model_dir)
-    ttft_rows = ns_per_token = restore_rows = serving_rows = None
+    block_size = CacheSettings().block_size
+    ttft_rows = ns_per_token = restore_rows = serving_rows = step_rows = None
+    floor = _FloorProcess(model_dir, args.device, block_size)
     with tempfile.TemporaryDirectory() as data_dir:
-        cache = CacheSettings(num_device_blocks=2048, num_host_blocks=2048, max_disk_blocks=4096)
+        await floor.start()
+        cache = CacheSettings(num_device_blocks=2048, num_host_blocks=2048, max_disk_blocks=4096, block_size=block_size)
         # The serving section's node takes end users' tokens from this run's own issuer.
         auth = IssuerSettings(jwt_secret=secrets.token_hex(32))
-        settings = NodeSettings(model_dir=model_dir, data_dir=Path(data_dir), device=args.device, cache=cache, auth=auth)
+        scheduler = SchedulerSettings(max_num_seqs=max(64, *_levels(args.step_levels), *_levels(args.concurrency)))
+        settings = NodeSettings(
+            model_dir=model_dir, data_dir=Path(data_dir), device=args.device, cache=cache, auth=auth, scheduler=scheduler
+        )
         engine = AsyncEngine.from_settings(settings)
         await engine.start()
         try:
             if "ttft" in sections:
                 prefixes = [int(p) for p in args.prefixes.split(",")]
-                await bench_ttft(engine, prefixes[0], args.suffix, 1, seed_base=10_000_000)  # warm-up: allocator, kernels
-                ttft_rows = [await bench_ttft(engine, p, args.suffix, args.runs) for p in prefixes]
+                await bench_ttft(engine, floor, prefixes[0], args.suffix, 1, seed_base=10_000_000)  # warm-up: allocator, kernels
+                ttft_rows = [await bench_ttft(engine, floor, p, args.suffix, args.runs) for p in prefixes]
             if "hashing" in sections:
                 ns_per_token = bench_hashing(engine, 2048, args.runs)
             if "restore" in sections:
                 tiny = engine.runner.kv_spec
-                restore_rows = bench_restore(tiny, 128, args.runs)
+                # On the model worker, as every torch operation of this process (see the module docstring).
+                restore_rows = await engine.run_exclusive(bench_restore, tiny, 128, args.runs)
                 # a Llama-3-8B-shaped block (32 layers, 8 kv heads, 128 dim, bf16): 2 MiB per block
-                restore_rows += bench_restore(KVBlockSpec(32, 8, 128, tiny.block_size, torch.bfloat16), 32, args.runs)
+                restore_rows += await engine.run_exclusive(
+                    bench_restore, KVBlockSpec(32, 8, 128, tiny.block_size, torch.bfloat16), 32, args.runs
+                )
+            if "steps" in sections:
+                step_rows = await bench_steps(engine, args)
             if "serving" in sections:
-                serving_rows = await bench_serving(engine, args)
+                serving_rows = await bench_serving(engine, floor, args)
         finally:
             await engine.stop()
-    return render_markdown(args, ttft_rows, ns_per_token, restore_rows, serving_rows)
+            floor.close()
+    return render_markdown(args, ttft_rows, ns_per_token, restore_rows, serving_rows, step_rows)
 
 
 def cli(args: argparse.Namespace) -> int:

@@ -7,9 +7,16 @@ incomplete UTF-8 sequence (decoded as U+FFFD) is held back until the bytes
 that complete it arrive, and so is a tail that could be the start of a stop
 string, so a client never receives part of a stop string; :meth:`flush`
 releases that tail when generation ends for another reason.
+
+The window decodes call the Rust tokenizer directly where transformers' ``decode``
+would return the same text (no ``clean_up_tokenization_spaces`` pass): its Python
+wrapper costs several times the decode itself, twice per token of every request.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,7 +25,7 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
-        self._tokenizer = tokenizer
+        self._decode = _window_decoder(tokenizer)
         self._stop = tuple(text for text in stop if text)
         self._token_ids: list[int] = []
         self._prefix_offset = 0  # window start: one token of context before the undecoded tokens
@@ -33,9 +40,9 @@ class IncrementalDetokenizer:
         looked for in this token's text, nor held back, as vLLM does.
         """
         self._token_ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        new_text = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=True)
+        decode = self._decode
+        prefix_text = decode(self._token_ids[self._prefix_offset : self._read_offset])
+        new_text = decode(self._token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return "", False
         self._prefix_offset = self._read_offset
@@ -60,3 +67,11 @@ class IncrementalDetokenizer:
     def _emit(self, text: str) -> str:
         self.text += text
         return text
+
+
+def _window_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, straight on the Rust backend when that is the same text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return partial(tokenizer.decode, skip_special_tokens=True)
+    return partial(backend.decode, skip_special_tokens=True)

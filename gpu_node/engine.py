@@ -118,6 +118,21 @@ class PromptTooLongError(ValueError):
         self.max_context_tokens = max_context_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One engine step as the model worker timed it (:attr:`AsyncEngine.step_sink`)."""
+
+    num_seqs: int
+    """Sequences in the step's batch (decodes and prefill chunks)."""
+    num_tokens: int
+    forward_s: float
+    """The model forward alone (:meth:`ModelRunner.forward`)."""
+    overhead_s: float
+    """The rest of the step on the worker: inbox, scheduling, step tensors, sampling, detokenizing, hand-off to the loop."""
+    overhead_cpu_s: float
+    """The worker thread's CPU time in that rest: ``overhead_s`` less waits (for the interpreter lock, for a core)."""
+
+
 class GenerationError(RuntimeError):
     """The model step carrying a request failed; the request ends with this error."""
 
@@ -174,6 +189,8 @@ class AsyncEngine:
         self.paged_kv = PagedKV(pool, self.manager, metrics)
         self.scheduler = Scheduler(self.paged_kv, settings.scheduler.max_num_batched_tokens, settings.scheduler.max_num_seqs)
         self.snapshot_sink: Callable[[str, tuple[bytes, ...]], None] | None = None
+        self.step_sink: Callable[[StepTiming], None] | None = None
+        """Called on the model worker with every step's :class:`StepTiming` (benchmarks); must be quick."""
         self.versions = VersionRegistry()
         self.ready = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-model")
@@ -196,6 +213,9 @@ class AsyncEngine:
         # Set by a step (worker) that could schedule nothing because the device tier is referenced by requests
         # not yet in the inbox; read by the step loop between bursts. See _step.
         self._stalled = False
+        # The last step's forward (worker only): set by _execute, read and cleared by _step_burst; its
+        # overhead_cpu_s holds the forward's CPU time on this thread until then.
+        self._last_timing: StepTiming | None = None
         self.metrics.kv_blocks_total.set(pool.config.num_device_blocks)
 
     @classmethod
@@ -408,8 +428,17 @@ class AsyncEngine:
         still run between steps: the burst ends when one is queued.
         """
         while self._can_step() and not self._jobs_waiting:
+            started, started_cpu = time.perf_counter(), time.thread_time()
             deliveries, woken = self._step()
             loop.call_soon_threadsafe(self._after_step, deliveries, woken, len(self.scheduler.running), len(self.scheduler.waiting))
+            timing = self._last_timing
+            if timing is not None:
+                self._last_timing = None
+                overhead_s = time.perf_counter() - started - timing.forward_s
+                self.metrics.step_overhead.observe(overhead_s)
+                if self.step_sink is not None:
+                    overhead_cpu_s = time.thread_time() - started_cpu - timing.overhead_cpu_s
+                    self.step_sink(StepTiming(timing.num_seqs, timing.num_tokens, timing.forward_s, overhead_s, overhead_cpu_s))
 
     def _after_step(self, deliveries: list[tuple[_Request, list]], woken: list[bytes], num_running: int, num_waiting: int) -> None:
         """A step's effects on the event loop: wake singleflight waiters, stream outputs, publish pool events, refresh gauges."""
@@ -480,8 +509,11 @@ class AsyncEngine:
             StepChunk(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens], chunk.start, chunk.seq.block_table, chunk.samples)
             for chunk in chunks
         ]
-        started = time.perf_counter()
-        logits = self.runner.execute(step_chunks, self.pool.device_kv)
+        prepared = self.runner.prepare(step_chunks, self.pool.device_kv)
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        logits = self.runner.forward(prepared)
+        forward_s = time.perf_counter() - started
+        self._last_timing = StepTiming(len(chunks), output.num_batched_tokens, forward_s, 0.0, time.thread_time() - started_cpu)
         sampling = [chunk for chunk in chunks if chunk.samples]
         handles = [self._requests[chunk.seq.seq_id] for chunk in sampling]
         states = [handle.sampling for handle in handles]
@@ -489,9 +521,12 @@ class AsyncEngine:
         self.scheduler.advance(output, {chunk.seq.seq_id: token for chunk, token in zip(sampling, tokens, strict=True)})
         self.metrics.iteration_tokens.observe(output.num_batched_tokens)
         if any(chunk.start < chunk.seq.num_prompt_tokens for chunk in chunks):
-            self.metrics.prefill_latency.observe(time.perf_counter() - started)
+            self.metrics.prefill_latency.observe(forward_s)
+        block_size = self.block_size
         for chunk in chunks:
-            self.paged_kv.commit_computed(chunk.seq)
+            # A claimed block can only have become complete in a step whose chunk reached a block boundary.
+            if (chunk.start + chunk.num_tokens) // block_size != chunk.start // block_size:
+                self.paged_kv.commit_computed(chunk.seq)
         now = time.perf_counter()
         for handle, token in zip(handles, tokens, strict=True):
             self._emit(handle, token, now, deliveries)

@@ -14,6 +14,8 @@ from enum import StrEnum
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# An engine step's work outside the model forward: ~0.1 ms is a small model's whole step on a GPU, 1 ms the target at 16 running.
+_STEP_OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1)
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -87,6 +89,13 @@ class NodeMetrics:
         )
         self.iteration_tokens = Histogram(
             "kvledger_iteration_tokens", "Tokens computed per engine step", registry=r, buckets=_ITERATION_TOKEN_BUCKETS
+        )
+        self.step_overhead = Histogram(
+            "kvledger_engine_step_overhead_seconds",
+            "Wall time of an engine step on the model worker outside the model forward"
+            " (scheduling, step tensors, sampling, detokenizing, hand-off to the streams)",
+            registry=r,
+            buckets=_STEP_OVERHEAD_BUCKETS_S,
         )
         self.inter_token_latency = Histogram(
             "kvledger_inter_token_latency_seconds",

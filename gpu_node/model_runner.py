@@ -61,6 +61,16 @@ def check_supported(config) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """A step's model inputs, built by :meth:`ModelRunner.prepare` and run by :meth:`ModelRunner.forward`."""
+
+    input_ids: torch.Tensor  # [1, num_tokens]
+    position_ids: torch.Tensor  # [1, num_tokens]
+    logits_to_keep: torch.Tensor  # flattened rows whose logits are returned, sampling chunks in order
+    paged_step: PagedStep
+
+
+@dataclass(frozen=True, slots=True)
 class StepChunk:
     """Tokens of one sequence computed in a step: ``token_ids`` at positions ``start ..``, KV in ``block_table``'s slots."""
 
@@ -121,23 +131,35 @@ class ModelRunner:
         output = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         return output.logits[0, -1].float()
 
-    @torch.inference_mode()
     def execute(self, chunks: Sequence[StepChunk], kv_table: torch.Tensor) -> torch.Tensor:
         """One forward over every chunk of a step; logits ``[num sampling chunks, vocab]`` in ``chunks`` order.
 
         Keys and values are written into ``kv_table`` (the pool's device tier) at
         each chunk's block table, and attention reads them back from there
-        (:mod:`gpu_node.paged_attention`). Single-token chunks are laid out first
-        so their attention runs as one batch.
+        (:mod:`gpu_node.paged_attention`).
+        """
+        return self.forward(self.prepare(chunks, kv_table))
+
+    @torch.inference_mode()
+    def prepare(self, chunks: Sequence[StepChunk], kv_table: torch.Tensor) -> PreparedStep:
+        """A step's input tensors, slot mapping and attention metadata (:class:`PagedStep`); no model call.
+
+        Single-token chunks are laid out first so their attention runs as one batch.
+        Separate from :meth:`forward` so the engine can time the model alone.
         """
         assert chunks, "a step computes at least one token"
         block_size = self.kv_spec.block_size
-        order = sorted(range(len(chunks)), key=lambda index: len(chunks[index].token_ids) != 1)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
+        decode_order = [index for index, chunk in enumerate(chunks) if len(chunk.token_ids) == 1]
+        order = decode_order + [index for index, chunk in enumerate(chunks) if len(chunk.token_ids) != 1]
+        decodes = [chunks[index] for index in decode_order]
+        # Decodes, one row each, in comprehensions: at 64 running they are most of a step's rows.
+        token_ids = [chunk.token_ids[0] for chunk in decodes]
+        positions = [chunk.start for chunk in decodes]
+        slot_blocks = [chunk.block_table[chunk.start // block_size] for chunk in decodes]  # IndexError: blocks do not cover it
         first_rows = [0] * len(chunks)
-        for index in order:
+        for row, index in enumerate(decode_order):
+            first_rows[index] = row
+        for index in order[len(decodes) :]:
             chunk = chunks[index]
             first_rows[index] = len(token_ids)
             token_ids.extend(chunk.token_ids)
@@ -145,7 +167,6 @@ class ModelRunner:
             assert len(chunk.block_table) * block_size >= end, "a chunk's blocks must cover its tokens"
             positions.extend(range(chunk.start, end))
             slot_blocks.extend(chunk.block_table[position // block_size] for position in range(chunk.start, end))
-        decodes = [chunks[index] for index in order if len(chunks[index].token_ids) == 1]
         device = self.device
         rows = self._row_index(kv_table)
         decode_mask = decode_shared_rows = None
@@ -192,13 +213,23 @@ class ModelRunner:
             prefills=tuple(prefills),
         )
         keep = [first_rows[index] + len(chunk.token_ids) - 1 for index, chunk in enumerate(chunks) if chunk.samples]
+        return PreparedStep(
+            torch.tensor([token_ids], dtype=torch.long, device=device),
+            position_tensor[None, :],
+            torch.tensor(keep, dtype=torch.long, device=device),
+            step,
+        )
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """The model over a prepared step; logits ``[num sampling chunks, vocab]``."""
         output = self.model(
-            input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
-            position_ids=position_tensor[None, :],
-            attention_mask=no_mask(device),
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            attention_mask=no_mask(self.device),
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-            paged_step=step,
+            logits_to_keep=step.logits_to_keep,
+            paged_step=step.paged_step,
         )
         return output.logits[0].float()
 

@@ -426,15 +426,16 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     bench_engine.add_argument("--runs", type=int, default=5, help="repetitions; the table reports their spread (default 5)")
     bench_engine.add_argument(
         "--sections",
-        default="ttft,hashing,restore,serving",
-        help="comma-separated sections to run (default: all of ttft,hashing,restore,serving)",
+        default="ttft,hashing,restore,steps,serving",
+        help="comma-separated sections to run (default: all of ttft,hashing,restore,steps,serving)",
     )
     bench_engine.add_argument("--prefixes", default="512,2048", help="ttft: comma-separated prefix lengths in tokens")
     bench_engine.add_argument("--suffix", type=int, default=32, help="ttft: uncached suffix length in tokens")
     bench_engine.add_argument("--concurrency", default="1,4,16,32", help="serving: comma-separated numbers of concurrent requests")
     bench_engine.add_argument("--serving-prefix", type=int, default=2048, help="serving: shared public prefix in tokens (also run without)")
     bench_engine.add_argument("--serving-prompt", type=int, default=100, help="serving: distinct user prompt length in tokens")
-    bench_engine.add_argument("--serving-tokens", type=int, default=64, help="serving: tokens generated per request")
+    bench_engine.add_argument("--serving-tokens", type=int, default=64, help="serving and steps: tokens generated per request")
+    bench_engine.add_argument("--step-levels", default="1,16,64", help="steps: comma-separated numbers of requests decoding together")
     bench_engine.add_argument("--device", default="cpu", help="torch device (default cpu)")
     bench_engine.add_argument("--output", help="write the markdown table here as well")
     bench_engine.set_defaults(func=_lazy("bench.engine:cli"))
