@@ -17,18 +17,16 @@ over both.
 from __future__ import annotations
 
 import base64
-import os
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from events.http_server import HttpServerLimits
-from events.kafka import KAFKA_SHARED_ENV, ConsumerGroupTiming, KafkaSecurity
+from events.kafka import ConsumerGroupTiming, KafkaSecurity
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, TOPIC_CONFIGS
 from identity.metrics_access import MetricsSettings
-from identity.settings import IssuerSettings, SharedEnvSource
+from identity.settings import METRICS_AND_KAFKA_ENV, IssuerSettings, ServiceSettings, refuse_shared_issuer
 from identity.signing import EnvelopeSigner, load_private_key_pem
-from identity.tokens import JWT_SECRET_ENV
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"
 _DAY_S = 24 * 3600.0
@@ -44,9 +42,7 @@ _SHARED_ENV: dict[str, tuple[str, ...]] = {
     "KVLEDGER_MASTER_KEY": ("keys", "master_key"),
     "KVLEDGER_RECEIPT_SIGNING_KEY": ("ledger", "receipt_signing_key"),
     "KVLEDGER_COMMAND_SIGNING_KEY": ("ledger", "command_signing_key"),
-    "KVLEDGER_METRICS_TOKEN": ("metrics", "token"),
-    "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file"),
-} | {variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()}
+} | METRICS_AND_KAFKA_ENV
 
 
 class DatabaseSettings(BaseModel):
@@ -227,7 +223,7 @@ class KeySettings(BaseModel):
         return key
 
 
-class CoordinatorSettings(BaseSettings):
+class CoordinatorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_COORDINATOR_", env_nested_delimiter="__", extra="ignore")
 
     database: DatabaseSettings = DatabaseSettings()
@@ -247,21 +243,11 @@ class CoordinatorSettings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     """The bearer token of ``/metrics`` (``KVLEDGER_COORDINATOR_METRICS__TOKEN`` or ``KVLEDGER_METRICS_TOKEN``)."""
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, SharedEnvSource(settings_cls, _SHARED_ENV), dotenv_settings, file_secret_settings)
+    SHARED_ENV = _SHARED_ENV
 
     @model_validator(mode="after")
     def _distinct_issuers(self) -> CoordinatorSettings:
-        if self.operator_auth.shares_key_with(self.auth, other_secret=os.environ.get(JWT_SECRET_ENV)):
-            raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
+        refuse_shared_issuer(self.operator_auth, self.auth)
         return self
 
     def command_signer(self) -> EnvelopeSigner:

@@ -12,18 +12,16 @@ A node-specific variable (``KVLEDGER_NODE_METRICS__TOKEN``, ``KVLEDGER_NODE_KAFK
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from events.http_server import HttpServerLimits
-from events.kafka import KAFKA_SHARED_ENV, ConsumerGroupTiming, KafkaSecurity
+from events.kafka import ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
-from identity.settings import IssuerSettings, SharedEnvSource
-from identity.tokens import JWT_SECRET_ENV
+from identity.settings import IssuerSettings, ServiceSettings, refuse_shared_issuer
 
 
 class CacheSettings(BaseModel):
@@ -133,7 +131,7 @@ class NodeKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     consumer *stalled*: ``kvledger_consumer_stalled{group}`` is 1 (docs/operations.md, "Stalled consumers")."""
 
 
-class NodeSettings(BaseSettings):
+class NodeSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
 
     node_id: Name = "node-0"
@@ -183,20 +181,5 @@ class NodeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _distinct_issuers(self) -> NodeSettings:
-        if self.operator_auth.configured and self.operator_auth.shares_key_with(self.auth, other_secret=os.environ.get(JWT_SECRET_ENV)):
-            raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
+        refuse_shared_issuer(self.operator_auth, self.auth)
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        shared = {"KVLEDGER_METRICS_TOKEN": ("metrics", "token"), "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file")} | {
-            variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()
-        }
-        return (init_settings, env_settings, SharedEnvSource(settings_cls, shared), dotenv_settings, file_secret_settings)

@@ -11,13 +11,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from events.kafka import KAFKA_SHARED_ENV
+
 AsymmetricAlgorithm = Literal["EdDSA", "ES256", "RS256"]
 ALL_ASYMMETRIC_ALGORITHMS: tuple[AsymmetricAlgorithm, ...] = ("EdDSA", "ES256", "RS256")
+JWT_SECRET_ENV = "KVLEDGER_JWT_SECRET"
+"""The stack-wide HS256 secret of end-user tokens, read when the ``auth`` issuer names no key."""
 
 
 class IssuerSettings(BaseModel):
@@ -112,3 +116,33 @@ class SharedEnvSource(PydanticBaseSettingsSource):
                     group = group.setdefault(name, {})
                 group[path[-1]] = value
         return values
+
+
+METRICS_AND_KAFKA_ENV: Mapping[str, tuple[str, ...]] = {
+    "KVLEDGER_METRICS_TOKEN": ("metrics", "token"),
+    "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file"),
+} | {variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()}
+"""The stack-wide variables every service reads: the metrics token and the broker's security settings."""
+
+
+class ServiceSettings(BaseSettings):
+    """Base of a service's settings: its own ``KVLEDGER_<SERVICE>_*`` variables, then the stack-wide ones of ``SHARED_ENV``."""
+
+    SHARED_ENV: ClassVar[Mapping[str, tuple[str, ...]]] = METRICS_AND_KAFKA_ENV
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, SharedEnvSource(settings_cls, cls.SHARED_ENV), dotenv_settings, file_secret_settings)
+
+
+def refuse_shared_issuer(operator_auth: IssuerSettings, auth: IssuerSettings) -> None:
+    """ValueError when a token of the end users' issuer (``auth``) could verify as an operator's."""
+    if operator_auth.shares_key_with(auth, other_secret=os.environ.get(JWT_SECRET_ENV)):
+        raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")

@@ -48,12 +48,9 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 
 from events.schema import MAX_ID_CHARS, MAX_SAFE_INT, check_identifier
 from identity.roles import PLATFORM_ADMIN
-from identity.settings import IssuerSettings
+from identity.settings import JWT_SECRET_ENV, IssuerSettings
 
 log = logging.getLogger(__name__)
-
-JWT_SECRET_ENV = "KVLEDGER_JWT_SECRET"
-"""The dev stack's end-user HS256 secret; never used for operator tokens."""
 
 # RFC 7518 §3.2: an HS256 key must be at least as long as the hash output.
 MIN_SECRET_BYTES = 32

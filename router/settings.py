@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from events.http_server import HttpServerLimits
-from events.kafka import KAFKA_SHARED_ENV, ConsumerGroupTiming, KafkaSecurity
+from events.kafka import ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
-from identity.settings import IssuerSettings, SharedEnvSource
+from identity.settings import IssuerSettings, ServiceSettings
 
 
 class NodeEndpoint(BaseModel):
@@ -60,7 +60,7 @@ class RouterKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     """How the router authenticates to the brokers and how its consumers' group members stay alive."""
 
 
-class RouterSettings(BaseSettings):
+class RouterSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="KVLEDGER_ROUTER_", env_nested_delimiter="__", extra="ignore")
 
     router_id: Name = "router-0"
@@ -111,17 +111,3 @@ class RouterSettings(BaseSettings):
             if token:
                 return token
         raise ValueError("the router needs an operator token with the 'router' role (coordinator_token or coordinator_token_file)")
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        shared = {"KVLEDGER_METRICS_TOKEN": ("metrics", "token"), "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file")} | {
-            variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()
-        }
-        return (init_settings, env_settings, SharedEnvSource(settings_cls, shared), dotenv_settings, file_secret_settings)
