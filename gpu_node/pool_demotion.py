@@ -1,83 +1,83 @@
 """Demotion: making room in a tier by moving its least recently used block down (device → host → disk → drop).
 
-Split from :class:`gpu_node.block_pool.BlockPool` because it is the one policy
-that chains tiers: room in one tier is made by making room in the next one down,
-recursively, and a block that finds no room below (or cannot be sealed for disk)
-is dropped instead. Writing the bytes into the lower tier is the pool's
-:meth:`BlockPool._store_bytes`, the same call that stores a built or imported
-block; placement, events and counters stay the pool's. This runs under the
-pool's lock.
+Its own part of the pool because it is the one policy that chains tiers: room
+in one tier is made by making room in the next one down, recursively, and a
+block that finds no room below (or cannot be sealed for disk) is dropped
+instead. Writing the bytes into the lower tier is
+:meth:`gpu_node.pool_state.PoolState.store_bytes`, the same call that stores a
+built or imported block. Every path that needs a slot (builds, promotions,
+sequences' own slots) makes room through :meth:`PoolDemoter.make_room`. Callers
+hold the state's lock.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from gpu_node.pool_types import BlockState, CacheEntry, MovedInPool, RemovalReason, Tier
-
-if TYPE_CHECKING:
-    from gpu_node.block_pool import BlockPool
+from events.tiers import STORAGE_TIERS, Tier
+from gpu_node.pool_state import PoolState
+from gpu_node.pool_types import BlockState, CacheEntry, MovedInPool, RemovalReason
 
 TIER_DEPTH = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 """How far down each tier lies: blocks only ever move down by demotion (and up to the device by promotion)."""
 
 
 class PoolDemoter:
-    """Serves :meth:`BlockPool.demote` and makes room for every path that needs a slot (builds, promotions, sequences)."""
+    """Demotes blocks of one pool state and makes room in its tiers."""
 
-    def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
+    def __init__(self, state: PoolState) -> None:
+        self._state = state
 
     def demote(self, block_hash: bytes, to_tier: Tier) -> bool:
         """Move an unreferenced READY block down to ``to_tier``; False when not possible now."""
-        pool = self._pool
+        state = self._state
         if to_tier is Tier.DEVICE:
             raise ValueError("nothing can be demoted to the device tier")
-        with pool._lock:
-            entry = pool._entries.get(block_hash)
+        if to_tier not in TIER_DEPTH:
+            raise ValueError(f"blocks are demoted to the host or disk tier, not {to_tier}")
+        with state.lock:
+            entry = state.entries.get(block_hash)
             if entry is None or entry.state is not BlockState.READY or entry.ref_count > 0:
                 return False
             if TIER_DEPTH[entry.tier] >= TIER_DEPTH[to_tier] or not self.make_room(to_tier):
                 return False
-            return self._move_down(entry, to_tier, pool._read_payload(entry))
+            return self._move_down(entry, to_tier, state.read_payload(entry))
 
     def make_room(self, tier: Tier) -> bool:
         """Free one unit of ``tier`` by demoting its LRU unreferenced READY entry (device → host → disk → drop).
 
         False only when every entry of the full tier is referenced.
         """
-        pool = self._pool
-        if pool._has_room(tier):
+        state = self._state
+        if state.has_room(tier):
             return True
-        victim = next((entry for entry in pool._lru[tier].candidates() if entry.ref_count == 0), None)
+        victim = next((entry for entry in state.lru[tier].candidates() if entry.ref_count == 0), None)
         if victim is None:
             return False
         lower = self._lower_tier(tier)
-        if lower is not None and self.make_room(lower) and self._move_down(victim, lower, pool._read_payload(victim)):
+        if lower is not None and self.make_room(lower) and self._move_down(victim, lower, state.read_payload(victim)):
             return True
-        pool._drop(victim, RemovalReason.EVICTED)
+        state.drop(victim, RemovalReason.EVICTED)
         return True
 
     def _lower_tier(self, tier: Tier) -> Tier | None:
         """The nearest tier below ``tier`` that has any capacity."""
-        for lower in Tier:
-            if TIER_DEPTH[lower] > TIER_DEPTH[tier] and self._pool._capacity[lower] > 0:
+        for lower in STORAGE_TIERS:
+            if TIER_DEPTH[lower] > TIER_DEPTH[tier] and self._state.capacity[lower] > 0:
                 return lower
         return None
 
     def _move_down(self, entry: CacheEntry, to_tier: Tier, kv: torch.Tensor) -> bool:
         """Store ``kv`` in lower ``to_tier`` (room already made), then delete the old bytes; False if unsealable."""
-        pool = self._pool
+        state = self._state
         from_tier = entry.tier
         assert from_tier is not None and TIER_DEPTH[to_tier] > TIER_DEPTH[from_tier], "a demotion moves a placed entry down"
-        stored, slot = pool._store_bytes(entry, to_tier, kv)
+        stored, slot = state.store_bytes(entry, to_tier, kv)
         if not stored:
             return False
-        pool._delete_bytes(entry)
-        pool._unplace(entry)
-        pool._place(entry, to_tier, slot)
-        pool._num_demotions += 1
-        pool._events.append(MovedInPool(entry.block_hash, from_tier, to_tier))
+        state.delete_bytes(entry)
+        state.unplace(entry)
+        state.place(entry, to_tier, slot)
+        state.num_demotions += 1
+        state.events.append(MovedInPool(entry.block_hash, from_tier, to_tier))
         return True

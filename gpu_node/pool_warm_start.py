@@ -1,32 +1,23 @@
 """Warm start: blocks in and out of the pool as at-rest records (snapshots) and re-indexing the disk tier.
 
-Split from :class:`gpu_node.block_pool.BlockPool` because it is the one path
-where blocks enter the pool READY without being built (snapshot import, files
-left by an earlier run) or leave it as records (snapshot export; the disk
-tier's files are written from the same :meth:`PoolWarmStart.record`): it
-converts expiries between the pool's monotonic clock and wall-clock time and
-checks records (namespace, KV format, expiry) that a build never needs. It runs
-under the pool's lock and places entries through the pool's own bookkeeping.
+Its own part of the pool because it is the one path where blocks enter the
+pool READY without being built (snapshot import, files left by an earlier run)
+or leave it as records (snapshot export; the disk tier's files are written from
+the same :meth:`gpu_node.pool_state.PoolState.record`): it converts expiries
+between the pool's monotonic clock and wall-clock time and checks records
+(namespace, KV format, expiry) that a build never needs. It runs under the
+state's lock and places entries through the state's placement primitives.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import torch
-
-from gpu_node.block_records import (
-    BlockRecord,
-    BlockRestoreError,
-    check_record,
-    decode_block_record,
-    encode_block_record,
-    payload_tensor,
-    tensor_bytes,
-)
+from events.tiers import Tier
+from gpu_node.block_records import BlockRestoreError, check_record, decode_block_record, encode_block_record, payload_tensor
 from gpu_node.crypto import overwrite_and_unlink
 from gpu_node.disk_tier import is_sealed
+from gpu_node.pool_state import PoolState
 from gpu_node.pool_types import (
     METHOD_OVERWRITE_UNLINK,
     BlockState,
@@ -35,29 +26,25 @@ from gpu_node.pool_types import (
     RemovalReason,
     RemovedFromPool,
     StoredInPool,
-    Tier,
 )
-
-if TYPE_CHECKING:
-    from gpu_node.block_pool import BlockPool
 
 
 class PoolWarmStart:
-    """Serves the pool's record export/import and :meth:`BlockPool.load_disk_tier`; operates on its pool's state."""
+    """Serves the pool's record export/import and ``load_disk_tier`` on one pool state."""
 
-    def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
+    def __init__(self, state: PoolState) -> None:
+        self._state = state
 
     def export_record(self, entry: CacheEntry) -> bytes | None:
         """A referenced entry as an at-rest record (snapshots); None if its scope has no data key."""
-        pool = self._pool
-        with pool._lock:
+        state = self._state
+        with state.lock:
             if entry.ref_count <= 0:
                 raise ValueError("export_record needs an entry referenced with inc_lock_ref")
             if entry.tombstoned or entry.tier is None:
                 raise BlockRestoreError(entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED))
-            kv = pool._read_payload(entry)
-            return encode_block_record(self.record(entry, kv), pool._key_provider)
+            kv = state.read_payload(entry)
+            return encode_block_record(state.record(entry, kv), state.key_provider)
 
     def import_record(self, data: bytes, tier: Tier) -> bool:
         """Warm one READY block into a free slot of ``tier`` (never evicting).
@@ -66,23 +53,23 @@ class PoolWarmStart:
         :class:`BlockRestoreError` when the record is corrupt, undecryptable or
         of another namespace or KV format.
         """
-        pool = self._pool
-        record = decode_block_record(data, pool._key_provider)
-        check_record(record, record.key.block_hash, pool._config.namespace, pool._spec)
-        with pool._lock:
-            now = pool._clock()
-            expires_at = self._expiry_from_wall(record.expires_at_wall)
-            if record.key.block_hash in pool._entries or (expires_at is not None and expires_at <= now):
+        state = self._state
+        record = decode_block_record(data, state.key_provider)
+        check_record(record, record.key.block_hash, state.config.namespace, state.spec)
+        with state.lock:
+            now = state.clock()
+            expires_at = state.expiry_from_wall(record.expires_at_wall)
+            if record.key.block_hash in state.entries or (expires_at is not None and expires_at <= now):
                 return False
-            if not pool._has_room(tier):
+            if not state.has_room(tier):
                 return False
             entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
-            stored, slot = pool._store_bytes(entry, tier, payload_tensor(record.payload, pool._spec))
+            stored, slot = state.store_bytes(entry, tier, payload_tensor(record.payload, state.spec))
             if not stored:
                 return False
-            pool._admit(entry)
-            pool._place(entry, tier, slot)
-            pool._events.append(StoredInPool(entry.key, tier))
+            state.admit(entry)
+            state.place(entry, tier, slot)
+            state.events.append(StoredInPool(entry.key, tier))
             return True
 
     def load_disk_tier(self) -> int:
@@ -96,57 +83,38 @@ class PoolWarmStart:
         neither found nor known destroyed now; the files indexed until then stay
         indexed, so calling again resumes (see :meth:`gpu_node.engine.AsyncEngine.start`).
         """
-        pool = self._pool
-        if pool._disk is None:
+        state = self._state
+        if state.disk is None:
             return 0
-        with pool._lock:
+        with state.lock:
             num_loaded = 0
-            now = pool._clock()
-            for path, block_hash in pool._disk.stored_files():
-                if block_hash in pool._entries:
+            now = state.clock()
+            for path, block_hash in state.disk.stored_files():
+                if block_hash in state.entries:
                     continue
-                data, record, meta = pool._disk.open_stored(path, block_hash)
+                data, record, meta = state.disk.open_stored(path, block_hash)
                 encrypted = is_sealed(data)
                 if record is None:
                     self._delete_stray_file(path, block_hash, encrypted, RemovalReason.RESTORE_FAILED)
                     continue
-                expires_at = self._expiry_from_wall(record.expires_at_wall)
+                expires_at = state.expiry_from_wall(record.expires_at_wall)
                 if expires_at is not None and expires_at <= now:
                     self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EXPIRED)
                     continue
-                if not pool._has_room(Tier.DISK):
+                if not state.has_room(Tier.DISK):
                     self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EVICTED)
                     continue
                 entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
-                pool._admit(entry)
-                pool._disk.adopt(block_hash, data, meta)
-                pool._place(entry, Tier.DISK, None)
+                state.admit(entry)
+                state.disk.adopt(block_hash, data, meta)
+                state.place(entry, Tier.DISK, None)
                 num_loaded += 1
             return num_loaded
 
     def _delete_stray_file(self, path: Path, block_hash: bytes, encrypted: bool, reason: RemovalReason) -> None:
         """Delete an unindexed block file found at start and report it, so the ledger drops its placement."""
-        pool = self._pool
+        state = self._state
         verified = overwrite_and_unlink(path)
         evidence = RemovalEvidence(block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified)
-        if reason is RemovalReason.EXPIRED:
-            pool._num_expired += 1
-        elif reason is RemovalReason.RESTORE_FAILED:
-            pool._num_restore_failures += 1
-        else:
-            pool._num_evictions += 1
-        pool._events.append(RemovedFromPool(block_hash, Tier.DISK, reason, evidence))
-
-    def record(self, entry: CacheEntry, kv: torch.Tensor) -> BlockRecord:
-        """``entry`` with KV ``kv`` as an at-rest record (snapshot shards and the disk tier's files alike)."""
-        return BlockRecord(entry.key, self._pool._spec.kv_format, self._wall_expiry(entry), tensor_bytes(kv))
-
-    def _wall_expiry(self, entry: CacheEntry) -> float | None:
-        """Expiry in wall-clock time, so a TTL survives a restart (the pool clock is monotonic)."""
-        pool = self._pool
-        return None if entry.expires_at is None else pool._wall_clock() + (entry.expires_at - pool._clock())
-
-    def _expiry_from_wall(self, expires_at_wall: float | None) -> float | None:
-        """A record's wall-clock expiry on the pool's monotonic clock (the inverse of :meth:`_wall_expiry`)."""
-        pool = self._pool
-        return None if expires_at_wall is None else pool._clock() + (expires_at_wall - pool._wall_clock())
+        state.count_removal(reason)
+        state.events.append(RemovedFromPool(block_hash, Tier.DISK, reason, evidence))

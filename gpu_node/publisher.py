@@ -62,7 +62,7 @@ from events.fault_points import fault_triggered
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.record_size import MAX_RECORD_BYTES, envelope_bytes, split_to_fit
 from events.topics import KV_EVENTS, NODE_DEAD_LETTER, route
-from gpu_node import block_pool
+from gpu_node import pool_types
 from gpu_node.crypto import until_key_service_answers
 from gpu_node.usage import usage_meter
 from identity.signing import EnvelopeSigner
@@ -130,7 +130,7 @@ class NodePublisher:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.epoch = 0
         self.seq = 0
-        self._pending: deque[block_pool.PoolEvent | tuple[str, str, tuple[bytes, ...]]] = deque()
+        self._pending: deque[pool_types.PoolEvent | tuple[str, str, tuple[bytes, ...]]] = deque()
         self._unacked: list[_Record] = []
         """Stamped records whose send failed ambiguously; they go out again, identical, before anything new."""
         self._letters: list[DeadLetter] = []
@@ -168,7 +168,7 @@ class NodePublisher:
         await self.publish_usage()
         await self._producer.stop()
 
-    def on_pool_events(self, events: Sequence[block_pool.PoolEvent]) -> None:
+    def on_pool_events(self, events: Sequence[pool_types.PoolEvent]) -> None:
         """The cache manager's ``kv-events`` subscriber (:meth:`KVCacheManager.subscribe`); on the event loop, never blocks."""
         self._pending.extend(events)
 
@@ -464,10 +464,10 @@ class NodePublisher:
 
 
 def _batch_kind(event) -> tuple:
-    if isinstance(event, block_pool.StoredInPool):
+    if isinstance(event, pool_types.StoredInPool):
         return ("stored",)
-    if isinstance(event, block_pool.RemovedFromPool):
+    if isinstance(event, pool_types.RemovedFromPool):
         return ("removed", event.reason.value)
-    if isinstance(event, block_pool.MovedInPool):
+    if isinstance(event, pool_types.MovedInPool):
         return ("moved",)
     return ("snapshot", id(event))

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from events.fault_points import fault_point
-from gpu_node.block_pool import BlockPool, Tier
+from events.tiers import Tier
+from gpu_node.block_pool import BlockPool
 from gpu_node.block_records import MAX_CLEAR_HEADER_BYTES, BlockRestoreError, decode_block_record, record_key_id
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
 from prefix_keys.blocks import BlockKey, CacheProvenance

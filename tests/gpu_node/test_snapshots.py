@@ -10,8 +10,10 @@ import pytest
 import torch
 from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
-from gpu_node.block_pool import BlockPool, PoolConfig, StoredInPool, Tier
+from events.tiers import Tier
+from gpu_node.block_pool import BlockPool
 from gpu_node.crypto import LocalKeyStore
+from gpu_node.pool_types import PoolConfig, StoredInPool
 from gpu_node.snapshots import (
     MANIFEST_NAME,
     delete_incomplete,
