@@ -38,11 +38,11 @@ import uvicorn
 from bench.common import percentile
 from events.tiers import Tier
 from gpu_node.api import create_app
-from gpu_node.block_pool import BlockPool
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.pool_types import PoolConfig
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.vocabulary import PoolConfig
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token

@@ -84,10 +84,10 @@ from events.fault_points import fault_point
 from events.kafka import EventProducer, KafkaSettings, StallClock, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
 from events.tiers import Tier
-from gpu_node import snapshots
 from gpu_node.crypto import DataKeyProvider
 from gpu_node.governance_sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
-from gpu_node.pool_types import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool
+from gpu_node.pool import snapshots
+from gpu_node.pool.vocabulary import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool
 from identity.signing import SIGNATURE_ERROR, signature_problem
 from prefix_keys.blocks import CacheProvenance
 

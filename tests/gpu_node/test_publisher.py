@@ -15,7 +15,7 @@ from events.kafka import EventProducer, KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
 from events.tiers import Tier
 from gpu_node.engine import AsyncEngine
-from gpu_node.pool_types import RemovalReason, RemovedFromPool, StoredInPool
+from gpu_node.pool.vocabulary import RemovalReason, RemovedFromPool, StoredInPool
 from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
 from identity.signing import EnvelopeSigner, verify_envelope

@@ -19,8 +19,8 @@ import torch
 from events.tiers import Tier
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.pool_state import PoolState
-from gpu_node.pool_types import BlockState, CacheEntry, PoolConfig
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import BlockState, CacheEntry, PoolConfig
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 NS = "ns-test"
@@ -88,7 +88,7 @@ def put(state: PoolState, i: int, tier: Tier = Tier.DEVICE, *, key: BlockKey | N
 
 
 def building(state: PoolState, i: int, *, key: BlockKey | None = None) -> CacheEntry:
-    """Block ``i`` claimed for building, as :meth:`gpu_node.block_pool.BlockPool.begin_build` claims it."""
+    """Block ``i`` claimed for building, as :meth:`gpu_node.pool.block_pool.BlockPool.begin_build` claims it."""
     entry = CacheEntry(key=key or scoped_key(i), state=BlockState.BUILDING, last_access=state.clock())
     state.admit(entry)
     state.num_building += 1

@@ -2,9 +2,9 @@
 
 Its own part of the pool because it is the pool's one bulk tensor path
 (staging, gathers, scatters, disk decoding) and its longest piece of code. It
-changes the pool state (:class:`gpu_node.pool_state.PoolState`) through the
+changes the pool state (:class:`gpu_node.pool.state.PoolState`) through the
 state's placement primitives, makes room on the device tier through the
-demoter (:class:`gpu_node.pool_demotion.PoolDemoter`), and runs entirely under
+demoter (:class:`gpu_node.pool.demotion.PoolDemoter`), and runs entirely under
 the state's lock.
 """
 
@@ -17,14 +17,14 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from events.tiers import Tier
-from gpu_node.block_records import BlockRestoreError
-from gpu_node.pool_demotion import PoolDemoter
-from gpu_node.pool_state import PoolState
-from gpu_node.pool_types import CacheEntry, MovedInPool, RemovalReason
+from gpu_node.pool.block_records import BlockRestoreError
+from gpu_node.pool.demotion import PoolDemoter
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import CacheEntry, MovedInPool, RemovalReason
 
 
 class PoolReader:
-    """Serves :meth:`gpu_node.block_pool.BlockPool.read_blocks` from one pool state."""
+    """Serves :meth:`gpu_node.pool.block_pool.BlockPool.read_blocks` from one pool state."""
 
     def __init__(self, state: PoolState, demoter: PoolDemoter) -> None:
         self._state = state

@@ -1,7 +1,7 @@
 """The block pool's vocabulary: entry states, entries, events, removal reports and stats.
 
-Its own module so the pool (:mod:`gpu_node.block_pool`), its state
-(:mod:`gpu_node.pool_state`) and its parts share one definition, and callers
+Its own module so the pool (:mod:`gpu_node.pool.block_pool`), its state
+(:mod:`gpu_node.pool.state`) and its parts share one definition, and callers
 (the cache manager, the publisher, the command applier) import it without the
 pool. A block's tier is the contract's one tier enum, :class:`events.tiers.Tier`
 (a node block lives in one of its ``STORAGE_TIERS``).

@@ -24,10 +24,18 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.block_pool import BlockPool
-from gpu_node.block_records import BlockRestoreError, decode_block_record
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.pool_types import BlockState, MovedInPool, PoolConfig, RemovalReason, RemovedFromPool, StoredInPool, provenance_index_keys
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
+from gpu_node.pool.vocabulary import (
+    BlockState,
+    MovedInPool,
+    PoolConfig,
+    RemovalReason,
+    RemovedFromPool,
+    StoredInPool,
+    provenance_index_keys,
+)
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 NUM_KEYS = 9

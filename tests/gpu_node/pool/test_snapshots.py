@@ -11,10 +11,9 @@ import torch
 from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from events.tiers import Tier
-from gpu_node.block_pool import BlockPool
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.pool_types import PoolConfig, StoredInPool
-from gpu_node.snapshots import (
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.snapshots import (
     MANIFEST_NAME,
     delete_incomplete,
     delete_snapshot,
@@ -23,6 +22,7 @@ from gpu_node.snapshots import (
     remove_from_snapshot,
     write_snapshot,
 )
+from gpu_node.pool.vocabulary import PoolConfig, StoredInPool
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER

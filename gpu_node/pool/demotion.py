@@ -4,7 +4,7 @@ Its own part of the pool because it is the one policy that chains tiers: room
 in one tier is made by making room in the next one down, recursively, and a
 block that finds no room below (or cannot be sealed for disk) is dropped
 instead. Writing the bytes into the lower tier is
-:meth:`gpu_node.pool_state.PoolState.store_bytes`, the same call that stores a
+:meth:`gpu_node.pool.state.PoolState.store_bytes`, the same call that stores a
 built or imported block. Every path that needs a slot (builds, promotions,
 sequences' own slots) makes room through :meth:`PoolDemoter.make_room`. Callers
 hold the state's lock.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.pool_state import PoolState
-from gpu_node.pool_types import BlockState, CacheEntry, MovedInPool, RemovalReason
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import BlockState, CacheEntry, MovedInPool, RemovalReason
 
 TIER_DEPTH = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 """How far down each tier lies: blocks only ever move down by demotion (and up to the device by promotion)."""

@@ -7,9 +7,9 @@ import torch
 from helpers.pool import block_hash, building, make_kv, make_state, placed, put
 
 from events.tiers import Tier
-from gpu_node.device_slots import DeviceSlots
-from gpu_node.pool_demotion import PoolDemoter
-from gpu_node.pool_types import BlockState, MovedInPool, RemovalReason, StoredInPool
+from gpu_node.pool.demotion import PoolDemoter
+from gpu_node.pool.device_slots import DeviceSlots
+from gpu_node.pool.vocabulary import BlockState, MovedInPool, RemovalReason, StoredInPool
 
 DEVICE, HOST = Tier.DEVICE, Tier.HOST
 

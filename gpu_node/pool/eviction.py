@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from gpu_node.pool_types import CacheEntry
+from gpu_node.pool.vocabulary import CacheEntry
 
 
 class LRUEvictionStrategy:

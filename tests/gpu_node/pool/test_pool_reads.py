@@ -7,10 +7,10 @@ import torch
 from helpers.pool import block_hash, lru_order, make_kv, make_state, placed, put
 
 from events.tiers import Tier
-from gpu_node.block_records import BlockRestoreError
-from gpu_node.pool_demotion import PoolDemoter
-from gpu_node.pool_reads import PoolReader
-from gpu_node.pool_types import MovedInPool, RemovalReason
+from gpu_node.pool.block_records import BlockRestoreError
+from gpu_node.pool.demotion import PoolDemoter
+from gpu_node.pool.reads import PoolReader
+from gpu_node.pool.vocabulary import MovedInPool, RemovalReason
 
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 

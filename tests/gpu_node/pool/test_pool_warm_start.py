@@ -7,9 +7,9 @@ import torch
 from helpers.pool import FakeClock, block_hash, make_kv, make_state, placed, put, scoped_key
 
 from events.tiers import Tier
-from gpu_node.block_records import BlockRestoreError
-from gpu_node.pool_types import BlockState, CacheEntry, RemovalReason, StoredInPool
-from gpu_node.pool_warm_start import PoolWarmStart
+from gpu_node.pool.block_records import BlockRestoreError
+from gpu_node.pool.vocabulary import BlockState, CacheEntry, RemovalReason, StoredInPool
+from gpu_node.pool.warm_start import PoolWarmStart
 from prefix_keys.blocks import CacheScope
 
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK

@@ -3,19 +3,25 @@
 The device and host tiers differ only in where their table lives (the model's
 device; CPU memory, pinned under CUDA), so both are this one type. It knows
 slots, not blocks: which block sits in a slot, and whether a slot may be
-written, is the pool state's (:class:`gpu_node.pool_state.PoolState`). The
+written, is the pool state's (:class:`gpu_node.pool.state.PoolState`). The
 lowest free slot is always taken first, which keeps layouts deterministic.
+
+A CPU table that is not page-locked is zero pages of an anonymous mapping
+(:func:`lazy_zeros`): the kernel backs a page only when it is first written, so a
+fresh node does not cost its tiers' full size in resident memory.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
 
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.slot_io import gather_slots, scatter_slots, zero_slots, zero_slots_verified
+from gpu_node.pool.slot_io import gather_slots, scatter_slots, zero_slots, zero_slots_verified
 
 
 class MemoryTier:
@@ -74,3 +80,16 @@ class MemoryTier:
         cleared = not bool(slot_tensor.any())
         heapq.heappush(self.free, slot)
         return cleared
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages are backed only once written (an anonymous private mapping).
+
+    Zero on every read of a page never written, guaranteed by the kernel (unlike
+    ``torch.empty``, which may hand back reused memory).
+    """
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -3,9 +3,9 @@
 Its own part of the pool because these slots are not cache entries until
 committed: a sequence writes its KV straight into them and the pool neither
 reads, moves nor zeroes them meanwhile. Making room goes through the demoter
-(:class:`gpu_node.pool_demotion.PoolDemoter`), committing (placing a READY
+(:class:`gpu_node.pool.demotion.PoolDemoter`), committing (placing a READY
 entry) through the pool state's primitives
-(:class:`gpu_node.pool_state.PoolState`), under the state's lock.
+(:class:`gpu_node.pool.state.PoolState`), under the state's lock.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from events.tiers import Tier
-from gpu_node.pool_demotion import PoolDemoter
-from gpu_node.pool_state import PoolState
-from gpu_node.pool_types import BlockState, CacheEntry
+from gpu_node.pool.demotion import PoolDemoter
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import BlockState, CacheEntry
 
 
 class DeviceSlots:

@@ -3,19 +3,19 @@
 This is kvledger's vLLM ``block_pool.py``: it only allocates, frees, moves,
 looks up and deletes blocks. What a request needs (longest prefix, singleflight,
 miss reasons) lives in the cache manager on top. What it builds on has a module
-each: its vocabulary (:mod:`gpu_node.pool_types`), the at-rest record format
-(:mod:`gpu_node.block_records`), the disk tier's files (:mod:`gpu_node.disk_tier`),
-the memory tiers over batched slot I/O (:mod:`gpu_node.memory_tier`,
-:mod:`gpu_node.slot_io`) and the eviction order (:mod:`gpu_node.eviction`).
+each: its vocabulary (:mod:`gpu_node.pool.vocabulary`), the at-rest record format
+(:mod:`gpu_node.pool.block_records`), the disk tier's files (:mod:`gpu_node.pool.disk_tier`),
+the memory tiers over batched slot I/O (:mod:`gpu_node.pool.memory_tier`,
+:mod:`gpu_node.pool.slot_io`) and the eviction order (:mod:`gpu_node.pool.eviction`).
 
 The pool is made of parts that share one state object,
-:class:`gpu_node.pool_state.PoolState` (every field, and the placement
+:class:`gpu_node.pool.state.PoolState` (every field, and the placement
 primitives that keep them consistent), which each receives explicitly: the
-batched read and promotion path (:class:`gpu_node.pool_reads.PoolReader`),
-demotion and making room (:class:`gpu_node.pool_demotion.PoolDemoter`),
-governed removal (:class:`gpu_node.pool_removal.PoolRemover`), warm start and
-disk re-index (:class:`gpu_node.pool_warm_start.PoolWarmStart`) and sequences'
-own device slots (:class:`gpu_node.device_slots.DeviceSlots`). None of them
+batched read and promotion path (:class:`gpu_node.pool.reads.PoolReader`),
+demotion and making room (:class:`gpu_node.pool.demotion.PoolDemoter`),
+governed removal (:class:`gpu_node.pool.removal.PoolRemover`), warm start and
+disk re-index (:class:`gpu_node.pool.warm_start.PoolWarmStart`) and sequences'
+own device slots (:class:`gpu_node.pool.device_slots.DeviceSlots`). None of them
 imports this module. This module is the entry state machine's public face:
 lookups, references and builds, and one delegating method per part.
 
@@ -29,7 +29,7 @@ removed, so deleting a block in its current tier deletes all of its bytes held
 by the pool. A file whose block's data is deleted (eviction, expiry,
 invalidation, restore failure) is zero-overwritten before the unlink; a file
 left by a promotion to the device is only unlinked, since the block stays cached
-(reasoning and its one residual in :meth:`gpu_node.pool_reads.PoolReader._promote_batch`).
+(reasoning and its one residual in :meth:`gpu_node.pool.reads.PoolReader._promote_batch`).
 
 Entry states (docs/design.md §3)::
 
@@ -67,14 +67,14 @@ import torch
 
 from events.tiers import STORAGE_TIERS, Tier
 from gpu_node.crypto import DataKeyProvider
-from gpu_node.device_slots import DeviceSlots
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.pool_demotion import PoolDemoter
-from gpu_node.pool_reads import PoolReader
-from gpu_node.pool_removal import PoolRemover
-from gpu_node.pool_state import PoolState
-from gpu_node.pool_types import BlockState, CacheEntry, IndexKey, PoolConfig, PoolEvent, PoolStats, RemovalReason, RemovalReport
-from gpu_node.pool_warm_start import PoolWarmStart
+from gpu_node.pool.demotion import PoolDemoter
+from gpu_node.pool.device_slots import DeviceSlots
+from gpu_node.pool.reads import PoolReader
+from gpu_node.pool.removal import PoolRemover
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import BlockState, CacheEntry, IndexKey, PoolConfig, PoolEvent, PoolStats, RemovalReason, RemovalReport
+from gpu_node.pool.warm_start import PoolWarmStart
 from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheProvenance
 
 

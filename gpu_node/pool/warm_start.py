@@ -3,7 +3,7 @@
 Its own part of the pool because it is the one path where blocks enter the
 pool READY without being built (snapshot import, files left by an earlier run)
 or leave it as records (snapshot export; the disk tier's files are written from
-the same :meth:`gpu_node.pool_state.PoolState.record`): it converts expiries
+the same :meth:`gpu_node.pool.state.PoolState.record`): it converts expiries
 between the pool's monotonic clock and wall-clock time and checks records
 (namespace, KV format, expiry) that a build never needs. It runs under the
 state's lock and places entries through the state's placement primitives.
@@ -14,11 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from events.tiers import Tier
-from gpu_node.block_records import BlockRestoreError, check_record, decode_block_record, encode_block_record, payload_tensor
 from gpu_node.crypto import overwrite_and_unlink
-from gpu_node.disk_tier import is_sealed
-from gpu_node.pool_state import PoolState
-from gpu_node.pool_types import (
+from gpu_node.pool.block_records import BlockRestoreError, check_record, decode_block_record, encode_block_record, payload_tensor
+from gpu_node.pool.disk_tier import is_sealed
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import (
     METHOD_OVERWRITE_UNLINK,
     BlockState,
     CacheEntry,

@@ -4,7 +4,7 @@ Its own part of the pool because removal is what an invalidation or erasure
 command acks on: its ordering (every match tombstoned before any byte is
 touched, the ``node.between_tombstone_and_delete`` fault point between the two)
 deserves one place of its own. Entry bookkeeping (tombstone, drop, index) is
-the pool state's (:class:`gpu_node.pool_state.PoolState`); this runs under the
+the pool state's (:class:`gpu_node.pool.state.PoolState`); this runs under the
 state's lock.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 from events.fault_points import fault_point
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.pool_state import PoolState
-from gpu_node.pool_types import INDEX_KINDS, BlockState, CacheEntry, IndexKey, RemovalEvidence, RemovalReason, RemovalReport
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import INDEX_KINDS, BlockState, CacheEntry, IndexKey, RemovalEvidence, RemovalReason, RemovalReport
 from prefix_keys.blocks import CacheProvenance
 
 
@@ -26,7 +26,7 @@ class PoolRemover:
         self._state = state
 
     def guard_builds(self, predicate: Callable[[CacheProvenance], bool], duration_s: float) -> None:
-        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see :meth:`gpu_node.block_pool.BlockPool.begin_build`).
+        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see :meth:`gpu_node.pool.block_pool.BlockPool.begin_build`).
 
         :meth:`remove_where` tombstones the matching builds it finds, but a
         request whose keys were computed before an invalidation's cutoff may

@@ -3,7 +3,7 @@
 One object holds everything the pool knows — entries by hash, the provenance
 index, the memory tiers' slot tables and free slots, the disk tier, the LRU
 order per tier, the events not yet taken and the counters — so that the pool
-(:class:`gpu_node.block_pool.BlockPool`) and its parts (reads, demotion,
+(:class:`gpu_node.pool.block_pool.BlockPool`) and its parts (reads, demotion,
 removal, warm start, device slots) each receive it explicitly and none reaches
 into another's private members. The primitives here are the ones more than one
 part needs: enter and forget an entry, place and unplace it in a tier, store,
@@ -25,14 +25,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.block_records import BlockRecord, BlockRestoreError, payload_tensor, tensor_bytes
 from gpu_node.crypto import DataKeyProvider
-from gpu_node.disk_tier import DiskTier
-from gpu_node.eviction import LRUEvictionStrategy
-from gpu_node.kv_memory import lazy_zeros
 from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.memory_tier import MemoryTier
-from gpu_node.pool_types import (
+from gpu_node.pool.block_records import BlockRecord, BlockRestoreError, payload_tensor, tensor_bytes
+from gpu_node.pool.disk_tier import DiskTier
+from gpu_node.pool.eviction import LRUEvictionStrategy
+from gpu_node.pool.memory_tier import MemoryTier, lazy_zeros
+from gpu_node.pool.vocabulary import (
     METHOD_OVERWRITE_UNLINK,
     METHOD_ZERO_FILL,
     BlockState,
@@ -262,7 +261,7 @@ class PoolState:
         """Zero the entry's slot (read back as zero) and free it, or zero+unlink its file (checked absent).
 
         ``cleared`` is the outcome of that deletion when the caller already did
-        it (a batch removal, :class:`gpu_node.pool_removal.PoolRemover`); None: delete now.
+        it (a batch removal, :class:`gpu_node.pool.removal.PoolRemover`); None: delete now.
         """
         if entry.tier is Tier.DISK:
             file_absent = self.disk.delete(entry.block_hash) if cleared is None else cleared

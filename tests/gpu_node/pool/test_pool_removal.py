@@ -7,8 +7,8 @@ import torch
 from helpers.pool import FakeClock, block_hash, building, make_state, placed, put, scoped_key
 
 from events.tiers import Tier
-from gpu_node.pool_removal import PoolRemover
-from gpu_node.pool_types import METHOD_OVERWRITE_UNLINK, METHOD_ZERO_FILL, BlockState, RemovalEvidence, RemovalReason, RemovedFromPool
+from gpu_node.pool.removal import PoolRemover
+from gpu_node.pool.vocabulary import METHOD_OVERWRITE_UNLINK, METHOD_ZERO_FILL, BlockState, RemovalEvidence, RemovalReason, RemovedFromPool
 from prefix_keys.blocks import CacheScope
 
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK

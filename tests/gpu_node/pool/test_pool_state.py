@@ -6,8 +6,8 @@ import torch
 from helpers.pool import SPEC, FakeClock, block_hash, building, lru_order, make_kv, make_state, placed, put, scoped_key
 
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.memory_tier import MemoryTier
-from gpu_node.pool_types import (
+from gpu_node.pool.memory_tier import MemoryTier
+from gpu_node.pool.vocabulary import (
     METHOD_OVERWRITE_UNLINK,
     METHOD_ZERO_FILL,
     BlockState,

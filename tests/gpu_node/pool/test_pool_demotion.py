@@ -7,8 +7,8 @@ import torch
 from helpers.pool import block_hash, lru_order, make_kv, make_state, placed, put, scoped_key
 
 from events.tiers import Tier
-from gpu_node.pool_demotion import PoolDemoter
-from gpu_node.pool_types import MovedInPool, RemovalReason, RemovedFromPool
+from gpu_node.pool.demotion import PoolDemoter
+from gpu_node.pool.vocabulary import MovedInPool, RemovalReason, RemovedFromPool
 from prefix_keys.blocks import CacheScope
 
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
