@@ -47,11 +47,13 @@ import torch
 import uvicorn
 
 from bench.common import percentile
+from events.tiers import Tier
 from gpu_node.api import create_app
-from gpu_node.block_pool import BlockPool, PoolConfig, Tier
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, StepTiming, TokenDelta
 from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.vocabulary import PoolConfig
 from gpu_node.settings import CacheSettings, NodeSettings, SchedulerSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token

@@ -25,7 +25,8 @@ from events.http_server import HttpServerLimits
 from events.kafka import ConsumerGroupTiming, KafkaSecurity
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, TOPIC_CONFIGS
 from identity.metrics_access import MetricsSettings
-from identity.settings import METRICS_AND_KAFKA_ENV, IssuerSettings, ServiceSettings, refuse_shared_issuer
+from identity.service_settings import METRICS_AND_KAFKA_ENV, ServiceSettings, refuse_shared_issuer
+from identity.settings import IssuerSettings
 from identity.signing import EnvelopeSigner, load_private_key_pem
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvledger"

@@ -83,11 +83,11 @@ from events.codec import decode_event, decode_key
 from events.fault_points import fault_point
 from events.kafka import EventProducer, KafkaSettings, StallClock, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
 from events.metrics import HANDLER_FAILURES_TOTAL
-from events.tiers import Tier as LedgerTier
-from gpu_node import snapshots
-from gpu_node.block_pool import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool, Tier
+from events.tiers import Tier
 from gpu_node.crypto import DataKeyProvider
 from gpu_node.governance_sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
+from gpu_node.pool import snapshots
+from gpu_node.pool.vocabulary import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool
 from identity.signing import SIGNATURE_ERROR, signature_problem
 from prefix_keys.blocks import CacheProvenance
 
@@ -503,7 +503,7 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[TierRe
             verified = verified and erasure.verified
         result.append(
             TierReport(
-                tier=LedgerTier(tier.value),
+                tier=tier,
                 block_hashes=[item.block_hash.hex() for item in items],
                 method=method,
                 post_check=post_check,
@@ -518,7 +518,7 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[TierRe
             verified = verified and erasure.verified
         result.append(
             TierReport(
-                tier=LedgerTier.SNAPSHOT,
+                tier=Tier.SNAPSHOT,
                 block_hashes=sorted(block_hash.hex() for block_hash in progress.snapshot_hashes),
                 method=method,
                 post_check=post_check,

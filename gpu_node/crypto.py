@@ -46,7 +46,7 @@ class KeyServiceUnavailable(Exception):
     """Whether a data key still exists could not be learned now (its service unreachable, or answering with an error).
 
     Raised only by :meth:`DataKeyProvider.blocking` views, for callers that must not mistake "cannot ask" for
-    "destroyed": a snapshot's inventory (:func:`gpu_node.snapshots.readable_blocks`) would otherwise tell the
+    "destroyed": a snapshot's inventory (:func:`gpu_node.pool.snapshots.readable_blocks`) would otherwise tell the
     ledger that copies still on disk are gone. The message names no key.
     """
 

@@ -38,8 +38,6 @@ from pathlib import Path
 import torch
 
 from events.schema import subject_digest
-from gpu_node import snapshots
-from gpu_node.block_pool import BlockPool, PoolConfig
 from gpu_node.crypto import until_key_service_answers
 from gpu_node.detokenizer import IncrementalDetokenizer
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
@@ -49,6 +47,9 @@ from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.model_runner import ModelRunner, StepChunk
 from gpu_node.namespace import NamespaceIdentity, compute_namespace
 from gpu_node.paged_kv import PagedKV
+from gpu_node.pool import snapshots
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.vocabulary import PoolConfig
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.sampling import SamplingState, make_sampling_state, sample_batch
 from gpu_node.scheduler import Scheduler, SchedulerOutput, Sequence

@@ -28,9 +28,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpu_node.block_pool import BlockPool, BlockState, CacheEntry, PoolEvent, RemovalReason, RemovedFromPool
 from gpu_node.kv_cache_utils import compute_shadow_hashes
 from gpu_node.metrics import MissReason, NodeMetrics
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.vocabulary import BlockState, CacheEntry, PoolEvent, RemovalReason, RemovedFromPool
 from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, BlockKey, CacheProvenance, CacheScope, Principal
 
 log = logging.getLogger(__name__)

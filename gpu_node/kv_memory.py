@@ -16,15 +16,14 @@ that need an exact size. A plan whose memory tiers cannot fit what the machine h
 refused at start with one line naming the numbers (:class:`KVMemoryError`), rather than
 failing on the first large allocation or being killed once the tiers fill.
 
-CPU tensors of the tiers are zero pages of an anonymous mapping (:func:`lazy_zeros`):
-the kernel backs a page only when it is first written, so a fresh node does not cost
-its tiers' full size in resident memory.
+CPU tensors of the tiers are zero pages of an anonymous mapping
+(:func:`gpu_node.pool.memory_tier.lazy_zeros`): the kernel backs a page only when it
+is first written, so a fresh node does not cost its tiers' full size in resident memory.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,16 +149,3 @@ def _check_fits(plan: TierPlan, available: AvailableMemory) -> None:
             f"KV device tier: {plan.num_device_blocks} blocks of {plan.block_bytes} bytes = {_gib(device_bytes)}, "
             f"but {_gib(available.device_bytes)} of device memory is free after the weights"
         )
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor whose pages are backed only once written (an anonymous private mapping).
-
-    Zero on every read of a page never written, guaranteed by the kernel (unlike
-    ``torch.empty``, which may hand back reused memory).
-    """
-    num_bytes = math.prod(shape) * dtype.itemsize
-    if num_bytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -28,9 +28,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gpu_node.block_pool import BlockPool, BlockRestoreError, BlockState, CacheEntry, Tier
+from events.tiers import Tier
 from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.metrics import MissReason, NodeMetrics
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.block_records import BlockRestoreError
+from gpu_node.pool.vocabulary import BlockState, CacheEntry
 from gpu_node.scheduler import Sequence
 
 

@@ -62,8 +62,8 @@ from events.fault_points import fault_triggered
 from events.kafka import EventProducer, KafkaSettings, ensure_topics
 from events.record_size import MAX_RECORD_BYTES, envelope_bytes, split_to_fit
 from events.topics import KV_EVENTS, NODE_DEAD_LETTER, route
-from gpu_node import block_pool
 from gpu_node.crypto import until_key_service_answers
+from gpu_node.pool import vocabulary
 from gpu_node.usage import usage_meter
 from identity.signing import EnvelopeSigner
 from prefix_keys.blocks import BlockKey, CacheProvenance
@@ -130,7 +130,7 @@ class NodePublisher:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.epoch = 0
         self.seq = 0
-        self._pending: deque[block_pool.PoolEvent | tuple[str, str, tuple[bytes, ...]]] = deque()
+        self._pending: deque[vocabulary.PoolEvent | tuple[str, str, tuple[bytes, ...]]] = deque()
         self._unacked: list[_Record] = []
         """Stamped records whose send failed ambiguously; they go out again, identical, before anything new."""
         self._letters: list[DeadLetter] = []
@@ -168,7 +168,7 @@ class NodePublisher:
         await self.publish_usage()
         await self._producer.stop()
 
-    def on_pool_events(self, events: Sequence[block_pool.PoolEvent]) -> None:
+    def on_pool_events(self, events: Sequence[vocabulary.PoolEvent]) -> None:
         """The cache manager's ``kv-events`` subscriber (:meth:`KVCacheManager.subscribe`); on the event loop, never blocks."""
         self._pending.extend(events)
 
@@ -218,7 +218,7 @@ class NodePublisher:
     def _payloads(self, kind: tuple, events: list) -> list[schema.EventPayload]:
         """The records for one run of pool events, each within the count and size limits; none for what the contract refuses.
 
-        The one place pool events (:mod:`gpu_node.pool_types`) become kv-events records (:mod:`events.schema`)::
+        The one place pool events (:mod:`gpu_node.pool.vocabulary`) become kv-events records (:mod:`events.schema`)::
 
             StoredInPool(key, tier)                        → BlockStored(blocks=[StoredBlock: provenance, tier])
             RemovedFromPool(block_hash, tier, reason, ev)  → BlockRemoved(reason, blocks=[RemovedBlock: block_hash, tier])
@@ -380,7 +380,7 @@ class NodePublisher:
         """Everything this node holds, chunked; the events behind it are published first so seq stays ordered.
 
         Raises :class:`gpu_node.crypto.KeyServiceUnavailable`, publishing nothing, when a snapshot's blocks cannot be told readable
-        or gone now (:func:`gpu_node.snapshots.readable_blocks`); the command consumer retries an
+        or gone now (:func:`gpu_node.pool.snapshots.readable_blocks`); the command consumer retries an
         ``InventoryRequested`` with backoff, :meth:`start` its own inventory.
         """
         snapshot_inventory = await asyncio.to_thread(self.engine.snapshot_inventory)
@@ -476,10 +476,10 @@ class NodePublisher:
 
 
 def _batch_kind(event) -> tuple:
-    if isinstance(event, block_pool.StoredInPool):
+    if isinstance(event, vocabulary.StoredInPool):
         return ("stored",)
-    if isinstance(event, block_pool.RemovedFromPool):
+    if isinstance(event, vocabulary.RemovedFromPool):
         return ("removed", event.reason.value)
-    if isinstance(event, block_pool.MovedInPool):
+    if isinstance(event, vocabulary.MovedInPool):
         return ("moved",)
     return ("snapshot", id(event))

@@ -14,13 +14,13 @@ import uvicorn
 from events.http_server import server_config
 from events.kafka import KafkaSettings
 from events.logs import configure_logging
-from gpu_node import snapshots
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationApplier
 from gpu_node.engine import AsyncEngine
 from gpu_node.governance_sync import GovernanceClient
 from gpu_node.kv_memory import KVMemoryError
 from gpu_node.node_identity import node_signing_key, pinned_command_key
+from gpu_node.pool import snapshots
 from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, NodePublisher
 from gpu_node.remote_keys import NODE_CREDENTIAL_TTL_S
 from gpu_node.settings import NodeSettings

@@ -21,7 +21,8 @@ from events.http_server import HttpServerLimits
 from events.kafka import ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
-from identity.settings import IssuerSettings, ServiceSettings, refuse_shared_issuer
+from identity.service_settings import ServiceSettings, refuse_shared_issuer
+from identity.settings import IssuerSettings
 
 
 class CacheSettings(BaseModel):

@@ -18,7 +18,8 @@ from events.http_server import HttpServerLimits
 from events.kafka import ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
-from identity.settings import IssuerSettings, ServiceSettings
+from identity.service_settings import ServiceSettings
+from identity.settings import IssuerSettings
 
 
 class NodeEndpoint(BaseModel):

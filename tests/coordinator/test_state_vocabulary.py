@@ -23,7 +23,7 @@ from coordinator.models import Base
 from coordinator.states import ErasureStatus, InvalidationStatus, NamespaceStatus, NodeStatus, PlacementState, TargetStatus
 from events import schema
 from events.tiers import STORAGE_TIERS, VOLATILE_TIERS, Tier
-from gpu_node.pool_types import Tier as PoolTier
+from gpu_node.pool import vocabulary
 
 CHECKS = text(
     "SELECT rel.relname || '.' || con.conname, pg_get_constraintdef(con.oid) FROM pg_constraint con"
@@ -69,5 +69,5 @@ async def test_the_models_check_constraints_are_the_migrated_ones(database_url: 
 def test_the_tiers_of_the_contract_and_the_node_are_the_ledgers() -> None:
     assert schema.Placement.model_fields["tier"].annotation is Tier
     assert typing.get_args(schema.StoredBlock.model_fields["tier"].annotation) == STORAGE_TIERS
-    assert tuple(PoolTier) == STORAGE_TIERS
+    assert all(typing.get_type_hints(event)["tier"] is Tier for event in (vocabulary.StoredInPool, vocabulary.RemovedFromPool))
     assert set(VOLATILE_TIERS) < set(STORAGE_TIERS)

@@ -47,8 +47,9 @@ from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
 from events import kafka
 from events.schema import subject_digest
-from gpu_node.block_pool import BlockState, Tier
-from gpu_node.block_records import BlockRestoreError, decode_block_record
+from events.tiers import Tier
+from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
+from gpu_node.pool.vocabulary import BlockState
 from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token

@@ -47,7 +47,7 @@ from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import consumer_groups, kafka_settings
 from events import kafka, topics
-from gpu_node.block_pool import Tier
+from events.tiers import Tier
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 

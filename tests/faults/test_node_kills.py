@@ -30,7 +30,7 @@ from bench.cluster import READER_SCOPES, Cluster, document_chat, private_chat
 from bench.common import wait
 from bench.invariants import Invariants
 from events import schema
-from gpu_node.snapshots import MANIFEST_NAME
+from gpu_node.pool.snapshots import MANIFEST_NAME
 
 VICTIM = 0
 

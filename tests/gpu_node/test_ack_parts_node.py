@@ -25,7 +25,7 @@ from test_node_invalidation import Node, publish
 from events import schema, topics
 from events.kafka import KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
-from gpu_node.block_pool import Tier
+from events.tiers import Tier
 from gpu_node.settings import CacheSettings
 from identity.signing import verify_envelope
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope

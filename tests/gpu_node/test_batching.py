@@ -33,9 +33,10 @@ from test_engine import (
     user,
 )
 
+from events.tiers import Tier
 from gpu_node.api import create_app
-from gpu_node.block_pool import RemovalReason, RemovedFromPool, Tier
 from gpu_node.engine import AsyncEngine, GenerationError, GenerationRequest, PromptStats, SamplingParams, TokenDelta
+from gpu_node.pool.vocabulary import RemovalReason, RemovedFromPool
 from gpu_node.settings import SchedulerSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token

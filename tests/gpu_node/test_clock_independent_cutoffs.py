@@ -39,9 +39,10 @@ from coordinator.db import Database
 from coordinator.models import Block, Invalidation, InvalidationTarget, Placement
 from coordinator.settings import DatabaseSettings
 from events import kafka, schema
-from gpu_node.block_pool import BlockPool, Tier
+from events.tiers import Tier
 from gpu_node.engine import AsyncEngine
 from gpu_node.metrics import NodeMetrics
+from gpu_node.pool.block_pool import BlockPool
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token

@@ -31,11 +31,13 @@ from coordinator.db import Database
 from coordinator.keys import DataKey, KeyService, MasterKeyError
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
-from gpu_node.block_pool import BlockPool, PoolConfig, Tier
-from gpu_node.block_records import BlockRestoreError, decode_block_record
+from events.tiers import Tier
 from gpu_node.crypto import LocalKeyStore, unseal
 from gpu_node.kv_spec import KVBlockSpec
 from gpu_node.node_identity import NODE_KEY_FILE
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
+from gpu_node.pool.vocabulary import PoolConfig
 from gpu_node.remote_keys import CoordinatorKeyProvider, data_key_provider
 from gpu_node.settings import DataKeySettings, NodeSettings
 from identity.node_credentials import issue_node_credential

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_node.block_pool import Tier
+from events.tiers import Tier
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
 from gpu_node.metrics import MissReason
 from gpu_node.settings import CacheSettings, NodeSettings

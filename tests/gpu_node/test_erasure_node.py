@@ -13,11 +13,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from events import schema
-from gpu_node.block_pool import BlockState, Tier
-from gpu_node.block_records import BlockRestoreError, decode_block_record
+from events.tiers import Tier
 from gpu_node.commands import InvalidationApplier, block_predicate
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
+from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
+from gpu_node.pool.vocabulary import BlockState
 from gpu_node.settings import CacheSettings, NodeSettings
 from prefix_keys.blocks import CacheScope, Principal, compute_block_keys
 from prefix_keys.prompt import ChatMessage, render_prompt

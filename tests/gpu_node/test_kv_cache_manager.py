@@ -7,20 +7,20 @@ import logging
 import pytest
 from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
-from gpu_node.block_pool import (
+from events.tiers import Tier
+from gpu_node.crypto import LocalKeyStore
+from gpu_node.kv_cache_manager import KVCacheManager
+from gpu_node.metrics import NodeMetrics
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.vocabulary import (
     METHOD_ZERO_FILL,
-    BlockPool,
     MovedInPool,
     PoolConfig,
     RemovalEvidence,
     RemovalReason,
     RemovedFromPool,
     StoredInPool,
-    Tier,
 )
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_cache_manager import KVCacheManager
-from gpu_node.metrics import NodeMetrics
 from prefix_keys.blocks import CacheProvenance, CacheScope
 
 PUBLIC_PROVENANCE = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0.0)

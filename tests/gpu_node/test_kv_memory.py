@@ -9,11 +9,13 @@ import sys
 import pytest
 import torch
 
-from gpu_node.block_pool import BlockPool, PoolConfig
 from gpu_node.crypto import LocalKeyStore
 from gpu_node.engine import AsyncEngine
-from gpu_node.kv_memory import AvailableMemory, KVMemoryError, lazy_zeros, mem_available_bytes, plan_tiers
+from gpu_node.kv_memory import AvailableMemory, KVMemoryError, mem_available_bytes, plan_tiers
 from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.memory_tier import lazy_zeros
+from gpu_node.pool.vocabulary import PoolConfig
 from gpu_node.settings import CacheSettings, NodeSettings
 from prefix_keys.blocks import CacheScope
 

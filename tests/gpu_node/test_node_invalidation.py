@@ -21,8 +21,8 @@ from prometheus_client import REGISTRY
 
 from events import schema, topics
 from events.kafka import KafkaSettings
+from events.tiers import Tier
 from gpu_node.api import create_app
-from gpu_node.block_pool import Tier
 from gpu_node.commands import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token

@@ -13,8 +13,9 @@ from events import schema, topics
 from events.codec import DeadLetter
 from events.kafka import EventProducer, KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
-from gpu_node.block_pool import RemovalReason, RemovedFromPool, StoredInPool, Tier
+from events.tiers import Tier
 from gpu_node.engine import AsyncEngine
+from gpu_node.pool.vocabulary import RemovalReason, RemovedFromPool, StoredInPool
 from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
 from identity.signing import EnvelopeSigner, verify_envelope

@@ -27,8 +27,8 @@ import uvicorn
 
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
+from events.tiers import Tier
 from gpu_node.api import create_app as create_node_app
-from gpu_node.block_pool import Tier
 from gpu_node.engine import AsyncEngine
 from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings

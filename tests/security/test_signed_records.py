@@ -46,8 +46,8 @@ from coordinator.settings import CoordinatorSettings
 from events import kafka, schema, topics
 from events.codec import decode_event
 from events.kafka import EventProducer, KafkaSettings
+from events.tiers import Tier
 from gpu_node.api import create_app
-from gpu_node.block_pool import Tier
 from gpu_node.commands import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.signing import key_id, sign_envelope

@@ -1,10 +1,10 @@
-"""The block pool's vocabulary: tiers, entry states, entries, events, removal reports and stats.
+"""The block pool's vocabulary: entry states, entries, events, removal reports and stats.
 
-Its own module so the pool (:mod:`gpu_node.block_pool`) and the collaborators
-that work on the pool's state (:mod:`gpu_node.pool_reads`,
-:mod:`gpu_node.pool_removal`, :mod:`gpu_node.pool_warm_start`,
-:mod:`gpu_node.device_slots`) share one definition without importing each
-other at run time. Callers import these names from :mod:`gpu_node.block_pool`.
+Its own module so the pool (:mod:`gpu_node.pool.block_pool`), its state
+(:mod:`gpu_node.pool.state`) and its parts share one definition, and callers
+(the cache manager, the publisher, the command applier) import it without the
+pool. A block's tier is the contract's one tier enum, :class:`events.tiers.Tier`
+(a node block lives in one of its ``STORAGE_TIERS``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from pathlib import Path
 
+from events.tiers import Tier
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
-
-
-class Tier(StrEnum):
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
 
 
 class BlockState(Enum):

@@ -23,19 +23,19 @@ from helpers.pool import NS, SPEC, FakeClock, block_hash, block_key, make_kv
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gpu_node.block_pool import (
-    BlockPool,
+from events.tiers import STORAGE_TIERS, Tier
+from gpu_node.crypto import LocalKeyStore
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
+from gpu_node.pool.vocabulary import (
     BlockState,
     MovedInPool,
     PoolConfig,
     RemovalReason,
     RemovedFromPool,
     StoredInPool,
-    Tier,
     provenance_index_keys,
 )
-from gpu_node.block_records import BlockRestoreError, decode_block_record
-from gpu_node.crypto import LocalKeyStore
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 NUM_KEYS = 9
@@ -186,7 +186,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _placed(self) -> list:
         """Entries whose bytes the pool holds (READY, or EVICTING while still referenced)."""
-        return [entry for entry in self.pool._entries.values() if entry.tier is not None]
+        return [entry for entry in self.pool.state.entries.values() if entry.tier is not None]
 
     def _apply_events(self) -> None:
         for event in self.pool.take_events():
@@ -213,7 +213,7 @@ class PoolMachine(RuleBasedStateMachine):
         self._apply_events()
         stats = self.pool.stats()
         counts = Counter(self.ledger.values())
-        assert stats.num_entries == {tier: counts.get(tier, 0) for tier in Tier}
+        assert stats.num_entries == {tier: counts.get(tier, 0) for tier in STORAGE_TIERS}
         files = {path.name: path.stat().st_size for path in (self.root / "disk").iterdir()}
         assert sorted(files) == sorted(f"{block.hex()}.kvb" for block, tier in self.ledger.items() if tier is Tier.DISK)
         assert stats.tier_bytes == {
@@ -222,7 +222,7 @@ class PoolMachine(RuleBasedStateMachine):
             Tier.DISK: sum(files.values()),
         }
         assert counts.get(Tier.DEVICE, 0) <= 2 and counts.get(Tier.HOST, 0) <= 2 and counts.get(Tier.DISK, 0) <= 2
-        assert stats.num_building == sum(entry.state is BlockState.BUILDING for entry in self.pool._entries.values())
+        assert stats.num_building == sum(entry.state is BlockState.BUILDING for entry in self.pool.state.entries.values())
 
     @invariant()
     def every_placed_block_holds_exactly_its_committed_kv(self) -> None:
@@ -241,16 +241,16 @@ class PoolMachine(RuleBasedStateMachine):
             else:
                 assert entry.slot not in used[entry.tier], "two entries share a slot"
                 used[entry.tier].add(entry.slot)
-                assert torch.equal(self.pool._slots[entry.tier][entry.slot], expected)
+                assert torch.equal(self.pool.state.memory[entry.tier].table[entry.slot], expected)
         for tier, slots in used.items():
-            for slot in range(self.pool._slots[tier].shape[0]):
+            for slot in range(self.pool.state.memory[tier].table.shape[0]):
                 if slot not in slots:
-                    assert torch.count_nonzero(self.pool._slots[tier][slot]) == 0, f"free {tier} slot {slot} not zeroed"
+                    assert torch.count_nonzero(self.pool.state.memory[tier].table[slot]) == 0, f"free {tier} slot {slot} not zeroed"
 
     @invariant()
     def references_match_the_readers(self) -> None:
         held = Counter(id(entry) for entry in self.held)
-        for entry in self.pool._entries.values():
+        for entry in self.pool.state.entries.values():
             assert entry.ref_count == held.get(id(entry), 0)
         for entry in self.held:
             assert entry.ref_count == held[id(entry)]
@@ -259,10 +259,10 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def provenance_index_files_exactly_the_entries(self) -> None:
         expected: dict = {}
-        for block, entry in self.pool._entries.items():
+        for block, entry in self.pool.state.entries.items():
             for key in provenance_index_keys(entry.provenance):
                 expected.setdefault(key, {})[block] = entry
-        assert {key: list(bucket.items()) for key, bucket in self.pool._index.items()} == {
+        assert {key: list(bucket.items()) for key, bucket in self.pool.state.index.items()} == {
             key: list(bucket.items()) for key, bucket in expected.items()
         }
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
-from gpu_node.block_pool import BlockPool, PoolConfig, StoredInPool, Tier
+from events.tiers import Tier
 from gpu_node.crypto import LocalKeyStore
-from gpu_node.snapshots import (
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.snapshots import (
     MANIFEST_NAME,
     delete_incomplete,
     delete_snapshot,
@@ -21,6 +22,7 @@ from gpu_node.snapshots import (
     remove_from_snapshot,
     write_snapshot,
 )
+from gpu_node.pool.vocabulary import PoolConfig, StoredInPool
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gpu_node.block_pool import CacheEntry
+from gpu_node.pool.vocabulary import CacheEntry
 
 
 class LRUEvictionStrategy:

@@ -1,34 +1,32 @@
 """Governed removal: predicate matches tombstoned first, their bytes deleted in bulk, with per-block evidence.
 
-Split from :class:`gpu_node.block_pool.BlockPool` because removal is what an
-invalidation or erasure command acks on: its ordering (every match tombstoned
-before any byte is touched, the ``node.between_tombstone_and_delete`` fault
-point between the two) deserves one place of its own. Entry bookkeeping
-(tombstone, drop, index) stays the pool's; this runs under the pool's lock.
+Its own part of the pool because removal is what an invalidation or erasure
+command acks on: its ordering (every match tombstoned before any byte is
+touched, the ``node.between_tombstone_and_delete`` fault point between the two)
+deserves one place of its own. Entry bookkeeping (tombstone, drop, index) is
+the pool state's (:class:`gpu_node.pool.state.PoolState`); this runs under the
+state's lock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from events.fault_points import fault_point
-from gpu_node.pool_types import INDEX_KINDS, BlockState, CacheEntry, IndexKey, RemovalEvidence, RemovalReason, RemovalReport, Tier
-from gpu_node.slot_io import zero_slots_verified
+from events.tiers import STORAGE_TIERS, Tier
+from gpu_node.pool.state import PoolState
+from gpu_node.pool.vocabulary import INDEX_KINDS, BlockState, CacheEntry, IndexKey, RemovalEvidence, RemovalReason, RemovalReport
 from prefix_keys.blocks import CacheProvenance
-
-if TYPE_CHECKING:
-    from gpu_node.block_pool import BlockPool
 
 
 class PoolRemover:
-    """Serves the pool's ``remove_where``, ``remove_many`` and ``guard_builds``; operates on its state under its lock."""
+    """Serves the pool's ``remove_where``, ``remove_many`` and ``guard_builds`` on one pool state."""
 
-    def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
+    def __init__(self, state: PoolState) -> None:
+        self._state = state
 
     def guard_builds(self, predicate: Callable[[CacheProvenance], bool], duration_s: float) -> None:
-        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see :meth:`BlockPool.begin_build`).
+        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see :meth:`gpu_node.pool.block_pool.BlockPool.begin_build`).
 
         :meth:`remove_where` tombstones the matching builds it finds, but a
         request whose keys were computed before an invalidation's cutoff may
@@ -37,13 +35,13 @@ class PoolRemover:
         gap: every matching build is either found by the removal or refused
         there. The predicate carries the cutoff, so later blocks still build.
         """
-        pool = self._pool
+        state = self._state
         if duration_s <= 0:
             raise ValueError("duration_s must be positive")
-        with pool._lock:
-            now = pool._clock()
-            pool._build_guards = [(guard, until) for guard, until in pool._build_guards if until > now]
-            pool._build_guards.append((predicate, now + duration_s))
+        with state.lock:
+            now = state.clock()
+            state.build_guards = [(guard, until) for guard, until in state.build_guards if until > now]
+            state.build_guards.append((predicate, now + duration_s))
 
     def remove_where(
         self, predicate: Callable[[CacheProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
@@ -72,19 +70,19 @@ class PoolRemover:
         by every request matching it. All matches of all requests are
         tombstoned before any byte is touched.
         """
-        pool = self._pool
+        state = self._state
         for _, candidates in requests:
             if candidates is not None and (not candidates or candidates[0] not in INDEX_KINDS):
                 raise ValueError(f"unknown index key {candidates!r}")
-        with pool._lock:
+        with state.lock:
             dropping: set[CacheEntry] = set()
             matches_per_request: list[list[CacheEntry]] = []
             for predicate, candidates in requests:
-                scanned = pool._entries.values() if candidates is None else pool._candidates(candidates)
+                scanned = state.entries.values() if candidates is None else state.candidates(candidates)
                 matches = [entry for entry in scanned if entry not in dropping and predicate(entry.provenance)]
                 for entry in matches:
                     if not entry.tombstoned:
-                        pool._tombstone(entry, reason)
+                        state.tombstone(entry, reason)
                     if entry.state is not BlockState.BUILDING and entry.ref_count == 0:
                         dropping.add(entry)
                 matches_per_request.append(matches)
@@ -94,8 +92,8 @@ class PoolRemover:
 
     def _report_removal(self, matches: list[CacheEntry], reason: RemovalReason, cleared: dict[CacheEntry, bool]) -> RemovalReport:
         """Drop the unreferenced ``matches`` whose bytes :meth:`_clear_bytes` deleted; report all of them."""
-        pool = self._pool
-        num_removed = dict.fromkeys(Tier, 0)
+        state = self._state
+        num_removed = dict.fromkeys(STORAGE_TIERS, 0)
         removed: list[bytes] = []
         deferred: list[bytes] = []
         building: list[bytes] = []
@@ -107,7 +105,7 @@ class PoolRemover:
                 deferred.append(entry.block_hash)
             else:
                 tier = entry.tier
-                evidence.append(pool._drop(entry, reason, cleared[entry]))
+                evidence.append(state.drop(entry, reason, cleared[entry]))
                 num_removed[tier] += 1
                 removed.append(entry.block_hash)
         return RemovalReport(reason, num_removed, tuple(removed), tuple(deferred), tuple(building), tuple(evidence))
@@ -118,16 +116,16 @@ class PoolRemover:
         Memory slots are zeroed and read back with one operation per tier, files
         overwritten and unlinked in parallel: removing thousands of blocks costs a
         few tensor operations, not two per block. The entries stay indexed; the
-        caller drops each with its outcome (:meth:`BlockPool._drop`).
+        caller drops each with its outcome (:meth:`PoolState.drop`).
         """
-        pool = self._pool
+        state = self._state
         cleared: dict[CacheEntry, bool] = {}
         for tier in (Tier.DEVICE, Tier.HOST):
             in_tier = sorted((entry for entry in entries if entry.tier is tier), key=lambda entry: entry.slot)
             if in_tier:
-                verified = zero_slots_verified(pool._flat_slots[tier], [entry.slot for entry in in_tier])
+                verified = state.memory[tier].zero_verified([entry.slot for entry in in_tier])
                 cleared.update(zip(in_tier, verified, strict=True))
         files = [entry for entry in entries if entry.tier is Tier.DISK]
         if files:
-            cleared.update(zip(files, pool._disk.delete_many([entry.block_hash for entry in files]), strict=True))
+            cleared.update(zip(files, state.disk.delete_many([entry.block_hash for entry in files]), strict=True))
         return cleared

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from events.fault_points import fault_point
-from gpu_node.block_pool import BlockPool, Tier
-from gpu_node.block_records import MAX_CLEAR_HEADER_BYTES, BlockRestoreError, decode_block_record, record_key_id
+from events.tiers import Tier
 from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.block_records import MAX_CLEAR_HEADER_BYTES, BlockRestoreError, decode_block_record, record_key_id
 from prefix_keys.blocks import BlockKey, CacheProvenance
 
 MANIFEST_NAME = "manifest.json"

@@ -14,10 +14,15 @@ import torch
 from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 from hypothesis import HealthCheck, given, settings
 
-from gpu_node.block_pool import (
+from events.tiers import Tier
+from gpu_node.crypto import LocalKeyStore
+from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.block_records import BlockRestoreError
+from gpu_node.pool.disk_tier import is_sealed
+from gpu_node.pool.vocabulary import (
     METHOD_OVERWRITE_UNLINK,
     METHOD_ZERO_FILL,
-    BlockPool,
     BlockState,
     MovedInPool,
     PoolConfig,
@@ -25,13 +30,8 @@ from gpu_node.block_pool import (
     RemovalReason,
     RemovedFromPool,
     StoredInPool,
-    Tier,
     provenance_index_keys,
 )
-from gpu_node.block_records import BlockRestoreError
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.disk_tier import is_sealed
-from gpu_node.kv_spec import KVBlockSpec
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 
 PUBLIC, TENANT, USER = CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER
@@ -368,10 +368,10 @@ def test_explicit_demotion_zeroes_the_slot_it_leaves(tmp_path):
         pool.demote(block_hash(0), DEVICE)
     assert pool.demote(block_hash(9), HOST) is False
     assert pool.demote(block_hash(0), HOST) is True
-    assert torch.count_nonzero(pool._slots[DEVICE][0]) == 0
+    assert torch.count_nonzero(pool.state.memory[DEVICE].table[0]) == 0
     assert pool.demote(block_hash(0), HOST) is False
     assert pool.demote(block_hash(0), DISK) is True
-    assert torch.count_nonzero(pool._slots[HOST][0]) == 0
+    assert torch.count_nonzero(pool.state.memory[HOST].table[0]) == 0
     assert pool.take_events() == [MovedInPool(block_hash(0), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DISK)]
     assert pool.stats().num_entries == {DEVICE: 0, HOST: 0, DISK: 1}
 
@@ -407,7 +407,7 @@ def test_ttl_is_checked_lazily_and_deletes_bytes(tmp_path):
     assert pool.take_events() == [
         RemovedFromPool(block_hash(1), DEVICE, RemovalReason.EXPIRED, RemovalEvidence(block_hash(1), DEVICE, METHOD_ZERO_FILL, False, True))
     ]
-    assert torch.count_nonzero(pool._slots[DEVICE][1]) == 0
+    assert torch.count_nonzero(pool.state.memory[DEVICE].table[1]) == 0
     assert pool.get_ready(block_hash(0)) is public
     assert pool.stats().num_expired == 1
     assert store(pool, 1, scope=TENANT).slot == 1
@@ -431,7 +431,7 @@ def test_expire_sweeps_and_defers_referenced_blocks(tmp_path):
     with pytest.raises(BlockRestoreError) as raised:
         pool.read_blocks([held])
     assert raised.value.reason == "expired"
-    assert torch.equal(pool._slots[DEVICE][0], make_kv(0))  # still referenced: not freed
+    assert torch.equal(pool.state.memory[DEVICE].table[0], make_kv(0))  # still referenced: not freed
 
     pool.dec_lock_ref([held])
     assert pool.take_events() == [RemovedFromPool(block_hash(0), DEVICE, RemovalReason.EXPIRED, zero(0))]
@@ -469,7 +469,7 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
     assert report.discarded_building == (block_hash(3),)
     assert report.evidence == evidence and report.all_verified
     assert not disk_file.exists()
-    assert torch.count_nonzero(pool._slots[HOST][host_slot]) == 0
+    assert torch.count_nonzero(pool.state.memory[HOST].table[host_slot]) == 0
     assert pool.take_events() == [
         RemovedFromPool(block_hash(0), DISK, RemovalReason.INVALIDATED, evidence[0]),
         RemovedFromPool(block_hash(1), HOST, RemovalReason.INVALIDATED, evidence[1]),
@@ -512,10 +512,10 @@ def test_remove_where_on_a_referenced_entry_twice_reports_it_deferred_once_delet
 def index_is_consistent(pool: BlockPool) -> None:
     """The provenance index files exactly the pool's entries under their keys, in ``_entries`` order."""
     expected: dict = {}
-    for block, entry in pool._entries.items():
+    for block, entry in pool.state.entries.items():
         for key in provenance_index_keys(entry.provenance):
             expected.setdefault(key, {})[block] = entry
-    assert {key: list(bucket.items()) for key, bucket in pool._index.items()} == {
+    assert {key: list(bucket.items()) for key, bucket in pool.state.index.items()} == {
         key: list(bucket.items()) for key, bucket in expected.items()
     }
 
@@ -586,7 +586,7 @@ def build_scenario(pool: BlockPool, blocks, drops) -> None:
         if held:
             pool.inc_lock_ref([entry])
     for i in drops:  # evictions and failed builds reorder nothing but leave holes
-        entry = pool._entries.get(block_hash(i))
+        entry = pool.state.entries.get(block_hash(i))
         if entry is not None and entry.state is BlockState.BUILDING:
             pool.fail_build(entry)
         else:
@@ -609,8 +609,8 @@ def test_narrowed_remove_where_removes_exactly_what_the_full_scan_removes(scenar
         report = narrowed.remove_where(predicate, RemovalReason.INVALIDATED, candidates=key)
         assert report == expected
         assert narrowed.take_events() == full.take_events()
-        assert [(b, e.state, e.tombstoned, e.tier) for b, e in narrowed._entries.items()] == [
-            (b, e.state, e.tombstoned, e.tier) for b, e in full._entries.items()
+        assert [(b, e.state, e.tombstoned, e.tier) for b, e in narrowed.state.entries.items()] == [
+            (b, e.state, e.tombstoned, e.tier) for b, e in full.state.entries.items()
         ]
         index_is_consistent(narrowed)
 
@@ -638,12 +638,12 @@ def test_remove_many_reports_and_deletes_exactly_what_removing_one_by_one_does(s
         reports = batched.remove_many([(predicate, key) for key, predicate in removals], RemovalReason.INVALIDATED)
         assert reports == expected
         assert batched.take_events() == one_by_one.take_events()
-        assert [(b, e.state, e.tombstoned, e.tier, e.slot) for b, e in batched._entries.items()] == [
-            (b, e.state, e.tombstoned, e.tier, e.slot) for b, e in one_by_one._entries.items()
+        assert [(b, e.state, e.tombstoned, e.tier, e.slot) for b, e in batched.state.entries.items()] == [
+            (b, e.state, e.tombstoned, e.tier, e.slot) for b, e in one_by_one.state.entries.items()
         ]
         for tier in (DEVICE, HOST):
-            for slot in batched._free_slots[tier]:
-                assert torch.count_nonzero(batched._slots[tier][slot]) == 0, f"freed {tier.value} slot {slot} still holds bytes"
+            for slot in batched.state.memory[tier].free:
+                assert torch.count_nonzero(batched.state.memory[tier].table[slot]) == 0, f"freed {tier.value} slot {slot} still holds bytes"
         index_is_consistent(batched)
 
 
@@ -660,30 +660,30 @@ def test_the_index_follows_every_admission_and_removal(tmp_path):
     failing = pool.begin_build(make_key(4, scope=TENANT, documents=docs))
     pool.fail_build(failing)
     index_is_consistent(pool)
-    assert set(pool._index[("document", "acme", "handbook")]) == {block_hash(i) for i in range(4)}
+    assert set(pool.state.index[("document", "acme", "handbook")]) == {block_hash(i) for i in range(4)}
     assert pool.demote(block_hash(0), DISK) and pool.evict(block_hash(1))
     index_is_consistent(pool)
     read(pool, [pool.get_ready(block_hash(0))])  # promoted back from disk
     index_is_consistent(pool)
     pool.remove_where(lambda p: "faq@1" in p.documents, RemovalReason.INVALIDATED, candidates=("document", "acme", "faq"))
     index_is_consistent(pool)
-    assert list(pool._index[("document", "acme", "faq")]) == [block_hash(2), block_hash(3)]  # held and building
+    assert list(pool.state.index[("document", "acme", "faq")]) == [block_hash(2), block_hash(3)]  # held and building
     assert pool.commit_build(building, make_kv(3)) is False
     pool.dec_lock_ref([held])
     index_is_consistent(pool)
-    assert pool._index == {}
+    assert pool.state.index == {}
     store(pool, 5, scope=TENANT)
     clock.now += 11.0
     assert pool.expire() == 1
     index_is_consistent(pool)
-    assert pool._index == {}
+    assert pool.state.index == {}
     # Blocks left on disk are filed again when a restarted pool re-indexes them.
     store(pool, 6, scope=TENANT, documents=docs)
     assert pool.demote(block_hash(6), DISK)
     restarted = make_pool(tmp_path, device=2, host=1, disk=2, keys=pool.key_provider)
     assert restarted.load_disk_tier() == 1
     index_is_consistent(restarted)
-    assert list(restarted._index[("document", "acme", "handbook")]) == [block_hash(6)]
+    assert list(restarted.state.index[("document", "acme", "handbook")]) == [block_hash(6)]
 
 
 def test_remove_where_refuses_an_unknown_index_key(tmp_path):
@@ -956,22 +956,22 @@ def test_batched_promotion_of_host_blocks(tmp_path, order):
         store(pool, i)
         assert pool.demote(block_hash(i), HOST)
     pool.take_events()
-    assert pool.stats().num_entries[HOST] == BATCH and torch.count_nonzero(pool._slots[DEVICE]) == 0
+    assert pool.stats().num_entries[HOST] == BATCH and torch.count_nonzero(pool.state.memory[DEVICE].table) == 0
     indices = _batch_order(order)
     entries = [pool.get_ready(block_hash(i)) for i in indices]
     out = read(pool, entries)
     assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
     assert pool.take_events() == [MovedInPool(block_hash(i), HOST, DEVICE) for i in indices]
     for i, entry in zip(indices, entries, strict=True):
-        assert entry.tier is DEVICE and torch.equal(pool._slots[DEVICE][entry.slot], make_kv(i))
-    assert torch.count_nonzero(pool._slots[HOST]) == 0  # every slot the blocks left is zeroed
-    assert sorted(pool._free_slots[HOST]) == list(range(BATCH))
+        assert entry.tier is DEVICE and torch.equal(pool.state.memory[DEVICE].table[entry.slot], make_kv(i))
+    assert torch.count_nonzero(pool.state.memory[HOST].table) == 0  # every slot the blocks left is zeroed
+    assert sorted(pool.state.memory[HOST].free) == list(range(BATCH))
     stats = pool.stats()
     assert stats.num_entries == {DEVICE: BATCH, HOST: 0, DISK: 0}
     assert stats.tier_bytes == {DEVICE: BATCH * SPEC.block_bytes, HOST: 0, DISK: 0}
     assert stats.num_promotions == BATCH
     out.zero_()  # the result is the reader's own memory, not a view of a slot
-    assert torch.equal(pool._slots[DEVICE][entries[0].slot], make_kv(indices[0]))
+    assert torch.equal(pool.state.memory[DEVICE].table[entries[0].slot], make_kv(indices[0]))
     # Device hits in an order that breaks every slot run take the indexed gather; nothing moves.
     assert torch.equal(read(pool, entries[::-1]), torch.stack([make_kv(i) for i in indices[::-1]]))
     assert pool.take_events() == []
@@ -992,13 +992,13 @@ def test_batched_promotion_of_disk_blocks(tmp_path, scope, order):
     assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
     assert pool.take_events() == [MovedInPool(block_hash(i), DISK, DEVICE) for i in indices]
     for i, entry in zip(indices, entries, strict=True):
-        assert entry.tier is DEVICE and torch.equal(pool._slots[DEVICE][entry.slot], make_kv(i))
+        assert entry.tier is DEVICE and torch.equal(pool.state.memory[DEVICE].table[entry.slot], make_kv(i))
         assert not pool.disk_path(block_hash(i)).exists()
     assert list((tmp_path / "disk").iterdir()) == []
     stats = pool.stats()
     assert stats.num_entries == {DEVICE: BATCH, HOST: 0, DISK: 0}
     assert stats.tier_bytes == {DEVICE: BATCH * SPEC.block_bytes, HOST: 0, DISK: 0}
-    assert pool._disk.known_meta == {}
+    assert pool.state.disk.known_meta == {}
 
 
 def test_batched_read_mixes_tiers_and_repeated_entries(tmp_path):
@@ -1018,7 +1018,7 @@ def test_batched_read_mixes_tiers_and_repeated_entries(tmp_path):
         MovedInPool(block_hash(3), DISK, DEVICE),
     ]
     assert tiers(pool) == {0: DEVICE, 1: DEVICE, 2: DEVICE, 3: DEVICE}
-    assert torch.count_nonzero(pool._slots[HOST]) == 0 and list((tmp_path / "disk").iterdir()) == []
+    assert torch.count_nonzero(pool.state.memory[HOST].table) == 0 and list((tmp_path / "disk").iterdir()) == []
     assert e2.ref_count == 0
 
 
@@ -1040,10 +1040,10 @@ def test_batched_promotion_swaps_with_device_victims_and_stops_when_device_is_he
     assert pool.take_events() == [MovedInPool(block_hash(3), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DEVICE)]
     assert tiers(pool) == {0: DEVICE, 1: HOST, 2: DEVICE, 3: HOST}
     assert victim.slot == host_slots[0]
-    assert torch.equal(pool._slots[HOST][victim.slot], make_kv(3))  # the batched zero-fill ran before the swap
-    assert torch.equal(pool._slots[HOST][host_slots[1]], make_kv(1))
-    assert torch.equal(pool._slots[DEVICE][entries[0].slot], make_kv(0))
-    assert torch.count_nonzero(pool._slots[HOST][2:]) == 0
+    assert torch.equal(pool.state.memory[HOST].table[victim.slot], make_kv(3))  # the batched zero-fill ran before the swap
+    assert torch.equal(pool.state.memory[HOST].table[host_slots[1]], make_kv(1))
+    assert torch.equal(pool.state.memory[DEVICE].table[entries[0].slot], make_kv(0))
+    assert torch.count_nonzero(pool.state.memory[HOST].table[2:]) == 0
 
 
 def test_batched_read_with_a_corrupt_file_moves_nothing(tmp_path):
@@ -1066,7 +1066,7 @@ def test_batched_read_with_a_corrupt_file_moves_nothing(tmp_path):
     assert [type(event) for event in events] == [RemovedFromPool]
     assert (events[0].block_hash, events[0].reason) == (block_hash(2), RemovalReason.RESTORE_FAILED)
     assert tiers(pool) == {0: HOST, 1: DISK}
-    assert torch.equal(pool._slots[HOST][entries[0].slot], make_kv(0))
+    assert torch.equal(pool.state.memory[HOST].table[entries[0].slot], make_kv(0))
     assert not path.exists()
 
 
@@ -1075,7 +1075,7 @@ def test_disk_hit_without_known_meta_is_fully_checked(tmp_path):
     pool = make_pool(tmp_path, device=2, disk=2)
     store(pool, 0, scope=TENANT)
     assert pool.demote(block_hash(0), DISK)
-    pool._disk.known_meta.clear()
+    pool.state.disk.known_meta.clear()
     assert torch.equal(read(pool, [pool.get_ready(block_hash(0))])[0], make_kv(0))
 
 

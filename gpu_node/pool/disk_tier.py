@@ -18,7 +18,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.block_records import (
+from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
+from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.pool.block_records import (
     FLAG_PLAIN,
     FLAG_SEALED,
     HEADER,
@@ -33,8 +35,6 @@ from gpu_node.block_records import (
     record_key_id,
     record_meta,
 )
-from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
-from gpu_node.kv_spec import KVBlockSpec
 from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheScope
 
 FILE_DELETE_WORKERS = 4
@@ -136,7 +136,7 @@ class DiskTier:
     def unlink_promoted(self, block_hash: bytes) -> None:
         """Unlink the file a block promoted out of the disk tier left, without the overwrite.
 
-        The pool's promotion explains why no overwrite (``PoolReader._promote_batch`` in :mod:`gpu_node.pool_reads`).
+        The pool's promotion explains why no overwrite (``PoolReader._promote_batch`` in :mod:`gpu_node.pool.reads`).
         """
         try:
             os.unlink(self._prefix + block_hash.hex() + ".kvb")
