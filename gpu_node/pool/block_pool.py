@@ -44,9 +44,9 @@ memory referenced by a reader is never freed, overwritten or moved by the pool.
 Every change of bytes is reported exactly once through :meth:`BlockPool.take_events`,
 which the node publishes to the ledger.
 
-One ``threading.RLock`` (:attr:`PoolState.lock`) guards all state: the pool is called from the engine's
-worker thread and from the asyncio thread. Callers that must look up and lock
-atomically hold :attr:`BlockPool.lock` across both calls. Disk-tier file I/O
+One ``threading.RLock`` (:attr:`PoolState.lock`) guards all state: the pool is
+called from the engine's worker thread and from the asyncio thread. Callers that
+must look up and lock atomically hold :attr:`BlockPool.lock` across both calls. Disk-tier file I/O
 happens under the lock too (one block file per demotion or disk hit), which
 keeps every tier change atomic with its event. Reads are batched
 (:meth:`BlockPool.read_blocks`): per-entry bookkeeping, one tensor op per tier.
