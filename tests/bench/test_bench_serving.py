@@ -8,7 +8,7 @@ import secrets
 
 import pytest
 
-from bench.engine import ModeSample, ServingRow, _render_serving, _sections, bench_serving
+from bench.engine import ModeSample, ServingRow, _FloorProcess, _render_serving, _sections, bench_serving
 from gpu_node.engine import AsyncEngine
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
@@ -47,12 +47,17 @@ async def test_the_serving_section_measures_every_cell_in_process_and_over_http(
         auth=IssuerSettings(jwt_secret=secrets.token_hex(32)),
         cache=CacheSettings(block_size=16, num_device_blocks=256, num_host_blocks=0, max_disk_blocks=0),
     )
-    engine = AsyncEngine.from_settings(settings)
-    await engine.start()
+    floor = _FloorProcess(tiny_model_dir, "cpu", settings.cache.block_size)
     try:
-        rows = await bench_serving(engine, _args())
+        await floor.start()
+        engine = AsyncEngine.from_settings(settings)
+        await engine.start()
+        try:
+            rows = await bench_serving(engine, floor, _args())
+        finally:
+            await engine.stop()
     finally:
-        await engine.stop()
+        floor.close()
     assert [(row.shared_prefix_tokens, row.concurrency) for row in rows] == [(0, 1), (0, 2), (32, 1), (32, 2)]
     for row in rows:
         assert len(row.floor_tokens_per_s) == 1 and row.floor_tokens_per_s[0] > 0
