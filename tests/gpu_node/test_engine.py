@@ -12,7 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.tiers import Tier
-from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
+from gpu_node.engine import (
+    AsyncEngine,
+    GenerationDone,
+    GenerationRequest,
+    PromptStats,
+    PromptTooLongError,
+    SamplingParams,
+    StepTiming,
+    TokenDelta,
+)
 from gpu_node.metrics import MissReason
 from gpu_node.settings import CacheSettings, NodeSettings
 from prefix_keys.blocks import CacheScope, DocumentRef, Principal, compute_block_keys, num_cacheable_blocks
@@ -94,6 +103,21 @@ def expected_cached(num_prompt_tokens: int) -> int:
 
 def ready_hashes(engine: AsyncEngine) -> list[bytes]:
     return [entry.block_hash for entry in engine.pool.ready_entries()]
+
+
+async def test_every_step_is_timed_outside_its_forward(engine):
+    timings: list[StepTiming] = []
+    engine.step_sink = timings.append
+    done = await complete(engine, [system(), user("Time my steps.")], max_tokens=5, ignore_eos=True)
+    # The last step hands its token over before it is timed: a job on the worker runs after that step has finished.
+    await engine.run_exclusive(lambda: None)
+    engine.step_sink = None
+    assert len(done.token_ids) == 5
+    # one step per token: the prefill yields the first, each decode one more
+    assert [(timing.num_seqs, timing.num_tokens > 1) for timing in timings] == [(1, True)] + [(1, False)] * 4
+    assert all(timing.forward_s > 0 and timing.overhead_s > 0 and timing.overhead_cpu_s >= 0 for timing in timings)
+    assert metric(engine, "kvledger_engine_step_overhead_seconds_count") == len(timings)
+    assert metric(engine, "kvledger_engine_step_overhead_seconds_sum") == pytest.approx(sum(timing.overhead_s for timing in timings))
 
 
 async def test_second_request_hits_every_full_block_and_matches_uncached(engine):
