@@ -41,7 +41,8 @@ from coordinator.migrate import upgrade
 from events import schema
 from events.codec import decode_event, encode_key
 from events.fault_points import ENV_VAR as FAULT_POINT_ENV
-from events.kafka import EventProducer, KafkaSettings, kafka_client_kwargs
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from events.topics import ACKS, COMMANDS, KV_EVENTS, node_key
 from identity.signing import EnvelopeSigner
 from identity.tokens import issue_token
@@ -164,7 +165,7 @@ class Child:
 
     def assigned_partitions(self, group_id: str, topic: str) -> set[int] | None:
         """The partitions of ``topic`` that this process's consumer in ``group_id`` was last assigned, from its log
-        (``events.kafka.BatchConsumer`` logs every assignment); None when it logged none."""
+        (``events.kafka.consumer.BatchConsumer`` logs every assignment); None when it logged none."""
         pattern = re.compile(rf"consumer group {re.escape(group_id)}: assigned (.*)$")
         found = None
         for line in self.log_path.read_text(errors="replace").splitlines():
@@ -275,7 +276,7 @@ class ClusterConfig:
     timeout and waits out a SIGKILLed member's whole session, so the production 10 s would cost most of every restart."""
     consumer_fetch_max_wait_ms: int = 5
     """Every consumer's ``fetch_max_wait_ms``: the production default, which times hops as deployed; the fault
-    tests, which time nothing, take 50 ms (a tenth of the idle fetches, see ``events.kafka.ConsumerGroupTiming``)."""
+    tests, which time nothing, take 50 ms (a tenth of the idle fetches, see ``events.kafka.settings.ConsumerGroupTiming``)."""
     ready_timeout_s: float = READY_TIMEOUT_S
     """How long each start (and restart) of a process may take to answer ready."""
     cache_ttl_s: float = 86400.0

@@ -23,7 +23,7 @@ from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator.migrate import upgrade
-from events.kafka import KafkaSettings, kafka_client_kwargs
+from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from gpu_node.node_identity import NODE_KEY_FILE
 from identity.signing import EnvelopeSigner, load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair, issue_token

@@ -64,7 +64,8 @@ from bench.common import (
     wait,
 )
 from coordinator.consumers import consumer_groups
-from events.kafka import KafkaSettings, ensure_topics
+from events.kafka.admin import ensure_topics
+from events.kafka.settings import KafkaSettings
 from events.schema import subject_digest
 from gpu_node.engine import AsyncEngine
 from gpu_node.server import make_command_consumer, make_publisher

@@ -73,7 +73,8 @@ from bench.common import (
 from coordinator.consumers import consumer_groups
 from events import schema, topics
 from events.codec import encode_event
-from events.kafka import KafkaSettings, ensure_topics, kafka_client_kwargs
+from events.kafka.admin import ensure_topics
+from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationApplier
 from gpu_node.engine import AsyncEngine

@@ -45,7 +45,10 @@ from coordinator.ingest import LedgerIngest
 from coordinator.settings import CoordinatorKafkaSettings, DatabaseSettings
 from events import schema
 from events.codec import decode_event, encode_event
-from events.kafka import ConsumedEvent, EventProducer, KafkaSettings, ensure_topics
+from events.kafka.admin import ensure_topics
+from events.kafka.consumer import ConsumedEvent
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.topics import KV_EVENTS
 from identity.signing import EnvelopeSigner, sign_envelope, signature_problem
 

@@ -31,7 +31,10 @@ from coordinator.producer_keys import ProducerKeyRegistry, producer_record_probl
 from coordinator.pruning import Pruner
 from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings
-from events import kafka
+from events.kafka.admin import ensure_topics
+from events.kafka.consumer import BatchConsumer
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS
 from identity.signing import EnvelopeSigner
 
@@ -59,21 +62,21 @@ class ConsumerReadiness:
 
     Consuming means every consumer (kv-events, decisions, acks) joined its group and knows
     the position it resumes from on each partition it was assigned
-    (:attr:`events.kafka.BatchConsumer.consuming`), so an event published from then on is
+    (:attr:`events.kafka.consumer.BatchConsumer.consuming`), so an event published from then on is
     taken by the next poll. Before that — at start, while the group join runs (seconds on
     some brokers), or during a rebalance — a document update would wait for the join, and
     a process that answered ready would let a client act on a version it has not applied.
 
-    A consumer that is stalled (:class:`events.kafka.StallClock`: records waiting, its
+    A consumer that is stalled (:class:`events.kafka.consumer.StallClock`: records waiting, its
     batch failing for longer than ``kafka.stall_after_s``) is a problem too: every later
     decision of its partitions waits behind the failing batch.
     """
 
     def __init__(self) -> None:
-        self._consumers: list[kafka.BatchConsumer] = []
+        self._consumers: list[BatchConsumer] = []
         self._waiting: str | None = None
 
-    def watch(self, consumers: list[kafka.BatchConsumer]) -> None:
+    def watch(self, consumers: list[BatchConsumer]) -> None:
         self._consumers = list(consumers)
         self._waiting = None
 
@@ -95,8 +98,8 @@ class ConsumerReadiness:
         return None
 
 
-def kafka_settings(settings: CoordinatorSettings) -> kafka.KafkaSettings:
-    return kafka.KafkaSettings(
+def kafka_settings(settings: CoordinatorSettings) -> KafkaSettings:
+    return KafkaSettings(
         bootstrap=settings.kafka.bootstrap,
         client_id="kvledger-coordinator",
         enable_idempotence=settings.kafka.enable_idempotence,
@@ -162,21 +165,21 @@ class _Parts:
     the three consumer groups (kv-events, decisions, acks) and the background loops."""
 
     database: Database
-    producer: kafka.EventProducer
+    producer: EventProducer
     tally: DeadLetterTally
     relay: OutboxRelay
-    consumer: kafka.BatchConsumer
-    invalidations: kafka.BatchConsumer
-    acks: kafka.BatchConsumer
+    consumer: BatchConsumer
+    invalidations: BatchConsumer
+    acks: BatchConsumer
     erasures: ErasureService
     handler: InvalidationHandler
     resender: CommandResender
     pruner: Pruner
 
     @classmethod
-    def build(cls, settings: CoordinatorSettings, config: kafka.KafkaSettings, command_signer: EnvelopeSigner) -> _Parts:
+    def build(cls, settings: CoordinatorSettings, config: KafkaSettings, command_signer: EnvelopeSigner) -> _Parts:
         database = Database(settings.database, pre_ping=False)
-        producer = kafka.EventProducer(config)
+        producer = EventProducer(config)
         tally = DeadLetterTally()
         relay = OutboxRelay(database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s)
         subject_key = settings.ledger.subject_key
@@ -203,7 +206,7 @@ class _Parts:
         )
         node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
         seal = command_signer.sign_dead_letter  # replay trusts only letters the coordinator signed
-        consumer = kafka.BatchConsumer(
+        consumer = BatchConsumer(
             config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
             [KV_EVENTS],
             VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally, seal=seal),
@@ -240,7 +243,7 @@ class _Parts:
             problem=producer_record_problem,
         )
         invalidations, acks = (
-            kafka.BatchConsumer(
+            BatchConsumer(
                 config,
                 groups[group_id],
                 group_handler,
@@ -269,9 +272,9 @@ async def _run_connected(
     """One attempt of :func:`run_consumers`: BrokerUnreachable when the broker cannot be reached at start."""
     config = kafka_settings(settings)
     connect_timeout_s = settings.kafka.connect_timeout_s
-    await _started(kafka.ensure_topics(config), connect_timeout_s)
+    await _started(ensure_topics(config), connect_timeout_s)
     parts = _Parts.build(settings, config, command_signer)
-    started: list[kafka.EventProducer | kafka.BatchConsumer] = []
+    started: list[EventProducer | BatchConsumer] = []
     try:
         for part in (parts.producer, parts.consumer, parts.invalidations, parts.acks):
             try:
@@ -315,7 +318,7 @@ async def _run_connected(
         log.info("coordinator consumers stopped")
 
 
-async def _signal_assignment(consumer: kafka.BatchConsumer, assigned: asyncio.Event) -> None:
+async def _signal_assignment(consumer: BatchConsumer, assigned: asyncio.Event) -> None:
     while True:
         try:
             await consumer.wait_for_assignment(timeout_s=3600)

@@ -3,7 +3,7 @@
 A record a coordinator consumer refused (contract violation, unverified signature, a value
 the database refused) is put on ``kvledger.dead-letter`` with its source coordinates, its raw
 bytes — or, for a record too large for its letter, a reference to them — and the reason
-(``events.kafka.send_to_dead_letter``), **signed** with the coordinator's command key
+(``events.kafka.dead_letters.send_to_dead_letter``), **signed** with the coordinator's command key
 (``identity.signing.sign_dead_letter``). Nodes put what they refused on
 ``kvledger.node-dead-letter``. Only ``platform-admin`` reads or replays them.
 
@@ -52,7 +52,8 @@ from coordinator.dependencies import PlatformAdmin, Settings
 from coordinator.http import error_response
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter
-from events.kafka import EventProducer, KafkaSettings, kafka_client_kwargs
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from events.topics import ALL_TOPICS, DEAD_LETTER, DEAD_LETTER_TOPICS, NODE_DEAD_LETTER
 from identity.signing import dead_letter_signature_problem
 

@@ -12,7 +12,7 @@ from sqlalchemy import Text, Uuid, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from events.kafka import ConsumedEvent
+from events.kafka.consumer import ConsumedEvent
 from events.schema import Envelope
 
 DUPLICATE = "duplicate"

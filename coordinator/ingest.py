@@ -69,7 +69,7 @@ from coordinator.models import (
 )
 from coordinator.outbox import outbox_row
 from coordinator.states import PlacementState
-from events.kafka import ConsumedEvent
+from events.kafka.consumer import ConsumedEvent
 from events.metrics import DEAD_LETTER_TOTAL
 from events.schema import (
     BlockMoved,
@@ -743,7 +743,7 @@ class LedgerIngest:
 
 
 class DeadLetterTally:
-    """Stands in for the ``dead_letter_counter`` of :class:`events.kafka.BatchConsumer`.
+    """Stands in for the ``dead_letter_counter`` of :class:`events.kafka.consumer.BatchConsumer`.
 
     Each dead letter increments the process-local Prometheus counter *and* a pending
     tally that :meth:`flush` adds to the ``dead_letters`` table, so ``/metrics`` of any

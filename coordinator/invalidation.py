@@ -38,7 +38,7 @@ from coordinator.erasure import ErasureService
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.states import PlacementState
 from events.fault_points import fault_point
-from events.kafka import ConsumedEvent
+from events.kafka.consumer import ConsumedEvent
 from events.schema import CommandAck, DocumentDeleted, DocumentUpdated, Envelope, ErasureRequested, PermissionRevoked
 from events.topics import ACKS
 from identity.signing import EnvelopeSigner

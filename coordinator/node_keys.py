@@ -36,7 +36,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator.db import Database
 from coordinator.models import NodeKey
 from events.codec import encode_event, encode_key
-from events.kafka import ConsumedEvent, EventProducer, Handler, Seal, send_to_dead_letter
+from events.kafka.consumer import ConsumedEvent, Handler
+from events.kafka.dead_letters import Seal, send_to_dead_letter
+from events.kafka.producer import EventProducer
 from events.metrics import DEAD_LETTER_TOTAL, UNVERIFIED_RECORDS_TOTAL
 from events.schema import Envelope
 from identity.node_credentials import CredentialError, credential_key_id, verify_node_credential

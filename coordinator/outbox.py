@@ -27,7 +27,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from coordinator.db import Database
 from coordinator.metrics import OUTBOX_PUBLISHED_TOTAL
 from events.fault_points import fault_point
-from events.kafka import EventProducer
+from events.kafka.producer import EventProducer
 from events.schema import Envelope
 from events.topics import route
 

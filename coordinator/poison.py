@@ -1,4 +1,4 @@
-"""Which handler failures are the data's fault: the input to :class:`events.kafka.BatchConsumer`'s bisection.
+"""Which handler failures are the data's fault: the input to :class:`events.kafka.consumer.BatchConsumer`'s bisection.
 
 A record the database refuses *as data* fails the same way on every retry, so retrying
 it would stall its partition forever; it is isolated and dead-lettered instead. Every

@@ -8,7 +8,7 @@ The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``
 ``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY``,
 ``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_COMMAND_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` (or ``_FILE``) and the Kafka security
 variables (``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_USERNAME`` …, see
-``events.kafka.KAFKA_SHARED_ENV``) are honoured too, because
+``events.kafka.settings.KAFKA_SHARED_ENV``) are honoured too, because
 one operator sets them once for every process (nodes, coordinator, tests); a
 coordinator-specific variable wins over the shared one, an explicit argument
 over both.
@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from events.http_server import HttpServerLimits
-from events.kafka import ConsumerGroupTiming, KafkaSecurity
+from events.kafka.settings import ConsumerGroupTiming, KafkaSecurity
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, TOPIC_CONFIGS
 from identity.metrics_access import MetricsSettings
 from identity.service_settings import METRICS_AND_KAFKA_ENV, ServiceSettings, refuse_shared_issuer
@@ -73,11 +73,11 @@ class DatabaseSettings(BaseModel):
 
 
 class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
-    """Kafka options (turned into :class:`events.kafka.KafkaSettings` by ``coordinator.consumers``).
+    """Kafka options (turned into :class:`events.kafka.settings.KafkaSettings` by ``coordinator.consumers``).
 
     Idempotence is off by default: the embedded Tansu broker rejects it. The security
-    fields (SASL, TLS) come from :class:`events.kafka.KafkaSecurity`, the consumer groups'
-    session, heartbeat and fetch wait from :class:`events.kafka.ConsumerGroupTiming`.
+    fields (SASL, TLS) come from :class:`events.kafka.settings.KafkaSecurity`, the consumer groups'
+    session, heartbeat and fetch wait from :class:`events.kafka.settings.ConsumerGroupTiming`.
     """
 
     bootstrap: str = "127.0.0.1:9092"
@@ -88,7 +88,7 @@ class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     max_batch_records: int = Field(500, ge=1)
     ingest_fetch_max_wait_ms: int = Field(50, ge=1)
     """How long the broker may hold an empty fetch of the kv-events consumer (the other
-    consumers: ``fetch_max_wait_ms``, 5 ms by default, see ``events.kafka.ConsumerGroupTiming``). Node reports are
+    consumers: ``fetch_max_wait_ms``, 5 ms by default, see ``events.kafka.settings.ConsumerGroupTiming``). Node reports are
     bulk and on no user's path; with 5 ms that consumer ran a transaction for every one or
     two reports and took the CPU the decisions need (invalidation bench, 2 cores: last ack
     p99 ~250–360 → ~150–200 ms). The ledger shows a node's changes up to this much later."""

@@ -6,7 +6,7 @@ encodes to the same bytes). Keys are UTF-8 strings. Dead-letter values wrap the
 may not be valid UTF-8 or JSON at all, and must be kept byte-exact for replay — or,
 when the record is too large for its dead letter to fit one producer request, refer to
 it *by reference* (coordinates, size, SHA-256 and a bounded prefix; see
-``events.kafka.dead_letter_record``).
+``events.kafka.dead_letters.dead_letter_record``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How large a record the system may write, and splitting a set of items into records that fit.
 
-Every producer of this system (:class:`events.kafka.EventProducer`) refuses a record whose
+Every producer of this system (:class:`events.kafka.producer.EventProducer`) refuses a record whose
 request size is above its ``max_request_size`` (:data:`MAX_REQUEST_BYTES`), with
 ``MessageSizeTooLargeError``, before anything reaches the broker: a record over it is never
 delivered, however often it is re-sent. So every writer of a record that lists a set of
@@ -26,7 +26,7 @@ from events.schema import MAX_ID_CHARS, MAX_SAFE_INT, Envelope, EventPayload, No
 T = TypeVar("T")
 
 MAX_REQUEST_BYTES = 1_048_576
-"""The producer's ``max_request_size`` (aiokafka's default, which :class:`events.kafka.EventProducer`
+"""The producer's ``max_request_size`` (aiokafka's default, which :class:`events.kafka.producer.EventProducer`
 keeps): the largest record, key and framing included, it sends. The broker's default
 ``message.max.bytes`` (1 MiB plus 12 bytes of batch framing) admits every such record."""
 

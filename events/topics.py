@@ -64,7 +64,7 @@ TOPIC_CONFIGS: dict[str, dict[str, str]] = {
     DEAD_LETTER: {"cleanup.policy": "delete", "retention.ms": str(90 * _DAY_MS)},
     NODE_DEAD_LETTER: {"cleanup.policy": "delete", "retention.ms": str(90 * _DAY_MS)},
 }
-"""The configs each topic is created with (``events.kafka.ensure_topics``); see docs/operations.md, "Topics"."""
+"""The configs each topic is created with (``events.kafka.admin.ensure_topics``); see docs/operations.md, "Topics"."""
 
 ALERT_TOPICS: frozenset[str] = frozenset({ERASURES, PERMISSIONS})
 """Topics where a dead-lettered record is an alert, not just a count: dropping one would

@@ -81,7 +81,10 @@ from events import schema, topics
 from events.ack_parts import TierReport, ack_parts
 from events.codec import decode_event, decode_key
 from events.fault_points import fault_point
-from events.kafka import EventProducer, KafkaSettings, StallClock, get_fresh_batch, kafka_client_kwargs, send_to_dead_letter
+from events.kafka.consumer import StallClock, get_fresh_batch
+from events.kafka.dead_letters import send_to_dead_letter
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from events.metrics import HANDLER_FAILURES_TOTAL
 from events.tiers import Tier
 from gpu_node.crypto import DataKeyProvider

@@ -59,7 +59,9 @@ from pydantic import ValidationError
 from events import schema
 from events.codec import DeadLetter, encode_event, encode_key
 from events.fault_points import fault_triggered
-from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.record_size import MAX_RECORD_BYTES, envelope_bytes, split_to_fit
 from events.topics import KV_EVENTS, NODE_DEAD_LETTER, route
 from gpu_node.crypto import until_key_service_answers

@@ -12,7 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from events.http_server import server_config
-from events.kafka import KafkaSettings
+from events.kafka.settings import KafkaSettings
 from events.logs import configure_logging
 from gpu_node.api import create_app
 from gpu_node.commands import CommandConsumer, InvalidationApplier

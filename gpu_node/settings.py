@@ -18,7 +18,7 @@ from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from events.http_server import HttpServerLimits
-from events.kafka import ConsumerGroupTiming, KafkaSecurity
+from events.kafka.settings import ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
 from identity.service_settings import ServiceSettings, refuse_shared_issuer
@@ -124,8 +124,8 @@ class DataKeySettings(BaseModel):
 
 
 class NodeKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
-    """How the node authenticates to the brokers (:class:`events.kafka.KafkaSecurity`) and how its command
-    consumer's group member stays alive and waits on fetches (:class:`events.kafka.ConsumerGroupTiming`)."""
+    """How the node authenticates to the brokers (:class:`events.kafka.settings.KafkaSecurity`) and how its command
+    consumer's group member stays alive and waits on fetches (:class:`events.kafka.settings.ConsumerGroupTiming`)."""
 
     stall_after_s: float = Field(60.0, gt=0)
     """Commands waiting this long without being handled (one failing again and again) make the command

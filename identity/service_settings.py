@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from events.kafka import KAFKA_SHARED_ENV
+from events.kafka.settings import KAFKA_SHARED_ENV
 from identity.settings import JWT_SECRET_ENV, IssuerSettings
 
 

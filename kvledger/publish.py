@@ -28,7 +28,9 @@ from typing import Any
 from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
-from events.kafka import KAFKA_SHARED_ENV, EventProducer, KafkaSettings, ensure_topics
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KAFKA_SHARED_ENV, KafkaSettings
 from events.schema import DocumentDeleted, DocumentUpdated, Envelope, ErasureRequested, EventPayload, PermissionRevoked, make_event
 from events.topics import route
 from identity.signing import EnvelopeSigner, load_private_key_pem

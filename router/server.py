@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from events.http_server import server_config
-from events.kafka import KafkaSettings
+from events.kafka.settings import KafkaSettings
 from events.logs import configure_logging
 from identity.signing import load_public_key_file
 from identity.tokens import TokenVerifier

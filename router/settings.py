@@ -15,7 +15,7 @@ from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from events.http_server import HttpServerLimits
-from events.kafka import ConsumerGroupTiming, KafkaSecurity
+from events.kafka.settings import ConsumerGroupTiming, KafkaSecurity
 from events.schema import Name
 from identity.metrics_access import MetricsSettings
 from identity.service_settings import ServiceSettings

@@ -54,7 +54,7 @@ from coordinator.api import create_app
 from coordinator.consumers import kafka_settings
 from coordinator.db import Database
 from coordinator.settings import CoordinatorSettings
-from events.kafka import EventProducer
+from events.kafka.producer import EventProducer
 from kvledger.model_init import build_tiny_model
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 

@@ -37,8 +37,8 @@ from coordinator.api import create_app
 from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.receipts import verify_served_receipt
 from coordinator.settings import CoordinatorSettings
-from events import kafka
-from events.kafka import EventProducer
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
 from events.schema import BlockStored, CommandAck, DocumentUpdated, NodeStarted, TierEvidence, make_event, subject_digest
 
 pytestmark = pytest.mark.integration
@@ -75,7 +75,7 @@ def settings(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
 @pytest.fixture(scope="module")
 async def console(settings: CoordinatorSettings) -> AsyncIterator[str]:
     """The coordinator's consumers (starting at the end of the shared topics) and its app on uvicorn; yields the base URL."""
-    await kafka.ensure_topics(kafka_settings(settings))
+    await ensure_topics(kafka_settings(settings))
     await start_groups_at_end(settings.kafka.bootstrap, consumer_groups(settings.kafka.group_id))
     consumers = await RunningConsumers(settings).start()
     served = await Served(create_app(settings)).start()

@@ -46,8 +46,10 @@ from coordinator.decisions import decide
 from coordinator.models import Invalidation, InvalidationTarget, Node, OutboxEntry
 from coordinator.resend import CommandResender
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
-from events import kafka, schema, topics
-from events.kafka import EventProducer, KafkaSettings
+from events import schema, topics
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from gpu_node.settings import CacheSettings
 from identity.signing import signature_problem
 from identity.tokens import issue_token
@@ -255,7 +257,7 @@ async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: 
             kafka={"group_id": group},
             ledger={"command_resend_after_s": 0.5, "command_resend_max_s": 2.0, "command_resend_poll_s": 0.1},
         )
-        await kafka.ensure_topics(kafka_settings(settings))
+        await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(group))
         consumers = await RunningConsumers(settings).start()
         database = Database(settings.database, pre_ping=False)

@@ -22,7 +22,7 @@ from coordinator.api import create_app
 from coordinator.db import Database
 from coordinator.ingest import LedgerIngest
 from coordinator.settings import CoordinatorSettings
-from events.kafka import ConsumedEvent
+from events.kafka.consumer import ConsumedEvent
 from events.schema import BlockRemoved, BlockStored, NodeHeartbeat, NodeStarted, RemovedBlock, SnapshotWritten, make_event, subject_digest
 from events.topics import KV_EVENTS
 from identity.tokens import issue_token

@@ -22,7 +22,7 @@ from sqlalchemy import func, select
 from coordinator.db import Database
 from coordinator.models import InboxEntry, Node, Placement
 from coordinator.settings import CoordinatorSettings
-from events.kafka import KafkaSettings
+from events.kafka.settings import KafkaSettings
 from events.schema import BlockStored, NodeStarted, make_event
 
 NUM_EVENTS = 300

@@ -29,8 +29,10 @@ from coordinator.consumers import ConsumerReadiness, consumer_groups, kafka_sett
 from coordinator.db import Database
 from coordinator.models import Invalidation
 from coordinator.settings import CoordinatorSettings
-from events import kafka, schema
-from events.kafka import EventProducer, KafkaSettings
+from events import schema
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 
 DECIDED_WITHIN_S = 3.0
 """An update published once ``/readyz`` said ready is decided this fast (the group join alone took ~5 s)."""
@@ -40,7 +42,7 @@ DECIDED_WITHIN_S = 3.0
 async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         settings = coordinator_settings(url, kafka_bootstrap)
-        await kafka.ensure_topics(kafka_settings(settings))
+        await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
         yield settings
 

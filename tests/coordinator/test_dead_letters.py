@@ -36,7 +36,7 @@ from coordinator.models import DeadLetterCount, Invalidation, Node
 from coordinator.settings import CoordinatorSettings
 from events import schema
 from events.codec import encode_key
-from events.kafka import EventProducer
+from events.kafka.producer import EventProducer
 from events.topics import DOCUMENTS, KV_EVENTS, route
 from identity.signing import SIGNATURE_ERROR
 

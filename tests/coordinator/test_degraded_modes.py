@@ -25,7 +25,8 @@ from coordinator.db import Database
 from coordinator.models import Invalidation
 from coordinator.settings import DatabaseSettings
 from events import schema
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 BOUNDED_S = 5.0

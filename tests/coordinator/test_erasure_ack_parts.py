@@ -40,7 +40,7 @@ from coordinator.receipts import verify_served_receipt
 from coordinator.settings import CoordinatorSettings
 from events.ack_parts import TierReport
 from events.codec import encode_event
-from events.kafka import EventProducer
+from events.kafka.producer import EventProducer
 from events.record_size import MAX_RECORD_BYTES
 from events.schema import (
     MAX_BLOCKS_PER_EVENT,

@@ -20,7 +20,7 @@ from coordinator.ingest import LedgerIngest
 from coordinator.ledger import begin_ledger_transaction, generic_plans
 from coordinator.models import Block, Namespace, Node, Placement
 from coordinator.settings import DatabaseSettings
-from events.kafka import ConsumedEvent
+from events.kafka.consumer import ConsumedEvent
 from events.schema import BlockRemoved, BlockStored, Envelope, NodeStarted, RemovedBlock
 from events.topics import KV_EVENTS
 from identity.signing import EnvelopeSigner

@@ -46,7 +46,7 @@ from coordinator.models import AuditLogEntry, DeferredAck, Erasure, Invalidation
 from coordinator.receipts import verify_served_receipt
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter
-from events.kafka import EventProducer
+from events.kafka.producer import EventProducer
 from events.schema import (
     BlockMoved,
     BlockRemoved,

@@ -31,7 +31,8 @@ from coordinator.ingest import LedgerIngest
 from coordinator.models import Block, BlockAuthScope, BlockDocument, DeadLetterCount, InboxEntry, Node, OutboxEntry, Placement, Snapshot
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
-from events.kafka import ConsumedEvent, EventProducer
+from events.kafka.consumer import ConsumedEvent
+from events.kafka.producer import EventProducer
 from events.schema import (
     BlockMoved,
     BlockProvenance,

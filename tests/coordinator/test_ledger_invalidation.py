@@ -55,7 +55,8 @@ from coordinator.ledger import lock_decisions
 from coordinator.models import DeadLetterCount, Document, Invalidation, InvalidationTarget, Namespace, Node, OutboxEntry, Placement, Policy
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
-from events.kafka import ConsumedEvent, EventProducer
+from events.kafka.consumer import ConsumedEvent
+from events.kafka.producer import EventProducer
 from events.schema import (
     ANY_VERSION,
     BlockRemoved,

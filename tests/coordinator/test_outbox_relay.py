@@ -18,7 +18,7 @@ from coordinator.models import OutboxEntry
 from coordinator.outbox import OutboxRelay, outbox_row
 from coordinator.settings import CoordinatorSettings
 from events.codec import decode_event
-from events.kafka import EventProducer
+from events.kafka.producer import EventProducer
 from events.schema import DocumentPredicate, Invalidate, make_event
 from events.topics import COMMANDS
 from identity.signing import verify_envelope

@@ -45,7 +45,7 @@ from helpers.node import CoordinatorThread, RunningNode, demote_to_disk, node_se
 
 from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings
-from events import kafka
+from events.kafka.admin import ensure_topics
 from events.schema import subject_digest
 from events.tiers import Tier
 from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
@@ -115,7 +115,7 @@ async def stack(
             ledger={"erasure_verify_interval_s": 0.5},
             keys={"master_key": MASTER_KEY},
         )
-        await kafka.ensure_topics(kafka_settings(settings))
+        await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(
             kafka_bootstrap,
             consumer_groups(group),

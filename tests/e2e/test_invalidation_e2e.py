@@ -46,7 +46,8 @@ from helpers.node import RunningNode, Served, node_settings
 from bench.common import start_groups_at_end
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import consumer_groups, kafka_settings
-from events import kafka, topics
+from events import topics
+from events.kafka.admin import ensure_topics
 from events.tiers import Tier
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
@@ -82,7 +83,7 @@ async def coordinator(ledger_url: str, kafka_bootstrap: str) -> AsyncIterator[st
     """The coordinator's consumers and HTTP API on a fresh ledger; yields the API's base URL."""
     group = f"e2e-{uuid.uuid4().hex[:8]}"
     settings = coordinator_settings(ledger_url, kafka_bootstrap, kafka={"group_id": group})
-    await kafka.ensure_topics(kafka_settings(settings))
+    await ensure_topics(kafka_settings(settings))
     await start_groups_at_end(
         kafka_bootstrap,
         consumer_groups(group),

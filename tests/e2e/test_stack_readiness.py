@@ -17,7 +17,8 @@ import pytest
 from helpers.stack import Up
 
 from events import schema
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from identity.tokens import issue_token
 from kvledger.publish import producer_signer
 

@@ -14,7 +14,10 @@ from helpers.ledger import eventually, kafka_client_settings
 from prometheus_client import REGISTRY
 
 from events.codec import DeadLetter, encode_event, encode_key
-from events.kafka import BatchConsumer, ConsumedEvent, EventProducer, KafkaSettings, ensure_topics, get_fresh_batch
+from events.kafka.admin import ensure_topics
+from events.kafka.consumer import BatchConsumer, ConsumedEvent, get_fresh_batch
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.schema import DocumentUpdated, make_event
 from events.topics import DEAD_LETTER, DOCUMENTS
 

@@ -23,7 +23,9 @@ from pydantic import ValidationError
 
 from events.ack_parts import TierReport, ack_parts, merge_evidence
 from events.codec import encode_event
-from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.record_size import MAX_KEY_BYTES, MAX_RECORD_BYTES, MAX_REQUEST_BYTES, envelope_bytes, request_bytes, split_to_fit
 from events.schema import (
     MAX_ACK_PARTS,

@@ -11,7 +11,8 @@ import uuid
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from events.kafka import KafkaSettings, ensure_topics, new_topics
+from events.kafka.admin import ensure_topics, new_topics
+from events.kafka.settings import KafkaSettings
 from events.topics import ALL_TOPICS, COMMANDS, DEAD_LETTER, TOPIC_CONFIGS
 
 

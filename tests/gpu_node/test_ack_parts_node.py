@@ -23,7 +23,7 @@ from helpers.node import node_settings
 from test_node_invalidation import Node, publish
 
 from events import schema, topics
-from events.kafka import KafkaSettings
+from events.kafka.settings import KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
 from events.tiers import Tier
 from gpu_node.settings import CacheSettings

@@ -38,7 +38,8 @@ from coordinator.consumers import consumer_groups, kafka_settings
 from coordinator.db import Database
 from coordinator.models import Block, Invalidation, InvalidationTarget, Placement
 from coordinator.settings import DatabaseSettings
-from events import kafka, schema
+from events import schema
+from events.kafka.admin import ensure_topics
 from events.tiers import Tier
 from gpu_node.engine import AsyncEngine
 from gpu_node.metrics import NodeMetrics
@@ -94,7 +95,7 @@ async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: 
     """A coordinator on a fresh ledger per test: a node of an earlier test, stopped, would be a target that never acks."""
     async with fresh_database(database_url, ledger_template) as url:
         settings = coordinator_settings(url, kafka_bootstrap, ledger={"erasure_verify_interval_s": 0.5}, keys={"master_key": MASTER_KEY})
-        await kafka.ensure_topics(kafka_settings(settings))
+        await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
         running = await CoordinatorThread(settings).start()
         database = Database(DatabaseSettings(url=url), pre_ping=False)

@@ -53,8 +53,10 @@ from coordinator.db import Database
 from coordinator.models import Invalidation, InvalidationTarget, Namespace
 from coordinator.node_keys import revoke
 from coordinator.settings import DatabaseSettings
-from events import kafka, schema, topics
-from events.kafka import EventProducer, KafkaSettings
+from events import schema, topics
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from gpu_node.governance_sync import GovernanceClient
 from gpu_node.settings import CacheSettings
 from identity.node_credentials import issue_node_credential
@@ -118,7 +120,7 @@ async def stack(ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp
         ledger={"erasure_verify_interval_s": 0.5, "command_resend_after_s": 3600, "command_resend_max_s": 3600},
         keys={"master_key": MASTER_KEY},
     )
-    await kafka.ensure_topics(kafka_settings(settings))
+    await ensure_topics(kafka_settings(settings))
     await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
     coordinator = await CoordinatorThread(settings).start()
     database = Database(DatabaseSettings(url=ledger_url), pre_ping=False)

@@ -20,7 +20,7 @@ from helpers.node import NodeServices, node_settings
 from prometheus_client import REGISTRY
 
 from events import schema, topics
-from events.kafka import KafkaSettings
+from events.kafka.settings import KafkaSettings
 from events.tiers import Tier
 from gpu_node.api import create_app
 from gpu_node.commands import block_predicate

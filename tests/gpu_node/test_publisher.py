@@ -11,7 +11,8 @@ from helpers.ledger import SUBJECT_KEY, node_key, scan_topic
 
 from events import schema, topics
 from events.codec import DeadLetter
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
 from events.tiers import Tier
 from gpu_node.engine import AsyncEngine

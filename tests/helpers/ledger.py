@@ -32,7 +32,9 @@ from bench.common import connect_kwargs, start_groups_at_end
 from coordinator.consumers import consumer_groups, kafka_settings, run_consumers
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_event
-from events.kafka import EventProducer, KafkaSettings, ensure_topics
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.schema import BlockStored, Envelope, EventPayload, EventValidationError, NodeStarted, StoredBlock, make_event, parse_event
 from events.topics import COMMANDS, CUSTOMER_TOPICS, DEAD_LETTER, route
 from gpu_node.node_identity import NODE_KEY_FILE
@@ -157,8 +159,8 @@ class SigningProducer(EventProducer):
 
 
 GROUP_TIMING: dict[str, int] = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 500, "fetch_max_wait_ms": 50}
-"""Consumer timing (:class:`~events.kafka.ConsumerGroupTiming`) of every test coordinator, node and
-:class:`~events.kafka.BatchConsumer`. The embedded broker holds each group join for half the session timeout:
+"""Consumer timing (:class:`~events.kafka.settings.ConsumerGroupTiming`) of every test coordinator, node and
+:class:`~events.kafka.consumer.BatchConsumer`. The embedded broker holds each group join for half the session timeout:
 production's 10 s cost 5 s per group, 15 s per coordinator start (three groups), 5 s per node start. 2 s still
 survives a loaded machine's event-loop stalls between heartbeats. The embedded broker answers a waiting fetch
 only when its wait expires, so every idle consumer fetches once per wait: at the default 5 ms an idle

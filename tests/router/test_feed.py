@@ -30,7 +30,7 @@ from helpers.node import Served
 
 from coordinator.api import create_app as create_coordinator_app
 from coordinator.consumers import kafka_settings
-from events.kafka import EventProducer
+from events.kafka.producer import EventProducer
 from events.schema import BlockStored, DocumentUpdated, make_event
 from events.tiers import Tier
 from router.feed import CoordinatorClient, Feed

@@ -27,7 +27,7 @@ from coordinator.ingest import LedgerIngest
 from coordinator.invalidation import InvalidationHandler
 from coordinator.models import Base, Block, BlockAuthScope, BlockCreator, BlockDocument, Document, Erasure, Node, Policy, Snapshot
 from coordinator.settings import DatabaseSettings
-from events.kafka import ConsumedEvent
+from events.kafka.consumer import ConsumedEvent
 from events.schema import (
     MAX_DOCUMENT_VERSION,
     MAX_ID_CHARS,

@@ -46,9 +46,13 @@ from coordinator.db import Database
 from coordinator.models import Invalidation
 from coordinator.ops_app import create_ops_app
 from coordinator.settings import CoordinatorSettings
-from events import kafka, schema
+from events import schema
 from events.codec import MAX_DEAD_LETTER_ERROR_CHARS, MAX_REFERENCE_PREFIX_BYTES, DeadLetter
-from events.kafka import MIN_REQUEST_BYTES, SIZE_REFUSALS, EventProducer, dead_letter_record, send_to_dead_letter
+from events.kafka.admin import ensure_topics
+from events.kafka.consumer import BatchConsumer, ConsumedEvent
+from events.kafka.dead_letters import dead_letter_record, send_to_dead_letter
+from events.kafka.producer import SIZE_REFUSALS, EventProducer
+from events.kafka.settings import MIN_REQUEST_BYTES
 from events.record_size import MAX_REQUEST_BYTES, request_bytes
 from events.topics import DEAD_LETTER, ERASURES
 from identity.signing import EnvelopeSigner, dead_letter_signature_problem
@@ -189,15 +193,15 @@ async def test_a_consumer_whose_batch_keeps_failing_is_stalled_in_readiness_and_
     kafka_bootstrap: str, unique_name: str, settings: CoordinatorSettings
 ) -> None:
     config = kafka_client_settings(kafka_bootstrap)
-    await kafka.ensure_topics(config, [unique_name])
+    await ensure_topics(config, [unique_name])
     failing = asyncio.Event()
     failing.set()
 
-    async def handler(events: list[kafka.ConsumedEvent]) -> None:
+    async def handler(events: list[ConsumedEvent]) -> None:
         if failing.is_set():
             raise ConnectionError("the database is away")  # transient: retried, never dead-lettered
 
-    consumer = kafka.BatchConsumer(config, [unique_name], handler, group_id=unique_name, stall_after_s=1.0, max_backoff_s=0.2)
+    consumer = BatchConsumer(config, [unique_name], handler, group_id=unique_name, stall_after_s=1.0, max_backoff_s=0.2)
     readiness = ConsumerReadiness()
     app = create_ops_app(settings, readiness)
 

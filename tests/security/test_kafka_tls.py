@@ -5,7 +5,7 @@ listener in plaintext), so the test puts a TLS-terminating proxy in front of a T
 broker that advertises the proxy's address: every client connection, bootstrap and
 metadata-directed alike, is TLS with a certificate from a CA made here, and the proxy
 requires a client certificate (mTLS) from the same CA. Producer, consumer and admin
-client are built from :class:`events.kafka.KafkaSettings` through
+client are built from :class:`events.kafka.settings.KafkaSettings` through
 ``kafka_client_kwargs``, exactly as the node and coordinator build theirs.
 """
 
@@ -31,7 +31,9 @@ from cryptography.x509.oid import NameOID
 from helpers.ledger import eventually, sign_customer_event
 
 from events.codec import decode_event
-from events.kafka import EventProducer, KafkaSettings, ensure_topics, kafka_client_kwargs
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from events.topics import DOCUMENTS
 from kvledger import publish
 from kvledger.net import loopback_listener

@@ -37,7 +37,7 @@ from coordinator.ingest import LedgerIngest
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure
 from coordinator.settings import CoordinatorSettings
-from events.kafka import ConsumedEvent
+from events.kafka.consumer import ConsumedEvent
 from events.schema import BlockStored, DocumentPredicate, NamespacePredicate, NodeStarted, make_event, subject_digest
 from events.topics import KV_EVENTS
 

@@ -43,9 +43,11 @@ from coordinator.erasure import start_erasure
 from coordinator.ledger import begin_ledger_transaction, lock_decisions
 from coordinator.models import Erasure, InvalidationTarget, Placement, Receipt
 from coordinator.settings import CoordinatorSettings
-from events import kafka, schema, topics
+from events import schema, topics
 from events.codec import decode_event
-from events.kafka import EventProducer, KafkaSettings
+from events.kafka.admin import ensure_topics
+from events.kafka.producer import EventProducer
+from events.kafka.settings import KafkaSettings
 from events.tiers import Tier
 from gpu_node.api import create_app
 from gpu_node.commands import block_predicate
@@ -221,7 +223,7 @@ async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: 
             ledger={"inventory_retry_s": 3600, "erasure_verify_interval_s": 0.2},
             keys={"master_key": base64.b64encode(os.urandom(32)).decode()},  # receipts are signed with a stored key
         )
-        await kafka.ensure_topics(kafka_settings(settings))
+        await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
         running = await RunningConsumers(settings).start()
         try:
