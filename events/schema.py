@@ -536,6 +536,11 @@ class InventoryRequested(EventPayload):
     request_id: uuid.UUID
 
 
+Command = Invalidate | InventoryRequested
+"""What the coordinator tells nodes on ``kvledger.commands``, each signed with its command key;
+that topic carries these payloads and no others (``events.topics.TYPES_BY_TOPIC``)."""
+
+
 # --- nodes → coordinator (kvledger.acks) ------------------------------------
 
 

@@ -10,10 +10,13 @@ changes which partition a key hashes to), but a customer event's key must be exa
 
 from __future__ import annotations
 
+from typing import get_args
+
 from events.schema import (
     BlockMoved,
     BlockRemoved,
     BlockStored,
+    Command,
     CommandAck,
     DocumentDeleted,
     DocumentUpdated,
@@ -91,7 +94,7 @@ TYPES_BY_TOPIC: dict[str, frozenset[str]] = {
             UsageReported.TYPE,
         }
     ),
-    COMMANDS: frozenset({Invalidate.TYPE, InventoryRequested.TYPE}),
+    COMMANDS: frozenset(model.TYPE for model in get_args(Command)),
     ACKS: frozenset({CommandAck.TYPE}),
 }
 """The event types each topic carries, and no others: the one table producers route by and every

@@ -947,6 +947,7 @@ class CommandConsumer:
                 self._unacked[(tp, record.offset)] = None
             return None
         payload = envelope.payload
+        assert isinstance(payload, schema.Command), f"routing admits only commands on this topic, got {envelope.type}"
         if isinstance(payload, schema.Invalidate):
             # Applied in an earlier life, or in this run with its ack not yet published, or a re-send of a
             # command applied in this run: remember, never apply again; a re-send gets the command's ack again.
