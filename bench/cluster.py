@@ -37,7 +37,7 @@ from aiokafka.partitioner import murmur2
 from sqlalchemy import make_url
 
 from bench.common import BenchKeys, coordinator_env, operator_headers, wait
-from coordinator.migrate import upgrade
+from coordinator.ledger.migrate import upgrade
 from events import schema
 from events.codec import decode_event, encode_key
 from events.fault_points import ENV_VAR as FAULT_POINT_ENV

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from coordinator.migrate import upgrade
+from coordinator.ledger.migrate import upgrade
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from gpu_node.node_identity import NODE_KEY_FILE
 from identity.signing import EnvelopeSigner, load_or_create_private_key, private_key_pem, public_key_pem

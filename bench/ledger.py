@@ -40,8 +40,8 @@ from bench.common import (
     start_groups_at_end,
 )
 from coordinator.consumers import consumer_groups
-from coordinator.db import Database
-from coordinator.ingest import LedgerIngest
+from coordinator.handlers.ingest import LedgerIngest
+from coordinator.ledger.db import Database
 from coordinator.settings import CoordinatorKafkaSettings, DatabaseSettings
 from events import schema
 from events.codec import decode_event, encode_event

@@ -1,12 +1,12 @@
 """The coordinator's background work: the kv-events consumer, the decisions consumer
 (documents, permissions, erasures), the ack consumer, the outbox relay, the erasure
-verifier, the command re-sender (``coordinator.resend``), the dead-letter tally and the
-inbox/outbox pruner (``coordinator.pruning``).
+verifier, the command re-sender (``coordinator.handlers.resend``), the dead-letter tally and the
+inbox/outbox pruner (``coordinator.handlers.pruning``).
 
-kv-events and acks reach their handlers only through :class:`coordinator.node_keys.VerifiedRecords`:
+kv-events and acks reach their handlers only through :class:`coordinator.keys.node_keys.VerifiedRecords`:
 a record not signed by a key enrolled for its node is dead-lettered, never applied. Customer events
 (documents, permissions, erasures) pass the same step with producer keys
-(``coordinator.producer_keys``): one not signed by a key bound to its tenant is never decided.
+(``coordinator.keys.producer_keys``): one not signed by a key bound to its tenant is never decided.
 Every command is signed with the command key (``settings.command_signer()``) before it
 enters the outbox."""
 
@@ -19,18 +19,19 @@ from dataclasses import dataclass
 
 from aiokafka.errors import KafkaError
 
-from coordinator.audit_log import ReceiptKeys
-from coordinator.db import Database
-from coordinator.erasure import ErasureService
-from coordinator.ingest import DeadLetterTally, LedgerIngest
-from coordinator.invalidation import InvalidationHandler
-from coordinator.node_keys import NodeKeyRegistry, VerifiedRecords
-from coordinator.outbox import OutboxRelay
-from coordinator.poison import refused_as_data
-from coordinator.producer_keys import ProducerKeyRegistry, producer_record_problem
-from coordinator.pruning import Pruner
-from coordinator.resend import CommandResender
-from coordinator.settings import CoordinatorSettings
+from coordinator.audit.audit_log import ReceiptKeys
+from coordinator.handlers.erasure import ErasureService
+from coordinator.handlers.ingest import DeadLetterTally, LedgerIngest
+from coordinator.handlers.invalidation import InvalidationHandler
+from coordinator.handlers.outbox import OutboxRelay
+from coordinator.handlers.poison import refused_as_data
+from coordinator.handlers.pruning import Pruner
+from coordinator.handlers.resend import CommandResender
+from coordinator.keys.node_keys import NodeKeyRegistry, VerifiedRecords
+from coordinator.keys.producer_keys import ProducerKeyRegistry, producer_record_problem
+from coordinator.ledger.db import Database
+from coordinator.readiness import ConsumerReadiness
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.kafka.admin import ensure_topics
 from events.kafka.consumer import BatchConsumer
 from events.kafka.producer import EventProducer
@@ -55,60 +56,6 @@ def consumer_groups(group_id: str) -> dict[str, list[str]]:
         group_id + INVALIDATION_GROUP_SUFFIX: [DOCUMENTS, PERMISSIONS, ERASURES],
         group_id + ACK_GROUP_SUFFIX: [ACKS],
     }
-
-
-class ConsumerReadiness:
-    """Whether this process's consumers are consuming: what the coordinator's ``/readyz`` reports for them.
-
-    Consuming means every consumer (kv-events, decisions, acks) joined its group and knows
-    the position it resumes from on each partition it was assigned
-    (:attr:`events.kafka.consumer.BatchConsumer.consuming`), so an event published from then on is
-    taken by the next poll. Before that — at start, while the group join runs (seconds on
-    some brokers), or during a rebalance — a document update would wait for the join, and
-    a process that answered ready would let a client act on a version it has not applied.
-
-    A consumer that is stalled (:class:`events.kafka.consumer.StallClock`: records waiting, its
-    batch failing for longer than ``kafka.stall_after_s``) is a problem too: every later
-    decision of its partitions waits behind the failing batch.
-    """
-
-    def __init__(self) -> None:
-        self._consumers: list[BatchConsumer] = []
-        self._waiting: str | None = None
-
-    def watch(self, consumers: list[BatchConsumer]) -> None:
-        self._consumers = list(consumers)
-        self._waiting = None
-
-    def wait_for(self, reason: str) -> None:
-        """The consumers are not started because of ``reason`` (e.g. the broker is unreachable)."""
-        self._consumers = []
-        self._waiting = reason
-
-    def problem(self) -> str | None:
-        """Why the consumers are not consuming yet (None when they are)."""
-        if not self._consumers:
-            return self._waiting or "consumers not started"
-        waiting = [consumer.group_id for consumer in self._consumers if not consumer.consuming]
-        if waiting:
-            return "consumer groups not yet consuming: " + ", ".join(waiting)
-        stalled = [f"{each.group_id} ({each.stall.stalled_for_s:.0f}s)" for each in self._consumers if each.stall.stalled]
-        if stalled:
-            return "consumer groups stalled (records waiting, not committed past): " + ", ".join(stalled)
-        return None
-
-
-def kafka_settings(settings: CoordinatorSettings) -> KafkaSettings:
-    return KafkaSettings(
-        bootstrap=settings.kafka.bootstrap,
-        client_id="kvledger-coordinator",
-        enable_idempotence=settings.kafka.enable_idempotence,
-        num_partitions=settings.kafka.num_partitions,
-        replication_factor=settings.kafka.replication_factor,
-        group_id=settings.kafka.group_id,
-        **settings.kafka.timing_fields(),
-        **settings.kafka.security_fields(),
-    )
 
 
 async def run_consumers(

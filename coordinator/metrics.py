@@ -16,8 +16,8 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.models import DeadLetterCount, DeferredAck, Erasure, Invalidation, Node, OutboxEntry
-from coordinator.states import ErasureStatus, InvalidationStatus
+from coordinator.ledger.models import DeadLetterCount, DeferredAck, Erasure, Invalidation, Node, OutboxEntry
+from coordinator.ledger.states import ErasureStatus, InvalidationStatus
 
 log = logging.getLogger(__name__)
 

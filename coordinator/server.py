@@ -6,8 +6,8 @@ their in-flight batch; then the process exits 0. If one half dies, the other is
 stopped too and the exit status is 1, so a supervisor restarts the whole process.
 
 ``/readyz`` answers 200 only once the process's consumers are consuming
-(:class:`coordinator.consumers.ConsumerReadiness`): with ``--role all`` on the API, with
-``--role consumers`` on :mod:`coordinator.ops_app` (``/healthz``, ``/readyz``, ``/metrics``)
+(:class:`coordinator.readiness.ConsumerReadiness`): with ``--role all`` on the API, with
+``--role consumers`` on :mod:`coordinator.api.ops_app` (``/healthz``, ``/readyz``, ``/metrics``)
 at the configured HTTP host and port.
 """
 
@@ -25,9 +25,10 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from coordinator.api import create_app
-from coordinator.consumers import ConsumerReadiness, run_consumers
-from coordinator.ops_app import create_ops_app
+from coordinator.api.app import create_app
+from coordinator.api.ops_app import create_ops_app
+from coordinator.consumers import run_consumers
+from coordinator.readiness import ConsumerReadiness
 from coordinator.settings import CoordinatorSettings
 from events.http_server import server_config
 from events.logs import configure_logging
@@ -47,7 +48,7 @@ async def serve(settings: CoordinatorSettings, app: FastAPI, consumers: bool, re
     """Run the HTTP ``app`` and, with ``consumers``, the consumers until SIGTERM/SIGINT; returns the exit status.
 
     ``readiness`` is handed to the consumers; the app's ``/readyz`` reads the same one (the
-    API's with ``--role all``, :mod:`coordinator.ops_app`'s with ``--role consumers``).
+    API's with ``--role all``, :mod:`coordinator.api.ops_app`'s with ``--role consumers``).
     """
     # Imported libraries are ~10^5 long-lived objects; frozen, full collections stop rescanning
     # them (a pause of up to hundreds of ms in the middle of a batch).

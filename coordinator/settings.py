@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from events.http_server import HttpServerLimits
-from events.kafka.settings import ConsumerGroupTiming, KafkaSecurity
+from events.kafka.settings import ConsumerGroupTiming, KafkaSecurity, KafkaSettings
 from events.topics import ACKS, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, TOPIC_CONFIGS
 from identity.metrics_access import MetricsSettings
 from identity.service_settings import METRICS_AND_KAFKA_ENV, ServiceSettings, refuse_shared_issuer
@@ -153,21 +153,21 @@ class LedgerSettings(BaseModel):
     relay publish them, this much later."""
     command_resend_after_s: float = Field(10.0, gt=0)
     """A target that has not acked its command this long after the decision gets the command
-    again (``coordinator.resend``); each further re-send waits twice as long as the one before…"""
+    again (``coordinator.handlers.resend``); each further re-send waits twice as long as the one before…"""
     command_resend_max_s: float = Field(120.0, gt=0)
     """…up to this long between two re-sends to one target."""
     command_resend_poll_s: float = Field(1.0, gt=0)
     """How often the consumers process looks for targets whose re-send is due."""
     deferred_ack_poll_s: float = Field(5.0, gt=0)
-    """How often the consumers process looks for deferred acks (``coordinator.acks``) to release without
+    """How often the consumers process looks for deferred acks (``coordinator.handlers.acks``) to release without
     being woken: every kv-events batch wakes it, so this only bounds a wake lost to a crash."""
     node_key_cache_s: float = Field(5.0, ge=0)
-    """How long a looked-up node key is trusted from memory (``coordinator.node_keys``): the longest
+    """How long a looked-up node key is trusted from memory (``coordinator.keys.node_keys``): the longest
     a revoked node key keeps working at a replica, and the price of one key query per node per period."""
 
     prune_interval_s: float = Field(3600.0, gt=0)
     """How often the consumers process deletes inbox and outbox rows that can no longer matter
-    (``coordinator.pruning``, docs/operations.md "Pruning")."""
+    (``coordinator.handlers.pruning``, docs/operations.md "Pruning")."""
     prune_inbox_after_s: float = Field(37 * _DAY_S, gt=0)
     """An inbox row is deleted this long after its event was applied. At least the longest
     retention of a topic the coordinator consumes (30 days) plus a margin for the broker's
@@ -196,7 +196,7 @@ class LedgerSettings(BaseModel):
 
 
 class KeySettings(BaseModel):
-    """The data key service (``coordinator.keys``).
+    """The data key service (``coordinator.keys.data_keys``).
 
     ``master_key`` (base64 of 32 bytes) wraps every data key stored in the
     ledger. Without it the coordinator serves no keys (HTTP 503): nodes that
@@ -234,7 +234,7 @@ class CoordinatorSettings(ServiceSettings):
     Required; it must not share a key with ``auth``."""
     auth: IssuerSettings = IssuerSettings()
     """The end users' issuer, as the nodes verify it. No coordinator endpoint takes end-user
-    tokens (the data key endpoints take node credentials only, ``coordinator.keys_api``); the
+    tokens (the data key endpoints take node credentials only, ``coordinator.api.routes.keys``); the
     coordinator reads it only to refuse an ``operator_auth`` that shares its key."""
     http: HttpSettings = HttpSettings()
     http_limits: HttpServerLimits = HttpServerLimits()
@@ -269,3 +269,17 @@ class CoordinatorSettings(ServiceSettings):
         if self.ledger.subject_key is None:
             raise ValueError("set KVLEDGER_SUBJECT_KEY (shared with the nodes) to query blocks by subject")
         return self.ledger.subject_key.get_secret_value().encode()
+
+
+def kafka_settings(settings: CoordinatorSettings) -> KafkaSettings:
+    """The shared Kafka helpers' settings for this coordinator: its client id, topics' shape, timing and security."""
+    return KafkaSettings(
+        bootstrap=settings.kafka.bootstrap,
+        client_id="kvledger-coordinator",
+        enable_idempotence=settings.kafka.enable_idempotence,
+        num_partitions=settings.kafka.num_partitions,
+        replication_factor=settings.kafka.replication_factor,
+        group_id=settings.kafka.group_id,
+        **settings.kafka.timing_fields(),
+        **settings.kafka.security_fields(),
+    )

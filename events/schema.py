@@ -579,7 +579,7 @@ class CommandAck(EventPayload):
     the broker had taken from the node when the ack was built, so every block event that
     describes the command's removals (and every ``SnapshotWritten`` it rewrote) is at or below
     it. The coordinator applies the ack only once its ledger holds the node's events through
-    that seq (``coordinator.acks``). Left out when unset (a node that does not fence).
+    that seq (``coordinator.handlers.acks``). Left out when unset (a node that does not fence).
     """
 
     TYPE: ClassVar[str] = "CommandAck"

@@ -43,7 +43,7 @@ to the end offsets it saw at start, so a node that was down applies what it miss
 before it serves.
 
 Re-sent commands. The coordinator re-sends a command to a node that has not acked it
-(``coordinator.resend``): a new record, same ``command_id``. A command this node
+(``coordinator.handlers.resend``): a new record, same ``command_id``. A command this node
 already applied in this run is not applied again: its ack — the same envelope, same
 ``event_id`` and evidence, every part of it — is published again, so a lost ack is recovered and an ack
 that did arrive is a duplicate the coordinator's inbox drops. A command applied in an

@@ -1,6 +1,6 @@
 """A starting node fetches the governance state it must enforce from the coordinator (docs/design.md §6).
 
-``GET /v1/governance`` (``coordinator.governance_api``) answers, page by page, the
+``GET /v1/governance`` (``coordinator.api.routes.governance``) answers, page by page, the
 decisions the node's version registry must hold (retired namespaces, current policy
 and document versions, each with its decision time) and the commands still pending
 for this node. The node asks with its own credential (the enrolled node key, as for

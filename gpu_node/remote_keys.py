@@ -1,4 +1,4 @@
-"""Data keys fetched from the coordinator's key service (``coordinator.keys_api``).
+"""Data keys fetched from the coordinator's key service (``coordinator.api.routes.keys``).
 
 With ``coordinator_url`` set, a node holds no data keys of its own: it asks the
 coordinator for the live key of a block's scope when it seals a block, and for

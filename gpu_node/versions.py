@@ -18,7 +18,7 @@ consumed afterwards move it on.
 policy, ordered by the decision time every command carries (its ``cutoff``, the
 coordinator's database time; decisions about one document or scope are taken one
 after another, so that order is the coordinator's). Order of arrival is not enough:
-a re-sent command (``coordinator.resend``) or the governance state can arrive after a
+a re-sent command (``coordinator.handlers.resend``) or the governance state can arrive after a
 newer decision, and must not move the registry back. A ``DocumentDeleted`` arrives as
 a document command with a ``below_version`` above any real version, which makes every
 version stale until a later decision re-creates the document.

@@ -10,7 +10,7 @@ token may claim any of these names and still gets none of their powers.
   nodes do.
 * ``router`` is a fleet router's own credential (``kvledger router``): it reads the
   ledger's live placements of every node and the enrolled node keys
-  (``coordinator.router_api``), nothing else — no tenant's ledger, erasure or key.
+  (``coordinator.api.routes.router``), nothing else — no tenant's ledger, erasure or key.
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ def verify_envelope(envelope: Envelope, public_key: Ed25519PublicKey) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class EnrolledKey:
-    """A node key enrolled at the coordinator (``coordinator.node_keys``): what that node's records are checked against."""
+    """A node key enrolled at the coordinator (``coordinator.keys.node_keys``): what that node's records are checked against."""
 
     key_id: str
     node_id: str
@@ -258,7 +258,7 @@ class EnvelopeSigner:
 
 
 GOVERNANCE_CONTEXT = b"kvledger/governance-state/v1\x00"
-"""The context of the command key's signature over a governance state answer (``coordinator.governance_api``)."""
+"""The context of the command key's signature over a governance state answer (``coordinator.api.routes.governance``)."""
 
 
 DEAD_LETTER_CONTEXT = b"kvledger/dead-letter/v1\x00"
@@ -286,7 +286,7 @@ def dead_letter_signature_problem(letter: DeadLetter, public_key: Ed25519PublicK
 def sign_document(document: dict, private_key: Ed25519PrivateKey, context: bytes) -> dict:
     """``{"kid", "sig"}``: ``private_key``'s signature over ``context`` + the RFC 8785 canonical JSON of ``document``.
 
-    For signed HTTP answers (the coordinator's governance state, ``coordinator.governance_api``).
+    For signed HTTP answers (the coordinator's governance state, ``coordinator.api.routes.governance``).
     ``context`` names what is signed, so a signed document can never pass as a signed envelope
     or as another kind of document signed by the same key.
     """

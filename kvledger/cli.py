@@ -207,7 +207,7 @@ def _add_coordinator_commands(commands: argparse._SubParsersAction) -> None:
     migrate.add_argument("--database-url", help="ledger database (default KVLEDGER_DATABASE_URL)")
     migrate.add_argument("--revision", default="head", help="Alembic revision to migrate to (default head)")
     migrate.add_argument("--downgrade", action="store_true", help="downgrade to --revision instead of upgrading")
-    migrate.set_defaults(func=_lazy("coordinator.migrate:cli"))
+    migrate.set_defaults(func=_lazy("coordinator.ledger.migrate:cli"))
 
     publish = commands.add_parser("publish", help="publish a user event (document update, permission revocation, erasure)")
     publish.add_argument("--kafka-bootstrap", help="defaults to KVLEDGER_KAFKA_BOOTSTRAP or .kvledger/stack.json")

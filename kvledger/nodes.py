@@ -36,8 +36,8 @@ def _database_url(args: argparse.Namespace) -> str:
 
 async def enroll_node_key(database_url: str, node_id: str, public_key: Ed25519PublicKey) -> str:
     """Enroll ``public_key`` for ``node_id`` in the registry at ``database_url``; returns its key id."""
-    from coordinator.db import Database
-    from coordinator.node_keys import enroll
+    from coordinator.keys.node_keys import enroll
+    from coordinator.ledger.db import Database
     from coordinator.settings import DatabaseSettings
 
     database = Database(DatabaseSettings(url=database_url), pre_ping=False)
@@ -50,8 +50,8 @@ async def enroll_node_key(database_url: str, node_id: str, public_key: Ed25519Pu
 
 async def revoke_node_keys(database_url: str, node_id: str, kid: str | None) -> list[str]:
     """Revoke ``node_id``'s key ``kid`` (all of its keys when None); returns the key ids revoked."""
-    from coordinator.db import Database
-    from coordinator.node_keys import revoke
+    from coordinator.keys.node_keys import revoke
+    from coordinator.ledger.db import Database
     from coordinator.settings import DatabaseSettings
 
     database = Database(DatabaseSettings(url=database_url), pre_ping=False)

@@ -37,8 +37,8 @@ async def enroll_producer_key(database_url: str, public_key: Ed25519PublicKey, t
 
     For ``kvledger up`` and the benchmarks, which own their database; operators use the API (``enroll``).
     """
-    from coordinator.db import Database
-    from coordinator.producer_keys import enroll
+    from coordinator.keys.producer_keys import enroll
+    from coordinator.ledger.db import Database
     from coordinator.settings import DatabaseSettings
 
     database = Database(DatabaseSettings(url=database_url), pre_ping=False)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from coordinator.migrate import upgrade
+from coordinator.ledger.migrate import upgrade
 from gpu_node.node_identity import NODE_KEY_FILE
 from identity.roles import ROUTER
 from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem

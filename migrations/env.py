@@ -2,7 +2,7 @@
 
 Two ways in:
 
-* programmatic (``coordinator.migrate``): the caller opens the async connection,
+* programmatic (``coordinator.ledger.migrate``): the caller opens the async connection,
   takes the migration lock and hands the sync-facing connection in
   ``config.attributes["connection"]``;
 * the ``alembic`` command line: this module creates an async engine from
@@ -19,8 +19,8 @@ from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import coordinator.keys  # noqa: F401 - declares data_keys on Base.metadata
-from coordinator.models import Base
+import coordinator.keys.data_keys  # noqa: F401 - declares data_keys on Base.metadata
+from coordinator.ledger.models import Base
 
 config = context.config
 target_metadata = Base.metadata

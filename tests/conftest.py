@@ -49,11 +49,10 @@ from helpers.ledger import SigningProducer, enroll_producer, fresh_database
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy import make_url
 
-from coordinator import migrate
-from coordinator.api import create_app
-from coordinator.consumers import kafka_settings
-from coordinator.db import Database
-from coordinator.settings import CoordinatorSettings
+from coordinator.api.app import create_app
+from coordinator.ledger import migrate
+from coordinator.ledger.db import Database
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.kafka.producer import EventProducer
 from kvledger.model_init import build_tiny_model
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres

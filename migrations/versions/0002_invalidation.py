@@ -3,7 +3,7 @@ from documents, policies, namespaces and placements to the command that enforces
 
 Expected nodes are the nodes registered when the command was decided; a command is
 ``complete`` once every one of them acked with verified evidence. The checked-in
-schema must equal ``coordinator.models`` (the migration test compares them).
+schema must equal ``coordinator.ledger.models`` (the migration test compares them).
 
 Revision ID: 0002_invalidation
 Revises: 0001

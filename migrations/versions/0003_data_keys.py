@@ -1,4 +1,4 @@
-"""Data keys for tenant/user data at rest, held by the coordinator (``coordinator.keys``).
+"""Data keys for tenant/user data at rest, held by the coordinator (``coordinator.keys.data_keys``).
 
 One row per key: the key itself only wrapped (AES-256-GCM under the
 deployment master key, AAD = key id), never in clear. ``destroyed_at`` is set

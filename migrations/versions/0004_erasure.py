@@ -6,7 +6,7 @@
   each (unique ``leaf_index``): the signed document exactly as signed.
 * ``audit_log``: the append-only leaves (RFC 6962 leaf hashes); ``tree_heads``: one
   signed head per size. Appends are serialized by an advisory lock in
-  ``coordinator.erasure``, so the log never forks.
+  ``coordinator.handlers.erasure``, so the log never forks.
 * ``receipt_keys``: every Ed25519 key that signed a receipt or a tree head, so old
   receipts keep verifying after rotation or a restart; a generated key's private half
   is stored wrapped under the master key, a configured one is never stored.

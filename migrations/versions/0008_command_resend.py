@@ -4,7 +4,7 @@
 because this node had not acked, ``last_resent_at`` when the last one was queued and
 ``next_resend_at`` when the next one is due (NULL:
 the first is due ``command_resend_after_s`` after the decision). The partial index keeps
-the re-sender's look-up of due targets to the pending ones (``coordinator.resend``).
+the re-sender's look-up of due targets to the pending ones (``coordinator.handlers.resend``).
 
 Revision ID: 0008_command_resend
 Revises: 0007_node_keys

@@ -33,10 +33,10 @@ from helpers.ledger import SUBJECT_KEY, RunningConsumers, coordinator_settings, 
 from helpers.node import Served
 
 from bench.common import start_groups_at_end
-from coordinator.api import create_app
-from coordinator.consumers import consumer_groups, kafka_settings
-from coordinator.receipts import verify_served_receipt
-from coordinator.settings import CoordinatorSettings
+from coordinator.api.app import create_app
+from coordinator.audit.receipts import verify_served_receipt
+from coordinator.consumers import consumer_groups
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer
 from events.schema import BlockStored, CommandAck, DocumentUpdated, NodeStarted, TierEvidence, make_event, subject_digest

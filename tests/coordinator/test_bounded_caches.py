@@ -6,8 +6,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from helpers.ledger import coordinator_settings
 
-from coordinator.db import Database
-from coordinator.node_keys import NodeKeyRegistry, enroll, revoke
+from coordinator.keys.node_keys import NodeKeyRegistry, enroll, revoke
+from coordinator.ledger.db import Database
 from coordinator.settings import CoordinatorSettings
 
 

@@ -1,4 +1,4 @@
-"""Command re-send (``coordinator.resend``): a target that has not acked gets its command again, with backoff.
+"""Command re-send (``coordinator.handlers.resend``): a target that has not acked gets its command again, with backoff.
 
 Two levels, both on real services:
 
@@ -40,12 +40,12 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select, update
 
 from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
-from coordinator.db import Database
-from coordinator.decisions import decide
-from coordinator.models import Invalidation, InvalidationTarget, Node, OutboxEntry
-from coordinator.resend import CommandResender
-from coordinator.settings import CoordinatorSettings, DatabaseSettings
+from coordinator.consumers import consumer_groups
+from coordinator.handlers.decisions import decide
+from coordinator.handlers.resend import CommandResender
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Invalidation, InvalidationTarget, Node, OutboxEntry
+from coordinator.settings import CoordinatorSettings, DatabaseSettings, kafka_settings
 from events import schema, topics
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer

@@ -17,10 +17,10 @@ import pytest
 from helpers.ledger import JWT_SECRET, OPERATOR_PRIVATE_KEY_PEM, SUBJECT_KEY, coordinator_settings, fresh_database, stored
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import migrate
-from coordinator.api import create_app
-from coordinator.db import Database
-from coordinator.ingest import LedgerIngest
+from coordinator.api.app import create_app
+from coordinator.handlers.ingest import LedgerIngest
+from coordinator.ledger import migrate
+from coordinator.ledger.db import Database
 from coordinator.settings import CoordinatorSettings
 from events.kafka.consumer import ConsumedEvent
 from events.schema import BlockRemoved, BlockStored, NodeHeartbeat, NodeStarted, RemovedBlock, SnapshotWritten, make_event, subject_digest

@@ -19,8 +19,8 @@ import httpx
 from helpers.ledger import SigningProducer, coordinator_env, eventually, stored
 from sqlalchemy import func, select
 
-from coordinator.db import Database
-from coordinator.models import InboxEntry, Node, Placement
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import InboxEntry, Node, Placement
 from coordinator.settings import CoordinatorSettings
 from events.kafka.settings import KafkaSettings
 from events.schema import BlockStored, NodeStarted, make_event

@@ -23,12 +23,13 @@ from helpers.ledger import coordinator_env, coordinator_settings, eventually, fr
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
-from coordinator import migrate
-from coordinator.api import create_app
-from coordinator.consumers import ConsumerReadiness, consumer_groups, kafka_settings, run_consumers
-from coordinator.db import Database
-from coordinator.models import Invalidation
-from coordinator.settings import CoordinatorSettings
+from coordinator.api.app import create_app
+from coordinator.consumers import consumer_groups, run_consumers
+from coordinator.ledger import migrate
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Invalidation
+from coordinator.readiness import ConsumerReadiness
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events import schema
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer

@@ -30,10 +30,9 @@ from helpers.ledger import (
 )
 from sqlalchemy import select
 
-from coordinator.consumers import kafka_settings
-from coordinator.db import Database
-from coordinator.models import DeadLetterCount, Invalidation, Node
-from coordinator.settings import CoordinatorSettings
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import DeadLetterCount, Invalidation, Node
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events import schema
 from events.codec import encode_key
 from events.kafka.producer import EventProducer
@@ -160,7 +159,7 @@ async def test_the_cli_lists_and_replays(
     """``kvledger dead-letters`` against the coordinator over real HTTP, with the stack's operator key."""
     import uvicorn
 
-    from coordinator.api import create_app
+    from coordinator.api.app import create_app
 
     (tmp_path / "operator_key.pem").write_bytes(OPERATOR_PRIVATE_KEY_PEM)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))

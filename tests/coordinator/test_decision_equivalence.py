@@ -1,9 +1,9 @@
 """Property: the decision rule's two implementations mark exactly the same placements.
 
-The rule "which live copies does a decision cover" exists twice in ``coordinator.decisions``:
-:func:`~coordinator.decisions.decide` with :func:`~coordinator.decisions.matching_blocks` (SQLAlchemy,
+The rule "which live copies does a decision cover" exists twice in ``coordinator.handlers.decisions``:
+:func:`~coordinator.handlers.decisions.decide` with :func:`~coordinator.handlers.decisions.matching_blocks` (SQLAlchemy,
 one decision at a time: late re-sends, erasures, namespace retirement, the API) and the bulk ``_DECIDE``
-statement of :func:`~coordinator.decisions.decide_many` (every document/permission event of a batch at once).
+statement of :func:`~coordinator.handlers.decisions.decide_many` (every document/permission event of a batch at once).
 A rule change made in one of them only would silently diverge, so for random ledgers — blocks of a few
 tenants, namespaces and subjects, with documents and auth scopes at several versions, copies on a few nodes
 in every tier, live or deleted — and random event sequences (documents updated or deleted, permissions
@@ -35,10 +35,9 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.db import Database
-from coordinator.decisions import APPLIED, SUPERSEDED, decide, decide_many, parse_predicate
-from coordinator.ledger import begin_ledger_transaction
-from coordinator.models import (
+from coordinator.handlers.decisions import APPLIED, SUPERSEDED, decide, decide_many, parse_predicate
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import (
     Block,
     BlockAuthScope,
     BlockDocument,
@@ -52,6 +51,7 @@ from coordinator.models import (
     Policy,
     Snapshot,
 )
+from coordinator.ledger.transactions import begin_ledger_transaction
 from coordinator.settings import DatabaseSettings
 from events.schema import (
     ANY_VERSION,

@@ -20,9 +20,9 @@ import httpx
 from helpers.ledger import SUBJECT_KEY, coordinator_env, enroll_producer, eventually, fresh_database, operator_headers, sign_customer_event
 from sqlalchemy import select
 
-from coordinator import migrate
-from coordinator.db import Database
-from coordinator.models import Invalidation
+from coordinator.ledger import migrate
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Invalidation
 from coordinator.settings import DatabaseSettings
 from events import schema
 from events.kafka.producer import EventProducer

@@ -33,10 +33,10 @@ from helpers.ledger import (
 from sqlalchemy import func, select, text
 from test_ledger_erasure import cli_verify, served_documents, status_of, wait_status
 
-from coordinator.db import Database
-from coordinator.keys import KeyService
-from coordinator.models import AckPart, InvalidationTarget, Placement
-from coordinator.receipts import verify_served_receipt
+from coordinator.audit.receipts import verify_served_receipt
+from coordinator.keys.data_keys import KeyService
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import AckPart, InvalidationTarget, Placement
 from coordinator.settings import CoordinatorSettings
 from events.ack_parts import TierReport
 from events.codec import encode_event

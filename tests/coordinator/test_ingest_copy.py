@@ -15,10 +15,10 @@ from helpers.ledger import FakeNode, eventually, fresh_database, stored
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from coordinator.db import Database
-from coordinator.ingest import LedgerIngest
-from coordinator.ledger import begin_ledger_transaction, generic_plans
-from coordinator.models import Block, Namespace, Node, Placement
+from coordinator.handlers.ingest import LedgerIngest
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Block, Namespace, Node, Placement
+from coordinator.ledger.transactions import begin_ledger_transaction, generic_plans
 from coordinator.settings import DatabaseSettings
 from events.kafka.consumer import ConsumedEvent
 from events.schema import BlockRemoved, BlockStored, Envelope, NodeStarted, RemovedBlock

@@ -40,10 +40,10 @@ from helpers.ledger import (
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select, text
 
-from coordinator.db import Database
-from coordinator.keys import DataKey, KeyService
-from coordinator.models import AuditLogEntry, DeferredAck, Erasure, Invalidation, InvalidationTarget, Node, Placement, Receipt
-from coordinator.receipts import verify_served_receipt
+from coordinator.audit.receipts import verify_served_receipt
+from coordinator.keys.data_keys import DataKey, KeyService
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import AuditLogEntry, DeferredAck, Erasure, Invalidation, InvalidationTarget, Node, Placement, Receipt
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter
 from events.kafka.producer import EventProducer

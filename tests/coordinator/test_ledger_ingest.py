@@ -26,9 +26,19 @@ from helpers.ledger import (
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
-from coordinator.db import Database
-from coordinator.ingest import LedgerIngest
-from coordinator.models import Block, BlockAuthScope, BlockDocument, DeadLetterCount, InboxEntry, Node, OutboxEntry, Placement, Snapshot
+from coordinator.handlers.ingest import LedgerIngest
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import (
+    Block,
+    BlockAuthScope,
+    BlockDocument,
+    DeadLetterCount,
+    InboxEntry,
+    Node,
+    OutboxEntry,
+    Placement,
+    Snapshot,
+)
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
 from events.kafka.consumer import ConsumedEvent

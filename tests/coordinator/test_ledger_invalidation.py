@@ -45,14 +45,24 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, inspect, pool, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from coordinator import migrate
-from coordinator.api import create_app
-from coordinator.audit_log import ReceiptKeys
-from coordinator.db import Database
-from coordinator.erasure import ErasureService
-from coordinator.invalidation import InvalidationHandler
-from coordinator.ledger import lock_decisions
-from coordinator.models import DeadLetterCount, Document, Invalidation, InvalidationTarget, Namespace, Node, OutboxEntry, Placement, Policy
+from coordinator.api.app import create_app
+from coordinator.audit.audit_log import ReceiptKeys
+from coordinator.handlers.erasure import ErasureService
+from coordinator.handlers.invalidation import InvalidationHandler
+from coordinator.ledger import migrate
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import (
+    DeadLetterCount,
+    Document,
+    Invalidation,
+    InvalidationTarget,
+    Namespace,
+    Node,
+    OutboxEntry,
+    Placement,
+    Policy,
+)
+from coordinator.ledger.transactions import lock_decisions
 from coordinator.settings import CoordinatorSettings, DatabaseSettings
 from events.codec import DeadLetter, encode_key
 from events.kafka.consumer import ConsumedEvent

@@ -16,10 +16,9 @@ import pytest
 from helpers.ledger import RunningConsumers, SigningProducer, coordinator_settings, eventually, fresh_database, read_topic, stored
 from sqlalchemy import func, select
 
-from coordinator.consumers import kafka_settings
-from coordinator.db import Database
-from coordinator.models import Node, OutboxEntry, Placement
-from coordinator.settings import CoordinatorSettings
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Node, OutboxEntry, Placement
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.schema import (
     BlockRemoved,
     BlockStored,

@@ -1,7 +1,7 @@
 """RFC 6962 Merkle tree: published vectors, a from-the-definition reference, and tamper rejection.
 
 The reference below is written straight from RFC 6962 §2.1 over slices of raw leaf
-data, independently of ``coordinator.merkle``'s index arithmetic, so the two can
+data, independently of ``coordinator.audit.merkle``'s index arithmetic, so the two can
 only agree if both follow the RFC.
 """
 
@@ -11,7 +11,7 @@ import hashlib
 
 import pytest
 
-from coordinator.merkle import (
+from coordinator.audit.merkle import (
     EMPTY_ROOT,
     consistency_proof,
     inclusion_proof,

@@ -12,9 +12,9 @@ from helpers.ledger import fresh_database
 from sqlalchemy import inspect, pool
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import coordinator.keys  # noqa: F401 - declares data_keys on Base.metadata
-from coordinator import migrate
-from coordinator.models import Base
+import coordinator.keys.data_keys  # noqa: F401 - declares data_keys on Base.metadata
+from coordinator.ledger import migrate
+from coordinator.ledger.models import Base
 
 LEDGER_TABLES = {table.name for table in Base.metadata.sorted_tables}
 
@@ -51,7 +51,7 @@ async def test_upgrade_downgrade_upgrade(empty_url: str) -> None:
     revision, tables, diff = await _state(empty_url)
     assert revision == migrate.head_revision()
     assert tables == LEDGER_TABLES
-    assert diff == [], f"migrations and coordinator.models disagree: {diff}"
+    assert diff == [], f"migrations and coordinator.ledger.models disagree: {diff}"
 
     await asyncio.to_thread(migrate.downgrade, empty_url, "base")
     revision, tables, _ = await _state(empty_url)

@@ -12,11 +12,10 @@ from helpers.ledger import COMMAND_KEY, coordinator_settings, fresh_database, sc
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from coordinator.consumers import kafka_settings
-from coordinator.db import Database
-from coordinator.models import OutboxEntry
-from coordinator.outbox import OutboxRelay, outbox_row
-from coordinator.settings import CoordinatorSettings
+from coordinator.handlers.outbox import OutboxRelay, outbox_row
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import OutboxEntry
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.codec import decode_event
 from events.kafka.producer import EventProducer
 from events.schema import DocumentPredicate, Invalidate, make_event

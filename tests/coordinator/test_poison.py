@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.poison import refused_as_data
+from coordinator.handlers.poison import refused_as_data
 
 
 class _DbError(Exception):

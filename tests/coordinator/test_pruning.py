@@ -9,8 +9,8 @@ from helpers.ledger import coordinator_settings
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
-from coordinator.db import Database
-from coordinator.pruning import Pruned, Pruner
+from coordinator.handlers.pruning import Pruned, Pruner
+from coordinator.ledger.db import Database
 from coordinator.settings import CoordinatorSettings
 
 DAY_S = 24 * 3600.0

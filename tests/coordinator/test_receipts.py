@@ -1,4 +1,4 @@
-"""Receipt bodies, signing, key documents, tree heads and serving (coordinator.receipts)."""
+"""Receipt bodies, signing, key documents, tree heads and serving (coordinator.audit.receipts)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed448 import Ed448PrivateKey
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import SecretStr
 
-from coordinator import merkle
-from coordinator.receipts import (
+from coordinator.audit import merkle
+from coordinator.audit.receipts import (
     BLOCK_COMMITMENT_ALGORITHM,
     METHOD_FOR_NODE_ERASE_METHOD,
     METHODS,

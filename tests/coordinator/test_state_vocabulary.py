@@ -1,7 +1,7 @@
 """One vocabulary: the enums code uses are exactly what the ledger's CHECK constraints allow.
 
-``coordinator.states`` and ``events.tiers`` name every value a state, status or tier column may
-hold, and ``coordinator.models`` builds its CHECK constraints from them. The schema itself exists
+``coordinator.ledger.states`` and ``events.tiers`` name every value a state, status or tier column may
+hold, and ``coordinator.ledger.models`` builds its CHECK constraints from them. The schema itself exists
 only through the migrations, so an enum whose spelling drifted from a migrated constraint would
 pass every test on the models and fail on a real ledger: here the constraints of a migrated
 database are held against those ``create_all`` makes from the models, one by one, as Postgres
@@ -17,10 +17,10 @@ from helpers.ledger import fresh_database
 from sqlalchemy import pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import coordinator.keys  # noqa: F401 - declares data_keys on Base.metadata
-from coordinator import migrate
-from coordinator.models import Base
-from coordinator.states import ErasureStatus, InvalidationStatus, NamespaceStatus, NodeStatus, PlacementState, TargetStatus
+import coordinator.keys.data_keys  # noqa: F401 - declares data_keys on Base.metadata
+from coordinator.ledger import migrate
+from coordinator.ledger.models import Base
+from coordinator.ledger.states import ErasureStatus, InvalidationStatus, NamespaceStatus, NodeStatus, PlacementState, TargetStatus
 from events import schema
 from events.tiers import STORAGE_TIERS, VOLATILE_TIERS, Tier
 from gpu_node.pool import vocabulary

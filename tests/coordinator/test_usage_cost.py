@@ -27,7 +27,7 @@ from helpers.ledger import (
 )
 from helpers.node import Served, ServedNode, node_settings
 
-from coordinator.api import create_app as create_coordinator_app
+from coordinator.api.app import create_app as create_coordinator_app
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 from kvledger.cli import main

@@ -44,7 +44,8 @@ from helpers.ledger import (
 from helpers.node import CoordinatorThread, RunningNode, demote_to_disk, node_settings
 
 from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
+from coordinator.consumers import consumer_groups
+from coordinator.settings import kafka_settings
 from events.kafka.admin import ensure_topics
 from events.schema import subject_digest
 from events.tiers import Tier

@@ -44,8 +44,9 @@ from helpers.ledger import JWT_SECRET, PRODUCER_KEY, RunningConsumers, coordinat
 from helpers.node import RunningNode, Served, node_settings
 
 from bench.common import start_groups_at_end
-from coordinator.api import create_app as create_coordinator_app
-from coordinator.consumers import consumer_groups, kafka_settings
+from coordinator.api.app import create_app as create_coordinator_app
+from coordinator.consumers import consumer_groups
+from coordinator.settings import kafka_settings
 from events import topics
 from events.kafka.admin import ensure_topics
 from events.tiers import Tier

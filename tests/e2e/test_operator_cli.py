@@ -22,7 +22,7 @@ import uvicorn
 from helpers.ledger import OPERATOR_PRIVATE_KEY_PEM, coordinator_settings, eventually, operator_headers, operator_token
 from test_erasure_e2e import stack, wait_status  # noqa: F401 - the module-scoped stack fixture
 
-from coordinator.api import create_app
+from coordinator.api.app import create_app
 from kvledger.net import loopback_listener
 
 REPO = Path(__file__).resolve().parents[2]

@@ -107,6 +107,6 @@ async def test_an_erasure_too_large_for_one_ack_record_is_acked_in_signed_parts(
 
 
 async def publish_again(bootstrap: str, command: schema.Invalidate, tenant: str) -> None:
-    """What ``coordinator.resend`` does: the same command in a new envelope."""
+    """What ``coordinator.handlers.resend`` does: the same command in a new envelope."""
     async with SigningProducer(KafkaSettings(bootstrap=bootstrap)) as producer:
         await producer.send(schema.make_event(command, tenant_id=tenant))

@@ -34,10 +34,10 @@ from helpers.node import CoordinatorThread, ServedNode, demote_to_disk, node_set
 from sqlalchemy import func, select
 
 from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
-from coordinator.db import Database
-from coordinator.models import Block, Invalidation, InvalidationTarget, Placement
-from coordinator.settings import DatabaseSettings
+from coordinator.consumers import consumer_groups
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Block, Invalidation, InvalidationTarget, Placement
+from coordinator.settings import DatabaseSettings, kafka_settings
 from events import schema
 from events.kafka.admin import ensure_topics
 from events.tiers import Tier

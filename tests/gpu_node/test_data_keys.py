@@ -26,9 +26,9 @@ import uvicorn
 from helpers.ledger import JWT_SECRET, SUBJECT_KEY, coordinator_settings, enroll_nodes, fresh_database, node_key
 from sqlalchemy import select
 
-from coordinator.api import create_app
-from coordinator.db import Database
-from coordinator.keys import DataKey, KeyService, MasterKeyError
+from coordinator.api.app import create_app
+from coordinator.keys.data_keys import DataKey, KeyService, MasterKeyError
+from coordinator.ledger.db import Database
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
 from events.tiers import Tier

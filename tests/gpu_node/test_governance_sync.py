@@ -48,11 +48,11 @@ from helpers.node import CoordinatorThread, ServedNode, demote_to_disk, node_set
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
-from coordinator.db import Database
-from coordinator.models import Invalidation, InvalidationTarget, Namespace
-from coordinator.node_keys import revoke
-from coordinator.settings import DatabaseSettings
+from coordinator.consumers import consumer_groups
+from coordinator.keys.node_keys import revoke
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Invalidation, InvalidationTarget, Namespace
+from coordinator.settings import DatabaseSettings, kafka_settings
 from events import schema, topics
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer

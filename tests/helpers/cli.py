@@ -11,7 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
-from coordinator.api import create_app
+from coordinator.api.app import create_app
 from coordinator.settings import CoordinatorSettings
 from helpers.ledger import OPERATOR_PRIVATE_KEY_PEM, eventually
 

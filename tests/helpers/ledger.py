@@ -29,8 +29,8 @@ from sqlalchemy import make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from bench.common import connect_kwargs, start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings, run_consumers
-from coordinator.settings import CoordinatorSettings
+from coordinator.consumers import consumer_groups, run_consumers
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.codec import DeadLetter, encode_event
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer

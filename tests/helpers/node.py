@@ -25,7 +25,7 @@ import httpx
 import openai
 import uvicorn
 
-from coordinator.api import create_app as create_coordinator_app
+from coordinator.api.app import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
 from events.tiers import Tier
 from gpu_node.api import create_app as create_node_app

@@ -15,8 +15,8 @@ import pytest
 import rfc8785
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from coordinator import merkle
-from coordinator.receipts import (
+from coordinator.audit import merkle
+from coordinator.audit.receipts import (
     ReceiptSigner,
     TierErasure,
     audit_leaf_hash,

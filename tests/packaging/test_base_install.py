@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # What the base profile serves, every module imported at its top level: the coordinator's
 # processes and migrations, the event contract, identity, the fleet router, and the CLI commands that need no extra.
 BASE_MODULES = (
-    "coordinator.api",
+    "coordinator.api.app",
     "coordinator.consumers",
     "coordinator.server",
-    "coordinator.migrate",
-    "events.kafka",
+    "coordinator.ledger.migrate",
+    "events.kafka.consumer",
     "identity.tokens",
     "identity.sealing",
     "prefix_keys.prompt",

@@ -61,7 +61,7 @@ def test_coordinator_image_builds_on_the_local_base_and_runs_without_torch(engin
     assert usage.returncode == 0, usage.stderr
     assert usage.stdout.startswith("usage: kvledger verify-receipt")
     imports = _run(
-        image, "python", "-c", "import importlib.util, coordinator.api, coordinator.consumers; print(importlib.util.find_spec('torch'))"
+        image, "python", "-c", "import importlib.util, coordinator.api.app, coordinator.consumers; print(importlib.util.find_spec('torch'))"
     )
     assert (imports.returncode, imports.stdout) == (0, "None\n"), imports.stderr
     user = _run(image, "id", "-u")

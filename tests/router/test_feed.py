@@ -28,8 +28,8 @@ from helpers.ledger import (
 )
 from helpers.node import Served
 
-from coordinator.api import create_app as create_coordinator_app
-from coordinator.consumers import kafka_settings
+from coordinator.api.app import create_app as create_coordinator_app
+from coordinator.settings import kafka_settings
 from events.kafka.producer import EventProducer
 from events.schema import BlockStored, DocumentUpdated, make_event
 from events.tiers import Tier

@@ -31,7 +31,7 @@ from helpers.ledger import (
 )
 from helpers.node import RunningNode, Served, node_settings
 
-from coordinator.api import create_app as create_coordinator_app
+from coordinator.api.app import create_app as create_coordinator_app
 from events.schema import BlockStored, NodeStarted
 from gpu_node.settings import CacheSettings
 from identity.settings import IssuerSettings

@@ -20,12 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select, text
 
-from coordinator.audit_log import ReceiptKeys
-from coordinator.db import Database
-from coordinator.erasure import ErasureService
-from coordinator.ingest import LedgerIngest
-from coordinator.invalidation import InvalidationHandler
-from coordinator.models import Base, Block, BlockAuthScope, BlockCreator, BlockDocument, Document, Erasure, Node, Policy, Snapshot
+from coordinator.audit.audit_log import ReceiptKeys
+from coordinator.handlers.erasure import ErasureService
+from coordinator.handlers.ingest import LedgerIngest
+from coordinator.handlers.invalidation import InvalidationHandler
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Base, Block, BlockAuthScope, BlockCreator, BlockDocument, Document, Erasure, Node, Policy, Snapshot
 from coordinator.settings import DatabaseSettings
 from events.kafka.consumer import ConsumedEvent
 from events.schema import (

@@ -20,10 +20,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from helpers.ledger import coordinator_settings, operator_headers
 from sqlalchemy import func, select
 
-from coordinator.api import create_app
-from coordinator.db import Database
-from coordinator.keys import DataKey
-from coordinator.models import Invalidation, Namespace
+from coordinator.api.app import create_app
+from coordinator.keys.data_keys import DataKey
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Invalidation, Namespace
 from coordinator.settings import DatabaseSettings
 from identity.node_credentials import issue_node_credential
 from kvledger.nodes import enroll_node_key

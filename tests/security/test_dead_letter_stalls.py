@@ -41,11 +41,11 @@ from helpers.ledger import (
 from prometheus_client import REGISTRY
 from sqlalchemy import select
 
-from coordinator.consumers import ConsumerReadiness, kafka_settings
-from coordinator.db import Database
-from coordinator.models import Invalidation
-from coordinator.ops_app import create_ops_app
-from coordinator.settings import CoordinatorSettings
+from coordinator.api.ops_app import create_ops_app
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Invalidation
+from coordinator.readiness import ConsumerReadiness
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events import schema
 from events.codec import MAX_DEAD_LETTER_ERROR_CHARS, MAX_REFERENCE_PREFIX_BYTES, DeadLetter
 from events.kafka.admin import ensure_topics

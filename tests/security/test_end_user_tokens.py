@@ -31,7 +31,7 @@ from helpers.ledger import JWT_SECRET, OPERATOR_AUTH, OPERATOR_PUBLIC_KEY_FILE, 
 from pydantic import ValidationError
 from starlette.routing import Route
 
-from coordinator.api import create_app as create_coordinator_app
+from coordinator.api.app import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
 from gpu_node.api import create_app as create_node_app
 from gpu_node.engine import AsyncEngine

@@ -34,8 +34,8 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import BigInteger, Integer, select
 
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX
-from coordinator.db import Database
-from coordinator.models import Document, InboxEntry, Policy
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Document, InboxEntry, Policy
 from coordinator.settings import CoordinatorSettings
 from events import topics
 from events.codec import encode_key
@@ -151,7 +151,7 @@ def test_the_models_and_the_tokens_name_one_range() -> None:
 
 def test_each_ledger_column_holds_its_quantity_s_whole_range() -> None:
     """Counts and versions are BIGINT (2^53-1 fits); only the small counts are INTEGER (2^31-1 fits)."""
-    from coordinator.models import Base
+    from coordinator.ledger.models import Base
 
     small = {("placements", "token_offset"), ("blocks", "token_offset"), ("inventory_chunks", "chunk"), ("inventory_chunks", "num_chunks")}
     small |= {("ack_parts", "part"), ("ack_parts", "num_parts")}  # at most MAX_ACK_PARTS

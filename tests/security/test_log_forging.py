@@ -2,7 +2,7 @@
 
 A record's validation error names its fields by the sender's JSON key names. A key such as
 ``"\\x1b[8m\\n<a whole log line>\\n"`` used to reach coordinator.log raw (a standalone, forged
-``INFO coordinator.erasure … verified`` line, the real one hidden by an ANSI "conceal") and
+``INFO coordinator.handlers.erasure … verified`` line, the real one hidden by an ANSI "conceal") and
 ``kvledger dead-letters list``. Now the text formatter every process logs through escapes control,
 ANSI, line-separator and bidi characters, the validation error bounds and escapes each key name,
 and the CLI prints record-derived fields escaped.
@@ -33,7 +33,7 @@ from events.schema import MAX_DESCRIBED_ERRORS, MAX_LOCATION_PART_CHARS, describ
 from events.topics import ERASURES
 
 ADMIN = operator_headers("platform-admin")
-FORGED_LINE = "INFO coordinator.erasure: verified"
+FORGED_LINE = "INFO coordinator.handlers.erasure: verified"
 RAW_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 """What must never appear in output (newline aside, which ends a line)."""
 
@@ -84,7 +84,7 @@ async def test_a_key_name_that_forges_a_line_yields_one_escaped_log_line_and_esc
     lines = [line for line in text_log.getvalue().splitlines() if marker in line]
     assert len(lines) == 1, lines  # exactly one line, the dead-letter one; nothing standalone
     (line,) = lines
-    assert " ERROR events.kafka " in line and "dead-lettered kvledger.erasures" in line
+    assert " ERROR events.kafka.dead_letters " in line and "dead-lettered kvledger.erasures" in line
     assert f"{marker}\\x1b[8m\\n{FORGED_LINE}\\n\\u2028\\u202e" in line
     assert not RAW_UNSAFE.search(text_log.getvalue())
     assert not any(each.startswith(FORGED_LINE) for each in text_log.getvalue().splitlines())
@@ -128,7 +128,7 @@ def test_every_line_breaking_hiding_or_reordering_character_is_escaped_in_text_a
     logger.propagate = False
     logger.addHandler(make_handler("text", stream))
     try:
-        raise ValueError("boom\nINFO coordinator.erasure forged")
+        raise ValueError("boom\nINFO coordinator.handlers.erasure forged")
     except ValueError:
         logger.exception("record %s refused", hostile)
     lines = stream.getvalue().splitlines()

@@ -22,7 +22,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from helpers.ledger import JWT_SECRET, NODE_KEY_CACHE_S, coordinator_settings, eventually, operator_token
 
-from coordinator.api import create_app
+from coordinator.api.app import create_app
 from identity.node_credentials import issue_node_credential
 from identity.signing import key_id, load_or_create_private_key
 from identity.tokens import issue_token

@@ -31,11 +31,11 @@ from helpers.ledger import (
 )
 from sqlalchemy import func, select
 
-from coordinator.db import Database
-from coordinator.decisions import decide
-from coordinator.ingest import LedgerIngest
-from coordinator.ledger import begin_ledger_transaction, lock_decisions
-from coordinator.models import Erasure
+from coordinator.handlers.decisions import decide
+from coordinator.handlers.ingest import LedgerIngest
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Erasure
+from coordinator.ledger.transactions import begin_ledger_transaction, lock_decisions
 from coordinator.settings import CoordinatorSettings
 from events.kafka.consumer import ConsumedEvent
 from events.schema import BlockStored, DocumentPredicate, NamespacePredicate, NodeStarted, make_event, subject_digest

@@ -35,8 +35,8 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX
-from coordinator.db import Database
-from coordinator.models import Document, InboxEntry, Invalidation, Namespace, Node, Policy
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Document, InboxEntry, Invalidation, Namespace, Node, Policy
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_event, encode_key
 from events.schema import DocumentUpdated, ErasureRequested, EventPayload, NodeHeartbeat, NodeStarted, PermissionRevoked, make_event

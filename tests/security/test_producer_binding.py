@@ -29,8 +29,8 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select
 
 from coordinator.consumers import INVALIDATION_GROUP_SUFFIX
-from coordinator.db import Database
-from coordinator.models import Document, Erasure, InboxEntry, Policy
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Document, Erasure, InboxEntry, Policy
 from coordinator.settings import CoordinatorSettings
 from events import topics
 from events.codec import encode_event, encode_key
@@ -166,7 +166,7 @@ async def test_a_record_keyed_for_one_tenant_whose_envelope_names_another_is_dea
 
 @pytest.fixture(scope="module")
 async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClient]:
-    from coordinator.api import create_app
+    from coordinator.api.app import create_app
 
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
@@ -266,7 +266,7 @@ def test_an_event_signed_without_kvledger_code_as_docs_events_md_shows_is_truste
     import rfc8785
     from cryptography.hazmat.primitives import serialization
 
-    from coordinator.producer_keys import ProducerBinding, producer_record_problem
+    from coordinator.keys.producer_keys import ProducerBinding, producer_record_problem
     from events.schema import parse_event
 
     key = Ed25519PrivateKey.generate()

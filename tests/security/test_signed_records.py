@@ -37,12 +37,12 @@ from prometheus_client import REGISTRY
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
-from coordinator.consumers import ACK_GROUP_SUFFIX, INVALIDATION_GROUP_SUFFIX, consumer_groups, kafka_settings
-from coordinator.db import Database
-from coordinator.erasure import start_erasure
-from coordinator.ledger import begin_ledger_transaction, lock_decisions
-from coordinator.models import Erasure, InvalidationTarget, Placement, Receipt
-from coordinator.settings import CoordinatorSettings
+from coordinator.consumers import ACK_GROUP_SUFFIX, INVALIDATION_GROUP_SUFFIX, consumer_groups
+from coordinator.handlers.erasure import start_erasure
+from coordinator.ledger.db import Database
+from coordinator.ledger.models import Erasure, InvalidationTarget, Placement, Receipt
+from coordinator.ledger.transactions import begin_ledger_transaction, lock_decisions
+from coordinator.settings import CoordinatorSettings, kafka_settings
 from events import schema, topics
 from events.codec import decode_event
 from events.kafka.admin import ensure_topics
@@ -242,7 +242,7 @@ async def ledger(coordinator: CoordinatorSettings) -> AsyncIterator[Database]:
 
 
 async def _registered(database: Database, *node_ids: str) -> None:
-    from coordinator.models import Node as NodeRow
+    from coordinator.ledger.models import Node as NodeRow
 
     async def all_there() -> bool:
         async with database.session() as session:

@@ -1,5 +1,0 @@
-"""The coordinator's read-only web console at ``/ui`` (docs/operations.md, "Console")."""
-
-from coordinator.ui.console import router
-
-__all__ = ["router"]
