@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator.ledger.migrate import upgrade
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
-from gpu_node.node_identity import NODE_KEY_FILE
+from gpu_node.keys.node_identity import NODE_KEY_FILE
 from identity.signing import EnvelopeSigner, load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.nodes import enroll_node_key

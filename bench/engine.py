@@ -48,11 +48,11 @@ import uvicorn
 
 from bench.common import percentile
 from events.tiers import Tier
-from gpu_node.api import create_app
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, StepTiming, TokenDelta
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.engine.async_engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, StepTiming, TokenDelta
+from gpu_node.entrypoints.routes import create_app
+from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.vocabulary import PoolConfig
 from gpu_node.settings import CacheSettings, NodeSettings, SchedulerSettings
 from identity.settings import IssuerSettings
@@ -125,7 +125,7 @@ _FLOOR: dict = {}
 
 def _floor_init(model_dir: str, device: str, block_size: int, num_threads: int) -> None:
     """Build the model directory if empty, load it, and warm ``generate`` up (the first call pays one-off costs)."""
-    from gpu_node.model_runner import ModelRunner
+    from gpu_node.engine.model_runner import ModelRunner
 
     torch.set_num_threads(num_threads)
     build_tiny_model(Path(model_dir))

@@ -67,8 +67,8 @@ from coordinator.consumers import consumer_groups
 from events.kafka.admin import ensure_topics
 from events.kafka.settings import KafkaSettings
 from events.schema import subject_digest
-from gpu_node.engine import AsyncEngine
-from gpu_node.server import make_command_consumer, make_publisher
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import build_tiny_model
 from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
@@ -100,7 +100,7 @@ def peak_rss_bytes(pid: int) -> int:
 
 
 class BenchNode:
-    """Engine, publisher and command consumer, assembled as ``gpu_node.server.serve`` does."""
+    """Engine, publisher and command consumer, assembled as ``gpu_node.entrypoints.server.serve`` does."""
 
     def __init__(self, settings: NodeSettings) -> None:
         self.settings = settings

@@ -75,11 +75,11 @@ from events import schema, topics
 from events.codec import encode_event
 from events.kafka.admin import ensure_topics
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
-from gpu_node.api import create_app
-from gpu_node.commands import CommandConsumer, InvalidationApplier
-from gpu_node.engine import AsyncEngine
-from gpu_node.node_identity import pinned_command_key
-from gpu_node.server import kafka_settings, make_publisher, tune_interpreter
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app
+from gpu_node.entrypoints.server import kafka_settings, make_publisher, tune_interpreter
+from gpu_node.governance.commands import CommandConsumer, InvalidationApplier
+from gpu_node.keys.node_identity import pinned_command_key
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.signing import EnvelopeSigner
 from identity.tokens import TokenVerifier, issue_token
@@ -121,7 +121,7 @@ class TimedHandler(InvalidationApplier):
 
 
 class BenchNode:
-    """Engine, publisher, command consumer and HTTP app, assembled as ``gpu_node.server.serve`` does."""
+    """Engine, publisher, command consumer and HTTP app, assembled as ``gpu_node.entrypoints.server.serve`` does."""
 
     def __init__(self, settings: NodeSettings) -> None:
         self.settings = settings
@@ -497,7 +497,7 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
         try:
             for node in nodes:
                 await node.start()
-            tune_interpreter()  # as gpu_node.server.serve does once its engine started
+            tune_interpreter()  # as gpu_node.entrypoints.server.serve does once its engine started
             await _wait_registered(connection, [node.settings.node_id for node in nodes], consumers, log)
 
             keys, documents = await _fill_nodes(nodes, principal, args.blocks_per_node, connection)

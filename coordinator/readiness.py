@@ -1,7 +1,7 @@
 """Whether this process's consumers are consuming: what ``/readyz`` reports for them.
 
 Its own module because both sides need it and neither may import the other: the consumers tell
-it about themselves (``coordinator.consumers``), the API's probes ask it (``coordinator.api``).
+it about themselves (``coordinator.consumers``), the API's probes ask it (``coordinator/api/``).
 """
 
 from __future__ import annotations

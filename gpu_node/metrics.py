@@ -76,7 +76,7 @@ class NodeMetrics:
         self.ttft = Histogram("kvledger_ttft_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS_S)
         self.generated_tokens = Counter("kvledger_generated_tokens", "Completion tokens generated", registry=r)
         self.decode_tokens_per_s = Gauge("kvledger_decode_tokens_per_second", "Decode throughput of the last finished request", registry=r)
-        # Continuous batching, named and shaped like vLLM's (gpu_node.scheduler, gpu_node.paged_kv).
+        # Continuous batching, named and shaped like vLLM's (gpu_node.engine.scheduler, gpu_node.engine.paged_kv).
         self.requests_running = Gauge("kvledger_num_requests_running", "Requests in the running batch", registry=r)
         self.requests_waiting = Gauge("kvledger_num_requests_waiting", "Requests waiting to join the running batch", registry=r)
         self.kv_blocks_used = Gauge(

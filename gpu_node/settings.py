@@ -27,7 +27,7 @@ from identity.settings import IssuerSettings
 
 class CacheSettings(BaseModel):
     """The prefix cache. Tiers are sized in bytes; their block counts follow from the model's KV block
-    (``gpu_node.kv_memory``). An explicit ``num_device_blocks`` / ``num_host_blocks`` / ``max_disk_blocks``
+    (``gpu_node.cache.kv_memory``). An explicit ``num_device_blocks`` / ``num_host_blocks`` / ``max_disk_blocks``
     replaces the byte size of its tier (exact sizes for tests and benchmarks)."""
 
     block_size: int = Field(16, gt=0)
@@ -46,7 +46,7 @@ class CacheSettings(BaseModel):
     singleflight_wait_s: float = 30.0
     enabled: bool = True
     layout_sample_size: int = Field(0, ge=0, le=100_000)
-    """Requests whose prompt layout (segment hashes, never text) is kept for ``kvledger advise``; 0: none (``gpu_node.layout_sampler``)."""
+    """Requests whose prompt layout (segment hashes, never text) is kept for ``kvledger advise``; 0: none (``gpu_node.cache.layout_sampler``)."""
 
     @model_validator(mode="after")
     def _one_device_size(self) -> CacheSettings:
@@ -56,7 +56,7 @@ class CacheSettings(BaseModel):
 
 
 class SchedulerSettings(BaseModel):
-    """Continuous batching (``gpu_node.scheduler``): how much one model step may carry.
+    """Continuous batching (``gpu_node.engine.scheduler``): how much one model step may carry.
 
     ``max_num_batched_tokens`` bounds the tokens of one forward pass (one decode
     token per running request plus prefill chunks), so a long prompt delays
@@ -105,7 +105,7 @@ class IdentitySettings(BaseModel):
 
 
 class DataKeySettings(BaseModel):
-    """The node's memory of data keys fetched from the coordinator (``gpu_node.remote_keys``).
+    """The node's memory of data keys fetched from the coordinator (``gpu_node.keys.remote_keys``).
 
     The pool reads keys from memory only; they are fetched ahead of a request
     (``prefetch_wait_s``) and in the background. Every cache is bounded, least recently
@@ -170,7 +170,7 @@ class NodeSettings(ServiceSettings):
         None,
         validation_alias=AliasChoices("coordinator_url", "KVLEDGER_NODE_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"),
     )
-    """Where data keys for tenant/user blocks at rest come from (``gpu_node.remote_keys``); unset: a local key file."""
+    """Where data keys for tenant/user blocks at rest come from (``gpu_node.keys.remote_keys``); unset: a local key file."""
     data_keys: DataKeySettings = DataKeySettings()
     kafka: NodeKafkaSettings = NodeKafkaSettings()
     """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``) and

@@ -1,6 +1,6 @@
 """Sizes of the AES-256-GCM sealing that node and coordinator must agree on.
 
-A node seals blocks at rest under data keys (``gpu_node/crypto.py``); the
+A node seals blocks at rest under data keys (``gpu_node/keys/crypto.py``); the
 coordinator creates, wraps and serves those keys (``coordinator/keys/data_keys.py``) and
 checks key ids on its HTTP routes (``coordinator/api/routes/keys.py``). Both sides must
 use the same key length, nonce length and key-id format, and neither side may

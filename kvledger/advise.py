@@ -1,7 +1,7 @@
 """``kvledger advise``: which prompt segments break an otherwise stable prefix, and what moving them gains.
 
 Reads each node's layout sample (``GET /v1/cache/layout`` with the metrics token;
-nodes sample only with ``cache.layout_sample_size`` > 0, see :mod:`gpu_node.layout_sampler`)
+nodes sample only with ``cache.layout_sample_size`` > 0, see :mod:`gpu_node.cache.layout_sampler`)
 and, per node (segment hashes are keyed per node, so samples are never mixed):
 
 * the distribution of where requests first missed the cache: segment index, role, scope;

@@ -113,7 +113,7 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
     node.add_argument("--data-dir", help="directory for the node key, tiers and snapshots")
     node.add_argument("--warm-from", help="snapshot directory to warm-start from")
     node.add_argument("--jwt-public-key", help="EdDSA public key (PEM) instead of KVLEDGER_JWT_SECRET")
-    node.set_defaults(func=_lazy("gpu_node.server:cli"))
+    node.set_defaults(func=_lazy("gpu_node.entrypoints.server:cli"))
 
     fleet_router = commands.add_parser(
         "router", help="serve a fleet router: each request to the node holding its prefix (OpenAI-compatible)"

@@ -14,7 +14,7 @@ Two kinds of directory are built here:
   and the chat template in ``kvledger/data/chat_template.jinja``. Tests run on it.
 
 Both outputs are deterministic — the same input gives byte-identical ``model.safetensors``
-and ``tokenizer.json`` — because the namespace digest (``gpu_node/namespace.py``) is
+and ``tokenizer.json`` — because the namespace digest (``gpu_node/cache/namespace.py``) is
 computed from those bytes: two machines that run ``model init`` must produce
 interchangeable KV blocks, and a test failure must reproduce on the first try.
 """

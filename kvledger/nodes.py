@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from gpu_node.node_identity import NODE_KEY_FILE
+from gpu_node.keys.node_identity import NODE_KEY_FILE
 from identity.signing import load_public_key_file
 from kvledger.own_key import print_public_key
 from kvledger.publish import stack_setting

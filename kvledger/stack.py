@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from coordinator.ledger.migrate import upgrade
-from gpu_node.node_identity import NODE_KEY_FILE
+from gpu_node.keys.node_identity import NODE_KEY_FILE
 from identity.roles import ROUTER
 from identity.signing import load_or_create_private_key, private_key_pem, public_key_pem
 from identity.tokens import generate_ed25519_key_pair, issue_token

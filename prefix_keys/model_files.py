@@ -5,7 +5,7 @@ A router computes a request's block keys without the node's ML stack: it loads
 ``tokenizer_config.json``, and the chat template, as transformers' ``AutoTokenizer`` would
 from the same directory. The node loads the directory with transformers; the golden test
 (tests/prefix_keys) holds the two to the same keys. The template precedence is also the one
-the namespace digests (``gpu_node.namespace``), so it lives here once.
+the namespace digests (``gpu_node.cache.namespace``), so it lives here once.
 """
 
 from __future__ import annotations

@@ -517,7 +517,7 @@ def _discard(index: dict[str, set[bytes]], key: str, block_hash: bytes) -> None:
 
 
 def _matcher(predicate: Predicate) -> Callable[[BlockTags, set[str]], bool]:
-    """``(tags, creators) -> bool`` for ``predicate``, matching what a node removes for it (``gpu_node.commands``)."""
+    """``(tags, creators) -> bool`` for ``predicate``, matching what a node removes for it (``gpu_node.governance.commands``)."""
     match predicate:
         case DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
             return lambda tags, _: tags.tenant_id == tenant and any(d == doc_id and v < below for d, v in tags.documents)

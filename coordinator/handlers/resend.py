@@ -15,7 +15,7 @@ the command key and written to the outbox in the same transaction that advances 
 targets' schedule — exactly the path of the original, so it needs no outbox row of the
 original to still exist. Commands go to every node (one partition, read by all): a node
 that already applied the command does not apply it again and re-sends its ack
-(``gpu_node.commands``), which the coordinator records once (a second ack of an acked
+(``gpu_node.governance.commands``), which the coordinator records once (a second ack of an acked
 target is a duplicate). One record per command per pass, however many of its targets
 are due.
 """

@@ -66,10 +66,10 @@ from threading import RLock
 import torch
 
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.crypto import DataKeyProvider
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.keys.crypto import DataKeyProvider
 from gpu_node.pool.demotion import PoolDemoter
 from gpu_node.pool.device_slots import DeviceSlots
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.reads import PoolReader
 from gpu_node.pool.removal import PoolRemover
 from gpu_node.pool.state import PoolState
@@ -265,7 +265,7 @@ class BlockPool:
             )
             state.discard_building(entry)
 
-    # --- paged KV: device slots owned by running sequences (gpu_node.paged_kv) ---------------
+    # --- paged KV: device slots owned by running sequences (gpu_node.engine.paged_kv) ---------------
 
     @property
     def device_kv(self) -> torch.Tensor:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.crypto import DataKeyProvider, seal, unseal
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.keys.crypto import DataKeyProvider, seal, unseal
+from gpu_node.pool.kv_spec import KVBlockSpec
 from identity.sealing import KEY_BYTES
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope
 

@@ -1,4 +1,4 @@
-"""Device slots owned by running sequences (paged KV, :mod:`gpu_node.paged_kv`): allocate, free, commit in place.
+"""Device slots owned by running sequences (paged KV, :mod:`gpu_node.engine.paged_kv`): allocate, free, commit in place.
 
 Its own part of the pool because these slots are not cache entries until
 committed: a sequence writes its KV straight into them and the pool neither

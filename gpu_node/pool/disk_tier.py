@@ -18,8 +18,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.keys.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.pool.block_records import (
     FLAG_PLAIN,
     FLAG_SEALED,
@@ -35,6 +34,7 @@ from gpu_node.pool.block_records import (
     record_key_id,
     record_meta,
 )
+from gpu_node.pool.kv_spec import KVBlockSpec
 from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheScope
 
 FILE_DELETE_WORKERS = 4
@@ -172,7 +172,7 @@ class DiskTier:
         """A stored file's bytes, its checked record (None when unusable) and the meta bytes it holds.
 
         Asks the key service for a key not held (the blocking view: a start-up re-index runs before anyone waits on
-        the pool), so that "cannot ask now" raises :class:`gpu_node.crypto.KeyServiceUnavailable` instead of
+        the pool), so that "cannot ask now" raises :class:`gpu_node.keys.crypto.KeyServiceUnavailable` instead of
         reading as "key destroyed" — the file is then not deleted as unreadable.
         """
         data = path.read_bytes()

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.slot_io import gather_slots, scatter_slots, zero_slots, zero_slots_verified
 
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from events.fault_points import fault_point
 from events.tiers import Tier
-from gpu_node.crypto import DataKeyProvider, overwrite_and_unlink
+from gpu_node.keys.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.block_records import MAX_CLEAR_HEADER_BYTES, BlockRestoreError, decode_block_record, record_key_id
 from prefix_keys.blocks import BlockKey, CacheProvenance
@@ -244,7 +244,7 @@ def readable_blocks(directory: Path, key_provider: DataKeyProvider) -> list[Bloc
     no longer held in any meaningful sense, so it is left out. A key the
     provider cannot ask for now is another matter: the block is still held, and
     an inventory that left it out would make the ledger drop a copy that is on
-    disk — so :class:`gpu_node.crypto.KeyServiceUnavailable` (from a blocking
+    disk — so :class:`gpu_node.keys.crypto.KeyServiceUnavailable` (from a blocking
     provider) propagates and the caller asks again later.
     """
     keys = []
@@ -308,8 +308,8 @@ def remove_from_snapshot(
     removed too: they can never be loaded, and their predicate cannot be
     evaluated, so keeping them could only keep data that should be gone. That
     needs ``key_provider`` to tell "destroyed" from "cannot ask now": pass a
-    blocking view (:meth:`gpu_node.crypto.DataKeyProvider.blocking`), whose
-    :class:`gpu_node.crypto.KeyServiceUnavailable` ends the pass with the
+    blocking view (:meth:`gpu_node.keys.crypto.DataKeyProvider.blocking`), whose
+    :class:`gpu_node.keys.crypto.KeyServiceUnavailable` ends the pass with the
     snapshot unchanged — a node restarted without its keys in memory would
     otherwise drop every sealed record of other scopes as unreadable. New
     shards are written under new names, the manifest switched atomically, and

@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterable
 import torch
 
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.crypto import DataKeyProvider
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.keys.crypto import DataKeyProvider
 from gpu_node.pool.block_records import BlockRecord, BlockRestoreError, payload_tensor, tensor_bytes
 from gpu_node.pool.disk_tier import DiskTier
 from gpu_node.pool.eviction import LRUEvictionStrategy
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.memory_tier import MemoryTier, lazy_zeros
 from gpu_node.pool.vocabulary import (
     METHOD_OVERWRITE_UNLINK,

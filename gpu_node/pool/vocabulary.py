@@ -112,7 +112,7 @@ class RemovalEvidence:
 # named apart from the kv-events records of :mod:`events.schema` (``BlockStored``, ``BlockRemoved``,
 # ``BlockMoved``) on purpose: a pool event is one block, in-process, with raw provenance and removal
 # evidence; a record batches many blocks and carries only what the ledger may see. The one translation
-# (pool event → record) is :meth:`gpu_node.publisher.NodePublisher._payload`.
+# (pool event → record) is :meth:`gpu_node.governance.publisher.NodePublisher._payload`.
 
 
 @dataclass(frozen=True, slots=True)

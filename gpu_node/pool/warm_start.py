@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from events.tiers import Tier
-from gpu_node.crypto import overwrite_and_unlink
+from gpu_node.keys.crypto import overwrite_and_unlink
 from gpu_node.pool.block_records import BlockRestoreError, check_record, decode_block_record, encode_block_record, payload_tensor
 from gpu_node.pool.disk_tier import is_sealed
 from gpu_node.pool.state import PoolState
@@ -79,9 +79,9 @@ class PoolWarmStart:
         (and reported as removed), as are files beyond ``max_disk_blocks``.
         Re-indexed blocks changed no bytes, so they produce no event; the node
         reports them in its inventory. Raises
-        :class:`gpu_node.crypto.KeyServiceUnavailable` when a file's key can be
+        :class:`gpu_node.keys.crypto.KeyServiceUnavailable` when a file's key can be
         neither found nor known destroyed now; the files indexed until then stay
-        indexed, so calling again resumes (see :meth:`gpu_node.engine.AsyncEngine.start`).
+        indexed, so calling again resumes (see :meth:`gpu_node.engine.async_engine.AsyncEngine.start`).
         """
         state = self._state
         if state.disk is None:

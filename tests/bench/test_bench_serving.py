@@ -9,7 +9,7 @@ import secrets
 import pytest
 
 from bench.engine import ModeSample, ServingRow, _FloorProcess, _render_serving, _sections, bench_serving
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 

@@ -2,7 +2,7 @@
 
 Real Postgres and broker; the coordinator's consumers (ledger, decisions, acks, re-sender)
 run in-process and the HTTP API is the coordinator's app. The node is played by this test,
-but its ack is the node's own: :func:`gpu_node.commands.ack_records` cuts the evidence into
+but its ack is the node's own: :func:`gpu_node.governance.commands.ack_records` cuts the evidence into
 parts, which go out signed with the node's enrolled key. One part is lost on the first
 send; the coordinator re-sends the command, the node re-sends every part of the same ack,
 and only then is the erasure verified — with a receipt that commits to every hash.
@@ -55,7 +55,7 @@ from events.schema import (
 )
 from events.tiers import Tier
 from events.topics import COMMANDS
-from gpu_node.commands import ack_records
+from gpu_node.governance.commands import ack_records
 
 TENANT = "erasure-tenant"
 MASTER_KEY = base64.b64encode(b"m" * 32).decode()

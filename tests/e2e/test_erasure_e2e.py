@@ -2,7 +2,7 @@
 signed receipt that ``kvledger verify-receipt`` accepts offline.
 
 Everything is real: the coordinator's consumers and HTTP API (uvicorn) on a freshly
-migrated database, two nodes as ``gpu_node.server.serve`` assembles them (engine,
+migrated database, two nodes as ``gpu_node.entrypoints.server.serve`` assembles them (engine,
 publisher, command consumer, OpenAI-compatible app on uvicorn) whose data keys live in
 the coordinator (``CoordinatorKeyProvider``), the session's broker and Postgres.
 
@@ -49,9 +49,9 @@ from coordinator.settings import kafka_settings
 from events.kafka.admin import ensure_topics
 from events.schema import subject_digest
 from events.tiers import Tier
+from gpu_node.keys.remote_keys import data_key_provider
 from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
 from gpu_node.pool.vocabulary import BlockState
-from gpu_node.remote_keys import data_key_provider
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 from prefix_keys.blocks import CacheProvenance, CacheScope, Principal, compute_block_keys

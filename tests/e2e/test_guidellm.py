@@ -26,8 +26,8 @@ import httpx
 import pytest
 from helpers.node import node_on_thread
 
-from gpu_node.api import create_app
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
@@ -51,7 +51,7 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(tiny_model_dir, tmp_path_factory) -> Node:
-    """A node served like ``gpu_node.server.serve``: the engine starts on the server's own event loop."""
+    """A node served like ``gpu_node.entrypoints.server.serve``: the engine starts on the server's own event loop."""
     settings = NodeSettings(
         model_dir=tiny_model_dir,
         data_dir=tmp_path_factory.mktemp("guidellm-node"),

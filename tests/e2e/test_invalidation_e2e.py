@@ -6,7 +6,7 @@ is real and talks over real transports:
 
 * the coordinator's consumers (``run_consumers``) and its HTTP API served by uvicorn,
   on a freshly migrated database of the session's Postgres;
-* two nodes, each what ``gpu_node.server.serve`` runs (engine, publisher, command
+* two nodes, each what ``gpu_node.entrypoints.server.serve`` runs (engine, publisher, command
   consumer) with its OpenAI-compatible app served by uvicorn; generation requests
   go through the official ``openai`` client, ledger reads through ``httpx``;
 * user events are published with a *plain* aiokafka producer as raw JSON bytes, signed

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from coordinator.consumers import kafka_settings as coordinator_kafka_settings
 from coordinator.settings import CoordinatorSettings
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
-from gpu_node.server import kafka_settings as node_kafka_settings
+from gpu_node.entrypoints.server import kafka_settings as node_kafka_settings
 from gpu_node.settings import NodeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,7 +246,7 @@ def test_every_kafka_client_is_built_with_the_security_kwargs():
         "events/kafka/producer.py",
         "events/kafka/consumer.py",
         "events/kafka/admin.py",
-        "gpu_node/commands.py",
+        "gpu_node/governance/commands.py",
         "kvledger/services.py",
         "bench/common.py",
         "bench/invalidation.py",

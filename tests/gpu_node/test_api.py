@@ -30,8 +30,8 @@ from helpers.ledger import OPERATOR_AUTH, eventually, operator_headers
 from helpers.node import node_on_thread
 
 from events.logs import make_handler
-from gpu_node.api import create_app
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import TokenVerifier, issue_token
@@ -57,7 +57,7 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(tiny_model_dir, tmp_path_factory):
-    """Serve like ``gpu_node.server.serve``: the engine starts on the server's own event loop."""
+    """Serve like ``gpu_node.entrypoints.server.serve``: the engine starts on the server's own event loop."""
     settings = NodeSettings(
         model_dir=tiny_model_dir,
         data_dir=tmp_path_factory.mktemp("api-node"),

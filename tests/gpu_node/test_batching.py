@@ -34,8 +34,8 @@ from test_engine import (
 )
 
 from events.tiers import Tier
-from gpu_node.api import create_app
-from gpu_node.engine import AsyncEngine, GenerationError, GenerationRequest, PromptStats, SamplingParams, TokenDelta
+from gpu_node.engine.async_engine import AsyncEngine, GenerationError, GenerationRequest, PromptStats, SamplingParams, TokenDelta
+from gpu_node.entrypoints.routes import create_app
 from gpu_node.pool.vocabulary import RemovalReason, RemovedFromPool
 from gpu_node.settings import SchedulerSettings
 from identity.settings import IssuerSettings

@@ -41,10 +41,10 @@ from coordinator.settings import DatabaseSettings, kafka_settings
 from events import schema
 from events.kafka.admin import ensure_topics
 from events.tiers import Tier
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.server import make_command_consumer, make_publisher
 from gpu_node.metrics import NodeMetrics
 from gpu_node.pool.block_pool import BlockPool
-from gpu_node.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from events.schema import subject_digest
-from gpu_node.crypto import LocalKeyStore, overwrite_and_unlink, seal, unseal
+from gpu_node.keys.crypto import LocalKeyStore, overwrite_and_unlink, seal, unseal
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS, NONCE_BYTES, TAG_BYTES
 from prefix_keys.blocks import CacheProvenance, CacheScope
 

@@ -32,13 +32,13 @@ from coordinator.ledger.db import Database
 from coordinator.settings import CoordinatorSettings
 from events.schema import subject_digest
 from events.tiers import Tier
-from gpu_node.crypto import LocalKeyStore, unseal
-from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.node_identity import NODE_KEY_FILE
+from gpu_node.keys.crypto import LocalKeyStore, unseal
+from gpu_node.keys.node_identity import NODE_KEY_FILE
+from gpu_node.keys.remote_keys import CoordinatorKeyProvider, data_key_provider
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.vocabulary import PoolConfig
-from gpu_node.remote_keys import CoordinatorKeyProvider, data_key_provider
 from gpu_node.settings import DataKeySettings, NodeSettings
 from identity.node_credentials import issue_node_credential
 from identity.settings import IssuerSettings

@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from gpu_node.detokenizer import IncrementalDetokenizer
+from gpu_node.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

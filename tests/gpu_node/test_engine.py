@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.tiers import Tier
-from gpu_node.engine import (
+from gpu_node.engine.async_engine import (
     AsyncEngine,
     GenerationDone,
     GenerationRequest,

@@ -14,9 +14,9 @@ import pytest
 
 from events import schema
 from events.tiers import Tier
-from gpu_node.commands import InvalidationApplier, block_predicate
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
+from gpu_node.engine.async_engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
+from gpu_node.governance.commands import InvalidationApplier, block_predicate
+from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
 from gpu_node.pool.vocabulary import BlockState
 from gpu_node.settings import CacheSettings, NodeSettings

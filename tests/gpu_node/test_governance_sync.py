@@ -2,7 +2,7 @@
 
 Everything is real: the coordinator's consumers and HTTP API (uvicorn, in its own thread:
 nodes fetch data keys from it synchronously) on a freshly migrated database, a node as
-``gpu_node.server.serve`` assembles it with ``coordinator_url`` set, the session's broker
+``gpu_node.entrypoints.server.serve`` assembles it with ``coordinator_url`` set, the session's broker
 and Postgres. Command re-sends are effectively off (one hour), so a command a node
 missed can only reach it through the governance state.
 
@@ -57,7 +57,7 @@ from events import schema, topics
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
-from gpu_node.governance_sync import GovernanceClient
+from gpu_node.governance.sync import GovernanceClient
 from gpu_node.settings import CacheSettings
 from identity.node_credentials import issue_node_credential
 from identity.signing import GOVERNANCE_CONTEXT, document_signature_problem

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from events import schema
 from events.tiers import Tier
-from gpu_node.api import CACHE_BYPASS_HEADER, create_app
-from gpu_node.commands import EVIDENCE_SUBSCRIBER, InvalidationApplier, block_predicate, predicate_index_key
-from gpu_node.engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
+from gpu_node.engine.async_engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
+from gpu_node.entrypoints.routes import CACHE_BYPASS_HEADER, create_app
+from gpu_node.governance.commands import EVIDENCE_SUBSCRIBER, InvalidationApplier, block_predicate, predicate_index_key
 from gpu_node.pool.vocabulary import RemovalReason, provenance_index_keys
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token

@@ -8,8 +8,8 @@ import pytest
 from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from events.tiers import Tier
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_cache_manager import KVCacheManager
+from gpu_node.cache.kv_cache_manager import KVCacheManager
+from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.metrics import NodeMetrics
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.vocabulary import (
@@ -81,7 +81,7 @@ def test_a_failing_subscriber_is_logged_and_counted_and_the_others_still_receive
     manager.subscribe("evidence", received.extend)
     churn(manager)
 
-    with caplog.at_level(logging.ERROR, logger="gpu_node.kv_cache_manager"):
+    with caplog.at_level(logging.ERROR, logger="gpu_node.cache.kv_cache_manager"):
         drained = manager.drain_events()
 
     assert received == list(drained) and len(drained) == 4

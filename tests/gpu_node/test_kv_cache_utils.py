@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.schema import MAX_LIST_ITEMS
-from gpu_node.kv_cache_utils import compute_shadow_hashes
+from gpu_node.cache.kv_cache_utils import compute_shadow_hashes
 from prefix_keys.blocks import (
     CacheProvenance,
     CacheScope,

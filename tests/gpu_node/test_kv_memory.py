@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.engine import AsyncEngine
-from gpu_node.kv_memory import AvailableMemory, KVMemoryError, mem_available_bytes, plan_tiers
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.cache.kv_memory import AvailableMemory, KVMemoryError, mem_available_bytes, plan_tiers
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_pool import BlockPool
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.memory_tier import lazy_zeros
 from gpu_node.pool.vocabulary import PoolConfig
 from gpu_node.settings import CacheSettings, NodeSettings
@@ -139,7 +139,7 @@ def test_fresh_pool_does_not_cost_its_tiers_in_rss(tmp_path):
 
 
 async def test_engine_logs_and_reports_its_tiers(tiny_model_dir, tmp_path, caplog):
-    caplog.set_level("INFO", logger="gpu_node.engine")
+    caplog.set_level("INFO", logger="gpu_node.engine.async_engine")
     before = rss_bytes()
     cache = CacheSettings(host_memory_bytes=GiB, disk_bytes=2 * GiB)
     engine = AsyncEngine.from_settings(NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node", cache=cache))

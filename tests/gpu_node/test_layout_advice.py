@@ -12,9 +12,9 @@ import pytest
 from helpers.ledger import JWT_SECRET
 from helpers.node import Served
 
-from gpu_node.api import create_app
-from gpu_node.engine import AsyncEngine
-from gpu_node.layout_sampler import layout_sampler
+from gpu_node.cache.layout_sampler import layout_sampler
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token
 from kvledger.cli import main

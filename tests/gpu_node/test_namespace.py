@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_node import namespace as ns
-from gpu_node.namespace import CACHE_FILE_NAME, NamespaceIdentity, compute_namespace
+from gpu_node.cache import namespace as ns
+from gpu_node.cache.namespace import CACHE_FILE_NAME, NamespaceIdentity, compute_namespace
 
 KV = "float32/L1/bs16"  # KVBlockSpec.kv_format spelling
 

@@ -1,6 +1,6 @@
 """Invalidation end to end on the node side: real nodes, real broker, commands published as the coordinator would.
 
-Each node is what ``gpu_node.server.serve`` runs — engine, publisher, command
+Each node is what ``gpu_node.entrypoints.server.serve`` runs — engine, publisher, command
 consumer — in-process, with its HTTP app driven over ASGI. Commands are written
 to ``kvledger.commands`` signed with the tests' command key (``helpers.ledger.SigningProducer``),
 which the nodes pin; acks are read back from ``kvledger.acks``.
@@ -22,8 +22,8 @@ from prometheus_client import REGISTRY
 from events import schema, topics
 from events.kafka.settings import KafkaSettings
 from events.tiers import Tier
-from gpu_node.api import create_app
-from gpu_node.commands import block_predicate
+from gpu_node.entrypoints.routes import create_app
+from gpu_node.governance.commands import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token
 

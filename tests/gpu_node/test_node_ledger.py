@@ -11,7 +11,7 @@ import pytest
 from helpers.ledger import RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database
 from helpers.node import NodeServices, node_settings
 
-from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
+from gpu_node.engine.async_engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.settings import CacheSettings, NodeSettings
 from prefix_keys.blocks import CacheScope, DocumentRef, Principal
 from prefix_keys.prompt import ChatMessage

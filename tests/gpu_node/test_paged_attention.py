@@ -9,9 +9,9 @@ import torch
 from helpers.ledger import eventually
 from test_engine import ALICE, complete, engine, long_text, system, user  # noqa: F401 - engine is a fixture
 
-from gpu_node.engine import AsyncEngine
-from gpu_node.model_runner import ModelRunner, StepChunk, _num_common_leading
-from gpu_node.paged_attention import RowIndex, row_view
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.engine.model_runner import ModelRunner, StepChunk, _num_common_leading
+from gpu_node.engine.paged_attention import RowIndex, row_view
 
 BLOCK = 16
 

@@ -15,9 +15,9 @@ from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
 from events.record_size import MAX_RECORD_BYTES
 from events.tiers import Tier
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.governance.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.pool.vocabulary import RemovalReason, RemovedFromPool, StoredInPool
-from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, MAX_BLOCKS_PER_RECORD, NodePublisher
 from gpu_node.settings import NodeSettings
 from identity.signing import EnvelopeSigner, verify_envelope
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope, DocumentRef, Principal, Segment, compute_block_keys
@@ -258,7 +258,7 @@ async def test_an_inventory_follows_every_event_of_the_state_it_shows(tiny_model
     publisher = NodePublisher(
         engine, KafkaSettings(bootstrap=kafka_bootstrap), node_id, SUBJECT_KEY.encode(), signer=EnvelopeSigner(node_key(node_id))
     )
-    engine.manager.subscribe(KV_EVENTS_SUBSCRIBER, publisher.on_pool_events)  # as gpu_node.server.make_publisher does
+    engine.manager.subscribe(KV_EVENTS_SUBSCRIBER, publisher.on_pool_events)  # as gpu_node.entrypoints.server.make_publisher does
     await publisher.start(tmp_path / "node")
     pool, spec = engine.pool, engine.runner.kv_spec
     token_ids = list(range(2 * spec.block_size + 1))

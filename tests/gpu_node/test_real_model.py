@@ -16,8 +16,8 @@ import json
 import pytest
 import torch
 
-from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
-from gpu_node.kv_memory import AvailableMemory, plan_tiers
+from gpu_node.cache.kv_memory import AvailableMemory, plan_tiers
+from gpu_node.engine.async_engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, TokenDelta
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import SMOLLM2_INSTALL, build_default_model, is_complete
 from prefix_keys.blocks import CacheScope, DocumentRef, Principal
@@ -149,7 +149,7 @@ async def test_ignore_eos_and_min_tokens_on_the_real_model(engine, reference):
 
 def test_rebuild_is_byte_identical_so_the_namespace_is_too(smollm2_dir, tmp_path):
     """The namespace digest covers the weights, tokenizer and template: two machines' builds must share KV."""
-    from gpu_node.namespace import compute_namespace
+    from gpu_node.cache.namespace import compute_namespace
 
     again = build_default_model(tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja", "config.json"):

@@ -27,17 +27,17 @@ from events import schema
 from events.codec import decode_event, encode_key
 from events.tiers import Tier
 from events.topics import KV_EVENTS, node_key
-from gpu_node.api import create_app
-from gpu_node.commands import InvalidationApplier, fetch_snapshot_keys, remove_from_snapshots
-from gpu_node.crypto import KeyServiceUnavailable
-from gpu_node.engine import AsyncEngine, GenerationRequest, SamplingParams
+from gpu_node.engine.async_engine import AsyncEngine, GenerationRequest, SamplingParams
+from gpu_node.entrypoints.routes import create_app
+from gpu_node.entrypoints.server import make_publisher
+from gpu_node.governance.commands import InvalidationApplier, fetch_snapshot_keys, remove_from_snapshots
+from gpu_node.keys.crypto import KeyServiceUnavailable
+from gpu_node.keys.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
 from gpu_node.pool import snapshots
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.block_records import BlockRecord, BlockRestoreError, decode_block_record, encode_block_record
 from gpu_node.pool.snapshots import MANIFEST_NAME, readable_blocks, write_snapshot
 from gpu_node.pool.vocabulary import PoolConfig, RemovalReason
-from gpu_node.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
-from gpu_node.server import make_publisher
 from gpu_node.settings import CacheSettings, DataKeySettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import Principal, TokenVerifier, issue_token

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gpu_node.scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
+from gpu_node.engine.scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
 from gpu_node.settings import NodeSettings, SchedulerSettings
 
 BLOCK = 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_node.engine import GenerationDone, TokenDelta
-from gpu_node.usage import TenantUsage, UsageMeter, usage_meter
+from gpu_node.engine.async_engine import GenerationDone, TokenDelta
+from gpu_node.governance.usage import TenantUsage, UsageMeter, usage_meter
 
 
 def Done(num_completion_tokens: int) -> GenerationDone:

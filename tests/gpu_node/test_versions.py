@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from events import schema
-from gpu_node.commands import block_predicate
-from gpu_node.versions import Staleness, VersionRegistry
+from gpu_node.cache.versions import Staleness, VersionRegistry
+from gpu_node.governance.commands import block_predicate
 from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheProvenance, CacheScope, DocumentRef, Principal
 from prefix_keys.prompt import ChatMessage
 

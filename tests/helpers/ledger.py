@@ -37,7 +37,7 @@ from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
 from events.schema import BlockStored, Envelope, EventPayload, EventValidationError, NodeStarted, StoredBlock, make_event, parse_event
 from events.topics import COMMANDS, CUSTOMER_TOPICS, DEAD_LETTER, route
-from gpu_node.node_identity import NODE_KEY_FILE
+from gpu_node.keys.node_identity import NODE_KEY_FILE
 from identity.signing import EnvelopeSigner, private_key_pem, public_key_pem, sign_envelope
 from identity.tokens import issue_token
 from kvledger.nodes import enroll_node_key

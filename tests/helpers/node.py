@@ -1,4 +1,4 @@
-"""In-process GPU nodes for the integration tests: assembled as ``gpu_node.server.serve`` assembles them.
+"""In-process GPU nodes for the integration tests: assembled as ``gpu_node.entrypoints.server.serve`` assembles them.
 
 :class:`NodeServices` holds one node's engine, publisher and command consumer;
 :class:`ServedNode` adds its OpenAI-compatible app on a real uvicorn server
@@ -28,9 +28,9 @@ import uvicorn
 from coordinator.api.app import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
 from events.tiers import Tier
-from gpu_node.api import create_app as create_node_app
-from gpu_node.engine import AsyncEngine
-from gpu_node.server import make_command_consumer, make_publisher
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app as create_node_app
+from gpu_node.entrypoints.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from helpers.ledger import GROUP_TIMING, JWT_SECRET, SUBJECT_KEY, RunningConsumers, command_public_key_file, eventually, install_node_key
 from identity.tokens import TokenVerifier
@@ -58,7 +58,7 @@ async def demote_to_disk(engine: AsyncEngine, block_hash: str, timeout_s: float 
 
 @contextmanager
 def node_on_thread(engine: AsyncEngine, app, name: str, start_timeout_s: float = 120.0) -> Iterator[str]:
-    """Serve ``app`` as ``gpu_node.server.serve`` does — the engine starts on the server's own event loop —
+    """Serve ``app`` as ``gpu_node.entrypoints.server.serve`` does — the engine starts on the server's own event loop —
     in a thread of its own, for tests that call the node synchronously (or from another process); yields its URL."""
     sock = loopback_listener()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))

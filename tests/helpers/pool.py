@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from events.tiers import Tier
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.keys.crypto import LocalKeyStore
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.state import PoolState
 from gpu_node.pool.vocabulary import BlockState, CacheEntry, PoolConfig
 from prefix_keys.blocks import BlockKey, CacheProvenance, CacheScope

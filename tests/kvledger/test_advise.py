@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_node.layout_sampler import MAX_SEGMENTS, LayoutSampler
+from gpu_node.cache.layout_sampler import MAX_SEGMENTS, LayoutSampler
 from kvledger.advise import analyze, replay_hit_tokens
 from prefix_keys.blocks import CacheScope, DocumentRef, Principal, Segment, compute_block_keys
 from prefix_keys.prompt import ChatMessage, RenderedPrompt

@@ -3,8 +3,8 @@
 The router side loads the model directory with ``tokenizers`` and jinja2 only
 (:func:`prefix_keys.model_files.load_chat_tokenizer`) and maps request messages with
 :func:`prefix_keys.prompt.request_message`. The node side is the node's own path: the
-tokenizer its :class:`gpu_node.model_runner.ModelRunner` loads through transformers, the
-messages its API validates and maps (``gpu_node.api``), its namespace digest. Both directory
+tokenizer its :class:`gpu_node.engine.model_runner.ModelRunner` loads through transformers, the
+messages its API validates and maps (``gpu_node.entrypoints.routes``), its namespace digest. Both directory
 layouts transformers reads a template from are covered: ``chat_template.jinja`` (what
 ``kvledger model init`` writes) and ``tokenizer_config.json``'s ``chat_template``.
 """
@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_node.api import ChatCompletionRequest, _to_messages
-from gpu_node.model_runner import ModelRunner
-from gpu_node.namespace import compute_namespace
-from gpu_node.versions import VersionRegistry
+from gpu_node.cache.namespace import compute_namespace
+from gpu_node.cache.versions import VersionRegistry
+from gpu_node.engine.model_runner import ModelRunner
+from gpu_node.entrypoints.routes import ChatCompletionRequest, _to_messages
 from identity.tokens import Principal
 from prefix_keys import prompt as prompt_module
 from prefix_keys.blocks import CacheScope, DocumentRef, compute_block_keys

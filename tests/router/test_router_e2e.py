@@ -1,7 +1,7 @@
 """The router in front of two real tiny-model nodes: affinity, streaming, isolation, authentication, metrics.
 
 Everything is real and talks over real transports: the coordinator's consumers and API on a fresh
-ledger, two nodes as ``gpu_node.server.serve`` runs them (``helpers.node.RunningNode``), and the
+ledger, two nodes as ``gpu_node.entrypoints.server.serve`` runs them (``helpers.node.RunningNode``), and the
 router (``router.server.Router``) served by uvicorn, fed by its own consumer groups. Requests go
 through the official ``openai`` client.
 """

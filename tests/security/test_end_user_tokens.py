@@ -33,8 +33,8 @@ from starlette.routing import Route
 
 from coordinator.api.app import create_app as create_coordinator_app
 from coordinator.settings import CoordinatorSettings
-from gpu_node.api import create_app as create_node_app
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app as create_node_app
 from gpu_node.settings import NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import JWT_SECRET_ENV, AuthError, TokenVerifier, issue_token

@@ -51,8 +51,8 @@ from events.schema import (
     SmallCount,
     parse_event,
 )
-from gpu_node.api import create_app
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings
 from identity.tokens import AuthError, TokenVerifier

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from helpers.node import node_on_thread
 
-from gpu_node.api import create_app
-from gpu_node.engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app
 from gpu_node.metrics import MissReason
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.settings import IssuerSettings

@@ -18,7 +18,7 @@ A node does not learn the topic position from here: it notes the end offsets of
 decision not in the state it fetched is committed after that request's snapshot, so
 its command (published only after the commit, by the outbox) lies at or past those
 offsets; one that is both in the state and on the topic is applied once and acked
-again (``gpu_node.commands``), and the registry keeps the latest decision by time,
+again (``gpu_node.governance.commands``), and the registry keeps the latest decision by time,
 so nothing is missed and nothing moves back.
 
 Paging: at most ``limit`` (default and maximum :data:`MAX_PAGE_ENTRIES`) entries per

@@ -15,11 +15,11 @@ from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, mak
 from hypothesis import HealthCheck, given, settings
 
 from events.tiers import Tier
-from gpu_node.crypto import LocalKeyStore
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.block_records import BlockRestoreError
 from gpu_node.pool.disk_tier import is_sealed
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.vocabulary import (
     METHOD_OVERWRITE_UNLINK,
     METHOD_ZERO_FILL,

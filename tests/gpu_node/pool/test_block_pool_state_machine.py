@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from events.tiers import STORAGE_TIERS, Tier
-from gpu_node.crypto import LocalKeyStore
+from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
 from gpu_node.pool.vocabulary import (

@@ -11,7 +11,7 @@ import torch
 from helpers.pool import NO_TTL, NS, SPEC, FakeClock, block_hash, block_key, make_kv
 
 from events.tiers import Tier
-from gpu_node.crypto import LocalKeyStore
+from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.snapshots import (
     MANIFEST_NAME,

@@ -7,7 +7,7 @@ their prompt, then prefill chunks of waiting sequences in arrival order (FCFS),
 all under ``max_num_batched_tokens`` and ``max_num_seqs``. Decodes go first, so
 a long prompt delays them by at most one chunk, never by its whole prefill.
 
-KV memory is the allocator's business (``gpu_node.paged_kv``): the scheduler
+KV memory is the allocator's business (``gpu_node.engine.paged_kv``): the scheduler
 asks it to cover a sequence's next tokens with device blocks. When it cannot,
 the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the waiting queue to be recomputed (its generated tokens are
@@ -67,7 +67,7 @@ class Sequence:
 
 
 class BlockAllocator(Protocol):
-    """Device KV memory as the scheduler sees it (implemented over the block pool by ``gpu_node.paged_kv``)."""
+    """Device KV memory as the scheduler sees it (implemented over the block pool by ``gpu_node.engine.paged_kv``)."""
 
     def prepare_prefix(self, seq: Sequence) -> None:
         """Make the sequence's cached prefix resident on the device and set ``num_computed_tokens`` to it."""

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpu_node.kv_cache_utils import compute_shadow_hashes
+from gpu_node.cache.kv_cache_utils import compute_shadow_hashes
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.vocabulary import BlockState, CacheEntry, PoolEvent, RemovalReason, RemovedFromPool
@@ -90,7 +90,7 @@ class PrefixPlan:
     """What one request gets from the cache and what it promised to build.
 
     ``hit_entries`` are locked (ref-counted) until the request's sequence is freed
-    (``gpu_node.paged_kv``) or, for a plan no sequence took over, :meth:`KVCacheManager.finish`;
+    (``gpu_node.engine.paged_kv``) or, for a plan no sequence took over, :meth:`KVCacheManager.finish`;
     ``claimed`` are BUILDING entries this request leads and must commit or fail.
     """
 
@@ -257,7 +257,7 @@ class KVCacheManager:
         does not keep the batch from the others: the failure is logged (type only —
         events name blocks) and counted under its name, and the batch is not delivered
         to it again. That loses nothing silently for governance: the command
-        evidence collector (:class:`gpu_node.commands.InvalidationApplier`) only ever
+        evidence collector (:class:`gpu_node.governance.commands.InvalidationApplier`) only ever
         *adds* evidence, so a removal it missed leaves its command waiting and
         unacknowledged (a ``DeferredRemovalTimeout``, retried) — an ack is never sent
         without the evidence. The publisher's subscriber only queues the batch.

@@ -9,9 +9,9 @@ and the API refuses such requests (409 ``stale_document_version`` / 401
 ``stale_authorization``) before any key is computed.
 
 The registry is not a durable store: at every start the node fills it from the
-coordinator's governance state (:mod:`gpu_node.governance_sync`), or, without a
+coordinator's governance state (:mod:`gpu_node.governance.sync`), or, without a
 coordinator URL, by reading ``kvledger.commands`` from the beginning (see
-:mod:`gpu_node.commands`), so it is complete before the node turns ready; commands
+:mod:`gpu_node.governance.commands`), so it is complete before the node turns ready; commands
 consumed afterwards move it on.
 
 "Current" is the ``below_version`` of the *latest decision* for a document or

@@ -2,7 +2,7 @@
 
 For every ``Invalidate`` the node
 
-1. moves its :class:`~gpu_node.versions.VersionRegistry`, so the API refuses
+1. moves its :class:`~gpu_node.cache.versions.VersionRegistry`, so the API refuses
    requests that name a superseded document or policy version;
 2. tombstones and deletes every matching block that exists when it applies the
    command — whatever the command's cutoff says (docs/design.md §5, "Cutoffs"):
@@ -29,7 +29,7 @@ Ordering and restarts. Invalidations share one key, so they sit in one partition
 and every node applies them in the coordinator's order. A node with a coordinator
 URL (``coordinator_url``) does not depend on how long the broker keeps the topic: at
 every start it notes the topic's end offsets, then fetches the governance state from
-the coordinator (:mod:`gpu_node.governance_sync`) — the decisions its version registry
+the coordinator (:mod:`gpu_node.governance.sync`) — the decisions its version registry
 must hold and the commands still pending for it — applies the decisions to the
 registry, applies and acks the pending commands exactly as commands from the topic,
 and only then consumes the topic, from the offsets it noted: every decision missing
@@ -49,7 +49,7 @@ already applied in this run is not applied again: its ack — the same envelope,
 that did arrive is a duplicate the coordinator's inbox drops. A command applied in an
 earlier life (its ack and evidence are gone with the process) is applied again: that is
 idempotent, removes what matches now, and acks that. The registry keeps, per document and
-policy, the latest decision by its time (:mod:`gpu_node.versions`), so a re-sent older
+policy, the latest decision by its time (:mod:`gpu_node.cache.versions`), so a re-sent older
 command never moves it back.
 
 Trust. Only commands signed by the coordinator's command key, which the node pins
@@ -87,16 +87,16 @@ from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from events.metrics import HANDLER_FAILURES_TOTAL
 from events.tiers import Tier
-from gpu_node.crypto import DataKeyProvider
-from gpu_node.governance_sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
+from gpu_node.governance.sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
+from gpu_node.keys.crypto import DataKeyProvider
 from gpu_node.pool import snapshots
 from gpu_node.pool.vocabulary import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool
 from identity.signing import SIGNATURE_ERROR, signature_problem
 from prefix_keys.blocks import CacheProvenance
 
 if TYPE_CHECKING:
-    from gpu_node.engine import AsyncEngine
-    from gpu_node.publisher import NodePublisher
+    from gpu_node.engine.async_engine import AsyncEngine
+    from gpu_node.governance.publisher import NodePublisher
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ def fetch_snapshot_keys(root: Path, key_provider: DataKeyProvider) -> None:
     Blocking, and meant for a thread: run before :func:`remove_from_snapshots`,
     it leaves the keys in memory, so the pass on the model worker waits on the
     key service only for a snapshot written in between. Raises
-    :class:`gpu_node.crypto.KeyServiceUnavailable` when a key can be neither
+    :class:`gpu_node.keys.crypto.KeyServiceUnavailable` when a key can be neither
     fetched nor known destroyed: the command fails and is retried, its
     snapshots untouched.
     """
@@ -545,7 +545,7 @@ def ack_records(command: schema.Invalidate, node_id: str, epoch: int, evidence: 
     Built once per application and kept: a re-sent command gets these same envelopes (same
     event ids, same parts) again, so the coordinator's inbox drops the parts it holds and
     stages the ones it missed. ``after_seq`` is the publisher's fence
-    (:meth:`gpu_node.publisher.NodePublisher.fence`).
+    (:meth:`gpu_node.governance.publisher.NodePublisher.fence`).
     """
     parts = ack_parts(command.command_id, node_id, epoch, evidence, after_seq=after_seq)
     return tuple(schema.make_event(part) for part in parts)

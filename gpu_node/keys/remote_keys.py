@@ -20,7 +20,7 @@ lock), a missing key is fetched on the spot, each request bounded by ``timeout_s
 An answer "no such key" is remembered for ``negative_ttl_s``, a request that failed in
 transit (or got an error answer) for :data:`UNREACHABLE_RETRY_S`; every cache is an LRU of bounded size
 (``gpu_node.settings.DataKeySettings``). The two stay apart: the blocking view raises
-:class:`gpu_node.crypto.KeyServiceUnavailable` for the second, so a snapshot's inventory never reports
+:class:`gpu_node.keys.crypto.KeyServiceUnavailable` for the second, so a snapshot's inventory never reports
 a copy as gone because the coordinator was down or slow at that moment.
 """
 
@@ -42,8 +42,8 @@ from typing import Generic, TypeVar
 import httpx
 
 from events.schema import subject_digest
-from gpu_node.crypto import DataKeyProvider, KeyServiceUnavailable, LocalKeyStore
-from gpu_node.node_identity import node_signing_key
+from gpu_node.keys.crypto import DataKeyProvider, KeyServiceUnavailable, LocalKeyStore
+from gpu_node.keys.node_identity import node_signing_key
 from gpu_node.settings import DataKeySettings, NodeSettings
 from identity.node_credentials import issue_node_credential
 from identity.sealing import KEY_BYTES, KEY_ID_HEX_CHARS
@@ -106,7 +106,7 @@ class _Lru(Generic[K, V]):  # noqa: UP046 - Python 3.11 has no type parameter sy
 
 
 class CoordinatorKeyProvider:
-    """A :class:`gpu_node.crypto.DataKeyProvider` backed by the coordinator; see the module docstring.
+    """A :class:`gpu_node.keys.crypto.DataKeyProvider` backed by the coordinator; see the module docstring.
 
     ``token_factory`` returns the node's bearer credential; it is called per
     request, so a short credential lifetime costs nothing. ``subject_key`` is
@@ -419,7 +419,7 @@ def data_key_provider(settings: NodeSettings, data_dir: Path) -> DataKeyProvider
 
     The node authenticates with credentials only its own key can make
     (``identity.node_credentials``): a fresh EdDSA JWT per request, signed with the
-    node key (``gpu_node.node_identity``), which the coordinator accepts once that key
+    node key (``gpu_node.keys.node_identity``), which the coordinator accepts once that key
     is enrolled for this node id. No shared secret is involved.
     """
     if settings.coordinator_url is None:

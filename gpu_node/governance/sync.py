@@ -9,7 +9,7 @@ signed by the coordinator's command key it pins, names this node and echoes the
 nonce — a man in the middle can neither relax the state nor replay an older one —
 and every pending command in it is itself a valid command signed by that key.
 
-:class:`GovernanceClient` fetches and checks; :class:`gpu_node.commands.CommandConsumer`
+:class:`GovernanceClient` fetches and checks; :class:`gpu_node.governance.commands.CommandConsumer`
 applies the state (registry first, then the pending commands through the same path as
 a command from the topic, acked) before the node reports ready, then consumes the
 topic from the end offsets it noted before fetching. Any failure — coordinator

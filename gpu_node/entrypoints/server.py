@@ -14,15 +14,15 @@ import uvicorn
 from events.http_server import server_config
 from events.kafka.settings import KafkaSettings
 from events.logs import configure_logging
-from gpu_node.api import create_app
-from gpu_node.commands import CommandConsumer, InvalidationApplier
-from gpu_node.engine import AsyncEngine
-from gpu_node.governance_sync import GovernanceClient
-from gpu_node.kv_memory import KVMemoryError
-from gpu_node.node_identity import node_signing_key, pinned_command_key
+from gpu_node.cache.kv_memory import KVMemoryError
+from gpu_node.engine.async_engine import AsyncEngine
+from gpu_node.entrypoints.routes import create_app
+from gpu_node.governance.commands import CommandConsumer, InvalidationApplier
+from gpu_node.governance.publisher import KV_EVENTS_SUBSCRIBER, NodePublisher
+from gpu_node.governance.sync import GovernanceClient
+from gpu_node.keys.node_identity import node_signing_key, pinned_command_key
+from gpu_node.keys.remote_keys import NODE_CREDENTIAL_TTL_S
 from gpu_node.pool import snapshots
-from gpu_node.publisher import KV_EVENTS_SUBSCRIBER, NodePublisher
-from gpu_node.remote_keys import NODE_CREDENTIAL_TTL_S
 from gpu_node.settings import NodeSettings
 from identity.node_credentials import issue_node_credential
 from identity.signing import EnvelopeSigner
@@ -106,7 +106,7 @@ def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, setting
     """The command side of the ledger hook (its evidence collector subscribes to pool events beside the publisher).
 
     With ``coordinator_url`` the node takes its governance state from the coordinator at start
-    (``gpu_node.governance_sync``); without it, it replays ``kvledger.commands``.
+    (``gpu_node.governance.sync``); without it, it replays ``kvledger.commands``.
     """
     handler = InvalidationApplier(engine, publisher.subject_key)
     command_key = pinned_command_key(settings)

@@ -53,7 +53,7 @@ class KeyServiceUnavailable(Exception):
 
 KEY_SERVICE_RETRY_S = (0.5, 5.0)
 """First and longest wait between attempts at start-up work that needs the key service to answer for sealed copies
-(the longest: :data:`gpu_node.remote_keys.UNREACHABLE_RETRY_S`, how long an unanswered key is not asked for again)."""
+(the longest: :data:`gpu_node.keys.remote_keys.UNREACHABLE_RETRY_S`, how long an unanswered key is not asked for again)."""
 
 
 async def until_key_service_answers(attempt: Callable[[], Awaitable[T]], what: str) -> T:

@@ -1,4 +1,4 @@
-"""Paged KV over the block pool's device tier: the scheduler's :class:`~gpu_node.scheduler.BlockAllocator`.
+"""Paged KV over the block pool's device tier: the scheduler's :class:`~gpu_node.engine.scheduler.BlockAllocator`.
 
 A running sequence's block table lists device slots of two kinds:
 
@@ -29,12 +29,12 @@ import time
 from dataclasses import dataclass, field
 
 from events.tiers import Tier
-from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
+from gpu_node.cache.kv_cache_manager import KVCacheManager, PrefixPlan
+from gpu_node.engine.scheduler import Sequence
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.block_records import BlockRestoreError
 from gpu_node.pool.vocabulary import BlockState, CacheEntry
-from gpu_node.scheduler import Sequence
 
 
 @dataclass

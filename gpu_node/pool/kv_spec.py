@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_node.kv_cache_utils import KV_LAYOUT_VERSION
+KV_LAYOUT_VERSION = 1
+"""Version of the block layout in memory and at rest: part of every namespace's KV format."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """The node's own block identities, beside the shared key derivation of :mod:`prefix_keys.blocks`.
 
 Block keys are derived in ``prefix_keys`` because a router must compute them too. What only a
-node needs stays here: the KV layout version (part of the namespace's KV format) and the
-shadow hashes that explain its cache misses.
+node needs stays here: the shadow hashes that explain its cache misses. (The KV layout version,
+part of the namespace's KV format, is the block geometry's: ``gpu_node.pool.kv_spec``.)
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import hashlib
 from collections.abc import Sequence
 
 from prefix_keys.blocks import DEFAULT_BLOCK_SIZE, hash_block, pack_token_ids
-
-KV_LAYOUT_VERSION = 1
 
 SHADOW_ROOT = hashlib.sha256(b"kvledger/shadow/v1").digest()
 

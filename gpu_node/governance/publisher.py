@@ -5,7 +5,7 @@ node id (so one partition keeps them in order), stamped with the node's restart
 ``epoch`` and a per-epoch ``seq`` the coordinator uses to detect gaps. Events are
 batched: consecutive pool events of one kind (and one removal reason) become one
 record, flushed every ``publish_interval_s``. At start the node announces its new
-epoch and a full inventory; :class:`gpu_node.commands.CommandConsumer` calls
+epoch and a full inventory; :class:`gpu_node.governance.commands.CommandConsumer` calls
 :meth:`NodePublisher.publish_inventory` to answer ``InventoryRequested``.
 
 Subjects never leave the node in clear: provenance carries the keyed
@@ -64,9 +64,9 @@ from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
 from events.record_size import MAX_RECORD_BYTES, envelope_bytes, split_to_fit
 from events.topics import KV_EVENTS, NODE_DEAD_LETTER, route
-from gpu_node.crypto import until_key_service_answers
+from gpu_node.governance.usage import usage_meter
+from gpu_node.keys.crypto import until_key_service_answers
 from gpu_node.pool import vocabulary
-from gpu_node.usage import usage_meter
 from identity.signing import EnvelopeSigner
 from prefix_keys.blocks import BlockKey, CacheProvenance
 
@@ -229,7 +229,7 @@ class NodePublisher:
 
         A run is consecutive events of one kind (one reason, for removals; :func:`_batch_kind`).
         Provenance leaves with the subject as its keyed digest; removal evidence stays on the
-        node (it goes into command acks, :mod:`gpu_node.commands`).
+        node (it goes into command acks, :mod:`gpu_node.governance.commands`).
         """
         common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0}
         if kind[0] == "stored":
@@ -381,7 +381,7 @@ class NodePublisher:
     async def publish_inventory(self, request_id: uuid.UUID | None) -> None:
         """Everything this node holds, chunked; the events behind it are published first so seq stays ordered.
 
-        Raises :class:`gpu_node.crypto.KeyServiceUnavailable`, publishing nothing, when a snapshot's blocks cannot be told readable
+        Raises :class:`gpu_node.keys.crypto.KeyServiceUnavailable`, publishing nothing, when a snapshot's blocks cannot be told readable
         or gone now (:func:`gpu_node.pool.snapshots.readable_blocks`); the command consumer retries an
         ``InventoryRequested`` with backoff, :meth:`start` its own inventory.
         """

@@ -6,11 +6,11 @@ hands the request to the step loop. The step loop is one asyncio task that runs
 each engine step as one job on the model worker thread:
 
 1. take new and aborted requests from the inbox;
-2. :class:`~gpu_node.scheduler.Scheduler` picks one decode token per running
+2. :class:`~gpu_node.engine.scheduler.Scheduler` picks one decode token per running
    request plus prefill chunks of waiting ones under the token budget,
    preempting the newest request when device blocks run out;
 3. one model forward over all of them, KV read and written in place in the
-   pool's device tier (:mod:`gpu_node.paged_kv`, :mod:`gpu_node.paged_attention`);
+   pool's device tier (:mod:`gpu_node.engine.paged_kv`, :mod:`gpu_node.engine.paged_attention`);
 4. one batched sampling call, incremental detokenization, stop checks, commits
    of finished prefix blocks, and per-request outputs back to the loop.
 
@@ -38,23 +38,23 @@ from pathlib import Path
 import torch
 
 from events.schema import subject_digest
-from gpu_node.crypto import until_key_service_answers
-from gpu_node.detokenizer import IncrementalDetokenizer
-from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
-from gpu_node.kv_memory import TierPlan, measure_available, plan_tiers
-from gpu_node.layout_sampler import layout_sampler
+from gpu_node.cache.kv_cache_manager import KVCacheManager, PrefixPlan
+from gpu_node.cache.kv_memory import TierPlan, measure_available, plan_tiers
+from gpu_node.cache.layout_sampler import layout_sampler
+from gpu_node.cache.namespace import NamespaceIdentity, compute_namespace
+from gpu_node.cache.versions import VersionRegistry
+from gpu_node.engine.detokenizer import IncrementalDetokenizer
+from gpu_node.engine.model_runner import ModelRunner, StepChunk
+from gpu_node.engine.paged_kv import PagedKV
+from gpu_node.engine.sampling import SamplingState, make_sampling_state, sample_batch
+from gpu_node.engine.scheduler import Scheduler, SchedulerOutput, Sequence
+from gpu_node.keys.crypto import until_key_service_answers
+from gpu_node.keys.remote_keys import data_key_provider
 from gpu_node.metrics import MissReason, NodeMetrics
-from gpu_node.model_runner import ModelRunner, StepChunk
-from gpu_node.namespace import NamespaceIdentity, compute_namespace
-from gpu_node.paged_kv import PagedKV
 from gpu_node.pool import snapshots
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.vocabulary import PoolConfig
-from gpu_node.remote_keys import data_key_provider
-from gpu_node.sampling import SamplingState, make_sampling_state, sample_batch
-from gpu_node.scheduler import Scheduler, SchedulerOutput, Sequence
 from gpu_node.settings import NodeSettings
-from gpu_node.versions import VersionRegistry
 from prefix_keys.blocks import BlockKey, CacheScope, Principal, compute_block_keys
 from prefix_keys.prompt import ChatMessage, render_prompt
 

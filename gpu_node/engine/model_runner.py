@@ -2,7 +2,7 @@
 
 :meth:`ModelRunner.execute` runs one engine step: one forward over the tokens
 of every scheduled sequence, its KV read and written in place in the pool's
-device tier through block tables (:mod:`gpu_node.paged_attention`).
+device tier through block tables (:mod:`gpu_node.engine.paged_attention`).
 :meth:`ModelRunner.prefill` over a ``DynamicCache`` remains for benchmark floors.
 It knows nothing about keys, tiers or requests; the engine calls it from its one
 worker thread, so nothing here is thread-safe on purpose.
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
-from gpu_node import paged_attention
-from gpu_node.kv_spec import KVBlockSpec
-from gpu_node.paged_attention import PagedStep, PrefillChunk, RowIndex, no_mask, row_view
+from gpu_node.engine import paged_attention
+from gpu_node.engine.paged_attention import PagedStep, PrefillChunk, RowIndex, no_mask, row_view
+from gpu_node.pool.kv_spec import KVBlockSpec
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ModelRunner:
         self.tokenizer.backend_tokenizer.no_padding()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype).to(self.device)
         self.model.eval()
-        # Attention reads and writes the pool's device tier (gpu_node.paged_attention); it is SDPA
+        # Attention reads and writes the pool's device tier (gpu_node.engine.paged_attention); it is SDPA
         # underneath, and plain SDPA for forwards without a paged step (HF generate, DynamicCache).
         paged_attention.register()
         self.model.set_attn_implementation(paged_attention.PAGED_ATTENTION)
@@ -136,7 +136,7 @@ class ModelRunner:
 
         Keys and values are written into ``kv_table`` (the pool's device tier) at
         each chunk's block table, and attention reads them back from there
-        (:mod:`gpu_node.paged_attention`).
+        (:mod:`gpu_node.engine.paged_attention`).
         """
         return self.forward(self.prepare(chunks, kv_table))
 

@@ -45,12 +45,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from events.logs import RequestIdMiddleware
 from events.schema import MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name
-from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
-from gpu_node.layout_sampler import layout_sampler
+from gpu_node.cache.layout_sampler import layout_sampler
+from gpu_node.cache.versions import Staleness, VersionRegistry
+from gpu_node.engine.async_engine import (
+    AsyncEngine,
+    GenerationDone,
+    GenerationRequest,
+    PromptStats,
+    PromptTooLongError,
+    SamplingParams,
+    TokenDelta,
+)
+from gpu_node.entrypoints.vllm_routes import vllm_router
+from gpu_node.governance.usage import usage_meter
 from gpu_node.settings import RequestLimits
-from gpu_node.usage import usage_meter
-from gpu_node.versions import Staleness, VersionRegistry
-from gpu_node.vllm_routes import vllm_router
 from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
 from identity.tokens import AuthError, Operator, TokenVerifier
@@ -495,7 +503,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
     ``verifier`` checks end users' tokens; ``operator_verifier`` (the operator
     issuer, a different key) the operators' — without it no operator endpoint answers.
 
-    The caller owns the engine's lifecycle (``gpu_node.server`` starts it on the
+    The caller owns the engine's lifecycle (``gpu_node.entrypoints.server`` starts it on the
     serving event loop before the app takes traffic); until ``engine.ready`` the
     app answers 503 rather than serve from a cache that may still hold blocks
     pending invalidation. The routes are module-level (:data:`router`); what they
@@ -592,7 +600,7 @@ def _require_scraper(request: Request, engine: Engine) -> None:
 
 
 router = APIRouter()
-"""The node's own routes; vLLM's operational routes are :func:`gpu_node.vllm_routes.vllm_router`."""
+"""The node's own routes; vLLM's operational routes are :func:`gpu_node.entrypoints.vllm_routes.vllm_router`."""
 
 
 @router.get("/healthz")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_node.kv_spec import KVBlockSpec
+from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.settings import CacheSettings
 
 DEFAULT_DEVICE_MEMORY_FRACTION = {"cuda": 0.8, "cpu": 0.4}
