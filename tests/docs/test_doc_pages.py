@@ -85,7 +85,8 @@ def test_design_page_is_short_and_drawn(page: Path) -> None:
     diagrams = re.findall(r"^```mermaid\n(\w+)", text, re.M)
     assert diagrams == [kind], f"{page.name}: one mermaid {kind}, found {diagrams}"
     text_lines = text.splitlines()
-    long_lines = [number for number, line in enumerate(text_lines, 1) if len(line) > MAX_LINE_CHARS]
+    # Table rows name files by their full path and cannot wrap; prose can.
+    long_lines = [n for n, line in enumerate(text_lines, 1) if len(line) > MAX_LINE_CHARS and not line.startswith("|")]
     assert not long_lines, f"{page.name}: lines over {MAX_LINE_CHARS} characters: {long_lines}"
     for paragraph in re.split(r"\n\s*\n", _FENCE.sub("", text)):
         lines = paragraph.strip().splitlines()
