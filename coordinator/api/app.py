@@ -28,6 +28,7 @@ from coordinator.api.routes.erasures import router as erasure_router
 from coordinator.api.routes.governance import router as governance_router
 from coordinator.api.routes.invalidations import router as invalidation_router
 from coordinator.api.routes.keys import router as keys_router
+from coordinator.api.routes.peers import router as peers_router
 from coordinator.api.routes.producer_keys import router as producer_keys_router
 from coordinator.api.routes.router import router as fleet_router_router
 from coordinator.api.routes.usage import router as usage_router
@@ -70,6 +71,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
         dead_letters_router,
         producer_keys_router,
         fleet_router_router,
+        peers_router,
     ):
         app.include_router(routes)
     app.include_router(probes)
