@@ -413,6 +413,26 @@ async def test_an_erasure_after_a_pull_removes_both_copies_and_its_receipt_lists
     for node in (holder, puller):
         await node.publisher.flush()
 
+    async def ledgered() -> dict[tuple[str, str], dict | None]:
+        async with httpx.AsyncClient(base_url=stack["url"], headers=operator_headers("privacy-officer", tenant)) as client:
+            page = (await client.get("/v1/ledger/blocks", params={"tenant": tenant, "subject": subject, "limit": 1000})).json()
+        return {
+            (block["block_hash"], placement["node_id"]): placement["replica_of"]
+            for block in page["blocks"]
+            for placement in block["placements"]
+        }
+
+    async def both_copies_ledgered() -> bool:
+        return set(await ledgered()) == {(block, node.node_id) for block in replicated for node in (holder, puller)}
+
+    await eventually(both_copies_ledgered, timeout_s=TIMEOUT_S, what="the ledger lists the copies on both nodes")
+    # The pulled copies name their source; the holder's were computed there.
+    for (_, node_id), replica_of in (await ledgered()).items():
+        if node_id == holder.node_id:
+            assert replica_of is None
+        else:
+            assert replica_of is not None and replica_of["source_node_id"] == holder.node_id and replica_of["pulled_at"]
+
     erasure_id = await request_erasure(stack, tenant, subject)
     done = await erasure_verified(stack, erasure_id)
 
