@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from events.logs import RequestIdMiddleware
+from events.pull_hint import MAX_HINT_BLOCKS, PULL_BLOCKS_HEADER, PULL_FROM_HEADER
 from events.schema import MAX_ID_CHARS, MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name, check_identifier
 from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, PromptTooLongError, SamplingParams, TokenDelta
 from gpu_node.layout_sampler import layout_sampler
@@ -647,11 +648,6 @@ async def cache_layout(engine: Engine) -> dict:
 async def write_snapshot(_: PlatformAdmin, engine: Engine) -> dict:
     _require_ready(engine)
     return await engine.write_snapshot()
-
-
-PULL_FROM_HEADER = "x-kvledger-pull-from"
-PULL_BLOCKS_HEADER = "x-kvledger-pull-blocks"
-MAX_HINT_BLOCKS = 65_536
 
 
 def _pull_hint(request: Request) -> PullHint | None:

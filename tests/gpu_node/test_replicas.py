@@ -25,8 +25,9 @@ from helpers.ledger import JWT_SECRET, coordinator_settings, enroll_nodes, event
 from helpers.node import CoordinatorThread, RunningNode, node_settings
 
 from bench.common import start_groups_at_end
-from coordinator.consumers import consumer_groups, kafka_settings
-from events import kafka
+from coordinator.consumers import consumer_groups
+from coordinator.settings import kafka_settings
+from events.kafka.admin import ensure_topics
 from gpu_node.peers import PULL_PATH, decode_frames
 from gpu_node.pool.block_records import FLAG_SEALED, HEADER
 from gpu_node.pool.vocabulary import BlockState
@@ -103,7 +104,7 @@ async def stack(
         settings = coordinator_settings(
             url, kafka_bootstrap, kafka={"group_id": group}, ledger={"erasure_verify_interval_s": 0.5}, keys={"master_key": MASTER_KEY}
         )
-        await kafka.ensure_topics(kafka_settings(settings))
+        await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(group))
         coordinator = await CoordinatorThread(settings).start()
         suffix = uuid.uuid4().hex[:6]
