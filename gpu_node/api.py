@@ -20,6 +20,10 @@ KV an invalidation just deleted. On a node whose namespace was retired, requests
 are served without the prefix cache and the response says so in
 :data:`CACHE_BYPASS_HEADER`.
 
+Two routes serve replicas (``gpu_node.peers``): a chat request may carry a router's pull hint
+(:func:`_pull_hint`), and ``POST /v1/kvledger/peer/blocks`` serves a prefix's sealed records to
+an enrolled peer of this namespace — authenticated by its peer credential, not by a user token.
+
 Prompt text is never logged, nor tenant or subject ids: log lines carry the
 request id (``X-Request-Id``, :mod:`events.logs`), the completion id and token
 counts only; the access line has method, path, status and duration.

@@ -467,9 +467,10 @@ class AsyncEngine:
         num_adopted = self.manager.adopt_pulled(plan, committed)
         self.manager.drain_events()
         self.metrics.peer_pulled_blocks.inc(num_adopted)
-        if failure_reason is not None:
-            return failure_reason
-        return "pulled" if num_adopted == len(targets) else "discarded"
+        if num_adopted < len(kvs):
+            return "discarded"
+        # A holder that held only part of the run served that part: the rest is computed, as any miss.
+        return failure_reason or "pulled"
 
     def _commit_pulled(self, targets: list[CacheEntry], kvs: list[torch.Tensor], source: ReplicaSource) -> list[CacheEntry]:
         """Commit pulled KV into the claimed entries (model worker); the run committed. A discarded one ends it."""

@@ -7,6 +7,12 @@ lives at most :data:`MAX_TTL_S` seconds. The coordinator looks the ``kid`` up in
 enrollment registry and accepts the token only for the node id that key is enrolled
 for — so no shared secret exists that could mint a node's credential, and no
 end-user or operator token, whatever roles it claims, is one.
+
+A *peer credential* (:func:`issue_peer_credential`) is the same kind of token for one
+node-to-node request (``gpu_node.peers``): its audience names the holder it is for
+(``kvledger-peer:<node id>``) and its claim ``req`` the sha256 of the request body, so
+the holder that receives it can neither present it to the key service nor to another
+node, nor attach it to another request.
 """
 
 from __future__ import annotations
