@@ -224,6 +224,31 @@ async def test_a_pulled_prefix_serves_the_same_greedy_output_as_recomputing_it_a
     assert (await ask(puller, tenant_token(tenant), messages))[1] == num_blocks * BLOCK_SIZE
 
 
+async def test_concurrent_requests_for_one_prefix_pull_it_once(stack) -> None:
+    holder, puller, link = stack["holder"], stack["puller"], stack["link"]
+    tenant = f"acme-{uuid.uuid4().hex[:6]}"
+    messages = handbook("What is the dress code?")
+    computed, _ = await ask(holder, tenant_token(tenant), messages)
+    num_blocks = full_blocks(holder, messages)
+    before = pulls(puller, "pulled")
+    link.mode = "hold"
+
+    first = asyncio.create_task(ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks)))
+    await asyncio.wait_for(link.holding.wait(), TIMEOUT_S)
+    # The second request finds the first's claims and waits on them, as on a build: it sends no pull of its own.
+    second = asyncio.create_task(ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks)))
+    await eventually(
+        lambda: (puller.engine.metrics.registry.get_sample_value("kvledger_singleflight_waiters") or 0) >= 1,
+        timeout_s=TIMEOUT_S,
+        what="a waiter",
+    )
+    link.release.set()
+
+    assert await first == (computed, num_blocks * BLOCK_SIZE)
+    assert await second == (computed, num_blocks * BLOCK_SIZE)
+    assert len(link.bodies) == 1 and pulls(puller, "pulled") == before + 1
+
+
 async def test_a_pull_brings_only_blocks_of_the_callers_own_scope(stack) -> None:
     holder, puller = stack["holder"], stack["puller"]
     owner, other = f"acme-{uuid.uuid4().hex[:6]}", f"globex-{uuid.uuid4().hex[:6]}"
