@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -279,6 +280,10 @@ class ClusterConfig:
     tests, which time nothing, take 50 ms (a tenth of the idle fetches, see ``events.kafka.settings.ConsumerGroupTiming``)."""
     ready_timeout_s: float = READY_TIMEOUT_S
     """How long each start (and restart) of a process may take to answer ready."""
+    peers: bool = False
+    """Every node lists every other in ``peers.urls`` (``KVLEDGER_NODE_PEERS__URLS``), so it may pull their blocks."""
+    node_metrics_token: str | None = None
+    """The nodes' metrics token (``/metrics``, ``/v1/cache/stats``); unset, those views are disabled."""
     cache_ttl_s: float = 86400.0
     """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
     inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
@@ -375,12 +380,15 @@ class Cluster:
             **{f"KVLEDGER_NODE_CACHE__TTL_{scope}_S": str(self.config.cache_ttl_s) for scope in ("PUBLIC", "TENANT", "USER")},
         }
         node_env = {name: value for name, value in node_env.items() if not name.startswith("KVLEDGER_COORDINATOR_LEDGER__")}
-        for index in range(self.config.num_nodes):
-            node_id = spread_node_id(index, NUM_PARTITIONS)
+        ports = {spread_node_id(index, NUM_PARTITIONS): free_port() for index in range(self.config.num_nodes)}
+        if self.config.node_metrics_token is not None:
+            node_env["KVLEDGER_NODE_METRICS__TOKEN"] = self.config.node_metrics_token
+        if self.config.peers:
+            node_env["KVLEDGER_NODE_PEERS__URLS"] = json.dumps({node_id: f"http://127.0.0.1:{port}" for node_id, port in ports.items()})
+        for node_id, port in ports.items():
             data_dir = self.work_dir / node_id
             data_dir.mkdir(parents=True)
             await keys.enroll(self.database_url, node_id, data_dir)
-            port = free_port()
             args = ["node", "--model", str(self.model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(data_dir)]
             self.nodes.append(
                 Child(node_id, args, node_env, logs / f"{node_id}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s)

@@ -18,6 +18,10 @@ One checker for the fault-injection suite (``tests/faults``) and ``kvledger benc
 5. **Nothing lost.** Every kv-event and ack on the topics is in the ledger's inbox, or dead-lettered and
    counted (``dead_letters``).
 
+Replicas (copies a node pulled from a peer, ``gpu_node.cache.peers``) are placements like any other, so 1 and 3
+cover them; each check also counts the live ones (:attr:`Invariants.num_replicas`) so a report shows how
+many copies those promises held for.
+
 Each check returns human-readable violations (an empty list when the promise holds), so the soak can
 count them and the tests can assert on them with the details in the failure message.
 """
@@ -45,6 +49,8 @@ class Invariants:
     served_violations: list[str] = field(default_factory=list)
     num_probes: int = 0
     num_checks: int = 0
+    num_replicas: int = 0
+    """Live placements of pulled copies at the last :meth:`check`."""
 
     async def _connect(self) -> asyncpg.Connection:
         return await asyncpg.connect(**self.cluster.connect_kwargs(), timeout=10)
@@ -82,6 +88,14 @@ class Invariants:
             await asyncio.sleep(0.2)
 
     # -- 3. erasures ------------------------------------------------------------------
+
+    async def live_replicas(self) -> int:
+        """Live placements whose node's copy was pulled from a peer (a ``replicas`` row names its source)."""
+        rows = await self._query(
+            "SELECT count(*) AS n FROM placements p JOIN replicas r ON r.block_hash = p.block_hash AND r.node_id = p.node_id"
+            " WHERE p.state = 'live'"
+        )
+        return int(rows[0]["n"])
 
     async def erased_copies_in_ledger(self) -> list[str]:
         """Live placements of a verified erasure's subject whose copy was built before the erasure's cutoff.
@@ -383,6 +397,7 @@ class Invariants:
         self.num_checks += 1
         violations = await self.settle(settle_timeout_s)
         violations += await self.erased_copies_in_ledger()
+        self.num_replicas = await self.live_replicas()
         inventories = {}
         for node_id, node in zip(self.cluster.node_ids, self.cluster.nodes, strict=True):
             if node.running:

@@ -447,6 +447,7 @@ class Soak:
             | {
                 "probes": self.invariants.num_probes,
                 "checks": self.counts["checks"] + self.invariants.num_checks,
+                "replicas_live": self.invariants.num_replicas,
                 "kv_events": len(self.cluster.tail.kv_events) - num_kv_events_before,
             }
             | {name: totals[name] - totals_before[name] for name in totals}

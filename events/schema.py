@@ -311,10 +311,23 @@ class BlockProvenance(_Model):
         return self
 
 
+class ReplicaOrigin(_Model):
+    """Where a node's copy came from when it was pulled from a peer instead of computed (``gpu_node.cache.peers``)."""
+
+    source_node_id: Name
+    pulled_at: AwareDatetime
+
+
 class StoredBlock(BlockProvenance):
-    """A block whose bytes were written to ``tier``."""
+    """A block whose bytes were written to ``tier``.
+
+    ``replica_of`` is set when the bytes were pulled from a peer node: the copy's provenance
+    in the ledger (``replicas``). Optional, and left out of the encoding when unset, so the
+    records of blocks computed on the node encode as before.
+    """
 
     tier: StorageTier
+    replica_of: ReplicaOrigin | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class RemovedBlock(_Model):

@@ -57,6 +57,22 @@ class NodeMetrics:
         self.expirations = Counter("kvledger_expirations", "Blocks deleted by TTL", registry=r)
         self.builds = Counter("kvledger_prefix_builds", "Requests that built (led) at least one missing block", registry=r)
         self.blocks_built = Counter("kvledger_blocks_built", "Blocks computed and committed READY", registry=r)
+        self.peer_pulls = Counter(
+            "kvledger_peer_pulls",
+            "Pulls of a prefix's missing blocks from a peer (gpu_node.cache.peers) by outcome: pulled, or why the request recomputed",
+            ["outcome"],
+            registry=r,
+        )
+        self.peer_pulled_blocks = Counter("kvledger_peer_pulled_blocks", "Blocks pulled from peers and served as hits", registry=r)
+        self.peer_pull_seconds = Histogram(
+            "kvledger_peer_pull_seconds", "Time one pull took, failed ones included", registry=r, buckets=_LATENCY_BUCKETS_S
+        )
+        self.peer_serves = Counter(
+            "kvledger_peer_serves",
+            "Pull requests this node answered as a holder, by outcome (served or the refusal's code)",
+            ["outcome"],
+            registry=r,
+        )
         self.build_wait = Histogram(
             "kvledger_build_wait_seconds", "Time waiting for another request's build", registry=r, buckets=_LATENCY_BUCKETS_S
         )

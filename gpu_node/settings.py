@@ -123,6 +123,35 @@ class DataKeySettings(BaseModel):
     max_negative_entries: int = Field(4096, ge=1)
 
 
+MAX_PEERS = 256
+
+
+class PeerSettings(BaseModel):
+    """The nodes this node may pull cached blocks from (``gpu_node.cache.peers``, docs/architecture.md "Replicas").
+
+    ``urls`` maps a peer's node id to its base URL. It is trusted configuration (``kvledger up`` writes it for
+    its own nodes; ``KVLEDGER_NODE_PEERS__URLS='{"node-1": "http://10.0.0.2:8100"}'``): a pull hint names a node
+    id only, so no request can make this node connect anywhere else. Empty: the node never pulls (it still
+    serves pulls to enrolled peers of its namespace when it has a coordinator to check them against).
+    """
+
+    urls: dict[Name, str] = Field(default_factory=dict, max_length=MAX_PEERS)
+    pull_timeout_s: float = Field(10.0, gt=0)
+    """One pull (request and every record); past it the node recomputes."""
+    max_pull_blocks: int = Field(4096, ge=1, le=65_536)
+    """Most blocks one pull asks for (and a holder serves)."""
+    key_cache_s: float = Field(5.0, ge=0)
+    """How long a holder trusts a peer key the coordinator vouched for: the revocation bound it adds to the
+    coordinator's own ``ledger.node_key_cache_s`` (the same default)."""
+
+    @model_validator(mode="after")
+    def _http_urls(self) -> PeerSettings:
+        for node_id, url in self.urls.items():
+            if not url.startswith(("http://", "https://")) or len(url) > 2048:
+                raise ValueError(f"peer {node_id!r}: a peer URL is an http(s) URL of at most 2048 characters")
+        return self
+
+
 class NodeKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     """How the node authenticates to the brokers (:class:`events.kafka.settings.KafkaSecurity`) and how its command
     consumer's group member stays alive and waits on fetches (:class:`events.kafka.settings.ConsumerGroupTiming`)."""
@@ -172,6 +201,7 @@ class NodeSettings(ServiceSettings):
     )
     """Where data keys for tenant/user blocks at rest come from (``gpu_node.keys.remote_keys``); unset: a local key file."""
     data_keys: DataKeySettings = DataKeySettings()
+    peers: PeerSettings = PeerSettings()
     kafka: NodeKafkaSettings = NodeKafkaSettings()
     """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``) and
     its command consumer's group timing (``KVLEDGER_NODE_KAFKA__SESSION_TIMEOUT_MS``, ``…__FETCH_MAX_WAIT_MS``)."""

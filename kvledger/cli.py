@@ -485,6 +485,18 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     bench_erasure.add_argument("--kafka-bootstrap", help="external Kafka (default: embedded broker)")
     bench_erasure.add_argument("--output", help="write the markdown table here as well")
     bench_erasure.set_defaults(func=_lazy("bench.erasure:cli"))
+    bench_replicas = bench.add_parser("replicas", help="TTFT of a prefix pulled from a peer vs recomputed vs a local hit; pull vs raw TCP")
+    bench_replicas.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")
+    bench_replicas.add_argument("--runs", type=int, default=3, help="repetitions per size; the table reports medians (default 3)")
+    bench_replicas.add_argument(
+        "--sizes",
+        type=lambda text: [int(size) for size in text.split(",")],
+        default=[256, 512, 1024],
+        help="system prompt sizes in words, comma-separated (default 256,512,1024)",
+    )
+    bench_replicas.add_argument("--device-blocks", type=int, default=512, help="device blocks per node (default 512)")
+    bench_replicas.add_argument("--output", help="write the markdown table here as well")
+    bench_replicas.set_defaults(func=_lazy("bench.replicas:cli"))
     bench_soak = bench.add_parser("soak", help="mixed workload with node and coordinator restarts; invariants checked throughout")
     bench_soak.add_argument("--duration", default="2m", help="how long the workload runs: 90s, 2m, 30m, 1h (default 2m)")
     bench_soak.add_argument("--model", dest="model_dir", default=".kvledger/models/tiny", help="model directory (built if empty)")

@@ -191,6 +191,11 @@ async def up(args: argparse.Namespace) -> None:
         await _wait_ready(coordinator_url, coordinator, "coordinator")
         progress(f"coordinator ready at {coordinator_url}")
         node_env["KVLEDGER_COORDINATOR_URL"] = coordinator_url
+        # Each node may pull a prefix from the others (docs/architecture.md "Replicas"): the trusted peer list
+        # a router's pull hint is resolved in, never an address a request brings.
+        node_env["KVLEDGER_NODE_PEERS__URLS"] = json.dumps(
+            {node_id: f"http://127.0.0.1:{args.port + index}" for index, node_id in enumerate(node_ids)}
+        )
         node_urls = []
         for index, node_id in enumerate(node_ids):
             port = args.port + index

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from events.logs import RequestIdMiddleware, request_id_var
+from events.pull_hint import PULL_BLOCKS_HEADER, PULL_FROM_HEADER
 from identity.metrics_access import scrape_refusal
 from identity.tokens import AuthError, Principal, TokenVerifier
 from router.feed import Feed
@@ -41,7 +42,7 @@ from router.health import CircuitBreaker, Liveness
 from router.index import PrefixIndex, PrefixMatch
 from router.keying import Keying, request_messages
 from router.metrics import RouterMetrics
-from router.scoring import RETRY, Candidate, Decision, PrefixLoadStrategy, Strategy
+from router.scoring import RETRY, Candidate, Decision, PrefixLoadStrategy, Strategy, pull_hint
 from router.settings import NodeEndpoint, RouterSettings
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,9 @@ class _State:
             last = attempt == 1 or len(decision.ranked) == 1
             if attempt == 1:
                 self.metrics.decisions.labels(reason=RETRY).inc()
-            answer = await self._send(node_id, body, headers, last)
+            hint = pull_hint(decision, node_id)
+            sent = headers if hint is None else headers | {PULL_FROM_HEADER: hint[0], PULL_BLOCKS_HEADER: str(hint[1])}
+            answer = await self._send(node_id, body, sent, last)
             if answer is not None:
                 block_size = self._block_size(node_id)
                 self.metrics.predicted_cached_tokens.inc(decision.predicted_blocks.get(node_id, 0) * block_size)

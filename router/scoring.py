@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from events.pull_hint import MAX_HINT_BLOCKS
 from router.index import PrefixMatch
 
 PREFIX = "prefix"
@@ -41,6 +42,22 @@ class Decision:
     ranked: tuple[str, ...]
     reason: str
     predicted_blocks: Mapping[str, int]
+
+
+def pull_hint(decision: Decision, node_id: str) -> tuple[str, int] | None:
+    """``(holder, blocks)`` when ``node_id`` is sent a request whose prefix another node holds more of, else None.
+
+    The node holding the most predicted blocks (the better ranked on a tie): ``node_id`` may pull the
+    blocks it misses from it instead of computing them (docs/architecture.md "Replicas") — prefix-aware
+    load balancing with transfer, when the strategy passed an overloaded holder over. The hint names a
+    node id only; the node resolves it in its own peer list.
+    """
+    predicted = decision.predicted_blocks
+    holder = max(decision.ranked, key=lambda candidate: predicted.get(candidate, 0))
+    num_blocks = predicted.get(holder, 0)
+    if holder == node_id or num_blocks <= predicted.get(node_id, 0):
+        return None
+    return holder, min(num_blocks, MAX_HINT_BLOCKS)
 
 
 class Strategy(Protocol):

@@ -28,6 +28,7 @@ from coordinator.api.routes.erasures import router as erasure_router
 from coordinator.api.routes.governance import router as governance_router
 from coordinator.api.routes.invalidations import router as invalidation_router
 from coordinator.api.routes.keys import router as keys_router
+from coordinator.api.routes.peers import router as peers_router
 from coordinator.api.routes.producer_keys import router as producer_keys_router
 from coordinator.api.routes.router import router as fleet_router_router
 from coordinator.api.routes.usage import router as usage_router
@@ -35,7 +36,7 @@ from coordinator.api.ui import router as console_router
 from coordinator.http import INTERNAL_ERROR_BODY, ApiError, install_error_handlers, iso
 from coordinator.ledger.db import Database, DatabaseUnavailableMiddleware, database_lifespan
 from coordinator.ledger.migrate import current_revision, head_revision
-from coordinator.ledger.models import Block, BlockAuthScope, BlockDocument, Placement
+from coordinator.ledger.models import Block, BlockAuthScope, BlockDocument, Placement, Replica
 from coordinator.ledger.states import PlacementState
 from coordinator.readiness import ConsumerReadiness
 from coordinator.settings import CoordinatorSettings
@@ -70,6 +71,7 @@ def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | Non
         dead_letters_router,
         producer_keys_router,
         fleet_router_router,
+        peers_router,
     ):
         app.include_router(routes)
     app.include_router(probes)
@@ -122,6 +124,9 @@ async def ledger_blocks(
     after: Annotated[str | None, Query(pattern=r"^(?:[0-9a-f]{2}){1,64}$")] = None,
 ) -> dict[str, Any]:
     """Blocks matching every given filter, with provenance and placements, ordered by hash.
+
+    A placement of a copy pulled from a peer names its source node and pull time in
+    ``replica_of`` (None for a copy computed on its node).
 
     By default only blocks with a live copy (on ``node``/``tier`` when given) are listed,
     with their live placements; ``include_deleted=true`` lists every block ever
@@ -192,6 +197,10 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
         select(BlockDocument).where(BlockDocument.block_hash.in_(hashes)).order_by(BlockDocument.doc_id, BlockDocument.version)
     ):
         documents[row.block_hash].append({"doc_id": row.doc_id, "version": row.version})
+    replicas = {
+        (row.block_hash, row.node_id): {"source_node_id": row.source_node_id, "pulled_at": iso(row.pulled_at)}
+        for row in await session.scalars(select(Replica).where(Replica.block_hash.in_(hashes)))
+    }
     placements: dict[bytes, list[dict]] = collections.defaultdict(list)
     placement_query = select(Placement).where(Placement.block_hash.in_(hashes))
     if not include_deleted:
@@ -206,6 +215,7 @@ async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_d
                 "epoch": row.epoch,
                 "reason": row.reason,
                 "updated_at": iso(row.updated_at),
+                "replica_of": replicas.get((row.block_hash, row.node_id)),
             }
         )
     return [

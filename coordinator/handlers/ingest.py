@@ -65,6 +65,7 @@ from coordinator.ledger.models import (
     Node,
     OutboxEntry,
     Placement,
+    Replica,
     Snapshot,
     UsageReport,
 )
@@ -202,6 +203,8 @@ class _BatchApplier:
         self.placements: dict[tuple[bytes, str, str], _PendingPlacement] = {}
         self.outbox: list[dict] = []
         self.stored: set[bytes] = set()
+        self.replicas: dict[tuple[bytes, str], tuple[str, datetime]] = {}
+        """(block hash, node) → (source node, pulled at) of the pulled copies stored in this batch."""
         self.late: list[Decision] = []
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.placement_changes: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -219,12 +222,29 @@ class _BatchApplier:
         for envelope in fresh_events:
             self.outcomes[(envelope.type, await self._apply_event(envelope))] += 1
         await self._flush()
+        if self.replicas:
+            await self._write_replicas()
         if self.usage:
             await self.session.execute(pg_insert(UsageReport).on_conflict_do_nothing(), self.usage)
         if self.stored:
             self.late = await reissue_for_late_blocks(self.session, self.stored, self.now, self.sign)
         if self.outbox:
             await self.session.execute(pg_insert(OutboxEntry), self.outbox)
+
+    async def _write_replicas(self) -> None:
+        """Record where the batch's pulled copies came from (the latest pull of a block onto a node wins)."""
+        statement = pg_insert(Replica).values(
+            [
+                {"block_hash": block_hash, "node_id": node_id, "source_node_id": source, "pulled_at": pulled_at}
+                for (block_hash, node_id), (source, pulled_at) in self.replicas.items()
+            ]
+        )
+        await self.session.execute(
+            statement.on_conflict_do_update(
+                index_elements=[Replica.block_hash, Replica.node_id],
+                set_={"source_node_id": statement.excluded.source_node_id, "pulled_at": statement.excluded.pulled_at},
+            )
+        )
 
     async def _lock_nodes(self, envelopes: list[Envelope]) -> None:
         """Create rows for nodes never seen (``fresh``) and lock every node of the batch."""
@@ -307,6 +327,8 @@ class _BatchApplier:
                     self._describe(block_hash, block)
                     self.stored.add(block_hash)
                     self._place(node, block_hash, block.tier, PlacementState.LIVE, payload.epoch, None)
+                    if block.replica_of is not None:
+                        self.replicas[(block_hash, node.node_id)] = (block.replica_of.source_node_id, block.replica_of.pulled_at)
             case BlockRemoved():
                 for block in payload.blocks:
                     self._place(node, bytes.fromhex(block.block_hash), block.tier, PlacementState.DELETED, payload.epoch, payload.reason)

@@ -199,6 +199,24 @@ class Snapshot(Base):
     deleted_at: Mapped[datetime | None]
 
 
+class Replica(Base):
+    """A node's copy of a block that was pulled from a peer instead of computed there: its provenance.
+
+    One row per (block, node), the latest pull: the copy's placements (any tier it moves to)
+    are the node's ordinary ``placements`` rows, which every invalidation and erasure reaches
+    like any other; this says where their bytes came from and when. Written from
+    ``replica_of`` of ``BlockStored`` (docs/events.md).
+    """
+
+    __tablename__ = "replicas"
+
+    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
+    source_node_id: Mapped[str]
+    """Not a foreign key: the node reports its source, which the ledger may never have seen."""
+    pulled_at: Mapped[datetime]
+
+
 class Placement(Base):
     """A copy of a block on one node in one tier (and snapshot); ``state`` says whether it still exists."""
 

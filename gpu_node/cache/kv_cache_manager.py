@@ -213,6 +213,30 @@ class KVCacheManager:
         self.metrics.blocks_built.inc()
         return True
 
+    def adopt_pulled(self, plan: PrefixPlan, committed: Sequence[CacheEntry]) -> int:
+        """Make claimed blocks that were pulled from a peer and committed READY part of the plan's hit (event loop thread).
+
+        ``committed`` are claimed entries at the plan's next indices, in order. Each
+        leaves ``claimed`` (nothing is built into it any more); the run that is still
+        READY — an invalidation may have tombstoned one since its commit — is
+        referenced and extends ``hit_entries``, so the request computes only the
+        rest. Waiters on these blocks are woken. Returns how many blocks were adopted.
+        """
+        adopted: list[CacheEntry] = []
+        with self.pool.lock:
+            contiguous = True
+            for entry in committed:
+                assert entry in plan.claimed, "only a plan's own claimed blocks are adopted"
+                plan.claimed.remove(entry)
+                next_index = plan.num_hit_blocks + len(adopted)
+                contiguous = contiguous and entry.key.index == next_index and self.pool.get_ready(entry.block_hash) is entry
+                if contiguous:
+                    adopted.append(entry)
+            self.pool.inc_lock_ref(adopted)
+            plan.hit_entries.extend(adopted)
+        self.wake([entry.block_hash for entry in committed])
+        return len(adopted)
+
     def wake(self, block_hashes: Sequence[bytes]) -> None:
         """Release the waiters of builds that ended (event loop thread): they look the prefix up again."""
         for block_hash in block_hashes:

@@ -42,6 +42,7 @@ from gpu_node.cache.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.cache.kv_memory import TierPlan, measure_available, plan_tiers
 from gpu_node.cache.layout_sampler import layout_sampler
 from gpu_node.cache.namespace import NamespaceIdentity, compute_namespace
+from gpu_node.cache.peers import PeerKeys, PeerPuller, PullFailed, PullHint, open_pulled
 from gpu_node.cache.versions import VersionRegistry
 from gpu_node.engine.detokenizer import IncrementalDetokenizer
 from gpu_node.engine.model_runner import ModelRunner, StepChunk
@@ -49,12 +50,14 @@ from gpu_node.engine.paged_kv import PagedKV
 from gpu_node.engine.sampling import SamplingState, make_sampling_state, sample_batch
 from gpu_node.engine.scheduler import Scheduler, SchedulerOutput, Sequence
 from gpu_node.keys.crypto import until_key_service_answers
+from gpu_node.keys.node_identity import node_signing_key
 from gpu_node.keys.remote_keys import data_key_provider
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.pool import snapshots
 from gpu_node.pool.block_pool import BlockPool
-from gpu_node.pool.vocabulary import PoolConfig
+from gpu_node.pool.vocabulary import CacheEntry, PoolConfig, ReplicaSource
 from gpu_node.settings import NodeSettings
+from identity.node_credentials import issue_node_credential
 from prefix_keys.blocks import BlockKey, CacheScope, Principal, compute_block_keys
 from prefix_keys.prompt import ChatMessage, render_prompt
 
@@ -87,6 +90,8 @@ class GenerationRequest:
     sampling: SamplingParams
     principal: Principal
     use_cache: bool = True
+    pull_hint: PullHint | None = None
+    """A peer said to hold this prefix (``gpu_node.cache.peers``): missing blocks it holds are pulled, not computed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +198,10 @@ class AsyncEngine:
         self.step_sink: Callable[[StepTiming], None] | None = None
         """Called on the model worker with every step's :class:`StepTiming` (benchmarks); must be quick."""
         self.versions = VersionRegistry()
+        self.peer_puller: PeerPuller | None = None
+        """Pulls claimed blocks from peers (``peers.urls`` set); None: this node never pulls."""
+        self.peer_keys: PeerKeys | None = None
+        """The coordinator's node registry as a holder checks pullers against it; None: this node serves no pulls."""
         self.ready = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-model")
         # Rendering and tokenizing a prompt is CPU work proportional to the request: on the
@@ -239,7 +248,18 @@ class AsyncEngine:
             device=settings.device,
         )
         pool = BlockPool(runner.kv_spec, config, data_key_provider(settings, data_dir))
-        return cls(runner, namespace, pool, settings, NodeMetrics())
+        engine = cls(runner, namespace, pool, settings, NodeMetrics())
+        if settings.peers.urls:
+            engine.peer_puller = PeerPuller(settings.node_id, node_signing_key(settings), settings.peers)
+        if settings.coordinator_url is not None:
+            node_key, node_id = node_signing_key(settings), settings.node_id
+            engine.peer_keys = PeerKeys(
+                settings.coordinator_url,
+                lambda: issue_node_credential(node_key, node_id),
+                settings.peers.key_cache_s,
+                settings.data_keys.timeout_s,
+            )
+        return engine
 
     @property
     def tier_plan(self) -> TierPlan:
@@ -278,6 +298,9 @@ class AsyncEngine:
             self._after_step(deliveries, woken, 0, 0)
         self._worker.shutdown(wait=True)
         self._prompt_worker.shutdown(wait=True)
+        for client in (self.peer_puller, self.peer_keys):
+            if client is not None:
+                await client.aclose()
 
     async def _run(self, function, *args):
         """Queue ``function`` on the model worker; a burst of steps running there yields to it at the next step boundary."""
@@ -364,6 +387,12 @@ class AsyncEngine:
             else []
         )
         plan = await self.manager.acquire(keys, token_ids, request.principal) if use_cache else PrefixPlan(keys=[])
+        if request.pull_hint is not None and plan.claimed:
+            try:
+                await self._pull_prefix(plan, request)
+            except BaseException:
+                self.manager.finish(plan)
+                raise
         if plan.claimed:
             self.metrics.builds.inc()
         seq = Sequence(f"{next(_SEQ_IDS)}", list(token_ids), len(token_ids), needs_prefix=True)
@@ -389,6 +418,68 @@ class AsyncEngine:
         finally:
             if not handle.finished:
                 self._submit("abort", handle)
+
+    async def _pull_prefix(self, plan: PrefixPlan, request: GenerationRequest) -> None:
+        """Pull the claimed blocks the hinted peer holds into the pool, so the request computes only the rest.
+
+        Only the claimed run right after the hit is asked for (blocks another request is
+        building are its to build). Whatever fails falls back to computing them, counted
+        by reason; the checks and their order are :mod:`gpu_node.cache.peers`'.
+        """
+        hint = request.pull_hint
+        assert hint is not None, "a pull needs a hint"
+        targets: list[CacheEntry] = []
+        for entry in plan.claimed:
+            if entry.key.index != plan.num_hit_blocks + len(targets) or entry.key.index >= hint.num_blocks:
+                break
+            targets.append(entry)
+        if self.peer_puller is not None:
+            targets = targets[: self.peer_puller.settings.max_pull_blocks]
+        if not targets:
+            return
+        started = time.perf_counter()
+        outcome = await self._pull_into(plan, request, hint, targets)
+        self.metrics.peer_pulls.labels(outcome).inc()
+        self.metrics.peer_pull_seconds.observe(time.perf_counter() - started)
+
+    async def _pull_into(self, plan: PrefixPlan, request: GenerationRequest, hint: PullHint, targets: list[CacheEntry]) -> str:
+        """Pull ``targets`` from the hinted peer and adopt what arrived into ``plan``; the outcome's label."""
+        if self.peer_puller is None or not self.peer_puller.knows(hint.node_id):
+            return "unknown_peer"
+        namespace = self.namespace.namespace
+        try:
+            records = await self.peer_puller.fetch(hint.node_id, namespace, [entry.block_hash for entry in targets], self.runner.kv_spec)
+        except PullFailed as failure:
+            return failure.reason
+        kvs, failure_reason = await asyncio.to_thread(open_pulled, records, targets, self.pool.key_provider, namespace, self.runner.kv_spec)
+        # Checked again now that the pull is over: a command that arrived meanwhile moved the registry.
+        if self.versions.is_retired(namespace) or self.versions.check(request.principal, request.messages) is not None:
+            return "stale"
+        if not kvs:
+            return failure_reason or "mismatch"
+        source = ReplicaSource(hint.node_id, self.pool.wall_time())
+        committed = await self._run(self._commit_pulled, targets[: len(kvs)], kvs, source)
+        if len(committed) < len(kvs):
+            # commit_build discarded this claim (tombstoned during the pull): nothing is built into it any more.
+            discarded = targets[len(committed)]
+            plan.claimed.remove(discarded)
+            self.manager.wake([discarded.block_hash])
+        num_adopted = self.manager.adopt_pulled(plan, committed)
+        self.manager.drain_events()
+        self.metrics.peer_pulled_blocks.inc(num_adopted)
+        if num_adopted < len(kvs):
+            return "discarded"
+        # A holder that held only part of the run served that part: the rest is computed, as any miss.
+        return failure_reason or "pulled"
+
+    def _commit_pulled(self, targets: list[CacheEntry], kvs: list[torch.Tensor], source: ReplicaSource) -> list[CacheEntry]:
+        """Commit pulled KV into the claimed entries (model worker); the run committed. A discarded one ends it."""
+        committed: list[CacheEntry] = []
+        for entry, kv in zip(targets, kvs, strict=True):
+            if not self.pool.commit_build(entry, kv, source):
+                break
+            committed.append(entry)
+        return committed
 
     def _submit(self, action: str, handle: _Request) -> None:
         self._inbox.append((action, handle))

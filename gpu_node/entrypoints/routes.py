@@ -20,6 +20,10 @@ KV an invalidation just deleted. On a node whose namespace was retired, requests
 are served without the prefix cache and the response says so in
 :data:`CACHE_BYPASS_HEADER`.
 
+Two routes serve replicas (``gpu_node.cache.peers``): a chat request may carry a router's pull hint
+(:func:`_pull_hint`), and ``POST /v1/kvledger/peer/blocks`` serves a prefix's sealed records to
+an enrolled peer of this namespace — authenticated by its peer credential, not by a user token.
+
 Prompt text is never logged, nor tenant or subject ids: log lines carry the
 request id (``X-Request-Id``, :mod:`events.logs`), the completion id and token
 counts only; the access line has method, path, status and duration.
@@ -44,8 +48,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from events.logs import RequestIdMiddleware
-from events.schema import MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name
+from events.pull_hint import MAX_HINT_BLOCKS, PULL_BLOCKS_HEADER, PULL_FROM_HEADER
+from events.schema import MAX_ID_CHARS, MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name, check_identifier
 from gpu_node.cache.layout_sampler import layout_sampler
+from gpu_node.cache.peers import PULL_PATH, PullHint, PullRefused, authorize_pull, encode_frames, export_prefix
 from gpu_node.cache.versions import Staleness, VersionRegistry
 from gpu_node.engine.async_engine import (
     AsyncEngine,
@@ -656,6 +662,55 @@ async def write_snapshot(_: PlatformAdmin, engine: Engine) -> dict:
     return await engine.write_snapshot()
 
 
+def _pull_hint(request: Request) -> PullHint | None:
+    """The pull hint a router sent (:data:`PULL_FROM_HEADER`, :data:`PULL_BLOCKS_HEADER`); None without one.
+
+    A hint only names a node id, which the engine resolves in its own trusted peer list
+    (``peers.urls``), and asks for blocks of the caller's own keys: whoever sends it can at
+    most make this node ask a configured peer for blocks the caller could be served anyway.
+    """
+    node_id = request.headers.get(PULL_FROM_HEADER)
+    num_blocks = request.headers.get(PULL_BLOCKS_HEADER)
+    if node_id is None and num_blocks is None:
+        return None
+    try:
+        node_id = check_identifier(node_id or "")
+        if len(node_id) > MAX_ID_CHARS or num_blocks is None or not num_blocks.isdigit() or not 1 <= int(num_blocks) <= MAX_HINT_BLOCKS:
+            raise ValueError("out of range")
+    except ValueError:
+        raise ApiError(
+            400,
+            f"a pull hint is {PULL_FROM_HEADER}: <node id> and {PULL_BLOCKS_HEADER}: <1..{MAX_HINT_BLOCKS}>",
+            code="invalid_pull_hint",
+        ) from None
+    return PullHint(node_id, int(num_blocks))
+
+
+@router.post(PULL_PATH)
+async def serve_pull(http_request: Request, engine: Engine) -> Response:
+    """A peer node pulls the blocks of a prefix this node holds (``gpu_node.cache.peers``): signed, same namespace, sealed records."""
+    _require_ready(engine)
+    body = await _bounded_body(http_request, engine.settings.limits)
+    namespace = engine.namespace.namespace
+    try:
+        _, block_hashes = await authorize_pull(
+            engine.peer_keys,
+            http_request.headers.get("authorization"),
+            body,
+            engine.settings.node_id,
+            namespace,
+            engine.versions.is_retired(namespace),
+        )
+    except PullRefused as refusal:
+        engine.metrics.peer_serves.labels(refusal.code).inc()
+        error_type = "authentication_error" if refusal.status == 401 else "invalid_request_error"
+        return JSONResponse(error_body(refusal.message, type=error_type, code=refusal.code), status_code=refusal.status)
+    records = await engine.run_exclusive(export_prefix, engine.pool, block_hashes[: engine.settings.peers.max_pull_blocks])
+    engine.manager.drain_events()
+    engine.metrics.peer_serves.labels("served").inc()
+    return Response(encode_frames(records), media_type="application/octet-stream")
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(http_request: Request, caller: Caller, engine: Engine) -> Response:
     limits = engine.settings.limits
@@ -673,6 +728,7 @@ async def chat_completions(http_request: Request, caller: Caller, engine: Engine
         sampling=sampling,
         principal=caller,
         use_cache=use_cache,
+        pull_hint=_pull_hint(http_request) if use_cache else None,
     )
     stream, stats = await _start(engine, request)
     stream = usage_meter(engine).metered(stream, caller.tenant_id, stats.num_prompt_tokens, stats.num_cached_tokens)

@@ -222,7 +222,7 @@ class NodePublisher:
 
         The one place pool events (:mod:`gpu_node.pool.vocabulary`) become kv-events records (:mod:`events.schema`)::
 
-            StoredInPool(key, tier)                        → BlockStored(blocks=[StoredBlock: provenance, tier])
+            StoredInPool(key, tier, source)                → BlockStored(blocks=[StoredBlock: provenance, tier, replica_of])
             RemovedFromPool(block_hash, tier, reason, ev)  → BlockRemoved(reason, blocks=[RemovedBlock: block_hash, tier])
             MovedInPool(block_hash, from_tier, to_tier)    → BlockMoved(blocks=[MovedBlock: block_hash, from_tier, to_tier])
             ("snapshot", snapshot_id, block_hashes)        → SnapshotWritten(snapshot_id, block_hashes, part, parts)
@@ -233,7 +233,7 @@ class NodePublisher:
         """
         common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0}
         if kind[0] == "stored":
-            built = (self._built("BlockStored", lambda e=e: self._stored_block(e.key, e.tier.value)) for e in events)
+            built = (self._built("BlockStored", lambda e=e: self._stored_block(e.key, e.tier.value, e.source)) for e in events)
             return self._split(schema.BlockStored, common, [block for block in built if block is not None])
         if kind[0] == "removed":
             removed = [schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events]
@@ -375,8 +375,14 @@ class NodePublisher:
             "creator_subject_id": provenance.creator_subject_id,
         }
 
-    def _stored_block(self, key: BlockKey, tier: str) -> schema.StoredBlock:
-        return schema.StoredBlock(**self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance), tier=tier)
+    def _stored_block(self, key: BlockKey, tier: str, source: vocabulary.ReplicaSource | None = None) -> schema.StoredBlock:
+        replica_of = (
+            None
+            if source is None
+            else schema.ReplicaOrigin(source_node_id=source.node_id, pulled_at=datetime.fromtimestamp(source.pulled_at_wall, UTC))
+        )
+        provenance = self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance)
+        return schema.StoredBlock(**provenance, tier=tier, replica_of=replica_of)
 
     async def publish_inventory(self, request_id: uuid.UUID | None) -> None:
         """Everything this node holds, chunked; the events behind it are published first so seq stays ordered.

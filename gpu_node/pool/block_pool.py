@@ -73,7 +73,17 @@ from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.reads import PoolReader
 from gpu_node.pool.removal import PoolRemover
 from gpu_node.pool.state import PoolState
-from gpu_node.pool.vocabulary import BlockState, CacheEntry, IndexKey, PoolConfig, PoolEvent, PoolStats, RemovalReason, RemovalReport
+from gpu_node.pool.vocabulary import (
+    BlockState,
+    CacheEntry,
+    IndexKey,
+    PoolConfig,
+    PoolEvent,
+    PoolStats,
+    RemovalReason,
+    RemovalReport,
+    ReplicaSource,
+)
 from gpu_node.pool.warm_start import PoolWarmStart
 from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheProvenance
 
@@ -231,12 +241,14 @@ class BlockPool:
             state.num_building += 1
             return entry
 
-    def commit_build(self, entry: CacheEntry, kv: torch.Tensor) -> bool:
-        """Store a built block on the device tier and make it READY.
+    def commit_build(self, entry: CacheEntry, kv: torch.Tensor, source: ReplicaSource | None = None) -> bool:
+        """Store a built (or, with ``source``, pulled) block on the device tier and make it READY.
 
         False (entry discarded) when it was tombstoned while building or the
         device tier has no slot to give. Bad ``kv`` raises ValueError and leaves
-        the entry BUILDING for the caller to :meth:`fail_build`.
+        the entry BUILDING for the caller to :meth:`fail_build`. A pulled block
+        lands in the BUILDING entry its request claimed, so an invalidation or
+        erasure that ran during the pull tombstoned it and it is discarded here.
         """
         state = self._state
         with state.lock:
@@ -253,7 +265,7 @@ class BlockPool:
                 return False
             stored, slot = state.store_bytes(entry, Tier.DEVICE, kv)
             assert stored and slot is not None, "a memory tier with room always stores"
-            state.make_ready(entry, slot)
+            state.make_ready(entry, slot, source)
             return True
 
     def fail_build(self, entry: CacheEntry) -> None:

@@ -42,6 +42,7 @@ from gpu_node.pool.vocabulary import (
     RemovalEvidence,
     RemovalReason,
     RemovedFromPool,
+    ReplicaSource,
     StoredInPool,
     provenance_index_keys,
 )
@@ -158,8 +159,8 @@ class PoolState:
             entry.state = BlockState.EVICTING
             self.lru[entry.tier].remove(entry)
 
-    def make_ready(self, entry: CacheEntry, slot: int) -> None:
-        """BUILDING → READY in device ``slot`` (its KV already there); the TTL starts now."""
+    def make_ready(self, entry: CacheEntry, slot: int, source: ReplicaSource | None = None) -> None:
+        """BUILDING → READY in device ``slot`` (its KV already there); the TTL starts now. ``source``: a pulled replica's."""
         now = self.clock()
         ttl_s = self.config.ttl_s[entry.provenance.scope]
         entry.state = BlockState.READY
@@ -167,7 +168,7 @@ class PoolState:
         entry.last_access = now
         entry.expires_at = None if ttl_s is None else now + ttl_s
         self.place(entry, Tier.DEVICE, slot)
-        self.events.append(StoredInPool(entry.key, Tier.DEVICE))
+        self.events.append(StoredInPool(entry.key, Tier.DEVICE, source))
 
     def discard_building(self, entry: CacheEntry) -> None:
         """BUILDING → FAILED → ABSENT."""

@@ -116,11 +116,21 @@ class RemovalEvidence:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaSource:
+    """Where a pulled block's bytes came from: the peer node that held it and when this node pulled it (wall clock)."""
+
+    node_id: str
+    pulled_at_wall: float
+
+
+@dataclass(frozen=True, slots=True)
 class StoredInPool:
-    """A block became READY in ``tier`` (built, or imported from a record); becomes a ``BlockStored`` record."""
+    """A block became READY in ``tier`` (built, pulled from a peer, or imported from a record); becomes a ``BlockStored`` record."""
 
     key: BlockKey
     tier: Tier
+    source: ReplicaSource | None = None
+    """Set for a replica pulled from a peer (``gpu_node.cache.peers``); None for a block computed or warmed here."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -216,6 +216,7 @@ async def test_block_shape_and_paging(client: httpx.AsyncClient) -> None:
                 "epoch": 1,
                 "reason": None,
                 "updated_at": block["placements"][0]["updated_at"],
+                "replica_of": None,
             },
             {
                 "node_id": "node-a",
@@ -225,6 +226,7 @@ async def test_block_shape_and_paging(client: httpx.AsyncClient) -> None:
                 "epoch": 1,
                 "reason": None,
                 "updated_at": block["placements"][1]["updated_at"],
+                "replica_of": None,
             },
         ],
     }

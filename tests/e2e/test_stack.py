@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -120,6 +121,8 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         assert (state_dir / "command_key.pub").read_text().startswith("-----BEGIN PUBLIC KEY-----")
         node_env = _environment_of(["kvledger.cli", "node", "--node-id", "node-0", "--data-dir", str(state_dir / "node-0")])
         assert node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"] == str(state_dir / "command_key.pub")
+        # Its peer list (where a pull hint may send it) is the stack's own nodes, nothing a request names.
+        assert json.loads(node_env["KVLEDGER_NODE_PEERS__URLS"]) == {"node-0": stack["node_urls"][0]}
         router_env = _environment_of(["kvledger.cli", "router", "--port", str(port + 100)])
         for secret in ("KVLEDGER_MASTER_KEY", "KVLEDGER_DATABASE_URL", "KVLEDGER_COMMAND_SIGNING_KEY"):
             assert secret not in node_env
