@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from coordinator.audit.receipts import verify_served_receipt
+from coordinator.audit.verifier import verify_served_receipt
 from events.kafka.settings import KafkaSettings
 from events.schema import DocumentUpdated, PermissionRevoked, make_event
 from identity.roles import AUDITOR, PRIVACY_OFFICER

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coordinator.audit.receipts import verify_served_receipt
+from coordinator.audit.verifier import verify_served_receipt
 
 
 def _strict_object_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from helpers.node import Served
 
 from bench.common import start_groups_at_end
 from coordinator.api.app import create_app
-from coordinator.audit.receipts import verify_served_receipt
+from coordinator.audit.verifier import verify_served_receipt
 from coordinator.consumers import consumer_groups
 from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.kafka.admin import ensure_topics

@@ -33,7 +33,7 @@ from helpers.ledger import (
 from sqlalchemy import func, select, text
 from test_ledger_erasure import cli_verify, served_documents, status_of, wait_status
 
-from coordinator.audit.receipts import verify_served_receipt
+from coordinator.audit.verifier import verify_served_receipt
 from coordinator.keys.data_keys import KeyService
 from coordinator.ledger.db import Database
 from coordinator.ledger.models import AckPart, InvalidationTarget, Placement

@@ -40,7 +40,7 @@ from helpers.ledger import (
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select, text
 
-from coordinator.audit.receipts import verify_served_receipt
+from coordinator.audit.verifier import verify_served_receipt
 from coordinator.keys.data_keys import DataKey, KeyService
 from coordinator.ledger.db import Database
 from coordinator.ledger.models import AuditLogEntry, DeferredAck, Erasure, Invalidation, InvalidationTarget, Node, Placement, Receipt

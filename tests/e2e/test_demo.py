@@ -12,7 +12,7 @@ import pytest
 from helpers.ledger import GROUP_TIMING_ENV
 from helpers.stack import free_port_pair, port_is_free, user_env
 
-from coordinator.audit.receipts import verify_served_receipt
+from coordinator.audit.verifier import verify_served_receipt
 
 pytestmark = pytest.mark.e2e
 

@@ -25,8 +25,8 @@ from coordinator.audit.receipts import (
     serve_receipt,
     sign_receipt,
     sign_tree_head,
-    verify_served_receipt,
 )
+from coordinator.audit.verifier import verify_served_receipt
 from kvledger.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
