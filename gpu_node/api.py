@@ -49,7 +49,6 @@ from gpu_node.engine import AsyncEngine, GenerationDone, GenerationRequest, Prom
 from gpu_node.layout_sampler import layout_sampler
 from gpu_node.settings import RequestLimits
 from gpu_node.usage import usage_meter
-from gpu_node.versions import Staleness, VersionRegistry
 from gpu_node.vllm_routes import vllm_router
 from identity.metrics_access import scrape_refusal
 from identity.roles import PLATFORM_ADMIN
@@ -57,6 +56,7 @@ from identity.tokens import AuthError, Operator, TokenVerifier
 from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheScope, DocumentRef, Principal
 from prefix_keys.model_files import keying_digest
 from prefix_keys.prompt import ChatMessage, request_message
+from prefix_keys.versions import Staleness, VersionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -350,19 +350,10 @@ def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: Ve
 
 
 def _stale_error(stale: Staleness) -> ApiError | AuthError:
-    """401 for a token issued under a superseded policy (a new token fixes it), 409 for a superseded document."""
+    """The refusal :class:`Staleness` describes (a fleet router answers the same from its own registry)."""
     if stale.kind == "policy":
-        return AuthError(
-            "stale_authorization",
-            f"the token was issued under policy version {stale.requested} of auth scope {stale.name!r}; "
-            f"the current version is {stale.current}. Obtain a new token.",
-        )
-    return ApiError(
-        409,
-        f"document {stale.name!r} version {stale.requested} is stale; the current version is {stale.current}",
-        code="stale_document_version",
-        param=f"messages[{stale.message_index}].document.version",
-    )
+        return AuthError(stale.code, stale.message)
+    return ApiError(stale.status_code, stale.message, code=stale.code, param=stale.param)
 
 
 def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: RequestLimits) -> SamplingParams:

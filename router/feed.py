@@ -8,7 +8,9 @@
   that fails is skipped and counted (``kvledger_router_unverified_records_total``): the
   coordinator's own consumer dead-letters the same record, once for the operator.
 * decisions: a second group reads ``kvledger.commands``; an ``Invalidate`` signed by the
-  pinned command key drops its matches from the index at once, before any node acks it.
+  pinned command key drops its matches from the index at once, before any node acks it, and
+  moves the router's version registry (``prefix_keys.versions``), so a request naming a
+  version it made stale is refused at the router as the node would refuse it.
 * the ledger: at start — once both groups are consuming, so nothing falls between the read and
   the topics — and for every node the index marks (a seq gap, a new epoch without
   ``NodeStarted``), the node's live placements are read (``GET /v1/router/placements``) and
@@ -35,6 +37,7 @@ from events.schema import Invalidate, NodeEvent, NodeHeartbeat
 from events.tiers import Tier
 from events.topics import COMMANDS, KV_EVENTS
 from identity.signing import EnrolledKey, public_key_from_raw, record_problem, signature_problem
+from prefix_keys.versions import VersionRegistry
 from router.index import BlockTags, Placement, PrefixIndex
 from router.metrics import RouterMetrics
 
@@ -139,8 +142,10 @@ class Feed:
         group_id: str,
         node_keys_cache_s: float,
         reread_interval_s: float,
+        versions: VersionRegistry | None = None,
     ) -> None:
         self.index = index
+        self.versions = versions or VersionRegistry()
         self._config = config
         self.metrics = metrics
         self.coordinator = coordinator
@@ -246,5 +251,6 @@ class Feed:
             if problem is not None:
                 self.metrics.unverified.labels(topic=event.topic, reason=problem).inc()
                 continue
+            self.versions.apply(payload.predicate, payload.cutoff)
             dropped = self.index.invalidate(payload.predicate, payload.cutoff.timestamp())
             self.metrics.invalidated_blocks.inc(dropped)

@@ -8,7 +8,7 @@ import pytest
 
 from events import schema
 from gpu_node.commands import block_predicate
-from gpu_node.versions import Staleness, VersionRegistry
+from prefix_keys.versions import Staleness, VersionRegistry
 from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheProvenance, CacheScope, DocumentRef, Principal
 from prefix_keys.prompt import ChatMessage
 

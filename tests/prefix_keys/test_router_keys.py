@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gpu_node.api import ChatCompletionRequest, _to_messages
 from gpu_node.model_runner import ModelRunner
 from gpu_node.namespace import compute_namespace
-from gpu_node.versions import VersionRegistry
+from prefix_keys.versions import VersionRegistry
 from identity.tokens import Principal
 from prefix_keys import prompt as prompt_module
 from prefix_keys.blocks import CacheScope, DocumentRef, compute_block_keys
