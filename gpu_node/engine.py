@@ -54,9 +54,9 @@ from gpu_node.remote_keys import data_key_provider
 from gpu_node.sampling import SamplingState, make_sampling_state, sample_batch
 from gpu_node.scheduler import Scheduler, SchedulerOutput, Sequence
 from gpu_node.settings import NodeSettings
-from prefix_keys.versions import VersionRegistry
 from prefix_keys.blocks import BlockKey, CacheScope, Principal, compute_block_keys
 from prefix_keys.prompt import ChatMessage, render_prompt
+from prefix_keys.versions import VersionRegistry
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from gpu_node.api import ChatCompletionRequest, _to_messages
 from gpu_node.model_runner import ModelRunner
 from gpu_node.namespace import compute_namespace
-from prefix_keys.versions import VersionRegistry
 from identity.tokens import Principal
 from prefix_keys import prompt as prompt_module
 from prefix_keys.blocks import CacheScope, DocumentRef, compute_block_keys
 from prefix_keys.model_files import load_chat_tokenizer
 from prefix_keys.prompt import ChatMessage, render_prompt, request_message
+from prefix_keys.versions import VersionRegistry
 
 BLOCK_SIZE = 4
 AUTH_SCOPES = ("staff", "legal", "*")
