@@ -11,8 +11,8 @@ connection, a timeout, 502/503/504) is sent once more to the next-best node; any
 of the node is the caller's, including governance refusals (409 ``stale_document_version``, 401
 ``stale_authorization``), which another node would give too.
 
-A request naming a document version (or carrying a token policy version) that a decision the
-router consumed made stale is refused here, with the node's very answer
+A request naming a document version (or carrying a token policy version) that the ledger's
+decisions made stale (read at start, then followed on ``kvledger.commands``: ``router.feed``) is refused here, with the node's very answer
 (``prefix_keys.versions.Staleness``), and never sent on. It is checked only when the caller
 holds the auth scope of every document it names: a node answers 403 ``document_scope_forbidden``
 first otherwise, and the router must not tell such a caller a document's current version.
@@ -91,7 +91,7 @@ class Fleet:
     reported_queue: dict[str, int] = field(default_factory=dict)
     """Each node's own queue, as last polled (``router.load.QueuePoller``)."""
     versions: VersionRegistry = field(default_factory=VersionRegistry)
-    """Current document and policy versions as the decisions the feed consumed make them (stale requests are refused)."""
+    """Current document and policy versions, as the feed reads and follows them (stale requests are refused)."""
     in_flight: dict[str, int] = field(default_factory=dict)
     breakers: dict[str, CircuitBreaker] = field(default_factory=dict)
 
