@@ -452,10 +452,15 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     bench_routing.add_argument("--lookups", type=int, default=200_000, help="lookups per run")
     bench_routing.add_argument("--nodes", type=int, default=8, help="nodes in the index (default 8)")
     bench_routing.add_argument("--blocks", type=int, default=30, help="blocks per prompt (default 30)")
-    bench_routing.add_argument("--fleet", action="store_true", help="instead: round-robin, affinity and the router on a real kvledger up")
-    bench_routing.add_argument("--fleet-nodes", type=int, default=2, help="--fleet: nodes (default 2)")
+    bench_routing.add_argument(
+        "--fleet", action="store_true", help="instead: round-robin, least-loaded, affinity and the router on a real kvledger up"
+    )
+    bench_routing.add_argument("--fleet-nodes", type=int, default=3, help="--fleet: nodes (default 3)")
     bench_routing.add_argument("--device-blocks", type=int, default=80, help="--fleet: device blocks per node (default 80)")
-    bench_routing.add_argument("--documents", type=int, default=6, help="--fleet: tenant documents (default 6)")
+    bench_routing.add_argument("--groups", type=int, default=6, help="--fleet: groups sharing a long prefix (default 6)")
+    bench_routing.add_argument("--users", type=int, default=4, help="--fleet: users per group (default 4)")
+    bench_routing.add_argument("--questions", type=int, default=2, help="--fleet: questions per user (default 2)")
+    bench_routing.add_argument("--rate", type=float, default=4.0, help="--fleet: Poisson arrivals, requests per second (default 4)")
     bench_routing.add_argument("--output", help="write the markdown table here as well")
     bench_routing.set_defaults(func=_lazy("bench.routing:cli"))
     bench_invalidation = bench.add_parser("invalidation", help="event publish → refused reuse and → last node's ack, p50/p99")

@@ -12,8 +12,8 @@ of the node is the caller's, including governance refusals (409 ``stale_document
 ``stale_authorization``), which another node would give too.
 
 A request naming a document version (or carrying a token policy version) that the ledger's
-decisions made stale (read at start, then followed on ``kvledger.commands``: ``router.feed``) is refused here, with the node's very answer
-(``prefix_keys.versions.Staleness``), and never sent on. It is checked only when the caller
+decisions made stale (read at start, then followed on ``kvledger.commands``: ``router.feed``)
+is refused here with the node's very answer (``prefix_keys.versions.Staleness``), never sent on. It is checked only when the caller
 holds the auth scope of every document it names: a node answers 403 ``document_scope_forbidden``
 first otherwise, and the router must not tell such a caller a document's current version.
 
