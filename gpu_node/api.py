@@ -512,6 +512,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
             {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}}
         ).encode(),
         observe=engine.metrics.observe_http,
+        quiet_paths=frozenset({LOAD_PATH}),
     )
     return app
 
@@ -626,6 +627,20 @@ async def keying(request: Request, engine: Engine) -> dict:
     if digest is None:
         digest = request.app.state.keying_digest = await asyncio.to_thread(keying_digest, engine.settings.model_dir)
     return {"model": engine.model_name, "namespace": engine.namespace.namespace, "block_size": engine.block_size, "keying_digest": digest}
+
+
+LOAD_PATH = "/v1/kvledger/load"
+
+
+@router.get(LOAD_PATH, dependencies=[Depends(_require_scraper)])
+async def load(engine: Engine) -> dict:
+    """The scheduler's queue as of its last step, for a fleet router's scoring (``router.load``): a few bytes a fleet
+    router polls several times a second, where ``/metrics`` renders every series. Logged at DEBUG when answered."""
+    registry = engine.metrics.registry
+    return {
+        "num_requests_running": int(registry.get_sample_value("kvledger_num_requests_running") or 0),
+        "num_requests_waiting": int(registry.get_sample_value("kvledger_num_requests_waiting") or 0),
+    }
 
 
 @router.get("/v1/cache/layout", dependencies=[Depends(_require_scraper)])

@@ -1,14 +1,16 @@
-"""The queue each node reports, polled from its ``/metrics`` (behind the metrics token the router holds).
+"""The queue each node reports, polled from its ``GET /v1/kvledger/load`` (behind the metrics token the router holds).
 
 A node's scheduler sets ``kvledger_num_requests_running`` and ``kvledger_num_requests_waiting``
-after every step; their sum is every request the node holds, whoever sent it — this router,
-another replica, a client going straight to the node. The router's own in-flight count
-(``Fleet.in_flight``) is exact at once but blind to the others; the reported queue sees them
-all but is up to one poll old. A node's load is therefore the larger of the two
-(:func:`node_load`): the reported queue already counts this router's requests, so adding them
-would count them twice, and the in-flight count covers the requests sent since the last poll.
+after every step, and ``/v1/kvledger/load`` answers the two (a few bytes, where ``/metrics`` would
+render every series on the node's event loop several times a second). Their sum is every request
+the node holds, whoever sent it — this router, another replica, a client going straight to the
+node. The router's own in-flight count (``Fleet.in_flight``) is exact at once but blind to the
+others; the reported queue sees them all but is up to one poll old. A node's load is therefore the
+larger of the two (:func:`node_load`): the reported queue already counts this router's requests,
+so adding them would count them twice, and the in-flight count covers the requests sent since the
+last poll.
 
-A node whose scrape fails (unreachable, an error, no such samples) has no reported queue until
+A node whose poll fails (unreachable, an error, a malformed answer) has no reported queue until
 the next good one: its load is then the router's in-flight count alone, as before any poll.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import httpx
 
@@ -24,34 +27,19 @@ from router.settings import NodeEndpoint
 
 log = logging.getLogger(__name__)
 
-QUEUE_GAUGES = frozenset({"kvledger_num_requests_running", "kvledger_num_requests_waiting"})
-_QUEUE_PREFIXES = tuple(QUEUE_GAUGES)
-MAX_SCRAPE_BYTES = 4 << 20
-"""A node's metrics page larger than this is not parsed (a node's is a few tens of KiB)."""
+LOAD_PATH = "/v1/kvledger/load"
+MAX_QUEUE = 1_000_000
+"""A reported queue above this is not believed (a node holds at most a few thousand requests)."""
 
 
-def reported_queue(metrics_text: str) -> int | None:
-    """Running plus waiting requests in a node's metrics page (Prometheus text); None when it has neither sample.
-
-    A line scan for the two gauges rather than a full parse: the page is scraped every poll, and
-    its histograms are most of it.
-    """
-    found = False
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if not line.startswith(_QUEUE_PREFIXES):
-            continue
-        name, _, rest = line.partition(" ")
-        if name.partition("{")[0] not in QUEUE_GAUGES:
-            continue
-        try:
-            value = float(rest.split(" ", 1)[0])
-        except ValueError:
-            continue
-        if value >= 0:
-            found = True
-            total += value
-    return round(total) if found else None
+def reported_queue(answer: Any) -> int | None:
+    """Running plus waiting requests of a node's ``/v1/kvledger/load`` answer; None when it is not one."""
+    if not isinstance(answer, dict):
+        return None
+    counts = [answer.get("num_requests_running"), answer.get("num_requests_waiting")]
+    if not all(type(count) is int and 0 <= count <= MAX_QUEUE for count in counts):
+        return None
+    return sum(counts)  # type: ignore[arg-type]
 
 
 def node_load(in_flight: int, reported: int | None) -> float:
@@ -85,9 +73,9 @@ class QueuePoller:
     async def _poll_one(self, endpoint: NodeEndpoint) -> None:
         queue = None
         try:
-            response = await self._http.get(f"{endpoint.url}/metrics", headers=self._headers, timeout=max(1.0, self.interval_s))
-            if response.status_code == 200 and len(response.content) <= MAX_SCRAPE_BYTES:
-                queue = reported_queue(response.text)
+            response = await self._http.get(f"{endpoint.url}{LOAD_PATH}", headers=self._headers, timeout=max(1.0, self.interval_s))
+            if response.status_code == 200:
+                queue = reported_queue(response.json())
         except (httpx.HTTPError, ValueError) as error:
             log.debug("router: queue of %s not read (%s)", endpoint.node_id, type(error).__name__)
         if queue is None:

@@ -142,6 +142,8 @@ async def serve(settings: RouterSettings) -> None:
 def cli(args: argparse.Namespace) -> int:
     try:
         configure_logging()
+        # httpx logs every request at INFO: each proxied request and each queue poll would be a line.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         settings = RouterSettings()
         updates = {name: getattr(args, name) for name in ("host", "port", "model_dir") if getattr(args, name, None) is not None}
         settings = settings.model_copy(update=updates)

@@ -356,6 +356,11 @@ async def test_the_router_learns_every_nodes_own_queue(router, nodes):
         lambda: set(built.fleet.reported_queue) == {node.node_id for node in nodes}, timeout_s=30, what="every node's queue polled"
     )
     assert all(queue >= 0 for queue in built.fleet.reported_queue.values())
+    async with httpx.AsyncClient() as http:
+        unauthenticated = await http.get(f"{nodes[0].http.url}/v1/kvledger/load")
+        answer = await http.get(f"{nodes[0].http.url}/v1/kvledger/load", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    assert unauthenticated.status_code == 401
+    assert set(answer.json()) == {"num_requests_running", "num_requests_waiting"}
 
 
 def document_messages(version: int) -> list[dict]:
