@@ -151,6 +151,7 @@ def _render(args: argparse.Namespace, runs: list[dict[str, float]]) -> str:
 QUESTIONS = ("How many vacation days do I get?", "Who approves my leave?", "Can I carry days over?", "What about sick days?")
 STRATEGIES = ("round-robin", "least-loaded", "affinity", "router")
 NUM_LATENCY_PAIRS = 40
+NUM_WARMUP_TRIES = 20
 
 
 def _shared_prompt(group: int) -> str:
@@ -309,8 +310,14 @@ async def _added_latency(stack: dict, run_id: str) -> dict[str, object]:
     body = _body(stack, 0, 0, 0, False) | {"max_tokens": 1}
     through, direct = [], []
     async with httpx.AsyncClient(timeout=120) as http:
-        warm = await http.post(f"{stack['router_url']}/v1/chat/completions", json=body, headers=headers)
-        warm.raise_for_status()
+        for _ in range(NUM_WARMUP_TRIES):  # until the router's index has the first answer's blocks and routes to them
+            warm = await http.post(f"{stack['router_url']}/v1/chat/completions", json=body, headers=headers)
+            warm.raise_for_status()
+            if warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0:
+                break
+            await asyncio.sleep(0.5)
+        else:
+            raise RuntimeError(f"no warm hit through the router after {NUM_WARMUP_TRIES} tries")
         node = warm.headers["x-kvledger-node"]
         node_url = stack["node_urls"][int(node.rsplit("-", 1)[1])]
         for _ in range(NUM_LATENCY_PAIRS):
