@@ -14,16 +14,21 @@ one core. A reference row times a bare ``dict.get`` over the same keys, the floo
 Python index on this machine.
 
 ``--fleet``: instead, a real ``kvledger up --nodes N --tiny`` (bounded device tiers, no host or disk
-tier) and the workload of the router's issue — ``--documents`` tenant documents, four questions
-each, in random order, twice — sent by three clients in turn, each as its own tenant (so no client
-reuses another's blocks): round-robin over the nodes, a fixed node per document (client affinity,
-the reference) and the router. Reported: the share of prompt tokens served from cache over both
-passes and on the second, and requests per node.
+tier) and an llm-d-like workload: ``--groups`` groups of ``--users`` users, each group sharing a
+long prefix (its tenant-scope system prompt), each user asking ``--questions`` questions of its own
+(user scope), in a random order arriving as a Poisson process of ``--rate`` requests/s, streamed.
+The same workload runs four times, one strategy after another, each with tenants of its own (so
+none reuses another's blocks): round-robin over the nodes, least-loaded (fewest of this client's
+requests in flight), a fixed node per group (client affinity, the reference) and the router.
+Reported per strategy: the share of prompt tokens served from cache, TTFT p50/p90, requests and
+output tokens per second, requests per node; then the router's own cost: a warm hit through the
+router against the same request straight to the node that served it, alternately, p50/p99.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
@@ -144,11 +149,15 @@ def _render(args: argparse.Namespace, runs: list[dict[str, float]]) -> str:
 
 
 QUESTIONS = ("How many vacation days do I get?", "Who approves my leave?", "Can I carry days over?", "What about sick days?")
+STRATEGIES = ("round-robin", "least-loaded", "affinity", "router")
+NUM_LATENCY_PAIRS = 40
+NUM_WARMUP_TRIES = 20
 
 
-def _document(number: int) -> str:
-    clause = f"Section {number}: employees of unit {number} accrue leave monthly, approved by their manager, carried over up to five days. "
-    return clause * 12
+def _shared_prompt(group: int) -> str:
+    """A group's long shared prefix (a system prompt with its handbook): about 500 tokens of the tiny model."""
+    clause = f"Section {group}: employees of unit {group} accrue leave monthly, approved by their manager, carried over up to five days. "
+    return clause * 24
 
 
 def _free_port() -> int:
@@ -183,85 +192,195 @@ def _stack(state_dir: Path, num_nodes: int, device_blocks: int) -> tuple[subproc
     return process, json.loads((state_dir / "stack.json").read_text())
 
 
-def _token(stack: dict, tenant: str) -> str:
+def _token(stack: dict, tenant: str, subject: str) -> str:
     from identity.tokens import issue_token
 
-    return issue_token(tenant=tenant, sub="bench", scopes=["hr"], pv=0, ttl_s=3600, secret=stack["jwt_secret"])
+    return issue_token(tenant=tenant, sub=subject, scopes=["hr"], pv=0, ttl_s=3600, secret=stack["jwt_secret"])
 
 
-def _client_run(stack: dict, name: str, order: list[tuple[int, int]], num_documents: int) -> dict[str, object]:
-    tenant = f"bench-{name}-{uuid_suffix()}"
-    headers = {"Authorization": f"Bearer {_token(stack, tenant)}"}
+def _body(stack: dict, group: int, user: int, question: int, stream: bool) -> dict:
+    """A user's request: the group's shared prefix (tenant scope), then the user's own question (user scope)."""
+    return {
+        "model": Path(stack["model_dir"]).name,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+        "messages": [
+            {"role": "system", "content": _shared_prompt(group), "cache_scope": "tenant"},
+            {"role": "user", "content": f"I am user {user}. {QUESTIONS[question]}", "cache_scope": "user"},
+        ],
+    }
+
+
+def _workload(args: argparse.Namespace) -> list[tuple[float, int, int, int]]:
+    """(arrival s, group, user, question): every user of every group asks ``--questions`` questions, in a random
+    order, arriving as a Poisson process of ``--rate`` requests per second (the same for every strategy)."""
+    rng = random.Random(0)
+    requests = [
+        (group, user, question % len(QUESTIONS))
+        for group in range(args.groups)
+        for user in range(args.users)
+        for question in range(args.questions)
+    ]
+    rng.shuffle(requests)
+    arrivals, now = [], 0.0
+    for group, user, question in requests:
+        arrivals.append((now, group, user, question))
+        now += rng.expovariate(args.rate)
+    return arrivals
+
+
+async def _strategy_run(stack: dict, name: str, workload: list[tuple[float, int, int, int]], run_id: str) -> dict[str, object]:
+    """One strategy over the workload; each group is a tenant of this run alone, so no strategy reuses another's blocks."""
     node_urls, router_url = stack["node_urls"], stack["router_url"]
-    per_pass = [[0, 0], [0, 0]]
+    in_flight = [0] * len(node_urls)
+    turn = 0
+    results: list[tuple[float, int, int, int, str]] = []  # ttft s, cached, prompt, output tokens, node
+
+    def pick(group: int) -> tuple[str, int | None]:
+        nonlocal turn
+        if name == "round-robin":
+            turn += 1
+            return node_urls[(turn - 1) % len(node_urls)], (turn - 1) % len(node_urls)
+        if name == "least-loaded":
+            position = min(range(len(node_urls)), key=lambda index: (in_flight[index], (index - turn) % len(node_urls)))
+            turn += 1
+            return node_urls[position], position
+        if name == "affinity":
+            return node_urls[group % len(node_urls)], group % len(node_urls)
+        return router_url, None
+
+    async def one(http: httpx.AsyncClient, at: float, group: int, user: int, question: int, started: float) -> None:
+        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+        url, position = pick(group)
+        if position is not None:
+            in_flight[position] += 1
+        headers = {"Authorization": f"Bearer {_token(stack, f'{run_id}-{name}-g{group}', f'user-{user}')}"}
+        sent = time.perf_counter()
+        ttft, usage = None, None
+        try:
+            async with http.stream(
+                "POST", f"{url}/v1/chat/completions", json=_body(stack, group, user, question, True), headers=headers
+            ) as answer:
+                answer.raise_for_status()
+                node = answer.headers.get("x-kvledger-node") or f"node-{position}"
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    if ttft is None and chunk.get("choices"):
+                        ttft = time.perf_counter() - sent
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+        finally:
+            if position is not None:
+                in_flight[position] -= 1
+        assert ttft is not None and usage is not None, "a stream without content or usage"
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        results.append((ttft, cached, usage["prompt_tokens"], usage["completion_tokens"], node))
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        started = time.perf_counter()
+        await asyncio.gather(*(one(http, *request, started) for request in workload))
+        elapsed_s = time.perf_counter() - started
+    ttfts = sorted(result[0] for result in results)
     per_node: dict[str, int] = {}
-    with httpx.Client(timeout=300) as http:
-        for position, (document, question) in enumerate(order):
-            if name == "round-robin":
-                url = node_urls[position % len(node_urls)]
-            elif name == "affinity":
-                url = node_urls[document % len(node_urls)]
-            else:
-                url = router_url
-            body = {
-                "model": Path(stack["model_dir"]).name,
-                "max_tokens": 1,
-                "temperature": 0,
-                "messages": [
-                    {"role": "system", "content": "Answer from the handbook only.", "cache_scope": "public"},
-                    {
-                        "role": "user",
-                        "content": _document(document),
-                        "document": {"id": f"doc-{document}", "version": 1, "auth_scope": "hr"},
-                    },
-                    {"role": "user", "content": QUESTIONS[question]},
-                ],
-            }
-            answer = http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-            answer.raise_for_status()
-            usage = answer.json()["usage"]
-            counts = per_pass[position // (len(order) // 2)]
-            counts[0] += usage["prompt_tokens_details"]["cached_tokens"]
-            counts[1] += usage["prompt_tokens"]
-            node = answer.headers.get("x-kvledger-node") or f"node-{node_urls.index(url)}"
-            per_node[node] = per_node.get(node, 0) + 1
-    total_cached, total_prompt = per_pass[0][0] + per_pass[1][0], per_pass[0][1] + per_pass[1][1]
+    for result in results:
+        per_node[result[4]] = per_node.get(result[4], 0) + 1
     return {
         "client": name,
-        "hit_ratio": total_cached / total_prompt,
-        "second_pass_hit_ratio": per_pass[1][0] / per_pass[1][1],
+        "hit_ratio": sum(result[1] for result in results) / sum(result[2] for result in results),
+        "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p90_s": _quantile(ttfts, 0.9),
+        "requests_per_s": len(results) / elapsed_s,
+        "output_tokens_per_s": sum(result[3] for result in results) / elapsed_s,
         "requests_per_node": dict(sorted(per_node.items())),
     }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _added_latency(stack: dict, run_id: str) -> dict[str, object]:
+    """A warm hit through the router against the same request straight to the node that served it, alternately."""
+    headers = {"Authorization": f"Bearer {_token(stack, f'{run_id}-router-g0', 'user-0')}"}
+    body = _body(stack, 0, 0, 0, False) | {"max_tokens": 1}
+    through, direct = [], []
+    async with httpx.AsyncClient(timeout=120) as http:
+        for _ in range(NUM_WARMUP_TRIES):  # until the router's index has the first answer's blocks and routes to them
+            warm = await http.post(f"{stack['router_url']}/v1/chat/completions", json=body, headers=headers)
+            warm.raise_for_status()
+            if warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0:
+                break
+            await asyncio.sleep(0.5)
+        else:
+            raise RuntimeError(f"no warm hit through the router after {NUM_WARMUP_TRIES} tries")
+        node = warm.headers["x-kvledger-node"]
+        node_url = stack["node_urls"][int(node.rsplit("-", 1)[1])]
+        for _ in range(NUM_LATENCY_PAIRS):
+            for url, samples in ((stack["router_url"], through), (node_url, direct)):
+                sent = time.perf_counter()
+                answer = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+                samples.append(time.perf_counter() - sent)
+                answer.raise_for_status()
+                assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the latency pair must be a warm hit"
+    through.sort()
+    direct.sort()
+    return {
+        "client": "added latency",
+        "router_p50_s": _quantile(through, 0.5),
+        "router_p99_s": _quantile(through, 0.99),
+        "direct_p50_s": _quantile(direct, 0.5),
+        "direct_p99_s": _quantile(direct, 0.99),
+    }
+
+
+async def _run_fleet(args: argparse.Namespace) -> list[dict[str, object]]:
+    workload = _workload(args)
+    run_id = f"bench-{uuid_suffix()}"
+    with tempfile.TemporaryDirectory(prefix="kvledger-bench-routing-") as scratch:
+        process, stack = _stack(Path(scratch), args.fleet_nodes, args.device_blocks)
+        try:
+            runs = [await _strategy_run(stack, name, workload, run_id) for name in STRATEGIES]
+            return [*runs, await _added_latency(stack, run_id)]
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=120)
 
 
 def uuid_suffix() -> str:
     return os.urandom(3).hex()
 
 
-async def _run_fleet(args: argparse.Namespace) -> list[dict[str, object]]:
-    rng = random.Random(0)
-    one_pass = [(document, question) for document in range(args.documents) for question in range(len(QUESTIONS))]
-    order = rng.sample(one_pass, len(one_pass)) + rng.sample(one_pass, len(one_pass))
-    with tempfile.TemporaryDirectory(prefix="kvledger-bench-routing-") as scratch:
-        process, stack = _stack(Path(scratch), args.fleet_nodes, args.device_blocks)
-        try:
-            return [_client_run(stack, name, order, args.documents) for name in ("round-robin", "affinity", "router")]
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=120)
-
-
 def _render_fleet(args: argparse.Namespace, runs: list[dict[str, object]]) -> str:
+    *strategies, latency = runs
+    num_requests = args.groups * args.users * args.questions
     lines = [
         f"Routing on `kvledger up --nodes {args.fleet_nodes} --tiny` ({args.device_blocks} device blocks per node, no host or disk tier): "
-        f"{args.documents} tenant documents × {len(QUESTIONS)} questions, random order, twice",
+        f"{args.groups} groups × {args.users} users sharing a group prefix of about 500 tokens, {args.questions} questions each "
+        f"({num_requests} requests), Poisson arrivals at {args.rate:g} requests/s, streamed, 8 output tokens",
         "",
-        "| client | prompt tokens cached (both passes) | second pass | requests per node |",
-        "|---|---|---|---|",
+        "| client | prompt tokens cached | TTFT p50 | TTFT p90 | requests/s | output tokens/s | requests per node |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for run in runs:
+    for run in strategies:
         spread = ", ".join(f"{node} {count}" for node, count in run["requests_per_node"].items())  # type: ignore[union-attr]
-        lines.append(f"| {run['client']} | {run['hit_ratio']:.0%} | {run['second_pass_hit_ratio']:.0%} | {spread} |")
+        lines.append(
+            f"| {run['client']} | {run['hit_ratio']:.0%} | {run['ttft_p50_s'] * 1000:.0f} ms | {run['ttft_p90_s'] * 1000:.0f} ms | "
+            f"{run['requests_per_s']:.2f} | {run['output_tokens_per_s']:.1f} | {spread} |"
+        )
+    lines += [
+        "",
+        f"Warm hit, {NUM_LATENCY_PAIRS} requests each way, alternately (1 output token, not streamed):",
+        "",
+        "| path | p50 | p99 |",
+        "|---|---|---|",
+        f"| through the router | {latency['router_p50_s'] * 1000:.1f} ms | {latency['router_p99_s'] * 1000:.1f} ms |",  # type: ignore[operator]
+        f"| straight to the node | {latency['direct_p50_s'] * 1000:.1f} ms | {latency['direct_p99_s'] * 1000:.1f} ms |",  # type: ignore[operator]
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -188,9 +188,13 @@ class RequestIdMiddleware:
     ``route`` in the latency metric is the matched path template (bounded), never the raw path.
     """
 
-    def __init__(self, app: Any, access_logger: str, error_body: bytes, observe: Observe | None = None) -> None:
-        """``error_body``: the app's own JSON error for an unhandled exception (sent with the id)."""
+    def __init__(
+        self, app: Any, access_logger: str, error_body: bytes, observe: Observe | None = None, quiet_paths: frozenset[str] = frozenset()
+    ) -> None:
+        """``error_body``: the app's own JSON error for an unhandled exception (sent with the id); answered requests
+        to ``quiet_paths`` (polled by machines several times a second) are logged at DEBUG, refusals at INFO as any."""
         self.app = app
+        self.quiet_paths = quiet_paths
         self.access_log = logging.getLogger(access_logger)
         self.error_body = error_body
         self.observe = observe
@@ -231,7 +235,8 @@ class RequestIdMiddleware:
         finally:
             seconds = time.perf_counter() - started
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.access_log.info("%s %s %d %.1fms", scope["method"], loggable_path(scope["path"]), status, seconds * 1000)
+            level = logging.DEBUG if status < 400 and scope["path"] in self.quiet_paths else logging.INFO
+            self.access_log.log(level, "%s %s %d %.1fms", scope["method"], loggable_path(scope["path"]), status, seconds * 1000)
             if self.observe is not None:
                 method = scope["method"] if scope["method"] in METRIC_METHODS else "other"
                 self.observe(method, route, status, seconds)

@@ -11,6 +11,12 @@ connection, a timeout, 502/503/504) is sent once more to the next-best node; any
 of the node is the caller's, including governance refusals (409 ``stale_document_version``, 401
 ``stale_authorization``), which another node would give too.
 
+A request naming a document version (or carrying a token policy version) that the ledger's
+decisions made stale (read at start, then followed on ``kvledger.commands``: ``router.feed``)
+is refused here with the node's very answer (``prefix_keys.versions.Staleness``), never sent on. It is checked only when the caller
+holds the auth scope of every document it names: a node answers 403 ``document_scope_forbidden``
+first otherwise, and the router must not tell such a caller a document's current version.
+
 Nothing about other tenants leaks: keys are salted by the caller's verified scopes, so its
 lookup only ever matches its own and public blocks, and no answer says what the index holds.
 Prompt text is never logged.
@@ -37,10 +43,13 @@ from events.logs import RequestIdMiddleware, request_id_var
 from events.pull_hint import PULL_BLOCKS_HEADER, PULL_FROM_HEADER
 from identity.metrics_access import scrape_refusal
 from identity.tokens import AuthError, Principal, TokenVerifier
+from prefix_keys.prompt import ChatMessage
+from prefix_keys.versions import VersionRegistry
 from router.feed import Feed
 from router.health import CircuitBreaker, Liveness
 from router.index import PrefixIndex, PrefixMatch
 from router.keying import Keying, request_messages
+from router.load import node_load
 from router.metrics import RouterMetrics
 from router.scoring import RETRY, Candidate, Decision, PrefixLoadStrategy, Strategy, pull_hint
 from router.settings import NodeEndpoint, RouterSettings
@@ -63,8 +72,10 @@ class RouterError(Exception):
         self.status_code, self.message, self.code, self.type, self.param = status_code, message, code, type, param
 
 
-def error_response(status_code: int, message: str, *, type: str, code: str | None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+def error_response(
+    status_code: int, message: str, *, type: str, code: str | None, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
@@ -78,6 +89,10 @@ class Fleet:
     liveness: Liveness
     failure_threshold: int
     breaker_open_s: float
+    reported_queue: dict[str, int] = field(default_factory=dict)
+    """Each node's own queue, as last polled (``router.load.QueuePoller``)."""
+    versions: VersionRegistry = field(default_factory=VersionRegistry)
+    """Current document and policy versions, as the feed reads and follows them (stale requests are refused)."""
     in_flight: dict[str, int] = field(default_factory=dict)
     breakers: dict[str, CircuitBreaker] = field(default_factory=dict)
 
@@ -94,7 +109,7 @@ class Fleet:
             if node_id not in self.keying.nodes or state is None or not self.liveness.alive(state.last_seen, now):
                 continue
             if self.breaker(node_id).allows(now):
-                candidates.append(Candidate(node_id, float(self.in_flight.get(node_id, 0))))
+                candidates.append(Candidate(node_id, node_load(self.in_flight.get(node_id, 0), self.reported_queue.get(node_id))))
         return candidates
 
 
@@ -165,7 +180,7 @@ def create_app(
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, type=exc.type, code=exc.code)
+        return error_response(exc.status_code, exc.message, type=exc.type, code=exc.code, param=exc.param)
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:
@@ -231,7 +246,10 @@ class _State:
         model = parsed.get("model") if isinstance(parsed, dict) else None
         if isinstance(model, str) and model != self.fleet.keying.model:
             raise RouterError(404, f"the model {model[:100]!r} does not exist on this router", code="model_not_found", param="model")
-        keys = await self._keys(principal, parsed)
+        messages = self._messages(parsed)
+        if messages is not None:
+            self._refuse_stale(principal, messages)
+        keys = await self._keys(principal, messages)
         decision = self._decide(keys)
         self.metrics.routing_latency.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(reason=decision.reason).inc()
@@ -253,16 +271,34 @@ class _State:
                 return self._relay(node_id, answer)
         raise RouterError(503, "no node could take the request", type="server_error", code="no_node_available")
 
-    async def _keys(self, principal: Principal, body: Any) -> dict[tuple[str, int], list[bytes]]:
+    def _messages(self, body: Any) -> list[ChatMessage] | None:
+        """The body's messages as the node maps them; None for a body the node refuses with its own error."""
         if not isinstance(body, dict):
-            return {}
+            return None
         try:
             messages = request_messages(body)
-            if not messages or len(messages) > self.settings.limits.max_messages:
-                return {}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return messages if 0 < len(messages) <= self.settings.limits.max_messages else None
+
+    def _refuse_stale(self, principal: Principal, messages: list[ChatMessage]) -> None:
+        """The node's refusal of a stale document or policy version, when the caller may learn it (module docstring)."""
+        if not all(principal.holds(message.document.auth_scope) for message in messages if message.document is not None):
+            return
+        stale = self.fleet.versions.check(principal, messages)
+        if stale is None:
+            return
+        if stale.kind == "policy":
+            raise AuthError(stale.code, stale.message)
+        raise RouterError(stale.status_code, stale.message, code=stale.code, param=stale.param)
+
+    async def _keys(self, principal: Principal, messages: list[ChatMessage] | None) -> dict[tuple[str, int], list[bytes]]:
+        if messages is None:
+            return {}
+        try:
             return await asyncio.to_thread(self.fleet.keying.keys, principal, messages)
         except (ValueError, KeyError, TypeError, AttributeError):
-            return {}  # the node refuses this body with its own error
+            return {}  # the node refuses these messages with its own error
 
     def _decide(self, keys: dict[tuple[str, int], list[bytes]]) -> Decision:
         candidates = self.fleet.candidates(time.monotonic())

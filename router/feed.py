@@ -8,9 +8,12 @@
   that fails is skipped and counted (``kvledger_router_unverified_records_total``): the
   coordinator's own consumer dead-letters the same record, once for the operator.
 * decisions: a second group reads ``kvledger.commands``; an ``Invalidate`` signed by the
-  pinned command key drops its matches from the index at once, before any node acks it.
+  pinned command key drops its matches from the index at once, before any node acks it, and
+  moves the router's version registry (``prefix_keys.versions``), so a request naming a
+  version it made stale is refused at the router as the node would refuse it.
 * the ledger: at start — once both groups are consuming, so nothing falls between the read and
-  the topics — and for every node the index marks (a seq gap, a new epoch without
+  the topics — the decisions a version registry holds (``GET /v1/router/versions``, what a
+  starting node gets from ``/v1/governance``), and for every node the index marks (a seq gap, a new epoch without
   ``NodeStarted``), the node's live placements are read (``GET /v1/router/placements``) and
   replace what the index holds for it; at most once per node per ``routing.reread_interval_s``.
 
@@ -24,18 +27,21 @@ import base64
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import TypeAdapter
 
 from events.kafka.admin import ensure_topics
 from events.kafka.consumer import BatchConsumer, ConsumedEvent
 from events.kafka.settings import KafkaSettings
-from events.schema import Invalidate, NodeEvent, NodeHeartbeat
+from events.schema import Invalidate, NodeEvent, NodeHeartbeat, Predicate
 from events.tiers import Tier
 from events.topics import COMMANDS, KV_EVENTS
 from identity.signing import EnrolledKey, public_key_from_raw, record_problem, signature_problem
+from prefix_keys.versions import VersionRegistry
 from router.index import BlockTags, Placement, PrefixIndex
 from router.metrics import RouterMetrics
 
@@ -45,6 +51,10 @@ MIN_REFETCH_S = 1.0
 """The shortest interval between two fetches of the node keys for unknown key ids."""
 MAX_PLACEMENT_PAGES = 100_000
 """A bound on one node's read (5000 placements a page): a coordinator that never ends its pages is refused."""
+MAX_VERSION_PAGES = 10_000
+"""A bound on the version read (1000 decisions a page), for the same reason."""
+_PREDICATE: TypeAdapter[Predicate] = TypeAdapter(Predicate)
+_DECIDED_AT = TypeAdapter(datetime)
 
 
 class CoordinatorClient:
@@ -73,6 +83,19 @@ class CoordinatorClient:
             raw = base64.urlsafe_b64decode(entry["public_key"] + "=" * (-len(entry["public_key"]) % 4))
             keys[entry["key_id"]] = EnrolledKey(entry["key_id"], entry["node_id"], public_key_from_raw(raw))
         return list(data["nodes"]), keys
+
+    async def versions(self) -> list[tuple[Predicate, datetime]]:
+        """Every decision a version registry holds (predicate, decided at), every page."""
+        decisions: list[tuple[Predicate, datetime]] = []
+        params: dict[str, Any] = {}
+        for _ in range(MAX_VERSION_PAGES):
+            page = await self._get("/v1/router/versions", params)
+            for entry in page["decisions"]:
+                decisions.append((_PREDICATE.validate_python(entry["predicate"]), _DECIDED_AT.validate_python(entry["decided_at"])))
+            if page["next_cursor"] is None:
+                return decisions
+            params = {"cursor": str(page["next_cursor"])}
+        raise ValueError(f"the coordinator's versions did not end within {MAX_VERSION_PAGES} pages")
 
     async def placements(self, node_id: str) -> tuple[int, int, list[Placement]]:
         """``(epoch, last_seq, live copies)`` of ``node_id``, every page; the first page's epoch and seq."""
@@ -140,8 +163,10 @@ class Feed:
         group_id: str,
         node_keys_cache_s: float,
         reread_interval_s: float,
+        versions: VersionRegistry | None = None,
     ) -> None:
         self.index = index
+        self.versions = versions or VersionRegistry()
         self._config = config
         self.metrics = metrics
         self.coordinator = coordinator
@@ -187,7 +212,9 @@ class Feed:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def rebuild(self) -> None:
-        """Every node the ledger knows, read again (at start)."""
+        """The ledger's current versions and every node it knows, read again (at start)."""
+        for predicate, decided_at in await self.coordinator.versions():
+            self.versions.apply(predicate, decided_at)
         await self.node_keys.refresh()
         now = time.monotonic()
         for node in self.node_keys.nodes:
@@ -245,5 +272,6 @@ class Feed:
             if problem is not None:
                 self.metrics.unverified.labels(topic=event.topic, reason=problem).inc()
                 continue
+            self.versions.apply(payload.predicate, payload.cutoff)
             dropped = self.index.invalidate(payload.predicate, payload.cutoff.timestamp())
             self.metrics.invalidated_blocks.inc(dropped)

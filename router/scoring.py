@@ -29,7 +29,8 @@ DECISION_REASONS = (PREFIX, LOAD, FALLBACK, RETRY)
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A node that may serve: its load (in-flight requests this router sent plus the queue it reports)."""
+    """A node that may serve: its load (the larger of the requests this router has in flight there and the queue
+    the node reports, ``router.load.node_load``)."""
 
     node_id: str
     load: float

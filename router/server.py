@@ -3,7 +3,8 @@
 Start order: the model directory is loaded (tokenizer, template, keying digest), the nodes are
 asked how they key blocks, both consumer groups join and position themselves, the index is built
 from the ledger; the HTTP server listens from the start, and ``/health`` answers 200 once a node
-can be routed to. The nodes' keying is asked again every ``routing.keying_refresh_s``.
+can be routed to. The nodes' keying is asked again every ``routing.keying_refresh_s``, and
+their queues are polled every ``routing.queue_poll_interval_s`` (``router.load``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router.feed import CoordinatorClient, Feed
 from router.health import Liveness
 from router.index import PrefixIndex, TierWeights
 from router.keying import Keying
+from router.load import QueuePoller
 from router.metrics import RouterMetrics
 from router.settings import RouterSettings
 
@@ -82,6 +84,7 @@ class Router:
             group_id=f"kvledger-{settings.router_id}",
             node_keys_cache_s=settings.routing.node_keys_cache_s,
             reread_interval_s=settings.routing.reread_interval_s,
+            versions=fleet.versions,
         )
         app = create_app(settings, fleet, feed, TokenVerifier(settings.auth))
         return cls(settings, fleet, feed, coordinator, app)
@@ -101,11 +104,24 @@ class Router:
         """Keying, feed and the keying refresh, for as long as the context lasts."""
         await self.refresh_keying()
         await self.feed.start()
-        keeping = asyncio.create_task(self._keep_keying(), name="router keying refresh")
+        token = self.settings.metrics.token
+        poller = QueuePoller(
+            self.app.state.router.http,
+            self.settings.nodes,
+            None if token is None else token.get_secret_value(),
+            self.settings.routing.queue_poll_interval_s,
+            self.fleet.reported_queue,
+        )
+        tasks = [
+            asyncio.create_task(self._keep_keying(), name="router keying refresh"),
+            asyncio.create_task(poller.run(), name="router queue polls"),
+        ]
         try:
             yield self
         finally:
-            keeping.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.feed.stop()
             await self.coordinator.close()
 
@@ -126,6 +142,8 @@ async def serve(settings: RouterSettings) -> None:
 def cli(args: argparse.Namespace) -> int:
     try:
         configure_logging()
+        # httpx logs every request at INFO: each proxied request and each queue poll would be a line.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         settings = RouterSettings()
         updates = {name: getattr(args, name) for name in ("host", "port", "model_dir") if getattr(args, name, None) is not None}
         settings = settings.model_copy(update=updates)

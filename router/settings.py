@@ -46,6 +46,8 @@ class RoutingSettings(BaseModel):
     """At most one ledger re-read of a node per this interval, however many gaps it shows."""
     node_keys_cache_s: float = Field(5.0, ge=0)
     """How long enrolled node keys fetched from the coordinator are trusted: the router's revocation bound."""
+    queue_poll_interval_s: float = Field(0.5, gt=0)
+    """How often each node's own queue (running + waiting requests, its ``/v1/kvledger/load``) is read (``router.load``)."""
     keying_refresh_s: float = Field(10.0, gt=0)
     """How often the nodes' keying (model, namespace, block size, tokenizer digest) is fetched again."""
 

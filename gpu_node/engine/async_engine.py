@@ -43,7 +43,6 @@ from gpu_node.cache.kv_memory import TierPlan, measure_available, plan_tiers
 from gpu_node.cache.layout_sampler import layout_sampler
 from gpu_node.cache.namespace import NamespaceIdentity, compute_namespace
 from gpu_node.cache.peers import PeerKeys, PeerPuller, PullFailed, PullHint, open_pulled
-from gpu_node.cache.versions import VersionRegistry
 from gpu_node.engine.detokenizer import IncrementalDetokenizer
 from gpu_node.engine.model_runner import ModelRunner, StepChunk
 from gpu_node.engine.paged_kv import PagedKV
@@ -60,6 +59,7 @@ from gpu_node.settings import NodeSettings
 from identity.node_credentials import issue_node_credential
 from prefix_keys.blocks import BlockKey, CacheScope, Principal, compute_block_keys
 from prefix_keys.prompt import ChatMessage, render_prompt
+from prefix_keys.versions import VersionRegistry
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,6 @@ from events.pull_hint import MAX_HINT_BLOCKS, PULL_BLOCKS_HEADER, PULL_FROM_HEAD
 from events.schema import MAX_ID_CHARS, MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name, check_identifier
 from gpu_node.cache.layout_sampler import layout_sampler
 from gpu_node.cache.peers import PULL_PATH, PullHint, PullRefused, authorize_pull, encode_frames, export_prefix
-from gpu_node.cache.versions import Staleness, VersionRegistry
 from gpu_node.engine.async_engine import (
     AsyncEngine,
     GenerationDone,
@@ -71,6 +70,7 @@ from identity.tokens import AuthError, Operator, TokenVerifier
 from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheScope, DocumentRef, Principal
 from prefix_keys.model_files import keying_digest
 from prefix_keys.prompt import ChatMessage, request_message
+from prefix_keys.versions import Staleness, VersionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -364,19 +364,10 @@ def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: Ve
 
 
 def _stale_error(stale: Staleness) -> ApiError | AuthError:
-    """401 for a token issued under a superseded policy (a new token fixes it), 409 for a superseded document."""
+    """The refusal :class:`Staleness` describes (a fleet router answers the same from its own registry)."""
     if stale.kind == "policy":
-        return AuthError(
-            "stale_authorization",
-            f"the token was issued under policy version {stale.requested} of auth scope {stale.name!r}; "
-            f"the current version is {stale.current}. Obtain a new token.",
-        )
-    return ApiError(
-        409,
-        f"document {stale.name!r} version {stale.requested} is stale; the current version is {stale.current}",
-        code="stale_document_version",
-        param=f"messages[{stale.message_index}].document.version",
-    )
+        return AuthError(stale.code, stale.message)
+    return ApiError(stale.status_code, stale.message, code=stale.code, param=stale.param)
 
 
 def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: RequestLimits) -> SamplingParams:
@@ -535,6 +526,7 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
             {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}}
         ).encode(),
         observe=engine.metrics.observe_http,
+        quiet_paths=frozenset({LOAD_PATH}),
     )
     return app
 
@@ -649,6 +641,20 @@ async def keying(request: Request, engine: Engine) -> dict:
     if digest is None:
         digest = request.app.state.keying_digest = await asyncio.to_thread(keying_digest, engine.settings.model_dir)
     return {"model": engine.model_name, "namespace": engine.namespace.namespace, "block_size": engine.block_size, "keying_digest": digest}
+
+
+LOAD_PATH = "/v1/kvledger/load"
+
+
+@router.get(LOAD_PATH, dependencies=[Depends(_require_scraper)])
+async def load(engine: Engine) -> dict:
+    """The scheduler's queue as of its last step, for a fleet router's scoring (``router.load``): a few bytes a fleet
+    router polls several times a second, where ``/metrics`` renders every series. Logged at DEBUG when answered."""
+    registry = engine.metrics.registry
+    return {
+        "num_requests_running": int(registry.get_sample_value("kvledger_num_requests_running") or 0),
+        "num_requests_waiting": int(registry.get_sample_value("kvledger_num_requests_waiting") or 0),
+    }
 
 
 @router.get("/v1/cache/layout", dependencies=[Depends(_require_scraper)])

@@ -2,6 +2,6 @@
 
 ``commands`` applies signed invalidations and acks them with evidence; ``publisher`` signs and
 sends pool events and inventories; ``sync`` fetches the governance state a starting node must
-enforce (into ``gpu_node.cache.versions``); ``usage`` counts what each tenant was served. Never
+enforce (into a ``prefix_keys.versions`` registry); ``usage`` counts what each tenant was served. Never
 computes KV.
 """

@@ -2,7 +2,7 @@
 
 For every ``Invalidate`` the node
 
-1. moves its :class:`~gpu_node.cache.versions.VersionRegistry`, so the API refuses
+1. moves its :class:`~prefix_keys.versions.VersionRegistry`, so the API refuses
    requests that name a superseded document or policy version;
 2. tombstones and deletes every matching block that exists when it applies the
    command — whatever the command's cutoff says (docs/design.md §5, "Cutoffs"):
@@ -49,7 +49,7 @@ already applied in this run is not applied again: its ack — the same envelope,
 that did arrive is a duplicate the coordinator's inbox drops. A command applied in an
 earlier life (its ack and evidence are gone with the process) is applied again: that is
 idempotent, removes what matches now, and acks that. The registry keeps, per document and
-policy, the latest decision by its time (:mod:`gpu_node.cache.versions`), so a re-sent older
+policy, the latest decision by its time (:mod:`prefix_keys.versions`), so a re-sent older
 command never moves it back.
 
 Trust. Only commands signed by the coordinator's command key, which the node pins

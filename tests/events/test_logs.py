@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from events.logs import (
     MAX_REQUEST_ID_CHARS,
@@ -124,6 +125,21 @@ async def test_unhandled_errors_answer_500_with_the_request_id(json_lines: io.St
     assert response.headers["x-request-id"] == "boom-1"
     assert response.content == ERROR_BODY
     assert [args[:3] for args in observed] == [("GET", "/boom", 500)]
+
+
+async def test_answered_requests_to_a_quiet_path_are_not_access_lines_at_info(json_lines: io.StringIO) -> None:
+    """A path machines poll several times a second: its answers go to DEBUG, its refusals and every other path to INFO."""
+    app = FastAPI()
+
+    @app.get("/load")
+    async def load(refuse: bool = False) -> JSONResponse:
+        return JSONResponse({}, status_code=401 if refuse else 200)
+
+    app.add_middleware(RequestIdMiddleware, access_logger="test.access", error_body=ERROR_BODY, quiet_paths=frozenset({"/load"}))
+    for path in ("/load", "/load?refuse=true", "/other"):
+        await request(app, "GET", path)
+    access = [line["message"].rsplit(" ", 1)[0] for line in parsed(json_lines) if line["logger"] == "test.access"]
+    assert access == ["GET /load 401", "GET /other 404"]
 
 
 async def test_the_access_line_cannot_be_split_by_the_path(json_lines: io.StringIO) -> None:

@@ -7,10 +7,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from events import schema
-from gpu_node.cache.versions import Staleness, VersionRegistry
 from gpu_node.governance.commands import block_predicate
 from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, CacheProvenance, CacheScope, DocumentRef, Principal
 from prefix_keys.prompt import ChatMessage
+from prefix_keys.versions import Staleness, VersionRegistry
 
 KEY = b"unit-test-subject-key-0123456789"
 CUTOFF = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -24,6 +24,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 import coordinator.metrics  # noqa: F401 - registers the coordinator's metrics in the default registry
 import events.metrics  # noqa: F401 - registers the Kafka helpers' metrics in the default registry
 from gpu_node.metrics import NodeMetrics
+from router.index import PrefixIndex
+from router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
@@ -82,7 +84,7 @@ def test_prometheus_scrapes_the_ports_the_services_listen_on():
     scrape = yaml.safe_load(PROMETHEUS_DIR.joinpath("prometheus.yml").read_text())
     targets = {target for job in scrape["scrape_configs"] for config in job["static_configs"] for target in config["targets"]}
     published = {f"{name}:{port.split(':')[1]}" for name, service in compose["services"].items() for port in service.get("ports", [])}
-    assert targets == {"coordinator:8000", "gpu-node:8100"}
+    assert targets == {"coordinator:8000", "gpu-node:8100", "router:8200"}
     assert targets <= published
 
 
@@ -95,10 +97,10 @@ def test_prometheus_and_the_services_share_the_metrics_token_file():
     assert compose["secrets"]["metrics_token"]["file"] == "./docker/secrets/metrics_token"
     for job in scrape["scrape_configs"]:
         assert job["authorization"] == {"type": "Bearer", "credentials_file": secret_path}
-    for name in ("coordinator", "gpu-node"):
+    for name in ("coordinator", "gpu-node", "router"):
         assert services[name]["environment"]["KVLEDGER_METRICS_TOKEN_FILE"] == secret_path
     assert services["prometheus"]["secrets"] == ["metrics_token"]
-    for name in ("coordinator", "gpu-node"):
+    for name in ("coordinator", "gpu-node", "router"):
         assert "metrics_token" in services[name]["secrets"]
 
 
@@ -116,7 +118,7 @@ def test_prometheus_loads_the_alert_rules_compose_mounts():
 
 IMPLICIT_LABELS = frozenset({"job", "instance"})
 """Labels Prometheus attaches to every scraped series."""
-JOBS = {"kvledger-gpu-node": "node", "kvledger-coordinator": "coordinator"}
+JOBS = {"kvledger-gpu-node": "node", "kvledger-coordinator": "coordinator", "kvledger-router": "router"}
 COUNTER_FUNCTIONS = frozenset({"rate", "irate", "increase"})
 GAUGE_FUNCTIONS = frozenset({"delta", "deriv", "idelta", "max_over_time", "min_over_time", "avg_over_time"})
 
@@ -137,7 +139,11 @@ def families(registry: CollectorRegistry) -> dict[str, Family]:
     return found
 
 
-EXPORTED = {"node": families(NodeMetrics().registry), "coordinator": families(REGISTRY)}
+EXPORTED = {
+    "node": families(NodeMetrics().registry),
+    "coordinator": families(REGISTRY),
+    "router": families(RouterMetrics(PrefixIndex()).registry),
+}
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,7 @@ class Series:
 
 
 def resolve(name: str, process: str | None) -> Series:
-    """The exported series ``name`` refers to, in ``process`` ("node"/"coordinator") or either; fails the test otherwise."""
+    """The exported series ``name`` refers to, in ``process`` ("node"/"coordinator"/"router") or any; fails the test otherwise."""
     if name == "up":
         return Series(Family("up", "gauge", frozenset()), "gauge", IMPLICIT_LABELS)
     candidates = [EXPORTED[process]] if process else list(EXPORTED.values())
@@ -299,7 +305,7 @@ def test_promtool_accepts_the_prometheus_config(tmp_path: Path):
     token_file = tmp_path / "metrics_token"
     token_file.write_text("test-token\n")
     config = PROMETHEUS_DIR.joinpath("prometheus.yml").read_text()
-    assert config.count("/run/secrets/metrics_token") == 2
+    assert config.count("/run/secrets/metrics_token") == 3
     tmp_path.joinpath("prometheus.yml").write_text(config.replace("/run/secrets/metrics_token", str(token_file)))
     shutil.copy(PROMETHEUS_DIR / "alerts.yml", tmp_path / "alerts.yml")
     promtool("check", "config", "prometheus.yml", cwd=tmp_path)

@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpu_node.cache.namespace import compute_namespace
-from gpu_node.cache.versions import VersionRegistry
 from gpu_node.engine.model_runner import ModelRunner
 from gpu_node.entrypoints.routes import ChatCompletionRequest, _to_messages
 from identity.tokens import Principal
@@ -28,6 +27,7 @@ from prefix_keys import prompt as prompt_module
 from prefix_keys.blocks import CacheScope, DocumentRef, compute_block_keys
 from prefix_keys.model_files import load_chat_tokenizer
 from prefix_keys.prompt import ChatMessage, render_prompt, request_message
+from prefix_keys.versions import VersionRegistry
 
 BLOCK_SIZE = 4
 AUTH_SCOPES = ("staff", "legal", "*")

@@ -212,3 +212,30 @@ async def test_the_router_routes_of_the_coordinator_take_the_router_role_only(co
         unknown = await http.get("/v1/router/placements", params={"node": "no-such-node"}, headers=as_role("router"))
         assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "unknown_node")
         assert (await http.get("/v1/router/nodes")).status_code == 401
+
+
+async def test_a_starting_router_knows_the_versions_the_ledger_made_current(producer, kafka_bootstrap, coordinator_url):
+    """Decided before the replica started (so never on its commands group): read from ``/v1/router/versions``."""
+    tenant = f"versions-{uuid.uuid4().hex[:8]}"
+    for doc_id, version in (("handbook", 3), ("policies", 2)):
+        await producer.send(make_event(DocumentUpdated(doc_id=doc_id, version=version), tenant_id=tenant))
+    headers = {"Authorization": f"Bearer {operator_token('router', 'platform')}"}
+    async with httpx.AsyncClient(base_url=coordinator_url) as http:
+
+        async def decided() -> bool:
+            page = (await http.get("/v1/router/versions", headers=headers)).json()
+            return sum(entry["predicate"].get("tenant") == tenant for entry in page["decisions"]) == 2
+
+        await eventually(decided, timeout_s=30, what="the coordinator's decision listed")
+        first = await http.get("/v1/router/versions", params={"limit": 1}, headers=headers)
+        assert first.status_code == 200 and len(first.json()["decisions"]) == 1 and first.json()["next_cursor"] is not None
+        bad = await http.get("/v1/router/versions", params={"cursor": "not-a-cursor"}, headers=headers)
+        assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_parameter")
+        refused = await http.get("/v1/router/versions", headers={"Authorization": f"Bearer {operator_token('tenant-admin', tenant)}"})
+        assert refused.status_code == 403
+    replica = await Replica(kafka_bootstrap, coordinator_url, f"router-versions-{uuid.uuid4().hex[:8]}").start()
+    try:
+        assert replica.feed.versions.document_version(tenant, "handbook") == 3
+        assert replica.feed.versions.document_version(tenant, "policies") == 2
+    finally:
+        await replica.stop()

@@ -100,7 +100,7 @@ def _decision(predicate: Predicate, decided_at: datetime) -> dict:
     return {"predicate": predicate.model_dump(mode="json"), "decided_at": decided_at.isoformat()}
 
 
-async def _namespaces(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
+async def namespace_decisions(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
     query = (
         select(Namespace.namespace, func.coalesce(Invalidation.cutoff, Namespace.updated_at))
         .outerjoin(Invalidation, Invalidation.command_id == Namespace.invalidation_id)
@@ -113,7 +113,7 @@ async def _namespaces(session: AsyncSession, after: list, limit: int) -> list[tu
     return [([name], _decision(NamespacePredicate(ns=name), at)) for name, at in await session.execute(query)]
 
 
-async def _policies(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
+async def policy_decisions(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
     query = (
         select(Policy.tenant_id, Policy.auth_scope, Policy.policy_version, func.coalesce(Invalidation.cutoff, Policy.updated_at))
         .outerjoin(Invalidation, Invalidation.command_id == Policy.invalidation_id)
@@ -128,7 +128,7 @@ async def _policies(session: AsyncSession, after: list, limit: int) -> list[tupl
     ]
 
 
-async def _documents(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
+async def document_decisions(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
     query = (
         select(
             Document.tenant_id,
@@ -174,6 +174,9 @@ async def _commands(
     return entries
 
 
+DECISION_READERS = {"namespaces": namespace_decisions, "policies": policy_decisions, "documents": document_decisions}
+"""Each registry section's reader: ``(session, after key, limit) -> [(key, decision)]`` in key order (also ``/v1/router/versions``)."""
+
 router = APIRouter()
 
 
@@ -201,7 +204,7 @@ async def governance(
         if SECTIONS[section] == "commands":
             entries = await _commands(session, node.node_id, after, room + 1, command_signer)
         else:
-            reader = {"namespaces": _namespaces, "policies": _policies, "documents": _documents}[SECTIONS[section]]
+            reader = DECISION_READERS[SECTIONS[section]]
             entries = await reader(session, after, room + 1)
         page, more = entries[:room], len(entries) > room
         (commands if SECTIONS[section] == "commands" else decisions).extend(entry for _, entry in page)

@@ -12,6 +12,10 @@ whenever it missed a node's kv-event:
   that a decision marked and whose target on this node has not acked is left out: it is being
   deleted, and must not attract traffic. Each page repeats the node's ``epoch`` and ``last_seq``
   as of that page; the router replays its own records after the first page's.
+* ``GET /v1/router/versions[?cursor=…][&limit=…]``: the decisions a version registry holds —
+  retired namespaces, current policy and document versions, each as its predicate and decision
+  time — exactly the ``decisions`` a starting node gets from ``/v1/governance`` (the same
+  readers), paged with ``next_cursor``. The router refuses stale versions with them from its start.
 
 Callers: an operator token with the ``router`` role (or ``platform-admin``): the answer spans
 every tenant, but holds block hashes, scopes and keyed digests only — no text, no raw subject.
@@ -30,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator.api.auth import requires
 from coordinator.api.dependencies import Session, Settings
 from coordinator.api.node_status import node_statuses
+from coordinator.api.routes.governance import DECISION_READERS, Cursor
 from coordinator.http import ApiError
 from coordinator.ledger.models import Block, BlockAuthScope, BlockCreator, BlockDocument, InvalidationTarget, Node, NodeKey, Placement
 from coordinator.ledger.states import PlacementState, TargetStatus
@@ -39,6 +44,7 @@ from identity.roles import ROUTER_READERS
 from identity.tokens import Operator
 
 MAX_PAGE_SIZE = 5000
+MAX_VERSION_PAGE = 1000
 
 router = APIRouter()
 RouterReader = Annotated[Operator, Depends(requires(ROUTER_READERS))]
@@ -57,6 +63,31 @@ async def router_nodes(_: RouterReader, session: Session, settings: Settings) ->
             for key in keys
         ],
     }
+
+
+@router.get("/v1/router/versions")
+async def router_versions(
+    _: RouterReader,
+    session: Session,
+    cursor: Annotated[str | None, Query(max_length=2048)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_VERSION_PAGE)] = MAX_VERSION_PAGE,
+) -> dict[str, Any]:
+    try:
+        position = Cursor(section=0, after=[]) if cursor is None else Cursor.decode(cursor)
+    except ValueError as error:
+        raise ApiError(400, "invalid_request_error", "invalid_parameter", str(error)) from None
+    sections = list(DECISION_READERS)
+    decisions: list[dict] = []
+    section, after = position.section, list(position.after)
+    while section < len(sections):
+        room = limit - len(decisions)
+        entries = await DECISION_READERS[sections[section]](session, after, room + 1)
+        decisions.extend(decision for _, decision in entries[:room])
+        if len(entries) > room:
+            last = entries[room - 1][0] if room else after
+            return {"decisions": decisions, "next_cursor": Cursor(section=section, after=last).encode()}
+        section, after = section + 1, []
+    return {"decisions": decisions, "next_cursor": None}
 
 
 @router.get("/v1/router/placements")

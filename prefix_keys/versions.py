@@ -1,4 +1,4 @@
-"""What this node knows about current document and policy versions (docs/design.md §4, §5).
+"""What a node (and a fleet router) knows about current document and policy versions (docs/design.md §4, §5).
 
 The coordinator turns ``DocumentUpdated``/``DocumentDeleted``/``PermissionRevoked``
 into ``Invalidate`` commands; every node applies them in command order. Deleting
@@ -12,7 +12,10 @@ The registry is not a durable store: at every start the node fills it from the
 coordinator's governance state (:mod:`gpu_node.governance.sync`), or, without a
 coordinator URL, by reading ``kvledger.commands`` from the beginning (see
 :mod:`gpu_node.governance.commands`), so it is complete before the node turns ready; commands
-consumed afterwards move it on.
+consumed afterwards move it on. A fleet router keeps one too (``router.feed``), so it
+refuses a stale request itself with the node's very answer (:attr:`Staleness.status_code`,
+:attr:`Staleness.code`, :attr:`Staleness.message`, :attr:`Staleness.param`) instead of
+sending it on; the node still checks every request itself.
 
 "Current" is the ``below_version`` of the *latest decision* for a document or
 policy, ordered by the decision time every command carries (its ``cutoff``, the
@@ -46,12 +49,34 @@ class Staleness:
     requested: int
     current: int
 
+    @property
+    def status_code(self) -> int:
+        """401 for a token issued under a superseded policy (a new token fixes it), 409 for a superseded document."""
+        return 401 if self.kind == "policy" else 409
+
+    @property
+    def code(self) -> str:
+        return "stale_authorization" if self.kind == "policy" else "stale_document_version"
+
+    @property
+    def message(self) -> str:
+        if self.kind == "policy":
+            return (
+                f"the token was issued under policy version {self.requested} of auth scope {self.name!r}; "
+                f"the current version is {self.current}. Obtain a new token."
+            )
+        return f"document {self.name!r} version {self.requested} is stale; the current version is {self.current}"
+
+    @property
+    def param(self) -> str | None:
+        return None if self.kind == "policy" else f"messages[{self.message_index}].document.version"
+
 
 class VersionRegistry:
     """Current document versions, policy versions and retired namespaces, as commanded.
 
-    Only touched from the node's event loop (the command consumer writes, the API
-    reads), so it needs no lock.
+    Only touched from one event loop (the command consumer writes, the API reads),
+    so it needs no lock.
     """
 
     def __init__(self) -> None:
