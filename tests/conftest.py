@@ -38,13 +38,14 @@ import importlib.util
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
+from helpers.fork_server import ForkServer
 from helpers.ledger import SigningProducer, enroll_producer, fresh_database
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy import make_url
@@ -329,6 +330,19 @@ async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClie
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This session's fork server (``helpers.fork_server``): torch, transformers and the other libraries of a node
+    imported once, so a node or coordinator process it starts pays none of those imports. Pass ``fork_server.launch``
+    as the ``launcher`` of ``helpers.http_servers.ServerProcess``, ``bench.cluster.ClusterConfig`` or
+    ``kvledger.processes.spawn_cli``."""
+    server = ForkServer(tmp_path_factory.mktemp("fork-server")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
