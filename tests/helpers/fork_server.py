@@ -13,7 +13,8 @@ Why it is the same process as a fresh start:
 * the project's own modules are imported in the child, after its environment is in place, so whatever
   they read at import (``KVLEDGER_FAULT_POINT``) is the child's. The server checks it imported none.
 * the libraries imported early read their environment then: a start whose environment differs from the
-  server's in anything but ``KVLEDGER_*`` variables is not forked but started as a new interpreter.
+  server's in anything but ``KVLEDGER_*`` variables (and pytest's ``PYTEST_CURRENT_TEST``) is not forked
+  but started as a new interpreter.
 * nothing runs in the server that starts a thread (no torch op, no event loop, no CUDA): it asserts before
   every fork that no Python thread runs and that no import but numpy's (OpenBLAS, fork-aware) started one. Python reseeds ``random`` in a forked child; numpy's global generator is
   reseeded here.
@@ -64,16 +65,18 @@ PROJECT_PACKAGES = ("bench", "coordinator", "events", "gpu_node", "identity", "k
 """Never imported by the server (their import-time reads of the environment must see the child's)."""
 OWN_PREFIX = "KVLEDGER_"
 """Variables only the project reads (at import in the child, or later): a child may differ from the server in these."""
+UNREAD = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+"""Variables no preloaded library reads at import, which the tests' process sets while it runs: pytest the running
+test's name, torch its compile cache's default directory the first time it compiles (read when compiling)."""
 START_TIMEOUT_S = 300.0
 MAX_REQUEST_BYTES = 1 << 20
 _READY = b"ready\n"
 
 
-def _same_libraries_environment(env: Mapping[str, str], server_env: Mapping[str, str]) -> bool:
-    def libraries(values: Mapping[str, str]) -> dict[str, str]:
-        return {name: value for name, value in values.items() if not name.startswith(OWN_PREFIX)}
-
-    return libraries(env) == libraries(server_env)
+def _libraries_differences(env: Mapping[str, str], server_env: Mapping[str, str]) -> set[str]:
+    """The variables a preloaded library may read whose value in ``env`` is not the server's."""
+    names = (env.keys() | server_env.keys()) - UNREAD
+    return {name for name in names if not name.startswith(OWN_PREFIX) and env.get(name) != server_env.get(name)}
 
 
 class ForkedProcess:
@@ -143,6 +146,8 @@ class ForkServer:
         self.num_forked = 0
         self.num_fresh = 0
         """Starts handed to a new interpreter (an environment the server's imports did not see)."""
+        self.fresh_because: set[str] = set()
+        """The variables that made the last such start differ."""
 
     def start(self) -> ForkServer:
         from kvledger.processes import die_with_parent
@@ -174,8 +179,10 @@ class ForkServer:
         """A ``kvledger.processes.Launcher``: forked from the server, or a new interpreter where forking would differ."""
         from kvledger.processes import popen_cli
 
-        if not _same_libraries_environment(env, self.env):
+        differences = _libraries_differences(env, self.env)
+        if differences:
             self.num_fresh += 1
+            self.fresh_because = differences
             return popen_cli(cli_args, env, stdout, stderr, new_session=new_session, dies_with_parent=dies_with_parent)
         request = {"args": cli_args, "env": dict(env), "cwd": os.getcwd(), "new_session": new_session, "dies_with_parent": dies_with_parent}
         fds = [stdout.fileno(), (stderr or stdout).fileno()]
