@@ -168,10 +168,17 @@ _TIMINGS: dict[str, float] = {}
 """Seconds each service took to become ready, printed in the terminal summary."""
 
 
+_FORK_SERVERS: list[ForkServer] = []
+"""This session's fork server, once a test asked for it: how many processes it forked, in the terminal summary."""
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     if _TIMINGS:
         text = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in _TIMINGS.items())
         terminalreporter.write_line(f"integration services ready in: {text}")
+    for server in _FORK_SERVERS:
+        fresh = f" (last because of {', '.join(sorted(server.fresh_because))})" if server.num_fresh else ""
+        terminalreporter.write_line(f"fork server: {server.num_forked} processes forked, {server.num_fresh} in a new interpreter{fresh}")
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -339,6 +346,7 @@ def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer
     as the ``launcher`` of ``helpers.http_servers.ServerProcess``, ``bench.cluster.ClusterConfig`` or
     ``kvledger.processes.spawn_cli``."""
     server = ForkServer(tmp_path_factory.mktemp("fork-server")).start()
+    _FORK_SERVERS.append(server)
     try:
         yield server
     finally:
