@@ -24,8 +24,6 @@ import os
 import re
 import secrets
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,7 +46,8 @@ from events.topics import ACKS, COMMANDS, KV_EVENTS, node_key
 from identity.signing import EnvelopeSigner
 from identity.tokens import issue_token
 from kvledger.net import loopback_listener
-from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
+from kvledger.processes import Launcher, Process, popen_cli, spawn_cli
+from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 from kvledger.stack import COORDINATOR_ONLY_ENV
 
 READY_TIMEOUT_S = 300.0
@@ -84,15 +83,23 @@ class Child:
     """One ``python -m kvledger.cli ...`` process: started, probed, killed, paused, restarted."""
 
     def __init__(
-        self, name: str, args: list[str], env: dict[str, str], log_path: Path, url: str, ready_timeout_s: float = READY_TIMEOUT_S
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        url: str,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        launcher: Launcher = popen_cli,
     ) -> None:
         self.name = name
+        self.launcher = launcher
         self.ready_timeout_s = ready_timeout_s
         self.args = args
         self.env = env
         self.log_path = log_path
         self.url = url
-        self.process: subprocess.Popen | None = None
+        self.process: Process | None = None
         self.num_starts = 0
 
     @property
@@ -107,15 +114,7 @@ class Child:
             env[FAULT_POINT_ENV] = fault_point
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start {self.num_starts + 1} fault_point={fault_point} at {time.time():.3f}\n".encode())
-            log.flush()
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvledger.cli", *self.args],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
-            )
+        self.process = spawn_cli(self.args, env, self.log_path, launcher=self.launcher)
         self.num_starts += 1
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -287,6 +286,8 @@ class ClusterConfig:
     cache_ttl_s: float = 86400.0
     """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
     inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
+    launcher: Launcher = popen_cli
+    """How each process (and restart) is started: a new interpreter; the tests pass their fork server."""
 
 
 class Cluster:
@@ -361,7 +362,9 @@ class Cluster:
         for index in range(self.config.num_coordinators):
             name, port = "coordinator" if index == 0 else f"coordinator-{index}", free_port()
             args = ["coordinator", "--role", "all", "--port", str(port)]
-            self.coordinators.append(Child(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s))
+            self.coordinators.append(
+                Child(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s, self.config.launcher)
+            )
         self.tail = EventTail(self.bootstrap)
         await self.tail.start()
         for coordinator in self.coordinators:
@@ -391,7 +394,15 @@ class Cluster:
             await keys.enroll(self.database_url, node_id, data_dir)
             args = ["node", "--model", str(self.model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(data_dir)]
             self.nodes.append(
-                Child(node_id, args, node_env, logs / f"{node_id}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s)
+                Child(
+                    node_id,
+                    args,
+                    node_env,
+                    logs / f"{node_id}.log",
+                    f"http://127.0.0.1:{port}",
+                    self.config.ready_timeout_s,
+                    self.config.launcher,
+                )
             )
             self.node_ids.append(node_id)
         for node in self.nodes:

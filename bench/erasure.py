@@ -39,7 +39,6 @@ import platform
 import secrets
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +70,7 @@ from gpu_node.engine.async_engine import AsyncEngine
 from gpu_node.entrypoints.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
 from kvledger.model_init import build_tiny_model
+from kvledger.processes import popen_cli
 from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheProvenance, CacheScope
 
 JWT_SECRET = "bench-erasure-secret-" + "x" * 32
@@ -150,9 +150,9 @@ class Coordinator:
             KVLEDGER_MASTER_KEY=base64.b64encode(os.urandom(32)).decode(),
             **keys.coordinator_env(),
         )
-        command = [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "all", "--host", "127.0.0.1", "--port", str(port)]
+        command = ["coordinator", "--role", "all", "--host", "127.0.0.1", "--port", str(port)]
         self._log = log
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.process = popen_cli(command, env, log, None, new_session=False, dies_with_parent=False)
 
     def check(self) -> None:
         if self.process.poll() is not None:

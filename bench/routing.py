@@ -37,8 +37,6 @@ import random
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -48,6 +46,7 @@ import httpx
 
 from bench.common import run_and_report
 from events.schema import BlockStored, NodeStarted, StoredBlock
+from kvledger.processes import Process, spawn_cli
 from router.index import PrefixIndex
 from router.scoring import Candidate, PrefixLoadStrategy
 
@@ -175,15 +174,15 @@ def _port_free(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def _stack(state_dir: Path, num_nodes: int, device_blocks: int) -> tuple[subprocess.Popen, dict]:
+def _stack(state_dir: Path, num_nodes: int, device_blocks: int) -> tuple[Process, dict]:
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")} | {
         "KVLEDGER_NODE_CACHE__NUM_DEVICE_BLOCKS": str(device_blocks),
         "KVLEDGER_NODE_CACHE__HOST_MEMORY_BYTES": "0",
         "KVLEDGER_NODE_CACHE__DISK_BYTES": "0",
     }
-    argv = [sys.executable, "-m", "kvledger.cli", "up", "--tiny", "--nodes", str(num_nodes), "--state-dir", str(state_dir)]
-    argv += ["--model", str(state_dir / "model"), "--port", str(_free_port())]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    args = ["up", "--tiny", "--nodes", str(num_nodes), "--state-dir", str(state_dir)]
+    args += ["--model", str(state_dir / "model"), "--port", str(_free_port())]
+    process = spawn_cli(args, env, None, new_session=True, dies_with_parent=False)
     deadline = time.monotonic() + 600
     while not (state_dir / "stack.json").exists():
         if process.poll() is not None or time.monotonic() > deadline:

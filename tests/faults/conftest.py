@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from helpers.fork_server import ForkServer
 from helpers.ledger import GROUP_TIMING
 
 from bench.cluster import Cluster, ClusterConfig
@@ -32,9 +33,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-async def fault_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    # the tests' fetch wait, not production's: these tests time nothing, and idle consumers cost a tenth of the CPU
-    config = ClusterConfig(num_nodes=2, consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"])
+async def fault_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> AsyncIterator[Cluster]:
+    # the tests' fetch wait, not production's: these tests time nothing, and idle consumers cost a tenth of the CPU;
+    # every start and restart forked from the session's fork server, without the ML imports
+    config = ClusterConfig(num_nodes=2, consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"], launcher=fork_server.launch)
     async with Cluster(tmp_path_factory.mktemp("faults"), tiny_model_dir, config) as cluster:
         yield cluster
 

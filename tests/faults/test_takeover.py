@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from helpers.fork_server import ForkServer
 from helpers.ledger import GROUP_TIMING
 
 from bench.cluster import COORDINATOR_GROUP, NUM_PARTITIONS, Cluster, ClusterConfig
@@ -34,8 +35,12 @@ NUM_NODES = 2
 
 
 @pytest.fixture(scope="module")
-async def two_coordinators(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    config = ClusterConfig(num_nodes=NUM_NODES, num_coordinators=2, consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"])
+async def two_coordinators(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
+) -> AsyncIterator[Cluster]:
+    config = ClusterConfig(
+        num_nodes=NUM_NODES, num_coordinators=2, consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"], launcher=fork_server.launch
+    )
     async with Cluster(tmp_path_factory.mktemp("takeover"), tiny_model_dir, config) as cluster:
         yield cluster
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 
 from helpers.ledger import eventually
 from kvledger.net import loopback_listener
+from kvledger.processes import Launcher, Process, popen_cli, spawn_cli
 
 STARTUP_TIMEOUT_S = 120.0
 WAIT_S = 30.0
@@ -27,20 +27,17 @@ def free_loopback_port() -> int:
 
 
 class ServerProcess:
-    """``python -m kvledger.cli ARGS --port PORT`` with ``env``, its output in ``log_path``; ready once ``/readyz`` is 200."""
+    """``python -m kvledger.cli ARGS --port PORT`` with ``env``, its output in ``log_path``; ready once ``/readyz`` is 200.
+    ``launcher``: how it is started (the session's ``fork_server`` fixture forks it from a preloaded process)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, launcher: Launcher = popen_cli) -> None:
         self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args, self.env, self.log_path = args, env, log_path
-        self.process: subprocess.Popen | None = None
+        self.args, self.env, self.log_path, self.launcher = args, env, log_path, launcher
+        self.process: Process | None = None
 
     async def start(self) -> ServerProcess:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvledger.cli", *self.args, "--port", str(self.port)],
-                env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        self.process = spawn_cli([*self.args, "--port", str(self.port)], self.env, self.log_path, launcher=self.launcher)
 
         async def ready() -> bool:
             assert self.process.poll() is None, f"the server exited ({self.process.returncode}):\n{self.log()[-4000:]}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from helpers.ledger import GROUP_TIMING_ENV
+from kvledger.processes import Process, spawn_cli
 
 STARTUP_TIMEOUT_S = 240
 T = TypeVar("T")
@@ -55,7 +56,7 @@ def cli_token(state_dir: Path, *args: str) -> str:
 class Up:
     """A running ``kvledger up``: its process, state dir, node port and log (stdout, and stderr unless separated)."""
 
-    process: subprocess.Popen
+    process: Process
     state_dir: Path
     port: int
     log: Path
@@ -68,16 +69,9 @@ class Up:
         4 s of CPU saved); by default ``kvledger up`` builds one in ``tmp_path / "model"``, as on a first start."""
         state_dir, port, log = tmp_path / "state", free_port_pair(), tmp_path / "up.log"
         model = model_dir or tmp_path / "model"
-        argv = [sys.executable, "-m", "kvledger.cli", "up", "--state-dir", str(state_dir), "--model", str(model), "--port", str(port)]
-        argv.append("--tiny")  # what it builds when the directory is empty: tests run on the tiny model
-        with open(log, "wb") as output, open(errors or os.devnull, "wb") as error_output:
-            process = subprocess.Popen(
-                argv,
-                stdout=output,
-                stderr=subprocess.STDOUT if errors is None else error_output,
-                env=user_env() | GROUP_TIMING_ENV,
-                start_new_session=True,
-            )
+        args = ["up", "--state-dir", str(state_dir), "--model", str(model), "--port", str(port)]
+        args.append("--tiny")  # what it builds when the directory is empty: tests run on the tiny model
+        process = spawn_cli(args, user_env() | GROUP_TIMING_ENV, log, errors_path=errors, new_session=True, dies_with_parent=False)
         return cls(process, state_dir, port, log)
 
     def wait_for(self, condition: Callable[[], T], what: str, timeout_s: float) -> T:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from helpers.fork_server import ForkServer
 from helpers.http_servers import RawConnection, ServerProcess, get
 from helpers.ledger import coordinator_env, eventually
 
@@ -43,12 +44,12 @@ def limits_env(prefix: str, max_connections: int = MAX_CONNECTIONS, num_probe_co
 
 
 @pytest.fixture(scope="module")
-async def node(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[ServerProcess]:
+async def node(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> AsyncIterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("http-limits-node")
     env = {key: value for key, value in os.environ.items() if key not in ("KVLEDGER_KAFKA_BOOTSTRAP", "KVLEDGER_NODE_KAFKA_BOOTSTRAP")}
     env |= {"KVLEDGER_NODE_AUTH__JWT_SECRET": SECRET, **limits_env("KVLEDGER_NODE_")}
     args = ["node", "--model", str(tiny_model_dir), "--node-id", "limits-node", "--data-dir", str(data_dir)]
-    server = ServerProcess(args, env, data_dir / "node.log")
+    server = ServerProcess(args, env, data_dir / "node.log", fork_server.launch)
     try:
         yield await server.start()
     finally:
@@ -174,9 +175,9 @@ async def test_log_stays_bounded_under_a_flood_of_bad_connections(node: ServerPr
     assert not any("Traceback" in line for line in added), "\n".join(added[-20:])
 
 
-async def test_coordinator_has_the_same_bounds(ledger_url: str, kafka_bootstrap: str, tmp_path: Path):
+async def test_coordinator_has_the_same_bounds(ledger_url: str, kafka_bootstrap: str, tmp_path: Path, fork_server: ForkServer):
     env = coordinator_env(ledger_url, kafka_bootstrap, f"http-limits-{uuid.uuid4().hex[:8]}", **limits_env("KVLEDGER_COORDINATOR_", 4, 1))
-    coordinator = ServerProcess(["coordinator", "--role", "all"], env, tmp_path / "coordinator.log")
+    coordinator = ServerProcess(["coordinator", "--role", "all"], env, tmp_path / "coordinator.log", fork_server.launch)
     try:
         await coordinator.start()
         async with connections(coordinator.port, 1) as (connection,):

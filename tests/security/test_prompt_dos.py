@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.fork_server import ForkServer
 
 from identity.tokens import issue_token
 from kvledger.net import loopback_listener
+from kvledger.processes import spawn_cli
 
 SECRET = "prompt-dos-test-secret-0123456789abcdef"
 NUM_MESSAGES = 10_000
@@ -30,7 +31,7 @@ STARTUP_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def node_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def node_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer):
     data_dir = tmp_path_factory.mktemp("dos-node")
     with loopback_listener() as probe:
         port = probe.getsockname()[1]
@@ -38,12 +39,8 @@ def node_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     env.pop("KVLEDGER_KAFKA_BOOTSTRAP", None)
     env.pop("KVLEDGER_NODE_KAFKA_BOOTSTRAP", None)
     log_path = data_dir / "node.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.cli", "node", "--model", str(tiny_model_dir), "--port", str(port),
-             "--node-id", "dos-node", "--data-dir", str(data_dir)],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    args = ["node", "--model", str(tiny_model_dir), "--port", str(port), "--node-id", "dos-node", "--data-dir", str(data_dir)]
+    process = spawn_cli(args, env, log_path, launcher=fork_server.launch)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
