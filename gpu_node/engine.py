@@ -44,7 +44,7 @@ from gpu_node.kv_cache_manager import KVCacheManager, PrefixPlan
 from gpu_node.kv_memory import TierPlan, measure_available, plan_tiers
 from gpu_node.layout_sampler import layout_sampler
 from gpu_node.metrics import MissReason, NodeMetrics
-from gpu_node.model_runner import ModelRunner, StepChunk
+from gpu_node.model_runner import ModelRunner, StepChunk, intra_op_threads
 from gpu_node.namespace import NamespaceIdentity, compute_namespace
 from gpu_node.paged_kv import PagedKV
 from gpu_node.pool import snapshots
@@ -471,6 +471,11 @@ class AsyncEngine:
         return list(deliveries.items()), woken
 
     def _step(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
+        """One engine step; everything but the model forward on one intra-op thread (:func:`intra_op_threads`)."""
+        with intra_op_threads(1):
+            return self._step_single_threaded()
+
+    def _step_single_threaded(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
         deliveries: dict[_Request, list] = {}
         self._take_inbox()
         output = self.scheduler.schedule()
