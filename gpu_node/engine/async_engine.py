@@ -44,7 +44,7 @@ from gpu_node.cache.layout_sampler import layout_sampler
 from gpu_node.cache.namespace import NamespaceIdentity, compute_namespace
 from gpu_node.cache.peers import PeerKeys, PeerPuller, PullFailed, PullHint, open_pulled
 from gpu_node.engine.detokenizer import IncrementalDetokenizer
-from gpu_node.engine.model_runner import ModelRunner, StepChunk
+from gpu_node.engine.model_runner import ModelRunner, StepChunk, intra_op_threads
 from gpu_node.engine.paged_kv import PagedKV
 from gpu_node.engine.sampling import SamplingState, make_sampling_state, sample_batch
 from gpu_node.engine.scheduler import Scheduler, SchedulerOutput, Sequence
@@ -562,6 +562,11 @@ class AsyncEngine:
         return list(deliveries.items()), woken
 
     def _step(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
+        """One engine step; everything but the model forward on one intra-op thread (:func:`intra_op_threads`)."""
+        with intra_op_threads(1):
+            return self._step_single_threaded()
+
+    def _step_single_threaded(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
         deliveries: dict[_Request, list] = {}
         self._take_inbox()
         output = self.scheduler.schedule()

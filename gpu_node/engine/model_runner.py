@@ -10,8 +10,9 @@ worker thread, so nothing here is thread-safe on purpose.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,24 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "granite", "olmo", "olmo2", "phi3"})
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def intra_op_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op thread count for the calling thread's operations inside the block (restored after).
+
+    The engine runs a step's bookkeeping (scheduling, step tensors, sampling) at one
+    thread and only the model forward at the configured count: an operation on a few
+    tens of thousands of elements is split across the OpenMP team, and its fork and join
+    cost more than the work, far more when another process holds the helper thread's
+    core (docs/benchmarks.md, session 13). Cheap (well under a microsecond a change).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class UnsupportedModelError(ValueError):
@@ -119,6 +138,8 @@ class ModelRunner:
         eos = self.config.eos_token_id if self.config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._rows: RowIndex | None = None
+        self.num_threads = torch.get_num_threads()
+        """The intra-op threads :meth:`forward` runs on: torch's count when the runner was built."""
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -222,15 +243,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> torch.Tensor:
-        """The model over a prepared step; logits ``[num sampling chunks, vocab]``."""
-        output = self.model(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            attention_mask=no_mask(self.device),
-            use_cache=False,
-            logits_to_keep=step.logits_to_keep,
-            paged_step=step.paged_step,
-        )
+        """The model over a prepared step, on :attr:`num_threads` intra-op threads; logits ``[num sampling chunks, vocab]``."""
+        with intra_op_threads(self.num_threads):
+            output = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                attention_mask=no_mask(self.device),
+                use_cache=False,
+                logits_to_keep=step.logits_to_keep,
+                paged_step=step.paged_step,
+            )
         return output.logits[0].float()
 
     def _row_index(self, kv_table: torch.Tensor) -> RowIndex:

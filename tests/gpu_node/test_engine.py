@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -118,6 +119,30 @@ async def test_every_step_is_timed_outside_its_forward(engine):
     assert all(timing.forward_s > 0 and timing.overhead_s > 0 and timing.overhead_cpu_s >= 0 for timing in timings)
     assert metric(engine, "kvledger_engine_step_overhead_seconds_count") == len(timings)
     assert metric(engine, "kvledger_engine_step_overhead_seconds_sum") == pytest.approx(sum(timing.overhead_s for timing in timings))
+
+
+async def test_only_the_forward_runs_on_the_configured_intra_op_threads(engine, monkeypatch):
+    """Scheduling, step tensors and sampling run at one torch thread; the model forward at the runner's count."""
+    engine.runner.num_threads = 2
+    seen = {"forward": [], "schedule": []}
+    hook = engine.runner.model.register_forward_pre_hook(lambda *_: seen["forward"].append(torch.get_num_threads()))
+    schedule = engine.scheduler.schedule
+
+    def observed_schedule():
+        seen["schedule"].append(torch.get_num_threads())
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", observed_schedule)
+    threads_before = torch.get_num_threads()
+    try:
+        done = await complete(engine, [system(), user("Count my threads.")], max_tokens=3, ignore_eos=True)
+    finally:
+        hook.remove()
+    assert len(done.token_ids) == 3
+    assert seen["forward"] == [2, 2, 2]
+    assert seen["schedule"] and set(seen["schedule"]) == {1}
+    # the worker's other jobs (restores, snapshots) run at the count it had before the step
+    assert await engine.run_exclusive(torch.get_num_threads) == threads_before
 
 
 async def test_second_request_hits_every_full_block_and_matches_uncached(engine):
