@@ -75,7 +75,9 @@ def spread_node_id(index: int, num_partitions: int) -> str:
     wanted = index % num_partitions
     while True:
         node_id = f"node-{index}-{uuid.uuid4().hex[:6]}"
-        if (murmur2(encode_key(node_key(node_id))) & 0x7FFFFFFF) % num_partitions == wanted:  # aiokafka's DefaultPartitioner
+        if (
+            murmur2(encode_key(node_key(node_id))) & 0x7FFFFFFF
+        ) % num_partitions == wanted:  # aiokafka's DefaultPartitioner
             return node_id
 
 
@@ -113,7 +115,9 @@ class Child:
         if fault_point is not None:
             env[FAULT_POINT_ENV] = fault_point
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== start {self.num_starts + 1} fault_point={fault_point} at {time.time():.3f}\n".encode())
+            log.write(
+                f"\n=== start {self.num_starts + 1} fault_point={fault_point} at {time.time():.3f}\n".encode()
+            )
         self.process = spawn_cli(self.args, env, self.log_path, launcher=self.launcher)
         self.num_starts += 1
 
@@ -122,7 +126,9 @@ class Child:
         async with httpx.AsyncClient(timeout=2.0) as client:
 
             async def ready() -> bool:
-                assert self.running, f"{self.name} exited with {self.process.returncode}; log tail:\n{self.log_tail()}"
+                assert self.running, (
+                    f"{self.name} exited with {self.process.returncode}; log tail:\n{self.log_tail()}"
+                )
                 try:
                     return (await client.get(f"{self.url}/readyz")).status_code == 200
                 except httpx.TransportError:
@@ -172,7 +178,9 @@ class Child:
             match = pattern.search(line)
             if match is not None:
                 names = match.group(1).split()
-                found = {int(name.rsplit("/", 1)[1]) for name in names if name.rsplit("/", 1)[0] == topic}
+                found = {
+                    int(name.rsplit("/", 1)[1]) for name in names if name.rsplit("/", 1)[0] == topic
+                }
         return found
 
     def log_tail(self, limit: int = 3000) -> str:
@@ -217,7 +225,12 @@ class EventTail:
     async def start(self) -> None:
         settings = KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-cluster-tail")
         consumer = AIOKafkaConsumer(
-            KV_EVENTS, ACKS, **kafka_client_kwargs(settings), group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=50
+            KV_EVENTS,
+            ACKS,
+            **kafka_client_kwargs(settings),
+            group_id=None,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=50,
         )
         await consumer.start()
         self._task = asyncio.create_task(self._run(consumer))
@@ -232,7 +245,9 @@ class EventTail:
                             envelope = decode_event(record.value)
                         except schema.EventValidationError:
                             continue  # not the contract's: the coordinator dead-letters and counts it
-                        kept = TopicRecord(record.offset, tp.partition, record.value, envelope, record.timestamp)
+                        kept = TopicRecord(
+                            record.offset, tp.partition, record.value, envelope, record.timestamp
+                        )
                         (self.kv_events if tp.topic == KV_EVENTS else self.acks).append(kept)
         finally:
             await consumer.stop()
@@ -248,7 +263,11 @@ class EventTail:
         chunks = {}
         for record in self.kv_events:
             payload = record.envelope.payload
-            if isinstance(payload, schema.Inventory) and payload.node_id == node_id and payload.request_id == request_id:
+            if (
+                isinstance(payload, schema.Inventory)
+                and payload.node_id == node_id
+                and payload.request_id == request_id
+            ):
                 chunks[payload.chunk] = record
         if not chunks:
             return None
@@ -293,7 +312,9 @@ class ClusterConfig:
 class Cluster:
     """The services and processes of one run (see the module docstring). Use as ``async with Cluster(...)``."""
 
-    def __init__(self, work_dir: Path, model_dir: Path, config: ClusterConfig | None = None) -> None:
+    def __init__(
+        self, work_dir: Path, model_dir: Path, config: ClusterConfig | None = None
+    ) -> None:
         self.work_dir = Path(work_dir)
         self.model_dir = Path(model_dir)
         self.config = config or ClusterConfig()
@@ -363,7 +384,15 @@ class Cluster:
             name, port = "coordinator" if index == 0 else f"coordinator-{index}", free_port()
             args = ["coordinator", "--role", "all", "--port", str(port)]
             self.coordinators.append(
-                Child(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}", self.config.ready_timeout_s, self.config.launcher)
+                Child(
+                    name,
+                    args,
+                    env,
+                    logs / f"{name}.log",
+                    f"http://127.0.0.1:{port}",
+                    self.config.ready_timeout_s,
+                    self.config.launcher,
+                )
             )
         self.tail = EventTail(self.bootstrap)
         await self.tail.start()
@@ -371,28 +400,56 @@ class Cluster:
             coordinator.spawn()
         for coordinator in self.coordinators:
             await coordinator.wait_ready()
-        node_env = {name: value for name, value in env.items() if name not in COORDINATOR_ONLY_ENV} | {
-            "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(keys.command_public_key_file),
-            "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": env["KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE"],
+        node_env = {
+            name: value for name, value in env.items() if name not in COORDINATOR_ONLY_ENV
+        } | {
+            "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(
+                keys.command_public_key_file
+            ),
+            "KVLEDGER_NODE_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE": env[
+                "KVLEDGER_COORDINATOR_OPERATOR_AUTH__JWT_PUBLIC_KEY_FILE"
+            ],
             "KVLEDGER_COORDINATOR_URL": self.coordinator.url,
             "KVLEDGER_NODE_PUBLISH_INTERVAL_S": "0.02",
             "KVLEDGER_NODE_HEARTBEAT_INTERVAL_S": str(self.config.heartbeat_interval_s),
             "KVLEDGER_NODE_CACHE__NUM_DEVICE_BLOCKS": str(self.config.num_device_blocks),
             "KVLEDGER_NODE_CACHE__NUM_HOST_BLOCKS": str(self.config.num_host_blocks),
             "KVLEDGER_NODE_CACHE__MAX_DISK_BLOCKS": str(self.config.max_disk_blocks),
-            **{f"KVLEDGER_NODE_CACHE__TTL_{scope}_S": str(self.config.cache_ttl_s) for scope in ("PUBLIC", "TENANT", "USER")},
+            **{
+                f"KVLEDGER_NODE_CACHE__TTL_{scope}_S": str(self.config.cache_ttl_s)
+                for scope in ("PUBLIC", "TENANT", "USER")
+            },
         }
-        node_env = {name: value for name, value in node_env.items() if not name.startswith("KVLEDGER_COORDINATOR_LEDGER__")}
-        ports = {spread_node_id(index, NUM_PARTITIONS): free_port() for index in range(self.config.num_nodes)}
+        node_env = {
+            name: value
+            for name, value in node_env.items()
+            if not name.startswith("KVLEDGER_COORDINATOR_LEDGER__")
+        }
+        ports = {
+            spread_node_id(index, NUM_PARTITIONS): free_port()
+            for index in range(self.config.num_nodes)
+        }
         if self.config.node_metrics_token is not None:
             node_env["KVLEDGER_NODE_METRICS__TOKEN"] = self.config.node_metrics_token
         if self.config.peers:
-            node_env["KVLEDGER_NODE_PEERS__URLS"] = json.dumps({node_id: f"http://127.0.0.1:{port}" for node_id, port in ports.items()})
+            node_env["KVLEDGER_NODE_PEERS__URLS"] = json.dumps(
+                {node_id: f"http://127.0.0.1:{port}" for node_id, port in ports.items()}
+            )
         for node_id, port in ports.items():
             data_dir = self.work_dir / node_id
             data_dir.mkdir(parents=True)
             await keys.enroll(self.database_url, node_id, data_dir)
-            args = ["node", "--model", str(self.model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(data_dir)]
+            args = [
+                "node",
+                "--model",
+                str(self.model_dir),
+                "--port",
+                str(port),
+                "--node-id",
+                node_id,
+                "--data-dir",
+                str(data_dir),
+            ]
             self.nodes.append(
                 Child(
                     node_id,
@@ -444,14 +501,26 @@ class Cluster:
 
     def connect_kwargs(self) -> dict:
         url = make_url(self.database_url)
-        return {"host": url.query["host"], "port": int(url.query.get("port", 5432)), "user": url.username, "database": url.database}
+        return {
+            "host": url.query["host"],
+            "port": int(url.query.get("port", 5432)),
+            "user": url.username,
+            "database": url.database,
+        }
 
     # -- faults --------------------------------------------------------------------------
 
     def count(self, fault: str) -> None:
         self.faults[fault] = self.faults.get(fault, 0) + 1
 
-    async def restart_coordinator(self, fault_point: str | None = None, *, kill: bool = False, index: int = 0, down_s: float = 0.0) -> None:
+    async def restart_coordinator(
+        self,
+        fault_point: str | None = None,
+        *,
+        kill: bool = False,
+        index: int = 0,
+        down_s: float = 0.0,
+    ) -> None:
         """Stop coordinator ``index`` (SIGTERM, or SIGKILL with ``kill``), leave it down ``down_s`` (the others, if
         any, take its partitions over meanwhile), start it again, optionally armed with ``fault_point``."""
         coordinator = self.coordinators[index]
@@ -464,7 +533,9 @@ class Cluster:
         await asyncio.sleep(down_s)
         await coordinator.start(fault_point)
 
-    async def restart_node(self, index: int, fault_point: str | None = None, *, kill: bool = False) -> None:
+    async def restart_node(
+        self, index: int, fault_point: str | None = None, *, kill: bool = False
+    ) -> None:
         node = self.nodes[index]
         if kill:
             await node.kill()
@@ -477,10 +548,14 @@ class Cluster:
     async def died_at_fault_point(self, child: Child, timeout_s: float = 60.0) -> None:
         """Wait until ``child`` killed itself at its armed fault point (exit by SIGKILL)."""
         code = await child.wait_exit(timeout_s)
-        assert code == -signal.SIGKILL, f"{child.name} exited with {code}, not by its fault point; log tail:\n{child.log_tail()}"
+        assert code == -signal.SIGKILL, (
+            f"{child.name} exited with {code}, not by its fault point; log tail:\n{child.log_tail()}"
+        )
         self.count("fault_point_sigkill")
 
-    async def start_armed(self, child: Child, fault_point: str, timeout_s: float = READY_TIMEOUT_S) -> bool:
+    async def start_armed(
+        self, child: Child, fault_point: str, timeout_s: float = READY_TIMEOUT_S
+    ) -> bool:
         """Start ``child`` armed with ``fault_point``: True once it is ready; False when it already died at that point
         while starting (a node replaying a command an earlier life left unacked reaches node points at start)."""
         child.spawn(fault_point)
@@ -492,7 +567,9 @@ class Cluster:
                         return True
                 except httpx.TransportError:
                     pass
-                assert time.monotonic() < deadline, f"{child.name} not ready after {timeout_s:.0f}s; log tail:\n{child.log_tail()}"
+                assert time.monotonic() < deadline, (
+                    f"{child.name} not ready after {timeout_s:.0f}s; log tail:\n{child.log_tail()}"
+                )
                 await asyncio.sleep(0.2)
         await self.died_at_fault_point(child)
         return False
@@ -518,35 +595,56 @@ class Cluster:
 
     def user_token(self, tenant: str, subject: str, scopes: dict[str, int] | None = None) -> str:
         scopes = scopes or {}
-        return issue_token(tenant=tenant, sub=subject, scopes=sorted(scopes), pv=scopes, ttl_s=3600, secret=self.jwt_secret)
+        return issue_token(
+            tenant=tenant,
+            sub=subject,
+            scopes=sorted(scopes),
+            pv=scopes,
+            ttl_s=3600,
+            secret=self.jwt_secret,
+        )
 
     def openai_client(self, index: int, token: str) -> openai.AsyncOpenAI:
         """No retries: a refusal or a failure must surface as it is."""
-        return openai.AsyncOpenAI(base_url=f"{self.nodes[index].url}/v1", api_key=token, max_retries=0, timeout=120)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.nodes[index].url}/v1", api_key=token, max_retries=0, timeout=120
+        )
 
     async def chat(self, index: int, token: str, messages: list[dict]):
         async with self.openai_client(index, token) as client:
-            return await client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0)
+            return await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=1, temperature=0
+            )
 
     async def publish(self, payload: schema.EventPayload, tenant: str) -> schema.Envelope:
         """A customer event, signed with the run's producer key (enrolled for every tenant)."""
         event = self._producer_signer(schema.make_event(payload, tenant_id=tenant))
-        async with EventProducer(KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-cluster-customer")) as producer:
+        async with EventProducer(
+            KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-cluster-customer")
+        ) as producer:
             await producer.send(event)
         return event
 
     async def request_inventory(self, node_id: str) -> uuid.UUID:
         """Publish a signed ``InventoryRequested`` for ``node_id`` (as the coordinator would); returns its request id."""
         request_id = uuid.uuid4()
-        command = self._command_signer(schema.make_event(schema.InventoryRequested(node_id=node_id, request_id=request_id)))
-        async with EventProducer(KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-cluster-inventory")) as producer:
+        command = self._command_signer(
+            schema.make_event(schema.InventoryRequested(node_id=node_id, request_id=request_id))
+        )
+        async with EventProducer(
+            KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-cluster-inventory")
+        ) as producer:
             await producer.send(command, topic=COMMANDS)
         return request_id
 
-    async def coordinator_api(self, method: str, path: str, role: tuple[str, str] = PLATFORM_ADMIN, **kwargs) -> httpx.Response:
+    async def coordinator_api(
+        self, method: str, path: str, role: tuple[str, str] = PLATFORM_ADMIN, **kwargs
+    ) -> httpx.Response:
         """To the first running coordinator process (the first one while it runs)."""
         running = [child for child in self.coordinators if child.running] or self.coordinators
-        async with httpx.AsyncClient(base_url=running[0].url, headers=operator_headers(*role), timeout=30) as client:
+        async with httpx.AsyncClient(
+            base_url=running[0].url, headers=operator_headers(*role), timeout=30
+        ) as client:
             return await client.request(method, path, **kwargs)
 
     async def request_erasure(self, tenant: str, subject: str) -> str:
@@ -560,26 +658,41 @@ class Cluster:
         return response.json()["id"]
 
     async def snapshot(self, index: int) -> httpx.Response:
-        async with httpx.AsyncClient(base_url=self.nodes[index].url, headers=operator_headers(*PLATFORM_ADMIN), timeout=60) as client:
+        async with httpx.AsyncClient(
+            base_url=self.nodes[index].url, headers=operator_headers(*PLATFORM_ADMIN), timeout=60
+        ) as client:
             return await client.post("/v1/cache/snapshots")
 
 
-SYSTEM_PROMPT = "You are the assistant of the people team. Answer briefly and kindly, and cite the handbook."
+SYSTEM_PROMPT = (
+    "You are the assistant of the people team. Answer briefly and kindly, and cite the handbook."
+)
 READER_SCOPES = {"hr": 1}
 """The auth scope (and policy version) of document readers in the workloads."""
 
 
 def private_chat(subject: str, turns: int = 6) -> list[dict]:
     """A user's private chat: a public system prompt, then user-scope text (every block after it is the user's)."""
-    text = " ".join(f"{subject} wrote note {i}: my sick leave started on day {i}" for i in range(turns))
-    return [{"role": "system", "content": SYSTEM_PROMPT, "cache_scope": "public"}, {"role": "user", "content": text}]
+    text = " ".join(
+        f"{subject} wrote note {i}: my sick leave started on day {i}" for i in range(turns)
+    )
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT, "cache_scope": "public"},
+        {"role": "user", "content": text},
+    ]
 
 
 def document_chat(doc_id: str, version: int, auth_scope: str = "hr") -> list[dict]:
     """A question about version ``version`` of a tenant document (tenant-scope blocks tagged ``doc_id@version``)."""
-    text = " ".join(f"{doc_id} section {i} version {version} says staff rest on day {i}" for i in range(6))
+    text = " ".join(
+        f"{doc_id} section {i} version {version} says staff rest on day {i}" for i in range(6)
+    )
     return [
         {"role": "system", "content": SYSTEM_PROMPT, "cache_scope": "public"},
-        {"role": "user", "content": text, "document": {"id": doc_id, "version": version, "auth_scope": auth_scope}},
+        {
+            "role": "user",
+            "content": text,
+            "document": {"id": doc_id, "version": version, "auth_scope": auth_scope},
+        },
         {"role": "user", "content": "What is the leave policy?"},
     ]

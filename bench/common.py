@@ -25,7 +25,12 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from coordinator.ledger.migrate import upgrade
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from gpu_node.keys.node_identity import NODE_KEY_FILE
-from identity.signing import EnvelopeSigner, load_or_create_private_key, private_key_pem, public_key_pem
+from identity.signing import (
+    EnvelopeSigner,
+    load_or_create_private_key,
+    private_key_pem,
+    public_key_pem,
+)
 from identity.tokens import generate_ed25519_key_pair, issue_token
 from kvledger.nodes import enroll_node_key
 from kvledger.producers import enroll_producer_key
@@ -76,7 +81,9 @@ def _operator_key() -> tuple[bytes, str]:
 
 def operator_headers(role: str, tenant: str) -> dict[str, str]:
     """An ``Authorization`` header with an operator token the coordinators of :func:`coordinator_env` accept."""
-    token = issue_token(tenant=tenant, sub="bench", roles=[role], ttl_s=3600, private_key_pem=_operator_key()[0])
+    token = issue_token(
+        tenant=tenant, sub="bench", roles=[role], ttl_s=3600, private_key_pem=_operator_key()[0]
+    )
     return {"Authorization": f"Bearer {token}"}
 
 
@@ -87,7 +94,9 @@ class BenchKeys:
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.command_key = load_or_create_private_key(directory / "command_key.pem")
-        self.sign_as_producer = EnvelopeSigner(load_or_create_private_key(directory / "producer_key.pem"))
+        self.sign_as_producer = EnvelopeSigner(
+            load_or_create_private_key(directory / "producer_key.pem")
+        )
         self.command_public_key_file = directory / "command_key.pub"
         self.command_public_key_file.write_bytes(public_key_pem(self.command_key.public_key()))
 
@@ -110,7 +119,9 @@ class BenchKeys:
         return key
 
 
-def coordinator_env(database_url: str, bootstrap: str, group: str, jwt_secret: str, **extra: str) -> dict[str, str]:
+def coordinator_env(
+    database_url: str, bootstrap: str, group: str, jwt_secret: str, **extra: str
+) -> dict[str, str]:
     """This process's environment plus the settings of a ``kvledger coordinator`` process (``extra``: more variables)."""
     return os.environ | {
         "KVLEDGER_DATABASE_URL": database_url,
@@ -122,7 +133,9 @@ def coordinator_env(database_url: str, bootstrap: str, group: str, jwt_secret: s
     }
 
 
-async def database_server(stack: contextlib.AsyncExitStack, args: argparse.Namespace, state_dir: Path) -> str:
+async def database_server(
+    stack: contextlib.AsyncExitStack, args: argparse.Namespace, state_dir: Path
+) -> str:
     """``--database-url``, or an embedded Postgres in ``state_dir`` that ``stack`` stops. Returns the server URL."""
     if args.database_url:
         return args.database_url
@@ -131,7 +144,9 @@ async def database_server(stack: contextlib.AsyncExitStack, args: argparse.Names
     return postgres.database_url
 
 
-async def kafka_broker(stack: contextlib.AsyncExitStack, args: argparse.Namespace, state_dir: Path) -> str:
+async def kafka_broker(
+    stack: contextlib.AsyncExitStack, args: argparse.Namespace, state_dir: Path
+) -> str:
     """``--kafka-bootstrap``, or an embedded Tansu in ``state_dir`` that ``stack`` stops. Returns the bootstrap address."""
     if args.kafka_bootstrap:
         return args.kafka_bootstrap
@@ -152,11 +167,17 @@ async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> N
     """
     for group_id, names in groups.items():
         settings = KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")
-        consumer = AIOKafkaConsumer(**kafka_client_kwargs(settings), group_id=group_id, enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(
+            **kafka_client_kwargs(settings), group_id=group_id, enable_auto_commit=False
+        )
         await consumer.start()
         try:
             await consumer.topics()
-            partitions = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t))]
+            partitions = [
+                TopicPartition(t, p)
+                for t in names
+                for p in sorted(consumer.partitions_for_topic(t))
+            ]
             consumer.assign(partitions)
             await consumer.seek_to_end(*partitions)
             while await consumer.getmany(timeout_ms=300):
@@ -166,7 +187,9 @@ async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> N
             await consumer.stop()
 
 
-async def wait(probe: Callable[[], Awaitable[bool]], what: str, timeout_s: float, poll_s: float = 0.05) -> None:
+async def wait(
+    probe: Callable[[], Awaitable[bool]], what: str, timeout_s: float, poll_s: float = 0.05
+) -> None:
     """Poll ``probe`` until it holds; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not await probe():

@@ -48,7 +48,15 @@ import uvicorn
 
 from bench.common import percentile
 from events.tiers import Tier
-from gpu_node.engine.async_engine import AsyncEngine, GenerationDone, GenerationRequest, PromptStats, SamplingParams, StepTiming, TokenDelta
+from gpu_node.engine.async_engine import (
+    AsyncEngine,
+    GenerationDone,
+    GenerationRequest,
+    PromptStats,
+    SamplingParams,
+    StepTiming,
+    TokenDelta,
+)
 from gpu_node.entrypoints.routes import create_app
 from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_pool import BlockPool
@@ -70,10 +78,14 @@ _WORDS = "tenant cache block prefix document version policy ledger erasure recei
 
 
 def _text(num_words: int, seed: int) -> str:
-    return " ".join(f"{_WORDS[(seed * 7 + i) % len(_WORDS)]}{(seed + i) % 89}" for i in range(num_words))
+    return " ".join(
+        f"{_WORDS[(seed * 7 + i) % len(_WORDS)]}{(seed + i) % 89}" for i in range(num_words)
+    )
 
 
-def _messages_for(tokenizer, prefix_tokens: int, suffix_tokens: int, seed: int) -> tuple[list[ChatMessage], int]:
+def _messages_for(
+    tokenizer, prefix_tokens: int, suffix_tokens: int, seed: int
+) -> tuple[list[ChatMessage], int]:
     """A public system prompt of about ``prefix_tokens`` then a user suffix of about ``suffix_tokens``."""
     words = max(prefix_tokens // 3, 1)
     for _ in range(8):
@@ -82,7 +94,9 @@ def _messages_for(tokenizer, prefix_tokens: int, suffix_tokens: int, seed: int) 
         if abs(num_tokens - prefix_tokens) <= 8:
             break
         words = max(int(words * prefix_tokens / num_tokens), 1)
-    user = ChatMessage("user", _text(max(suffix_tokens // 3, 1), seed + 1000), CacheScope.USER, None)
+    user = ChatMessage(
+        "user", _text(max(suffix_tokens // 3, 1), seed + 1000), CacheScope.USER, None
+    )
     return [system, user], num_tokens
 
 
@@ -169,7 +183,9 @@ class _FloorProcess:
     async def start(self) -> None:
         """Start the process: it builds the model directory when empty, so before the engine loads it."""
         num_threads = await self(_floor_ready)
-        assert num_threads == torch.get_num_threads(), "the floor process runs on as many torch threads as the engine"
+        assert num_threads == torch.get_num_threads(), (
+            "the floor process runs on as many torch threads as the engine"
+        )
 
     async def __call__(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
@@ -198,14 +214,24 @@ def _floor_ttft_ms(runner, messages, held_cache, num_cached_tokens: int) -> floa
 
 
 async def bench_ttft(
-    engine: AsyncEngine, floor: _FloorProcess, prefix_tokens: int, suffix_tokens: int, runs: int, seed_base: int = 0
+    engine: AsyncEngine,
+    floor: _FloorProcess,
+    prefix_tokens: int,
+    suffix_tokens: int,
+    runs: int,
+    seed_base: int = 0,
 ) -> TTFTRow:
     runner = engine.runner
     plain, held, miss, hit = [], [], [], []
     num_prompt_tokens = 0
     for run in range(runs):
         # A fresh prefix per run so the miss is a real miss; everything else interleaved.
-        messages, _ = _messages_for(runner.tokenizer, prefix_tokens, suffix_tokens, seed=seed_base + prefix_tokens * 100 + run)
+        messages, _ = _messages_for(
+            runner.tokenizer,
+            prefix_tokens,
+            suffix_tokens,
+            seed=seed_base + prefix_tokens * 100 + run,
+        )
         token_ids = render_prompt(runner.tokenizer, messages).token_ids
         num_prompt_tokens = len(token_ids)
         miss_ms, num_cached = await _engine_ttft_ms(engine, messages)
@@ -217,7 +243,9 @@ async def bench_ttft(
         plain_ms, floor_ms = await floor(_floor_ttft, messages, num_cached)
         plain.append(plain_ms)
         held.append(floor_ms)
-    return TTFTRow(prefix_tokens, num_prompt_tokens, _median(plain), _median(held), _median(miss), _median(hit))
+    return TTFTRow(
+        prefix_tokens, num_prompt_tokens, _median(plain), _median(held), _median(miss), _median(hit)
+    )
 
 
 def bench_hashing(engine: AsyncEngine, num_tokens: int, runs: int) -> float:
@@ -228,7 +256,13 @@ def bench_hashing(engine: AsyncEngine, num_tokens: int, runs: int) -> float:
     for _ in range(max(runs, 5)):
         started = time.perf_counter_ns()
         for _ in range(20):
-            compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, PRINCIPAL, engine.block_size)
+            compute_block_keys(
+                engine.namespace.namespace,
+                prompt.token_ids,
+                prompt.segments,
+                PRINCIPAL,
+                engine.block_size,
+            )
         samples.append((time.perf_counter_ns() - started) / 20 / len(prompt.token_ids))
     return _median(samples)
 
@@ -279,7 +313,9 @@ def bench_restore(spec: KVBlockSpec, num_blocks: int, runs: int) -> list[Restore
         generator = torch.Generator().manual_seed(0)
         for key in keys:
             entry = pool.begin_build(key)
-            assert pool.commit_build(entry, torch.randn(spec.block_shape, generator=generator).to(spec.dtype))
+            assert pool.commit_build(
+                entry, torch.randn(spec.block_shape, generator=generator).to(spec.dtype)
+            )
         num_bytes = num_blocks * spec.block_bytes
         for tier in (Tier.HOST, Tier.DISK):
             restore, baseline, per_file = [], [], []
@@ -296,7 +332,9 @@ def bench_restore(spec: KVBlockSpec, num_blocks: int, runs: int) -> list[Restore
                 if tier == Tier.HOST:
                     source = block_kv.clone()
                     target = torch.empty_like(source)
-                    target.copy_(source)  # touch the pages once so the timed copy measures bandwidth
+                    target.copy_(
+                        source
+                    )  # touch the pages once so the timed copy measures bandwidth
                     started = time.perf_counter()
                     target.copy_(source)
                     baseline.append(num_bytes / (time.perf_counter() - started) / 1e9)
@@ -319,11 +357,47 @@ def bench_restore(spec: KVBlockSpec, num_blocks: int, runs: int) -> list[Restore
                     torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
                     per_file.append(num_bytes / (time.perf_counter() - started) / 1e9)
             if tier == Tier.HOST:
-                rows.append(RestoreRow(shape, "host", num_bytes, _median(restore), _median(baseline), "memcpy (warm destination)"))
-                rows.append(RestoreRow(shape, "host", num_bytes, _median(restore), _median(per_file), "memcpy into fresh memory"))
+                rows.append(
+                    RestoreRow(
+                        shape,
+                        "host",
+                        num_bytes,
+                        _median(restore),
+                        _median(baseline),
+                        "memcpy (warm destination)",
+                    )
+                )
+                rows.append(
+                    RestoreRow(
+                        shape,
+                        "host",
+                        num_bytes,
+                        _median(restore),
+                        _median(per_file),
+                        "memcpy into fresh memory",
+                    )
+                )
             else:
-                rows.append(RestoreRow(shape, "disk", num_bytes, _median(restore), _median(baseline), "one-file read"))
-                rows.append(RestoreRow(shape, "disk", num_bytes, _median(restore), _median(per_file), "file-per-block read"))
+                rows.append(
+                    RestoreRow(
+                        shape,
+                        "disk",
+                        num_bytes,
+                        _median(restore),
+                        _median(baseline),
+                        "one-file read",
+                    )
+                )
+                rows.append(
+                    RestoreRow(
+                        shape,
+                        "disk",
+                        num_bytes,
+                        _median(restore),
+                        _median(per_file),
+                        "file-per-block read",
+                    )
+                )
     return rows
 
 
@@ -367,7 +441,9 @@ class ServingRow:
     http: list[ModeSample] = field(default_factory=list)
 
 
-def _serving_prompts(tokenizer, num_prompts: int, prompt_tokens: int, system: ChatMessage | None) -> list[list[ChatMessage]]:
+def _serving_prompts(
+    tokenizer, num_prompts: int, prompt_tokens: int, system: ChatMessage | None
+) -> list[list[ChatMessage]]:
     """Distinct user prompts of about ``prompt_tokens``, after the shared public ``system`` message when given.
 
     A random tag leads each user message, so no two prompts (in any run or mode) share
@@ -381,7 +457,9 @@ def _serving_prompts(tokenizer, num_prompts: int, prompt_tokens: int, system: Ch
     return prompts
 
 
-async def _in_process_request(engine: AsyncEngine, messages: list[ChatMessage], max_tokens: int, ignore_eos: bool = False) -> _Timed:
+async def _in_process_request(
+    engine: AsyncEngine, messages: list[ChatMessage], max_tokens: int, ignore_eos: bool = False
+) -> _Timed:
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     request = GenerationRequest(f"bench-{uuid.uuid4().hex}", tuple(messages), sampling, PRINCIPAL)
     started = time.perf_counter()
@@ -396,16 +474,26 @@ async def _in_process_request(engine: AsyncEngine, messages: list[ChatMessage], 
 
 
 def _http_messages(messages: list[ChatMessage]) -> list[dict]:
-    return [{"role": message.role, "content": message.content, "cache_scope": message.scope.label} for message in messages]
+    return [
+        {"role": message.role, "content": message.content, "cache_scope": message.scope.label}
+        for message in messages
+    ]
 
 
-async def _http_request(client: openai.AsyncOpenAI, model: str, body: list[dict], max_tokens: int) -> _Timed:
+async def _http_request(
+    client: openai.AsyncOpenAI, model: str, body: list[dict], max_tokens: int
+) -> _Timed:
     """A streamed chat completion; a token is a content chunk (the node sends one per token with text)."""
     started = time.perf_counter()
     stamps: list[float] = []
     num_tokens = 0
     stream = await client.chat.completions.create(
-        model=model, messages=body, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=model,
+        messages=body,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -453,7 +541,9 @@ def _generate_floor(runner, prompts: list[list[ChatMessage]], max_tokens: int) -
         )
     elapsed_s = time.perf_counter() - started
     num_generated = output.shape[1] - width
-    assert num_generated == max_tokens, f"generate produced {num_generated} tokens per row, expected {max_tokens}"
+    assert num_generated == max_tokens, (
+        f"generate produced {num_generated} tokens per row, expected {max_tokens}"
+    )
     return len(prompts) * num_generated / elapsed_s
 
 
@@ -461,14 +551,18 @@ _CLIENT: dict = {}
 """The client process's event loop and ``openai`` client, kept between levels (warm connections, as in a real client)."""
 
 
-def _client_level(url: str, token: str, model: str, bodies: list[list[dict]], max_tokens: int) -> ModeSample:
+def _client_level(
+    url: str, token: str, model: str, bodies: list[list[dict]], max_tokens: int
+) -> ModeSample:
     """In the client process: start every request at once over HTTP and measure them as :func:`_concurrently` does."""
     # Imported here: the other sections run on the [node] extra alone; the client comes with [test].
     import openai
 
     if _CLIENT.get("url") != url:
         _CLIENT.update(url=url, loop=asyncio.new_event_loop())
-        _CLIENT["client"] = openai.AsyncOpenAI(base_url=url, api_key=token, max_retries=0, timeout=600)
+        _CLIENT["client"] = openai.AsyncOpenAI(
+            base_url=url, api_key=token, max_retries=0, timeout=600
+        )
     client = _CLIENT["client"]
 
     async def send(body: list[dict]) -> _Timed:
@@ -495,7 +589,9 @@ class _HttpNode:
         app = create_app(engine, TokenVerifier(engine.settings.auth))
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.task: asyncio.Task | None = None
-        self.client_process = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self.client_process = ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn")
+        )
 
     async def __aenter__(self) -> Callable[[list[list[ChatMessage]], int], Awaitable[ModeSample]]:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
@@ -507,13 +603,23 @@ class _HttpNode:
                 raise TimeoutError("the benchmark's node did not start serving within 60 s")
             await asyncio.sleep(0.01)
         secret = self.engine.settings.auth.jwt_secret.get_secret_value()
-        token = issue_token(tenant=PRINCIPAL.tenant_id, sub=PRINCIPAL.subject_id, ttl_s=24 * 3600, secret=secret)
+        token = issue_token(
+            tenant=PRINCIPAL.tenant_id, sub=PRINCIPAL.subject_id, ttl_s=24 * 3600, secret=secret
+        )
         url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
         loop = asyncio.get_running_loop()
 
         async def level(prompts: list[list[ChatMessage]], max_tokens: int) -> ModeSample:
             bodies = [_http_messages(prompt) for prompt in prompts]
-            return await loop.run_in_executor(self.client_process, _client_level, url, token, self.engine.model_name, bodies, max_tokens)
+            return await loop.run_in_executor(
+                self.client_process,
+                _client_level,
+                url,
+                token,
+                self.engine.model_name,
+                bodies,
+                max_tokens,
+            )
 
         return level
 
@@ -551,17 +657,31 @@ async def bench_serving(engine: AsyncEngine, floor: _FloorProcess, args) -> list
             for prefix in prefixes:
                 system = None
                 if prefix:
-                    (system, _), _ = _messages_for(runner.tokenizer, prefix, 1, seed=20_000_000 + run)
-                    await _in_process_request(engine, _serving_prompts(runner.tokenizer, 1, 8, system)[0], 1)
+                    (system, _), _ = _messages_for(
+                        runner.tokenizer, prefix, 1, seed=20_000_000 + run
+                    )
+                    await _in_process_request(
+                        engine, _serving_prompts(runner.tokenizer, 1, 8, system)[0], 1
+                    )
                 for level in levels:
                     row = rows[(prefix, level)]
-                    floor_prompts = _serving_prompts(runner.tokenizer, level, args.serving_prompt, system)
-                    row.floor_tokens_per_s.append(await floor(_floor_generate, floor_prompts, args.serving_tokens))
+                    floor_prompts = _serving_prompts(
+                        runner.tokenizer, level, args.serving_prompt, system
+                    )
+                    row.floor_tokens_per_s.append(
+                        await floor(_floor_generate, floor_prompts, args.serving_tokens)
+                    )
                     row.in_process.append(
-                        await _concurrently(in_process, _serving_prompts(runner.tokenizer, level, args.serving_prompt, system))
+                        await _concurrently(
+                            in_process,
+                            _serving_prompts(runner.tokenizer, level, args.serving_prompt, system),
+                        )
                     )
                     row.http.append(
-                        await over_http(_serving_prompts(runner.tokenizer, level, args.serving_prompt, system), args.serving_tokens)
+                        await over_http(
+                            _serving_prompts(runner.tokenizer, level, args.serving_prompt, system),
+                            args.serving_tokens,
+                        )
                     )
                     print(
                         f"serving run {run + 1}/{args.runs} prefix {prefix} x{level}: floor {row.floor_tokens_per_s[-1]:.0f}, "
@@ -601,15 +721,29 @@ async def bench_steps(engine: AsyncEngine, args) -> list[StepRow]:
             timings: list[StepTiming] = []
             engine.step_sink = timings.append
             try:
-                prompts = _serving_prompts(engine.runner.tokenizer, level, args.serving_prompt, None)
-                await _concurrently(lambda prompt: _in_process_request(engine, prompt, args.serving_tokens, ignore_eos=True), prompts)
+                prompts = _serving_prompts(
+                    engine.runner.tokenizer, level, args.serving_prompt, None
+                )
+                await _concurrently(
+                    lambda prompt: _in_process_request(
+                        engine, prompt, args.serving_tokens, ignore_eos=True
+                    ),
+                    prompts,
+                )
             finally:
                 engine.step_sink = None
             if run:
-                row.steps += [timing for timing in timings if timing.num_seqs == level and timing.num_tokens == level]
+                row.steps += [
+                    timing
+                    for timing in timings
+                    if timing.num_seqs == level and timing.num_tokens == level
+                ]
         assert row.steps, f"no step decoded {level} requests together"
         rows.append(row)
-        print(f"steps x{level}: overhead p50/p99 {row.quantiles_ms(lambda step: step.overhead_s)} ms", flush=True)
+        print(
+            f"steps x{level}: overhead p50/p99 {row.quantiles_ms(lambda step: step.overhead_s)} ms",
+            flush=True,
+        )
     return rows
 
 
@@ -636,9 +770,14 @@ def _render_steps(args, rows: list[StepRow]) -> list[str]:
 def _mode_cells(samples: list[ModeSample]) -> tuple[float, str, str]:
     """Median over runs of tokens/s, and of each run's TTFT and ITL p50 / p99."""
     tokens_per_s = _median([sample.tokens_per_s for sample in samples])
-    ttft = "/".join(f"{_median([percentile(sample.ttft_ms, q) for sample in samples]):.0f}" for q in (0.5, 0.99))
+    ttft = "/".join(
+        f"{_median([percentile(sample.ttft_ms, q) for sample in samples]):.0f}" for q in (0.5, 0.99)
+    )
     if all(sample.itl_ms for sample in samples):
-        itl = "/".join(f"{_median([percentile(sample.itl_ms, q) for sample in samples]):.1f}" for q in (0.5, 0.99))
+        itl = "/".join(
+            f"{_median([percentile(sample.itl_ms, q) for sample in samples]):.1f}"
+            for q in (0.5, 0.99)
+        )
     else:
         itl = "–"
     return tokens_per_s, ttft, itl
@@ -646,7 +785,12 @@ def _mode_cells(samples: list[ModeSample]) -> tuple[float, str, str]:
 
 def _run_ratio(samples: list[ModeSample], baselines: list[float]) -> float:
     """Median over runs of each run's tokens/s ÷ the same run's baseline tokens/s."""
-    return _median([sample.tokens_per_s / baseline for sample, baseline in zip(samples, baselines, strict=True)])
+    return _median(
+        [
+            sample.tokens_per_s / baseline
+            for sample, baseline in zip(samples, baselines, strict=True)
+        ]
+    )
 
 
 def _render_serving(args, rows: list[ServingRow]) -> list[str]:
@@ -673,14 +817,19 @@ def _render_serving(args, rows: list[ServingRow]) -> list[str]:
             f"| {row.shared_prefix_tokens} | {row.concurrency} | {floor:.0f} | {local:.0f} | {local_ratio:.2f} | {http:.0f} | "
             f"{http_ratio:.2f} | {local_ttft} | {local_itl} | {http_ttft} | {http_itl} |"
         )
-    lines += ["", "Ratios are taken within each run, then the median over runs. Target: 16 concurrent ≥ 4× the tokens/s of 1 at a time."]
+    lines += [
+        "",
+        "Ratios are taken within each run, then the median over runs. Target: 16 concurrent ≥ 4× the tokens/s of 1 at a time.",
+    ]
     for prefix in sorted({row.shared_prefix_tokens for row in rows}):
         one, sixteen = by_cell.get((prefix, 1)), by_cell.get((prefix, 16))
         if one is None or sixteen is None:
             continue
         local = _run_ratio(sixteen.in_process, [sample.tokens_per_s for sample in one.in_process])
         http = _run_ratio(sixteen.http, [sample.tokens_per_s for sample in one.http])
-        lines.append(f"* shared prefix {prefix}: tokens/s at 16 concurrent ÷ at 1: in process {local:.2f}×, HTTP {http:.2f}×.")
+        lines.append(
+            f"* shared prefix {prefix}: tokens/s at 16 concurrent ÷ at 1: in process {local:.2f}×, HTTP {http:.2f}×."
+        )
     return lines
 
 
@@ -717,7 +866,10 @@ def render_markdown(
                 f"{row.hit_ms:.1f} | {row.hit_vs_floor:.2f} | {row.miss_overhead * 100:+.1f} % |"
             )
     if ns_per_token is not None:
-        lines += ["", f"Block hashing (`compute_block_keys`, 2048-token prompt): **{ns_per_token:.0f} ns/token** (target ≤ 100)."]
+        lines += [
+            "",
+            f"Block hashing (`compute_block_keys`, 2048-token prompt): **{ns_per_token:.0f} ns/token** (target ≤ 100).",
+        ]
     if restore_rows is not None:
         lines += [
             "",
@@ -741,7 +893,9 @@ def _sections(value: str) -> set[str]:
     sections = {name.strip() for name in value.split(",") if name.strip()}
     unknown = sections - set(SECTIONS)
     if unknown or not sections:
-        raise ValueError(f"--sections takes a comma-separated subset of {', '.join(SECTIONS)}; got {value!r}")
+        raise ValueError(
+            f"--sections takes a comma-separated subset of {', '.join(SECTIONS)}; got {value!r}"
+        )
     return sections
 
 
@@ -753,20 +907,36 @@ async def run(args) -> str:
     floor = _FloorProcess(model_dir, args.device, block_size)
     with tempfile.TemporaryDirectory() as data_dir:
         await floor.start()
-        cache = CacheSettings(num_device_blocks=2048, num_host_blocks=2048, max_disk_blocks=4096, block_size=block_size)
+        cache = CacheSettings(
+            num_device_blocks=2048,
+            num_host_blocks=2048,
+            max_disk_blocks=4096,
+            block_size=block_size,
+        )
         # The serving section's node takes end users' tokens from this run's own issuer.
         auth = IssuerSettings(jwt_secret=secrets.token_hex(32))
-        scheduler = SchedulerSettings(max_num_seqs=max(64, *_levels(args.step_levels), *_levels(args.concurrency)))
+        scheduler = SchedulerSettings(
+            max_num_seqs=max(64, *_levels(args.step_levels), *_levels(args.concurrency))
+        )
         settings = NodeSettings(
-            model_dir=model_dir, data_dir=Path(data_dir), device=args.device, cache=cache, auth=auth, scheduler=scheduler
+            model_dir=model_dir,
+            data_dir=Path(data_dir),
+            device=args.device,
+            cache=cache,
+            auth=auth,
+            scheduler=scheduler,
         )
         engine = AsyncEngine.from_settings(settings)
         await engine.start()
         try:
             if "ttft" in sections:
                 prefixes = [int(p) for p in args.prefixes.split(",")]
-                await bench_ttft(engine, floor, prefixes[0], args.suffix, 1, seed_base=10_000_000)  # warm-up: allocator, kernels
-                ttft_rows = [await bench_ttft(engine, floor, p, args.suffix, args.runs) for p in prefixes]
+                await bench_ttft(
+                    engine, floor, prefixes[0], args.suffix, 1, seed_base=10_000_000
+                )  # warm-up: allocator, kernels
+                ttft_rows = [
+                    await bench_ttft(engine, floor, p, args.suffix, args.runs) for p in prefixes
+                ]
             if "hashing" in sections:
                 ns_per_token = bench_hashing(engine, 2048, args.runs)
             if "restore" in sections:
@@ -775,7 +945,10 @@ async def run(args) -> str:
                 restore_rows = await engine.run_exclusive(bench_restore, tiny, 128, args.runs)
                 # a Llama-3-8B-shaped block (32 layers, 8 kv heads, 128 dim, bf16): 2 MiB per block
                 restore_rows += await engine.run_exclusive(
-                    bench_restore, KVBlockSpec(32, 8, 128, tiny.block_size, torch.bfloat16), 32, args.runs
+                    bench_restore,
+                    KVBlockSpec(32, 8, 128, tiny.block_size, torch.bfloat16),
+                    32,
+                    args.runs,
                 )
             if "steps" in sections:
                 step_rows = await bench_steps(engine, args)

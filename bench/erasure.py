@@ -123,12 +123,18 @@ class BenchNode:
     def fill(self, tenant: str, subject: str, num_blocks: int, kv: torch.Tensor) -> None:
         """Commit ``num_blocks`` READY user blocks of ``subject`` (worker thread); the pool demotes as tiers fill."""
         pool = self.engine.pool
-        provenance = CacheProvenance(self.engine.namespace.namespace, tenant, CacheScope.USER, (), subject, (), time.time())
+        provenance = CacheProvenance(
+            self.engine.namespace.namespace, tenant, CacheScope.USER, (), subject, (), time.time()
+        )
         parent = secrets.token_bytes(HASH_BYTES)
         for index in range(num_blocks):
             block_hash = secrets.token_bytes(HASH_BYTES)
-            entry = pool.begin_build(BlockKey(block_hash, parent, index, pool.spec.block_size, provenance))
-            assert entry is not None and pool.commit_build(entry, kv), "the pool must hold every benchmark block"
+            entry = pool.begin_build(
+                BlockKey(block_hash, parent, index, pool.spec.block_size, provenance)
+            )
+            assert entry is not None and pool.commit_build(entry, kv), (
+                "the pool must hold every benchmark block"
+            )
             parent = block_hash
 
 
@@ -173,12 +179,19 @@ async def _live_placements(connection: asyncpg.Connection, tenant: str, subject_
     )
 
 
-async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection: asyncpg.Connection, num_blocks: int) -> ErasureRun:
+async def _run_once(
+    nodes: list[BenchNode],
+    coordinator: Coordinator,
+    connection: asyncpg.Connection,
+    num_blocks: int,
+) -> ErasureRun:
     tenant, subject = f"bench-{uuid.uuid4().hex[:8]}", f"subject-{uuid.uuid4().hex}"
     digest = subject_digest(SUBJECT_KEY.encode(), tenant, subject)
     spec = nodes[0].engine.pool.spec
     kv = torch.randn(spec.block_shape, dtype=spec.dtype)
-    per_node = [num_blocks // NUM_NODES + (1 if i < num_blocks % NUM_NODES else 0) for i in range(NUM_NODES)]
+    per_node = [
+        num_blocks // NUM_NODES + (1 if i < num_blocks % NUM_NODES else 0) for i in range(NUM_NODES)
+    ]
     for node, count in zip(nodes, per_node, strict=True):
         await asyncio.to_thread(node.fill, tenant, subject, count, kv)
         node.engine.manager.drain_events()
@@ -196,7 +209,9 @@ async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection
     officer = operator_headers("privacy-officer", tenant)
     async with httpx.AsyncClient(base_url=coordinator.url, headers=officer, timeout=30) as client:
         started = time.perf_counter()
-        response = await client.post("/v1/erasures", json={"tenant_id": tenant, "subject_id": subject, "reason": "benchmark"})
+        response = await client.post(
+            "/v1/erasures", json={"tenant_id": tenant, "subject_id": subject, "reason": "benchmark"}
+        )
         assert response.status_code == 202, response.text
         erasure_id = response.json()["id"]
 
@@ -214,7 +229,9 @@ async def _run_once(nodes: list[BenchNode], coordinator: Coordinator, connection
 
 async def _run(args) -> list[ErasureRun]:
     async with contextlib.AsyncExitStack() as stack:
-        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-erasure-")))
+        work = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-erasure-"))
+        )
         server_url = await database_server(stack, args, work / "postgres")
         bootstrap = await kafka_broker(stack, args, work / "kafka")
         await ensure_topics(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench"))
@@ -231,7 +248,16 @@ async def _run(args) -> list[ErasureRun]:
                 coordinator = await _start_coordinator(size_stack, database_url, bootstrap, keys)
                 connection = await asyncpg.connect(**connect_kwargs(database_url))
                 size_stack.push_async_callback(connection.close)
-                nodes = await _start_nodes(size_stack, num_blocks, keys, work, model_dir, bootstrap, coordinator, connection)
+                nodes = await _start_nodes(
+                    size_stack,
+                    num_blocks,
+                    keys,
+                    work,
+                    model_dir,
+                    bootstrap,
+                    coordinator,
+                    connection,
+                )
                 for _ in range(args.runs):
                     run = await _run_once(nodes, coordinator, connection, num_blocks)
                     run.coordinator_peak_rss_bytes = peak_rss_bytes(coordinator.process.pid)
@@ -241,7 +267,9 @@ async def _run(args) -> list[ErasureRun]:
         return runs
 
 
-async def _start_coordinator(stack: contextlib.AsyncExitStack, database_url: str, bootstrap: str, keys: BenchKeys) -> Coordinator:
+async def _start_coordinator(
+    stack: contextlib.AsyncExitStack, database_url: str, bootstrap: str, keys: BenchKeys
+) -> Coordinator:
     """``kvledger coordinator --role all`` on ``database_url``, its consumer groups starting at the topics' end, serving."""
     group = f"bench-erasure-{uuid.uuid4().hex[:8]}"
     await start_groups_at_end(bootstrap, consumer_groups(group))
@@ -272,7 +300,9 @@ async def _start_nodes(
 ) -> list[BenchNode]:
     """Two fresh nodes (new ids and data directories) whose tiers are sized for ``num_blocks``, registered in the ledger."""
     per_node = -(-num_blocks // NUM_NODES)
-    cache = CacheSettings(num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node)
+    cache = CacheSettings(
+        num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node
+    )
     nodes = []
     for i in range(NUM_NODES):
         node_id = f"bench-erasure-{uuid.uuid4().hex[:8]}-{i}"
@@ -299,7 +329,9 @@ async def _start_nodes(
 
     async def registered() -> bool:
         coordinator.check()
-        return await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids) == len(node_ids)
+        return await connection.fetchval(
+            "SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids
+        ) == len(node_ids)
 
     await wait(registered, "both nodes registered", TIMEOUT_S, POLL_S)
     return nodes
@@ -337,7 +369,11 @@ def render_sweep(args, runs: list[ErasureRun]) -> str:
         mine = [run for run in runs if run.num_blocks == num_blocks]
         seconds = sorted(run.seconds for run in mine)
         p50 = medians[num_blocks] = statistics.median(seconds)
-        growth = "" if previous is None else f"{p50 / previous[1]:.1f}x for {num_blocks / previous[0]:.0f}x the blocks"
+        growth = (
+            ""
+            if previous is None
+            else f"{p50 / previous[1]:.1f}x for {num_blocks / previous[0]:.0f}x the blocks"
+        )
         coordinator_mib = max(run.coordinator_peak_rss_bytes for run in mine) / 2**20
         nodes_mib = max(run.nodes_peak_rss_bytes for run in mine) / 2**20
         rows.append(
@@ -370,7 +406,9 @@ def render_markdown(args, runs: list[ErasureRun]) -> str:
 
 def cli(args: argparse.Namespace) -> int:
     if args.runs < 1 or min([args.blocks, *(args.sweep or [])]) < 3 * NUM_NODES:
-        raise SystemExit(f"--runs must be >= 1 and every size >= {3 * NUM_NODES} (every node needs blocks in every tier)")
+        raise SystemExit(
+            f"--runs must be >= 1 and every size >= {3 * NUM_NODES} (every node needs blocks in every tier)"
+        )
     if args.sweep and args.sweep != sorted(set(args.sweep)):
         raise SystemExit("--sweep sizes must be distinct and ascending")
     return run_and_report(args, _run, render_markdown)

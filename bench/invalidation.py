@@ -128,7 +128,12 @@ class BenchNode:
         self.engine = AsyncEngine.from_settings(settings)
         self.publisher = make_publisher(self.engine, settings)
         self.handler = TimedHandler(self.engine, self.publisher.subject_key)
-        self.commands = CommandConsumer(self.handler, self.publisher, kafka_settings(settings), command_key=pinned_command_key(settings))
+        self.commands = CommandConsumer(
+            self.handler,
+            self.publisher,
+            kafka_settings(settings),
+            command_key=pinned_command_key(settings),
+        )
         self.server: uvicorn.Server | None = None
         self.url = ""
 
@@ -159,21 +164,34 @@ class BenchNode:
         for key in keys:
             entry = pool.begin_build(key)
             if entry is not None:
-                assert pool.commit_build(entry, kv), "the device tier must hold every benchmark block"
+                assert pool.commit_build(entry, kv), (
+                    "the device tier must hold every benchmark block"
+                )
         self.engine.manager.drain_events()
 
 
 def document_message(doc_id: str, version: int) -> dict:
-    text = " ".join(f"{doc_id} section {i} says the on-call rota rotates weekly" for i in range(SECTIONS_PER_DOCUMENT))
-    return {"role": "user", "content": text, "document": {"id": doc_id, "version": version, "auth_scope": AUTH_SCOPE}}
+    text = " ".join(
+        f"{doc_id} section {i} says the on-call rota rotates weekly"
+        for i in range(SECTIONS_PER_DOCUMENT)
+    )
+    return {
+        "role": "user",
+        "content": text,
+        "document": {"id": doc_id, "version": version, "auth_scope": AUTH_SCOPE},
+    }
 
 
 def document_keys(engine: AsyncEngine, principal: Principal, doc_id: str) -> list:
     """The block keys a request for ``doc_id`` v1 computes: the same rendering and hashing as the engine."""
     message = document_message(doc_id, 1)
     ref = DocumentRef(doc_id, 1, AUTH_SCOPE)
-    prompt = render_prompt(engine.runner.tokenizer, [ChatMessage("user", message["content"], CacheScope.TENANT, ref)])
-    return compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, engine.block_size)
+    prompt = render_prompt(
+        engine.runner.tokenizer, [ChatMessage("user", message["content"], CacheScope.TENANT, ref)]
+    )
+    return compute_block_keys(
+        engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, engine.block_size
+    )
 
 
 # --------------------------------------------------------------------------- one run
@@ -242,11 +260,17 @@ async def _probe(
                 await asyncio.sleep(IDLE_POLL_S)
                 continue
             event = newest
-            body = {"model": node.engine.model_name, "messages": [document_message(event.doc_id, event.old_version)], "max_tokens": 1}
+            body = {
+                "model": node.engine.model_name,
+                "messages": [document_message(event.doc_id, event.old_version)],
+                "max_tokens": 1,
+            }
             while not done.is_set():
                 await asyncio.sleep(max(0.0, next_send - loop.time()))
                 next_send = loop.time() + interval_s
-                response = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
+                response = await client.post(
+                    "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}
+                )
                 now = time.time()
                 if response.status_code == 409:
                     by_409 = True
@@ -264,7 +288,9 @@ async def _probe(
                 probes.by_miss += not by_409
 
 
-async def _collect_acks(bootstrap: str, acks: dict[str, dict[str, float]], ready: asyncio.Event) -> None:
+async def _collect_acks(
+    bootstrap: str, acks: dict[str, dict[str, float]], ready: asyncio.Event
+) -> None:
     """Receipt time of every CommandAck published from now on, by command id and node.
 
     ``fetch_max_wait_ms`` is small because Tansu does not answer a long-polling fetch
@@ -280,7 +306,10 @@ async def _collect_acks(bootstrap: str, acks: dict[str, dict[str, float]], ready
     await consumer.start()
     try:
         await consumer.topics()
-        partitions = [TopicPartition(topics.ACKS, p) for p in sorted(consumer.partitions_for_topic(topics.ACKS))]
+        partitions = [
+            TopicPartition(topics.ACKS, p)
+            for p in sorted(consumer.partitions_for_topic(topics.ACKS))
+        ]
         consumer.assign(partitions)
         await consumer.seek_to_end(*partitions)
         for tp in partitions:
@@ -297,9 +326,13 @@ async def _collect_acks(bootstrap: str, acks: dict[str, dict[str, float]], ready
         await consumer.stop()
 
 
-def _bench_nodes(args, run_id: str, model_dir: Path, work: Path, bootstrap: str, keys: BenchKeys) -> list[BenchNode]:
+def _bench_nodes(
+    args, run_id: str, model_dir: Path, work: Path, bootstrap: str, keys: BenchKeys
+) -> list[BenchNode]:
     """The run's nodes, each with room for ``blocks_per_node`` device blocks and no other tier."""
-    cache = CacheSettings(num_device_blocks=args.blocks_per_node + 64, num_host_blocks=0, max_disk_blocks=0)
+    cache = CacheSettings(
+        num_device_blocks=args.blocks_per_node + 64, num_host_blocks=0, max_disk_blocks=0
+    )
     return [
         BenchNode(
             NodeSettings(
@@ -317,7 +350,9 @@ def _bench_nodes(args, run_id: str, model_dir: Path, work: Path, bootstrap: str,
     ]
 
 
-async def _fill_nodes(nodes: list[BenchNode], principal: Principal, blocks_per_node: int, connection) -> tuple[list, list[str]]:
+async def _fill_nodes(
+    nodes: list[BenchNode], principal: Principal, blocks_per_node: int, connection
+) -> tuple[list, list[str]]:
     """Fill every node with documents of about 10 blocks each until it holds ``blocks_per_node``,
     and wait until the ledger holds each of them live; returns the block keys and the documents."""
     node_ids = [node.settings.node_id for node in nodes]
@@ -345,13 +380,20 @@ async def _fill_nodes(nodes: list[BenchNode], principal: Principal, blocks_per_n
 
 
 async def _publish_document_updates(
-    bootstrap: str, tenant: str, documents: list[str], args, published: list[Published], sign: EnvelopeSigner
+    bootstrap: str,
+    tenant: str,
+    documents: list[str],
+    args,
+    published: list[Published],
+    sign: EnvelopeSigner,
 ) -> None:
     """Publish warm-up and measured DocumentUpdated events (signed with the run's producer key) at ``args.rate``
     per second, round robin over the documents, recording each one's publish time in ``published``."""
     versions = dict.fromkeys(documents, 1)
     producer = AIOKafkaProducer(
-        **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")), acks="all", linger_ms=0
+        **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")),
+        acks="all",
+        linger_ms=0,
     )
     await producer.start()
     num_warmup = round(args.rate * args.warmup_s)
@@ -364,12 +406,19 @@ async def _publish_document_updates(
                 await asyncio.sleep(delay)
             doc_id = documents[i % len(documents)]
             versions[doc_id] += 1
-            event = sign(schema.make_event(schema.DocumentUpdated(doc_id=doc_id, version=versions[doc_id]), tenant_id=tenant))
+            event = sign(
+                schema.make_event(
+                    schema.DocumentUpdated(doc_id=doc_id, version=versions[doc_id]),
+                    tenant_id=tenant,
+                )
+            )
             event_id = str(event.event_id)
             at = time.time()
             key = topics.document_key(tenant, doc_id).encode()
             sends.append(await producer.send(topics.DOCUMENTS, encode_event(event), key=key))
-            published.append(Published(event_id, doc_id, versions[doc_id] - 1, at, measured=i >= num_warmup))
+            published.append(
+                Published(event_id, doc_id, versions[doc_id] - 1, at, measured=i >= num_warmup)
+            )
         await asyncio.gather(*sends)
     finally:
         await producer.stop()
@@ -403,7 +452,9 @@ def _summarize(
     throughputs = []
     for node in nodes:
         spans = [node.handler.applied[row["command_id"]] for row in rows]
-        throughputs.append(len(spans) / (max(end for _, end in spans) - min(begin for begin, _ in spans)))
+        throughputs.append(
+            len(spans) / (max(end for _, end in spans) - min(begin for begin, _ in spans))
+        )
     return InvalidationRun(
         num_events=args.events,
         blocks_per_node=blocks_per_node,
@@ -423,11 +474,15 @@ def _summarize(
     )
 
 
-async def _wait_registered(connection: asyncpg.Connection, node_ids: list[str], consumers: subprocess.Popen, log: IO[bytes]) -> None:
+async def _wait_registered(
+    connection: asyncpg.Connection, node_ids: list[str], consumers: subprocess.Popen, log: IO[bytes]
+) -> None:
     """Until the ledger knows every node; a consumer process that exits meanwhile fails the run with its log's tail."""
 
     async def registered() -> bool:
-        count = await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids)
+        count = await connection.fetchval(
+            "SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids
+        )
         if consumers.poll() is not None:
             log.seek(0)
             raise RuntimeError(f"coordinator consumers exited:\n{log.read().decode()[-4000:]}")
@@ -437,7 +492,10 @@ async def _wait_registered(connection: asyncpg.Connection, node_ids: list[str], 
 
 
 async def _wait_invalidated(
-    connection: asyncpg.Connection, published: list[Published], acks: dict[str, dict[str, float]], collector: asyncio.Task
+    connection: asyncpg.Connection,
+    published: list[Published],
+    acks: dict[str, dict[str, float]],
+    collector: asyncio.Task,
 ) -> tuple[list, dict[str, float], int, float]:
     """Until every published update's invalidation is complete and acked by every node.
 
@@ -446,7 +504,9 @@ async def _wait_invalidated(
     """
 
     async def all_complete() -> bool:
-        complete = await connection.fetchval("SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'")
+        complete = await connection.fetchval(
+            "SELECT count(*) FROM invalidations WHERE status = 'complete' AND trigger = 'event'"
+        )
         return complete == len(published)
 
     await wait(all_complete, "every invalidation complete", TIMEOUT_S)
@@ -459,10 +519,14 @@ async def _wait_invalidated(
         )
         if str(row["source_event_id"]) in measured
     ]
-    late = await connection.fetchval("SELECT count(*) FROM invalidations WHERE trigger = 'late_block'")
+    late = await connection.fetchval(
+        "SELECT count(*) FROM invalidations WHERE trigger = 'late_block'"
+    )
 
     async def all_acked() -> bool:
-        if collector.done():  # it never returns: an exception, surfaced here rather than as a timeout
+        if (
+            collector.done()
+        ):  # it never returns: an exception, surfaced here rather than as a timeout
             collector.result()
         return all(len(acks.get(str(row["command_id"]), {})) == NUM_NODES for row in rows)
 
@@ -470,22 +534,47 @@ async def _wait_invalidated(
     return rows, measured, late, elapsed_s
 
 
-async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, work: Path) -> InvalidationRun:
+async def _run_once(
+    args, database_url: str, bootstrap: str, model_dir: Path, work: Path
+) -> InvalidationRun:
     run_id = uuid.uuid4().hex[:8]
     tenant = f"bench-{run_id}"
     group = f"bench-invalidation-{run_id}"
     await start_groups_at_end(bootstrap, consumer_groups(group))
     keys = BenchKeys(work / run_id / "keys")
-    env = coordinator_env(database_url, bootstrap, group, JWT_SECRET, KVLEDGER_SUBJECT_KEY=SUBJECT_KEY, **keys.coordinator_env())
+    env = coordinator_env(
+        database_url,
+        bootstrap,
+        group,
+        JWT_SECRET,
+        KVLEDGER_SUBJECT_KEY=SUBJECT_KEY,
+        **keys.coordinator_env(),
+    )
     nodes = _bench_nodes(args, run_id, model_dir, work, bootstrap, keys)
     for node in nodes:
         await keys.enroll(database_url, node.settings.node_id, Path(node.settings.data_dir))
     await keys.enroll_producer(database_url)
     principal = Principal(tenant, "reader", frozenset({AUTH_SCOPE}), {AUTH_SCOPE: 1})
-    token = issue_token(tenant=tenant, sub="reader", scopes=[AUTH_SCOPE], pv={AUTH_SCOPE: 1}, ttl_s=3600, secret=JWT_SECRET)
+    token = issue_token(
+        tenant=tenant,
+        sub="reader",
+        scopes=[AUTH_SCOPE],
+        pv={AUTH_SCOPE: 1},
+        ttl_s=3600,
+        secret=JWT_SECRET,
+    )
     with tempfile.TemporaryFile() as log:
         consumers = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "consumers", "--port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "kvledger.cli",
+                "coordinator",
+                "--role",
+                "consumers",
+                "--port",
+                "0",
+            ],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -498,11 +587,16 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             for node in nodes:
                 await node.start()
             tune_interpreter()  # as gpu_node.entrypoints.server.serve does once its engine started
-            await _wait_registered(connection, [node.settings.node_id for node in nodes], consumers, log)
+            await _wait_registered(
+                connection, [node.settings.node_id for node in nodes], consumers, log
+            )
 
             keys, documents = await _fill_nodes(nodes, principal, args.blocks_per_node, connection)
             blocks_per_document = len(keys) / len(documents)
-            full_tokens = len(document_keys(nodes[0].engine, principal, documents[0])) * nodes[0].engine.block_size
+            full_tokens = (
+                len(document_keys(nodes[0].engine, principal, documents[0]))
+                * nodes[0].engine.block_size
+            )
 
             acks: dict[str, dict[str, float]] = {}
             listening = asyncio.Event()
@@ -511,11 +605,26 @@ async def _run_once(args, database_url: str, bootstrap: str, model_dir: Path, wo
             published: list[Published] = []
             for index, node in enumerate(nodes):
                 probers.append(
-                    asyncio.create_task(_probe(node, token, published, probes, done, full_tokens, index, args.probe_interval_ms / 1000))
+                    asyncio.create_task(
+                        _probe(
+                            node,
+                            token,
+                            published,
+                            probes,
+                            done,
+                            full_tokens,
+                            index,
+                            args.probe_interval_ms / 1000,
+                        )
+                    )
                 )
 
-            await _publish_document_updates(bootstrap, tenant, documents, args, published, keys.sign_as_producer)
-            rows, measured, late, elapsed_s = await _wait_invalidated(connection, published, acks, collector[0])
+            await _publish_document_updates(
+                bootstrap, tenant, documents, args, published, keys.sign_as_producer
+            )
+            rows, measured, late, elapsed_s = await _wait_invalidated(
+                connection, published, acks, collector[0]
+            )
         finally:
             # Probers finish their request in flight (a cancelled one would be a client disconnect), the collector is cancelled.
             done.set()
@@ -604,7 +713,11 @@ def render_markdown(args, runs: list[InvalidationRun]) -> str:
             "",
             "| publish → | p50 ms | p99 ms | target |",
             "|---|---:|---:|---|",
-            row("first refused request (409 over HTTP)", lambda r: r.refused_ms, f"p99 ≤ {TARGET_P99_MS:.0f}"),
+            row(
+                "first refused request (409 over HTTP)",
+                lambda r: r.refused_ms,
+                f"p99 ≤ {TARGET_P99_MS:.0f}",
+            ),
             row("coordinator decision (invalidation row)", lambda r: r.decided_ms),
             row("command reached the last node (apply starts)", lambda r: r.reached_ms),
             row("applied on the last node", lambda r: r.applied_ms),

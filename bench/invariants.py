@@ -118,7 +118,9 @@ class Invariants:
             return []
         # The build times come from the tail, which reads the topic apart from the coordinator: a rebuild the ledger
         # applied a moment ago may not be in the tail yet. Judge only once the tail read what the ledger applied.
-        await self._tail_caught_up({(row["node_id"], row["epoch"]): row["last_seq"] for row in rows})
+        await self._tail_caught_up(
+            {(row["node_id"], row["epoch"]): row["last_seq"] for row in rows}
+        )
         rebuilt, announced = self._builds(), self._snapshots_announced()
 
         def rebuilt_after_cutoff(row: asyncpg.Record) -> bool:
@@ -126,14 +128,23 @@ class Invariants:
             if row["tier"] != "snapshot":
                 return any(built >= row["cutoff"] for _, built in builds)
             written = announced.get((row["node_id"], row["snapshot_id"]))
-            return written is not None and any(built >= row["cutoff"] and index <= written for index, built in builds)
+            return written is not None and any(
+                built >= row["cutoff"] and index <= written for index, built in builds
+            )
 
-        left = collections.Counter((row["id"], row["node_id"], row["tier"]) for row in rows if not rebuilt_after_cutoff(row))
+        left = collections.Counter(
+            (row["id"], row["node_id"], row["tier"])
+            for row in rows
+            if not rebuilt_after_cutoff(row)
+        )
         return [
-            f"erasure {erasure} verified but the ledger holds {n} live {tier} copies on {node}" for (erasure, node, tier), n in left.items()
+            f"erasure {erasure} verified but the ledger holds {n} live {tier} copies on {node}"
+            for (erasure, node, tier), n in left.items()
         ]
 
-    async def _tail_caught_up(self, applied: dict[tuple[str, int], int], timeout_s: float = 30.0) -> None:
+    async def _tail_caught_up(
+        self, applied: dict[tuple[str, int], int], timeout_s: float = 30.0
+    ) -> None:
         """Wait until the tail holds, for each (node, epoch), the record of the ledger's last applied ``seq``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -183,7 +194,9 @@ class Invariants:
         connection = await self._connect()
         try:
             async with connection.transaction(isolation="repeatable_read"):
-                node = await connection.fetchrow("SELECT epoch, last_seq FROM nodes WHERE node_id = $1", node_id)
+                node = await connection.fetchrow(
+                    "SELECT epoch, last_seq FROM nodes WHERE node_id = $1", node_id
+                )
                 rows = await connection.fetch(
                     "SELECT encode(block_hash, 'hex') AS block, tier, snapshot_id FROM placements WHERE node_id = $1 AND state = 'live'",
                     node_id,
@@ -191,7 +204,11 @@ class Invariants:
         finally:
             await connection.close()
         assert node is not None, f"{node_id} is not in the ledger"
-        return node["epoch"], node["last_seq"], {(row["block"], row["tier"], row["snapshot_id"]) for row in rows}
+        return (
+            node["epoch"],
+            node["last_seq"],
+            {(row["block"], row["tier"], row["snapshot_id"]) for row in rows},
+        )
 
     async def node_inventory(self, node_id: str, timeout_s: float = 60.0) -> list[schema.Envelope]:
         """The node's own account of what it holds (every chunk of one fresh ``Inventory``)."""
@@ -205,7 +222,9 @@ class Invariants:
             await asyncio.sleep(0.05)
         return [chunk.envelope for chunk in chunks]
 
-    async def placements_match(self, node_id: str, attempts: int = 10) -> tuple[list[str], list[schema.Envelope]]:
+    async def placements_match(
+        self, node_id: str, attempts: int = 10
+    ) -> tuple[list[str], list[schema.Envelope]]:
         """Ledger placements of ``node_id`` == its inventory, taken when the ledger had applied everything before it.
         Returns the violations and the inventory compared.
 
@@ -225,7 +244,9 @@ class Invariants:
                 and record.envelope.payload.epoch == first.epoch
                 and last_seq < record.envelope.payload.seq < first.seq
             ]
-            if epoch != first.epoch or any(not isinstance(payload, schema.NodeHeartbeat) for payload in between):
+            if epoch != first.epoch or any(
+                not isinstance(payload, schema.NodeHeartbeat) for payload in between
+            ):
                 await asyncio.sleep(0.5)
                 continue
             held = {
@@ -240,9 +261,13 @@ class Invariants:
                 f"{node_id}: the ledger and the node disagree: {len(only_ledger)} placements only in the ledger "
                 f"(e.g. {only_ledger[:3]}), {len(only_node)} only on the node (e.g. {only_node[:3]})"
             ], inventory
-        return [f"{node_id}: never quiet enough to compare the ledger with its inventory ({attempts} attempts)"], inventory
+        return [
+            f"{node_id}: never quiet enough to compare the ledger with its inventory ({attempts} attempts)"
+        ], inventory
 
-    async def erased_copies_on_nodes(self, inventories: dict[str, list[schema.Envelope]]) -> list[str]:
+    async def erased_copies_on_nodes(
+        self, inventories: dict[str, list[schema.Envelope]]
+    ) -> list[str]:
         violations = []
         for erasure in await self._verified_erasures():
             for node_id, chunks in inventories.items():
@@ -251,20 +276,30 @@ class Invariants:
                     for chunk in chunks
                     for block in chunk.payload.blocks
                     if (
-                        (block.tenant_id == erasure["tenant_id"] and block.subject_id == erasure["subject"])
-                        or block.creator_subject_id == erasure["subject"]  # a public or tenant block the subject's request built
+                        (
+                            block.tenant_id == erasure["tenant_id"]
+                            and block.subject_id == erasure["subject"]
+                        )
+                        or block.creator_subject_id
+                        == erasure[
+                            "subject"
+                        ]  # a public or tenant block the subject's request built
                     )
                     and block.created_at < erasure["cutoff"]
                 ]
                 if left:
-                    violations.append(f"erasure {erasure['id']} verified but {node_id} still holds {len(left)} of the subject's blocks")
+                    violations.append(
+                        f"erasure {erasure['id']} verified but {node_id} still holds {len(left)} of the subject's blocks"
+                    )
         return violations
 
     # -- 4. and 5. the event streams ----------------------------------------------------
 
     def kv_events_exact(self) -> list[str]:
         tail = self.cluster.tail
-        contents: dict[tuple[str, int, int], dict[bytes, TopicRecord]] = collections.defaultdict(dict)
+        contents: dict[tuple[str, int, int], dict[bytes, TopicRecord]] = collections.defaultdict(
+            dict
+        )
         seqs: dict[tuple[str, int], set[int]] = collections.defaultdict(set)
         for record in tail.kv_events:
             payload = record.envelope.payload
@@ -275,14 +310,19 @@ class Invariants:
             seqs[key[:2]].add(payload.seq)
         violations = [
             f"{len(records)} different records under (node, epoch, seq) {key}: "
-            + "; ".join(f"{r.envelope.type} {r.envelope.event_id} at {r.partition}/{r.offset}" for r in records.values())
+            + "; ".join(
+                f"{r.envelope.type} {r.envelope.event_id} at {r.partition}/{r.offset}"
+                for r in records.values()
+            )
             for key, records in contents.items()
             if len(records) > 1
         ]
         for (node_id, epoch), published in seqs.items():
             holes = sorted(set(range(max(published) + 1)) - published)
             if holes:
-                violations.append(f"{node_id} epoch {epoch}: seq {holes[:5]} never published (of {len(holes)} holes)")
+                violations.append(
+                    f"{node_id} epoch {epoch}: seq {holes[:5]} never published (of {len(holes)} holes)"
+                )
         return violations
 
     async def nothing_lost(self, timeout_s: float = 30.0) -> list[str]:
@@ -294,10 +334,15 @@ class Invariants:
         tail = self.cluster.tail
         deadline = time.monotonic() + timeout_s
         while True:
-            published = {record.envelope.event_id: record.envelope.type for record in (*tail.kv_events, *tail.acks)}
+            published = {
+                record.envelope.event_id: record.envelope.type
+                for record in (*tail.kv_events, *tail.acks)
+            }
             if not published:
                 return []
-            rows = await self._query("SELECT event_id FROM inbox WHERE event_id = ANY($1::uuid[])", list(published))
+            rows = await self._query(
+                "SELECT event_id FROM inbox WHERE event_id = ANY($1::uuid[])", list(published)
+            )
             missing = set(published) - {row["event_id"] for row in rows}
             dead = await self._query(
                 "SELECT coalesce(sum(num_records), 0) AS n FROM dead_letters WHERE topic IN ('kvledger.kv-events', 'kvledger.acks')"
@@ -311,7 +356,9 @@ class Invariants:
                 ]
             await asyncio.sleep(0.2)
 
-    async def taken_over(self, partitions: set[int], since_ms: int, until_ms: int, grace_ms: int = 5000) -> tuple[int, list[str]]:
+    async def taken_over(
+        self, partitions: set[int], since_ms: int, until_ms: int, grace_ms: int = 5000
+    ) -> tuple[int, list[str]]:
         """Partition takeover: the coordinator that owned kv-events ``partitions`` was dead from ``since_ms`` to
         ``until_ms`` (wall clock); on each of them, the first kv-event published in that window (up to ``grace_ms``
         before its end: the survivor must notice the death, rejoin and catch up first) was applied before
@@ -336,7 +383,11 @@ class Invariants:
         violations = []
         for partition in sorted(partitions):
             first = min(
-                (r for r in records if r.partition == partition and r.timestamp_ms < until_ms - grace_ms),
+                (
+                    r
+                    for r in records
+                    if r.partition == partition and r.timestamp_ms < until_ms - grace_ms
+                ),
                 key=lambda r: r.offset,
                 default=None,
             )
@@ -350,21 +401,32 @@ class Invariants:
 
     # -- 2. probes -------------------------------------------------------------------
 
-    async def probe_erased(self, node_index: int, tenant: str, subject: str, messages: list[dict]) -> None:
+    async def probe_erased(
+        self, node_index: int, tenant: str, subject: str, messages: list[dict]
+    ) -> None:
         """After ``subject``'s erasure verified: its request may hit no more than a never-seen subject's identical one."""
         cluster = self.cluster
-        for _ in range(2):  # the first stranger caches the public prefix (if it was not), the second measures
+        for _ in range(
+            2
+        ):  # the first stranger caches the public prefix (if it was not), the second measures
             stranger = f"probe-{uuid.uuid4().hex[:8]}"
-            baseline = await cluster.chat(node_index, cluster.user_token(tenant, stranger), messages)
+            baseline = await cluster.chat(
+                node_index, cluster.user_token(tenant, stranger), messages
+            )
         erased = await cluster.chat(node_index, cluster.user_token(tenant, subject), messages)
         self.num_probes += 1
-        hit, allowed = erased.usage.prompt_tokens_details.cached_tokens, baseline.usage.prompt_tokens_details.cached_tokens
+        hit, allowed = (
+            erased.usage.prompt_tokens_details.cached_tokens,
+            baseline.usage.prompt_tokens_details.cached_tokens,
+        )
         if hit > allowed:
             self.served_violations.append(
                 f"{cluster.node_ids[node_index]} served {hit} cached tokens to an erased subject (a fresh subject gets {allowed})"
             )
 
-    async def probe_stale_document(self, node_index: int, tenant: str, messages: list[dict], scopes: dict[str, int]) -> None:
+    async def probe_stale_document(
+        self, node_index: int, tenant: str, messages: list[dict], scopes: dict[str, int]
+    ) -> None:
         """After a document update completed: a request naming the old version is refused with 409 ``stale_document_version``."""
         cluster = self.cluster
         self.num_probes += 1
@@ -373,22 +435,34 @@ class Invariants:
         except openai.APIStatusError as error:
             if error.status_code == 409 and "stale_document_version" in str(error.body):
                 return
-            self.served_violations.append(f"{cluster.node_ids[node_index]} answered a stale document request with {error.status_code}")
+            self.served_violations.append(
+                f"{cluster.node_ids[node_index]} answered a stale document request with {error.status_code}"
+            )
             return
-        self.served_violations.append(f"{cluster.node_ids[node_index]} served a document version that an update had replaced")
+        self.served_violations.append(
+            f"{cluster.node_ids[node_index]} served a document version that an update had replaced"
+        )
 
-    async def probe_stale_policy(self, node_index: int, tenant: str, messages: list[dict], stale_scopes: dict[str, int]) -> None:
+    async def probe_stale_policy(
+        self, node_index: int, tenant: str, messages: list[dict], stale_scopes: dict[str, int]
+    ) -> None:
         """After a revocation completed: a token of the old policy version is refused with 401 ``stale_authorization``."""
         cluster = self.cluster
         self.num_probes += 1
         try:
-            await cluster.chat(node_index, cluster.user_token(tenant, "reader", stale_scopes), messages)
+            await cluster.chat(
+                node_index, cluster.user_token(tenant, "reader", stale_scopes), messages
+            )
         except openai.APIStatusError as error:
             if error.status_code == 401 and "stale_authorization" in str(error.body):
                 return
-            self.served_violations.append(f"{cluster.node_ids[node_index]} answered a revoked policy's token with {error.status_code}")
+            self.served_violations.append(
+                f"{cluster.node_ids[node_index]} answered a revoked policy's token with {error.status_code}"
+            )
             return
-        self.served_violations.append(f"{cluster.node_ids[node_index]} served a token of a revoked policy version")
+        self.served_violations.append(
+            f"{cluster.node_ids[node_index]} served a token of a revoked policy version"
+        )
 
     # -- all of them -------------------------------------------------------------------
 

@@ -78,7 +78,9 @@ def _block(index: int, node: int, run_id: str) -> schema.StoredBlock:
     )
 
 
-def _workload(num_events: int, blocks_per_record: int, run_id: str) -> dict[str, list[schema.BlockStored]]:
+def _workload(
+    num_events: int, blocks_per_record: int, run_id: str
+) -> dict[str, list[schema.BlockStored]]:
     """Per node: BlockStored records of ``blocks_per_record`` blocks, seq 1, 2, …"""
     per_node = num_events // NUM_NODES
     records: dict[str, list[schema.BlockStored]] = {}
@@ -89,7 +91,10 @@ def _workload(num_events: int, blocks_per_record: int, run_id: str) -> dict[str,
                 node_id=node_id,
                 epoch=1,
                 seq=seq,
-                blocks=[_block(i, node, run_id) for i in range(start, min(start + blocks_per_record, per_node))],
+                blocks=[
+                    _block(i, node, run_id)
+                    for i in range(start, min(start + blocks_per_record, per_node))
+                ],
             )
             for seq, start in enumerate(range(0, per_node, blocks_per_record), start=1)
         ]
@@ -97,7 +102,9 @@ def _workload(num_events: int, blocks_per_record: int, run_id: str) -> dict[str,
 
 
 async def _live_counts(connection: asyncpg.Connection) -> dict[str, int]:
-    rows = await connection.fetch("SELECT node_id, count(*) AS n FROM placements WHERE state = 'live' GROUP BY node_id")
+    rows = await connection.fetch(
+        "SELECT node_id, count(*) AS n FROM placements WHERE state = 'live' GROUP BY node_id"
+    )
     return {row["node_id"]: row["n"] for row in rows}
 
 
@@ -122,7 +129,11 @@ def _cpu_per_record(num_events: int, blocks_per_record: int) -> tuple[float, flo
     """Process CPU ms per record of the workload's records for the consumer's decode and signature
     check, the node's signing, and pydantic's decode of the same records: CPU time, so other
     processes on the machine barely move it."""
-    records = [record for group in _workload(num_events, blocks_per_record, uuid.uuid4().hex[:8]).values() for record in group]
+    records = [
+        record
+        for group in _workload(num_events, blocks_per_record, uuid.uuid4().hex[:8]).values()
+        for record in group
+    ]
     key = Ed25519PrivateKey.generate()
     started = time.process_time()
     signed = [sign_envelope(schema.make_event(record), key) for record in records]
@@ -132,7 +143,9 @@ def _cpu_per_record(num_events: int, blocks_per_record: int) -> tuple[float, flo
     started = time.process_time()
     parsed = [schema.parse_event(value) for value in values]
     parse_s = time.process_time() - started
-    assert parsed == [decode_event(value) for value in values], "the compiled decoder must decode the bench's records as the contract does"
+    assert parsed == [decode_event(value) for value in values], (
+        "the compiled decoder must decode the bench's records as the contract does"
+    )
     del parsed
     started = time.process_time()
     decoded = [decode_event(value) for value in values]
@@ -142,16 +155,26 @@ def _cpu_per_record(num_events: int, blocks_per_record: int) -> tuple[float, flo
     verify_s = time.process_time() - started
     assert problems == [None] * len(records), "the bench's own signatures must verify"
     ms_per_s_record = 1000 / len(records)
-    return decode_s * ms_per_s_record, verify_s * ms_per_s_record, sign_s * ms_per_s_record, parse_s * ms_per_s_record
+    return (
+        decode_s * ms_per_s_record,
+        verify_s * ms_per_s_record,
+        sign_s * ms_per_s_record,
+        parse_s * ms_per_s_record,
+    )
 
 
-async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, blocks_per_record: int) -> tuple[float, list[float], int]:
+async def _end_to_end(
+    database_url: str, kafka: KafkaSettings, num_events: int, blocks_per_record: int
+) -> tuple[float, list[float], int]:
     run_id = uuid.uuid4().hex[:8]
     workload = _workload(num_events, blocks_per_record, run_id)
     with tempfile.TemporaryDirectory(prefix="kvledger-bench-keys-") as keys_dir:
         keys = BenchKeys(Path(keys_dir))
         # Each bench node signs its records with its own enrolled key, as a real node does.
-        node_keys = {node_id: await keys.enroll(database_url, node_id, Path(keys_dir) / node_id) for node_id in workload}
+        node_keys = {
+            node_id: await keys.enroll(database_url, node_id, Path(keys_dir) / node_id)
+            for node_id in workload
+        }
 
     def sign_as_node(envelope: schema.Envelope) -> schema.Envelope:
         return sign_envelope(envelope, node_keys[envelope.payload.node_id])
@@ -178,11 +201,16 @@ async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, 
         try:
             async with EventProducer(kafka, sign=sign_as_node) as producer:
                 await producer.send_many(
-                    schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace=NAMESPACE)) for node_id in workload
+                    schema.make_event(
+                        schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace=NAMESPACE)
+                    )
+                    for node_id in workload
                 )
                 # the consumer is up and has applied the starts: every node row exists
                 await _wait(lambda: _count_nodes(connection, list(workload)), len(workload))
-                interleaved = [record for group in zip(*workload.values(), strict=False) for record in group]
+                interleaved = [
+                    record for group in zip(*workload.values(), strict=False) for record in group
+                ]
                 targets: list[tuple[str, int, float]] = []  # node, seq of the record, publish time
                 started = time.perf_counter()
                 for offset in range(0, len(interleaved), RECORDS_PER_SEND):
@@ -198,8 +226,12 @@ async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, 
                 # every 10 ms took a large share of a core from it).
                 applied = await _applied_seqs(connection, list(workload))
                 now = time.perf_counter()
-                lags.extend((now - at) * 1000 for node, seq, at in pending if applied.get(node, -1) >= seq)
-                pending = [(node, seq, at) for node, seq, at in pending if applied.get(node, -1) < seq]
+                lags.extend(
+                    (now - at) * 1000 for node, seq, at in pending if applied.get(node, -1) >= seq
+                )
+                pending = [
+                    (node, seq, at) for node, seq, at in pending if applied.get(node, -1) < seq
+                ]
                 if now > deadline:
                     raise TimeoutError(f"ledger did not catch up within {TIMEOUT_S}s")
                 if pending:
@@ -207,7 +239,10 @@ async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, 
             elapsed_s = time.perf_counter() - started
             total = sum(len(record.blocks) for record in interleaved)
             live = await _live_counts(connection)
-            expected = {node_id: sum(len(record.blocks) for record in records) for node_id, records in workload.items()}
+            expected = {
+                node_id: sum(len(record.blocks) for record in records)
+                for node_id, records in workload.items()
+            }
             assert live == expected, f"live placements {live} after ingest, expected {expected}"
         finally:
             await connection.close()
@@ -217,12 +252,16 @@ async def _end_to_end(database_url: str, kafka: KafkaSettings, num_events: int, 
 
 
 async def _applied_seqs(connection: asyncpg.Connection, node_ids: list[str]) -> dict[str, int]:
-    rows = await connection.fetch("SELECT node_id, last_seq FROM nodes WHERE node_id = ANY($1::text[])", node_ids)
+    rows = await connection.fetch(
+        "SELECT node_id, last_seq FROM nodes WHERE node_id = ANY($1::text[])", node_ids
+    )
     return {row["node_id"]: row["last_seq"] for row in rows}
 
 
 async def _count_nodes(connection: asyncpg.Connection, node_ids: list[str]) -> int:
-    return await connection.fetchval("SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids)
+    return await connection.fetchval(
+        "SELECT count(*) FROM nodes WHERE node_id = ANY($1::text[])", node_ids
+    )
 
 
 async def _wait(probe, expected: int) -> None:
@@ -240,36 +279,76 @@ async def _apply_only(database_url: str, num_events: int, blocks_per_record: int
     workload = _workload(num_events, blocks_per_record, run_id)
     database = Database(DatabaseSettings(url=database_url), pre_ping=False)
     try:
-        ingest = LedgerIngest(database, inventory_retry_s=60.0, command_signer=EnvelopeSigner(Ed25519PrivateKey.generate()))
-        starts = [schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace=NAMESPACE)) for node_id in workload]
-        records = [schema.make_event(record) for group in zip(*workload.values(), strict=False) for record in group]
+        ingest = LedgerIngest(
+            database,
+            inventory_retry_s=60.0,
+            command_signer=EnvelopeSigner(Ed25519PrivateKey.generate()),
+        )
+        starts = [
+            schema.make_event(
+                schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace=NAMESPACE)
+            )
+            for node_id in workload
+        ]
+        records = [
+            schema.make_event(record)
+            for group in zip(*workload.values(), strict=False)
+            for record in group
+        ]
         events = [
-            ConsumedEvent(topic=KV_EVENTS, partition=0, offset=offset, key=envelope.payload.node_id, timestamp_ms=0, envelope=envelope)
+            ConsumedEvent(
+                topic=KV_EVENTS,
+                partition=0,
+                offset=offset,
+                key=envelope.payload.node_id,
+                timestamp_ms=0,
+                envelope=envelope,
+            )
             for offset, envelope in enumerate([*starts, *records])
         ]
         await ingest(events[: len(starts)])
         started = time.perf_counter()
         for offset in range(len(starts), len(events), CONSUMER_BATCH_RECORDS):
             await ingest(events[offset : offset + CONSUMER_BATCH_RECORDS])
-        return sum(len(record.payload.blocks) for record in records) / (time.perf_counter() - started)
+        return sum(len(record.payload.blocks) for record in records) / (
+            time.perf_counter() - started
+        )
     finally:
         await database.dispose()
 
 
-async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: int, use_copy: bool) -> float:
+async def _raw_baseline(
+    database_url: str, num_events: int, blocks_per_record: int, use_copy: bool
+) -> float:
     """The same block + placement rows written straight through asyncpg (no broker, no consumer)."""
     run_id = uuid.uuid4().hex[:8]
     workload = _workload(num_events, blocks_per_record, run_id)
     connection = await asyncpg.connect(**connect_kwargs(database_url))
     try:
-        await connection.execute("INSERT INTO namespaces (namespace) VALUES ($1) ON CONFLICT DO NOTHING", NAMESPACE)
-        await connection.executemany("INSERT INTO nodes (node_id, epoch, last_seq) VALUES ($1, 1, 0)", [(node_id,) for node_id in workload])
+        await connection.execute(
+            "INSERT INTO namespaces (namespace) VALUES ($1) ON CONFLICT DO NOTHING", NAMESPACE
+        )
+        await connection.executemany(
+            "INSERT INTO nodes (node_id, epoch, last_seq) VALUES ($1, 1, 0)",
+            [(node_id,) for node_id in workload],
+        )
         blocks, placements = [], []
         for node_id, records in workload.items():
             for record in records:
                 for block in record.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
-                    blocks.append((block_hash, None, NAMESPACE, None, "public", None, block.token_offset, block.created_at))
+                    blocks.append(
+                        (
+                            block_hash,
+                            None,
+                            NAMESPACE,
+                            None,
+                            "public",
+                            None,
+                            block.token_offset,
+                            block.created_at,
+                        )
+                    )
                     placements.append((block_hash, node_id, "device", None, "live", 1, None))
         started = time.perf_counter()
         for offset in range(0, len(blocks), blocks_per_record * 500):
@@ -293,7 +372,15 @@ async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: i
                     await connection.copy_records_to_table(
                         "placements",
                         records=placements[offset:end],
-                        columns=["block_hash", "node_id", "tier", "snapshot_id", "state", "epoch", "reason"],
+                        columns=[
+                            "block_hash",
+                            "node_id",
+                            "tier",
+                            "snapshot_id",
+                            "state",
+                            "epoch",
+                            "reason",
+                        ],
                     )
                 else:
                     await connection.executemany(
@@ -313,7 +400,9 @@ async def _raw_baseline(database_url: str, num_events: int, blocks_per_record: i
 
 async def _run(args) -> list[LedgerRun]:
     async with contextlib.AsyncExitStack() as stack:
-        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-ledger-")))
+        work = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-ledger-"))
+        )
         server_url = await database_server(stack, args, work / "postgres")
         bootstrap = await kafka_broker(stack, args, work / "kafka")
         kafka = KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")
@@ -321,11 +410,17 @@ async def _run(args) -> list[LedgerRun]:
         runs = []
         for _ in range(args.runs):
             async with fresh_database(server_url) as url:
-                events_per_s, lags, total = await _end_to_end(url, kafka, args.events, args.blocks_per_record)
+                events_per_s, lags, total = await _end_to_end(
+                    url, kafka, args.events, args.blocks_per_record
+                )
             async with fresh_database(server_url) as url:
-                insert_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=False)
+                insert_rows_per_s = await _raw_baseline(
+                    url, args.events, args.blocks_per_record, use_copy=False
+                )
             async with fresh_database(server_url) as url:
-                copy_rows_per_s = await _raw_baseline(url, args.events, args.blocks_per_record, use_copy=True)
+                copy_rows_per_s = await _raw_baseline(
+                    url, args.events, args.blocks_per_record, use_copy=True
+                )
             async with fresh_database(server_url) as url:
                 apply_events_per_s = await _apply_only(url, args.events, args.blocks_per_record)
             runs.append(
@@ -347,8 +442,15 @@ async def _run(args) -> list[LedgerRun]:
 def _git_revision() -> str:
     """The checkout's short commit (``+dirty`` with uncommitted changes); ``unknown`` outside a git checkout."""
     try:
-        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True).stdout
+        revision = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return revision + ("+dirty" if dirty.strip() else "")

@@ -49,12 +49,22 @@ class ReplicaRun:
 
 
 def _prompt(num_words: int) -> list[dict]:
-    text = " ".join(f"clause {i} of the handbook says item {i % 97} applies" for i in range(num_words // 8 + 1))
-    return [{"role": "system", "content": text, "cache_scope": "tenant"}, {"role": "user", "content": "Summarise."}]
+    text = " ".join(
+        f"clause {i} of the handbook says item {i % 97} applies" for i in range(num_words // 8 + 1)
+    )
+    return [
+        {"role": "system", "content": text, "cache_scope": "tenant"},
+        {"role": "user", "content": "Summarise."},
+    ]
 
 
 async def _ask(
-    client: httpx.AsyncClient, url: str, model: str, token: str, messages: list[dict], headers: dict | None = None
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    token: str,
+    messages: list[dict],
+    headers: dict | None = None,
 ) -> tuple[float, dict]:
     started = time.perf_counter()
     response = await client.post(
@@ -68,8 +78,14 @@ async def _ask(
 
 
 async def _metric(client: httpx.AsyncClient, url: str, name: str) -> float:
-    text = (await client.get(f"{url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+    text = (
+        await client.get(f"{url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    ).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 async def _loopback_s(num_bytes: int) -> float:
@@ -103,14 +119,28 @@ async def _run(args: argparse.Namespace) -> list[ReplicaRun]:
     runs: list[ReplicaRun] = []
     with tempfile.TemporaryDirectory(prefix="kvledger-bench-replicas-") as work:
         config = ClusterConfig(
-            num_nodes=2, peers=True, node_metrics_token=METRICS_TOKEN, num_device_blocks=args.device_blocks, num_host_blocks=0
+            num_nodes=2,
+            peers=True,
+            node_metrics_token=METRICS_TOKEN,
+            num_device_blocks=args.device_blocks,
+            num_host_blocks=0,
         )
-        async with Cluster(Path(work), model_dir, config) as cluster, httpx.AsyncClient(timeout=600) as client:
+        async with (
+            Cluster(Path(work), model_dir, config) as cluster,
+            httpx.AsyncClient(timeout=600) as client,
+        ):
             holder, puller = cluster.nodes[0].url, cluster.nodes[1].url
-            model = (await client.get(f"{holder}/v1/models", headers={"Authorization": f"Bearer {cluster.user_token('t', 'u')}"})).json()[
-                "data"
-            ][0]["id"]
-            stats = (await client.get(f"{holder}/v1/cache/stats", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})).json()
+            model = (
+                await client.get(
+                    f"{holder}/v1/models",
+                    headers={"Authorization": f"Bearer {cluster.user_token('t', 'u')}"},
+                )
+            ).json()["data"][0]["id"]
+            stats = (
+                await client.get(
+                    f"{holder}/v1/cache/stats", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
+                )
+            ).json()
             block_size, block_bytes = stats["block_size"], stats["block_bytes"]
             for num_words in args.sizes:
                 messages = _prompt(num_words)
@@ -120,11 +150,24 @@ async def _run(args: argparse.Namespace) -> list[ReplicaRun]:
                     local_hit_s, _ = await _ask(client, holder, model, token, messages)
                     num_blocks = usage["prompt_tokens"] // block_size
                     pull_before = await _metric(client, puller, "kvledger_peer_pull_seconds_sum")
-                    blocks_before = await _metric(client, puller, "kvledger_peer_pulled_blocks_total")
-                    hint = {PULL_FROM_HEADER: cluster.node_ids[0], PULL_BLOCKS_HEADER: str(num_blocks)}
-                    pulled_s, pulled_usage = await _ask(client, puller, model, token, messages, hint)
-                    pull_s = await _metric(client, puller, "kvledger_peer_pull_seconds_sum") - pull_before
-                    pulled_blocks = int(await _metric(client, puller, "kvledger_peer_pulled_blocks_total") - blocks_before)
+                    blocks_before = await _metric(
+                        client, puller, "kvledger_peer_pulled_blocks_total"
+                    )
+                    hint = {
+                        PULL_FROM_HEADER: cluster.node_ids[0],
+                        PULL_BLOCKS_HEADER: str(num_blocks),
+                    }
+                    pulled_s, pulled_usage = await _ask(
+                        client, puller, model, token, messages, hint
+                    )
+                    pull_s = (
+                        await _metric(client, puller, "kvledger_peer_pull_seconds_sum")
+                        - pull_before
+                    )
+                    pulled_blocks = int(
+                        await _metric(client, puller, "kvledger_peer_pulled_blocks_total")
+                        - blocks_before
+                    )
                     runs.append(
                         ReplicaRun(
                             usage["prompt_tokens"],

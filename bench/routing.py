@@ -76,11 +76,19 @@ def _block(block_hash: str, tier: str) -> StoredBlock:
     )
 
 
-def _fill(args: argparse.Namespace, rng: random.Random) -> tuple[PrefixIndex, list[list[bytes]], float]:
+def _fill(
+    args: argparse.Namespace, rng: random.Random
+) -> tuple[PrefixIndex, list[list[bytes]], float]:
     """The index, the queries, and the block events/s of filling it."""
     index = PrefixIndex()
     shared = args.blocks * 2 // 3
-    prompts = [[_hash("g", p % NUM_GROUPS, i) if i < shared else _hash("p", p, i) for i in range(args.blocks)] for p in range(NUM_PROMPTS)]
+    prompts = [
+        [
+            _hash("g", p % NUM_GROUPS, i) if i < shared else _hash("p", p, i)
+            for i in range(args.blocks)
+        ]
+        for p in range(NUM_PROMPTS)
+    ]
     for node in range(args.nodes):
         index.apply(NodeStarted(node_id=f"node-{node}", epoch=1, seq=0, namespace="ns"), 0.0)
     seqs = [0] * args.nodes
@@ -88,15 +96,27 @@ def _fill(args: argparse.Namespace, rng: random.Random) -> tuple[PrefixIndex, li
     for keys in prompts:
         for node in rng.sample(range(args.nodes), 2):
             tier = rng.choice(["device", "device", "host", "disk"])
-            blocks = [_block(block_hash, tier) for block_hash in keys[: rng.randint(1, args.blocks)]]
+            blocks = [
+                _block(block_hash, tier) for block_hash in keys[: rng.randint(1, args.blocks)]
+            ]
             for start in range(0, len(blocks), 50):
                 seqs[node] += 1
-                records.append(BlockStored(node_id=f"node-{node}", epoch=1, seq=seqs[node], blocks=blocks[start : start + 50]))
+                records.append(
+                    BlockStored(
+                        node_id=f"node-{node}",
+                        epoch=1,
+                        seq=seqs[node],
+                        blocks=blocks[start : start + 50],
+                    )
+                )
     started = time.process_time()
     for record in records:
         index.apply(record, 0.0)
     events_per_s = sum(len(record.blocks) for record in records) / (time.process_time() - started)
-    queries = [[bytes.fromhex(block_hash) for block_hash in rng.choice(prompts)] for _ in range(NUM_QUERIES)]
+    queries = [
+        [bytes.fromhex(block_hash) for block_hash in rng.choice(prompts)]
+        for _ in range(NUM_QUERIES)
+    ]
     return index, queries, events_per_s
 
 
@@ -119,8 +139,14 @@ async def _run(args: argparse.Namespace) -> list[dict[str, float]]:
         runs.append(
             {
                 "lookups_per_s": _per_s(index.match, queries, args.lookups),
-                "decisions_per_s": _per_s(lambda keys: strategy.rank(candidates, index.match(keys)), queries, args.lookups // 4),
-                "dict_gets_per_s": _per_s(lambda keys: list(map(blocks.get, keys)), queries, args.lookups),
+                "decisions_per_s": _per_s(
+                    lambda keys: strategy.rank(candidates, index.match(keys)),
+                    queries,
+                    args.lookups // 4,
+                ),
+                "dict_gets_per_s": _per_s(
+                    lambda keys: list(map(blocks.get, keys)), queries, args.lookups
+                ),
                 "events_per_s": events_per_s,
                 "nodes_matched": statistics.fmean(len(index.match(keys)) for keys in queries),
             }
@@ -147,7 +173,12 @@ def _render(args: argparse.Namespace, runs: list[dict[str, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-QUESTIONS = ("How many vacation days do I get?", "Who approves my leave?", "Can I carry days over?", "What about sick days?")
+QUESTIONS = (
+    "How many vacation days do I get?",
+    "Who approves my leave?",
+    "Can I carry days over?",
+    "What about sick days?",
+)
 STRATEGIES = ("round-robin", "least-loaded", "affinity", "router")
 NUM_LATENCY_PAIRS = 40
 NUM_WARMUP_TRIES = 20
@@ -175,7 +206,9 @@ def _port_free(port: int) -> bool:
 
 
 def _stack(state_dir: Path, num_nodes: int, device_blocks: int) -> tuple[Process, dict]:
-    env = {name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")} | {
+    env = {
+        name: value for name, value in os.environ.items() if not name.startswith("KVLEDGER_")
+    } | {
         "KVLEDGER_NODE_CACHE__NUM_DEVICE_BLOCKS": str(device_blocks),
         "KVLEDGER_NODE_CACHE__HOST_MEMORY_BYTES": "0",
         "KVLEDGER_NODE_CACHE__DISK_BYTES": "0",
@@ -194,7 +227,9 @@ def _stack(state_dir: Path, num_nodes: int, device_blocks: int) -> tuple[Process
 def _token(stack: dict, tenant: str, subject: str) -> str:
     from identity.tokens import issue_token
 
-    return issue_token(tenant=tenant, sub=subject, scopes=["hr"], pv=0, ttl_s=3600, secret=stack["jwt_secret"])
+    return issue_token(
+        tenant=tenant, sub=subject, scopes=["hr"], pv=0, ttl_s=3600, secret=stack["jwt_secret"]
+    )
 
 
 def _body(stack: dict, group: int, user: int, question: int, stream: bool) -> dict:
@@ -207,7 +242,11 @@ def _body(stack: dict, group: int, user: int, question: int, stream: bool) -> di
         **({"stream_options": {"include_usage": True}} if stream else {}),
         "messages": [
             {"role": "system", "content": _shared_prompt(group), "cache_scope": "tenant"},
-            {"role": "user", "content": f"I am user {user}. {QUESTIONS[question]}", "cache_scope": "user"},
+            {
+                "role": "user",
+                "content": f"I am user {user}. {QUESTIONS[question]}",
+                "cache_scope": "user",
+            },
         ],
     }
 
@@ -230,12 +269,16 @@ def _workload(args: argparse.Namespace) -> list[tuple[float, int, int, int]]:
     return arrivals
 
 
-async def _strategy_run(stack: dict, name: str, workload: list[tuple[float, int, int, int]], run_id: str) -> dict[str, object]:
+async def _strategy_run(
+    stack: dict, name: str, workload: list[tuple[float, int, int, int]], run_id: str
+) -> dict[str, object]:
     """One strategy over the workload; each group is a tenant of this run alone, so no strategy reuses another's blocks."""
     node_urls, router_url = stack["node_urls"], stack["router_url"]
     in_flight = [0] * len(node_urls)
     turn = 0
-    results: list[tuple[float, int, int, int, str]] = []  # ttft s, cached, prompt, output tokens, node
+    results: list[
+        tuple[float, int, int, int, str]
+    ] = []  # ttft s, cached, prompt, output tokens, node
 
     def pick(group: int) -> tuple[str, int | None]:
         nonlocal turn
@@ -243,24 +286,34 @@ async def _strategy_run(stack: dict, name: str, workload: list[tuple[float, int,
             turn += 1
             return node_urls[(turn - 1) % len(node_urls)], (turn - 1) % len(node_urls)
         if name == "least-loaded":
-            position = min(range(len(node_urls)), key=lambda index: (in_flight[index], (index - turn) % len(node_urls)))
+            position = min(
+                range(len(node_urls)),
+                key=lambda index: (in_flight[index], (index - turn) % len(node_urls)),
+            )
             turn += 1
             return node_urls[position], position
         if name == "affinity":
             return node_urls[group % len(node_urls)], group % len(node_urls)
         return router_url, None
 
-    async def one(http: httpx.AsyncClient, at: float, group: int, user: int, question: int, started: float) -> None:
+    async def one(
+        http: httpx.AsyncClient, at: float, group: int, user: int, question: int, started: float
+    ) -> None:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
         url, position = pick(group)
         if position is not None:
             in_flight[position] += 1
-        headers = {"Authorization": f"Bearer {_token(stack, f'{run_id}-{name}-g{group}', f'user-{user}')}"}
+        headers = {
+            "Authorization": f"Bearer {_token(stack, f'{run_id}-{name}-g{group}', f'user-{user}')}"
+        }
         sent = time.perf_counter()
         ttft, usage = None, None
         try:
             async with http.stream(
-                "POST", f"{url}/v1/chat/completions", json=_body(stack, group, user, question, True), headers=headers
+                "POST",
+                f"{url}/v1/chat/completions",
+                json=_body(stack, group, user, question, True),
+                headers=headers,
             ) as answer:
                 answer.raise_for_status()
                 node = answer.headers.get("x-kvledger-node") or f"node-{position}"
@@ -309,8 +362,12 @@ async def _added_latency(stack: dict, run_id: str) -> dict[str, object]:
     body = _body(stack, 0, 0, 0, False) | {"max_tokens": 1}
     through, direct = [], []
     async with httpx.AsyncClient(timeout=120) as http:
-        for _ in range(NUM_WARMUP_TRIES):  # until the router's index has the first answer's blocks and routes to them
-            warm = await http.post(f"{stack['router_url']}/v1/chat/completions", json=body, headers=headers)
+        for _ in range(
+            NUM_WARMUP_TRIES
+        ):  # until the router's index has the first answer's blocks and routes to them
+            warm = await http.post(
+                f"{stack['router_url']}/v1/chat/completions", json=body, headers=headers
+            )
             warm.raise_for_status()
             if warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0:
                 break
@@ -325,7 +382,9 @@ async def _added_latency(stack: dict, run_id: str) -> dict[str, object]:
                 answer = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
                 samples.append(time.perf_counter() - sent)
                 answer.raise_for_status()
-                assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the latency pair must be a warm hit"
+                assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, (
+                    "the latency pair must be a warm hit"
+                )
     through.sort()
     direct.sort()
     return {

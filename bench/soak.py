@@ -56,7 +56,17 @@ from events import schema
 from events.topics import KV_EVENTS
 from kvledger.model_init import build_tiny_model, is_complete
 
-TABLES = ("blocks", "placements", "inbox", "outbox", "invalidations", "invalidation_targets", "erasures", "receipts", "audit_log")
+TABLES = (
+    "blocks",
+    "placements",
+    "inbox",
+    "outbox",
+    "invalidations",
+    "invalidation_targets",
+    "erasures",
+    "receipts",
+    "audit_log",
+)
 """Ledger tables whose growth the report shows."""
 NUM_USERS_PER_TENANT = 6
 SOAK_READY_TIMEOUT_S = 900.0
@@ -68,7 +78,9 @@ def parse_duration(text: str) -> float:
     """``90``, ``90s``, ``2m``, ``1h`` → seconds; ValueError for anything else."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
     if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"duration {text!r}: expected a positive number with an optional unit s, m or h (e.g. 2m)")
+        raise ValueError(
+            f"duration {text!r}: expected a positive number with an optional unit s, m or h (e.g. 2m)"
+        )
     return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
 
 
@@ -123,7 +135,9 @@ def process_lives(samples: list[RssSample]) -> list[ProcessLife]:
     lives: dict[tuple[str, int], list[RssSample]] = {}
     for sample in samples:
         lives.setdefault((sample.name, sample.pid), []).append(sample)
-    return [ProcessLife(name, pid, life[0], life[-1], len(life)) for (name, pid), life in lives.items()]
+    return [
+        ProcessLife(name, pid, life[0], life[-1], len(life)) for (name, pid), life in lives.items()
+    ]
 
 
 @dataclass
@@ -166,11 +180,23 @@ class Soak:
         self.invariants = Invariants(cluster)
         self.random = random.Random(options.seed)
         self.tenants = [
-            _Tenant(f"soak-{index}-{uuid.uuid4().hex[:4]}", users=[f"user-{index}-{u}" for u in range(NUM_USERS_PER_TENANT)])
+            _Tenant(
+                f"soak-{index}-{uuid.uuid4().hex[:4]}",
+                users=[f"user-{index}-{u}" for u in range(NUM_USERS_PER_TENANT)],
+            )
             for index in range(options.tenants)
         ]
         self.counts: dict[str, int] = dict.fromkeys(
-            ("requests_ok", "requests_unavailable", "document_updates", "revocations", "erasures_requested", "probes", "checks"), 0
+            (
+                "requests_ok",
+                "requests_unavailable",
+                "document_updates",
+                "revocations",
+                "erasures_requested",
+                "probes",
+                "checks",
+            ),
+            0,
         )
         self.violations: list[str] = []
         self._stop = asyncio.Event()
@@ -181,7 +207,11 @@ class Soak:
     # -- the workload ------------------------------------------------------------------
 
     def _running_nodes(self) -> list[int]:
-        return [index for index, node in enumerate(self.cluster.nodes) if node.running and index not in self._restarting]
+        return [
+            index
+            for index, node in enumerate(self.cluster.nodes)
+            if node.running and index not in self._restarting
+        ]
 
     async def _chat_worker(self) -> None:
         while not self._stop.is_set():
@@ -193,20 +223,32 @@ class Soak:
                 continue
             index, user = self.random.choice(nodes), self.random.choice(users)
             if self.random.random() < 0.5:
-                token, messages = self.cluster.user_token(tenant.name, user), private_chat(user, turns=self.random.randint(2, 6))
+                token, messages = (
+                    self.cluster.user_token(tenant.name, user),
+                    private_chat(user, turns=self.random.randint(2, 6)),
+                )
             else:
-                token, messages = self.cluster.user_token(tenant.name, user, tenant.scopes), document_chat(tenant.doc, tenant.doc_version)
+                token, messages = (
+                    self.cluster.user_token(tenant.name, user, tenant.scopes),
+                    document_chat(tenant.doc, tenant.doc_version),
+                )
             try:
                 await self.cluster.chat(index, token, messages)
                 self.counts["requests_ok"] += 1
             except (openai.APIConnectionError, openai.InternalServerError):
-                self.counts["requests_unavailable"] += 1  # the node is being restarted (503 while it replays)
+                self.counts["requests_unavailable"] += (
+                    1  # the node is being restarted (503 while it replays)
+                )
             except openai.APIStatusError as error:
                 if error.status_code in (401, 409) and index in self._running_nodes():
                     # A governance action moved past what this worker read a moment ago; refused, never served.
-                    self.counts["requests_refused_stale"] = self.counts.get("requests_refused_stale", 0) + 1
+                    self.counts["requests_refused_stale"] = (
+                        self.counts.get("requests_refused_stale", 0) + 1
+                    )
                 else:
-                    self.violations.append(f"request to {self.cluster.node_ids[index]} failed with {error.status_code}")
+                    self.violations.append(
+                        f"request to {self.cluster.node_ids[index]} failed with {error.status_code}"
+                    )
 
     async def _governance(self) -> None:
         """One action every ``action_interval_s``; each waits for its own completion and probes in its own task."""
@@ -217,7 +259,9 @@ class Soak:
                     await asyncio.wait_for(self._stop.wait(), self.options.action_interval_s)
                 if self._stop.is_set():
                     break
-                action = getattr(self, f"_{self.random.choice(('document', 'revocation', 'erasure'))}")
+                action = getattr(
+                    self, f"_{self.random.choice(('document', 'revocation', 'erasure'))}"
+                )
                 task = asyncio.create_task(self._act(action, self.random.choice(self.tenants)))
                 running.add(task)
                 task.add_done_callback(running.discard)
@@ -238,22 +282,35 @@ class Soak:
 
     async def _document(self, tenant: _Tenant) -> None:
         stale = tenant.doc_version
-        tenant.doc_version += 1  # before the send: a concurrent action must not publish the same version
-        event = await self.cluster.publish(schema.DocumentUpdated(doc_id=tenant.doc, version=tenant.doc_version), tenant.name)
+        tenant.doc_version += (
+            1  # before the send: a concurrent action must not publish the same version
+        )
+        event = await self.cluster.publish(
+            schema.DocumentUpdated(doc_id=tenant.doc, version=tenant.doc_version), tenant.name
+        )
         self.counts["document_updates"] += 1
         if await self._completed("source_event_id = $1", event.event_id):
             for index in self._running_nodes():
-                await self._probe(self.invariants.probe_stale_document(index, tenant.name, document_chat(tenant.doc, stale), tenant.scopes))
+                await self._probe(
+                    self.invariants.probe_stale_document(
+                        index, tenant.name, document_chat(tenant.doc, stale), tenant.scopes
+                    )
+                )
 
     async def _revocation(self, tenant: _Tenant) -> None:
         stale = tenant.scopes
         tenant.policy_version += 1
-        event = await self.cluster.publish(schema.PermissionRevoked(auth_scope="hr", policy_version=tenant.policy_version), tenant.name)
+        event = await self.cluster.publish(
+            schema.PermissionRevoked(auth_scope="hr", policy_version=tenant.policy_version),
+            tenant.name,
+        )
         self.counts["revocations"] += 1
         if await self._completed("source_event_id = $1", event.event_id):
             for index in self._running_nodes():
                 await self._probe(
-                    self.invariants.probe_stale_policy(index, tenant.name, document_chat(tenant.doc, tenant.doc_version), stale)
+                    self.invariants.probe_stale_policy(
+                        index, tenant.name, document_chat(tenant.doc, tenant.doc_version), stale
+                    )
                 )
 
     async def _erasure(self, tenant: _Tenant) -> None:
@@ -269,14 +326,18 @@ class Soak:
                 role=("privacy-officer", tenant.name),
                 json={"tenant_id": tenant.name, "subject_id": user, "reason": "soak erasure"},
             )
-            if response.status_code != 202:  # 503 while the coordinator restarts: tried again by a later action
+            if (
+                response.status_code != 202
+            ):  # 503 while the coordinator restarts: tried again by a later action
                 self.counts["actions_deferred"] = self.counts.get("actions_deferred", 0) + 1
                 return
             erasure_id = response.json()["id"]
             self.counts["erasures_requested"] += 1
             if await self._verified(erasure_id):
                 for index in self._running_nodes():
-                    await self._probe(self.invariants.probe_erased(index, tenant.name, user, private_chat(user)))
+                    await self._probe(
+                        self.invariants.probe_erased(index, tenant.name, user, private_chat(user))
+                    )
         finally:
             self._erasing.discard((tenant.name, user))
 
@@ -293,7 +354,9 @@ class Soak:
         connection = await asyncpg.connect(**self.cluster.connect_kwargs(), timeout=10)
         try:
             while time.monotonic() < deadline and not self._stop.is_set():
-                if await connection.fetchval(f"SELECT status = 'complete' FROM invalidations WHERE {where}", *args):
+                if await connection.fetchval(
+                    f"SELECT status = 'complete' FROM invalidations WHERE {where}", *args
+                ):
                     return bool(self._running_nodes())
                 await asyncio.sleep(0.2)
         finally:
@@ -314,9 +377,17 @@ class Soak:
         each on its own schedule, so a slow restart delays no other fault. One that started always finishes, even
         past the end of the run."""
         duration, num_kills = self.options.duration_s, self.options.coordinator_restarts
-        plan = [(duration * (i + 1) / (self.options.node_restarts + 1), self._restart_node, i) for i in range(self.options.node_restarts)]
-        plan += [(duration * (2 * i + 1) / (2 * num_kills), self._restart_coordinator, i) for i in range(num_kills)]
-        await asyncio.gather(*(self._at(started + at_s, fault, number) for at_s, fault, number in plan))
+        plan = [
+            (duration * (i + 1) / (self.options.node_restarts + 1), self._restart_node, i)
+            for i in range(self.options.node_restarts)
+        ]
+        plan += [
+            (duration * (2 * i + 1) / (2 * num_kills), self._restart_coordinator, i)
+            for i in range(num_kills)
+        ]
+        await asyncio.gather(
+            *(self._at(started + at_s, fault, number) for at_s, fault, number in plan)
+        )
 
     async def _at(self, when: float, fault, number: int) -> None:
         with contextlib.suppress(TimeoutError):
@@ -341,7 +412,9 @@ class Soak:
         if len(cluster.coordinators) > 1 and held:
             num_records, found = await self.invariants.taken_over(held, killed_ms, restarted_ms)
             self.counts["takeovers"] = self.counts.get("takeovers", 0) + 1
-            self.counts["kv_events_taken_over"] = self.counts.get("kv_events_taken_over", 0) + num_records
+            self.counts["kv_events_taken_over"] = (
+                self.counts.get("kv_events_taken_over", 0) + num_records
+            )
             self.violations.extend(found)
 
     async def _restart_node(self, number: int) -> None:
@@ -365,7 +438,10 @@ class Soak:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.options.check_interval_s)
             with contextlib.suppress(OSError, asyncpg.PostgresError, TimeoutError):
-                found = self.invariants.kv_events_exact() + await self.invariants.erased_copies_in_ledger()
+                found = (
+                    self.invariants.kv_events_exact()
+                    + await self.invariants.erased_copies_in_ledger()
+                )
                 self.counts["checks"] += 1
                 self.violations.extend(v for v in found if v not in self.violations)
 
@@ -390,12 +466,18 @@ class Soak:
         try:
             return {
                 "commands": await connection.fetchval("SELECT count(*) FROM invalidations"),
-                "commands_late_block": await connection.fetchval("SELECT count(*) FROM invalidations WHERE trigger = 'late_block'"),
+                "commands_late_block": await connection.fetchval(
+                    "SELECT count(*) FROM invalidations WHERE trigger = 'late_block'"
+                ),
                 "erasure_late_block_reissues": await connection.fetchval(
                     "SELECT count(*) FROM invalidations WHERE trigger = 'late_block' AND kind = 'subject'"
                 ),
-                "command_resends": await connection.fetchval("SELECT coalesce(sum(resend_count), 0) FROM invalidation_targets"),
-                "erasures_verified": await connection.fetchval("SELECT count(*) FROM erasures WHERE status = 'verified'"),
+                "command_resends": await connection.fetchval(
+                    "SELECT coalesce(sum(resend_count), 0) FROM invalidation_targets"
+                ),
+                "erasures_verified": await connection.fetchval(
+                    "SELECT count(*) FROM erasures WHERE status = 'verified'"
+                ),
             }
         finally:
             await connection.close()
@@ -405,7 +487,10 @@ class Soak:
         connection = await asyncpg.connect(**self.cluster.connect_kwargs(), timeout=10)
         try:
             found["tables (bytes)"] = {
-                table: await connection.fetchval("SELECT pg_total_relation_size($1::regclass)", table) for table in TABLES
+                table: await connection.fetchval(
+                    "SELECT pg_total_relation_size($1::regclass)", table
+                )
+                for table in TABLES
             }
         finally:
             await connection.close()
@@ -426,7 +511,9 @@ class Soak:
             asyncio.create_task(self._sample_rss(started, report.rss_samples)),
         ]
         try:
-            done, _ = await asyncio.wait(tasks, timeout=self.options.duration_s, return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait(
+                tasks, timeout=self.options.duration_s, return_when=asyncio.FIRST_EXCEPTION
+            )
             for task in done:
                 task.result()
         finally:
@@ -439,7 +526,9 @@ class Soak:
             if not child.running:
                 await child.start()
         self.violations.extend(await self.invariants.check())
-        self._sample_rss_once(started, report.rss_samples)  # the last lives' end, however short they were
+        self._sample_rss_once(
+            started, report.rss_samples
+        )  # the last lives' end, however short they were
         report.resources_end = await self.resources()
         totals = await self._ledger_totals()
         report.counts = (
@@ -453,7 +542,9 @@ class Soak:
             | {name: totals[name] - totals_before[name] for name in totals}
         )
         report.faults = {
-            kind: count - faults_before.get(kind, 0) for kind, count in self.cluster.faults.items() if count > faults_before.get(kind, 0)
+            kind: count - faults_before.get(kind, 0)
+            for kind, count in self.cluster.faults.items()
+            if count > faults_before.get(kind, 0)
         }
         report.violations = list(dict.fromkeys(self.violations))
         return report
@@ -464,20 +555,33 @@ async def run_soak(cluster: Cluster, options: SoakOptions) -> SoakReport:
 
 
 def render_markdown(report: SoakReport, command: str) -> str:
-    lines = [f"Soak of {report.duration_s:.0f} s (`{command}`)", "", "| count | value |", "|---|---:|"]
+    lines = [
+        f"Soak of {report.duration_s:.0f} s (`{command}`)",
+        "",
+        "| count | value |",
+        "|---|---:|",
+    ]
     lines += [f"| {name} | {value} |" for name, value in sorted(report.counts.items())]
     lines += [f"| faults: {name} | {value} |" for name, value in sorted(report.faults.items())]
     lines += [f"| **violations** | **{report.num_violations}** |", ""]
-    lines += ["| process / table | measure | after warm-up | at the end | growth |", "|---|---|---:|---:|---:|"]
+    lines += [
+        "| process / table | measure | after warm-up | at the end | growth |",
+        "|---|---|---:|---:|---:|",
+    ]
     for name, start in report.resources_start.items():
         end = report.resources_end.get(name, {})
         for measure, before in start.items():
             after = end.get(measure)
             growth = "" if after is None else f"{after - before:+d}"
-            lines.append(f"| {name} | {measure} | {before} | {'' if after is None else after} | {growth} |")
+            lines.append(
+                f"| {name} | {measure} | {before} | {'' if after is None else after} | {growth} |"
+            )
     lives = process_lives(report.rss_samples)
     if lives:
-        lines += ["", "| process | life (pid) | sampled from – to (s) | samples | RSS first → last (MiB) | per 10 min (MiB) |"]
+        lines += [
+            "",
+            "| process | life (pid) | sampled from – to (s) | samples | RSS first → last (MiB) | per 10 min (MiB) |",
+        ]
         lines += ["|---|---|---|---:|---:|---:|"]
         for life in lives:
             rate = life.mib_per_10_min
@@ -507,7 +611,13 @@ async def _main(args: argparse.Namespace) -> SoakReport:
         seed=args.seed,
     )
     async with Cluster(
-        work, model_dir, ClusterConfig(num_nodes=args.nodes, num_coordinators=args.coordinators, ready_timeout_s=SOAK_READY_TIMEOUT_S)
+        work,
+        model_dir,
+        ClusterConfig(
+            num_nodes=args.nodes,
+            num_coordinators=args.coordinators,
+            ready_timeout_s=SOAK_READY_TIMEOUT_S,
+        ),
     ) as cluster:
         return await run_soak(cluster, options)
 

@@ -124,16 +124,25 @@ class _Parts:
     pruner: Pruner
 
     @classmethod
-    def build(cls, settings: CoordinatorSettings, config: KafkaSettings, command_signer: EnvelopeSigner) -> _Parts:
+    def build(
+        cls, settings: CoordinatorSettings, config: KafkaSettings, command_signer: EnvelopeSigner
+    ) -> _Parts:
         database = Database(settings.database, pre_ping=False)
         producer = EventProducer(config)
         tally = DeadLetterTally()
-        relay = OutboxRelay(database, producer, batch_size=settings.ledger.outbox_batch_size, poll_s=settings.ledger.outbox_poll_s)
+        relay = OutboxRelay(
+            database,
+            producer,
+            batch_size=settings.ledger.outbox_batch_size,
+            poll_s=settings.ledger.outbox_poll_s,
+        )
         subject_key = settings.ledger.subject_key
         erasures = ErasureService(
             database,
             subject_key=None if subject_key is None else subject_key.get_secret_value().encode(),
-            receipt_keys=ReceiptKeys(settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()),
+            receipt_keys=ReceiptKeys(
+                settings.ledger.receipt_signing_key, settings.keys.master_key_bytes()
+            ),
             command_signer=command_signer,
         )
         handler = InvalidationHandler(
@@ -154,9 +163,18 @@ class _Parts:
         node_keys = NodeKeyRegistry(database, settings.ledger.node_key_cache_s)
         seal = command_signer.sign_dead_letter  # replay trusts only letters the coordinator signed
         consumer = BatchConsumer(
-            config.model_copy(update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}),
+            config.model_copy(
+                update={"fetch_max_wait_ms": settings.kafka.ingest_fetch_max_wait_ms}
+            ),
             [KV_EVENTS],
-            VerifiedRecords(ingest, node_keys, producer, group_id=config.group_id, dead_letter_counter=tally, seal=seal),
+            VerifiedRecords(
+                ingest,
+                node_keys,
+                producer,
+                group_id=config.group_id,
+                dead_letter_counter=tally,
+                seal=seal,
+            ),
             dead_letter_counter=tally,
             is_poison=refused_as_data,
             max_records=settings.kafka.max_batch_records,
@@ -179,7 +197,10 @@ class _Parts:
             interval_s=settings.ledger.prune_interval_s,
         )
         groups = consumer_groups(config.group_id)
-        invalidation_group, ack_group = config.group_id + INVALIDATION_GROUP_SUFFIX, config.group_id + ACK_GROUP_SUFFIX
+        invalidation_group, ack_group = (
+            config.group_id + INVALIDATION_GROUP_SUFFIX,
+            config.group_id + ACK_GROUP_SUFFIX,
+        )
         decisions = VerifiedRecords(
             handler,
             ProducerKeyRegistry(database, settings.ledger.node_key_cache_s),
@@ -203,10 +224,32 @@ class _Parts:
             )
             for group_id, group_handler in (
                 (invalidation_group, decisions),
-                (ack_group, VerifiedRecords(handler, node_keys, producer, group_id=ack_group, dead_letter_counter=tally, seal=seal)),
+                (
+                    ack_group,
+                    VerifiedRecords(
+                        handler,
+                        node_keys,
+                        producer,
+                        group_id=ack_group,
+                        dead_letter_counter=tally,
+                        seal=seal,
+                    ),
+                ),
             )
         )
-        return cls(database, producer, tally, relay, consumer, invalidations, acks, erasures, handler, resender, pruner)
+        return cls(
+            database,
+            producer,
+            tally,
+            relay,
+            consumer,
+            invalidations,
+            acks,
+            erasures,
+            handler,
+            resender,
+            pruner,
+        )
 
 
 async def _run_connected(
@@ -228,7 +271,9 @@ async def _run_connected(
                 await _started(part.start(), connect_timeout_s)
             except BrokerUnreachable:
                 # The half-started part too: a failed start may leave connections open.
-                await asyncio.gather(*(each.stop() for each in (part, *reversed(started))), return_exceptions=True)
+                await asyncio.gather(
+                    *(each.stop() for each in (part, *reversed(started))), return_exceptions=True
+                )
                 started.clear()
                 raise
             started.append(part)
@@ -239,21 +284,33 @@ async def _run_connected(
             asyncio.create_task(parts.invalidations.run(), name="invalidation consumer"),
             asyncio.create_task(parts.acks.run(), name="ack consumer"),
             asyncio.create_task(parts.relay.run(stop), name="outbox relay"),
-            asyncio.create_task(parts.erasures.run(stop, settings.ledger.erasure_verify_interval_s), name="erasure verifier"),
+            asyncio.create_task(
+                parts.erasures.run(stop, settings.ledger.erasure_verify_interval_s),
+                name="erasure verifier",
+            ),
             asyncio.create_task(parts.resender.run(stop), name="command re-sender"),
-            asyncio.create_task(parts.handler.run_releases(stop, settings.ledger.deferred_ack_poll_s), name="deferred-ack release"),
-            asyncio.create_task(parts.tally.run(parts.database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"),
+            asyncio.create_task(
+                parts.handler.run_releases(stop, settings.ledger.deferred_ack_poll_s),
+                name="deferred-ack release",
+            ),
+            asyncio.create_task(
+                parts.tally.run(parts.database, stop, DEAD_LETTER_FLUSH_S), name="dead-letter tally"
+            ),
             asyncio.create_task(parts.pruner.run(stop), name="pruner"),
         ]
         if assigned is not None:
-            tasks.append(asyncio.create_task(_signal_assignment(parts.consumer, assigned), name="assignment"))
+            tasks.append(
+                asyncio.create_task(_signal_assignment(parts.consumer, assigned), name="assignment")
+            )
         log.info("coordinator consumers running (group %s)", parts.consumer.group_id)
         try:
             await stop.wait()
         finally:
             if readiness is not None:
                 readiness.watch([])
-            await asyncio.gather(parts.consumer.stop(), parts.invalidations.stop(), parts.acks.stop())
+            await asyncio.gather(
+                parts.consumer.stop(), parts.invalidations.stop(), parts.acks.stop()
+            )
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             # The last decision batches handed their commands over while the relay was stopping.

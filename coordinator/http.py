@@ -23,7 +23,14 @@ from identity.tokens import AuthError
 class ApiError(Exception):
     """An error answered with the JSON error shape; ``headers`` go out with it (e.g. ``Retry-After``)."""
 
-    def __init__(self, status_code: int, error_type: str, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status_code: int,
+        error_type: str,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.error_type = error_type
@@ -37,14 +44,24 @@ def error_content(error_type: str, code: str, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "code": code}}
 
 
-def error_response(status_code: int, error_type: str, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status_code: int,
+    error_type: str,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """The error as a response. A 401 names the scheme the caller must use (``WWW-Authenticate: Bearer``)."""
     if status_code == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
-    return JSONResponse(status_code=status_code, content=error_content(error_type, code, message), headers=headers)
+    return JSONResponse(
+        status_code=status_code, content=error_content(error_type, code, message), headers=headers
+    )
 
 
-INTERNAL_ERROR_BODY = json.dumps(error_content("server_error", "internal_error", "internal server error"), separators=(",", ":")).encode()
+INTERNAL_ERROR_BODY = json.dumps(
+    error_content("server_error", "internal_error", "internal server error"), separators=(",", ":")
+).encode()
 """What an unhandled exception answers (500): nothing of the exception leaves the process."""
 
 
@@ -67,5 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # Name the parameter and the problem, never echo the input (it may be a subject id).
-        problems = "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+            for error in exc.errors()
+        )
         return error_response(400, "invalid_request_error", "invalid_parameter", problems)

@@ -16,7 +16,14 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from coordinator.ledger.models import DeadLetterCount, DeferredAck, Erasure, Invalidation, Node, OutboxEntry
+from coordinator.ledger.models import (
+    DeadLetterCount,
+    DeferredAck,
+    Erasure,
+    Invalidation,
+    Node,
+    OutboxEntry,
+)
 from coordinator.ledger.states import ErasureStatus, InvalidationStatus
 
 log = logging.getLogger(__name__)
@@ -27,13 +34,17 @@ EVENTS_TOTAL = Counter(
     "(applied; duplicate = inbox hit; replayed = seq already applied; stale = older epoch).",
     ["type", "outcome"],
 )
-BATCHES_TOTAL = Counter("kvledger_ledger_batches_total", "Polled kv-event batches committed to the ledger.")
+BATCHES_TOTAL = Counter(
+    "kvledger_ledger_batches_total", "Polled kv-event batches committed to the ledger."
+)
 BATCH_SIZE = Histogram(
     "kvledger_ledger_batch_size",
     "Events per committed kv-event batch.",
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
-BATCH_SECONDS = Histogram("kvledger_ledger_batch_seconds", "Time to apply and commit one kv-event batch.")
+BATCH_SECONDS = Histogram(
+    "kvledger_ledger_batch_seconds", "Time to apply and commit one kv-event batch."
+)
 INGEST_LAG_SECONDS = Histogram(
     "kvledger_ledger_ingest_lag_seconds",
     "Per kv-event in a committed batch: commit time of the batch minus the event's occurred_at.",
@@ -49,11 +60,17 @@ SEQ_GAPS_TOTAL = Counter(
     "Detected holes in a node's event stream (missed seq, missed NodeStarted, unknown block, unseen node).",
     ["kind"],
 )
-INVENTORY_REQUESTS_TOTAL = Counter("kvledger_ledger_inventory_requests_total", "InventoryRequested commands queued.")
+INVENTORY_REQUESTS_TOTAL = Counter(
+    "kvledger_ledger_inventory_requests_total", "InventoryRequested commands queued."
+)
 INVENTORIES_TOTAL = Counter("kvledger_ledger_inventories_total", "Complete inventories reconciled.")
-OUTBOX_PUBLISHED_TOTAL = Counter("kvledger_outbox_published_total", "Outbox records published to Kafka.", ["topic"])
+OUTBOX_PUBLISHED_TOTAL = Counter(
+    "kvledger_outbox_published_total", "Outbox records published to Kafka.", ["topic"]
+)
 PRUNED_ROWS_TOTAL = Counter(
-    "kvledger_pruned_rows_total", "Inbox and outbox rows deleted once they can no longer matter, by table.", ["table"]
+    "kvledger_pruned_rows_total",
+    "Inbox and outbox rows deleted once they can no longer matter, by table.",
+    ["table"],
 )
 
 DEAD_LETTER_RECORDS = Gauge(
@@ -61,8 +78,12 @@ DEAD_LETTER_RECORDS = Gauge(
     "Records dead-lettered by all coordinator consumers, by source topic (from the ledger).",
     ["topic"],
 )
-OUTBOX_PENDING = Gauge("kvledger_outbox_pending", "Outbox records not yet published (from the ledger).")
-NODES = Gauge("kvledger_ledger_nodes", "Known nodes by liveness (from heartbeat age).", ["liveness"])
+OUTBOX_PENDING = Gauge(
+    "kvledger_outbox_pending", "Outbox records not yet published (from the ledger)."
+)
+NODES = Gauge(
+    "kvledger_ledger_nodes", "Known nodes by liveness (from heartbeat age).", ["liveness"]
+)
 INVALIDATIONS_OPEN = Gauge(
     "kvledger_ledger_invalidations_open",
     "Invalidations not complete, by status (pending: acks outstanding; failed: a post-check did not verify) (from the ledger).",
@@ -117,7 +138,8 @@ INVALIDATION_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
 INVALIDATION_BATCH_SECONDS = Histogram(
-    "kvledger_invalidation_batch_seconds", "Time to apply and commit one documents/permissions/acks batch."
+    "kvledger_invalidation_batch_seconds",
+    "Time to apply and commit one documents/permissions/acks batch.",
 )
 
 HTTP_REQUEST_SECONDS = Histogram(
@@ -132,7 +154,9 @@ def observe_http(method: str, route: str, status: int, seconds: float) -> None:
     HTTP_REQUEST_SECONDS.labels(method, route, str(status)).observe(seconds)
 
 
-RECEIPTS_TOTAL = Counter("kvledger_erasure_receipts_total", "Erasures verified and given a signed receipt.")
+RECEIPTS_TOTAL = Counter(
+    "kvledger_erasure_receipts_total", "Erasures verified and given a signed receipt."
+)
 ERASURE_SECONDS = Histogram(
     "kvledger_erasure_seconds",
     "Time from an erasure's request to its verified receipt.",
@@ -151,11 +175,22 @@ async def exposition(session: AsyncSession, heartbeat_timeout_s: float) -> bytes
 
 async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: float) -> None:
     """Set the cluster-wide gauges from the ledger (called by every ``/metrics`` scrape)."""
-    for topic, count in await session.execute(select(DeadLetterCount.topic, DeadLetterCount.num_records)):
+    for topic, count in await session.execute(
+        select(DeadLetterCount.topic, DeadLetterCount.num_records)
+    ):
         DEAD_LETTER_RECORDS.labels(topic=topic).set(count)
-    OUTBOX_PENDING.set(await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None))))
-    alive = func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)) < heartbeat_timeout_s
-    num_alive, num_total = (await session.execute(select(func.count().filter(alive), func.count()).select_from(Node))).one()
+    OUTBOX_PENDING.set(
+        await session.scalar(
+            select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None))
+        )
+    )
+    alive = (
+        func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at))
+        < heartbeat_timeout_s
+    )
+    num_alive, num_total = (
+        await session.execute(select(func.count().filter(alive), func.count()).select_from(Node))
+    ).one()
     NODES.labels(liveness="alive").set(num_alive)
     NODES.labels(liveness="stale").set(num_total - num_alive)
 
@@ -163,7 +198,9 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
     counts = dict(
         (
             await session.execute(
-                select(Invalidation.status, func.count()).where(Invalidation.status.in_(open_statuses)).group_by(Invalidation.status)
+                select(Invalidation.status, func.count())
+                .where(Invalidation.status.in_(open_statuses))
+                .group_by(Invalidation.status)
             )
         ).all()
     )
@@ -171,19 +208,29 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
         INVALIDATIONS_OPEN.labels(status=status).set(counts.get(status, 0))
     OLDEST_OPEN_INVALIDATION_AGE.set(
         await session.scalar(
-            select(func.coalesce(func.extract("epoch", func.now() - func.min(Invalidation.requested_at)), 0)).where(
-                Invalidation.status.in_(open_statuses)
-            )
+            select(
+                func.coalesce(
+                    func.extract("epoch", func.now() - func.min(Invalidation.requested_at)), 0
+                )
+            ).where(Invalidation.status.in_(open_statuses))
         )
     )
 
     OLDEST_DEFERRED_ACK_AGE.set(
-        await session.scalar(select(func.coalesce(func.extract("epoch", func.now() - func.min(DeferredAck.deferred_at)), 0)))
+        await session.scalar(
+            select(
+                func.coalesce(
+                    func.extract("epoch", func.now() - func.min(DeferredAck.deferred_at)), 0
+                )
+            )
+        )
     )
 
     unverified_statuses = (ErasureStatus.PENDING, ErasureStatus.PARTIAL, ErasureStatus.FAILED)
     age = func.now() - Erasure.requested_at
-    age_class = case(*((age < bound, label) for label, bound in ERASURE_AGE_BUCKETS), else_="ge_24h")
+    age_class = case(
+        *((age < bound, label) for label, bound in ERASURE_AGE_BUCKETS), else_="ge_24h"
+    )
     counts = {
         (status, age_label): count
         for status, age_label, count in await session.execute(
@@ -194,11 +241,13 @@ async def refresh_ledger_gauges(session: AsyncSession, heartbeat_timeout_s: floa
     }
     for status in unverified_statuses:
         for age_label in [label for label, _ in ERASURE_AGE_BUCKETS] + ["ge_24h"]:
-            ERASURES_UNVERIFIED.labels(status=status, age=age_label).set(counts.get((status, age_label), 0))
+            ERASURES_UNVERIFIED.labels(status=status, age=age_label).set(
+                counts.get((status, age_label), 0)
+            )
     OLDEST_UNVERIFIED_ERASURE_AGE.set(
         await session.scalar(
-            select(func.coalesce(func.extract("epoch", func.now() - func.min(Erasure.requested_at)), 0)).where(
-                Erasure.status.in_(unverified_statuses)
-            )
+            select(
+                func.coalesce(func.extract("epoch", func.now() - func.min(Erasure.requested_at)), 0)
+            ).where(Erasure.status.in_(unverified_statuses))
         )
     )

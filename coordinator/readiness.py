@@ -44,7 +44,13 @@ class ConsumerReadiness:
         waiting = [consumer.group_id for consumer in self._consumers if not consumer.consuming]
         if waiting:
             return "consumer groups not yet consuming: " + ", ".join(waiting)
-        stalled = [f"{each.group_id} ({each.stall.stalled_for_s:.0f}s)" for each in self._consumers if each.stall.stalled]
+        stalled = [
+            f"{each.group_id} ({each.stall.stalled_for_s:.0f}s)"
+            for each in self._consumers
+            if each.stall.stalled
+        ]
         if stalled:
-            return "consumer groups stalled (records waiting, not committed past): " + ", ".join(stalled)
+            return "consumer groups stalled (records waiting, not committed past): " + ", ".join(
+                stalled
+            )
         return None

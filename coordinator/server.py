@@ -44,7 +44,12 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(settings: CoordinatorSettings, app: FastAPI, consumers: bool, readiness: ConsumerReadiness | None = None) -> int:
+async def serve(
+    settings: CoordinatorSettings,
+    app: FastAPI,
+    consumers: bool,
+    readiness: ConsumerReadiness | None = None,
+) -> int:
     """Run the HTTP ``app`` and, with ``consumers``, the consumers until SIGTERM/SIGINT; returns the exit status.
 
     ``readiness`` is handed to the consumers; the app's ``/readyz`` reads the same one (the
@@ -59,8 +64,14 @@ async def serve(settings: CoordinatorSettings, app: FastAPI, consumers: bool, re
         loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Task] = []
     if consumers:
-        tasks.append(asyncio.create_task(run_consumers(settings, stop, readiness=readiness), name="consumers"))
-    server = _Server(server_config(app, settings.http.host, settings.http.port, settings.http_limits))
+        tasks.append(
+            asyncio.create_task(
+                run_consumers(settings, stop, readiness=readiness), name="consumers"
+            )
+        )
+    server = _Server(
+        server_config(app, settings.http.host, settings.http.port, settings.http_limits)
+    )
     tasks.append(asyncio.create_task(server.serve(), name="http"))
     tasks.append(asyncio.create_task(_exit_on(stop, server), name="http stopper"))
     try:
@@ -88,7 +99,9 @@ def cli(args: argparse.Namespace) -> int:
         overrides["database"] = {"url": args.database_url}
     if args.kafka_bootstrap:
         overrides["kafka"] = {"bootstrap": args.kafka_bootstrap}
-    http = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
+    http = {
+        key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None
+    }
     if http:
         overrides["http"] = http
     try:
@@ -100,7 +113,9 @@ def cli(args: argparse.Namespace) -> int:
             app = create_app(settings, consumers=readiness)
         else:
             app = create_ops_app(settings, readiness)
-    except ValueError as exc:  # configuration the operator has to fix (no JWT key, bad URL, log format, ...)
+    except (
+        ValueError
+    ) as exc:  # configuration the operator has to fix (no JWT key, bad URL, log format, ...)
         print(f"kvledger coordinator: error: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(serve(settings, app, consumers=consumers, readiness=readiness))

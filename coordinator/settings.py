@@ -186,7 +186,9 @@ class LedgerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _inbox_outlives_retention(self) -> LedgerSettings:
-        longest_s = max(int(TOPIC_CONFIGS[topic]["retention.ms"]) for topic in CONSUMED_TOPICS) / 1000
+        longest_s = (
+            max(int(TOPIC_CONFIGS[topic]["retention.ms"]) for topic in CONSUMED_TOPICS) / 1000
+        )
         if self.prune_inbox_after_s <= longest_s:
             raise ValueError(
                 f"prune_inbox_after_s must exceed the longest retention of a consumed topic ({longest_s:.0f} s):"
@@ -220,12 +222,16 @@ class KeySettings(BaseModel):
         except ValueError:  # binascii.Error
             raise ValueError("the master key (KVLEDGER_MASTER_KEY) must be base64") from None
         if len(key) != 32:
-            raise ValueError(f"the master key (KVLEDGER_MASTER_KEY) must decode to 32 bytes, got {len(key)}")
+            raise ValueError(
+                f"the master key (KVLEDGER_MASTER_KEY) must decode to 32 bytes, got {len(key)}"
+            )
         return key
 
 
 class CoordinatorSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="KVLEDGER_COORDINATOR_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="KVLEDGER_COORDINATOR_", env_nested_delimiter="__", extra="ignore"
+    )
 
     database: DatabaseSettings = DatabaseSettings()
     kafka: CoordinatorKafkaSettings = CoordinatorKafkaSettings()
@@ -267,7 +273,9 @@ class CoordinatorSettings(ServiceSettings):
     def subject_key_bytes(self) -> bytes:
         """The subject digest key; ValueError when unset, because the ledger cannot match subjects without it."""
         if self.ledger.subject_key is None:
-            raise ValueError("set KVLEDGER_SUBJECT_KEY (shared with the nodes) to query blocks by subject")
+            raise ValueError(
+                "set KVLEDGER_SUBJECT_KEY (shared with the nodes) to query blocks by subject"
+            )
         return self.ledger.subject_key.get_secret_value().encode()
 
 

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from events.record_size import MAX_RECORD_BYTES, envelope_bytes, split_to_fit
-from events.schema import MAX_ACK_PARTS, MAX_HASHES_PER_EVENT, CommandAck, EraseMethod, PostCheck, TierEvidence
+from events.schema import (
+    MAX_ACK_PARTS,
+    MAX_HASHES_PER_EVENT,
+    CommandAck,
+    EraseMethod,
+    PostCheck,
+    TierEvidence,
+)
 from events.tiers import Tier
 
 
@@ -66,7 +73,13 @@ def ack_parts(
         items.extend((index, "hash", block_hash) for block_hash in report.block_hashes)
         items.extend((index, "key", key_id) for key_id in report.key_ids)
     if len(items) <= MAX_HASHES_PER_EVENT:
-        single = CommandAck(command_id=command_id, node_id=node_id, epoch=epoch, evidence=_evidence(reports, items), after_seq=after_seq)
+        single = CommandAck(
+            command_id=command_id,
+            node_id=node_id,
+            epoch=epoch,
+            evidence=_evidence(reports, items),
+            after_seq=after_seq,
+        )
         if envelope_bytes(single) <= max_bytes:
             return [single]
     ack_id = uuid.uuid4()
@@ -142,7 +155,11 @@ def merge_evidence(parts: Iterable[Sequence[Mapping[str, Any]]]) -> list[dict[st
         for item in evidence:
             entry = merged.get(item["tier"])
             if entry is None:
-                merged[item["tier"]] = {**item, "block_hashes": list(item["block_hashes"]), "key_ids": []}
+                merged[item["tier"]] = {
+                    **item,
+                    "block_hashes": list(item["block_hashes"]),
+                    "key_ids": [],
+                }
                 entry, key_ids_seen[item["tier"]] = merged[item["tier"]], set()
             else:
                 entry["block_hashes"].extend(item["block_hashes"])
@@ -150,6 +167,9 @@ def merge_evidence(parts: Iterable[Sequence[Mapping[str, Any]]]) -> list[dict[st
             seen = key_ids_seen[item["tier"]]
             entry["key_ids"].extend(key_id for key_id in item["key_ids"] if key_id not in seen)
             seen.update(item["key_ids"])
-            consistent = (entry["method"], entry["post_check"]) == (item["method"], item["post_check"])
+            consistent = (entry["method"], entry["post_check"]) == (
+                item["method"],
+                item["post_check"],
+            )
             entry["verified"] = entry["verified"] and item["verified"] and consistent
     return list(merged.values())

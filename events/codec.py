@@ -122,7 +122,11 @@ class DeadLetter(BaseModel):
         """The letter of one record: its bytes whole, or (``by_reference``) its size, hash and prefixes only."""
         if by_reference:
             prefix = None if value is None else value[:MAX_REFERENCE_PREFIX_BYTES]
-            key = key if key is None or len(key) <= MAX_REFERENCE_PREFIX_BYTES else key[:MAX_REFERENCE_PREFIX_BYTES]
+            key = (
+                key
+                if key is None or len(key) <= MAX_REFERENCE_PREFIX_BYTES
+                else key[:MAX_REFERENCE_PREFIX_BYTES]
+            )
         return cls(
             topic=topic,
             partition=partition,

@@ -44,7 +44,9 @@ def parse(setting: str | None) -> tuple[str, int] | None:
         return None
     name, _, count = setting.partition(":")
     if name not in POINTS | SIMULATED:
-        raise ValueError(f"{ENV_VAR}={setting!r}: unknown fault point; expected one of {', '.join(sorted(POINTS | SIMULATED))}")
+        raise ValueError(
+            f"{ENV_VAR}={setting!r}: unknown fault point; expected one of {', '.join(sorted(POINTS | SIMULATED))}"
+        )
     if not count:
         return name, 1
     if not count.isdigit() or int(count) < 1:

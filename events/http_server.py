@@ -60,7 +60,10 @@ files, Kafka and Postgres connections, snapshots)."""
 SUMMARY_INTERVAL_S = 10.0
 """How often refusals of one kind are summarized in the log, at most."""
 
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[
+    [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+    Awaitable[None],
+]
 
 
 class HttpServerLimits(BaseModel):
@@ -84,7 +87,9 @@ class HttpServerLimits(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> HttpServerLimits:
         if self.max_url_bytes > self.max_header_bytes:
-            raise ValueError("max_url_bytes must not exceed max_header_bytes: the request line is part of the head")
+            raise ValueError(
+                "max_url_bytes must not exceed max_header_bytes: the request line is part of the head"
+            )
         if self.num_probe_connections >= self.max_connections:
             raise ValueError("num_probe_connections must be less than max_connections")
         return self
@@ -97,12 +102,18 @@ def error_json(message: str, error_type: str, code: str) -> bytes:
 
 
 REFUSALS: dict[int, tuple[str, bytes]] = {
-    414: ("414 URI Too Long", error_json("request target too long", "invalid_request_error", "url_too_long")),
+    414: (
+        "414 URI Too Long",
+        error_json("request target too long", "invalid_request_error", "url_too_long"),
+    ),
     431: (
         "431 Request Header Fields Too Large",
         error_json("request headers too large", "invalid_request_error", "headers_too_large"),
     ),
-    400: ("400 Bad Request", error_json("malformed HTTP request", "invalid_request_error", "bad_request")),
+    400: (
+        "400 Bad Request",
+        error_json("malformed HTTP request", "invalid_request_error", "bad_request"),
+    ),
     503: (
         "503 Service Unavailable",
         error_json("server at its connection bound, retry later", "server_error", "over_capacity"),
@@ -136,7 +147,9 @@ class RefusalLog:
         if kind in self.num_held_back:
             self.num_held_back[kind] += 1
             return
-        self.logger.warning("http: %s (more are counted, summarized every %.0f s)", kind, self.interval_s)
+        self.logger.warning(
+            "http: %s (more are counted, summarized every %.0f s)", kind, self.interval_s
+        )
         self.open_window(kind)
 
     def open_window(self, kind: str) -> None:
@@ -175,7 +188,11 @@ class InFlightBound:
         if self.num_in_flight >= self.max_in_flight:
             self.refusals.record("request refused: requests in flight at their bound (503)")
             _, body = REFUSALS[503]
-            headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"), (b"content-length", str(len(body)).encode())]
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"retry-after", b"1"),
+                (b"content-length", str(len(body)).encode()),
+            ]
             await send({"type": "http.response.start", "status": 503, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
@@ -189,7 +206,9 @@ class InFlightBound:
         try:
             await self.app(scope, receive, send)
         except ClientDisconnect:
-            self.refusals.record("request abandoned: the client disconnected while its body was read")
+            self.refusals.record(
+                "request abandoned: the client disconnected while its body was read"
+            )
 
 
 class _Refused(Exception):
@@ -230,7 +249,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if len(self.connections) > self.max_connections:
             longest_idle = next(iter(self.idle), None)
             if longest_idle is None:
-                self.refusals.record("connection refused: connection bound reached, none idle (503)")
+                self.refusals.record(
+                    "connection refused: connection bound reached, none idle (503)"
+                )
                 self.refuse(503)
                 return
             self.idle.pop(longest_idle)
@@ -246,7 +267,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def start_head_timer(self) -> None:
         if self.head_timer is None:
-            self.head_timer = self.loop.call_later(self.limits.header_read_timeout_s, self.on_head_timeout)
+            self.head_timer = self.loop.call_later(
+                self.limits.header_read_timeout_s, self.on_head_timeout
+            )
 
     def cancel_head_timer(self) -> None:
         if self.head_timer is not None:
@@ -256,7 +279,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_head_timeout(self) -> None:
         self.head_timer = None
         if not self.transport.is_closing():
-            self.refusals.record("connection closed: request head not complete within header_read_timeout_s")
+            self.refusals.record(
+                "connection closed: request head not complete within header_read_timeout_s"
+            )
             self.transport.close()
 
     def refuse(self, status: int) -> None:
@@ -377,7 +402,10 @@ def connection_bound(limits: HttpServerLimits, num_files: int) -> int:
         )
     if limits.max_connections > fitting:
         log.warning(
-            "max_connections lowered from %d to %d to fit the file descriptor limit (%d)", limits.max_connections, fitting, num_files
+            "max_connections lowered from %d to %d to fit the file descriptor limit (%d)",
+            limits.max_connections,
+            fitting,
+            num_files,
         )
         return fitting
     return limits.max_connections
@@ -394,7 +422,9 @@ def summarize_resource_errors(loop: asyncio.AbstractEventLoop) -> None:
     def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         error = context.get("exception")
         if isinstance(error, OSError) and error.errno in RESOURCE_ERRNOS:
-            refusals.record(f"{context.get('message', 'event loop error')}: {errno.errorcode[error.errno]}")
+            refusals.record(
+                f"{context.get('message', 'event loop error')}: {errno.errorcode[error.errno]}"
+            )
             return
         loop.default_exception_handler(context)
 
@@ -409,7 +439,9 @@ def server_config(app: ASGIApp, host: str, port: int, limits: HttpServerLimits) 
     max_connections = connection_bound(limits, raise_file_limit())
     summarize_resource_errors(asyncio.get_running_loop())
     protocol = bounded_protocol(limits, max_connections)
-    bounded_app = InFlightBound(app, max_connections - limits.num_probe_connections, protocol.refusals)
+    bounded_app = InFlightBound(
+        app, max_connections - limits.num_probe_connections, protocol.refusals
+    )
     return uvicorn.Config(
         bounded_app,
         host=host,

@@ -35,7 +35,14 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 import msgspec
-from pydantic import AfterValidator, AwareDatetime, BaseModel, Strict, StringConstraints, TypeAdapter
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    Strict,
+    StringConstraints,
+    TypeAdapter,
+)
 from pydantic.fields import FieldInfo
 
 from events.schema import EVENT_TYPES, Envelope, parse_event
@@ -44,7 +51,11 @@ from events.topics import KV_EVENTS, TYPES_BY_TOPIC
 Expression = Callable[[str], str]
 """Turns the Python expression of one decoded msgspec value into the expression of the value pydantic would hold."""
 
-_NAMESPACE: dict[str, Any] = {"UNSET": msgspec.UNSET, "new": object.__new__, "set_attribute": object.__setattr__}
+_NAMESPACE: dict[str, Any] = {
+    "UNSET": msgspec.UNSET,
+    "new": object.__new__,
+    "set_attribute": object.__setattr__,
+}
 """What the generated builders refer to by name: validators, builders of nested models, defaults."""
 
 
@@ -68,7 +79,9 @@ def _flattened(metadata: list[Any]) -> list[Any]:
     flat: list[Any] = []
     for item in metadata:
         if isinstance(item, FieldInfo):
-            assert item.annotation is None and item.is_required() and not item._attributes_set, f"unsupported nested field {item!r}"
+            assert item.annotation is None and item.is_required() and not item._attributes_set, (
+                f"unsupported nested field {item!r}"
+            )
             flat.extend(_flattened(item.metadata))
         else:
             flat.append(item)
@@ -102,7 +115,9 @@ def _string(annotation: Any, metadata: list[Any]) -> tuple[Any, Expression | Non
             continue  # from JSON, pydantic's lax str takes strings only too
         if isinstance(item, StringConstraints):
             unsupported = {"strip_whitespace", "to_upper", "to_lower", "strict", "ascii_only"}
-            assert all(getattr(item, name) is None for name in unsupported), f"unsupported string constraint {item!r}"
+            assert all(getattr(item, name) is None for name in unsupported), (
+                f"unsupported string constraint {item!r}"
+            )
             for name in ("min_length", "max_length"):
                 if getattr(item, name) is not None:
                     meta[name] = getattr(item, name)
@@ -116,11 +131,18 @@ def _string(annotation: Any, metadata: list[Any]) -> tuple[Any, Expression | Non
             raise AssertionError(f"no compiled form for string metadata {item!r}")
     if pattern:
         # The contract's validator of the whole annotated type: pattern, then the validators in order.
-        validators = [_call(TypeAdapter(Annotated[(annotation, *metadata)]).validate_python, "pattern")]
+        validators = [
+            _call(TypeAdapter(Annotated[(annotation, *metadata)]).validate_python, "pattern")
+        ]
     return (Annotated[str, msgspec.Meta(**meta)] if meta else str), _chain(validators)
 
 
-_INT_BOUNDS = {annotated_types.Ge: "ge", annotated_types.Le: "le", annotated_types.Gt: "gt", annotated_types.Lt: "lt"}
+_INT_BOUNDS = {
+    annotated_types.Ge: "ge",
+    annotated_types.Le: "le",
+    annotated_types.Gt: "gt",
+    annotated_types.Lt: "lt",
+}
 
 
 def _integer(metadata: list[Any]) -> tuple[Any, Expression | None]:
@@ -165,7 +187,9 @@ def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expressio
     if origin in (Union, types.UnionType):
         assert not metadata, f"unsupported metadata on a union: {metadata!r}"
         args = get_args(annotation)
-        assert len(args) == 2 and type(None) in args, f"only X | None unions are compiled, not {annotation!r}"
+        assert len(args) == 2 and type(None) in args, (
+            f"only X | None unions are compiled, not {annotation!r}"
+        )
         inner, inner_value = _compiled_type(next(arg for arg in args if arg is not type(None)), [])
         if inner_value is None:
             return inner | None, None
@@ -182,7 +206,9 @@ def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expressio
         return uuid.UUID, None
     if origin is Literal:
         values = get_args(annotation)
-        assert all(type(value) in (str, int) or isinstance(value, enum.Enum) for value in values), f"unsupported literal {annotation!r}"
+        assert all(type(value) in (str, int) or isinstance(value, enum.Enum) for value in values), (
+            f"unsupported literal {annotation!r}"
+        )
         plain = tuple(value.value if isinstance(value, enum.Enum) else value for value in values)
         by_plain = {value.value: value for value in values if isinstance(value, enum.Enum)}
         if not by_plain:
@@ -201,7 +227,10 @@ def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expressio
             return list_type, None
         each = f"item_{next(_variables)}"
         # An empty list (the common case of a block's auth scopes or documents) skips the comprehension's call.
-        return list_type, lambda value: f"([{item_value(each)} for {each} in {value}] if {value} else {value})"
+        return (
+            list_type,
+            lambda value: f"([{item_value(each)} for {each} in {value}] if {value} else {value})",
+        )
     if origin is tuple:
         args = get_args(annotation)
         assert args and Ellipsis not in args, f"only fixed tuples are compiled, not {annotation!r}"
@@ -211,7 +240,10 @@ def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expressio
             return tuple_type, None
 
         def elements(value: str) -> str:
-            parts = [f"{value}[{i}]" if element is None else element(f"{value}[{i}]") for i, (_, element) in enumerate(compiled)]
+            parts = [
+                f"{value}[{i}]" if element is None else element(f"{value}[{i}]")
+                for i, (_, element) in enumerate(compiled)
+            ]
             return "(" + ", ".join(parts) + ",)"
 
         return tuple_type, elements
@@ -224,7 +256,9 @@ def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expressio
 _IMMUTABLE_DEFAULTS = (type(None), bool, int, str)
 
 
-def _after_validators(model: type[BaseModel], allowed_before: frozenset[str]) -> list[Callable[[Any], Any]]:
+def _after_validators(
+    model: type[BaseModel], allowed_before: frozenset[str]
+) -> list[Callable[[Any], Any]]:
     """The ``after`` model validators of ``model``; AssertionError for any decorator the fast path cannot honour."""
     decorators = model.__pydantic_decorators__
     assert model.model_config.get("extra") == "forbid", f"{model.__name__} must forbid extra fields"
@@ -235,14 +269,20 @@ def _after_validators(model: type[BaseModel], allowed_before: frozenset[str]) ->
         "model_serializers": decorators.model_serializers,
         "computed_fields": decorators.computed_fields,
     }
-    assert not any(unsupported.values()), f"{model.__name__} has decorators the compiled decoder does not run"
-    assert set(decorators.field_validators) <= allowed_before, f"{model.__name__} has field validators the compiled decoder does not run"
+    assert not any(unsupported.values()), (
+        f"{model.__name__} has decorators the compiled decoder does not run"
+    )
+    assert set(decorators.field_validators) <= allowed_before, (
+        f"{model.__name__} has field validators the compiled decoder does not run"
+    )
     after = []
     for name, decorator in decorators.model_validators.items():
         if decorator.info.mode == "after":
             after.append(decorator.func)
         else:
-            assert name in allowed_before, f"{model.__name__}.{name} is a {decorator.info.mode} validator the compiled decoder does not run"
+            assert name in allowed_before, (
+                f"{model.__name__}.{name} is a {decorator.info.mode} validator the compiled decoder does not run"
+            )
     return after
 
 
@@ -261,8 +301,12 @@ def _builder(
     lines: list[str] = []
     entries: list[str] = []
     for name, info in model.model_fields.items():
-        assert info.alias is None and info.validation_alias is None, f"{model.__name__}.{name}: aliases are not compiled"
-        assert info.default_factory is None, f"{model.__name__}.{name}: default factories are not compiled"
+        assert info.alias is None and info.validation_alias is None, (
+            f"{model.__name__}.{name}: aliases are not compiled"
+        )
+        assert info.default_factory is None, (
+            f"{model.__name__}.{name}: default factories are not compiled"
+        )
         if name in overrides:
             field_type, value = overrides[name], None
         else:
@@ -273,7 +317,9 @@ def _builder(
             required.append(name)
             entries.append(f"{name!r}: {decoded if value is None else value(decoded)}")
             continue
-        assert isinstance(info.default, _IMMUTABLE_DEFAULTS), f"{model.__name__}.{name}: a mutable default is not compiled"
+        assert isinstance(info.default, _IMMUTABLE_DEFAULTS), (
+            f"{model.__name__}.{name}: a mutable default is not compiled"
+        )
         struct_fields.append((name, field_type | msgspec.UnsetType, msgspec.UNSET))
         default = _named(info.default, "default")
         lines += [
@@ -286,7 +332,10 @@ def _builder(
         if value is not None:
             lines.append(f"        {name} = {value(name)}")
         entries.append(f"{name!r}: {name}")
-    validators = [_named(validate, f"after_{model.__name__}") for validate in _after_validators(model, allowed_before)]
+    validators = [
+        _named(validate, f"after_{model.__name__}")
+        for validate in _after_validators(model, allowed_before)
+    ]
     model_name = _named(model, model.__name__)
     source = "\n".join(
         [
@@ -314,7 +363,9 @@ def _compiled(model: type[BaseModel]) -> tuple[type[msgspec.Struct], Callable[[A
     """The struct generated from ``model`` and its builder (cached: nested models are shared)."""
     if model not in _COMPILED:
         struct_fields, build = _builder(model, {})
-        struct = msgspec.defstruct(model.__name__, struct_fields, kw_only=True, forbid_unknown_fields=True, gc=False)
+        struct = msgspec.defstruct(
+            model.__name__, struct_fields, kw_only=True, forbid_unknown_fields=True, gc=False
+        )
         _COMPILED[model] = (struct, build)
     return _COMPILED[model]
 
@@ -328,7 +379,9 @@ and the compiled decoder takes only text for a timestamp). A new one fails the i
 def _envelope_decoder() -> tuple[msgspec.json.Decoder, Callable[[Any], Any]]:
     # The payload stays raw JSON, decoded by the struct of the model its ``type`` names.
     struct_fields, build = _builder(Envelope, {"payload": msgspec.Raw}, ENVELOPE_BEFORE_VALIDATORS)
-    struct = msgspec.defstruct("Envelope", struct_fields, kw_only=True, forbid_unknown_fields=True, gc=False)
+    struct = msgspec.defstruct(
+        "Envelope", struct_fields, kw_only=True, forbid_unknown_fields=True, gc=False
+    )
     return msgspec.json.Decoder(struct), build
 
 
@@ -355,7 +408,9 @@ def decode_fast(value: bytes) -> Envelope | None:
         if payload_decoder is None:
             return None
         decoder, build_payload = payload_decoder
-        decoded.payload = build_payload(decoder.decode(decoded.payload))  # the envelope's builder takes it as is
+        decoded.payload = build_payload(
+            decoder.decode(decoded.payload)
+        )  # the envelope's builder takes it as is
         envelope: Envelope = _BUILD_ENVELOPE(decoded)
     except _REFUSED:
         return None

@@ -44,7 +44,9 @@ NO_REQUEST_ID = "-"
 METRIC_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Methods kept as a metric label; any other (caller-chosen) method is counted as ``other``."""
 
-_UNSAFE_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
+_UNSAFE_CHARS = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]"
+)
 """What may not reach a log line or a terminal raw: C0 and C1 controls (newline, carriage
 return, ESC of every ANSI sequence, DEL, CSI), the Unicode line and paragraph separators
 (line breaks to many readers) and the bidirectional controls and marks that reorder what a
@@ -68,7 +70,9 @@ def escape_control(text: str) -> str:
     return _UNSAFE_CHARS.sub(_escaped, text)
 
 
-_JSON_UNSAFE = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
+_JSON_UNSAFE = re.compile(
+    "[\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]"
+)
 """What ``json.dumps(ensure_ascii=False)`` leaves raw of :data:`_UNSAFE_CHARS` (it escapes C0 itself)."""
 
 
@@ -109,7 +113,9 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         # These characters only ever occur inside JSON strings here, where \uXXXX means the same.
-        return _JSON_UNSAFE.sub(lambda match: f"\\u{ord(match[0]):04x}", json.dumps(line, ensure_ascii=False))
+        return _JSON_UNSAFE.sub(
+            lambda match: f"\\u{ord(match[0]):04x}", json.dumps(line, ensure_ascii=False)
+        )
 
 
 class SafeTextFormatter(logging.Formatter):
@@ -164,7 +170,10 @@ def uvicorn_log_config() -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "loggers": {name: {"level": "INFO", "handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+        "loggers": {
+            name: {"level": "INFO", "handlers": [], "propagate": True}
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+        },
     }
 
 
@@ -189,7 +198,12 @@ class RequestIdMiddleware:
     """
 
     def __init__(
-        self, app: Any, access_logger: str, error_body: bytes, observe: Observe | None = None, quiet_paths: frozenset[str] = frozenset()
+        self,
+        app: Any,
+        access_logger: str,
+        error_body: bytes,
+        observe: Observe | None = None,
+        quiet_paths: frozenset[str] = frozenset(),
     ) -> None:
         """``error_body``: the app's own JSON error for an unhandled exception (sent with the id); answered requests
         to ``quiet_paths`` (polled by machines several times a second) are logged at DEBUG, refusals at INFO as any."""
@@ -203,7 +217,9 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = next((value for name, value in scope["headers"] if name == REQUEST_ID_HEADER.encode()), None)
+        header = next(
+            (value for name, value in scope["headers"] if name == REQUEST_ID_HEADER.encode()), None
+        )
         request_id = request_id_from(header.decode("latin-1") if header is not None else None)
         token = request_id_var.set(request_id)
         started = time.perf_counter()
@@ -215,7 +231,13 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 response_started = True
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        (b"x-request-id", request_id.encode()),
+                    ],
+                }
             await send(message)
 
         try:
@@ -227,7 +249,10 @@ class RequestIdMiddleware:
                     {
                         "type": "http.response.start",
                         "status": 500,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
                     }
                 )
                 await send({"type": "http.response.body", "body": body})
@@ -235,8 +260,19 @@ class RequestIdMiddleware:
         finally:
             seconds = time.perf_counter() - started
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            level = logging.DEBUG if status < 400 and scope["path"] in self.quiet_paths else logging.INFO
-            self.access_log.log(level, "%s %s %d %.1fms", scope["method"], loggable_path(scope["path"]), status, seconds * 1000)
+            level = (
+                logging.DEBUG
+                if status < 400 and scope["path"] in self.quiet_paths
+                else logging.INFO
+            )
+            self.access_log.log(
+                level,
+                "%s %s %d %.1fms",
+                scope["method"],
+                loggable_path(scope["path"]),
+                status,
+                seconds * 1000,
+            )
             if self.observe is not None:
                 method = scope["method"] if scope["method"] in METRIC_METHODS else "other"
                 self.observe(method, route, status, seconds)

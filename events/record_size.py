@@ -21,7 +21,14 @@ from typing import TypeVar
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from events.codec import encode_event
-from events.schema import MAX_ID_CHARS, MAX_SAFE_INT, Envelope, EventPayload, NodeEvent, RecordSignature
+from events.schema import (
+    MAX_ID_CHARS,
+    MAX_SAFE_INT,
+    Envelope,
+    EventPayload,
+    NodeEvent,
+    RecordSignature,
+)
 
 T = TypeVar("T")
 
@@ -42,11 +49,15 @@ def request_bytes(key: bytes | None, value: bytes) -> int:
 
 def _largest_value_bytes(max_request_bytes: int, max_key_bytes: int) -> int:
     key = bytes(max_key_bytes)
-    value_bytes = max_request_bytes - (request_bytes(key, bytes(max_request_bytes)) - max_request_bytes)
+    value_bytes = max_request_bytes - (
+        request_bytes(key, bytes(max_request_bytes)) - max_request_bytes
+    )
     # Length prefixes are varints: a shorter value may have a shorter prefix, leaving room for more.
     while request_bytes(key, bytes(value_bytes + 1)) <= max_request_bytes:
         value_bytes += 1
-    assert request_bytes(key, bytes(value_bytes)) <= max_request_bytes, "the largest record value must fit"
+    assert request_bytes(key, bytes(value_bytes)) <= max_request_bytes, (
+        "the largest record value must fit"
+    )
     return value_bytes
 
 
@@ -83,7 +94,11 @@ def envelope_bytes(payload: EventPayload, tenant_id: str | None = None) -> int:
 
 
 def split_to_fit(
-    items: Sequence[T], size_of: Callable[[Sequence[T]], int], *, max_items: int, max_bytes: int = MAX_RECORD_BYTES
+    items: Sequence[T],
+    size_of: Callable[[Sequence[T]], int],
+    *,
+    max_items: int,
+    max_bytes: int = MAX_RECORD_BYTES,
 ) -> list[Sequence[T]]:
     """``items`` cut into consecutive runs, each as long as it can be: at most ``max_items`` items and
     ``size_of(run) <= max_bytes``.
@@ -100,13 +115,17 @@ def split_to_fit(
     runs: list[Sequence[T]] = []
     start = 0
     while start < len(items):
-        length = _longest_fitting(items, start, size_of, min(max_items, len(items) - start), max_bytes)
+        length = _longest_fitting(
+            items, start, size_of, min(max_items, len(items) - start), max_bytes
+        )
         runs.append(items[start : start + length])
         start += length
     return runs
 
 
-def _longest_fitting(items: Sequence[T], start: int, size_of: Callable[[Sequence[T]], int], most: int, max_bytes: int) -> int:
+def _longest_fitting(
+    items: Sequence[T], start: int, size_of: Callable[[Sequence[T]], int], most: int, max_bytes: int
+) -> int:
     """The longest run from ``start`` of at most ``most`` items that fits (at least 1)."""
     too_long_bytes = size_of(items[start : start + most])
     if too_long_bytes <= max_bytes:
@@ -119,7 +138,11 @@ def _longest_fitting(items: Sequence[T], start: int, size_of: Callable[[Sequence
             guess = (fits + too_long) // 2
         else:
             slope = (too_long_bytes - fits_bytes) / (too_long - fits)
-            guess = fits + int((max_bytes - fits_bytes) / slope) if slope > 0 else (fits + too_long) // 2
+            guess = (
+                fits + int((max_bytes - fits_bytes) / slope)
+                if slope > 0
+                else (fits + too_long) // 2
+            )
         guess = min(max(guess, fits + 1), too_long - 1)
         bisect = not bisect
         measured = size_of(items[start : start + guess])

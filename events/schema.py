@@ -107,11 +107,21 @@ def _check_text(value: str) -> str:
     return value
 
 
-Name = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(check_identifier)]
+Name = Annotated[
+    str,
+    Strict(),
+    StringConstraints(min_length=1, max_length=MAX_ID_CHARS),
+    AfterValidator(check_identifier),
+]
 """A non-empty identifier (tenant, document, auth scope, node, snapshot id, namespace ...):
 at most :data:`MAX_ID_CHARS` characters (code points), valid UTF-8, no control characters, not only whitespace."""
 
-ReasonText = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=MAX_REASON_CHARS), AfterValidator(_check_text)]
+ReasonText = Annotated[
+    str,
+    Strict(),
+    StringConstraints(min_length=1, max_length=MAX_REASON_CHARS),
+    AfterValidator(_check_text),
+]
 """Free text (a reason): bounded, valid UTF-8, no control characters but tab and newline."""
 
 HexDigest = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{2}){16,64}$")]
@@ -298,8 +308,15 @@ class BlockProvenance(_Model):
     @model_validator(mode="after")
     def _scope_is_consistent(self) -> BlockProvenance:
         if self.scope == "public":
-            if self.tenant_id is not None or self.subject_id is not None or self.auth_scopes or self.documents:
-                raise ValueError("a public block has no tenant_id, subject_id, auth_scopes or documents")
+            if (
+                self.tenant_id is not None
+                or self.subject_id is not None
+                or self.auth_scopes
+                or self.documents
+            ):
+                raise ValueError(
+                    "a public block has no tenant_id, subject_id, auth_scopes or documents"
+                )
         elif self.tenant_id is None:
             raise ValueError(f"a {self.scope} block needs tenant_id")
         elif self.scope == "tenant" and self.subject_id is not None:
@@ -307,7 +324,9 @@ class BlockProvenance(_Model):
         elif self.scope == "user" and self.subject_id is None:
             raise ValueError("a user block needs subject_id (a keyed digest)")
         if self.scope == "user" and self.creator_subject_id not in (None, self.subject_id):
-            raise ValueError("a user block is created by its own subject: creator_subject_id must equal subject_id")
+            raise ValueError(
+                "a user block is created by its own subject: creator_subject_id must equal subject_id"
+            )
         return self
 
 
@@ -383,7 +402,9 @@ class SnapshotWritten(NodeEvent):
     snapshot_id: Name
     block_hashes: Annotated[list[HexDigest], Field(max_length=MAX_HASHES_PER_EVENT)]
     part: SmallCount = Field(0, exclude_if=lambda value: value == 0)
-    parts: Annotated[int, Strict(), Field(ge=1, le=MAX_INT32)] = Field(1, exclude_if=lambda value: value == 1)
+    parts: Annotated[int, Strict(), Field(ge=1, le=MAX_INT32)] = Field(
+        1, exclude_if=lambda value: value == 1
+    )
 
     @model_validator(mode="after")
     def _part_in_range(self) -> SnapshotWritten:
@@ -435,7 +456,9 @@ class Inventory(NodeEvent):
         described = {block.block_hash for block in self.blocks}
         missing = sorted({p.block_hash for p in self.placements} - described)
         if missing:
-            raise ValueError(f"placements without provenance in blocks: {len(missing)} (first {missing[0]})")
+            raise ValueError(
+                f"placements without provenance in blocks: {len(missing)} (first {missing[0]})"
+            )
         return self
 
 
@@ -577,7 +600,9 @@ class TierEvidence(_Model):
     @model_validator(mode="after")
     def _count_matches(self) -> TierEvidence:
         if self.removed != len(self.block_hashes):
-            raise ValueError(f"removed={self.removed} but {len(self.block_hashes)} block_hashes listed")
+            raise ValueError(
+                f"removed={self.removed} but {len(self.block_hashes)} block_hashes listed"
+            )
         return self
 
 
@@ -603,7 +628,9 @@ class CommandAck(EventPayload):
     ack_id: uuid.UUID | None = Field(None, exclude_if=lambda value: value is None)
     """Names one ack split into ``parts`` records (``events.ack_parts``): every part carries it; unset on an ack of one record."""
     part: SmallCount = Field(0, exclude_if=lambda value: value == 0)
-    parts: Annotated[int, Strict(), Field(ge=1, le=MAX_ACK_PARTS)] = Field(1, exclude_if=lambda value: value == 1)
+    parts: Annotated[int, Strict(), Field(ge=1, le=MAX_ACK_PARTS)] = Field(
+        1, exclude_if=lambda value: value == 1
+    )
     after_seq: Count | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
@@ -684,11 +711,17 @@ class Envelope(_Model):
             return data
         event_type = data.get("type")
         payload = data.get("payload")
-        if not isinstance(event_type, str) or isinstance(payload, EventPayload) or not isinstance(payload, dict):
+        if (
+            not isinstance(event_type, str)
+            or isinstance(payload, EventPayload)
+            or not isinstance(payload, dict)
+        ):
             return data  # field validation reports the missing/mistyped fields
         model = EVENT_TYPES.get(event_type)
         if model is None:
-            raise ValueError(f"unknown event type {event_type[:64]!r}")  # bounded: the text is the sender's
+            raise ValueError(
+                f"unknown event type {event_type[:64]!r}"
+            )  # bounded: the text is the sender's
         try:
             typed = model.model_validate(payload)
         except ValidationError as exc:
@@ -704,14 +737,20 @@ class Envelope(_Model):
         if model is None:
             raise ValueError(f"unknown event type {self.type!r}")
         if type(self.payload) is not model:
-            raise ValueError(f"type {self.type!r} does not match payload {type(self.payload).__name__}")
+            raise ValueError(
+                f"type {self.type!r} does not match payload {type(self.payload).__name__}"
+            )
         if model.TENANT_REQUIRED and self.tenant_id is None:
             raise ValueError(f"{self.type} events must carry tenant_id")
         return self
 
 
 def _prefixed(error: Any, prefix: str) -> InitErrorDetails:
-    details: InitErrorDetails = {"type": error["type"], "loc": (prefix, *error["loc"]), "input": error["input"]}
+    details: InitErrorDetails = {
+        "type": error["type"],
+        "loc": (prefix, *error["loc"]),
+        "input": error["input"],
+    }
     if "ctx" in error:
         details["ctx"] = error["ctx"]
     return details

@@ -47,7 +47,16 @@ NODE_DEAD_LETTER = "kvledger.node-dead-letter"
 credentials cannot plant a letter that replay would republish with the coordinator's; listed, never replayed."""
 DEAD_LETTER_TOPICS: tuple[str, ...] = (DEAD_LETTER, NODE_DEAD_LETTER)
 
-ALL_TOPICS: tuple[str, ...] = (DOCUMENTS, PERMISSIONS, ERASURES, KV_EVENTS, COMMANDS, ACKS, DEAD_LETTER, NODE_DEAD_LETTER)
+ALL_TOPICS: tuple[str, ...] = (
+    DOCUMENTS,
+    PERMISSIONS,
+    ERASURES,
+    KV_EVENTS,
+    COMMANDS,
+    ACKS,
+    DEAD_LETTER,
+    NODE_DEAD_LETTER,
+)
 
 _DAY_MS = 24 * 3600 * 1000
 
@@ -101,7 +110,9 @@ TYPES_BY_TOPIC: dict[str, frozenset[str]] = {
 consumer enforces (:func:`routing_problem`). Per-topic ACLs rest on it: a principal allowed to
 write ``kvledger.documents`` must not start an erasure by writing an ``ErasureRequested`` there."""
 
-TOPIC_BY_TYPE: dict[str, str] = {event_type: topic for topic, types in TYPES_BY_TOPIC.items() for event_type in types}
+TOPIC_BY_TYPE: dict[str, str] = {
+    event_type: topic for topic, types in TYPES_BY_TOPIC.items() for event_type in types
+}
 """The topic of each event type (the inverse of :data:`TYPES_BY_TOPIC`)."""
 
 CUSTOMER_TOPICS: frozenset[str] = frozenset({DOCUMENTS, PERMISSIONS, ERASURES})

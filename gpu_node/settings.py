@@ -70,7 +70,9 @@ class SchedulerSettings(BaseModel):
     @model_validator(mode="after")
     def _decodes_fit(self) -> SchedulerSettings:
         if self.max_num_seqs > self.max_num_batched_tokens:
-            raise ValueError("max_num_seqs must not exceed max_num_batched_tokens: every running request decodes one token per step")
+            raise ValueError(
+                "max_num_seqs must not exceed max_num_batched_tokens: every running request decodes one token per step"
+            )
         return self
 
 
@@ -148,7 +150,9 @@ class PeerSettings(BaseModel):
     def _http_urls(self) -> PeerSettings:
         for node_id, url in self.urls.items():
             if not url.startswith(("http://", "https://")) or len(url) > 2048:
-                raise ValueError(f"peer {node_id!r}: a peer URL is an http(s) URL of at most 2048 characters")
+                raise ValueError(
+                    f"peer {node_id!r}: a peer URL is an http(s) URL of at most 2048 characters"
+                )
         return self
 
 
@@ -162,7 +166,9 @@ class NodeKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
 
 
 class NodeSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="KVLEDGER_NODE_", env_nested_delimiter="__", extra="ignore"
+    )
 
     node_id: Name = "node-0"
     """Travels in every kv-event and ledger row, so it obeys the event contract's identifier bounds."""
@@ -190,14 +196,22 @@ class NodeSettings(ServiceSettings):
     # The stack-wide variables are honoured because one operator sets them once
     # for every process (see coordinator/settings.py).
     kafka_bootstrap: str | None = Field(
-        None, validation_alias=AliasChoices("kafka_bootstrap", "KVLEDGER_NODE_KAFKA_BOOTSTRAP", "KVLEDGER_KAFKA_BOOTSTRAP")
+        None,
+        validation_alias=AliasChoices(
+            "kafka_bootstrap", "KVLEDGER_NODE_KAFKA_BOOTSTRAP", "KVLEDGER_KAFKA_BOOTSTRAP"
+        ),
     )
     subject_key: SecretStr | None = Field(
-        None, validation_alias=AliasChoices("subject_key", "KVLEDGER_NODE_SUBJECT_KEY", "KVLEDGER_SUBJECT_KEY")
+        None,
+        validation_alias=AliasChoices(
+            "subject_key", "KVLEDGER_NODE_SUBJECT_KEY", "KVLEDGER_SUBJECT_KEY"
+        ),
     )
     coordinator_url: str | None = Field(
         None,
-        validation_alias=AliasChoices("coordinator_url", "KVLEDGER_NODE_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"),
+        validation_alias=AliasChoices(
+            "coordinator_url", "KVLEDGER_NODE_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"
+        ),
     )
     """Where data keys for tenant/user blocks at rest come from (``gpu_node.keys.remote_keys``); unset: a local key file."""
     data_keys: DataKeySettings = DataKeySettings()

@@ -33,14 +33,18 @@ class MetricsSettings(BaseModel):
         try:
             text = self.token_file.read_text().strip()
         except OSError as exc:
-            raise ValueError(f"cannot read the metrics token file {self.token_file}: {exc.strerror}") from None
+            raise ValueError(
+                f"cannot read the metrics token file {self.token_file}: {exc.strerror}"
+            ) from None
         if not text:
             raise ValueError(f"the metrics token file {self.token_file} is empty")
         self.token = SecretStr(text)
         return self
 
 
-def scrape_refusal(authorization: str | None, token: SecretStr | None) -> tuple[int, str, str] | None:
+def scrape_refusal(
+    authorization: str | None, token: SecretStr | None
+) -> tuple[int, str, str] | None:
     """Why a request for an operational view (``/metrics``, cache stats) is refused: ``(status, code, message)``, or None.
 
     Without a configured token the views are disabled (404), never open: a node or
@@ -49,8 +53,14 @@ def scrape_refusal(authorization: str | None, token: SecretStr | None) -> tuple[
     compared in constant time.
     """
     if token is None:
-        return 404, "metrics_disabled", "operational metrics are disabled: no metrics token is configured"
+        return (
+            404,
+            "metrics_disabled",
+            "operational metrics are disabled: no metrics token is configured",
+        )
     scheme, _, presented = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), token.get_secret_value().encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        presented.strip().encode(), token.get_secret_value().encode()
+    ):
         return 401, "invalid_metrics_token", "this route needs the metrics bearer token"
     return None

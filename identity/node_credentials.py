@@ -44,13 +44,23 @@ class CredentialError(ValueError):
         self.message = message
 
 
-def issue_node_credential(private_key: Ed25519PrivateKey, node_id: str, ttl_s: int = DEFAULT_TTL_S) -> str:
+def issue_node_credential(
+    private_key: Ed25519PrivateKey, node_id: str, ttl_s: int = DEFAULT_TTL_S
+) -> str:
     """A fresh credential for ``node_id`` signed with its key; ValueError for a lifetime outside 1..60 s."""
     if not 0 < ttl_s <= MAX_TTL_S:
         raise ValueError(f"a node credential lives 1..{MAX_TTL_S} s, got {ttl_s}")
     now = int(time.time())
-    claims = {"iss": NODE_ISSUER, "sub": node_id, "aud": KEYS_AUDIENCE, "iat": now, "exp": now + ttl_s}
-    return jwt.encode(claims, private_key, algorithm=ALGORITHM, headers={"kid": key_id(private_key.public_key())})
+    claims = {
+        "iss": NODE_ISSUER,
+        "sub": node_id,
+        "aud": KEYS_AUDIENCE,
+        "iat": now,
+        "exp": now + ttl_s,
+    }
+    return jwt.encode(
+        claims, private_key, algorithm=ALGORITHM, headers={"kid": key_id(private_key.public_key())}
+    )
 
 
 def credential_key_id(token: str) -> str:
@@ -66,7 +76,11 @@ def credential_key_id(token: str) -> str:
 
 
 def issue_peer_credential(
-    private_key: Ed25519PrivateKey, node_id: str, holder_id: str, body_sha256: str, ttl_s: int = DEFAULT_TTL_S
+    private_key: Ed25519PrivateKey,
+    node_id: str,
+    holder_id: str,
+    body_sha256: str,
+    ttl_s: int = DEFAULT_TTL_S,
 ) -> str:
     """A credential for one node-to-node request: ``node_id`` asks ``holder_id`` for the body whose sha256 is ``body_sha256``.
 
@@ -84,24 +98,39 @@ def issue_peer_credential(
         "exp": now + ttl_s,
         "req": body_sha256,
     }
-    return jwt.encode(claims, private_key, algorithm=ALGORITHM, headers={"kid": key_id(private_key.public_key())})
+    return jwt.encode(
+        claims, private_key, algorithm=ALGORITHM, headers={"kid": key_id(private_key.public_key())}
+    )
 
 
 def verify_peer_credential(
-    token: str, public_key: Ed25519PublicKey, node_id: str, holder_id: str, body_sha256: str, leeway_s: float = 5.0
+    token: str,
+    public_key: Ed25519PublicKey,
+    node_id: str,
+    holder_id: str,
+    body_sha256: str,
+    leeway_s: float = 5.0,
 ) -> None:
     """Check ``token`` is a live peer credential of ``node_id`` for this holder and this request body; CredentialError otherwise."""
-    claims = _verified_claims(token, public_key, node_id, PEER_AUDIENCE_PREFIX + holder_id, leeway_s)
+    claims = _verified_claims(
+        token, public_key, node_id, PEER_AUDIENCE_PREFIX + holder_id, leeway_s
+    )
     if claims.get("req") != body_sha256:
-        raise CredentialError("invalid_token", "the peer credential was made for another request body")
+        raise CredentialError(
+            "invalid_token", "the peer credential was made for another request body"
+        )
 
 
-def verify_node_credential(token: str, public_key: Ed25519PublicKey, node_id: str, leeway_s: float = 5.0) -> None:
+def verify_node_credential(
+    token: str, public_key: Ed25519PublicKey, node_id: str, leeway_s: float = 5.0
+) -> None:
     """Check ``token`` is a live credential signed by ``public_key`` for ``node_id``; CredentialError otherwise."""
     _verified_claims(token, public_key, node_id, KEYS_AUDIENCE, leeway_s)
 
 
-def _verified_claims(token: str, public_key: Ed25519PublicKey, node_id: str, audience: str, leeway_s: float) -> dict:
+def _verified_claims(
+    token: str, public_key: Ed25519PublicKey, node_id: str, audience: str, leeway_s: float
+) -> dict:
     try:
         claims = jwt.decode(
             token,
@@ -117,7 +146,9 @@ def _verified_claims(token: str, public_key: Ed25519PublicKey, node_id: str, aud
     except jwt.PyJWTError:
         raise CredentialError("invalid_token", "the node credential is invalid") from None
     if claims["sub"] != node_id:
-        raise CredentialError("invalid_token", "the node credential names another node than its key is enrolled for")
+        raise CredentialError(
+            "invalid_token", "the node credential names another node than its key is enrolled for"
+        )
     issued_at, expires_at = claims["iat"], claims["exp"]
     if not isinstance(issued_at, int | float) or expires_at - issued_at > MAX_TTL_S:
         raise CredentialError("invalid_token", f"a node credential may live at most {MAX_TTL_S} s")

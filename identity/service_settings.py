@@ -26,7 +26,9 @@ class SharedEnvSource(PydanticBaseSettingsSource):
     variable wins over the shared one and an explicit argument over both.
     """
 
-    def __init__(self, settings_cls: type[BaseSettings], mapping: Mapping[str, tuple[str, ...]]) -> None:
+    def __init__(
+        self, settings_cls: type[BaseSettings], mapping: Mapping[str, tuple[str, ...]]
+    ) -> None:
         super().__init__(settings_cls)
         self._mapping = mapping
 
@@ -67,10 +69,18 @@ class ServiceSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, SharedEnvSource(settings_cls, cls.SHARED_ENV), dotenv_settings, file_secret_settings)
+        return (
+            init_settings,
+            env_settings,
+            SharedEnvSource(settings_cls, cls.SHARED_ENV),
+            dotenv_settings,
+            file_secret_settings,
+        )
 
 
 def refuse_shared_issuer(operator_auth: IssuerSettings, auth: IssuerSettings) -> None:
     """ValueError when a token of the end users' issuer (``auth``) could verify as an operator's."""
     if operator_auth.shares_key_with(auth, other_secret=os.environ.get(JWT_SECRET_ENV)):
-        raise ValueError("operator_auth must not use the end users' key: an end user could then act as an operator")
+        raise ValueError(
+            "operator_auth must not use the end users' key: an end user could then act as an operator"
+        )

@@ -38,7 +38,9 @@ class IssuerSettings(BaseModel):
     jwt_public_key_file: Path | None = None
     jwks_file: Path | None = None
     jwks_url: str | None = None
-    algorithms: list[AsymmetricAlgorithm] = Field(default_factory=lambda: list(ALL_ASYMMETRIC_ALGORITHMS), min_length=1)
+    algorithms: list[AsymmetricAlgorithm] = Field(
+        default_factory=lambda: list(ALL_ASYMMETRIC_ALGORITHMS), min_length=1
+    )
     issuer: str | None = None
     audience: str | None = None
     leeway_s: float = Field(5.0, ge=0)
@@ -48,7 +50,11 @@ class IssuerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _one_key_source(self) -> IssuerSettings:
-        sources = [name for name in ("jwt_secret", "jwt_public_key_file", "jwks_file", "jwks_url") if getattr(self, name)]
+        sources = [
+            name
+            for name in ("jwt_secret", "jwt_public_key_file", "jwks_file", "jwks_url")
+            if getattr(self, name)
+        ]
         if len(sources) > 1:
             raise ValueError(f"configure one key source per issuer, not {' and '.join(sources)}")
         if self.jwks_url is not None and not self.jwks_url.startswith(("https://", "http://")):
@@ -66,7 +72,10 @@ class IssuerSettings(BaseModel):
         (the end-user issuer reads ``KVLEDGER_JWT_SECRET``).
         """
         if self.jwt_secret is not None:
-            secrets = {other_secret, other.jwt_secret.get_secret_value() if other.jwt_secret else None}
+            secrets = {
+                other_secret,
+                other.jwt_secret.get_secret_value() if other.jwt_secret else None,
+            }
             if self.jwt_secret.get_secret_value() in secrets:
                 return True
         if self.jwt_public_key_file is not None and other.jwt_public_key_file is not None:

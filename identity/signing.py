@@ -63,11 +63,15 @@ def public_key_from_raw(data: bytes) -> Ed25519PublicKey:
 
 def private_key_pem(private_key: Ed25519PrivateKey) -> bytes:
     """Unencrypted PKCS#8 PEM: the file's 0600 mode is what protects it."""
-    return private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return private_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def public_key_pem(public_key: Ed25519PublicKey) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return public_key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
 
 
 def load_private_key_pem(data: bytes) -> Ed25519PrivateKey:
@@ -170,7 +174,9 @@ def canonical_json(value: Any) -> bytes:
     """
     if _same_as_stdlib_json(value):
         try:
-            return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+            return json.dumps(
+                value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+            ).encode()
         except UnicodeEncodeError:
             pass
     return rfc8785.dumps(value)
@@ -184,7 +190,13 @@ def signed_bytes(envelope: Envelope) -> bytes:
 def sign_envelope(envelope: Envelope, private_key: Ed25519PrivateKey) -> Envelope:
     """A copy of ``envelope`` carrying ``private_key``'s signature (any previous one is replaced)."""
     signature = private_key.sign(signed_bytes(envelope))
-    return envelope.model_copy(update={"signature": RecordSignature(kid=key_id(private_key.public_key()), sig=_b64url(signature))})
+    return envelope.model_copy(
+        update={
+            "signature": RecordSignature(
+                kid=key_id(private_key.public_key()), sig=_b64url(signature)
+            )
+        }
+    )
 
 
 def verify_envelope(envelope: Envelope, public_key: Ed25519PublicKey) -> bool:
@@ -280,7 +292,9 @@ def sign_dead_letter(letter: DeadLetter, private_key: Ed25519PrivateKey) -> Dead
 def dead_letter_signature_problem(letter: DeadLetter, public_key: Ed25519PublicKey) -> str | None:
     """Why ``letter`` is not signed by ``public_key`` (a reason constant: unsigned, by another key, tampered); None when it is."""
     signature = None if letter.signature is None else letter.signature.model_dump()
-    return document_signature_problem(letter.signed_content(), signature, public_key, DEAD_LETTER_CONTEXT)
+    return document_signature_problem(
+        letter.signed_content(), signature, public_key, DEAD_LETTER_CONTEXT
+    )
 
 
 def sign_document(document: dict, private_key: Ed25519PrivateKey, context: bytes) -> dict:
@@ -294,7 +308,9 @@ def sign_document(document: dict, private_key: Ed25519PrivateKey, context: bytes
     return {"kid": key_id(private_key.public_key()), "sig": _b64url(signature)}
 
 
-def document_signature_problem(document: dict, signature: object, public_key: Ed25519PublicKey, context: bytes) -> str | None:
+def document_signature_problem(
+    document: dict, signature: object, public_key: Ed25519PublicKey, context: bytes
+) -> str | None:
     """Why ``signature`` (as received) is not ``public_key``'s :func:`sign_document` signature of ``document``; None when it is."""
     if not isinstance(signature, dict) or not isinstance(signature.get("sig"), str):
         return UNSIGNED

@@ -63,7 +63,11 @@ token holds is one a ``PermissionRevoked`` can name, the ledger can store and th
 _REQUIRED_CLAIMS = ("exp", "sub", "tenant")
 
 # A JWK's type and curve imply exactly one of the allowed algorithms.
-_JWK_ALGORITHM: dict[tuple[str | None, str | None], str] = {("OKP", "Ed25519"): "EdDSA", ("EC", "P-256"): "ES256", ("RSA", None): "RS256"}
+_JWK_ALGORITHM: dict[tuple[str | None, str | None], str] = {
+    ("OKP", "Ed25519"): "EdDSA",
+    ("EC", "P-256"): "ES256",
+    ("RSA", None): "RS256",
+}
 
 
 class AuthError(ValueError):
@@ -120,7 +124,9 @@ class Operator:
 def _secret_bytes(secret: str) -> bytes:
     data = secret.encode()
     if len(data) < MIN_SECRET_BYTES:
-        raise ValueError(f"JWT secret must be at least {MIN_SECRET_BYTES} bytes for HS256 (RFC 7518 §3.2)")
+        raise ValueError(
+            f"JWT secret must be at least {MIN_SECRET_BYTES} bytes for HS256 (RFC 7518 §3.2)"
+        )
     return data
 
 
@@ -134,8 +140,12 @@ def load_ed25519_public_key(path: Path) -> Ed25519PublicKey:
 def generate_ed25519_key_pair() -> tuple[bytes, bytes]:
     """A new Ed25519 key pair as (private PKCS#8 PEM, public SubjectPublicKeyInfo PEM)."""
     key = Ed25519PrivateKey.generate()
-    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return private_pem, public_pem
 
 
@@ -157,7 +167,9 @@ class JwksKeys:
     """
 
     def __init__(self, settings: IssuerSettings) -> None:
-        assert settings.jwks_file is not None or settings.jwks_url is not None, "JwksKeys needs a JWKS source"
+        assert settings.jwks_file is not None or settings.jwks_url is not None, (
+            "JwksKeys needs a JWKS source"
+        )
         self._file = settings.jwks_file
         self._url = settings.jwks_url
         self._ttl_s = settings.jwks_cache_ttl_s
@@ -179,7 +191,9 @@ class JwksKeys:
         with self._lock:
             assert self._fetched_at is not None, "fetched at construction"
             age_s = time.monotonic() - self._fetched_at
-            if age_s >= self._ttl_s or (kid not in self._keys and age_s >= self._refetch_interval_s):
+            if age_s >= self._ttl_s or (
+                kid not in self._keys and age_s >= self._refetch_interval_s
+            ):
                 self._refresh()
             return self._keys.get(kid)
 
@@ -189,21 +203,39 @@ class JwksKeys:
             document = self._fetch()
         except (OSError, ValueError, httpx.HTTPError) as exc:
             if not self._keys:
-                raise ValueError(f"cannot load the JWKS at {self._source}: {type(exc).__name__}: {exc}") from None
-            log.warning("JWKS refetch from %s failed (%s); keeping %d known keys", self._source, type(exc).__name__, len(self._keys))
+                raise ValueError(
+                    f"cannot load the JWKS at {self._source}: {type(exc).__name__}: {exc}"
+                ) from None
+            log.warning(
+                "JWKS refetch from %s failed (%s); keeping %d known keys",
+                self._source,
+                type(exc).__name__,
+                len(self._keys),
+            )
             return
         keys: dict[str, JwksKey] = {}
         for entry in document.get("keys", []) if isinstance(document, dict) else []:
-            if not isinstance(entry, dict) or not isinstance(entry.get("kid"), str) or entry.get("use", "sig") != "sig":
+            if (
+                not isinstance(entry, dict)
+                or not isinstance(entry.get("kid"), str)
+                or entry.get("use", "sig") != "sig"
+            ):
                 continue
             curve = entry.get("crv") if entry.get("kty") != "RSA" else None
             algorithm = _JWK_ALGORITHM.get((entry.get("kty"), curve))
             try:
                 if algorithm is None or entry.get("alg", algorithm) != algorithm:
-                    raise jwt.PyJWKError(f"key type {entry.get('kty')!r} with alg {entry.get('alg')!r}")
+                    raise jwt.PyJWKError(
+                        f"key type {entry.get('kty')!r} with alg {entry.get('alg')!r}"
+                    )
                 keys[entry["kid"]] = JwksKey(jwt.PyJWK(entry, algorithm).key, algorithm)
             except jwt.PyJWTError as exc:
-                log.warning("JWKS at %s: key %r skipped (%s)", self._source, entry["kid"][:MAX_CLAIM_CHARS], exc)
+                log.warning(
+                    "JWKS at %s: key %r skipped (%s)",
+                    self._source,
+                    entry["kid"][:MAX_CLAIM_CHARS],
+                    exc,
+                )
         self._keys = keys
 
     def _fetch(self) -> Any:
@@ -224,7 +256,9 @@ class TokenVerifier:
     never falls back to the end users' secret.
     """
 
-    def __init__(self, settings: IssuerSettings, *, secret_env: str | None = JWT_SECRET_ENV) -> None:
+    def __init__(
+        self, settings: IssuerSettings, *, secret_env: str | None = JWT_SECRET_ENV
+    ) -> None:
         self._issuer = settings.issuer
         self._audience = settings.audience
         self._leeway_s = settings.leeway_s
@@ -236,7 +270,9 @@ class TokenVerifier:
             return
         if settings.jwt_public_key_file is not None:
             if "EdDSA" not in self._allowed:
-                raise ValueError("jwt_public_key_file holds an Ed25519 key but EdDSA is not in the algorithms allow-list")
+                raise ValueError(
+                    "jwt_public_key_file holds an Ed25519 key but EdDSA is not in the algorithms allow-list"
+                )
             self._key = load_ed25519_public_key(settings.jwt_public_key_file)
             self._algorithm = "EdDSA"
             return
@@ -247,14 +283,18 @@ class TokenVerifier:
             secret = os.environ.get(secret_env) if secret_env else None
         if not secret:
             hint = f", or {secret_env}" if secret_env else ""
-            raise ValueError(f"no JWT key configured: set jwt_secret, jwt_public_key_file, jwks_file or jwks_url{hint}")
+            raise ValueError(
+                f"no JWT key configured: set jwt_secret, jwt_public_key_file, jwks_file or jwks_url{hint}"
+            )
         self._key = _secret_bytes(secret)
         self._algorithm = "HS256"
 
     def claims(self, bearer: str | None) -> dict[str, Any]:
         """Decode and check one token (the value after ``Bearer``); the verified claims."""
         if not bearer:
-            raise AuthError("missing_token", "missing bearer token: send 'Authorization: Bearer <JWT>'")
+            raise AuthError(
+                "missing_token", "missing bearer token: send 'Authorization: Bearer <JWT>'"
+            )
         key, algorithm = self._key_for(bearer)
         require = list(_REQUIRED_CLAIMS) + ["iss"] * (self._issuer is not None)
         try:
@@ -270,7 +310,9 @@ class TokenVerifier:
         except jwt.ExpiredSignatureError:
             raise AuthError("token_expired", "bearer token has expired") from None
         except jwt.MissingRequiredClaimError as exc:
-            raise AuthError("invalid_token", f"bearer token lacks the required claim {exc.claim!r}") from None
+            raise AuthError(
+                "invalid_token", f"bearer token lacks the required claim {exc.claim!r}"
+            ) from None
         except jwt.InvalidTokenError as exc:
             raise AuthError("invalid_token", f"invalid bearer token: {exc}") from None
 
@@ -291,18 +333,28 @@ class TokenVerifier:
         if self._jwks is None:
             assert self._key is not None
             if algorithm != self._algorithm:
-                raise AuthError("invalid_token", f"invalid bearer token: this issuer signs with {self._algorithm}")
+                raise AuthError(
+                    "invalid_token",
+                    f"invalid bearer token: this issuer signs with {self._algorithm}",
+                )
             return self._key, self._algorithm
         if algorithm not in self._allowed:
-            raise AuthError("invalid_token", f"invalid bearer token: algorithm not allowed (allowed: {', '.join(sorted(self._allowed))})")
+            raise AuthError(
+                "invalid_token",
+                f"invalid bearer token: algorithm not allowed (allowed: {', '.join(sorted(self._allowed))})",
+            )
         kid = header.get("kid")
         if not isinstance(kid, str) or not kid:
-            raise AuthError("invalid_token", "invalid bearer token: the header names no key id (kid)")
+            raise AuthError(
+                "invalid_token", "invalid bearer token: the header names no key id (kid)"
+            )
         jwk = self._jwks.key(kid)
         if jwk is None:
             raise AuthError("invalid_token", "invalid bearer token: unknown key id (kid)")
         if jwk.algorithm != algorithm:
-            raise AuthError("invalid_token", "invalid bearer token: the algorithm does not match the key")
+            raise AuthError(
+                "invalid_token", "invalid bearer token: the algorithm does not match the key"
+            )
         return jwk.key, algorithm
 
 
@@ -317,10 +369,16 @@ def principal_from_claims(claims: Mapping) -> Principal:
     elif isinstance(pv, Mapping) and len(pv) <= MAX_CLAIM_ITEMS:
         for scope, version in pv.items():
             if not _is_identifier(scope) or not _is_version(version):
-                raise AuthError("invalid_token", f"claim 'pv' must map auth scopes to integers in 0..{MAX_VERSION}")
+                raise AuthError(
+                    "invalid_token",
+                    f"claim 'pv' must map auth scopes to integers in 0..{MAX_VERSION}",
+                )
             policy_versions[scope] = version
     else:
-        raise AuthError("invalid_token", f"claim 'pv' must be an integer in 0..{MAX_VERSION} or a map of auth scope to one")
+        raise AuthError(
+            "invalid_token",
+            f"claim 'pv' must be an integer in 0..{MAX_VERSION} or a map of auth scope to one",
+        )
     return Principal(
         tenant_id=_identifier(claims.get("tenant"), "tenant"),
         subject_id=_identifier(claims.get("sub"), "sub"),
@@ -364,12 +422,19 @@ def _is_identifier(value: object) -> bool:
 
 def _identifier(value: object, claim: str) -> str:
     if not _is_identifier(value):
-        raise AuthError("invalid_token", f"claim {claim!r} must be a string of 1..{MAX_CLAIM_CHARS} characters without control characters")
+        raise AuthError(
+            "invalid_token",
+            f"claim {claim!r} must be a string of 1..{MAX_CLAIM_CHARS} characters without control characters",
+        )
     return value  # type: ignore[return-value]
 
 
 def _string_list(value: object, claim: str) -> list[str]:
-    if not isinstance(value, list) or len(value) > MAX_CLAIM_ITEMS or not all(_is_identifier(item) for item in value):
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_CLAIM_ITEMS
+        or not all(_is_identifier(item) for item in value)
+    ):
         raise AuthError(
             "invalid_token",
             f"claim {claim!r} must be a list of at most {MAX_CLAIM_ITEMS} strings of 1..{MAX_CLAIM_CHARS} "

@@ -16,5 +16,10 @@ from kvledger.api import Coordinator
 def retire_namespace_cli(args: argparse.Namespace) -> int:
     """Start retiring a namespace; prints the namespace record (status ``draining`` or ``retired``)."""
     coordinator = Coordinator(args, role=PLATFORM_ADMIN, tenant="platform")
-    print(json.dumps(coordinator.json("POST", f"/v1/namespaces/{quote(args.namespace, safe='')}/retire"), indent=2))
+    print(
+        json.dumps(
+            coordinator.json("POST", f"/v1/namespaces/{quote(args.namespace, safe='')}/retire"),
+            indent=2,
+        )
+    )
     return 0

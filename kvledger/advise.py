@@ -72,13 +72,17 @@ class LayoutAdvice:
     hit_ratio_gain: float
 
 
-def replay_hit_tokens(samples: Sequence[dict], block_size: int, moved: frozenset[int] = frozenset()) -> int:
+def replay_hit_tokens(
+    samples: Sequence[dict], block_size: int, moved: frozenset[int] = frozenset()
+) -> int:
     """Prompt tokens the sampled requests would hit, in order, with the segments at ``moved`` positions put last."""
     seen: set[tuple[str, ...]] = set()
     num_hit_tokens = 0
     for sample in samples:
         segments = sample["segments"]
-        chain = [s for s in segments if s["index"] not in moved] + [s for s in segments if s["index"] in moved]
+        chain = [s for s in segments if s["index"] not in moved] + [
+            s for s in segments if s["index"] in moved
+        ]
         prefix: tuple[str, ...] = ()
         num_matched = 0
         matching = True
@@ -108,11 +112,16 @@ def analyze(samples: Sequence[dict], block_size: int, min_share: float = 0.5) ->
     num_samples = len(samples)
 
     divergences = Counter(
-        (d["segment_index"], d["role"], d["scope"]) if (d := sample["divergence"]) is not None else (None, None, None) for sample in samples
+        (d["segment_index"], d["role"], d["scope"])
+        if (d := sample["divergence"]) is not None
+        else (None, None, None)
+        for sample in samples
     )
     divergence = [
         DivergencePoint(index, role, scope, count, _ratio(count, num_samples))
-        for (index, role, scope), count in sorted(divergences.items(), key=lambda item: (-item[1], item[0][0] is None, item[0][0] or 0))
+        for (index, role, scope), count in sorted(
+            divergences.items(), key=lambda item: (-item[1], item[0][0] is None, item[0][0] or 0)
+        )
     ]
 
     by_position: dict[int, list[dict]] = {}
@@ -131,7 +140,9 @@ def analyze(samples: Sequence[dict], block_size: int, min_share: float = 0.5) ->
         after = replay_hit_tokens(samples, block_size, frozenset({index}))
         if after <= current:
             continue  # nothing after it repeats: moving it gains nothing
-        (role, scope), _ = Counter((segment["role"], segment["scope"]) for segment in segments).most_common(1)[0]
+        (role, scope), _ = Counter(
+            (segment["role"], segment["scope"]) for segment in segments
+        ).most_common(1)[0]
         breaking.append(
             BreakingSegment(
                 segment_index=index,
@@ -145,11 +156,17 @@ def analyze(samples: Sequence[dict], block_size: int, min_share: float = 0.5) ->
                 hit_ratio_gain=_ratio(after - current, num_prompt_tokens),
             )
         )
-    after_all = replay_hit_tokens(samples, block_size, frozenset(b.segment_index for b in breaking)) if breaking else current
+    after_all = (
+        replay_hit_tokens(samples, block_size, frozenset(b.segment_index for b in breaking))
+        if breaking
+        else current
+    )
     return LayoutAdvice(
         num_samples=num_samples,
         num_prompt_tokens=num_prompt_tokens,
-        observed_hit_ratio=_ratio(sum(sample["num_hit_tokens"] for sample in samples), num_prompt_tokens),
+        observed_hit_ratio=_ratio(
+            sum(sample["num_hit_tokens"] for sample in samples), num_prompt_tokens
+        ),
         replayed_hit_ratio=_ratio(current, num_prompt_tokens),
         divergence=divergence,
         breaking=breaking,
@@ -161,13 +178,17 @@ def analyze(samples: Sequence[dict], block_size: int, min_share: float = 0.5) ->
 def fetch_layout(url: str, metrics_token: str | None) -> dict:
     """A node's layout sample; CliError with the node's message when it refuses."""
     headers = {"Authorization": f"Bearer {metrics_token}"} if metrics_token else {}
-    response = httpx.get(f"{url.rstrip('/')}/v1/cache/layout", headers=headers, timeout=REQUEST_TIMEOUT_S)
+    response = httpx.get(
+        f"{url.rstrip('/')}/v1/cache/layout", headers=headers, timeout=REQUEST_TIMEOUT_S
+    )
     if not response.is_success:
         try:
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = response.text[:500]
-        raise CliError(f"HTTP {response.status_code} from {url}/v1/cache/layout: {message}", EXIT_FAILURE)
+        raise CliError(
+            f"HTTP {response.status_code} from {url}/v1/cache/layout: {message}", EXIT_FAILURE
+        )
     return response.json()
 
 
@@ -177,13 +198,21 @@ def _where(index: int | None, role: str | None, scope: str | None) -> str:
 
 def _print(url: str, layout: dict, advice: LayoutAdvice | None) -> None:
     if advice is None:
-        print(f"{url}: layout sampling is off (set KVLEDGER_NODE_CACHE__LAYOUT_SAMPLE_SIZE, e.g. 1000)")
+        print(
+            f"{url}: layout sampling is off (set KVLEDGER_NODE_CACHE__LAYOUT_SAMPLE_SIZE, e.g. 1000)"
+        )
         return
-    print(f"{url}: {advice.num_samples} requests sampled (of {layout['num_observed']} observed), block size {layout['block_size']}")
-    print(f"  hit ratio: {advice.observed_hit_ratio:.1%} observed, {advice.replayed_hit_ratio:.1%} replayed from the sample")
+    print(
+        f"{url}: {advice.num_samples} requests sampled (of {layout['num_observed']} observed), block size {layout['block_size']}"
+    )
+    print(
+        f"  hit ratio: {advice.observed_hit_ratio:.1%} observed, {advice.replayed_hit_ratio:.1%} replayed from the sample"
+    )
     print("  first miss:")
     for point in advice.divergence:
-        print(f"    {_where(point.segment_index, point.role, point.scope):<36} {point.num_requests:>6} requests  {point.share:.1%}")
+        print(
+            f"    {_where(point.segment_index, point.role, point.scope):<36} {point.num_requests:>6} requests  {point.share:.1%}"
+        )
     if not advice.breaking:
         print("  no segment breaks a stable prefix")
         return
@@ -204,12 +233,18 @@ def cli(args: argparse.Namespace) -> int:
     stack = load_stack(args.stack)
     urls = args.nodes or stack.get("node_urls")
     if not urls:
-        raise CliError("pass --node URL (repeatable) or run `kvledger up` in this directory (or pass --stack)")
+        raise CliError(
+            "pass --node URL (repeatable) or run `kvledger up` in this directory (or pass --stack)"
+        )
     metrics_token = args.metrics_token or stack.get("metrics_token")
     report = []
     for url in urls:
         layout = fetch_layout(url, metrics_token)
-        advice = analyze(layout["samples"], layout["block_size"], args.min_share) if layout["enabled"] else None
+        advice = (
+            analyze(layout["samples"], layout["block_size"], args.min_share)
+            if layout["enabled"]
+            else None
+        )
         report.append((url, layout, advice))
     if args.json:
         print(

@@ -30,22 +30,32 @@ class Coordinator:
         stack = load_stack(args.stack)
         url = args.coordinator_url or stack.get("coordinator_url")
         if not url:
-            raise CliError("pass --coordinator-url or run `kvledger up` in this directory (or pass --stack)")
+            raise CliError(
+                "pass --coordinator-url or run `kvledger up` in this directory (or pass --stack)"
+            )
         self.url = url.rstrip("/")
         self.token = args.token or issue_token(
-            tenant=tenant, sub="kvledger-cli", roles=[role], ttl_s=TOKEN_TTL_S, private_key_pem=operator_key_pem(stack)
+            tenant=tenant,
+            sub="kvledger-cli",
+            roles=[role],
+            ttl_s=TOKEN_TTL_S,
+            private_key_pem=operator_key_pem(stack),
         )
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """The successful response to ``method path``; CliError with the coordinator's message otherwise."""
         headers = {"Authorization": f"Bearer {self.token}"} | kwargs.pop("headers", {})
-        response = httpx.request(method, f"{self.url}{path}", headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs)
+        response = httpx.request(
+            method, f"{self.url}{path}", headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs
+        )
         if not response.is_success:
             try:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:500]
-            raise CliError(f"HTTP {response.status_code} from {method} {path}: {message}", EXIT_FAILURE)
+            raise CliError(
+                f"HTTP {response.status_code} from {method} {path}: {message}", EXIT_FAILURE
+            )
         return response
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:

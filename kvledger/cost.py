@@ -76,7 +76,9 @@ def _usd(tokens: float, price_per_million: float) -> float:
     return tokens * price_per_million / TOKENS_PER_PRICE_UNIT
 
 
-def prompt_cost_usd(num_uncached_tokens: int, num_cached_tokens: int, price_input: float, price_cached_input: float) -> float:
+def prompt_cost_usd(
+    num_uncached_tokens: int, num_cached_tokens: int, price_input: float, price_cached_input: float
+) -> float:
     """What prompt tokens cost: the uncached ones at the input price, the cached ones at the cached price."""
     return _usd(num_uncached_tokens, price_input) + _usd(num_cached_tokens, price_cached_input)
 
@@ -117,11 +119,16 @@ def estimate_cost(
     if prompt_tokens < 1:
         raise ValueError(f"prompt tokens must be at least 1 (got {prompt_tokens})")
     if cached_tokens > prompt_tokens:
-        raise ValueError(f"cached tokens ({cached_tokens}) cannot exceed prompt tokens ({prompt_tokens})")
+        raise ValueError(
+            f"cached tokens ({cached_tokens}) cannot exceed prompt tokens ({prompt_tokens})"
+        )
 
     uncached_tokens = prompt_tokens - cached_tokens
     output_usd = num_requests * _usd(output_tokens, price_output)
-    without_cache = num_requests * prompt_cost_usd(prompt_tokens, 0, price_input, price_cached_input) + output_usd
+    without_cache = (
+        num_requests * prompt_cost_usd(prompt_tokens, 0, price_input, price_cached_input)
+        + output_usd
+    )
     write_price = price_input if price_cache_write is None else price_cache_write
     first_request = _usd(uncached_tokens, price_input) + _usd(cached_tokens, write_price)
     later_request = prompt_cost_usd(uncached_tokens, cached_tokens, price_input, price_cached_input)
@@ -173,15 +180,21 @@ def kv_shape(config: dict[str, Any], dtype: str | None = None) -> KvShape:
     num_layers = _positive_int(config, "num_hidden_layers")
     num_attention_heads = _positive_int(config, "num_attention_heads")
     if num_layers is None or num_attention_heads is None:
-        raise ValueError("config has no num_hidden_layers or num_attention_heads: not a decoder-only Transformer config")
+        raise ValueError(
+            "config has no num_hidden_layers or num_attention_heads: not a decoder-only Transformer config"
+        )
     num_kv_heads = _positive_int(config, "num_key_value_heads") or num_attention_heads
     head_dim = _positive_int(config, "head_dim")
     if head_dim is None:
         hidden_size = _positive_int(config, "hidden_size")
         if hidden_size is None or hidden_size % num_attention_heads:
-            raise ValueError("config has no head_dim, and hidden_size does not divide into num_attention_heads")
+            raise ValueError(
+                "config has no head_dim, and hidden_size does not divide into num_attention_heads"
+            )
         head_dim = hidden_size // num_attention_heads
-    dtype_name = str(dtype or config.get("torch_dtype") or config.get("dtype") or DEFAULT_DTYPE).removeprefix("torch.")
+    dtype_name = str(
+        dtype or config.get("torch_dtype") or config.get("dtype") or DEFAULT_DTYPE
+    ).removeprefix("torch.")
     if dtype_name not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype_name!r} (known: {', '.join(sorted(DTYPE_BYTES))})")
     return KvShape(num_layers, num_kv_heads, head_dim, dtype_name, DTYPE_BYTES[dtype_name])
@@ -222,12 +235,18 @@ def model_cli(args: argparse.Namespace) -> int:
         storage_cost_usd=args.storage_cost,
     )
     if args.json:
-        print(json.dumps({name: round(value, 10) for name, value in asdict(estimate).items()}, indent=2))
+        print(
+            json.dumps(
+                {name: round(value, 10) for name, value in asdict(estimate).items()}, indent=2
+            )
+        )
         return 0
     print(f"cost without cache    {_amount(estimate.cost_without_cache_usd)} USD")
     print(f"cost with cache       {_amount(estimate.cost_with_cache_usd)} USD")
     print(f"storage cost          {_amount(estimate.storage_cost_usd)} USD")
-    print(f"net saving            {_amount(estimate.net_saving_usd)} USD ({estimate.saving_ratio:.1%} of the cost without cache)")
+    print(
+        f"net saving            {_amount(estimate.net_saving_usd)} USD ({estimate.saving_ratio:.1%} of the cost without cache)"
+    )
     print(f"reusable token ratio  {_amount(estimate.reusable_token_ratio)}")
     if estimate.net_saving_usd <= 0:
         print("the cache does not pay for itself under these prices")
@@ -243,7 +262,12 @@ def kv_cli(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 asdict(shape)
-                | {"bytes_per_token": shape.bytes_per_token, "tokens": args.tokens, "batch": args.batch, "total_bytes": total_bytes},
+                | {
+                    "bytes_per_token": shape.bytes_per_token,
+                    "tokens": args.tokens,
+                    "batch": args.batch,
+                    "total_bytes": total_bytes,
+                },
                 indent=2,
             )
         )
@@ -252,7 +276,9 @@ def kv_cli(args: argparse.Namespace) -> int:
         f"layers {shape.num_layers} × 2 (K, V) × KV heads {shape.num_kv_heads} × head dim {shape.head_dim} × {shape.dtype} {shape.dtype_bytes} B"
     )
     print(f"per token             {shape.bytes_per_token:,} bytes")
-    print(f"{args.tokens:,} tokens × {args.batch}  {total_bytes:,} bytes = {total_bytes / 1e9:.2f} GB = {total_bytes / 2**30:.2f} GiB")
+    print(
+        f"{args.tokens:,} tokens × {args.batch}  {total_bytes:,} bytes = {total_bytes / 1e9:.2f} GB = {total_bytes / 2**30:.2f} GiB"
+    )
     return 0
 
 
@@ -271,7 +297,11 @@ class Prices:
                 raise ValueError(f"price {name} must be a non-negative number (got {value!r})")
 
 
-PRICE_FLAGS = {"input": "price_input", "cached_input": "price_cached_input", "output": "price_output"}
+PRICE_FLAGS = {
+    "input": "price_input",
+    "cached_input": "price_cached_input",
+    "output": "price_output",
+}
 """Price name in a prices file → the argparse dest of the flag that overrides it."""
 
 
@@ -288,12 +318,16 @@ def load_prices(prices_file: str | None, overrides: dict[str, float | None]) -> 
         except ValueError as error:
             raise ValueError(f"{prices_file}: not JSON ({error})") from None
         if not isinstance(prices, dict) or set(prices) - set(PRICE_FLAGS):
-            raise ValueError(f"{prices_file}: expected a JSON object with only the keys {', '.join(PRICE_FLAGS)}")
+            raise ValueError(
+                f"{prices_file}: expected a JSON object with only the keys {', '.join(PRICE_FLAGS)}"
+            )
     prices |= {name: value for name, value in overrides.items() if value is not None}
     missing = [name for name in PRICE_FLAGS if name not in prices]
     if missing:
         flags = ", ".join(f"--{PRICE_FLAGS[name].replace('_', '-')}" for name in missing)
-        raise ValueError(f"missing prices: {', '.join(missing)} (pass {flags} or put them in --prices)")
+        raise ValueError(
+            f"missing prices: {', '.join(missing)} (pass {flags} or put them in --prices)"
+        )
     return Prices(**prices)
 
 
@@ -314,12 +348,21 @@ class ServedCost:
 
 def served_cost(usage: dict, prices: Prices) -> ServedCost:
     """Price one tenant's usage (a row of ``GET /v1/usage``) with :func:`prompt_cost_usd`, as the model does."""
-    num_prompt, num_cached, num_output = usage["num_prompt_tokens"], usage["num_cached_tokens"], usage["num_output_tokens"]
+    num_prompt, num_cached, num_output = (
+        usage["num_prompt_tokens"],
+        usage["num_cached_tokens"],
+        usage["num_output_tokens"],
+    )
     if not 0 <= num_cached <= num_prompt or num_output < 0:
-        raise ValueError(f"usage of {usage['tenant_id']!r} is inconsistent: {num_cached} cached of {num_prompt} prompt tokens")
+        raise ValueError(
+            f"usage of {usage['tenant_id']!r} is inconsistent: {num_cached} cached of {num_prompt} prompt tokens"
+        )
     output_usd = _usd(num_output, prices.output)
     without_cache = prompt_cost_usd(num_prompt, 0, prices.input, prices.cached_input) + output_usd
-    with_cache = prompt_cost_usd(num_prompt - num_cached, num_cached, prices.input, prices.cached_input) + output_usd
+    with_cache = (
+        prompt_cost_usd(num_prompt - num_cached, num_cached, prices.input, prices.cached_input)
+        + output_usd
+    )
     return ServedCost(
         tenant_id=usage["tenant_id"],
         num_requests=usage["num_requests"],
@@ -346,23 +389,35 @@ def parse_duration(text: str) -> timedelta:
 
 
 def report_cli(args: argparse.Namespace) -> int:
-    prices = load_prices(args.prices, {name: getattr(args, dest) for name, dest in PRICE_FLAGS.items()})
+    prices = load_prices(
+        args.prices, {name: getattr(args, dest) for name, dest in PRICE_FLAGS.items()}
+    )
     since = datetime.now(UTC) - parse_duration(args.since)
     params = {"since": since.isoformat()} | ({"tenant": args.tenant} if args.tenant else {})
-    usage = Coordinator(args, role=PLATFORM_ADMIN, tenant="platform").json("GET", "/v1/usage", params=params)
+    usage = Coordinator(args, role=PLATFORM_ADMIN, tenant="platform").json(
+        "GET", "/v1/usage", params=params
+    )
     costs = [served_cost(row, prices) for row in usage["tenants"]]
     total = served_cost(
         {"tenant_id": "total"}
         | {
             name: sum(row[name] for row in usage["tenants"])
-            for name in ("num_requests", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
+            for name in (
+                "num_requests",
+                "num_prompt_tokens",
+                "num_cached_tokens",
+                "num_output_tokens",
+            )
         },
         prices,
     )
     if args.json:
 
         def rounded(cost: ServedCost) -> dict:
-            return {name: round(value, 10) if isinstance(value, float) else value for name, value in asdict(cost).items()}
+            return {
+                name: round(value, 10) if isinstance(value, float) else value
+                for name, value in asdict(cost).items()
+            }
 
         print(
             json.dumps(
@@ -381,7 +436,17 @@ def report_cli(args: argparse.Namespace) -> int:
         f"served {usage['since']} .. {usage['until']}; USD per million tokens: input {_amount(prices.input)}, "
         f"cached input {_amount(prices.cached_input)}, output {_amount(prices.output)}"
     )
-    header = ("tenant", "requests", "prompt", "cached", "output", "hit ratio", "without cache", "with cache", "saving")
+    header = (
+        "tenant",
+        "requests",
+        "prompt",
+        "cached",
+        "output",
+        "hit ratio",
+        "without cache",
+        "with cache",
+        "saving",
+    )
     rows = [
         (
             cost.tenant_id,

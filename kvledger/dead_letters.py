@@ -41,7 +41,9 @@ def since_time(value: str, now: datetime | None = None) -> str:
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:
-        raise ValueError(f"--since {value!r}: an ISO 8601 time with a zone or an age like 30m, 6h, 2d") from None
+        raise ValueError(
+            f"--since {value!r}: an ISO 8601 time with a zone or an age like 30m, 6h, 2d"
+        ) from None
     if moment.tzinfo is None:
         raise ValueError(f"--since {value!r}: give the time zone (e.g. 2026-12-01T10:00:00Z)")
     return moment.isoformat()
@@ -55,9 +57,13 @@ def list_cli(args: argparse.Namespace) -> int:
         params["reason"] = args.reason
     if args.since:
         params["since"] = since_time(args.since)
-    answer = Coordinator(args, role=PLATFORM_ADMIN, tenant="platform").json("GET", "/v1/dead-letters", params=params)
+    answer = Coordinator(args, role=PLATFORM_ADMIN, tenant="platform").json(
+        "GET", "/v1/dead-letters", params=params
+    )
     if args.json:
-        print(json.dumps(answer, indent=2))  # ASCII: no raw C1, bidi or line-separator character reaches the terminal
+        print(
+            json.dumps(answer, indent=2)
+        )  # ASCII: no raw C1, bidi or line-separator character reaches the terminal
         return 0
     for letter in answer["dead_letters"]:
         print(escape_control(_line(letter)))

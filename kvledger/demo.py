@@ -89,14 +89,19 @@ class Stack:
         if self.args.stack:
             self.info = load_stack(self.args.stack)
             if not _ready(client, self.info.get("coordinator_url", "")):
-                raise CliError(f"the stack of {self.args.stack} does not answer (is `kvledger up` running?)", EXIT_FAILURE)
+                raise CliError(
+                    f"the stack of {self.args.stack} does not answer (is `kvledger up` running?)",
+                    EXIT_FAILURE,
+                )
             say(f"reusing the stack of {self.args.stack}")
             return
         state_dir = Path(self.args.state_dir)
         stack_file = state_dir / "stack.json"
         if stack_file.exists():
             existing = load_stack(str(stack_file))
-            if _ready(client, existing.get("coordinator_url", "")) and all(_ready(client, url) for url in existing.get("node_urls", [])):
+            if _ready(client, existing.get("coordinator_url", "")) and all(
+                _ready(client, url) for url in existing.get("node_urls", [])
+            ):
                 self.info = existing
                 say(f"reusing the running stack of {stack_file}")
                 return
@@ -136,9 +141,13 @@ class Stack:
         while not stack_file.exists():
             relay_progress()
             if self.process.poll() is not None:
-                raise StepFailed(f"kvledger up exited with status {self.process.returncode} (log: {log})")
+                raise StepFailed(
+                    f"kvledger up exited with status {self.process.returncode} (log: {log})"
+                )
             if time.monotonic() > deadline:
-                raise StepFailed(f"the stack was not up after {STACK_START_TIMEOUT_S:.0f} s (log: {log})")
+                raise StepFailed(
+                    f"the stack was not up after {STACK_START_TIMEOUT_S:.0f} s (log: {log})"
+                )
             time.sleep(0.2)
         relay_progress()
         self.info = load_stack(str(stack_file))
@@ -169,10 +178,23 @@ class Story:
         self.model = ""
 
     def user_token(self, policy_version: int) -> str:
-        return issue_token(tenant=self.tenant, sub=SUBJECT, scopes=["hr"], pv=policy_version, ttl_s=900, secret=self.stack["jwt_secret"])
+        return issue_token(
+            tenant=self.tenant,
+            sub=SUBJECT,
+            scopes=["hr"],
+            pv=policy_version,
+            ttl_s=900,
+            secret=self.stack["jwt_secret"],
+        )
 
     def operator(self, role: str) -> dict[str, str]:
-        token = issue_token(tenant=self.tenant, sub=f"demo-{role}", roles=[role], ttl_s=900, private_key_pem=operator_key_pem(self.stack))
+        token = issue_token(
+            tenant=self.tenant,
+            sub=f"demo-{role}",
+            roles=[role],
+            ttl_s=900,
+            private_key_pem=operator_key_pem(self.stack),
+        )
         return {"Authorization": f"Bearer {token}"}
 
     def messages(self, document_version: int) -> list[dict[str, Any]]:
@@ -189,12 +211,14 @@ class Story:
             },
             {
                 "role": "user",
-                "content": f"Handbook version {document_version}: every employee has {20 + document_version} vacation days per year. " * 6,
+                "content": f"Handbook version {document_version}: every employee has {20 + document_version} vacation days per year. "
+                * 6,
                 "document": {"id": "handbook", "version": document_version, "auth_scope": "hr"},
             },
             {
                 "role": "user",
-                "content": "I am Alice from the people team and I plan a long trip in spring next year. " * 3
+                "content": "I am Alice from the people team and I plan a long trip in spring next year. "
+                * 3
                 + "How many vacation days do I have?",
             },
         ]
@@ -203,7 +227,12 @@ class Story:
         return self.client.post(
             f"{self.node_url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {token}"},
-            json={"model": self.model, "messages": self.messages(document_version), "max_tokens": ANSWER_TOKENS, "temperature": 0},
+            json={
+                "model": self.model,
+                "messages": self.messages(document_version),
+                "max_tokens": ANSWER_TOKENS,
+                "temperature": 0,
+            },
             timeout=REQUEST_TIMEOUT_S,
         )
 
@@ -211,14 +240,21 @@ class Story:
         """(prompt_tokens, cached_tokens) of a request that must be served."""
         response = self.chat(token, document_version)
         if response.status_code != 200:
-            raise StepFailed(f"{label}: expected 200, got {response.status_code}: {response.text[:300]}")
+            raise StepFailed(
+                f"{label}: expected 200, got {response.status_code}: {response.text[:300]}"
+            )
         usage = response.json()["usage"]
-        prompt_tokens, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+        prompt_tokens, cached = (
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+        )
         answer = response.json()["choices"][0]["message"]["content"].strip().replace("\n", " ")
         say(f"{label}: 200, {prompt_tokens} prompt tokens, {cached} cached — {answer!r}")
         return prompt_tokens, cached
 
-    def refused(self, token: str, document_version: int, status_code: int, code: str, label: str) -> float:
+    def refused(
+        self, token: str, document_version: int, status_code: int, code: str, label: str
+    ) -> float:
         """Seconds until a request is refused with ``status_code``/``code`` (the command reaches the node)."""
         started = time.monotonic()
 
@@ -237,7 +273,9 @@ class Story:
     def publish(self, payload: Any) -> None:
         envelope = make_event(payload, tenant_id=self.tenant)
         signer = producer_signer(self.stack.get("producer_key_file"))
-        asyncio.run(publish(KafkaSettings(bootstrap=self.stack["kafka_bootstrap"]), envelope, signer))
+        asyncio.run(
+            publish(KafkaSettings(bootstrap=self.stack["kafka_bootstrap"]), envelope, signer)
+        )
         say(f"published {envelope.type} (event {envelope.event_id})")
 
 
@@ -245,12 +283,18 @@ def step_stack(story: Story) -> None:
     for url in [story.coordinator_url, *story.stack["node_urls"]]:
         if not _ready(story.client, url):
             raise StepFailed(f"{url}/readyz does not answer 200")
-    models = story.client.get(f"{story.node_url}/v1/models", headers={"Authorization": f"Bearer {story.user_token(1)}"})
+    models = story.client.get(
+        f"{story.node_url}/v1/models", headers={"Authorization": f"Bearer {story.user_token(1)}"}
+    )
     if models.status_code != 200:
         raise StepFailed(f"GET /v1/models answered {models.status_code}")
     story.model = models.json()["data"][0]["id"]
-    say(f"coordinator {story.coordinator_url} ready; node {story.node_url} ready, serving {story.model}")
-    say(f"this run's tenant is {story.tenant}; its user {SUBJECT} reads the handbook under auth scope hr, policy version 1")
+    say(
+        f"coordinator {story.coordinator_url} ready; node {story.node_url} ready, serving {story.model}"
+    )
+    say(
+        f"this run's tenant is {story.tenant}; its user {SUBJECT} reads the handbook under auth scope hr, policy version 1"
+    )
 
 
 def step_cached_hit(story: Story) -> None:
@@ -270,46 +314,74 @@ def step_document_update(story: Story) -> None:
     _, rebuilt = story.served(token, 2, "request with handbook v2")
     _, again = story.served(token, 2, "handbook v2 again")
     if not (rebuilt < story.hit_tokens and again > rebuilt):
-        raise StepFailed(f"expected the v2 prefix to be computed once and then reused; saw {rebuilt}, then {again} cached")
-    say(f"the cache was rebuilt for v2: only the public system prompt was reused at first ({rebuilt}), then {again}")
+        raise StepFailed(
+            f"expected the v2 prefix to be computed once and then reused; saw {rebuilt}, then {again} cached"
+        )
+    say(
+        f"the cache was rebuilt for v2: only the public system prompt was reused at first ({rebuilt}), then {again}"
+    )
 
 
 def step_permission_revocation(story: Story) -> None:
     story.publish(PermissionRevoked(auth_scope="hr", policy_version=2))
-    story.refused(story.user_token(1), 2, 401, "stale_authorization", "request with a token of policy version 1")
+    story.refused(
+        story.user_token(1),
+        2,
+        401,
+        "stale_authorization",
+        "request with a token of policy version 1",
+    )
     _, cached = story.served(story.user_token(2), 2, "request with a new token (policy version 2)")
     if cached >= story.hit_tokens:
-        raise StepFailed(f"expected the blocks built under policy version 1 to be gone; {cached} tokens were still reused")
-    say(f"what was built under policy version 1 is not reused: only the public system prompt ({cached}) was")
+        raise StepFailed(
+            f"expected the blocks built under policy version 1 to be gone; {cached} tokens were still reused"
+        )
+    say(
+        f"what was built under policy version 1 is not reused: only the public system prompt ({cached}) was"
+    )
 
 
 def step_erasure(story: Story) -> None:
     coordinator, output_dir = story.coordinator_url, story.output_dir
     started = story.client.post(
         f"{coordinator}/v1/erasures",
-        json={"tenant_id": story.tenant, "subject_id": SUBJECT, "reason": "demo: GDPR art. 17 request"},
+        json={
+            "tenant_id": story.tenant,
+            "subject_id": SUBJECT,
+            "reason": "demo: GDPR art. 17 request",
+        },
         headers=story.operator(PRIVACY_OFFICER),
     )
     if started.status_code != 202:
-        raise StepFailed(f"POST /v1/erasures: expected 202, got {started.status_code}: {started.text[:300]}")
+        raise StepFailed(
+            f"POST /v1/erasures: expected 202, got {started.status_code}: {started.text[:300]}"
+        )
     erasure_id = started.json()["id"]
     say(f"requested the erasure of {SUBJECT}: {erasure_id}")
     auditor = story.operator(AUDITOR)
 
     def verified() -> dict | None:
-        erasure = story.client.get(f"{coordinator}/v1/erasures/{erasure_id}", headers=auditor).json()
+        erasure = story.client.get(
+            f"{coordinator}/v1/erasures/{erasure_id}", headers=auditor
+        ).json()
         return erasure if erasure.get("status") == "verified" else None
 
     began = time.monotonic()
     erasure = _until(verified, "the erasure to be verified")
-    say(f"verified after {time.monotonic() - began:.2f} s; live copies left: {erasure['live_copies']}")
+    say(
+        f"verified after {time.monotonic() - began:.2f} s; live copies left: {erasure['live_copies']}"
+    )
     for node in erasure["nodes"]:
         removed = ", ".join(
-            f"{tier} {cell['removed']} ({'/'.join(cell['methods'])})" for tier, cell in node["tiers"].items() if cell["removed"]
+            f"{tier} {cell['removed']} ({'/'.join(cell['methods'])})"
+            for tier, cell in node["tiers"].items()
+            if cell["removed"]
         )
         say(f"  {node['node_id']}: {node['status']}, removed {removed or 'nothing'}")
     documents = {
-        "receipt.json": story.client.get(f"{coordinator}/v1/erasures/{erasure_id}/receipt", headers=auditor),
+        "receipt.json": story.client.get(
+            f"{coordinator}/v1/erasures/{erasure_id}/receipt", headers=auditor
+        ),
         "keys.json": story.client.get(f"{coordinator}/v1/receipts/keys"),
         "checkpoint.json": story.client.get(f"{coordinator}/v1/audit/checkpoint"),
     }
@@ -319,11 +391,17 @@ def step_erasure(story: Story) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     for name, response in documents.items():
         (output_dir / name).write_text(json.dumps(response.json(), indent=2), encoding="utf-8")
-    result = verify_served_receipt(documents["receipt.json"].json(), documents["keys.json"].json(), documents["checkpoint.json"].json())
+    result = verify_served_receipt(
+        documents["receipt.json"].json(),
+        documents["keys.json"].json(),
+        documents["checkpoint.json"].json(),
+    )
     failed = [check.name for check in result.checks if not check.ok]
     if not result.ok:
         raise StepFailed(f"the receipt did not verify offline: {', '.join(failed)}")
-    say(f"receipt checked offline: {len(result.checks)} checks passed ({', '.join(check.name for check in result.checks)})")
+    say(
+        f"receipt checked offline: {len(result.checks)} checks passed ({', '.join(check.name for check in result.checks)})"
+    )
     say(
         f"check it yourself: kvledger verify-receipt {output_dir / 'receipt.json'} --public-key {output_dir / 'keys.json'} "
         f"--checkpoint {output_dir / 'checkpoint.json'}"
@@ -361,11 +439,17 @@ def cli(args: argparse.Namespace) -> int:
                 say(f"ok ({time.monotonic() - step_began:.1f} s)")
     except StepFailed as failure:
         say(f"FAILED: {failure}")
-        print(f"kvledger demo: failed at step {step}/{num_steps} after {time.monotonic() - began:.1f} s", file=sys.stderr)
+        print(
+            f"kvledger demo: failed at step {step}/{num_steps} after {time.monotonic() - began:.1f} s",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
     finally:
         if stack.process is not None:
             say("stopping the stack the demo started")
         stack.stop()
-    print(f"demo passed: {num_steps}/{num_steps} steps in {time.monotonic() - began:.1f} s", flush=True)
+    print(
+        f"demo passed: {num_steps}/{num_steps} steps in {time.monotonic() - began:.1f} s",
+        flush=True,
+    )
     return 0

@@ -36,27 +36,43 @@ def request_cli(args: argparse.Namespace) -> int:
     body = {"tenant_id": args.tenant, "subject_id": args.subject, "reason": args.reason}
     if args.request_id:
         body["request_id"] = args.request_id
-    started = Coordinator(args, role=PRIVACY_OFFICER, tenant=args.tenant).json("POST", "/v1/erasures", json=body)
+    started = Coordinator(args, role=PRIVACY_OFFICER, tenant=args.tenant).json(
+        "POST", "/v1/erasures", json=body
+    )
     if args.json:
         _print_json(started)
     else:
         print(f"erasure {started['id']} {started['status']}")
-        print(f"follow it: kvledger erasure status {started['id']} --tenant {shlex.quote(args.tenant)}")
+        print(
+            f"follow it: kvledger erasure status {started['id']} --tenant {shlex.quote(args.tenant)}"
+        )
     return 0
 
 
 def status_cli(args: argparse.Namespace) -> int:
-    erasure = Coordinator(args, role=AUDITOR, tenant=args.tenant).json("GET", f"/v1/erasures/{quote(args.erasure_id, safe='')}")
+    erasure = Coordinator(args, role=AUDITOR, tenant=args.tenant).json(
+        "GET", f"/v1/erasures/{quote(args.erasure_id, safe='')}"
+    )
     if args.json:
         _print_json(erasure)
         return 0
     # The reason and node ids come from records and nodes: printed escaped (events.logs.escape_control).
-    print(escape_control(f"erasure {erasure['id']} ({erasure['tenant_id']}, reason {erasure['reason']}): {erasure['status']}"))
-    print(f"requested {erasure['requested_at']}   verified {erasure['verified_at'] or '-'}   receipt {erasure['receipt_id'] or '-'}")
+    print(
+        escape_control(
+            f"erasure {erasure['id']} ({erasure['tenant_id']}, reason {erasure['reason']}): {erasure['status']}"
+        )
+    )
+    print(
+        f"requested {erasure['requested_at']}   verified {erasure['verified_at'] or '-'}   receipt {erasure['receipt_id'] or '-'}"
+    )
     for node in erasure["nodes"]:
         tiers = "   ".join(
             f"{tier}: removed {state['removed']}, live {state['live']}"
-            + ("" if state["verified"] is None else f", {'verified' if state['verified'] else 'NOT verified'}")
+            + (
+                ""
+                if state["verified"] is None
+                else f", {'verified' if state['verified'] else 'NOT verified'}"
+            )
             for tier, state in node["tiers"].items()
         )
         print(escape_control(f"  {node['node_id']:<12} {node['status']:<12} {tiers}"))
@@ -77,7 +93,9 @@ def receipt_cli(args: argparse.Namespace) -> int:
         "checkpoint.json": coordinator.json("GET", "/v1/audit/checkpoint"),
     }
     for name, document in documents.items():
-        (output / name).write_text(json.dumps(document, indent=2, ensure_ascii=False), encoding="utf-8")
+        (output / name).write_text(
+            json.dumps(document, indent=2, ensure_ascii=False), encoding="utf-8"
+        )
     files = {name: shlex.quote(str(output / name)) for name in documents}
     print(f"wrote {', '.join(files.values())}")
     print(

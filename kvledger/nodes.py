@@ -30,7 +30,9 @@ DATABASE_URL_ENV = "KVLEDGER_DATABASE_URL"
 def _database_url(args: argparse.Namespace) -> str:
     url = args.database_url or os.environ.get(DATABASE_URL_ENV) or stack_setting("database_url")
     if not url:
-        raise ValueError(f"no database: pass --database-url, set {DATABASE_URL_ENV}, or run `kvledger up` here")
+        raise ValueError(
+            f"no database: pass --database-url, set {DATABASE_URL_ENV}, or run `kvledger up` here"
+        )
     return url
 
 
@@ -63,7 +65,9 @@ async def revoke_node_keys(database_url: str, node_id: str, kid: str | None) -> 
 
 
 def key_cli(args: argparse.Namespace) -> int:
-    return print_public_key(Path(args.key_file) if args.key_file else Path(args.data_dir) / NODE_KEY_FILE, "nodes key")
+    return print_public_key(
+        Path(args.key_file) if args.key_file else Path(args.data_dir) / NODE_KEY_FILE, "nodes key"
+    )
 
 
 def enroll_cli(args: argparse.Namespace) -> int:

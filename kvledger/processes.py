@@ -71,7 +71,13 @@ class Launcher(Protocol):
 
 
 def popen_cli(
-    cli_args: list[str], env: Mapping[str, str], stdout: IO[bytes], stderr: IO[bytes] | None, *, new_session: bool, dies_with_parent: bool
+    cli_args: list[str],
+    env: Mapping[str, str],
+    stdout: IO[bytes],
+    stderr: IO[bytes] | None,
+    *,
+    new_session: bool,
+    dies_with_parent: bool,
 ) -> subprocess.Popen:
     """The default :class:`Launcher`: a new interpreter."""
     return subprocess.Popen(
@@ -101,5 +107,10 @@ def spawn_cli(
     stopped by its caller alone."""
     with open(log_path or os.devnull, "ab") as log, open(errors_path or os.devnull, "ab") as errors:
         return launcher(
-            cli_args, env, log, errors if errors_path is not None else None, new_session=new_session, dies_with_parent=dies_with_parent
+            cli_args,
+            env,
+            log,
+            errors if errors_path is not None else None,
+            new_session=new_session,
+            dies_with_parent=dies_with_parent,
         )

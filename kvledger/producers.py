@@ -32,7 +32,9 @@ PLATFORM_TENANT = "platform"
 """The ``tenant`` claim of the platform-admin tokens these commands mint (a platform-admin acts on every tenant)."""
 
 
-async def enroll_producer_key(database_url: str, public_key: Ed25519PublicKey, tenants: list[str] | None, name: str) -> str:
+async def enroll_producer_key(
+    database_url: str, public_key: Ed25519PublicKey, tenants: list[str] | None, name: str
+) -> str:
     """Enroll ``public_key`` for ``tenants`` (None: all) straight into the registry at ``database_url``; its key id.
 
     For ``kvledger up`` and the benchmarks, which own their database; operators use the API (``enroll``).
@@ -44,7 +46,9 @@ async def enroll_producer_key(database_url: str, public_key: Ed25519PublicKey, t
     database = Database(DatabaseSettings(url=database_url), pre_ping=False)
     try:
         async with database.session() as session, session.begin():
-            return (await enroll(session, public_key, tenants, name=name, enrolled_by=DIRECT_ENROLLMENT)).key_id
+            return (
+                await enroll(session, public_key, tenants, name=name, enrolled_by=DIRECT_ENROLLMENT)
+            ).key_id
     finally:
         await database.dispose()
 
@@ -62,7 +66,10 @@ def key_cli(args: argparse.Namespace) -> int:
 
 def enroll_cli(args: argparse.Namespace) -> int:
     if bool(args.tenant) == args.all_tenants:
-        print("kvledger producers enroll: error: give --tenant (repeatable) or --all-tenants", file=sys.stderr)
+        print(
+            "kvledger producers enroll: error: give --tenant (repeatable) or --all-tenants",
+            file=sys.stderr,
+        )
         return 2
     try:
         public_key = load_public_key_file(Path(args.public_key))
@@ -83,7 +90,9 @@ def enroll_cli(args: argparse.Namespace) -> int:
 
 def list_cli(args: argparse.Namespace) -> int:
     params = {} if args.tenant is None else {"tenant": args.tenant}
-    keys = _coordinator(args, args.tenant).json("GET", "/v1/producer-keys", params=params)["producer_keys"]
+    keys = _coordinator(args, args.tenant).json("GET", "/v1/producer-keys", params=params)[
+        "producer_keys"
+    ]
     if args.json:
         print(json.dumps(keys, indent=2, ensure_ascii=False))
         return 0

@@ -31,7 +31,15 @@ from pydantic import ValidationError
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer
 from events.kafka.settings import KAFKA_SHARED_ENV, KafkaSettings
-from events.schema import DocumentDeleted, DocumentUpdated, Envelope, ErasureRequested, EventPayload, PermissionRevoked, make_event
+from events.schema import (
+    DocumentDeleted,
+    DocumentUpdated,
+    Envelope,
+    ErasureRequested,
+    EventPayload,
+    PermissionRevoked,
+    make_event,
+)
 from events.topics import route
 from identity.signing import EnvelopeSigner, load_private_key_pem
 
@@ -52,9 +60,13 @@ def stack_setting(key: str) -> str | None:
 
 
 def _bootstrap(args: argparse.Namespace) -> str:
-    bootstrap = args.kafka_bootstrap or os.environ.get(BOOTSTRAP_ENV) or stack_setting("kafka_bootstrap")
+    bootstrap = (
+        args.kafka_bootstrap or os.environ.get(BOOTSTRAP_ENV) or stack_setting("kafka_bootstrap")
+    )
     if not bootstrap:
-        raise ValueError(f"no broker: pass --kafka-bootstrap, set {BOOTSTRAP_ENV}, or run `kvledger up` here")
+        raise ValueError(
+            f"no broker: pass --kafka-bootstrap, set {BOOTSTRAP_ENV}, or run `kvledger up` here"
+        )
     return bootstrap
 
 
@@ -66,7 +78,9 @@ def producer_signer(key_file: str | None) -> EnvelopeSigner:
     """
     path = key_file or os.environ.get(PRODUCER_KEY_ENV) or stack_setting("producer_key_file")
     if not path:
-        raise ValueError(f"no producer key: pass --producer-key, set {PRODUCER_KEY_ENV}, or run `kvledger up` here")
+        raise ValueError(
+            f"no producer key: pass --producer-key, set {PRODUCER_KEY_ENV}, or run `kvledger up` here"
+        )
     try:
         return EnvelopeSigner(load_private_key_pem(Path(path).read_bytes()))
     except OSError as exc:
@@ -75,7 +89,14 @@ def producer_signer(key_file: str | None) -> EnvelopeSigner:
         raise ValueError(f"producer key {path}: {exc}") from None
 
 
-_SECURITY_FLAGS = ("security_protocol", "sasl_mechanism", "sasl_username", "ssl_cafile", "ssl_certfile", "ssl_keyfile")
+_SECURITY_FLAGS = (
+    "security_protocol",
+    "sasl_mechanism",
+    "sasl_username",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+)
 """Security settings that have a ``--kafka-*`` flag; the SASL password has none, so it never shows in a process list."""
 
 
@@ -84,7 +105,11 @@ def kafka_settings(args: argparse.Namespace, bootstrap: str) -> KafkaSettings:
 
     ValueError names what is inconsistent (e.g. SASL without a password, a missing CA file).
     """
-    security = {name: os.environ[variable] for variable, name in KAFKA_SHARED_ENV.items() if os.environ.get(variable)}
+    security = {
+        name: os.environ[variable]
+        for variable, name in KAFKA_SHARED_ENV.items()
+        if os.environ.get(variable)
+    }
     for name in _SECURITY_FLAGS:
         value = getattr(args, f"kafka_{name}", None)
         if value is not None:
@@ -94,7 +119,9 @@ def kafka_settings(args: argparse.Namespace, bootstrap: str) -> KafkaSettings:
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
         # A validator's own ValueError travels in ctx; pydantic's msg prefixes it with "Value error, ".
-        raise ValueError("; ".join(str(error.get("ctx", {}).get("error", error["msg"])) for error in errors)) from None
+        raise ValueError(
+            "; ".join(str(error.get("ctx", {}).get("error", error["msg"])) for error in errors)
+        ) from None
 
 
 def build_event(args: argparse.Namespace) -> Envelope:
@@ -107,10 +134,16 @@ def build_event(args: argparse.Namespace) -> Envelope:
             case "document-deleted":
                 payload = DocumentDeleted(doc_id=args.doc)
             case "permission-revoked":
-                payload = PermissionRevoked(auth_scope=args.auth_scope, policy_version=args.policy_version, subject_id=args.subject)
+                payload = PermissionRevoked(
+                    auth_scope=args.auth_scope,
+                    policy_version=args.policy_version,
+                    subject_id=args.subject,
+                )
             case "erasure-requested":
                 erasure_id = uuid.UUID(args.erasure_id) if args.erasure_id else None
-                payload = ErasureRequested(erasure_id=erasure_id, subject_id=args.subject, reason=args.reason)
+                payload = ErasureRequested(
+                    erasure_id=erasure_id, subject_id=args.subject, reason=args.reason
+                )
             case _:
                 raise ValueError(f"unknown event kind {args.event_kind!r}")
         return make_event(payload, tenant_id=args.tenant)
@@ -141,7 +174,10 @@ def cli(args: argparse.Namespace) -> int:
     try:
         asyncio.run(publish(settings, envelope, signer))
     except (KafkaError, OSError, TimeoutError) as exc:
-        print(f"kvledger publish: error: cannot publish to {bootstrap}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"kvledger publish: error: cannot publish to {bootstrap}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
         return 1
     print(envelope.event_id)
     return 0

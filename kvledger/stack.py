@@ -89,7 +89,9 @@ async def _wait_ready(url: str, process: Process, what: str) -> None:
     async with httpx.AsyncClient(timeout=2.0) as client:
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"{what} exited with status {process.returncode} before it was ready")
+                raise RuntimeError(
+                    f"{what} exited with status {process.returncode} before it was ready"
+                )
             try:
                 if (await client.get(f"{url}/readyz")).status_code == 200:
                     return
@@ -135,7 +137,9 @@ async def up(args: argparse.Namespace) -> None:
         progress(f"model found in {model_dir}")
     else:
         # The default is the real SmolLM2-135M-Instruct; the tiny test model is seconds to build and says nothing.
-        progress(f"building the {'tiny' if args.tiny else 'SmolLM2-135M-Instruct'} model in {model_dir}")
+        progress(
+            f"building the {'tiny' if args.tiny else 'SmolLM2-135M-Instruct'} model in {model_dir}"
+        )
         await asyncio.to_thread(build_tiny_model if args.tiny else build_default_model, model_dir)
         progress("model built")
 
@@ -172,7 +176,11 @@ async def up(args: argparse.Namespace) -> None:
 
         coordinator_port = args.port - 100
         coordinator_url = f"http://127.0.0.1:{coordinator_port}"
-        coordinator = spawn_cli(["coordinator", "--port", str(coordinator_port)], coordinator_env, logs / "coordinator.log")
+        coordinator = spawn_cli(
+            ["coordinator", "--port", str(coordinator_port)],
+            coordinator_env,
+            logs / "coordinator.log",
+        )
         processes.append(coordinator)
         names[coordinator.pid] = "coordinator"
         # nodes fetch their data keys from the coordinator, so it must answer first
@@ -182,13 +190,26 @@ async def up(args: argparse.Namespace) -> None:
         # Each node may pull a prefix from the others (docs/architecture.md "Replicas"): the trusted peer list
         # a router's pull hint is resolved in, never an address a request brings.
         node_env["KVLEDGER_NODE_PEERS__URLS"] = json.dumps(
-            {node_id: f"http://127.0.0.1:{args.port + index}" for index, node_id in enumerate(node_ids)}
+            {
+                node_id: f"http://127.0.0.1:{args.port + index}"
+                for index, node_id in enumerate(node_ids)
+            }
         )
         node_urls = []
         for index, node_id in enumerate(node_ids):
             port = args.port + index
             node = spawn_cli(
-                ["node", "--model", str(model_dir), "--port", str(port), "--node-id", node_id, "--data-dir", str(state_dir / node_id)],
+                [
+                    "node",
+                    "--model",
+                    str(model_dir),
+                    "--port",
+                    str(port),
+                    "--node-id",
+                    node_id,
+                    "--data-dir",
+                    str(state_dir / node_id),
+                ],
                 node_env,
                 logs / f"{node_id}.log",
             )
@@ -199,9 +220,16 @@ async def up(args: argparse.Namespace) -> None:
             await _wait_ready(url, node, f"node at {url}")
             progress(f"{names[node.pid]} ready at {url}")
         router_url = f"http://127.0.0.1:{args.port + ROUTER_PORT_OFFSET}"
-        router_env = _router_env(state_dir, node_env, env.operator_private_key_file, dict(zip(node_ids, node_urls, strict=True)))
+        router_env = _router_env(
+            state_dir,
+            node_env,
+            env.operator_private_key_file,
+            dict(zip(node_ids, node_urls, strict=True)),
+        )
         router = spawn_cli(
-            ["router", "--model", str(model_dir), "--port", str(args.port + ROUTER_PORT_OFFSET)], router_env, logs / "router.log"
+            ["router", "--model", str(model_dir), "--port", str(args.port + ROUTER_PORT_OFFSET)],
+            router_env,
+            logs / "router.log",
         )
         processes.append(router)
         names[router.pid] = "router"
@@ -242,7 +270,12 @@ ROUTER_TOKEN_TTL_S = 30 * 24 * 3600
 """The dev router's operator token (role ``router``) is minted again at every ``kvledger up``; a month outlasts any session."""
 
 
-def _router_env(state_dir: Path, node_env: dict[str, str], operator_private_key_file: Path, node_urls: dict[str, str]) -> dict[str, str]:
+def _router_env(
+    state_dir: Path,
+    node_env: dict[str, str],
+    operator_private_key_file: Path,
+    node_urls: dict[str, str],
+) -> dict[str, str]:
     """The router's environment: what a node gets (no coordinator secrets), its nodes, and an operator token with the
     ``router`` role (``router_token``, 0600, signed with the stack's operator key) for the coordinator's ``/v1/router/*``."""
     token = issue_token(
@@ -256,9 +289,13 @@ def _router_env(state_dir: Path, node_env: dict[str, str], operator_private_key_
     token_file.touch(mode=0o600)
     token_file.write_text(token)
     return node_env | {
-        "KVLEDGER_ROUTER_NODES": json.dumps([{"node_id": node_id, "url": url} for node_id, url in node_urls.items()]),
+        "KVLEDGER_ROUTER_NODES": json.dumps(
+            [{"node_id": node_id, "url": url} for node_id, url in node_urls.items()]
+        ),
         "KVLEDGER_ROUTER_COORDINATOR_TOKEN_FILE": str(token_file),
-        "KVLEDGER_ROUTER_COORDINATOR_PUBLIC_KEY_FILE": node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"],
+        "KVLEDGER_ROUTER_COORDINATOR_PUBLIC_KEY_FILE": node_env[
+            "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"
+        ],
     }
 
 
@@ -266,7 +303,9 @@ PRODUCER_KEY_FILE = "producer_key.pem"
 """The dev stack's customer-event producer key in the state directory, enrolled for every tenant."""
 
 
-async def _enroll_keys(state_dir: Path, database_url: str, node_ids: list[str], progress: _Progress) -> Path:
+async def _enroll_keys(
+    state_dir: Path, database_url: str, node_ids: list[str], progress: _Progress
+) -> Path:
     """Enroll each node's key (created in its data dir if missing) and the stack's producer key
     (``producer_key.pem``, 0600, bound to all tenants: what ``kvledger publish`` and ``kvledger demo``
     sign with); returns the producer key's path."""
@@ -276,7 +315,9 @@ async def _enroll_keys(state_dir: Path, database_url: str, node_ids: list[str], 
     progress(f"node keys enrolled ({', '.join(node_ids)})")
     producer_key_file = state_dir / PRODUCER_KEY_FILE
     producer_key = load_or_create_private_key(producer_key_file)
-    await enroll_producer_key(database_url, producer_key.public_key(), None, name="kvledger-up dev producer")
+    await enroll_producer_key(
+        database_url, producer_key.public_key(), None, name="kvledger-up dev producer"
+    )
     progress(f"producer key enrolled for all tenants ({producer_key_file})")
     return producer_key_file
 
@@ -315,7 +356,9 @@ def _environments(state_dir: Path, database_url: str, kafka_bootstrap: str) -> _
         | shared_env
         | {
             # data keys for tenant/user blocks at rest live in the coordinator, wrapped with this
-            "KVLEDGER_MASTER_KEY": _secret(state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()),
+            "KVLEDGER_MASTER_KEY": _secret(
+                state_dir / "master_key", lambda: base64.b64encode(secrets.token_bytes(32)).decode()
+            ),
             "KVLEDGER_DATABASE_URL": database_url,
             "KVLEDGER_COMMAND_SIGNING_KEY": private_key_pem(command_key).decode(),
         }
@@ -327,7 +370,14 @@ def _environments(state_dir: Path, database_url: str, kafka_bootstrap: str) -> _
             "KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE": str(command_public_key_file),
         }
     )
-    return _Environments(jwt_secret, operator_private_key, operator_public_key, metrics_token, coordinator_env, node_env)
+    return _Environments(
+        jwt_secret,
+        operator_private_key,
+        operator_public_key,
+        metrics_token,
+        coordinator_env,
+        node_env,
+    )
 
 
 def _write_stack_file(state_dir: Path, stack: dict) -> Path:
@@ -345,7 +395,9 @@ def _write_stack_file(state_dir: Path, stack: dict) -> Path:
     return stack_file
 
 
-async def _supervise(processes: list[Process], names: dict[int, str], stopping: asyncio.Event, logs: Path) -> None:
+async def _supervise(
+    processes: list[Process], names: dict[int, str], stopping: asyncio.Event, logs: Path
+) -> None:
     """Wait for a stop signal (return) or the first child to exit (raise ChildExited naming it)."""
     waiters = [asyncio.create_task(asyncio.to_thread(p.wait)) for p in processes]
     stop_task = asyncio.create_task(stopping.wait())

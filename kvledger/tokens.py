@@ -78,7 +78,9 @@ def mint(args: argparse.Namespace) -> str:
     if private_key_pem is None:
         secret = os.environ.get(JWT_SECRET_ENV) or stack.get("jwt_secret")
         if not secret:
-            raise ValueError(f"set {JWT_SECRET_ENV}, run `kvledger up` here, or pass --stack or --private-key")
+            raise ValueError(
+                f"set {JWT_SECRET_ENV}, run `kvledger up` here, or pass --stack or --private-key"
+            )
     return issue_token(
         tenant=args.tenant,
         sub=args.sub,

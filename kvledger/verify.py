@@ -38,7 +38,9 @@ def _load(path: str) -> Any:
     """The JSON document in ``path``; ValueError naming the file when it cannot be read as strict JSON."""
     try:
         text = Path(path).read_text(encoding="utf-8")
-        return json.loads(text, object_pairs_hook=_strict_object_pairs, parse_constant=_refuse_constant)
+        return json.loads(
+            text, object_pairs_hook=_strict_object_pairs, parse_constant=_refuse_constant
+        )
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"{path}: {error}") from None
 
@@ -59,8 +61,17 @@ def cli(args: argparse.Namespace) -> int:
         return 2
     result = verify_served_receipt(receipt, keys, checkpoint)
     if args.json:
-        checks = [{"name": check.name, "ok": check.ok, "message": check.message} for check in result.checks]
-        print(json.dumps({"ok": result.ok, "checks": checks, "warnings": list(result.warnings)}, indent=2, ensure_ascii=False))
+        checks = [
+            {"name": check.name, "ok": check.ok, "message": check.message}
+            for check in result.checks
+        ]
+        print(
+            json.dumps(
+                {"ok": result.ok, "checks": checks, "warnings": list(result.warnings)},
+                indent=2,
+                ensure_ascii=False,
+            )
+        )
         return 0 if result.ok else 1
     for check in result.checks:
         print(f"{'✓' if check.ok else '✗'} {check.name}: {check.message}")

@@ -41,7 +41,9 @@ def _url() -> str:
 
 def run_migrations_offline() -> None:
     """Emit SQL to stdout (``alembic upgrade head --sql``) for DBAs who apply scripts by hand."""
-    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True, compare_type=True)
+    context.configure(
+        url=_url(), target_metadata=target_metadata, literal_binds=True, compare_type=True
+    )
     with context.begin_transaction():
         context.run_migrations()
 

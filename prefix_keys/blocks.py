@@ -59,7 +59,9 @@ class CacheScope(IntEnum):
         try:
             return cls[value.upper()]
         except KeyError:
-            raise ValueError(f"unknown cache_scope {value!r}; expected public, tenant or user") from None
+            raise ValueError(
+                f"unknown cache_scope {value!r}; expected public, tenant or user"
+            ) from None
 
     @property
     def label(self) -> str:
@@ -208,7 +210,9 @@ def scope_salt(
     if scope == CacheScope.TENANT:
         parts = [TENANT_SALT_TAG, _text(principal.tenant_id), _U32.pack(len(auth_scopes))]
         for auth_scope, version in auth_scopes:
-            assert 0 <= version <= MAX_SAFE_INT, "a Principal's policy versions come from a verified token (0..2^53-1)"
+            assert 0 <= version <= MAX_SAFE_INT, (
+                "a Principal's policy versions come from a verified token (0..2^53-1)"
+            )
             parts.append(_text(auth_scope))
             parts.append(_U64.pack(version))
         return b"".join(parts)
@@ -242,7 +246,9 @@ def validate_segments(segments: Sequence[Segment], num_tokens: int) -> None:
     position = 0
     for segment in segments:
         if segment.start != position:
-            raise ValueError(f"segments must be contiguous: expected start {position}, got {segment.start}")
+            raise ValueError(
+                f"segments must be contiguous: expected start {position}, got {segment.start}"
+            )
         position = segment.end
     if position != num_tokens:
         raise ValueError(f"segments cover {position} tokens, prompt has {num_tokens}")
@@ -306,7 +312,9 @@ def compute_block_keys(
             segment = segments[segment_index]
             if segment.start >= end:
                 break
-            if segment.end > start and segment.end > segment.start:  # an empty segment holds no token
+            if (
+                segment.end > start and segment.end > segment.start
+            ):  # an empty segment holds no token
                 if segment.scope > scope:
                     scope, changed = segment.scope, True
                 auth_scope = segment.auth_scope
@@ -338,7 +346,9 @@ def compute_block_keys(
             )
         assert provenance is not None, "the first block always builds its provenance"
         extra_field = _field(adapter_field + _field("\x00".join(block_documents).encode()))
-        block_hash = _sha256(b"".join((parent, salt_field, token_length, packed[start * 4 : end * 4], extra_field))).digest()
+        block_hash = _sha256(
+            b"".join((parent, salt_field, token_length, packed[start * 4 : end * 4], extra_field))
+        ).digest()
         append(BlockKey(block_hash, parent, index, block_size, provenance))
         parent = block_hash
         index += 1
@@ -354,7 +364,9 @@ def compute_block_keys(
             suffix = _field(adapter_field + _field(tags.encode()))
             while index < last_inside:
                 offset = index * stride
-                block_hash = _sha256(b"".join((parent, prefix, packed[offset : offset + stride], suffix))).digest()
+                block_hash = _sha256(
+                    b"".join((parent, prefix, packed[offset : offset + stride], suffix))
+                ).digest()
                 append(BlockKey(block_hash, parent, index, block_size, provenance))
                 parent = block_hash
                 index += 1
@@ -364,4 +376,6 @@ def compute_block_keys(
 def _check_provenance_size(index: int, num_documents: int, num_auth_scopes: int) -> None:
     for what, count in (("documents", num_documents), ("auth scopes", num_auth_scopes)):
         if count > MAX_LIST_ITEMS:
-            raise ValueError(f"block {index} would hold {count} {what}; a block's provenance carries at most {MAX_LIST_ITEMS}")
+            raise ValueError(
+                f"block {index} would hold {count} {what}; a block's provenance carries at most {MAX_LIST_ITEMS}"
+            )

@@ -161,7 +161,11 @@ def keying_digest(model_dir: Path) -> str:
     equal digests (with the node's namespace and block size) mean equal block keys."""
     model_dir = Path(model_dir)
     digest = hashlib.sha256(b"kvledger/keying/v1\x00")
-    parts = [(name, (model_dir / name).read_bytes()) for name in KEYING_FILES if (model_dir / name).is_file()]
+    parts = [
+        (name, (model_dir / name).read_bytes())
+        for name in KEYING_FILES
+        if (model_dir / name).is_file()
+    ]
     templates = chat_templates(model_dir, read_json_object(model_dir / "tokenizer_config.json"))
     parts.append(("templates", json.dumps(templates, sort_keys=True, ensure_ascii=False).encode()))
     for name, data in parts:

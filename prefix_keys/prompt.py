@@ -148,14 +148,18 @@ def _refuse_control_tokens(tokenizer: ChatTokenizer, messages: Sequence[ChatMess
     role boundary. Refusing is clearer than silently escaping. One alternation keeps
     the scan one pass over the content.
     """
-    control_tokens = sorted((token for token in tokenizer.all_special_tokens if token), key=len, reverse=True)
+    control_tokens = sorted(
+        (token for token in tokenizer.all_special_tokens if token), key=len, reverse=True
+    )
     if not control_tokens:
         return
     pattern = re.compile("|".join(re.escape(token) for token in control_tokens))
     for message in messages:
         found = pattern.search(message.content)
         if found is not None:
-            raise ValueError(f"message content contains the reserved control token {found.group()!r}")
+            raise ValueError(
+                f"message content contains the reserved control token {found.group()!r}"
+            )
 
 
 class _TracedConversation(list[dict]):
@@ -187,7 +191,9 @@ class _TracedConversation(list[dict]):
 
     def __getitem__(self, key: SupportsIndex | slice) -> Any:
         if isinstance(key, slice):
-            return _TracedConversation(list.__getitem__(self, key), self._index_of, self._cuts, self._written)
+            return _TracedConversation(
+                list.__getitem__(self, key), self._index_of, self._cuts, self._written
+            )
         return list.__getitem__(self, key)
 
 
@@ -204,11 +210,15 @@ def _traced_cuts(
     as :func:`_render` gives it; the equality check with ``rendered`` catches any
     difference the tracing makes.
     """
-    unsplittable = ValueError(f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages")
+    unsplittable = ValueError(
+        f"this model's chat template cannot be split per message beyond {MAX_EXACT_MESSAGES} messages"
+    )
     conversation = _conversation(messages)
     cuts: list[int | None] = [None] * len(messages)
     written = [0]
-    traced = _TracedConversation(conversation, {id(item): index for index, item in enumerate(conversation)}, cuts, written)
+    traced = _TracedConversation(
+        conversation, {id(item): index for index, item in enumerate(conversation)}, cuts, written
+    )
     template = compile_chat_template(_template_source(tokenizer))
     pieces = []
     try:
@@ -222,7 +232,9 @@ def _traced_cuts(
     if "".join(pieces) != rendered or len(resolved) != len(cuts) - 1:
         raise unsplittable
     num_cuts = len(resolved)
-    checked = {0, 1, 2, num_cuts - 1} | {num_cuts * step // NUM_CHECKED_CUTS for step in range(NUM_CHECKED_CUTS)}
+    checked = {0, 1, 2, num_cuts - 1} | {
+        num_cuts * step // NUM_CHECKED_CUTS for step in range(NUM_CHECKED_CUTS)
+    }
     for position in sorted(checked):
         prefix = _render(tokenizer, messages[: position + 1], add_generation_prompt=False)
         if not rendered.startswith(prefix):
@@ -270,7 +282,9 @@ def render_prompt(
     if any(later < earlier for earlier, later in itertools.pairwise(cuts)):
         raise ValueError("chat template is not prefix-stable")
     chunks = [rendered[start:end] for start, end in itertools.pairwise(cuts)]
-    scopes: list[tuple[CacheScope, DocumentRef | None]] = [(message.scope, message.document) for message in messages]
+    scopes: list[tuple[CacheScope, DocumentRef | None]] = [
+        (message.scope, message.document) for message in messages
+    ]
     if add_generation_prompt:
         with_prompt = _render(tokenizer, messages, add_generation_prompt=True)
         if not with_prompt.startswith(rendered):

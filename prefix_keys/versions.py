@@ -95,9 +95,19 @@ class VersionRegistry:
         """
         match predicate:
             case schema.DocumentPredicate():
-                _record(self._documents, (predicate.tenant, predicate.doc_id), decided_at, predicate.below_version)
+                _record(
+                    self._documents,
+                    (predicate.tenant, predicate.doc_id),
+                    decided_at,
+                    predicate.below_version,
+                )
             case schema.PolicyPredicate():
-                _record(self._policies, (predicate.tenant, predicate.auth_scope), decided_at, predicate.below_version)
+                _record(
+                    self._policies,
+                    (predicate.tenant, predicate.auth_scope),
+                    decided_at,
+                    predicate.below_version,
+                )
             case schema.NamespacePredicate():
                 self._retired.add(predicate.ns)
 
@@ -145,7 +155,12 @@ class VersionRegistry:
         return None
 
 
-def _record(registry: dict[tuple[str, str], tuple[datetime, int]], key: tuple[str, str], decided_at: datetime, version: int) -> None:
+def _record(
+    registry: dict[tuple[str, str], tuple[datetime, int]],
+    key: tuple[str, str],
+    decided_at: datetime,
+    version: int,
+) -> None:
     recorded = registry.get(key)
     if recorded is None or decided_at >= recorded[0]:
         registry[key] = (decided_at, version)

@@ -59,7 +59,17 @@ log = logging.getLogger(__name__)
 NODE_HEADER = "x-kvledger-node"
 RETRIED_STATUSES = frozenset({502, 503, 504})
 """A node answer that means "not me, not now": the request never started there."""
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "x-request-id", "date", "server"})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "x-request-id",
+        "date",
+        "server",
+    }
+)
 MAX_USAGE_BYTES = 1 << 20
 """How much of an answer is kept to read the node's usage from (a non-streamed body, a stream's tail)."""
 
@@ -67,13 +77,33 @@ MAX_USAGE_BYTES = 1 << 20
 class RouterError(Exception):
     """An answer of the router's own, in OpenAI's error shape."""
 
-    def __init__(self, status_code: int, message: str, *, code: str, type: str = "invalid_request_error", param: str | None = None) -> None:
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status_code, self.message, self.code, self.type, self.param = status_code, message, code, type, param
+        self.status_code, self.message, self.code, self.type, self.param = (
+            status_code,
+            message,
+            code,
+            type,
+            param,
+        )
 
 
 def error_response(
-    status_code: int, message: str, *, type: str, code: str | None, param: str | None = None, headers: dict[str, str] | None = None
+    status_code: int,
+    message: str,
+    *,
+    type: str,
+    code: str | None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status_code, headers=headers)
@@ -106,20 +136,37 @@ class Fleet:
         candidates = []
         for node_id in self.endpoints:
             state = self.index.node(node_id)
-            if node_id not in self.keying.nodes or state is None or not self.liveness.alive(state.last_seen, now):
+            if (
+                node_id not in self.keying.nodes
+                or state is None
+                or not self.liveness.alive(state.last_seen, now)
+            ):
                 continue
             if self.breaker(node_id).allows(now):
-                candidates.append(Candidate(node_id, node_load(self.in_flight.get(node_id, 0), self.reported_queue.get(node_id))))
+                candidates.append(
+                    Candidate(
+                        node_id,
+                        node_load(self.in_flight.get(node_id, 0), self.reported_queue.get(node_id)),
+                    )
+                )
         return candidates
 
 
 def create_app(
-    settings: RouterSettings, fleet: Fleet, feed: Feed | None, verifier: TokenVerifier, strategy: Strategy | None = None
+    settings: RouterSettings,
+    fleet: Fleet,
+    feed: Feed | None,
+    verifier: TokenVerifier,
+    strategy: Strategy | None = None,
 ) -> FastAPI:
     """The router's app over ``fleet``; ``feed`` (None in tests that fill the index themselves) keeps the index exact."""
     metrics = feed.metrics if feed is not None else RouterMetrics(fleet.index)
-    timeout = httpx.Timeout(settings.routing.read_timeout_s, connect=settings.routing.connect_timeout_s)
-    http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    timeout = httpx.Timeout(
+        settings.routing.read_timeout_s, connect=settings.routing.connect_timeout_s
+    )
+    http = httpx.AsyncClient(
+        timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -129,13 +176,23 @@ def create_app(
             await http.aclose()
 
     app = FastAPI(title="kvledger router", lifespan=lifespan)
-    state = _State(settings, fleet, feed, verifier, strategy or PrefixLoadStrategy(settings.routing.load_cost_blocks), metrics, http)
+    state = _State(
+        settings,
+        fleet,
+        feed,
+        verifier,
+        strategy or PrefixLoadStrategy(settings.routing.load_cost_blocks),
+        metrics,
+        http,
+    )
     app.state.router = state
 
     @app.get("/health")
     async def health() -> Response:
         if not state.serving():
-            return error_response(503, "the router has no node to route to yet", type="server_error", code="not_ready")
+            return error_response(
+                503, "the router has no node to route to yet", type="server_error", code="not_ready"
+            )
         return Response(status_code=200)
 
     @app.get("/healthz")
@@ -145,7 +202,9 @@ def create_app(
     @app.get("/readyz")
     async def readyz() -> Response:
         if not state.serving():
-            return error_response(503, "the router has no node to route to yet", type="server_error", code="not_ready")
+            return error_response(
+                503, "the router has no node to route to yet", type="server_error", code="not_ready"
+            )
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
@@ -168,7 +227,14 @@ def create_app(
     async def models(request: Request) -> Response:
         state.principal(request)
         cards = (
-            [{"id": fleet.keying.model, "object": "model", "created": state.started_at, "owned_by": "kvledger"}]
+            [
+                {
+                    "id": fleet.keying.model,
+                    "object": "model",
+                    "created": state.started_at,
+                    "owned_by": "kvledger",
+                }
+            ]
             if fleet.keying.nodes
             else []
         )
@@ -180,19 +246,38 @@ def create_app(
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, type=exc.type, code=exc.code, param=exc.param)
+        return error_response(
+            exc.status_code, exc.message, type=exc.type, code=exc.code, param=exc.param
+        )
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:
-        return error_response(401, exc.message, type="authentication_error", code=exc.code, headers={"WWW-Authenticate": "Bearer"})
+        return error_response(
+            401,
+            exc.message,
+            type="authentication_error",
+            code=exc.code,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, str(exc.detail), type="invalid_request_error", code=code)
+        return error_response(
+            exc.status_code, str(exc.detail), type="invalid_request_error", code=code
+        )
 
-    internal = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}}
-    app.add_middleware(RequestIdMiddleware, access_logger="router.access", error_body=json.dumps(internal).encode())
+    internal = {
+        "error": {
+            "message": "internal server error",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        }
+    }
+    app.add_middleware(
+        RequestIdMiddleware, access_logger="router.access", error_body=json.dumps(internal).encode()
+    )
     return app
 
 
@@ -217,13 +302,19 @@ class _State:
         if header is not None:
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer":
-                raise AuthError("invalid_token", "the Authorization header must use the Bearer scheme")
+                raise AuthError(
+                    "invalid_token", "the Authorization header must use the Bearer scheme"
+                )
             token = token.strip()
         return self.verifier.verify(token)
 
     async def _body(self, request: Request) -> bytes:
         limit = self.settings.limits.max_request_bytes
-        too_large = RouterError(413, f"the request body is larger than {limit} bytes (limits.max_request_bytes)", code="request_too_large")
+        too_large = RouterError(
+            413,
+            f"the request body is larger than {limit} bytes (limits.max_request_bytes)",
+            code="request_too_large",
+        )
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
@@ -245,7 +336,12 @@ class _State:
             parsed = None
         model = parsed.get("model") if isinstance(parsed, dict) else None
         if isinstance(model, str) and model != self.fleet.keying.model:
-            raise RouterError(404, f"the model {model[:100]!r} does not exist on this router", code="model_not_found", param="model")
+            raise RouterError(
+                404,
+                f"the model {model[:100]!r} does not exist on this router",
+                code="model_not_found",
+                param="model",
+            )
         messages = self._messages(parsed)
         if messages is not None:
             self._refuse_stale(principal, messages)
@@ -263,13 +359,21 @@ class _State:
             if attempt == 1:
                 self.metrics.decisions.labels(reason=RETRY).inc()
             hint = pull_hint(decision, node_id)
-            sent = headers if hint is None else headers | {PULL_FROM_HEADER: hint[0], PULL_BLOCKS_HEADER: str(hint[1])}
+            sent = (
+                headers
+                if hint is None
+                else headers | {PULL_FROM_HEADER: hint[0], PULL_BLOCKS_HEADER: str(hint[1])}
+            )
             answer = await self._send(node_id, body, sent, last)
             if answer is not None:
                 block_size = self._block_size(node_id)
-                self.metrics.predicted_cached_tokens.inc(decision.predicted_blocks.get(node_id, 0) * block_size)
+                self.metrics.predicted_cached_tokens.inc(
+                    decision.predicted_blocks.get(node_id, 0) * block_size
+                )
                 return self._relay(node_id, answer)
-        raise RouterError(503, "no node could take the request", type="server_error", code="no_node_available")
+        raise RouterError(
+            503, "no node could take the request", type="server_error", code="no_node_available"
+        )
 
     def _messages(self, body: Any) -> list[ChatMessage] | None:
         """The body's messages as the node maps them; None for a body the node refuses with its own error."""
@@ -283,7 +387,11 @@ class _State:
 
     def _refuse_stale(self, principal: Principal, messages: list[ChatMessage]) -> None:
         """The node's refusal of a stale document or policy version, when the caller may learn it (module docstring)."""
-        if not all(principal.holds(message.document.auth_scope) for message in messages if message.document is not None):
+        if not all(
+            principal.holds(message.document.auth_scope)
+            for message in messages
+            if message.document is not None
+        ):
             return
         stale = self.fleet.versions.check(principal, messages)
         if stale is None:
@@ -292,7 +400,9 @@ class _State:
             raise AuthError(stale.code, stale.message)
         raise RouterError(stale.status_code, stale.message, code=stale.code, param=stale.param)
 
-    async def _keys(self, principal: Principal, messages: list[ChatMessage] | None) -> dict[tuple[str, int], list[bytes]]:
+    async def _keys(
+        self, principal: Principal, messages: list[ChatMessage] | None
+    ) -> dict[tuple[str, int], list[bytes]]:
         if messages is None:
             return {}
         try:
@@ -303,7 +413,12 @@ class _State:
     def _decide(self, keys: dict[tuple[str, int], list[bytes]]) -> Decision:
         candidates = self.fleet.candidates(time.monotonic())
         if not candidates:
-            raise RouterError(503, "no node is available for this model", type="server_error", code="no_node_available")
+            raise RouterError(
+                503,
+                "no node is available for this model",
+                type="server_error",
+                code="no_node_available",
+            )
         matches: list[PrefixMatch] = []
         for (namespace, block_size), hashes in keys.items():
             space = {
@@ -311,14 +426,18 @@ class _State:
                 for node_id, keying in self.fleet.keying.nodes.items()
                 if (keying.namespace, keying.block_size) == (namespace, block_size)
             }
-            matches.extend(match for match in self.fleet.index.match(hashes) if match.node_id in space)
+            matches.extend(
+                match for match in self.fleet.index.match(hashes) if match.node_id in space
+            )
         return self.strategy.rank(candidates, matches)
 
     def _block_size(self, node_id: str) -> int:
         keying = self.fleet.keying.nodes.get(node_id)
         return 0 if keying is None else keying.block_size
 
-    async def _send(self, node_id: str, body: bytes, headers: dict[str, str], last: bool) -> httpx.Response | None:
+    async def _send(
+        self, node_id: str, body: bytes, headers: dict[str, str], last: bool
+    ) -> httpx.Response | None:
         """The node's answer, headers received; None when it failed before its first byte and another node may try."""
         breaker = self.fleet.breaker(node_id)
         now = time.monotonic()
@@ -326,14 +445,21 @@ class _State:
         url = f"{self.fleet.endpoints[node_id].url}/v1/chat/completions"
         self.fleet.in_flight[node_id] = self.fleet.in_flight.get(node_id, 0) + 1
         try:
-            answer = await self.http.send(self.http.build_request("POST", url, content=body, headers=headers), stream=True)
+            answer = await self.http.send(
+                self.http.build_request("POST", url, content=body, headers=headers), stream=True
+            )
         except httpx.TransportError as error:
             self._done(node_id)
             breaker.failed(time.monotonic())
             self.metrics.node_errors.labels(node=node_id).inc()
             log.warning("router: %s failed before answering (%s)", node_id, type(error).__name__)
             if last:
-                raise RouterError(502, f"node {node_id} could not be reached", type="server_error", code="node_unavailable") from None
+                raise RouterError(
+                    502,
+                    f"node {node_id} could not be reached",
+                    type="server_error",
+                    code="node_unavailable",
+                ) from None
             return None
         if answer.status_code in RETRIED_STATUSES:
             breaker.failed(time.monotonic())
@@ -350,7 +476,9 @@ class _State:
         self.fleet.in_flight[node_id] -= 1
 
     def _relay(self, node_id: str, answer: httpx.Response) -> StreamingResponse:
-        headers = {name: value for name, value in answer.headers.items() if name.lower() not in _HOP_BY_HOP}
+        headers = {
+            name: value for name, value in answer.headers.items() if name.lower() not in _HOP_BY_HOP
+        }
         headers[NODE_HEADER] = node_id
         streamed = answer.headers.get("content-type", "").startswith("text/event-stream")
 

@@ -68,7 +68,9 @@ class CoordinatorClient:
         await self._http.aclose()
 
     async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = await self._http.get(path, params=params, headers={"Authorization": f"Bearer {self._bearer()}"})
+        response = await self._http.get(
+            path, params=params, headers={"Authorization": f"Bearer {self._bearer()}"}
+        )
         response.raise_for_status()
         data = response.json()
         if not isinstance(data, dict):
@@ -80,8 +82,12 @@ class CoordinatorClient:
         data = await self._get("/v1/router/nodes")
         keys = {}
         for entry in data["node_keys"]:
-            raw = base64.urlsafe_b64decode(entry["public_key"] + "=" * (-len(entry["public_key"]) % 4))
-            keys[entry["key_id"]] = EnrolledKey(entry["key_id"], entry["node_id"], public_key_from_raw(raw))
+            raw = base64.urlsafe_b64decode(
+                entry["public_key"] + "=" * (-len(entry["public_key"]) % 4)
+            )
+            keys[entry["key_id"]] = EnrolledKey(
+                entry["key_id"], entry["node_id"], public_key_from_raw(raw)
+            )
         return list(data["nodes"]), keys
 
     async def versions(self) -> list[tuple[Predicate, datetime]]:
@@ -91,7 +97,12 @@ class CoordinatorClient:
         for _ in range(MAX_VERSION_PAGES):
             page = await self._get("/v1/router/versions", params)
             for entry in page["decisions"]:
-                decisions.append((_PREDICATE.validate_python(entry["predicate"]), _DECIDED_AT.validate_python(entry["decided_at"])))
+                decisions.append(
+                    (
+                        _PREDICATE.validate_python(entry["predicate"]),
+                        _DECIDED_AT.validate_python(entry["decided_at"]),
+                    )
+                )
             if page["next_cursor"] is None:
                 return decisions
             params = {"cursor": str(page["next_cursor"])}
@@ -102,22 +113,37 @@ class CoordinatorClient:
         placements: list[Placement] = []
         after, first = 0, None
         for _ in range(MAX_PLACEMENT_PAGES):
-            page = await self._get("/v1/router/placements", {"node": node_id, "after": after, "limit": 5000})
+            page = await self._get(
+                "/v1/router/placements", {"node": node_id, "after": after, "limit": 5000}
+            )
             first = first or (int(page["epoch"]), int(page["last_seq"]))
             for entry in page["placements"]:
                 tags = BlockTags(
                     namespace=entry["namespace"],
                     tenant_id=entry["tenant_id"],
                     subject_id=entry["subject_id"],
-                    documents=tuple((doc_id, int(version)) for doc_id, version in entry["documents"]),
-                    auth_scopes=tuple((scope, int(version)) for scope, version in entry["auth_scopes"]),
+                    documents=tuple(
+                        (doc_id, int(version)) for doc_id, version in entry["documents"]
+                    ),
+                    auth_scopes=tuple(
+                        (scope, int(version)) for scope, version in entry["auth_scopes"]
+                    ),
                     created_at=float(entry["created_at"]),
                 )
-                placements.append(Placement(bytes.fromhex(entry["block_hash"]), Tier(entry["tier"]), tags, tuple(entry["creators"])))
+                placements.append(
+                    Placement(
+                        bytes.fromhex(entry["block_hash"]),
+                        Tier(entry["tier"]),
+                        tags,
+                        tuple(entry["creators"]),
+                    )
+                )
             if page["next_cursor"] is None:
                 return first[0], first[1], placements
             after = int(page["next_cursor"])
-        raise ValueError(f"the coordinator's placements of {node_id} did not end within {MAX_PLACEMENT_PAGES} pages")
+        raise ValueError(
+            f"the coordinator's placements of {node_id} did not end within {MAX_PLACEMENT_PAGES} pages"
+        )
 
 
 class NodeKeys:
@@ -178,9 +204,19 @@ class Feed:
         self.built = asyncio.Event()
         """Set once the index was built from the ledger (the router then serves)."""
         self.kv_events = BatchConsumer(
-            config, [KV_EVENTS], self._on_kv_events, group_id=f"{group_id}-kv-events", auto_offset_reset="latest"
+            config,
+            [KV_EVENTS],
+            self._on_kv_events,
+            group_id=f"{group_id}-kv-events",
+            auto_offset_reset="latest",
         )
-        self.commands = BatchConsumer(config, [COMMANDS], self._on_commands, group_id=f"{group_id}-commands", auto_offset_reset="latest")
+        self.commands = BatchConsumer(
+            config,
+            [COMMANDS],
+            self._on_commands,
+            group_id=f"{group_id}-commands",
+            auto_offset_reset="latest",
+        )
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -199,7 +235,9 @@ class Feed:
         deadline = time.monotonic() + timeout_s
         while not self.consuming:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the router's consumer groups were not consuming within {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"the router's consumer groups were not consuming within {timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.05)
         await self.rebuild()
         self.built.set()
@@ -226,7 +264,14 @@ class Feed:
         reason = self.index.replace_node(node_id, epoch, last_seq, placements, now=last_seen)
         self.metrics.rereads.inc()
         behind = f"; still behind: {reason}" if reason else ""
-        log.info("router: %s read from the ledger (%d copies, epoch %d seq %d)%s", node_id, len(placements), epoch, last_seq, behind)
+        log.info(
+            "router: %s read from the ledger (%d copies, epoch %d seq %d)%s",
+            node_id,
+            len(placements),
+            epoch,
+            last_seq,
+            behind,
+        )
 
     async def _reread_loop(self) -> None:
         while True:
@@ -237,16 +282,27 @@ class Feed:
             self._reread.clear()
             now = time.monotonic()
             for node in self.index.nodes:
-                if node.reread_reason is None or now - self._last_read.get(node.node_id, 0.0) < self.reread_interval_s:
+                if (
+                    node.reread_reason is None
+                    or now - self._last_read.get(node.node_id, 0.0) < self.reread_interval_s
+                ):
                     continue
-                log.info("router: re-reading %s from the ledger: %s", node.node_id, node.reread_reason)
+                log.info(
+                    "router: re-reading %s from the ledger: %s", node.node_id, node.reread_reason
+                )
                 try:
                     await self._read(node.node_id)
                 except (httpx.HTTPError, ValueError, KeyError) as error:
-                    log.warning("router: ledger read of %s failed (%s); retrying", node.node_id, type(error).__name__)
+                    log.warning(
+                        "router: ledger read of %s failed (%s); retrying",
+                        node.node_id,
+                        type(error).__name__,
+                    )
 
     async def _on_kv_events(self, events: list[ConsumedEvent]) -> None:
-        kids = {event.envelope.signature.kid for event in events if event.envelope.signature is not None}
+        kids = {
+            event.envelope.signature.kid for event in events if event.envelope.signature is not None
+        }
         enrolled = await self.node_keys.lookup(kids)
         now = time.monotonic()
         for event in events:

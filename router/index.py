@@ -180,7 +180,18 @@ _PACKED = attrgetter("packed")
 class NodeState:
     """One node as the index knows it: its bit, its position in its event stream, its copies, when it was last heard."""
 
-    __slots__ = ("node_id", "index", "epoch", "last_seq", "reread_reason", "last_seen", "recent", "blocks", "num_blocks", "_inventory")
+    __slots__ = (
+        "node_id",
+        "index",
+        "epoch",
+        "last_seq",
+        "reread_reason",
+        "last_seen",
+        "recent",
+        "blocks",
+        "num_blocks",
+        "_inventory",
+    )
 
     def __init__(self, node_id: str, index: int) -> None:
         self.node_id = node_id
@@ -275,7 +286,12 @@ class PrefixIndex:
         masks = list(accumulate(map(_MASK, entries), and_))
         totals = list(accumulate(map(_PACKED, entries)))
         ascending = masks[::-1]
-        node_ids, device, indexes, new = self._node_ids, self.weights.device, self._indexes, _new_match
+        node_ids, device, indexes, new = (
+            self._node_ids,
+            self.weights.device,
+            self._indexes,
+            _new_match,
+        )
         matches = []
         value = masks[0]
         while value:
@@ -285,7 +301,12 @@ class PrefixIndex:
             following = masks[stop] if stop < end else 0
             leaving = value & ~following
             for index in indexes.get(leaving) or self._bits(leaving):
-                matches.append(new(PrefixMatch, (node_ids[index], stop, (total >> index * LANE_BITS & _LANE_MASK) / device)))
+                matches.append(
+                    new(
+                        PrefixMatch,
+                        (node_ids[index], stop, (total >> index * LANE_BITS & _LANE_MASK) / device),
+                    )
+                )
             value = following
         return matches
 
@@ -298,7 +319,10 @@ class PrefixIndex:
 
     def num_blocks(self) -> dict[str, dict[Tier, int]]:
         """Copies per node and tier (the router's ``index blocks`` gauge)."""
-        return {node.node_id: {tier: node.num_blocks[tier] for tier in SERVING_TIERS} for node in self._nodes.values()}
+        return {
+            node.node_id: {tier: node.num_blocks[tier] for tier in SERVING_TIERS}
+            for node in self._nodes.values()
+        }
 
     # -- node events ------------------------------------------------------------
 
@@ -335,17 +359,34 @@ class PrefixIndex:
 
     def _heartbeat(self, node: NodeState, heartbeat: NodeHeartbeat) -> str:
         if node.epoch is None or heartbeat.epoch > node.epoch:
-            node.reread_reason = node.reread_reason or f"heartbeat of epoch {heartbeat.epoch}, whose records were not received"
+            node.reread_reason = (
+                node.reread_reason
+                or f"heartbeat of epoch {heartbeat.epoch}, whose records were not received"
+            )
             return GAP
-        if heartbeat.epoch == node.epoch and heartbeat.seq is not None and node.last_seq is not None and heartbeat.seq > node.last_seq:
-            node.reread_reason = node.reread_reason or f"heartbeat names seq {heartbeat.seq}; the last received is {node.last_seq}"
+        if (
+            heartbeat.epoch == node.epoch
+            and heartbeat.seq is not None
+            and node.last_seq is not None
+            and heartbeat.seq > node.last_seq
+        ):
+            node.reread_reason = (
+                node.reread_reason
+                or f"heartbeat names seq {heartbeat.seq}; the last received is {node.last_seq}"
+            )
             return GAP
         return APPLIED
 
     def _apply_body(self, node: NodeState, event: NodeEvent) -> None:
         if isinstance(event, BlockStored):
             for block in event.blocks:
-                self._add(node, bytes.fromhex(block.block_hash), block.tier, BlockTags.of(block), block.creator_subject_id)
+                self._add(
+                    node,
+                    bytes.fromhex(block.block_hash),
+                    block.tier,
+                    BlockTags.of(block),
+                    block.creator_subject_id,
+                )
         elif isinstance(event, BlockRemoved):
             for removed in event.blocks:
                 self._remove(node, bytes.fromhex(removed.block_hash), removed.tier)
@@ -366,7 +407,9 @@ class PrefixIndex:
         if len(chunks) < inventory.chunks or inventory.chunk != inventory.chunks - 1:
             return
         del node._inventory[(inventory.request_id, inventory.epoch)]
-        provenance = {block.block_hash: block for chunk in chunks.values() for block in chunk.blocks}
+        provenance = {
+            block.block_hash: block for chunk in chunks.values() for block in chunk.blocks
+        }
         for tier in SERVING_TIERS:
             self._drop_tier(node, tier)
         for chunk in chunks.values():
@@ -374,12 +417,23 @@ class PrefixIndex:
                 if placement.tier == Tier.SNAPSHOT:
                     continue
                 block = provenance[placement.block_hash]
-                self._add(node, bytes.fromhex(placement.block_hash), placement.tier, BlockTags.of(block), block.creator_subject_id)
+                self._add(
+                    node,
+                    bytes.fromhex(placement.block_hash),
+                    placement.tier,
+                    BlockTags.of(block),
+                    block.creator_subject_id,
+                )
 
     # -- the ledger -------------------------------------------------------------
 
     def replace_node(
-        self, node_id: str, epoch: int, last_seq: int, placements: Iterable[Placement], now: float | None = None
+        self,
+        node_id: str,
+        epoch: int,
+        last_seq: int,
+        placements: Iterable[Placement],
+        now: float | None = None,
     ) -> str | None:
         """Make ``node_id``'s copies exactly ``placements`` (the ledger's live ones as of ``(epoch, last_seq)``),
         then replay its records consumed after that; returns the node's new re-read reason (None: exact)."""
@@ -394,7 +448,14 @@ class PrefixIndex:
             node.last_seen = now if node.last_seen is None else max(node.last_seen, now)
         for placement in placements:
             if placement.tier != Tier.SNAPSHOT:
-                self._add(node, placement.block_hash, placement.tier, placement.tags, None, placement.creators)
+                self._add(
+                    node,
+                    placement.block_hash,
+                    placement.tier,
+                    placement.tags,
+                    None,
+                    placement.creators,
+                )
         for event in list(node.recent):
             self._take(node, event)
         return node.reread_reason
@@ -407,13 +468,16 @@ class PrefixIndex:
         if isinstance(predicate, NamespacePredicate):
             candidates: Iterable[bytes] = self._by_namespace.get(predicate.ns, ())
         elif isinstance(predicate, SubjectPredicate):
-            candidates = self._by_tenant.get(predicate.tenant, set()) | self._by_creator.get(predicate.subject_id, set())
+            candidates = self._by_tenant.get(predicate.tenant, set()) | self._by_creator.get(
+                predicate.subject_id, set()
+            )
         else:
             candidates = self._by_tenant.get(predicate.tenant, ())
         doomed = [
             block_hash
             for block_hash in candidates
-            if (entry := self._blocks[block_hash]).tags.created_at < cutoff_s and matches(entry.tags, entry.creators)
+            if (entry := self._blocks[block_hash]).tags.created_at < cutoff_s
+            and matches(entry.tags, entry.creators)
         ]
         for block_hash in doomed:
             self._forget(block_hash)
@@ -431,12 +495,20 @@ class PrefixIndex:
         return node
 
     def _add(
-        self, node: NodeState, block_hash: bytes, tier: Tier, tags: BlockTags, creator: str | None, creators: Iterable[str] = ()
+        self,
+        node: NodeState,
+        block_hash: bytes,
+        tier: Tier,
+        tags: BlockTags,
+        creator: str | None,
+        creators: Iterable[str] = (),
     ) -> None:
         entry = self._blocks.get(block_hash)
         if entry is None:
             if len(self._blocks) >= self.max_blocks:
-                for victim in self.eviction.victims(self._blocks, len(self._blocks) - self.max_blocks + 1):
+                for victim in self.eviction.victims(
+                    self._blocks, len(self._blocks) - self.max_blocks + 1
+                ):
                     self._forget(victim)
                     self.num_evicted += 1
             entry = self._blocks[block_hash] = _Entry(tags)
@@ -520,11 +592,19 @@ def _matcher(predicate: Predicate) -> Callable[[BlockTags, set[str]], bool]:
     """``(tags, creators) -> bool`` for ``predicate``, matching what a node removes for it (``gpu_node.governance.commands``)."""
     match predicate:
         case DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
-            return lambda tags, _: tags.tenant_id == tenant and any(d == doc_id and v < below for d, v in tags.documents)
+            return lambda tags, _: (
+                tags.tenant_id == tenant
+                and any(d == doc_id and v < below for d, v in tags.documents)
+            )
         case PolicyPredicate(tenant=tenant, auth_scope=auth_scope, below_version=below):
-            return lambda tags, _: tags.tenant_id == tenant and any(s == auth_scope and v < below for s, v in tags.auth_scopes)
+            return lambda tags, _: (
+                tags.tenant_id == tenant
+                and any(s == auth_scope and v < below for s, v in tags.auth_scopes)
+            )
         case SubjectPredicate(tenant=tenant, subject_id=digest):
-            return lambda tags, creators: digest in creators or (tags.tenant_id == tenant and tags.subject_id == digest)
+            return lambda tags, creators: (
+                digest in creators or (tags.tenant_id == tenant and tags.subject_id == digest)
+            )
         case NamespacePredicate(ns=namespace):
             return lambda tags, _: tags.namespace == namespace
         case TenantPredicate(tenant=tenant):

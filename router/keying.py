@@ -47,8 +47,21 @@ def request_messages(body: Mapping) -> list[ChatMessage]:
         if not isinstance(text, str):
             raise TypeError("message content must be text")
         document = message.get("document")
-        ref = None if document is None else DocumentRef(str(document["id"]), int(document["version"]), str(document["auth_scope"]))
-        messages.append(request_message(str(message["role"]), text, CacheScope.parse(message.get("cache_scope", "user")), ref))
+        ref = (
+            None
+            if document is None
+            else DocumentRef(
+                str(document["id"]), int(document["version"]), str(document["auth_scope"])
+            )
+        )
+        messages.append(
+            request_message(
+                str(message["role"]),
+                text,
+                CacheScope.parse(message.get("cache_scope", "user")),
+                ref,
+            )
+        )
     return messages
 
 
@@ -62,7 +75,9 @@ class Keying:
         self.nodes: dict[str, NodeKeying] = {}
         self._refused: dict[str, str] = {}
 
-    async def refresh(self, http: httpx.AsyncClient, endpoints: Iterable[NodeEndpoint], metrics_token: str | None) -> None:
+    async def refresh(
+        self, http: httpx.AsyncClient, endpoints: Iterable[NodeEndpoint], metrics_token: str | None
+    ) -> None:
         """Ask every node how it keys; keep the ones this router can key. A node that does not answer keeps its last answer."""
         headers = {} if metrics_token is None else {"Authorization": f"Bearer {metrics_token}"}
         for endpoint in endpoints:
@@ -70,9 +85,18 @@ class Keying:
                 response = await http.get(f"{endpoint.url}/v1/kvledger/keying", headers=headers)
                 response.raise_for_status()
                 data = response.json()
-                keying = NodeKeying(str(data["model"]), str(data["namespace"]), int(data["block_size"]), str(data["keying_digest"]))
+                keying = NodeKeying(
+                    str(data["model"]),
+                    str(data["namespace"]),
+                    int(data["block_size"]),
+                    str(data["keying_digest"]),
+                )
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
-                log.info("router: %s did not say how it keys blocks (%s)", endpoint.node_id, type(error).__name__)
+                log.info(
+                    "router: %s did not say how it keys blocks (%s)",
+                    endpoint.node_id,
+                    type(error).__name__,
+                )
                 continue
             problem = None
             if keying.model != self.model:
@@ -88,7 +112,9 @@ class Keying:
                     log.warning("router: not routing to %s: %s", endpoint.node_id, problem)
                 self._refused[endpoint.node_id] = problem
 
-    def keys(self, principal: Principal, messages: list[ChatMessage]) -> dict[tuple[str, int], list[bytes]]:
+    def keys(
+        self, principal: Principal, messages: list[ChatMessage]
+    ) -> dict[tuple[str, int], list[bytes]]:
         """The block hashes of the request under every (namespace, block size) a keyed node uses.
 
         Blocking and CPU-bound (rendering and tokenizing): callers run it on a worker thread.
@@ -99,6 +125,13 @@ class Keying:
         for keying in self.nodes.values():
             space = (keying.namespace, keying.block_size)
             if space not in keys:
-                derived = compute_block_keys(keying.namespace, prompt.token_ids, prompt.segments, principal, keying.block_size, now=0.0)
+                derived = compute_block_keys(
+                    keying.namespace,
+                    prompt.token_ids,
+                    prompt.segments,
+                    principal,
+                    keying.block_size,
+                    now=0.0,
+                )
                 keys[space] = [key.block_hash for key in derived]
         return keys

@@ -62,7 +62,9 @@ class QueuePoller:
             raise ValueError("interval_s must be positive")
         self._http = http
         self._endpoints = list(endpoints)
-        self._headers = {} if metrics_token is None else {"Authorization": f"Bearer {metrics_token}"}
+        self._headers = (
+            {} if metrics_token is None else {"Authorization": f"Bearer {metrics_token}"}
+        )
         self.interval_s = interval_s
         self.reported = reported
 
@@ -73,7 +75,11 @@ class QueuePoller:
     async def _poll_one(self, endpoint: NodeEndpoint) -> None:
         queue = None
         try:
-            response = await self._http.get(f"{endpoint.url}{LOAD_PATH}", headers=self._headers, timeout=max(1.0, self.interval_s))
+            response = await self._http.get(
+                f"{endpoint.url}{LOAD_PATH}",
+                headers=self._headers,
+                timeout=max(1.0, self.interval_s),
+            )
             if response.status_code == 200:
                 queue = reported_queue(response.json())
         except (httpx.HTTPError, ValueError) as error:

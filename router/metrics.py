@@ -30,7 +30,9 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            "kvledger_router_prompt_tokens_total", "Prompt tokens the serving nodes reported", registry=self.registry
+            "kvledger_router_prompt_tokens_total",
+            "Prompt tokens the serving nodes reported",
+            registry=self.registry,
         )
         self.routing_latency = Histogram(
             "kvledger_router_routing_seconds",
@@ -39,23 +41,44 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.node_errors = Counter(
-            "kvledger_router_node_failures_total", "Requests a node failed before its first byte", ["node"], registry=self.registry
+            "kvledger_router_node_failures_total",
+            "Requests a node failed before its first byte",
+            ["node"],
+            registry=self.registry,
         )
-        self.kv_events = Counter("kvledger_router_kv_events_total", "kv-events taken, by outcome", ["outcome"], registry=self.registry)
+        self.kv_events = Counter(
+            "kvledger_router_kv_events_total",
+            "kv-events taken, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.unverified = Counter(
             "kvledger_router_unverified_records_total",
             "Records skipped for their signature, by topic and reason",
             ["topic", "reason"],
             registry=self.registry,
         )
-        self.rereads = Counter("kvledger_router_ledger_rereads_total", "Nodes read again from the ledger", registry=self.registry)
+        self.rereads = Counter(
+            "kvledger_router_ledger_rereads_total",
+            "Nodes read again from the ledger",
+            registry=self.registry,
+        )
         self.invalidated_blocks = Counter(
-            "kvledger_router_invalidated_blocks_total", "Blocks dropped from the index by coordinator decisions", registry=self.registry
+            "kvledger_router_invalidated_blocks_total",
+            "Blocks dropped from the index by coordinator decisions",
+            registry=self.registry,
         )
         self.event_lag = Gauge(
-            "kvledger_router_event_lag_seconds", "Age of the last kv-event applied, when it was applied", registry=self.registry
+            "kvledger_router_event_lag_seconds",
+            "Age of the last kv-event applied, when it was applied",
+            registry=self.registry,
         )
-        blocks = Gauge("kvledger_router_index_blocks", "Copies in the index per node and tier", ["node", "tier"], registry=self.registry)
+        blocks = Gauge(
+            "kvledger_router_index_blocks",
+            "Copies in the index per node and tier",
+            ["node", "tier"],
+            registry=self.registry,
+        )
         self._blocks = blocks
         self._index = index
 

@@ -90,10 +90,16 @@ class PrefixLoadStrategy:
             position, candidate = item
             match = by_node.get(candidate.node_id)
             weighted = match.weighted_blocks if match is not None else 0.0
-            return (-(weighted - self.load_cost_blocks * candidate.load), candidate.load, (position - turn) % count)
+            return (
+                -(weighted - self.load_cost_blocks * candidate.load),
+                candidate.load,
+                (position - turn) % count,
+            )
 
         ordered = [candidate for _, candidate in sorted(enumerate(candidates), key=key)]
-        predicted = {c.node_id: by_node[c.node_id].num_blocks if c.node_id in by_node else 0 for c in ordered}
+        predicted = {
+            c.node_id: by_node[c.node_id].num_blocks if c.node_id in by_node else 0 for c in ordered
+        }
         best_cached = max(predicted.values())
         if best_cached == 0:
             reason = FALLBACK

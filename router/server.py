@@ -51,11 +51,17 @@ class Router:
     def build(cls, settings: RouterSettings) -> Router:
         """ValueError for what the operator must configure."""
         if settings.kafka_bootstrap is None or settings.coordinator_url is None:
-            raise ValueError("the router needs the broker (KVLEDGER_KAFKA_BOOTSTRAP) and the coordinator (KVLEDGER_COORDINATOR_URL)")
+            raise ValueError(
+                "the router needs the broker (KVLEDGER_KAFKA_BOOTSTRAP) and the coordinator (KVLEDGER_COORDINATOR_URL)"
+            )
         if settings.coordinator_public_key_file is None:
-            raise ValueError("the router needs the coordinator's command public key (KVLEDGER_ROUTER_COORDINATOR_PUBLIC_KEY_FILE)")
+            raise ValueError(
+                "the router needs the coordinator's command public key (KVLEDGER_ROUTER_COORDINATOR_PUBLIC_KEY_FILE)"
+            )
         if not settings.nodes:
-            raise ValueError('the router has no nodes (KVLEDGER_ROUTER_NODES=\'[{"node_id": …, "url": …}]\')')
+            raise ValueError(
+                'the router has no nodes (KVLEDGER_ROUTER_NODES=\'[{"node_id": …, "url": …}]\')'
+            )
         settings.coordinator_bearer()
         index = PrefixIndex(TierWeights(), max_blocks=settings.routing.max_index_blocks)
         keying = Keying(settings.model_dir, settings.served_model)
@@ -92,7 +98,9 @@ class Router:
     async def refresh_keying(self) -> None:
         token = self.settings.metrics.token
         http = self.app.state.router.http
-        await self.fleet.keying.refresh(http, self.settings.nodes, None if token is None else token.get_secret_value())
+        await self.fleet.keying.refresh(
+            http, self.settings.nodes, None if token is None else token.get_secret_value()
+        )
 
     async def _keep_keying(self) -> None:
         while True:
@@ -128,11 +136,18 @@ class Router:
 
 async def serve(settings: RouterSettings) -> None:
     router = Router.build(settings)
-    server = uvicorn.Server(server_config(router.app, settings.host, settings.port, settings.http_limits))
+    server = uvicorn.Server(
+        server_config(router.app, settings.host, settings.port, settings.http_limits)
+    )
     serving = asyncio.create_task(server.serve())
     try:
         async with router.running():
-            log.info("router serving %d nodes at http://%s:%d", len(settings.nodes), settings.host, settings.port)
+            log.info(
+                "router serving %d nodes at http://%s:%d",
+                len(settings.nodes),
+                settings.host,
+                settings.port,
+            )
             await serving
     finally:
         server.should_exit = True
@@ -145,7 +160,11 @@ def cli(args: argparse.Namespace) -> int:
         # httpx logs every request at INFO: each proxied request and each queue poll would be a line.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         settings = RouterSettings()
-        updates = {name: getattr(args, name) for name in ("host", "port", "model_dir") if getattr(args, name, None) is not None}
+        updates = {
+            name: getattr(args, name)
+            for name in ("host", "port", "model_dir")
+            if getattr(args, name, None) is not None
+        }
         settings = settings.model_copy(update=updates)
         asyncio.run(serve(settings))
     except ValueError as exc:

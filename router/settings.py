@@ -64,7 +64,9 @@ class RouterKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
 
 
 class RouterSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="KVLEDGER_ROUTER_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="KVLEDGER_ROUTER_", env_nested_delimiter="__", extra="ignore"
+    )
 
     router_id: Name = "router-0"
     """Names this replica's consumer groups (``kvledger-router-<id>-kv-events``, ``…-commands``): every replica its own."""
@@ -83,10 +85,16 @@ class RouterSettings(ServiceSettings):
     kafka: RouterKafkaSettings = RouterKafkaSettings()
     kafka_partitions: int = Field(4, ge=1)
     kafka_bootstrap: str | None = Field(
-        None, validation_alias=AliasChoices("kafka_bootstrap", "KVLEDGER_ROUTER_KAFKA_BOOTSTRAP", "KVLEDGER_KAFKA_BOOTSTRAP")
+        None,
+        validation_alias=AliasChoices(
+            "kafka_bootstrap", "KVLEDGER_ROUTER_KAFKA_BOOTSTRAP", "KVLEDGER_KAFKA_BOOTSTRAP"
+        ),
     )
     coordinator_url: str | None = Field(
-        None, validation_alias=AliasChoices("coordinator_url", "KVLEDGER_ROUTER_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL")
+        None,
+        validation_alias=AliasChoices(
+            "coordinator_url", "KVLEDGER_ROUTER_COORDINATOR_URL", "KVLEDGER_COORDINATOR_URL"
+        ),
     )
     coordinator_token: SecretStr | None = None
     """An operator token with the ``router`` role, for the coordinator's ``/v1/router/*``."""
@@ -113,4 +121,6 @@ class RouterSettings(ServiceSettings):
             token = Path(self.coordinator_token_file).read_text().strip()
             if token:
                 return token
-        raise ValueError("the router needs an operator token with the 'router' role (coordinator_token or coordinator_token_file)")
+        raise ValueError(
+            "the router needs an operator token with the 'router' role (coordinator_token or coordinator_token_file)"
+        )

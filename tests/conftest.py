@@ -104,12 +104,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the order units are handed out in
+    if hasattr(
+        config, "workerinput"
+    ):  # a pytest-xdist worker: its order is the order units are handed out in
         items.sort(key=lambda item: _rank(item.nodeid))
 
 
 def _rank(nodeid: str) -> int:
-    return next((index for index, prefix in enumerate(_LONGEST_FIRST) if nodeid.startswith(prefix)), len(_LONGEST_FIRST))
+    return next(
+        (index for index, prefix in enumerate(_LONGEST_FIRST) if nodeid.startswith(prefix)),
+        len(_LONGEST_FIRST),
+    )
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -129,7 +134,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(_OWN_UNITS):
                 return super()._split_scope(nodeid)
-            shared = next((directory for directory in _SHARED_SESSION_DIRS if nodeid.startswith(directory)), None)
+            shared = next(
+                (directory for directory in _SHARED_SESSION_DIRS if nodeid.startswith(directory)),
+                None,
+            )
             return shared or super()._split_scope(nodeid)
 
     config.option.loadscopereorder = False
@@ -149,7 +157,9 @@ def _docker_or_skip() -> None:
 
     # looked up, not imported: testcontainers reads TESTCONTAINERS_RYUK_DISABLED (set by prepare_engine) at import
     if importlib.util.find_spec("testcontainers") is None:
-        pytest.skip("KVLEDGER_TEST_SERVICES=containers needs testcontainers: pip install -e '.[test]'")
+        pytest.skip(
+            "KVLEDGER_TEST_SERVICES=containers needs testcontainers: pip install -e '.[test]'"
+        )
     try:
         prepare_engine()
     except EngineUnavailable as exc:
@@ -176,12 +186,20 @@ def pytest_terminal_summary(terminalreporter) -> None:
         text = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in _TIMINGS.items())
         terminalreporter.write_line(f"integration services ready in: {text}")
     for server in _FORK_SERVERS:
-        fresh = f" (last because of {', '.join(sorted(server.fresh_because))})" if server.num_fresh else ""
-        terminalreporter.write_line(f"fork server: {server.num_forked} processes forked, {server.num_fresh} in a new interpreter{fresh}")
+        fresh = (
+            f" (last because of {', '.join(sorted(server.fresh_because))})"
+            if server.num_fresh
+            else ""
+        )
+        terminalreporter.write_line(
+            f"fork server: {server.num_forked} processes forked, {server.num_fresh} in a new interpreter{fresh}"
+        )
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def database_url(service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+async def database_url(
+    service_mode: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
     """SQLAlchemy URL (``postgresql+asyncpg://``) of a live, empty-at-start PostgreSQL server."""
     if service_mode == "external":
         yield _external("KVLEDGER_DATABASE_URL")
@@ -193,7 +211,9 @@ async def database_url(service_mode: str, tmp_path_factory: pytest.TempPathFacto
         from testcontainers.community.postgres import PostgresContainer
 
         image = await asyncio.to_thread(postgres_image)
-        container = PostgresContainer(image, driver="asyncpg").with_kwargs(labels={LABEL: "postgres"})
+        container = PostgresContainer(image, driver="asyncpg").with_kwargs(
+            labels={LABEL: "postgres"}
+        )
         await asyncio.to_thread(container.start)
         try:
             _TIMINGS["postgres (container)"] = time.monotonic() - started
@@ -211,7 +231,9 @@ async def database_url(service_mode: str, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def kafka_bootstrap(service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+async def kafka_bootstrap(
+    service_mode: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
     """``host:port`` of a live Kafka-protocol broker (tests create their own topics)."""
     if service_mode == "external":
         yield _external("KVLEDGER_KAFKA_BOOTSTRAP")
@@ -298,7 +320,9 @@ async def ledger_template(database_url: str) -> AsyncIterator[str]:
     copies it (``CREATE DATABASE … TEMPLATE``), the same schema without running the migrations again."""
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
-        await enroll_producer(url)  # every copy trusts the tests' customer events (helpers.ledger.PRODUCER_KEY)
+        await enroll_producer(
+            url
+        )  # every copy trusts the tests' customer events (helpers.ledger.PRODUCER_KEY)
         yield make_url(url).database
 
 
@@ -334,7 +358,10 @@ async def producer(settings: CoordinatorSettings) -> AsyncIterator[EventProducer
 async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://c") as client,
+    ):
         yield client
 
 

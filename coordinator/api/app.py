@@ -20,7 +20,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
 from coordinator.api.auth import require_tenant
-from coordinator.api.dependencies import PlatformAdmin, Reader, Readiness, Session, Settings, provide_api
+from coordinator.api.dependencies import (
+    PlatformAdmin,
+    Reader,
+    Readiness,
+    Session,
+    Settings,
+    provide_api,
+)
 from coordinator.api.node_status import node_statuses
 from coordinator.api.ops_app import probes
 from coordinator.api.routes.dead_letters import router as dead_letters_router
@@ -52,14 +59,18 @@ router = APIRouter()
 """The ledger's own routes: readiness, blocks and nodes."""
 
 
-def create_app(settings: CoordinatorSettings, consumers: ConsumerReadiness | None = None) -> FastAPI:
+def create_app(
+    settings: CoordinatorSettings, consumers: ConsumerReadiness | None = None
+) -> FastAPI:
     """The coordinator app. Owns its :class:`Database`: created at startup, disposed at shutdown.
 
     ``consumers``: the readiness of the consumers running in this process (``--role all``);
     ``/readyz`` then also waits for them to consume. ValueError for a configuration the
     operator has to fix (:func:`coordinator.api.dependencies.provide_api`).
     """
-    app = FastAPI(title="kvledger coordinator", version="1", lifespan=database_lifespan(settings.database))
+    app = FastAPI(
+        title="kvledger coordinator", version="1", lifespan=database_lifespan(settings.database)
+    )
     provide_api(app, settings, consumers)
     for routes in (
         keys_router,
@@ -98,7 +109,9 @@ async def readyz(request: Request, readiness: Readiness) -> JSONResponse:
             revision = await current_revision(connection)
     except Exception as exc:  # noqa: BLE001 - any failure to reach the ledger means "not ready"
         log.warning("readiness: database unreachable (%s)", type(exc).__name__)
-        return JSONResponse(status_code=503, content={"status": "not_ready", "reason": "database unreachable"})
+        return JSONResponse(
+            status_code=503, content={"status": "not_ready", "reason": "database unreachable"}
+        )
     head = head_revision()
     if revision != head:
         reason = f"database schema at {revision or 'no revision'}, migrations head is {head}"
@@ -140,9 +153,15 @@ async def ledger_blocks(
     if tenant is not None:
         query = query.where(Block.tenant_id == tenant)
     if doc_id is not None:
-        query = query.where(exists().where(BlockDocument.block_hash == Block.block_hash, BlockDocument.doc_id == doc_id))
+        query = query.where(
+            exists().where(
+                BlockDocument.block_hash == Block.block_hash, BlockDocument.doc_id == doc_id
+            )
+        )
     if subject is not None:
-        query = query.where(Block.subject_hash == _subject_hash(settings.ledger.subject_key, tenant, subject))
+        query = query.where(
+            Block.subject_hash == _subject_hash(settings.ledger.subject_key, tenant, subject)
+        )
     placement_filter = [Placement.block_hash == Block.block_hash]
     if node is not None:
         placement_filter.append(Placement.node_id == node)
@@ -170,7 +189,12 @@ async def nodes(_: PlatformAdmin, session: Session, settings: Settings) -> dict[
 def _subject_hash(subject_key: Any, tenant: str | None, subject: str) -> bytes:
     """The keyed digest nodes record for ``subject`` (raw subjects never reach the ledger)."""
     if tenant is None:
-        raise ApiError(400, "invalid_request_error", "tenant_required", "the subject filter needs tenant= as well")
+        raise ApiError(
+            400,
+            "invalid_request_error",
+            "tenant_required",
+            "the subject filter needs tenant= as well",
+        )
     if subject_key is None:
         raise ApiError(
             503,
@@ -179,33 +203,48 @@ def _subject_hash(subject_key: Any, tenant: str | None, subject: str) -> bytes:
             "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)",
         )
     if not subject:
-        raise ApiError(400, "invalid_request_error", "invalid_parameter", "subject must be non-empty")
+        raise ApiError(
+            400, "invalid_request_error", "invalid_parameter", "subject must be non-empty"
+        )
     return bytes.fromhex(subject_digest(subject_key.get_secret_value().encode(), tenant, subject))
 
 
-async def _describe_blocks(session: AsyncSession, blocks: list[Block], include_deleted: bool) -> list[dict[str, Any]]:
+async def _describe_blocks(
+    session: AsyncSession, blocks: list[Block], include_deleted: bool
+) -> list[dict[str, Any]]:
     hashes = [block.block_hash for block in blocks]
     if not hashes:
         return []
     auth_scopes: dict[bytes, list[dict]] = collections.defaultdict(list)
     for row in await session.scalars(
-        select(BlockAuthScope).where(BlockAuthScope.block_hash.in_(hashes)).order_by(BlockAuthScope.auth_scope)
+        select(BlockAuthScope)
+        .where(BlockAuthScope.block_hash.in_(hashes))
+        .order_by(BlockAuthScope.auth_scope)
     ):
-        auth_scopes[row.block_hash].append({"auth_scope": row.auth_scope, "policy_version": row.policy_version})
+        auth_scopes[row.block_hash].append(
+            {"auth_scope": row.auth_scope, "policy_version": row.policy_version}
+        )
     documents: dict[bytes, list[dict]] = collections.defaultdict(list)
     for row in await session.scalars(
-        select(BlockDocument).where(BlockDocument.block_hash.in_(hashes)).order_by(BlockDocument.doc_id, BlockDocument.version)
+        select(BlockDocument)
+        .where(BlockDocument.block_hash.in_(hashes))
+        .order_by(BlockDocument.doc_id, BlockDocument.version)
     ):
         documents[row.block_hash].append({"doc_id": row.doc_id, "version": row.version})
     replicas = {
-        (row.block_hash, row.node_id): {"source_node_id": row.source_node_id, "pulled_at": iso(row.pulled_at)}
+        (row.block_hash, row.node_id): {
+            "source_node_id": row.source_node_id,
+            "pulled_at": iso(row.pulled_at),
+        }
         for row in await session.scalars(select(Replica).where(Replica.block_hash.in_(hashes)))
     }
     placements: dict[bytes, list[dict]] = collections.defaultdict(list)
     placement_query = select(Placement).where(Placement.block_hash.in_(hashes))
     if not include_deleted:
         placement_query = placement_query.where(Placement.state == PlacementState.LIVE)
-    for row in await session.scalars(placement_query.order_by(Placement.node_id, Placement.tier, Placement.snapshot_id)):
+    for row in await session.scalars(
+        placement_query.order_by(Placement.node_id, Placement.tier, Placement.snapshot_id)
+    ):
         placements[row.block_hash].append(
             {
                 "node_id": row.node_id,

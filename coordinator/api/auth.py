@@ -33,7 +33,9 @@ class TenantForbiddenError(ForbiddenError):
         super().__init__("tenant_forbidden", "operators act only inside the tenant of their token")
 
 
-def authorize(verifier: TokenVerifier, authorization: str | None, allowed: frozenset[str]) -> Operator:
+def authorize(
+    verifier: TokenVerifier, authorization: str | None, allowed: frozenset[str]
+) -> Operator:
     """Verify the ``Authorization`` header and check the caller holds one of ``allowed`` roles.
 
     Raises :class:`identity.tokens.AuthError` (401) or :class:`ForbiddenError` (403).
@@ -43,7 +45,9 @@ def authorize(verifier: TokenVerifier, authorization: str | None, allowed: froze
         raise AuthError("invalid_token", "Authorization header must be 'Bearer <token>'")
     operator = verifier.verify_operator(token.strip() or None)
     if not operator.roles & allowed:
-        raise ForbiddenError("insufficient_role", f"requires one of the roles: {', '.join(sorted(allowed))}")
+        raise ForbiddenError(
+            "insufficient_role", f"requires one of the roles: {', '.join(sorted(allowed))}"
+        )
     return operator
 
 
@@ -61,6 +65,8 @@ def requires(allowed: frozenset[str]) -> Callable[[Request], Operator]:
     """
 
     def operator(request: Request) -> Operator:
-        return authorize(request.app.state.operator_verifier, request.headers.get("authorization"), allowed)
+        return authorize(
+            request.app.state.operator_verifier, request.headers.get("authorization"), allowed
+        )
 
     return operator

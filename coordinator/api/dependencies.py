@@ -33,20 +33,26 @@ from identity.signing import EnvelopeSigner
 from identity.tokens import Operator, TokenVerifier
 
 
-def provide(app: FastAPI, settings: CoordinatorSettings, readiness: ConsumerReadiness | None) -> None:
+def provide(
+    app: FastAPI, settings: CoordinatorSettings, readiness: ConsumerReadiness | None
+) -> None:
     """What every coordinator app serves from: its settings and the readiness of this process's consumers (None: none run here)."""
     app.state.settings = settings
     app.state.readiness = readiness
 
 
-def provide_api(app: FastAPI, settings: CoordinatorSettings, readiness: ConsumerReadiness | None) -> None:
+def provide_api(
+    app: FastAPI, settings: CoordinatorSettings, readiness: ConsumerReadiness | None
+) -> None:
     """What the ledger API serves from, checked now: ValueError for a configuration the operator has to fix.
 
     The operator token verifier (read by ``coordinator.api.auth`` as well), the command signer
     and the decoded master key are made once here, not per request.
     """
     if not settings.operator_auth.configured:
-        raise ValueError("configure operator_auth (the operator issuer's key): the API accepts only operator tokens")
+        raise ValueError(
+            "configure operator_auth (the operator issuer's key): the API accepts only operator tokens"
+        )
     provide(app, settings, readiness)
     app.state.operator_verifier = TokenVerifier(settings.operator_auth, secret_env=None)
     app.state.command_signer = settings.command_signer()
@@ -83,7 +89,12 @@ def require_scraper(request: Request, settings: Settings) -> None:
     refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
     if refusal is not None:
         status_code, code, message = refusal
-        raise ApiError(status_code, "authentication_error" if status_code == 401 else "invalid_request_error", code, message)
+        raise ApiError(
+            status_code,
+            "authentication_error" if status_code == 401 else "invalid_request_error",
+            code,
+            message,
+        )
 
 
 async def _governance_caller(request: Request) -> EnrolledKey:
@@ -94,13 +105,17 @@ async def _key_service_caller(request: Request) -> EnrolledKey:
     return await authenticate_node(request, "the key service")
 
 
-async def _key_service(request: Request, _: Annotated[EnrolledKey, Depends(_key_service_caller)], settings: Settings) -> KeyService | None:
+async def _key_service(
+    request: Request, _: Annotated[EnrolledKey, Depends(_key_service_caller)], settings: Settings
+) -> KeyService | None:
     """The data key service for an authenticated node; None when this coordinator holds no keys."""
     master_key: bytes | None = request.app.state.master_key
     subject_key = settings.ledger.subject_key
     if master_key is None or subject_key is None:
         return None
-    return KeyService(request.app.state.database, master_key, subject_key.get_secret_value().encode())
+    return KeyService(
+        request.app.state.database, master_key, subject_key.get_secret_value().encode()
+    )
 
 
 GovernanceCaller = Annotated[EnrolledKey, Depends(_governance_caller)]

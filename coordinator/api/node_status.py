@@ -21,7 +21,13 @@ from events.tiers import Tier
 async def node_statuses(session: AsyncSession, heartbeat_timeout_s: float) -> list[dict[str, Any]]:
     """Every known node, ordered by id, with liveness from its last heartbeat or event and live copies per tier."""
     last_seen = func.greatest(Node.last_heartbeat, Node.last_event_at)
-    rows = (await session.execute(select(Node, func.extract("epoch", func.now() - last_seen).label("age_s")).order_by(Node.node_id))).all()
+    rows = (
+        await session.execute(
+            select(Node, func.extract("epoch", func.now() - last_seen).label("age_s")).order_by(
+                Node.node_id
+            )
+        )
+    ).all()
     counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
     for node_id, tier, count in await session.execute(
         select(Placement.node_id, Placement.tier, func.count())

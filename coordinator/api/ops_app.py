@@ -41,7 +41,10 @@ def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) 
     app.include_router(router)
     app.add_middleware(DatabaseUnavailableMiddleware, retry_after_s=settings.http.retry_after_s)
     app.add_middleware(
-        RequestIdMiddleware, access_logger="coordinator.access", error_body=INTERNAL_ERROR_BODY, observe=metrics.observe_http
+        RequestIdMiddleware,
+        access_logger="coordinator.access",
+        error_body=INTERNAL_ERROR_BODY,
+        observe=metrics.observe_http,
     )
     install_error_handlers(app)
     return app
@@ -54,7 +57,10 @@ async def healthz() -> dict[str, str]:
 
 @probes.get("/metrics", dependencies=[Depends(require_scraper)])
 async def metrics_endpoint(session: Session, settings: Settings) -> Response:
-    return Response(await metrics.exposition(session, settings.ledger.heartbeat_timeout_s), media_type=CONTENT_TYPE_LATEST)
+    return Response(
+        await metrics.exposition(session, settings.ledger.heartbeat_timeout_s),
+        media_type=CONTENT_TYPE_LATEST,
+    )
 
 
 @router.get("/readyz")

@@ -51,7 +51,9 @@ class ReceiptKeys:
     """
 
     def __init__(self, signing_key: SecretStr | None, master_key: bytes | None) -> None:
-        self._configured = None if signing_key is None else receipts.ReceiptSigner.from_pem(signing_key)
+        self._configured = (
+            None if signing_key is None else receipts.ReceiptSigner.from_pem(signing_key)
+        )
         self._master = None if master_key is None else AESGCM(master_key)
         self._signer: receipts.ReceiptSigner | None = None
 
@@ -60,10 +62,16 @@ class ReceiptKeys:
             return self._signer
         if self._configured is not None:
             public = self._configured.public_key
-            await session.execute(pg_insert(ReceiptKey).values(key_id=public.key_id, public_key=public.raw).on_conflict_do_nothing())
+            await session.execute(
+                pg_insert(ReceiptKey)
+                .values(key_id=public.key_id, public_key=public.raw)
+                .on_conflict_do_nothing()
+            )
             # A configured key takes over from any key generated before it; retired keys stay listed.
             await session.execute(
-                update(ReceiptKey).where(ReceiptKey.key_id != public.key_id, ReceiptKey.retired_at.is_(None)).values(retired_at=func.now())
+                update(ReceiptKey)
+                .where(ReceiptKey.key_id != public.key_id, ReceiptKey.retired_at.is_(None))
+                .values(retired_at=func.now())
             )
             self._signer = self._configured
             return self._signer
@@ -79,21 +87,34 @@ class ReceiptKeys:
             .limit(1)
         )
         if row is not None:
-            raw = unwrap_secret(self._master, _RECEIPT_KEY_LABEL + row.key_id.encode(), row.private_key, "receipt key")
+            raw = unwrap_secret(
+                self._master,
+                _RECEIPT_KEY_LABEL + row.key_id.encode(),
+                row.private_key,
+                "receipt key",
+            )
             self._signer = receipts.ReceiptSigner(Ed25519PrivateKey.from_private_bytes(raw))
             return self._signer
         private_key = Ed25519PrivateKey.generate()
         signer = receipts.ReceiptSigner(private_key)
-        raw = private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+        raw = private_key.private_bytes(
+            serialization.Encoding.Raw,
+            serialization.PrivateFormat.Raw,
+            serialization.NoEncryption(),
+        )
         session.add(
             ReceiptKey(
                 key_id=signer.key_id,
                 public_key=signer.public_key.raw,
-                private_key=wrap_secret(self._master, _RECEIPT_KEY_LABEL + signer.key_id.encode(), raw),
+                private_key=wrap_secret(
+                    self._master, _RECEIPT_KEY_LABEL + signer.key_id.encode(), raw
+                ),
             )
         )
         await session.flush()
-        log.info("generated receipt signing key %s (stored wrapped under the master key)", signer.key_id)
+        log.info(
+            "generated receipt signing key %s (stored wrapped under the master key)", signer.key_id
+        )
         self._signer = signer
         return signer
 
@@ -114,12 +135,16 @@ async def leaf_hashes(session: AsyncSession, tree_size: int) -> list[bytes]:
     leaves = list(
         (
             await session.scalars(
-                select(AuditLogEntry.leaf_hash).where(AuditLogEntry.leaf_index < tree_size).order_by(AuditLogEntry.leaf_index)
+                select(AuditLogEntry.leaf_hash)
+                .where(AuditLogEntry.leaf_index < tree_size)
+                .order_by(AuditLogEntry.leaf_index)
             )
         ).all()
     )
     if len(leaves) != tree_size:
-        raise AuditLogCorrupted(f"the audit log holds {len(leaves)} of the {tree_size} leaves its tree head signed")
+        raise AuditLogCorrupted(
+            f"the audit log holds {len(leaves)} of the {tree_size} leaves its tree head signed"
+        )
     return leaves
 
 
@@ -128,7 +153,11 @@ async def latest_tree_head(session: AsyncSession) -> TreeHead | None:
 
 
 async def append_receipt(
-    session: AsyncSession, signed: dict[str, Any], erasure_id: uuid.UUID, signer: receipts.ReceiptSigner, now: datetime
+    session: AsyncSession,
+    signed: dict[str, Any],
+    erasure_id: uuid.UUID,
+    signer: receipts.ReceiptSigner,
+    now: datetime,
 ) -> tuple[Receipt, TreeHead]:
     """Store ``signed``, append its leaf and sign the new tree head, under the audit log lock.
 
@@ -140,11 +169,20 @@ async def append_receipt(
     size = 0 if head is None else head.tree_size
     leaves = await leaf_hashes(session, size)
     if head is not None and merkle.root_hash(size, leaves) != head.root_hash:
-        raise AuditLogCorrupted(f"the stored audit log no longer hashes to its signed tree head of size {size}")
+        raise AuditLogCorrupted(
+            f"the stored audit log no longer hashes to its signed tree head of size {size}"
+        )
     leaves.append(receipts.audit_leaf_hash(signed))
-    timestamp = now.replace(microsecond=now.microsecond // 1000 * 1000)  # the signed form has milliseconds
+    timestamp = now.replace(
+        microsecond=now.microsecond // 1000 * 1000
+    )  # the signed form has milliseconds
     sth = receipts.sign_tree_head(size + 1, merkle.root_hash(size + 1, leaves), timestamp, signer)
-    receipt = Receipt(receipt_id=uuid.UUID(signed["receipt"]["receipt_id"]), erasure_id=erasure_id, document=signed, leaf_index=size)
+    receipt = Receipt(
+        receipt_id=uuid.UUID(signed["receipt"]["receipt_id"]),
+        erasure_id=erasure_id,
+        document=signed,
+        leaf_index=size,
+    )
     session.add(receipt)
     await session.flush()
     session.add(AuditLogEntry(leaf_index=size, leaf_hash=leaves[-1], receipt_id=receipt.receipt_id))

@@ -123,7 +123,9 @@ def consistency_proof(old_size: int, new_size: int, leaves: LeafSource) -> list[
     fetch = _fetcher(leaves)
     siblings: list[bytes] = []
     start, end, m = 0, new_size, old_size
-    old_tree_is_whole_subtree = True  # RFC 6962's flag b: the old tree is a complete left subtree so far
+    old_tree_is_whole_subtree = (
+        True  # RFC 6962's flag b: the old tree is a complete left subtree so far
+    )
     while m != end - start:
         k = _split(end - start)
         if m <= k:
@@ -147,7 +149,9 @@ def _is_size(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def verify_inclusion(leaf: bytes, leaf_index: int, tree_size: int, proof: Sequence[bytes], root: bytes) -> bool:
+def verify_inclusion(
+    leaf: bytes, leaf_index: int, tree_size: int, proof: Sequence[bytes], root: bytes
+) -> bool:
     """True iff ``leaf`` (a leaf *hash*) is leaf ``leaf_index`` of the tree with ``root``.
 
     RFC 9162 §2.1.3.2, step by step. The final ``sn == 0`` test is what rejects a
@@ -178,13 +182,17 @@ def verify_inclusion(leaf: bytes, leaf_index: int, tree_size: int, proof: Sequen
     return sn == 0 and r == bytes(root)
 
 
-def verify_consistency(old_size: int, new_size: int, old_root: bytes, new_root: bytes, proof: Sequence[bytes]) -> bool:
+def verify_consistency(
+    old_size: int, new_size: int, old_root: bytes, new_root: bytes, proof: Sequence[bytes]
+) -> bool:
     """True iff the tree (new_size, new_root) extends (old_size, old_root) without changing a leaf.
 
     RFC 9162 §2.1.4.2 for 0 < old_size < new_size. Equal sizes need an empty
     proof and equal roots; old_size 0 needs an empty proof and the empty root.
     """
-    if not (_is_size(old_size) and _is_size(new_size) and _is_hash(old_root) and _is_hash(new_root)):
+    if not (
+        _is_size(old_size) and _is_size(new_size) and _is_hash(old_root) and _is_hash(new_root)
+    ):
         return False
     if not isinstance(proof, (list, tuple)) or not all(_is_hash(p) for p in proof):
         return False

@@ -116,7 +116,13 @@ OPTIONAL_RECEIPT_FIELDS = ("blocks_by_scope",)
 SCOPE_COVERAGE_KEYS = ("public", "tenant", "user", "unrecorded")
 """``blocks_by_scope``: erased blocks per cache scope, and ``unrecorded`` ones the ledger held no provenance for."""
 TREE_HEAD_FIELDS = ("tree_size", "root_hash", "timestamp", "key_id", "signature")
-AUDIT_FIELDS = ("leaf_index", "tree_head_at_issue", "tree_head", "inclusion_proof", "consistency_proof")
+AUDIT_FIELDS = (
+    "leaf_index",
+    "tree_head_at_issue",
+    "tree_head",
+    "inclusion_proof",
+    "consistency_proof",
+)
 
 
 # ---------------------------------------------------------------------------
@@ -166,8 +172,14 @@ def block_commitment(block_hashes: Iterable[str]) -> dict[str, Any]:
     """
     raw = set()
     for block_hash in block_hashes:
-        if not isinstance(block_hash, str) or not LOWER_HEX.match(block_hash) or not 16 <= len(block_hash) // 2 <= 64:
-            raise ValueError(f"block hash must be lower-case hex of 16..64 bytes, got {block_hash!r}")
+        if (
+            not isinstance(block_hash, str)
+            or not LOWER_HEX.match(block_hash)
+            or not 16 <= len(block_hash) // 2 <= 64
+        ):
+            raise ValueError(
+                f"block hash must be lower-case hex of 16..64 bytes, got {block_hash!r}"
+            )
         raw.add(bytes.fromhex(block_hash))
     leaves = [merkle.leaf_hash(value) for value in sorted(raw)]
     return {
@@ -220,11 +232,15 @@ class ReceiptSigner:
         if not isinstance(private_key, Ed25519PrivateKey):
             raise ValueError("receipt keys are Ed25519")
         self._private_key = private_key
-        raw = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        raw = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
         self.public_key = ReceiptPublicKey(raw, rfc3339(created_at or datetime.now(UTC)))
 
     @classmethod
-    def from_pem(cls, pem: SecretStr | str | bytes, created_at: datetime | None = None) -> ReceiptSigner:
+    def from_pem(
+        cls, pem: SecretStr | str | bytes, created_at: datetime | None = None
+    ) -> ReceiptSigner:
         """Load an unencrypted PKCS#8 Ed25519 private key. Errors never echo the key material."""
         if isinstance(pem, SecretStr):
             pem = pem.get_secret_value()
@@ -250,7 +266,9 @@ class ReceiptSigner:
         return base64.b64encode(self._private_key.sign(message)).decode("ascii")
 
 
-def public_key_document(keys: Iterable[ReceiptSigner | ReceiptPublicKey]) -> dict[str, list[dict[str, str]]]:
+def public_key_document(
+    keys: Iterable[ReceiptSigner | ReceiptPublicKey],
+) -> dict[str, list[dict[str, str]]]:
     """The body of ``GET /v1/receipts/keys``: every key whose receipts must still verify, current and retired."""
     entries: list[dict[str, str]] = []
     seen: set[str] = set()
@@ -344,7 +362,9 @@ def build_receipt(
     :data:`SCOPE_COVERAGE_KEYS` entry; the counts must add up to the block commitment's.
     """
     if not isinstance(subject_hash, str) or not _SUBJECT_HASH.match(subject_hash):
-        raise ValueError("subject_hash must be the 64-hex-character keyed subject digest, never the subject id")
+        raise ValueError(
+            "subject_hash must be the 64-hex-character keyed subject digest, never the subject id"
+        )
     requested, verified = rfc3339(requested_at), rfc3339(verified_at)
     if verified_at < requested_at:
         raise ValueError("verified_at is before requested_at")
@@ -352,11 +372,15 @@ def build_receipt(
     entries.sort(key=lambda e: (e["node_id"], TIERS.index(e["tier"])))
     for previous, current in itertools.pairwise(entries):
         if (previous["node_id"], previous["tier"]) == (current["node_id"], current["tier"]):
-            raise ValueError(f"two entries for node {current['node_id']!r} tier {current['tier']!r}")
+            raise ValueError(
+                f"two entries for node {current['node_id']!r} tier {current['tier']!r}"
+            )
     destroyed = sorted({_identifier("key id", key_id) for key_id in key_ids_destroyed})
     signers = [
         {"node_id": node_id, "key_id": key_id}
-        for node_id, key_id in sorted({(_identifier("node_id", n), _node_key_id(k)) for n, k in node_keys})
+        for node_id, key_id in sorted(
+            {(_identifier("node_id", n), _node_key_id(k)) for n, k in node_keys}
+        )
     ]
     extra = [_identifier("caveat", caveat) for caveat in caveats]
     commitment = block_commitment(block_hashes)
@@ -386,9 +410,13 @@ def _scope_coverage(counts: Mapping[str, int], num_blocks: int) -> dict[str, int
         raise ValueError(f"blocks_by_scope must have exactly the keys {SCOPE_COVERAGE_KEYS}")
     for scope, count in counts.items():
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"blocks_by_scope[{scope!r}] must be a non-negative integer, got {count!r}")
+            raise ValueError(
+                f"blocks_by_scope[{scope!r}] must be a non-negative integer, got {count!r}"
+            )
     if sum(counts.values()) != num_blocks:
-        raise ValueError(f"blocks_by_scope adds up to {sum(counts.values())}, but {num_blocks} distinct blocks were erased")
+        raise ValueError(
+            f"blocks_by_scope adds up to {sum(counts.values())}, but {num_blocks} distinct blocks were erased"
+        )
     return {scope: counts[scope] for scope in SCOPE_COVERAGE_KEYS}
 
 
@@ -399,7 +427,11 @@ def sign_receipt(body: Mapping[str, Any], signer: ReceiptSigner) -> dict[str, An
     body = dict(body)
     return {
         "receipt": body,
-        "signature": {"key_id": signer.key_id, "algorithm": SIGNATURE_ALGORITHM, "value": signer.sign(canonical_json(body))},
+        "signature": {
+            "key_id": signer.key_id,
+            "algorithm": SIGNATURE_ALGORITHM,
+            "value": signer.sign(canonical_json(body)),
+        },
     }
 
 
@@ -422,10 +454,19 @@ def audit_leaf_hash(signed: Mapping[str, Any]) -> bytes:
 
 
 def tree_head_message(tree_size: int, root_hash_hex: str, timestamp: str, key_id: str) -> bytes:
-    return canonical_json({"tree_size": tree_size, "root_hash": root_hash_hex, "timestamp": timestamp, "key_id": key_id})
+    return canonical_json(
+        {
+            "tree_size": tree_size,
+            "root_hash": root_hash_hex,
+            "timestamp": timestamp,
+            "key_id": key_id,
+        }
+    )
 
 
-def sign_tree_head(tree_size: int, root_hash: bytes, timestamp: datetime, signer: ReceiptSigner) -> dict[str, Any]:
+def sign_tree_head(
+    tree_size: int, root_hash: bytes, timestamp: datetime, signer: ReceiptSigner
+) -> dict[str, Any]:
     """A signed tree head, the body of ``GET /v1/audit/checkpoint``.
 
     The signature covers canonical JSON of ``{tree_size, root_hash, timestamp, key_id}``.
@@ -463,12 +504,22 @@ def serve_receipt(
     was tampered with must reach the client and fail *there*, in the open.
     """
     issue_size, now_size = sth_at_issue.get("tree_size"), sth_now.get("tree_size")
-    if not all(isinstance(size, int) and not isinstance(size, bool) for size in (issue_size, now_size)):
+    if not all(
+        isinstance(size, int) and not isinstance(size, bool) for size in (issue_size, now_size)
+    ):
         raise ValueError("tree heads must come from sign_tree_head")
-    if not isinstance(leaf_index, int) or isinstance(leaf_index, bool) or not 0 <= leaf_index < issue_size:
-        raise ValueError(f"leaf_index {leaf_index!r} is not in the tree head at issue (size {issue_size})")
+    if (
+        not isinstance(leaf_index, int)
+        or isinstance(leaf_index, bool)
+        or not 0 <= leaf_index < issue_size
+    ):
+        raise ValueError(
+            f"leaf_index {leaf_index!r} is not in the tree head at issue (size {issue_size})"
+        )
     if now_size < issue_size:
-        raise ValueError(f"tree head size {now_size} is older than the tree head at issue (size {issue_size})")
+        raise ValueError(
+            f"tree head size {now_size} is older than the tree head at issue (size {issue_size})"
+        )
     fetch = leaf_hash_at if callable(leaf_hash_at) else leaf_hash_at.__getitem__
     if fetch(leaf_index) != audit_leaf_hash(signed):
         raise ValueError(f"leaf {leaf_index} of the log is not this receipt")
@@ -479,7 +530,11 @@ def serve_receipt(
             "leaf_index": leaf_index,
             "tree_head_at_issue": dict(sth_at_issue),
             "tree_head": dict(sth_now),
-            "inclusion_proof": [h.hex() for h in merkle.inclusion_proof(leaf_index, now_size, leaf_hash_at)],
-            "consistency_proof": [h.hex() for h in merkle.consistency_proof(issue_size, now_size, leaf_hash_at)],
+            "inclusion_proof": [
+                h.hex() for h in merkle.inclusion_proof(leaf_index, now_size, leaf_hash_at)
+            ],
+            "consistency_proof": [
+                h.hex() for h in merkle.consistency_proof(issue_size, now_size, leaf_hash_at)
+            ],
         },
     }

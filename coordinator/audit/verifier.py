@@ -93,7 +93,9 @@ def _require(value: Any, message: str) -> Any:
     return value
 
 
-def _object(value: Any, what: str, fields: tuple[str, ...] | None = None, optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
+def _object(
+    value: Any, what: str, fields: tuple[str, ...] | None = None, optional: tuple[str, ...] = ()
+) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise _Invalid(f"{what} is not a JSON object")
     if fields is not None:
@@ -113,7 +115,11 @@ def _size(value: Any, what: str) -> int:
 
 
 def _hash(value: Any, what: str) -> bytes:
-    if not isinstance(value, str) or len(value) != 2 * merkle.HASH_SIZE or not LOWER_HEX.match(value):
+    if (
+        not isinstance(value, str)
+        or len(value) != 2 * merkle.HASH_SIZE
+        or not LOWER_HEX.match(value)
+    ):
         raise _Invalid(f"{what} is not {merkle.HASH_SIZE} bytes of lower-case hex")
     return bytes.fromhex(value)
 
@@ -125,7 +131,9 @@ def _canonical(value: Any, what: str) -> bytes:
         raise _Invalid(f"{what} cannot be canonicalized (RFC 8785): {error}") from None
 
 
-def _verify_signature(keys: Mapping[str, Ed25519PublicKey], key_id: Any, value: Any, message: bytes, what: str) -> str:
+def _verify_signature(
+    keys: Mapping[str, Ed25519PublicKey], key_id: Any, value: Any, message: bytes, what: str
+) -> str:
     if not isinstance(key_id, str) or key_id not in keys:
         raise _Invalid(f"{what} names key {key_id!r}, which is not in the key document")
     try:
@@ -152,17 +160,25 @@ def _parse_keys(document: Any) -> tuple[dict[str, Ed25519PublicKey], list[str]]:
             problems.append(f"key #{position} is not an object")
             continue
         if entry.get("algorithm") != SIGNATURE_ALGORITHM:
-            problems.append(f"key #{position} algorithm is {entry.get('algorithm')!r}, not {SIGNATURE_ALGORITHM}")
+            problems.append(
+                f"key #{position} algorithm is {entry.get('algorithm')!r}, not {SIGNATURE_ALGORITHM}"
+            )
             continue
         try:
-            raw = base64.b64decode(entry.get("public_key"), validate=True) if isinstance(entry.get("public_key"), str) else b""
+            raw = (
+                base64.b64decode(entry.get("public_key"), validate=True)
+                if isinstance(entry.get("public_key"), str)
+                else b""
+            )
         except ValueError:  # binascii.Error, or non-ASCII text
             raw = b""
         if len(raw) != 32:
             problems.append(f"key #{position} public_key is not base64 of 32 bytes")
             continue
         if entry.get("key_id") != key_id_for(raw):
-            problems.append(f"key #{position} key_id {entry.get('key_id')!r} is not derived from its public key ({key_id_for(raw)})")
+            problems.append(
+                f"key #{position} key_id {entry.get('key_id')!r} is not derived from its public key ({key_id_for(raw)})"
+            )
             continue
         try:
             keys[key_id_for(raw)] = Ed25519PublicKey.from_public_bytes(raw)
@@ -192,7 +208,10 @@ def _verify_tree_head(keys: Mapping[str, Ed25519PublicKey], head: _TreeHead, wha
         message = tree_head_message(head.tree_size, head.root.hex(), head.timestamp, head.key_id)
     except ValueError as error:
         raise _Invalid(f"{what} cannot be canonicalized (RFC 8785): {error}") from None
-    return _verify_signature(keys, head.key_id, head.signature, message, what) + f" over size {head.tree_size}"
+    return (
+        _verify_signature(keys, head.key_id, head.signature, message, what)
+        + f" over size {head.tree_size}"
+    )
 
 
 def verify_served_receipt(
@@ -253,7 +272,10 @@ class _ServedReceipt:
             ("consistency", self._consistency),
         ]
         if self._checkpoint is not None:
-            ordered += [("checkpoint_signature", self._checkpoint_signature), ("checkpoint_matches", self._checkpoint_matches)]
+            ordered += [
+                ("checkpoint_signature", self._checkpoint_signature),
+                ("checkpoint_matches", self._checkpoint_matches),
+            ]
         return ordered
 
     def _keys_check(self) -> str:
@@ -270,8 +292,12 @@ class _ServedReceipt:
             raise _Invalid(f"receipt schema is {receipt['schema']!r}, not {RECEIPT_SCHEMA}")
         signature = _object(top["signature"], "signature", ("key_id", "algorithm", "value"))
         if signature["algorithm"] != SIGNATURE_ALGORITHM:
-            raise _Invalid(f"signature algorithm is {signature['algorithm']!r}, not {SIGNATURE_ALGORITHM}")
-        self._leaf = merkle.leaf_hash(_canonical({"receipt": receipt, "signature": signature}, "receipt"))
+            raise _Invalid(
+                f"signature algorithm is {signature['algorithm']!r}, not {SIGNATURE_ALGORITHM}"
+            )
+        self._leaf = merkle.leaf_hash(
+            _canonical({"receipt": receipt, "signature": signature}, "receipt")
+        )
         self._receipt, self._signature = receipt, signature
         return (
             f"{RECEIPT_SCHEMA} receipt {receipt['receipt_id']} for erasure {receipt['erasure_id']};"
@@ -281,7 +307,13 @@ class _ServedReceipt:
     def _receipt_signature(self) -> str:
         receipt = _require(self._receipt, "not checked: receipt_format failed")
         signature = self._signature
-        return _verify_signature(self._keys, signature["key_id"], signature["value"], _canonical(receipt, "receipt"), "receipt")
+        return _verify_signature(
+            self._keys,
+            signature["key_id"],
+            signature["value"],
+            _canonical(receipt, "receipt"),
+            "receipt",
+        )
 
     def _scope_coverage(self) -> str:
         """The erased blocks per cache scope, checked to add up to the block commitment's count."""
@@ -289,12 +321,18 @@ class _ServedReceipt:
         if "blocks_by_scope" not in receipt:
             return "not stated: a receipt issued before per-scope coverage (its erasure matched user-scope blocks only)"
         counts = _object(receipt["blocks_by_scope"], "blocks_by_scope", SCOPE_COVERAGE_KEYS)
-        numbers = {scope: _size(counts[scope], f"blocks_by_scope.{scope}") for scope in SCOPE_COVERAGE_KEYS}
+        numbers = {
+            scope: _size(counts[scope], f"blocks_by_scope.{scope}") for scope in SCOPE_COVERAGE_KEYS
+        }
         commitment = _object(receipt["block_commitment"], "block_commitment")
         committed = _size(commitment.get("count"), "block_commitment.count")
         if sum(numbers.values()) != committed:
-            raise _Invalid(f"blocks_by_scope adds up to {sum(numbers.values())}, but the block commitment counts {committed}")
-        return "erased blocks by scope: " + ", ".join(f"{scope} {count}" for scope, count in numbers.items())
+            raise _Invalid(
+                f"blocks_by_scope adds up to {sum(numbers.values())}, but the block commitment counts {committed}"
+            )
+        return "erased blocks by scope: " + ", ".join(
+            f"{scope} {count}" for scope, count in numbers.items()
+        )
 
     def _audit(self) -> Mapping[str, Any]:
         top = _object(self._document, "the receipt document")
@@ -314,7 +352,9 @@ class _ServedReceipt:
         head = self._head("tree_head")
         index = _size(self._audit()["leaf_index"], "leaf_index")
         if index >= at_issue.tree_size:
-            raise _Invalid(f"leaf_index {index} is outside the tree head at issue (size {at_issue.tree_size})")
+            raise _Invalid(
+                f"leaf_index {index} is outside the tree head at issue (size {at_issue.tree_size})"
+            )
         proof = _proof(self._audit()["inclusion_proof"], "inclusion_proof")
         if not merkle.verify_inclusion(leaf, index, head.tree_size, proof, head.root):
             raise _Invalid(
@@ -327,7 +367,9 @@ class _ServedReceipt:
         at_issue = self._head("tree_head_at_issue")
         head = self._head("tree_head")
         proof = _proof(self._audit()["consistency_proof"], "consistency_proof")
-        if not merkle.verify_consistency(at_issue.tree_size, head.tree_size, at_issue.root, head.root, proof):
+        if not merkle.verify_consistency(
+            at_issue.tree_size, head.tree_size, at_issue.root, head.root, proof
+        ):
             raise _Invalid(
                 f"the tree of size {head.tree_size} does not extend the tree head at issue (size {at_issue.tree_size}): "
                 "the log was rewritten after the receipt was issued, or the proof is wrong"

@@ -39,7 +39,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, LargeBinary, Text, Uuid, bindparam, delete, select, text, tuple_
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    LargeBinary,
+    Text,
+    Uuid,
+    bindparam,
+    delete,
+    select,
+    text,
+    tuple_,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -70,7 +81,9 @@ _TEXTS = ARRAY(Text())
 _BIGINTS = ARRAY(BigInteger())
 _BYTEAS = ARRAY(LargeBinary())
 
-_COMPLETE = text("UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)").bindparams(
+_COMPLETE = text(
+    "UPDATE invalidations SET status = 'complete', completed_at = :now WHERE command_id = ANY(:command_ids)"
+).bindparams(
     bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS)
 )
 _LOCK_TARGETS = (
@@ -135,13 +148,15 @@ _TARGET_COUNTS = (
     .bindparams(bindparam("command_ids", type_=_UUIDS))
     .columns(command_id=Uuid(), pending=BigInteger(), failed=BigInteger())
 )
-_FAIL = text("UPDATE invalidations SET status = 'failed' WHERE command_id = ANY(:command_ids)").bindparams(
-    bindparam("command_ids", type_=_UUIDS)
-)
+_FAIL = text(
+    "UPDATE invalidations SET status = 'failed' WHERE command_id = ANY(:command_ids)"
+).bindparams(bindparam("command_ids", type_=_UUIDS))
 _RETIRE_NAMESPACES = text(
     f"UPDATE namespaces SET status = '{NamespaceStatus.RETIRED}', updated_at = :now"
     f" WHERE invalidation_id = ANY(:command_ids) AND status = '{NamespaceStatus.DRAINING}'"
-).bindparams(bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS))
+).bindparams(
+    bindparam("now", type_=DateTime(timezone=True)), bindparam("command_ids", type_=_UUIDS)
+)
 
 
 @dataclass(slots=True)
@@ -154,7 +169,9 @@ class Finished:
     complete or not: only their acks can advance an erasure."""
 
 
-async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID], now: datetime) -> Finished:
+async def finish_if_acked(
+    session: AsyncSession, command_ids: Iterable[uuid.UUID], now: datetime
+) -> Finished:
     """Set each command's status from its targets.
 
     ``complete`` when every target acked with verified evidence (a namespace drained
@@ -168,8 +185,13 @@ async def finish_if_acked(session: AsyncSession, command_ids: Iterable[uuid.UUID
     found = {row.command_id for row in rows}
     missing = [command_id for command_id in ids if command_id not in found]
     assert not missing, f"target rows of {missing[0]} without an invalidation"
-    counts = {row.command_id: (row.pending, row.failed) for row in await session.execute(_TARGET_COUNTS, {"command_ids": ids})}
-    finished = Finished(subject_command_ids=[row.command_id for row in rows if row.kind == "subject"])
+    counts = {
+        row.command_id: (row.pending, row.failed)
+        for row in await session.execute(_TARGET_COUNTS, {"command_ids": ids})
+    }
+    finished = Finished(
+        subject_command_ids=[row.command_id for row in rows if row.kind == "subject"]
+    )
     complete: list[uuid.UUID] = []
     failed: list[uuid.UUID] = []
     namespaces: list[uuid.UUID] = []
@@ -282,19 +304,25 @@ async def _whole_acks(
         .returning(AckPart.command_id, AckPart.node_id, AckPart.ack_id, AckPart.part)
     )
     staged = {tuple(row) for row in inserted}
-    complete = await _complete_parts(session, {item[:3] for item in whole if isinstance(item, tuple)})
+    complete = await _complete_parts(
+        session, {item[:3] for item in whole if isinstance(item, tuple)}
+    )
     result: list[_WholeAck] = []
     for item in whole:
         if isinstance(item, _WholeAck):
             result.append(item)
         elif item[:3] in complete:
-            result.append(complete.pop(item[:3]))  # the first part of the batch that completes it stands for the ack
+            result.append(
+                complete.pop(item[:3])
+            )  # the first part of the batch that completes it stands for the ack
         else:
             outcomes[(CommandAck.TYPE, PART_STAGED if item in staged else inbox.DUPLICATE)] += 1
     return result
 
 
-async def _complete_parts(session: AsyncSession, ack_keys: set[tuple[uuid.UUID, str, uuid.UUID]]) -> dict:
+async def _complete_parts(
+    session: AsyncSession, ack_keys: set[tuple[uuid.UUID, str, uuid.UUID]]
+) -> dict:
     """(command id, node id, ack id) → the merged :class:`_WholeAck` of each of ``ack_keys`` with every part staged."""
     rows = await session.execute(
         select(
@@ -317,7 +345,9 @@ async def _complete_parts(session: AsyncSession, ack_keys: set[tuple[uuid.UUID, 
     complete = {}
     for key, parts in staged.items():
         # Complete: parts 0..n-1 all staged, all saying n (a node that said otherwise never completes).
-        if [row.part for row in parts] == list(range(parts[0].num_parts)) and {row.num_parts for row in parts} == {len(parts)}:
+        if [row.part for row in parts] == list(range(parts[0].num_parts)) and {
+            row.num_parts for row in parts
+        } == {len(parts)}:
             complete[key] = _WholeAck(
                 CommandAck.TYPE,
                 key[0],
@@ -349,7 +379,9 @@ _TAKE_RELEASABLE = (
         " RETURNING d.command_id, d.node_id, d.epoch, d.after_seq, d.evidence, d.key_id"
     )
     .bindparams(bindparam("node_ids", type_=_TEXTS))
-    .columns(command_id=Uuid(), node_id=Text(), epoch=BigInteger(), after_seq=BigInteger(), key_id=Text())
+    .columns(
+        command_id=Uuid(), node_id=Text(), epoch=BigInteger(), after_seq=BigInteger(), key_id=Text()
+    )
 )
 
 
@@ -365,13 +397,20 @@ async def _lock_nodes(session: AsyncSession, node_ids: list[str]) -> dict[str, t
     return {row.node_id: (row.epoch, row.last_seq) for row in rows}
 
 
-async def _lock_targets(session: AsyncSession, keys: list[tuple[uuid.UUID, str]]) -> dict[tuple[uuid.UUID, str], str]:
-    rows = await session.execute(_LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]})
+async def _lock_targets(
+    session: AsyncSession, keys: list[tuple[uuid.UUID, str]]
+) -> dict[tuple[uuid.UUID, str], str]:
+    rows = await session.execute(
+        _LOCK_TARGETS, {"command_ids": [k[0] for k in keys], "node_ids": [k[1] for k in keys]}
+    )
     return {(row.command_id, row.node_id): row.status for row in rows}
 
 
 async def apply_acks(
-    session: AsyncSession, acks: list[Envelope], now: datetime, outcomes: collections.Counter[tuple[str, str]]
+    session: AsyncSession,
+    acks: list[Envelope],
+    now: datetime,
+    outcomes: collections.Counter[tuple[str, str]],
 ) -> AppliedAcks:
     """Record each ack on its target row, delete the copies it verified, then complete the commands it touched.
 
@@ -382,12 +421,16 @@ async def apply_acks(
     docstring). The caller owns the transaction; every outcome is counted in ``outcomes``.
     """
     positions = await _lock_nodes(session, sorted({ack.payload.node_id for ack in acks}))
-    status = await _lock_targets(session, sorted({(ack.payload.command_id, ack.payload.node_id) for ack in acks}))
+    status = await _lock_targets(
+        session, sorted({(ack.payload.command_id, ack.payload.node_id) for ack in acks})
+    )
     whole = await _whole_acks(session, acks, status, outcomes)
     return await _record(session, whole, positions, status, now, outcomes)
 
 
-async def release_deferred_acks(session: AsyncSession, now: datetime, outcomes: collections.Counter[tuple[str, str]]) -> AppliedAcks:
+async def release_deferred_acks(
+    session: AsyncSession, now: datetime, outcomes: collections.Counter[tuple[str, str]]
+) -> AppliedAcks:
     """Apply every deferred ack whose node's ledger row reached its fence, as :func:`apply_acks` would have.
 
     Same lock order as an ack batch: the node rows first, so a concurrent batch of the same
@@ -400,7 +443,15 @@ async def release_deferred_acks(session: AsyncSession, now: datetime, outcomes: 
     rows = (await session.execute(_TAKE_RELEASABLE, {"node_ids": node_ids})).all()
     status = await _lock_targets(session, sorted({(row.command_id, row.node_id) for row in rows}))
     whole = [
-        _WholeAck(CommandAck.TYPE, row.command_id, row.node_id, row.epoch, row.evidence, row.key_id, row.after_seq)
+        _WholeAck(
+            CommandAck.TYPE,
+            row.command_id,
+            row.node_id,
+            row.epoch,
+            row.evidence,
+            row.key_id,
+            row.after_seq,
+        )
         for row in sorted(rows, key=lambda row: (row.command_id, row.node_id))
     ]
     released = collections.Counter[tuple[str, str]]()
@@ -465,8 +516,14 @@ async def _record(
             },
         )
         # Staged parts and deferred acks of a target now recorded are spent: its ack is on the target row.
-        await session.execute(delete(AckPart).where(tuple_(AckPart.command_id, AckPart.node_id).in_(sorted(updates))))
-        await session.execute(delete(DeferredAck).where(tuple_(DeferredAck.command_id, DeferredAck.node_id).in_(sorted(updates))))
+        await session.execute(
+            delete(AckPart).where(tuple_(AckPart.command_id, AckPart.node_id).in_(sorted(updates)))
+        )
+        await session.execute(
+            delete(DeferredAck).where(
+                tuple_(DeferredAck.command_id, DeferredAck.node_id).in_(sorted(updates))
+            )
+        )
     fault_point("coordinator.mid_ack_batch")
     await lock_ledger_writes(session)
     applied = AppliedAcks()

@@ -71,7 +71,13 @@ from coordinator.ledger.models import (
     Placement,
     Policy,
 )
-from coordinator.ledger.states import ErasureStatus, InvalidationStatus, NamespaceStatus, PlacementState, TargetStatus
+from coordinator.ledger.states import (
+    ErasureStatus,
+    InvalidationStatus,
+    NamespaceStatus,
+    PlacementState,
+    TargetStatus,
+)
 from events.schema import (
     ANY_VERSION,
     DocumentDeleted,
@@ -262,7 +268,10 @@ def matching_blocks(predicate: Predicate) -> Select:
 
 def user_blocks(predicate: SubjectPredicate) -> Select:
     """The subject's user-scope blocks: salted with the subject, so no other subject ever has them."""
-    return select(Block.block_hash).where(Block.tenant_id == predicate.tenant, Block.subject_hash == bytes.fromhex(predicate.subject_id))
+    return select(Block.block_hash).where(
+        Block.tenant_id == predicate.tenant,
+        Block.subject_hash == bytes.fromhex(predicate.subject_id),
+    )
 
 
 def created_blocks(predicate: SubjectPredicate) -> Select:
@@ -272,17 +281,24 @@ def created_blocks(predicate: SubjectPredicate) -> Select:
     hold copies of their own that someone else created. An erasure removes every copy the
     subject created, and the nodes recompute the block for its next caller.
     """
-    return select(BlockCreator.block_hash).where(BlockCreator.subject_hash == bytes.fromhex(predicate.subject_id))
+    return select(BlockCreator.block_hash).where(
+        BlockCreator.subject_hash == bytes.fromhex(predicate.subject_id)
+    )
 
 
-def acked_erasure_command(erasure_command_id: ColumnElement[uuid.UUID], node_id: ColumnElement[str]) -> Exists:
+def acked_erasure_command(
+    erasure_command_id: ColumnElement[uuid.UUID], node_id: ColumnElement[str]
+) -> Exists:
     """Whether ``node_id`` acked the erasure command ``erasure_command_id`` or one of its re-sends (SQL expressions)."""
     return exists().where(
         InvalidationTarget.node_id == node_id,
         InvalidationTarget.status == TargetStatus.ACKED,
         InvalidationTarget.command_id.in_(
             select(Invalidation.command_id).where(
-                or_(Invalidation.command_id == erasure_command_id, Invalidation.parent_command_id == erasure_command_id)
+                or_(
+                    Invalidation.command_id == erasure_command_id,
+                    Invalidation.parent_command_id == erasure_command_id,
+                )
             )
         ),
     )
@@ -334,26 +350,40 @@ async def decide(
     )
     targets = await session.execute(
         pg_insert(InvalidationTarget)
-        .from_select(["command_id", "node_id"], select(literal(command_id, InvalidationTarget.command_id.type), Node.node_id))
+        .from_select(
+            ["command_id", "node_id"],
+            select(literal(command_id, InvalidationTarget.command_id.type), Node.node_id),
+        )
         .returning(InvalidationTarget.node_id)
     )
     num_targets = len(targets.all())
     if num_targets == 0:
         await session.execute(
-            update(Invalidation).where(Invalidation.command_id == command_id).values(status=InvalidationStatus.COMPLETE, completed_at=now)
+            update(Invalidation)
+            .where(Invalidation.command_id == command_id)
+            .values(status=InvalidationStatus.COMPLETE, completed_at=now)
         )
     await session.execute(
         update(Placement)
-        .where(Placement.state == PlacementState.LIVE, Placement.block_hash.in_(matching_blocks(predicate)))
+        .where(
+            Placement.state == PlacementState.LIVE,
+            Placement.block_hash.in_(matching_blocks(predicate)),
+        )
         .values(invalidation_id=command_id)
     )
     tenant = getattr(predicate, "tenant", None)
-    command = signer(make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=tenant))
+    command = signer(
+        make_event(
+            Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=tenant
+        )
+    )
     await session.execute(pg_insert(OutboxEntry).values(outbox_row(command)))
     return Decision(command_id, predicate.kind, trigger, num_targets)
 
 
-async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes], now: datetime, signer: EnvelopeSigner) -> list[Decision]:
+async def reissue_for_late_blocks(
+    session: AsyncSession, hashes: Iterable[bytes], now: datetime, signer: EnvelopeSigner
+) -> list[Decision]:
     """Re-send decided predicates that blocks stored in this batch still match (docs/design.md §6, late events).
 
     A block is late when its provenance was superseded by a decision already taken:
@@ -379,11 +409,19 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
         chunk = hashes[start : start + _MAX_HASHES_PER_STATEMENT]
         # one array parameter instead of one bind per hash (an IN list of thousands of binds
         # made statement compilation the slowest part of ingesting a batch)
-        in_chunk = Block.block_hash == any_(bindparam("late_hashes", chunk, type_=ARRAY(LargeBinary)))
+        in_chunk = Block.block_hash == any_(
+            bindparam("late_hashes", chunk, type_=ARRAY(LargeBinary))
+        )
         documents = (
             select(Document.invalidation_id)
             .join(BlockDocument, BlockDocument.doc_id == Document.doc_id)
-            .join(Block, and_(Block.block_hash == BlockDocument.block_hash, Block.tenant_id == Document.tenant_id))
+            .join(
+                Block,
+                and_(
+                    Block.block_hash == BlockDocument.block_hash,
+                    Block.tenant_id == Document.tenant_id,
+                ),
+            )
             .where(
                 in_chunk,
                 Document.invalidation_id.is_not(None),
@@ -393,7 +431,13 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
         policies = (
             select(Policy.invalidation_id)
             .join(BlockAuthScope, BlockAuthScope.auth_scope == Policy.auth_scope)
-            .join(Block, and_(Block.block_hash == BlockAuthScope.block_hash, Block.tenant_id == Policy.tenant_id))
+            .join(
+                Block,
+                and_(
+                    Block.block_hash == BlockAuthScope.block_hash,
+                    Block.tenant_id == Policy.tenant_id,
+                ),
+            )
             .where(
                 in_chunk,
                 Policy.invalidation_id.is_not(None),
@@ -411,26 +455,51 @@ async def reissue_for_late_blocks(session: AsyncSession, hashes: Iterable[bytes]
         )
         erasures = (
             select(Erasure.command_id)
-            .join(Block, and_(Block.tenant_id == Erasure.tenant_id, Block.subject_hash == Erasure.subject_hash))
-            .join(Placement, and_(Placement.block_hash == Block.block_hash, Placement.state == PlacementState.LIVE))
-            .where(in_chunk, Erasure.status != ErasureStatus.VERIFIED, ~acked_erasure_command(Erasure.command_id, Placement.node_id))
-        )
-        created = (
-            select(Erasure.command_id)
-            .join(BlockCreator, BlockCreator.subject_hash == Erasure.subject_hash)
-            .join(Placement, and_(Placement.block_hash == BlockCreator.block_hash, Placement.state == PlacementState.LIVE))
+            .join(
+                Block,
+                and_(
+                    Block.tenant_id == Erasure.tenant_id, Block.subject_hash == Erasure.subject_hash
+                ),
+            )
+            .join(
+                Placement,
+                and_(
+                    Placement.block_hash == Block.block_hash, Placement.state == PlacementState.LIVE
+                ),
+            )
             .where(
-                BlockCreator.block_hash == any_(bindparam("late_created_hashes", chunk, type_=ARRAY(LargeBinary))),
+                in_chunk,
                 Erasure.status != ErasureStatus.VERIFIED,
                 ~acked_erasure_command(Erasure.command_id, Placement.node_id),
             )
         )
-        originals.update((await session.scalars(documents.union(policies, namespaces, erasures, created))).all())
+        created = (
+            select(Erasure.command_id)
+            .join(BlockCreator, BlockCreator.subject_hash == Erasure.subject_hash)
+            .join(
+                Placement,
+                and_(
+                    Placement.block_hash == BlockCreator.block_hash,
+                    Placement.state == PlacementState.LIVE,
+                ),
+            )
+            .where(
+                BlockCreator.block_hash
+                == any_(bindparam("late_created_hashes", chunk, type_=ARRAY(LargeBinary))),
+                Erasure.status != ErasureStatus.VERIFIED,
+                ~acked_erasure_command(Erasure.command_id, Placement.node_id),
+            )
+        )
+        originals.update(
+            (await session.scalars(documents.union(policies, namespaces, erasures, created))).all()
+        )
     if not originals:
         return []
     rows = (
         await session.execute(
-            select(Invalidation.command_id, Invalidation.predicate).where(Invalidation.command_id.in_(originals)).order_by(Invalidation.seq)
+            select(Invalidation.command_id, Invalidation.predicate)
+            .where(Invalidation.command_id.in_(originals))
+            .order_by(Invalidation.seq)
         )
     ).all()
     return [
@@ -480,7 +549,12 @@ async def decide_many(
         return BulkDecisions()
     marks = _mark_arrays(decided)
     commands = [
-        signer(make_event(Invalidate(command_id=command_id, predicate=predicate, cutoff=now), tenant_id=predicate.tenant))
+        signer(
+            make_event(
+                Invalidate(command_id=command_id, predicate=predicate, cutoff=now),
+                tenant_id=predicate.tenant,
+            )
+        )
         for _, predicate, command_id in decided
     ]
     outbox = [outbox_row(command) for command in commands]
@@ -491,7 +565,9 @@ async def decide_many(
             "now": now,
             "command_ids": [command_id for _, _, command_id in decided],
             "kinds": [predicate.kind for _, predicate, _ in decided],
-            "predicates": [json.dumps(predicate.model_dump(mode="json")) for _, predicate, _ in decided],
+            "predicates": [
+                json.dumps(predicate.model_dump(mode="json")) for _, predicate, _ in decided
+            ],
             "source_event_ids": [envelope.event_id for envelope, _, _ in decided],
             "requested_at": [envelope.occurred_at for envelope, _, _ in decided],
             **marks,
@@ -518,7 +594,10 @@ async def decide_many(
         else:
             outbox_ids[row.ref] = row.outbox_id
     return BulkDecisions(
-        decisions=[Decision(command_id, predicate.kind, "event", targets[command_id]) for _, predicate, command_id in decided],
+        decisions=[
+            Decision(command_id, predicate.kind, "event", targets[command_id])
+            for _, predicate, command_id in decided
+        ],
         queued=[(outbox_ids[str(command.event_id)], command) for command in commands],
     )
 
@@ -531,15 +610,32 @@ async def _current_versions(
     session: AsyncSession, envelopes: list[Envelope]
 ) -> tuple[dict[tuple[str, str], tuple[int, bool]], dict[tuple[str, str], int]]:
     """The recorded (version, deleted) of every document and the policy version of every scope the batch names."""
-    doc_keys = sorted({(e.tenant_id, e.payload.doc_id) for e in envelopes if isinstance(e.payload, (DocumentUpdated, DocumentDeleted))})
-    policy_keys = sorted({(e.tenant_id, e.payload.auth_scope) for e in envelopes if isinstance(e.payload, PermissionRevoked)})
+    doc_keys = sorted(
+        {
+            (e.tenant_id, e.payload.doc_id)
+            for e in envelopes
+            if isinstance(e.payload, (DocumentUpdated, DocumentDeleted))
+        }
+    )
+    policy_keys = sorted(
+        {
+            (e.tenant_id, e.payload.auth_scope)
+            for e in envelopes
+            if isinstance(e.payload, PermissionRevoked)
+        }
+    )
     documents: dict[tuple[str, str], tuple[int, bool]] = {}
     policies: dict[tuple[str, str], int] = {}
     if doc_keys:
-        rows = await session.execute(_LOAD_DOCUMENTS, {"tenants": [k[0] for k in doc_keys], "keys": [k[1] for k in doc_keys]})
+        rows = await session.execute(
+            _LOAD_DOCUMENTS, {"tenants": [k[0] for k in doc_keys], "keys": [k[1] for k in doc_keys]}
+        )
         documents = {(row.tenant_id, row.doc_id): (row.version, row.deleted) for row in rows}
     if policy_keys:
-        rows = await session.execute(_LOAD_POLICIES, {"tenants": [k[0] for k in policy_keys], "keys": [k[1] for k in policy_keys]})
+        rows = await session.execute(
+            _LOAD_POLICIES,
+            {"tenants": [k[0] for k in policy_keys], "keys": [k[1] for k in policy_keys]},
+        )
         policies = {(row.tenant_id, row.auth_scope): row.policy_version for row in rows}
     return documents, policies
 
@@ -567,7 +663,9 @@ def _in_order(
                 if current is not None and payload.version <= current[0]:
                     outcomes[(envelope.type, SUPERSEDED)] += 1
                     continue
-                predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=payload.version)
+                predicate = DocumentPredicate(
+                    tenant=tenant, doc_id=payload.doc_id, below_version=payload.version
+                )
                 documents[key] = (payload.version, False)
                 document_ids[key] = command_id
             case DocumentDeleted():
@@ -576,7 +674,9 @@ def _in_order(
                 if current is not None and current[1]:
                     outcomes[(envelope.type, SUPERSEDED)] += 1
                     continue
-                predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=ANY_VERSION)
+                predicate = DocumentPredicate(
+                    tenant=tenant, doc_id=payload.doc_id, below_version=ANY_VERSION
+                )
                 documents[key] = (current[0] if current is not None else 0, True)
                 document_ids[key] = command_id
             case PermissionRevoked():
@@ -592,7 +692,11 @@ def _in_order(
                 if current_version is not None and payload.policy_version <= current_version:
                     outcomes[(envelope.type, SUPERSEDED)] += 1
                     continue
-                predicate = PolicyPredicate(tenant=tenant, auth_scope=payload.auth_scope, below_version=payload.policy_version)
+                predicate = PolicyPredicate(
+                    tenant=tenant,
+                    auth_scope=payload.auth_scope,
+                    below_version=payload.policy_version,
+                )
                 policies[key] = payload.policy_version
                 policy_ids[key] = command_id
             case _:
@@ -624,7 +728,9 @@ def _mark_arrays(decided: _Decided) -> dict[str, list]:
         prefix = "d_" if isinstance(predicate, DocumentPredicate) else "p_"
         marks[prefix + "command_ids"].append(command_id)
         marks[prefix + "tenants"].append(predicate.tenant)
-        marks[prefix + "doc_ids" if prefix == "d_" else "p_scopes"].append(predicate.doc_id if prefix == "d_" else predicate.auth_scope)
+        marks[prefix + "doc_ids" if prefix == "d_" else "p_scopes"].append(
+            predicate.doc_id if prefix == "d_" else predicate.auth_scope
+        )
         marks[prefix + "below"].append(predicate.below_version)
         marks[prefix + "ord"].append(ordinal)
     return marks
@@ -634,7 +740,10 @@ def live_copies_matching(predicate: Predicate) -> Select:
     """(node, tier, count) of live placements of blocks ``predicate`` covers — what the ledger says remains."""
     return (
         select(Placement.node_id, Placement.tier, func.count())
-        .where(Placement.state == PlacementState.LIVE, Placement.block_hash.in_(matching_blocks(predicate)))
+        .where(
+            Placement.state == PlacementState.LIVE,
+            Placement.block_hash.in_(matching_blocks(predicate)),
+        )
         .group_by(Placement.node_id, Placement.tier)
     )
 

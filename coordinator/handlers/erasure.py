@@ -45,12 +45,22 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from coordinator import metrics
 from coordinator.audit import receipts
-from coordinator.audit.audit_log import AuditLogCorrupted, ReceiptKeys, ReceiptKeyUnavailable, append_receipt
+from coordinator.audit.audit_log import (
+    AuditLogCorrupted,
+    ReceiptKeys,
+    ReceiptKeyUnavailable,
+    append_receipt,
+)
 from coordinator.handlers.decisions import Decision, created_blocks, decide, user_blocks
 from coordinator.keys.data_keys import DataKey, destroy_keys, subject_keys
 from coordinator.ledger.db import Database
 from coordinator.ledger.models import Block, Erasure, Invalidation, InvalidationTarget, Placement
-from coordinator.ledger.states import ErasureStatus, InvalidationStatus, PlacementState, TargetStatus
+from coordinator.ledger.states import (
+    ErasureStatus,
+    InvalidationStatus,
+    PlacementState,
+    TargetStatus,
+)
 from coordinator.ledger.transactions import begin_ledger_transaction, lock_decisions
 from events.fault_points import fault_point
 from events.schema import Envelope, ErasureRequested, SubjectPredicate, subject_digest
@@ -122,10 +132,16 @@ async def start_erasure(
     _text("reason", reason, _MAX_REASON_CHARS)
     _text("idempotency_key", idempotency_key, _MAX_ID_CHARS)
     digest = subject_digest(subject_key, tenant_id, subject_id)
-    existing = await session.scalar(select(Erasure).where(Erasure.tenant_id == tenant_id, Erasure.idempotency_key == idempotency_key))
+    existing = await session.scalar(
+        select(Erasure).where(
+            Erasure.tenant_id == tenant_id, Erasure.idempotency_key == idempotency_key
+        )
+    )
     if existing is not None:
         if existing.subject_hash != bytes.fromhex(digest):
-            raise IdempotencyConflict("this idempotency key already names an erasure of another subject")
+            raise IdempotencyConflict(
+                "this idempotency key already names an erasure of another subject"
+            )
         return Started(existing, None)
     if erasure_id is not None and await session.get(Erasure, erasure_id) is not None:
         raise IdempotencyConflict("this erasure id is already used by another tenant's erasure")
@@ -213,10 +229,16 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
             )
         ).all()
     )
-    assert commands and commands[0].command_id == erasure.command_id, f"erasure {erasure.id} without its command"
+    assert commands and commands[0].command_id == erasure.command_id, (
+        f"erasure {erasure.id} without its command"
+    )
     order = {command.command_id: position for position, command in enumerate(commands)}
     targets = sorted(
-        (await session.scalars(select(InvalidationTarget).where(InvalidationTarget.command_id.in_(order)))).all(),
+        (
+            await session.scalars(
+                select(InvalidationTarget).where(InvalidationTarget.command_id.in_(order))
+            )
+        ).all(),
         key=lambda target: (order[target.command_id], target.node_id),
     )
     # The copies the erasure waits for, by the ledger's own order (docs/design.md §6, "Erasure"): every live copy of
@@ -244,16 +266,31 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
     live = {
         (node_id, tier): count
         for node_id, tier, count in await session.execute(
-            select(Placement.node_id, Placement.tier, func.count()).where(waited_for).group_by(Placement.node_id, Placement.tier)
+            select(Placement.node_id, Placement.tier, func.count())
+            .where(waited_for)
+            .group_by(Placement.node_id, Placement.tier)
         )
     }
-    newest_live = await session.scalar(select(func.max(Placement.updated_at)).where(waited_for)) if live else None
-    reported = sorted({key_id for target in targets for item in target.evidence or [] for key_id in item.get("key_ids", [])})
+    newest_live = (
+        await session.scalar(select(func.max(Placement.updated_at)).where(waited_for))
+        if live
+        else None
+    )
+    reported = sorted(
+        {
+            key_id
+            for target in targets
+            for item in target.evidence or []
+            for key_id in item.get("key_ids", [])
+        }
+    )
     contradicted = (
         list(
             (
                 await session.scalars(
-                    select(DataKey.key_id).where(DataKey.key_id.in_(reported), DataKey.destroyed_at.is_(None)).order_by(DataKey.key_id)
+                    select(DataKey.key_id)
+                    .where(DataKey.key_id.in_(reported), DataKey.destroyed_at.is_(None))
+                    .order_by(DataKey.key_id)
                 )
             ).all()
         )
@@ -261,7 +298,9 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
         else []
     )
     result = Progress(ErasureStatus.PENDING, commands, targets, live, contradicted)
-    result.resend_needed = result.complete and newest_live is not None and newest_live > commands[-1].created_at
+    result.resend_needed = (
+        result.complete and newest_live is not None and newest_live > commands[-1].created_at
+    )
     statuses = collections.Counter(target.status for target in targets)
     if statuses[TargetStatus.FAILED]:
         result.status = ErasureStatus.FAILED
@@ -272,7 +311,9 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
     return result
 
 
-def receipt_tiers(targets: Iterable[InvalidationTarget]) -> tuple[list[receipts.TierErasure], set[str], set[str]]:
+def receipt_tiers(
+    targets: Iterable[InvalidationTarget],
+) -> tuple[list[receipts.TierErasure], set[str], set[str]]:
     """Per node × tier entries, the removed block hashes and the key ids nodes reported, from acked evidence.
 
     A node × tier touched by several commands (the subject command and late-block
@@ -313,7 +354,9 @@ async def blocks_by_scope(session: AsyncSession, block_hashes: set[str]) -> dict
     hashes = [bytes.fromhex(block_hash) for block_hash in sorted(block_hashes)]
     # One array parameter, not a bind per hash: an erasure can remove thousands of blocks.
     erased = Block.block_hash == any_(bindparam("erased", hashes, type_=ARRAY(LargeBinary)))
-    for scope, count in await session.execute(select(Block.scope, func.count()).where(erased).group_by(Block.scope)):
+    for scope, count in await session.execute(
+        select(Block.scope, func.count()).where(erased).group_by(Block.scope)
+    ):
         counts[scope] = count
     counts["unrecorded"] = len(hashes) - sum(counts.values())
     return counts
@@ -341,7 +384,9 @@ class ErasureService:
         self._receipt_keys = receipt_keys
         self._reported_unavailable = False
 
-    async def start_from_event(self, session: AsyncSession, envelope: Envelope, now: datetime) -> tuple[str, Decision | None]:
+    async def start_from_event(
+        self, session: AsyncSession, envelope: Envelope, now: datetime
+    ) -> tuple[str, Decision | None]:
         """Start the erasure an ``ErasureRequested`` asks for, in the consumer's transaction: outcome and decision.
 
         The idempotency key is the event's ``erasure_id`` or, without one, its event id
@@ -349,7 +394,9 @@ class ErasureService:
         is the same erasure.
         """
         payload = envelope.payload
-        assert isinstance(payload, ErasureRequested) and envelope.tenant_id is not None, "not an erasure request"
+        assert isinstance(payload, ErasureRequested) and envelope.tenant_id is not None, (
+            "not an erasure request"
+        )
         if self._subject_key is None:
             log.error(
                 "erasure request %s dropped: this coordinator has no KVLEDGER_SUBJECT_KEY to digest subjects with",
@@ -389,11 +436,16 @@ class ErasureService:
         try:
             await self._verify_for(command_ids)
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            log.warning("erasure verification after acks failed (%s); the periodic pass retries", type(exc).__name__)
+            log.warning(
+                "erasure verification after acks failed (%s); the periodic pass retries",
+                type(exc).__name__,
+            )
 
     async def _verify_for(self, command_ids: list[uuid.UUID]) -> None:
         async with self._database.session() as session:
-            parents = select(Invalidation.parent_command_id).where(Invalidation.command_id.in_(command_ids))
+            parents = select(Invalidation.parent_command_id).where(
+                Invalidation.command_id.in_(command_ids)
+            )
             erasure_ids = (
                 await session.scalars(
                     select(Erasure.id).where(
@@ -409,7 +461,11 @@ class ErasureService:
         """Verify every erasure not yet verified (the periodic pass; also what finishes a crashed replica's work)."""
         async with self._database.session() as session:
             erasure_ids = (
-                await session.scalars(select(Erasure.id).where(Erasure.status != ErasureStatus.VERIFIED).order_by(Erasure.requested_at))
+                await session.scalars(
+                    select(Erasure.id)
+                    .where(Erasure.status != ErasureStatus.VERIFIED)
+                    .order_by(Erasure.requested_at)
+                )
             ).all()
         for erasure_id in erasure_ids:
             await self.verify(erasure_id)
@@ -461,7 +517,9 @@ class ErasureService:
         async with self._database.session() as session, session.begin():
             now = await begin_ledger_transaction(session)
             await lock_decisions(session)
-            erasure = await session.get(Erasure, erasure_id, with_for_update=True, populate_existing=True)
+            erasure = await session.get(
+                Erasure, erasure_id, with_for_update=True, populate_existing=True
+            )
             assert erasure is not None, f"no erasure {erasure_id}"
             if erasure.status == ErasureStatus.VERIFIED:
                 return erasure.status
@@ -476,9 +534,15 @@ class ErasureService:
                     requested_at=now,
                     parent_command_id=erasure.command_id,
                 )
-                log.info("erasure %s: copies recorded after its last command; re-sent as %s", erasure.id, decision.command_id)
+                log.info(
+                    "erasure %s: copies recorded after its last command; re-sent as %s",
+                    erasure.id,
+                    decision.command_id,
+                )
                 erasure.status = (
-                    ErasureStatus.PARTIAL if any(t.status == TargetStatus.ACKED for t in state.targets) else ErasureStatus.PENDING
+                    ErasureStatus.PARTIAL
+                    if any(t.status == TargetStatus.ACKED for t in state.targets)
+                    else ErasureStatus.PENDING
                 )
                 erasure.updated_at = now
                 return erasure.status
@@ -489,7 +553,10 @@ class ErasureService:
             # Keys created before the cutoff by a resolve that committed after the start are destroyed too.
             key_ids = await destroy_keys(
                 session,
-                and_(subject_keys(erasure.tenant_id, erasure.subject_hash.hex()), DataKey.created_at < erasure.cutoff),
+                and_(
+                    subject_keys(erasure.tenant_id, erasure.subject_hash.hex()),
+                    DataKey.created_at < erasure.cutoff,
+                ),
             )
             tiers, block_hashes, reported_key_ids = receipt_tiers(state.targets)
             coverage = await blocks_by_scope(session, block_hashes)
@@ -504,7 +571,9 @@ class ErasureService:
                 tiers=tiers,
                 block_hashes=block_hashes,
                 key_ids_destroyed={*erasure.key_ids_destroyed, *key_ids, *reported_key_ids},
-                node_keys={(t.node_id, t.ack_key_id) for t in state.targets if t.ack_key_id is not None},
+                node_keys={
+                    (t.node_id, t.ack_key_id) for t in state.targets if t.ack_key_id is not None
+                },
                 caveats=[POSTGRES_KEY_CAVEAT],
                 blocks_by_scope=coverage,
             )
@@ -516,7 +585,9 @@ class ErasureService:
             erasure.key_ids_destroyed = sorted({*erasure.key_ids_destroyed, *key_ids})
             erasure.updated_at = now
         metrics.RECEIPTS_TOTAL.inc()
-        metrics.ERASURE_SECONDS.observe(max(0.0, (erasure.verified_at - erasure.requested_at).total_seconds()))
+        metrics.ERASURE_SECONDS.observe(
+            max(0.0, (erasure.verified_at - erasure.requested_at).total_seconds())
+        )
         log.info(
             "erasure %s verified: receipt %s is leaf %d of the audit log (tree size %d)",
             erasure_id,

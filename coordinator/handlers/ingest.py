@@ -70,7 +70,11 @@ from coordinator.ledger.models import (
     UsageReport,
 )
 from coordinator.ledger.states import PlacementState
-from coordinator.ledger.transactions import begin_ledger_transaction, generic_plans, lock_ledger_writes
+from coordinator.ledger.transactions import (
+    begin_ledger_transaction,
+    generic_plans,
+    lock_ledger_writes,
+)
 from events.kafka.consumer import ConsumedEvent
 from events.metrics import DEAD_LETTER_TOTAL
 from events.schema import (
@@ -99,7 +103,16 @@ _ADD_NO_COPIES = (BlockRemoved, SnapshotDeleted, NodeHeartbeat, UsageReported)
 concurrent decision, so it does not take the ledger-writes lock and no decision waits for it
 (most batches while an invalidation runs: the nodes report what they removed)."""
 
-_BLOCK_COLUMNS = ("block_hash", "parent_hash", "namespace", "tenant_id", "scope", "subject_hash", "token_offset", "created_at")
+_BLOCK_COLUMNS = (
+    "block_hash",
+    "parent_hash",
+    "namespace",
+    "tenant_id",
+    "scope",
+    "subject_hash",
+    "token_offset",
+    "created_at",
+)
 _BLOCK_PARAMETERS = (
     "block_hashes",
     "parent_hashes",
@@ -113,7 +126,9 @@ _BLOCK_PARAMETERS = (
 """The array parameters of :data:`_INSERT_BLOCKS`, in the order of :data:`_BLOCK_COLUMNS`."""
 _PLACEMENT_COLUMNS = ("block_hash", "node_id", "tier", "snapshot_id", "state", "epoch", "reason")
 
-_KNOWN_BLOCKS = text("SELECT block_hash FROM blocks WHERE block_hash = ANY(CAST(:block_hashes AS bytea[]))")
+_KNOWN_BLOCKS = text(
+    "SELECT block_hash FROM blocks WHERE block_hash = ANY(CAST(:block_hashes AS bytea[]))"
+)
 """Which of a batch's blocks the ledger already has (a raw array parameter: no per-element bind processing)."""
 
 _INSERT_BLOCKS = text(
@@ -189,7 +204,13 @@ class _PendingPlacement:
 class _BatchApplier:
     """Applies one batch inside one open transaction; discarded afterwards."""
 
-    def __init__(self, session: AsyncSession, inventory_retry_s: float, now: datetime, command_signer: EnvelopeSigner) -> None:
+    def __init__(
+        self,
+        session: AsyncSession,
+        inventory_retry_s: float,
+        now: datetime,
+        command_signer: EnvelopeSigner,
+    ) -> None:
         self.session = session
         self.sign = command_signer
         self.inventory_retry = timedelta(seconds=inventory_retry_s)
@@ -227,7 +248,9 @@ class _BatchApplier:
         if self.usage:
             await self.session.execute(pg_insert(UsageReport).on_conflict_do_nothing(), self.usage)
         if self.stored:
-            self.late = await reissue_for_late_blocks(self.session, self.stored, self.now, self.sign)
+            self.late = await reissue_for_late_blocks(
+                self.session, self.stored, self.now, self.sign
+            )
         if self.outbox:
             await self.session.execute(pg_insert(OutboxEntry), self.outbox)
 
@@ -235,14 +258,22 @@ class _BatchApplier:
         """Record where the batch's pulled copies came from (the latest pull of a block onto a node wins)."""
         statement = pg_insert(Replica).values(
             [
-                {"block_hash": block_hash, "node_id": node_id, "source_node_id": source, "pulled_at": pulled_at}
+                {
+                    "block_hash": block_hash,
+                    "node_id": node_id,
+                    "source_node_id": source,
+                    "pulled_at": pulled_at,
+                }
                 for (block_hash, node_id), (source, pulled_at) in self.replicas.items()
             ]
         )
         await self.session.execute(
             statement.on_conflict_do_update(
                 index_elements=[Replica.block_hash, Replica.node_id],
-                set_={"source_node_id": statement.excluded.source_node_id, "pulled_at": statement.excluded.pulled_at},
+                set_={
+                    "source_node_id": statement.excluded.source_node_id,
+                    "pulled_at": statement.excluded.pulled_at,
+                },
             )
         )
 
@@ -259,7 +290,12 @@ class _BatchApplier:
         # last_seq -1: nothing applied yet. Sorted ids keep lock order identical across replicas.
         created = await self.session.scalars(
             pg_insert(Node)
-            .values([{"node_id": node_id, "epoch": first[node_id].epoch, "last_seq": -1} for node_id in node_ids])
+            .values(
+                [
+                    {"node_id": node_id, "epoch": first[node_id].epoch, "last_seq": -1}
+                    for node_id in node_ids
+                ]
+            )
             .on_conflict_do_nothing()
             .returning(Node.node_id)
         )
@@ -267,7 +303,10 @@ class _BatchApplier:
         # NO KEY UPDATE: exclusive among ledger writers, yet foreign-key checks of inserts
         # referencing these nodes (placements, invalidation targets) do not wait for it.
         locked = await self.session.scalars(
-            select(Node).where(Node.node_id.in_(node_ids)).order_by(Node.node_id).with_for_update(key_share=True)
+            select(Node)
+            .where(Node.node_id.in_(node_ids))
+            .order_by(Node.node_id)
+            .with_for_update(key_share=True)
         )
         self.nodes = {node.node_id: node for node in locked.all()}
 
@@ -287,10 +326,14 @@ class _BatchApplier:
         if restarted:
             await self._restart(node, payload.epoch, envelope.occurred_at)
         # The node's own clock: a lagging consumer must not make a silent node look alive.
-        node.last_event_at = envelope.occurred_at if fresh else max(node.last_event_at, envelope.occurred_at)
+        node.last_event_at = (
+            envelope.occurred_at if fresh else max(node.last_event_at, envelope.occurred_at)
+        )
 
         if isinstance(payload, NodeHeartbeat):
-            node.last_heartbeat = max(node.last_heartbeat or envelope.occurred_at, envelope.occurred_at)
+            node.last_heartbeat = max(
+                node.last_heartbeat or envelope.occurred_at, envelope.occurred_at
+            )
             if fresh:
                 self._gap(node, "unseen_node")
             elif restarted:
@@ -315,28 +358,55 @@ class _BatchApplier:
         self._retry_inventory(node)
         return APPLIED
 
-    async def _dispatch(self, node: Node, payload: NodeEvent, occurred_at: datetime, event_id: uuid.UUID) -> None:
+    async def _dispatch(
+        self, node: Node, payload: NodeEvent, occurred_at: datetime, event_id: uuid.UUID
+    ) -> None:
         match payload:
             case NodeStarted():
                 node.namespace = payload.namespace
                 node.started_at = occurred_at
-                await self.session.execute(pg_insert(Namespace).values(namespace=payload.namespace).on_conflict_do_nothing())
+                await self.session.execute(
+                    pg_insert(Namespace)
+                    .values(namespace=payload.namespace)
+                    .on_conflict_do_nothing()
+                )
             case BlockStored():
                 for block in payload.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
                     self._describe(block_hash, block)
                     self.stored.add(block_hash)
-                    self._place(node, block_hash, block.tier, PlacementState.LIVE, payload.epoch, None)
+                    self._place(
+                        node, block_hash, block.tier, PlacementState.LIVE, payload.epoch, None
+                    )
                     if block.replica_of is not None:
-                        self.replicas[(block_hash, node.node_id)] = (block.replica_of.source_node_id, block.replica_of.pulled_at)
+                        self.replicas[(block_hash, node.node_id)] = (
+                            block.replica_of.source_node_id,
+                            block.replica_of.pulled_at,
+                        )
             case BlockRemoved():
                 for block in payload.blocks:
-                    self._place(node, bytes.fromhex(block.block_hash), block.tier, PlacementState.DELETED, payload.epoch, payload.reason)
+                    self._place(
+                        node,
+                        bytes.fromhex(block.block_hash),
+                        block.tier,
+                        PlacementState.DELETED,
+                        payload.epoch,
+                        payload.reason,
+                    )
             case BlockMoved():
                 for block in payload.blocks:
                     block_hash = bytes.fromhex(block.block_hash)
-                    self._place(node, block_hash, block.from_tier, PlacementState.DELETED, payload.epoch, "moved")
-                    self._place(node, block_hash, block.to_tier, PlacementState.LIVE, payload.epoch, None)
+                    self._place(
+                        node,
+                        block_hash,
+                        block.from_tier,
+                        PlacementState.DELETED,
+                        payload.epoch,
+                        "moved",
+                    )
+                    self._place(
+                        node, block_hash, block.to_tier, PlacementState.LIVE, payload.epoch, None
+                    )
             case SnapshotWritten():
                 await self._flush()
                 await self._write_snapshot(node, payload)
@@ -346,7 +416,9 @@ class _BatchApplier:
             case Inventory():
                 await self._inventory(node, payload)
             case UsageReported():
-                self.usage.append(payload.model_dump(exclude={"epoch", "seq"}) | {"event_id": event_id})
+                self.usage.append(
+                    payload.model_dump(exclude={"epoch", "seq"}) | {"event_id": event_id}
+                )
             case _:
                 raise AssertionError(f"unhandled node event {type(payload).__name__}")
 
@@ -356,7 +428,9 @@ class _BatchApplier:
         if block.creator_subject_id is not None:
             self.creators.add((block_hash, bytes.fromhex(block.creator_subject_id)))
 
-    def _place(self, node: Node, block_hash: bytes, tier: str, state: str, epoch: int, reason: str | None) -> None:
+    def _place(
+        self, node: Node, block_hash: bytes, tier: str, state: str, epoch: int, reason: str | None
+    ) -> None:
         key = (block_hash, node.node_id, tier)
         previous = self.placements.get(key)
         created = state == PlacementState.LIVE or (previous is not None and previous.created)
@@ -375,7 +449,11 @@ class _BatchApplier:
 
     def _request_inventory(self, node: Node) -> None:
         requested_at = node.inventory_requested_at
-        if node.status == "reconciling" and requested_at is not None and self.now - requested_at < self.inventory_retry:
+        if (
+            node.status == "reconciling"
+            and requested_at is not None
+            and self.now - requested_at < self.inventory_retry
+        ):
             return
         request_id = uuid.uuid4()
         node.status = "reconciling"
@@ -424,28 +502,45 @@ class _BatchApplier:
             )
             .on_conflict_do_update(
                 index_elements=[Snapshot.node_id, Snapshot.snapshot_id],
-                set_={"epoch": payload.epoch, "state": PlacementState.LIVE, "num_blocks": num_blocks, "deleted_at": None},
+                set_={
+                    "epoch": payload.epoch,
+                    "state": PlacementState.LIVE,
+                    "num_blocks": num_blocks,
+                    "deleted_at": None,
+                },
             )
         )
         if payload.part == 0:
-            existing = await self._live_placements(node, Placement.snapshot_id == payload.snapshot_id)
+            existing = await self._live_placements(
+                node, Placement.snapshot_id == payload.snapshot_id
+            )
             gone = {ref for ref in existing if ref[0] not in hashes}
             await self._mark_deleted(node, gone, payload.epoch, "replaced", "snapshot")
         unknown = await self._unknown_blocks(hashes)
         if unknown:
             self._gap(node, "unknown_block")
         known = hashes - unknown
-        await self._upsert(node, [(h, "snapshot", payload.snapshot_id) for h in known], payload.epoch, "snapshot")
+        await self._upsert(
+            node, [(h, "snapshot", payload.snapshot_id) for h in known], payload.epoch, "snapshot"
+        )
 
     async def _delete_snapshot(self, node: Node, snapshot_id: str) -> None:
         await self.session.execute(
             update(Snapshot)
-            .where(Snapshot.node_id == node.node_id, Snapshot.snapshot_id == snapshot_id, Snapshot.state == PlacementState.LIVE)
+            .where(
+                Snapshot.node_id == node.node_id,
+                Snapshot.snapshot_id == snapshot_id,
+                Snapshot.state == PlacementState.LIVE,
+            )
             .values(state=PlacementState.DELETED, deleted_at=func.now())
         )
         result = await self.session.execute(
             update(Placement)
-            .where(Placement.node_id == node.node_id, Placement.snapshot_id == snapshot_id, Placement.state == PlacementState.LIVE)
+            .where(
+                Placement.node_id == node.node_id,
+                Placement.snapshot_id == snapshot_id,
+                Placement.state == PlacementState.LIVE,
+            )
             .values(state=PlacementState.DELETED, reason="snapshot_deleted", updated_at=func.now())
             .returning(Placement.id)
         )
@@ -478,36 +573,63 @@ class _BatchApplier:
                     InventoryChunk.request_key,
                     InventoryChunk.chunk,
                 ],
-                set_={"num_chunks": payload.chunks, "placements": listed, "received_at": func.now()},
+                set_={
+                    "num_chunks": payload.chunks,
+                    "placements": listed,
+                    "received_at": func.now(),
+                },
             )
         )
         if payload.chunk != payload.chunks - 1:
             return
         chunks = (
-            await self.session.scalars(select(InventoryChunk).where(*(getattr(InventoryChunk, k) == v for k, v in chunk_key.items())))
+            await self.session.scalars(
+                select(InventoryChunk).where(
+                    *(getattr(InventoryChunk, k) == v for k, v in chunk_key.items())
+                )
+            )
         ).all()
-        if sorted(c.chunk for c in chunks) != list(range(payload.chunks)) or any(c.num_chunks != payload.chunks for c in chunks):
+        if sorted(c.chunk for c in chunks) != list(range(payload.chunks)) or any(
+            c.num_chunks != payload.chunks for c in chunks
+        ):
             self._gap(node, "inventory_chunks")
             return
         everything: set[PlacementRef] = set()
         for chunk in chunks:
-            everything.update((bytes.fromhex(h), tier, snapshot_id) for h, tier, snapshot_id in chunk.placements["placements"])
+            everything.update(
+                (bytes.fromhex(h), tier, snapshot_id)
+                for h, tier, snapshot_id in chunk.placements["placements"]
+            )
         await self._flush()
         await self._reconcile(node, everything, payload.epoch)
-        await self.session.execute(InventoryChunk.__table__.delete().where(InventoryChunk.node_id == node.node_id))
+        await self.session.execute(
+            InventoryChunk.__table__.delete().where(InventoryChunk.node_id == node.node_id)
+        )
 
     async def _reconcile(self, node: Node, listed: set[PlacementRef], epoch: int) -> None:
         """Make the node's live placements exactly ``listed`` (all blocks are already in ``blocks``)."""
-        snapshot_sizes = collections.Counter(snapshot_id for _, tier, snapshot_id in listed if tier == "snapshot")
+        snapshot_sizes = collections.Counter(
+            snapshot_id for _, tier, snapshot_id in listed if tier == "snapshot"
+        )
         if snapshot_sizes:
             stmt = pg_insert(Snapshot)
             await self.session.execute(
                 stmt.on_conflict_do_update(
                     index_elements=[Snapshot.node_id, Snapshot.snapshot_id],
-                    set_={"state": PlacementState.LIVE, "num_blocks": stmt.excluded.num_blocks, "deleted_at": None},
+                    set_={
+                        "state": PlacementState.LIVE,
+                        "num_blocks": stmt.excluded.num_blocks,
+                        "deleted_at": None,
+                    },
                 ),
                 [
-                    {"node_id": node.node_id, "snapshot_id": sid, "epoch": epoch, "state": PlacementState.LIVE, "num_blocks": n}
+                    {
+                        "node_id": node.node_id,
+                        "snapshot_id": sid,
+                        "epoch": epoch,
+                        "state": PlacementState.LIVE,
+                        "num_blocks": n,
+                    }
                     for sid, n in snapshot_sizes.items()
                 ],
             )
@@ -526,7 +648,11 @@ class _BatchApplier:
         # Copies that survived (disk, snapshots) are now confirmed in this epoch.
         await self.session.execute(
             update(Placement)
-            .where(Placement.node_id == node.node_id, Placement.state == PlacementState.LIVE, Placement.epoch < epoch)
+            .where(
+                Placement.node_id == node.node_id,
+                Placement.state == PlacementState.LIVE,
+                Placement.epoch < epoch,
+            )
             .values(epoch=epoch, updated_at=func.now())
         )
         node.status = "active"
@@ -542,12 +668,16 @@ class _BatchApplier:
         )
         return {(row.block_hash, row.tier, row.snapshot_id) for row in rows}
 
-    async def _mark_deleted(self, node: Node, refs: Iterable[PlacementRef], epoch: int, reason: str, cause: str) -> None:
+    async def _mark_deleted(
+        self, node: Node, refs: Iterable[PlacementRef], epoch: int, reason: str, cause: str
+    ) -> None:
         """Flip the node's live copies among ``refs`` to deleted (absent ones are already gone: no-op)."""
         refs = list(refs)
         if not refs:
             return
-        result = await self.session.execute(_MARK_PLACEMENTS_DELETED, _placement_params(node, refs, epoch, reason))
+        result = await self.session.execute(
+            _MARK_PLACEMENTS_DELETED, _placement_params(node, refs, epoch, reason)
+        )
         self.placement_changes[(PlacementState.DELETED, cause)] += len(result.all())
 
     async def _upsert(
@@ -566,7 +696,10 @@ class _BatchApplier:
         # One statement over unnest()ed arrays: the per-row work happens in Postgres, not in
         # SQLAlchemy's multi-VALUES rendering, which dominated batch time at 10k+ rows.
         # A plain str: SQLAlchemy types a raw statement's parameter by the value's class, and an enum member is untyped.
-        await self.session.execute(_UPSERT_PLACEMENTS, {**_placement_params(node, refs, epoch, reason), "state": str(state)})
+        await self.session.execute(
+            _UPSERT_PLACEMENTS,
+            {**_placement_params(node, refs, epoch, reason), "state": str(state)},
+        )
         self.placement_changes[(state, cause)] += len(refs)
 
     # -- accumulated writes -----------------------------------------------------------
@@ -580,19 +713,25 @@ class _BatchApplier:
             return
         pending, self.placements = self.placements, {}
         # node → (state, reason) → refs; rows that must exist are upserted, the rest only updated.
-        upserts: dict[str, dict[tuple[str, str | None], list[PlacementRef]]] = collections.defaultdict(
+        upserts: dict[str, dict[tuple[str, str | None], list[PlacementRef]]] = (
+            collections.defaultdict(lambda: collections.defaultdict(list))
+        )
+        updates: dict[str, dict[str, list[PlacementRef]]] = collections.defaultdict(
             lambda: collections.defaultdict(list)
         )
-        updates: dict[str, dict[str, list[PlacementRef]]] = collections.defaultdict(lambda: collections.defaultdict(list))
         epochs: dict[str, int] = {}
         for (block_hash, node_id, tier), change in pending.items():
             # A new epoch is a barrier (_restart flushes first), so one node's pending changes share one epoch.
-            assert epochs.setdefault(node_id, change.epoch) == change.epoch, "pending placements span epochs"
+            assert epochs.setdefault(node_id, change.epoch) == change.epoch, (
+                "pending placements span epochs"
+            )
             if change.created:
                 upserts[node_id][(change.state, change.reason)].append((block_hash, tier, None))
             else:
                 updates[node_id][change.reason or "removed"].append((block_hash, tier, None))
-        unknown = await self._unknown_blocks({ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs})
+        unknown = await self._unknown_blocks(
+            {ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs}
+        )
         # The upserts' per-row foreign-key checks want cached plans too; the upsert itself (rows from
         # unnest(), no join) has one plan either way. The removals below join: custom plans.
         async with generic_plans(self.session) if upserts else contextlib.nullcontext():
@@ -606,7 +745,9 @@ class _BatchApplier:
                     await self._upsert(node, known, epochs[node_id], "event", state, reason)
         for node_id, groups in updates.items():
             for reason, refs in groups.items():
-                await self._mark_deleted(self.nodes[node_id], refs, epochs[node_id], reason, "event")
+                await self._mark_deleted(
+                    self.nodes[node_id], refs, epochs[node_id], reason, "event"
+                )
 
     async def _copy_placements(self, inserted: set[bytes]) -> None:
         """Copy the accumulated placements of blocks in ``inserted`` (just inserted by this flush) straight
@@ -638,12 +779,16 @@ class _BatchApplier:
 
     async def _existing_blocks(self, hashes: Iterable[bytes]) -> set[bytes]:
         """Which of ``hashes`` the ledger has (one array probe of the primary key)."""
-        return set((await self.session.scalars(_KNOWN_BLOCKS, {"block_hashes": list(hashes)})).all())
+        return set(
+            (await self.session.scalars(_KNOWN_BLOCKS, {"block_hashes": list(hashes)})).all()
+        )
 
     async def _copy(self, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
         """Binary ``COPY`` of ``rows`` into ``table`` on the session's connection, inside the batch's transaction."""
         connection = await (await self.session.connection()).get_raw_connection()
-        await connection.driver_connection.copy_records_to_table(table, records=rows, columns=columns)
+        await connection.driver_connection.copy_records_to_table(
+            table, records=rows, columns=columns
+        )
 
     async def _write_blocks(self) -> set[bytes]:
         """Write the accumulated provenance; returns the hashes of the blocks this call inserted.
@@ -657,9 +802,13 @@ class _BatchApplier:
         """
         pending, self.blocks = self.blocks, {}
         namespaces = sorted({block.namespace for block in pending.values()})
-        await self.session.execute(pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces])
+        await self.session.execute(
+            pg_insert(Namespace).on_conflict_do_nothing(), [{"namespace": ns} for ns in namespaces]
+        )
         existing = await self._existing_blocks(pending)
-        new = {block_hash: block for block_hash, block in pending.items() if block_hash not in existing}
+        new = {
+            block_hash: block for block_hash, block in pending.items() if block_hash not in existing
+        }
         rows = [
             (
                 block_hash,
@@ -680,7 +829,13 @@ class _BatchApplier:
                     await self._copy("blocks", _BLOCK_COLUMNS, rows)
             except asyncpg.UniqueViolationError:
                 result = await self.session.execute(
-                    _INSERT_BLOCKS, {name: list(column) for name, column in zip(_BLOCK_PARAMETERS, zip(*rows, strict=True), strict=True)}
+                    _INSERT_BLOCKS,
+                    {
+                        name: list(column)
+                        for name, column in zip(
+                            _BLOCK_PARAMETERS, zip(*rows, strict=True), strict=True
+                        )
+                    },
                 )
                 inserted = set(result.scalars().all())
         auth_scopes = [
@@ -689,7 +844,9 @@ class _BatchApplier:
             for scope, version in block.auth_scopes
         ]
         if auth_scopes:
-            await self.session.execute(pg_insert(BlockAuthScope).on_conflict_do_nothing(), auth_scopes)
+            await self.session.execute(
+                pg_insert(BlockAuthScope).on_conflict_do_nothing(), auth_scopes
+            )
         documents = [
             {"block_hash": block_hash, "doc_id": doc_id, "version": int(version)}
             for block_hash, block in pending.items()
@@ -701,7 +858,10 @@ class _BatchApplier:
         if creators:
             await self.session.execute(
                 pg_insert(BlockCreator).on_conflict_do_nothing(),
-                [{"block_hash": block_hash, "subject_hash": subject_hash} for block_hash, subject_hash in sorted(creators)],
+                [
+                    {"block_hash": block_hash, "subject_hash": subject_hash}
+                    for block_hash, subject_hash in sorted(creators)
+                ],
             )
         self.known_blocks |= pending.keys()
         return inserted
@@ -740,7 +900,9 @@ class LedgerIngest:
             with session.no_autoflush:
                 async with session.begin():
                     now = await begin_ledger_transaction(session)
-                    applier = _BatchApplier(session, self._inventory_retry_s, now, self._command_signer)
+                    applier = _BatchApplier(
+                        session, self._inventory_retry_s, now, self._command_signer
+                    )
                     await applier.apply(events)
         if self._on_committed is not None:
             self._on_committed()
@@ -758,7 +920,9 @@ class LedgerIngest:
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
         committed_at = datetime.now(UTC)
         for event in events:
-            metrics.INGEST_LAG_SECONDS.observe(max(0.0, (committed_at - event.envelope.occurred_at).total_seconds()))
+            metrics.INGEST_LAG_SECONDS.observe(
+                max(0.0, (committed_at - event.envelope.occurred_at).total_seconds())
+            )
         for decision in applier.late:
             metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
         if (applier.outbox or applier.late) and self._on_outbox is not None:
@@ -798,7 +962,10 @@ class DeadLetterTally:
                             "last_at": func.now(),
                         },
                     ),
-                    [{"topic": topic, "num_records": count} for topic, count in sorted(pending.items())],
+                    [
+                        {"topic": topic, "num_records": count}
+                        for topic, count in sorted(pending.items())
+                    ],
                 )
         except BaseException:
             self._pending.update(pending)

@@ -40,7 +40,14 @@ from coordinator.ledger.states import PlacementState
 from coordinator.ledger.transactions import begin_ledger_transaction, lock_decisions
 from events.fault_points import fault_point
 from events.kafka.consumer import ConsumedEvent
-from events.schema import CommandAck, DocumentDeleted, DocumentUpdated, Envelope, ErasureRequested, PermissionRevoked
+from events.schema import (
+    CommandAck,
+    DocumentDeleted,
+    DocumentUpdated,
+    Envelope,
+    ErasureRequested,
+    PermissionRevoked,
+)
 from events.topics import ACKS
 from identity.signing import EnvelopeSigner
 
@@ -69,7 +76,9 @@ def _record_metrics(result: _BatchResult) -> None:
         metrics.INVALIDATIONS_TOTAL.labels(kind=decision.kind, trigger=decision.trigger).inc()
     for seconds in result.finished.completed_s:
         metrics.INVALIDATION_SECONDS.observe(seconds)
-    metrics.PLACEMENT_CHANGES_TOTAL.labels(state=PlacementState.DELETED, cause="invalidation").inc(result.num_copies_deleted)
+    metrics.PLACEMENT_CHANGES_TOTAL.labels(state=PlacementState.DELETED, cause="invalidation").inc(
+        result.num_copies_deleted
+    )
 
 
 class InvalidationHandler:
@@ -147,7 +156,9 @@ class InvalidationHandler:
                 if isinstance(envelope.payload, ErasureRequested):
                     await self._decide_run(session, run, now, result)
                     run = []
-                    outcome, decision = await self._erasures.start_from_event(session, envelope, now)
+                    outcome, decision = await self._erasures.start_from_event(
+                        session, envelope, now
+                    )
                     result.decisions.extend([decision] if decision is not None else [])
                     result.outcomes[(envelope.type, outcome)] += 1
                 else:
@@ -161,7 +172,9 @@ class InvalidationHandler:
             self._on_outbox()
 
     async def _ack_batch(self, events: list[ConsumedEvent]) -> None:
-        async def claimed_and_applied(session: AsyncSession, now: datetime, result: _BatchResult) -> AppliedAcks:
+        async def claimed_and_applied(
+            session: AsyncSession, now: datetime, result: _BatchResult
+        ) -> AppliedAcks:
             acks = await inbox.claim(session, events, result.outcomes)
             return await apply_acks(session, acks, now, result.outcomes) if acks else AppliedAcks()
 
@@ -169,14 +182,21 @@ class InvalidationHandler:
 
     async def release_deferred_acks(self) -> None:
         """Apply, in one transaction, the deferred acks whose nodes' kv-events the ledger now holds."""
-        await self._applying_acks(lambda session, now, result: release_deferred_acks(session, now, result.outcomes))
+        await self._applying_acks(
+            lambda session, now, result: release_deferred_acks(session, now, result.outcomes)
+        )
 
-    async def _applying_acks(self, apply: Callable[[AsyncSession, datetime, _BatchResult], Awaitable[AppliedAcks]]) -> None:
+    async def _applying_acks(
+        self, apply: Callable[[AsyncSession, datetime, _BatchResult], Awaitable[AppliedAcks]]
+    ) -> None:
         result = _BatchResult()
         async with self._database.session() as session, session.begin():
             now = await begin_ledger_transaction(session)
             applied = await apply(session, now, result)
-            result.num_copies_deleted, result.finished = applied.num_copies_deleted, applied.finished
+            result.num_copies_deleted, result.finished = (
+                applied.num_copies_deleted,
+                applied.finished,
+            )
         _record_metrics(result)
         await self._erasures.acks_applied(result.finished.subject_command_ids)
 
@@ -200,10 +220,14 @@ class InvalidationHandler:
             except Exception as exc:  # noqa: BLE001 - the acks stay deferred and the next wake or poll retries
                 log.warning("releasing deferred acks failed (%s)", type(exc).__name__)
 
-    async def _decide_run(self, session: AsyncSession, run: list[Envelope], now: datetime, result: _BatchResult) -> None:
+    async def _decide_run(
+        self, session: AsyncSession, run: list[Envelope], now: datetime, result: _BatchResult
+    ) -> None:
         """Decide consecutive document/permission events at once; lease their commands when this process publishes them."""
         lease_until = None if self._publish_leased is None else now + self._outbox_lease
-        bulk = await decide_many(session, run, now, signer=self._sign, lease_until=lease_until, outcomes=result.outcomes)
+        bulk = await decide_many(
+            session, run, now, signer=self._sign, lease_until=lease_until, outcomes=result.outcomes
+        )
         result.decisions.extend(bulk.decisions)
         if self._publish_leased is not None:
             result.leased.extend(bulk.queued)

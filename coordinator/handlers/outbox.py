@@ -44,9 +44,9 @@ _CLAIM_UNSENT = (
     .columns(id=BigInteger(), topic=Text(), key=Text(), payload=JSONB())
 )
 """Claims and stamps a batch in one statement; the stamp is undone if publishing fails (rollback)."""
-_STAMP_LEASED = text("UPDATE outbox SET sent_at = now() WHERE id = ANY(:ids) AND sent_at IS NULL").bindparams(
-    bindparam("ids", type_=ARRAY(BigInteger()))
-)
+_STAMP_LEASED = text(
+    "UPDATE outbox SET sent_at = now() WHERE id = ANY(:ids) AND sent_at IS NULL"
+).bindparams(bindparam("ids", type_=ARRAY(BigInteger())))
 
 
 def outbox_row(envelope: Envelope) -> dict[str, Any]:
@@ -57,7 +57,9 @@ def outbox_row(envelope: Envelope) -> dict[str, Any]:
     the same signature, and a row written to the table by anyone without the command key
     is refused by every node.
     """
-    assert envelope.signature is not None, f"{envelope.type} command {envelope.event_id} entered the outbox unsigned"
+    assert envelope.signature is not None, (
+        f"{envelope.type} command {envelope.event_id} entered the outbox unsigned"
+    )
     topic, key = route(envelope)
     return {"topic": topic, "key": key, "payload": envelope.model_dump(mode="json")}
 
@@ -65,7 +67,9 @@ def outbox_row(envelope: Envelope) -> dict[str, Any]:
 class OutboxRelay:
     """Publishes pending outbox rows in id order; woken early by :meth:`wake` after a local commit."""
 
-    def __init__(self, database: Database, producer: EventProducer, *, batch_size: int, poll_s: float) -> None:
+    def __init__(
+        self, database: Database, producer: EventProducer, *, batch_size: int, poll_s: float
+    ) -> None:
         if batch_size < 1 or poll_s <= 0:
             raise ValueError("batch_size must be >= 1 and poll_s > 0")
         self._database = database
@@ -87,7 +91,9 @@ class OutboxRelay:
                 return 0
             envelopes = [Envelope.model_validate(row.payload) for row in rows]
             for row, envelope in zip(rows, envelopes, strict=True):
-                assert route(envelope) == (row.topic, row.key), f"outbox row {row.id} is not routed as its envelope"
+                assert route(envelope) == (row.topic, row.key), (
+                    f"outbox row {row.id} is not routed as its envelope"
+                )
             await self._producer.send_many(envelopes)
             fault_point("coordinator.after_publish")
         for row in rows:
@@ -102,9 +108,13 @@ class OutboxRelay:
         publishes them when their lease runs out.
         """
         if rows:
-            self._publishing_leased = asyncio.create_task(self._publish_leased_after(self._publishing_leased, rows))
+            self._publishing_leased = asyncio.create_task(
+                self._publish_leased_after(self._publishing_leased, rows)
+            )
 
-    async def _publish_leased_after(self, previous: asyncio.Task | None, rows: list[tuple[int, Envelope]]) -> None:
+    async def _publish_leased_after(
+        self, previous: asyncio.Task | None, rows: list[tuple[int, Envelope]]
+    ) -> None:
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)
         try:
@@ -113,7 +123,11 @@ class OutboxRelay:
             async with self._database.session() as session, session.begin():
                 await session.execute(_STAMP_LEASED, {"ids": [row_id for row_id, _ in rows]})
         except Exception as exc:  # noqa: BLE001 - the relay takes the rows over once their lease ran out
-            log.warning("publishing %d leased outbox rows failed (%s); the relay will", len(rows), type(exc).__name__)
+            log.warning(
+                "publishing %d leased outbox rows failed (%s); the relay will",
+                len(rows),
+                type(exc).__name__,
+            )
             return
         for _, envelope in rows:
             OUTBOX_PUBLISHED_TOTAL.labels(topic=route(envelope)[0]).inc()
@@ -127,7 +141,10 @@ class OutboxRelay:
                     continue  # more may be waiting
             except Exception as exc:  # noqa: BLE001 - the relay must outlive transient outages
                 log.warning("outbox relay failed (%s); retrying", type(exc).__name__)
-            waiters = {asyncio.ensure_future(self._wakeup.wait()), asyncio.ensure_future(stop.wait())}
+            waiters = {
+                asyncio.ensure_future(self._wakeup.wait()),
+                asyncio.ensure_future(stop.wait()),
+            }
             await asyncio.wait(waiters, timeout=self._poll_s, return_when=asyncio.FIRST_COMPLETED)
             for waiter in waiters:
                 waiter.cancel()

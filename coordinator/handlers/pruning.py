@@ -49,7 +49,15 @@ class Pruned:
 class Pruner:
     """Deletes expired inbox and sent outbox rows, every ``interval_s``; see the module docstring."""
 
-    def __init__(self, database: Database, *, inbox_after_s: float, outbox_after_s: float, batch_size: int, interval_s: float) -> None:
+    def __init__(
+        self,
+        database: Database,
+        *,
+        inbox_after_s: float,
+        outbox_after_s: float,
+        batch_size: int,
+        interval_s: float,
+    ) -> None:
         if inbox_after_s <= 0 or outbox_after_s <= 0 or batch_size < 1 or interval_s <= 0:
             raise ValueError("horizons and interval must be positive, batch_size at least 1")
         self._database = database
@@ -68,7 +76,9 @@ class Pruner:
         num_deleted = 0
         while True:
             async with self._database.session() as session, session.begin():
-                result = await session.execute(statement, {"after_s": after_s, "limit": self._batch_size})
+                result = await session.execute(
+                    statement, {"after_s": after_s, "limit": self._batch_size}
+                )
             num_batch = result.rowcount
             num_deleted += num_batch
             PRUNED_ROWS_TOTAL.labels(table=table).inc(num_batch)
@@ -81,9 +91,15 @@ class Pruner:
             try:
                 pruned = await self.prune_once()
                 if pruned.num_inbox_rows or pruned.num_outbox_rows:
-                    log.info("pruned %d inbox and %d outbox rows", pruned.num_inbox_rows, pruned.num_outbox_rows)
+                    log.info(
+                        "pruned %d inbox and %d outbox rows",
+                        pruned.num_inbox_rows,
+                        pruned.num_outbox_rows,
+                    )
             except Exception as exc:  # noqa: BLE001 - pruning must outlive transient outages
-                log.warning("pruning failed (%s); next round in %.0fs", type(exc).__name__, self._interval_s)
+                log.warning(
+                    "pruning failed (%s); next round in %.0fs", type(exc).__name__, self._interval_s
+                )
             try:
                 await asyncio.wait_for(stop.wait(), self._interval_s)
             except TimeoutError:

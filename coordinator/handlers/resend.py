@@ -56,7 +56,11 @@ _CLAIM_DUE = (
         " FROM due WHERE t.command_id = due.command_id AND t.node_id = due.node_id"
         " RETURNING t.command_id, t.node_id, t.resend_count"
     )
-    .bindparams(bindparam("after_s", type_=Double()), bindparam("max_s", type_=Double()), bindparam("limit", type_=BigInteger()))
+    .bindparams(
+        bindparam("after_s", type_=Double()),
+        bindparam("max_s", type_=Double()),
+        bindparam("limit", type_=BigInteger()),
+    )
     .columns(command_id=Uuid(), node_id=Text(), resend_count=Integer())
 )
 """Claims the due pending targets and moves each one's next re-send out (doubling, capped) in one statement."""
@@ -76,7 +80,9 @@ class CommandResender:
         on_outbox: Callable[[], None] | None = None,
     ) -> None:
         if resend_after_s <= 0 or resend_max_s < resend_after_s or poll_s <= 0:
-            raise ValueError("resend_after_s and poll_s must be positive and resend_max_s at least resend_after_s")
+            raise ValueError(
+                "resend_after_s and poll_s must be positive and resend_max_s at least resend_after_s"
+            )
         self._database = database
         self._sign = command_signer
         self._after_s = resend_after_s
@@ -88,24 +94,43 @@ class CommandResender:
         """One pass: queue a re-send of every command with a due target; returns the number of commands queued."""
         async with self._database.session() as session, session.begin():
             claimed = (
-                await session.execute(_CLAIM_DUE, {"after_s": self._after_s, "max_s": self._max_s, "limit": MAX_TARGETS_PER_PASS})
+                await session.execute(
+                    _CLAIM_DUE,
+                    {"after_s": self._after_s, "max_s": self._max_s, "limit": MAX_TARGETS_PER_PASS},
+                )
             ).all()
             if not claimed:
                 return 0
             command_ids = sorted({row.command_id for row in claimed})
             invalidations = (
-                await session.scalars(select(Invalidation).where(Invalidation.command_id.in_(command_ids)).order_by(Invalidation.seq))
+                await session.scalars(
+                    select(Invalidation)
+                    .where(Invalidation.command_id.in_(command_ids))
+                    .order_by(Invalidation.seq)
+                )
             ).all()
-            assert len(invalidations) == len(command_ids), "a claimed target without its invalidation"
+            assert len(invalidations) == len(command_ids), (
+                "a claimed target without its invalidation"
+            )
             commands = []
             for invalidation in invalidations:
                 predicate = parse_predicate(invalidation.predicate)
-                payload = Invalidate(command_id=invalidation.command_id, predicate=predicate, cutoff=invalidation.cutoff)
-                commands.append(self._sign(make_event(payload, tenant_id=getattr(predicate, "tenant", None))))
-            await session.execute(pg_insert(OutboxEntry).values([outbox_row(command) for command in commands]))
+                payload = Invalidate(
+                    command_id=invalidation.command_id,
+                    predicate=predicate,
+                    cutoff=invalidation.cutoff,
+                )
+                commands.append(
+                    self._sign(make_event(payload, tenant_id=getattr(predicate, "tenant", None)))
+                )
+            await session.execute(
+                pg_insert(OutboxEntry).values([outbox_row(command) for command in commands])
+            )
         for invalidation in invalidations:
             metrics.COMMAND_RESENDS_TOTAL.labels(kind=invalidation.kind).inc()
-        log.info("re-sending %d commands to %d targets that have not acked", len(commands), len(claimed))
+        log.info(
+            "re-sending %d commands to %d targets that have not acked", len(commands), len(claimed)
+        )
         if self._on_outbox is not None:
             self._on_outbox()
         return len(commands)

@@ -102,7 +102,9 @@ def _check_tenant(tenant_id: str) -> None:
 
 def _subject_bytes(subject_hash: str) -> bytes:
     if not isinstance(subject_hash, str) or not _SUBJECT_HASH.fullmatch(subject_hash):
-        raise ValueError("subject_hash must be the 64 lowercase hex digits of events.schema.subject_digest")
+        raise ValueError(
+            "subject_hash must be the 64 lowercase hex digits of events.schema.subject_digest"
+        )
     return bytes.fromhex(subject_hash)
 
 
@@ -121,7 +123,9 @@ class KeyService:
 
     def __init__(self, database: Database, master_key: bytes, subject_key: bytes) -> None:
         if len(master_key) != MASTER_KEY_BYTES:
-            raise ValueError(f"the master key must be {MASTER_KEY_BYTES} bytes, got {len(master_key)}")
+            raise ValueError(
+                f"the master key must be {MASTER_KEY_BYTES} bytes, got {len(master_key)}"
+            )
         if len(subject_key) < 16:
             raise ValueError("the subject digest key must be at least 16 bytes")
         self._database = database
@@ -162,7 +166,11 @@ class KeyService:
         async with self._database.session() as session:
             for _ in range(_RESOLVE_ATTEMPTS):
                 async with session.begin():
-                    row = (await session.execute(select(DataKey.key_id, DataKey.wrapped_key).where(live))).first()
+                    row = (
+                        await session.execute(
+                            select(DataKey.key_id, DataKey.wrapped_key).where(live)
+                        )
+                    ).first()
                     if row is not None:
                         return row.key_id, self._unwrap(row.key_id, row.wrapped_key)
                     key_id, key = os.urandom(KEY_ID_HEX_CHARS // 2).hex(), os.urandom(KEY_BYTES)
@@ -182,15 +190,25 @@ class KeyService:
                         .returning(DataKey.key_id)
                     )
                     if inserted is not None:
-                        log.info("created %s-scope data key %s for tenant %s", scope, key_id, tenant_id)
+                        log.info(
+                            "created %s-scope data key %s for tenant %s", scope, key_id, tenant_id
+                        )
                         return key_id, key
-        raise RuntimeError(f"no live {scope}-scope data key after {_RESOLVE_ATTEMPTS} attempts: erasures keep racing")
+        raise RuntimeError(
+            f"no live {scope}-scope data key after {_RESOLVE_ATTEMPTS} attempts: erasures keep racing"
+        )
 
     async def find(self, key_id: str) -> KeyRecord | None:
         """The key under ``key_id`` (``key`` None once destroyed); None when no such key was ever issued."""
         _check_key_id(key_id)
         async with self._database.session() as session:
-            row = (await session.execute(select(DataKey.wrapped_key, DataKey.destroyed_at).where(DataKey.key_id == key_id))).first()
+            row = (
+                await session.execute(
+                    select(DataKey.wrapped_key, DataKey.destroyed_at).where(
+                        DataKey.key_id == key_id
+                    )
+                )
+            ).first()
         if row is None:
             return None
         if row.destroyed_at is not None:
@@ -232,13 +250,17 @@ def unwrap_secret(master: AESGCM, label: bytes, wrapped: bytes, what: str) -> by
     try:
         return master.decrypt(wrapped[:NONCE_BYTES], wrapped[NONCE_BYTES:], label)
     except InvalidTag:
-        raise MasterKeyError(f"{what} does not unwrap: KVLEDGER_MASTER_KEY differs from the key that wrapped it") from None
+        raise MasterKeyError(
+            f"{what} does not unwrap: KVLEDGER_MASTER_KEY differs from the key that wrapped it"
+        ) from None
 
 
 def subject_keys(tenant_id: str, subject_hash: str) -> ColumnElement[bool]:
     """Every data key of one subject in a tenant (the condition :func:`destroy_keys` takes for an erasure)."""
     _check_tenant(tenant_id)
-    return and_(DataKey.tenant_id == tenant_id, DataKey.subject_hash == _subject_bytes(subject_hash))
+    return and_(
+        DataKey.tenant_id == tenant_id, DataKey.subject_hash == _subject_bytes(subject_hash)
+    )
 
 
 async def destroy_keys(session: AsyncSession, condition: ColumnElement[bool]) -> list[str]:

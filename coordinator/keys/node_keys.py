@@ -42,7 +42,14 @@ from events.kafka.producer import EventProducer
 from events.metrics import DEAD_LETTER_TOTAL, UNVERIFIED_RECORDS_TOTAL
 from events.schema import Envelope
 from identity.node_credentials import CredentialError, credential_key_id, verify_node_credential
-from identity.signing import SIGNATURE_ERROR, EnrolledKey, key_id, public_key_from_raw, raw_public_key, record_problem
+from identity.signing import (
+    SIGNATURE_ERROR,
+    EnrolledKey,
+    key_id,
+    public_key_from_raw,
+    raw_public_key,
+    record_problem,
+)
 from identity.tokens import AuthError
 
 log = logging.getLogger(__name__)
@@ -68,7 +75,9 @@ async def enroll(session: AsyncSession, node_id: str, public_key: Ed25519PublicK
     if row.node_id != node_id:
         raise ValueError(f"key {kid} is enrolled for another node")
     if row.revoked_at is not None:
-        raise ValueError(f"key {kid} was revoked; a revoked key is never enrolled again (make a new one)")
+        raise ValueError(
+            f"key {kid} was revoked; a revoked key is never enrolled again (make a new one)"
+        )
     return EnrolledKey(kid, node_id, public_key)
 
 
@@ -77,7 +86,9 @@ async def revoke(session: AsyncSession, node_id: str, kid: str | None = None) ->
     statement = update(NodeKey).where(NodeKey.node_id == node_id, NodeKey.revoked_at.is_(None))
     if kid is not None:
         statement = statement.where(NodeKey.key_id == kid)
-    result = await session.execute(statement.values(revoked_at=func.now()).returning(NodeKey.key_id))
+    result = await session.execute(
+        statement.values(revoked_at=func.now()).returning(NodeKey.key_id)
+    )
     return sorted(result.scalars())
 
 
@@ -130,14 +141,21 @@ class KeyCache(Generic[K]):
 
 
 async def _live_node_keys(session: AsyncSession, key_ids: set[str]) -> dict[str, EnrolledKey]:
-    rows = await session.execute(select(NodeKey).where(NodeKey.key_id.in_(key_ids), NodeKey.revoked_at.is_(None)))
-    return {row.key_id: EnrolledKey(row.key_id, row.node_id, public_key_from_raw(row.public_key)) for row in rows.scalars()}
+    rows = await session.execute(
+        select(NodeKey).where(NodeKey.key_id.in_(key_ids), NodeKey.revoked_at.is_(None))
+    )
+    return {
+        row.key_id: EnrolledKey(row.key_id, row.node_id, public_key_from_raw(row.public_key))
+        for row in rows.scalars()
+    }
 
 
 class NodeKeyRegistry(KeyCache[EnrolledKey]):
     """Enrolled, unrevoked node keys by id, cached for ``ledger.node_key_cache_s`` (:class:`KeyCache`)."""
 
-    def __init__(self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS) -> None:
+    def __init__(
+        self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS
+    ) -> None:
         super().__init__(database, cache_s, _live_node_keys, max_cached)
 
     async def authenticate(self, token: str) -> EnrolledKey:
@@ -145,7 +163,9 @@ class NodeKeyRegistry(KeyCache[EnrolledKey]):
         kid = credential_key_id(token)
         enrolled = (await self.lookup([kid])).get(kid)
         if enrolled is None:
-            raise CredentialError("unknown_node_key", "the credential's key is not enrolled, or was revoked")
+            raise CredentialError(
+                "unknown_node_key", "the credential's key is not enrolled, or was revoked"
+            )
         verify_node_credential(token, enrolled.public_key, enrolled.node_id)
         return enrolled
 
@@ -187,7 +207,9 @@ class VerifiedRecords:
         self._dead_lettered: dict[tuple[str, int], int] = {}
 
     async def __call__(self, events: list[ConsumedEvent]) -> None:
-        enrolled = await self._registry.lookup(event.envelope.signature.kid for event in events if event.envelope.signature is not None)
+        enrolled = await self._registry.lookup(
+            event.envelope.signature.kid for event in events if event.envelope.signature is not None
+        )
         trusted = []
         for event in events:
             problem = self._problem(event.envelope, enrolled)
@@ -215,7 +237,14 @@ class VerifiedRecords:
             serialized_value_size=-1,
             headers=(),
         )
-        await send_to_dead_letter(self._dead_letters, record, SIGNATURE_ERROR + reason, self._group_id, self._counter, seal=self._seal)
+        await send_to_dead_letter(
+            self._dead_letters,
+            record,
+            SIGNATURE_ERROR + reason,
+            self._group_id,
+            self._counter,
+            seal=self._seal,
+        )
         UNVERIFIED_RECORDS_TOTAL.labels(topic=event.topic, reason=reason).inc()
         self._dead_lettered[partition] = event.offset
 
@@ -230,7 +259,9 @@ async def authenticate_node(request: Request, what: str) -> EnrolledKey:
     database = request.app.state.database
     registry = getattr(request.app.state, "node_keys", None)
     if registry is None or registry.database is not database:
-        registry = request.app.state.node_keys = NodeKeyRegistry(database, request.app.state.settings.ledger.node_key_cache_s)
+        registry = request.app.state.node_keys = NodeKeyRegistry(
+            database, request.app.state.settings.ledger.node_key_cache_s
+        )
     scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise AuthError("missing_token", f"{what} needs 'Authorization: Bearer <node credential>'")

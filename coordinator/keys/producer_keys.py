@@ -29,7 +29,14 @@ from coordinator.keys.node_keys import MAX_CACHED_KEYS, KeyCache
 from coordinator.ledger.db import Database
 from coordinator.ledger.models import ProducerKey
 from events.schema import MAX_LIST_ITEMS, Envelope, check_identifier
-from identity.signing import UNKNOWN_KEY, UNSIGNED, key_id, public_key_from_raw, raw_public_key, signature_problem
+from identity.signing import (
+    UNKNOWN_KEY,
+    UNSIGNED,
+    key_id,
+    public_key_from_raw,
+    raw_public_key,
+    signature_problem,
+)
 
 REVOKED_KEY = "revoked_key"
 """Signed by a producer key that was enrolled and has been revoked."""
@@ -68,7 +75,9 @@ def _check_tenants(tenants: list[str] | None) -> list[str]:
     if tenants is None:
         return []
     if not tenants or len(tenants) > MAX_LIST_ITEMS:
-        raise ValueError(f"a producer key is bound to 1..{MAX_LIST_ITEMS} tenants, or to all of them")
+        raise ValueError(
+            f"a producer key is bound to 1..{MAX_LIST_ITEMS} tenants, or to all of them"
+        )
     for tenant in tenants:
         if not isinstance(tenant, str) or not 1 <= len(tenant) <= 256:
             raise ValueError("a tenant id is 1..256 characters")
@@ -77,7 +86,12 @@ def _check_tenants(tenants: list[str] | None) -> list[str]:
 
 
 async def enroll(
-    session: AsyncSession, public_key: Ed25519PublicKey, tenants: list[str] | None, *, name: str, enrolled_by: str
+    session: AsyncSession,
+    public_key: Ed25519PublicKey,
+    tenants: list[str] | None,
+    *,
+    name: str,
+    enrolled_by: str,
 ) -> ProducerBinding:
     """Enroll ``public_key`` for ``tenants`` (None: every tenant); idempotent for the same binding.
 
@@ -103,9 +117,13 @@ async def enroll(
     )
     row = (await session.execute(select(ProducerKey).where(ProducerKey.key_id == kid))).scalar_one()
     if row.revoked_at is not None:
-        raise ValueError(f"key {kid} was revoked; a revoked key is never enrolled again (make a new one)")
+        raise ValueError(
+            f"key {kid} was revoked; a revoked key is never enrolled again (make a new one)"
+        )
     if (row.all_tenants, sorted(row.tenants)) != (tenants is None, bound):
-        raise ValueError(f"key {kid} is already enrolled with another binding; revoke it and enroll a new key")
+        raise ValueError(
+            f"key {kid} is already enrolled with another binding; revoke it and enroll a new key"
+        )
     return _binding(row)
 
 
@@ -117,7 +135,9 @@ async def get(session: AsyncSession, kid: str) -> ProducerBinding | None:
 async def revoke(session: AsyncSession, kid: str) -> bool:
     """Revoke key ``kid``; False when there is no such live key."""
     result = await session.execute(
-        update(ProducerKey).where(ProducerKey.key_id == kid, ProducerKey.revoked_at.is_(None)).values(revoked_at=func.now())
+        update(ProducerKey)
+        .where(ProducerKey.key_id == kid, ProducerKey.revoked_at.is_(None))
+        .values(revoked_at=func.now())
     )
     return bool(result.rowcount)
 
@@ -157,7 +177,9 @@ async def _producer_keys(session: AsyncSession, key_ids: set[str]) -> dict[str, 
 class ProducerKeyRegistry(KeyCache[ProducerBinding]):
     """Enrolled producer keys by id, cached for ``ledger.node_key_cache_s`` (``coordinator.keys.node_keys.KeyCache``)."""
 
-    def __init__(self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS) -> None:
+    def __init__(
+        self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS
+    ) -> None:
         super().__init__(database, cache_s, _producer_keys, max_cached)
 
 

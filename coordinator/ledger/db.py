@@ -24,7 +24,12 @@ import asyncpg
 from fastapi import FastAPI, Request
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 
 from coordinator.http import error_content
 from coordinator.settings import DatabaseSettings
@@ -47,12 +52,15 @@ def is_unavailable(error: BaseException) -> bool:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, DatabaseUnavailable | sa_exc.TimeoutError | asyncpg.PostgresConnectionError):
+        if isinstance(
+            current, DatabaseUnavailable | sa_exc.TimeoutError | asyncpg.PostgresConnectionError
+        ):
             return True
         if isinstance(current, asyncpg.exceptions.OperatorInterventionError):
             return True  # admin shutdown, cannot connect now, statement cancelled
         if isinstance(current, sa_exc.DBAPIError) and (
-            current.connection_invalidated or isinstance(current, sa_exc.OperationalError | sa_exc.InterfaceError)
+            current.connection_invalidated
+            or isinstance(current, sa_exc.OperationalError | sa_exc.InterfaceError)
         ):
             return True
         current = current.__cause__ or current.__context__
@@ -71,10 +79,15 @@ class Database:
             max_overflow=settings.max_overflow,
             pool_timeout=settings.pool_timeout_s,
             pool_pre_ping=pre_ping,
-            connect_args={"timeout": settings.connect_timeout_s, "command_timeout": settings.command_timeout_s},
+            connect_args={
+                "timeout": settings.connect_timeout_s,
+                "command_timeout": settings.command_timeout_s,
+            },
         )
         event.listen(self.engine.sync_engine, "do_connect", _connect_or_unavailable)
-        self.sessionmaker: async_sessionmaker[AsyncSession] = async_sessionmaker(self.engine, expire_on_commit=False)
+        self.sessionmaker: async_sessionmaker[AsyncSession] = async_sessionmaker(
+            self.engine, expire_on_commit=False
+        )
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -95,8 +108,15 @@ def _connect_or_unavailable(dialect: Any, _record: Any, cargs: tuple, cparams: d
     """
     try:
         return dialect.connect(*cargs, **cparams)
-    except (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError) as error:
-        raise DatabaseUnavailable(f"cannot connect to the ledger database ({type(error).__name__})") from error
+    except (
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresConnectionError,
+        asyncpg.exceptions.OperatorInterventionError,
+    ) as error:
+        raise DatabaseUnavailable(
+            f"cannot connect to the ledger database ({type(error).__name__})"
+        ) from error
 
 
 class DatabaseUnavailableMiddleware:
@@ -138,7 +158,10 @@ class DatabaseUnavailableMiddleware:
 
 
 _UNAVAILABLE_BODY = json.dumps(
-    error_content("server_error", "database_unavailable", "the ledger database is unavailable; retry later"), separators=(",", ":")
+    error_content(
+        "server_error", "database_unavailable", "the ledger database is unavailable; retry later"
+    ),
+    separators=(",", ":"),
 ).encode()
 
 

@@ -31,7 +31,11 @@ _CLAIM = (
 )
 
 
-async def claim(session: AsyncSession, events: list[ConsumedEvent], outcomes: collections.Counter[tuple[str, str]]) -> list[Envelope]:
+async def claim(
+    session: AsyncSession,
+    events: list[ConsumedEvent],
+    outcomes: collections.Counter[tuple[str, str]],
+) -> list[Envelope]:
     """Inbox rows for a batch's events in one statement; returns the ones not applied before, in order.
 
     Every event left out (repeated within the batch, or applied by an earlier batch) is

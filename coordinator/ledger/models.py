@@ -51,8 +51,17 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from coordinator.ledger.states import ErasureStatus, InvalidationStatus, NamespaceStatus, NodeStatus, PlacementState, TargetStatus
-from events.tiers import VOLATILE_TIERS as VOLATILE_TIERS  # the ledger ingest asks the models which tiers a restart empties
+from coordinator.ledger.states import (
+    ErasureStatus,
+    InvalidationStatus,
+    NamespaceStatus,
+    NodeStatus,
+    PlacementState,
+    TargetStatus,
+)
+from events.tiers import (
+    VOLATILE_TIERS as VOLATILE_TIERS,
+)  # the ledger ingest asks the models which tiers a restart empties
 from events.tiers import Tier
 
 NAMING_CONVENTION = {
@@ -98,7 +107,9 @@ class Namespace(Base):
     status: Mapped[str] = mapped_column(server_default=NamespaceStatus.ACTIVE.value)
     first_seen_at: Mapped[datetime] = _now()
     updated_at: Mapped[datetime] = _now()
-    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
+    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("invalidations.command_id")
+    )
     """The namespace-wide invalidation that drains it (set when retirement starts)."""
 
 
@@ -153,7 +164,9 @@ class BlockAuthScope(Base):
     __tablename__ = "block_auth_scopes"
     __table_args__ = (Index(None, "auth_scope", "policy_version"),)
 
-    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    block_hash: Mapped[bytes] = mapped_column(
+        ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True
+    )
     auth_scope: Mapped[str] = mapped_column(primary_key=True)
     policy_version: Mapped[int] = mapped_column(BigInteger)
 
@@ -164,7 +177,9 @@ class BlockDocument(Base):
     __tablename__ = "block_documents"
     __table_args__ = (Index(None, "doc_id", "version"),)
 
-    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    block_hash: Mapped[bytes] = mapped_column(
+        ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True
+    )
     doc_id: Mapped[str] = mapped_column(primary_key=True)
     version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
 
@@ -180,7 +195,9 @@ class BlockCreator(Base):
     __tablename__ = "block_creators"
     __table_args__ = (Index(None, "subject_hash"),)
 
-    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    block_hash: Mapped[bytes] = mapped_column(
+        ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True
+    )
     subject_hash: Mapped[bytes] = mapped_column(primary_key=True)
 
 
@@ -210,7 +227,9 @@ class Replica(Base):
 
     __tablename__ = "replicas"
 
-    block_hash: Mapped[bytes] = mapped_column(ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True)
+    block_hash: Mapped[bytes] = mapped_column(
+        ForeignKey("blocks.block_hash", ondelete="CASCADE"), primary_key=True
+    )
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
     source_node_id: Mapped[str]
     """Not a foreign key: the node reports its source, which the ledger may never have seen."""
@@ -224,10 +243,16 @@ class Placement(Base):
     __table_args__ = (
         CheckConstraint(_one_of("tier", Tier), name="tier"),
         CheckConstraint(_one_of("state", PlacementState), name="state"),
-        CheckConstraint(f"(tier = '{Tier.SNAPSHOT}') = (snapshot_id IS NOT NULL)", name="snapshot_tier"),
-        UniqueConstraint("block_hash", "node_id", "tier", "snapshot_id", postgresql_nulls_not_distinct=True),
+        CheckConstraint(
+            f"(tier = '{Tier.SNAPSHOT}') = (snapshot_id IS NOT NULL)", name="snapshot_tier"
+        ),
+        UniqueConstraint(
+            "block_hash", "node_id", "tier", "snapshot_id", postgresql_nulls_not_distinct=True
+        ),
         # Snapshot ids are the node's own names, so a snapshot is identified together with its node.
-        ForeignKeyConstraint(["node_id", "snapshot_id"], ["snapshots.node_id", "snapshots.snapshot_id"]),
+        ForeignKeyConstraint(
+            ["node_id", "snapshot_id"], ["snapshots.node_id", "snapshots.snapshot_id"]
+        ),
         Index(None, "node_id", "tier", "state"),
         Index(None, "node_id", "snapshot_id"),
         Index(None, "invalidation_id", postgresql_where=text("invalidation_id IS NOT NULL")),
@@ -258,7 +283,9 @@ class Document(Base):
     version: Mapped[int] = mapped_column(BigInteger)
     deleted: Mapped[bool] = mapped_column(server_default=text("false"))
     updated_at: Mapped[datetime] = _now()
-    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
+    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("invalidations.command_id")
+    )
 
 
 class Policy(Base):
@@ -270,7 +297,9 @@ class Policy(Base):
     auth_scope: Mapped[str] = mapped_column(primary_key=True)
     policy_version: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = _now()
-    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
+    invalidation_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("invalidations.command_id")
+    )
 
 
 class InboxEntry(Base):
@@ -319,7 +348,9 @@ class InventoryChunk(Base):
 
     __tablename__ = "inventory_chunks"
 
-    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id", ondelete="CASCADE"), primary_key=True)
+    node_id: Mapped[str] = mapped_column(
+        ForeignKey("nodes.node_id", ondelete="CASCADE"), primary_key=True
+    )
     epoch: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     request_key: Mapped[str] = mapped_column(String(64), primary_key=True)
     chunk: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -353,7 +384,9 @@ class Invalidation(Base):
     cutoff: Mapped[datetime]
     trigger: Mapped[str]
     source_event_id: Mapped[uuid.UUID | None]
-    parent_command_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("invalidations.command_id"))
+    parent_command_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("invalidations.command_id")
+    )
     requested_at: Mapped[datetime]
     created_at: Mapped[datetime] = _now()
     completed_at: Mapped[datetime | None]
@@ -367,10 +400,16 @@ class InvalidationTarget(Base):
     __table_args__ = (
         CheckConstraint(_one_of("status", TargetStatus), name="status"),
         Index(None, "node_id", "status"),
-        Index("ix_invalidation_targets_pending", "command_id", postgresql_where=text(f"status = '{TargetStatus.PENDING}'")),
+        Index(
+            "ix_invalidation_targets_pending",
+            "command_id",
+            postgresql_where=text(f"status = '{TargetStatus.PENDING}'"),
+        ),
     )
 
-    command_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("invalidations.command_id", ondelete="CASCADE"), primary_key=True)
+    command_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("invalidations.command_id", ondelete="CASCADE"), primary_key=True
+    )
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.node_id"), primary_key=True)
     status: Mapped[str] = mapped_column(server_default=TargetStatus.PENDING.value)
     epoch: Mapped[int | None] = mapped_column(BigInteger)
@@ -389,7 +428,9 @@ class InvalidationTarget(Base):
 def _of_target() -> ForeignKeyConstraint:
     """(command_id, node_id) → the invalidation target an ack row answers; it goes with the target."""
     return ForeignKeyConstraint(
-        ["command_id", "node_id"], ["invalidation_targets.command_id", "invalidation_targets.node_id"], ondelete="CASCADE"
+        ["command_id", "node_id"],
+        ["invalidation_targets.command_id", "invalidation_targets.node_id"],
+        ondelete="CASCADE",
     )
 
 
@@ -544,7 +585,9 @@ class ProducerKey(Base):
     may publish for: ``tenants``, or every tenant when ``all_tenants``. Revocation is final."""
 
     __tablename__ = "producer_keys"
-    __table_args__ = (CheckConstraint("all_tenants OR jsonb_array_length(tenants) > 0", name="bound"),)
+    __table_args__ = (
+        CheckConstraint("all_tenants OR jsonb_array_length(tenants) > 0", name="bound"),
+    )
 
     key_id: Mapped[str] = mapped_column(primary_key=True)
     name: Mapped[str]

@@ -35,7 +35,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 _DECISION_LOCK_KEY = 0x6B766C2D696E76  # "kvl-inv"; arbitrary, constant across releases
 
-_BEGIN_LEDGER_TRANSACTION = text("SELECT now(), set_config('plan_cache_mode', 'force_custom_plan', true)")
+_BEGIN_LEDGER_TRANSACTION = text(
+    "SELECT now(), set_config('plan_cache_mode', 'force_custom_plan', true)"
+)
 _PLAN_CACHE_MODE = text("SELECT set_config('plan_cache_mode', :mode, true)")
 _LOCK_DECISIONS = text("SELECT pg_advisory_xact_lock(:key)")
 _LOCK_LEDGER_WRITES = text("SELECT pg_advisory_xact_lock_shared(:key)")

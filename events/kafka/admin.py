@@ -12,7 +12,9 @@ from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from events.topics import ALL_TOPICS, TOPIC_CONFIGS
 
 
-def new_topics(settings: KafkaSettings, names: Iterable[str], configs: Mapping[str, Mapping[str, str]]) -> list[NewTopic]:
+def new_topics(
+    settings: KafkaSettings, names: Iterable[str], configs: Mapping[str, Mapping[str, str]]
+) -> list[NewTopic]:
     """The creation requests of ``names``, each with its configs (none for a name ``configs`` lacks)."""
     return [
         NewTopic(
@@ -69,5 +71,7 @@ async def _wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], timeou
         if ready >= set(topics):
             return
         if loop.time() >= deadline:
-            raise TimeoutError(f"topics not ready after {timeout_s}s: {sorted(set(topics) - ready)}")
+            raise TimeoutError(
+                f"topics not ready after {timeout_s}s: {sorted(set(topics) - ready)}"
+            )
         await asyncio.sleep(0.1)

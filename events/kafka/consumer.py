@@ -22,7 +22,12 @@ from events.codec import decode_event, decode_key
 from events.kafka.dead_letters import Seal, send_to_dead_letter
 from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
-from events.metrics import CONSUMER_STALLED, DEAD_LETTER_TOTAL, HANDLER_FAILURES_TOTAL, MISROUTED_RECORDS_TOTAL
+from events.metrics import (
+    CONSUMER_STALLED,
+    DEAD_LETTER_TOTAL,
+    HANDLER_FAILURES_TOTAL,
+    MISROUTED_RECORDS_TOTAL,
+)
 from events.schema import Envelope, EventValidationError
 from events.topics import DEAD_LETTER_TOPICS, ROUTING_ERROR, routing_problem
 
@@ -116,7 +121,9 @@ class _Fetched:
     decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str]
 
 
-def _decode_batch(batch: dict[TopicPartition, list[ConsumerRecord]]) -> dict[tuple[TopicPartition, int], ConsumedEvent | str]:
+def _decode_batch(
+    batch: dict[TopicPartition, list[ConsumerRecord]],
+) -> dict[tuple[TopicPartition, int], ConsumedEvent | str]:
     """Decode and validate every record of ``batch`` (pure CPU: runs on a worker thread)."""
     decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str] = {}
     for tp, records in batch.items():
@@ -210,9 +217,13 @@ class BatchConsumer:
         if not topics:
             raise ValueError("BatchConsumer needs at least one topic")
         if set(DEAD_LETTER_TOPICS) & set(topics):
-            raise ValueError("the dead-letter topics are not consumed with BatchConsumer (their records are not envelopes)")
+            raise ValueError(
+                "the dead-letter topics are not consumed with BatchConsumer (their records are not envelopes)"
+            )
         if max_records < 1 or poll_timeout_ms < 1 or not 0 < initial_backoff_s <= max_backoff_s:
-            raise ValueError("max_records, poll_timeout_ms and backoffs must be positive, initial <= max")
+            raise ValueError(
+                "max_records, poll_timeout_ms and backoffs must be positive, initial <= max"
+            )
         self.group_id = group
         self._topics = list(topics)
         self._handler = handler
@@ -351,7 +362,11 @@ class BatchConsumer:
                         num_records += len(records)
                     decoded.update(await asyncio.to_thread(_decode_batch, more))
                 idle = handled is None or handled.is_set()
-                if idle or num_records >= self._max_records or (num_records and not self._top_up_ms):
+                if (
+                    idle
+                    or num_records >= self._max_records
+                    or (num_records and not self._top_up_ms)
+                ):
                     return _Fetched(batch, decoded)
         except BaseException:
             # The records taken so far are never handed over: back to the first of them.
@@ -457,7 +472,9 @@ class BatchConsumer:
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         # Which member owns which partitions: how an operator (and the takeover test) sees a rebalance.
         log.info(
-            "consumer group %s: assigned %s", self.group_id, " ".join(sorted(f"{tp.topic}/{tp.partition}" for tp in assigned)) or "nothing"
+            "consumer group %s: assigned %s",
+            self.group_id,
+            " ".join(sorted(f"{tp.topic}/{tp.partition}" for tp in assigned)) or "nothing",
         )
         if assigned:
             self._assigned.set()
@@ -502,7 +519,9 @@ class BatchConsumer:
         await self._commit_pending(None)
         self.stall.advanced()
 
-    async def _handle_isolating(self, events: list[ConsumedEvent], batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+    async def _handle_isolating(
+        self, events: list[ConsumedEvent], batch: dict[TopicPartition, list[ConsumerRecord]]
+    ) -> None:
         """Hand ``events`` to the handler; bisect a failure caused by the data down to its one record.
 
         Halves run in order (the first half completes before the second starts), so per
@@ -528,7 +547,9 @@ class BatchConsumer:
         await self._dead_letter(tp, record, f"refused by the {self.group_id} handler: {reason}")
 
     async def _validate(
-        self, batch: dict[TopicPartition, list[ConsumerRecord]], decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str]
+        self,
+        batch: dict[TopicPartition, list[ConsumerRecord]],
+        decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str],
     ) -> list[ConsumedEvent]:
         """The batch's valid events, in order; each invalid record is dead-lettered in its place."""
         events: list[ConsumedEvent] = []
@@ -540,14 +561,23 @@ class BatchConsumer:
                 if isinstance(event, str):
                     await self._dead_letter(tp, record, event)
                     if event.startswith(ROUTING_ERROR):
-                        MISROUTED_RECORDS_TOTAL.labels(topic=record.topic, reason=event.removeprefix(ROUTING_ERROR)).inc()
+                        MISROUTED_RECORDS_TOTAL.labels(
+                            topic=record.topic, reason=event.removeprefix(ROUTING_ERROR)
+                        ).inc()
                 else:
                     events.append(event)
         return events
 
     async def _dead_letter(self, tp: TopicPartition, record: ConsumerRecord, error: str) -> None:
         """Publish (and wait for the broker's ack) before the offset can be committed past the record."""
-        await send_to_dead_letter(self._dead_letters, record, error, self.group_id, self._dead_letter_counter, seal=self._seal)
+        await send_to_dead_letter(
+            self._dead_letters,
+            record,
+            error,
+            self.group_id,
+            self._dead_letter_counter,
+            seal=self._seal,
+        )
         # A re-delivered batch (after a handler failure) must not dead-letter or count twice.
         self._dead_lettered.setdefault(tp, set()).add(record.offset)
 
@@ -564,7 +594,11 @@ class BatchConsumer:
         except (CommitFailedError, IllegalStateError) as exc:
             # Membership changed: another member owns these partitions now and resumes from
             # the last committed offset; the handlers' inbox turns that replay into no-ops.
-            log.warning("consumer group %s: commit skipped after rebalance (%s)", self.group_id, type(exc).__name__)
+            log.warning(
+                "consumer group %s: commit skipped after rebalance (%s)",
+                self.group_id,
+                type(exc).__name__,
+            )
             for tp in offsets:
                 self._pending.pop(tp, None)
             return
@@ -573,7 +607,9 @@ class BatchConsumer:
         for tp, offset in offsets.items():
             if self._pending.get(tp) == offset:
                 del self._pending[tp]
-            if tp in self._dead_lettered:  # committed past: the group never re-delivers these offsets
+            if (
+                tp in self._dead_lettered
+            ):  # committed past: the group never re-delivers these offsets
                 self._dead_lettered[tp] = {o for o in self._dead_lettered[tp] if o >= offset}
 
     async def _sleep_unless_stopping(self, seconds: float) -> None:

@@ -62,7 +62,9 @@ def dead_letter_record(
     letter, value, key = encoded(by_reference)
     if not by_reference and request_bytes(key, value) > max_request_size:
         letter, value, key = encoded(True)
-    assert request_bytes(key, value) <= max_request_size, "a by-reference dead letter always fits MIN_REQUEST_BYTES"
+    assert request_bytes(key, value) <= max_request_size, (
+        "a by-reference dead letter always fits MIN_REQUEST_BYTES"
+    )
     return letter, value, key
 
 
@@ -85,13 +87,17 @@ async def send_to_dead_letter(
     alerting topics (erasures, permissions) are logged at ERROR.
     """
     assert topic in DEAD_LETTER_TOPICS, f"{topic} is not a dead-letter topic"
-    letter, value, key = dead_letter_record(record, error, group_id, producer.max_request_size, seal)
+    letter, value, key = dead_letter_record(
+        record, error, group_id, producer.max_request_size, seal
+    )
     try:
         await producer.send_raw(topic, value, key)
     except SIZE_REFUSALS:
         if letter.by_reference:
             raise
-        letter, value, key = dead_letter_record(record, error, group_id, producer.max_request_size, seal, by_reference=True)
+        letter, value, key = dead_letter_record(
+            record, error, group_id, producer.max_request_size, seal, by_reference=True
+        )
         await producer.send_raw(topic, value, key)
     counter.labels(topic=record.topic).inc()
     if letter.by_reference:

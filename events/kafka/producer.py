@@ -6,7 +6,12 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
 from aiokafka.structs import RecordMetadata
 
 from events.codec import encode_event, encode_key
@@ -15,7 +20,11 @@ from events.record_size import MAX_REQUEST_BYTES
 from events.schema import Envelope
 from events.topics import route
 
-SIZE_REFUSALS: tuple[type[KafkaError], ...] = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
+SIZE_REFUSALS: tuple[type[KafkaError], ...] = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
 """How a producer or broker refuses a record for its size: permanent, retrying cannot help."""
 
 
@@ -30,7 +39,13 @@ class EventProducer:
     right before it is encoded: a node's producers sign everything they publish.
     """
 
-    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0, sign: Callable[[Envelope], Envelope] | None = None) -> None:
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        linger_ms: int = 0,
+        sign: Callable[[Envelope], Envelope] | None = None,
+    ) -> None:
         self._settings = settings
         self._sign = sign
         self._producer = AIOKafkaProducer(
@@ -60,13 +75,17 @@ class EventProducer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    async def send(self, envelope: Envelope, *, topic: str | None = None, key: str | None = None) -> RecordMetadata:
+    async def send(
+        self, envelope: Envelope, *, topic: str | None = None, key: str | None = None
+    ) -> RecordMetadata:
         """Publish one event and wait until the broker acknowledged it.
 
         ``topic``/``key`` override :func:`events.topics.route` (e.g. to target one node).
         """
         routed_topic, routed_key = route(envelope)
-        return await self.send_raw(topic or routed_topic, self._encode(envelope), encode_key(key or routed_key))
+        return await self.send_raw(
+            topic or routed_topic, self._encode(envelope), encode_key(key or routed_key)
+        )
 
     async def send_many(self, envelopes: Iterable[Envelope]) -> list[RecordMetadata]:
         """Publish many events as one pipelined batch; returns when all are acknowledged.
@@ -76,7 +95,9 @@ class EventProducer:
         pending = []
         for envelope in envelopes:
             topic, key = route(envelope)
-            pending.append(await self._producer.send(topic, self._encode(envelope), key=encode_key(key)))
+            pending.append(
+                await self._producer.send(topic, self._encode(envelope), key=encode_key(key))
+            )
         return list(await asyncio.gather(*pending))
 
     def _encode(self, envelope: Envelope) -> bytes:
@@ -85,7 +106,9 @@ class EventProducer:
     async def send_raw(self, topic: str, value: bytes | None, key: bytes | None) -> RecordMetadata:
         return await self._producer.send_and_wait(topic, value, key=key)
 
-    async def send_raw_many(self, records: Sequence[tuple[str, bytes, bytes]]) -> list[RecordMetadata | KafkaError]:
+    async def send_raw_many(
+        self, records: Sequence[tuple[str, bytes, bytes]]
+    ) -> list[RecordMetadata | KafkaError]:
         """Publish already-encoded ``(topic, value, key)`` records as one pipelined batch.
 
         Returns each record's metadata or the exception that refused it, in order, so the

@@ -50,17 +50,37 @@ class KafkaSecurity(BaseModel):
         """Refuse combinations that would silently connect with less protection than configured."""
         uses_sasl = self.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL")
         uses_ssl = self.security_protocol in ("SSL", "SASL_SSL")
-        has_sasl = self.sasl_mechanism is not None or self.sasl_username is not None or self.sasl_password is not None
+        has_sasl = (
+            self.sasl_mechanism is not None
+            or self.sasl_username is not None
+            or self.sasl_password is not None
+        )
         if uses_sasl:
             if self.sasl_mechanism is None:
-                raise ValueError(f"security_protocol {self.security_protocol} needs a sasl_mechanism")
-            if not self.sasl_username or self.sasl_password is None or not self.sasl_password.get_secret_value():
-                raise ValueError(f"sasl_mechanism {self.sasl_mechanism} needs sasl_username and sasl_password")
+                raise ValueError(
+                    f"security_protocol {self.security_protocol} needs a sasl_mechanism"
+                )
+            if (
+                not self.sasl_username
+                or self.sasl_password is None
+                or not self.sasl_password.get_secret_value()
+            ):
+                raise ValueError(
+                    f"sasl_mechanism {self.sasl_mechanism} needs sasl_username and sasl_password"
+                )
         elif has_sasl:
-            raise ValueError(f"SASL settings need security_protocol SASL_PLAINTEXT or SASL_SSL, not {self.security_protocol}")
-        files = {"ssl_cafile": self.ssl_cafile, "ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile}
+            raise ValueError(
+                f"SASL settings need security_protocol SASL_PLAINTEXT or SASL_SSL, not {self.security_protocol}"
+            )
+        files = {
+            "ssl_cafile": self.ssl_cafile,
+            "ssl_certfile": self.ssl_certfile,
+            "ssl_keyfile": self.ssl_keyfile,
+        }
         if not uses_ssl and any(path is not None for path in files.values()):
-            raise ValueError(f"ssl_* files need security_protocol SSL or SASL_SSL, not {self.security_protocol}")
+            raise ValueError(
+                f"ssl_* files need security_protocol SSL or SASL_SSL, not {self.security_protocol}"
+            )
         for name, path in files.items():
             if path is not None and not path.is_file():
                 raise ValueError(f"{name} {path} does not exist")
@@ -73,7 +93,9 @@ class KafkaSecurity(BaseModel):
         return {name: getattr(self, name) for name in KafkaSecurity.model_fields}
 
 
-KAFKA_SHARED_ENV: dict[str, str] = {f"KVLEDGER_KAFKA_{name.upper()}": name for name in KafkaSecurity.model_fields}
+KAFKA_SHARED_ENV: dict[str, str] = {
+    f"KVLEDGER_KAFKA_{name.upper()}": name for name in KafkaSecurity.model_fields
+}
 """Stack-wide variable → :class:`KafkaSecurity` field, honoured by every service and the CLI (e.g.
 ``KVLEDGER_KAFKA_SASL_PASSWORD``): one operator sets them once for every process."""
 
@@ -150,7 +172,9 @@ class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     @model_validator(mode="after")
     def _warn_cleartext_credentials(self) -> KafkaSettings:
         if self.security_protocol == "SASL_PLAINTEXT":
-            remote = sorted({hostport.rsplit(":", 1)[0] for hostport in self.bootstrap.split(",")} - {""})
+            remote = sorted(
+                {hostport.rsplit(":", 1)[0] for hostport in self.bootstrap.split(",")} - {""}
+            )
             remote = [host for host in remote if not _is_loopback(host)]
             if remote:
                 log.warning(
@@ -162,10 +186,14 @@ class KafkaSettings(KafkaSecurity, ConsumerGroupTiming):
 
 def kafka_ssl_context(security: KafkaSecurity) -> ssl.SSLContext:
     """A client TLS context: verifies the brokers (``ssl_cafile`` or the system CAs), presents a client certificate for mTLS."""
-    context = ssl.create_default_context(cafile=str(security.ssl_cafile) if security.ssl_cafile is not None else None)
+    context = ssl.create_default_context(
+        cafile=str(security.ssl_cafile) if security.ssl_cafile is not None else None
+    )
     context.check_hostname = security.ssl_check_hostname
     if security.ssl_certfile is not None:
-        context.load_cert_chain(certfile=str(security.ssl_certfile), keyfile=str(security.ssl_keyfile))
+        context.load_cert_chain(
+            certfile=str(security.ssl_certfile), keyfile=str(security.ssl_keyfile)
+        )
     return context
 
 

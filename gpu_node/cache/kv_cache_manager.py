@@ -31,8 +31,20 @@ from dataclasses import dataclass, field
 from gpu_node.cache.kv_cache_utils import compute_shadow_hashes
 from gpu_node.metrics import MissReason, NodeMetrics
 from gpu_node.pool.block_pool import BlockPool
-from gpu_node.pool.vocabulary import BlockState, CacheEntry, PoolEvent, RemovalReason, RemovedFromPool
-from prefix_keys.blocks import TENANT_WIDE_AUTH_SCOPE, BlockKey, CacheProvenance, CacheScope, Principal
+from gpu_node.pool.vocabulary import (
+    BlockState,
+    CacheEntry,
+    PoolEvent,
+    RemovalReason,
+    RemovedFromPool,
+)
+from prefix_keys.blocks import (
+    TENANT_WIDE_AUTH_SCOPE,
+    BlockKey,
+    CacheProvenance,
+    CacheScope,
+    Principal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +68,11 @@ def _audience(provenance: CacheProvenance) -> Audience:
     if provenance.scope == CacheScope.PUBLIC:
         return (CacheScope.PUBLIC,)
     if provenance.scope == CacheScope.TENANT:
-        return (CacheScope.TENANT, provenance.tenant_id, tuple(name for name, _ in provenance.auth_scopes))
+        return (
+            CacheScope.TENANT,
+            provenance.tenant_id,
+            tuple(name for name, _ in provenance.auth_scopes),
+        )
     return (CacheScope.USER, provenance.tenant_id, provenance.subject_id)
 
 
@@ -124,7 +140,9 @@ class KVCacheManager:
         self._recently_removed = _BoundedMap(diagnostics_capacity)
         self._num_waiters = 0
 
-    async def acquire(self, keys: list[BlockKey], token_ids: Sequence[int], principal: Principal) -> PrefixPlan:
+    async def acquire(
+        self, keys: list[BlockKey], token_ids: Sequence[int], principal: Principal
+    ) -> PrefixPlan:
         """Lock the longest READY prefix, waiting (bounded) for an in-flight build of the next block.
 
         ``principal`` (the caller) bounds what a miss is compared with (:meth:`_classify_miss`).
@@ -179,7 +197,9 @@ class KVCacheManager:
             plan.claimed.append(entry)
             self._inflight[key.block_hash] = loop.create_future()
 
-    def _classify_miss(self, plan: PrefixPlan, token_ids: Sequence[int], principal: Principal) -> MissReason:
+    def _classify_miss(
+        self, plan: PrefixPlan, token_ids: Sequence[int], principal: Principal
+    ) -> MissReason:
         missing = plan.keys[plan.num_hit_blocks]
         plan.shadow_hashes = compute_shadow_hashes(token_ids, len(plan.keys), missing.block_size)
         removed = self._recently_removed.get(missing.block_hash)
@@ -229,7 +249,11 @@ class KVCacheManager:
                 assert entry in plan.claimed, "only a plan's own claimed blocks are adopted"
                 plan.claimed.remove(entry)
                 next_index = plan.num_hit_blocks + len(adopted)
-                contiguous = contiguous and entry.key.index == next_index and self.pool.get_ready(entry.block_hash) is entry
+                contiguous = (
+                    contiguous
+                    and entry.key.index == next_index
+                    and self.pool.get_ready(entry.block_hash) is entry
+                )
                 if contiguous:
                     adopted.append(entry)
             self.pool.inc_lock_ref(adopted)
@@ -298,5 +322,10 @@ class KVCacheManager:
                     subscriber(events)
                 except Exception as exc:  # noqa: BLE001 - one subscriber must not starve the others (rule above)
                     self.metrics.pool_event_subscriber_failures.labels(name).inc()
-                    log.error("pool-event subscriber %r failed on %d events: %s", name, len(events), type(exc).__name__)
+                    log.error(
+                        "pool-event subscriber %r failed on %d events: %s",
+                        name,
+                        len(events),
+                        type(exc).__name__,
+                    )
         return events

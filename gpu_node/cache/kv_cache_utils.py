@@ -15,7 +15,9 @@ from prefix_keys.blocks import DEFAULT_BLOCK_SIZE, hash_block, pack_token_ids
 SHADOW_ROOT = hashlib.sha256(b"kvledger/shadow/v1").digest()
 
 
-def compute_shadow_hashes(token_ids: Sequence[int], num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
+def compute_shadow_hashes(
+    token_ids: Sequence[int], num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> list[bytes]:
     """Scope-free, namespace-free chained hashes of the token prefix.
 
     They feed the shadow index that explains misses (same tokens cached under
@@ -27,6 +29,8 @@ def compute_shadow_hashes(token_ids: Sequence[int], num_blocks: int, block_size:
     hashes: list[bytes] = []
     parent = SHADOW_ROOT
     for index in range(num_blocks):
-        parent = hash_block(parent, b"", packed[index * block_size * 4 : (index + 1) * block_size * 4], b"")
+        parent = hash_block(
+            parent, b"", packed[index * block_size * 4 : (index + 1) * block_size * 4], b""
+        )
         hashes.append(parent)
     return hashes

@@ -65,9 +65,17 @@ class TierPlan:
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Each tier's capacity: blocks, tokens and bytes."""
-        counts = {"device": self.num_device_blocks, "host": self.num_host_blocks, "disk": self.max_disk_blocks}
+        counts = {
+            "device": self.num_device_blocks,
+            "host": self.num_host_blocks,
+            "disk": self.max_disk_blocks,
+        }
         return {
-            tier: {"num_blocks": num, "num_tokens": num * self.block_size, "num_bytes": num * self.block_bytes}
+            tier: {
+                "num_blocks": num,
+                "num_tokens": num * self.block_size,
+                "num_bytes": num * self.block_bytes,
+            }
             for tier, num in counts.items()
         }
 
@@ -111,22 +119,44 @@ def measure_available(device: str) -> AvailableMemory:
     return AvailableMemory(ram_bytes, ram_bytes, device_is_ram=True)
 
 
-def plan_tiers(cache: CacheSettings, spec: KVBlockSpec, available: AvailableMemory, device_type: str) -> TierPlan:
+def plan_tiers(
+    cache: CacheSettings, spec: KVBlockSpec, available: AvailableMemory, device_type: str
+) -> TierPlan:
     """Block counts for ``cache`` on a machine with ``available`` memory; KVMemoryError when they cannot fit."""
     block_bytes = spec.block_bytes
-    num_host_blocks = cache.num_host_blocks if cache.num_host_blocks is not None else cache.host_memory_bytes // block_bytes
+    num_host_blocks = (
+        cache.num_host_blocks
+        if cache.num_host_blocks is not None
+        else cache.host_memory_bytes // block_bytes
+    )
     # On a CPU device both memory tiers are RAM: the device tier gets a share of what the host tier leaves.
-    device_free = available.device_bytes - (num_host_blocks * block_bytes if available.device_is_ram else 0)
+    device_free = available.device_bytes - (
+        num_host_blocks * block_bytes if available.device_is_ram else 0
+    )
     if cache.num_device_blocks is not None:
         num_device_blocks = cache.num_device_blocks
     else:
-        fraction = cache.device_memory_fraction or DEFAULT_DEVICE_MEMORY_FRACTION.get(device_type, DEFAULT_DEVICE_MEMORY_FRACTION["cpu"])
+        fraction = cache.device_memory_fraction or DEFAULT_DEVICE_MEMORY_FRACTION.get(
+            device_type, DEFAULT_DEVICE_MEMORY_FRACTION["cpu"]
+        )
         num_device_blocks = max(0, int(fraction * device_free)) // block_bytes
-    max_disk_blocks = cache.max_disk_blocks if cache.max_disk_blocks is not None else cache.disk_bytes // block_bytes
-    plan = TierPlan(num_device_blocks, num_host_blocks, max_disk_blocks, spec.block_size, block_bytes)
+    max_disk_blocks = (
+        cache.max_disk_blocks
+        if cache.max_disk_blocks is not None
+        else cache.disk_bytes // block_bytes
+    )
+    plan = TierPlan(
+        num_device_blocks, num_host_blocks, max_disk_blocks, spec.block_size, block_bytes
+    )
     if num_device_blocks < 1:
-        where = "RAM left by the host tier" if available.device_is_ram else "device memory free after the weights"
-        raise KVMemoryError(f"the KV device tier cannot hold one {block_bytes}-byte block: {_gib(max(0, device_free))} of {where}")
+        where = (
+            "RAM left by the host tier"
+            if available.device_is_ram
+            else "device memory free after the weights"
+        )
+        raise KVMemoryError(
+            f"the KV device tier cannot hold one {block_bytes}-byte block: {_gib(max(0, device_free))} of {where}"
+        )
     _check_fits(plan, available)
     return plan
 

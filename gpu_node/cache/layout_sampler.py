@@ -114,9 +114,21 @@ class LayoutSampler:
                         self._hash(segment, principal, token_ids[segment.start : segment.end]),
                     )
                 )
-            if first_miss is not None and divergence is None and segment.start <= first_miss < segment.end:
+            if (
+                first_miss is not None
+                and divergence is None
+                and segment.start <= first_miss < segment.end
+            ):
                 divergence = Divergence(index, first_miss, role, segment.scope.label)
-        self._samples.append(LayoutSample(len(token_ids), num_hit_blocks * self.block_size, len(segments), tuple(described), divergence))
+        self._samples.append(
+            LayoutSample(
+                len(token_ids),
+                num_hit_blocks * self.block_size,
+                len(segments),
+                tuple(described),
+                divergence,
+            )
+        )
         self.num_observed += 1
 
     def _hash(self, segment: Segment, principal: Principal, token_ids: Sequence[int]) -> str:
@@ -138,7 +150,10 @@ class LayoutSampler:
             "capacity": self.capacity,
             "block_size": self.block_size,
             "num_observed": self.num_observed,
-            "samples": [asdict(sample) | {"segments": [asdict(segment) for segment in sample.segments]} for sample in self._samples],
+            "samples": [
+                asdict(sample) | {"segments": [asdict(segment) for segment in sample.segments]}
+                for sample in self._samples
+            ],
         }
 
 
@@ -160,5 +175,7 @@ def layout_sampler(engine) -> LayoutSampler:
     """
     sampler = _SAMPLERS.get(engine)
     if sampler is None:
-        sampler = _SAMPLERS[engine] = LayoutSampler(engine.settings.cache.layout_sample_size, engine.block_size)
+        sampler = _SAMPLERS[engine] = LayoutSampler(
+            engine.settings.cache.layout_sample_size, engine.block_size
+        )
     return sampler

@@ -152,7 +152,9 @@ def _field(data: bytes) -> bytes:
 
 def _canonical_json(value: object) -> bytes:
     """Sorted keys, no whitespace, integral floats as ints (``1e4`` == ``10000``)."""
-    return json.dumps(_normalise_numbers(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(
+        _normalise_numbers(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
 
 
 def _normalise_numbers(value: object) -> object:
@@ -218,7 +220,11 @@ class _DigestCache:
         if digest is None:
             digest = _sha256_file(path)
             _PROCESS_CACHE[process_key] = digest
-        self._entries[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        self._entries[path.name] = {
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "sha256": digest,
+        }
         self._dirty = True
         return digest
 
@@ -228,7 +234,9 @@ class _DigestCache:
         try:
             _save_cache_file(self._path, self._entries)
         except OSError as exc:
-            logger.info("digest cache %s not writable (%s); using the in-process cache", self._path, exc)
+            logger.info(
+                "digest cache %s not writable (%s); using the in-process cache", self._path, exc
+            )
         self._dirty = False
 
 
@@ -250,11 +258,19 @@ def _weights_digest(directory: Path, cache: _DigestCache) -> str:
 
 def _tokenizer_digest(model_dir: Path, cache: _DigestCache, tokenizer_config: dict | None) -> str:
     if not any((model_dir / name).is_file() for name in _TOKENIZER_VOCABULARY_FILES):
-        raise ValueError(f"{model_dir} holds no tokenizer ({', '.join(_TOKENIZER_VOCABULARY_FILES)})")
-    parts = [(name, cache.digest(model_dir / name)) for name in _TOKENIZER_FILES if (model_dir / name).is_file()]
+        raise ValueError(
+            f"{model_dir} holds no tokenizer ({', '.join(_TOKENIZER_VOCABULARY_FILES)})"
+        )
+    parts = [
+        (name, cache.digest(model_dir / name))
+        for name in _TOKENIZER_FILES
+        if (model_dir / name).is_file()
+    ]
     # Special tokens and tokenizer options live in tokenizer_config.json next to the
     # chat template; the template has its own component, so it is left out here.
-    settings = {key: value for key, value in (tokenizer_config or {}).items() if key != "chat_template"}
+    settings = {
+        key: value for key, value in (tokenizer_config or {}).items() if key != "chat_template"
+    }
     parts.append(("tokenizer_config.json", hashlib.sha256(_canonical_json(settings)).hexdigest()))
     return _files_digest(parts)
 
@@ -267,7 +283,9 @@ def _template_digest(model_dir: Path, tokenizer_config: dict | None) -> str:
 
 
 def _canonical_config(config: dict, attn_implementation: str) -> dict:
-    canonical = {key: value for key, value in config.items() if key not in _CONFIG_KEYS_WITHOUT_KV_EFFECT}
+    canonical = {
+        key: value for key, value in config.items() if key not in _CONFIG_KEYS_WITHOUT_KV_EFFECT
+    }
     # Fold legacy rope keys into the transformers 5 ``rope_parameters`` shape, so a config
     # written by an older transformers digests like the same config re-saved by a newer one.
     rope = dict(canonical.pop("rope_parameters", None) or {})
@@ -290,7 +308,9 @@ def _config_digest(model_dir: Path, attn_implementation: str) -> str:
     config = read_json_object(model_dir / "config.json")
     if config is None:
         raise ValueError(f"{model_dir} holds no config.json")
-    return hashlib.sha256(_canonical_json(_canonical_config(config, attn_implementation))).hexdigest()
+    return hashlib.sha256(
+        _canonical_json(_canonical_config(config, attn_implementation))
+    ).hexdigest()
 
 
 def _adapter_digest(adapter_dir: Path) -> str:
@@ -303,4 +323,9 @@ def _adapter_digest(adapter_dir: Path) -> str:
     cache = _DigestCache(adapter_dir)
     weights = _weights_digest(adapter_dir, cache)
     cache.save()
-    return _files_digest([("adapter_config.json", hashlib.sha256(_canonical_json(adapter_config)).hexdigest()), ("weights", weights)])
+    return _files_digest(
+        [
+            ("adapter_config.json", hashlib.sha256(_canonical_json(adapter_config)).hexdigest()),
+            ("weights", weights),
+        ]
+    )

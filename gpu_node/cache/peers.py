@@ -54,11 +54,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpu_node.keys.crypto import DataKeyProvider
 from gpu_node.pool.block_pool import BlockPool
-from gpu_node.pool.block_records import BlockRestoreError, check_record, decode_block_record, payload_tensor
+from gpu_node.pool.block_records import (
+    BlockRestoreError,
+    check_record,
+    decode_block_record,
+    payload_tensor,
+)
 from gpu_node.pool.kv_spec import KVBlockSpec
 from gpu_node.pool.vocabulary import CacheEntry
 from gpu_node.settings import PeerSettings
-from identity.node_credentials import CredentialError, credential_key_id, issue_peer_credential, verify_peer_credential
+from identity.node_credentials import (
+    CredentialError,
+    credential_key_id,
+    issue_peer_credential,
+    verify_peer_credential,
+)
 from identity.signing import public_key_from_raw
 from prefix_keys.blocks import HASH_BYTES
 
@@ -149,7 +159,9 @@ class PeerKeys:
     key is asked about again). ``credential`` makes this node's own key-service credential.
     """
 
-    def __init__(self, coordinator_url: str, credential: Callable[[], str], cache_s: float, timeout_s: float) -> None:
+    def __init__(
+        self, coordinator_url: str, credential: Callable[[], str], cache_s: float, timeout_s: float
+    ) -> None:
         self._client = httpx.AsyncClient(base_url=coordinator_url, timeout=timeout_s)
         self._credential = credential
         self._cache_s = cache_s
@@ -166,22 +178,37 @@ class PeerKeys:
             return cached[1]
         self._cached.pop(key_id, None)
         try:
-            response = await self._client.get(f"/v1/nodes/peer-keys/{key_id}", headers={"Authorization": f"Bearer {self._credential()}"})
+            response = await self._client.get(
+                f"/v1/nodes/peer-keys/{key_id}",
+                headers={"Authorization": f"Bearer {self._credential()}"},
+            )
         except httpx.HTTPError as error:
             log.warning("the peer key registry could not be asked: %s", type(error).__name__)
-            raise PullRefused(503, "peer_registry_unavailable", "the coordinator's node registry cannot be asked now") from None
+            raise PullRefused(
+                503,
+                "peer_registry_unavailable",
+                "the coordinator's node registry cannot be asked now",
+            ) from None
         if response.status_code == 404:
             return None
         if response.status_code != 200:
             log.warning("the peer key registry answered %d", response.status_code)
-            raise PullRefused(503, "peer_registry_unavailable", "the coordinator's node registry cannot be asked now")
+            raise PullRefused(
+                503,
+                "peer_registry_unavailable",
+                "the coordinator's node registry cannot be asked now",
+            )
         try:
             data = response.json()
-            raw = base64.urlsafe_b64decode(data["public_key"] + "=" * (-len(data["public_key"]) % 4))
+            raw = base64.urlsafe_b64decode(
+                data["public_key"] + "=" * (-len(data["public_key"]) % 4)
+            )
             key = PeerKey(str(data["node_id"]), public_key_from_raw(raw), data["namespace"])
         except (ValueError, KeyError, TypeError, binascii.Error):
             log.error("the peer key registry answered with a malformed key")
-            raise PullRefused(503, "peer_registry_unavailable", "the coordinator's node registry answered badly") from None
+            raise PullRefused(
+                503, "peer_registry_unavailable", "the coordinator's node registry answered badly"
+            ) from None
         if len(self._cached) >= MAX_PEER_KEYS_CACHED:
             self._cached.pop(next(iter(self._cached)))
         self._cached[key_id] = (now, key)
@@ -189,34 +216,55 @@ class PeerKeys:
 
 
 async def authorize_pull(
-    peer_keys: PeerKeys | None, authorization: str | None, body: bytes, holder_id: str, namespace: str, retired: bool
+    peer_keys: PeerKeys | None,
+    authorization: str | None,
+    body: bytes,
+    holder_id: str,
+    namespace: str,
+    retired: bool,
 ) -> tuple[str, list[bytes]]:
     """``(puller node id, asked block hashes)`` of a pull request this holder may serve; :class:`PullRefused` otherwise."""
     if peer_keys is None:
-        raise PullRefused(503, "peer_registry_unavailable", "this node serves pulls only with a coordinator to check peers against")
+        raise PullRefused(
+            503,
+            "peer_registry_unavailable",
+            "this node serves pulls only with a coordinator to check peers against",
+        )
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise PullRefused(401, "missing_token", "a pull needs 'Authorization: Bearer <peer credential>'")
+        raise PullRefused(
+            401, "missing_token", "a pull needs 'Authorization: Bearer <peer credential>'"
+        )
     token = token.strip()
     try:
         key_id = credential_key_id(token)
         key = await peer_keys.lookup(key_id)
         if key is None:
-            raise PullRefused(401, "unknown_node_key", "the credential's key is not enrolled, or was revoked")
-        verify_peer_credential(token, key.public_key, key.node_id, holder_id, hashlib.sha256(body).hexdigest())
+            raise PullRefused(
+                401, "unknown_node_key", "the credential's key is not enrolled, or was revoked"
+            )
+        verify_peer_credential(
+            token, key.public_key, key.node_id, holder_id, hashlib.sha256(body).hexdigest()
+        )
     except CredentialError as error:
         raise PullRefused(401, error.code, error.message) from None
     try:
         request = PullRequestBody.model_validate(json.loads(body))
         hashes = [bytes.fromhex(block_hash) for block_hash in request.block_hashes]
     except (ValueError, ValidationError):
-        raise PullRefused(400, "invalid_pull_request", "a pull request is {namespace, block_hashes: [hex]}") from None
+        raise PullRefused(
+            400, "invalid_pull_request", "a pull request is {namespace, block_hashes: [hex]}"
+        ) from None
     if any(len(block_hash) != HASH_BYTES for block_hash in hashes):
         raise PullRefused(400, "invalid_pull_request", f"block hashes are {HASH_BYTES} bytes")
     if key.namespace != namespace or request.namespace != namespace:
-        raise PullRefused(403, "namespace_mismatch", "only nodes of this node's namespace may pull its blocks")
+        raise PullRefused(
+            403, "namespace_mismatch", "only nodes of this node's namespace may pull its blocks"
+        )
     if retired:
-        raise PullRefused(409, "namespace_retired", "this namespace is retired; its blocks are being deleted")
+        raise PullRefused(
+            409, "namespace_retired", "this namespace is retired; its blocks are being deleted"
+        )
     return key.node_id, hashes
 
 
@@ -250,7 +298,9 @@ def export_prefix(pool: BlockPool, block_hashes: Sequence[bytes]) -> list[bytes]
 class PeerPuller:
     """Fetches records of claimed blocks from the peers in ``settings.urls``, signed with this node's key."""
 
-    def __init__(self, node_id: str, signing_key: Ed25519PrivateKey, settings: PeerSettings) -> None:
+    def __init__(
+        self, node_id: str, signing_key: Ed25519PrivateKey, settings: PeerSettings
+    ) -> None:
         self._node_id = node_id
         self._signing_key = signing_key
         self._urls = dict(settings.urls)
@@ -263,19 +313,32 @@ class PeerPuller:
     def knows(self, node_id: str) -> bool:
         return node_id in self._urls and node_id != self._node_id
 
-    async def fetch(self, peer_id: str, namespace: str, block_hashes: Sequence[bytes], spec: KVBlockSpec) -> list[bytes]:
+    async def fetch(
+        self, peer_id: str, namespace: str, block_hashes: Sequence[bytes], spec: KVBlockSpec
+    ) -> list[bytes]:
         """The records the peer serves for ``block_hashes`` (a prefix of them); :class:`PullFailed` when it serves none."""
         url = self._urls.get(peer_id)
         if url is None or peer_id == self._node_id:
             raise PullFailed("unknown_peer")
-        body = json.dumps({"namespace": namespace, "block_hashes": [block_hash.hex() for block_hash in block_hashes]}).encode()
+        body = json.dumps(
+            {
+                "namespace": namespace,
+                "block_hashes": [block_hash.hex() for block_hash in block_hashes],
+            }
+        ).encode()
         credential = issue_peer_credential(
-            self._signing_key, self._node_id, peer_id, hashlib.sha256(body).hexdigest(), PEER_CREDENTIAL_TTL_S
+            self._signing_key,
+            self._node_id,
+            peer_id,
+            hashlib.sha256(body).hexdigest(),
+            PEER_CREDENTIAL_TTL_S,
         )
         max_bytes = len(block_hashes) * (max_record_bytes(spec) + FRAME_LENGTH.size)
         headers = {"Authorization": f"Bearer {credential}", "Content-Type": "application/json"}
         try:
-            async with self._client.stream("POST", url.rstrip("/") + PULL_PATH, content=body, headers=headers) as response:
+            async with self._client.stream(
+                "POST", url.rstrip("/") + PULL_PATH, content=body, headers=headers
+            ) as response:
                 if response.status_code != 200:
                     await response.aread()
                     raise PullFailed("refused")
@@ -297,7 +360,11 @@ class PeerPuller:
 
 
 def open_pulled(
-    records: Sequence[bytes], targets: Sequence[CacheEntry], key_provider: DataKeyProvider, namespace: str, spec: KVBlockSpec
+    records: Sequence[bytes],
+    targets: Sequence[CacheEntry],
+    key_provider: DataKeyProvider,
+    namespace: str,
+    spec: KVBlockSpec,
 ) -> tuple[list[torch.Tensor], str | None]:
     """The KV of each pulled record that opens as its target's block, in order, and why the run ended early (or None).
 
@@ -311,6 +378,10 @@ def open_pulled(
             opened = decode_block_record(record, key_provider)
             check_record(opened, target.block_hash, namespace, spec)
         except BlockRestoreError as error:
-            return kvs, "decrypt_failed" if error.reason in ("decrypt_failed", "checksum_mismatch", "key_unavailable") else "mismatch"
+            return kvs, "decrypt_failed" if error.reason in (
+                "decrypt_failed",
+                "checksum_mismatch",
+                "key_unavailable",
+            ) else "mismatch"
         kvs.append(payload_tensor(opened.payload, spec))
     return kvs, None

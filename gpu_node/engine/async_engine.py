@@ -190,10 +190,16 @@ class AsyncEngine:
         self.max_context_tokens = runner.max_context_tokens
         # A sequence must fit the device tier alone, or preemption could not make it progress: on a node whose
         # device tier holds fewer tokens than the model's context, this is the node's context length.
-        self.max_sequence_tokens = min(self.max_context_tokens, pool.config.num_device_blocks * self.block_size)
+        self.max_sequence_tokens = min(
+            self.max_context_tokens, pool.config.num_device_blocks * self.block_size
+        )
         self.manager = KVCacheManager(pool, metrics, settings.cache.singleflight_wait_s)
         self.paged_kv = PagedKV(pool, self.manager, metrics)
-        self.scheduler = Scheduler(self.paged_kv, settings.scheduler.max_num_batched_tokens, settings.scheduler.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.paged_kv,
+            settings.scheduler.max_num_batched_tokens,
+            settings.scheduler.max_num_seqs,
+        )
         self.snapshot_sink: Callable[[str, tuple[bytes, ...]], None] | None = None
         self.step_sink: Callable[[StepTiming], None] | None = None
         """Called on the model worker with every step's :class:`StepTiming` (benchmarks); must be quick."""
@@ -208,7 +214,9 @@ class AsyncEngine:
         # event loop a huge request would stall health checks, commands and heartbeats, and on
         # the model worker it would stall every other request's decode steps. One thread also
         # bounds how many huge requests are parsed at once.
-        self._prompt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-prompt")
+        self._prompt_worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvledger-prompt"
+        )
         self._num_snapshot_writes = 0
         self._sweeper: asyncio.Task | None = None
         self._stepper: asyncio.Task | None = None
@@ -230,13 +238,22 @@ class AsyncEngine:
 
     @classmethod
     def from_settings(cls, settings: NodeSettings) -> AsyncEngine:
-        runner = ModelRunner(settings.model_dir, settings.device, settings.dtype, settings.cache.block_size)
-        namespace = compute_namespace(settings.model_dir, runner.kv_spec.kv_format, runner.attn_implementation)
+        runner = ModelRunner(
+            settings.model_dir, settings.device, settings.dtype, settings.cache.block_size
+        )
+        namespace = compute_namespace(
+            settings.model_dir, runner.kv_spec.kv_format, runner.attn_implementation
+        )
         data_dir = Path(settings.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         cache = settings.cache
         # Measured now that the weights are loaded: the device tier takes a share of what they left.
-        tiers = plan_tiers(cache, runner.kv_spec, measure_available(settings.device), torch.device(settings.device).type)
+        tiers = plan_tiers(
+            cache,
+            runner.kv_spec,
+            measure_available(settings.device),
+            torch.device(settings.device).type,
+        )
         log.info("%s", tiers.describe(runner.max_context_tokens))
         config = PoolConfig(
             namespace=namespace.namespace,
@@ -244,13 +261,19 @@ class AsyncEngine:
             num_host_blocks=tiers.num_host_blocks,
             max_disk_blocks=tiers.max_disk_blocks,
             disk_dir=data_dir / "blocks",
-            ttl_s={CacheScope.PUBLIC: cache.ttl_public_s, CacheScope.TENANT: cache.ttl_tenant_s, CacheScope.USER: cache.ttl_user_s},
+            ttl_s={
+                CacheScope.PUBLIC: cache.ttl_public_s,
+                CacheScope.TENANT: cache.ttl_tenant_s,
+                CacheScope.USER: cache.ttl_user_s,
+            },
             device=settings.device,
         )
         pool = BlockPool(runner.kv_spec, config, data_key_provider(settings, data_dir))
         engine = cls(runner, namespace, pool, settings, NodeMetrics())
         if settings.peers.urls:
-            engine.peer_puller = PeerPuller(settings.node_id, node_signing_key(settings), settings.peers)
+            engine.peer_puller = PeerPuller(
+                settings.node_id, node_signing_key(settings), settings.peers
+            )
         if settings.coordinator_url is not None:
             node_key, node_id = node_signing_key(settings), settings.node_id
             engine.peer_keys = PeerKeys(
@@ -266,7 +289,13 @@ class AsyncEngine:
         """The pool's capacities as blocks, tokens and bytes."""
         config = self.pool.config
         spec = self.runner.kv_spec
-        return TierPlan(config.num_device_blocks, config.num_host_blocks, config.max_disk_blocks, spec.block_size, spec.block_bytes)
+        return TierPlan(
+            config.num_device_blocks,
+            config.num_host_blocks,
+            config.max_disk_blocks,
+            spec.block_size,
+            spec.block_bytes,
+        )
 
     async def start(self, *, ready: bool = True) -> None:
         """Re-index the disk tier and warm from a snapshot, then report ready.
@@ -277,9 +306,13 @@ class AsyncEngine:
         The re-index waits for the key service to answer for sealed block files
         rather than delete files whose keys it cannot ask for now.
         """
-        await until_key_service_answers(lambda: self._run(self.pool.load_disk_tier), "disk tier re-index")
+        await until_key_service_answers(
+            lambda: self._run(self.pool.load_disk_tier), "disk tier re-index"
+        )
         if self.settings.warm_from is not None:
-            num_loaded = await self._run(snapshots.load_snapshot, self.pool, Path(self.settings.warm_from))
+            num_loaded = await self._run(
+                snapshots.load_snapshot, self.pool, Path(self.settings.warm_from)
+            )
             log.info("warm start: %d blocks loaded from snapshot", num_loaded)
         self.manager.drain_events()
         self._refresh_tier_gauges()
@@ -294,7 +327,9 @@ class AsyncEngine:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         if self._stepper is not None:
-            deliveries, woken = await self._run(self._fail_all, GenerationError("the node is shutting down"))
+            deliveries, woken = await self._run(
+                self._fail_all, GenerationError("the node is shutting down")
+            )
             self._after_step(deliveries, woken, 0, 0)
         self._worker.shutdown(wait=True)
         self._prompt_worker.shutdown(wait=True)
@@ -305,7 +340,9 @@ class AsyncEngine:
     async def _run(self, function, *args):
         """Queue ``function`` on the model worker; a burst of steps running there yields to it at the next step boundary."""
         self._jobs_waiting.append(function)
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self._job, function, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, self._job, function, *args
+        )
 
     def _job(self, function, *args):
         self._jobs_waiting.popleft()
@@ -343,7 +380,9 @@ class AsyncEngine:
     # --- requests (event loop) -------------------------------------------------------------
 
     def _sampling_state(self, params: SamplingParams) -> SamplingState:
-        stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.runner.eos_token_ids)
+        stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.runner.eos_token_ids
+        )
         return make_sampling_state(
             params.temperature,
             params.top_p,
@@ -353,7 +392,9 @@ class AsyncEngine:
             min_tokens=params.min_tokens,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[PromptStats | TokenDelta | GenerationDone]:
+    async def generate(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[PromptStats | TokenDelta | GenerationDone]:
         arrived = time.perf_counter()
         prompt = await asyncio.get_running_loop().run_in_executor(
             self._prompt_worker, render_prompt, self.runner.tokenizer, request.messages
@@ -386,7 +427,11 @@ class AsyncEngine:
             if use_cache
             else []
         )
-        plan = await self.manager.acquire(keys, token_ids, request.principal) if use_cache else PrefixPlan(keys=[])
+        plan = (
+            await self.manager.acquire(keys, token_ids, request.principal)
+            if use_cache
+            else PrefixPlan(keys=[])
+        )
         if request.pull_hint is not None and plan.claimed:
             try:
                 await self._pull_prefix(plan, request)
@@ -397,7 +442,12 @@ class AsyncEngine:
             self.metrics.builds.inc()
         seq = Sequence(f"{next(_SEQ_IDS)}", list(token_ids), len(token_ids), needs_prefix=True)
         handle = _Request(
-            seq, plan, sampling_state, max_new_tokens, IncrementalDetokenizer(self.runner.tokenizer, request.sampling.stop), arrived
+            seq,
+            plan,
+            sampling_state,
+            max_new_tokens,
+            IncrementalDetokenizer(self.runner.tokenizer, request.sampling.stop),
+            arrived,
         )
         self._submit("add", handle)
         try:
@@ -430,7 +480,10 @@ class AsyncEngine:
         assert hint is not None, "a pull needs a hint"
         targets: list[CacheEntry] = []
         for entry in plan.claimed:
-            if entry.key.index != plan.num_hit_blocks + len(targets) or entry.key.index >= hint.num_blocks:
+            if (
+                entry.key.index != plan.num_hit_blocks + len(targets)
+                or entry.key.index >= hint.num_blocks
+            ):
                 break
             targets.append(entry)
         if self.peer_puller is not None:
@@ -442,18 +495,34 @@ class AsyncEngine:
         self.metrics.peer_pulls.labels(outcome).inc()
         self.metrics.peer_pull_seconds.observe(time.perf_counter() - started)
 
-    async def _pull_into(self, plan: PrefixPlan, request: GenerationRequest, hint: PullHint, targets: list[CacheEntry]) -> str:
+    async def _pull_into(
+        self,
+        plan: PrefixPlan,
+        request: GenerationRequest,
+        hint: PullHint,
+        targets: list[CacheEntry],
+    ) -> str:
         """Pull ``targets`` from the hinted peer and adopt what arrived into ``plan``; the outcome's label."""
         if self.peer_puller is None or not self.peer_puller.knows(hint.node_id):
             return "unknown_peer"
         namespace = self.namespace.namespace
         try:
-            records = await self.peer_puller.fetch(hint.node_id, namespace, [entry.block_hash for entry in targets], self.runner.kv_spec)
+            records = await self.peer_puller.fetch(
+                hint.node_id,
+                namespace,
+                [entry.block_hash for entry in targets],
+                self.runner.kv_spec,
+            )
         except PullFailed as failure:
             return failure.reason
-        kvs, failure_reason = await asyncio.to_thread(open_pulled, records, targets, self.pool.key_provider, namespace, self.runner.kv_spec)
+        kvs, failure_reason = await asyncio.to_thread(
+            open_pulled, records, targets, self.pool.key_provider, namespace, self.runner.kv_spec
+        )
         # Checked again now that the pull is over: a command that arrived meanwhile moved the registry.
-        if self.versions.is_retired(namespace) or self.versions.check(request.principal, request.messages) is not None:
+        if (
+            self.versions.is_retired(namespace)
+            or self.versions.check(request.principal, request.messages) is not None
+        ):
             return "stale"
         if not kvs:
             return failure_reason or "mismatch"
@@ -472,7 +541,9 @@ class AsyncEngine:
         # A holder that held only part of the run served that part: the rest is computed, as any miss.
         return failure_reason or "pulled"
 
-    def _commit_pulled(self, targets: list[CacheEntry], kvs: list[torch.Tensor], source: ReplicaSource) -> list[CacheEntry]:
+    def _commit_pulled(
+        self, targets: list[CacheEntry], kvs: list[torch.Tensor], source: ReplicaSource
+    ) -> list[CacheEntry]:
         """Commit pulled KV into the claimed entries (model worker); the run committed. A discarded one ends it."""
         committed: list[CacheEntry] = []
         for entry, kv in zip(targets, kvs, strict=True):
@@ -507,8 +578,12 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - whatever broke, no stream may be left waiting
                     # A broken step (an invariant, not a model error) must not leave every stream hanging.
                     log.error("engine step failed outside the model: %s", type(exc).__name__)
-                    deliveries, woken = await self._run(self._fail_all, GenerationError("generation failed"))
-                    self._after_step(deliveries, woken, len(self.scheduler.running), len(self.scheduler.waiting))
+                    deliveries, woken = await self._run(
+                        self._fail_all, GenerationError("generation failed")
+                    )
+                    self._after_step(
+                        deliveries, woken, len(self.scheduler.running), len(self.scheduler.waiting)
+                    )
 
     def _step_burst(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run steps back to back on the worker while there is work and no other worker job waits (model worker).
@@ -522,7 +597,13 @@ class AsyncEngine:
         while self._can_step() and not self._jobs_waiting:
             started, started_cpu = time.perf_counter(), time.thread_time()
             deliveries, woken = self._step()
-            loop.call_soon_threadsafe(self._after_step, deliveries, woken, len(self.scheduler.running), len(self.scheduler.waiting))
+            loop.call_soon_threadsafe(
+                self._after_step,
+                deliveries,
+                woken,
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+            )
             timing = self._last_timing
             if timing is not None:
                 self._last_timing = None
@@ -530,9 +611,23 @@ class AsyncEngine:
                 self.metrics.step_overhead.observe(overhead_s)
                 if self.step_sink is not None:
                     overhead_cpu_s = time.thread_time() - started_cpu - timing.overhead_cpu_s
-                    self.step_sink(StepTiming(timing.num_seqs, timing.num_tokens, timing.forward_s, overhead_s, overhead_cpu_s))
+                    self.step_sink(
+                        StepTiming(
+                            timing.num_seqs,
+                            timing.num_tokens,
+                            timing.forward_s,
+                            overhead_s,
+                            overhead_cpu_s,
+                        )
+                    )
 
-    def _after_step(self, deliveries: list[tuple[_Request, list]], woken: list[bytes], num_running: int, num_waiting: int) -> None:
+    def _after_step(
+        self,
+        deliveries: list[tuple[_Request, list]],
+        woken: list[bytes],
+        num_running: int,
+        num_waiting: int,
+    ) -> None:
         """A step's effects on the event loop: wake singleflight waiters, stream outputs, publish pool events, refresh gauges."""
         self.manager.wake(woken)
         for handle, items in deliveries:
@@ -577,7 +672,12 @@ class AsyncEngine:
         # admitted after this step took the inbox (a request references its hits before it is handed over). The
         # engine waits for them instead of failing the head: once queued they let go too, and the head, which fits
         # the device tier alone (max_sequence_tokens), starts. No request fails for lack of device blocks.
-        self._stalled = output.is_empty and not output.preempted and not self.scheduler.running and bool(self.scheduler.waiting)
+        self._stalled = (
+            output.is_empty
+            and not output.preempted
+            and not self.scheduler.running
+            and bool(self.scheduler.waiting)
+        )
         if not output.is_empty:
             try:
                 self._execute(output, deliveries)
@@ -603,19 +703,32 @@ class AsyncEngine:
     def _execute(self, output: SchedulerOutput, deliveries: dict[_Request, list]) -> None:
         chunks = output.chunks
         step_chunks = [
-            StepChunk(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens], chunk.start, chunk.seq.block_table, chunk.samples)
+            StepChunk(
+                chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens],
+                chunk.start,
+                chunk.seq.block_table,
+                chunk.samples,
+            )
             for chunk in chunks
         ]
         prepared = self.runner.prepare(step_chunks, self.pool.device_kv)
         started, started_cpu = time.perf_counter(), time.thread_time()
         logits = self.runner.forward(prepared)
         forward_s = time.perf_counter() - started
-        self._last_timing = StepTiming(len(chunks), output.num_batched_tokens, forward_s, 0.0, time.thread_time() - started_cpu)
+        self._last_timing = StepTiming(
+            len(chunks), output.num_batched_tokens, forward_s, 0.0, time.thread_time() - started_cpu
+        )
         sampling = [chunk for chunk in chunks if chunk.samples]
         handles = [self._requests[chunk.seq.seq_id] for chunk in sampling]
         states = [handle.sampling for handle in handles]
-        tokens = sample_batch(logits, states, [handle.num_completion_tokens for handle in handles]) if sampling else []
-        self.scheduler.advance(output, {chunk.seq.seq_id: token for chunk, token in zip(sampling, tokens, strict=True)})
+        tokens = (
+            sample_batch(logits, states, [handle.num_completion_tokens for handle in handles])
+            if sampling
+            else []
+        )
+        self.scheduler.advance(
+            output, {chunk.seq.seq_id: token for chunk, token in zip(sampling, tokens, strict=True)}
+        )
         self.metrics.iteration_tokens.observe(output.num_batched_tokens)
         if any(chunk.start < chunk.seq.num_prompt_tokens for chunk in chunks):
             self.metrics.prefill_latency.observe(forward_s)
@@ -628,7 +741,9 @@ class AsyncEngine:
         for handle, token in zip(handles, tokens, strict=True):
             self._emit(handle, token, now, deliveries)
 
-    def _emit(self, handle: _Request, token: int, now: float, deliveries: dict[_Request, list]) -> None:
+    def _emit(
+        self, handle: _Request, token: int, now: float, deliveries: dict[_Request, list]
+    ) -> None:
         items = deliveries.setdefault(handle, [])
         if not handle.started_output:
             handle.started_output = True
@@ -649,19 +764,28 @@ class AsyncEngine:
             self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
             return
         handle.num_completion_tokens += 1
-        text, stopped = handle.detokenizer.push(token, check_stop=handle.num_completion_tokens >= handle.sampling.min_tokens)
+        text, stopped = handle.detokenizer.push(
+            token, check_stop=handle.num_completion_tokens >= handle.sampling.min_tokens
+        )
         if stopped:
             if text:
                 items.append(TokenDelta(token, text, handle.num_completion_tokens))
             self._finish(handle, GenerationDone("stop", handle.num_completion_tokens), deliveries)
             return
         if handle.num_completion_tokens >= handle.max_new_tokens:
-            items.append(TokenDelta(token, text + handle.detokenizer.flush(), handle.num_completion_tokens))
+            items.append(
+                TokenDelta(token, text + handle.detokenizer.flush(), handle.num_completion_tokens)
+            )
             self._finish(handle, GenerationDone("length", handle.num_completion_tokens), deliveries)
         else:
             items.append(TokenDelta(token, text, handle.num_completion_tokens))
 
-    def _finish(self, handle: _Request, last: GenerationDone | BaseException | None, deliveries: dict[_Request, list]) -> None:
+    def _finish(
+        self,
+        handle: _Request,
+        last: GenerationDone | BaseException | None,
+        deliveries: dict[_Request, list],
+    ) -> None:
         """End a request: free its slot and blocks now; ``last`` (None for an abort) goes to its stream."""
         handle.finished = True
         self.scheduler.finish([handle.seq])
@@ -672,7 +796,9 @@ class AsyncEngine:
             now = time.perf_counter()
             self.metrics.e2e_latency.observe(now - handle.arrived)
             if handle.num_completion_tokens > 1 and now > handle.first_token_at:
-                self.metrics.decode_tokens_per_s.set((handle.num_completion_tokens - 1) / (now - handle.first_token_at))
+                self.metrics.decode_tokens_per_s.set(
+                    (handle.num_completion_tokens - 1) / (now - handle.first_token_at)
+                )
         if last is not None:
             deliveries.setdefault(handle, []).append(last)
 
@@ -684,7 +810,10 @@ class AsyncEngine:
             "block_size": self.block_size,
             "block_bytes": self.runner.kv_spec.block_bytes,
             "tiers": {
-                tier.value: {"num_entries": stats.num_entries.get(tier, 0), "num_bytes": stats.tier_bytes.get(tier, 0)}
+                tier.value: {
+                    "num_entries": stats.num_entries.get(tier, 0),
+                    "num_bytes": stats.tier_bytes.get(tier, 0),
+                }
                 for tier in stats.num_entries
             },
             "capacity": self.tier_plan.tier_stats(),
@@ -697,7 +826,10 @@ class AsyncEngine:
             "hit_ratio_tokens": registry.get_sample_value("kvledger_hit_ratio_tokens") or 0.0,
             "hit_ratio_requests": registry.get_sample_value("kvledger_hit_ratio_requests") or 0.0,
             "misses": {
-                reason.value: registry.get_sample_value("kvledger_cache_misses_total", {"reason": reason.value}) or 0
+                reason.value: registry.get_sample_value(
+                    "kvledger_cache_misses_total", {"reason": reason.value}
+                )
+                or 0
                 for reason in MissReason
             },
         }
@@ -711,7 +843,9 @@ class AsyncEngine:
         inventory = {}
         for directory in snapshots.complete_snapshots(self.snapshot_root):
             manifest = snapshots.read_manifest(directory)
-            inventory[manifest.snapshot_id] = snapshots.readable_blocks(directory, self.pool.key_provider.blocking())
+            inventory[manifest.snapshot_id] = snapshots.readable_blocks(
+                directory, self.pool.key_provider.blocking()
+            )
         return inventory
 
     def _creator_digest(self, principal: Principal) -> str | None:
@@ -722,7 +856,9 @@ class AsyncEngine:
         subject_key = self.settings.subject_key
         if subject_key is None:
             return None
-        return subject_digest(subject_key.get_secret_value().encode(), principal.tenant_id, principal.subject_id)
+        return subject_digest(
+            subject_key.get_secret_value().encode(), principal.tenant_id, principal.subject_id
+        )
 
     def may_hold_snapshots(self) -> bool:
         """Whether a snapshot exists under :attr:`snapshot_root` or is being written.
@@ -746,4 +882,8 @@ class AsyncEngine:
         self.manager.drain_events()
         if self.snapshot_sink is not None:
             self.snapshot_sink(manifest.snapshot_id, manifest.block_hashes)
-        return {"snapshot_id": manifest.snapshot_id, "path": str(snapshot_dir), "num_blocks": len(manifest.block_hashes)}
+        return {
+            "snapshot_id": manifest.snapshot_id,
+            "path": str(snapshot_dir),
+            "num_blocks": len(manifest.block_hashes),
+        }

@@ -55,7 +55,15 @@ class IncrementalDetokenizer:
         if found:
             self._pending = ""
             return self._emit(pending[: min(found)]), True
-        held = max((size for text in self._stop for size in range(1, len(text)) if pending.endswith(text[:size])), default=0)
+        held = max(
+            (
+                size
+                for text in self._stop
+                for size in range(1, len(text))
+                if pending.endswith(text[:size])
+            ),
+            default=0,
+        )
         self._pending = pending[len(pending) - held :] if held else ""
         return self._emit(pending[: len(pending) - held]), False
 

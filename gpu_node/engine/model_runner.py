@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedTokenizerBase,
+)
 
 from gpu_node.engine import paged_attention
 from gpu_node.engine.paged_attention import PagedStep, PrefillChunk, RowIndex, no_mask, row_view
@@ -28,7 +34,9 @@ log = logging.getLogger(__name__)
 # Decoder-only, full-attention causal LMs whose KV is a plain per-layer
 # [batch, kv_heads, T, head_dim] tensor pair. Anything else (sliding windows,
 # SSM state, encoder-decoder, MLA latents) cannot be restored block-wise.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "granite", "olmo", "olmo2", "phi3"})
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "granite", "olmo", "olmo2", "phi3"}
+)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,10 +81,14 @@ def check_supported(config) -> None:
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise UnsupportedModelError(f"{model_type}: sliding-window attention is not supported (sliding_window={config.sliding_window})")
+        raise UnsupportedModelError(
+            f"{model_type}: sliding-window attention is not supported (sliding_window={config.sliding_window})"
+        )
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(kind != "full_attention" for kind in layer_types):
-        raise UnsupportedModelError(f"{model_type}: only full-attention layers are supported, got {sorted(set(layer_types))}")
+        raise UnsupportedModelError(
+            f"{model_type}: only full-attention layers are supported, got {sorted(set(layer_types))}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +97,9 @@ class PreparedStep:
 
     input_ids: torch.Tensor  # [1, num_tokens]
     position_ids: torch.Tensor  # [1, num_tokens]
-    logits_to_keep: torch.Tensor  # flattened rows whose logits are returned, sampling chunks in order
+    logits_to_keep: (
+        torch.Tensor
+    )  # flattened rows whose logits are returned, sampling chunks in order
     paged_step: PagedStep
 
 
@@ -102,22 +116,30 @@ class StepChunk:
 class ModelRunner:
     """Loads a local HF causal LM and runs prefill/decode against explicit caches."""
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32", block_size: int = 16) -> None:
+    def __init__(
+        self, model_dir: Path, device: str = "cpu", dtype: str = "float32", block_size: int = 16
+    ) -> None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
-            raise ValueError(f"{model_dir} is not a model directory (no config.json); run `kvledger model init {model_dir}`")
+            raise ValueError(
+                f"{model_dir} is not a model directory (no config.json); run `kvledger model init {model_dir}`"
+            )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         check_supported(config)
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            model_dir, local_files_only=True
+        )
         # Prompts are encoded on the tokenizers backend itself (prefix_keys.prompt), as a router
         # encodes them: without the truncation or padding a tokenizer.json may configure, which
         # transformers would only switch off inside its own calls.
         self.tokenizer.backend_tokenizer.no_truncation()
         self.tokenizer.backend_tokenizer.no_padding()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, local_files_only=True, dtype=self.dtype
+        ).to(self.device)
         self.model.eval()
         # Attention reads and writes the pool's device tier (gpu_node.engine.paged_attention); it is SDPA
         # underneath, and plain SDPA for forwards without a paged step (HF generate, DynamicCache).
@@ -135,8 +157,14 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.max_context_tokens = int(getattr(self.config, "max_position_embeddings", 2048))
-        eos = self.config.eos_token_id if self.config.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos = (
+            self.config.eos_token_id
+            if self.config.eos_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self.eos_token_ids = frozenset(
+            eos if isinstance(eos, list) else [eos] if eos is not None else []
+        )
         self._rows: RowIndex | None = None
         self.num_threads = torch.get_num_threads()
         """The intra-op threads :meth:`forward` runs on: torch's count when the runner was built."""
@@ -171,12 +199,16 @@ class ModelRunner:
         assert chunks, "a step computes at least one token"
         block_size = self.kv_spec.block_size
         decode_order = [index for index, chunk in enumerate(chunks) if len(chunk.token_ids) == 1]
-        order = decode_order + [index for index, chunk in enumerate(chunks) if len(chunk.token_ids) != 1]
+        order = decode_order + [
+            index for index, chunk in enumerate(chunks) if len(chunk.token_ids) != 1
+        ]
         decodes = [chunks[index] for index in decode_order]
         # Decodes, one row each, in comprehensions: at 64 running they are most of a step's rows.
         token_ids = [chunk.token_ids[0] for chunk in decodes]
         positions = [chunk.start for chunk in decodes]
-        slot_blocks = [chunk.block_table[chunk.start // block_size] for chunk in decodes]  # IndexError: blocks do not cover it
+        slot_blocks = [
+            chunk.block_table[chunk.start // block_size] for chunk in decodes
+        ]  # IndexError: blocks do not cover it
         first_rows = [0] * len(chunks)
         for row, index in enumerate(decode_order):
             first_rows[index] = row
@@ -185,9 +217,13 @@ class ModelRunner:
             first_rows[index] = len(token_ids)
             token_ids.extend(chunk.token_ids)
             end = chunk.start + len(chunk.token_ids)
-            assert len(chunk.block_table) * block_size >= end, "a chunk's blocks must cover its tokens"
+            assert len(chunk.block_table) * block_size >= end, (
+                "a chunk's blocks must cover its tokens"
+            )
             positions.extend(range(chunk.start, end))
-            slot_blocks.extend(chunk.block_table[position // block_size] for position in range(chunk.start, end))
+            slot_blocks.extend(
+                chunk.block_table[position // block_size] for position in range(chunk.start, end)
+            )
         device = self.device
         rows = self._row_index(kv_table)
         decode_mask = decode_shared_rows = None
@@ -197,17 +233,27 @@ class ModelRunner:
             decode_rows = rows.context_rows(blocks, decodes[0].start + 1)
         elif decodes:
             tables = [chunk.block_table[: -(-(chunk.start + 1) // block_size)] for chunk in decodes]
-            num_shared = _num_common_leading(tables, max_blocks=min(len(table) for table in tables) - 1)
+            num_shared = _num_common_leading(
+                tables, max_blocks=min(len(table) for table in tables) - 1
+            )
             if num_shared:
-                shared_blocks = torch.tensor(tables[0][:num_shared], dtype=torch.long, device=device)
+                shared_blocks = torch.tensor(
+                    tables[0][:num_shared], dtype=torch.long, device=device
+                )
                 decode_shared_rows = rows.context_rows(shared_blocks, num_shared * block_size)
                 tables = [table[num_shared:] for table in tables]
             max_blocks = max(len(table) for table in tables)
             padded = [list(table) + [0] * (max_blocks - len(table)) for table in tables]
-            context = torch.tensor([chunk.start + 1 - num_shared * block_size for chunk in decodes], device=device)
+            context = torch.tensor(
+                [chunk.start + 1 - num_shared * block_size for chunk in decodes], device=device
+            )
             num_context_tokens = max(chunk.start + 1 for chunk in decodes) - num_shared * block_size
-            decode_mask = (rows.arange(num_context_tokens)[None, :] < context[:, None])[:, None, None, :]
-            decode_rows = rows.context_rows(torch.tensor(padded, dtype=torch.long, device=device), num_context_tokens)
+            decode_mask = (rows.arange(num_context_tokens)[None, :] < context[:, None])[
+                :, None, None, :
+            ]
+            decode_rows = rows.context_rows(
+                torch.tensor(padded, dtype=torch.long, device=device), num_context_tokens
+            )
         else:
             decode_rows = torch.zeros((0,), dtype=torch.long, device=device)
         prefills = []
@@ -218,22 +264,39 @@ class ModelRunner:
             if chunk.start:
                 context_positions = rows.arange(num_context_tokens)
                 causal = context_positions[None, :] <= context_positions[chunk.start :, None]
-                blocks = torch.tensor(chunk.block_table[: -(-num_context_tokens // block_size)], dtype=torch.long, device=device)
+                blocks = torch.tensor(
+                    chunk.block_table[: -(-num_context_tokens // block_size)],
+                    dtype=torch.long,
+                    device=device,
+                )
                 context_rows = rows.context_rows(blocks, num_context_tokens)
             else:
-                causal = context_rows = None  # the chunk's own keys are its whole context (plain causal attention)
-            prefills.append(PrefillChunk(first_rows[index], num_tokens, num_context_tokens, context_rows, causal))
+                causal = context_rows = (
+                    None  # the chunk's own keys are its whole context (plain causal attention)
+                )
+            prefills.append(
+                PrefillChunk(
+                    first_rows[index], num_tokens, num_context_tokens, context_rows, causal
+                )
+            )
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         step = PagedStep(
             kv_rows=row_view(kv_table),
-            write_rows=rows.slot_rows(torch.tensor(slot_blocks, dtype=torch.long, device=device), position_tensor % block_size),
+            write_rows=rows.slot_rows(
+                torch.tensor(slot_blocks, dtype=torch.long, device=device),
+                position_tensor % block_size,
+            ),
             num_decodes=len(decodes),
             decode_rows=decode_rows,
             decode_shared_rows=decode_shared_rows,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
         )
-        keep = [first_rows[index] + len(chunk.token_ids) - 1 for index, chunk in enumerate(chunks) if chunk.samples]
+        keep = [
+            first_rows[index] + len(chunk.token_ids) - 1
+            for index, chunk in enumerate(chunks)
+            if chunk.samples
+        ]
         return PreparedStep(
             torch.tensor([token_ids], dtype=torch.long, device=device),
             position_tensor[None, :],
@@ -267,6 +330,12 @@ def _num_common_leading(tables: list[Sequence[int]], max_blocks: int) -> int:
     first = list(tables[0])
     num_common = max(max_blocks, 0)
     for table in tables[1:]:
-        if list(table[:num_common]) != first[:num_common]:  # one C-level comparison in the common case
-            num_common = next(index for index, (mine, theirs) in enumerate(zip(table, first, strict=False)) if mine != theirs)
+        if (
+            list(table[:num_common]) != first[:num_common]
+        ):  # one C-level comparison in the common case
+            num_common = next(
+                index
+                for index, (mine, theirs) in enumerate(zip(table, first, strict=False))
+                if mine != theirs
+            )
     return num_common

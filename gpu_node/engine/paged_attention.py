@@ -44,8 +44,12 @@ class PrefillChunk:
     first_row: int
     num_tokens: int
     num_context_tokens: int
-    context_rows: torch.Tensor | None  # [layers, 2, kv_heads, num_context_tokens]; None when the chunk is its whole context
-    causal_mask: torch.Tensor | None  # [num_tokens, num_context_tokens], True = may attend; None likewise
+    context_rows: (
+        torch.Tensor | None
+    )  # [layers, 2, kv_heads, num_context_tokens]; None when the chunk is its whole context
+    causal_mask: (
+        torch.Tensor | None
+    )  # [num_tokens, num_context_tokens], True = may attend; None likewise
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +62,17 @@ class PagedStep:
     """
 
     kv_rows: torch.Tensor  # the pool's device tier viewed as [num_rows, head_dim]: one row per (slot, layer, k/v, head, offset)
-    write_rows: torch.Tensor  # [layers, 2, kv_heads, num_tokens]: where each new token's keys and values go
+    write_rows: (
+        torch.Tensor
+    )  # [layers, 2, kv_heads, num_tokens]: where each new token's keys and values go
     num_decodes: int
     decode_rows: torch.Tensor  # [layers, num_decodes, 2, kv_heads, T] after the shared tokens, padded; [layers, 2, kv_heads, T] for one
-    decode_shared_rows: torch.Tensor | None  # [layers, 2, kv_heads, P]: the leading tokens of every decode (2+ decodes), read once
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, T], True = real context token; None for one decode (its rows are exact)
+    decode_shared_rows: (
+        torch.Tensor | None
+    )  # [layers, 2, kv_heads, P]: the leading tokens of every decode (2+ decodes), read once
+    decode_mask: (
+        torch.Tensor | None
+    )  # [num_decodes, 1, 1, T], True = real context token; None for one decode (its rows are exact)
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -89,8 +99,13 @@ class RowIndex:
         self.block_size = block_size
         rows_per_layer = 2 * num_kv_heads * block_size
         self.rows_per_slot = num_layers * rows_per_layer
-        kv_head = torch.arange(2 * num_kv_heads, device=device).view(2, num_kv_heads, 1) * block_size
-        self.within_slot = torch.arange(num_layers, device=device).view(num_layers, 1, 1, 1) * rows_per_layer + kv_head  # [L, 2, H, 1]
+        kv_head = (
+            torch.arange(2 * num_kv_heads, device=device).view(2, num_kv_heads, 1) * block_size
+        )
+        self.within_slot = (
+            torch.arange(num_layers, device=device).view(num_layers, 1, 1, 1) * rows_per_layer
+            + kv_head
+        )  # [L, 2, H, 1]
         self.positions = torch.arange(0, device=device)
         self._grow(4096)
 
@@ -117,7 +132,9 @@ class RowIndex:
         copy, where selecting whole blocks and then flattening them copies twice.
         """
         token_rows = torch.add(offsets, slots, alpha=self.rows_per_slot)  # [..., T]
-        within_slot = self.within_slot.view(self.within_slot.shape[0], *([1] * (token_rows.dim() - 1)), *self.within_slot.shape[1:])
+        within_slot = self.within_slot.view(
+            self.within_slot.shape[0], *([1] * (token_rows.dim() - 1)), *self.within_slot.shape[1:]
+        )
         return token_rows[..., None, None, :] + within_slot
 
     def context_rows(self, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -134,7 +151,9 @@ def _gather(step: PagedStep, rows: torch.Tensor, layer: int) -> tuple[torch.Tens
     return gathered.select(-4, 0), gathered.select(-4, 1)
 
 
-def _decodes_over_shared_prefix(query: torch.Tensor, step: PagedStep, layer: int, scaling: float | None) -> torch.Tensor:
+def _decodes_over_shared_prefix(
+    query: torch.Tensor, step: PagedStep, layer: int, scaling: float | None
+) -> torch.Tensor:
     """Attention ``[S, H, D]`` of ``S`` decode queries whose contexts all start with the tokens at ``step.decode_shared_rows``.
 
     The shared tokens (a common system prompt, say) are gathered once and
@@ -148,16 +167,28 @@ def _decodes_over_shared_prefix(query: torch.Tensor, step: PagedStep, layer: int
     num_kv_heads = shared_k.shape[0]
     group = num_heads // num_kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
-    q = query.reshape(num_seqs, num_kv_heads, group, head_dim).float() * scale  # query head h reads kv head h // group
+    q = (
+        query.reshape(num_seqs, num_kv_heads, group, head_dim).float() * scale
+    )  # query head h reads kv head h // group
     by_kv_head = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_seqs * group, head_dim)
     shared_scores = torch.matmul(by_kv_head, shared_k.float().transpose(-1, -2))  # [Hkv, S * g, P]
-    shared_scores = shared_scores.view(num_kv_heads, num_seqs, group, -1).permute(1, 0, 2, 3)  # [S, Hkv, g, P]
+    shared_scores = shared_scores.view(num_kv_heads, num_seqs, group, -1).permute(
+        1, 0, 2, 3
+    )  # [S, Hkv, g, P]
     own_scores = torch.matmul(q, own_k.float().transpose(-1, -2))  # [S, Hkv, g, T]
     own_scores = own_scores.masked_fill(~step.decode_mask, float("-inf"))  # mask [S, 1, 1, T]
     num_shared = shared_scores.shape[-1]
     probs = torch.softmax(torch.cat((shared_scores, own_scores), dim=-1), dim=-1)
-    shared_probs = probs[..., :num_shared].permute(1, 0, 2, 3).reshape(num_kv_heads, num_seqs * group, num_shared)
-    attended = torch.matmul(shared_probs, shared_v.float()).view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)
+    shared_probs = (
+        probs[..., :num_shared]
+        .permute(1, 0, 2, 3)
+        .reshape(num_kv_heads, num_seqs * group, num_shared)
+    )
+    attended = (
+        torch.matmul(shared_probs, shared_v.float())
+        .view(num_kv_heads, num_seqs, group, head_dim)
+        .permute(1, 0, 2, 3)
+    )
     attended = attended + torch.matmul(probs[..., num_shared:], own_v.float())  # [S, Hkv, g, D]
     return attended.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
@@ -174,25 +205,35 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if paged_step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     step = paged_step
     layer = module.layer_idx
     # [1, H, T, D] x2 -> rows in write_rows' [2, H, T] order; the new tokens' KV goes into their blocks before anything reads them
     new_kv = torch.stack((key[0], value[0])).to(step.kv_rows.dtype)
-    step.kv_rows.index_copy_(0, step.write_rows[layer].reshape(-1), new_kv.view(-1, new_kv.shape[-1]))
+    step.kv_rows.index_copy_(
+        0, step.write_rows[layer].reshape(-1), new_kv.view(-1, new_kv.shape[-1])
+    )
     num_heads = query.shape[1]
     out = query.new_empty((query.shape[2], num_heads, query.shape[3]))
     if step.num_decodes == 1:
         # One decode: its rows are exactly its context, so it needs no mask (the fused kernel, no padding).
         k, v = _gather(step, step.decode_rows, layer)
-        attended = functional.scaled_dot_product_attention(query[:, :, :1], k[None], v[None], scale=scaling, enable_gqa=True)
+        attended = functional.scaled_dot_product_attention(
+            query[:, :, :1], k[None], v[None], scale=scaling, enable_gqa=True
+        )
         out[:1] = attended[:, :, 0]
     elif step.decode_shared_rows is not None:
-        out[: step.num_decodes] = _decodes_over_shared_prefix(query[0, :, : step.num_decodes].transpose(0, 1), step, layer, scaling)
+        out[: step.num_decodes] = _decodes_over_shared_prefix(
+            query[0, :, : step.num_decodes].transpose(0, 1), step, layer, scaling
+        )
     elif step.num_decodes:
         q = query[0, :, : step.num_decodes].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
         k, v = _gather(step, step.decode_rows, layer)
-        attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True)
+        attended = functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True
+        )
         out[: step.num_decodes] = attended[:, :, 0]
     # Batched (4D) inputs throughout: for 3D ones SDPA on CPU falls back to its unfused math path.
     for chunk in step.prefills:
@@ -202,7 +243,12 @@ def paged_attention_forward(
             # Nothing before this chunk: its own keys are the whole context, and plain causal SDPA
             # (the fused kernel, no mask tensor, no gather) is what a miss costs without paging.
             attended = functional.scaled_dot_product_attention(
-                q, key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling, enable_gqa=True
+                q,
+                key[:, :, rows],
+                value[:, :, rows],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=True,
             )
         else:
             k, v = _gather(step, chunk.context_rows, layer)

@@ -42,7 +42,9 @@ class SequenceKV:
     """What one sequence holds in the pool besides its block table."""
 
     plan: PrefixPlan
-    held: list[CacheEntry] = field(default_factory=list)  # referenced cached blocks (hits and own commits)
+    held: list[CacheEntry] = field(
+        default_factory=list
+    )  # referenced cached blocks (hits and own commits)
     own_slots: dict[int, int] = field(default_factory=dict)  # block index → own device slot
     num_cached_tokens: int = 0  # served from cache by the admission that produced its first token
 
@@ -79,7 +81,9 @@ class PagedKV:
 
     def prepare_prefix(self, seq: Sequence) -> None:
         kv = self._sequences[seq.seq_id]
-        assert not seq.block_table and not kv.own_slots, "a sequence matches its prefix once per admission"
+        assert not seq.block_table and not kv.own_slots, (
+            "a sequence matches its prefix once per admission"
+        )
         # The hits found at request admission while they are still held, else what is cached now
         # (after a preemption or a release, the sequence's own commits included).
         hits = self._resident_prefix(kv.held or self._rematch(kv.plan))
@@ -87,7 +91,9 @@ class PagedKV:
         seq.block_table = [entry.slot for entry in hits]
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_output_tokens == 0:
-            kv.num_cached_tokens = seq.num_computed_tokens  # reported with the first token, so the last match counts
+            kv.num_cached_tokens = (
+                seq.num_computed_tokens
+            )  # reported with the first token, so the last match counts
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         num_needed = -(-num_tokens // self.block_size) - len(seq.block_table)
@@ -161,7 +167,9 @@ class PagedKV:
                 self.pool.read_blocks(lower, promote=True)
             except BlockRestoreError:
                 # the pool removed the failing block (tier None) or it was tombstoned: cut there and retry
-                assert any(entry.tombstoned or entry.tier is None for entry in hits[:usable]), "a failed read names a removed block"
+                assert any(entry.tombstoned or entry.tier is None for entry in hits[:usable]), (
+                    "a failed read names a removed block"
+                )
                 continue
             finally:
                 self.metrics.restore_latency.observe(time.perf_counter() - promote_started)

@@ -62,7 +62,8 @@ def make_sampling_state(
     out_of_vocabulary = sorted(token for token in stop_token_ids if not 0 <= token < vocab_size)
     if out_of_vocabulary:
         raise SamplingError(
-            f"stop_token_ids must be token ids of this model (0 to {vocab_size - 1}); {out_of_vocabulary[0]} is not", "stop_token_ids"
+            f"stop_token_ids must be token ids of this model (0 to {vocab_size - 1}); {out_of_vocabulary[0]} is not",
+            "stop_token_ids",
         )
     if temperature == 0:
         return SamplingState(0.0, 1.0, None, stop_token_ids, min_tokens)
@@ -71,22 +72,34 @@ def make_sampling_state(
     return SamplingState(temperature, top_p, generator, stop_token_ids, min_tokens)
 
 
-def _mask_early_stops(logits: torch.Tensor, states: Sequence[SamplingState], num_output_tokens: Sequence[int]) -> torch.Tensor:
+def _mask_early_stops(
+    logits: torch.Tensor, states: Sequence[SamplingState], num_output_tokens: Sequence[int]
+) -> torch.Tensor:
     """``logits`` with the stop tokens at -inf in every row still short of its ``min_tokens``.
 
     A copy when any row is masked: the model's logits are an inference-mode tensor, not to be written.
     """
-    rows = [row for row, state in enumerate(states) if num_output_tokens[row] < state.min_tokens and state.stop_token_ids]
+    rows = [
+        row
+        for row, state in enumerate(states)
+        if num_output_tokens[row] < state.min_tokens and state.stop_token_ids
+    ]
     if not rows:
         return logits
     masked = logits.clone()
     for row in rows:
-        ids = torch.tensor(sorted(states[row].stop_token_ids), dtype=torch.long, device=logits.device)
+        ids = torch.tensor(
+            sorted(states[row].stop_token_ids), dtype=torch.long, device=logits.device
+        )
         masked[row].index_fill_(0, ids, float("-inf"))
     return masked
 
 
-def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState], num_output_tokens: Sequence[int] | None = None) -> list[int]:
+def sample_batch(
+    logits: torch.Tensor,
+    states: Sequence[SamplingState],
+    num_output_tokens: Sequence[int] | None = None,
+) -> list[int]:
     """Next token per row of ``logits`` ``[rows, vocab]``, row ``i`` sampled under ``states[i]``.
 
     ``num_output_tokens[i]``: tokens row ``i``'s request has generated so far (for
@@ -107,9 +120,13 @@ def sample_batch(logits: torch.Tensor, states: Sequence[SamplingState], num_outp
     if bool(nucleus_rows.any()):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # keep a token while the probability mass strictly before it is under top_p (the top token always stays)
-        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p[:, None]) | ~nucleus_rows[:, None]
+        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p[:, None]) | ~nucleus_rows[
+            :, None
+        ]
         filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
         probs = filtered / filtered.sum(dim=-1, keepdim=True)
     for position, row in enumerate(rows):
-        tokens[row] = int(torch.multinomial(probs[position], 1, generator=states[row].generator).item())
+        tokens[row] = int(
+            torch.multinomial(probs[position], 1, generator=states[row].generator).item()
+        )
     return tokens

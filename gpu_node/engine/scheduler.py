@@ -111,14 +111,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
         self.allocator = allocator
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # arrival order: the last one is the newest, preempted first
+        self.running: list[
+            Sequence
+        ] = []  # arrival order: the last one is the newest, preempted first
         self.num_preemptions = 0
 
     @property
@@ -126,7 +130,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        assert seq.status is SequenceStatus.WAITING and not seq.block_table, "a new sequence waits and holds no blocks"
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table, (
+            "a new sequence waits and holds no blocks"
+        )
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -144,7 +150,9 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
                 for index, chunk in enumerate(chunks):
-                    if chunk.seq is victim:  # scheduled earlier in this step (decodes go before chunks)
+                    if (
+                        chunk.seq is victim
+                    ):  # scheduled earlier in this step (decodes go before chunks)
                         budget += chunk.num_tokens
                         del chunks[index]
                         break
@@ -154,7 +162,9 @@ class Scheduler:
                 chunks.append(ScheduledChunk.of(seq, num_tokens))
                 budget -= num_tokens
         # No admission in a step that had to preempt: memory is short, and the preempted go first next time.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
             seq = self.waiting[0]
             if seq.needs_prefix:
                 self.allocator.prepare_prefix(seq)
@@ -203,7 +213,9 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            assert seq.num_computed_tokens == chunk.start, "a sequence advances only by the chunk scheduled for it"
+            assert seq.num_computed_tokens == chunk.start, (
+                "a sequence advances only by the chunk scheduled for it"
+            )
             seq.num_computed_tokens += chunk.num_tokens
             if chunk.samples:
                 seq.token_ids.append(sampled[seq.seq_id])

@@ -49,9 +49,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from events.logs import RequestIdMiddleware
 from events.pull_hint import MAX_HINT_BLOCKS, PULL_BLOCKS_HEADER, PULL_FROM_HEADER
-from events.schema import MAX_ID_CHARS, MAX_LIST_ITEMS, MAX_SAFE_INT, DocumentVersion, Name, check_identifier
+from events.schema import (
+    MAX_ID_CHARS,
+    MAX_LIST_ITEMS,
+    MAX_SAFE_INT,
+    DocumentVersion,
+    Name,
+    check_identifier,
+)
 from gpu_node.cache.layout_sampler import layout_sampler
-from gpu_node.cache.peers import PULL_PATH, PullHint, PullRefused, authorize_pull, encode_frames, export_prefix
+from gpu_node.cache.peers import (
+    PULL_PATH,
+    PullHint,
+    PullRefused,
+    authorize_pull,
+    encode_frames,
+    export_prefix,
+)
 from gpu_node.engine.async_engine import (
     AsyncEngine,
     GenerationDone,
@@ -141,7 +155,11 @@ _CODE_BY_FIELD = {
 
 
 def _field_code(loc: tuple) -> str:
-    path = ".".join(part for part in loc if isinstance(part, str) and "[" not in part and part not in _UNION_TAGS)
+    path = ".".join(
+        part
+        for part in loc
+        if isinstance(part, str) and "[" not in part and part not in _UNION_TAGS
+    )
     return _CODE_BY_FIELD.get(path, "invalid_value")
 
 
@@ -154,17 +172,26 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     # per member; the deepest location is the one that names the actual problem.
     deepest = max(errors, key=lambda error: len(error.get("loc", ())))
     if deepest.get("type") == "json_invalid":
-        return ApiError(400, f"request body is not valid JSON: {deepest.get('msg')}", code="invalid_json")
+        return ApiError(
+            400, f"request body is not valid JSON: {deepest.get('msg')}", code="invalid_json"
+        )
     param = _param_from_loc(tuple(deepest.get("loc", ())))
     if deepest.get("type") == "extra_forbidden":
         # The name is the caller's own key, cut short: it may be as long as the body.
         param = (param or "")[:MAX_ECHOED_NAME_CHARS]
-        return ApiError(400, f"'{param}' is not supported by this node", code="unsupported_parameter", param=param)
+        return ApiError(
+            400,
+            f"'{param}' is not supported by this node",
+            code="unsupported_parameter",
+            param=param,
+        )
     where = f" at '{param}'" if param else ""
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     # Only pydantic's message is echoed, never the offending input (it may be prompt text).
     code = _field_code(tuple(deepest.get("loc", ())))
-    return ApiError(400, f"invalid request{where}: {deepest.get('msg')}{more}", code=code, param=param)
+    return ApiError(
+        400, f"invalid request{where}: {deepest.get('msg')}{more}", code=code, param=param
+    )
 
 
 # --------------------------------------------------------------------------- request models
@@ -244,7 +271,9 @@ class ChatCompletionRequest(_OpenAIModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     min_tokens: int = Field(0, ge=0, le=MAX_SAFE_INT)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS
+    )
 
 
 # --------------------------------------------------------------------------- request → engine
@@ -306,7 +335,9 @@ def _check_provenance_limits(body: ChatCompletionRequest) -> None:
     request (distinct ``id@version`` documents; distinct auth scopes, tenant-wide ``*``
     included), before anything is rendered or cached.
     """
-    documents = {(m.document.id, m.document.version) for m in body.messages if m.document is not None}
+    documents = {
+        (m.document.id, m.document.version) for m in body.messages if m.document is not None
+    }
     auth_scopes = {m.document.auth_scope for m in body.messages if m.document is not None}
     if any(m.document is None and m.cache_scope == "tenant" for m in body.messages):
         auth_scopes.add(TENANT_WIDE_AUTH_SCOPE)
@@ -321,7 +352,9 @@ def _check_provenance_limits(body: ChatCompletionRequest) -> None:
             )
 
 
-def _to_messages(body: ChatCompletionRequest, principal: Principal, versions: VersionRegistry) -> tuple[ChatMessage, ...]:
+def _to_messages(
+    body: ChatCompletionRequest, principal: Principal, versions: VersionRegistry
+) -> tuple[ChatMessage, ...]:
     """Map API messages to engine messages, enforcing document authorization and current versions.
 
     A document message is tenant scope by definition; an explicit contrary
@@ -370,7 +403,9 @@ def _stale_error(stale: Staleness) -> ApiError | AuthError:
     return ApiError(stale.status_code, stale.message, code=stale.code, param=stale.param)
 
 
-def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: RequestLimits) -> SamplingParams:
+def _sampling(
+    body: ChatCompletionRequest, max_context_tokens: int, limits: RequestLimits
+) -> SamplingParams:
     """Only fields the caller set are passed on, so the engine's defaults apply otherwise.
 
     A requested completion length above ``limits.max_completion_tokens`` or the model's
@@ -380,15 +415,24 @@ def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: Requ
     if body.n is not None and body.n > 1:
         raise ApiError(400, "only n=1 is supported", code="unsupported_value", param="n")
     if body.logprobs:
-        raise ApiError(400, "logprobs are not supported", code="unsupported_value", param="logprobs")
+        raise ApiError(
+            400, "logprobs are not supported", code="unsupported_value", param="logprobs"
+        )
     if body.tools:
         raise ApiError(400, "tools are not supported", code="unsupported_parameter", param="tools")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
-            raise ApiError(400, f"{name} is not supported; only 0 is accepted", code="unsupported_value", param=name)
+            raise ApiError(
+                400,
+                f"{name} is not supported; only 0 is accepted",
+                code="unsupported_value",
+                param=name,
+            )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > 4:
-        raise ApiError(400, "at most 4 stop sequences are allowed", code="invalid_value", param="stop")
+        raise ApiError(
+            400, "at most 4 stop sequences are allowed", code="invalid_value", param="stop"
+        )
     bound = min(limits.max_completion_tokens, max_context_tokens)
     for name in ("max_completion_tokens", "max_tokens"):
         value = getattr(body, name)
@@ -402,7 +446,10 @@ def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: Requ
     requested = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
     if body.min_tokens > requested:
         raise ApiError(
-            400, f"min_tokens is {body.min_tokens}; it must not exceed max_tokens ({requested})", code="invalid_value", param="min_tokens"
+            400,
+            f"min_tokens is {body.min_tokens}; it must not exceed max_tokens ({requested})",
+            code="invalid_value",
+            param="min_tokens",
         )
     options: dict = {
         "max_tokens": min(requested, max_context_tokens),
@@ -418,7 +465,9 @@ def _sampling(body: ChatCompletionRequest, max_context_tokens: int, limits: Requ
     return SamplingParams(**options)
 
 
-async def _start(engine: AsyncEngine, request: GenerationRequest) -> tuple[AsyncIterator, PromptStats]:
+async def _start(
+    engine: AsyncEngine, request: GenerationRequest
+) -> tuple[AsyncIterator, PromptStats]:
     """Start generation and wait for its PromptStats.
 
     The engine refuses an oversize prompt before yielding anything; pulling the
@@ -438,8 +487,12 @@ async def _start(engine: AsyncEngine, request: GenerationRequest) -> tuple[Async
         ) from None
     except ValueError as exc:
         # The engine's contract: bad caller input surfaces as ValueError (a SamplingError names its field).
-        raise ApiError(400, str(exc), code="invalid_value", param=getattr(exc, "param", None)) from None
-    assert isinstance(stats, PromptStats), f"engine must yield PromptStats first, got {type(stats).__name__}"
+        raise ApiError(
+            400, str(exc), code="invalid_value", param=getattr(exc, "param", None)
+        ) from None
+    assert isinstance(stats, PromptStats), (
+        f"engine must yield PromptStats first, got {type(stats).__name__}"
+    )
     return stream, stats
 
 
@@ -486,7 +539,12 @@ def _platform_admin(request: Request) -> Operator:
         )
     operator = verifier.verify_operator(_bearer(request))
     if not operator.is_platform_admin:
-        raise ApiError(403, f"requires the {PLATFORM_ADMIN!r} role", type="permission_error", code="insufficient_role")
+        raise ApiError(
+            403,
+            f"requires the {PLATFORM_ADMIN!r} role",
+            type="permission_error",
+            code="insufficient_role",
+        )
     return operator
 
 
@@ -494,7 +552,9 @@ Caller = Annotated[Principal, Depends(_principal)]
 PlatformAdmin = Annotated[Operator, Depends(_platform_admin)]
 
 
-def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifier: TokenVerifier | None = None) -> FastAPI:
+def create_app(
+    engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifier: TokenVerifier | None = None
+) -> FastAPI:
     """Build the node's HTTP app around ``engine``.
 
     ``verifier`` checks end users' tokens; ``operator_verifier`` (the operator
@@ -523,7 +583,14 @@ def create_app(engine: AsyncEngine, verifier: TokenVerifier, *, operator_verifie
         RequestIdMiddleware,
         access_logger="gpu_node.access",
         error_body=json.dumps(
-            {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}}
+            {
+                "error": {
+                    "message": "internal server error",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "internal_error",
+                }
+            }
         ).encode(),
         observe=engine.metrics.observe_http,
         quiet_paths=frozenset({LOAD_PATH}),
@@ -543,12 +610,16 @@ async def _auth_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError), f"registered for RequestValidationError, got {type(exc).__name__}"
+    assert isinstance(exc, RequestValidationError), (
+        f"registered for RequestValidationError, got {type(exc).__name__}"
+    )
     return _error_response(_validation_error(exc))
 
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException), f"registered for HTTPException, got {type(exc).__name__}"
+    assert isinstance(exc, StarletteHTTPException), (
+        f"registered for HTTPException, got {type(exc).__name__}"
+    )
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     error = ApiError(exc.status_code, str(exc.detail), code=code)
     return _error_response(error, headers=getattr(exc, "headers", None))
@@ -556,7 +627,9 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     logger.error("unhandled %s in request", type(exc).__name__)
-    return _error_response(ApiError(500, "internal server error", type="server_error", code="internal_error"))
+    return _error_response(
+        ApiError(500, "internal server error", type="server_error", code="internal_error")
+    )
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -580,11 +653,21 @@ def require_ready(engine: Engine) -> None:
 
 def _require_model(engine: AsyncEngine, name: str) -> None:
     if name != engine.model_name:
-        raise ApiError(404, f"the model {name!r} does not exist on this node", code="model_not_found", param="model")
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist on this node",
+            code="model_not_found",
+            param="model",
+        )
 
 
 def _model_card(request: Request, engine: AsyncEngine) -> dict:
-    return {"id": engine.model_name, "object": "model", "created": request.app.state.started_at, "owned_by": "kvledger"}
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": request.app.state.started_at,
+        "owned_by": "kvledger",
+    }
 
 
 def _require_scraper(request: Request, engine: Engine) -> None:
@@ -639,8 +722,15 @@ async def keying(request: Request, engine: Engine) -> dict:
     (:func:`prefix_keys.model_files.keying_digest`), which the router compares with its own copy's."""
     digest = getattr(request.app.state, "keying_digest", None)
     if digest is None:
-        digest = request.app.state.keying_digest = await asyncio.to_thread(keying_digest, engine.settings.model_dir)
-    return {"model": engine.model_name, "namespace": engine.namespace.namespace, "block_size": engine.block_size, "keying_digest": digest}
+        digest = request.app.state.keying_digest = await asyncio.to_thread(
+            keying_digest, engine.settings.model_dir
+        )
+    return {
+        "model": engine.model_name,
+        "namespace": engine.namespace.namespace,
+        "block_size": engine.block_size,
+        "keying_digest": digest,
+    }
 
 
 LOAD_PATH = "/v1/kvledger/load"
@@ -652,8 +742,12 @@ async def load(engine: Engine) -> dict:
     router polls several times a second, where ``/metrics`` renders every series. Logged at DEBUG when answered."""
     registry = engine.metrics.registry
     return {
-        "num_requests_running": int(registry.get_sample_value("kvledger_num_requests_running") or 0),
-        "num_requests_waiting": int(registry.get_sample_value("kvledger_num_requests_waiting") or 0),
+        "num_requests_running": int(
+            registry.get_sample_value("kvledger_num_requests_running") or 0
+        ),
+        "num_requests_waiting": int(
+            registry.get_sample_value("kvledger_num_requests_waiting") or 0
+        ),
     }
 
 
@@ -681,7 +775,12 @@ def _pull_hint(request: Request) -> PullHint | None:
         return None
     try:
         node_id = check_identifier(node_id or "")
-        if len(node_id) > MAX_ID_CHARS or num_blocks is None or not num_blocks.isdigit() or not 1 <= int(num_blocks) <= MAX_HINT_BLOCKS:
+        if (
+            len(node_id) > MAX_ID_CHARS
+            or num_blocks is None
+            or not num_blocks.isdigit()
+            or not 1 <= int(num_blocks) <= MAX_HINT_BLOCKS
+        ):
             raise ValueError("out of range")
     except ValueError:
         raise ApiError(
@@ -710,8 +809,13 @@ async def serve_pull(http_request: Request, engine: Engine) -> Response:
     except PullRefused as refusal:
         engine.metrics.peer_serves.labels(refusal.code).inc()
         error_type = "authentication_error" if refusal.status == 401 else "invalid_request_error"
-        return JSONResponse(error_body(refusal.message, type=error_type, code=refusal.code), status_code=refusal.status)
-    records = await engine.run_exclusive(export_prefix, engine.pool, block_hashes[: engine.settings.peers.max_pull_blocks])
+        return JSONResponse(
+            error_body(refusal.message, type=error_type, code=refusal.code),
+            status_code=refusal.status,
+        )
+    records = await engine.run_exclusive(
+        export_prefix, engine.pool, block_hashes[: engine.settings.peers.max_pull_blocks]
+    )
     engine.manager.drain_events()
     engine.metrics.peer_serves.labels("served").inc()
     return Response(encode_frames(records), media_type="application/octet-stream")
@@ -737,12 +841,27 @@ async def chat_completions(http_request: Request, caller: Caller, engine: Engine
         pull_hint=_pull_hint(http_request) if use_cache else None,
     )
     stream, stats = await _start(engine, request)
-    stream = usage_meter(engine).metered(stream, caller.tenant_id, stats.num_prompt_tokens, stats.num_cached_tokens)
+    stream = usage_meter(engine).metered(
+        stream, caller.tenant_id, stats.num_prompt_tokens, stats.num_cached_tokens
+    )
     created = int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        continuous_usage = include_usage and body.stream_options is not None and body.stream_options.continuous_usage_stats
-        events = _sse_events(stream, stats, request_id, created, engine.model_name, include_usage, caller, continuous_usage)
+        continuous_usage = (
+            include_usage
+            and body.stream_options is not None
+            and body.stream_options.continuous_usage_stats
+        )
+        events = _sse_events(
+            stream,
+            stats,
+            request_id,
+            created,
+            engine.model_name,
+            include_usage,
+            caller,
+            continuous_usage,
+        )
         return StreamingResponse(
             events,
             media_type="text/event-stream",
@@ -755,7 +874,9 @@ async def chat_completions(http_request: Request, caller: Caller, engine: Engine
             if isinstance(item, TokenDelta):
                 texts.append(item.text)
             else:
-                assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
+                assert isinstance(item, GenerationDone), (
+                    f"unexpected engine item {type(item).__name__}"
+                )
                 done = item
     assert done is not None, "engine stream ended without GenerationDone"
     _log_completion(request_id, stats, done)
@@ -816,10 +937,14 @@ async def _sse_events(
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
         }
         if include_usage:
-            payload["usage"] = _usage(stats, num_completion_tokens, details=False) if continuous_usage else None
+            payload["usage"] = (
+                _usage(stats, num_completion_tokens, details=False) if continuous_usage else None
+            )
         return _sse(json.dumps(payload))
 
     head, tail = chunk({"content": _CONTENT_MARK}).split(json.dumps(_CONTENT_MARK))
@@ -835,12 +960,18 @@ async def _sse_events(
                     elif item.text:
                         yield head + json.dumps(item.text) + tail
                 else:
-                    assert isinstance(item, GenerationDone), f"unexpected engine item {type(item).__name__}"
+                    assert isinstance(item, GenerationDone), (
+                        f"unexpected engine item {type(item).__name__}"
+                    )
                     done = item
             assert done is not None, "engine stream ended without GenerationDone"
         except Exception as exc:
             logger.error("request %s failed while streaming: %s", request_id, type(exc).__name__)
-            yield _sse(json.dumps(error_body("generation failed", type="server_error", code="internal_error")))
+            yield _sse(
+                json.dumps(
+                    error_body("generation failed", type="server_error", code="internal_error")
+                )
+            )
             return
     yield chunk({}, done.finish_reason, done.num_completion_tokens)
     if include_usage:

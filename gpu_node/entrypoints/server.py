@@ -66,7 +66,9 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     }
     updates = {name: value for name, value in overrides.items() if value is not None}
     if args.jwt_public_key:
-        updates["auth"] = settings.auth.model_copy(update={"jwt_public_key_file": Path(args.jwt_public_key)})
+        updates["auth"] = settings.auth.model_copy(
+            update={"jwt_public_key_file": Path(args.jwt_public_key)}
+        )
     return settings.model_copy(update=updates)
 
 
@@ -87,7 +89,9 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
     if settings.kafka_bootstrap is None:
         return None
     if settings.subject_key is None:
-        raise ValueError("a node publishing to the ledger needs KVLEDGER_SUBJECT_KEY (shared with the coordinator)")
+        raise ValueError(
+            "a node publishing to the ledger needs KVLEDGER_SUBJECT_KEY (shared with the coordinator)"
+        )
     publisher = NodePublisher(
         engine,
         kafka_settings(settings),
@@ -102,7 +106,9 @@ def make_publisher(engine: AsyncEngine, settings: NodeSettings) -> NodePublisher
     return publisher
 
 
-def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings) -> CommandConsumer:
+def make_command_consumer(
+    engine: AsyncEngine, publisher: NodePublisher, settings: NodeSettings
+) -> CommandConsumer:
     """The command side of the ledger hook (its evidence collector subscribes to pool events beside the publisher).
 
     With ``coordinator_url`` the node takes its governance state from the coordinator at start
@@ -114,7 +120,10 @@ def make_command_consumer(engine: AsyncEngine, publisher: NodePublisher, setting
     if settings.coordinator_url is not None:
         node_key, node_id = node_signing_key(settings), settings.node_id
         governance = GovernanceClient(
-            settings.coordinator_url, lambda: issue_node_credential(node_key, node_id, NODE_CREDENTIAL_TTL_S), node_id, command_key
+            settings.coordinator_url,
+            lambda: issue_node_credential(node_key, node_id, NODE_CREDENTIAL_TTL_S),
+            node_id,
+            command_key,
         )
     return CommandConsumer(
         handler,
@@ -134,7 +143,11 @@ async def serve(settings: NodeSettings) -> None:
     until the command consumer has applied everything pending.
     """
     verifier = TokenVerifier(settings.auth)
-    operator_verifier = TokenVerifier(settings.operator_auth, secret_env=None) if settings.operator_auth.configured else None
+    operator_verifier = (
+        TokenVerifier(settings.operator_auth, secret_env=None)
+        if settings.operator_auth.configured
+        else None
+    )
     engine = AsyncEngine.from_settings(settings)
     publisher = make_publisher(engine, settings)
     commands = make_command_consumer(engine, publisher, settings) if publisher is not None else None
@@ -165,10 +178,14 @@ def cli(args: argparse.Namespace) -> int:
         return 2
     settings = settings_from_args(args)
     if not (Path(settings.model_dir) / "config.json").is_file():
-        raise SystemExit(f"no model at {settings.model_dir}; create one with `kvledger model init {settings.model_dir}`")
+        raise SystemExit(
+            f"no model at {settings.model_dir}; create one with `kvledger model init {settings.model_dir}`"
+        )
     try:
         asyncio.run(serve(settings))
-    except KVMemoryError as exc:  # the cache cannot fit this machine: one line naming the numbers, no traceback
+    except (
+        KVMemoryError
+    ) as exc:  # the cache cannot fit this machine: one line naming the numbers, no traceback
         print(f"kvledger node: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -87,10 +87,21 @@ from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from events.metrics import HANDLER_FAILURES_TOTAL
 from events.tiers import Tier
-from gpu_node.governance.sync import GovernanceClient, GovernanceRefused, GovernanceState, GovernanceUnavailable
+from gpu_node.governance.sync import (
+    GovernanceClient,
+    GovernanceRefused,
+    GovernanceState,
+    GovernanceUnavailable,
+)
 from gpu_node.keys.crypto import DataKeyProvider
 from gpu_node.pool import snapshots
-from gpu_node.pool.vocabulary import IndexKey, PoolEvent, RemovalEvidence, RemovalReason, RemovedFromPool
+from gpu_node.pool.vocabulary import (
+    IndexKey,
+    PoolEvent,
+    RemovalEvidence,
+    RemovalReason,
+    RemovedFromPool,
+)
 from identity.signing import SIGNATURE_ERROR, signature_problem
 from prefix_keys.blocks import CacheProvenance
 
@@ -114,7 +125,9 @@ applied: a request claims its blocks at most the singleflight wait after it comp
 # --------------------------------------------------------------------------- predicates
 
 
-def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes) -> Callable[[CacheProvenance], bool]:
+def block_predicate(
+    predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes
+) -> Callable[[CacheProvenance], bool]:
     """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` (and was keyed before ``keyed_before``).
 
     The handler removes with ``keyed_before=None``: every matching block that
@@ -149,7 +162,8 @@ def block_predicate(predicate: schema.Predicate, keyed_before: datetime | None, 
 
             def matches(provenance: CacheProvenance) -> bool:
                 return provenance.tenant_id == tenant and any(
-                    scope == auth_scope and version < below for scope, version in provenance.auth_scopes
+                    scope == auth_scope and version < below
+                    for scope, version in provenance.auth_scopes
                 )
 
         case schema.SubjectPredicate(tenant=tenant, subject_id=digest):
@@ -243,7 +257,9 @@ def fetch_snapshot_keys(root: Path, key_provider: DataKeyProvider) -> None:
 
 
 def remove_from_snapshots(
-    root: Path, predicates: Sequence[Callable[[CacheProvenance], bool]], key_provider: DataKeyProvider
+    root: Path,
+    predicates: Sequence[Callable[[CacheProvenance], bool]],
+    key_provider: DataKeyProvider,
 ) -> list[list[SnapshotRemoval]]:
     """Rewrite every snapshot under ``root`` without blocks any predicate matches; per predicate, what it removed.
 
@@ -259,17 +275,27 @@ def remove_from_snapshots(
         return removals
     for directory in snapshots.complete_snapshots(root):
         before = snapshots.read_manifest(directory)
-        records = snapshots.remove_from_snapshot(directory, lambda p: any(match(p) for match in predicates), key_provider)
+        records = snapshots.remove_from_snapshot(
+            directory, lambda p: any(match(p) for match in predicates), key_provider
+        )
         if not records:
             continue
         live_shards = set(snapshots.read_manifest(directory).shards)
-        verified = all(not (directory / name).exists() for name in before.shards if name not in live_shards)
+        verified = all(
+            not (directory / name).exists() for name in before.shards if name not in live_shards
+        )
         for index, match in enumerate(predicates):
-            mine = [r for r in records if (match(r.provenance) if r.provenance is not None else index == 0)]
+            mine = [
+                r
+                for r in records
+                if (match(r.provenance) if r.provenance is not None else index == 0)
+            ]
             if mine:
                 hashes = tuple(dict.fromkeys(r.block_hash for r in mine))
                 key_ids = frozenset(r.key_id for r in mine if r.key_id is not None)
-                removals[index].append(SnapshotRemoval(before.snapshot_id, hashes, verified, key_ids))
+                removals[index].append(
+                    SnapshotRemoval(before.snapshot_id, hashes, verified, key_ids)
+                )
     return removals
 
 
@@ -284,7 +310,9 @@ class CryptoErasure:
     verified: bool
 
 
-def crypto_erase_subject(key_provider: DataKeyProvider, predicate: schema.SubjectPredicate, sealed_key_ids: set[str]) -> CryptoErasure:
+def crypto_erase_subject(
+    key_provider: DataKeyProvider, predicate: schema.SubjectPredicate, sealed_key_ids: set[str]
+) -> CryptoErasure:
     """Destroy the subject's keys in ``key_provider`` and check each is gone (blocking: a local store fsyncs).
 
     The keys are the ones the provider can attribute to the subject's digest
@@ -294,11 +322,19 @@ def crypto_erase_subject(key_provider: DataKeyProvider, predicate: schema.Subjec
     destruction is the coordinator's; what the node destroys is its cached
     copy, after which it refuses to fetch the key again.
     """
-    candidates = sorted(set(key_provider.subject_key_ids(predicate.tenant, predicate.subject_id)) | sealed_key_ids)
+    candidates = sorted(
+        set(key_provider.subject_key_ids(predicate.tenant, predicate.subject_id)) | sealed_key_ids
+    )
     # A key that survives destroy() is one its authority still serves (issued after the erasure
     # started, for the subject's newer data): not destroyed, so never reported as destroyed.
-    key_ids = [key_id for key_id in candidates if key_provider.destroy(key_id) or key_provider.key_by_id(key_id) is None]
-    return CryptoErasure(tuple(key_ids), all(key_provider.key_by_id(key_id) is None for key_id in key_ids))
+    key_ids = [
+        key_id
+        for key_id in candidates
+        if key_provider.destroy(key_id) or key_provider.key_by_id(key_id) is None
+    ]
+    return CryptoErasure(
+        tuple(key_ids), all(key_provider.key_by_id(key_id) is None for key_id in key_ids)
+    )
 
 
 # --------------------------------------------------------------------------- invalidation
@@ -357,7 +393,12 @@ class InvalidationApplier:
     release, and its evidence only exists in that removal event.
     """
 
-    def __init__(self, engine: AsyncEngine, subject_key: bytes, deferred_wait_s: float = DEFAULT_DEFERRED_WAIT_S) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        subject_key: bytes,
+        deferred_wait_s: float = DEFAULT_DEFERRED_WAIT_S,
+    ) -> None:
         if deferred_wait_s <= 0:
             raise ValueError("deferred_wait_s must be positive")
         self.engine = engine
@@ -376,8 +417,13 @@ class InvalidationApplier:
     def remember_decision(self, predicate: schema.Predicate, decided_at: datetime) -> None:
         """Registry only: a decision of the governance state, or a command's (decided at its cutoff)."""
         self.engine.versions.apply(predicate, decided_at)
-        if isinstance(predicate, schema.NamespacePredicate) and predicate.ns == self.engine.namespace.namespace:
-            log.warning("this node's namespace is retired: requests are served without the prefix cache")
+        if (
+            isinstance(predicate, schema.NamespacePredicate)
+            and predicate.ns == self.engine.namespace.namespace
+        ):
+            log.warning(
+                "this node's namespace is retired: requests are served without the prefix cache"
+            )
 
     async def apply(self, command: schema.Invalidate) -> list[TierReport]:
         """Apply one command fully; returns the ack's evidence (a batch of one, see :meth:`apply_batch`)."""
@@ -386,7 +432,9 @@ class InvalidationApplier:
                 return evidence
         raise AssertionError("apply_batch yields every command it completes")
 
-    async def apply_batch(self, commands: Sequence[schema.Invalidate]) -> AsyncIterator[tuple[schema.Invalidate, list[TierReport]]]:
+    async def apply_batch(
+        self, commands: Sequence[schema.Invalidate]
+    ) -> AsyncIterator[tuple[schema.Invalidate, list[TierReport]]]:
         """Apply ``commands`` in order; yields each with its ack's evidence as soon as it is complete.
 
         Every command's registry move and tombstones happen before the first is
@@ -405,7 +453,9 @@ class InvalidationApplier:
             if isinstance(command.predicate, schema.SubjectPredicate):
                 # Erasures only: they are rare, and every guard is checked at every build while it lasts.
                 keyed_before = block_predicate(command.predicate, applied_at, self.subject_key)
-                pool.guard_builds(keyed_before, self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S)
+                pool.guard_builds(
+                    keyed_before, self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S
+                )
             progress = self._progress.setdefault(command.command_id, _Progress(self._num_seen))
             plans.append(_Plan(command, matches, progress))
         reports = await asyncio.to_thread(
@@ -422,20 +472,29 @@ class InvalidationApplier:
             keys = pool.key_provider.blocking()
             await asyncio.to_thread(fetch_snapshot_keys, self.engine.snapshot_root, keys)
             removals = await self.engine.run_exclusive(
-                remove_from_snapshots, self.engine.snapshot_root, [plan.matches for plan in plans], keys
+                remove_from_snapshots,
+                self.engine.snapshot_root,
+                [plan.matches for plan in plans],
+                keys,
             )
             for plan, removed in zip(plans, removals, strict=True):
                 for removal in removed:
                     plan.progress.snapshot_hashes.update(removal.block_hashes)
-                    plan.progress.snapshots_verified = plan.progress.snapshots_verified and removal.verified
+                    plan.progress.snapshots_verified = (
+                        plan.progress.snapshots_verified and removal.verified
+                    )
                     plan.progress.snapshot_key_ids.update(removal.key_ids)
         for plan in plans:
             await self._wait_for_release(plan.progress)
             erasure = None
             if isinstance(plan.command.predicate, schema.SubjectPredicate):
                 removed = plan.progress.removed.values()
-                sealed = {item.key_id for item in removed if item.key_id is not None} | plan.progress.snapshot_key_ids
-                erasure = await asyncio.to_thread(crypto_erase_subject, pool.key_provider, plan.command.predicate, sealed)
+                sealed = {
+                    item.key_id for item in removed if item.key_id is not None
+                } | plan.progress.snapshot_key_ids
+                erasure = await asyncio.to_thread(
+                    crypto_erase_subject, pool.key_provider, plan.command.predicate, sealed
+                )
             self._finish(plan.command.command_id)
             yield plan.command, _evidence(plan.progress, erasure)
 
@@ -459,7 +518,9 @@ class InvalidationApplier:
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise DeferredRemovalTimeout(f"{len(progress.pending)} matching blocks are still referenced")
+                raise DeferredRemovalTimeout(
+                    f"{len(progress.pending)} matching blocks are still referenced"
+                )
             progress.changed.clear()
             try:
                 await asyncio.wait_for(progress.changed.wait(), remaining)
@@ -501,7 +562,11 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[TierRe
         method, post_check = _POOL_METHODS[tier]
         verified = all(item.verified for item in items)
         key_ids: list[str] = []
-        if tier is Tier.DISK and destroyed and all(item.encrypted and item.key_id in destroyed for item in items):
+        if (
+            tier is Tier.DISK
+            and destroyed
+            and all(item.encrypted and item.key_id in destroyed for item in items)
+        ):
             method, post_check, key_ids = "crypto_erase", "key_destroyed", list(erasure.key_ids)
             verified = verified and erasure.verified
         result.append(
@@ -515,7 +580,12 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[TierRe
             )
         )
     if progress.snapshot_hashes:
-        method, post_check, key_ids, verified = "unlink", "file_absent", [], progress.snapshots_verified
+        method, post_check, key_ids, verified = (
+            "unlink",
+            "file_absent",
+            [],
+            progress.snapshots_verified,
+        )
         if destroyed and progress.snapshot_key_ids <= destroyed:
             method, post_check, key_ids = "crypto_erase", "key_destroyed", list(erasure.key_ids)
             verified = verified and erasure.verified
@@ -539,7 +609,13 @@ AckRecords = tuple[schema.Envelope, ...]
 """One command's ack as the records that carry it: one, or the parts of :func:`events.ack_parts.ack_parts`."""
 
 
-def ack_records(command: schema.Invalidate, node_id: str, epoch: int, evidence: Sequence[TierReport], after_seq: int) -> AckRecords:
+def ack_records(
+    command: schema.Invalidate,
+    node_id: str,
+    epoch: int,
+    evidence: Sequence[TierReport],
+    after_seq: int,
+) -> AckRecords:
     """The envelopes of the ack of ``command``, each small enough to be sent once signed.
 
     Built once per application and kept: a re-sent command gets these same envelopes (same
@@ -600,7 +676,9 @@ class CommandConsumer:
         self._max_backoff_s = max_backoff_s
         # Commands that keep failing are retried forever (never skipped): the clock makes that visible.
         self.stall = StallClock(stall_after_s)
-        self.engine.metrics.consumer_stalled.labels(group=self.group_id).set_function(lambda: float(self.stall.stalled))
+        self.engine.metrics.consumer_stalled.labels(group=self.group_id).set_function(
+            lambda: float(self.stall.stalled)
+        )
         self._consumer = AIOKafkaConsumer(
             **kafka_client_kwargs(kafka),
             group_id=self.group_id,
@@ -632,8 +710,12 @@ class CommandConsumer:
             await self._consumer.topics()
             partitions = self._consumer.partitions_for_topic(topics.COMMANDS)
             if not partitions:
-                raise RuntimeError(f"topic {topics.COMMANDS} has no partitions; create the topics first")
-            assigned = [TopicPartition(topics.COMMANDS, partition) for partition in sorted(partitions)]
+                raise RuntimeError(
+                    f"topic {topics.COMMANDS} has no partitions; create the topics first"
+                )
+            assigned = [
+                TopicPartition(topics.COMMANDS, partition) for partition in sorted(partitions)
+            ]
             self._consumer.assign(assigned)
             for tp in assigned:
                 self._committed[tp] = await self._consumer.committed(tp) or 0
@@ -674,7 +756,10 @@ class CommandConsumer:
             try:
                 self._raise_if_flush_failed()
                 batch = await get_fresh_batch(
-                    self._consumer, timeout_ms=self._poll_timeout_ms, max_records=self._max_records, top_up_ms=self._top_up_ms
+                    self._consumer,
+                    timeout_ms=self._poll_timeout_ms,
+                    max_records=self._max_records,
+                    top_up_ms=self._top_up_ms,
                 )
                 if any(batch.values()):
                     self.stall.waiting()
@@ -686,7 +771,12 @@ class CommandConsumer:
             except Exception as exc:  # noqa: BLE001 - a failed command is retried, never skipped
                 HANDLER_FAILURES_TOTAL.labels(group=self.group_id).inc()
                 # Exception text may quote record data; only its type is logged.
-                log.warning("node %s: command failed (%s); retrying in %.1fs", self.node_id, type(exc).__name__, backoff)
+                log.warning(
+                    "node %s: command failed (%s); retrying in %.1fs",
+                    self.node_id,
+                    type(exc).__name__,
+                    backoff,
+                )
                 log.debug("command failure detail", exc_info=True)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff_s)
@@ -700,12 +790,21 @@ class CommandConsumer:
                 await self._apply_governance(state)
                 return
             except Exception as exc:  # noqa: BLE001 - never ready on a partial or unverified state, never a crash loop
-                reason = str(exc) if isinstance(exc, (GovernanceUnavailable, GovernanceRefused)) else type(exc).__name__
+                reason = (
+                    str(exc)
+                    if isinstance(exc, (GovernanceUnavailable, GovernanceRefused))
+                    else type(exc).__name__
+                )
                 kind = "apply_failed"
                 if isinstance(exc, (GovernanceUnavailable, GovernanceRefused)):
                     kind = "unavailable" if isinstance(exc, GovernanceUnavailable) else "refused"
                 self.engine.metrics.governance_failures.labels(reason=kind).inc()
-                log.warning("node %s: governance state not applied (%s); not ready, retrying in %.1fs", self.node_id, reason, backoff)
+                log.warning(
+                    "node %s: governance state not applied (%s); not ready, retrying in %.1fs",
+                    self.node_id,
+                    reason,
+                    backoff,
+                )
                 log.debug("governance failure detail", exc_info=True)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff_s)
@@ -805,7 +904,9 @@ class CommandConsumer:
             raise
         self._handled_upto.update(handled)
         if sending or handled:
-            self._flushing = asyncio.create_task(self._flush_after(self._flushing, sending, handled))
+            self._flushing = asyncio.create_task(
+                self._flush_after(self._flushing, sending, handled)
+            )
 
     def _raise_if_flush_failed(self) -> None:
         """Raise the failure of the last flush, if it failed, after rewinding to what is committed."""
@@ -837,7 +938,9 @@ class CommandConsumer:
                 and record.offset >= self._committed[tp]
                 and key not in self._unacked
                 and envelope.payload.command_id not in self._acks
-                and all(envelope.payload.command_id != waiting.command_id for _, waiting in to_apply)
+                and all(
+                    envelope.payload.command_id != waiting.command_id for _, waiting in to_apply
+                )
             ):
                 to_apply.append((record.offset, envelope.payload))
                 continue
@@ -875,7 +978,9 @@ class CommandConsumer:
         if not commands:
             return
         offsets = iter(commands)
-        async with contextlib.aclosing(self.handler.apply_batch([command for _, command in commands])) as applied:
+        async with contextlib.aclosing(
+            self.handler.apply_batch([command for _, command in commands])
+        ) as applied:
             async for command, evidence in applied:
                 offset, expected = next(offsets)
                 assert command is expected, "apply_batch yields the commands in order"
@@ -908,7 +1013,12 @@ class CommandConsumer:
             self._handled_upto[tp] = min(handled_upto, self._committed[tp])
             self._consumer.seek(tp, self._handled_upto[tp])
 
-    async def _flush_after(self, previous: asyncio.Task | None, sending: list[asyncio.Task], handled: dict[TopicPartition, int]) -> None:
+    async def _flush_after(
+        self,
+        previous: asyncio.Task | None,
+        sending: list[asyncio.Task],
+        handled: dict[TopicPartition, int],
+    ) -> None:
         """:meth:`_flush` once ``previous`` (the flush of the batch before) succeeded; its failure fails this one too."""
         if previous is not None:
             try:
@@ -925,7 +1035,9 @@ class CommandConsumer:
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-        offsets = {tp: offset for tp, offset in handled.items() if offset > self._committed.get(tp, 0)}
+        offsets = {
+            tp: offset for tp, offset in handled.items() if offset > self._committed.get(tp, 0)
+        }
         if offsets:
             await self._consumer.commit(offsets)
             self._committed.update(offsets)
@@ -934,7 +1046,11 @@ class CommandConsumer:
                 del self._unacked[done]
 
     async def _handle_record(
-        self, tp: TopicPartition, record: ConsumerRecord, envelope: schema.Envelope | None, error: str | None
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord,
+        envelope: schema.Envelope | None,
+        error: str | None,
     ) -> AckRecords | None:
         """Everything but applying a command: dead letters, replays, acks to resend, inventory requests.
 
@@ -947,7 +1063,9 @@ class CommandConsumer:
                 self._unacked[(tp, record.offset)] = None
             return None
         payload = envelope.payload
-        assert isinstance(payload, schema.Command), f"routing admits only commands on this topic, got {envelope.type}"
+        assert isinstance(payload, schema.Command), (
+            f"routing admits only commands on this topic, got {envelope.type}"
+        )
         if isinstance(payload, schema.Invalidate):
             # Applied in an earlier life, or in this run with its ack not yet published, or a re-send of a
             # command applied in this run: remember, never apply again; a re-send gets the command's ack again.
@@ -956,12 +1074,20 @@ class CommandConsumer:
                 return None
             key = (tp, record.offset)
             if key not in self._unacked:
-                assert payload.command_id in self._acks, f"command {payload.command_id} neither applied nor remembered"
+                assert payload.command_id in self._acks, (
+                    f"command {payload.command_id} neither applied nor remembered"
+                )
                 self._unacked[key] = self._acks[payload.command_id]
                 self.engine.metrics.commands_reacked.inc()
-                log.info("node %s: re-acking a re-sent %s command", self.node_id, payload.predicate.kind)
+                log.info(
+                    "node %s: re-acking a re-sent %s command", self.node_id, payload.predicate.kind
+                )
             return self._unacked[key]
-        if isinstance(payload, schema.InventoryRequested) and payload.node_id == self.node_id and not applied_before:
+        if (
+            isinstance(payload, schema.InventoryRequested)
+            and payload.node_id == self.node_id
+            and not applied_before
+        ):
             if (tp, record.offset) not in self._unacked:
                 await self.publisher.publish_inventory(payload.request_id)
                 self._unacked[(tp, record.offset)] = None
@@ -969,8 +1095,14 @@ class CommandConsumer:
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
         # The node's own topic: nodes never write kvledger.dead-letter, whose letters replay republishes.
-        await send_to_dead_letter(self._producer, record, error, self.group_id, topic=topics.NODE_DEAD_LETTER)
+        await send_to_dead_letter(
+            self._producer, record, error, self.group_id, topic=topics.NODE_DEAD_LETTER
+        )
         if error.startswith(topics.ROUTING_ERROR):
-            self.engine.metrics.misrouted_commands.labels(reason=error.removeprefix(topics.ROUTING_ERROR)).inc()
+            self.engine.metrics.misrouted_commands.labels(
+                reason=error.removeprefix(topics.ROUTING_ERROR)
+            ).inc()
         if error.startswith(SIGNATURE_ERROR):
-            self.engine.metrics.unverified_commands.labels(reason=error.removeprefix(SIGNATURE_ERROR)).inc()
+            self.engine.metrics.unverified_commands.labels(
+                reason=error.removeprefix(SIGNATURE_ERROR)
+            ).inc()

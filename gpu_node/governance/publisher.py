@@ -152,11 +152,20 @@ class NodePublisher:
         await self._producer.start()
         self.epoch = next_epoch(data_dir)
         await self._send_node_events(
-            [schema.NodeStarted(node_id=self.node_id, epoch=self.epoch, seq=0, namespace=self.engine.namespace.namespace)]
+            [
+                schema.NodeStarted(
+                    node_id=self.node_id,
+                    epoch=self.epoch,
+                    seq=0,
+                    namespace=self.engine.namespace.namespace,
+                )
+            ]
         )
         # The ledger replaces the node's placements with an inventory: one that left out a snapshot's sealed
         # blocks because their keys could not be asked for would make it drop copies still on disk.
-        await until_key_service_answers(lambda: self.publish_inventory(request_id=None), f"node {self.node_id}: start inventory")
+        await until_key_service_answers(
+            lambda: self.publish_inventory(request_id=None), f"node {self.node_id}: start inventory"
+        )
         self._tasks = [
             asyncio.create_task(self._flush_loop()),
             asyncio.create_task(self._heartbeat_loop()),
@@ -233,19 +242,38 @@ class NodePublisher:
         """
         common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0}
         if kind[0] == "stored":
-            built = (self._built("BlockStored", lambda e=e: self._stored_block(e.key, e.tier.value, e.source)) for e in events)
-            return self._split(schema.BlockStored, common, [block for block in built if block is not None])
+            built = (
+                self._built(
+                    "BlockStored", lambda e=e: self._stored_block(e.key, e.tier.value, e.source)
+                )
+                for e in events
+            )
+            return self._split(
+                schema.BlockStored, common, [block for block in built if block is not None]
+            )
         if kind[0] == "removed":
-            removed = [schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value) for e in events]
+            removed = [
+                schema.RemovedBlock(block_hash=e.block_hash.hex(), tier=e.tier.value)
+                for e in events
+            ]
             return self._split(schema.BlockRemoved, {**common, "reason": kind[1]}, removed)
         if kind[0] == "moved":
-            moved = [schema.MovedBlock(block_hash=e.block_hash.hex(), from_tier=e.from_tier.value, to_tier=e.to_tier.value) for e in events]
+            moved = [
+                schema.MovedBlock(
+                    block_hash=e.block_hash.hex(),
+                    from_tier=e.from_tier.value,
+                    to_tier=e.to_tier.value,
+                )
+                for e in events
+            ]
             return self._split(schema.BlockMoved, common, moved)
         assert kind[0] == "snapshot", f"unknown batch kind {kind}"
         ((_, snapshot_id, block_hashes),) = events
         return self._snapshot_parts(common, snapshot_id, [h.hex() for h in block_hashes])
 
-    def _split(self, model: type[schema.NodeEvent], fields: dict, blocks: list) -> list[schema.EventPayload]:
+    def _split(
+        self, model: type[schema.NodeEvent], fields: dict, blocks: list
+    ) -> list[schema.EventPayload]:
         """``model`` records listing ``blocks``, as few as the count and size limits allow."""
         runs = split_to_fit(
             blocks,
@@ -253,15 +281,26 @@ class NodePublisher:
             max_items=MAX_BLOCKS_PER_RECORD,
         )
         return [
-            payload for payload in (self._built(model.TYPE, lambda run=run: model(**fields, blocks=list(run))) for run in runs) if payload
+            payload
+            for payload in (
+                self._built(model.TYPE, lambda run=run: model(**fields, blocks=list(run)))
+                for run in runs
+            )
+            if payload
         ]
 
-    def _snapshot_parts(self, common: dict, snapshot_id: str, block_hashes: list[str]) -> list[schema.EventPayload]:
+    def _snapshot_parts(
+        self, common: dict, snapshot_id: str, block_hashes: list[str]
+    ) -> list[schema.EventPayload]:
         """A snapshot's ``SnapshotWritten`` as parts within the limits (``part``/``parts``, one when it fits)."""
 
         def size_of(run) -> int:
             payload = schema.SnapshotWritten.model_construct(
-                **common, snapshot_id=snapshot_id, block_hashes=list(run), part=schema.MAX_INT32 - 1, parts=schema.MAX_INT32
+                **common,
+                snapshot_id=snapshot_id,
+                block_hashes=list(run),
+                part=schema.MAX_INT32 - 1,
+                parts=schema.MAX_INT32,
             )
             return envelope_bytes(payload)
 
@@ -270,7 +309,11 @@ class NodePublisher:
             self._built(
                 "SnapshotWritten",
                 lambda number=number, run=run: schema.SnapshotWritten(
-                    **common, snapshot_id=snapshot_id, block_hashes=list(run), part=number, parts=len(runs)
+                    **common,
+                    snapshot_id=snapshot_id,
+                    block_hashes=list(run),
+                    part=number,
+                    parts=len(runs),
                 ),
             )
             for number, run in enumerate(runs)
@@ -299,7 +342,11 @@ class NodePublisher:
             envelope = schema.make_event(payload.model_copy(update={"seq": stamped_seq}))
             value = self._encode(envelope)
             if len(value) > MAX_RECORD_BYTES:
-                self._dead_letter_locally(payload.TYPE, "too_large", f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+                self._dead_letter_locally(
+                    payload.TYPE,
+                    "too_large",
+                    f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}",
+                )
                 continue
             seq = stamped_seq
             topic, key = route(envelope)
@@ -315,7 +362,9 @@ class NodePublisher:
             return
         records, self._unacked = self._unacked, []
         results = await self._producer.send_raw_many([(r.topic, r.value, r.key) for r in records])
-        if fault_triggered("node.kv_events_send_timed_out"):  # tests only: the broker took them, the client saw a timeout
+        if fault_triggered(
+            "node.kv_events_send_timed_out"
+        ):  # tests only: the broker took them, the client saw a timeout
             results = [KafkaTimeoutError() for _ in records]
         failed: KafkaError | None = None
         for record, result in zip(records, results, strict=True):
@@ -333,7 +382,13 @@ class NodePublisher:
     def _dead_letter_locally(self, event_type: str, cause: str, error: str) -> None:
         """Count, log (no content: the error names fields, never values) and report a record that cannot be sent."""
         self.engine.metrics.dead_letters.labels(type=event_type, cause=cause).inc()
-        log.error("node %s: %s record dead-lettered locally (%s): %s", self.node_id, event_type, cause, error)
+        log.error(
+            "node %s: %s record dead-lettered locally (%s): %s",
+            self.node_id,
+            event_type,
+            cause,
+            error,
+        )
         letter = DeadLetter.of(
             topic=KV_EVENTS,
             partition=-1,
@@ -353,9 +408,13 @@ class NodePublisher:
             try:
                 await self._producer.send_raw(NODE_DEAD_LETTER, letter.encode(), letter.raw_key())
             except Exception as exc:  # noqa: BLE001 - a broker hiccup must not stop publishing
-                log.warning("node %s: reporting a dead letter failed (%s)", self.node_id, type(exc).__name__)
+                log.warning(
+                    "node %s: reporting a dead letter failed (%s)", self.node_id, type(exc).__name__
+                )
 
-    def provenance_event(self, block_hash: bytes, parent_hash: bytes, token_offset: int, provenance: CacheProvenance) -> dict:
+    def provenance_event(
+        self, block_hash: bytes, parent_hash: bytes, token_offset: int, provenance: CacheProvenance
+    ) -> dict:
         subject = (
             schema.subject_digest(self.subject_key, provenance.tenant_id, provenance.subject_id)
             if provenance.subject_id is not None
@@ -375,13 +434,20 @@ class NodePublisher:
             "creator_subject_id": provenance.creator_subject_id,
         }
 
-    def _stored_block(self, key: BlockKey, tier: str, source: vocabulary.ReplicaSource | None = None) -> schema.StoredBlock:
+    def _stored_block(
+        self, key: BlockKey, tier: str, source: vocabulary.ReplicaSource | None = None
+    ) -> schema.StoredBlock:
         replica_of = (
             None
             if source is None
-            else schema.ReplicaOrigin(source_node_id=source.node_id, pulled_at=datetime.fromtimestamp(source.pulled_at_wall, UTC))
+            else schema.ReplicaOrigin(
+                source_node_id=source.node_id,
+                pulled_at=datetime.fromtimestamp(source.pulled_at_wall, UTC),
+            )
         )
-        provenance = self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance)
+        provenance = self.provenance_event(
+            key.block_hash, key.parent_hash, key.token_offset, key.provenance
+        )
         return schema.StoredBlock(**provenance, tier=tier, replica_of=replica_of)
 
     async def publish_inventory(self, request_id: uuid.UUID | None) -> None:
@@ -400,7 +466,9 @@ class NodePublisher:
                 # events are drained on this loop; an inventory read between the two showed moves whose
                 # records followed it, and the ledger, read before the inventory, looked stale.
                 self.engine.manager.drain_events()
-                held: list[tuple[BlockKey, str, str | None]] = [(e.key, e.tier.value, None) for e in pool.ready_entries()]
+                held: list[tuple[BlockKey, str, str | None]] = [
+                    (e.key, e.tier.value, None) for e in pool.ready_entries()
+                ]
             await self._flush_pending()
             for snapshot_id, keys in snapshot_inventory.items():
                 held.extend((key, "snapshot", snapshot_id) for key in keys)
@@ -410,29 +478,50 @@ class NodePublisher:
                     described[key.block_hash] = self._built(
                         "Inventory",
                         lambda key=key: schema.BlockProvenance(
-                            **self.provenance_event(key.block_hash, key.parent_hash, key.token_offset, key.provenance)
+                            **self.provenance_event(
+                                key.block_hash, key.parent_hash, key.token_offset, key.provenance
+                            )
                         ),
                     )
             # A block the contract refuses is left out with its placements (dead-lettered above).
             listed = [
-                (schema.Placement(block_hash=key.block_hash.hex(), tier=tier, snapshot_id=snapshot_id), provenance)
+                (
+                    schema.Placement(
+                        block_hash=key.block_hash.hex(), tier=tier, snapshot_id=snapshot_id
+                    ),
+                    provenance,
+                )
                 for key, tier, snapshot_id in held
                 if (provenance := described[key.block_hash]) is not None
             ]
-            common = {"node_id": self.node_id, "epoch": self.epoch, "seq": 0, "request_id": request_id}
+            common = {
+                "node_id": self.node_id,
+                "epoch": self.epoch,
+                "seq": 0,
+                "request_id": request_id,
+            }
 
             def chunk_fields(run) -> dict:
                 blocks = {provenance.block_hash: provenance for _, provenance in run}
-                return {**common, "placements": [placement for placement, _ in run], "blocks": list(blocks.values())}
+                return {
+                    **common,
+                    "placements": [placement for placement, _ in run],
+                    "blocks": list(blocks.values()),
+                }
 
             runs = split_to_fit(
                 listed,
                 lambda run: envelope_bytes(
-                    schema.Inventory.model_construct(**chunk_fields(run), chunk=schema.MAX_INT32 - 1, chunks=schema.MAX_INT32)
+                    schema.Inventory.model_construct(
+                        **chunk_fields(run), chunk=schema.MAX_INT32 - 1, chunks=schema.MAX_INT32
+                    )
                 ),
                 max_items=MAX_BLOCKS_PER_RECORD,
             ) or [[]]
-            payloads = [schema.Inventory(**chunk_fields(run), chunk=index, chunks=len(runs)) for index, run in enumerate(runs)]
+            payloads = [
+                schema.Inventory(**chunk_fields(run), chunk=index, chunks=len(runs))
+                for index, run in enumerate(runs)
+            ]
             await self._send_node_events(payloads)
 
     async def publish_usage(self) -> None:
@@ -476,7 +565,9 @@ class NodePublisher:
             except Exception:  # noqa: BLE001 - unsent usage records stay queued and go out with the next flush
                 log.exception("publishing usage failed; will retry")
             try:
-                envelope = schema.make_event(schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq))
+                envelope = schema.make_event(
+                    schema.NodeHeartbeat(node_id=self.node_id, epoch=self.epoch, seq=self.seq)
+                )
                 topic, key = route(envelope)
                 await self._producer.send_raw(topic, self._encode(envelope), encode_key(key))
             except Exception:  # noqa: BLE001 - liveness is best effort; the coordinator notices silence

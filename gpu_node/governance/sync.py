@@ -30,7 +30,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import TypeAdapter, ValidationError
 
 from events import schema
-from identity.signing import GOVERNANCE_CONTEXT, SIGNATURE_ERROR, document_signature_problem, signature_problem
+from identity.signing import (
+    GOVERNANCE_CONTEXT,
+    SIGNATURE_ERROR,
+    document_signature_problem,
+    signature_problem,
+)
 
 DEFAULT_TIMEOUT_S = 10.0
 MAX_PAGES = 10_000
@@ -86,24 +91,34 @@ class GovernanceClient:
         """Every page, checked; :class:`GovernanceUnavailable` or :class:`GovernanceRefused` otherwise."""
         state = GovernanceState()
         cursor: str | None = None
-        async with httpx.AsyncClient(base_url=self._url, timeout=self._timeout_s, transport=self._transport) as client:
+        async with httpx.AsyncClient(
+            base_url=self._url, timeout=self._timeout_s, transport=self._transport
+        ) as client:
             for _ in range(MAX_PAGES):
                 nonce = secrets.token_urlsafe(24)
                 params = {"nonce": nonce} if cursor is None else {"nonce": nonce, "cursor": cursor}
                 try:
                     response = await client.get(
-                        "/v1/governance", params=params, headers={"Authorization": f"Bearer {self._token_factory()}"}
+                        "/v1/governance",
+                        params=params,
+                        headers={"Authorization": f"Bearer {self._token_factory()}"},
                     )
                 except httpx.HTTPError as error:
-                    raise GovernanceUnavailable(f"coordinator unreachable ({type(error).__name__})") from None
+                    raise GovernanceUnavailable(
+                        f"coordinator unreachable ({type(error).__name__})"
+                    ) from None
                 if response.status_code != 200:
-                    raise GovernanceUnavailable(f"coordinator answered HTTP {response.status_code} {_error_code(response)}")
+                    raise GovernanceUnavailable(
+                        f"coordinator answered HTTP {response.status_code} {_error_code(response)}"
+                    )
                 cursor = self._read_page(response, nonce, state)
                 if cursor is None:
                     return state
         raise GovernanceRefused(f"the governance state did not end within {MAX_PAGES} pages")
 
-    def _read_page(self, response: httpx.Response, nonce: str, state: GovernanceState) -> str | None:
+    def _read_page(
+        self, response: httpx.Response, nonce: str, state: GovernanceState
+    ) -> str | None:
         """Check one page and add it to ``state``; its next cursor (None on the last page)."""
         try:
             body = response.json()
@@ -119,7 +134,12 @@ class GovernanceClient:
             raise GovernanceRefused("the signed answer is for another node or another request")
         try:
             for item in body["decisions"]:
-                state.decisions.append((_PREDICATE.validate_python(item["predicate"]), _DECIDED_AT.validate_python(item["decided_at"])))
+                state.decisions.append(
+                    (
+                        _PREDICATE.validate_python(item["predicate"]),
+                        _DECIDED_AT.validate_python(item["decided_at"]),
+                    )
+                )
             for item in body["pending_commands"]:
                 envelope = schema.parse_event(json.dumps(item).encode())
                 problem = signature_problem(envelope, self._command_key)
@@ -130,8 +150,16 @@ class GovernanceClient:
                 state.pending.append(envelope.payload)
             state.as_of_decision = max(state.as_of_decision, int(body["as_of_decision"]))
             cursor = body["next_cursor"]
-        except (KeyError, TypeError, ValueError, ValidationError, schema.EventValidationError) as error:
-            raise GovernanceRefused(f"malformed governance state ({type(error).__name__})") from None
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            ValidationError,
+            schema.EventValidationError,
+        ) as error:
+            raise GovernanceRefused(
+                f"malformed governance state ({type(error).__name__})"
+            ) from None
         if cursor is not None and not isinstance(cursor, str):
             raise GovernanceRefused("malformed governance state (cursor)")
         return cursor

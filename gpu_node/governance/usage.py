@@ -40,8 +40,12 @@ class UsageMeter:
         self._totals: dict[str, list[int]] = {}
         self._window_start = datetime.now(UTC)
 
-    def record(self, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> None:
-        assert 0 <= num_cached_tokens <= num_prompt_tokens, f"cached {num_cached_tokens} of {num_prompt_tokens} prompt tokens"
+    def record(
+        self, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int
+    ) -> None:
+        assert 0 <= num_cached_tokens <= num_prompt_tokens, (
+            f"cached {num_cached_tokens} of {num_prompt_tokens} prompt tokens"
+        )
         totals = self._totals.setdefault(tenant_id, [0, 0, 0, 0])
         totals[0] += 1
         totals[1] += num_prompt_tokens
@@ -53,9 +57,14 @@ class UsageMeter:
         window_start, window_end = self._window_start, datetime.now(UTC)
         totals, self._totals = self._totals, {}
         self._window_start = window_end
-        return [TenantUsage(tenant_id, window_start, window_end, *counts) for tenant_id, counts in sorted(totals.items())]
+        return [
+            TenantUsage(tenant_id, window_start, window_end, *counts)
+            for tenant_id, counts in sorted(totals.items())
+        ]
 
-    async def metered(self, stream: AsyncIterator, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> AsyncIterator:
+    async def metered(
+        self, stream: AsyncIterator, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int
+    ) -> AsyncIterator:
         """``stream`` (an engine's generation) unchanged, recording its usage when its ``GenerationDone`` passes.
 
         Duck-typed on ``finish_reason`` so this module does not import the engine (and torch): every
@@ -64,7 +73,9 @@ class UsageMeter:
         async with aclosing(stream):
             async for item in stream:
                 if getattr(item, "finish_reason", None) is not None:
-                    self.record(tenant_id, num_prompt_tokens, num_cached_tokens, item.num_completion_tokens)
+                    self.record(
+                        tenant_id, num_prompt_tokens, num_cached_tokens, item.num_completion_tokens
+                    )
                 yield item
 
 

@@ -69,7 +69,11 @@ async def until_key_service_answers(attempt: Callable[[], Awaitable[T]], what: s
         try:
             return await attempt()
         except KeyServiceUnavailable:
-            log.warning("%s: the key service cannot answer for sealed copies; trying again in %.1fs", what, wait_s)
+            log.warning(
+                "%s: the key service cannot answer for sealed copies; trying again in %.1fs",
+                what,
+                wait_s,
+            )
             await asyncio.sleep(wait_s)
             wait_s = min(wait_s * 2, max_wait_s)
 
@@ -130,7 +134,13 @@ def seal(key: bytes, key_id: str, block_hash: bytes, plaintext: bytes) -> bytes:
     return nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(block_hash, key_id))
 
 
-def unseal(key: bytes, key_id: str, block_hash: bytes, sealed: bytes | memoryview, aead: AESGCM | None = None) -> bytes | None:
+def unseal(
+    key: bytes,
+    key_id: str,
+    block_hash: bytes,
+    sealed: bytes | memoryview,
+    aead: AESGCM | None = None,
+) -> bytes | None:
     """The plaintext, or None when the ciphertext, block hash or key id does not authenticate.
 
     ``aead`` may pass an ``AESGCM(key)`` already built for ``key``: building one
@@ -144,7 +154,9 @@ def unseal(key: bytes, key_id: str, block_hash: bytes, sealed: bytes | memoryvie
         return None
     nonce, ciphertext = bytes(sealed[:NONCE_BYTES]), sealed[NONCE_BYTES:]
     try:
-        return (AESGCM(key) if aead is None else aead).decrypt(nonce, ciphertext, _aad(block_hash, key_id))
+        return (AESGCM(key) if aead is None else aead).decrypt(
+            nonce, ciphertext, _aad(block_hash, key_id)
+        )
     except InvalidTag:
         return None
 
@@ -217,7 +229,9 @@ class LocalKeyStore:
         return self._path
 
     def _label_digest(self, label: bytes) -> str:
-        return hmac.new(self._id_secret, b"kvledger/key-label/v1\x00" + label, hashlib.sha256).hexdigest()[:KEY_ID_HEX_CHARS]
+        return hmac.new(
+            self._id_secret, b"kvledger/key-label/v1\x00" + label, hashlib.sha256
+        ).hexdigest()[:KEY_ID_HEX_CHARS]
 
     def _key_id(self, label_digest: str, generation: int) -> str:
         message = b"kvledger/key-id/v1\x00" + label_digest.encode() + _U32.pack(generation)
@@ -243,8 +257,12 @@ class LocalKeyStore:
                 self._keys[key_id] = key
                 self._generations.setdefault(label_digest, 0)
                 if provenance.scope == CacheScope.USER and self._subject_key is not None:
-                    assert provenance.tenant_id is not None and provenance.subject_id is not None, "user blocks name both"
-                    digest = subject_digest(self._subject_key, provenance.tenant_id, provenance.subject_id)
+                    assert provenance.tenant_id is not None and provenance.subject_id is not None, (
+                        "user blocks name both"
+                    )
+                    digest = subject_digest(
+                        self._subject_key, provenance.tenant_id, provenance.subject_id
+                    )
                     self._subjects[self._subject_index(provenance.tenant_id, digest)] = label_digest
                 self._write()
             return key_id, key

@@ -32,4 +32,6 @@ def pinned_command_key(settings: NodeSettings) -> Ed25519PublicKey:
     try:
         return load_public_key_file(path)
     except OSError as error:
-        raise ValueError(f"cannot read the coordinator's command public key {path}: {error.strerror}") from None
+        raise ValueError(
+            f"cannot read the coordinator's command public key {path}: {error.strerror}"
+        ) from None

@@ -136,10 +136,14 @@ class CoordinatorKeyProvider:
         # Key ids destroyed by an erasure command. Bounded too: past the bound the key
         # service's own answer (410) still refuses them.
         self._destroyed: _Lru[str, bool] = _Lru(settings.max_negative_entries)
-        self._negative: _Lru[tuple[str, Hashable], tuple[float, bool]] = _Lru(settings.max_negative_entries)
+        self._negative: _Lru[tuple[str, Hashable], tuple[float, bool]] = _Lru(
+            settings.max_negative_entries
+        )
         """What memory answers None for, until when, and whether in doubt (the service could not answer) rather than "no such key"."""
         self._inflight: dict[tuple[str, Hashable], Future] = {}
-        self._fetcher = ThreadPoolExecutor(max_workers=_FETCH_WORKERS, thread_name_prefix="kvledger-keys")
+        self._fetcher = ThreadPoolExecutor(
+            max_workers=_FETCH_WORKERS, thread_name_prefix="kvledger-keys"
+        )
         self._serving = False
 
     def close(self) -> None:
@@ -147,7 +151,9 @@ class CoordinatorKeyProvider:
         self._client.close()
 
     def _scope(self, tenant_id: str, subject_id: str | None) -> Scope:
-        return tenant_id, None if subject_id is None else subject_digest(self._subject_key, tenant_id, subject_id)
+        return tenant_id, None if subject_id is None else subject_digest(
+            self._subject_key, tenant_id, subject_id
+        )
 
     # -- what the pool calls, under its lock: memory only once serving ------------------------
 
@@ -155,12 +161,16 @@ class CoordinatorKeyProvider:
         """The live key of the block's scope if held (else fetched, see the module docstring); None for public scope."""
         if provenance.scope == CacheScope.PUBLIC:
             return None
-        assert provenance.tenant_id is not None, "tenant and user scope blocks always carry a tenant id"
+        assert provenance.tenant_id is not None, (
+            "tenant and user scope blocks always carry a tenant id"
+        )
         subject_id = None
         if provenance.scope == CacheScope.USER:
             assert provenance.subject_id is not None, "user scope blocks always carry a subject id"
             subject_id = provenance.subject_id
-        return self._lookup(("scope", self._scope(provenance.tenant_id, subject_id)), wait=not self._serving)
+        return self._lookup(
+            ("scope", self._scope(provenance.tenant_id, subject_id)), wait=not self._serving
+        )
 
     def key_by_id(self, key_id: str) -> bytes | None:
         """The key to unseal with if held (else fetched, see the module docstring); None once destroyed or unknown."""
@@ -179,11 +189,17 @@ class CoordinatorKeyProvider:
         self._serving = True
         futures = [
             future
-            for scope in (self._scope(principal.tenant_id, None), self._scope(principal.tenant_id, principal.subject_id))
+            for scope in (
+                self._scope(principal.tenant_id, None),
+                self._scope(principal.tenant_id, principal.subject_id),
+            )
             if (future := self._wanted(("scope", scope))) is not None
         ]
         if futures:
-            await asyncio.wait([asyncio.wrap_future(future) for future in futures], timeout=self._settings.prefetch_wait_s)
+            await asyncio.wait(
+                [asyncio.wrap_future(future) for future in futures],
+                timeout=self._settings.prefetch_wait_s,
+            )
 
     def blocking(self) -> DataKeyProvider:
         """A view that fetches a key it does not hold (bounded by ``timeout_s``): for callers outside the pool's lock."""
@@ -226,7 +242,9 @@ class CoordinatorKeyProvider:
         with self._lock:
             self._destroyed.put(key_id, True)
             self._by_id.pop(key_id)
-            for scope in [scope for scope, (cached_id, _) in self._by_scope.items() if cached_id == key_id]:
+            for scope in [
+                scope for scope, (cached_id, _) in self._by_scope.items() if cached_id == key_id
+            ]:
                 self._by_scope.pop(scope)
         return True
 
@@ -348,12 +366,20 @@ class CoordinatorKeyProvider:
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response | None:
         """One request with a fresh node credential; None when the coordinator is unreachable. Logs failures, never keys."""
         try:
-            response = self._client.request(method, path, headers={"Authorization": f"Bearer {self._token_factory()}"}, **kwargs)
+            response = self._client.request(
+                method, path, headers={"Authorization": f"Bearer {self._token_factory()}"}, **kwargs
+            )
         except httpx.HTTPError as error:
             log.warning("key service unreachable (%s %s: %s)", method, path, type(error).__name__)
             return None
         if response.status_code not in (200, 404, 410):
-            log.error("key service refused %s %s: HTTP %d %s", method, path, response.status_code, _error_code(response))
+            log.error(
+                "key service refused %s %s: HTTP %d %s",
+                method,
+                path,
+                response.status_code,
+                _error_code(response),
+            )
         return response
 
 
@@ -366,9 +392,13 @@ class _Blocking:
     def key_for(self, provenance: CacheProvenance) -> tuple[str, bytes] | None:
         if provenance.scope == CacheScope.PUBLIC:
             return None
-        assert provenance.tenant_id is not None, "tenant and user scope blocks always carry a tenant id"
+        assert provenance.tenant_id is not None, (
+            "tenant and user scope blocks always carry a tenant id"
+        )
         subject_id = provenance.subject_id if provenance.scope == CacheScope.USER else None
-        return self._provider._lookup(("scope", self._provider._scope(provenance.tenant_id, subject_id)), wait=True)
+        return self._provider._lookup(
+            ("scope", self._provider._scope(provenance.tenant_id, subject_id)), wait=True
+        )
 
     def key_by_id(self, key_id: str) -> bytes | None:
         """The key; None when it is gone (destroyed, never issued, a malformed id); raises
@@ -423,10 +453,16 @@ def data_key_provider(settings: NodeSettings, data_dir: Path) -> DataKeyProvider
     is enrolled for this node id. No shared secret is involved.
     """
     if settings.coordinator_url is None:
-        subject_key = None if settings.subject_key is None else settings.subject_key.get_secret_value().encode()
+        subject_key = (
+            None
+            if settings.subject_key is None
+            else settings.subject_key.get_secret_value().encode()
+        )
         return LocalKeyStore(data_dir / "keys.json", subject_key)
     if settings.subject_key is None:
-        raise ValueError("coordinator_url needs the subject key (KVLEDGER_SUBJECT_KEY) shared with the coordinator")
+        raise ValueError(
+            "coordinator_url needs the subject key (KVLEDGER_SUBJECT_KEY) shared with the coordinator"
+        )
     node_key = node_signing_key(settings)
     node_id = settings.node_id
 
@@ -434,5 +470,8 @@ def data_key_provider(settings: NodeSettings, data_dir: Path) -> DataKeyProvider
         return issue_node_credential(node_key, node_id, NODE_CREDENTIAL_TTL_S)
 
     return CoordinatorKeyProvider(
-        settings.coordinator_url, credential, settings.subject_key.get_secret_value().encode(), settings.data_keys
+        settings.coordinator_url,
+        credential,
+        settings.subject_key.get_secret_value().encode(),
+        settings.data_keys,
     )

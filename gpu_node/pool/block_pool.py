@@ -166,7 +166,11 @@ class BlockPool:
             prefix: list[CacheEntry] = []
             for block_hash in block_hashes:
                 entry = entries.get(block_hash)
-                if entry is None or entry.state is not BlockState.READY or state.is_expired(entry, now):
+                if (
+                    entry is None
+                    or entry.state is not BlockState.READY
+                    or state.is_expired(entry, now)
+                ):
                     break
                 prefix.append(entry)
             return prefix
@@ -176,7 +180,11 @@ class BlockPool:
         state = self._state
         with state.lock:
             now = state.clock()
-            return [entry for entry in state.entries.values() if entry.state is BlockState.READY and not state.is_expired(entry, now)]
+            return [
+                entry
+                for entry in state.entries.values()
+                if entry.state is BlockState.READY and not state.is_expired(entry, now)
+            ]
 
     # --- references --------------------------------------------------------------------
 
@@ -186,8 +194,13 @@ class BlockPool:
         state = self._state
         with state.lock:
             for entry in entries:
-                if state.entries.get(entry.block_hash) is not entry or entry.state is not BlockState.READY:
-                    raise ValueError(f"block {entry.block_hash.hex()[:16]} is not a READY entry of this pool")
+                if (
+                    state.entries.get(entry.block_hash) is not entry
+                    or entry.state is not BlockState.READY
+                ):
+                    raise ValueError(
+                        f"block {entry.block_hash.hex()[:16]} is not a READY entry of this pool"
+                    )
             now = state.clock()
             lru = state.lru
             for entry in entries:
@@ -203,7 +216,9 @@ class BlockPool:
             counts = Counter(id(entry) for entry in entries)
             for entry in entries:
                 if entry.ref_count < counts[id(entry)]:
-                    raise ValueError(f"block {entry.block_hash.hex()[:16]} released more often than referenced")
+                    raise ValueError(
+                        f"block {entry.block_hash.hex()[:16]} released more often than referenced"
+                    )
             for entry in entries:
                 entry.ref_count -= 1
                 if entry.ref_count == 0 and entry.tombstoned and entry.tier is not None:
@@ -227,21 +242,31 @@ class BlockPool:
         if key.provenance.namespace != state.config.namespace:
             raise ValueError("block key belongs to another namespace")
         if key.block_size != state.spec.block_size:
-            raise ValueError(f"block key is for block size {key.block_size}, pool stores {state.spec.block_size}")
+            raise ValueError(
+                f"block key is for block size {key.block_size}, pool stores {state.spec.block_size}"
+            )
         with state.lock:
             existing = state.entries.get(key.block_hash)
             now = state.clock()
-            if existing is not None and existing.state is BlockState.READY and state.is_expired(existing, now):
+            if (
+                existing is not None
+                and existing.state is BlockState.READY
+                and state.is_expired(existing, now)
+            ):
                 state.expire_entry(existing)
                 existing = state.entries.get(key.block_hash)
-            if existing is not None or any(until > now and guard(key.provenance) for guard, until in state.build_guards):
+            if existing is not None or any(
+                until > now and guard(key.provenance) for guard, until in state.build_guards
+            ):
                 return None
             entry = CacheEntry(key=key, state=BlockState.BUILDING, last_access=now)
             state.admit(entry)
             state.num_building += 1
             return entry
 
-    def commit_build(self, entry: CacheEntry, kv: torch.Tensor, source: ReplicaSource | None = None) -> bool:
+    def commit_build(
+        self, entry: CacheEntry, kv: torch.Tensor, source: ReplicaSource | None = None
+    ) -> bool:
         """Store a built (or, with ``source``, pulled) block on the device tier and make it READY.
 
         False (entry discarded) when it was tombstoned while building or the
@@ -252,12 +277,16 @@ class BlockPool:
         """
         state = self._state
         with state.lock:
-            assert state.entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING, (
-                "commit_build takes the BUILDING entry begin_build returned"
+            assert (
+                state.entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING
+            ), "commit_build takes the BUILDING entry begin_build returned"
+            assert entry.provenance.namespace == state.config.namespace, (
+                "begin_build admits only this namespace"
             )
-            assert entry.provenance.namespace == state.config.namespace, "begin_build admits only this namespace"
             if tuple(kv.shape) != state.spec.block_shape:
-                raise ValueError(f"kv shape {tuple(kv.shape)} != block shape {state.spec.block_shape}")
+                raise ValueError(
+                    f"kv shape {tuple(kv.shape)} != block shape {state.spec.block_shape}"
+                )
             if kv.dtype != state.spec.dtype:
                 raise ValueError(f"kv dtype {kv.dtype} != pool dtype {state.spec.dtype}")
             if entry.tombstoned or not self._demoter.make_room(Tier.DEVICE):
@@ -272,9 +301,9 @@ class BlockPool:
         """BUILDING → FAILED → ABSENT: the hash may be built again."""
         state = self._state
         with state.lock:
-            assert state.entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING, (
-                "fail_build takes the BUILDING entry begin_build returned"
-            )
+            assert (
+                state.entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING
+            ), "fail_build takes the BUILDING entry begin_build returned"
             state.discard_building(entry)
 
     # --- paged KV: device slots owned by running sequences (gpu_node.engine.paged_kv) ---------------
@@ -313,7 +342,9 @@ class BlockPool:
     def import_record(self, data: bytes, tier: Tier) -> bool:
         """Warm one READY block into a free slot of ``tier`` (never evicting); see :meth:`PoolWarmStart.import_record`."""
         if tier not in STORAGE_TIERS:
-            raise ValueError(f"blocks are imported into one of {[tier.value for tier in STORAGE_TIERS]}, not {tier}")
+            raise ValueError(
+                f"blocks are imported into one of {[tier.value for tier in STORAGE_TIERS]}, not {tier}"
+            )
         return self._warm_start.import_record(data, tier)
 
     def load_disk_tier(self) -> int:
@@ -347,7 +378,11 @@ class BlockPool:
         state = self._state
         with state.lock:
             now = state.clock()
-            expired = [entry for entry in state.entries.values() if entry.state is BlockState.READY and state.is_expired(entry, now)]
+            expired = [
+                entry
+                for entry in state.entries.values()
+                if entry.state is BlockState.READY and state.is_expired(entry, now)
+            ]
             for entry in expired:
                 state.expire_entry(entry)
             return len(expired)
@@ -355,13 +390,18 @@ class BlockPool:
     # --- removal ------------------------------------------------------------------------
 
     def remove_where(
-        self, predicate: Callable[[CacheProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
+        self,
+        predicate: Callable[[CacheProvenance], bool],
+        reason: RemovalReason,
+        candidates: IndexKey | None = None,
     ) -> RemovalReport:
         """Delete every block whose provenance matches, in every tier, with evidence (:meth:`PoolRemover.remove_where`)."""
         return self._remover.remove_where(predicate, reason, candidates)
 
     def remove_many(
-        self, requests: Sequence[tuple[Callable[[CacheProvenance], bool], IndexKey | None]], reason: RemovalReason
+        self,
+        requests: Sequence[tuple[Callable[[CacheProvenance], bool], IndexKey | None]],
+        reason: RemovalReason,
     ) -> list[RemovalReport]:
         """:meth:`remove_where` for each ``(predicate, candidates)``, with one bulk deletion (:class:`PoolRemover`)."""
         return self._remover.remove_many(requests, reason)

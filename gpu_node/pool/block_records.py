@@ -82,12 +82,18 @@ def _key_from_dict(data: Mapping) -> BlockKey:
 def record_meta(record: BlockRecord) -> bytes:
     """The record's identity/format/expiry metadata as stored (compact JSON)."""
     return json.dumps(
-        {"key": _key_to_dict(record.key), "kv_format": record.kv_format, "expires_at_wall": record.expires_at_wall},
+        {
+            "key": _key_to_dict(record.key),
+            "kv_format": record.kv_format,
+            "expires_at_wall": record.expires_at_wall,
+        },
         separators=(",", ":"),
     ).encode()
 
 
-def encode_block_record(record: BlockRecord, key_provider: DataKeyProvider, meta: bytes | None = None) -> bytes | None:
+def encode_block_record(
+    record: BlockRecord, key_provider: DataKeyProvider, meta: bytes | None = None
+) -> bytes | None:
     """Serialize a block for disk or a snapshot; None when its scope has no data key available.
 
     Layout: ``KVLB ‖ version ‖ flags ‖ block_hash ‖ …``. Sealed (tenant/user):
@@ -108,7 +114,11 @@ def encode_block_record(record: BlockRecord, key_provider: DataKeyProvider, meta
         return None
     key_id, key = sealing
     key_id_bytes = key_id.encode("ascii")
-    header = HEADER.pack(MAGIC, RECORD_VERSION, FLAG_SEALED, block_hash) + bytes([len(key_id_bytes)]) + key_id_bytes
+    header = (
+        HEADER.pack(MAGIC, RECORD_VERSION, FLAG_SEALED, block_hash)
+        + bytes([len(key_id_bytes)])
+        + key_id_bytes
+    )
     return header + seal(key, key_id, block_hash, body)
 
 
@@ -149,7 +159,10 @@ def open_record(
     flags = data[5]
     view = memoryview(data)
     if flags == FLAG_PLAIN:
-        if len(data) < HEADER.size + CHECKSUM_BYTES or hashlib.sha256(view[:-CHECKSUM_BYTES]).digest() != data[-CHECKSUM_BYTES:]:
+        if (
+            len(data) < HEADER.size + CHECKSUM_BYTES
+            or hashlib.sha256(view[:-CHECKSUM_BYTES]).digest() != data[-CHECKSUM_BYTES:]
+        ):
             raise BlockRestoreError(block_hash, "checksum_mismatch")
         return block_hash, flags, view[HEADER.size : -CHECKSUM_BYTES]
     if flags != FLAG_SEALED or len(data) <= HEADER.size:
@@ -175,7 +188,9 @@ def open_record(
     return block_hash, flags, opened
 
 
-def parse_record_body(block_hash: bytes, flags: int, body: bytes | memoryview) -> tuple[BlockRecord, bytes]:
+def parse_record_body(
+    block_hash: bytes, flags: int, body: bytes | memoryview
+) -> tuple[BlockRecord, bytes]:
     """The record in an authenticated body and its raw meta bytes; checks hash and scope against the header."""
     try:
         (meta_len,) = META_LENGTH.unpack_from(body)
@@ -184,7 +199,10 @@ def parse_record_body(block_hash: bytes, flags: int, body: bytes | memoryview) -
         key = _key_from_dict(meta["key"])
         expires_at_wall = meta["expires_at_wall"]
         record = BlockRecord(
-            key, str(meta["kv_format"]), None if expires_at_wall is None else float(expires_at_wall), bytes(body[4 + meta_len :])
+            key,
+            str(meta["kv_format"]),
+            None if expires_at_wall is None else float(expires_at_wall),
+            bytes(body[4 + meta_len :]),
         )
     except (struct.error, ValueError, KeyError, TypeError):
         raise BlockRestoreError(block_hash, "bad_metadata") from None
@@ -218,4 +236,8 @@ def tensor_bytes(kv: torch.Tensor) -> bytes:
 
 def payload_tensor(payload: bytes, spec: KVBlockSpec) -> torch.Tensor:
     """A record's raw KV bytes as a CPU tensor of ``spec``'s block shape (a private copy)."""
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(spec.dtype).reshape(spec.block_shape)
+    return (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        .view(spec.dtype)
+        .reshape(spec.block_shape)
+    )

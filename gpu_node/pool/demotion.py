@@ -51,11 +51,17 @@ class PoolDemoter:
         state = self._state
         if state.has_room(tier):
             return True
-        victim = next((entry for entry in state.lru[tier].candidates() if entry.ref_count == 0), None)
+        victim = next(
+            (entry for entry in state.lru[tier].candidates() if entry.ref_count == 0), None
+        )
         if victim is None:
             return False
         lower = self._lower_tier(tier)
-        if lower is not None and self.make_room(lower) and self._move_down(victim, lower, state.read_payload(victim)):
+        if (
+            lower is not None
+            and self.make_room(lower)
+            and self._move_down(victim, lower, state.read_payload(victim))
+        ):
             return True
         state.drop(victim, RemovalReason.EVICTED)
         return True
@@ -71,7 +77,9 @@ class PoolDemoter:
         """Store ``kv`` in lower ``to_tier`` (room already made), then delete the old bytes; False if unsealable."""
         state = self._state
         from_tier = entry.tier
-        assert from_tier is not None and TIER_DEPTH[to_tier] > TIER_DEPTH[from_tier], "a demotion moves a placed entry down"
+        assert from_tier is not None and TIER_DEPTH[to_tier] > TIER_DEPTH[from_tier], (
+            "a demotion moves a placed entry down"
+        )
         stored, slot = state.store_bytes(entry, to_tier, kv)
         if not stored:
             return False

@@ -82,11 +82,13 @@ class DeviceSlots:
         """
         state = self._state
         with state.lock:
-            assert state.entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING, (
-                "commit_slot takes the BUILDING entry begin_build returned"
-            )
+            assert (
+                state.entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING
+            ), "commit_slot takes the BUILDING entry begin_build returned"
             # Range only: a membership scan of the free-slot heap cost ~20 µs per committed block, on every miss.
-            assert 0 <= slot < state.memory[Tier.DEVICE].capacity, "the slot must be a device slot the caller allocated"
+            assert 0 <= slot < state.memory[Tier.DEVICE].capacity, (
+                "the slot must be a device slot the caller allocated"
+            )
             if entry.tombstoned:
                 state.discard_building(entry)
                 return False

@@ -44,7 +44,9 @@ FILE_DELETE_WORKERS = 4
 class DiskTier:
     """Block files under ``directory`` (created private), named by block hash."""
 
-    def __init__(self, directory: Path, namespace: str, spec: KVBlockSpec, key_provider: DataKeyProvider) -> None:
+    def __init__(
+        self, directory: Path, namespace: str, spec: KVBlockSpec, key_provider: DataKeyProvider
+    ) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._prefix = os.path.join(directory, "")
@@ -114,7 +116,9 @@ class DiskTier:
         """
         block_hash = key.block_hash
         try:
-            data = _read_file(self._prefix + block_hash.hex() + ".kvb", self._file_bytes.get(block_hash, 0))
+            data = _read_file(
+                self._prefix + block_hash.hex() + ".kvb", self._file_bytes.get(block_hash, 0)
+            )
         except FileNotFoundError:
             raise BlockRestoreError(block_hash, "file_missing") from None
         header_hash, flags, body = open_record(data, self._key_provider, aeads)
@@ -122,7 +126,11 @@ class DiskTier:
             raise BlockRestoreError(block_hash, "hash_mismatch")
         known_meta = self.known_meta.get(block_hash)
         meta_len = META_LENGTH.unpack_from(body)[0] if len(body) >= META_LENGTH.size else -1
-        if known_meta is not None and meta_len == len(known_meta) and body[4 : 4 + meta_len] == known_meta:
+        if (
+            known_meta is not None
+            and meta_len == len(known_meta)
+            and body[4 : 4 + meta_len] == known_meta
+        ):
             if (flags == FLAG_PLAIN) != (key.provenance.scope == CacheScope.PUBLIC):
                 raise BlockRestoreError(block_hash, "scope_mismatch")
             payload = body[4 + meta_len :]
@@ -158,7 +166,9 @@ class DiskTier:
         paths = [self.path(block_hash) for block_hash in block_hashes]
         if len(paths) < 2:
             return [overwrite_and_unlink(path) for path in paths]
-        with ThreadPoolExecutor(max_workers=FILE_DELETE_WORKERS, thread_name_prefix="kvledger-unlink") as executor:
+        with ThreadPoolExecutor(
+            max_workers=FILE_DELETE_WORKERS, thread_name_prefix="kvledger-unlink"
+        ) as executor:
             return list(executor.map(overwrite_and_unlink, paths))
 
     def stored_files(self) -> Iterator[tuple[Path, bytes]]:

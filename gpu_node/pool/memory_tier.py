@@ -30,7 +30,9 @@ class MemoryTier:
     __slots__ = ("capacity", "flat", "free", "table")
 
     def __init__(self, table: torch.Tensor, spec: KVBlockSpec) -> None:
-        assert tuple(table.shape[1:]) == spec.block_shape, "a slot table is [num_slots, *block_shape]"
+        assert tuple(table.shape[1:]) == spec.block_shape, (
+            "a slot table is [num_slots, *block_shape]"
+        )
         self.table = table
         self.capacity = table.shape[0]
         # A two-dimensional view ``[slots, block_elements]`` of the same storage, for batched slot I/O.

@@ -56,7 +56,9 @@ class PoolReader:
                     raise ValueError("read_blocks needs entries referenced with inc_lock_ref")
             for entry in entries:
                 if entry.tombstoned or entry.tier is None:
-                    raise BlockRestoreError(entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED))
+                    raise BlockRestoreError(
+                        entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED)
+                    )
             num = len(entries)
             device = torch.device(state.config.device)
             shape = state.spec.block_shape
@@ -81,18 +83,24 @@ class PoolReader:
             # corrupt one is removed and raised before anything moves.
             lower_kv = None
             if lower:
-                lower_kv = torch.empty((len(lower), *shape), dtype=state.spec.dtype, pin_memory=device.type == "cuda")
+                lower_kv = torch.empty(
+                    (len(lower), *shape), dtype=state.spec.dtype, pin_memory=device.type == "cuda"
+                )
                 lower_flat = lower_kv.view(len(lower), -1)
                 self._load_disk_payloads(lower, lower_kv)
                 host_pos = [pos for pos, entry in enumerate(lower) if entry.tier is Tier.HOST]
                 if len(host_pos) == len(lower):
                     state.memory[Tier.HOST].gather([entry.slot for entry in lower], lower_flat)
                 elif host_pos:
-                    gathered = torch.empty((len(host_pos), lower_flat.shape[1]), dtype=state.spec.dtype)
+                    gathered = torch.empty(
+                        (len(host_pos), lower_flat.shape[1]), dtype=state.spec.dtype
+                    )
                     state.memory[Tier.HOST].gather([lower[pos].slot for pos in host_pos], gathered)
                     lower_flat.index_copy_(0, torch.tensor(host_pos, dtype=torch.long), gathered)
             if lower_kv is not None and lower_kv.device != device:
-                lower_kv = lower_kv.to(device, non_blocking=True)  # pinned staging: an async copy, ordered before its readers
+                lower_kv = lower_kv.to(
+                    device, non_blocking=True
+                )  # pinned staging: an async copy, ordered before its readers
             if promote and lower:
                 self._promote_batch(lower, lower_kv.view(len(lower), -1))
             if lower_kv is not None and len(lower) == num:
@@ -100,13 +108,19 @@ class PoolReader:
             else:
                 out = torch.empty((num, *shape), dtype=state.spec.dtype, device=device)
                 if lower_kv is not None:
-                    out.index_copy_(0, torch.tensor(lower_rows, dtype=torch.long, device=device), lower_kv)
+                    out.index_copy_(
+                        0, torch.tensor(lower_rows, dtype=torch.long, device=device), lower_kv
+                    )
                 if device_rows and len(device_rows) == num:
                     state.memory[Tier.DEVICE].gather(device_slots, out.view(num, -1))
                 elif device_rows:
-                    gathered = torch.empty((len(device_rows), out[0].numel()), dtype=state.spec.dtype, device=device)
+                    gathered = torch.empty(
+                        (len(device_rows), out[0].numel()), dtype=state.spec.dtype, device=device
+                    )
                     state.memory[Tier.DEVICE].gather(device_slots, gathered)
-                    out.view(num, -1).index_copy_(0, torch.tensor(device_rows, dtype=torch.long, device=device), gathered)
+                    out.view(num, -1).index_copy_(
+                        0, torch.tensor(device_rows, dtype=torch.long, device=device), gathered
+                    )
                 for row, first in duplicates:
                     out[row].copy_(out[first])
             for entry in entries:
@@ -123,10 +137,14 @@ class PoolReader:
             if entry.tier is not Tier.DISK:
                 continue
             if staging_bytes is None:
-                staging_bytes = staging.view(torch.uint8).reshape(len(lower), state.spec.block_bytes).numpy()
+                staging_bytes = (
+                    staging.view(torch.uint8).reshape(len(lower), state.spec.block_bytes).numpy()
+                )
             staging_bytes[pos] = np.frombuffer(self._disk_payload(entry, aeads), dtype=np.uint8)
 
-    def _disk_payload(self, entry: CacheEntry, aeads: dict[str, tuple[bytes, AESGCM]]) -> bytes | memoryview:
+    def _disk_payload(
+        self, entry: CacheEntry, aeads: dict[str, tuple[bytes, AESGCM]]
+    ) -> bytes | memoryview:
         """The authenticated KV bytes of a disk entry's file; a missing or bad file is dropped and raised."""
         state = self._state
         try:

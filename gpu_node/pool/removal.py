@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from events.fault_points import fault_point
 from events.tiers import STORAGE_TIERS, Tier
 from gpu_node.pool.state import PoolState
-from gpu_node.pool.vocabulary import INDEX_KINDS, BlockState, CacheEntry, IndexKey, RemovalEvidence, RemovalReason, RemovalReport
+from gpu_node.pool.vocabulary import (
+    INDEX_KINDS,
+    BlockState,
+    CacheEntry,
+    IndexKey,
+    RemovalEvidence,
+    RemovalReason,
+    RemovalReport,
+)
 from prefix_keys.blocks import CacheProvenance
 
 
@@ -40,11 +48,16 @@ class PoolRemover:
             raise ValueError("duration_s must be positive")
         with state.lock:
             now = state.clock()
-            state.build_guards = [(guard, until) for guard, until in state.build_guards if until > now]
+            state.build_guards = [
+                (guard, until) for guard, until in state.build_guards if until > now
+            ]
             state.build_guards.append((predicate, now + duration_s))
 
     def remove_where(
-        self, predicate: Callable[[CacheProvenance], bool], reason: RemovalReason, candidates: IndexKey | None = None
+        self,
+        predicate: Callable[[CacheProvenance], bool],
+        reason: RemovalReason,
+        candidates: IndexKey | None = None,
     ) -> RemovalReport:
         """Delete every block whose provenance matches, in every tier, with per-block evidence.
 
@@ -60,7 +73,9 @@ class PoolRemover:
         return self.remove_many([(predicate, candidates)], reason)[0]
 
     def remove_many(
-        self, requests: Sequence[tuple[Callable[[CacheProvenance], bool], IndexKey | None]], reason: RemovalReason
+        self,
+        requests: Sequence[tuple[Callable[[CacheProvenance], bool], IndexKey | None]],
+        reason: RemovalReason,
     ) -> list[RemovalReport]:
         """:meth:`remove_where` for each ``(predicate, candidates)`` in order, with one bulk deletion of bytes.
 
@@ -78,8 +93,14 @@ class PoolRemover:
             dropping: set[CacheEntry] = set()
             matches_per_request: list[list[CacheEntry]] = []
             for predicate, candidates in requests:
-                scanned = state.entries.values() if candidates is None else state.candidates(candidates)
-                matches = [entry for entry in scanned if entry not in dropping and predicate(entry.provenance)]
+                scanned = (
+                    state.entries.values() if candidates is None else state.candidates(candidates)
+                )
+                matches = [
+                    entry
+                    for entry in scanned
+                    if entry not in dropping and predicate(entry.provenance)
+                ]
                 for entry in matches:
                     if not entry.tombstoned:
                         state.tombstone(entry, reason)
@@ -88,9 +109,13 @@ class PoolRemover:
                 matches_per_request.append(matches)
             fault_point("node.between_tombstone_and_delete")
             cleared = self._clear_bytes(list(dropping))
-            return [self._report_removal(matches, reason, cleared) for matches in matches_per_request]
+            return [
+                self._report_removal(matches, reason, cleared) for matches in matches_per_request
+            ]
 
-    def _report_removal(self, matches: list[CacheEntry], reason: RemovalReason, cleared: dict[CacheEntry, bool]) -> RemovalReport:
+    def _report_removal(
+        self, matches: list[CacheEntry], reason: RemovalReason, cleared: dict[CacheEntry, bool]
+    ) -> RemovalReport:
         """Drop the unreferenced ``matches`` whose bytes :meth:`_clear_bytes` deleted; report all of them."""
         state = self._state
         num_removed = dict.fromkeys(STORAGE_TIERS, 0)
@@ -108,7 +133,9 @@ class PoolRemover:
                 evidence.append(state.drop(entry, reason, cleared[entry]))
                 num_removed[tier] += 1
                 removed.append(entry.block_hash)
-        return RemovalReport(reason, num_removed, tuple(removed), tuple(deferred), tuple(building), tuple(evidence))
+        return RemovalReport(
+            reason, num_removed, tuple(removed), tuple(deferred), tuple(building), tuple(evidence)
+        )
 
     def _clear_bytes(self, entries: Sequence[CacheEntry]) -> dict[CacheEntry, bool]:
         """Delete the bytes of placed ``entries`` in bulk; per entry, whether the deletion verified.
@@ -121,11 +148,19 @@ class PoolRemover:
         state = self._state
         cleared: dict[CacheEntry, bool] = {}
         for tier in (Tier.DEVICE, Tier.HOST):
-            in_tier = sorted((entry for entry in entries if entry.tier is tier), key=lambda entry: entry.slot)
+            in_tier = sorted(
+                (entry for entry in entries if entry.tier is tier), key=lambda entry: entry.slot
+            )
             if in_tier:
                 verified = state.memory[tier].zero_verified([entry.slot for entry in in_tier])
                 cleared.update(zip(in_tier, verified, strict=True))
         files = [entry for entry in entries if entry.tier is Tier.DISK]
         if files:
-            cleared.update(zip(files, state.disk.delete_many([entry.block_hash for entry in files]), strict=True))
+            cleared.update(
+                zip(
+                    files,
+                    state.disk.delete_many([entry.block_hash for entry in files]),
+                    strict=True,
+                )
+            )
         return cleared

@@ -34,7 +34,9 @@ def gather_slots(table: torch.Tensor, slots: Sequence[int], out: torch.Tensor) -
         for start, first, length in runs:
             out[first : first + length].copy_(table[start : start + length])
     else:
-        torch.index_select(table, 0, torch.tensor(slots, dtype=torch.long, device=table.device), out=out)
+        torch.index_select(
+            table, 0, torch.tensor(slots, dtype=torch.long, device=table.device), out=out
+        )
 
 
 def scatter_slots(table: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None:
@@ -64,5 +66,7 @@ def zero_slots_verified(table: torch.Tensor, slots: Sequence[int]) -> list[bool]
     if len(runs) <= MAX_SLICE_RUNS:
         nonzero = torch.cat([table[start : start + length].any(dim=1) for start, _, length in runs])
     else:
-        nonzero = table.index_select(0, torch.tensor(slots, dtype=torch.long, device=table.device)).any(dim=1)
+        nonzero = table.index_select(
+            0, torch.tensor(slots, dtype=torch.long, device=table.device)
+        ).any(dim=1)
     return [not value for value in nonzero.tolist()]

@@ -29,7 +29,12 @@ from events.fault_points import fault_point
 from events.tiers import Tier
 from gpu_node.keys.crypto import DataKeyProvider, overwrite_and_unlink
 from gpu_node.pool.block_pool import BlockPool
-from gpu_node.pool.block_records import MAX_CLEAR_HEADER_BYTES, BlockRestoreError, decode_block_record, record_key_id
+from gpu_node.pool.block_records import (
+    MAX_CLEAR_HEADER_BYTES,
+    BlockRestoreError,
+    decode_block_record,
+    record_key_id,
+)
 from prefix_keys.blocks import BlockKey, CacheProvenance
 
 MANIFEST_NAME = "manifest.json"
@@ -75,7 +80,12 @@ class SnapshotManifest:
             "namespace": self.namespace,
             "kv_format": self.kv_format,
             "blocks": [
-                {"block_hash": block.block_hash.hex(), "shard": block.shard, "offset": block.offset, "length": block.length}
+                {
+                    "block_hash": block.block_hash.hex(),
+                    "shard": block.shard,
+                    "offset": block.offset,
+                    "length": block.length,
+                }
                 for block in self.blocks
             ],
         }
@@ -90,7 +100,12 @@ class SnapshotManifest:
             namespace=data["namespace"],
             kv_format=data["kv_format"],
             blocks=tuple(
-                SnapshotBlock(bytes.fromhex(item["block_hash"]), item["shard"], int(item["offset"]), int(item["length"]))
+                SnapshotBlock(
+                    bytes.fromhex(item["block_hash"]),
+                    item["shard"],
+                    int(item["offset"]),
+                    int(item["length"]),
+                )
                 for item in data["blocks"]
             ),
         )
@@ -160,7 +175,9 @@ class _ShardWriter:
         self.blocks = []
 
 
-def write_snapshot(pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> SnapshotManifest:
+def write_snapshot(
+    pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> SnapshotManifest:
     """Write every READY block of the pool to a new snapshot directory; the manifest is written last."""
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
@@ -195,7 +212,9 @@ def write_snapshot(pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_
     return manifest
 
 
-def _iter_records(directory: Path, manifest: SnapshotManifest) -> Iterator[tuple[SnapshotBlock, bytes | None]]:
+def _iter_records(
+    directory: Path, manifest: SnapshotManifest
+) -> Iterator[tuple[SnapshotBlock, bytes | None]]:
     """Every block's record bytes in manifest order, one shard in memory at a time; None where unreadable."""
     shard_name: str | None = None
     shard: bytes | None = None
@@ -221,7 +240,9 @@ def load_snapshot(pool: BlockPool, directory: Path) -> int:
     if manifest.namespace != pool.config.namespace:
         raise ValueError("snapshot belongs to another namespace")
     if manifest.kv_format != pool.spec.kv_format:
-        raise ValueError(f"snapshot KV format {manifest.kv_format} != pool KV format {pool.spec.kv_format}")
+        raise ValueError(
+            f"snapshot KV format {manifest.kv_format} != pool KV format {pool.spec.kv_format}"
+        )
     num_loaded = 0
     for _, record in _iter_records(directory, manifest):
         if record is None:
@@ -340,7 +361,13 @@ def remove_from_snapshot(
         writer.discard()
         return removed
     writer.flush()
-    rewritten = SnapshotManifest(manifest.snapshot_id, manifest.created_at, manifest.namespace, manifest.kv_format, tuple(writer.blocks))
+    rewritten = SnapshotManifest(
+        manifest.snapshot_id,
+        manifest.created_at,
+        manifest.namespace,
+        manifest.kv_format,
+        tuple(writer.blocks),
+    )
     _write_manifest(directory, rewritten)
     for name in manifest.shards:
         overwrite_and_unlink(directory / name)
@@ -367,7 +394,9 @@ def complete_snapshots(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return [directory for directory in sorted(root.iterdir()) if (directory / MANIFEST_NAME).is_file()]
+    return [
+        directory for directory in sorted(root.iterdir()) if (directory / MANIFEST_NAME).is_file()
+    ]
 
 
 def delete_incomplete(root: Path) -> int:
@@ -381,7 +410,11 @@ def delete_incomplete(root: Path) -> int:
     root = Path(root)
     if not root.is_dir():
         return 0
-    incomplete = [directory for directory in root.iterdir() if directory.is_dir() and not (directory / MANIFEST_NAME).is_file()]
+    incomplete = [
+        directory
+        for directory in root.iterdir()
+        if directory.is_dir() and not (directory / MANIFEST_NAME).is_file()
+    ]
     for directory in incomplete:
         delete_snapshot(directory)
     return len(incomplete)

@@ -76,16 +76,22 @@ class PoolState:
         # pinned host tier (CUDA) is page-locked, so it is committed in full.
         self.memory = {
             Tier.DEVICE: MemoryTier(
-                torch.zeros(device_shape, dtype=spec.dtype, device=config.device) if on_cuda else lazy_zeros(device_shape, spec.dtype),
+                torch.zeros(device_shape, dtype=spec.dtype, device=config.device)
+                if on_cuda
+                else lazy_zeros(device_shape, spec.dtype),
                 spec,
             ),
             Tier.HOST: MemoryTier(
-                torch.zeros(host_shape, dtype=spec.dtype, pin_memory=True) if on_cuda else lazy_zeros(host_shape, spec.dtype),
+                torch.zeros(host_shape, dtype=spec.dtype, pin_memory=True)
+                if on_cuda
+                else lazy_zeros(host_shape, spec.dtype),
                 spec,
             ),
         }
         disk_dir = config.disk_dir if config.max_disk_blocks > 0 else None
-        self.disk = None if disk_dir is None else DiskTier(disk_dir, config.namespace, spec, key_provider)
+        self.disk = (
+            None if disk_dir is None else DiskTier(disk_dir, config.namespace, spec, key_provider)
+        )
         self.capacity = {
             Tier.DEVICE: config.num_device_blocks,
             Tier.HOST: config.num_host_blocks,
@@ -213,7 +219,9 @@ class PoolState:
             raise BlockRestoreError(entry.block_hash, error.reason) from None
         return payload_tensor(record.payload, self.spec)
 
-    def store_bytes(self, entry: CacheEntry, tier: Tier, kv: torch.Tensor) -> tuple[bool, int | None]:
+    def store_bytes(
+        self, entry: CacheEntry, tier: Tier, kv: torch.Tensor
+    ) -> tuple[bool, int | None]:
         """Write ``kv`` into ``tier``, which has room: a free device/host slot (the lowest) or the block's file.
 
         Returns ``(stored, slot)``: ``slot`` is the slot taken (None on disk); not
@@ -227,7 +235,9 @@ class PoolState:
         memory.write(slot, kv)
         return True, slot
 
-    def drop(self, entry: CacheEntry, reason: RemovalReason, cleared: bool | None = None) -> RemovalEvidence:
+    def drop(
+        self, entry: CacheEntry, reason: RemovalReason, cleared: bool | None = None
+    ) -> RemovalEvidence:
         """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING → ABSENT).
 
         ``cleared``: see :meth:`delete_bytes`.
@@ -268,7 +278,9 @@ class PoolState:
             file_absent = self.disk.delete(entry.block_hash) if cleared is None else cleared
             key_id = self.disk.forget(entry.block_hash)
             encrypted = entry.provenance.scope != CacheScope.PUBLIC
-            return RemovalEvidence(entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, file_absent, key_id)
+            return RemovalEvidence(
+                entry.block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, file_absent, key_id
+            )
         memory = self.memory[entry.tier]
         if cleared is None:
             cleared = memory.clear(entry.slot)
@@ -280,12 +292,22 @@ class PoolState:
 
     def record(self, entry: CacheEntry, kv: torch.Tensor) -> BlockRecord:
         """``entry`` with KV ``kv`` as an at-rest record (snapshot shards and the disk tier's files alike)."""
-        return BlockRecord(entry.key, self.spec.kv_format, self.wall_expiry(entry), tensor_bytes(kv))
+        return BlockRecord(
+            entry.key, self.spec.kv_format, self.wall_expiry(entry), tensor_bytes(kv)
+        )
 
     def wall_expiry(self, entry: CacheEntry) -> float | None:
         """Expiry in wall-clock time, so a TTL survives a restart (the pool clock is monotonic)."""
-        return None if entry.expires_at is None else self.wall_clock() + (entry.expires_at - self.clock())
+        return (
+            None
+            if entry.expires_at is None
+            else self.wall_clock() + (entry.expires_at - self.clock())
+        )
 
     def expiry_from_wall(self, expires_at_wall: float | None) -> float | None:
         """A record's wall-clock expiry on the pool's monotonic clock (the inverse of :meth:`wall_expiry`)."""
-        return None if expires_at_wall is None else self.clock() + (expires_at_wall - self.wall_clock())
+        return (
+            None
+            if expires_at_wall is None
+            else self.clock() + (expires_at_wall - self.wall_clock())
+        )

@@ -55,10 +55,14 @@ class PoolConfig:
         missing = [scope.label for scope in CacheScope if scope not in self.ttl_s]
         if missing:
             # A forgotten scope must not silently mean "keep forever": retention is a privacy limit.
-            raise ValueError(f"ttl_s needs an entry (seconds or None) for every scope; missing {missing}")
+            raise ValueError(
+                f"ttl_s needs an entry (seconds or None) for every scope; missing {missing}"
+            )
         for scope, ttl_s in self.ttl_s.items():
             if ttl_s is not None and ttl_s <= 0:
-                raise ValueError(f"ttl for {CacheScope(scope).label} scope must be positive or None, got {ttl_s}")
+                raise ValueError(
+                    f"ttl for {CacheScope(scope).label} scope must be positive or None, got {ttl_s}"
+                )
 
 
 @dataclass(eq=False, slots=True)

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from events.tiers import Tier
 from gpu_node.keys.crypto import overwrite_and_unlink
-from gpu_node.pool.block_records import BlockRestoreError, check_record, decode_block_record, encode_block_record, payload_tensor
+from gpu_node.pool.block_records import (
+    BlockRestoreError,
+    check_record,
+    decode_block_record,
+    encode_block_record,
+    payload_tensor,
+)
 from gpu_node.pool.disk_tier import is_sealed
 from gpu_node.pool.state import PoolState
 from gpu_node.pool.vocabulary import (
@@ -42,7 +48,9 @@ class PoolWarmStart:
             if entry.ref_count <= 0:
                 raise ValueError("export_record needs an entry referenced with inc_lock_ref")
             if entry.tombstoned or entry.tier is None:
-                raise BlockRestoreError(entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED))
+                raise BlockRestoreError(
+                    entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED)
+                )
             kv = state.read_payload(entry)
             return encode_block_record(state.record(entry, kv), state.key_provider)
 
@@ -59,12 +67,18 @@ class PoolWarmStart:
         with state.lock:
             now = state.clock()
             expires_at = state.expiry_from_wall(record.expires_at_wall)
-            if record.key.block_hash in state.entries or (expires_at is not None and expires_at <= now):
+            if record.key.block_hash in state.entries or (
+                expires_at is not None and expires_at <= now
+            ):
                 return False
             if not state.has_room(tier):
                 return False
-            entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
-            stored, slot = state.store_bytes(entry, tier, payload_tensor(record.payload, state.spec))
+            entry = CacheEntry(
+                key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at
+            )
+            stored, slot = state.store_bytes(
+                entry, tier, payload_tensor(record.payload, state.spec)
+            )
             if not stored:
                 return False
             state.admit(entry)
@@ -95,7 +109,9 @@ class PoolWarmStart:
                 data, record, meta = state.disk.open_stored(path, block_hash)
                 encrypted = is_sealed(data)
                 if record is None:
-                    self._delete_stray_file(path, block_hash, encrypted, RemovalReason.RESTORE_FAILED)
+                    self._delete_stray_file(
+                        path, block_hash, encrypted, RemovalReason.RESTORE_FAILED
+                    )
                     continue
                 expires_at = state.expiry_from_wall(record.expires_at_wall)
                 if expires_at is not None and expires_at <= now:
@@ -104,17 +120,23 @@ class PoolWarmStart:
                 if not state.has_room(Tier.DISK):
                     self._delete_stray_file(path, block_hash, encrypted, RemovalReason.EVICTED)
                     continue
-                entry = CacheEntry(key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at)
+                entry = CacheEntry(
+                    key=record.key, state=BlockState.READY, last_access=now, expires_at=expires_at
+                )
                 state.admit(entry)
                 state.disk.adopt(block_hash, data, meta)
                 state.place(entry, Tier.DISK, None)
                 num_loaded += 1
             return num_loaded
 
-    def _delete_stray_file(self, path: Path, block_hash: bytes, encrypted: bool, reason: RemovalReason) -> None:
+    def _delete_stray_file(
+        self, path: Path, block_hash: bytes, encrypted: bool, reason: RemovalReason
+    ) -> None:
         """Delete an unindexed block file found at start and report it, so the ledger drops its placement."""
         state = self._state
         verified = overwrite_and_unlink(path)
-        evidence = RemovalEvidence(block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified)
+        evidence = RemovalEvidence(
+            block_hash, Tier.DISK, METHOD_OVERWRITE_UNLINK, encrypted, verified
+        )
         state.count_removal(reason)
         state.events.append(RemovedFromPool(block_hash, Tier.DISK, reason, evidence))

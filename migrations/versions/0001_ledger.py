@@ -37,7 +37,9 @@ def upgrade() -> None:
         sa.Column("status", sa.Text(), server_default="active", nullable=False),
         _now_column("first_seen_at"),
         _now_column("updated_at"),
-        sa.CheckConstraint("status IN ('active', 'draining', 'retired')", name=op.f("ck_namespaces_status")),
+        sa.CheckConstraint(
+            "status IN ('active', 'draining', 'retired')", name=op.f("ck_namespaces_status")
+        ),
         sa.PrimaryKeyConstraint("namespace", name=op.f("pk_namespaces")),
     )
     op.create_table(
@@ -73,11 +75,15 @@ def upgrade() -> None:
             " OR (scope = 'user' AND tenant_id IS NOT NULL AND subject_hash IS NOT NULL)",
             name=op.f("ck_blocks_scope_owner"),
         ),
-        sa.ForeignKeyConstraint(["namespace"], ["namespaces.namespace"], name=op.f("fk_blocks_namespace_namespaces")),
+        sa.ForeignKeyConstraint(
+            ["namespace"], ["namespaces.namespace"], name=op.f("fk_blocks_namespace_namespaces")
+        ),
         sa.PrimaryKeyConstraint("block_hash", name=op.f("pk_blocks")),
     )
     op.create_index(op.f("ix_blocks_namespace"), "blocks", ["namespace"])
-    op.create_index(op.f("ix_blocks_tenant_id_subject_hash"), "blocks", ["tenant_id", "subject_hash"])
+    op.create_index(
+        op.f("ix_blocks_tenant_id_subject_hash"), "blocks", ["tenant_id", "subject_hash"]
+    )
     op.create_table(
         "block_auth_scopes",
         sa.Column("block_hash", sa.LargeBinary(), nullable=False),
@@ -91,18 +97,27 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("block_hash", "auth_scope", name=op.f("pk_block_auth_scopes")),
     )
-    op.create_index(op.f("ix_block_auth_scopes_auth_scope_policy_version"), "block_auth_scopes", ["auth_scope", "policy_version"])
+    op.create_index(
+        op.f("ix_block_auth_scopes_auth_scope_policy_version"),
+        "block_auth_scopes",
+        ["auth_scope", "policy_version"],
+    )
     op.create_table(
         "block_documents",
         sa.Column("block_hash", sa.LargeBinary(), nullable=False),
         sa.Column("doc_id", sa.Text(), nullable=False),
         sa.Column("version", sa.BigInteger(), nullable=False),
         sa.ForeignKeyConstraint(
-            ["block_hash"], ["blocks.block_hash"], ondelete="CASCADE", name=op.f("fk_block_documents_block_hash_blocks")
+            ["block_hash"],
+            ["blocks.block_hash"],
+            ondelete="CASCADE",
+            name=op.f("fk_block_documents_block_hash_blocks"),
         ),
         sa.PrimaryKeyConstraint("block_hash", "doc_id", "version", name=op.f("pk_block_documents")),
     )
-    op.create_index(op.f("ix_block_documents_doc_id_version"), "block_documents", ["doc_id", "version"])
+    op.create_index(
+        op.f("ix_block_documents_doc_id_version"), "block_documents", ["doc_id", "version"]
+    )
     op.create_table(
         "snapshots",
         sa.Column("node_id", sa.Text(), nullable=False),
@@ -113,7 +128,9 @@ def upgrade() -> None:
         _now_column("created_at"),
         sa.Column("deleted_at", TIMESTAMP, nullable=True),
         sa.CheckConstraint("state IN ('live', 'deleted')", name=op.f("ck_snapshots_state")),
-        sa.ForeignKeyConstraint(["node_id"], ["nodes.node_id"], name=op.f("fk_snapshots_node_id_nodes")),
+        sa.ForeignKeyConstraint(
+            ["node_id"], ["nodes.node_id"], name=op.f("fk_snapshots_node_id_nodes")
+        ),
         sa.PrimaryKeyConstraint("node_id", "snapshot_id", name=op.f("pk_snapshots")),
     )
     op.create_table(
@@ -127,11 +144,20 @@ def upgrade() -> None:
         sa.Column("epoch", sa.BigInteger(), nullable=False),
         sa.Column("reason", sa.Text(), nullable=True),
         _now_column("updated_at"),
-        sa.CheckConstraint("tier IN ('device', 'host', 'disk', 'snapshot')", name=op.f("ck_placements_tier")),
+        sa.CheckConstraint(
+            "tier IN ('device', 'host', 'disk', 'snapshot')", name=op.f("ck_placements_tier")
+        ),
         sa.CheckConstraint("state IN ('live', 'deleted')", name=op.f("ck_placements_state")),
-        sa.CheckConstraint("(tier = 'snapshot') = (snapshot_id IS NOT NULL)", name=op.f("ck_placements_snapshot_tier")),
-        sa.ForeignKeyConstraint(["block_hash"], ["blocks.block_hash"], name=op.f("fk_placements_block_hash_blocks")),
-        sa.ForeignKeyConstraint(["node_id"], ["nodes.node_id"], name=op.f("fk_placements_node_id_nodes")),
+        sa.CheckConstraint(
+            "(tier = 'snapshot') = (snapshot_id IS NOT NULL)",
+            name=op.f("ck_placements_snapshot_tier"),
+        ),
+        sa.ForeignKeyConstraint(
+            ["block_hash"], ["blocks.block_hash"], name=op.f("fk_placements_block_hash_blocks")
+        ),
+        sa.ForeignKeyConstraint(
+            ["node_id"], ["nodes.node_id"], name=op.f("fk_placements_node_id_nodes")
+        ),
         sa.ForeignKeyConstraint(
             ["node_id", "snapshot_id"],
             ["snapshots.node_id", "snapshots.snapshot_id"],
@@ -147,8 +173,12 @@ def upgrade() -> None:
             postgresql_nulls_not_distinct=True,
         ),
     )
-    op.create_index(op.f("ix_placements_node_id_tier_state"), "placements", ["node_id", "tier", "state"])
-    op.create_index(op.f("ix_placements_node_id_snapshot_id"), "placements", ["node_id", "snapshot_id"])
+    op.create_index(
+        op.f("ix_placements_node_id_tier_state"), "placements", ["node_id", "tier", "state"]
+    )
+    op.create_index(
+        op.f("ix_placements_node_id_snapshot_id"), "placements", ["node_id", "snapshot_id"]
+    )
     op.create_table(
         "documents",
         sa.Column("tenant_id", sa.Text(), nullable=False),
@@ -185,7 +215,9 @@ def upgrade() -> None:
         sa.Column("sent_at", TIMESTAMP, nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_outbox")),
     )
-    op.create_index("ix_outbox_unsent", "outbox", ["id"], postgresql_where=sa.text("sent_at IS NULL"))
+    op.create_index(
+        "ix_outbox_unsent", "outbox", ["id"], postgresql_where=sa.text("sent_at IS NULL")
+    )
     op.create_table(
         "dead_letters",
         sa.Column("topic", sa.Text(), nullable=False),
@@ -202,8 +234,15 @@ def upgrade() -> None:
         sa.Column("num_chunks", sa.Integer(), nullable=False),
         sa.Column("placements", postgresql.JSONB(), nullable=False),
         _now_column("received_at"),
-        sa.ForeignKeyConstraint(["node_id"], ["nodes.node_id"], ondelete="CASCADE", name=op.f("fk_inventory_chunks_node_id_nodes")),
-        sa.PrimaryKeyConstraint("node_id", "epoch", "request_key", "chunk", name=op.f("pk_inventory_chunks")),
+        sa.ForeignKeyConstraint(
+            ["node_id"],
+            ["nodes.node_id"],
+            ondelete="CASCADE",
+            name=op.f("fk_inventory_chunks_node_id_nodes"),
+        ),
+        sa.PrimaryKeyConstraint(
+            "node_id", "epoch", "request_key", "chunk", name=op.f("pk_inventory_chunks")
+        ),
     )
 
 

@@ -43,9 +43,16 @@ def upgrade() -> None:
         sa.Column("created_at", TIMESTAMP, server_default=sa.func.now(), nullable=False),
         sa.Column("completed_at", TIMESTAMP, nullable=True),
         sa.Column("status", sa.Text(), server_default="pending", nullable=False),
-        sa.CheckConstraint("kind IN ('document', 'policy', 'subject', 'namespace', 'tenant')", name=op.f("ck_invalidations_kind")),
-        sa.CheckConstraint("status IN ('pending', 'complete', 'failed')", name=op.f("ck_invalidations_status")),
-        sa.CheckConstraint("trigger IN ('event', 'api', 'late_block')", name=op.f("ck_invalidations_trigger")),
+        sa.CheckConstraint(
+            "kind IN ('document', 'policy', 'subject', 'namespace', 'tenant')",
+            name=op.f("ck_invalidations_kind"),
+        ),
+        sa.CheckConstraint(
+            "status IN ('pending', 'complete', 'failed')", name=op.f("ck_invalidations_status")
+        ),
+        sa.CheckConstraint(
+            "trigger IN ('event', 'api', 'late_block')", name=op.f("ck_invalidations_trigger")
+        ),
         sa.ForeignKeyConstraint(
             ["parent_command_id"],
             ["invalidations.command_id"],
@@ -63,17 +70,25 @@ def upgrade() -> None:
         sa.Column("epoch", sa.BigInteger(), nullable=True),
         sa.Column("acked_at", TIMESTAMP, nullable=True),
         sa.Column("evidence", postgresql.JSONB(), nullable=True),
-        sa.CheckConstraint("status IN ('pending', 'acked', 'failed')", name=op.f("ck_invalidation_targets_status")),
+        sa.CheckConstraint(
+            "status IN ('pending', 'acked', 'failed')", name=op.f("ck_invalidation_targets_status")
+        ),
         sa.ForeignKeyConstraint(
             ["command_id"],
             ["invalidations.command_id"],
             ondelete="CASCADE",
             name=op.f("fk_invalidation_targets_command_id_invalidations"),
         ),
-        sa.ForeignKeyConstraint(["node_id"], ["nodes.node_id"], name=op.f("fk_invalidation_targets_node_id_nodes")),
+        sa.ForeignKeyConstraint(
+            ["node_id"], ["nodes.node_id"], name=op.f("fk_invalidation_targets_node_id_nodes")
+        ),
         sa.PrimaryKeyConstraint("command_id", "node_id", name=op.f("pk_invalidation_targets")),
     )
-    op.create_index(op.f("ix_invalidation_targets_node_id_status"), "invalidation_targets", ["node_id", "status"])
+    op.create_index(
+        op.f("ix_invalidation_targets_node_id_status"),
+        "invalidation_targets",
+        ["node_id", "status"],
+    )
     for table in LINKED_TABLES:
         op.add_column(table, sa.Column("invalidation_id", sa.Uuid(), nullable=True))
         op.create_foreign_key(
@@ -94,7 +109,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index(op.f("ix_placements_invalidation_id"), table_name="placements")
     for table in LINKED_TABLES:
-        op.drop_constraint(op.f(f"fk_{table}_invalidation_id_invalidations"), table, type_="foreignkey")
+        op.drop_constraint(
+            op.f(f"fk_{table}_invalidation_id_invalidations"), table, type_="foreignkey"
+        )
         op.drop_column(table, "invalidation_id")
     op.drop_table("invalidation_targets")
     op.drop_table("invalidations")

@@ -34,10 +34,14 @@ def upgrade() -> None:
         sa.Column("tenant_id", sa.Text(), nullable=False),
         sa.Column("subject_hash", sa.LargeBinary(), nullable=True),
         sa.Column("wrapped_key", sa.LargeBinary(), nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
+        ),
         sa.Column("destroyed_at", sa.DateTime(timezone=True), nullable=True),
         sa.CheckConstraint("scope IN ('tenant', 'user')", name=op.f("ck_data_keys_scope")),
-        sa.CheckConstraint("(scope = 'user') = (subject_hash IS NOT NULL)", name=op.f("ck_data_keys_scope_subject")),
+        sa.CheckConstraint(
+            "(scope = 'user') = (subject_hash IS NOT NULL)", name=op.f("ck_data_keys_scope_subject")
+        ),
         sa.CheckConstraint("key_id ~ '^[0-9a-f]{32}$'", name=op.f("ck_data_keys_key_id_hex")),
         sa.PrimaryKeyConstraint("key_id", name=op.f("pk_data_keys")),
     )
@@ -49,7 +53,9 @@ def upgrade() -> None:
         postgresql_where=sa.text("destroyed_at IS NULL"),
         postgresql_nulls_not_distinct=True,
     )
-    op.create_index(op.f("ix_data_keys_tenant_id_subject_hash"), "data_keys", ["tenant_id", "subject_hash"])
+    op.create_index(
+        op.f("ix_data_keys_tenant_id_subject_hash"), "data_keys", ["tenant_id", "subject_hash"]
+    )
 
 
 def downgrade() -> None:

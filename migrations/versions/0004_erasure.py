@@ -47,13 +47,24 @@ def upgrade() -> None:
         sa.Column("verified_at", TIMESTAMP, nullable=True),
         sa.Column("key_ids_destroyed", postgresql.JSONB(), nullable=False),
         sa.Column("updated_at", TIMESTAMP, server_default=sa.func.now(), nullable=False),
-        sa.CheckConstraint("status IN ('pending', 'partial', 'verified', 'failed')", name=op.f("ck_erasures_status")),
-        sa.ForeignKeyConstraint(["command_id"], ["invalidations.command_id"], name=op.f("fk_erasures_command_id_invalidations")),
+        sa.CheckConstraint(
+            "status IN ('pending', 'partial', 'verified', 'failed')",
+            name=op.f("ck_erasures_status"),
+        ),
+        sa.ForeignKeyConstraint(
+            ["command_id"],
+            ["invalidations.command_id"],
+            name=op.f("fk_erasures_command_id_invalidations"),
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_erasures")),
-        sa.UniqueConstraint("tenant_id", "idempotency_key", name=op.f("uq_erasures_tenant_id_idempotency_key")),
+        sa.UniqueConstraint(
+            "tenant_id", "idempotency_key", name=op.f("uq_erasures_tenant_id_idempotency_key")
+        ),
     )
     op.create_index(op.f("ix_erasures_status"), "erasures", ["status"])
-    op.create_index(op.f("ix_erasures_tenant_id_subject_hash"), "erasures", ["tenant_id", "subject_hash"])
+    op.create_index(
+        op.f("ix_erasures_tenant_id_subject_hash"), "erasures", ["tenant_id", "subject_hash"]
+    )
     op.create_index(op.f("ix_erasures_command_id"), "erasures", ["command_id"])
 
     op.create_table(
@@ -73,7 +84,9 @@ def upgrade() -> None:
         sa.Column("document", postgresql.JSONB(), nullable=False),
         sa.Column("leaf_index", sa.BigInteger(), nullable=False),
         sa.Column("created_at", TIMESTAMP, server_default=sa.func.now(), nullable=False),
-        sa.ForeignKeyConstraint(["erasure_id"], ["erasures.id"], name=op.f("fk_receipts_erasure_id_erasures")),
+        sa.ForeignKeyConstraint(
+            ["erasure_id"], ["erasures.id"], name=op.f("fk_receipts_erasure_id_erasures")
+        ),
         sa.PrimaryKeyConstraint("receipt_id", name=op.f("pk_receipts")),
         sa.UniqueConstraint("erasure_id", name=op.f("uq_receipts_erasure_id")),
         sa.UniqueConstraint("leaf_index", name=op.f("uq_receipts_leaf_index")),
@@ -85,7 +98,9 @@ def upgrade() -> None:
         sa.Column("leaf_hash", sa.LargeBinary(), nullable=False),
         sa.Column("receipt_id", sa.Uuid(), nullable=False),
         sa.Column("appended_at", TIMESTAMP, server_default=sa.func.now(), nullable=False),
-        sa.ForeignKeyConstraint(["receipt_id"], ["receipts.receipt_id"], name=op.f("fk_audit_log_receipt_id_receipts")),
+        sa.ForeignKeyConstraint(
+            ["receipt_id"], ["receipts.receipt_id"], name=op.f("fk_audit_log_receipt_id_receipts")
+        ),
         sa.PrimaryKeyConstraint("leaf_index", name=op.f("pk_audit_log")),
         sa.UniqueConstraint("receipt_id", name=op.f("uq_audit_log_receipt_id")),
     )
@@ -97,7 +112,9 @@ def upgrade() -> None:
         sa.Column("timestamp", TIMESTAMP, nullable=False),
         sa.Column("key_id", sa.Text(), nullable=False),
         sa.Column("signature", sa.Text(), nullable=False),
-        sa.ForeignKeyConstraint(["key_id"], ["receipt_keys.key_id"], name=op.f("fk_tree_heads_key_id_receipt_keys")),
+        sa.ForeignKeyConstraint(
+            ["key_id"], ["receipt_keys.key_id"], name=op.f("fk_tree_heads_key_id_receipt_keys")
+        ),
         sa.PrimaryKeyConstraint("tree_size", name=op.f("pk_tree_heads")),
     )
 

@@ -37,4 +37,6 @@ def downgrade() -> None:
         "UPDATE placements SET invalidation_id = NULL WHERE invalidation_id IS NOT NULL"
         " AND NOT EXISTS (SELECT 1 FROM invalidations i WHERE i.command_id = placements.invalidation_id)"
     )
-    op.create_foreign_key(CONSTRAINT, "placements", "invalidations", ["invalidation_id"], ["command_id"])
+    op.create_foreign_key(
+        CONSTRAINT, "placements", "invalidations", ["invalidation_id"], ["command_id"]
+    )

@@ -25,9 +25,18 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.add_column("invalidation_targets", sa.Column("resend_count", sa.Integer(), server_default=sa.text("0"), nullable=False))
-    op.add_column("invalidation_targets", sa.Column("last_resent_at", sa.DateTime(timezone=True), nullable=True))
-    op.add_column("invalidation_targets", sa.Column("next_resend_at", sa.DateTime(timezone=True), nullable=True))
+    op.add_column(
+        "invalidation_targets",
+        sa.Column("resend_count", sa.Integer(), server_default=sa.text("0"), nullable=False),
+    )
+    op.add_column(
+        "invalidation_targets",
+        sa.Column("last_resent_at", sa.DateTime(timezone=True), nullable=True),
+    )
+    op.add_column(
+        "invalidation_targets",
+        sa.Column("next_resend_at", sa.DateTime(timezone=True), nullable=True),
+    )
     op.create_index(
         "ix_invalidation_targets_pending",
         "invalidation_targets",

@@ -33,11 +33,18 @@ def upgrade() -> None:
         sa.Column("num_prompt_tokens", sa.BigInteger(), nullable=False),
         sa.Column("num_cached_tokens", sa.BigInteger(), nullable=False),
         sa.Column("num_output_tokens", sa.BigInteger(), nullable=False),
-        sa.Column("received_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
+        sa.Column(
+            "received_at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("now()"),
+            nullable=False,
+        ),
         sa.PrimaryKeyConstraint("event_id", name=op.f("pk_usage_reports")),
     )
     op.create_index(op.f("ix_usage_reports_window_end"), "usage_reports", ["window_end"])
-    op.create_index(op.f("ix_usage_reports_tenant_id_window_end"), "usage_reports", ["tenant_id", "window_end"])
+    op.create_index(
+        op.f("ix_usage_reports_tenant_id_window_end"), "usage_reports", ["tenant_id", "window_end"]
+    )
 
 
 def downgrade() -> None:

@@ -37,7 +37,9 @@ def upgrade() -> None:
         sa.Column("enrolled_at", TIMESTAMP, server_default=sa.func.now(), nullable=False),
         sa.Column("enrolled_by", sa.Text(), nullable=False),
         sa.Column("revoked_at", TIMESTAMP, nullable=True),
-        sa.CheckConstraint("all_tenants OR jsonb_array_length(tenants) > 0", name=op.f("ck_producer_keys_bound")),
+        sa.CheckConstraint(
+            "all_tenants OR jsonb_array_length(tenants) > 0", name=op.f("ck_producer_keys_bound")
+        ),
         sa.PrimaryKeyConstraint("key_id", name=op.f("pk_producer_keys")),
     )
 

@@ -30,7 +30,10 @@ def upgrade() -> None:
         sa.Column("block_hash", sa.LargeBinary(), nullable=False),
         sa.Column("subject_hash", sa.LargeBinary(), nullable=False),
         sa.ForeignKeyConstraint(
-            ["block_hash"], ["blocks.block_hash"], ondelete="CASCADE", name=op.f("fk_block_creators_block_hash_blocks")
+            ["block_hash"],
+            ["blocks.block_hash"],
+            ondelete="CASCADE",
+            name=op.f("fk_block_creators_block_hash_blocks"),
         ),
         sa.PrimaryKeyConstraint("block_hash", "subject_hash", name=op.f("pk_block_creators")),
     )

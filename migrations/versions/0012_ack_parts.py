@@ -30,14 +30,21 @@ def upgrade() -> None:
         sa.Column("epoch", sa.BigInteger(), nullable=False),
         sa.Column("evidence", postgresql.JSONB(astext_type=sa.Text()), nullable=False),
         sa.Column("key_id", sa.Text(), nullable=True),
-        sa.Column("received_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
+        sa.Column(
+            "received_at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("now()"),
+            nullable=False,
+        ),
         sa.ForeignKeyConstraint(
             ["command_id", "node_id"],
             ["invalidation_targets.command_id", "invalidation_targets.node_id"],
             name=op.f("fk_ack_parts_command_id_invalidation_targets"),
             ondelete="CASCADE",
         ),
-        sa.PrimaryKeyConstraint("command_id", "node_id", "ack_id", "part", name=op.f("pk_ack_parts")),
+        sa.PrimaryKeyConstraint(
+            "command_id", "node_id", "ack_id", "part", name=op.f("pk_ack_parts")
+        ),
     )
 
 

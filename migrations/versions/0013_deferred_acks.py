@@ -29,7 +29,12 @@ def upgrade() -> None:
         sa.Column("after_seq", sa.BigInteger(), nullable=False),
         sa.Column("evidence", postgresql.JSONB(astext_type=sa.Text()), nullable=False),
         sa.Column("key_id", sa.Text(), nullable=True),
-        sa.Column("deferred_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
+        sa.Column(
+            "deferred_at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("now()"),
+            nullable=False,
+        ),
         sa.ForeignKeyConstraint(
             ["command_id", "node_id"],
             ["invalidation_targets.command_id", "invalidation_targets.node_id"],

@@ -29,8 +29,15 @@ def upgrade() -> None:
         sa.Column("node_id", sa.Text(), nullable=False),
         sa.Column("source_node_id", sa.Text(), nullable=False),
         sa.Column("pulled_at", sa.DateTime(timezone=True), nullable=False),
-        sa.ForeignKeyConstraint(["block_hash"], ["blocks.block_hash"], ondelete="CASCADE", name=op.f("fk_replicas_block_hash_blocks")),
-        sa.ForeignKeyConstraint(["node_id"], ["nodes.node_id"], name=op.f("fk_replicas_node_id_nodes")),
+        sa.ForeignKeyConstraint(
+            ["block_hash"],
+            ["blocks.block_hash"],
+            ondelete="CASCADE",
+            name=op.f("fk_replicas_block_hash_blocks"),
+        ),
+        sa.ForeignKeyConstraint(
+            ["node_id"], ["nodes.node_id"], name=op.f("fk_replicas_node_id_nodes")
+        ),
         sa.PrimaryKeyConstraint("block_hash", "node_id", name=op.f("pk_replicas")),
     )
 

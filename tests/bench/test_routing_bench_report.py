@@ -13,5 +13,10 @@ async def test_the_routing_bench_reports_lookups_decisions_and_events():
     assert runs[0]["lookups_per_s"] > 0 and runs[0]["events_per_s"] > 0
     assert runs[0]["nodes_matched"] == 4.0  # every group's first block is on every node
     report = _render(args, runs)
-    for measure in ("index lookups", "routing decisions", "bare `dict.get`", "block events applied"):
+    for measure in (
+        "index lookups",
+        "routing decisions",
+        "bare `dict.get`",
+        "block events applied",
+    ):
         assert measure in report

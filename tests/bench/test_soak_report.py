@@ -15,7 +15,13 @@ MIB = 2**20
 
 
 def test_durations_take_seconds_minutes_and_hours() -> None:
-    assert [parse_duration(text) for text in ("90", "90s", "2m", "1.5m", "1h")] == [90, 90, 120, 90, 3600]
+    assert [parse_duration(text) for text in ("90", "90s", "2m", "1.5m", "1h")] == [
+        90,
+        90,
+        120,
+        90,
+        3600,
+    ]
     for bad in ("", "0", "-1m", "2d", "m", "two minutes"):
         with pytest.raises(ValueError, match="duration"):
             parse_duration(bad)
@@ -44,10 +50,20 @@ def test_the_report_shows_counts_faults_violations_and_growth() -> None:
     assert "| node-0 | 11 | 0 – 30 | 2 | 400.0 → 401.0 |  |" in text  # under a minute: no rate
     assert "| node-0 | 12 | 60 – 360 | 2 | 380.0 → 392.0 | +24.0 |" in text  # 12 MiB in 5 minutes
     assert report.to_json()["num_violations"] == 1
-    assert report.to_json()["rss_samples"][0] == {"at_s": 0.0, "name": "node-0", "pid": 11, "rss_bytes": 400 * MIB}
+    assert report.to_json()["rss_samples"][0] == {
+        "at_s": 0.0,
+        "name": "node-0",
+        "pid": 11,
+        "rss_bytes": 400 * MIB,
+    }
 
 
 def test_a_bad_duration_is_refused_before_anything_starts() -> None:
-    result = subprocess.run([KVLEDGER, "bench", "soak", "--duration", "soon"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [KVLEDGER, "bench", "soak", "--duration", "soon"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "duration 'soon'" in result.stderr

@@ -29,7 +29,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.ledger import SUBJECT_KEY, RunningConsumers, coordinator_settings, eventually, operator_headers, operator_token, stored
+from helpers.ledger import (
+    SUBJECT_KEY,
+    RunningConsumers,
+    coordinator_settings,
+    eventually,
+    operator_headers,
+    operator_token,
+    stored,
+)
 from helpers.node import Served
 
 from bench.common import start_groups_at_end
@@ -39,14 +47,27 @@ from coordinator.consumers import consumer_groups
 from coordinator.settings import CoordinatorSettings, kafka_settings
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer
-from events.schema import BlockStored, CommandAck, DocumentUpdated, NodeStarted, TierEvidence, make_event, subject_digest
+from events.schema import (
+    BlockStored,
+    CommandAck,
+    DocumentUpdated,
+    NodeStarted,
+    TierEvidence,
+    make_event,
+    subject_digest,
+)
 
 pytestmark = pytest.mark.integration
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
-    pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium; .ci/run installs it)", allow_module_level=True)
-playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (the [test] extra)")
+    pytest.skip(
+        "no chromium binary on PATH (Debian: apt-get install chromium; .ci/run installs it)",
+        allow_module_level=True,
+    )
+playwright_api = pytest.importorskip(
+    "playwright.async_api", reason="playwright is not installed (the [test] extra)"
+)
 
 TENANT_A, TENANT_B = "console-acme", "console-globex"
 NODE_A, NODE_B = "console-node-a", "console-node-b"
@@ -54,7 +75,9 @@ SCRIPT_DOC = "<script>alert('doc')</script>"
 SCRIPT_REASON = "gdpr-art17 <script>alert('reason')</script>"
 SUBJECT = "alice@example.com"
 MASTER_KEY = base64.b64encode(b"c" * 32).decode()
-SCREENSHOTS = Path(os.environ.get("KVLEDGER_SCREENSHOT_DIR") or Path(__file__).parent / "screenshots")
+SCREENSHOTS = Path(
+    os.environ.get("KVLEDGER_SCREENSHOT_DIR") or Path(__file__).parent / "screenshots"
+)
 TIMEOUT_MS = 15_000
 
 
@@ -86,12 +109,27 @@ async def console(settings: CoordinatorSettings) -> AsyncIterator[str]:
         await consumers.stop()
 
 
-def _evidence(tier: str, hashes: list[str], method: str = "overwrite", check: str = "readback_zero") -> TierEvidence:
-    return TierEvidence(tier=tier, removed=len(hashes), block_hashes=hashes, method=method, post_check=check, verified=True)
+def _evidence(
+    tier: str, hashes: list[str], method: str = "overwrite", check: str = "readback_zero"
+) -> TierEvidence:
+    return TierEvidence(
+        tier=tier,
+        removed=len(hashes),
+        block_hashes=hashes,
+        method=method,
+        post_check=check,
+        verified=True,
+    )
 
 
-async def _ack(producer: EventProducer, command_id: uuid.UUID, node_id: str, *evidence: TierEvidence) -> None:
-    await producer.send(make_event(CommandAck(command_id=command_id, node_id=node_id, epoch=1, evidence=list(evidence))))
+async def _ack(
+    producer: EventProducer, command_id: uuid.UUID, node_id: str, *evidence: TierEvidence
+) -> None:
+    await producer.send(
+        make_event(
+            CommandAck(command_id=command_id, node_id=node_id, epoch=1, evidence=list(evidence))
+        )
+    )
 
 
 async def _get(client: httpx.AsyncClient, path: str, role: str, tenant: str, **params: str) -> dict:
@@ -104,16 +142,26 @@ async def _complete(client: httpx.AsyncClient, doc_id: str) -> dict:
     """The document invalidation of ``doc_id`` once decided (as the API lists it)."""
 
     async def decided() -> bool:
-        return bool((await _get(client, "/v1/invalidations", "auditor", TENANT_A, doc_id=doc_id))["invalidations"])
+        return bool(
+            (await _get(client, "/v1/invalidations", "auditor", TENANT_A, doc_id=doc_id))[
+                "invalidations"
+            ]
+        )
 
     await eventually(decided, what=f"the invalidation of {doc_id!r}")
-    return (await _get(client, "/v1/invalidations", "auditor", TENANT_A, doc_id=doc_id))["invalidations"][0]
+    return (await _get(client, "/v1/invalidations", "auditor", TENANT_A, doc_id=doc_id))[
+        "invalidations"
+    ][0]
 
 
 @pytest.fixture(scope="module")
 async def story(console: str, producer: EventProducer) -> dict:
     """Two nodes' blocks, a document update and an invalidation of an id holding ``<script>``, all acked; a verified erasure."""
-    user = {"tenant_id": TENANT_A, "scope": "user", "subject_id": subject_digest(SUBJECT_KEY.encode(), TENANT_A, SUBJECT)}
+    user = {
+        "tenant_id": TENANT_A,
+        "scope": "user",
+        "subject_id": subject_digest(SUBJECT_KEY.encode(), TENANT_A, SUBJECT),
+    }
     handbook = {"tenant_id": TENANT_A, "scope": "tenant", "documents": ["handbook@1"]}
     blocks = {
         NODE_A: [
@@ -133,14 +181,27 @@ async def story(console: str, producer: EventProducer) -> dict:
     by_label = {
         label: block.block_hash
         for label, block in zip(
-            ["system", "faq", "handbook-a", "alice-device", "alice-host", "system-b", "handbook-b", "alice-disk"],
+            [
+                "system",
+                "faq",
+                "handbook-a",
+                "alice-device",
+                "alice-host",
+                "system-b",
+                "handbook-b",
+                "alice-disk",
+            ],
             hashes.values(),
             strict=True,
         )
     }
     for node_id, node_blocks in blocks.items():
-        await producer.send(make_event(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-console")))
-        await producer.send(make_event(BlockStored(node_id=node_id, epoch=1, seq=1, blocks=node_blocks)))
+        await producer.send(
+            make_event(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-console"))
+        )
+        await producer.send(
+            make_event(BlockStored(node_id=node_id, epoch=1, seq=1, blocks=node_blocks))
+        )
 
     async with httpx.AsyncClient(base_url=console, timeout=30) as client:
 
@@ -150,13 +211,22 @@ async def story(console: str, producer: EventProducer) -> dict:
 
         await eventually(ledger_has_blocks, what="both nodes' blocks in the ledger")
 
-        await producer.send(make_event(DocumentUpdated(doc_id="handbook", version=2), tenant_id=TENANT_A))
+        await producer.send(
+            make_event(DocumentUpdated(doc_id="handbook", version=2), tenant_id=TENANT_A)
+        )
         handbook_update = await _complete(client, "handbook")
         command = uuid.UUID(handbook_update["command_id"])
         await _ack(producer, command, NODE_A, _evidence("device", [by_label["handbook-a"]]))
-        await _ack(producer, command, NODE_B, _evidence("disk", [by_label["handbook-b"]], "crypto_erase", "key_destroyed"))
+        await _ack(
+            producer,
+            command,
+            NODE_B,
+            _evidence("disk", [by_label["handbook-b"]], "crypto_erase", "key_destroyed"),
+        )
 
-        await producer.send(make_event(DocumentUpdated(doc_id=SCRIPT_DOC, version=3), tenant_id=TENANT_A))
+        await producer.send(
+            make_event(DocumentUpdated(doc_id=SCRIPT_DOC, version=3), tenant_id=TENANT_A)
+        )
         script_update = await _complete(client, SCRIPT_DOC)
         for node_id in (NODE_A, NODE_B):
             await _ack(producer, uuid.UUID(script_update["command_id"]), node_id)
@@ -171,13 +241,26 @@ async def story(console: str, producer: EventProducer) -> dict:
         erasure = await _get(client, f"/v1/erasures/{erasure_id}", "auditor", TENANT_A)
         erasure_command = uuid.UUID(erasure["commands"][0]["command_id"])
         await _ack(
-            producer, erasure_command, NODE_A, _evidence("device", [by_label["alice-device"]]), _evidence("host", [by_label["alice-host"]])
+            producer,
+            erasure_command,
+            NODE_A,
+            _evidence("device", [by_label["alice-device"]]),
+            _evidence("host", [by_label["alice-host"]]),
         )
-        await _ack(producer, erasure_command, NODE_B, _evidence("disk", [by_label["alice-disk"]], "crypto_erase", "key_destroyed"))
+        await _ack(
+            producer,
+            erasure_command,
+            NODE_B,
+            _evidence("disk", [by_label["alice-disk"]], "crypto_erase", "key_destroyed"),
+        )
 
         async def settled() -> bool:
-            verified = (await _get(client, f"/v1/erasures/{erasure_id}", "auditor", TENANT_A))["status"] == "verified"
-            listed = (await _get(client, "/v1/invalidations", "platform-admin", "platform"))["invalidations"]
+            verified = (await _get(client, f"/v1/erasures/{erasure_id}", "auditor", TENANT_A))[
+                "status"
+            ] == "verified"
+            listed = (await _get(client, "/v1/invalidations", "platform-admin", "platform"))[
+                "invalidations"
+            ]
             return verified and {item["status"] for item in listed} == {"complete"}
 
         await eventually(settled, what="the erasure verified and every invalidation complete")
@@ -201,7 +284,9 @@ async def browser() -> AsyncIterator[object]:
 
 async def _logged_in(browser, url: str, role: str, tenant: str):
     """A fresh browser context (its own cookie jar) logged in through the form as ``role`` of ``tenant``."""
-    context = await browser.new_context(accept_downloads=True, viewport={"width": 1400, "height": 900})
+    context = await browser.new_context(
+        accept_downloads=True, viewport={"width": 1400, "height": 900}
+    )
     page = await context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
     dialogs: list[str] = []
@@ -235,7 +320,13 @@ async def test_login_overview_and_logout(story: dict, browser) -> None:
     url = story["url"]
     context, page = await _logged_in(browser, url, "platform-admin", "platform")
     (cookie,) = await context.cookies()
-    assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"], cookie["secure"], cookie["path"]) == (
+    assert (
+        cookie["name"],
+        cookie["httpOnly"],
+        cookie["sameSite"],
+        cookie["secure"],
+        cookie["path"],
+    ) == (
         "kvledger_console",
         True,
         "Strict",
@@ -258,7 +349,10 @@ async def test_login_overview_and_logout(story: dict, browser) -> None:
     assert await page.inner_text("#dead-letters") == "0"
     assert await page.inner_text("#invalidations-open") == "0 pending · 0 failed"
     assert await page.inner_text("#erasures-unverified") == "0 pending · 0 partial · 0 failed"
-    assert re.fullmatch(r"\d+\.\d{3} s mean over [1-9]\d* events ingested by this process", await page.inner_text("#ingest-lag"))
+    assert re.fullmatch(
+        r"\d+\.\d{3} s mean over [1-9]\d* events ingested by this process",
+        await page.inner_text("#ingest-lag"),
+    )
     await _screenshot(page, "overview-platform-admin")
 
     await page.click("text=Log out")
@@ -285,8 +379,22 @@ async def test_invalidations_list_filter_and_detail(story: dict, browser) -> Non
             "complete",
             "2/2",
         ),
-        ("2", "document", f"doc_id={SCRIPT_DOC} tenant={TENANT_A} below_version=3", "event", "complete", "2/2"),
-        ("1", "document", f"doc_id=handbook tenant={TENANT_A} below_version=2", "event", "complete", "2/2"),
+        (
+            "2",
+            "document",
+            f"doc_id={SCRIPT_DOC} tenant={TENANT_A} below_version=3",
+            "event",
+            "complete",
+            "2/2",
+        ),
+        (
+            "1",
+            "document",
+            f"doc_id=handbook tenant={TENANT_A} below_version=2",
+            "event",
+            "complete",
+            "2/2",
+        ),
     ]
     await _screenshot(page, "invalidations")
 
@@ -319,7 +427,10 @@ async def test_an_id_holding_a_script_is_shown_as_text(story: dict, browser) -> 
     """``<script>`` in a document id and an erasure reason is rendered escaped: visible as text, no element, no dialog."""
     url = story["url"]
     context, page = await _logged_in(browser, url, "auditor", TENANT_A)
-    escaped = {"&lt;script&gt;alert(&#39;doc&#39;)&lt;/script&gt;", "&lt;script&gt;alert(&#39;reason&#39;)&lt;/script&gt;"}
+    escaped = {
+        "&lt;script&gt;alert(&#39;doc&#39;)&lt;/script&gt;",
+        "&lt;script&gt;alert(&#39;reason&#39;)&lt;/script&gt;",
+    }
     for path in (
         "/ui/invalidations",
         f"/ui/invalidations/{story['script_command']}",
@@ -334,7 +445,10 @@ async def test_an_id_holding_a_script_is_shown_as_text(story: dict, browser) -> 
         assert await page.locator("script").count() == 0, path
         assert "default-src 'none'" in response.headers["content-security-policy"]
     await page.goto(f"{url}/ui/invalidations/{story['script_command']}")
-    assert await page.inner_text("#predicate") == f"doc_id={SCRIPT_DOC} tenant={TENANT_A} below_version=3"
+    assert (
+        await page.inner_text("#predicate")
+        == f"doc_id={SCRIPT_DOC} tenant={TENANT_A} below_version=3"
+    )
     await page.goto(f"{url}/ui/erasures/{story['erasure_id']}")
     assert await page.inner_text("#reason") == SCRIPT_REASON
     assert page.dialogs == []
@@ -342,7 +456,9 @@ async def test_an_id_holding_a_script_is_shown_as_text(story: dict, browser) -> 
     await context.close()
 
 
-async def test_erasure_detail_receipt_download_verifies_offline(story: dict, browser, tmp_path: Path) -> None:
+async def test_erasure_detail_receipt_download_verifies_offline(
+    story: dict, browser, tmp_path: Path
+) -> None:
     """Per node × tier evidence, the three downloads, and the command the page shows, run as shown."""
     url, erasure_id = story["url"], story["erasure_id"]
     context, page = await _logged_in(browser, url, "auditor", TENANT_A)
@@ -351,7 +467,10 @@ async def test_erasure_detail_receipt_download_verifies_offline(story: dict, bro
     assert [row[:4] for row in rows] == [[erasure_id, TENANT_A, SCRIPT_REASON, "verified"]]
     await page.click(f"text={erasure_id}")
     await page.wait_for_url(f"{url}/ui/erasures/{erasure_id}")
-    assert (await page.inner_text("#status"), await page.inner_text("#live-copies")) == ("verified", "0")
+    assert (await page.inner_text("#status"), await page.inner_text("#live-copies")) == (
+        "verified",
+        "0",
+    )
     # node, status, device, host, disk, snapshot
     assert await _cells(page, "#evidence tbody tr") == [
         [
@@ -362,7 +481,14 @@ async def test_erasure_detail_receipt_download_verifies_offline(story: dict, bro
             "removed 0 0 live",
             "removed 0 0 live",
         ],
-        [NODE_B, "acked", "removed 0 0 live", "removed 0 0 live", "removed 1 (crypto_erase) verified 0 live", "removed 0 0 live"],
+        [
+            NODE_B,
+            "acked",
+            "removed 0 0 live",
+            "removed 0 0 live",
+            "removed 1 (crypto_erase) verified 0 live",
+            "removed 0 0 live",
+        ],
     ]
     receipt_file = f"receipt-{erasure_id}.json"
     verify_command = f"kvledger verify-receipt {receipt_file} --public-key receipt-keys.json --checkpoint checkpoint.json"
@@ -386,11 +512,20 @@ async def test_erasure_detail_receipt_download_verifies_offline(story: dict, bro
         await download.save_as(tmp_path / name)
         documents[name] = json.loads((tmp_path / name).read_text())
     assert documents[receipt_file]["receipt"]["erasure_id"] == erasure_id
-    result = verify_served_receipt(documents[receipt_file], documents["receipt-keys.json"], documents["checkpoint.json"])
+    result = verify_served_receipt(
+        documents[receipt_file], documents["receipt-keys.json"], documents["checkpoint.json"]
+    )
     assert result.ok, [check for check in result.checks if not check.ok]
     kvledger = [sys.executable, "-m", "kvledger.cli"]
     shown = shlex.split(verify_command)
-    checked = await asyncio.to_thread(subprocess.run, kvledger + shown[1:], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    checked = await asyncio.to_thread(
+        subprocess.run,
+        kvledger + shown[1:],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     await context.close()
 
@@ -402,7 +537,11 @@ async def test_audit_log_shows_the_current_checkpoint(story: dict, browser) -> N
     async with httpx.AsyncClient(base_url=url) as client:
         checkpoint = (await client.get("/v1/audit/checkpoint")).json()
     assert checkpoint["tree_size"] == 1
-    assert (await page.inner_text("#tree-size"), await page.inner_text("#root-hash"), await page.inner_text("#key-id")) == (
+    assert (
+        await page.inner_text("#tree-size"),
+        await page.inner_text("#root-hash"),
+        await page.inner_text("#key-id"),
+    ) == (
         "1",
         checkpoint["root_hash"],
         checkpoint["key_id"],
@@ -431,7 +570,10 @@ async def test_each_role_sees_what_its_api_allows(story: dict, browser) -> None:
         response = await page.goto(f"{url}{path}")
         assert response.status == 403, path
         assert await page.inner_text("#error-title") == "Forbidden"
-        assert await page.inner_text("#error-message") == "operators act only inside the tenant of their token (tenant_forbidden)"
+        assert (
+            await page.inner_text("#error-message")
+            == "operators act only inside the tenant of their token (tenant_forbidden)"
+        )
     await page.goto(f"{url}/ui/erasures/{erasure_id}")
     await _screenshot(page, "forbidden-tenant-b")
     await context.close()

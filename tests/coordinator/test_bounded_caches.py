@@ -16,11 +16,15 @@ def settings(ledger_url: str) -> CoordinatorSettings:
     return coordinator_settings(ledger_url)
 
 
-async def test_the_node_key_cache_keeps_only_the_most_recently_used_keys(database: Database) -> None:
+async def test_the_node_key_cache_keeps_only_the_most_recently_used_keys(
+    database: Database,
+) -> None:
     kids = []
     async with database.session() as session, session.begin():
         for node_id in ("node-a", "node-b", "node-c"):
-            kids.append((await enroll(session, node_id, Ed25519PrivateKey.generate().public_key())).key_id)
+            kids.append(
+                (await enroll(session, node_id, Ed25519PrivateKey.generate().public_key())).key_id
+            )
     registry = NodeKeyRegistry(database, cache_s=3600, max_cached=2)
     for kid in kids:  # a, b, c: a is the least recently used when c arrives
         assert set(await registry.lookup([kid])) == {kid}

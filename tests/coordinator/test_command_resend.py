@@ -73,7 +73,13 @@ async def ledger(database_url: str, ledger_template: str) -> AsyncIterator[Datab
 
 
 def resender(database: Database, after_s: float = AFTER_S) -> CommandResender:
-    return CommandResender(database, command_signer=sign_command, resend_after_s=after_s, resend_max_s=max(after_s, MAX_S), poll_s=0.05)
+    return CommandResender(
+        database,
+        command_signer=sign_command,
+        resend_after_s=after_s,
+        resend_max_s=max(after_s, MAX_S),
+        poll_s=0.05,
+    )
 
 
 async def decided(database: Database, node_ids: list[str]) -> uuid.UUID:
@@ -96,7 +102,9 @@ async def decided(database: Database, node_ids: list[str]) -> uuid.UUID:
 
 async def targets(database: Database, command_id: uuid.UUID) -> dict[str, InvalidationTarget]:
     async with database.session() as session:
-        rows = await session.scalars(select(InvalidationTarget).where(InvalidationTarget.command_id == command_id))
+        rows = await session.scalars(
+            select(InvalidationTarget).where(InvalidationTarget.command_id == command_id)
+        )
         return {row.node_id: row for row in rows}
 
 
@@ -104,14 +112,21 @@ async def commands_in_outbox(database: Database, command_id: uuid.UUID) -> list[
     async with database.session() as session:
         rows = await session.scalars(select(OutboxEntry.payload).order_by(OutboxEntry.id))
         envelopes = [schema.Envelope.model_validate(payload) for payload in rows]
-    return [e for e in envelopes if isinstance(e.payload, schema.Invalidate) and e.payload.command_id == command_id]
+    return [
+        e
+        for e in envelopes
+        if isinstance(e.payload, schema.Invalidate) and e.payload.command_id == command_id
+    ]
 
 
 async def set_acked(database: Database, command_id: uuid.UUID, node_ids: list[str]) -> None:
     async with database.session() as session, session.begin():
         await session.execute(
             update(InvalidationTarget)
-            .where(InvalidationTarget.command_id == command_id, InvalidationTarget.node_id.in_(node_ids))
+            .where(
+                InvalidationTarget.command_id == command_id,
+                InvalidationTarget.node_id.in_(node_ids),
+            )
             .values(status="acked", acked_at=func.now(), evidence=[])
         )
 
@@ -121,35 +136,52 @@ async def resent_once_more(database: Database, command_id: uuid.UUID, expected_c
 
     async def reached() -> bool:
         await resender(database).resend_due()
-        pending = [t for t in (await targets(database, command_id)).values() if t.status == "pending"]
+        pending = [
+            t for t in (await targets(database, command_id)).values() if t.status == "pending"
+        ]
         return all(t.resend_count == expected_count for t in pending)
 
     await eventually(reached, timeout_s=TIMEOUT_S, what=f"re-send number {expected_count}")
 
 
-async def test_resends_pending_targets_with_capped_exponential_backoff_and_stops_once_acked(ledger: Database) -> None:
+async def test_resends_pending_targets_with_capped_exponential_backoff_and_stops_once_acked(
+    ledger: Database,
+) -> None:
     command_id = await decided(ledger, ["n1", "n2", "n3"])
     (original,) = await commands_in_outbox(ledger, command_id)
-    assert await resender(ledger, after_s=3600).resend_due() == 0, "nothing is due before command_resend_after_s"
+    assert await resender(ledger, after_s=3600).resend_due() == 0, (
+        "nothing is due before command_resend_after_s"
+    )
     await set_acked(ledger, command_id, ["n1"])
 
     # Two replicas at once: every due target is claimed by exactly one of them, each command re-sent once.
     async def due() -> bool:
         async with ledger.session() as session:
-            created_at = await session.scalar(select(Invalidation.created_at).where(Invalidation.command_id == command_id))
-            return await session.scalar(select(func.now())) >= created_at + timedelta(seconds=AFTER_S)
+            created_at = await session.scalar(
+                select(Invalidation.created_at).where(Invalidation.command_id == command_id)
+            )
+            return await session.scalar(select(func.now())) >= created_at + timedelta(
+                seconds=AFTER_S
+            )
 
     await eventually(due, what="the first re-send to be due")
-    assert sorted(await asyncio.gather(resender(ledger).resend_due(), resender(ledger).resend_due())) == [0, 1]
+    assert sorted(
+        await asyncio.gather(resender(ledger).resend_due(), resender(ledger).resend_due())
+    ) == [0, 1]
     rows = await targets(ledger, command_id)
-    assert {node_id: row.resend_count for node_id, row in rows.items()} == {"n1": 0, "n2": 1, "n3": 1}
+    assert {node_id: row.resend_count for node_id, row in rows.items()} == {
+        "n1": 0,
+        "n2": 1,
+        "n3": 1,
+    }
     assert rows["n1"].next_resend_at is None and rows["n1"].last_resent_at is None
 
     intervals = [rows["n2"].next_resend_at - rows["n2"].last_resent_at]
     for count in (2, 3):
         await resent_once_more(ledger, command_id, count)
         intervals.append(
-            (await targets(ledger, command_id))["n2"].next_resend_at - (await targets(ledger, command_id))["n2"].last_resent_at
+            (await targets(ledger, command_id))["n2"].next_resend_at
+            - (await targets(ledger, command_id))["n2"].last_resent_at
         )
     assert intervals == [timedelta(seconds=0.4), timedelta(seconds=0.8), timedelta(seconds=0.8)]
 
@@ -162,7 +194,11 @@ async def test_resends_pending_targets_with_capped_exponential_backoff_and_stops
         assert signature_problem(command, COMMAND_KEY.public_key()) is None
 
     await set_acked(ledger, command_id, ["n2", "n3"])
-    last_due = max(row.next_resend_at for row in (await targets(ledger, command_id)).values() if row.next_resend_at)
+    last_due = max(
+        row.next_resend_at
+        for row in (await targets(ledger, command_id)).values()
+        if row.next_resend_at
+    )
 
     async def past_due() -> bool:
         async with ledger.session() as session:
@@ -171,7 +207,9 @@ async def test_resends_pending_targets_with_capped_exponential_backoff_and_stops
     await eventually(past_due, what="the last scheduled re-send to be due")
     assert await resender(ledger).resend_due() == 0
     assert len(await commands_in_outbox(ledger, command_id)) == 4
-    assert {node_id: row.resend_count for node_id, row in (await targets(ledger, command_id)).items()} == {"n1": 0, "n2": 3, "n3": 3}
+    assert {
+        node_id: row.resend_count for node_id, row in (await targets(ledger, command_id)).items()
+    } == {"n1": 0, "n2": 3, "n3": 3}
 
 
 async def test_settings_refuse_a_maximum_below_the_first_wait() -> None:
@@ -199,13 +237,17 @@ class ChatNode(RunningNode):
 
         async def apply_batch_counted(commands):
             async for command, evidence in real_apply_batch(commands):
-                self.apply_counts[command.command_id] = self.apply_counts.get(command.command_id, 0) + 1
+                self.apply_counts[command.command_id] = (
+                    self.apply_counts.get(command.command_id, 0) + 1
+                )
                 yield command, evidence
 
         async def send_dropping(envelopes):
             """Fault injection: the ack (every record of it) is lost on its way (reported sent, never written)."""
             envelopes = list(envelopes)
-            if self.drop_next_ack and any(isinstance(envelope.payload, schema.CommandAck) for envelope in envelopes):
+            if self.drop_next_ack and any(
+                isinstance(envelope.payload, schema.CommandAck) for envelope in envelopes
+            ):
                 self.drop_next_ack = False
                 self.dropped_acks.extend(envelopes)
                 return []
@@ -220,23 +262,39 @@ class ChatNode(RunningNode):
         return self
 
     async def cache(self, tenant: str, doc_id: str, version: int) -> None:
-        token = issue_token(tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": 1}, ttl_s=600, secret=JWT_SECRET)
-        text_ = " ".join(f"{doc_id} section {i} version {version} says staff rest" for i in range(10))
+        token = issue_token(
+            tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": 1}, ttl_s=600, secret=JWT_SECRET
+        )
+        text_ = " ".join(
+            f"{doc_id} section {i} version {version} says staff rest" for i in range(10)
+        )
         messages = [
             {"role": "system", "content": "You answer from the handbook.", "cache_scope": "public"},
-            {"role": "user", "content": text_, "document": {"id": doc_id, "version": version, "auth_scope": "hr"}},
+            {
+                "role": "user",
+                "content": text_,
+                "document": {"id": doc_id, "version": version, "auth_scope": "hr"},
+            },
             {"role": "user", "content": "What is the leave policy?"},
         ]
-        body = {"model": self.engine.model_name, "messages": messages, "max_tokens": 1, "temperature": 0}
+        body = {
+            "model": self.engine.model_name,
+            "messages": messages,
+            "max_tokens": 1,
+            "temperature": 0,
+        }
         async with httpx.AsyncClient(base_url=self.http.url, timeout=60) as client:
-            response = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
+            response = await client.post(
+                "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}
+            )
         assert response.status_code == 200, response.text
 
     def holdings(self, tenant: str, doc_id: str) -> set[str]:
         return {
             entry.block_hash.hex()
             for entry in self.engine.pool.ready_entries()
-            if entry.provenance.tenant_id == tenant and any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)
+            if entry.provenance.tenant_id == tenant
+            and any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)
         }
 
 
@@ -247,7 +305,9 @@ class Ledger:
 
 
 @pytest.fixture(scope="module")
-async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[Ledger]:
+async def coordinator(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[Ledger]:
     """The coordinator's consumers with fast re-sends, on a fresh ledger whose groups start at the topics' ends."""
     async with fresh_database(database_url, ledger_template) as url:
         group = f"resend-{uuid.uuid4().hex[:8]}"
@@ -255,7 +315,11 @@ async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: 
             url,
             kafka_bootstrap,
             kafka={"group_id": group},
-            ledger={"command_resend_after_s": 0.5, "command_resend_max_s": 2.0, "command_resend_poll_s": 0.1},
+            ledger={
+                "command_resend_after_s": 0.5,
+                "command_resend_max_s": 2.0,
+                "command_resend_poll_s": 0.1,
+            },
         )
         await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(group))
@@ -269,13 +333,17 @@ async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: 
 
 
 @pytest.fixture(scope="module")
-async def node(coordinator: Ledger, tiny_model_dir: Path, tmp_path_factory, kafka_bootstrap: str) -> AsyncIterator[ChatNode]:
+async def node(
+    coordinator: Ledger, tiny_model_dir: Path, tmp_path_factory, kafka_bootstrap: str
+) -> AsyncIterator[ChatNode]:
     """The module's one node, enrolled and registered in the ledger (so every decision targets it, and only it)."""
     node_id = f"resend-{uuid.uuid4().hex[:6]}"
     await enroll_nodes(coordinator.url, [node_id])
     cache = CacheSettings(num_device_blocks=64, num_host_blocks=64, max_disk_blocks=128)
     data_dir = tmp_path_factory.mktemp("resend-node")
-    started = await ChatNode(node_settings(node_id, tiny_model_dir, data_dir, kafka_bootstrap, cache)).start()
+    started = await ChatNode(
+        node_settings(node_id, tiny_model_dir, data_dir, kafka_bootstrap, cache)
+    ).start()
 
     async def registered() -> bool:
         async with coordinator.database.session() as session:
@@ -288,10 +356,16 @@ async def node(coordinator: Ledger, tiny_model_dir: Path, tmp_path_factory, kafk
         await started.stop()
 
 
-async def update_document(kafka_bootstrap: str, tenant: str, doc_id: str, version: int) -> uuid.UUID:
+async def update_document(
+    kafka_bootstrap: str, tenant: str, doc_id: str, version: int
+) -> uuid.UUID:
     """A user's DocumentUpdated (signed with the tests' producer key); returns its event id."""
-    event = schema.make_event(schema.DocumentUpdated(doc_id=doc_id, version=version), tenant_id=tenant)
-    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap), sign=sign_customer_event) as producer:
+    event = schema.make_event(
+        schema.DocumentUpdated(doc_id=doc_id, version=version), tenant_id=tenant
+    )
+    async with EventProducer(
+        KafkaSettings(bootstrap=kafka_bootstrap), sign=sign_customer_event
+    ) as producer:
         await producer.send(event)
     return event.event_id
 
@@ -299,15 +373,23 @@ async def update_document(kafka_bootstrap: str, tenant: str, doc_id: str, versio
 async def invalidation_of(database: Database, event_id: uuid.UUID, status: str) -> Invalidation:
     async def reached() -> bool:
         async with database.session() as session:
-            found = await session.scalar(select(Invalidation).where(Invalidation.source_event_id == event_id))
+            found = await session.scalar(
+                select(Invalidation).where(Invalidation.source_event_id == event_id)
+            )
             return found is not None and found.status == status
 
-    await eventually(reached, timeout_s=TIMEOUT_S, what=f"the invalidation of {event_id} to be {status}")
+    await eventually(
+        reached, timeout_s=TIMEOUT_S, what=f"the invalidation of {event_id} to be {status}"
+    )
     async with database.session() as session:
-        return await session.scalar(select(Invalidation).where(Invalidation.source_event_id == event_id))
+        return await session.scalar(
+            select(Invalidation).where(Invalidation.source_event_id == event_id)
+        )
 
 
-async def records_of(kafka_bootstrap: str, topic: str, command_id: uuid.UUID) -> list[schema.Envelope]:
+async def records_of(
+    kafka_bootstrap: str, topic: str, command_id: uuid.UUID
+) -> list[schema.Envelope]:
     """Every envelope on ``topic`` whose payload names ``command_id``, read up to the end.
 
     The end is where a poll returns nothing once the end offsets seen at the start are
@@ -315,11 +397,15 @@ async def records_of(kafka_bootstrap: str, topic: str, command_id: uuid.UUID) ->
     ``bench.common.start_groups_at_end``).
     """
     found: list[schema.Envelope] = []
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka_bootstrap, group_id=None, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         await consumer.topics()
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        partitions = [
+            TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))
+        ]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(partitions)
@@ -334,7 +420,9 @@ async def records_of(kafka_bootstrap: str, topic: str, command_id: uuid.UUID) ->
                             continue  # the worker's broker is shared: other modules write garbage here on purpose
                         if getattr(envelope.payload, "command_id", None) == command_id:
                             found.append(envelope)
-                if not batch and all([await consumer.position(tp) >= end for tp, end in ends.items()]):
+                if not batch and all(
+                    [await consumer.position(tp) >= end for tp, end in ends.items()]
+                ):
                     return found
     finally:
         await consumer.stop()
@@ -348,7 +436,9 @@ def resends(kind: str) -> float:
     return REGISTRY.get_sample_value("kvledger_command_resends_total", {"kind": kind}) or 0.0
 
 
-async def test_a_lost_ack_is_recovered_by_a_resend_that_is_acked_again_not_applied_again(coordinator, node, kafka_bootstrap):
+async def test_a_lost_ack_is_recovered_by_a_resend_that_is_acked_again_not_applied_again(
+    coordinator, node, kafka_bootstrap
+):
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     await node.cache(tenant, "handbook", 1)
     held = node.holdings(tenant, "handbook")
@@ -357,7 +447,11 @@ async def test_a_lost_ack_is_recovered_by_a_resend_that_is_acked_again_not_appli
     reacked_before = reacked(node)
 
     node.drop_next_ack = True
-    invalidation = await invalidation_of(coordinator.database, await update_document(kafka_bootstrap, tenant, "handbook", 2), "complete")
+    invalidation = await invalidation_of(
+        coordinator.database,
+        await update_document(kafka_bootstrap, tenant, "handbook", 2),
+        "complete",
+    )
 
     command_id = invalidation.command_id
     (dropped,) = node.dropped_acks
@@ -366,9 +460,17 @@ async def test_a_lost_ack_is_recovered_by_a_resend_that_is_acked_again_not_appli
     assert node.holdings(tenant, "handbook") == set()
     target = (await targets(coordinator.database, command_id))[node.node_id]
     assert target.status == "acked" and target.resend_count >= 1
-    assert {h for item in target.evidence for h in item["block_hashes"]} == held, "the re-ack carries the first application's evidence"
-    acks = [ack for ack in await records_of(kafka_bootstrap, topics.ACKS, command_id) if ack.payload.node_id == node.node_id]
-    assert acks and {ack.event_id for ack in acks} == {dropped.event_id}, "the re-ack is the very ack that was lost"
+    assert {h for item in target.evidence for h in item["block_hashes"]} == held, (
+        "the re-ack carries the first application's evidence"
+    )
+    acks = [
+        ack
+        for ack in await records_of(kafka_bootstrap, topics.ACKS, command_id)
+        if ack.payload.node_id == node.node_id
+    ]
+    assert acks and {ack.event_id for ack in acks} == {dropped.event_id}, (
+        "the re-ack is the very ack that was lost"
+    )
     assert reacked(node) >= reacked_before + 1
     assert resends("document") >= resends_before + 1
 
@@ -382,10 +484,14 @@ async def test_a_lost_ack_is_recovered_by_a_resend_that_is_acked_again_not_appli
 
     await eventually(past_due, what="the next re-send to have been due")
     assert len(await records_of(kafka_bootstrap, topics.COMMANDS, command_id)) == sent
-    assert (await targets(coordinator.database, command_id))[node.node_id].resend_count == target.resend_count
+    assert (await targets(coordinator.database, command_id))[
+        node.node_id
+    ].resend_count == target.resend_count
 
 
-async def test_a_node_positioned_past_a_command_while_down_gets_it_resent_after_restart(coordinator, node, kafka_bootstrap):
+async def test_a_node_positioned_past_a_command_while_down_gets_it_resent_after_restart(
+    coordinator, node, kafka_bootstrap
+):
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     first_epoch = node.publisher.epoch
     await node.stop()
@@ -395,7 +501,9 @@ async def test_a_node_positioned_past_a_command_while_down_gets_it_resent_after_
 
     async def published() -> bool:
         async with coordinator.database.session() as session:
-            return not await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None)))
+            return not await session.scalar(
+                select(func.count()).select_from(OutboxEntry).where(OutboxEntry.sent_at.is_(None))
+            )
 
     await eventually(published, what="the command to be published")
     # The record is lost for this node: its group's committed position is moved past it.

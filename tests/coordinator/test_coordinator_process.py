@@ -35,10 +35,24 @@ def _free_port() -> int:
 
 
 class CoordinatorProcess:
-    def __init__(self, ledger_url: str, kafka_bootstrap: str, group_id: str, log_path: Path, role: str = "all", **extra_env: str) -> None:
+    def __init__(
+        self,
+        ledger_url: str,
+        kafka_bootstrap: str,
+        group_id: str,
+        log_path: Path,
+        role: str = "all",
+        **extra_env: str,
+    ) -> None:
         self.port = _free_port()
         self.role = role
-        self.env = coordinator_env(ledger_url, kafka_bootstrap, group_id, KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS="20", **extra_env)
+        self.env = coordinator_env(
+            ledger_url,
+            kafka_bootstrap,
+            group_id,
+            KVLEDGER_COORDINATOR_KAFKA__MAX_BATCH_RECORDS="20",
+            **extra_env,
+        )
         self.log_path = log_path
         self.process: asyncio.subprocess.Process | None = None
 
@@ -53,10 +67,14 @@ class CoordinatorProcess:
             log.close()
 
         async def ready() -> bool:
-            assert self.process.returncode is None, f"coordinator exited; log: {self.log_path.read_text()[-2000:]}"
+            assert self.process.returncode is None, (
+                f"coordinator exited; log: {self.log_path.read_text()[-2000:]}"
+            )
             try:
                 async with httpx.AsyncClient() as client:
-                    return (await client.get(f"http://127.0.0.1:{self.port}/readyz")).status_code == 200
+                    return (
+                        await client.get(f"http://127.0.0.1:{self.port}/readyz")
+                    ).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -67,12 +85,15 @@ class CoordinatorProcess:
         return await asyncio.wait_for(self.process.wait(), timeout_s)
 
 
-async def test_sigkill_mid_stream_then_restart_ends_exact(ledger_url: str, kafka_bootstrap: str, tmp_path: Path) -> None:
+async def test_sigkill_mid_stream_then_restart_ends_exact(
+    ledger_url: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
     group_id = f"process-{uuid.uuid4().hex[:8]}"
     node_id = f"proc-{uuid.uuid4().hex[:8]}"
     blocks = [stored(f"{node_id}/{seq}", "device") for seq in range(1, NUM_EVENTS + 1)]
     envelopes = [make_event(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test"))] + [
-        make_event(BlockStored(node_id=node_id, epoch=1, seq=seq, blocks=[block])) for seq, block in enumerate(blocks, start=1)
+        make_event(BlockStored(node_id=node_id, epoch=1, seq=seq, blocks=[block]))
+        for seq, block in enumerate(blocks, start=1)
     ]
     database = Database(CoordinatorSettings(database={"url": ledger_url}).database)
 
@@ -81,10 +102,14 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(ledger_url: str, kafka
             node = await session.get(Node, node_id)
             return -1 if node is None else node.last_seq
 
-    coordinator = CoordinatorProcess(ledger_url, kafka_bootstrap, group_id, tmp_path / "coordinator.log")
+    coordinator = CoordinatorProcess(
+        ledger_url, kafka_bootstrap, group_id, tmp_path / "coordinator.log"
+    )
     try:
         await coordinator.start()
-        async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap), ledger_url) as producer:
+        async with SigningProducer(
+            KafkaSettings(bootstrap=kafka_bootstrap), ledger_url
+        ) as producer:
             await producer.send_many(envelopes)
 
         async def some_applied() -> bool:
@@ -99,11 +124,21 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(ledger_url: str, kafka
         async def all_applied() -> bool:
             return await last_seq() == NUM_EVENTS
 
-        await eventually(all_applied, timeout_s=90, what="the restarted coordinator to apply everything")
+        await eventually(
+            all_applied, timeout_s=90, what="the restarted coordinator to apply everything"
+        )
         async with database.session() as session:
-            live = set(await session.scalars(select(Placement.block_hash).where(Placement.node_id == node_id, Placement.state == "live")))
+            live = set(
+                await session.scalars(
+                    select(Placement.block_hash).where(
+                        Placement.node_id == node_id, Placement.state == "live"
+                    )
+                )
+            )
             num_inbox = await session.scalar(
-                select(func.count()).select_from(InboxEntry).where(InboxEntry.event_id.in_([envelope.event_id for envelope in envelopes]))
+                select(func.count())
+                .select_from(InboxEntry)
+                .where(InboxEntry.event_id.in_([envelope.event_id for envelope in envelopes]))
             )
             node = await session.get(Node, node_id)
         assert live == {bytes.fromhex(block.block_hash) for block in blocks}
@@ -118,7 +153,9 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(ledger_url: str, kafka
         await database.dispose()
 
 
-async def test_consumers_only_process_serves_health_readiness_and_metrics(ledger_url: str, kafka_bootstrap: str, tmp_path: Path) -> None:
+async def test_consumers_only_process_serves_health_readiness_and_metrics(
+    ledger_url: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
     """``--role consumers`` has no ledger API, but is probed and scraped like the API; its logs are JSON lines."""
     log_path = tmp_path / "consumers.log"
     metrics_token = "consumers-metrics-token"
@@ -133,9 +170,15 @@ async def test_consumers_only_process_serves_health_readiness_and_metrics(ledger
     )
     try:
         await coordinator.start()  # waits for /readyz: the kv-events consumer owns partitions
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{coordinator.port}", timeout=30) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{coordinator.port}", timeout=30
+        ) as client:
             health = await client.get("/healthz", headers={"X-Request-Id": "probe-1"})
-            assert (health.status_code, health.json(), health.headers["x-request-id"]) == (200, {"status": "ok"}, "probe-1")
+            assert (health.status_code, health.json(), health.headers["x-request-id"]) == (
+                200,
+                {"status": "ok"},
+                "probe-1",
+            )
             assert (await client.get("/readyz")).json() == {"status": "ready"}
             refused = await client.get("/metrics")
             assert refused.status_code == 401
@@ -147,7 +190,9 @@ async def test_consumers_only_process_serves_health_readiness_and_metrics(ledger
                 }
             }
             assert (await client.get("/v1/nodes")).status_code == 404  # no ledger API in this role
-            scrape = await client.get("/metrics", headers={"Authorization": f"Bearer {metrics_token}"})
+            scrape = await client.get(
+                "/metrics", headers={"Authorization": f"Bearer {metrics_token}"}
+            )
         assert scrape.status_code == 200
         assert 'kvledger_dead_letter_total{topic="kvledger.erasures"} 0.0' in scrape.text
         assert 'kvledger_ledger_nodes{liveness="stale"}' in scrape.text  # refreshed from the ledger
@@ -158,6 +203,12 @@ async def test_consumers_only_process_serves_health_readiness_and_metrics(ledger
             coordinator.process.kill()
             await coordinator.process.wait()
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    access = [line for line in lines if line["logger"] == "coordinator.access" and line["request_id"] == "probe-1"]
+    access = [
+        line
+        for line in lines
+        if line["logger"] == "coordinator.access" and line["request_id"] == "probe-1"
+    ]
     assert [line["message"].rsplit(" ", 1)[0] for line in access] == ["GET /healthz 200"]
-    assert any(line["logger"].startswith("uvicorn") for line in lines)  # uvicorn logs through the same handler
+    assert any(
+        line["logger"].startswith("uvicorn") for line in lines
+    )  # uvicorn logs through the same handler

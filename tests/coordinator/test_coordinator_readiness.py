@@ -19,7 +19,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.ledger import coordinator_env, coordinator_settings, eventually, fresh_database, sign_customer_event
+from helpers.ledger import (
+    coordinator_env,
+    coordinator_settings,
+    eventually,
+    fresh_database,
+    sign_customer_event,
+)
 from sqlalchemy import select
 
 from bench.common import start_groups_at_end
@@ -40,7 +46,9 @@ DECIDED_WITHIN_S = 3.0
 
 
 @pytest.fixture
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         settings = coordinator_settings(url, kafka_bootstrap)
         await ensure_topics(kafka_settings(settings))
@@ -50,17 +58,26 @@ async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str
 
 async def decided_after(settings: CoordinatorSettings, tenant: str) -> float:
     """Publish a DocumentUpdated now; seconds until the coordinator recorded its decision."""
-    event = schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant)
+    event = schema.make_event(
+        schema.DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant
+    )
     database = Database(settings.database, pre_ping=False)
     try:
-        async with EventProducer(KafkaSettings(bootstrap=settings.kafka.bootstrap), sign=sign_customer_event) as producer:
+        async with EventProducer(
+            KafkaSettings(bootstrap=settings.kafka.bootstrap), sign=sign_customer_event
+        ) as producer:
             started = time.monotonic()
             await producer.send(event)
 
         async def decided() -> bool:
             async with database.session() as session:
                 return (
-                    await session.scalar(select(Invalidation.command_id).where(Invalidation.source_event_id == event.event_id)) is not None
+                    await session.scalar(
+                        select(Invalidation.command_id).where(
+                            Invalidation.source_event_id == event.event_id
+                        )
+                    )
+                    is not None
                 )
 
         await eventually(decided, what="the update's decision")
@@ -69,7 +86,9 @@ async def decided_after(settings: CoordinatorSettings, tenant: str) -> float:
         await database.dispose()
 
 
-async def test_readyz_is_503_until_the_consumers_consume_then_an_update_is_decided_at_once(settings: CoordinatorSettings) -> None:
+async def test_readyz_is_503_until_the_consumers_consume_then_an_update_is_decided_at_once(
+    settings: CoordinatorSettings,
+) -> None:
     readiness = ConsumerReadiness()
     app = create_app(settings, consumers=readiness)
     stop = asyncio.Event()
@@ -96,8 +115,12 @@ async def test_readyz_is_503_until_the_consumers_consume_then_an_update_is_decid
             group = settings.kafka.group_id
             for status_code, body in answers[:-1]:
                 assert status_code == 503 and body["status"] == "not_ready"
-                assert body["reason"] == "consumers not started" or body["reason"].startswith("consumer groups not yet consuming: ")
-                assert set(body["reason"].removeprefix("consumer groups not yet consuming: ").split(", ")) <= {
+                assert body["reason"] == "consumers not started" or body["reason"].startswith(
+                    "consumer groups not yet consuming: "
+                )
+                assert set(
+                    body["reason"].removeprefix("consumer groups not yet consuming: ").split(", ")
+                ) <= {
                     group,
                     f"{group}-invalidations",
                     f"{group}-acks",
@@ -117,9 +140,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def test_a_consumers_only_process_serves_readyz_and_is_consuming_when_ready(settings: CoordinatorSettings, tmp_path: Path) -> None:
+async def test_a_consumers_only_process_serves_readyz_and_is_consuming_when_ready(
+    settings: CoordinatorSettings, tmp_path: Path
+) -> None:
     port = _free_port()
-    env = coordinator_env(settings.database.url.get_secret_value(), settings.kafka.bootstrap, settings.kafka.group_id)
+    env = coordinator_env(
+        settings.database.url.get_secret_value(), settings.kafka.bootstrap, settings.kafka.group_id
+    )
     log_path = tmp_path / "consumers.log"
     with open(log_path, "ab") as log:
         process = await asyncio.create_subprocess_exec(
@@ -130,7 +157,9 @@ async def test_a_consumers_only_process_serves_readyz_and_is_consuming_when_read
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
 
             async def ready() -> bool:
-                assert process.returncode is None, f"the consumers exited; log: {log_path.read_text()[-2000:]}"
+                assert process.returncode is None, (
+                    f"the consumers exited; log: {log_path.read_text()[-2000:]}"
+                )
                 try:
                     response = await client.get("/readyz")
                 except httpx.TransportError:
@@ -140,7 +169,9 @@ async def test_a_consumers_only_process_serves_readyz_and_is_consuming_when_read
 
             await eventually(ready, timeout_s=60, what="the consumers process to be ready")
             assert (await client.get("/healthz")).json() == {"status": "ok"}
-            assert (await client.get("/v1/nodes")).status_code == 404, "a consumers-only process serves no API"
+            assert (await client.get("/v1/nodes")).status_code == 404, (
+                "a consumers-only process serves no API"
+            )
             assert await decided_after(settings, f"acme-{uuid.uuid4().hex[:6]}") < DECIDED_WITHIN_S
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 60) == 0

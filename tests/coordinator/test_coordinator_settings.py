@@ -62,7 +62,9 @@ def test_rejects_non_postgres_url() -> None:
         CoordinatorSettings(database={"url": "mysql://x/y"})
 
 
-def test_command_signer_is_required_and_must_be_an_ed25519_pem(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_signer_is_required_and_must_be_an_ed25519_pem(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from identity.signing import key_id, private_key_pem
@@ -73,7 +75,9 @@ def test_command_signer_is_required_and_must_be_an_ed25519_pem(monkeypatch: pyte
     monkeypatch.setenv("KVLEDGER_COMMAND_SIGNING_KEY", private_key_pem(key).decode())
     assert CoordinatorSettings().command_signer().key_id == key_id(key.public_key())
     monkeypatch.setenv("KVLEDGER_COMMAND_SIGNING_KEY", "not a key")
-    with pytest.raises(ValueError, match="KVLEDGER_COMMAND_SIGNING_KEY: not an unencrypted PEM private key"):
+    with pytest.raises(
+        ValueError, match="KVLEDGER_COMMAND_SIGNING_KEY: not an unencrypted PEM private key"
+    ):
         CoordinatorSettings().command_signer()
 
 
@@ -82,18 +86,28 @@ def test_consumer_group_timing_reaches_every_consumer(monkeypatch: pytest.Monkey
     from coordinator.consumers import kafka_settings
 
     defaults = kafka_settings(CoordinatorSettings())
-    assert (defaults.session_timeout_ms, defaults.heartbeat_interval_ms, defaults.fetch_max_wait_ms) == (10_000, 3_000, 5)
+    assert (
+        defaults.session_timeout_ms,
+        defaults.heartbeat_interval_ms,
+        defaults.fetch_max_wait_ms,
+    ) == (10_000, 3_000, 5)
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__SESSION_TIMEOUT_MS", "2000")
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS", "500")
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__FETCH_MAX_WAIT_MS", "50")
     config = kafka_settings(CoordinatorSettings())
-    assert (config.session_timeout_ms, config.heartbeat_interval_ms, config.fetch_max_wait_ms) == (2000, 500, 50)
+    assert (config.session_timeout_ms, config.heartbeat_interval_ms, config.fetch_max_wait_ms) == (
+        2000,
+        500,
+        50,
+    )
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__HEARTBEAT_INTERVAL_MS", "2000")
     with pytest.raises(ValueError, match="must be below session_timeout_ms"):
         CoordinatorSettings()
 
 
-def test_the_node_key_revocation_bound_is_five_seconds_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_node_key_revocation_bound_is_five_seconds_unless_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert CoordinatorSettings().ledger.node_key_cache_s == 5.0
     monkeypatch.setenv("KVLEDGER_COORDINATOR_LEDGER__NODE_KEY_CACHE_S", "0.5")
     assert CoordinatorSettings().ledger.node_key_cache_s == 0.5

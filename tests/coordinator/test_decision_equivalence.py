@@ -126,7 +126,14 @@ def blocks(draw, index: int) -> GenBlock:
     documents = draw(st.frozensets(st.tuples(st.sampled_from(DOC_IDS), VERSIONS), max_size=3))
     scopes = draw(st.dictionaries(st.sampled_from(AUTH_SCOPES), VERSIONS, max_size=2))
     subject = draw(st.sampled_from(SUBJECTS)) if scope == "user" else None
-    return GenBlock(block_hash, namespace, draw(st.sampled_from(TENANTS)), subject, documents, tuple(sorted(scopes.items())))
+    return GenBlock(
+        block_hash,
+        namespace,
+        draw(st.sampled_from(TENANTS)),
+        subject,
+        documents,
+        tuple(sorted(scopes.items())),
+    )
 
 
 @st.composite
@@ -136,14 +143,26 @@ def ledgers(draw) -> Ledger:
     nodes = tuple(sorted(draw(st.sets(st.sampled_from(NODE_IDS), min_size=1, max_size=3))))
     placements = []
     for block in generated:
-        for node_id, tier in sorted(draw(st.sets(st.tuples(st.sampled_from(nodes), st.sampled_from(tuple(Tier))), max_size=4))):
+        for node_id, tier in sorted(
+            draw(
+                st.sets(st.tuples(st.sampled_from(nodes), st.sampled_from(tuple(Tier))), max_size=4)
+            )
+        ):
             state = draw(st.sampled_from(("live", "live", "deleted")))
             marked = draw(st.sampled_from((None, PRIOR_COMMAND)))
             placements.append(GenPlacement(block.block_hash, node_id, tier, state, marked))
     documents = draw(
-        st.dictionaries(st.tuples(st.sampled_from(TENANTS), st.sampled_from(DOC_IDS)), st.tuples(VERSIONS, st.booleans()), max_size=3)
+        st.dictionaries(
+            st.tuples(st.sampled_from(TENANTS), st.sampled_from(DOC_IDS)),
+            st.tuples(VERSIONS, st.booleans()),
+            max_size=3,
+        )
     )
-    policies = draw(st.dictionaries(st.tuples(st.sampled_from(TENANTS), st.sampled_from(AUTH_SCOPES)), VERSIONS, max_size=2))
+    policies = draw(
+        st.dictionaries(
+            st.tuples(st.sampled_from(TENANTS), st.sampled_from(AUTH_SCOPES)), VERSIONS, max_size=2
+        )
+    )
     return Ledger(nodes, generated, tuple(placements), documents, policies)
 
 
@@ -151,8 +170,12 @@ def ledgers(draw) -> Ledger:
 def user_events(draw, ledger: Ledger) -> list[Envelope]:
     """Document and permission events, mostly about what the ledger holds and at versions next to its blocks'
     (where ``<`` and ``<=`` differ), some about anything; several for one key, so later ones supersede."""
-    held_documents = sorted({(b.tenant, d, v) for b in ledger.blocks if b.tenant for d, v in b.documents})
-    held_scopes = sorted({(b.tenant, s, v) for b in ledger.blocks if b.tenant for s, v in b.auth_scopes})
+    held_documents = sorted(
+        {(b.tenant, d, v) for b in ledger.blocks if b.tenant for d, v in b.documents}
+    )
+    held_scopes = sorted(
+        {(b.tenant, s, v) for b in ledger.blocks if b.tenant for s, v in b.auth_scopes}
+    )
     anything = st.tuples(st.sampled_from(TENANTS), st.sampled_from(DOC_IDS), VERSIONS)
     documents = st.sampled_from(held_documents) | anything if held_documents else anything
     anything = st.tuples(st.sampled_from(TENANTS), st.sampled_from(AUTH_SCOPES), VERSIONS)
@@ -164,17 +187,23 @@ def user_events(draw, ledger: Ledger) -> list[Envelope]:
         if kind == "revoked":
             tenant, scope, version = draw(scopes)
             revoked = PermissionRevoked(
-                auth_scope=scope, policy_version=max(0, version + draw(nearby)), subject_id=draw(st.sampled_from((None, "alice")))
+                auth_scope=scope,
+                policy_version=max(0, version + draw(nearby)),
+                subject_id=draw(st.sampled_from((None, "alice"))),
             )
             payloads.append((revoked, tenant))
             continue
         tenant, doc_id, version = draw(documents)
         payload = (
-            DocumentUpdated(doc_id=doc_id, version=max(0, version + draw(nearby))) if kind == "updated" else DocumentDeleted(doc_id=doc_id)
+            DocumentUpdated(doc_id=doc_id, version=max(0, version + draw(nearby)))
+            if kind == "updated"
+            else DocumentDeleted(doc_id=doc_id)
         )
         payloads.append((payload, tenant))
     # Every part of an envelope is drawn (no fresh uuid4 or clock reading), so an example replays exactly.
-    event_ids = draw(st.lists(st.uuids(version=4), min_size=len(payloads), max_size=len(payloads), unique=True))
+    event_ids = draw(
+        st.lists(st.uuids(version=4), min_size=len(payloads), max_size=len(payloads), unique=True)
+    )
     ages_s = draw(st.lists(st.integers(0, 3600), min_size=len(payloads), max_size=len(payloads)))
     return [
         Envelope(
@@ -204,7 +233,10 @@ PREDICATES = st.lists(
             below_version=st.one_of(st.integers(0, 5), st.just(ANY_VERSION)),
         ),
         st.builds(
-            PolicyPredicate, tenant=st.sampled_from(TENANTS), auth_scope=st.sampled_from(AUTH_SCOPES), below_version=st.integers(0, 5)
+            PolicyPredicate,
+            tenant=st.sampled_from(TENANTS),
+            auth_scope=st.sampled_from(AUTH_SCOPES),
+            below_version=st.integers(0, 5),
         ),
         st.builds(
             SubjectPredicate,
@@ -224,11 +256,13 @@ def covers(predicate: Predicate, block: GenBlock) -> bool:
     match predicate:
         case DocumentPredicate():
             return block.tenant == predicate.tenant and any(
-                doc_id == predicate.doc_id and version < predicate.below_version for doc_id, version in block.documents
+                doc_id == predicate.doc_id and version < predicate.below_version
+                for doc_id, version in block.documents
             )
         case PolicyPredicate():
             return block.tenant == predicate.tenant and any(
-                scope == predicate.auth_scope and version < predicate.below_version for scope, version in block.auth_scopes
+                scope == predicate.auth_scope and version < predicate.below_version
+                for scope, version in block.auth_scopes
             )
         case SubjectPredicate():
             return (
@@ -243,7 +277,9 @@ def covers(predicate: Predicate, block: GenBlock) -> bool:
     raise AssertionError(f"no rule for {predicate!r}")
 
 
-def expected_marks(ledger: Ledger, predicates: list[Predicate]) -> dict[tuple[bytes, str, str], object]:
+def expected_marks(
+    ledger: Ledger, predicates: list[Predicate]
+) -> dict[tuple[bytes, str, str], object]:
     """Each placement's mark after deciding ``predicates`` in turn: the last covering decision's ordinal for a
     live copy; a deleted copy, or a live one nothing covers, keeps what it had."""
     by_hash = {block.block_hash: block for block in ledger.blocks}
@@ -261,10 +297,23 @@ def expected_marks(ledger: Ledger, predicates: list[Predicate]) -> dict[tuple[by
 async def _build(session: AsyncSession, ledger: Ledger, now: datetime) -> None:
     await session.execute(pg_insert(Namespace).values([{"namespace": ns} for ns in NAMESPACES]))
     if ledger.nodes:
-        await session.execute(pg_insert(Node).values([{"node_id": n, "epoch": 1, "last_seq": 0} for n in ledger.nodes]))
+        await session.execute(
+            pg_insert(Node).values(
+                [{"node_id": n, "epoch": 1, "last_seq": 0} for n in ledger.nodes]
+            )
+        )
         await session.execute(
             pg_insert(Snapshot).values(
-                [{"node_id": n, "snapshot_id": SNAPSHOT_ID, "epoch": 1, "state": "live", "num_blocks": 0} for n in ledger.nodes]
+                [
+                    {
+                        "node_id": n,
+                        "snapshot_id": SNAPSHOT_ID,
+                        "epoch": 1,
+                        "state": "live",
+                        "num_blocks": 0,
+                    }
+                    for n in ledger.nodes
+                ]
             )
         )
     await session.execute(
@@ -274,7 +323,11 @@ async def _build(session: AsyncSession, ledger: Ledger, now: datetime) -> None:
                     "block_hash": block.block_hash,
                     "namespace": block.namespace,
                     "tenant_id": block.tenant,
-                    "scope": "public" if block.tenant is None else "tenant" if block.subject is None else "user",
+                    "scope": "public"
+                    if block.tenant is None
+                    else "tenant"
+                    if block.subject is None
+                    else "user",
                     "subject_hash": None if block.subject is None else _subject_hash(block.subject),
                     "token_offset": 0,
                     "created_at": now - timedelta(minutes=1),
@@ -283,8 +336,16 @@ async def _build(session: AsyncSession, ledger: Ledger, now: datetime) -> None:
             ]
         )
     )
-    documents = [{"block_hash": b.block_hash, "doc_id": d, "version": v} for b in ledger.blocks for d, v in b.documents]
-    scopes = [{"block_hash": b.block_hash, "auth_scope": s, "policy_version": v} for b in ledger.blocks for s, v in b.auth_scopes]
+    documents = [
+        {"block_hash": b.block_hash, "doc_id": d, "version": v}
+        for b in ledger.blocks
+        for d, v in b.documents
+    ]
+    scopes = [
+        {"block_hash": b.block_hash, "auth_scope": s, "policy_version": v}
+        for b in ledger.blocks
+        for s, v in b.auth_scopes
+    ]
     if documents:
         await session.execute(pg_insert(BlockDocument).values(documents))
     if scopes:
@@ -309,12 +370,20 @@ async def _build(session: AsyncSession, ledger: Ledger, now: datetime) -> None:
     if ledger.documents:
         await session.execute(
             pg_insert(Document).values(
-                [{"tenant_id": t, "doc_id": d, "version": v, "deleted": gone} for (t, d), (v, gone) in ledger.documents.items()]
+                [
+                    {"tenant_id": t, "doc_id": d, "version": v, "deleted": gone}
+                    for (t, d), (v, gone) in ledger.documents.items()
+                ]
             )
         )
     if ledger.policies:
         await session.execute(
-            pg_insert(Policy).values([{"tenant_id": t, "auth_scope": s, "policy_version": v} for (t, s), v in ledger.policies.items()])
+            pg_insert(Policy).values(
+                [
+                    {"tenant_id": t, "auth_scope": s, "policy_version": v}
+                    for (t, s), v in ledger.policies.items()
+                ]
+            )
         )
 
 
@@ -328,7 +397,11 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
 
     placements = {
         (row.block_hash, row.node_id, row.tier): ordinal(row.invalidation_id)
-        for row in await session.execute(select(Placement.block_hash, Placement.node_id, Placement.tier, Placement.invalidation_id))
+        for row in await session.execute(
+            select(
+                Placement.block_hash, Placement.node_id, Placement.tier, Placement.invalidation_id
+            )
+        )
     }
     invalidations = sorted(
         (
@@ -350,17 +423,31 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
     )
     targets = sorted(
         (ordinal(row.command_id), row.node_id, row.status)
-        for row in await session.execute(select(InvalidationTarget.command_id, InvalidationTarget.node_id, InvalidationTarget.status))
+        for row in await session.execute(
+            select(
+                InvalidationTarget.command_id, InvalidationTarget.node_id, InvalidationTarget.status
+            )
+        )
     )
     documents = sorted(
         (row.tenant_id, row.doc_id, row.version, row.deleted, ordinal(row.invalidation_id))
         for row in await session.execute(
-            select(Document.tenant_id, Document.doc_id, Document.version, Document.deleted, Document.invalidation_id)
+            select(
+                Document.tenant_id,
+                Document.doc_id,
+                Document.version,
+                Document.deleted,
+                Document.invalidation_id,
+            )
         )
     )
     policies = sorted(
         (row.tenant_id, row.auth_scope, row.policy_version, ordinal(row.invalidation_id))
-        for row in await session.execute(select(Policy.tenant_id, Policy.auth_scope, Policy.policy_version, Policy.invalidation_id))
+        for row in await session.execute(
+            select(
+                Policy.tenant_id, Policy.auth_scope, Policy.policy_version, Policy.invalidation_id
+            )
+        )
     )
     commands = [
         (
@@ -384,7 +471,9 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
     }
 
 
-async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: datetime) -> tuple[list[uuid.UUID], Counter]:
+async def _decide_in_turn(
+    session: AsyncSession, events: list[Envelope], now: datetime
+) -> tuple[list[uuid.UUID], Counter]:
     """The per-event semantics ``decide_many`` promises: each event, in order, is ignored when the recorded version
     supersedes it, else decided with ``decide()`` and recorded as the new current version."""
     command_ids: list[uuid.UUID] = []
@@ -395,23 +484,35 @@ async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: da
             case DocumentUpdated() | DocumentDeleted():
                 current = (
                     await session.execute(
-                        select(Document.version, Document.deleted).where(Document.tenant_id == tenant, Document.doc_id == payload.doc_id)
+                        select(Document.version, Document.deleted).where(
+                            Document.tenant_id == tenant, Document.doc_id == payload.doc_id
+                        )
                     )
                 ).one_or_none()
                 if isinstance(payload, DocumentUpdated):
                     superseded = current is not None and payload.version <= current.version
-                    predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=payload.version)
+                    predicate = DocumentPredicate(
+                        tenant=tenant, doc_id=payload.doc_id, below_version=payload.version
+                    )
                     version, deleted = payload.version, False
                 else:
                     superseded = current is not None and current.deleted
-                    predicate = DocumentPredicate(tenant=tenant, doc_id=payload.doc_id, below_version=ANY_VERSION)
+                    predicate = DocumentPredicate(
+                        tenant=tenant, doc_id=payload.doc_id, below_version=ANY_VERSION
+                    )
                     version, deleted = (0 if current is None else current.version), True
             case PermissionRevoked():
                 current = await session.scalar(
-                    select(Policy.policy_version).where(Policy.tenant_id == tenant, Policy.auth_scope == payload.auth_scope)
+                    select(Policy.policy_version).where(
+                        Policy.tenant_id == tenant, Policy.auth_scope == payload.auth_scope
+                    )
                 )
                 superseded = current is not None and payload.policy_version <= current
-                predicate = PolicyPredicate(tenant=tenant, auth_scope=payload.auth_scope, below_version=payload.policy_version)
+                predicate = PolicyPredicate(
+                    tenant=tenant,
+                    auth_scope=payload.auth_scope,
+                    below_version=payload.policy_version,
+                )
         if superseded:
             outcomes[(envelope.type, SUPERSEDED)] += 1
             continue
@@ -427,12 +528,24 @@ async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: da
         command_ids.append(decision.command_id)
         outcomes[(envelope.type, APPLIED)] += 1
         if isinstance(predicate, DocumentPredicate):
-            values = {"tenant_id": tenant, "doc_id": payload.doc_id, "version": version, "deleted": deleted}
-            statement = pg_insert(Document).values(**values, invalidation_id=decision.command_id, updated_at=now)
+            values = {
+                "tenant_id": tenant,
+                "doc_id": payload.doc_id,
+                "version": version,
+                "deleted": deleted,
+            }
+            statement = pg_insert(Document).values(
+                **values, invalidation_id=decision.command_id, updated_at=now
+            )
             await session.execute(
                 statement.on_conflict_do_update(
                     index_elements=[Document.tenant_id, Document.doc_id],
-                    set_={"version": version, "deleted": deleted, "invalidation_id": decision.command_id, "updated_at": now},
+                    set_={
+                        "version": version,
+                        "deleted": deleted,
+                        "invalidation_id": decision.command_id,
+                        "updated_at": now,
+                    },
                 )
             )
         else:
@@ -446,7 +559,11 @@ async def _decide_in_turn(session: AsyncSession, events: list[Envelope], now: da
             await session.execute(
                 statement.on_conflict_do_update(
                     index_elements=[Policy.tenant_id, Policy.auth_scope],
-                    set_={"policy_version": payload.policy_version, "invalidation_id": decision.command_id, "updated_at": now},
+                    set_={
+                        "policy_version": payload.policy_version,
+                        "invalidation_id": decision.command_id,
+                        "updated_at": now,
+                    },
                 )
             )
     return command_ids, outcomes
@@ -486,14 +603,18 @@ async def _check_events(database: Database, ledger: Ledger, events: list[Envelop
 
         bulk_outcomes: Counter = Counter()
         savepoint = await session.begin_nested()
-        bulk = await decide_many(session, events, now, signer=sign_command, lease_until=None, outcomes=bulk_outcomes)
+        bulk = await decide_many(
+            session, events, now, signer=sign_command, lease_until=None, outcomes=bulk_outcomes
+        )
         bulk_ids = [decision.command_id for decision in bulk.decisions]
         by_bulk = await _written(session, {command_id: n for n, command_id in enumerate(bulk_ids)})
         await savepoint.rollback()
 
         savepoint = await session.begin_nested()
         in_turn_ids, in_turn_outcomes = await _decide_in_turn(session, events, now)
-        by_decide = await _written(session, {command_id: n for n, command_id in enumerate(in_turn_ids)})
+        by_decide = await _written(
+            session, {command_id: n for n, command_id in enumerate(in_turn_ids)}
+        )
         await savepoint.rollback()
         await session.rollback()
 
@@ -504,29 +625,56 @@ async def _check_events(database: Database, ledger: Ledger, events: list[Envelop
     assert by_decide["placements"] == expected_marks(ledger, decided)
 
 
-async def _check_predicates(database: Database, ledger: Ledger, predicates: list[Predicate]) -> None:
+async def _check_predicates(
+    database: Database, ledger: Ledger, predicates: list[Predicate]
+) -> None:
     async with database.session() as session, session.begin():
         now = await begin_ledger_transaction(session)
         await _build(session, ledger, now)
         command_ids = [
-            (await decide(session, predicate, signer=sign_command, now=now, trigger="api", requested_at=now)).command_id
+            (
+                await decide(
+                    session,
+                    predicate,
+                    signer=sign_command,
+                    now=now,
+                    trigger="api",
+                    requested_at=now,
+                )
+            ).command_id
             for predicate in predicates
         ]
-        written = await _written(session, {command_id: n for n, command_id in enumerate(command_ids)})
+        written = await _written(
+            session, {command_id: n for n, command_id in enumerate(command_ids)}
+        )
         await session.rollback()
     assert written["placements"] == expected_marks(ledger, predicates)
-    assert [(n, p) for n, _, p, *_ in written["invalidations"]] == [(n, p.model_dump(mode="json")) for n, p in enumerate(predicates)]
-    assert written["targets"] == sorted((n, node_id, "pending") for n in range(len(predicates)) for node_id in ledger.nodes)
+    assert [(n, p) for n, _, p, *_ in written["invalidations"]] == [
+        (n, p.model_dump(mode="json")) for n, p in enumerate(predicates)
+    ]
+    assert written["targets"] == sorted(
+        (n, node_id, "pending") for n in range(len(predicates)) for node_id in ledger.nodes
+    )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(case=events_on_ledgers())
-def test_bulk_decisions_mark_what_deciding_each_event_in_turn_marks(ledger: PrivateLedger, case: tuple[Ledger, list[Envelope]]) -> None:
+def test_bulk_decisions_mark_what_deciding_each_event_in_turn_marks(
+    ledger: PrivateLedger, case: tuple[Ledger, list[Envelope]]
+) -> None:
     generated, events = case
     ledger.run(_check_events(ledger.database, generated, events))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(generated=ledgers(), predicates=PREDICATES)
 def test_decide_marks_the_live_copies_of_the_blocks_each_predicate_covers(
     ledger: PrivateLedger, generated: Ledger, predicates: list[Predicate]

@@ -17,7 +17,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-from helpers.ledger import SUBJECT_KEY, coordinator_env, enroll_producer, eventually, fresh_database, operator_headers, sign_customer_event
+from helpers.ledger import (
+    SUBJECT_KEY,
+    coordinator_env,
+    enroll_producer,
+    eventually,
+    fresh_database,
+    operator_headers,
+    sign_customer_event,
+)
 from sqlalchemy import select
 
 from coordinator.ledger import migrate
@@ -41,7 +49,9 @@ def _free_port() -> int:
 
 
 @asynccontextmanager
-async def coordinator(database_url: str, bootstrap: str, log_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+async def coordinator(
+    database_url: str, bootstrap: str, log_path: Path
+) -> AsyncIterator[httpx.AsyncClient]:
     """``kvledger coordinator --role all`` as a child process; a client of its HTTP port. SIGTERM at exit."""
     port = _free_port()
     env = coordinator_env(
@@ -62,7 +72,9 @@ async def coordinator(database_url: str, bootstrap: str, log_path: Path) -> Asyn
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
 
             async def answers() -> bool:
-                assert process.returncode is None, f"the coordinator exited: {log_path.read_text()[-3000:]}"
+                assert process.returncode is None, (
+                    f"the coordinator exited: {log_path.read_text()[-3000:]}"
+                )
                 try:
                     return (await client.get("/healthz")).status_code == 200
                 except httpx.TransportError:
@@ -91,15 +103,22 @@ async def wait_ready(client: httpx.AsyncClient, timeout_s: float = 90) -> None:
 
 async def update_is_decided(database_url: str, bootstrap: str) -> None:
     """Publish a DocumentUpdated; wait until the coordinator recorded its decision."""
-    event = schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=2), tenant_id=f"acme-{uuid.uuid4().hex[:6]}")
-    async with EventProducer(KafkaSettings(bootstrap=bootstrap), sign=sign_customer_event) as producer:
+    event = schema.make_event(
+        schema.DocumentUpdated(doc_id="handbook", version=2),
+        tenant_id=f"acme-{uuid.uuid4().hex[:6]}",
+    )
+    async with EventProducer(
+        KafkaSettings(bootstrap=bootstrap), sign=sign_customer_event
+    ) as producer:
         await producer.send(event)
     database = Database(DatabaseSettings(url=database_url))
     try:
 
         async def decided() -> bool:
             async with database.session() as session:
-                statement = select(Invalidation.command_id).where(Invalidation.source_event_id == event.event_id)
+                statement = select(Invalidation.command_id).where(
+                    Invalidation.source_event_id == event.event_id
+                )
                 return await session.scalar(statement) is not None
 
         await eventually(decided, timeout_s=60, what="the update's decision")
@@ -118,7 +137,9 @@ async def test_the_api_answers_while_the_broker_is_down_and_consumes_once_it_sta
             assert readyz.status_code == 503
             assert readyz.json()["status"] == "not_ready"
             assert readyz.json()["reason"].startswith("kafka unreachable (")
-            nodes, seconds = await timed(client.get("/v1/nodes", headers=operator_headers("platform-admin")))
+            nodes, seconds = await timed(
+                client.get("/v1/nodes", headers=operator_headers("platform-admin"))
+            )
             assert (nodes.status_code, nodes.json()) == (200, {"nodes": []})
             assert seconds < BOUNDED_S
             # A write needs only the database: the outbox holds its commands until the broker is back.
@@ -137,12 +158,16 @@ async def test_the_api_answers_while_the_broker_is_down_and_consumes_once_it_sta
                 await broker.stop()
 
 
-async def test_the_api_answers_503_while_postgres_is_down_and_recovers_when_it_returns(kafka_bootstrap: str, tmp_path: Path) -> None:
+async def test_the_api_answers_503_while_postgres_is_down_and_recovers_when_it_returns(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
     postgres = EmbeddedPostgres(tmp_path / "pg" / "data")
     await postgres.start()
     try:
         url = postgres.database_url
-        await asyncio.to_thread(migrate.upgrade, url)  # a server of its own (the test stops it): the session's template is not there
+        await asyncio.to_thread(
+            migrate.upgrade, url
+        )  # a server of its own (the test stops it): the session's template is not there
         await enroll_producer(url)
         async with coordinator(url, kafka_bootstrap, tmp_path / "coordinator.log") as client:
             await wait_ready(client)
@@ -165,7 +190,11 @@ async def test_the_api_answers_503_while_postgres_is_down_and_recovers_when_it_r
                 client.get("/v1/ledger/blocks", headers=operator_headers("platform-admin")),
                 client.post(
                     "/v1/erasures",
-                    json={"tenant_id": "acme", "subject_id": "alice", "reason": "GDPR art. 17 request"},
+                    json={
+                        "tenant_id": "acme",
+                        "subject_id": "alice",
+                        "reason": "GDPR art. 17 request",
+                    },
                     headers=operator_headers("privacy-officer", "acme"),
                 ),
             ):

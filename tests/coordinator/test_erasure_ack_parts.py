@@ -66,14 +66,20 @@ TIMEOUT_S = 240.0
 
 
 @pytest.fixture(scope="module")
-async def kafka_bootstrap(kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+async def kafka_bootstrap(
+    kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
     """This module's own broker: what it publishes is too large to leave on the shared one (``helpers.ledger.own_broker``)."""
-    async with own_broker(kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")) as bootstrap:
+    async with own_broker(
+        kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")
+    ) as bootstrap:
         yield bootstrap
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         yield coordinator_settings(
             url,
@@ -96,7 +102,9 @@ async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[RunningCon
     await running.stop()
 
 
-async def command_copies(bootstrap: str, command_id: uuid.UUID, num_copies: int) -> list[Invalidate]:
+async def command_copies(
+    bootstrap: str, command_id: uuid.UUID, num_copies: int
+) -> list[Invalidate]:
     """The first ``num_copies`` records of ``command_id`` on the commands topic (the original, then re-sends)."""
     found: list[Invalidate] = []
 
@@ -138,7 +146,13 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
     slices = [hashes["snapshot"][:MAX_HASHES_PER_EVENT], hashes["snapshot"][MAX_HASHES_PER_EVENT:]]
     await producer.send_many(
         [
-            node.event(SnapshotWritten, snapshot_id=f"snap-{uid}", block_hashes=part, part=number, parts=len(slices))
+            node.event(
+                SnapshotWritten,
+                snapshot_id=f"snap-{uid}",
+                block_hashes=part,
+                part=number,
+                parts=len(slices),
+            )
             for number, part in enumerate(slices)
         ]
     )
@@ -147,13 +161,26 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
     async def ledger_holds_every_copy() -> bool:
         async with database.session() as session:
             live = select(func.count()).select_from(Placement)
-            return await session.scalar(live.where(Placement.node_id == node.node_id, Placement.state == "live")) == num_copies
+            return (
+                await session.scalar(
+                    live.where(Placement.node_id == node.node_id, Placement.state == "live")
+                )
+                == num_copies
+            )
 
-    await eventually(ledger_holds_every_copy, timeout_s=TIMEOUT_S, what="every copy in the ledger (snapshot parts joined)")
-    data_key_id, _ = await KeyService(database, base64.b64decode(MASTER_KEY), SUBJECT_KEY.encode()).resolve(TENANT, mine)
+    await eventually(
+        ledger_holds_every_copy,
+        timeout_s=TIMEOUT_S,
+        what="every copy in the ledger (snapshot parts joined)",
+    )
+    data_key_id, _ = await KeyService(
+        database, base64.b64decode(MASTER_KEY), SUBJECT_KEY.encode()
+    ).resolve(TENANT, mine)
 
     body = {"tenant_id": TENANT, "subject_id": subject, "reason": "GDPR art. 17 request"}
-    started = await client.post("/v1/erasures", json=body, headers=operator_headers("privacy-officer", TENANT))
+    started = await client.post(
+        "/v1/erasures", json=body, headers=operator_headers("privacy-officer", TENANT)
+    )
     assert started.status_code == 202, started.text
     erasure_id = started.json()["id"]
     command_id = uuid.UUID((await status_of(client, erasure_id))["commands"][0]["command_id"])
@@ -164,24 +191,37 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
         TierReport(Tier.DEVICE, hashes["device"], "overwrite", "readback_zero", True),
         TierReport(Tier.HOST, hashes["host"], "overwrite", "readback_zero", True),
         TierReport(Tier.DISK, hashes["disk"], "crypto_erase", "key_destroyed", True, [data_key_id]),
-        TierReport(Tier.SNAPSHOT, hashes["snapshot"], "crypto_erase", "key_destroyed", True, [data_key_id]),
+        TierReport(
+            Tier.SNAPSHOT, hashes["snapshot"], "crypto_erase", "key_destroyed", True, [data_key_id]
+        ),
     ]
     # As the node does: its removals go out as block events first, and the ack is fenced behind them.
     await producer.send_many(
         [
-            node.event(BlockRemoved, reason="invalidated", blocks=[RemovedBlock(block_hash=h, tier=tier) for h in run])
+            node.event(
+                BlockRemoved,
+                reason="invalidated",
+                blocks=[RemovedBlock(block_hash=h, tier=tier) for h in run],
+            )
             for tier in NUM_BLOCKS
-            for run in (hashes[tier][start : start + MAX_BLOCKS_PER_EVENT] for start in range(0, NUM_BLOCKS[tier], MAX_BLOCKS_PER_EVENT))
+            for run in (
+                hashes[tier][start : start + MAX_BLOCKS_PER_EVENT]
+                for start in range(0, NUM_BLOCKS[tier], MAX_BLOCKS_PER_EVENT)
+            )
         ]
     )
     parts = ack_records(command, node.node_id, node.epoch, reports, node.seq)
     assert len(parts) >= 10 and all(envelope.payload.parts == len(parts) for envelope in parts)
-    assert max([len(encode_event(await producer.signed(envelope))) for envelope in parts]) <= MAX_RECORD_BYTES
+    assert (
+        max([len(encode_event(await producer.signed(envelope))) for envelope in parts])
+        <= MAX_RECORD_BYTES
+    )
     async with database.session() as session:
         others = (
             await session.scalars(
                 select(InvalidationTarget.node_id).where(
-                    InvalidationTarget.command_id == command_id, InvalidationTarget.node_id != node.node_id
+                    InvalidationTarget.command_id == command_id,
+                    InvalidationTarget.node_id != node.node_id,
                 )
             )
         ).all()
@@ -193,7 +233,14 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
 
     async def staged() -> bool:
         async with database.session() as session:
-            return await session.scalar(select(func.count()).select_from(AckPart).where(AckPart.command_id == command_id)) == len(parts) - 1
+            return (
+                await session.scalar(
+                    select(func.count())
+                    .select_from(AckPart)
+                    .where(AckPart.command_id == command_id)
+                )
+                == len(parts) - 1
+            )
 
     await eventually(staged, timeout_s=TIMEOUT_S, what="every part but the lost one staged")
     assert (await status_of(client, erasure_id))["status"] in ("pending", "partial")
@@ -213,9 +260,15 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
     assert completed.returncode == 0, completed.stdout + completed.stderr
     signed = receipt["receipt"]
     assert signed["block_commitment"]["count"] == sum(NUM_BLOCKS.values())
-    tiers = {entry["tier"]: entry["count"] for entry in signed["tiers"] if entry["node_id"] == node.node_id}
+    tiers = {
+        entry["tier"]: entry["count"]
+        for entry in signed["tiers"]
+        if entry["node_id"] == node.node_id
+    }
     assert tiers == {**NUM_BLOCKS, "snapshot": NUM_SNAPSHOT_BLOCKS}
-    assert len(json.dumps(receipt)) < 64 * 1024, "a receipt commits to the hashes, it does not list them"
+    assert len(json.dumps(receipt)) < 64 * 1024, (
+        "a receipt commits to the hashes, it does not list them"
+    )
 
     async with database.session() as session:
         target = await session.get(InvalidationTarget, (command_id, node.node_id))
@@ -223,10 +276,21 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
         assert {item["tier"]: len(item["block_hashes"]) for item in target.evidence} == tiers
         assert {item["tier"]: item["removed"] for item in target.evidence} == tiers
         evidence_bytes = await session.scalar(
-            text("SELECT pg_column_size(evidence) FROM invalidation_targets WHERE command_id = :c AND node_id = :n"),
+            text(
+                "SELECT pg_column_size(evidence) FROM invalidation_targets WHERE command_id = :c AND node_id = :n"
+            ),
             {"c": command_id, "n": node.node_id},
         )
         assert evidence_bytes < 16 * 1024 * 1024
-        assert await session.scalar(select(func.count()).select_from(AckPart).where(AckPart.command_id == command_id)) == 0
-        live = select(func.count()).select_from(Placement).where(Placement.node_id == node.node_id, Placement.state == "live")
+        assert (
+            await session.scalar(
+                select(func.count()).select_from(AckPart).where(AckPart.command_id == command_id)
+            )
+            == 0
+        )
+        live = (
+            select(func.count())
+            .select_from(Placement)
+            .where(Placement.node_id == node.node_id, Placement.state == "live")
+        )
         assert await session.scalar(live) == 0

@@ -43,7 +43,16 @@ from sqlalchemy import func, select, text
 from coordinator.audit.verifier import verify_served_receipt
 from coordinator.keys.data_keys import DataKey, KeyService
 from coordinator.ledger.db import Database
-from coordinator.ledger.models import AuditLogEntry, DeferredAck, Erasure, Invalidation, InvalidationTarget, Node, Placement, Receipt
+from coordinator.ledger.models import (
+    AuditLogEntry,
+    DeferredAck,
+    Erasure,
+    Invalidation,
+    InvalidationTarget,
+    Node,
+    Placement,
+    Receipt,
+)
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter
 from events.kafka.producer import EventProducer
@@ -70,7 +79,9 @@ MASTER_KEY = base64.b64encode(b"m" * 32).decode()
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         yield coordinator_settings(
             url,
@@ -105,11 +116,19 @@ def digest(subject: str) -> str:
     return subject_digest(SUBJECT_KEY.encode(), TENANT, subject)
 
 
-async def ack(producer: EventProducer, command_id: uuid.UUID, node_id: str, *evidence: TierEvidence) -> None:
-    await producer.send(make_event(CommandAck(command_id=command_id, node_id=node_id, epoch=1, evidence=list(evidence))))
+async def ack(
+    producer: EventProducer, command_id: uuid.UUID, node_id: str, *evidence: TierEvidence
+) -> None:
+    await producer.send(
+        make_event(
+            CommandAck(command_id=command_id, node_id=node_id, epoch=1, evidence=list(evidence))
+        )
+    )
 
 
-def evidence(tier: str, hashes: list[str], method: str, check: str, key_ids: tuple[str, ...] = ()) -> TierEvidence:
+def evidence(
+    tier: str, hashes: list[str], method: str, check: str, key_ids: tuple[str, ...] = ()
+) -> TierEvidence:
     return TierEvidence(
         tier=tier,
         removed=len(hashes),
@@ -123,7 +142,15 @@ def evidence(tier: str, hashes: list[str], method: str, check: str, key_ids: tup
 
 async def targets(database: Database, command_id: uuid.UUID) -> set[str]:
     async with database.session() as session:
-        return set((await session.scalars(select(InvalidationTarget.node_id).where(InvalidationTarget.command_id == command_id))).all())
+        return set(
+            (
+                await session.scalars(
+                    select(InvalidationTarget.node_id).where(
+                        InvalidationTarget.command_id == command_id
+                    )
+                )
+            ).all()
+        )
 
 
 async def status_of(client: httpx.AsyncClient, erasure_id: str) -> dict:
@@ -143,7 +170,13 @@ async def wait_status(client: httpx.AsyncClient, erasure_id: str, wanted: str) -
 async def placement_states(database: Database, hashes: list[str]) -> set[str]:
     async with database.session() as session:
         return set(
-            (await session.scalars(select(Placement.state).where(Placement.block_hash.in_([bytes.fromhex(h) for h in hashes])))).all()
+            (
+                await session.scalars(
+                    select(Placement.state).where(
+                        Placement.block_hash.in_([bytes.fromhex(h) for h in hashes])
+                    )
+                )
+            ).all()
         )
 
 
@@ -151,11 +184,15 @@ async def served_documents(client: httpx.AsyncClient, erasure_id: str) -> tuple[
     receipt = await client.get(f"/v1/erasures/{erasure_id}/receipt", headers=token("auditor"))
     checkpoint = await client.get("/v1/audit/checkpoint")
     keys = await client.get("/v1/receipts/keys")
-    assert (receipt.status_code, checkpoint.status_code, keys.status_code) == (200, 200, 200), receipt.text
+    assert (receipt.status_code, checkpoint.status_code, keys.status_code) == (200, 200, 200), (
+        receipt.text
+    )
     return receipt.json(), checkpoint.json(), keys.json()
 
 
-async def cli_verify(tmp_path: Path, receipt: dict, checkpoint: dict, keys: dict) -> subprocess.CompletedProcess:
+async def cli_verify(
+    tmp_path: Path, receipt: dict, checkpoint: dict, keys: dict
+) -> subprocess.CompletedProcess:
     paths = {}
     for name, document in (("receipt", receipt), ("checkpoint", checkpoint), ("keys", keys)):
         paths[name] = tmp_path / f"{name}.json"
@@ -171,7 +208,9 @@ async def cli_verify(tmp_path: Path, receipt: dict, checkpoint: dict, keys: dict
         "--public-key",
         str(paths["keys"]),
     ]
-    return await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
+    return await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60
+    )
 
 
 async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
@@ -190,7 +229,10 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     mine, other = digest(subject), digest(f"bob-{uid}")
     node_a, node_b = FakeNode(producer, f"erase-a-{uid}"), FakeNode(producer, f"erase-b-{uid}")
     user = {"tenant_id": TENANT, "scope": "user", "subject_id": mine}
-    h = {name: block_hash(f"{uid}-{name}") for name in ("a-dev", "a-host", "a-disk", "b-dev", "b-snap")}
+    h = {
+        name: block_hash(f"{uid}-{name}")
+        for name in ("a-dev", "a-host", "a-disk", "b-dev", "b-snap")
+    }
     keep = [block_hash(f"{uid}-other"), block_hash(f"{uid}-public")]
     for node in (node_a, node_b):
         await node.start()
@@ -204,7 +246,10 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
             stored(f"{uid}-public", "host"),
         ],
     )
-    await node_b.publish(BlockStored, blocks=[stored(f"{uid}-b-dev", "device", **user), stored(f"{uid}-b-snap", "disk", **user)])
+    await node_b.publish(
+        BlockStored,
+        blocks=[stored(f"{uid}-b-dev", "device", **user), stored(f"{uid}-b-snap", "disk", **user)],
+    )
     await node_b.publish(SnapshotWritten, snapshot_id=f"snap-{uid}", block_hashes=[h["b-snap"]])
     keys = KeyService(database, base64.b64decode(MASTER_KEY), SUBJECT_KEY.encode())
     data_key_id, _ = await keys.resolve(TENANT, mine)
@@ -212,9 +257,15 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     async def ledger_has_blocks() -> bool:
         # Both nodes: their records lie on different partitions, which the consumer may reach at different times.
         async with database.session() as session:
-            placed_on_a = await session.scalar(select(func.count()).select_from(Placement).where(Placement.node_id == node_a.node_id))
+            placed_on_a = await session.scalar(
+                select(func.count())
+                .select_from(Placement)
+                .where(Placement.node_id == node_a.node_id)
+            )
             snapshot_on_b = await session.scalar(
-                select(func.count()).select_from(Placement).where(Placement.node_id == node_b.node_id, Placement.tier == "snapshot")
+                select(func.count())
+                .select_from(Placement)
+                .where(Placement.node_id == node_b.node_id, Placement.tier == "snapshot")
             )
             return placed_on_a == 5 and snapshot_on_b == 1
 
@@ -223,8 +274,12 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     # Unauthorized callers start nothing.
     body = {"tenant_id": TENANT, "subject_id": subject, "reason": "GDPR art. 17 request"}
     assert (await client.post("/v1/erasures", json=body)).status_code == 401
-    assert (await client.post("/v1/erasures", json=body, headers=token("auditor"))).status_code == 403
-    assert (await client.post("/v1/erasures", json=body, headers=token("tenant-admin"))).status_code == 403
+    assert (
+        await client.post("/v1/erasures", json=body, headers=token("auditor"))
+    ).status_code == 403
+    assert (
+        await client.post("/v1/erasures", json=body, headers=token("tenant-admin"))
+    ).status_code == 403
     bad = await client.post("/v1/erasures", json={**body, "reason": ""}, headers=OFFICER)
     assert bad.status_code == 400 and "error" in bad.json() and subject not in bad.text
     async with database.session() as session:
@@ -237,7 +292,9 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     assert first.json()["status"] == "pending"
     again = await client.post("/v1/erasures", json=body, headers=headers)
     assert (again.status_code, again.json()["id"]) == (202, erasure_id)
-    other_subject = await client.post("/v1/erasures", json={**body, "subject_id": "someone-else"}, headers=headers)
+    other_subject = await client.post(
+        "/v1/erasures", json={**body, "subject_id": "someone-else"}, headers=headers
+    )
     assert other_subject.status_code == 409
 
     described = await status_of(client, erasure_id)
@@ -273,7 +330,9 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
         await ack(producer, command_id, foreign)
     partial = await wait_status(client, erasure_id, "partial")
     nodes = {node["node_id"]: node for node in partial["nodes"]}
-    assert nodes[node_a.node_id]["status"] == "acked" and nodes[node_b.node_id]["status"] == "pending"
+    assert (
+        nodes[node_a.node_id]["status"] == "acked" and nodes[node_b.node_id]["status"] == "pending"
+    )
     assert nodes[node_b.node_id]["tiers"]["snapshot"]["live"] == 1
     await asyncio.sleep(1.0)  # several verifier passes
     assert (await status_of(client, erasure_id))["status"] == "partial"
@@ -298,8 +357,15 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     result = verify_served_receipt(receipt, key_document, checkpoint)
     assert result.ok, [check for check in result.checks if not check.ok]
     body_ = receipt["receipt"]
-    assert body_["erasure_id"] == erasure_id and body_["subject_hash"] == mine and body_["tenant_id"] == TENANT
-    tiers = {(entry["node_id"], entry["tier"]): (entry["count"], entry["method"]) for entry in body_["tiers"]}
+    assert (
+        body_["erasure_id"] == erasure_id
+        and body_["subject_hash"] == mine
+        and body_["tenant_id"] == TENANT
+    )
+    tiers = {
+        (entry["node_id"], entry["tier"]): (entry["count"], entry["method"])
+        for entry in body_["tiers"]
+    }
     assert tiers == {
         (node_a.node_id, "device"): (1, "clear"),
         (node_a.node_id, "host"): (1, "clear"),
@@ -312,7 +378,9 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     assert data_key_id in body_["key_ids_destroyed"]
     completed = await cli_verify(tmp_path, receipt, checkpoint, key_document)
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    proof = await client.get(f"/v1/audit/proof/{verified['receipt_id']}", headers=token("privacy-officer"))
+    proof = await client.get(
+        f"/v1/audit/proof/{verified['receipt_id']}", headers=token("privacy-officer")
+    )
     assert proof.status_code == 200 and proof.json() == receipt
 
     # A duplicate request after the fact: the same erasure, still exactly one receipt.
@@ -325,9 +393,16 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
 
     # Nothing of the subject in clear: not in any row of any table, not in any log line.
     async with database.session() as session:
-        tables = (await session.scalars(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'"))).all()
+        tables = (
+            await session.scalars(
+                text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+            )
+        ).all()
         for table in tables:
-            hits = await session.scalar(text(f'SELECT count(*) FROM "{table}" AS row WHERE row::text LIKE :raw'), {"raw": f"%{subject}%"})
+            hits = await session.scalar(
+                text(f'SELECT count(*) FROM "{table}" AS row WHERE row::text LIKE :raw'),
+                {"raw": f"%{subject}%"},
+            )
             assert hits == 0, f"the raw subject is stored in {table}"
     assert subject not in caplog.text
     receipts_seen.append(erasure_id)
@@ -349,7 +424,9 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     erasure_id = uuid.uuid4()
     request = ErasureRequested(erasure_id=erasure_id, subject_id=subject, reason="user asked")
     await producer.send(make_event(request, tenant_id=TENANT))
-    await producer.send(make_event(request, tenant_id=TENANT))  # a re-publish: same erasure id, new event id
+    await producer.send(
+        make_event(request, tenant_id=TENANT)
+    )  # a re-publish: same erasure id, new event id
 
     async def started() -> bool:
         async with database.session() as session:
@@ -367,41 +444,66 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     assert node.node_id not in await targets(database, command_id)
 
     # A block built from the subject before the cutoff arrives late: a re-send goes out at once.
-    await node.publish(BlockStored, blocks=[stored(f"{uid}-late", "device", tenant_id=TENANT, scope="user", subject_id=mine)])
+    await node.publish(
+        BlockStored,
+        blocks=[stored(f"{uid}-late", "device", tenant_id=TENANT, scope="user", subject_id=mine)],
+    )
 
     async def resent() -> bool:
         async with database.session() as session:
             return (
-                await session.scalar(select(func.count()).select_from(Invalidation).where(Invalidation.parent_command_id == command_id))
+                await session.scalar(
+                    select(func.count())
+                    .select_from(Invalidation)
+                    .where(Invalidation.parent_command_id == command_id)
+                )
                 == 1
             )
 
     await eventually(resent, what="the late-block re-send of the subject command")
     async with database.session() as session:
-        resend = await session.scalar(select(Invalidation).where(Invalidation.parent_command_id == command_id))
-        assert (resend.kind, resend.trigger, resend.predicate["subject_id"]) == ("subject", "late_block", mine)
+        resend = await session.scalar(
+            select(Invalidation).where(Invalidation.parent_command_id == command_id)
+        )
+        assert (resend.kind, resend.trigger, resend.predicate["subject_id"]) == (
+            "subject",
+            "late_block",
+            mine,
+        )
     for target in await targets(database, command_id):
         await ack(producer, command_id, target)
     await asyncio.sleep(1.0)
-    assert (await status_of(client, str(erasure_id)))["status"] == "partial"  # the re-send is not acked yet
+    assert (await status_of(client, str(erasure_id)))[
+        "status"
+    ] == "partial"  # the re-send is not acked yet
 
     # Meanwhile the ledger records the block moving to host, after the re-send was decided: when every
     # command is complete and that copy is still live, the verifier sends the subject command once more.
     late = block_hash(f"{uid}-late")
-    await node.publish(BlockMoved, blocks=[MovedBlock(block_hash=late, from_tier="device", to_tier="host")])
+    await node.publish(
+        BlockMoved, blocks=[MovedBlock(block_hash=late, from_tier="device", to_tier="host")]
+    )
 
     async def moved() -> bool:
         return await placement_states(database, [late]) == {"deleted", "live"}
 
     await eventually(moved, what="the move in the ledger")
     for target in await targets(database, resend.command_id):
-        items = [evidence("device", [late], "overwrite", "readback_zero")] if target == node.node_id else []
+        items = (
+            [evidence("device", [late], "overwrite", "readback_zero")]
+            if target == node.node_id
+            else []
+        )
         await ack(producer, resend.command_id, target, *items)
 
     async def sent_again() -> bool:
         async with database.session() as session:
             return (
-                await session.scalar(select(func.count()).select_from(Invalidation).where(Invalidation.parent_command_id == command_id))
+                await session.scalar(
+                    select(func.count())
+                    .select_from(Invalidation)
+                    .where(Invalidation.parent_command_id == command_id)
+                )
                 == 2
             )
 
@@ -409,32 +511,51 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     assert (await status_of(client, str(erasure_id)))["status"] == "partial"
     async with database.session() as session:
         second = await session.scalar(
-            select(Invalidation).where(Invalidation.parent_command_id == command_id).order_by(Invalidation.seq.desc()).limit(1)
+            select(Invalidation)
+            .where(Invalidation.parent_command_id == command_id)
+            .order_by(Invalidation.seq.desc())
+            .limit(1)
         )
     for target in await targets(database, second.command_id):
-        items = [evidence("host", [late], "overwrite", "readback_zero")] if target == node.node_id else []
+        items = (
+            [evidence("host", [late], "overwrite", "readback_zero")]
+            if target == node.node_id
+            else []
+        )
         await ack(producer, second.command_id, target, *items)
     verified = await wait_status(client, str(erasure_id), "verified")
     assert verified["live_copies"] == 0 and len(verified["commands"]) == 3
     receipt, checkpoint, key_document = await served_documents(client, str(erasure_id))
     assert verify_served_receipt(receipt, key_document, checkpoint).ok
-    assert [(e["node_id"], e["tier"], e["count"], e["method"]) for e in receipt["receipt"]["tiers"]] == [
+    assert [
+        (e["node_id"], e["tier"], e["count"], e["method"]) for e in receipt["receipt"]["tiers"]
+    ] == [
         (node.node_id, "device", 1, "clear"),
         (node.node_id, "host", 1, "clear"),
     ]
     assert receipt["audit"]["tree_head"]["tree_size"] == receipt["audit"]["leaf_index"] + 1
     async with database.session() as session:
-        assert await session.scalar(select(func.count()).select_from(Erasure).where(Erasure.id == erasure_id)) == 1
+        assert (
+            await session.scalar(
+                select(func.count()).select_from(Erasure).where(Erasure.id == erasure_id)
+            )
+            == 1
+        )
     assert subject not in caplog.text
     receipts_seen.append(str(erasure_id))
 
 
 async def test_malformed_erasure_event_is_dead_lettered_with_an_alert(
-    coordinator: RunningConsumers, producer: EventProducer, settings: CoordinatorSettings, caplog: pytest.LogCaptureFixture
+    coordinator: RunningConsumers,
+    producer: EventProducer,
+    settings: CoordinatorSettings,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     uid = uuid.uuid4().hex[:8]
     subject = f"dave-{uid}"
-    envelope = make_event(ErasureRequested(subject_id=subject, reason="x"), tenant_id=TENANT).model_dump(mode="json")
+    envelope = make_event(
+        ErasureRequested(subject_id=subject, reason="x"), tenant_id=TENANT
+    ).model_dump(mode="json")
     del envelope["payload"]["reason"]
     key = f"{TENANT}:malformed-{uid}".encode()
     await producer.send_raw(ERASURES, json.dumps(envelope).encode(), key)
@@ -449,14 +570,19 @@ async def test_malformed_erasure_event_is_dead_lettered_with_an_alert(
     assert letters[0].topic == ERASURES and "reason" in letters[0].error
 
     async def alerted() -> bool:
-        return any(r.levelno == logging.ERROR and ERASURES in r.getMessage() for r in caplog.records)
+        return any(
+            r.levelno == logging.ERROR and ERASURES in r.getMessage() for r in caplog.records
+        )
 
     await eventually(alerted, what="an ERROR alert for the dead-lettered erasure request")
     assert subject not in caplog.text
 
 
 async def test_erasure_waits_for_the_shared_blocks_the_subject_created_and_not_for_another_creators_copy(
-    coordinator: RunningConsumers, database: Database, producer: EventProducer, client: httpx.AsyncClient
+    coordinator: RunningConsumers,
+    database: Database,
+    producer: EventProducer,
+    client: httpx.AsyncClient,
 ) -> None:
     """Public and tenant blocks the subject's requests created are the erasure's too; a node's own copy of the same
     block that another subject created is not. The erasure waits for the first and still verifies beside the second,
@@ -476,7 +602,16 @@ async def test_erasure_waits_for_the_shared_blocks_the_subject_created_and_not_f
         BlockStored,
         blocks=[
             created_by(mine, stored(f"{uid}-public", "device")),
-            created_by(mine, stored(f"{uid}-tenant", "host", tenant_id=TENANT, scope="tenant", auth_scopes=[("*", 0)])),
+            created_by(
+                mine,
+                stored(
+                    f"{uid}-tenant",
+                    "host",
+                    tenant_id=TENANT,
+                    scope="tenant",
+                    auth_scopes=[("*", 0)],
+                ),
+            ),
         ],
     )
     await node_b.publish(BlockStored, blocks=[created_by(other, stored(f"{uid}-public", "device"))])
@@ -493,7 +628,11 @@ async def test_erasure_waits_for_the_shared_blocks_the_subject_created_and_not_f
             )
 
     await eventually(recorded, what="both nodes' copies in the ledger")
-    started = await client.post("/v1/erasures", json={"tenant_id": TENANT, "subject_id": subject, "reason": "art. 17"}, headers=OFFICER)
+    started = await client.post(
+        "/v1/erasures",
+        json={"tenant_id": TENANT, "subject_id": subject, "reason": "art. 17"},
+        headers=OFFICER,
+    )
     assert started.status_code == 202, started.text
     erasure_id = started.json()["id"]
     command_id = uuid.UUID((await status_of(client, erasure_id))["commands"][0]["command_id"])
@@ -522,12 +661,23 @@ async def test_erasure_waits_for_the_shared_blocks_the_subject_created_and_not_f
     verified = await wait_status(client, erasure_id, "verified")
     assert verified["live_copies"] == 0
     receipt, checkpoint, key_document = await served_documents(client, erasure_id)
-    assert receipt["receipt"]["blocks_by_scope"] == {"public": 1, "tenant": 1, "user": 0, "unrecorded": 0}
+    assert receipt["receipt"]["blocks_by_scope"] == {
+        "public": 1,
+        "tenant": 1,
+        "user": 0,
+        "unrecorded": 0,
+    }
     result = verify_served_receipt(receipt, key_document, checkpoint)
-    assert result.ok and "public 1, tenant 1, user 0" in {c.name: c.message for c in result.checks}["scope_coverage"]
+    assert (
+        result.ok
+        and "public 1, tenant 1, user 0"
+        in {c.name: c.message for c in result.checks}["scope_coverage"]
+    )
     async with database.session() as session:
         kept = await session.scalar(
-            select(Placement.state).where(Placement.block_hash == bytes.fromhex(public), Placement.node_id == node_b.node_id)
+            select(Placement.state).where(
+                Placement.block_hash == bytes.fromhex(public), Placement.node_id == node_b.node_id
+            )
         )
     assert kept == "live"
 
@@ -537,7 +687,11 @@ def live_on(database: Database, node: FakeNode, num_copies: int) -> Callable[[],
 
     async def holds() -> bool:
         async with database.session() as session:
-            live = select(func.count()).select_from(Placement).where(Placement.node_id == node.node_id, Placement.state == "live")
+            live = (
+                select(func.count())
+                .select_from(Placement)
+                .where(Placement.node_id == node.node_id, Placement.state == "live")
+            )
             return await session.scalar(live) == num_copies
 
     return holds
@@ -546,13 +700,18 @@ def live_on(database: Database, node: FakeNode, num_copies: int) -> Callable[[],
 def ack_outcomes() -> tuple[float, float]:
     """(deferred, released) acks counted by this process's coordinator so far."""
     counts = [
-        REGISTRY.get_sample_value("kvledger_invalidation_events_total", {"type": "CommandAck", "outcome": outcome}) or 0.0
+        REGISTRY.get_sample_value(
+            "kvledger_invalidation_events_total", {"type": "CommandAck", "outcome": outcome}
+        )
+        or 0.0
         for outcome in ("deferred", "released")
     ]
     return counts[0], counts[1]
 
 
-async def erasure_command(client: httpx.AsyncClient, settings: CoordinatorSettings, subject: str) -> tuple[str, uuid.UUID]:
+async def erasure_command(
+    client: httpx.AsyncClient, settings: CoordinatorSettings, subject: str
+) -> tuple[str, uuid.UUID]:
     """Start an erasure of ``subject``; (erasure id, its command id) once the command is on the topic."""
     body = {"tenant_id": TENANT, "subject_id": subject, "reason": "GDPR art. 17 request"}
     started = await client.post("/v1/erasures", json=body, headers=OFFICER)
@@ -569,7 +728,11 @@ async def erasure_command(client: httpx.AsyncClient, settings: CoordinatorSettin
 
 
 async def test_an_ack_that_overtakes_its_nodes_kv_events_waits_for_them(
-    coordinator: RunningConsumers, database: Database, producer: EventProducer, client: httpx.AsyncClient, settings: CoordinatorSettings
+    coordinator: RunningConsumers,
+    database: Database,
+    producer: EventProducer,
+    client: httpx.AsyncClient,
+    settings: CoordinatorSettings,
 ) -> None:
     """The node wrote a snapshot, then the erasure removed the subject's blocks and rewrote the snapshot. Its ack,
     fenced behind those events, reaches the coordinator before them (another topic, another consumer group):
@@ -580,7 +743,10 @@ async def test_an_ack_that_overtakes_its_nodes_kv_events_waits_for_them(
     node = FakeNode(producer, f"fence-{uid}")
     await node.start()
     device, disk = block_hash(f"{uid}-dev"), block_hash(f"{uid}-disk")
-    await node.publish(BlockStored, blocks=[stored(f"{uid}-dev", "device", **user), stored(f"{uid}-disk", "disk", **user)])
+    await node.publish(
+        BlockStored,
+        blocks=[stored(f"{uid}-dev", "device", **user), stored(f"{uid}-disk", "disk", **user)],
+    )
     await eventually(live_on(database, node, 2), what="the subject's blocks in the ledger")
     erasure_id, command_id = await erasure_command(client, settings, subject)
     for foreign in await targets(database, command_id) - {node.node_id}:
@@ -591,7 +757,10 @@ async def test_an_ack_that_overtakes_its_nodes_kv_events_waits_for_them(
     removed = node.event(
         BlockRemoved,
         reason="invalidated",
-        blocks=[RemovedBlock(block_hash=device, tier="device"), RemovedBlock(block_hash=disk, tier="disk")],
+        blocks=[
+            RemovedBlock(block_hash=device, tier="device"),
+            RemovedBlock(block_hash=disk, tier="disk"),
+        ],
     )
     deferred_before, released_before = ack_outcomes()
     fenced = CommandAck(
@@ -614,7 +783,9 @@ async def test_an_ack_that_overtakes_its_nodes_kv_events_waits_for_them(
     await eventually(deferred, what="the ack deferred")
     assert ack_outcomes() == (deferred_before + 1, released_before)
     async with database.session() as session:
-        assert (await session.get(InvalidationTarget, (command_id, node.node_id))).status == "pending"
+        assert (
+            await session.get(InvalidationTarget, (command_id, node.node_id))
+        ).status == "pending"
     assert (await status_of(client, erasure_id))["status"] in ("pending", "partial")
 
     await producer.send_many([snapshot, removed])
@@ -639,7 +810,11 @@ async def test_an_ack_that_overtakes_its_nodes_kv_events_waits_for_them(
 
 
 async def test_a_fenced_ack_never_deletes_a_copy_the_node_stored_again_after_its_removal(
-    coordinator: RunningConsumers, database: Database, producer: EventProducer, client: httpx.AsyncClient, settings: CoordinatorSettings
+    coordinator: RunningConsumers,
+    database: Database,
+    producer: EventProducer,
+    client: httpx.AsyncClient,
+    settings: CoordinatorSettings,
 ) -> None:
     """The node removed the block for the command, then built it again (the subject's new request after the
     erasure) and reported both before its ack was applied: the ack lists the block, yet the copy is live."""
@@ -652,13 +827,18 @@ async def test_a_fenced_ack_never_deletes_a_copy_the_node_stored_again_after_its
     await node.publish(BlockStored, blocks=[stored(f"{uid}-again", "device", **user)])
     await eventually(live_on(database, node, 1), what="the subject's block in the ledger")
     _, command_id = await erasure_command(client, settings, subject)
-    await node.publish(BlockRemoved, reason="invalidated", blocks=[RemovedBlock(block_hash=again, tier="device")])
+    await node.publish(
+        BlockRemoved, reason="invalidated", blocks=[RemovedBlock(block_hash=again, tier="device")]
+    )
     fence = node.seq
     await node.publish(BlockStored, blocks=[stored(f"{uid}-again", "device", **user)])
 
     async def stored_again() -> bool:
         async with database.session() as session:
-            return await session.scalar(select(Node.last_seq).where(Node.node_id == node.node_id)) == node.seq
+            return (
+                await session.scalar(select(Node.last_seq).where(Node.node_id == node.node_id))
+                == node.seq
+            )
 
     await eventually(stored_again, what="the removal and the new copy in the ledger")
     ack_event = CommandAck(
@@ -672,21 +852,28 @@ async def test_a_fenced_ack_never_deletes_a_copy_the_node_stored_again_after_its
 
     async def acked() -> bool:
         async with database.session() as session:
-            return (await session.get(InvalidationTarget, (command_id, node.node_id))).status == "acked"
+            return (
+                await session.get(InvalidationTarget, (command_id, node.node_id))
+            ).status == "acked"
 
     await eventually(acked, what="the ack applied")
     assert await placement_states(database, [again]) == {"live"}
 
 
 async def test_rewritten_audit_log_fails_verification_against_an_earlier_checkpoint(
-    coordinator: RunningConsumers, database: Database, client: httpx.AsyncClient, receipts_seen: list[str]
+    coordinator: RunningConsumers,
+    database: Database,
+    client: httpx.AsyncClient,
+    receipts_seen: list[str],
 ) -> None:
     assert len(receipts_seen) == 2, "runs after the tests that issue receipts"
     receipt, checkpoint, key_document = await served_documents(client, receipts_seen[1])
     assert verify_served_receipt(receipt, key_document, checkpoint).ok
     async with database.session() as session, session.begin():
         await session.execute(
-            AuditLogEntry.__table__.update().where(AuditLogEntry.leaf_index == 0).values(leaf_hash=hashlib.sha256(b"rewritten").digest())
+            AuditLogEntry.__table__.update()
+            .where(AuditLogEntry.leaf_index == 0)
+            .values(leaf_hash=hashlib.sha256(b"rewritten").digest())
         )
     tampered, _, _ = await served_documents(client, receipts_seen[1])
     result = verify_served_receipt(tampered, key_document, checkpoint)

@@ -96,13 +96,19 @@ async def wait_applied(database: Database, node_id: str, epoch: int, seq: int) -
     await eventually(applied, what=f"{node_id} to reach epoch {epoch} seq {seq}")
 
 
-async def placements(database: Database, node_id: str) -> set[tuple[str, str, str | None, str, str | None]]:
+async def placements(
+    database: Database, node_id: str
+) -> set[tuple[str, str, str | None, str, str | None]]:
     """(block hash, tier, snapshot id, state, reason) of every placement row of a node."""
     async with database.session() as session:
         rows = await session.execute(
-            select(Placement.block_hash, Placement.tier, Placement.snapshot_id, Placement.state, Placement.reason).where(
-                Placement.node_id == node_id
-            )
+            select(
+                Placement.block_hash,
+                Placement.tier,
+                Placement.snapshot_id,
+                Placement.state,
+                Placement.reason,
+            ).where(Placement.node_id == node_id)
         )
         return {(row[0].hex(), *row[1:]) for row in rows}
 
@@ -125,7 +131,9 @@ async def first_record(topic: str, bootstrap: str, match, timeout_s: float = 30.
     return found[0]
 
 
-async def test_block_events_build_exact_ledger(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+async def test_block_events_build_exact_ledger(
+    coordinator, database: Database, producer: EventProducer, node_id: str
+) -> None:
     node = FakeNode(producer, node_id)
     subject = subject_digest(SUBJECT_KEY.encode(), "acme", "alice")
     public = stored(f"{node_id}/p", "device")
@@ -152,9 +160,18 @@ async def test_block_events_build_exact_ledger(coordinator, database: Database, 
     )
     await node.start(epoch=1)
     await node.publish(BlockStored, blocks=[public, handbook, chat])
-    await node.publish(BlockMoved, blocks=[MovedBlock(block_hash=public.block_hash, from_tier="device", to_tier="host")])
-    await node.publish(BlockRemoved, blocks=[RemovedBlock(block_hash=handbook.block_hash, tier="device")], reason="evicted")
-    await node.publish(SnapshotWritten, snapshot_id="snap-1", block_hashes=[public.block_hash, chat.block_hash])
+    await node.publish(
+        BlockMoved,
+        blocks=[MovedBlock(block_hash=public.block_hash, from_tier="device", to_tier="host")],
+    )
+    await node.publish(
+        BlockRemoved,
+        blocks=[RemovedBlock(block_hash=handbook.block_hash, tier="device")],
+        reason="evicted",
+    )
+    await node.publish(
+        SnapshotWritten, snapshot_id="snap-1", block_hashes=[public.block_hash, chat.block_hash]
+    )
     await wait_applied(database, node_id, 1, node.seq)
 
     assert await placements(database, node_id) == {
@@ -168,24 +185,32 @@ async def test_block_events_build_exact_ledger(coordinator, database: Database, 
     hashes = [bytes.fromhex(b.block_hash) for b in (public, handbook, chat)]
     async with database.session() as session:
         blocks = {
-            row.block_hash.hex(): (row.parent_hash, row.tenant_id, row.scope, row.subject_hash, row.token_offset)
+            row.block_hash.hex(): (
+                row.parent_hash,
+                row.tenant_id,
+                row.scope,
+                row.subject_hash,
+                row.token_offset,
+            )
             for row in await session.scalars(select(Block).where(Block.block_hash.in_(hashes)))
         }
         auth = set(
             (
                 await session.execute(
-                    select(BlockAuthScope.block_hash, BlockAuthScope.auth_scope, BlockAuthScope.policy_version).where(
-                        BlockAuthScope.block_hash.in_(hashes)
-                    )
+                    select(
+                        BlockAuthScope.block_hash,
+                        BlockAuthScope.auth_scope,
+                        BlockAuthScope.policy_version,
+                    ).where(BlockAuthScope.block_hash.in_(hashes))
                 )
             ).all()
         )
         docs = set(
             (
                 await session.execute(
-                    select(BlockDocument.block_hash, BlockDocument.doc_id, BlockDocument.version).where(
-                        BlockDocument.block_hash.in_(hashes)
-                    )
+                    select(
+                        BlockDocument.block_hash, BlockDocument.doc_id, BlockDocument.version
+                    ).where(BlockDocument.block_hash.in_(hashes))
                 )
             ).all()
         )
@@ -194,12 +219,22 @@ async def test_block_events_build_exact_ledger(coordinator, database: Database, 
     assert blocks == {
         public.block_hash: (None, None, "public", None, 0),
         handbook.block_hash: (bytes.fromhex(public.block_hash), "acme", "tenant", None, 16),
-        chat.block_hash: (bytes.fromhex(handbook.block_hash), "acme", "user", bytes.fromhex(subject), 32),
+        chat.block_hash: (
+            bytes.fromhex(handbook.block_hash),
+            "acme",
+            "user",
+            bytes.fromhex(subject),
+            32,
+        ),
     }
     assert auth == {(hashes[1], "hr", 3), (hashes[2], "hr", 3)}
     assert docs == {(hashes[1], "handbook", 7), (hashes[2], "handbook", 7)}
     assert (snapshot.state, snapshot.num_blocks) == ("live", 2)
-    assert (node_state.status, node_state.namespace, node_state.inventory_request_id) == ("active", "ns-test", None)
+    assert (node_state.status, node_state.namespace, node_state.inventory_request_id) == (
+        "active",
+        "ns-test",
+        None,
+    )
 
     await node.publish(SnapshotDeleted, snapshot_id="snap-1")
     await wait_applied(database, node_id, 1, node.seq)
@@ -212,7 +247,11 @@ async def test_block_events_build_exact_ledger(coordinator, database: Database, 
 async def _ledger_rows(database: Database, node_id: str) -> tuple:
     async with database.session() as session:
         node = await session.get(Node, node_id)
-        rows = (await session.execute(select(Placement).where(Placement.node_id == node_id).order_by(Placement.id))).scalars()
+        rows = (
+            await session.execute(
+                select(Placement).where(Placement.node_id == node_id).order_by(Placement.id)
+            )
+        ).scalars()
         num_inbox = await session.scalar(select(func.count()).select_from(InboxEntry))
         return (
             (node.epoch, node.last_seq, node.status, node.last_event_at),
@@ -221,7 +260,9 @@ async def _ledger_rows(database: Database, node_id: str) -> tuple:
         )
 
 
-async def test_redelivered_record_changes_nothing(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+async def test_redelivered_record_changes_nothing(
+    coordinator, database: Database, producer: EventProducer, node_id: str
+) -> None:
     node = FakeNode(producer, node_id)
     await node.start(epoch=1)
     envelope = await node.publish(BlockStored, blocks=[stored(f"{node_id}/a", "device")])
@@ -233,7 +274,10 @@ async def test_redelivered_record_changes_nothing(coordinator, database: Databas
     await producer.send(envelope)
 
     async def seen_duplicate() -> bool:
-        return counter("kvledger_ledger_events_total", type="BlockStored", outcome="duplicate") > duplicates
+        return (
+            counter("kvledger_ledger_events_total", type="BlockStored", outcome="duplicate")
+            > duplicates
+        )
 
     await eventually(seen_duplicate, what="the duplicate to be consumed")
     assert await _ledger_rows(database, node_id) == before
@@ -243,7 +287,10 @@ async def test_redelivered_record_changes_nothing(coordinator, database: Databas
     await producer.send(make_event(envelope.payload))
 
     async def seen_replay() -> bool:
-        return counter("kvledger_ledger_events_total", type="BlockStored", outcome="replayed") > replayed
+        return (
+            counter("kvledger_ledger_events_total", type="BlockStored", outcome="replayed")
+            > replayed
+        )
 
     await eventually(seen_replay, what="the replay to be consumed")
     after = await _ledger_rows(database, node_id)
@@ -252,13 +299,22 @@ async def test_redelivered_record_changes_nothing(coordinator, database: Databas
 
 
 async def test_malformed_record_is_dead_lettered_and_consumption_continues(
-    coordinator, database: Database, producer: EventProducer, settings: CoordinatorSettings, node_id: str
+    coordinator,
+    database: Database,
+    producer: EventProducer,
+    settings: CoordinatorSettings,
+    node_id: str,
 ) -> None:
     node = FakeNode(producer, node_id)
     marker = uuid.uuid4().hex
     bad = f'{{"event_id": "{marker}", "type": "BlockStored"}}'.encode()
     async with database.session() as session:
-        before = await session.scalar(select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS)) or 0
+        before = (
+            await session.scalar(
+                select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS)
+            )
+            or 0
+        )
     await producer.send_raw(KV_EVENTS, bad, encode_key(node_id))
     await node.start(epoch=1)  # same key, so the same partition, after the bad record
     await wait_applied(database, node_id, 1, 0)
@@ -268,18 +324,26 @@ async def test_malformed_record_is_dead_lettered_and_consumption_continues(
         return letter if letter.raw_value() == bad else None
 
     letter = await first_record(DEAD_LETTER, settings.kafka.bootstrap, is_ours)
-    assert (letter.topic, letter.raw_key(), letter.group_id) == (KV_EVENTS, node_id.encode(), settings.kafka.group_id)
+    assert (letter.topic, letter.raw_key(), letter.group_id) == (
+        KV_EVENTS,
+        node_id.encode(),
+        settings.kafka.group_id,
+    )
     assert "payload" in letter.error or "field" in letter.error.lower()
 
     async def counted() -> bool:
         async with database.session() as session:
-            count = await session.scalar(select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS))
+            count = await session.scalar(
+                select(DeadLetterCount.num_records).where(DeadLetterCount.topic == KV_EVENTS)
+            )
         return (count or 0) > before
 
     await eventually(counted, what="the dead letter to be counted in the ledger")
 
 
-async def test_restart_drops_device_and_host_but_keeps_disk(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+async def test_restart_drops_device_and_host_but_keeps_disk(
+    coordinator, database: Database, producer: EventProducer, node_id: str
+) -> None:
     node = FakeNode(producer, node_id)
     dev, host, disk = (stored(f"{node_id}/{tier}", tier) for tier in ("device", "host", "disk"))
     await node.start(epoch=1)
@@ -299,12 +363,17 @@ async def test_restart_drops_device_and_host_but_keeps_disk(coordinator, databas
     assert node_state.status == "active"  # a clean restart is not a hole
 
     # A straggler of the old epoch describes a process that is gone: ignored.
-    stale = make_event(BlockStored(node_id=node_id, epoch=1, seq=99, blocks=[stored(f"{node_id}/late", "device")]))
+    stale = make_event(
+        BlockStored(node_id=node_id, epoch=1, seq=99, blocks=[stored(f"{node_id}/late", "device")])
+    )
     stale_before = counter("kvledger_ledger_events_total", type="BlockStored", outcome="stale")
     await producer.send(stale)
 
     async def seen_stale() -> bool:
-        return counter("kvledger_ledger_events_total", type="BlockStored", outcome="stale") > stale_before
+        return (
+            counter("kvledger_ledger_events_total", type="BlockStored", outcome="stale")
+            > stale_before
+        )
 
     await eventually(seen_stale, what="the stale event to be consumed")
     assert len(await placements(database, node_id)) == 4
@@ -327,7 +396,11 @@ def _provenance(block) -> BlockProvenance:
 
 
 async def test_seq_gap_requests_inventory_and_inventory_reconciles(
-    coordinator, database: Database, producer: EventProducer, settings: CoordinatorSettings, node_id: str
+    coordinator,
+    database: Database,
+    producer: EventProducer,
+    settings: CoordinatorSettings,
+    node_id: str,
 ) -> None:
     node = FakeNode(producer, node_id)
     a, b = stored(f"{node_id}/a", "device"), stored(f"{node_id}/b", "device")
@@ -338,13 +411,20 @@ async def test_seq_gap_requests_inventory_and_inventory_reconciles(
     await node.publish(BlockStored, blocks=[c])
     await wait_applied(database, node_id, 1, 3)
 
-    request = await first_record(COMMANDS, settings.kafka.bootstrap, _inventory_request_for(node_id))
+    request = await first_record(
+        COMMANDS, settings.kafka.bootstrap, _inventory_request_for(node_id)
+    )
     node_state = await node_row(database, node_id)
-    assert (node_state.status, node_state.inventory_request_id) == ("reconciling", request.request_id)
+    assert (node_state.status, node_state.inventory_request_id) == (
+        "reconciling",
+        request.request_id,
+    )
 
     async def outbox_sent() -> bool:
         async with database.session() as session:
-            rows = (await session.scalars(select(OutboxEntry).where(OutboxEntry.key == node_id))).all()
+            rows = (
+                await session.scalars(select(OutboxEntry).where(OutboxEntry.key == node_id))
+            ).all()
         return len(rows) == 1 and rows[0].sent_at is not None
 
     await eventually(outbox_sent, what="the outbox row to be marked sent")
@@ -378,7 +458,9 @@ async def test_seq_gap_requests_inventory_and_inventory_reconciles(
     assert (node_state.inventory_request_id, node_state.inventory_requested_at) == (None, None)
 
 
-async def test_chunked_inventory_applies_only_when_complete(coordinator, database: Database, producer: EventProducer, node_id: str) -> None:
+async def test_chunked_inventory_applies_only_when_complete(
+    coordinator, database: Database, producer: EventProducer, node_id: str
+) -> None:
     node = FakeNode(producer, node_id)
     a, b = stored(f"{node_id}/a", "device"), stored(f"{node_id}/b", "host")
     await node.start(epoch=1)
@@ -397,7 +479,9 @@ async def test_chunked_inventory_applies_only_when_complete(coordinator, databas
         (a.block_hash, "device", None, "live", None),
         (b.block_hash, "host", None, "live", None),
     }
-    await node.publish(Inventory, request_id=request_id, chunk=1, chunks=2, placements=[], blocks=[])
+    await node.publish(
+        Inventory, request_id=request_id, chunk=1, chunks=2, placements=[], blocks=[]
+    )
     await wait_applied(database, node_id, 1, node.seq)
     assert await placements(database, node_id) == {
         (a.block_hash, "device", None, "live", None),
@@ -406,14 +490,20 @@ async def test_chunked_inventory_applies_only_when_complete(coordinator, databas
 
 
 async def test_holes_without_seq_gap_request_inventory(
-    coordinator, database: Database, producer: EventProducer, settings: CoordinatorSettings, node_id: str
+    coordinator,
+    database: Database,
+    producer: EventProducer,
+    settings: CoordinatorSettings,
+    node_id: str,
 ) -> None:
     """A never-seen node, and a heartbeat announcing events we never got, both mean the ledger is incomplete."""
     node = FakeNode(producer, node_id, epoch=4)
     await node.publish(
         BlockMoved,
         seq=7,
-        blocks=[MovedBlock(block_hash=block_hash(f"{node_id}/x"), from_tier="host", to_tier="device")],
+        blocks=[
+            MovedBlock(block_hash=block_hash(f"{node_id}/x"), from_tier="host", to_tier="device")
+        ],
     )
     await wait_applied(database, node_id, 4, 7)
     first = await first_record(COMMANDS, settings.kafka.bootstrap, _inventory_request_for(node_id))
@@ -424,9 +514,14 @@ async def test_holes_without_seq_gap_request_inventory(
     await eventually(lambda: _status_is(database, node_id, "active"), what="reconcile")
 
     await producer.send(make_event(NodeHeartbeat(node_id=node_id, epoch=4, seq=node.seq + 5)))
-    await eventually(lambda: _status_is(database, node_id, "reconciling"), what="the silent gap to be noticed")
+    await eventually(
+        lambda: _status_is(database, node_id, "reconciling"), what="the silent gap to be noticed"
+    )
     node_state = await node_row(database, node_id)
-    assert node_state.last_heartbeat is not None and node_state.inventory_request_id != first.request_id
+    assert (
+        node_state.last_heartbeat is not None
+        and node_state.inventory_request_id != first.request_id
+    )
 
 
 async def _status_is(database: Database, node_id: str, status: str) -> bool:
@@ -442,29 +537,78 @@ def _mixed_history(node_id: str) -> tuple[list[Envelope], list[Envelope]]:
     the same blocks again and again, places a block it never stored, writes a snapshot and restarts the
     node between its block events (both flush what is accumulated), so every write path of a batch runs."""
     node = FakeNode(None, node_id)  # type: ignore[arg-type]  # builds envelopes only
-    a, b, c, d, e, old, early = (stored(f"{node_id}/{label}", "device") for label in ("a", "b", "c", "d", "e", "old", "early"))
+    a, b, c, d, e, old, early = (
+        stored(f"{node_id}/{label}", "device")
+        for label in ("a", "b", "c", "d", "e", "old", "early")
+    )
     node.epoch = 1
-    prelude = [node.event(NodeStarted, seq=0, namespace="ns-test"), node.event(BlockStored, blocks=[old, early])]
+    prelude = [
+        node.event(NodeStarted, seq=0, namespace="ns-test"),
+        node.event(BlockStored, blocks=[old, early]),
+    ]
     mixed = [
         node.event(BlockStored, blocks=[a, b, c]),
-        node.event(BlockMoved, blocks=[MovedBlock(block_hash=a.block_hash, from_tier="device", to_tier="host")]),
-        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=b.block_hash, tier="device")], reason="evicted"),
+        node.event(
+            BlockMoved,
+            blocks=[MovedBlock(block_hash=a.block_hash, from_tier="device", to_tier="host")],
+        ),
+        node.event(
+            BlockRemoved,
+            blocks=[RemovedBlock(block_hash=b.block_hash, tier="device")],
+            reason="evicted",
+        ),
         node.event(BlockStored, blocks=[b]),  # stored again after its removal: live again
-        node.event(BlockMoved, blocks=[MovedBlock(block_hash=a.block_hash, from_tier="host", to_tier="disk")]),
-        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=old.block_hash, tier="device")], reason="evicted"),  # an earlier batch's
-        node.event(BlockMoved, blocks=[MovedBlock(block_hash=early.block_hash, from_tier="device", to_tier="host")]),
+        node.event(
+            BlockMoved,
+            blocks=[MovedBlock(block_hash=a.block_hash, from_tier="host", to_tier="disk")],
+        ),
+        node.event(
+            BlockRemoved,
+            blocks=[RemovedBlock(block_hash=old.block_hash, tier="device")],
+            reason="evicted",
+        ),  # an earlier batch's
+        node.event(
+            BlockMoved,
+            blocks=[MovedBlock(block_hash=early.block_hash, from_tier="device", to_tier="host")],
+        ),
         node.event(BlockStored, blocks=[d.model_copy(update={"tier": "host"})]),
-        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=d.block_hash, tier="host")], reason="evicted"),  # stored and gone
-        node.event(SnapshotWritten, snapshot_id="snap-1", block_hashes=[a.block_hash, b.block_hash, c.block_hash]),
-        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=c.block_hash, tier="device")], reason="evicted"),
-        node.event(BlockMoved, blocks=[MovedBlock(block_hash=block_hash(f"{node_id}/never"), from_tier="device", to_tier="host")]),
+        node.event(
+            BlockRemoved,
+            blocks=[RemovedBlock(block_hash=d.block_hash, tier="host")],
+            reason="evicted",
+        ),  # stored and gone
+        node.event(
+            SnapshotWritten,
+            snapshot_id="snap-1",
+            block_hashes=[a.block_hash, b.block_hash, c.block_hash],
+        ),
+        node.event(
+            BlockRemoved,
+            blocks=[RemovedBlock(block_hash=c.block_hash, tier="device")],
+            reason="evicted",
+        ),
+        node.event(
+            BlockMoved,
+            blocks=[
+                MovedBlock(
+                    block_hash=block_hash(f"{node_id}/never"), from_tier="device", to_tier="host"
+                )
+            ],
+        ),
     ]
     node.epoch = 2
     mixed += [
         node.event(NodeStarted, seq=0, namespace="ns-test"),
         node.event(BlockStored, blocks=[e, a]),
-        node.event(BlockRemoved, blocks=[RemovedBlock(block_hash=a.block_hash, tier="disk")], reason="evicted"),
-        node.event(BlockMoved, blocks=[MovedBlock(block_hash=e.block_hash, from_tier="device", to_tier="host")]),
+        node.event(
+            BlockRemoved,
+            blocks=[RemovedBlock(block_hash=a.block_hash, tier="disk")],
+            reason="evicted",
+        ),
+        node.event(
+            BlockMoved,
+            blocks=[MovedBlock(block_hash=e.block_hash, from_tier="device", to_tier="host")],
+        ),
     ]
     return prelude, mixed
 
@@ -472,18 +616,29 @@ def _mixed_history(node_id: str) -> tuple[list[Envelope], list[Envelope]]:
 def _consumed(envelopes: Sequence[Envelope], first_offset: int = 0) -> list[ConsumedEvent]:
     return [
         ConsumedEvent(
-            topic=KV_EVENTS, partition=0, offset=first_offset + i, key=envelope.payload.node_id, timestamp_ms=0, envelope=envelope
+            topic=KV_EVENTS,
+            partition=0,
+            offset=first_offset + i,
+            key=envelope.payload.node_id,
+            timestamp_ms=0,
+            envelope=envelope,
         )
         for i, envelope in enumerate(envelopes)
     ]
 
 
-async def _ingest_batches(database_url: str, ledger_template: str, batches: Sequence[Sequence[Envelope]]) -> tuple:
+async def _ingest_batches(
+    database_url: str, ledger_template: str, batches: Sequence[Sequence[Envelope]]
+) -> tuple:
     """Apply ``batches`` (each one handler call, offsets continuing) to a fresh ledger; returns its rows."""
     async with fresh_database(database_url, ledger_template) as url:
         database = Database(DatabaseSettings(url=url))
         try:
-            ingest = LedgerIngest(database, inventory_retry_s=3600, command_signer=EnvelopeSigner(Ed25519PrivateKey.generate()))
+            ingest = LedgerIngest(
+                database,
+                inventory_retry_s=3600,
+                command_signer=EnvelopeSigner(Ed25519PrivateKey.generate()),
+            )
             offset = 0
             for batch in batches:
                 await ingest(_consumed(batch, offset))
@@ -509,11 +664,21 @@ async def _everything(database: Database) -> tuple:
         )
         block_rows = await session.execute(
             select(
-                Block.block_hash, Block.parent_hash, Block.namespace, Block.tenant_id, Block.scope, Block.subject_hash, Block.token_offset
+                Block.block_hash,
+                Block.parent_hash,
+                Block.namespace,
+                Block.tenant_id,
+                Block.scope,
+                Block.subject_hash,
+                Block.token_offset,
             )
         )
-        node_rows = await session.execute(select(Node.node_id, Node.epoch, Node.last_seq, Node.status, Node.namespace))
-        snapshot_rows = await session.execute(select(Snapshot.node_id, Snapshot.snapshot_id, Snapshot.state, Snapshot.num_blocks))
+        node_rows = await session.execute(
+            select(Node.node_id, Node.epoch, Node.last_seq, Node.status, Node.namespace)
+        )
+        snapshot_rows = await session.execute(
+            select(Snapshot.node_id, Snapshot.snapshot_id, Snapshot.state, Snapshot.num_blocks)
+        )
         num_inbox = await session.scalar(select(func.count()).select_from(InboxEntry))
         requests = [
             payload["payload"]["node_id"]
@@ -530,26 +695,49 @@ async def _everything(database: Database) -> tuple:
         )
 
 
-async def test_one_batch_builds_the_ledger_that_one_event_per_batch_builds(database_url: str, ledger_template: str) -> None:
+async def test_one_batch_builds_the_ledger_that_one_event_per_batch_builds(
+    database_url: str, ledger_template: str
+) -> None:
     """A batch is staged and written set-based (net change per placement); the result must not depend on
     where batch boundaries fall."""
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     prelude, mixed = _mixed_history(node_id)
     as_one = await _ingest_batches(database_url, ledger_template, [prelude, mixed])
-    one_by_one = await _ingest_batches(database_url, ledger_template, [prelude, *([event] for event in mixed)])
+    one_by_one = await _ingest_batches(
+        database_url, ledger_template, [prelude, *([event] for event in mixed)]
+    )
     assert as_one == one_by_one
-    placements_of_node = {(h.hex(), tier, sid, state, epoch, reason) for h, _, tier, sid, state, epoch, reason in as_one[0]}
-    a, b, c, d, e, old, early = (block_hash(f"{node_id}/{label}") for label in ("a", "b", "c", "d", "e", "old", "early"))
+    placements_of_node = {
+        (h.hex(), tier, sid, state, epoch, reason)
+        for h, _, tier, sid, state, epoch, reason in as_one[0]
+    }
+    a, b, c, d, e, old, early = (
+        block_hash(f"{node_id}/{label}") for label in ("a", "b", "c", "d", "e", "old", "early")
+    )
     assert placements_of_node == {
         (a, "device", None, "live", 2, None),  # moved away in epoch 1, stored again in epoch 2
         (a, "host", None, "deleted", 1, "moved"),
         (a, "disk", None, "deleted", 2, "evicted"),  # survived the restart (disk), removed after it
         (a, "snapshot", "snap-1", "live", 1, None),
-        (b, "device", None, "deleted", 1, "node_restarted"),  # live again after its removal, until the restart
+        (
+            b,
+            "device",
+            None,
+            "deleted",
+            1,
+            "node_restarted",
+        ),  # live again after its removal, until the restart
         (b, "snapshot", "snap-1", "live", 1, None),
         (c, "device", None, "deleted", 1, "evicted"),
         (c, "snapshot", "snap-1", "live", 1, None),
-        (d, "host", None, "deleted", 1, "evicted"),  # stored and removed within the batch: the row exists
+        (
+            d,
+            "host",
+            None,
+            "deleted",
+            1,
+            "evicted",
+        ),  # stored and removed within the batch: the row exists
         (old, "device", None, "deleted", 1, "evicted"),
         (early, "device", None, "deleted", 1, "moved"),
         (early, "host", None, "deleted", 1, "node_restarted"),
@@ -562,12 +750,16 @@ async def test_one_batch_builds_the_ledger_that_one_event_per_batch_builds(datab
     assert as_one[4] == len(prelude) + len(mixed)
 
 
-async def test_redelivered_batch_after_a_crash_applies_nothing_twice(database_url: str, ledger_template: str) -> None:
+async def test_redelivered_batch_after_a_crash_applies_nothing_twice(
+    database_url: str, ledger_template: str
+) -> None:
     """A coordinator that dies after its database commit but before the offset commit gets its batch
     again, possibly with newer records behind it: the applied part must be a no-op, the rest applied once."""
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     prelude, mixed = _mixed_history(node_id)
     applied_once = await _ingest_batches(database_url, ledger_template, [prelude, mixed])
     half = len(mixed) // 2
-    redelivered = await _ingest_batches(database_url, ledger_template, [prelude, mixed[:half], mixed[:half], mixed, mixed])
+    redelivered = await _ingest_batches(
+        database_url, ledger_template, [prelude, mixed[:half], mixed[:half], mixed, mixed]
+    )
     assert redelivered == applied_once

@@ -13,7 +13,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers.ledger import RunningConsumers, SigningProducer, coordinator_settings, eventually, fresh_database, read_topic, stored
+from helpers.ledger import (
+    RunningConsumers,
+    SigningProducer,
+    coordinator_settings,
+    eventually,
+    fresh_database,
+    read_topic,
+    stored,
+)
 from sqlalchemy import func, select
 
 from coordinator.ledger.db import Database
@@ -35,21 +43,27 @@ NUM_NODES = 12
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         yield coordinator_settings(url, kafka_bootstrap, ledger={"inventory_retry_s": 3600})
 
 
 async def _last_seqs(database: Database, node_ids: list[str]) -> dict[str, int]:
     async with database.session() as session:
-        rows = await session.execute(select(Node.node_id, Node.last_seq).where(Node.node_id.in_(node_ids)))
+        rows = await session.execute(
+            select(Node.node_id, Node.last_seq).where(Node.node_id.in_(node_ids))
+        )
         return dict(rows.all())
 
 
 async def _live(database: Database, node_ids: list[str]) -> dict[str, set[str]]:
     async with database.session() as session:
         rows = await session.execute(
-            select(Placement.node_id, Placement.block_hash).where(Placement.node_id.in_(node_ids), Placement.state == "live")
+            select(Placement.node_id, Placement.block_hash).where(
+                Placement.node_id.in_(node_ids), Placement.state == "live"
+            )
         )
         live: dict[str, set[str]] = collections.defaultdict(set)
         for node_id, block_hash in rows:
@@ -86,7 +100,9 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
         node_ids = [f"replica-{prefix}-{i}" for i in range(NUM_NODES)]
         gapped = set(node_ids[::2])
         expected: dict[str, set[str]] = {}
-        async with SigningProducer(kafka_settings(settings), settings.database.url.get_secret_value()) as producer:
+        async with SigningProducer(
+            kafka_settings(settings), settings.database.url.get_secret_value()
+        ) as producer:
             envelopes = []
             for node_id in node_ids:
                 blocks = [stored(f"{node_id}/{i}", "device") for i in range(3)]
@@ -96,7 +112,15 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
                     make_event(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test")),
                     make_event(BlockStored(node_id=node_id, epoch=1, seq=1, blocks=blocks[:2])),
                     make_event(BlockStored(node_id=node_id, epoch=1, seq=2, blocks=blocks[2:])),
-                    make_event(BlockRemoved(node_id=node_id, epoch=1, seq=after_removal, blocks=[removed], reason="evicted")),
+                    make_event(
+                        BlockRemoved(
+                            node_id=node_id,
+                            epoch=1,
+                            seq=after_removal,
+                            blocks=[removed],
+                            reason="evicted",
+                        )
+                    ),
                 ]
                 expected[node_id] = {block.block_hash for block in blocks[1:]}
             await producer.send_many(envelopes)
@@ -110,7 +134,11 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
 
             async def outbox_drained() -> bool:
                 async with database.session() as session:
-                    rows = (await session.scalars(select(OutboxEntry).where(OutboxEntry.key.in_(node_ids)))).all()
+                    rows = (
+                        await session.scalars(
+                            select(OutboxEntry).where(OutboxEntry.key.in_(node_ids))
+                        )
+                    ).all()
                 return len(rows) == len(gapped) and all(row.sent_at is not None for row in rows)
 
             await eventually(outbox_drained, what="both relays to drain the outbox")
@@ -123,7 +151,9 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
             for node_id in node_ids:
                 block = stored(f"{node_id}/late", "host")
                 seq = 5 if node_id in gapped else 4
-                more.append(make_event(BlockStored(node_id=node_id, epoch=1, seq=seq, blocks=[block])))
+                more.append(
+                    make_event(BlockStored(node_id=node_id, epoch=1, seq=seq, blocks=[block]))
+                )
                 expected[node_id].add(block.block_hash)
             await producer.send_many(more)
 
@@ -131,10 +161,16 @@ async def test_two_replicas_share_the_work_exactly_once(settings: CoordinatorSet
                 seqs = await _last_seqs(database, node_ids)
                 return all(seqs.get(n) == (5 if n in gapped else 4) for n in node_ids)
 
-            await eventually(survivor_applied, timeout_s=60, what="the surviving replica to apply the new events")
+            await eventually(
+                survivor_applied, timeout_s=60, what="the surviving replica to apply the new events"
+            )
             assert await _live(database, node_ids) == expected
             async with database.session() as session:
-                num_outbox = await session.scalar(select(func.count()).select_from(OutboxEntry).where(OutboxEntry.key.in_(node_ids)))
+                num_outbox = await session.scalar(
+                    select(func.count())
+                    .select_from(OutboxEntry)
+                    .where(OutboxEntry.key.in_(node_ids))
+                )
             assert num_outbox == len(gapped)  # no new gaps: the takeover replayed nothing as a hole
     finally:
         for replica in (first, second):

@@ -23,7 +23,19 @@ from coordinator.audit.merkle import (
 )
 
 # Certificate Transparency's reference leaves and roots for sizes 1..8 (merkle_tree_test).
-CT_LEAVES = [bytes.fromhex(h) for h in ("", "00", "10", "2021", "3031", "40414243", "5051525354555657", "606162636465666768696a6b6c6d6e6f")]
+CT_LEAVES = [
+    bytes.fromhex(h)
+    for h in (
+        "",
+        "00",
+        "10",
+        "2021",
+        "3031",
+        "40414243",
+        "5051525354555657",
+        "606162636465666768696a6b6c6d6e6f",
+    )
+]
 CT_ROOTS = [
     "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
     "fac54203e7cc696cf0dfcb42c92a1d9dbaf70ad9e621f4bd8d98662f00e3c125",
@@ -133,7 +145,11 @@ def flips(value: bytes):
 
 def test_ct_reference_roots():
     hashes = [leaf_hash(d) for d in CT_LEAVES]
-    assert root_hash(0, hashes) == EMPTY_ROOT == bytes.fromhex("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+    assert (
+        root_hash(0, hashes)
+        == EMPTY_ROOT
+        == bytes.fromhex("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+    )
     for n in range(1, 9):
         assert root_hash(n, hashes).hex() == CT_ROOTS[n - 1]
 
@@ -151,7 +167,9 @@ def test_ct_consistency_vectors(old, new, expected):
     hashes = [leaf_hash(d) for d in CT_LEAVES]
     proof = consistency_proof(old, new, hashes)
     assert [p.hex() for p in proof] == expected
-    assert verify_consistency(old, new, bytes.fromhex(CT_ROOTS[old - 1]), bytes.fromhex(CT_ROOTS[new - 1]), proof)
+    assert verify_consistency(
+        old, new, bytes.fromhex(CT_ROOTS[old - 1]), bytes.fromhex(CT_ROOTS[new - 1]), proof
+    )
 
 
 # --- every tree up to 9 leaves against the reference -----------------------------------------
@@ -216,11 +234,15 @@ def test_inclusion_rejects_every_bit_flip(n):
         assert not any(verify_inclusion(HASHES[m], m, n, proof, bad) for bad in flips(root))
         for i, element in enumerate(proof):
             for bad in flips(element):
-                assert not verify_inclusion(HASHES[m], m, n, proof[:i] + [bad] + proof[i + 1 :], root)
+                assert not verify_inclusion(
+                    HASHES[m], m, n, proof[:i] + [bad] + proof[i + 1 :], root
+                )
         for bit in SIZE_BITS:
             assert not verify_inclusion(HASHES[m], m ^ (1 << bit), n, proof, root), (m, n, bit)
             other = n ^ (1 << bit)
-            assert verify_inclusion(HASHES[m], m, other, proof, root) == same_left_subtree(m + 1, n, other), (m, n, other)
+            assert verify_inclusion(HASHES[m], m, other, proof, root) == same_left_subtree(
+                m + 1, n, other
+            ), (m, n, other)
 
 
 @pytest.mark.parametrize("n", range(1, MAX + 1))
@@ -233,11 +255,15 @@ def test_consistency_rejects_every_bit_flip(n):
         assert not any(verify_consistency(m, n, old_root, bad, proof) for bad in flips(new_root))
         for i, element in enumerate(proof):
             for bad in flips(element):
-                assert not verify_consistency(m, n, old_root, new_root, proof[:i] + [bad] + proof[i + 1 :])
+                assert not verify_consistency(
+                    m, n, old_root, new_root, proof[:i] + [bad] + proof[i + 1 :]
+                )
         for bit in SIZE_BITS:
             assert not verify_consistency(m ^ (1 << bit), n, old_root, new_root, proof), (m, n, bit)
             other = n ^ (1 << bit)
-            assert verify_consistency(m, other, old_root, new_root, proof) == same_left_subtree(m, n, other), (m, n, other)
+            assert verify_consistency(m, other, old_root, new_root, proof) == same_left_subtree(
+                m, n, other
+            ), (m, n, other)
 
 
 def test_rewritten_leaf_breaks_consistency_with_old_head():

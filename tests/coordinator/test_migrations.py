@@ -28,7 +28,9 @@ async def _state(url: str) -> tuple[str | None, set[str], list]:
             tables = set(await connection.run_sync(lambda sync: inspect(sync).get_table_names()))
             diff = await connection.run_sync(
                 lambda sync: compare_metadata(
-                    MigrationContext.configure(sync, opts={"compare_type": True, "compare_server_default": True}),
+                    MigrationContext.configure(
+                        sync, opts={"compare_type": True, "compare_server_default": True}
+                    ),
                     Base.metadata,
                 )
             )

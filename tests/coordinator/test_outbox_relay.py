@@ -8,7 +8,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from aiokafka.errors import KafkaConnectionError
-from helpers.ledger import COMMAND_KEY, coordinator_settings, fresh_database, scan_topic, sign_command
+from helpers.ledger import (
+    COMMAND_KEY,
+    coordinator_settings,
+    fresh_database,
+    scan_topic,
+    sign_command,
+)
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -26,7 +32,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         yield coordinator_settings(url, kafka_bootstrap)
 
@@ -58,7 +66,9 @@ def _commands(tenant: str, num_commands: int) -> list:
 
 async def _sent_at(database: Database, ids: list[int]) -> list[datetime | None]:
     async with database.session() as session:
-        rows = await session.execute(select(OutboxEntry.id, OutboxEntry.sent_at).where(OutboxEntry.id.in_(ids)))
+        rows = await session.execute(
+            select(OutboxEntry.id, OutboxEntry.sent_at).where(OutboxEntry.id.in_(ids))
+        )
         return [sent_at for _, sent_at in sorted(rows.all())]
 
 
@@ -68,7 +78,11 @@ async def test_a_batch_that_cannot_be_published_stays_unsent_and_is_relayed_in_o
     commands = _commands(unique_name, 3)
     async with database.session() as session, session.begin():
         ids = (
-            await session.scalars(pg_insert(OutboxEntry).values([outbox_row(command) for command in commands]).returning(OutboxEntry.id))
+            await session.scalars(
+                pg_insert(OutboxEntry)
+                .values([outbox_row(command) for command in commands])
+                .returning(OutboxEntry.id)
+            )
         ).all()
 
     async with _LostMidBatch(kafka_settings(settings)) as failing:
@@ -106,14 +120,21 @@ async def _insert_leased(database: Database, commands: list, lease: timedelta) -
             (
                 await session.scalars(
                     pg_insert(OutboxEntry)
-                    .values([{**outbox_row(command), "lease_until": func.now() + lease} for command in commands])
+                    .values(
+                        [
+                            {**outbox_row(command), "lease_until": func.now() + lease}
+                            for command in commands
+                        ]
+                    )
                     .returning(OutboxEntry.id)
                 )
             ).all()
         )
 
 
-async def _published_in_order(settings: CoordinatorSettings, command_ids: list[uuid.UUID]) -> list[uuid.UUID]:
+async def _published_in_order(
+    settings: CoordinatorSettings, command_ids: list[uuid.UUID]
+) -> list[uuid.UUID]:
     published: list[uuid.UUID] = []
 
     def visit(record) -> bool:
@@ -154,9 +175,15 @@ async def test_a_leased_row_its_process_failed_to_publish_is_relayed_once_the_le
     assert await _sent_at(database, ids) == [None]
     async with EventProducer(kafka_settings(settings)) as producer:
         relay = OutboxRelay(database, producer, batch_size=10, poll_s=1.0)
-        assert await relay.relay_once() == 0, "a leased row belongs to its process until the lease ran out"
+        assert await relay.relay_once() == 0, (
+            "a leased row belongs to its process until the lease ran out"
+        )
         async with database.session() as session, session.begin():
-            await session.execute(update(OutboxEntry).where(OutboxEntry.id.in_(ids)).values(lease_until=func.now() - timedelta(seconds=1)))
+            await session.execute(
+                update(OutboxEntry)
+                .where(OutboxEntry.id.in_(ids))
+                .values(lease_until=func.now() - timedelta(seconds=1))
+            )
         assert await relay.relay_once() == 1
     assert None not in await _sent_at(database, ids)
     # The failing producer got the record out before failing: published twice, absorbed by command id.

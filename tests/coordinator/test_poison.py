@@ -23,7 +23,9 @@ class _Wrapper(Exception):
         self.orig = orig
 
 
-@pytest.mark.parametrize("sqlstate", ["22021", "22003", "22P02", "23514", "23505", "23503", "23502"])
+@pytest.mark.parametrize(
+    "sqlstate", ["22021", "22003", "22P02", "23514", "23505", "23503", "23502"]
+)
 def test_data_and_integrity_sqlstates_are_the_datas_fault(sqlstate: str) -> None:
     reason = refused_as_data(_Wrapper(_DbError(sqlstate)))
     assert reason == f"_DbError (SQLSTATE {sqlstate})"

@@ -50,12 +50,24 @@ def _pruned_total(table: str) -> float:
     return REGISTRY.get_sample_value("kvledger_pruned_rows_total", {"table": table}) or 0.0
 
 
-async def test_rows_past_their_horizon_are_deleted_in_batches_and_the_rest_stay(settings: CoordinatorSettings, database: Database) -> None:
+async def test_rows_past_their_horizon_are_deleted_in_batches_and_the_rest_stay(
+    settings: CoordinatorSettings, database: Database
+) -> None:
     old_inbox = [await _inbox_row(database, 40) for _ in range(5)]
-    kept_inbox = [await _inbox_row(database, 36), await _inbox_row(database, 20), await _inbox_row(database, 0)]
+    kept_inbox = [
+        await _inbox_row(database, 36),
+        await _inbox_row(database, 20),
+        await _inbox_row(database, 0),
+    ]
     old_sent = [await _outbox_row(database, 8, sent=True) for _ in range(3)]
-    kept_sent = [await _outbox_row(database, 6, sent=True), await _outbox_row(database, 0, sent=True)]
-    unsent = [await _outbox_row(database, 100, sent=False), await _outbox_row(database, 0, sent=False)]
+    kept_sent = [
+        await _outbox_row(database, 6, sent=True),
+        await _outbox_row(database, 0, sent=True),
+    ]
+    unsent = [
+        await _outbox_row(database, 100, sent=False),
+        await _outbox_row(database, 0, sent=False),
+    ]
     ledger = settings.ledger
     pruner = Pruner(
         database,
@@ -79,5 +91,8 @@ async def test_rows_past_their_horizon_are_deleted_in_batches_and_the_rest_stay(
 
 
 def test_the_inbox_horizon_must_outlive_the_consumed_topics_retention() -> None:
-    with pytest.raises(ValueError, match="prune_inbox_after_s must exceed the longest retention of a consumed topic"):
+    with pytest.raises(
+        ValueError,
+        match="prune_inbox_after_s must exceed the longest retention of a consumed topic",
+    ):
         CoordinatorSettings(ledger={"prune_inbox_after_s": 30 * DAY_S})

@@ -60,7 +60,9 @@ def body(**overrides):
         tiers=[
             TierErasure("node-b", "disk", 2, "purge-crypto-erase", {"post_check": "key_destroyed"}),
             TierErasure("node-a", "host", 1, "clear", {"post_check": "readback_zero"}),
-            TierErasure("node-a", "device", 3, "clear", {"post_check": "readback_zero", "slots": [1, 2, 3]}),
+            TierErasure(
+                "node-a", "device", 3, "clear", {"post_check": "readback_zero", "slots": [1, 2, 3]}
+            ),
         ],
         block_hashes=BLOCKS,
         key_ids_destroyed=["ff" * 16, "ee" * 16, "ff" * 16],
@@ -80,9 +82,7 @@ def test_canonical_json_rfc8785_serialization_example():
         ' "string": "\\u20ac$\\u000F\\u000aA\'\\u0042\\u0022\\u005c\\\\\\"\\/",'
         ' "literals": [null, true, false]}'
     )
-    expected = (
-        '{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\\u000f\\nA\'B\\"\\\\\\\\\\"/"}'
-    )
+    expected = '{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\\u000f\\nA\'B\\"\\\\\\\\\\"/"}'
     assert canonical_json(value) == expected.encode("utf-8")
 
 
@@ -110,16 +110,28 @@ def test_receipt_body_shape_and_determinism():
     assert receipt["erasure_id"] == str(uuid.UUID(int=7))
     assert receipt["requested_at"] == "2026-11-29T12:00:00.000Z"
     assert receipt["verified_at"] == "2026-11-29T12:00:42.123Z"
-    assert [(e["node_id"], e["tier"]) for e in receipt["tiers"]] == [("node-a", "device"), ("node-a", "host"), ("node-b", "disk")]
-    assert receipt["tiers"][0]["evidence_digest"] == hashlib.sha256(b'{"post_check":"readback_zero","slots":[1,2,3]}').hexdigest()
+    assert [(e["node_id"], e["tier"]) for e in receipt["tiers"]] == [
+        ("node-a", "device"),
+        ("node-a", "host"),
+        ("node-b", "disk"),
+    ]
+    assert (
+        receipt["tiers"][0]["evidence_digest"]
+        == hashlib.sha256(b'{"post_check":"readback_zero","slots":[1,2,3]}').hexdigest()
+    )
     assert receipt["key_ids_destroyed"] == ["ee" * 16, "ff" * 16]
     # The node keys whose signed acks the receipt relies on: sorted, one entry per (node, key).
-    assert receipt["node_keys"] == [{"node_id": "node-a", "key_id": "aa" * 16}, {"node_id": "node-b", "key_id": "bb" * 16}]
+    assert receipt["node_keys"] == [
+        {"node_id": "node-a", "key_id": "aa" * 16},
+        {"node_id": "node-b", "key_id": "bb" * 16},
+    ]
     assert receipt["caveats"] == list(STANDARD_CAVEATS)
     # Same inputs in another order → the same bytes to sign.
     again = body(
         tiers=[
-            TierErasure("node-a", "device", 3, "clear", {"slots": [1, 2, 3], "post_check": "readback_zero"}),
+            TierErasure(
+                "node-a", "device", 3, "clear", {"slots": [1, 2, 3], "post_check": "readback_zero"}
+            ),
             TierErasure("node-a", "host", 1, "clear", {"post_check": "readback_zero"}),
             TierErasure("node-b", "disk", 2, "purge-crypto-erase", {"post_check": "key_destroyed"}),
         ],
@@ -133,8 +145,16 @@ def test_receipt_body_shape_and_determinism():
 def test_block_commitment_is_rfc6962_root_over_sorted_unique_hashes():
     commitment = body()["block_commitment"]
     leaves = [merkle.leaf_hash(bytes.fromhex(h)) for h in ("aa" * 32, "bb" * 32, "cc" * 32)]
-    assert commitment == {"algorithm": BLOCK_COMMITMENT_ALGORITHM, "count": 3, "root": merkle.root_hash(3, leaves).hex()}
-    assert block_commitment([]) == {"algorithm": BLOCK_COMMITMENT_ALGORITHM, "count": 0, "root": merkle.EMPTY_ROOT.hex()}
+    assert commitment == {
+        "algorithm": BLOCK_COMMITMENT_ALGORITHM,
+        "count": 3,
+        "root": merkle.root_hash(3, leaves).hex(),
+    }
+    assert block_commitment([]) == {
+        "algorithm": BLOCK_COMMITMENT_ALGORITHM,
+        "count": 0,
+        "root": merkle.EMPTY_ROOT.hex(),
+    }
 
 
 def test_receipt_holds_no_subject_in_clear():
@@ -167,16 +187,30 @@ def test_receipt_holds_no_subject_in_clear():
         ({"tiers": [TierErasure("n", "disk", 1, "purge-unlink", {})]}, "method"),
         ({"tiers": [TierErasure("n", "disk", -1, "clear", {})]}, "count"),
         ({"tiers": [TierErasure("n", "disk", 1, "clear", {"x": float("nan")})]}, "evidence"),
-        ({"tiers": [TierErasure("n", "disk", 1, "clear", {}), TierErasure("n", "disk", 2, "clear", {})]}, "two entries"),
+        (
+            {
+                "tiers": [
+                    TierErasure("n", "disk", 1, "clear", {}),
+                    TierErasure("n", "disk", 2, "clear", {}),
+                ]
+            },
+            "two entries",
+        ),
         ({"block_hashes": ["AA" * 32]}, "block hash"),
         ({"block_hashes": ["aa" * 8 + "a"]}, "block hash"),
         ({"key_ids_destroyed": [""]}, "key id"),
         ({"node_keys": [("node-a", "not-a-key-id")]}, "node key id"),
         ({"node_keys": [("", "aa" * 16)]}, "node_id"),
         ({"tenant_id": ""}, "tenant_id"),
-        ({"blocks_by_scope": {"public": 1, "tenant": 1, "user": 1, "unrecorded": 1}}, "adds up to 4, but 3"),
+        (
+            {"blocks_by_scope": {"public": 1, "tenant": 1, "user": 1, "unrecorded": 1}},
+            "adds up to 4, but 3",
+        ),
         ({"blocks_by_scope": {"public": 3, "tenant": 0, "user": 0}}, "exactly the keys"),
-        ({"blocks_by_scope": {"public": 3, "tenant": 0, "user": 0, "unrecorded": True}}, "non-negative integer"),
+        (
+            {"blocks_by_scope": {"public": 3, "tenant": 0, "user": 0, "unrecorded": True}},
+            "non-negative integer",
+        ),
     ],
 )
 def test_build_receipt_rejects_bad_input(overrides, message):
@@ -186,13 +220,23 @@ def test_build_receipt_rejects_bad_input(overrides, message):
 
 def test_per_scope_coverage_is_in_the_body_with_its_caveat_only_when_given():
     assert "blocks_by_scope" not in body() and SCOPE_COVERAGE_CAVEAT not in body()["caveats"]
-    covered = body(blocks_by_scope={"user": 1, "unrecorded": 0, "public": 2, "tenant": 0}, caveats=["extra"])
-    assert list(covered["blocks_by_scope"].items()) == [("public", 2), ("tenant", 0), ("user", 1), ("unrecorded", 0)]
+    covered = body(
+        blocks_by_scope={"user": 1, "unrecorded": 0, "public": 2, "tenant": 0}, caveats=["extra"]
+    )
+    assert list(covered["blocks_by_scope"].items()) == [
+        ("public", 2),
+        ("tenant", 0),
+        ("user", 1),
+        ("unrecorded", 0),
+    ]
     assert covered["caveats"] == [*STANDARD_CAVEATS, SCOPE_COVERAGE_CAVEAT, "extra"]
 
 
 def test_extra_caveats_follow_the_standard_ones():
-    assert body(caveats=["node-c was decommissioned"])["caveats"] == [*STANDARD_CAVEATS, "node-c was decommissioned"]
+    assert body(caveats=["node-c was decommissioned"])["caveats"] == [
+        *STANDARD_CAVEATS,
+        "node-c was decommissioned",
+    ]
 
 
 def test_method_vocabulary_covers_every_node_erase_method():
@@ -206,7 +250,9 @@ def test_method_vocabulary_covers_every_node_erase_method():
 
 
 def test_evidence_digest_is_sha256_of_canonical_json():
-    assert evidence_digest({"b": 1, "a": [True]}) == hashlib.sha256(b'{"a":[true],"b":1}').hexdigest()
+    assert (
+        evidence_digest({"b": 1, "a": [True]}) == hashlib.sha256(b'{"a":[true],"b":1}').hexdigest()
+    )
 
 
 def test_rfc3339_converts_to_utc():
@@ -218,13 +264,17 @@ def test_rfc3339_converts_to_utc():
 
 
 def _pem(key) -> str:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
 
 
 def test_signer_from_pem_secret_and_key_id():
     private = Ed25519PrivateKey.generate()
     signer = ReceiptSigner.from_pem(SecretStr(_pem(private)), created_at=T0)
-    raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    raw = private.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
     assert signer.key_id == hashlib.sha256(raw).digest()[:16].hex() == key_id_for(raw)
     assert len(signer.key_id) == 32
     assert ReceiptSigner.from_pem(_pem(private).encode()).key_id == signer.key_id
@@ -270,7 +320,9 @@ def test_sign_receipt_signs_canonical_body():
     assert signed["signature"]["algorithm"] == "Ed25519"
     public = Ed25519PublicKey.from_public_bytes(signer.public_key.raw)
     public.verify(base64.b64decode(signed["signature"]["value"]), canonical_json(receipt))
-    assert audit_leaf_data(signed) == canonical_json({"receipt": receipt, "signature": signed["signature"]})
+    assert audit_leaf_data(signed) == canonical_json(
+        {"receipt": receipt, "signature": signed["signature"]}
+    )
     assert audit_leaf_hash(signed) == merkle.leaf_hash(audit_leaf_data(signed))
     with pytest.raises(ValueError):
         sign_receipt({"schema": "something-else"}, signer)
@@ -281,8 +333,17 @@ def test_tree_head_signature_covers_size_root_timestamp_and_key():
     root = hashlib.sha256(b"root").digest()
     head = sign_tree_head(5, root, T0, signer)
     assert set(head) == {"tree_size", "root_hash", "timestamp", "key_id", "signature"}
-    message = canonical_json({"tree_size": 5, "root_hash": root.hex(), "timestamp": "2026-11-29T12:00:00.000Z", "key_id": signer.key_id})
-    Ed25519PublicKey.from_public_bytes(signer.public_key.raw).verify(base64.b64decode(head["signature"]), message)
+    message = canonical_json(
+        {
+            "tree_size": 5,
+            "root_hash": root.hex(),
+            "timestamp": "2026-11-29T12:00:00.000Z",
+            "key_id": signer.key_id,
+        }
+    )
+    Ed25519PublicKey.from_public_bytes(signer.public_key.raw).verify(
+        base64.b64decode(head["signature"]), message
+    )
     with pytest.raises(ValueError):
         sign_tree_head(-1, root, T0, signer)
     with pytest.raises(ValueError):
@@ -296,8 +357,12 @@ def test_serve_receipt_rejects_a_wrong_index_or_heads_out_of_order():
     head2 = sign_tree_head(2, merkle.root_hash(2, leaves), T0, signer)
     head3 = sign_tree_head(3, merkle.root_hash(3, leaves), T0, signer)
     served = serve_receipt(signed[1], 1, head2, head3, leaves)
-    assert served["audit"]["inclusion_proof"] == [h.hex() for h in merkle.inclusion_proof(1, 3, leaves)]
-    assert served["audit"]["consistency_proof"] == [h.hex() for h in merkle.consistency_proof(2, 3, leaves)]
+    assert served["audit"]["inclusion_proof"] == [
+        h.hex() for h in merkle.inclusion_proof(1, 3, leaves)
+    ]
+    assert served["audit"]["consistency_proof"] == [
+        h.hex() for h in merkle.consistency_proof(2, 3, leaves)
+    ]
     with pytest.raises(ValueError, match="not this receipt"):
         serve_receipt(signed[1], 0, head2, head3, leaves)
     with pytest.raises(ValueError, match="not in the tree head at issue"):

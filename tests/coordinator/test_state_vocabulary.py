@@ -20,7 +20,14 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import coordinator.keys.data_keys  # noqa: F401 - declares data_keys on Base.metadata
 from coordinator.ledger import migrate
 from coordinator.ledger.models import Base
-from coordinator.ledger.states import ErasureStatus, InvalidationStatus, NamespaceStatus, NodeStatus, PlacementState, TargetStatus
+from coordinator.ledger.states import (
+    ErasureStatus,
+    InvalidationStatus,
+    NamespaceStatus,
+    NodeStatus,
+    PlacementState,
+    TargetStatus,
+)
 from events import schema
 from events.tiers import STORAGE_TIERS, VOLATILE_TIERS, Tier
 from gpu_node.pool import vocabulary
@@ -69,5 +76,8 @@ async def test_the_models_check_constraints_are_the_migrated_ones(database_url: 
 def test_the_tiers_of_the_contract_and_the_node_are_the_ledgers() -> None:
     assert schema.Placement.model_fields["tier"].annotation is Tier
     assert typing.get_args(schema.StoredBlock.model_fields["tier"].annotation) == STORAGE_TIERS
-    assert all(typing.get_type_hints(event)["tier"] is Tier for event in (vocabulary.StoredInPool, vocabulary.RemovedFromPool))
+    assert all(
+        typing.get_type_hints(event)["tier"] is Tier
+        for event in (vocabulary.StoredInPool, vocabulary.RemovedFromPool)
+    )
     assert set(VOLATILE_TIERS) < set(STORAGE_TIERS)

@@ -32,7 +32,9 @@ from gpu_node.settings import CacheSettings
 from identity.tokens import issue_token
 from kvledger.cli import main
 
-SYSTEM = "You are the assistant of the finance team. Answer in one short sentence, and cite the policy."
+SYSTEM = (
+    "You are the assistant of the finance team. Answer in one short sentence, and cite the policy."
+)
 PRICES = {"input": 1.0, "cached_input": 0.1, "output": 2.0}
 
 
@@ -65,7 +67,13 @@ async def stack(database_url, ledger_template, kafka_bootstrap, tiny_model_dir, 
         try:
             for node_id in node_ids:
                 cache = CacheSettings(block_size=16)
-                nodes.append(await Node(node_settings(node_id, tiny_model_dir, tmp_path / node_id, kafka_bootstrap, cache)).start())
+                nodes.append(
+                    await Node(
+                        node_settings(
+                            node_id, tiny_model_dir, tmp_path / node_id, kafka_bootstrap, cache
+                        )
+                    ).start()
+                )
             yield api.url, nodes, suffix
         finally:
             for node in nodes:
@@ -75,7 +83,14 @@ async def stack(database_url, ledger_template, kafka_bootstrap, tiny_model_dir, 
 
 
 def _user_token(tenant: str) -> str:
-    return issue_token(tenant=tenant, sub="alice", scopes=["finance"], pv={"finance": 1}, ttl_s=600, secret=JWT_SECRET)
+    return issue_token(
+        tenant=tenant,
+        sub="alice",
+        scopes=["finance"],
+        pv={"finance": 1},
+        ttl_s=600,
+        secret=JWT_SECRET,
+    )
 
 
 async def _streamed_usage(node: Node, token: str, messages: list[dict]) -> dict:
@@ -89,19 +104,31 @@ async def _streamed_usage(node: Node, token: str, messages: list[dict]) -> dict:
             if chunk.usage is not None:
                 usage = chunk.usage
     assert usage is not None
-    return {"prompt": usage.prompt_tokens, "cached": usage.prompt_tokens_details.cached_tokens, "output": usage.completion_tokens}
+    return {
+        "prompt": usage.prompt_tokens,
+        "cached": usage.prompt_tokens_details.cached_tokens,
+        "output": usage.completion_tokens,
+    }
 
 
 async def _usage(node: Node, token: str, messages: list[dict]) -> dict:
     async with node.client(token) as client:
-        response = await client.chat.completions.create(model=node.engine.model_name, messages=messages, max_tokens=2, temperature=0)
+        response = await client.chat.completions.create(
+            model=node.engine.model_name, messages=messages, max_tokens=2, temperature=0
+        )
     usage = response.usage
-    return {"prompt": usage.prompt_tokens, "cached": usage.prompt_tokens_details.cached_tokens, "output": usage.completion_tokens}
+    return {
+        "prompt": usage.prompt_tokens,
+        "cached": usage.prompt_tokens_details.cached_tokens,
+        "output": usage.completion_tokens,
+    }
 
 
 async def _ledger_usage(url: str, headers: dict, **params) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        return await client.get("/v1/usage", params={"since": "2000-01-01T00:00:00Z"} | params, headers=headers)
+        return await client.get(
+            "/v1/usage", params={"since": "2000-01-01T00:00:00Z"} | params, headers=headers
+        )
 
 
 async def test_cost_report_equals_what_the_responses_said(stack, capsys):
@@ -113,8 +140,13 @@ async def test_cost_report_equals_what_the_responses_said(stack, capsys):
     plan = [(0, 0, False), (0, 0, False), (0, 0, False), (0, 1, True), (1, 1, False), (1, 1, True)]
     for number, (tenant_index, node_index, streamed) in enumerate(plan):
         tenant = tenants[tenant_index]
-        messages = [{"role": "system", "content": SYSTEM, "cache_scope": "public"}, {"role": "user", "content": f"question {number}"}]
-        served = await (_streamed_usage if streamed else _usage)(nodes[node_index], _user_token(tenant), messages)
+        messages = [
+            {"role": "system", "content": SYSTEM, "cache_scope": "public"},
+            {"role": "user", "content": f"question {number}"},
+        ]
+        served = await (_streamed_usage if streamed else _usage)(
+            nodes[node_index], _user_token(tenant), messages
+        )
         expected[tenant].update(requests=1, **served)
     assert expected[tenants[0]]["cached"] > 0, "later requests must hit the cached system prompt"
     for node in nodes:
@@ -123,10 +155,17 @@ async def test_cost_report_equals_what_the_responses_said(stack, capsys):
     admin = operator_headers("platform-admin", "platform")
 
     async def ledger_has_everything() -> bool:
-        rows = {row["tenant_id"]: row for row in (await _ledger_usage(url, admin)).json()["tenants"]}
-        return all(tenant in rows and rows[tenant]["num_requests"] == expected[tenant]["requests"] for tenant in tenants)
+        rows = {
+            row["tenant_id"]: row for row in (await _ledger_usage(url, admin)).json()["tenants"]
+        }
+        return all(
+            tenant in rows and rows[tenant]["num_requests"] == expected[tenant]["requests"]
+            for tenant in tenants
+        )
 
-    await eventually(ledger_has_everything, timeout_s=60, what="usage of both tenants in the ledger")
+    await eventually(
+        ledger_has_everything, timeout_s=60, what="usage of both tenants in the ledger"
+    )
 
     token = operator_token("platform-admin", "platform")
     args = ["cost", "report", "--since", "1h", "--coordinator-url", url, "--token", token, "--json",
@@ -138,7 +177,12 @@ async def test_cost_report_equals_what_the_responses_said(stack, capsys):
     assert report["prices"] == PRICES
     for tenant in tenants:
         want, row = expected[tenant], rows[tenant]
-        assert (row["num_requests"], row["num_prompt_tokens"], row["num_cached_tokens"], row["num_output_tokens"]) == (
+        assert (
+            row["num_requests"],
+            row["num_prompt_tokens"],
+            row["num_cached_tokens"],
+            row["num_output_tokens"],
+        ) == (
             want["requests"],
             want["prompt"],
             want["cached"],
@@ -162,13 +206,17 @@ async def test_usage_is_tenant_scoped_for_tenant_operators(stack):
     url, nodes, suffix = stack
     mine, other = f"own-{suffix}", f"other-{suffix}"
     messages = [{"role": "user", "content": "hello"}]
-    served = {tenant: await _usage(nodes[0], _user_token(tenant), messages) for tenant in (mine, other)}
+    served = {
+        tenant: await _usage(nodes[0], _user_token(tenant), messages) for tenant in (mine, other)
+    }
     await nodes[0].publisher.publish_usage()
 
     auditor = operator_headers("auditor", mine)
 
     async def own_usage_arrived() -> bool:
-        return [row["tenant_id"] for row in (await _ledger_usage(url, auditor)).json()["tenants"]] == [mine]
+        return [
+            row["tenant_id"] for row in (await _ledger_usage(url, auditor)).json()["tenants"]
+        ] == [mine]
 
     await eventually(own_usage_arrived, timeout_s=60, what="the auditor's own tenant's usage")
     (row,) = (await _ledger_usage(url, auditor)).json()["tenants"]

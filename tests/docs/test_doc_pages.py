@@ -86,7 +86,11 @@ def test_design_page_is_short_and_drawn(page: Path) -> None:
     assert diagrams == [kind], f"{page.name}: one mermaid {kind}, found {diagrams}"
     text_lines = text.splitlines()
     # Table rows name files by their full path and cannot wrap; prose can.
-    long_lines = [n for n, line in enumerate(text_lines, 1) if len(line) > MAX_LINE_CHARS and not line.startswith("|")]
+    long_lines = [
+        n
+        for n, line in enumerate(text_lines, 1)
+        if len(line) > MAX_LINE_CHARS and not line.startswith("|")
+    ]
     assert not long_lines, f"{page.name}: lines over {MAX_LINE_CHARS} characters: {long_lines}"
     for paragraph in re.split(r"\n\s*\n", _FENCE.sub("", text)):
         lines = paragraph.strip().splitlines()

@@ -22,11 +22,17 @@ DEMO_TIMEOUT_S = 420
 def _kvledger(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     """``kvledger ARGS`` from a user's shell; the stack it starts joins its consumer groups with the tests' timing."""
     return subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", *args], capture_output=True, text=True, timeout=timeout_s, env=user_env() | GROUP_TIMING_ENV
+        [sys.executable, "-m", "kvledger.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=user_env() | GROUP_TIMING_ENV,
     )
 
 
-def test_demo_tells_the_whole_story_and_stops_its_stack(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_demo_tells_the_whole_story_and_stops_its_stack(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     port = free_port_pair()
     state_dir, output = tmp_path / "state", tmp_path / "receipt"
     demo = _kvledger(
@@ -57,13 +63,20 @@ def test_demo_tells_the_whole_story_and_stops_its_stack(tmp_path: Path, tiny_mod
     hit = re.search(r"same prompt again: 200, \d+ prompt tokens, ([1-9]\d*) cached", text)
     assert hit, text
     assert re.search(r"request with handbook v1: 409 stale_document_version after", text)
-    assert re.search(r"request with a token of policy version 1: 401 stale_authorization after", text)
+    assert re.search(
+        r"request with a token of policy version 1: 401 stale_authorization after", text
+    )
     assert "receipt checked offline: 10 checks passed" in text
     assert re.search(r"node-0: acked, removed .*device [1-9]", text)
     assert lines[-1].startswith("demo passed: 5/5 steps in ")
     # The receipt it wrote verifies here too, and the stack it started is gone.
-    documents = {name: json.loads((output / f"{name}.json").read_text()) for name in ("receipt", "keys", "checkpoint")}
-    assert verify_served_receipt(documents["receipt"], documents["keys"], documents["checkpoint"]).ok
+    documents = {
+        name: json.loads((output / f"{name}.json").read_text())
+        for name in ("receipt", "keys", "checkpoint")
+    }
+    assert verify_served_receipt(
+        documents["receipt"], documents["keys"], documents["checkpoint"]
+    ).ok
     assert port_is_free(port) and port_is_free(port - 100)
 
 

@@ -93,7 +93,11 @@ class Node(RunningNode):
         def mine(provenance) -> bool:
             return provenance.tenant_id == tenant and provenance.subject_id == subject
 
-        held = {(entry.block_hash.hex(), entry.tier.value) for entry in self.engine.pool.ready_entries() if mine(entry.provenance)}
+        held = {
+            (entry.block_hash.hex(), entry.tier.value)
+            for entry in self.engine.pool.ready_entries()
+            if mine(entry.provenance)
+        }
         for keys in (await asyncio.to_thread(self.engine.snapshot_inventory)).values():
             held.update((key.block_hash.hex(), "snapshot") for key in keys if mine(key.provenance))
         return held
@@ -104,7 +108,11 @@ class Node(RunningNode):
 
 @pytest.fixture(scope="module")
 async def stack(
-    database_url: str, ledger_template: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory
+    database_url: str,
+    ledger_template: str,
+    kafka_bootstrap: str,
+    tiny_model_dir: Path,
+    tmp_path_factory,
 ) -> AsyncIterator[dict]:
     """The coordinator (own thread) and two registered, ready nodes keeping their data keys in it."""
     async with fresh_database(database_url, ledger_template) as url:
@@ -133,7 +141,12 @@ async def stack(
                     tiny_model_dir,
                     root / name,
                     kafka_bootstrap,
-                    CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=64, num_host_blocks=8, max_disk_blocks=512),
+                    CacheSettings(
+                        block_size=BLOCK_SIZE,
+                        num_device_blocks=64,
+                        num_host_blocks=8,
+                        max_disk_blocks=512,
+                    ),
                     coordinator_url=coordinator.url,
                 )
                 nodes.append(await Node(settings_of_node).start())
@@ -143,7 +156,9 @@ async def stack(
                 listed = (await api_get(coordinator.url, "/v1/nodes"))["nodes"]
                 return {row["node_id"] for row in listed} == node_ids
 
-            await eventually(registered, timeout_s=TIMEOUT_S, what="both nodes registered in the ledger")
+            await eventually(
+                registered, timeout_s=TIMEOUT_S, what="both nodes registered in the ledger"
+            )
             yield {"url": coordinator.url, "database_url": url, "nodes": nodes}
         finally:
             for node in nodes:
@@ -155,13 +170,17 @@ async def stack(
 
 
 async def api_get(base_url: str, path: str, headers: dict | None = None, **params) -> dict:
-    async with httpx.AsyncClient(base_url=base_url, headers=PLATFORM_ADMIN if headers is None else headers, timeout=30) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=PLATFORM_ADMIN if headers is None else headers, timeout=30
+    ) as client:
         response = await client.get(path, params=params)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-async def request_erasure(base_url: str, tenant: str, subject: str, headers: dict | None = None, key: str | None = None) -> httpx.Response:
+async def request_erasure(
+    base_url: str, tenant: str, subject: str, headers: dict | None = None, key: str | None = None
+) -> httpx.Response:
     extra = {} if key is None else {"Idempotency-Key": key}
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         return await client.post(
@@ -182,13 +201,19 @@ async def wait_status(base_url: str, erasure_id: str, status: str, timeout_s: fl
         seen.update(await erasure(base_url, erasure_id))
         return seen["status"] == status
 
-    await eventually(reached, timeout_s=timeout_s, what=f"erasure {erasure_id} {status} (last: {seen.get('status')})")
+    await eventually(
+        reached,
+        timeout_s=timeout_s,
+        what=f"erasure {erasure_id} {status} (last: {seen.get('status')})",
+    )
     return seen
 
 
 async def ledger_live(base_url: str, tenant: str, subject: str) -> set[tuple[str, str, str]]:
     """(block hash, node, tier) of the subject's live placements in the ledger (tier ``snapshot`` for snapshots)."""
-    page = await api_get(base_url, "/v1/ledger/blocks", officer(tenant), tenant=tenant, subject=subject, limit=1000)
+    page = await api_get(
+        base_url, "/v1/ledger/blocks", officer(tenant), tenant=tenant, subject=subject, limit=1000
+    )
     assert page["next_cursor"] is None
     return {
         (block["block_hash"], placement["node_id"], placement["tier"])
@@ -203,19 +228,25 @@ async def ledger_knows(stack: dict, tenant: str, subject: str) -> set[tuple[str,
     expected = set()
     for node in stack["nodes"]:
         await node.publisher.flush()
-        expected |= {(block, node.node_id, tier) for block, tier in await node.holdings(tenant, subject)}
+        expected |= {
+            (block, node.node_id, tier) for block, tier in await node.holdings(tenant, subject)
+        }
 
     async def equal() -> bool:
         return await ledger_live(stack["url"], tenant, subject) == expected
 
-    await eventually(equal, timeout_s=TIMEOUT_S, what="ledger == the subject's holdings on both nodes")
+    await eventually(
+        equal, timeout_s=TIMEOUT_S, what="ledger == the subject's holdings on both nodes"
+    )
     return expected
 
 
 async def count_erasures(database_url: str, tenant: str) -> int:
     connection = await connect(database_url)
     try:
-        return await connection.fetchval("SELECT count(*) FROM erasures WHERE tenant_id = $1", tenant)
+        return await connection.fetchval(
+            "SELECT count(*) FROM erasures WHERE tenant_id = $1", tenant
+        )
     finally:
         await connection.close()
 
@@ -226,8 +257,13 @@ def user_token(tenant: str, subject: str) -> str:
 
 def history(subject: str, turns: int = 12) -> list[dict]:
     """A user's private chat: a public system prompt, then user-scope turns (every block after it is the user's)."""
-    text = " ".join(f"{subject} wrote note {i}: my sick leave started on day {i}" for i in range(turns))
-    return [{"role": "system", "content": SYSTEM, "cache_scope": "public"}, {"role": "user", "content": text}]
+    text = " ".join(
+        f"{subject} wrote note {i}: my sick leave started on day {i}" for i in range(turns)
+    )
+    return [
+        {"role": "system", "content": SYSTEM, "cache_scope": "public"},
+        {"role": "user", "content": text},
+    ]
 
 
 async def spread(node: Node, tenant: str, subject: str) -> None:
@@ -240,13 +276,23 @@ async def spread(node: Node, tenant: str, subject: str) -> None:
     node.engine.manager.drain_events()
 
 
-def verify_receipt(tmp_path: Path, served: dict, checkpoint: dict, keys: dict) -> subprocess.CompletedProcess:
+def verify_receipt(
+    tmp_path: Path, served: dict, checkpoint: dict, keys: dict
+) -> subprocess.CompletedProcess:
     files = {}
     for name, document in (("receipt", served), ("checkpoint", checkpoint), ("keys", keys)):
         files[name] = tmp_path / f"{name}.json"
         files[name].write_text(json.dumps(document, indent=2))
     return subprocess.run(
-        [KVLEDGER, "verify-receipt", str(files["receipt"]), "--checkpoint", str(files["checkpoint"]), "--public-key", str(files["keys"])],
+        [
+            KVLEDGER,
+            "verify-receipt",
+            str(files["receipt"]),
+            "--checkpoint",
+            str(files["checkpoint"]),
+            "--public-key",
+            str(files["keys"]),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -256,18 +302,30 @@ def verify_receipt(tmp_path: Path, served: dict, checkpoint: dict, keys: dict) -
 # --------------------------------------------------------------------------- tests
 
 
-async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_receipt(stack, tmp_path, caplog):
+async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_receipt(
+    stack, tmp_path, caplog
+):
     caplog.set_level(logging.DEBUG)
     url, nodes = stack["url"], stack["nodes"]
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     alice, bob = f"alice-{uuid.uuid4().hex[:8]}", f"bob-{uuid.uuid4().hex[:8]}"
-    public_chat = [history("nobody")[0], {"role": "user", "content": "hello", "cache_scope": "public"}]
+    public_chat = [
+        history("nobody")[0],
+        {"role": "user", "content": "hello", "cache_scope": "public"},
+    ]
     for node in nodes:
         for subject, chat in ((bob, history(bob)), (alice, history(alice)), ("carol", public_chat)):
             await node.cached(user_token(tenant, subject), chat)
-            assert await node.cached(user_token(tenant, subject), chat) == node.prefix_tokens(chat)[0]
+            assert (
+                await node.cached(user_token(tenant, subject), chat) == node.prefix_tokens(chat)[0]
+            )
         await spread(node, tenant, alice)
-        assert {tier for _, tier in await node.holdings(tenant, alice)} == {"device", "host", "disk", "snapshot"}
+        assert {tier for _, tier in await node.holdings(tenant, alice)} == {
+            "device",
+            "host",
+            "disk",
+            "snapshot",
+        }
     before = await ledger_knows(stack, tenant, alice)
     disk_files = [
         node.engine.pool.disk_path(bytes.fromhex(block))
@@ -281,10 +339,18 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
 
     # Refused requests start nothing.
     assert (await request_erasure(url, tenant, alice, headers={})).status_code == 401
-    assert (await request_erasure(url, tenant, alice, headers=operator_headers("auditor", tenant))).status_code == 403
-    assert (await request_erasure(url, tenant, alice, headers=officer("another-tenant"))).status_code == 403
+    assert (
+        await request_erasure(url, tenant, alice, headers=operator_headers("auditor", tenant))
+    ).status_code == 403
+    assert (
+        await request_erasure(url, tenant, alice, headers=officer("another-tenant"))
+    ).status_code == 403
     assert await count_erasures(stack["database_url"], tenant) == 0
-    checkpoint_before = await api_get(url, "/v1/audit/checkpoint", {}) if (await _has_checkpoint(url)) else {"tree_size": 0}
+    checkpoint_before = (
+        await api_get(url, "/v1/audit/checkpoint", {})
+        if (await _has_checkpoint(url))
+        else {"tree_size": 0}
+    )
 
     first = await request_erasure(url, tenant, alice, key="ticket-1")
     assert first.status_code == 202, first.text
@@ -303,7 +369,9 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
     result = verify_receipt(tmp_path, served, checkpoint, keys)
     assert result.returncode == 0, result.stdout + result.stderr
     assert checkpoint["tree_size"] == checkpoint_before["tree_size"] + 1, "one erasure, one receipt"
-    assert (await api_get(url, f"/v1/erasures/{erasure_id}/receipt", officer(tenant)))["receipt"] == served["receipt"]
+    assert (await api_get(url, f"/v1/erasures/{erasure_id}/receipt", officer(tenant)))[
+        "receipt"
+    ] == served["receipt"]
     body = served["receipt"]
     assert body["erasure_id"] == erasure_id and body["tenant_id"] == tenant
     assert body["subject_hash"] == subject_digest(SUBJECT_KEY.encode(), tenant, alice)
@@ -311,7 +379,12 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
     assert {(t["node_id"], t["tier"]): t["method"] for t in body["tiers"]} == {
         (node.node_id, tier): method
         for node in nodes
-        for tier, method in (("device", "clear"), ("host", "clear"), ("disk", "purge-crypto-erase"), ("snapshot", "purge-crypto-erase"))
+        for tier, method in (
+            ("device", "clear"),
+            ("host", "clear"),
+            ("disk", "purge-crypto-erase"),
+            ("snapshot", "purge-crypto-erase"),
+        )
     }
     assert body["block_commitment"]["count"] == len({block for block, _, _ in before})
     assert body["key_ids_destroyed"]
@@ -330,12 +403,24 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
 
     # alice's request now hits only the public system prompt; bob's and the public blocks still hit.
     for node in nodes:
-        assert await node.cached(user_token(tenant, alice), history(alice)) == node.prefix_tokens(history(alice))[1] > 0
-        assert await node.cached(user_token(tenant, bob), history(bob)) == node.prefix_tokens(history(bob))[0]
-        assert await node.cached(user_token(tenant, "carol"), public_chat) == node.prefix_tokens(public_chat)[0]
+        assert (
+            await node.cached(user_token(tenant, alice), history(alice))
+            == node.prefix_tokens(history(alice))[1]
+            > 0
+        )
+        assert (
+            await node.cached(user_token(tenant, bob), history(bob))
+            == node.prefix_tokens(history(bob))[0]
+        )
+        assert (
+            await node.cached(user_token(tenant, "carol"), public_chat)
+            == node.prefix_tokens(public_chat)[0]
+        )
     # alice's next key (issued after the erasure) is live at the coordinator: a node never destroys or reports it.
     provider = nodes[0].engine.pool.key_provider.blocking()
-    provenance = CacheProvenance(nodes[0].engine.namespace.namespace, tenant, CacheScope.USER, (), alice, (), time.time())
+    provenance = CacheProvenance(
+        nodes[0].engine.namespace.namespace, tenant, CacheScope.USER, (), alice, (), time.time()
+    )
     newer_id, newer_key = await asyncio.to_thread(provider.key_for, provenance)
     assert newer_id not in body["key_ids_destroyed"]
     assert await asyncio.to_thread(provider.destroy, newer_id) is False
@@ -343,7 +428,9 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
 
     # The test's own HTTP clients log the URLs it asks for (?subject=...); every other record is the system's.
     client_loggers = ("httpx", "httpcore", "openai")
-    logged = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith(client_loggers))
+    logged = "\n".join(
+        r.getMessage() for r in caplog.records if not r.name.startswith(client_loggers)
+    )
     assert alice not in logged, "the subject appeared in clear in a log"
 
 
@@ -372,7 +459,11 @@ async def test_erasure_during_a_streaming_generation_lets_it_finish_and_leaves_n
         text, finish = "", None
         async with node.client(user_token(tenant, alice)) as client:
             chunks = await client.chat.completions.create(
-                model=node.engine.model_name, messages=longer, max_tokens=16, temperature=0, stream=True
+                model=node.engine.model_name,
+                messages=longer,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
             )
             async for chunk in chunks:
                 if chunk.choices:
@@ -382,17 +473,26 @@ async def test_erasure_during_a_streaming_generation_lets_it_finish_and_leaves_n
 
     streaming = asyncio.create_task(stream())
 
-    engine_messages = [ChatMessage(m["role"], m["content"], CacheScope.parse(m.get("cache_scope", "user"))) for m in longer]
+    engine_messages = [
+        ChatMessage(m["role"], m["content"], CacheScope.parse(m.get("cache_scope", "user")))
+        for m in longer
+    ]
     prompt = render_prompt(node.engine.runner.tokenizer, engine_messages)
     principal = Principal(tenant, alice, frozenset(), {})
-    keys = compute_block_keys(node.engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK_SIZE)
-    new_blocks = [key.block_hash for key in keys if node.engine.pool.state_of(key.block_hash) is None]
+    keys = compute_block_keys(
+        node.engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK_SIZE
+    )
+    new_blocks = [
+        key.block_hash for key in keys if node.engine.pool.state_of(key.block_hash) is None
+    ]
     assert new_blocks, "the longer chat must add blocks of its own"
 
     async def claimed() -> bool:
         return all(node.engine.pool.state_of(block) is BlockState.BUILDING for block in new_blocks)
 
-    await eventually(claimed, timeout_s=TIMEOUT_S, what="the streaming request claimed its new blocks")
+    await eventually(
+        claimed, timeout_s=TIMEOUT_S, what="the streaming request claimed its new blocks"
+    )
     started = await request_erasure(url, tenant, alice)
     assert started.status_code == 202, started.text
 
@@ -402,13 +502,17 @@ async def test_erasure_during_a_streaming_generation_lets_it_finish_and_leaves_n
         # The request holds its hits (READY) and builds the rest: once removed, none of them is READY any more.
         return not any(node.engine.pool.state_of(block) is BlockState.READY for block in users)
 
-    await eventually(tombstoned, timeout_s=TIMEOUT_S, what="the node tombstoned the subject's blocks in use")
+    await eventually(
+        tombstoned, timeout_s=TIMEOUT_S, what="the node tombstoned the subject's blocks in use"
+    )
     gate.set()
     await held
     text, finish = await asyncio.wait_for(streaming, 60)
     assert finish in ("stop", "length")
     await wait_status(url, started.json()["id"], "verified")
-    assert all(node.engine.pool.state_of(block) is None for block in new_blocks), "blocks of the in-flight request survived"
+    assert all(node.engine.pool.state_of(block) is None for block in new_blocks), (
+        "blocks of the in-flight request survived"
+    )
     for each in nodes:
         assert await each.holdings(tenant, alice) == set()
     assert await ledger_live(url, tenant, alice) == set()
@@ -429,10 +533,15 @@ async def test_a_node_down_keeps_the_erasure_partial_until_it_replays_and_acks(s
         assert started.status_code == 202, started.text
         erasure_id = started.json()["id"]
         partial = await wait_status(url, erasure_id, "partial")
-        assert {row["node_id"]: row["status"] for row in partial["nodes"]} == {nodes[0].node_id: "acked", down.node_id: "pending"}
+        assert {row["node_id"]: row["status"] for row in partial["nodes"]} == {
+            nodes[0].node_id: "acked",
+            down.node_id: "pending",
+        }
         async with httpx.AsyncClient(base_url=url, headers=officer(tenant), timeout=30) as client:
             missing = await client.get(f"/v1/erasures/{erasure_id}/receipt")
-        assert missing.status_code == 404 and missing.json()["error"]["code"] == "receipt_not_issued"
+        assert (
+            missing.status_code == 404 and missing.json()["error"]["code"] == "receipt_not_issued"
+        )
     finally:
         await down.start()  # replays kvledger.commands before it is ready, then acks
     verified = await wait_status(url, erasure_id, "verified")
@@ -466,32 +575,50 @@ async def test_erasure_covers_what_the_subject_sent_in_tenant_and_public_scope(s
     shared_with_tenant = [
         {
             "role": "user",
-            "content": f"{marker} " + " ".join(f"my salary in month {i} was {1000 + i}" for i in range(24)),
+            "content": f"{marker} "
+            + " ".join(f"my salary in month {i} was {1000 + i}" for i in range(24)),
             "cache_scope": "tenant",
         }
     ]
     shared_with_everyone = [
         {
             "role": "user",
-            "content": f"{marker} " + " ".join(f"my diagnosis on day {i} was code {i * 7}" for i in range(24)),
+            "content": f"{marker} "
+            + " ".join(f"my diagnosis on day {i} was code {i * 7}" for i in range(24)),
             "cache_scope": "public",
         }
     ]
-    full = {id(chat): nodes[0].prefix_tokens(chat)[0] for chat in (shared_with_tenant, shared_with_everyone)}
+    full = {
+        id(chat): nodes[0].prefix_tokens(chat)[0]
+        for chat in (shared_with_tenant, shared_with_everyone)
+    }
     assert all(tokens >= 10 * BLOCK_SIZE for tokens in full.values())
     for node in nodes:
         assert await node.cached(user_token(tenant, alice), shared_with_tenant) == 0
         assert await node.cached(user_token(tenant, alice), shared_with_everyone) == 0
         # The leak the erasure must close: what alice sent is served from the cache to others.
-        assert await node.cached(user_token(tenant, bob), shared_with_tenant) == full[id(shared_with_tenant)]
-        assert await node.cached(user_token(elsewhere, carol), shared_with_everyone) == full[id(shared_with_everyone)]
+        assert (
+            await node.cached(user_token(tenant, bob), shared_with_tenant)
+            == full[id(shared_with_tenant)]
+        )
+        assert (
+            await node.cached(user_token(elsewhere, carol), shared_with_everyone)
+            == full[id(shared_with_everyone)]
+        )
         await node.publisher.flush()
-    expected = {"tenant": full[id(shared_with_tenant)] // BLOCK_SIZE, "public": full[id(shared_with_everyone)] // BLOCK_SIZE}
+    expected = {
+        "tenant": full[id(shared_with_tenant)] // BLOCK_SIZE,
+        "public": full[id(shared_with_everyone)] // BLOCK_SIZE,
+    }
 
     async def recorded() -> bool:
         return await creators_in_ledger(stack["database_url"], tenant, alice) == expected
 
-    await eventually(recorded, timeout_s=TIMEOUT_S, what="the ledger records alice as the creator of her shared blocks")
+    await eventually(
+        recorded,
+        timeout_s=TIMEOUT_S,
+        what="the ledger records alice as the creator of her shared blocks",
+    )
 
     started = await request_erasure(url, tenant, alice)
     assert started.status_code == 202, started.text

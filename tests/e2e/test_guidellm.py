@@ -56,15 +56,24 @@ def node(tiny_model_dir, tmp_path_factory) -> Node:
         model_dir=tiny_model_dir,
         data_dir=tmp_path_factory.mktemp("guidellm-node"),
         auth=IssuerSettings(jwt_secret=SECRET),
-        cache=CacheSettings(block_size=16, num_device_blocks=256, num_host_blocks=0, max_disk_blocks=0),
+        cache=CacheSettings(
+            block_size=16, num_device_blocks=256, num_host_blocks=0, max_disk_blocks=0
+        ),
     )
     engine = AsyncEngine.from_settings(settings)
-    with node_on_thread(engine, create_app(engine, TokenVerifier(settings.auth)), "guidellm-test-node", start_timeout_s=60) as url:
+    with node_on_thread(
+        engine,
+        create_app(engine, TokenVerifier(settings.auth)),
+        "guidellm-test-node",
+        start_timeout_s=60,
+    ) as url:
         yield Node(url, engine)
 
 
 def _token() -> str:
-    return issue_token(tenant="acme", sub="bench", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET)
+    return issue_token(
+        tenant="acme", sub="bench", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET
+    )
 
 
 def _num_answered(node: Node, timeout_s: float = 30.0) -> int:
@@ -72,7 +81,9 @@ def _num_answered(node: Node, timeout_s: float = 30.0) -> int:
     its last byte is sent), once no request is running or waiting any more."""
     registry = node.engine.metrics.registry
     deadline = time.monotonic() + timeout_s
-    while registry.get_sample_value("kvledger_num_requests_running") or registry.get_sample_value("kvledger_num_requests_waiting"):
+    while registry.get_sample_value("kvledger_num_requests_running") or registry.get_sample_value(
+        "kvledger_num_requests_waiting"
+    ):
         assert time.monotonic() < deadline, f"the node still runs requests after {timeout_s}s"
         time.sleep(0.05)
     labels = {"method": "POST", "route": "/v1/chat/completions", "status": "200"}
@@ -89,7 +100,10 @@ def test_vllm_health_routes_answer_like_vllm(node):
         try:
             for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
                 refused = http.request(method, path)
-                assert (refused.status_code, refused.json()["error"]["code"]) == (503, "not_ready"), (method, path)
+                assert (refused.status_code, refused.json()["error"]["code"]) == (
+                    503,
+                    "not_ready",
+                ), (method, path)
         finally:
             node.engine.ready = True
         assert http.get("/health").status_code == 200
@@ -103,7 +117,12 @@ def test_guidellm_with_its_defaults_completes_every_request(node, tiny_model_dir
     guidellm = shutil.which("guidellm", path=os.path.dirname(sys.executable))
     assert guidellm is not None, "guidellm is part of the [test] extra"
     report = tmp_path / "report.json"
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "NO_COLOR": "1"}
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "NO_COLOR": "1",
+    }
     # A token on the command line is visible to other local users; here it is a short-lived test token.
     result = subprocess.run(
         [
@@ -127,15 +146,31 @@ def test_guidellm_with_its_defaults_completes_every_request(node, tiny_model_dir
     assert len(benchmarks) == 1
     metrics, state = benchmarks[0]["metrics"], benchmarks[0]["scheduler_state"]
     totals = metrics["request_totals"]
-    assert (totals["errored"], totals["incomplete"], state["errored_requests"], state["cancelled_requests"]) == (0, 0, 0, 0)
+    assert (
+        totals["errored"],
+        totals["incomplete"],
+        state["errored_requests"],
+        state["cancelled_requests"],
+    ) == (0, 0, 0, 0)
     # guidellm 0.8 may close a synchronous run before its worker process has reported the last request back (seen
     # on 2 loaded cores: 5 successful, 1 still "processing", none errored), so its report holds all of them or all
     # but that one; the node's own count below says every one was answered.
     assert state["created_requests"] == NUM_REQUESTS
-    assert totals["successful"] + state["processing_requests"] == NUM_REQUESTS and state["processing_requests"] <= 1
+    assert (
+        totals["successful"] + state["processing_requests"] == NUM_REQUESTS
+        and state["processing_requests"] <= 1
+    )
     assert _num_answered(node) == NUM_REQUESTS
     # Token counts come from the node's streamed usage chunk; the tiny model's greedy output does not hit EOS early.
-    assert metrics["output_token_count"]["successful"]["total_sum"] == totals["successful"] * OUTPUT_TOKENS
-    sent = [json.loads(request["request_args"])["body"] for request in benchmarks[0]["requests"]["successful"]]
+    assert (
+        metrics["output_token_count"]["successful"]["total_sum"]
+        == totals["successful"] * OUTPUT_TOKENS
+    )
+    sent = [
+        json.loads(request["request_args"])["body"]
+        for request in benchmarks[0]["requests"]["successful"]
+    ]
     # The model id guidellm discovered from GET /v1/models, and its default request type: streamed chat completions.
-    assert {(body["model"], body["stream"], "messages" in body) for body in sent} == {(tiny_model_dir.name, True, True)}
+    assert {(body["model"], body["stream"], "messages" in body) for body in sent} == {
+        (tiny_model_dir.name, True, True)
+    }

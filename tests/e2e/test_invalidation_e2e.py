@@ -40,7 +40,15 @@ import pytest
 import rfc8785
 from aiokafka import AIOKafkaProducer
 from cryptography.hazmat.primitives import serialization
-from helpers.ledger import JWT_SECRET, PRODUCER_KEY, RunningConsumers, coordinator_settings, enroll_nodes, eventually, operator_headers
+from helpers.ledger import (
+    JWT_SECRET,
+    PRODUCER_KEY,
+    RunningConsumers,
+    coordinator_settings,
+    enroll_nodes,
+    eventually,
+    operator_headers,
+)
 from helpers.node import RunningNode, Served, node_settings
 
 from bench.common import start_groups_at_end
@@ -72,7 +80,10 @@ class Node(RunningNode):
             (entry.block_hash.hex(), entry.tier.value)
             for entry in self.engine.pool.ready_entries()
             if entry.provenance.tenant_id == tenant
-            and (doc_id is None or any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents))
+            and (
+                doc_id is None
+                or any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)
+            )
         }
 
 
@@ -114,18 +125,27 @@ async def nodes(
                 tiny_model_dir,
                 root / name,
                 kafka_bootstrap,
-                CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=24, num_host_blocks=6, max_disk_blocks=512),
+                CacheSettings(
+                    block_size=BLOCK_SIZE,
+                    num_device_blocks=24,
+                    num_host_blocks=6,
+                    max_disk_blocks=512,
+                ),
             )
             started.append(await Node(settings).start())
         for node in started:
-            await eventually(node.ready, timeout_s=60, what=f"{node.node_id} replayed the command log")
+            await eventually(
+                node.ready, timeout_s=60, what=f"{node.node_id} replayed the command log"
+            )
         node_ids = {node.node_id for node in started}
 
         async def registered() -> bool:
             listed = (await ledger_get(coordinator, "/v1/nodes"))["nodes"]
             return {row["node_id"] for row in listed} == node_ids
 
-        await eventually(registered, timeout_s=TIMEOUT_S, what="both nodes registered in the ledger")
+        await eventually(
+            registered, timeout_s=TIMEOUT_S, what="both nodes registered in the ledger"
+        )
         yield started
     finally:
         for node in started:
@@ -136,7 +156,9 @@ async def nodes(
 
 
 def user_token(tenant: str, pv: int = 1) -> str:
-    return issue_token(tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": pv}, ttl_s=600, secret=JWT_SECRET)
+    return issue_token(
+        tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": pv}, ttl_s=600, secret=JWT_SECRET
+    )
 
 
 ADMIN = operator_headers("platform-admin", "platform")
@@ -154,14 +176,18 @@ async def ledger_blocks(base_url: str, tenant: str, doc_id: str) -> list[dict]:
     blocks, after = [], None
     while True:
         params = {"tenant": tenant, "doc_id": doc_id, "include_deleted": "true", "limit": 1000}
-        page = await ledger_get(base_url, "/v1/ledger/blocks", **(params | ({"after": after} if after else {})))
+        page = await ledger_get(
+            base_url, "/v1/ledger/blocks", **(params | ({"after": after} if after else {}))
+        )
         blocks += page["blocks"]
         after = page["next_cursor"]
         if after is None:
             return blocks
 
 
-def placements(blocks: list[dict], *, state: str, reason: str | None = None, version: int | None = None) -> set[tuple[str, str, str]]:
+def placements(
+    blocks: list[dict], *, state: str, reason: str | None = None, version: int | None = None
+) -> set[tuple[str, str, str]]:
     """(block hash, node, tier) of placements in ``state`` (and ``reason``) of blocks holding the document at ``version``."""
     return {
         (block["block_hash"], placement["node_id"], placement["tier"])
@@ -177,15 +203,24 @@ def document_chat(doc_id: str, version: int, num_sections: int = 30) -> list[dic
     text = " ".join(f"{doc_id} section {i} says staff rest" for i in range(num_sections))
     return [
         {"role": "system", "content": SYSTEM, "cache_scope": "public"},
-        {"role": "user", "content": text, "document": {"id": doc_id, "version": version, "auth_scope": "hr"}},
+        {
+            "role": "user",
+            "content": text,
+            "document": {"id": doc_id, "version": version, "auth_scope": "hr"},
+        },
         {"role": "user", "content": QUESTION},
     ]
 
 
-PUBLIC_CHAT = [{"role": "system", "content": SYSTEM, "cache_scope": "public"}, {"role": "user", "content": QUESTION}]
+PUBLIC_CHAT = [
+    {"role": "system", "content": SYSTEM, "cache_scope": "public"},
+    {"role": "user", "content": QUESTION},
+]
 
 
-async def publish_raw(bootstrap: str, topic: str, key: str, event_type: str, tenant: str, payload: dict) -> str:
+async def publish_raw(
+    bootstrap: str, topic: str, key: str, event_type: str, tenant: str, payload: dict
+) -> str:
     """A user event as docs/events.md shows it: plain aiokafka, raw JSON bytes signed with rfc8785 and cryptography
     (the tests' producer key), acks=all. Returns the event id."""
     event_id = str(uuid.uuid4())
@@ -197,10 +232,14 @@ async def publish_raw(bootstrap: str, topic: str, key: str, event_type: str, ten
         "tenant_id": tenant,
         "payload": payload,
     }
-    raw = PRODUCER_KEY.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    raw = PRODUCER_KEY.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
     event["signature"] = {
         "kid": hashlib.sha256(raw).digest()[:16].hex(),
-        "sig": base64.urlsafe_b64encode(PRODUCER_KEY.sign(rfc8785.dumps(event))).rstrip(b"=").decode(),
+        "sig": base64.urlsafe_b64encode(PRODUCER_KEY.sign(rfc8785.dumps(event)))
+        .rstrip(b"=")
+        .decode(),
     }
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
@@ -235,7 +274,9 @@ async def until_status(base_url: str, command_id: str, status: str) -> dict:
     return described
 
 
-async def ledger_matches(base_url: str, tenant: str, doc_id: str, expected: set[tuple[str, str, str]]) -> None:
+async def ledger_matches(
+    base_url: str, tenant: str, doc_id: str, expected: set[tuple[str, str, str]]
+) -> None:
     """Wait until the ledger's live placements of the document are exactly ``expected``."""
 
     async def equal() -> bool:
@@ -248,20 +289,29 @@ def by_node(held: set[tuple[str, str, str]], node_id: str, tier: str) -> set[str
     return {block for block, node, held_tier in held if node == node_id and held_tier == tier}
 
 
-async def spread_document(node: Node, token: str, tenant: str, doc_id: str) -> set[tuple[str, str, str]]:
+async def spread_document(
+    node: Node, token: str, tenant: str, doc_id: str
+) -> set[tuple[str, str, str]]:
     """Cache the document on ``node`` over device, host and disk; returns its (hash, node, tier) holdings.
 
     The first request builds it on the device, the second hits the full prefix;
     then its later blocks move down as LRU pressure would move them: the last
     third to disk, the middle third to host.
     """
-    assert await node.cached(token, document_chat(doc_id, 1)) == node.prefix_tokens(document_chat(doc_id, 1))[1]
-    assert await node.cached(token, document_chat(doc_id, 1)) == node.prefix_tokens(document_chat(doc_id, 1))[0]
+    assert (
+        await node.cached(token, document_chat(doc_id, 1))
+        == node.prefix_tokens(document_chat(doc_id, 1))[1]
+    )
+    assert (
+        await node.cached(token, document_chat(doc_id, 1))
+        == node.prefix_tokens(document_chat(doc_id, 1))[0]
+    )
     entries = sorted(
         (
             entry
             for entry in node.engine.pool.ready_entries()
-            if entry.provenance.tenant_id == tenant and any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)
+            if entry.provenance.tenant_id == tenant
+            and any(tag.rpartition("@")[0] == doc_id for tag in entry.provenance.documents)
         ),
         key=lambda entry: entry.key.index,
     )
@@ -272,11 +322,15 @@ async def spread_document(node: Node, token: str, tenant: str, doc_id: str) -> s
         assert node.engine.pool.demote(entry.block_hash, Tier.HOST)
     node.engine.manager.drain_events()
     held = {(block, node.node_id, tier) for block, tier in node.holdings(tenant, doc_id)}
-    assert {tier for _, _, tier in held} == set(MEMORY_TIERS), f"{node.node_id} holds {doc_id} in {held}"
+    assert {tier for _, _, tier in held} == set(MEMORY_TIERS), (
+        f"{node.node_id} holds {doc_id} in {held}"
+    )
     return held
 
 
-def assert_targets_verified(described: dict, held: set[tuple[str, str, str]], node_ids: list[str]) -> None:
+def assert_targets_verified(
+    described: dict, held: set[tuple[str, str, str]], node_ids: list[str]
+) -> None:
     """Every node acked; per tier, its evidence names exactly the blocks it held and the ledger deleted them all."""
     assert [target["node_id"] for target in described["targets"]] == sorted(node_ids)
     for target in described["targets"]:
@@ -284,7 +338,11 @@ def assert_targets_verified(described: dict, held: set[tuple[str, str, str]], no
         for tier, detail in target["tiers"].items():
             blocks = by_node(held, target["node_id"], tier)
             if not blocks:
-                assert detail == {"status": "untouched", "evidence": None, "ledger": {"live": 0, "deleted": 0}}, tier
+                assert detail == {
+                    "status": "untouched",
+                    "evidence": None,
+                    "ledger": {"live": 0, "deleted": 0},
+                }, tier
                 continue
             assert detail["status"] == "verified"
             assert set(detail["evidence"]["block_hashes"]) == blocks
@@ -295,7 +353,9 @@ def assert_targets_verified(described: dict, held: set[tuple[str, str, str]], no
 # --------------------------------------------------------------------------- scenarios
 
 
-async def test_document_update_deletes_the_old_version_everywhere_and_nothing_else(coordinator, nodes, kafka_bootstrap):
+async def test_document_update_deletes_the_old_version_everywhere_and_nothing_else(
+    coordinator, nodes, kafka_bootstrap
+):
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     alice = user_token(tenant)
     held = set()
@@ -312,13 +372,23 @@ async def test_document_update_deletes_the_old_version_everywhere_and_nothing_el
     assert {node for _, node, _ in policies_before} == {node.node_id for node in nodes}
 
     event_id = await publish_raw(
-        kafka_bootstrap, topics.DOCUMENTS, f"{tenant}:handbook", "DocumentUpdated", tenant, {"doc_id": "handbook", "version": 2}
+        kafka_bootstrap,
+        topics.DOCUMENTS,
+        f"{tenant}:handbook",
+        "DocumentUpdated",
+        tenant,
+        {"doc_id": "handbook", "version": 2},
     )
     decided = await invalidation_for(coordinator, event_id)
     described = await until_status(coordinator, decided["command_id"], "complete")
 
     assert described["kind"] == "document" and described["trigger"] == "event"
-    assert described["predicate"] == {"kind": "document", "tenant": tenant, "doc_id": "handbook", "below_version": 2}
+    assert described["predicate"] == {
+        "kind": "document",
+        "tenant": tenant,
+        "doc_id": "handbook",
+        "below_version": 2,
+    }
     assert_targets_verified(described, held, [node.node_id for node in nodes])
     blocks = await ledger_blocks(coordinator, tenant, "handbook")
     assert placements(blocks, state="live", version=1) == set()
@@ -338,10 +408,14 @@ async def test_document_update_deletes_the_old_version_everywhere_and_nothing_el
             assert await node.cached(alice, messages) == node.prefix_tokens(messages)[0]
     policies_after = await ledger_blocks(coordinator, tenant, "policies")
     assert placements(policies_after, state="deleted", reason="invalidated") == set()
-    assert {block for block, _, _ in placements(policies_after, state="live")} == {block for block, _, _ in policies_before}
+    assert {block for block, _, _ in placements(policies_after, state="live")} == {
+        block for block, _, _ in policies_before
+    }
 
 
-async def test_permission_revocation_refuses_old_tokens_and_rebuilds_under_the_new_policy(coordinator, nodes, kafka_bootstrap):
+async def test_permission_revocation_refuses_old_tokens_and_rebuilds_under_the_new_policy(
+    coordinator, nodes, kafka_bootstrap
+):
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     old = user_token(tenant, pv=1)
     held = set()
@@ -363,10 +437,17 @@ async def test_permission_revocation_refuses_old_tokens_and_rebuilds_under_the_n
     decided = await invalidation_for(coordinator, event_id)
     described = await until_status(coordinator, decided["command_id"], "complete")
 
-    assert described["predicate"] == {"kind": "policy", "tenant": tenant, "auth_scope": "hr", "below_version": 2}
+    assert described["predicate"] == {
+        "kind": "policy",
+        "tenant": tenant,
+        "auth_scope": "hr",
+        "below_version": 2,
+    }
     assert_targets_verified(described, held, [node.node_id for node in nodes])
     blocks = await ledger_blocks(coordinator, tenant, "handbook")
-    assert all(block["auth_scopes"] == [{"auth_scope": "hr", "policy_version": 1}] for block in blocks)
+    assert all(
+        block["auth_scopes"] == [{"auth_scope": "hr", "policy_version": 1}] for block in blocks
+    )
     assert placements(blocks, state="live") == set()
     assert placements(blocks, state="deleted", reason="invalidated") == held
     fresh = user_token(tenant, pv=2)
@@ -383,13 +464,28 @@ async def test_permission_revocation_refuses_old_tokens_and_rebuilds_under_the_n
     async def rebuilt_recorded() -> bool:
         blocks = await ledger_blocks(coordinator, tenant, "handbook")
         live = [block for block in blocks if any(p["state"] == "live" for p in block["placements"])]
-        return bool(live) and all(block["auth_scopes"] == [{"auth_scope": "hr", "policy_version": 2}] for block in live)
+        return bool(live) and all(
+            block["auth_scopes"] == [{"auth_scope": "hr", "policy_version": 2}] for block in live
+        )
 
-    await eventually(rebuilt_recorded, timeout_s=TIMEOUT_S, what="blocks rebuilt under policy version 2 in the ledger")
-    assert placements(await ledger_blocks(coordinator, tenant, "handbook"), state="deleted", reason="invalidated") == held
+    await eventually(
+        rebuilt_recorded,
+        timeout_s=TIMEOUT_S,
+        what="blocks rebuilt under policy version 2 in the ledger",
+    )
+    assert (
+        placements(
+            await ledger_blocks(coordinator, tenant, "handbook"),
+            state="deleted",
+            reason="invalidated",
+        )
+        == held
+    )
 
 
-async def test_a_node_down_during_the_invalidation_applies_it_on_restart_before_serving(coordinator, nodes, kafka_bootstrap):
+async def test_a_node_down_during_the_invalidation_applies_it_on_restart_before_serving(
+    coordinator, nodes, kafka_bootstrap
+):
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     alice = user_token(tenant)
     up, down = nodes
@@ -402,20 +498,32 @@ async def test_a_node_down_during_the_invalidation_applies_it_on_restart_before_
     survivors = {(block, down.node_id, "disk") for block in by_node(held, down.node_id, "disk")}
     assert survivors
 
-    event_id = await publish_raw(kafka_bootstrap, topics.DOCUMENTS, f"{tenant}:handbook", "DocumentDeleted", tenant, {"doc_id": "handbook"})
+    event_id = await publish_raw(
+        kafka_bootstrap,
+        topics.DOCUMENTS,
+        f"{tenant}:handbook",
+        "DocumentDeleted",
+        tenant,
+        {"doc_id": "handbook"},
+    )
     decided = await invalidation_for(coordinator, event_id)
     command_id = decided["command_id"]
 
     async def up_acked() -> bool:
         described = await ledger_get(coordinator, f"/v1/invalidations/{command_id}")
-        return {t["node_id"]: t["status"] for t in described["targets"]} == {up.node_id: "acked", down.node_id: "pending"}
+        return {t["node_id"]: t["status"] for t in described["targets"]} == {
+            up.node_id: "acked",
+            down.node_id: "pending",
+        }
 
     await eventually(up_acked, timeout_s=TIMEOUT_S, what="the live node's ack")
     await asyncio.sleep(1.0)  # give a wrong completion time to show
     pending = await ledger_get(coordinator, f"/v1/invalidations/{command_id}")
     assert pending["status"] == "pending" and pending["completed_at"] is None
     waiting = next(t for t in pending["targets"] if t["node_id"] == down.node_id)
-    assert {tier: detail["status"] for tier, detail in waiting["tiers"].items()} == dict.fromkeys((*MEMORY_TIERS, "snapshot"), "pending")
+    assert {tier: detail["status"] for tier, detail in waiting["tiers"].items()} == dict.fromkeys(
+        (*MEMORY_TIERS, "snapshot"), "pending"
+    )
     epoch_before = down.publisher.epoch
 
     await down.start(replay=False)
@@ -426,7 +534,9 @@ async def test_a_node_down_during_the_invalidation_applies_it_on_restart_before_
     with pytest.raises(openai.InternalServerError) as unavailable:
         await down.cached(alice, PUBLIC_CHAT)
     assert (unavailable.value.status_code, unavailable.value.code) == (503, "not_ready")
-    assert {(block, down.node_id, tier) for block, tier in down.holdings(tenant, "handbook")} == survivors
+    assert {
+        (block, down.node_id, tier) for block, tier in down.holdings(tenant, "handbook")
+    } == survivors
 
     await down.replay()
     async with asyncio.timeout(TIMEOUT_S):
@@ -439,13 +549,21 @@ async def test_a_node_down_during_the_invalidation_applies_it_on_restart_before_
     described = await until_status(coordinator, command_id, "complete")
     target = next(t for t in described["targets"] if t["node_id"] == down.node_id)
     assert target["epoch"] == epoch_before + 1
-    assert {tier for tier, detail in target["tiers"].items() if detail["status"] == "verified"} == {"disk"}
-    assert set(target["tiers"]["disk"]["evidence"]["block_hashes"]) == by_node(survivors, down.node_id, "disk")
+    assert {tier for tier, detail in target["tiers"].items() if detail["status"] == "verified"} == {
+        "disk"
+    }
+    assert set(target["tiers"]["disk"]["evidence"]["block_hashes"]) == by_node(
+        survivors, down.node_id, "disk"
+    )
 
     async def nothing_live() -> bool:
-        return placements(await ledger_blocks(coordinator, tenant, "handbook"), state="live") == set()
+        return (
+            placements(await ledger_blocks(coordinator, tenant, "handbook"), state="live") == set()
+        )
 
-    await eventually(nothing_live, timeout_s=TIMEOUT_S, what="no live placement of the deleted document")
+    await eventually(
+        nothing_live, timeout_s=TIMEOUT_S, what="no live placement of the deleted document"
+    )
     blocks = await ledger_blocks(coordinator, tenant, "handbook")
     applied_live = {held_by for held_by in held if held_by[1] == up.node_id}
     assert placements(blocks, state="deleted", reason="invalidated") == applied_live | survivors

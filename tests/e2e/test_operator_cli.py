@@ -19,7 +19,13 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from helpers.ledger import OPERATOR_PRIVATE_KEY_PEM, coordinator_settings, eventually, operator_headers, operator_token
+from helpers.ledger import (
+    OPERATOR_PRIVATE_KEY_PEM,
+    coordinator_settings,
+    eventually,
+    operator_headers,
+    operator_token,
+)
 from test_erasure_e2e import stack, wait_status  # noqa: F401 - the module-scoped stack fixture
 
 from coordinator.api.app import create_app
@@ -31,13 +37,23 @@ REPO = Path(__file__).resolve().parents[2]
 async def _cli(*args: str) -> subprocess.CompletedProcess:
     """The CLI as a subprocess, off the event loop (the nodes under test run on it)."""
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "kvledger.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+        subprocess.run,
+        [sys.executable, "-m", "kvledger.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
 def _stack_dir(tmp_path: Path, coordinator_url: str, **extra: str) -> str:
     (tmp_path / "operator_key.pem").write_bytes(OPERATOR_PRIVATE_KEY_PEM)
-    stack_file = {"coordinator_url": coordinator_url, "operator_private_key_file": str(tmp_path / "operator_key.pem"), **extra}
+    stack_file = {
+        "coordinator_url": coordinator_url,
+        "operator_private_key_file": str(tmp_path / "operator_key.pem"),
+        **extra,
+    }
     (tmp_path / "stack.json").write_text(json.dumps(stack_file))
     return str(tmp_path)
 
@@ -47,12 +63,26 @@ async def test_request_follow_and_verify_an_erasure_from_the_cli(stack, tmp_path
     tenant, subject = f"acme-{uuid.uuid4().hex[:6]}", f"alice-{uuid.uuid4().hex[:8]}"
 
     requested = await _cli(
-        "erasure", "request", "--stack", state, "--tenant", tenant, "--subject", subject, "--reason", "gdpr-art17", "--request-id", "t-1"
+        "erasure",
+        "request",
+        "--stack",
+        state,
+        "--tenant",
+        tenant,
+        "--subject",
+        subject,
+        "--reason",
+        "gdpr-art17",
+        "--request-id",
+        "t-1",
     )
     assert requested.returncode == 0, requested.stderr
     erasure_id = requested.stdout.split()[1]
     assert uuid.UUID(erasure_id)
-    assert requested.stdout.splitlines()[1] == f"follow it: kvledger erasure status {erasure_id} --tenant {tenant}"
+    assert (
+        requested.stdout.splitlines()[1]
+        == f"follow it: kvledger erasure status {erasure_id} --tenant {tenant}"
+    )
     assert subject not in requested.stdout + requested.stderr
     retried = await _cli(
         "erasure",
@@ -78,12 +108,29 @@ async def test_request_follow_and_verify_an_erasure_from_the_cli(stack, tmp_path
     lines = status.stdout.splitlines()
     assert lines[0] == f"erasure {erasure_id} ({tenant}, reason gdpr-art17): verified"
     node_lines = lines[2:]
-    assert sorted(line.split()[0] for line in node_lines) == sorted(node.node_id for node in stack["nodes"])
+    assert sorted(line.split()[0] for line in node_lines) == sorted(
+        node.node_id for node in stack["nodes"]
+    )
     assert all(line.split()[1] == "acked" for line in node_lines)
-    as_json = await _cli("erasure", "status", erasure_id, "--stack", state, "--tenant", tenant, "--json")
-    assert json.loads(as_json.stdout)["status"] == "verified" and json.loads(as_json.stdout)["live_copies"] == 0
+    as_json = await _cli(
+        "erasure", "status", erasure_id, "--stack", state, "--tenant", tenant, "--json"
+    )
+    assert (
+        json.loads(as_json.stdout)["status"] == "verified"
+        and json.loads(as_json.stdout)["live_copies"] == 0
+    )
 
-    receipt = await _cli("erasure", "receipt", erasure_id, "--stack", state, "--tenant", tenant, "--output", str(tmp_path / "evidence"))
+    receipt = await _cli(
+        "erasure",
+        "receipt",
+        erasure_id,
+        "--stack",
+        state,
+        "--tenant",
+        tenant,
+        "--output",
+        str(tmp_path / "evidence"),
+    )
     assert receipt.returncode == 0, receipt.stderr
     command = receipt.stdout.splitlines()[-1].removeprefix("check offline: ")
     argv = shlex.split(command)
@@ -91,19 +138,35 @@ async def test_request_follow_and_verify_an_erasure_from_the_cli(stack, tmp_path
     verified = await _cli(*argv[1:])
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert verified.stdout.strip().endswith("receipt verified")
-    assert json.loads((tmp_path / "evidence" / "receipt.json").read_text())["receipt"]["erasure_id"] == erasure_id
+    assert (
+        json.loads((tmp_path / "evidence" / "receipt.json").read_text())["receipt"]["erasure_id"]
+        == erasure_id
+    )
 
 
 async def test_refusals_are_one_line_errors(stack, tmp_path):  # noqa: F811 - the fixture
     state = _stack_dir(tmp_path, stack["url"])
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     # An auditor of another tenant sees neither the erasure nor whether it exists.
-    unknown = await _cli("erasure", "status", str(uuid.uuid4()), "--stack", state, "--tenant", tenant)
+    unknown = await _cli(
+        "erasure", "status", str(uuid.uuid4()), "--stack", state, "--tenant", tenant
+    )
     assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
     assert len(unknown.stderr.splitlines()) == 1
     assert unknown.stderr.startswith("kvledger: error: HTTP 403 from GET /v1/erasures/")
     # The coordinator's own input checks come back as its message.
-    bad = await _cli("erasure", "request", "--stack", state, "--tenant", tenant, "--subject", "x" * 10_000, "--reason", "r")
+    bad = await _cli(
+        "erasure",
+        "request",
+        "--stack",
+        state,
+        "--tenant",
+        tenant,
+        "--subject",
+        "x" * 10_000,
+        "--reason",
+        "r",
+    )
     assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1 and "HTTP 4" in bad.stderr
     assert "x" * 100 not in bad.stderr, "the subject is never echoed"
 
@@ -118,7 +181,10 @@ async def test_status_shows_live_nodes_and_says_why_figures_are_missing(stack, t
     rows = {line.split()[0]: line.split() for line in lines[2:-1]}
     for node in stack["nodes"]:
         assert rows[node.node_id][1:3] == ["yes", "active"], status.stdout
-    assert lines[-1] == "backlog      unknown: no metrics token (pass --metrics-token or run `kvledger up` here)"
+    assert (
+        lines[-1]
+        == "backlog      unknown: no metrics token (pass --metrics-token or run `kvledger up` here)"
+    )
     with_token = await _cli("status", "--stack", state, "--metrics-token", "wrong")
     assert with_token.stdout.splitlines()[-1] == "backlog      unknown: /metrics answered HTTP 404"
 
@@ -126,11 +192,15 @@ async def test_status_shows_live_nodes_and_says_why_figures_are_missing(stack, t
 async def test_status_reads_backlog_from_metrics(stack, tmp_path):  # noqa: F811 - the fixture
     """A second API process on the same ledger, with a metrics token: outbox, dead letters and lag come from its /metrics."""
     settings = coordinator_settings(
-        stack["database_url"], keys={"master_key": base64.b64encode(os.urandom(32)).decode()}, metrics={"token": "scrape-me"}
+        stack["database_url"],
+        keys={"master_key": base64.b64encode(os.urandom(32)).decode()},
+        metrics={"token": "scrape-me"},
     )
     sock = loopback_listener()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), log_level="warning", access_log=False)
+    )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
 
@@ -142,15 +212,21 @@ async def test_status_reads_backlog_from_metrics(stack, tmp_path):  # noqa: F811
         status = await _cli("status", "--stack", state, "--json")
         assert status.returncode == 0, status.stderr
         report = json.loads(status.stdout)
-        assert {node["node_id"] for node in report["nodes"]} >= {node.node_id for node in stack["nodes"]}
+        assert {node["node_id"] for node in report["nodes"]} >= {
+            node.node_id for node in stack["nodes"]
+        }
         assert report["metrics_missing"] is None
         figures = report["metrics"]
         assert isinstance(figures["outbox_pending"], int) and figures["outbox_pending"] >= 0
-        assert isinstance(figures["dead_letters"], dict) and all(isinstance(n, int) for n in figures["dead_letters"].values())
+        assert isinstance(figures["dead_letters"], dict) and all(
+            isinstance(n, int) for n in figures["dead_letters"].values()
+        )
         text = await _cli("status", "--stack", state)
         assert text.stdout.splitlines()[-4].startswith("outbox       ")
         assert text.stdout.splitlines()[-3].startswith("dead letters ")
-        assert text.stdout.splitlines()[-1].startswith("consumers    ")  # stalled groups: none in this process
+        assert text.stdout.splitlines()[-1].startswith(
+            "consumers    "
+        )  # stalled groups: none in this process
     finally:
         server.should_exit = True
         await serving
@@ -173,15 +249,35 @@ async def test_a_producer_key_made_enrolled_and_revoked_from_the_cli_signs_what_
     key_id = made.stderr.split()[2]
 
     enrolled = await _cli(
-        "producers", "enroll", "--stack", state, "--public-key", str(public_file), "--name", "hr-system", "--tenant", tenant
+        "producers",
+        "enroll",
+        "--stack",
+        state,
+        "--public-key",
+        str(public_file),
+        "--name",
+        "hr-system",
+        "--tenant",
+        tenant,
     )
-    assert (enrolled.returncode, enrolled.stdout.strip()) == (0, f"enrolled producer key {key_id} (hr-system) for {tenant}"), (
-        enrolled.stderr
-    )
+    assert (enrolled.returncode, enrolled.stdout.strip()) == (
+        0,
+        f"enrolled producer key {key_id} (hr-system) for {tenant}",
+    ), enrolled.stderr
     # A tenant-admin token (one --tenant) cannot bind a key to all tenants.
     token = operator_token("tenant-admin", tenant)
     refused = await _cli(
-        "producers", "enroll", "--stack", state, "--public-key", str(public_file), "--name", "x", "--all-tenants", "--token", token
+        "producers",
+        "enroll",
+        "--stack",
+        state,
+        "--public-key",
+        str(public_file),
+        "--name",
+        "x",
+        "--all-tenants",
+        "--token",
+        token,
     )
     assert refused.returncode == 1 and "HTTP 403" in refused.stderr
 
@@ -208,7 +304,9 @@ async def test_a_producer_key_made_enrolled_and_revoked_from_the_cli_signs_what_
     (mine,) = [key for key in json.loads(listed.stdout) if key["key_id"] == key_id]
     assert (mine["tenants"], mine["revoked_at"]) == ([tenant], None)
     revoked = await _cli("producers", "revoke", key_id, "--stack", state, "--tenant", tenant)
-    assert (revoked.returncode, revoked.stdout.strip()) == (0, f"revoked producer key {key_id}"), revoked.stderr
+    assert (revoked.returncode, revoked.stdout.strip()) == (0, f"revoked producer key {key_id}"), (
+        revoked.stderr
+    )
     listed = await _cli("producers", "list", "--stack", state, "--tenant", tenant, "--json")
     (mine,) = [key for key in json.loads(listed.stdout) if key["key_id"] == key_id]
     assert mine["revoked_at"] is not None

@@ -28,7 +28,13 @@ def _environment_of(argv_items: list[str]) -> dict[str, str]:
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
             if all(item.encode() in argv for item in argv_items):
-                found.append(dict(line.split("=", 1) for line in (proc / "environ").read_text().split("\0") if "=" in line))
+                found.append(
+                    dict(
+                        line.split("=", 1)
+                        for line in (proc / "environ").read_text().split("\0")
+                        if "=" in line
+                    )
+                )
         except OSError:
             continue  # exited meanwhile
     assert len(found) == 1, f"expected one process running {argv_items}, found {len(found)}"
@@ -53,10 +59,16 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         assert stack["router_url"] == f"http://127.0.0.1:{port + 100}"
         assert os.stat(stack["operator_private_key_file"]).st_mode & 0o777 == 0o600
 
-        token = cli_token(state_dir, "--tenant", "acme", "--sub", "alice", "--scopes", "hr", "--pv", "1")
+        token = cli_token(
+            state_dir, "--tenant", "acme", "--sub", "alice", "--scopes", "hr", "--pv", "1"
+        )
         client = OpenAI(base_url=stack["router_url"] + "/v1", api_key=token, max_retries=0)
         messages = [
-            {"role": "system", "content": "You are the ACME assistant. " * 20, "cache_scope": "public"},
+            {
+                "role": "system",
+                "content": "You are the ACME assistant. " * 20,
+                "cache_scope": "public",
+            },
             {
                 "role": "user",
                 "content": "Vacation policy: " + "twenty days per year. " * 20,
@@ -64,47 +76,93 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
             },
             {"role": "user", "content": "How many days?"},
         ]
-        first = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=4)
+        first = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=messages, max_tokens=4
+        )
         second = client.chat.completions.create(model=first.model, messages=messages, max_tokens=4)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
-        assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
+        assert (
+            second.usage.prompt_tokens_details.cached_tokens
+            == (first.usage.prompt_tokens - 1) // 16 * 16
+        )
         assert second.choices[0].message.content == first.choices[0].message.content
 
-        admin = cli_token(state_dir, "--tenant", "platform", "--sub", "operator", "--role", "platform-admin")
+        admin = cli_token(
+            state_dir, "--tenant", "platform", "--sub", "operator", "--role", "platform-admin"
+        )
         headers = {"Authorization": f"Bearer {admin}"}
         # The end users' secret mints no operator: the coordinator refuses it whatever it claims.
-        forged = issue_token(tenant="acme", sub="mallory", roles=["platform-admin"], ttl_s=600, secret=stack["jwt_secret"])
-        refused = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers={"Authorization": f"Bearer {forged}"})
+        forged = issue_token(
+            tenant="acme",
+            sub="mallory",
+            roles=["platform-admin"],
+            ttl_s=600,
+            secret=stack["jwt_secret"],
+        )
+        refused = httpx.get(
+            f"{stack['coordinator_url']}/v1/nodes", headers={"Authorization": f"Bearer {forged}"}
+        )
         assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_token")
         node_role = subprocess.run(
-            [sys.executable, "-m", "kvledger.cli", "token", "--stack", str(state_dir), "--tenant", "acme", "--sub", "n", "--role", "node"],
+            [
+                sys.executable,
+                "-m",
+                "kvledger.cli",
+                "token",
+                "--stack",
+                str(state_dir),
+                "--tenant",
+                "acme",
+                "--sub",
+                "n",
+                "--role",
+                "node",
+            ],
             capture_output=True,
             text=True,
             timeout=60,
         )
-        assert node_role.returncode == 2 and node_role.stdout == "" and len(node_role.stderr.splitlines()) == 1
+        assert (
+            node_role.returncode == 2
+            and node_role.stdout == ""
+            and len(node_role.stderr.splitlines()) == 1
+        )
         assert "no command mints node credentials" in node_role.stderr
 
         def ledger_has_the_blocks():
             response = httpx.get(
-                f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "acme", "doc_id": "handbook"}, headers=headers
+                f"{stack['coordinator_url']}/v1/ledger/blocks",
+                params={"tenant": "acme", "doc_id": "handbook"},
+                headers=headers,
             )
             return response.status_code == 200 and response.json()["blocks"]
 
         up.wait_for(ledger_has_the_blocks, "the node's blocks in the ledger", 60)
         nodes = httpx.get(f"{stack['coordinator_url']}/v1/nodes", headers=headers).json()
         assert [node["node_id"] for node in nodes["nodes"]] == ["node-0"]
-        auditor = cli_token(state_dir, "--tenant", "acme", "--sub", "auditor-1", "--role", "auditor")
-        own = httpx.get(
-            f"{stack['coordinator_url']}/v1/ledger/blocks", params={"doc_id": "handbook"}, headers={"Authorization": f"Bearer {auditor}"}
+        auditor = cli_token(
+            state_dir, "--tenant", "acme", "--sub", "auditor-1", "--role", "auditor"
         )
-        assert own.status_code == 200 and own.json()["blocks"] and {b["tenant_id"] for b in own.json()["blocks"]} == {"acme"}
+        own = httpx.get(
+            f"{stack['coordinator_url']}/v1/ledger/blocks",
+            params={"doc_id": "handbook"},
+            headers={"Authorization": f"Bearer {auditor}"},
+        )
+        assert (
+            own.status_code == 200
+            and own.json()["blocks"]
+            and {b["tenant_id"] for b in own.json()["blocks"]} == {"acme"}
+        )
         other = httpx.get(
-            f"{stack['coordinator_url']}/v1/ledger/blocks", params={"tenant": "globex"}, headers={"Authorization": f"Bearer {auditor}"}
+            f"{stack['coordinator_url']}/v1/ledger/blocks",
+            params={"tenant": "globex"},
+            headers={"Authorization": f"Bearer {auditor}"},
         )
         assert (other.status_code, other.json()["error"]["code"]) == (403, "tenant_forbidden")
         # The node verifies operators with the stack's operator key too.
-        snapshot = httpx.post(f"{stack['node_urls'][0]}/v1/cache/snapshots", headers=headers, timeout=60)
+        snapshot = httpx.post(
+            f"{stack['node_urls'][0]}/v1/cache/snapshots", headers=headers, timeout=60
+        )
         assert snapshot.status_code == 201, snapshot.text
 
         # Every process got the stack's metrics token: scrapes need it, and nothing else opens /metrics.
@@ -119,12 +177,22 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         for key_file in (state_dir / "node-0" / "node_key.pem", state_dir / "command_key.pem"):
             assert key_file.stat().st_mode & 0o777 == 0o600
         assert (state_dir / "command_key.pub").read_text().startswith("-----BEGIN PUBLIC KEY-----")
-        node_env = _environment_of(["kvledger.cli", "node", "--node-id", "node-0", "--data-dir", str(state_dir / "node-0")])
-        assert node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"] == str(state_dir / "command_key.pub")
+        node_env = _environment_of(
+            ["kvledger.cli", "node", "--node-id", "node-0", "--data-dir", str(state_dir / "node-0")]
+        )
+        assert node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"] == str(
+            state_dir / "command_key.pub"
+        )
         # Its peer list (where a pull hint may send it) is the stack's own nodes, nothing a request names.
-        assert json.loads(node_env["KVLEDGER_NODE_PEERS__URLS"]) == {"node-0": stack["node_urls"][0]}
+        assert json.loads(node_env["KVLEDGER_NODE_PEERS__URLS"]) == {
+            "node-0": stack["node_urls"][0]
+        }
         router_env = _environment_of(["kvledger.cli", "router", "--port", str(port + 100)])
-        for secret in ("KVLEDGER_MASTER_KEY", "KVLEDGER_DATABASE_URL", "KVLEDGER_COMMAND_SIGNING_KEY"):
+        for secret in (
+            "KVLEDGER_MASTER_KEY",
+            "KVLEDGER_DATABASE_URL",
+            "KVLEDGER_COMMAND_SIGNING_KEY",
+        ):
             assert secret not in node_env
             assert secret not in router_env
         assert (state_dir / "router_token").stat().st_mode & 0o777 == 0o600
@@ -140,7 +208,11 @@ def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_p
     state_dir, port, process = up.state_dir, up.port, up.process
     try:
         stack = up.wait_ready()
-        steps = [line.split("] ", 1)[1] for line in up.log.read_text().splitlines() if line.startswith("[")]
+        steps = [
+            line.split("] ", 1)[1]
+            for line in up.log.read_text().splitlines()
+            if line.startswith("[")
+        ]
         assert steps == [
             f"building the tiny model in {tmp_path / 'model'}",
             "model built",

@@ -90,15 +90,26 @@ EVENTS: list[tuple[object, str | None]] = [
         BlockStored(
             **NODE,
             blocks=[
-                {**provenance(H1, scope="public", tenant_id=None, auth_scopes=[], documents=[]), "tier": "device"},
+                {
+                    **provenance(H1, scope="public", tenant_id=None, auth_scopes=[], documents=[]),
+                    "tier": "device",
+                },
                 {**provenance(H2, parent_hash=H1), "tier": "device"},
-                {**provenance(H3, parent_hash=H2, scope="user", subject_id=SUBJECT, token_offset=32), "tier": "host"},
+                {
+                    **provenance(
+                        H3, parent_hash=H2, scope="user", subject_id=SUBJECT, token_offset=32
+                    ),
+                    "tier": "host",
+                },
             ],
         ),
         None,
     ),
     (BlockRemoved(**NODE, blocks=[{"block_hash": H1, "tier": "disk"}], reason="expired"), None),
-    (BlockMoved(**NODE, blocks=[{"block_hash": H1, "from_tier": "device", "to_tier": "host"}]), None),
+    (
+        BlockMoved(**NODE, blocks=[{"block_hash": H1, "from_tier": "device", "to_tier": "host"}]),
+        None,
+    ),
     (SnapshotWritten(**NODE, snapshot_id="snap-1", block_hashes=[H1, H2]), None),
     (SnapshotDeleted(**NODE, snapshot_id="snap-1"), None),
     (
@@ -164,7 +175,9 @@ PREDICATES = [
     NamespacePredicate(ns="ns-1"),
     TenantPredicate(tenant="acme"),
 ]
-EVENTS += [(Invalidate(command_id=uuid.uuid4(), predicate=p, cutoff=CREATED), None) for p in PREDICATES]
+EVENTS += [
+    (Invalidate(command_id=uuid.uuid4(), predicate=p, cutoff=CREATED), None) for p in PREDICATES
+]
 
 
 def test_every_registered_type_is_exercised() -> None:
@@ -255,16 +268,31 @@ MALFORMED = {
     "extra payload field": (_with("payload.colour", "red"), "payload.colour"),
     "empty block batch": (_with("payload.blocks", []), "payload.blocks"),
     "bad block hash": (_with("payload.blocks.0.block_hash", "XYZ"), "payload.blocks.0.block_hash"),
-    "upper-case block hash": (_with("payload.blocks.0.block_hash", "AB" * 32), "payload.blocks.0.block_hash"),
-    "short block hash": (_with("payload.blocks.0.block_hash", "ab" * 4), "payload.blocks.0.block_hash"),
+    "upper-case block hash": (
+        _with("payload.blocks.0.block_hash", "AB" * 32),
+        "payload.blocks.0.block_hash",
+    ),
+    "short block hash": (
+        _with("payload.blocks.0.block_hash", "ab" * 4),
+        "payload.blocks.0.block_hash",
+    ),
     "unknown tier": (_with("payload.blocks.0.tier", "tape"), "payload.blocks.0.tier"),
     "unknown scope": (_with("payload.blocks.0.scope", "world"), "payload.blocks.0.scope"),
-    "raw subject id": (_with("payload.blocks.0.subject_id", "alice"), "payload.blocks.0.subject_id"),
+    "raw subject id": (
+        _with("payload.blocks.0.subject_id", "alice"),
+        "payload.blocks.0.subject_id",
+    ),
     "user block without subject": (_with("payload.blocks.0.scope", "user"), "needs subject_id"),
     "tenant block without tenant": (_with("payload.blocks.0.tenant_id", None), "needs tenant_id"),
     "public block with tenant": (_with("payload.blocks.0.scope", "public"), "public block"),
-    "bad document tag": (_with("payload.blocks.0.documents", ["doc-1"]), "payload.blocks.0.documents.0"),
-    "bad auth scope pair": (_with("payload.blocks.0.auth_scopes", [["handbook"]]), "payload.blocks.0.auth_scopes"),
+    "bad document tag": (
+        _with("payload.blocks.0.documents", ["doc-1"]),
+        "payload.blocks.0.documents.0",
+    ),
+    "bad auth scope pair": (
+        _with("payload.blocks.0.auth_scopes", [["handbook"]]),
+        "payload.blocks.0.auth_scopes",
+    ),
 }
 
 
@@ -285,7 +313,12 @@ def test_errors_do_not_echo_input_values() -> None:
 
 
 def _document_event(**payload) -> dict:
-    return json.loads(encode_event(make_event(DocumentUpdated(doc_id="d", version=1), tenant_id="acme"))) | payload
+    return (
+        json.loads(
+            encode_event(make_event(DocumentUpdated(doc_id="d", version=1), tenant_id="acme"))
+        )
+        | payload
+    )
 
 
 @pytest.mark.parametrize(
@@ -305,7 +338,11 @@ def test_document_event_cases(change: dict, needle: str) -> None:
 
 
 def _command(predicate: dict) -> bytes:
-    raw = json.loads(encode_event(make_event(Invalidate(command_id=uuid.uuid4(), predicate=PREDICATES[0], cutoff=CREATED))))
+    raw = json.loads(
+        encode_event(
+            make_event(Invalidate(command_id=uuid.uuid4(), predicate=PREDICATES[0], cutoff=CREATED))
+        )
+    )
     raw["payload"]["predicate"] = predicate
     return json.dumps(raw).encode()
 
@@ -337,7 +374,14 @@ def test_model_invariants_reject_bad_caller_input() -> None:
     with pytest.raises(ValueError, match="chunk"):
         Inventory(**NODE, placements=[], blocks=[], chunk=2, chunks=2)
     with pytest.raises(ValueError, match="removed=2"):
-        TierEvidence(tier="host", removed=2, block_hashes=[H1], method="overwrite", post_check="readback_zero", verified=True)
+        TierEvidence(
+            tier="host",
+            removed=2,
+            block_hashes=[H1],
+            method="overwrite",
+            post_check="readback_zero",
+            verified=True,
+        )
     with pytest.raises(ValueError, match="tenant_id"):
         make_event(DocumentDeleted(doc_id="d"))
     with pytest.raises(ValueError, match="naive|timezone"):
@@ -362,9 +406,18 @@ def test_routing_and_keys() -> None:
         (ErasureRequested(subject_id="alice", reason="r"), (topics.ERASURES, "acme:alice")),
         (NodeStarted(**NODE, namespace="n"), (topics.KV_EVENTS, "node-a")),
         (NodeHeartbeat(node_id="node-a", epoch=1), (topics.KV_EVENTS, "node-a")),
-        (Invalidate(command_id=uuid.uuid4(), predicate=PREDICATES[4], cutoff=CREATED), (topics.COMMANDS, "*")),
-        (InventoryRequested(node_id="node-b", request_id=uuid.uuid4()), (topics.COMMANDS, "node-b")),
-        (CommandAck(command_id=uuid.uuid4(), node_id="node-c", epoch=1, evidence=[]), (topics.ACKS, "node-c")),
+        (
+            Invalidate(command_id=uuid.uuid4(), predicate=PREDICATES[4], cutoff=CREATED),
+            (topics.COMMANDS, "*"),
+        ),
+        (
+            InventoryRequested(node_id="node-b", request_id=uuid.uuid4()),
+            (topics.COMMANDS, "node-b"),
+        ),
+        (
+            CommandAck(command_id=uuid.uuid4(), node_id="node-c", epoch=1, evidence=[]),
+            (topics.ACKS, "node-c"),
+        ),
     ]
     for payload, expected in cases:
         tenant = "acme" if payload.TENANT_REQUIRED else None
@@ -375,7 +428,9 @@ def test_routing_and_keys() -> None:
     assert topics.node_key("n") == "n" and topics.command_key("n") == "n"
     with pytest.raises(ValueError):
         topics.document_key("", "d")
-    assert len(set(topics.ALL_TOPICS)) == 8 and all(t.startswith("kvledger.") for t in topics.ALL_TOPICS)
+    assert len(set(topics.ALL_TOPICS)) == 8 and all(
+        t.startswith("kvledger.") for t in topics.ALL_TOPICS
+    )
 
 
 def test_codec_keys_and_tombstones() -> None:
@@ -426,8 +481,16 @@ _ID_FIELDS = [
     ("payload.node_id", NodeStarted(**NODE, namespace="n"), None),
     ("payload.namespace", NodeStarted(**NODE, namespace="n"), None),
     ("payload.snapshot_id", SnapshotDeleted(**NODE, snapshot_id="s"), None),
-    ("payload.blocks.0.namespace", BlockStored(**NODE, blocks=[{**provenance(), "tier": "device"}]), None),
-    ("payload.blocks.0.tenant_id", BlockStored(**NODE, blocks=[{**provenance(), "tier": "device"}]), None),
+    (
+        "payload.blocks.0.namespace",
+        BlockStored(**NODE, blocks=[{**provenance(), "tier": "device"}]),
+        None,
+    ),
+    (
+        "payload.blocks.0.tenant_id",
+        BlockStored(**NODE, blocks=[{**provenance(), "tier": "device"}]),
+        None,
+    ),
 ]
 _COUNT_FIELDS = [
     ("payload.version", DocumentUpdated(doc_id="d", version=1), "acme"),
@@ -450,7 +513,9 @@ def test_identifiers_are_bounded(path: str, payload, tenant, bad: str) -> None:
 
 
 @pytest.mark.parametrize("bad", _BAD_COUNTS.values(), ids=_BAD_COUNTS.keys())
-@pytest.mark.parametrize(("path", "payload", "tenant"), _COUNT_FIELDS, ids=[f[0] for f in _COUNT_FIELDS])
+@pytest.mark.parametrize(
+    ("path", "payload", "tenant"), _COUNT_FIELDS, ids=[f[0] for f in _COUNT_FIELDS]
+)
 def test_counts_are_bounded(path: str, payload, tenant, bad: int) -> None:
     with pytest.raises(EventValidationError) as caught:
         parse_event(_with(path, bad, _event_json(payload, tenant)))
@@ -459,16 +524,25 @@ def test_counts_are_bounded(path: str, payload, tenant, bad: int) -> None:
 
 def test_limits_themselves_are_accepted() -> None:
     longest = "é" * MAX_ID_CHARS  # characters, not bytes
-    event = make_event(DocumentUpdated(doc_id=longest, version=schema.MAX_DOCUMENT_VERSION), tenant_id="t" * MAX_ID_CHARS)
+    event = make_event(
+        DocumentUpdated(doc_id=longest, version=schema.MAX_DOCUMENT_VERSION),
+        tenant_id="t" * MAX_ID_CHARS,
+    )
     assert parse_event(encode_event(event)) == event
-    block = BlockProvenance(**provenance(documents=[f"{longest}@{schema.MAX_DOCUMENT_VERSION}"], token_offset=2**31 - 1))
+    block = BlockProvenance(
+        **provenance(documents=[f"{longest}@{schema.MAX_DOCUMENT_VERSION}"], token_offset=2**31 - 1)
+    )
     assert block.documents == [f"{longest}@{schema.MAX_DOCUMENT_VERSION}"]
 
 
 def test_lone_surrogates_are_refused() -> None:
     # JSON text cannot smuggle one past the parser, and a model built in Python refuses one too.
     with pytest.raises(EventValidationError, match="Invalid JSON"):
-        parse_event(_with("payload.doc_id", "x", _event_json(DocumentUpdated(doc_id="d", version=1), "acme")).replace(b'"x"', b'"\\ud800"'))
+        parse_event(
+            _with(
+                "payload.doc_id", "x", _event_json(DocumentUpdated(doc_id="d", version=1), "acme")
+            ).replace(b'"x"', b'"\\ud800"')
+        )
     with pytest.raises(ValueError, match="unicode"):
         DocumentUpdated(doc_id="a\ud800", version=1)
 
@@ -494,11 +568,17 @@ def test_lists_are_bounded() -> None:
     blocks = [{"block_hash": f"{i:064x}", "tier": "host"} for i in range(MAX_BLOCKS_PER_EVENT + 1)]
     with pytest.raises(ValueError, match="blocks"):
         BlockRemoved(**NODE, blocks=blocks, reason="evicted")
-    assert len(BlockRemoved(**NODE, blocks=blocks[:-1], reason="evicted").blocks) == MAX_BLOCKS_PER_EVENT
+    assert (
+        len(BlockRemoved(**NODE, blocks=blocks[:-1], reason="evicted").blocks)
+        == MAX_BLOCKS_PER_EVENT
+    )
 
 
 def test_reason_is_bounded_text() -> None:
-    assert ErasureRequested(subject_id="a", reason="line one\nline two\tend").reason == "line one\nline two\tend"
+    assert (
+        ErasureRequested(subject_id="a", reason="line one\nline two\tend").reason
+        == "line one\nline two\tend"
+    )
     for bad in ("a\x00b", "x" * 2001, ""):
         with pytest.raises(ValueError, match="reason"):
             ErasureRequested(subject_id="a", reason=bad)
@@ -515,7 +595,9 @@ def test_a_deletion_matches_every_document_version_and_stays_signable() -> None:
     assert json.loads(rfc8785.dumps(deletion.model_dump(mode="json")))["below_version"] == 2**53 - 1
 
 
-@pytest.mark.parametrize("blank", [" ", "\u2003", "\u3000 "], ids=["space", "em space", "ideographic space"])
+@pytest.mark.parametrize(
+    "blank", [" ", "\u2003", "\u3000 "], ids=["space", "em space", "ideographic space"]
+)
 def test_blank_identifiers_and_reasons_are_refused(blank: str) -> None:
     """A value of only whitespace is no identifier and no reason: the coordinator's handlers refuse it too,
     so the contract must refuse it first (found by tests/security/test_contract_fits_postgres.py)."""
@@ -572,9 +654,26 @@ def _records_with_tiers(tier: Callable[[str], str]) -> list[Envelope]:
     """One signed record of each model that names a tier, every tier value included, spelled ``tier(value)``."""
     user = provenance(H2, scope="user", subject_id=SUBJECT)
     payloads: list[tuple[schema.EventPayload, str | None]] = [
-        (BlockStored(**NODE, blocks=[{**provenance(H1), "tier": tier("device")}, {**user, "tier": tier("disk")}]), None),
-        (BlockRemoved(**NODE, blocks=[{"block_hash": H1, "tier": tier("host")}], reason="evicted"), None),
-        (BlockMoved(**NODE, blocks=[{"block_hash": H1, "from_tier": tier("device"), "to_tier": tier("host")}]), None),
+        (
+            BlockStored(
+                **NODE,
+                blocks=[{**provenance(H1), "tier": tier("device")}, {**user, "tier": tier("disk")}],
+            ),
+            None,
+        ),
+        (
+            BlockRemoved(
+                **NODE, blocks=[{"block_hash": H1, "tier": tier("host")}], reason="evicted"
+            ),
+            None,
+        ),
+        (
+            BlockMoved(
+                **NODE,
+                blocks=[{"block_hash": H1, "from_tier": tier("device"), "to_tier": tier("host")}],
+            ),
+            None,
+        ),
         (
             Inventory(
                 **NODE,
@@ -594,7 +693,12 @@ def _records_with_tiers(tier: Callable[[str], str]) -> list[Envelope]:
                 epoch=2,
                 evidence=[
                     TierEvidence(
-                        tier=tier("device"), removed=1, block_hashes=[H1], method="overwrite", post_check="readback_zero", verified=True
+                        tier=tier("device"),
+                        removed=1,
+                        block_hashes=[H1],
+                        method="overwrite",
+                        post_check="readback_zero",
+                        verified=True,
                     ),
                     TierEvidence(
                         tier=tier("snapshot"),
@@ -649,7 +753,17 @@ def test_records_signed_before_still_verify_and_read_as_the_enum() -> None:
         *(placement.tier for placement in inventory.placements),
         *(evidence.tier for evidence in ack.evidence),
     ]
-    assert tiers == [Tier.DEVICE, Tier.DISK, Tier.HOST, Tier.DEVICE, Tier.HOST, Tier.HOST, Tier.SNAPSHOT, Tier.DEVICE, Tier.SNAPSHOT]
+    assert tiers == [
+        Tier.DEVICE,
+        Tier.DISK,
+        Tier.HOST,
+        Tier.DEVICE,
+        Tier.HOST,
+        Tier.HOST,
+        Tier.SNAPSHOT,
+        Tier.DEVICE,
+        Tier.SNAPSHOT,
+    ]
     assert all(type(t) is Tier for t in tiers)
 
 
@@ -666,7 +780,9 @@ def test_a_block_event_names_only_storage_tiers_by_value(blocks: dict) -> None:
     raw["payload"] |= blocks
     with pytest.raises(EventValidationError, match="tier"):
         parse_event(json.dumps(raw))
-    assert {block.tier for block in parse_event(WIRE_RECORDS[1]).payload.blocks} <= set(STORAGE_TIERS)
+    assert {block.tier for block in parse_event(WIRE_RECORDS[1]).payload.blocks} <= set(
+        STORAGE_TIERS
+    )
 
 
 def test_creator_subject_id_is_optional_and_left_out_of_the_encoding_when_unset() -> None:
@@ -680,7 +796,13 @@ def test_creator_subject_id_is_optional_and_left_out_of_the_encoding_when_unset(
         ("user", "acme", creator, [], []),
     ):
         block = BlockProvenance(
-            **provenance(scope=scope, tenant_id=tenant_id, subject_id=subject_id, auth_scopes=auth_scopes, documents=documents),
+            **provenance(
+                scope=scope,
+                tenant_id=tenant_id,
+                subject_id=subject_id,
+                auth_scopes=auth_scopes,
+                documents=documents,
+            ),
             creator_subject_id=creator,
         )
         assert BlockProvenance.model_validate_json(block.model_dump_json()) == block
@@ -691,9 +813,14 @@ def test_creator_subject_id_is_optional_and_left_out_of_the_encoding_when_unset(
     "change, needle",
     [
         ({"creator_subject_id": "alice"}, "creator_subject_id"),
-        ({"scope": "user", "subject_id": "ab" * 32, "creator_subject_id": "cd" * 32}, "its own subject"),
+        (
+            {"scope": "user", "subject_id": "ab" * 32, "creator_subject_id": "cd" * 32},
+            "its own subject",
+        ),
     ],
 )
-def test_creator_subject_id_is_a_digest_and_a_user_block_is_its_subjects(change: dict, needle: str) -> None:
+def test_creator_subject_id_is_a_digest_and_a_user_block_is_its_subjects(
+    change: dict, needle: str
+) -> None:
     with pytest.raises(ValueError, match=needle):
         BlockProvenance(**provenance(**change))

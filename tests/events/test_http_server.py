@@ -72,11 +72,17 @@ async def test_out_of_resource_loop_errors_are_counted_not_traced(caplog: pytest
         with caplog.at_level(logging.WARNING):
             for _ in range(100):
                 error = OSError(errno.EMFILE, "Too many open files")
-                loop.call_exception_handler({"message": "socket.accept() out of system resource", "exception": error})
-            loop.call_exception_handler({"message": "something else", "exception": RuntimeError("boom")})
+                loop.call_exception_handler(
+                    {"message": "socket.accept() out of system resource", "exception": error}
+                )
+            loop.call_exception_handler(
+                {"message": "something else", "exception": RuntimeError("boom")}
+            )
     finally:
         loop.set_exception_handler(previous)
     emfile = [record for record in caplog.records if "EMFILE" in record.getMessage()]
     assert len(emfile) == 1 and emfile[0].exc_info is None
     other = [record for record in caplog.records if "something else" in record.getMessage()]
-    assert len(other) == 1 and other[0].exc_info is not None, "other loop errors keep the default handler"
+    assert len(other) == 1 and other[0].exc_info is not None, (
+        "other loop errors keep the default handler"
+    )

@@ -54,7 +54,9 @@ class Recorder:
 
 
 @contextlib.asynccontextmanager
-async def running(consumer: BatchConsumer, stop_timeout_s: float = 30.0) -> AsyncIterator[BatchConsumer]:
+async def running(
+    consumer: BatchConsumer, stop_timeout_s: float = 30.0
+) -> AsyncIterator[BatchConsumer]:
     await consumer.start()
     task = asyncio.create_task(consumer.run())
     try:
@@ -64,12 +66,16 @@ async def running(consumer: BatchConsumer, stop_timeout_s: float = 30.0) -> Asyn
         await task
 
 
-def consumer_for(settings: KafkaSettings, topic: str, handler, group: str, **options) -> BatchConsumer:
+def consumer_for(
+    settings: KafkaSettings, topic: str, handler, group: str, **options
+) -> BatchConsumer:
     return BatchConsumer(settings, [topic], handler, group_id=group, **options)
 
 
 async def committed(settings: KafkaSettings, group: str, topic: str) -> dict[int, int | None]:
-    probe = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=group, enable_auto_commit=False)
+    probe = AIOKafkaConsumer(
+        bootstrap_servers=settings.bootstrap, group_id=group, enable_auto_commit=False
+    )
     await probe.start()
     try:
         return {p: await probe.committed(TopicPartition(topic, p)) for p in range(PARTITIONS)}
@@ -78,7 +84,10 @@ async def committed(settings: KafkaSettings, group: str, topic: str) -> dict[int
 
 
 def document_events(count: int, tenant: str = "acme") -> list:
-    return [make_event(DocumentUpdated(doc_id=f"doc-{i}", version=i), tenant_id=tenant) for i in range(count)]
+    return [
+        make_event(DocumentUpdated(doc_id=f"doc-{i}", version=i), tenant_id=tenant)
+        for i in range(count)
+    ]
 
 
 async def test_ensure_topics_is_idempotent(settings: KafkaSettings, unique_name: str) -> None:
@@ -87,7 +96,9 @@ async def test_ensure_topics_is_idempotent(settings: KafkaSettings, unique_name:
     assert await ensure_topics(settings, [fresh]) == [fresh]
 
 
-async def test_round_trip_and_commit(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
+async def test_round_trip_and_commit(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
     events = document_events(20)
     for event in events:
         await producer.send(event, topic=unique_name)
@@ -111,7 +122,9 @@ async def test_round_trip_and_commit(settings: KafkaSettings, producer: EventPro
     assert {p: commits[p] for p in ends} == ends
 
 
-async def test_send_many_routes_by_type(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
+async def test_send_many_routes_by_type(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
     await ensure_topics(settings, [DOCUMENTS])
     events = document_events(5, tenant=unique_name)
     metadata = await producer.send_many(events)
@@ -119,7 +132,10 @@ async def test_send_many_routes_by_type(settings: KafkaSettings, producer: Event
     recorder = Recorder()
     async with running(consumer_for(settings, DOCUMENTS, recorder, unique_name)):
         wanted = {e.event_id for e in events}
-        await eventually(lambda: wanted <= {e.envelope.event_id for e in recorder.delivered()}, what="routed events")
+        await eventually(
+            lambda: wanted <= {e.envelope.event_id for e in recorder.delivered()},
+            what="routed events",
+        )
 
 
 async def test_invalid_record_is_dead_lettered_and_consumption_continues(
@@ -135,7 +151,9 @@ async def test_invalid_record_is_dead_lettered_and_consumption_continues(
     await producer.send(good[1], topic=unique_name, key="acme:doc-0")
 
     letters: list[DeadLetter] = []
-    dlq = AIOKafkaConsumer(DEAD_LETTER, bootstrap_servers=settings.bootstrap, auto_offset_reset="earliest")
+    dlq = AIOKafkaConsumer(
+        DEAD_LETTER, bootstrap_servers=settings.bootstrap, auto_offset_reset="earliest"
+    )
     await dlq.start()
     try:
         recorder = Recorder()
@@ -152,7 +170,10 @@ async def test_invalid_record_is_dead_lettered_and_consumption_continues(
     finally:
         await dlq.stop()
 
-    assert [e.envelope.event_id for e in recorder.delivered()] == [good[0].event_id, good[1].event_id]
+    assert [e.envelope.event_id for e in recorder.delivered()] == [
+        good[0].event_id,
+        good[1].event_id,
+    ]
     assert len(letters) == 1
     letter = letters[0]
     assert letter.raw_value() == bad_value and letter.raw_key() == bad_key
@@ -165,8 +186,15 @@ async def test_invalid_record_is_dead_lettered_and_consumption_continues(
     assert commits[letter.partition] == letter.offset + 2  # the bad record is past, not blocking
 
 
-async def test_handler_failure_redelivers_instead_of_losing(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
-    failures_before = REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": unique_name}) or 0
+async def test_handler_failure_redelivers_instead_of_losing(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
+    failures_before = (
+        REGISTRY.get_sample_value(
+            "kvledger_consumer_handler_failures_total", {"group": unique_name}
+        )
+        or 0
+    )
     event = document_events(1)[0]
     await producer.send(event, topic=unique_name)
     recorder = Recorder(fail_times=1)
@@ -175,13 +203,22 @@ async def test_handler_failure_redelivers_instead_of_losing(settings: KafkaSetti
         await eventually(lambda: len(recorder.calls) >= 2, what="redelivery after the failure")
     first, second = recorder.calls[0], recorder.calls[1]
     assert [e.envelope.event_id for e in first] == [event.event_id]
-    assert [(e.partition, e.offset, e.envelope) for e in second] == [(e.partition, e.offset, e.envelope) for e in first]
-    assert REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": unique_name}) == failures_before + 1
+    assert [(e.partition, e.offset, e.envelope) for e in second] == [
+        (e.partition, e.offset, e.envelope) for e in first
+    ]
+    assert (
+        REGISTRY.get_sample_value(
+            "kvledger_consumer_handler_failures_total", {"group": unique_name}
+        )
+        == failures_before + 1
+    )
     commits = await committed(settings, unique_name, unique_name)
     assert commits[first[0].partition] == first[0].offset + 1
 
 
-async def test_offset_is_not_committed_while_the_handler_runs(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
+async def test_offset_is_not_committed_while_the_handler_runs(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
     event = document_events(1)[0]
     await producer.send(event, topic=unique_name)
     entered, release = asyncio.Event(), asyncio.Event()
@@ -193,7 +230,9 @@ async def test_offset_is_not_committed_while_the_handler_runs(settings: KafkaSet
         await release.wait()  # a database transaction that never gets to commit
 
     # Leaving cancels the stuck handler after the stop timeout; nothing was committed for it.
-    async with running(consumer_for(settings, unique_name, slow_handler, unique_name), stop_timeout_s=0.5):
+    async with running(
+        consumer_for(settings, unique_name, slow_handler, unique_name), stop_timeout_s=0.5
+    ):
         await asyncio.wait_for(entered.wait(), 30)
         assert set((await committed(settings, unique_name, unique_name)).values()) == {None}
     assert set((await committed(settings, unique_name, unique_name)).values()) == {None}
@@ -201,12 +240,16 @@ async def test_offset_is_not_committed_while_the_handler_runs(settings: KafkaSet
     # The next member of the group gets the same record again.
     recorder = Recorder()
     async with running(consumer_for(settings, unique_name, recorder, unique_name)):
-        await eventually(lambda: len(recorder.delivered()) == 1, what="redelivery to the next member")
+        await eventually(
+            lambda: len(recorder.delivered()) == 1, what="redelivery to the next member"
+        )
     assert recorder.delivered()[0].envelope == seen[0].envelope
     assert recorder.delivered()[0].offset == seen[0].offset
 
 
-async def test_stop_does_not_wait_for_an_idle_poll(settings: KafkaSettings, unique_name: str) -> None:
+async def test_stop_does_not_wait_for_an_idle_poll(
+    settings: KafkaSettings, unique_name: str
+) -> None:
     """A consumer waiting for records (here up to 60 s a poll) stops at once, not when its poll times out."""
     consumer = consumer_for(settings, unique_name, Recorder(), unique_name, poll_timeout_ms=60_000)
     await consumer.start()
@@ -228,17 +271,26 @@ async def test_two_consumers_split_partitions_without_duplicates(
         assert len(await a.wait_for_assignment()) == PARTITIONS
         for event in phase_one:
             await producer.send(event, topic=unique_name)
-        await eventually(lambda: len(first.delivered()) == 100, what="phase one on the single member")
+        await eventually(
+            lambda: len(first.delivered()) == 100, what="phase one on the single member"
+        )
 
         async with running(consumer_for(settings, unique_name, second, unique_name)) as b:
             await eventually(
-                lambda: a.assignment() and b.assignment() and len(a.assignment() | b.assignment()) == PARTITIONS,
+                lambda: (
+                    a.assignment()
+                    and b.assignment()
+                    and len(a.assignment() | b.assignment()) == PARTITIONS
+                ),
                 what="rebalance to two members",
             )
             assert not a.assignment() & b.assignment()
             for event in phase_two:
                 await producer.send(event, topic=unique_name)
-            await eventually(lambda: len(first.delivered()) + len(second.delivered()) == 200, what="phase two across both members")
+            await eventually(
+                lambda: len(first.delivered()) + len(second.delivered()) == 200,
+                what="phase two across both members",
+            )
             assignment_a, assignment_b = a.assignment(), b.assignment()
 
     ids = [e.envelope.event_id for e in first.delivered() + second.delivered()]
@@ -262,7 +314,9 @@ async def test_get_fresh_batch_collects_what_arrived_while_the_previous_batch_wa
     tp = TopicPartition(unique_name, 0)
     producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap, acks="all")
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.bootstrap, enable_auto_commit=False, fetch_max_wait_ms=settings.fetch_max_wait_ms
+        bootstrap_servers=settings.bootstrap,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
     )
     await producer.start()
     await consumer.start()
@@ -274,14 +328,18 @@ async def test_get_fresh_batch_collects_what_arrived_while_the_previous_batch_wa
         async def produce_while_busy() -> tuple[int, int]:
             """One record the consumer buffers, then one produced after it was buffered."""
             buffered = (await producer.send_and_wait(unique_name, b"buffered", partition=0)).offset
-            await eventually(lambda: (consumer.highwater(tp) or 0) > buffered, what="the first record fetched")
+            await eventually(
+                lambda: (consumer.highwater(tp) or 0) > buffered, what="the first record fetched"
+            )
             later = (await producer.send_and_wait(unique_name, b"later", partition=0)).offset
             return buffered, later
 
         buffered, _ = await produce_while_busy()
         plain = await consumer.getmany(timeout_ms=0)
         assert [record.offset for record in plain[tp]] == [buffered]
-        await consumer.getmany(timeout_ms=5000)  # the later record, so the next round starts from an empty buffer
+        await consumer.getmany(
+            timeout_ms=5000
+        )  # the later record, so the next round starts from an empty buffer
 
         buffered, later = await produce_while_busy()
         fresh = await get_fresh_batch(consumer, timeout_ms=0, max_records=100, top_up_ms=5000)
@@ -297,10 +355,16 @@ async def test_settings_validation() -> None:
         KafkaSettings(bootstrap="")
     with pytest.raises(ValueError):
         KafkaSettings(bootstrap="x:1", num_partitions=0)
-    with pytest.raises(ValueError, match="heartbeat_interval_ms \\(2000\\) must be below session_timeout_ms \\(2000\\)"):
+    with pytest.raises(
+        ValueError,
+        match="heartbeat_interval_ms \\(2000\\) must be below session_timeout_ms \\(2000\\)",
+    ):
         KafkaSettings(bootstrap="x:1", session_timeout_ms=2000, heartbeat_interval_ms=2000)
     settings = KafkaSettings(bootstrap="x:1")
-    assert (settings.session_timeout_ms, settings.heartbeat_interval_ms) == (10_000, 3_000)  # aiokafka's defaults
+    assert (settings.session_timeout_ms, settings.heartbeat_interval_ms) == (
+        10_000,
+        3_000,
+    )  # aiokafka's defaults
     with pytest.raises(ValueError, match="group_id"):
         BatchConsumer(settings, ["t"], Recorder())
     with pytest.raises(ValueError, match="dead-letter"):
@@ -332,16 +396,25 @@ async def test_a_refused_record_is_isolated_by_bisection_and_the_rest_applied_on
     settings: KafkaSettings, producer: EventProducer, unique_name: str
 ) -> None:
     events = document_events(8)
-    metadata = [await producer.send(event, topic=unique_name, key="acme:one-partition") for event in events]
+    metadata = [
+        await producer.send(event, topic=unique_name, key="acme:one-partition") for event in events
+    ]
     handler = PoisonRefuser("doc-5")
     before = REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) or 0.0
-    async with running(consumer_for(settings, unique_name, handler, unique_name, is_poison=_refused)):
+    async with running(
+        consumer_for(settings, unique_name, handler, unique_name, is_poison=_refused)
+    ):
         await eventually(lambda: len(handler.applied) == 7, what="the seven good records")
         commits = await committed(settings, unique_name, unique_name)
     assert handler.applied == [f"doc-{i}" for i in range(8) if i != 5]  # in order, each once
     assert commits[metadata[0].partition] == metadata[-1].offset + 1
-    assert REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) - before == 1
-    consumer = AIOKafkaConsumer(DEAD_LETTER, bootstrap_servers=settings.bootstrap, auto_offset_reset="earliest")
+    assert (
+        REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) - before
+        == 1
+    )
+    consumer = AIOKafkaConsumer(
+        DEAD_LETTER, bootstrap_servers=settings.bootstrap, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         letters = []
@@ -349,7 +422,9 @@ async def test_a_refused_record_is_isolated_by_bisection_and_the_rest_applied_on
             while not letters:
                 for records in (await consumer.getmany(timeout_ms=200)).values():
                     letters += [
-                        letter for letter in (DeadLetter.model_validate_json(r.value) for r in records) if letter.topic == unique_name
+                        letter
+                        for letter in (DeadLetter.model_validate_json(r.value) for r in records)
+                        if letter.topic == unique_name
                     ]
     finally:
         await consumer.stop()
@@ -359,13 +434,19 @@ async def test_a_refused_record_is_isolated_by_bisection_and_the_rest_applied_on
     assert letter.error == f"refused by the {unique_name} handler: ValueError"
 
 
-async def test_a_failure_that_is_not_the_datas_is_retried_whole(settings: KafkaSettings, producer: EventProducer, unique_name: str) -> None:
+async def test_a_failure_that_is_not_the_datas_is_retried_whole(
+    settings: KafkaSettings, producer: EventProducer, unique_name: str
+) -> None:
     events = document_events(4)
     for event in events:
         await producer.send(event, topic=unique_name, key="acme:one-partition")
     recorder = Recorder(fail_times=2)
-    async with running(consumer_for(settings, unique_name, recorder, unique_name, is_poison=_refused)):
-        await eventually(lambda: len(recorder.delivered()) == 4, what="the batch after two transient failures")
+    async with running(
+        consumer_for(settings, unique_name, recorder, unique_name, is_poison=_refused)
+    ):
+        await eventually(
+            lambda: len(recorder.delivered()) == 4, what="the batch after two transient failures"
+        )
     # RuntimeError is not the data's: no bisection, the same records came back until they went through.
     assert [e.envelope.event_id for e in recorder.delivered()] == [e.event_id for e in events]
     assert recorder.calls[0][0].offset == recorder.calls[1][0].offset == recorder.calls[2][0].offset
@@ -403,7 +484,9 @@ async def test_a_failed_batch_also_rewinds_the_batch_prefetched_meanwhile(
             return
         sent = [await producer.send(event, topic=unique_name, key=later_key) for event in later]
         tp = TopicPartition(unique_name, sent[0].partition)
-        assert tp.partition != first_partition, "the prefetched records must be on another partition than the failed batch"
+        assert tp.partition != first_partition, (
+            "the prefetched records must be on another partition than the failed batch"
+        )
 
         async def prefetched() -> bool:
             # The consumer's fetch position: past the last record once a poll has returned it.
@@ -413,10 +496,16 @@ async def test_a_failed_batch_also_rewinds_the_batch_prefetched_meanwhile(
         raise RuntimeError("simulated database failure")
 
     recorder = Recorder(fail_times=1)
-    consumer = consumer_for(settings, unique_name, fail_once_after_prefetch, unique_name, initial_backoff_s=0.1)
+    consumer = consumer_for(
+        settings, unique_name, fail_once_after_prefetch, unique_name, initial_backoff_s=0.1
+    )
     async with running(consumer):
-        await eventually(lambda: len(recorder.delivered()) >= 4, what="every record after the failure")
+        await eventually(
+            lambda: len(recorder.delivered()) >= 4, what="every record after the failure"
+        )
     assert [e.envelope.event_id for e in recorder.calls[0]] == [first.event_id]
     delivered = [e.envelope.event_id for e in recorder.delivered()]
     assert sorted(map(str, delivered)) == sorted(str(e.event_id) for e in [first, *later])
-    assert [i for i in delivered if i != first.event_id] == [e.event_id for e in later]  # in partition order
+    assert [i for i in delivered if i != first.event_id] == [
+        e.event_id for e in later
+    ]  # in partition order

@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT_CLASSES = {"AIOKafkaProducer", "AIOKafkaConsumer", "AIOKafkaAdminClient"}
 
 
-def _pem_pair(directory: Path, name: str, issuer_key=None, issuer_name=None, is_ca: bool = False) -> tuple[Path, Path, object, x509.Name]:
+def _pem_pair(
+    directory: Path, name: str, issuer_key=None, issuer_name=None, is_ca: bool = False
+) -> tuple[Path, Path, object, x509.Name]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -48,7 +50,13 @@ def _pem_pair(directory: Path, name: str, issuer_key=None, issuer_name=None, is_
     certificate = builder.sign(issuer_key or key, hashes.SHA256())
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert_path, key_path, key, subject
 
 
@@ -125,18 +133,43 @@ def test_mtls_context_loads_the_client_certificate(pki):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"security_protocol": "SASL_SSL", "sasl_username": "u", "sasl_password": "p"}, "needs a sasl_mechanism"),
-        ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN", "sasl_username": "u"}, "needs sasl_username and sasl_password"),
         (
-            {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_password": "p"},
+            {"security_protocol": "SASL_SSL", "sasl_username": "u", "sasl_password": "p"},
+            "needs a sasl_mechanism",
+        ),
+        (
+            {
+                "security_protocol": "SASL_PLAINTEXT",
+                "sasl_mechanism": "PLAIN",
+                "sasl_username": "u",
+            },
             "needs sasl_username and sasl_password",
         ),
         (
-            {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": ""},
+            {
+                "security_protocol": "SASL_SSL",
+                "sasl_mechanism": "SCRAM-SHA-512",
+                "sasl_password": "p",
+            },
             "needs sasl_username and sasl_password",
         ),
-        ({"sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p"}, "SASL settings need security_protocol"),
-        ({"security_protocol": "SSL", "ssl_cafile": "/nonexistent/ca.pem"}, "ssl_cafile /nonexistent/ca.pem does not exist"),
+        (
+            {
+                "security_protocol": "SASL_SSL",
+                "sasl_mechanism": "PLAIN",
+                "sasl_username": "u",
+                "sasl_password": "",
+            },
+            "needs sasl_username and sasl_password",
+        ),
+        (
+            {"sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p"},
+            "SASL settings need security_protocol",
+        ),
+        (
+            {"security_protocol": "SSL", "ssl_cafile": "/nonexistent/ca.pem"},
+            "ssl_cafile /nonexistent/ca.pem does not exist",
+        ),
         (
             {
                 "security_protocol": "SASL_PLAINTEXT",
@@ -147,23 +180,42 @@ def test_mtls_context_loads_the_client_certificate(pki):
             },
             "ssl_\\* files need security_protocol SSL",
         ),
-        ({"security_protocol": "SSL", "ssl_certfile": "CERT"}, "needs both ssl_certfile and ssl_keyfile"),
-        ({"security_protocol": "TLS"}, "Input should be 'PLAINTEXT', 'SSL', 'SASL_PLAINTEXT' or 'SASL_SSL'"),
         (
-            {"security_protocol": "SASL_SSL", "sasl_mechanism": "GSSAPI", "sasl_username": "u", "sasl_password": "p"},
+            {"security_protocol": "SSL", "ssl_certfile": "CERT"},
+            "needs both ssl_certfile and ssl_keyfile",
+        ),
+        (
+            {"security_protocol": "TLS"},
+            "Input should be 'PLAINTEXT', 'SSL', 'SASL_PLAINTEXT' or 'SASL_SSL'",
+        ),
+        (
+            {
+                "security_protocol": "SASL_SSL",
+                "sasl_mechanism": "GSSAPI",
+                "sasl_username": "u",
+                "sasl_password": "p",
+            },
             "Input should be 'PLAIN'",
         ),
     ],
 )
 def test_inconsistent_settings_are_refused(pki, fields, message):
     files = {"CA": str(pki["ca"]), "CERT": str(pki["client_cert"])}
-    fields = {name: files.get(value, value) if isinstance(value, str) else value for name, value in fields.items()}
+    fields = {
+        name: files.get(value, value) if isinstance(value, str) else value
+        for name, value in fields.items()
+    }
     with pytest.raises(ValueError, match=message):
         KafkaSettings(bootstrap="127.0.0.1:9092", **fields)
 
 
 def test_sasl_plaintext_to_a_remote_broker_is_warned_about(caplog):
-    sasl = {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-256", "sasl_username": "u", "sasl_password": "p"}
+    sasl = {
+        "security_protocol": "SASL_PLAINTEXT",
+        "sasl_mechanism": "SCRAM-SHA-256",
+        "sasl_username": "u",
+        "sasl_password": "p",
+    }
     with caplog.at_level(logging.WARNING, logger="events.kafka"):
         KafkaSettings(bootstrap="127.0.0.1:9092,localhost:9093,[::1]:9094", **sasl)
         assert caplog.records == []
@@ -185,22 +237,43 @@ def test_node_and_coordinator_take_the_shared_and_their_own_variables(monkeypatc
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__SASL_USERNAME", "coordinator")
     node = node_kafka_settings(NodeSettings(node_id="node-7"))
     coordinator = coordinator_kafka_settings(CoordinatorSettings())
-    assert (node.security_protocol, node.sasl_mechanism, node.ssl_cafile) == ("SASL_SSL", "SCRAM-SHA-512", pki["ca"])
-    assert (node.sasl_username, node.sasl_password.get_secret_value()) == ("node-7", "node-password")
-    assert (coordinator.security_protocol, coordinator.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
-    assert (coordinator.sasl_username, coordinator.sasl_password.get_secret_value()) == ("coordinator", "shared-password")
+    assert (node.security_protocol, node.sasl_mechanism, node.ssl_cafile) == (
+        "SASL_SSL",
+        "SCRAM-SHA-512",
+        pki["ca"],
+    )
+    assert (node.sasl_username, node.sasl_password.get_secret_value()) == (
+        "node-7",
+        "node-password",
+    )
+    assert (coordinator.security_protocol, coordinator.sasl_mechanism) == (
+        "SASL_SSL",
+        "SCRAM-SHA-512",
+    )
+    assert (coordinator.sasl_username, coordinator.sasl_password.get_secret_value()) == (
+        "coordinator",
+        "shared-password",
+    )
     assert kafka_client_kwargs(node)["sasl_plain_username"] == "node-7"
 
 
 def test_the_nodes_consumer_timing_reaches_its_kafka_settings(monkeypatch):
     """The node's command consumer joins a group of its own: the coordinator's timing settings, its own variables."""
     defaults = node_kafka_settings(NodeSettings(kafka_bootstrap="127.0.0.1:9092"))
-    assert (defaults.session_timeout_ms, defaults.heartbeat_interval_ms, defaults.fetch_max_wait_ms) == (10_000, 3_000, 5)
+    assert (
+        defaults.session_timeout_ms,
+        defaults.heartbeat_interval_ms,
+        defaults.fetch_max_wait_ms,
+    ) == (10_000, 3_000, 5)
     monkeypatch.setenv("KVLEDGER_NODE_KAFKA__SESSION_TIMEOUT_MS", "2000")
     monkeypatch.setenv("KVLEDGER_NODE_KAFKA__HEARTBEAT_INTERVAL_MS", "500")
     monkeypatch.setenv("KVLEDGER_NODE_KAFKA__FETCH_MAX_WAIT_MS", "50")
     config = node_kafka_settings(NodeSettings(kafka_bootstrap="127.0.0.1:9092"))
-    assert (config.session_timeout_ms, config.heartbeat_interval_ms, config.fetch_max_wait_ms) == (2000, 500, 50)
+    assert (config.session_timeout_ms, config.heartbeat_interval_ms, config.fetch_max_wait_ms) == (
+        2000,
+        500,
+        50,
+    )
 
 
 def test_invalid_environment_fails_at_startup(monkeypatch):
@@ -216,7 +289,11 @@ def _client_constructions(path: Path) -> list[tuple[int, str, bool]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call):
-            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            name = (
+                node.func.id
+                if isinstance(node.func, ast.Name)
+                else getattr(node.func, "attr", None)
+            )
             if name in CLIENT_CLASSES:
                 uses_kwargs = any(
                     keyword.arg is None
@@ -236,10 +313,19 @@ def _client_constructions(path: Path) -> list[tuple[int, str, bool]]:
 
 def test_every_kafka_client_is_built_with_the_security_kwargs():
     """No producer, consumer or admin client of the code base connects around the configured SASL/TLS."""
-    sources = [path for package in ("events", "gpu_node", "coordinator", "kvledger", "bench") for path in (ROOT / package).rglob("*.py")]
-    constructions = {path.relative_to(ROOT).as_posix(): _client_constructions(path) for path in sources}
+    sources = [
+        path
+        for package in ("events", "gpu_node", "coordinator", "kvledger", "bench")
+        for path in (ROOT / package).rglob("*.py")
+    ]
+    constructions = {
+        path.relative_to(ROOT).as_posix(): _client_constructions(path) for path in sources
+    }
     constructions = {path: found for path, found in constructions.items() if found}
-    bypassing = {path: [(line, name) for line, name, ok in found if not ok] for path, found in constructions.items()}
+    bypassing = {
+        path: [(line, name) for line, name, ok in found if not ok]
+        for path, found in constructions.items()
+    }
     assert {path: found for path, found in bypassing.items() if found} == {}
     # The check sees the clients it is meant to see.
     assert {

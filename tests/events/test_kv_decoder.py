@@ -62,7 +62,9 @@ NAMES = st.one_of(
 COUNTS = st.one_of(st.integers(0, MAX_SAFE_INT), st.sampled_from([0, MAX_SAFE_INT]))
 SMALL_COUNTS = st.one_of(st.integers(0, MAX_INT32), st.sampled_from([0, MAX_INT32]))
 HEXES = st.binary(min_size=16, max_size=64).map(bytes.hex)
-OFFSETS = st.sampled_from([UTC, timezone(timedelta(hours=5, minutes=30)), timezone(timedelta(hours=-23, minutes=-59))])
+OFFSETS = st.sampled_from(
+    [UTC, timezone(timedelta(hours=5, minutes=30)), timezone(timedelta(hours=-23, minutes=-59))]
+)
 DATETIMES = st.builds(
     lambda moment, tz: moment.replace(tzinfo=tz),
     st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30)),
@@ -76,7 +78,9 @@ def _node(draw) -> dict:
 
 
 @st.composite
-def provenances(draw, model: type[BlockProvenance] = BlockProvenance, block_hash: str | None = None) -> BlockProvenance:
+def provenances(
+    draw, model: type[BlockProvenance] = BlockProvenance, block_hash: str | None = None
+) -> BlockProvenance:
     scope = draw(st.sampled_from(["public", "tenant", "user"]))
     subject = draw(HEXES) if scope == "user" else None
     owned = scope != "public"
@@ -109,7 +113,11 @@ def inventories(draw) -> Inventory:
     chunks = draw(st.integers(1, MAX_INT32))
     defaults = {}
     if draw(st.booleans()):
-        defaults = {"request_id": draw(st.uuids()), "chunk": draw(st.integers(0, chunks - 1)), "chunks": chunks}
+        defaults = {
+            "request_id": draw(st.uuids()),
+            "chunk": draw(st.integers(0, chunks - 1)),
+            "chunks": chunks,
+        }
     return Inventory(**_node(draw), placements=placements, blocks=blocks, **defaults)
 
 
@@ -133,7 +141,12 @@ def usages(draw) -> UsageReported:
 def snapshots(draw) -> SnapshotWritten:
     parts = draw(st.integers(1, MAX_INT32))
     split = {"part": draw(st.integers(0, parts - 1)), "parts": parts} if draw(st.booleans()) else {}
-    return SnapshotWritten(**_node(draw), snapshot_id=draw(NAMES), block_hashes=draw(st.lists(HEXES, max_size=4)), **split)
+    return SnapshotWritten(
+        **_node(draw),
+        snapshot_id=draw(NAMES),
+        block_hashes=draw(st.lists(HEXES, max_size=4)),
+        **split,
+    )
 
 
 @st.composite
@@ -152,14 +165,19 @@ PAYLOADS = st.one_of(
     node_events(BlockStored, blocks=st.lists(provenances(StoredBlock), min_size=1, max_size=3)),
     node_events(
         BlockRemoved,
-        blocks=st.lists(st.builds(RemovedBlock, block_hash=HEXES, tier=st.sampled_from(STORAGE_TIERS)), min_size=1, max_size=3),
+        blocks=st.lists(
+            st.builds(RemovedBlock, block_hash=HEXES, tier=st.sampled_from(STORAGE_TIERS)),
+            min_size=1,
+            max_size=3,
+        ),
         reason=st.sampled_from(["evicted", "expired", "invalidated", "restore_failed", "replaced"]),
     ),
     node_events(BlockMoved, blocks=st.lists(moves(), min_size=1, max_size=3)),
     snapshots(),
     node_events(SnapshotDeleted, snapshot_id=NAMES),
     inventories(),
-    st.builds(NodeHeartbeat, node_id=NAMES, epoch=COUNTS, seq=st.none() | COUNTS) | st.builds(NodeHeartbeat, node_id=NAMES, epoch=COUNTS),
+    st.builds(NodeHeartbeat, node_id=NAMES, epoch=COUNTS, seq=st.none() | COUNTS)
+    | st.builds(NodeHeartbeat, node_id=NAMES, epoch=COUNTS),
     usages(),
 )
 
@@ -179,7 +197,10 @@ def assert_identical(fast: Any, slow: Any, path: str = "") -> None:
     if isinstance(slow, BaseModel):
         assert list(fast.__dict__) == list(slow.__dict__), path
         assert fast.__pydantic_fields_set__ == slow.__pydantic_fields_set__, path
-        assert fast.__pydantic_extra__ == slow.__pydantic_extra__ and fast.__pydantic_private__ == slow.__pydantic_private__, path
+        assert (
+            fast.__pydantic_extra__ == slow.__pydantic_extra__
+            and fast.__pydantic_private__ == slow.__pydantic_private__
+        ), path
         for name, value in slow.__dict__.items():
             assert_identical(fast.__dict__[name], value, f"{path}.{name}")
     elif isinstance(slow, list | tuple):
@@ -187,7 +208,11 @@ def assert_identical(fast: Any, slow: Any, path: str = "") -> None:
         for i, (each_fast, each_slow) in enumerate(zip(fast, slow, strict=True)):
             assert_identical(each_fast, each_slow, f"{path}[{i}]")
     elif isinstance(slow, datetime):
-        assert (fast, fast.utcoffset(), type(fast.tzinfo)) == (slow, slow.utcoffset(), type(slow.tzinfo)), path
+        assert (fast, fast.utcoffset(), type(fast.tzinfo)) == (
+            slow,
+            slow.utcoffset(),
+            type(slow.tzinfo),
+        ), path
     else:
         assert fast == slow, path
 
@@ -201,7 +226,9 @@ def _parsed(raw: bytes) -> Envelope | str:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(envelope=envelopes())
-def test_every_valid_kv_event_takes_the_fast_path_to_the_contracts_object(envelope: Envelope) -> None:
+def test_every_valid_kv_event_takes_the_fast_path_to_the_contracts_object(
+    envelope: Envelope,
+) -> None:
     raw = encode_event(envelope)
     fast = kv_decoder.decode_fast(raw)
     assert fast is not None, "a valid kv-events record must not need the fallback"
@@ -300,29 +327,43 @@ def mutated(draw) -> bytes:
     document = json.loads(encode_event(draw(envelopes())))
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(_paths(document)))
-        kind = draw(st.sampled_from(["replace", "replace", "delete", "extra", "oversize", "duplicate"]))
+        kind = draw(
+            st.sampled_from(["replace", "replace", "delete", "extra", "oversize", "duplicate"])
+        )
         target = _at(document, path)
         if kind == "replace" and path:
-            _at(document, path[:-1])[path[-1]] = copy.deepcopy(draw(st.sampled_from(HOSTILE_VALUES)))
+            _at(document, path[:-1])[path[-1]] = copy.deepcopy(
+                draw(st.sampled_from(HOSTILE_VALUES))
+            )
         elif kind == "delete" and path:
             del _at(document, path[:-1])[path[-1]]
         elif kind == "extra" and isinstance(target, dict):
-            target[draw(st.sampled_from(["extra", "TYPE", "blocks", "signature", "part"]))] = draw(st.sampled_from(HOSTILE_VALUES))
+            target[draw(st.sampled_from(["extra", "TYPE", "blocks", "signature", "part"]))] = draw(
+                st.sampled_from(HOSTILE_VALUES)
+            )
         elif kind == "oversize" and isinstance(target, list) and target:
             limit = draw(st.sampled_from([MAX_LIST_ITEMS, MAX_BLOCKS_PER_EVENT]))
-            target[:] = [copy.deepcopy(target[0]) for _ in range(limit + draw(st.sampled_from([0, 1])))]
+            target[:] = [
+                copy.deepcopy(target[0]) for _ in range(limit + draw(st.sampled_from([0, 1])))
+            ]
         elif kind == "duplicate" and isinstance(target, list) and target:
             target.append(copy.deepcopy(target[0]))
     return json.dumps(document, ensure_ascii=draw(st.booleans())).encode()
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=800,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(raw=mutated())
 def test_a_mutated_record_is_refused_alike_or_accepted_alike(raw: bytes) -> None:
     slow = _parsed(raw)
     fast = kv_decoder.decode_fast(raw)
     if fast is not None:
-        assert not isinstance(slow, str), f"the fast path accepted what the contract refuses ({slow})"
+        assert not isinstance(slow, str), (
+            f"the fast path accepted what the contract refuses ({slow})"
+        )
         assert_identical(fast, slow)
         assert signed_bytes(fast) == signed_bytes(slow)
     try:
@@ -330,7 +371,9 @@ def test_a_mutated_record_is_refused_alike_or_accepted_alike(raw: bytes) -> None
     except EventValidationError as refused:
         decoded = f"refused: {refused}"
     if isinstance(slow, str):
-        assert decoded == slow, "a refusal must carry the contract's own message (what the dead letter says)"
+        assert decoded == slow, (
+            "a refusal must carry the contract's own message (what the dead letter says)"
+        )
     else:
         assert_identical(decoded, slow)
 
@@ -409,7 +452,9 @@ def test_the_compiled_types_are_exactly_the_kv_events_topics() -> None:
     for event_type in kv_decoder.FAST_TYPES:
         model = EVENT_TYPES[event_type]
         struct, _ = kv_decoder._compiled(model)
-        assert struct.__struct_fields__ == tuple(model.model_fields), f"{event_type}: struct fields drifted from the model"
+        assert struct.__struct_fields__ == tuple(model.model_fields), (
+            f"{event_type}: struct fields drifted from the model"
+        )
 
 
 class _Lax(BaseModel):
@@ -447,7 +492,9 @@ class _Stripped(BaseModel):
 
 
 @pytest.mark.parametrize("model", [_Lax, _Before, _Coerced, _Open, _Float, _Stripped])
-def test_a_contract_construct_without_an_exact_compiled_form_fails_the_generator(model: type[BaseModel]) -> None:
+def test_a_contract_construct_without_an_exact_compiled_form_fails_the_generator(
+    model: type[BaseModel],
+) -> None:
     """A change to the contract that the decoder could not honour exactly stops the import, not a record."""
     with pytest.raises(AssertionError):
         kv_decoder._compiled(model)

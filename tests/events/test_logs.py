@@ -26,7 +26,9 @@ from events.logs import (
     uvicorn_log_config,
 )
 
-ERROR_BODY = b'{"error":{"message":"internal server error","type":"server_error","code":"internal_error"}}'
+ERROR_BODY = (
+    b'{"error":{"message":"internal server error","type":"server_error","code":"internal_error"}}'
+)
 
 
 @pytest.fixture
@@ -62,7 +64,12 @@ def make_app(observed: list[tuple]) -> FastAPI:
     async def boom() -> None:
         raise RuntimeError("broken invariant")
 
-    app.add_middleware(RequestIdMiddleware, access_logger="test.access", error_body=ERROR_BODY, observe=lambda *args: observed.append(args))
+    app.add_middleware(
+        RequestIdMiddleware,
+        access_logger="test.access",
+        error_body=ERROR_BODY,
+        observe=lambda *args: observed.append(args),
+    )
     return app
 
 
@@ -77,14 +84,18 @@ def test_a_short_plain_request_id_is_kept(good: str) -> None:
     assert request_id_from(good) == good
 
 
-@pytest.mark.parametrize("bad", [None, "", "A" * (MAX_REQUEST_ID_CHARS + 1), "a b", "x\ny", 'q"uote', "é", "a/b"])
+@pytest.mark.parametrize(
+    "bad", [None, "", "A" * (MAX_REQUEST_ID_CHARS + 1), "a b", "x\ny", 'q"uote', "é", "a/b"]
+)
 def test_any_other_request_id_is_replaced_by_a_fresh_one(bad: str | None) -> None:
     fresh = request_id_from(bad)
     assert fresh != bad and len(fresh) == 32 and int(fresh, 16) >= 0
     assert request_id_from(bad) != fresh
 
 
-def test_log_format_defaults_to_text_and_refuses_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_log_format_defaults_to_text_and_refuses_unknown_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("KVLEDGER_LOG_FORMAT", raising=False)
     assert log_format() == "text"
     monkeypatch.setenv("KVLEDGER_LOG_FORMAT", "JSON")
@@ -94,24 +105,40 @@ def test_log_format_defaults_to_text_and_refuses_unknown_values(monkeypatch: pyt
         log_format()
 
 
-async def test_request_id_is_echoed_and_in_every_line_of_the_request(json_lines: io.StringIO) -> None:
+async def test_request_id_is_echoed_and_in_every_line_of_the_request(
+    json_lines: io.StringIO,
+) -> None:
     observed: list[tuple] = []
-    response = await request(make_app(observed), "GET", "/items/42?subject=carol-7f3a", headers={"X-Request-Id": "trace-77"})
+    response = await request(
+        make_app(observed),
+        "GET",
+        "/items/42?subject=carol-7f3a",
+        headers={"X-Request-Id": "trace-77"},
+    )
     assert response.status_code == 200
     assert response.headers["x-request-id"] == "trace-77"
     lines = [line for line in parsed(json_lines) if line["logger"].startswith("test.")]
-    assert [(line["logger"], line["request_id"]) for line in lines] == [("test.handler", "trace-77"), ("test.access", "trace-77")]
+    assert [(line["logger"], line["request_id"]) for line in lines] == [
+        ("test.handler", "trace-77"),
+        ("test.access", "trace-77"),
+    ]
     assert lines[1]["message"].startswith("GET /items/42 200 ")
     # Server-side lines only: the test's own HTTP client (httpx) logs the URL it requested.
-    server_lines = [line for line in parsed(json_lines) if not line["logger"].startswith(("httpx", "httpcore"))]
+    server_lines = [
+        line for line in parsed(json_lines) if not line["logger"].startswith(("httpx", "httpcore"))
+    ]
     assert "carol-7f3a" not in json.dumps(server_lines)  # the query string never reaches a log line
     assert [args[:3] for args in observed] == [("GET", "/items/{item_id}", 200)]
     logging.getLogger("test.outside").info("after the request")
     assert parsed(json_lines)[-1]["request_id"] == "-"
 
 
-async def test_a_forged_request_id_is_replaced_and_the_fresh_one_echoed(json_lines: io.StringIO) -> None:
-    response = await request(make_app([]), "GET", "/items/1", headers={"X-Request-Id": "evil id; level=ERROR"})
+async def test_a_forged_request_id_is_replaced_and_the_fresh_one_echoed(
+    json_lines: io.StringIO,
+) -> None:
+    response = await request(
+        make_app([]), "GET", "/items/1", headers={"X-Request-Id": "evil id; level=ERROR"}
+    )
     fresh = response.headers["x-request-id"]
     assert len(fresh) == 32 and fresh != "evil id; level=ERROR"
     access = [line for line in parsed(json_lines) if line["logger"] == "test.access"]
@@ -127,7 +154,9 @@ async def test_unhandled_errors_answer_500_with_the_request_id(json_lines: io.St
     assert [args[:3] for args in observed] == [("GET", "/boom", 500)]
 
 
-async def test_answered_requests_to_a_quiet_path_are_not_access_lines_at_info(json_lines: io.StringIO) -> None:
+async def test_answered_requests_to_a_quiet_path_are_not_access_lines_at_info(
+    json_lines: io.StringIO,
+) -> None:
     """A path machines poll several times a second: its answers go to DEBUG, its refusals and every other path to INFO."""
     app = FastAPI()
 
@@ -135,10 +164,19 @@ async def test_answered_requests_to_a_quiet_path_are_not_access_lines_at_info(js
     async def load(refuse: bool = False) -> JSONResponse:
         return JSONResponse({}, status_code=401 if refuse else 200)
 
-    app.add_middleware(RequestIdMiddleware, access_logger="test.access", error_body=ERROR_BODY, quiet_paths=frozenset({"/load"}))
+    app.add_middleware(
+        RequestIdMiddleware,
+        access_logger="test.access",
+        error_body=ERROR_BODY,
+        quiet_paths=frozenset({"/load"}),
+    )
     for path in ("/load", "/load?refuse=true", "/other"):
         await request(app, "GET", path)
-    access = [line["message"].rsplit(" ", 1)[0] for line in parsed(json_lines) if line["logger"] == "test.access"]
+    access = [
+        line["message"].rsplit(" ", 1)[0]
+        for line in parsed(json_lines)
+        if line["logger"] == "test.access"
+    ]
     assert access == ["GET /load 401", "GET /other 404"]
 
 
@@ -155,16 +193,23 @@ async def test_unknown_routes_and_methods_keep_the_metric_labels_bounded() -> No
     app = make_app(observed)
     assert (await request(app, "GET", "/no/such/path-with-an-id-123")).status_code == 404
     assert (await request(app, "BREW", "/items/1")).status_code == 405
-    assert [args[:3] for args in observed] == [("GET", "unmatched", 404), ("other", "/items/{item_id}", 405)]
+    assert [args[:3] for args in observed] == [
+        ("GET", "unmatched", 404),
+        ("other", "/items/{item_id}", 405),
+    ]
 
 
-def test_configure_logging_writes_one_json_object_per_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_configure_logging_writes_one_json_object_per_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
     monkeypatch.setenv("KVLEDGER_LOG_FORMAT", "json")
     try:
         configure_logging()
-        logging.config.dictConfig(uvicorn_log_config())  # what uvicorn does with the servers' log_config
+        logging.config.dictConfig(
+            uvicorn_log_config()
+        )  # what uvicorn does with the servers' log_config
         logging.getLogger("uvicorn.error").info("Uvicorn running")
         try:
             raise ValueError("multi\nline")
@@ -202,7 +247,15 @@ def test_text_format_carries_the_request_id() -> None:
 def test_a_bad_log_format_is_a_one_line_configuration_error(command: str) -> None:
     env = {**os.environ, "KVLEDGER_LOG_FORMAT": "xml"}
     result = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", command], env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "kvledger.cli", command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 2
-    assert result.stderr == f"kvledger {command}: error: KVLEDGER_LOG_FORMAT must be one of text, json, not 'xml'\n"
+    assert (
+        result.stderr
+        == f"kvledger {command}: error: KVLEDGER_LOG_FORMAT must be one of text, json, not 'xml'\n"
+    )

@@ -26,7 +26,14 @@ from events.codec import encode_event
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
-from events.record_size import MAX_KEY_BYTES, MAX_RECORD_BYTES, MAX_REQUEST_BYTES, envelope_bytes, request_bytes, split_to_fit
+from events.record_size import (
+    MAX_KEY_BYTES,
+    MAX_RECORD_BYTES,
+    MAX_REQUEST_BYTES,
+    envelope_bytes,
+    request_bytes,
+    split_to_fit,
+)
 from events.schema import (
     MAX_ACK_PARTS,
     MAX_BLOCKS_PER_EVENT,
@@ -52,10 +59,14 @@ def signed_bytes_of(payload) -> int:
 
 
 @pytest.fixture(scope="module")
-async def kafka_bootstrap(kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+async def kafka_bootstrap(
+    kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
     """This module's own broker: a megabyte of non-JSON on ``kvledger.acks`` would be dead-lettered by every later
     module's coordinator on the shared one (``helpers.ledger.own_broker``)."""
-    async with own_broker(kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")) as bootstrap:
+    async with own_broker(
+        kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")
+    ) as bootstrap:
         yield bootstrap
 
 
@@ -72,7 +83,9 @@ def test_the_largest_record_value_passes_the_producers_check_exactly():
 async def test_a_record_at_the_limit_is_delivered_and_one_byte_more_is_refused(kafka_bootstrap):
     settings = KafkaSettings(bootstrap=kafka_bootstrap)
     await ensure_topics(settings)
-    key = ("\U0001f511" * MAX_ID_CHARS).encode()  # a node id of 256 four-byte characters: the longest key
+    key = (
+        "\U0001f511" * MAX_ID_CHARS
+    ).encode()  # a node id of 256 four-byte characters: the longest key
     assert len(key) == MAX_KEY_BYTES
     marker = uuid.uuid4().hex.encode()
     value = marker + b"x" * (MAX_RECORD_BYTES - len(marker))
@@ -93,7 +106,9 @@ async def test_a_record_at_the_limit_is_delivered_and_one_byte_more_is_refused(k
 
 def test_envelope_bytes_is_the_signed_record_at_its_longest():
     payload = CommandAck(command_id=uuid.uuid4(), node_id="n-1", epoch=MAX_SAFE_INT, evidence=[])
-    envelope = make_event(payload).model_copy(update={"occurred_at": datetime(2026, 12, 3, 10, 0, 0, 123456, tzinfo=UTC)})
+    envelope = make_event(payload).model_copy(
+        update={"occurred_at": datetime(2026, 12, 3, 10, 0, 0, 123456, tzinfo=UTC)}
+    )
     assert envelope_bytes(payload) == len(encode_event(SIGN(envelope)))
     stamped_now = make_event(payload)
     assert len(encode_event(SIGN(stamped_now))) <= envelope_bytes(payload)
@@ -123,7 +138,11 @@ def test_a_run_that_fits_exactly_is_one_record_and_one_byte_less_room_splits_it(
 
 def test_an_item_larger_than_the_limit_alone_is_a_run_of_its_own_for_the_writer_to_refuse():
     size_of = sizes_of([10, 5000, 10], 0)
-    assert split_to_fit([10, 5000, 10], size_of, max_items=10, max_bytes=100) == [[10], [5000], [10]]
+    assert split_to_fit([10, 5000, 10], size_of, max_items=10, max_bytes=100) == [
+        [10],
+        [5000],
+        [10],
+    ]
     with pytest.raises(ValueError):
         split_to_fit([1], size_of, max_items=0, max_bytes=100)
 
@@ -140,7 +159,11 @@ def test_every_run_is_the_longest_that_fits():
         start = 0
         for run in runs:
             longest = 1
-            while start + longest < len(items) and longest < max_items and size_of(items[start : start + longest + 1]) <= max_bytes:
+            while (
+                start + longest < len(items)
+                and longest < max_items
+                and size_of(items[start : start + longest + 1]) <= max_bytes
+            ):
                 longest += 1
             assert len(run) == longest
             start += len(run)
@@ -154,7 +177,12 @@ def hashes(count: int, digest=hashlib.sha256, label: str = "b") -> list[str]:
 
 
 def test_an_ack_that_fits_is_one_record_encoded_as_before():
-    (single,) = ack_parts(uuid.uuid4(), "n-1", 3, [TierReport(Tier.DEVICE, hashes(10), "overwrite", "readback_zero", True)])
+    (single,) = ack_parts(
+        uuid.uuid4(),
+        "n-1",
+        3,
+        [TierReport(Tier.DEVICE, hashes(10), "overwrite", "readback_zero", True)],
+    )
     assert (single.ack_id, single.part, single.parts) == (None, 0, 1)
     assert set(single.model_dump(mode="json")) == {"command_id", "node_id", "epoch", "evidence"}
     (empty,) = ack_parts(uuid.uuid4(), "n-1", 3, [])
@@ -167,35 +195,66 @@ def test_an_ack_of_100k_hashes_is_split_into_parts_that_fit_and_merge_back():
     reports = [
         TierReport(Tier.DEVICE, listed[:40_000], "overwrite", "readback_zero", True),
         TierReport(Tier.HOST, listed[40_000:70_000], "overwrite", "readback_zero", True),
-        TierReport(Tier.DISK, listed[70_000:], "crypto_erase", "key_destroyed", True, ["k" * MAX_ID_CHARS, "key-2"]),
+        TierReport(
+            Tier.DISK,
+            listed[70_000:],
+            "crypto_erase",
+            "key_destroyed",
+            True,
+            ["k" * MAX_ID_CHARS, "key-2"],
+        ),
         TierReport(Tier.SNAPSHOT, [], "unlink", "file_absent", False),
     ]
     parts = ack_parts(command_id, node_id, 7, reports)
-    assert len(parts) == -(-(100_000 + 2 + 4) // MAX_HASHES_PER_EVENT)  # here the count binds, not the bytes
+    assert len(parts) == -(
+        -(100_000 + 2 + 4) // MAX_HASHES_PER_EVENT
+    )  # here the count binds, not the bytes
     assert {part.ack_id for part in parts} != {None} and len({part.ack_id for part in parts}) == 1
-    assert [(part.part, part.parts) for part in parts] == [(i, len(parts)) for i in range(len(parts))]
-    assert max(signed_bytes_of(part) for part in parts) <= MAX_RECORD_BYTES
-    merged = merge_evidence([item.model_dump(mode="json") for item in part.evidence] for part in parts)
-    assert [(m["tier"], m["block_hashes"], m["removed"], m["key_ids"], m["verified"]) for m in merged] == [
-        (r.tier, r.block_hashes, r.removed, r.key_ids, r.verified) for r in reports
+    assert [(part.part, part.parts) for part in parts] == [
+        (i, len(parts)) for i in range(len(parts))
     ]
+    assert max(signed_bytes_of(part) for part in parts) <= MAX_RECORD_BYTES
+    merged = merge_evidence(
+        [item.model_dump(mode="json") for item in part.evidence] for part in parts
+    )
+    assert [
+        (m["tier"], m["block_hashes"], m["removed"], m["key_ids"], m["verified"]) for m in merged
+    ] == [(r.tier, r.block_hashes, r.removed, r.key_ids, r.verified) for r in reports]
 
 
 def test_when_the_bytes_bind_every_part_is_as_full_as_the_limit_allows():
     """64-byte digests (128 hex characters): 12,000 would be 1.6 MB, so parts are cut by size, each within one hash of the limit."""
     listed = hashes(30_000, hashlib.sha512)
-    parts = ack_parts(uuid.uuid4(), "n-1", 1, [TierReport(Tier.DEVICE, listed, "overwrite", "readback_zero", True)])
+    parts = ack_parts(
+        uuid.uuid4(),
+        "n-1",
+        1,
+        [TierReport(Tier.DEVICE, listed, "overwrite", "readback_zero", True)],
+    )
     sizes = [signed_bytes_of(part) for part in parts]
     assert max(sizes) <= MAX_RECORD_BYTES
     one_more = len(listed[0]) + 3  # quotes and a comma
-    assert all(size > MAX_RECORD_BYTES - one_more - 4 for size in sizes[:-1])  # part numbers measured at their longest
+    assert all(
+        size > MAX_RECORD_BYTES - one_more - 4 for size in sizes[:-1]
+    )  # part numbers measured at their longest
     assert [h for part in parts for h in part.evidence[0].block_hashes] == listed
 
 
 def test_parts_disagreeing_on_a_tiers_method_do_not_merge_into_verified_evidence():
-    first = {"tier": "disk", "removed": 1, "block_hashes": ["aa" * 32], "method": "crypto_erase", "post_check": "key_destroyed"}
+    first = {
+        "tier": "disk",
+        "removed": 1,
+        "block_hashes": ["aa" * 32],
+        "method": "crypto_erase",
+        "post_check": "key_destroyed",
+    }
     second = {**first, "block_hashes": ["bb" * 32], "method": "unlink", "post_check": "file_absent"}
-    (merged,) = merge_evidence([[{**first, "verified": True, "key_ids": ["k"]}], [{**second, "verified": True, "key_ids": ["k"]}]])
+    (merged,) = merge_evidence(
+        [
+            [{**first, "verified": True, "key_ids": ["k"]}],
+            [{**second, "verified": True, "key_ids": ["k"]}],
+        ]
+    )
     assert (merged["removed"], merged["key_ids"], merged["verified"]) == (2, ["k"], False)
 
 
@@ -208,7 +267,13 @@ def test_the_contract_bounds_the_part_fields():
     with pytest.raises(ValidationError):
         CommandAck(**base, ack_id=uuid.uuid4(), part=0, parts=MAX_ACK_PARTS + 1)
     with pytest.raises(ValueError, match="parts"):
-        ack_parts(uuid.uuid4(), "n", 1, [TierReport(Tier.DEVICE, hashes(3_000), "overwrite", "readback_zero", True)], max_bytes=2_000)
+        ack_parts(
+            uuid.uuid4(),
+            "n",
+            1,
+            [TierReport(Tier.DEVICE, hashes(3_000), "overwrite", "readback_zero", True)],
+            max_bytes=2_000,
+        )
 
 
 # --------------------------------------------------------------------------- block events
@@ -242,7 +307,9 @@ def test_block_events_of_the_largest_provenance_are_cut_to_fit():
 
     runs = split_to_fit(blocks, size_of, max_items=MAX_BLOCKS_PER_EVENT)
     assert len(runs) > 1 and [block for run in runs for block in run] == blocks
-    assert all(signed_bytes_of(BlockStored(**fields, blocks=list(run))) <= MAX_RECORD_BYTES for run in runs)
+    assert all(
+        signed_bytes_of(BlockStored(**fields, blocks=list(run))) <= MAX_RECORD_BYTES for run in runs
+    )
     start = 0
     for run in runs[:-1]:
         start += len(run)

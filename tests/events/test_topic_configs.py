@@ -20,7 +20,9 @@ async def described_configs(bootstrap: str, names: list[str]) -> dict[str, dict[
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+        )
     finally:
         await admin.close()
     configs: dict[str, dict[str, str]] = {}
@@ -33,10 +35,18 @@ async def described_configs(bootstrap: str, names: list[str]) -> dict[str, dict[
 
 def test_every_topic_has_chosen_configs_and_the_create_request_carries_them() -> None:
     assert set(TOPIC_CONFIGS) == set(ALL_TOPICS)
-    assert TOPIC_CONFIGS[COMMANDS] == {"cleanup.policy": "delete", "retention.ms": "-1"}, "commands are kept forever"
-    requests = {topic.name: topic.topic_configs for topic in new_topics(KafkaSettings(bootstrap="broker:9092"), ALL_TOPICS, TOPIC_CONFIGS)}
+    assert TOPIC_CONFIGS[COMMANDS] == {"cleanup.policy": "delete", "retention.ms": "-1"}, (
+        "commands are kept forever"
+    )
+    requests = {
+        topic.name: topic.topic_configs
+        for topic in new_topics(KafkaSettings(bootstrap="broker:9092"), ALL_TOPICS, TOPIC_CONFIGS)
+    }
     assert requests == TOPIC_CONFIGS
-    assert [topic.topic_configs for topic in new_topics(KafkaSettings(bootstrap="broker:9092"), ["other"], TOPIC_CONFIGS)] == [{}]
+    assert [
+        topic.topic_configs
+        for topic in new_topics(KafkaSettings(bootstrap="broker:9092"), ["other"], TOPIC_CONFIGS)
+    ] == [{}]
 
 
 async def test_created_topics_take_their_configs(kafka_bootstrap: str) -> None:
@@ -51,6 +61,10 @@ async def test_created_topics_take_their_configs(kafka_bootstrap: str) -> None:
 
     described = await described_configs(kafka_bootstrap, [*names, plain])
     for name, topic in names.items():
-        assert {key: described[name].get(key) for key in TOPIC_CONFIGS[topic]} == TOPIC_CONFIGS[topic], name
+        assert {key: described[name].get(key) for key in TOPIC_CONFIGS[topic]} == TOPIC_CONFIGS[
+            topic
+        ], name
     assert described[plain].get("retention.ms") != TOPIC_CONFIGS[DEAD_LETTER]["retention.ms"]
-    assert await ensure_topics(settings, [*names, plain], configs=configs) == [], "existing topics are left as they are"
+    assert await ensure_topics(settings, [*names, plain], configs=configs) == [], (
+        "existing topics are left as they are"
+    )

@@ -33,10 +33,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-async def fault_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> AsyncIterator[Cluster]:
+async def fault_cluster(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
+) -> AsyncIterator[Cluster]:
     # the tests' fetch wait, not production's: these tests time nothing, and idle consumers cost a tenth of the CPU;
     # every start and restart forked from the session's fork server, without the ML imports
-    config = ClusterConfig(num_nodes=2, consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"], launcher=fork_server.launch)
+    config = ClusterConfig(
+        num_nodes=2,
+        consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"],
+        launcher=fork_server.launch,
+    )
     async with Cluster(tmp_path_factory.mktemp("faults"), tiny_model_dir, config) as cluster:
         yield cluster
 

@@ -35,7 +35,9 @@ async def _fetch(cluster: Cluster, sql: str, *args) -> list[asyncpg.Record]:
         await connection.close()
 
 
-async def test_coordinator_sigkill_at_every_step_then_everything_completes(cluster: Cluster, invariants: Invariants) -> None:
+async def test_coordinator_sigkill_at_every_step_then_everything_completes(
+    cluster: Cluster, invariants: Invariants
+) -> None:
     tenant, doc = f"coord-{uuid.uuid4().hex[:6]}", "handbook"
     alice = f"alice-{uuid.uuid4().hex[:6]}"
     reader = cluster.user_token(tenant, "reader", READER_SCOPES)
@@ -54,12 +56,18 @@ async def test_coordinator_sigkill_at_every_step_then_everything_completes(clust
         " WHERE i.source_event_id = $1 GROUP BY i.command_id",
         update.event_id,
     )
-    assert [row["unsent"] for row in decided] == [1], "the command was published but its stamp never committed"
+    assert [row["unsent"] for row in decided] == [1], (
+        "the command was published but its stamp never committed"
+    )
 
     await coordinator.start("coordinator.after_decision_commit")
-    await cluster.publish(schema.ErasureRequested(subject_id=alice, reason="fault-injection erasure"), tenant)
+    await cluster.publish(
+        schema.ErasureRequested(subject_id=alice, reason="fault-injection erasure"), tenant
+    )
     await cluster.died_at_fault_point(coordinator)
-    (erasure,) = await _fetch(cluster, "SELECT id, command_id FROM erasures WHERE tenant_id = $1", tenant)
+    (erasure,) = await _fetch(
+        cluster, "SELECT id, command_id FROM erasures WHERE tenant_id = $1", tenant
+    )
     unsent = await _fetch(
         cluster,
         "SELECT count(*) AS n FROM outbox WHERE sent_at IS NULL AND payload->'payload'->>'command_id' = $1",
@@ -69,18 +77,28 @@ async def test_coordinator_sigkill_at_every_step_then_everything_completes(clust
 
     coordinator.spawn("coordinator.mid_ack_batch")
     await cluster.died_at_fault_point(coordinator)
-    targets = await _fetch(cluster, "SELECT status FROM invalidation_targets WHERE command_id = $1", erasure["command_id"])
+    targets = await _fetch(
+        cluster,
+        "SELECT status FROM invalidation_targets WHERE command_id = $1",
+        erasure["command_id"],
+    )
     assert {row["status"] for row in targets} == {"pending"}, "the erasure's acks died uncommitted"
 
     coordinator.spawn("coordinator.mid_erasure_verification")
     await cluster.died_at_fault_point(coordinator)
     coordinator.spawn("coordinator.during_receipt_issue")
     await cluster.died_at_fault_point(coordinator)
-    assert (await _fetch(cluster, "SELECT count(*) AS n FROM receipts WHERE erasure_id = $1", erasure["id"]))[0]["n"] == 0
+    assert (
+        await _fetch(
+            cluster, "SELECT count(*) AS n FROM receipts WHERE erasure_id = $1", erasure["id"]
+        )
+    )[0]["n"] == 0
 
     await coordinator.start()
     violations = await invariants.check()
-    receipts = await _fetch(cluster, "SELECT leaf_index FROM receipts WHERE erasure_id = $1", erasure["id"])
+    receipts = await _fetch(
+        cluster, "SELECT leaf_index FROM receipts WHERE erasure_id = $1", erasure["id"]
+    )
     audit = await _fetch(cluster, "SELECT count(*) AS n FROM audit_log")
     receipts_total = await _fetch(cluster, "SELECT count(*) AS n FROM receipts")
     assert len(receipts) == 1, "exactly one receipt for the erasure"

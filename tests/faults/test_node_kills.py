@@ -38,13 +38,17 @@ VICTIM = 0
 async def _fill(cluster: Cluster, tenant: str, subject: str, doc: str, version: int) -> None:
     """The subject's and the document's blocks first, then enough other users that they spill to host and disk."""
     await cluster.chat(VICTIM, cluster.user_token(tenant, subject), private_chat(subject))
-    await cluster.chat(VICTIM, cluster.user_token(tenant, "reader", READER_SCOPES), document_chat(doc, version))
+    await cluster.chat(
+        VICTIM, cluster.user_token(tenant, "reader", READER_SCOPES), document_chat(doc, version)
+    )
     for index in range(6):
         filler = f"filler-{index}"
         await cluster.chat(VICTIM, cluster.user_token(tenant, filler), private_chat(filler))
 
 
-async def test_node_sigkill_at_every_step_then_the_ledger_matches_it(cluster: Cluster, invariants: Invariants) -> None:
+async def test_node_sigkill_at_every_step_then_the_ledger_matches_it(
+    cluster: Cluster, invariants: Invariants
+) -> None:
     tenant, doc = f"node-{uuid.uuid4().hex[:6]}", "policy"
     bob = f"bob-{uuid.uuid4().hex[:6]}"
     node = cluster.nodes[VICTIM]
@@ -66,15 +70,21 @@ async def test_node_sigkill_at_every_step_then_the_ledger_matches_it(cluster: Cl
     with pytest.raises(httpx.TransportError):
         await cluster.snapshot(VICTIM)
     await cluster.died_at_fault_point(node)
-    assert [path for path in snapshots.iterdir() if not (path / MANIFEST_NAME).exists()], "the kill left a half-written snapshot"
+    assert [path for path in snapshots.iterdir() if not (path / MANIFEST_NAME).exists()], (
+        "the kill left a half-written snapshot"
+    )
 
     num_records = len(cluster.tail.kv_events)
     await node.start("node.kv_events_send_timed_out:3")
-    assert [path.name for path in snapshots.iterdir() if not (path / MANIFEST_NAME).exists()] == [], (
+    assert [
+        path.name for path in snapshots.iterdir() if not (path / MANIFEST_NAME).exists()
+    ] == [], (
         "a half-written snapshot survived the restart: bytes neither the ledger nor any command can reach"
     )
     await cluster.chat(VICTIM, cluster.user_token(tenant, bob), private_chat(bob))
-    await cluster.chat(VICTIM, cluster.user_token(tenant, "reader", READER_SCOPES), document_chat(doc, 2))
+    await cluster.chat(
+        VICTIM, cluster.user_token(tenant, "reader", READER_SCOPES), document_chat(doc, 2)
+    )
 
     async def resent() -> bool:
         copies: dict[uuid.UUID, list[bytes]] = {}

@@ -35,7 +35,9 @@ async def _burst(cluster: Cluster, tenant: str, duration_s: float) -> int:
     while time.monotonic() < deadline:
         subject = f"burst-{uuid.uuid4().hex[:6]}"
         for index in range(len(cluster.nodes)):
-            await cluster.chat(index, cluster.user_token(tenant, subject), private_chat(subject, turns=3))
+            await cluster.chat(
+                index, cluster.user_token(tenant, subject), private_chat(subject, turns=3)
+            )
             served += 1
     return served
 
@@ -43,28 +45,45 @@ async def _burst(cluster: Cluster, tenant: str, duration_s: float) -> int:
 async def _warm(cluster: Cluster, tenant: str, subject: str, doc: str) -> None:
     for index in range(len(cluster.nodes)):
         await cluster.chat(index, cluster.user_token(tenant, subject), private_chat(subject))
-        await cluster.chat(index, cluster.user_token(tenant, "reader", READER_SCOPES), document_chat(doc, 1))
+        await cluster.chat(
+            index, cluster.user_token(tenant, "reader", READER_SCOPES), document_chat(doc, 1)
+        )
 
 
-async def _check(cluster: Cluster, invariants: Invariants, tenant: str, subject: str, doc: str, stale_version: int) -> None:
+async def _check(
+    cluster: Cluster,
+    invariants: Invariants,
+    tenant: str,
+    subject: str,
+    doc: str,
+    stale_version: int,
+) -> None:
     violations = await invariants.check()
     for index in range(len(cluster.nodes)):
-        await invariants.probe_stale_document(index, tenant, document_chat(doc, stale_version), READER_SCOPES)
+        await invariants.probe_stale_document(
+            index, tenant, document_chat(doc, stale_version), READER_SCOPES
+        )
         await invariants.probe_erased(index, tenant, subject, private_chat(subject))
     violations += invariants.served_violations
     assert not violations, "\n".join(violations)
 
 
-async def test_broker_unreachable_during_updates_erasures_and_block_bursts(cluster: Cluster, invariants: Invariants) -> None:
+async def test_broker_unreachable_during_updates_erasures_and_block_bursts(
+    cluster: Cluster, invariants: Invariants
+) -> None:
     tenant, doc, carol = f"broker-{uuid.uuid4().hex[:6]}", "rules", f"carol-{uuid.uuid4().hex[:6]}"
     await _warm(cluster, tenant, carol, doc)
     await cluster.publish(schema.DocumentUpdated(doc_id=doc, version=2), tenant)
     await cluster.request_erasure(tenant, carol)
     cluster.pause_broker()
     try:
-        late_update = asyncio.create_task(cluster.publish(schema.DocumentUpdated(doc_id=doc, version=3), tenant))
+        late_update = asyncio.create_task(
+            cluster.publish(schema.DocumentUpdated(doc_id=doc, version=3), tenant)
+        )
         served = await _burst(cluster, tenant, BROKER_PAUSE_S)
-        assert served > 0 and not late_update.done(), "the nodes serve while the broker is unreachable; the customer's send waits"
+        assert served > 0 and not late_update.done(), (
+            "the nodes serve while the broker is unreachable; the customer's send waits"
+        )
     finally:
         cluster.resume_broker()
     await asyncio.wait_for(late_update, 120)
@@ -77,12 +96,16 @@ async def test_postgres_restarted_mid_stream(cluster: Cluster, invariants: Invar
     burst = asyncio.create_task(_burst(cluster, tenant, 8.0))
     await cluster.publish(schema.DocumentUpdated(doc_id=doc, version=2), tenant)
     await cluster.restart_postgres()
-    await cluster.publish(schema.ErasureRequested(subject_id=erin, reason="fault-injection erasure"), tenant)
+    await cluster.publish(
+        schema.ErasureRequested(subject_id=erin, reason="fault-injection erasure"), tenant
+    )
     assert await burst > 0
     await _check(cluster, invariants, tenant, erin, doc, stale_version=1)
 
 
-async def test_node_paused_longer_than_the_resend_timeout(cluster: Cluster, invariants: Invariants) -> None:
+async def test_node_paused_longer_than_the_resend_timeout(
+    cluster: Cluster, invariants: Invariants
+) -> None:
     tenant, doc, dave = f"pause-{uuid.uuid4().hex[:6]}", "faq", f"dave-{uuid.uuid4().hex[:6]}"
     await _warm(cluster, tenant, dave, doc)
     paused = cluster.nodes[1]
@@ -105,7 +128,9 @@ async def test_node_paused_longer_than_the_resend_timeout(cluster: Cluster, inva
                 )
                 if len(rows) == 2 and all(row["resend_count"] >= 1 for row in rows):
                     break
-                assert time.monotonic() < deadline, f"no re-send to the paused node: {[dict(row) for row in rows]}"
+                assert time.monotonic() < deadline, (
+                    f"no re-send to the paused node: {[dict(row) for row in rows]}"
+                )
                 await asyncio.sleep(0.2)
         finally:
             await connection.close()

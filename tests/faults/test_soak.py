@@ -26,12 +26,24 @@ async def test_a_short_soak_keeps_every_invariant(cluster: Cluster) -> None:
         rss_sample_interval_s=5.0,
     )
     report = await run_soak(cluster, options)
-    print(render_markdown(report, f"tests/faults/test_soak.py: {options}"))  # the counts, for ``pytest -rP``
+    print(
+        render_markdown(report, f"tests/faults/test_soak.py: {options}")
+    )  # the counts, for ``pytest -rP``
     assert report.violations == [], "\n".join(report.violations)
-    for count in ("requests_ok", "kv_events", "commands", "document_updates", "erasures_verified", "probes", "checks"):
+    for count in (
+        "requests_ok",
+        "kv_events",
+        "commands",
+        "document_updates",
+        "erasures_verified",
+        "probes",
+        "checks",
+    ):
         assert report.counts[count] > 0, f"the soak did no {count}: {report.counts}"
     assert report.counts.get("snapshots") == 2, report.counts
-    assert report.faults.get("node_restart") == 2 and report.faults.get("coordinator_sigkill") == 1, report.faults
+    assert (
+        report.faults.get("node_restart") == 2 and report.faults.get("coordinator_sigkill") == 1
+    ), report.faults
     assert set(report.resources_end) == set(report.resources_start)
     # Every process is sampled throughout, and each restart starts a new life: 2 nodes + 2 restarts, 1 coordinator + 1.
     lives = process_lives(report.rss_samples)

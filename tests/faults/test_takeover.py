@@ -39,21 +39,33 @@ async def two_coordinators(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
 ) -> AsyncIterator[Cluster]:
     config = ClusterConfig(
-        num_nodes=NUM_NODES, num_coordinators=2, consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"], launcher=fork_server.launch
+        num_nodes=NUM_NODES,
+        num_coordinators=2,
+        consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"],
+        launcher=fork_server.launch,
     )
     async with Cluster(tmp_path_factory.mktemp("takeover"), tiny_model_dir, config) as cluster:
         yield cluster
 
 
-async def test_a_killed_coordinators_partitions_are_taken_over_without_loss(two_coordinators: Cluster) -> None:
+async def test_a_killed_coordinators_partitions_are_taken_over_without_loss(
+    two_coordinators: Cluster,
+) -> None:
     cluster = two_coordinators
     first, second = cluster.coordinators
     split = [child.assigned_partitions(COORDINATOR_GROUP, KV_EVENTS) for child in (first, second)]
-    assert split[0] and split[1] and split[0] | split[1] == set(range(NUM_PARTITIONS)) and not split[0] & split[1], (
-        f"the two coordinators do not split the kv-events partitions: {split}"
+    assert (
+        split[0]
+        and split[1]
+        and split[0] | split[1] == set(range(NUM_PARTITIONS))
+        and not split[0] & split[1]
+    ), f"the two coordinators do not split the kv-events partitions: {split}"
+    nodes_partitions = {
+        index % NUM_PARTITIONS for index in range(NUM_NODES)
+    }  # bench.cluster.spread_node_id
+    assert split[0] & nodes_partitions and split[1] & nodes_partitions, (
+        f"a coordinator owns no node's partition: {split}"
     )
-    nodes_partitions = {index % NUM_PARTITIONS for index in range(NUM_NODES)}  # bench.cluster.spread_node_id
-    assert split[0] & nodes_partitions and split[1] & nodes_partitions, f"a coordinator owns no node's partition: {split}"
 
     options = SoakOptions(
         duration_s=SOAK_S,
@@ -70,8 +82,14 @@ async def test_a_killed_coordinators_partitions_are_taken_over_without_loss(two_
     assert report.violations == [], "\n".join(report.violations)
     assert report.faults == {"coordinator_sigkill": 1, "coordinator_restart": 1}, report.faults
     assert report.counts["takeovers"] == 1, report.counts
-    assert report.counts["kv_events_taken_over"] > 0, f"no kv-event reached the dead coordinator's partitions: {report.counts}"
+    assert report.counts["kv_events_taken_over"] > 0, (
+        f"no kv-event reached the dead coordinator's partitions: {report.counts}"
+    )
     for count in ("requests_ok", "kv_events", "commands", "erasures_verified", "probes"):
         assert report.counts[count] > 0, f"the run did no {count}: {report.counts}"
-    rejoined = [child.assigned_partitions(COORDINATOR_GROUP, KV_EVENTS) for child in (first, second)]
-    assert rejoined[1], f"the restarted coordinator was given no kv-events partition back: {rejoined}"
+    rejoined = [
+        child.assigned_partitions(COORDINATOR_GROUP, KV_EVENTS) for child in (first, second)
+    ]
+    assert rejoined[1], (
+        f"the restarted coordinator was given no kv-events partition back: {rejoined}"
+    )

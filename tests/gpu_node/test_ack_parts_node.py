@@ -35,16 +35,22 @@ NUM_HOST_BLOCKS = 8_000
 
 
 @pytest.fixture(scope="module")
-async def kafka_bootstrap(kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+async def kafka_bootstrap(
+    kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
     """This module's own broker: what it publishes is too large to leave on the shared one (``helpers.ledger.own_broker``)."""
-    async with own_broker(kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")) as bootstrap:
+    async with own_broker(
+        kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")
+    ) as bootstrap:
         yield bootstrap
 
 
 def fill(node: Node, tenant: str, subject: str) -> set[tuple[str, str]]:
     """Build the subject's blocks straight into the node's pool; (hash, tier) of each."""
     pool = node.engine.pool
-    provenance = CacheProvenance(node.engine.namespace.namespace, tenant, CacheScope.USER, (), subject, (), time.time())
+    provenance = CacheProvenance(
+        node.engine.namespace.namespace, tenant, CacheScope.USER, (), subject, (), time.time()
+    )
     kv = torch.ones(pool.spec.block_shape, dtype=pool.spec.dtype)
     held = set()
     parent = hashlib.sha256(tenant.encode()).digest()
@@ -59,37 +65,64 @@ def fill(node: Node, tenant: str, subject: str) -> set[tuple[str, str]]:
     return held
 
 
-async def ack_records_of(bootstrap: str, command_id: uuid.UUID, node_id: str, num_copies: int) -> list:
+async def ack_records_of(
+    bootstrap: str, command_id: uuid.UUID, node_id: str, num_copies: int
+) -> list:
     """Every ``kvledger.acks`` record of ``command_id`` by ``node_id`` once each part arrived ``num_copies`` times."""
     found: list = []
 
     def visit(record) -> bool:
         payload = schema.parse_event(record.value).payload
-        if isinstance(payload, schema.CommandAck) and payload.command_id == command_id and payload.node_id == node_id:
+        if (
+            isinstance(payload, schema.CommandAck)
+            and payload.command_id == command_id
+            and payload.node_id == node_id
+        ):
             found.append(record)
         counts = Counter(schema.parse_event(r.value).payload.part for r in found)
         parts = schema.parse_event(found[0].value).payload.parts if found else 0
-        return bool(found) and sorted(counts) == list(range(parts)) and min(counts.values()) >= num_copies
+        return (
+            bool(found)
+            and sorted(counts) == list(range(parts))
+            and min(counts.values()) >= num_copies
+        )
 
     await scan_topic(bootstrap, topics.ACKS, visit, timeout_s=120)
     return found
 
 
-async def test_an_erasure_too_large_for_one_ack_record_is_acked_in_signed_parts(tiny_model_dir, tmp_path, kafka_bootstrap):
+async def test_an_erasure_too_large_for_one_ack_record_is_acked_in_signed_parts(
+    tiny_model_dir, tmp_path, kafka_bootstrap
+):
     node_id = f"parts-{uuid.uuid4().hex[:6]}"
-    cache = CacheSettings(num_device_blocks=NUM_DEVICE_BLOCKS + 64, num_host_blocks=NUM_HOST_BLOCKS + 64, max_disk_blocks=64)
-    node = await Node(node_settings(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap, cache)).start()
+    cache = CacheSettings(
+        num_device_blocks=NUM_DEVICE_BLOCKS + 64,
+        num_host_blocks=NUM_HOST_BLOCKS + 64,
+        max_disk_blocks=64,
+    )
+    node = await Node(
+        node_settings(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap, cache)
+    ).start()
     tenant = f"big-{uuid.uuid4().hex[:6]}"
     try:
         held = fill(node, tenant, "alice")
-        predicate = schema.SubjectPredicate(tenant=tenant, subject_id=schema.subject_digest(SUBJECT_KEY.encode(), tenant, "alice"))
+        predicate = schema.SubjectPredicate(
+            tenant=tenant, subject_id=schema.subject_digest(SUBJECT_KEY.encode(), tenant, "alice")
+        )
         command = await publish(kafka_bootstrap, predicate, tenant)
         records = await ack_records_of(kafka_bootstrap, command.command_id, node_id, 1)
         envelopes = [schema.parse_event(record.value) for record in records]
         assert len(envelopes) >= 2 and len({envelope.payload.ack_id for envelope in envelopes}) == 1
         assert all(len(record.value) <= MAX_RECORD_BYTES for record in records)
-        assert all(verify_envelope(envelope, node_key(node_id).public_key()) for envelope in envelopes)
-        listed = [(h, item.tier) for envelope in envelopes for item in envelope.payload.evidence for h in item.block_hashes]
+        assert all(
+            verify_envelope(envelope, node_key(node_id).public_key()) for envelope in envelopes
+        )
+        listed = [
+            (h, item.tier)
+            for envelope in envelopes
+            for item in envelope.payload.evidence
+            for h in item.block_hashes
+        ]
         assert len(listed) == len(held) and set(listed) == held
         assert all(item.verified for envelope in envelopes for item in envelope.payload.evidence)
         assert node.holdings(lambda provenance: provenance.tenant_id == tenant) == set()
@@ -99,9 +132,15 @@ async def test_an_erasure_too_large_for_one_ack_record_is_acked_in_signed_parts(
         again = await ack_records_of(kafka_bootstrap, command.command_id, node_id, 2)
         by_event: dict[str, set[bytes]] = {}
         for record in again:
-            by_event.setdefault(str(schema.parse_event(record.value).event_id), set()).add(record.value)
-        assert len(by_event) == len(envelopes) and all(len(values) == 1 for values in by_event.values())
-        assert Counter(schema.parse_event(record.value).event_id for record in again) == {e.event_id: 2 for e in envelopes}
+            by_event.setdefault(str(schema.parse_event(record.value).event_id), set()).add(
+                record.value
+            )
+        assert len(by_event) == len(envelopes) and all(
+            len(values) == 1 for values in by_event.values()
+        )
+        assert Counter(schema.parse_event(record.value).event_id for record in again) == {
+            e.event_id: 2 for e in envelopes
+        }
     finally:
         await node.stop()
 

@@ -49,7 +49,9 @@ class Node:
     engine: AsyncEngine
 
     def client(self, token: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=token, max_retries=0, timeout=120)
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=token, max_retries=0, timeout=120
+        )
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=120)
@@ -63,17 +65,27 @@ def node(tiny_model_dir, tmp_path_factory):
         data_dir=tmp_path_factory.mktemp("api-node"),
         auth=IssuerSettings(jwt_secret=SECRET),
         operator_auth=OPERATOR_AUTH,
-        cache=CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=256, num_host_blocks=256, max_disk_blocks=512),
+        cache=CacheSettings(
+            block_size=BLOCK_SIZE, num_device_blocks=256, num_host_blocks=256, max_disk_blocks=512
+        ),
         metrics={"token": METRICS_TOKEN},
     )
     engine = AsyncEngine.from_settings(settings)
-    app = create_app(engine, TokenVerifier(settings.auth), operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None))
+    app = create_app(
+        engine,
+        TokenVerifier(settings.auth),
+        operator_verifier=TokenVerifier(settings.operator_auth, secret_env=None),
+    )
     with node_on_thread(engine, app, "api-test-server") as url:
         yield Node(base_url=url, engine=engine)
 
 
-def token(tenant: str = "acme", sub: str = "alice", scopes=("hr",), pv=1, roles=(), ttl_s: int = 600) -> str:
-    return issue_token(tenant=tenant, sub=sub, scopes=scopes, pv=pv, roles=roles, ttl_s=ttl_s, secret=SECRET)
+def token(
+    tenant: str = "acme", sub: str = "alice", scopes=("hr",), pv=1, roles=(), ttl_s: int = 600
+) -> str:
+    return issue_token(
+        tenant=tenant, sub=sub, scopes=scopes, pv=pv, roles=roles, ttl_s=ttl_s, secret=SECRET
+    )
 
 
 def unique(text: str) -> str:
@@ -88,7 +100,9 @@ def cacheable(num_prompt_tokens: int) -> int:
 
 
 def greedy(client: openai.OpenAI, model: str, messages: list[dict], **kwargs):
-    return client.chat.completions.create(model=model, messages=messages, temperature=0.0, max_tokens=8, **kwargs)
+    return client.chat.completions.create(
+        model=model, messages=messages, temperature=0.0, max_tokens=8, **kwargs
+    )
 
 
 # --------------------------------------------------------------------------- openai client, happy paths
@@ -108,7 +122,10 @@ def test_non_streaming_then_cached(node):
             "content": unique("You are a careful assistant for the finance team."),
             "cache_scope": "public",
         },
-        {"role": "user", "content": "Summarise the quarterly report in three short bullet points please."},
+        {
+            "role": "user",
+            "content": "Summarise the quarterly report in three short bullet points please.",
+        },
     ]
     first = greedy(client, node.engine.model_name, messages, n=1, logprobs=False)
     assert first.object == "chat.completion"
@@ -131,10 +148,21 @@ def test_non_streaming_then_cached(node):
 
 def test_streaming_matches_non_streaming(node):
     client = node.client(token())
-    parts = [{"type": "text", "text": unique("Write a haiku about")}, {"type": "text", "text": " autumn rain."}]
+    parts = [
+        {"type": "text", "text": unique("Write a haiku about")},
+        {"type": "text", "text": " autumn rain."},
+    ]
     messages = [{"role": "user", "content": parts}]
     full = greedy(client, node.engine.model_name, messages)
-    chunks = list(greedy(client, node.engine.model_name, messages, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        greedy(
+            client,
+            node.engine.model_name,
+            messages,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
 
     assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
     assert len({chunk.id for chunk in chunks}) == 1
@@ -150,7 +178,9 @@ def test_streaming_matches_non_streaming(node):
     assert all(chunk.usage is None for chunk in chunks[:-1])
     assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
     assert usage_chunk.usage.completion_tokens == full.usage.completion_tokens
-    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == cacheable(full.usage.prompt_tokens)
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == cacheable(
+        full.usage.prompt_tokens
+    )
 
 
 def test_stream_without_usage_ends_with_done(node):
@@ -167,7 +197,11 @@ def test_stream_without_usage_ends_with_done(node):
         )
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
-    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [
+        line.removeprefix("data: ")
+        for line in response.text.splitlines()
+        if line.startswith("data: ")
+    ]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     assert all("usage" not in chunk for chunk in chunks)
@@ -175,10 +209,20 @@ def test_stream_without_usage_ends_with_done(node):
 
 
 def test_client_disconnect_mid_stream_leaves_the_node_serving(node):
-    messages = [{"role": "user", "content": unique("Describe every tool in the shed, one by one. ") * 2}]
-    body = {"model": node.engine.model_name, "messages": messages, "stream": True, "max_tokens": 200}
+    messages = [
+        {"role": "user", "content": unique("Describe every tool in the shed, one by one. ") * 2}
+    ]
+    body = {
+        "model": node.engine.model_name,
+        "messages": messages,
+        "stream": True,
+        "max_tokens": 200,
+    }
     headers = {"Authorization": f"Bearer {token(sub='dora')}"}
-    with node.http() as http, http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+    with (
+        node.http() as http,
+        http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
+    ):
         assert response.status_code == 200
         first_line = next(line for line in response.iter_lines() if line)
         assert first_line.startswith("data: ")
@@ -200,7 +244,9 @@ def test_max_tokens_is_honoured(node):
 # --------------------------------------------------------------------------- errors, exact bodies
 
 
-def post(node: Node, body, headers: dict | None = None, bearer: str | None = None) -> httpx.Response:
+def post(
+    node: Node, body, headers: dict | None = None, bearer: str | None = None
+) -> httpx.Response:
     headers = dict(headers or {})
     if bearer is not None:
         headers["Authorization"] = f"Bearer {bearer}"
@@ -211,7 +257,9 @@ def post(node: Node, body, headers: dict | None = None, bearer: str | None = Non
         return http.post("/v1/chat/completions", json=body, headers=headers)
 
 
-def assert_error(response: httpx.Response, status: int, code: str, type_: str, param: str | None = None) -> dict:
+def assert_error(
+    response: httpx.Response, status: int, code: str, type_: str, param: str | None = None
+) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -238,12 +286,18 @@ def test_non_bearer_scheme_is_401(node):
 
 def test_wrongly_signed_token_is_401(node):
     forged = issue_token(tenant="acme", sub="alice", secret="not-the-node-secret-0123456789abcdef")
-    assert_error(post(node, simple(node), bearer=forged), 401, "invalid_token", "authentication_error")
+    assert_error(
+        post(node, simple(node), bearer=forged), 401, "invalid_token", "authentication_error"
+    )
 
 
 def test_expired_token_is_401(node):
-    expired = issue_token(tenant="acme", sub="alice", ttl_s=60, secret=SECRET, now=time.time() - 3600)
-    assert_error(post(node, simple(node), bearer=expired), 401, "token_expired", "authentication_error")
+    expired = issue_token(
+        tenant="acme", sub="alice", ttl_s=60, secret=SECRET, now=time.time() - 3600
+    )
+    assert_error(
+        post(node, simple(node), bearer=expired), 401, "token_expired", "authentication_error"
+    )
 
 
 def test_openai_client_sees_authentication_error(node):
@@ -257,7 +311,9 @@ def test_auth_is_checked_before_the_body(node):
 
 
 def test_malformed_json_is_400(node):
-    assert_error(post(node, b"{not json", bearer=token()), 400, "invalid_json", "invalid_request_error")
+    assert_error(
+        post(node, b"{not json", bearer=token()), 400, "invalid_json", "invalid_request_error"
+    )
 
 
 @pytest.mark.parametrize(
@@ -268,14 +324,22 @@ def test_malformed_json_is_400(node):
         (lambda body: body.update(max_tokens=0), "max_tokens", "invalid_max_tokens"),
         (lambda body: body.update(temperature=-1), "temperature", "invalid_value"),
         (lambda body: body["messages"][0].update(role="tool"), "messages[0].role", "invalid_value"),
-        (lambda body: body["messages"][0].update(cache_scope="global"), "messages[0].cache_scope", "invalid_value"),
         (
-            lambda body: body["messages"][0].update(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
+            lambda body: body["messages"][0].update(cache_scope="global"),
+            "messages[0].cache_scope",
+            "invalid_value",
+        ),
+        (
+            lambda body: body["messages"][0].update(
+                content=[{"type": "image_url", "image_url": {"url": "x"}}]
+            ),
             "messages[0].content[0].type",
             "invalid_value",
         ),
         (
-            lambda body: body["messages"][0].update(document={"id": "d", "version": -1, "auth_scope": "hr"}),
+            lambda body: body["messages"][0].update(
+                document={"id": "d", "version": -1, "auth_scope": "hr"}
+            ),
             "messages[0].document.version",
             "invalid_document_version",
         ),
@@ -289,17 +353,27 @@ def test_validation_errors_are_400_not_422(node, mutate, param, code):
 
 def test_document_with_contrary_scope_is_400(node):
     body = simple(node)
-    body["messages"][0].update(cache_scope="user", document={"id": "handbook", "version": 1, "auth_scope": "hr"})
+    body["messages"][0].update(
+        cache_scope="user", document={"id": "handbook", "version": 1, "auth_scope": "hr"}
+    )
     response = post(node, body, bearer=token())
     assert_error(response, 400, "invalid_value", "invalid_request_error", "messages[0].cache_scope")
 
 
 def test_n_greater_than_one_is_400(node):
-    assert_error(post(node, simple(node, n=2), bearer=token()), 400, "unsupported_value", "invalid_request_error", "n")
+    assert_error(
+        post(node, simple(node, n=2), bearer=token()),
+        400,
+        "unsupported_value",
+        "invalid_request_error",
+        "n",
+    )
 
 
 def test_fields_at_their_no_op_value_are_accepted(node):
-    body = simple(node, n=1, logprobs=False, tools=[], presence_penalty=0, frequency_penalty=0.0, stop=None)
+    body = simple(
+        node, n=1, logprobs=False, tools=[], presence_penalty=0, frequency_penalty=0.0, stop=None
+    )
     assert post(node, body, bearer=token()).status_code == 200
 
 
@@ -312,27 +386,53 @@ def test_fields_at_their_no_op_value_are_accepted(node):
         (lambda body: body.update(top_k=5), "top_k"),
         (lambda body: body.update(some_future_field={"x": 1}), "some_future_field"),
         (lambda body: body["messages"][0].update(name="alice"), "messages[0].name"),
-        (lambda body: body["messages"][0].update(content=[{"type": "text", "text": "hi", "cache": 1}]), "messages[0].content[0].cache"),
-        (lambda body: body.update(stream=True, stream_options={"include_usage": True, "chunk_size": 4}), "stream_options.chunk_size"),
+        (
+            lambda body: body["messages"][0].update(
+                content=[{"type": "text", "text": "hi", "cache": 1}]
+            ),
+            "messages[0].content[0].cache",
+        ),
+        (
+            lambda body: body.update(
+                stream=True, stream_options={"include_usage": True, "chunk_size": 4}
+            ),
+            "stream_options.chunk_size",
+        ),
     ],
 )
 def test_fields_the_node_does_not_implement_are_refused_by_name(node, mutate, param):
     body = simple(node)
     mutate(body)
-    error = assert_error(post(node, body, bearer=token()), 400, "unsupported_parameter", "invalid_request_error", param)
+    error = assert_error(
+        post(node, body, bearer=token()),
+        400,
+        "unsupported_parameter",
+        "invalid_request_error",
+        param,
+    )
     assert param in error["message"]
 
 
 def test_unsupported_field_name_is_echoed_cut_short(node):
     error = assert_error(
-        post(node, simple(node, **{"x" * 5000: 1}), bearer=token()), 400, "unsupported_parameter", "invalid_request_error", "x" * 100
+        post(node, simple(node, **{"x" * 5000: 1}), bearer=token()),
+        400,
+        "unsupported_parameter",
+        "invalid_request_error",
+        "x" * 100,
     )
     assert len(error["message"]) < 200
 
 
 @pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
 def test_penalties_other_than_zero_are_400(node, name):
-    assert_error(post(node, simple(node, **{name: 0.5}), bearer=token()), 400, "unsupported_value", "invalid_request_error", name)
+    assert_error(
+        post(node, simple(node, **{name: 0.5}), bearer=token()),
+        400,
+        "unsupported_value",
+        "invalid_request_error",
+        name,
+    )
 
 
 @pytest.mark.parametrize(
@@ -352,7 +452,9 @@ def test_invalid_stop_extensions_are_400(node, extra, param):
     body = simple(node) | extra
     if "max_tokens" not in extra and extra.get("min_tokens") == 300:
         del body["max_tokens"]
-    assert_error(post(node, body, bearer=token()), 400, "invalid_value", "invalid_request_error", param)
+    assert_error(
+        post(node, body, bearer=token()), 400, "invalid_value", "invalid_request_error", param
+    )
 
 
 def first_greedy_token(node: Node, messages: list[dict]) -> int:
@@ -361,7 +463,9 @@ def first_greedy_token(node: Node, messages: list[dict]) -> int:
     from transformers import AutoModelForCausalLM
 
     prompt_ids = render(node, messages).token_ids
-    model = AutoModelForCausalLM.from_pretrained(node.engine.runner.model_dir, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        node.engine.runner.model_dir, local_files_only=True, dtype=torch.float32
+    )
     with torch.inference_mode():
         return int(model(torch.tensor([prompt_ids])).logits[0, -1].argmax())
 
@@ -370,21 +474,38 @@ def test_stop_token_ids_min_tokens_and_ignore_eos_reach_the_engine(node):
     messages = [{"role": "user", "content": unique("Tell me about the handbook.")}]
     client = node.client(token())
     first = first_greedy_token(node, messages)
-    stopped = greedy(client, node.engine.model_name, messages, extra_body={"stop_token_ids": [first]})
+    stopped = greedy(
+        client, node.engine.model_name, messages, extra_body={"stop_token_ids": [first]}
+    )
     assert (stopped.choices[0].message.content, stopped.choices[0].finish_reason) == ("", "stop")
     assert stopped.usage.completion_tokens == 0
     # greedy() asks for 8 tokens
-    held = greedy(client, node.engine.model_name, messages, extra_body={"stop_token_ids": [first], "min_tokens": 8})
+    held = greedy(
+        client,
+        node.engine.model_name,
+        messages,
+        extra_body={"stop_token_ids": [first], "min_tokens": 8},
+    )
     assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("length", 8)
     assert held.choices[0].message.content
-    ignored = greedy(client, node.engine.model_name, messages, extra_body={"ignore_eos": True, "min_tokens": 8})
+    ignored = greedy(
+        client, node.engine.model_name, messages, extra_body={"ignore_eos": True, "min_tokens": 8}
+    )
     assert (ignored.choices[0].finish_reason, ignored.usage.completion_tokens) == ("length", 8)
 
 
 def test_continuous_usage_stats_count_every_chunk(node):
     messages = [{"role": "user", "content": unique("Write a haiku about rain.")}]
     options = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = list(greedy(node.client(token()), node.engine.model_name, messages, stream=True, stream_options=options))
+    chunks = list(
+        greedy(
+            node.client(token()),
+            node.engine.model_name,
+            messages,
+            stream=True,
+            stream_options=options,
+        )
+    )
     assert all(chunk.usage is not None for chunk in chunks)
     counts = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices]
     assert counts == sorted(counts) and counts[0] == 0
@@ -395,7 +516,9 @@ def test_continuous_usage_stats_count_every_chunk(node):
 def test_unknown_model_is_404(node):
     body = simple(node)
     body["model"] = "gpt-4o"
-    assert_error(post(node, body, bearer=token()), 404, "model_not_found", "invalid_request_error", "model")
+    assert_error(
+        post(node, body, bearer=token()), 404, "model_not_found", "invalid_request_error", "model"
+    )
 
 
 def test_document_scope_not_granted_is_403(node):
@@ -403,7 +526,13 @@ def test_document_scope_not_granted_is_403(node):
     document = {"id": "salaries", "version": 3, "auth_scope": "payroll"}
     body["messages"].insert(0, {"role": "system", "content": "Salary bands.", "document": document})
     response = post(node, body, bearer=token(scopes=["hr"]))
-    error = assert_error(response, 403, "document_scope_forbidden", "permission_error", "messages[0].document.auth_scope")
+    error = assert_error(
+        response,
+        403,
+        "document_scope_forbidden",
+        "permission_error",
+        "messages[0].document.auth_scope",
+    )
     assert "payroll" in error["message"]
 
 
@@ -412,11 +541,19 @@ def test_oversize_prompt_is_400_naming_the_limit(node):
     body = simple(node)
     body["messages"][0]["content"] = "lorem ipsum " * (limit + 8)
     response = post(node, body, bearer=token())
-    error = assert_error(response, 400, "context_length_exceeded", "invalid_request_error", "messages")
+    error = assert_error(
+        response, 400, "context_length_exceeded", "invalid_request_error", "messages"
+    )
     assert str(limit) in error["message"]
     # Streaming requests are refused the same way, before any event is sent.
     body["stream"] = True
-    assert_error(post(node, body, bearer=token()), 400, "context_length_exceeded", "invalid_request_error", "messages")
+    assert_error(
+        post(node, body, bearer=token()),
+        400,
+        "context_length_exceeded",
+        "invalid_request_error",
+        "messages",
+    )
 
 
 def test_unknown_route_is_404_in_openai_shape(node):
@@ -428,7 +565,9 @@ def test_unknown_route_is_404_in_openai_shape(node):
 
 
 def test_health_ready_metrics(node):
-    greedy(node.client(token()), node.engine.model_name, [{"role": "user", "content": unique("ping")}])
+    greedy(
+        node.client(token()), node.engine.model_name, [{"role": "user", "content": unique("ping")}]
+    )
     with node.http() as http:
         assert http.get("/healthz").json() == {"status": "ok"}
         assert http.get("/readyz").status_code == 200
@@ -448,18 +587,31 @@ def test_access_line_has_the_request_id_and_no_prompt_or_caller(node):
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     secret_prompt = unique("the patient's diagnosis is confidential")
-    body = {"model": node.engine.model_name, "messages": [{"role": "user", "content": secret_prompt}], "max_tokens": 2}
+    body = {
+        "model": node.engine.model_name,
+        "messages": [{"role": "user", "content": secret_prompt}],
+        "max_tokens": 2,
+    }
     try:
         with node.http() as http:
             served = http.post(
                 "/v1/chat/completions",
                 json=body,
-                headers={"Authorization": f"Bearer {token(tenant='tenant-x9', sub='subject-q7')}", "X-Request-Id": "req-abc.1"},
+                headers={
+                    "Authorization": f"Bearer {token(tenant='tenant-x9', sub='subject-q7')}",
+                    "X-Request-Id": "req-abc.1",
+                },
             )
-            refused = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "req-abc.2"})
+            refused = http.post(
+                "/v1/chat/completions", json=body, headers={"X-Request-Id": "req-abc.2"}
+            )
 
         def node_lines() -> list[dict]:
-            return [line for line in map(json.loads, stream.getvalue().splitlines()) if line["logger"].startswith("gpu_node")]
+            return [
+                line
+                for line in map(json.loads, stream.getvalue().splitlines())
+                if line["logger"].startswith("gpu_node")
+            ]
 
         # Only this test's requests, and only once both are written: a request's access line is written after its
         # response went out (its time includes sending), so it may land after the client has the response.
@@ -472,16 +624,30 @@ def test_access_line_has_the_request_id_and_no_prompt_or_caller(node):
 
         def refusals_observed() -> float:
             labels = {"method": "POST", "route": "/v1/chat/completions", "status": "401"}
-            return node.engine.metrics.registry.get_sample_value("kvledger_http_request_seconds_count", labels) or 0.0
+            return (
+                node.engine.metrics.registry.get_sample_value(
+                    "kvledger_http_request_seconds_count", labels
+                )
+                or 0.0
+            )
 
         # the latency metric is observed right after the access line
-        asyncio.run(eventually(lambda: len(access()) == 2 and refusals_observed() >= 1, timeout_s=30, what="both access lines"))
+        asyncio.run(
+            eventually(
+                lambda: len(access()) == 2 and refusals_observed() >= 1,
+                timeout_s=30,
+                what="both access lines",
+            )
+        )
     finally:
         root.removeHandler(handler)
         root.setLevel(previous_level)
     assert (served.status_code, served.headers["x-request-id"]) == (200, "req-abc.1")
     assert (refused.status_code, refused.headers["x-request-id"]) == (401, "req-abc.2")
-    assert access() == [("req-abc.1", "POST /v1/chat/completions 200"), ("req-abc.2", "POST /v1/chat/completions 401")]
+    assert access() == [
+        ("req-abc.1", "POST /v1/chat/completions 200"),
+        ("req-abc.2", "POST /v1/chat/completions 401"),
+    ]
     completion = [line for line in node_lines() if line["message"].startswith("completion ")]
     assert [line["request_id"] for line in completion] == ["req-abc.1"]
     logged = json.dumps(node_lines())
@@ -492,21 +658,29 @@ def test_access_line_has_the_request_id_and_no_prompt_or_caller(node):
 
 def test_not_ready_node_refuses_traffic(tiny_model_dir, tmp_path):
     """Before ``engine.start()`` (pending invalidations not yet replayed) nothing is served."""
-    settings = NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path, auth=IssuerSettings(jwt_secret=SECRET))
+    settings = NodeSettings(
+        model_dir=tiny_model_dir, data_dir=tmp_path, auth=IssuerSettings(jwt_secret=SECRET)
+    )
     engine = AsyncEngine.from_settings(settings)
     with TestClient(create_app(engine, TokenVerifier(settings.auth))) as http:
         assert_error(http.get("/readyz"), 503, "not_ready", "server_error")
         assert http.get("/healthz").status_code == 200
         body = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi"}]}
-        response = http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token()}"})
+        response = http.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token()}"}
+        )
         assert_error(response, 503, "not_ready", "server_error")
 
 
 def test_concurrent_identical_requests(node):
-    messages = [{"role": "user", "content": unique("Tell me about watering cans and their many uses. ") * 2}]
+    messages = [
+        {"role": "user", "content": unique("Tell me about watering cans and their many uses. ") * 2}
+    ]
     client = node.client(token(sub="zoe"))
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda _: greedy(client, node.engine.model_name, messages), range(4)))
+        results = list(
+            pool.map(lambda _: greedy(client, node.engine.model_name, messages), range(4))
+        )
     assert len({result.choices[0].message.content for result in results}) == 1
     assert len({result.usage.prompt_tokens for result in results}) == 1
 
@@ -518,7 +692,10 @@ def test_operational_views_need_the_metrics_token(node, route):
         assert_error(http.get(route), 401, "invalid_metrics_token", "authentication_error")
         for bearer in (token(), token(roles=["admin"]), METRICS_TOKEN + "x"):
             assert_error(
-                http.get(route, headers={"Authorization": f"Bearer {bearer}"}), 401, "invalid_metrics_token", "authentication_error"
+                http.get(route, headers={"Authorization": f"Bearer {bearer}"}),
+                401,
+                "invalid_metrics_token",
+                "authentication_error",
             )
         response = http.get(route, headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert response.status_code == 200
@@ -526,8 +703,12 @@ def test_operational_views_need_the_metrics_token(node, route):
 
 def test_cache_stats_report_each_tiers_capacity(node):
     with node.http() as http:
-        stats = http.get("/v1/cache/stats", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).json()
-    block_bytes = 4 * 2 * 2 * 32 * BLOCK_SIZE * 4  # the tiny model: 4 layers, k and v, 2 KV heads, head dim 32, float32
+        stats = http.get(
+            "/v1/cache/stats", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
+        ).json()
+    block_bytes = (
+        4 * 2 * 2 * 32 * BLOCK_SIZE * 4
+    )  # the tiny model: 4 layers, k and v, 2 KV heads, head dim 32, float32
     assert stats["block_bytes"] == block_bytes
     assert stats["capacity"] == {
         tier: {"num_blocks": num, "num_tokens": num * BLOCK_SIZE, "num_bytes": num * block_bytes}
@@ -538,15 +719,21 @@ def test_cache_stats_report_each_tiers_capacity(node):
 
 
 @pytest.mark.parametrize("route", ["/metrics", "/v1/cache/stats"])
-def test_operational_views_are_disabled_without_a_metrics_token(tiny_model_dir, tmp_path, monkeypatch, route):
+def test_operational_views_are_disabled_without_a_metrics_token(
+    tiny_model_dir, tmp_path, monkeypatch, route
+):
     monkeypatch.delenv("KVLEDGER_METRICS_TOKEN", raising=False)
     monkeypatch.delenv("KVLEDGER_NODE_METRICS__TOKEN", raising=False)
-    settings = NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path, auth=IssuerSettings(jwt_secret=SECRET))
+    settings = NodeSettings(
+        model_dir=tiny_model_dir, data_dir=tmp_path, auth=IssuerSettings(jwt_secret=SECRET)
+    )
     assert settings.metrics.token is None
     engine = AsyncEngine.from_settings(settings)
     with TestClient(create_app(engine, TokenVerifier(settings.auth))) as http:
         for headers in ({}, {"Authorization": f"Bearer {token(roles=['admin'])}"}):
-            assert_error(http.get(route, headers=headers), 404, "metrics_disabled", "invalid_request_error")
+            assert_error(
+                http.get(route, headers=headers), 404, "metrics_disabled", "invalid_request_error"
+            )
 
 
 def test_snapshot_requires_a_platform_admin_operator(node):
@@ -554,11 +741,15 @@ def test_snapshot_requires_a_platform_admin_operator(node):
         assert_error(http.post("/v1/cache/snapshots"), 401, "missing_token", "authentication_error")
         # End users' tokens are never operator tokens, whatever role they claim.
         for roles in ((), ("admin",), ("platform-admin",)):
-            claimed = http.post("/v1/cache/snapshots", headers={"Authorization": f"Bearer {token(roles=roles)}"})
+            claimed = http.post(
+                "/v1/cache/snapshots", headers={"Authorization": f"Bearer {token(roles=roles)}"}
+            )
             assert_error(claimed, 401, "invalid_token", "authentication_error")
         tenant_admin = http.post("/v1/cache/snapshots", headers=operator_headers("tenant-admin"))
         assert_error(tenant_admin, 403, "insufficient_role", "permission_error")
-        created = http.post("/v1/cache/snapshots", headers=operator_headers("platform-admin", "platform"))
+        created = http.post(
+            "/v1/cache/snapshots", headers=operator_headers("platform-admin", "platform")
+        )
     assert created.status_code == 201, created.text
     assert isinstance(created.json(), dict)
 
@@ -575,8 +766,12 @@ def render(node: Node, messages: list[dict]):
             ChatMessage(
                 role=message["role"],
                 content=message["content"],
-                scope=CacheScope.TENANT if document else CacheScope.parse(message.get("cache_scope", "user")),
-                document=DocumentRef(document["id"], document["version"], document["auth_scope"]) if document else None,
+                scope=CacheScope.TENANT
+                if document
+                else CacheScope.parse(message.get("cache_scope", "user")),
+                document=DocumentRef(document["id"], document["version"], document["auth_scope"])
+                if document
+                else None,
             )
         )
     return render_prompt(node.engine.runner.tokenizer, tuple(chat))
@@ -610,7 +805,10 @@ def test_other_tenant_reuses_only_the_public_system_prompt(node):
     model = node.engine.model_name
     messages = [
         {"role": "system", "content": unique(SYSTEM_PROMPT), "cache_scope": "public"},
-        {"role": "user", "content": "My order 1234 arrived with a broken rake handle; what now? " * 3},
+        {
+            "role": "user",
+            "content": "My order 1234 arrived with a broken rake handle; what now? " * 3,
+        },
     ]
     public_tokens = shareable_tokens(node, messages, CacheScope.PUBLIC)
     assert public_tokens >= BLOCK_SIZE, "the public system prompt must span at least one full block"
@@ -618,7 +816,9 @@ def test_other_tenant_reuses_only_the_public_system_prompt(node):
     alice = node.client(token(tenant="acme", sub="alice"))
     num_prompt_tokens, first = cached(alice, model, messages)
     assert first == 0
-    assert num_prompt_tokens > public_tokens + BLOCK_SIZE, "the private part must span full blocks too"
+    assert num_prompt_tokens > public_tokens + BLOCK_SIZE, (
+        "the private part must span full blocks too"
+    )
     assert cached(alice, model, messages) == (num_prompt_tokens, cacheable(num_prompt_tokens))
 
     # Same subject name, other tenant, byte-identical prompt: only the public blocks are shared.
@@ -629,7 +829,10 @@ def test_other_tenant_reuses_only_the_public_system_prompt(node):
 def test_two_subjects_never_share_user_scope_blocks(node):
     model = node.engine.model_name
     messages = [
-        {"role": "user", "content": unique("My home address is 12 Elm Street and my card ends in 4242. ") * 3},
+        {
+            "role": "user",
+            "content": unique("My home address is 12 Elm Street and my card ends in 4242. ") * 3,
+        },
         {"role": "assistant", "content": "Thank you, I have noted your address and card."},
         {"role": "user", "content": "Please repeat what you know about me."},
     ]
@@ -652,7 +855,8 @@ def test_tenant_document_is_shared_within_tenant_scope_and_policy_version_only(n
         {"role": "system", "content": unique(SYSTEM_PROMPT), "cache_scope": "public"},
         {
             "role": "system",
-            "content": "Staff handbook: returns are accepted within thirty days with a receipt. " * 4,
+            "content": "Staff handbook: returns are accepted within thirty days with a receipt. "
+            * 4,
             "document": {"id": "handbook", "version": 2, "auth_scope": "hr"},
         },
         {"role": "user", "content": "Can a customer return a shovel after five weeks?"},
@@ -685,7 +889,13 @@ def test_document_needs_its_auth_scope_even_when_cached(node):
     cached(node.client(token(sub="paula", scopes=["payroll"])), model, messages)
     body = {"model": model, "messages": messages, "max_tokens": 2}
     response = post(node, body, bearer=token(sub="henry", scopes=["hr"]))
-    assert_error(response, 403, "document_scope_forbidden", "permission_error", "messages[0].document.auth_scope")
+    assert_error(
+        response,
+        403,
+        "document_scope_forbidden",
+        "permission_error",
+        "messages[0].document.auth_scope",
+    )
 
 
 def test_streams_complete_after_another_server_in_the_process_shut_down(node):
@@ -711,6 +921,10 @@ def test_streams_complete_after_another_server_in_the_process_shut_down(node):
                 "max_tokens": 3,
             },
         )
-    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [
+        line.removeprefix("data: ")
+        for line in response.text.splitlines()
+        if line.startswith("data: ")
+    ]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")

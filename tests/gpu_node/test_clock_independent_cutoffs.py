@@ -29,7 +29,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.ledger import JWT_SECRET, SUBJECT_KEY, coordinator_settings, enroll_nodes, eventually, fresh_database, operator_headers
+from helpers.ledger import (
+    JWT_SECRET,
+    SUBJECT_KEY,
+    coordinator_settings,
+    enroll_nodes,
+    eventually,
+    fresh_database,
+    operator_headers,
+)
 from helpers.node import CoordinatorThread, ServedNode, demote_to_disk, node_settings
 from sqlalchemy import func, select
 
@@ -63,7 +71,12 @@ class SkewedNode(ServedNode):
 
     def assemble(self) -> None:
         built = AsyncEngine.from_settings(self.settings)
-        pool = BlockPool(built.runner.kv_spec, built.pool.config, built.pool.key_provider, wall_clock=lambda: time.time() + self.skew_s)
+        pool = BlockPool(
+            built.runner.kv_spec,
+            built.pool.config,
+            built.pool.key_provider,
+            wall_clock=lambda: time.time() + self.skew_s,
+        )
         self.engine = AsyncEngine(built.runner, built.namespace, pool, self.settings, NodeMetrics())
         self.publisher = make_publisher(self.engine, self.settings)
         self.commands = make_command_consumer(self.engine, self.publisher, self.settings)
@@ -91,10 +104,17 @@ class SkewedNode(ServedNode):
 
 
 @pytest.fixture
-async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[dict]:
+async def coordinator(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[dict]:
     """A coordinator on a fresh ledger per test: a node of an earlier test, stopped, would be a target that never acks."""
     async with fresh_database(database_url, ledger_template) as url:
-        settings = coordinator_settings(url, kafka_bootstrap, ledger={"erasure_verify_interval_s": 0.5}, keys={"master_key": MASTER_KEY})
+        settings = coordinator_settings(
+            url,
+            kafka_bootstrap,
+            ledger={"erasure_verify_interval_s": 0.5},
+            keys={"master_key": MASTER_KEY},
+        )
         await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
         running = await CoordinatorThread(settings).start()
@@ -107,8 +127,13 @@ async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: 
 
 
 def history(subject: str, topic: str) -> list[dict]:
-    text = f"About {topic}: " + " ".join(f"{subject} wrote note {i}: my leave started on day {i}" for i in range(10))
-    return [{"role": "system", "content": SYSTEM, "cache_scope": "public"}, {"role": "user", "content": text}]
+    text = f"About {topic}: " + " ".join(
+        f"{subject} wrote note {i}: my leave started on day {i}" for i in range(10)
+    )
+    return [
+        {"role": "system", "content": SYSTEM, "cache_scope": "public"},
+        {"role": "user", "content": text},
+    ]
 
 
 def user_token(tenant: str, subject: str) -> str:
@@ -121,7 +146,11 @@ async def live_in_ledger(database: Database, node_id: str, digest: str) -> dict[
         rows = await session.execute(
             select(Placement.block_hash, Placement.tier)
             .join(Block, Block.block_hash == Placement.block_hash)
-            .where(Placement.node_id == node_id, Placement.state == "live", Block.subject_hash == bytes.fromhex(digest))
+            .where(
+                Placement.node_id == node_id,
+                Placement.state == "live",
+                Block.subject_hash == bytes.fromhex(digest),
+            )
         )
         found: dict[str, set[str]] = {}
         for block_hash, tier in rows:
@@ -137,7 +166,9 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
     node_id = f"clock-{'ahead' if skew_s > 0 else 'behind'}-{uuid.uuid4().hex[:6]}"
     await enroll_nodes(coordinator["database_url"], [node_id])
     cache = CacheSettings(num_device_blocks=48, num_host_blocks=16, max_disk_blocks=128)
-    settings = node_settings(node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap, cache, coordinator_url=url)
+    settings = node_settings(
+        node_id, tiny_model_dir, tmp_path / "node", kafka_bootstrap, cache, coordinator_url=url
+    )
     node = await SkewedNode(settings, skew_s).start()
     try:
         tenant = f"acme-{uuid.uuid4().hex[:6]}"
@@ -164,10 +195,18 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
         async def ledger_has_them() -> bool:
             return set(await live_in_ledger(database, node_id, digest)) == built_before
 
-        await eventually(ledger_has_them, timeout_s=TIMEOUT_S, what="the ledger to record the subject's blocks")
+        await eventually(
+            ledger_has_them, timeout_s=TIMEOUT_S, what="the ledger to record the subject's blocks"
+        )
         async with database.session() as session:
-            skew = await session.scalar(select(func.max(Block.created_at) - func.now()).where(Block.subject_hash == bytes.fromhex(digest)))
-        assert abs(skew - timedelta(seconds=skew_s)) < timedelta(seconds=30), "the node's blocks carry its skewed clock"
+            skew = await session.scalar(
+                select(func.max(Block.created_at) - func.now()).where(
+                    Block.subject_hash == bytes.fromhex(digest)
+                )
+            )
+        assert abs(skew - timedelta(seconds=skew_s)) < timedelta(seconds=30), (
+            "the node's blocks carry its skewed clock"
+        )
 
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             started = await client.post(
@@ -179,7 +218,9 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
             erasure_id = started.json()["id"]
 
             async def status() -> str:
-                return (await client.get(f"/v1/erasures/{erasure_id}", headers=PLATFORM_ADMIN)).json()["status"]
+                return (
+                    await client.get(f"/v1/erasures/{erasure_id}", headers=PLATFORM_ADMIN)
+                ).json()["status"]
 
             async def verified() -> bool:
                 return await status() == "verified"
@@ -189,14 +230,21 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
         # Verified only with every block built before the request gone, from the node and the ledger, and acked as such.
         assert node.holdings(tenant, alice) == set()
         assert await live_in_ledger(database, node_id, digest) == {}
-        assert not any(node.engine.pool.disk_path(bytes.fromhex(block)).exists() for block in built_before)
+        assert not any(
+            node.engine.pool.disk_path(bytes.fromhex(block)).exists() for block in built_before
+        )
         async with database.session() as session:
             command_id = await session.scalar(
-                select(Invalidation.command_id).where(Invalidation.kind == "subject", Invalidation.predicate["subject_id"].astext == digest)
+                select(Invalidation.command_id).where(
+                    Invalidation.kind == "subject",
+                    Invalidation.predicate["subject_id"].astext == digest,
+                )
             )
             target = await session.get(InvalidationTarget, (command_id, node_id))
         assert target.status == "acked"
-        assert {(block, item["tier"]) for item in target.evidence for block in item["block_hashes"]} == before | shared
+        assert {
+            (block, item["tier"]) for item in target.evidence for block in item["block_hashes"]
+        } == before | shared
 
         # Built after the node applied the command: cached, recorded, never re-sent against, still served from the cache.
         await node.cached(user_token(tenant, alice), history(alice, "summer"))
@@ -206,15 +254,21 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
         async def ledger_has_new() -> bool:
             return set(await live_in_ledger(database, node_id, digest)) == built_after
 
-        await eventually(ledger_has_new, timeout_s=TIMEOUT_S, what="the ledger to record the blocks built after")
+        await eventually(
+            ledger_has_new, timeout_s=TIMEOUT_S, what="the ledger to record the blocks built after"
+        )
         async with database.session() as session:
             resends = await session.scalar(
-                select(func.count()).select_from(Invalidation).where(Invalidation.parent_command_id == command_id)
+                select(func.count())
+                .select_from(Invalidation)
+                .where(Invalidation.parent_command_id == command_id)
             )
         assert resends == 0
         assert await node.cached(user_token(tenant, alice), history(alice, "summer")) > 0
         assert {block for block, _ in node.holdings(tenant, alice)} == built_after
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            assert (await client.get(f"/v1/erasures/{erasure_id}", headers=PLATFORM_ADMIN)).json()["status"] == "verified"
+            assert (await client.get(f"/v1/erasures/{erasure_id}", headers=PLATFORM_ADMIN)).json()[
+                "status"
+            ] == "verified"
     finally:
         await node.stop()

@@ -18,7 +18,9 @@ BLOCK_HASH = b"\x11" * 32
 KEY_ID = "ab" * 16
 
 
-def provenance(scope: CacheScope, tenant: str | None = "acme", subject: str | None = "alice", auth: tuple = ()) -> CacheProvenance:
+def provenance(
+    scope: CacheScope, tenant: str | None = "acme", subject: str | None = "alice", auth: tuple = ()
+) -> CacheProvenance:
     return CacheProvenance(
         namespace="ns-test",
         tenant_id=None if scope == CacheScope.PUBLIC else tenant,
@@ -155,7 +157,10 @@ def test_subject_keys_are_found_by_keyed_digest_only_with_the_subject_key(tmp_pa
     store.key_for(provenance(CacheScope.TENANT))
     assert store.subject_key_ids("acme", digest) == [key_id]
     assert store.subject_key_ids("globex", digest) == []
-    assert "alice" not in (tmp_path / "keys.json").read_text() and digest not in (tmp_path / "keys.json").read_text()
+    assert (
+        "alice" not in (tmp_path / "keys.json").read_text()
+        and digest not in (tmp_path / "keys.json").read_text()
+    )
     reopened = LocalKeyStore(tmp_path / "keys.json", subject_key)
     assert reopened.subject_key_ids("acme", digest) == [key_id]
     assert reopened.destroy(key_id)

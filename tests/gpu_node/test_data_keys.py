@@ -23,7 +23,14 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from helpers.ledger import JWT_SECRET, SUBJECT_KEY, coordinator_settings, enroll_nodes, fresh_database, node_key
+from helpers.ledger import (
+    JWT_SECRET,
+    SUBJECT_KEY,
+    coordinator_settings,
+    enroll_nodes,
+    fresh_database,
+    node_key,
+)
 from sqlalchemy import select
 
 from coordinator.api.app import create_app
@@ -85,7 +92,9 @@ def service(database: Database) -> KeyService:
 def coordinator_url(settings: CoordinatorSettings) -> Iterator[str]:
     """The real coordinator app under uvicorn on a free loopback port, in a thread with its own event loop."""
     sock = loopback_listener()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), log_level="warning", access_log=False)
+    )
     thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -105,7 +114,9 @@ def no_keys_in_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     caplog.set_level(logging.DEBUG)
     yield
     # caplog.text would be the teardown phase's (empty) log here; the test ran in the "call" phase.
-    text = "\n".join(record.getMessage() for record in caplog.get_records("setup") + caplog.get_records("call"))
+    text = "\n".join(
+        record.getMessage() for record in caplog.get_records("setup") + caplog.get_records("call")
+    )
     assert text, "no log records captured: the check would prove nothing"
     for key in ISSUED_KEYS:
         for encoded in (key.hex(), base64.b64encode(key).decode(), repr(key)):
@@ -118,7 +129,9 @@ async def _row(database: Database, key_id: str) -> DataKey:
 
 
 @pytest.mark.usefixtures("no_keys_in_logs")
-async def test_resolve_is_stable_and_concurrent_resolves_give_one_key(service: KeyService, database: Database) -> None:
+async def test_resolve_is_stable_and_concurrent_resolves_give_one_key(
+    service: KeyService, database: Database
+) -> None:
     carol = subject_digest(SUBJECT, "acme", "carol")
     user_keys = await asyncio.gather(*(service.resolve("acme", carol) for _ in range(8)))
     tenant_keys = await asyncio.gather(*(service.resolve("initech", None) for _ in range(8)))
@@ -133,9 +146,14 @@ async def test_resolve_is_stable_and_concurrent_resolves_give_one_key(service: K
     assert service.subject_hash("acme", "carol") == carol
 
     async with database.session() as session:
-        rows = (await session.scalars(select(DataKey).where(DataKey.tenant_id.in_(["acme", "initech"])))).all()
+        rows = (
+            await session.scalars(select(DataKey).where(DataKey.tenant_id.in_(["acme", "initech"])))
+        ).all()
     by_id = {row.key_id: row for row in rows}
-    assert set(by_id) >= {carol_id, tenant_id} and len([r for r in rows if r.tenant_id == "initech"]) == 1
+    assert (
+        set(by_id) >= {carol_id, tenant_id}
+        and len([r for r in rows if r.tenant_id == "initech"]) == 1
+    )
     assert by_id[tenant_id].scope == "tenant" and by_id[tenant_id].subject_hash is None
     assert by_id[carol_id].scope == "user" and by_id[carol_id].subject_hash == bytes.fromhex(carol)
     assert carol_key not in by_id[carol_id].wrapped_key, "keys are stored only wrapped"
@@ -155,7 +173,9 @@ async def test_resolve_is_stable_and_concurrent_resolves_give_one_key(service: K
 
 
 @pytest.mark.usefixtures("no_keys_in_logs")
-async def test_destroy_subject_zeroes_the_key_and_the_next_resolve_gets_a_new_one(service: KeyService, database: Database) -> None:
+async def test_destroy_subject_zeroes_the_key_and_the_next_resolve_gets_a_new_one(
+    service: KeyService, database: Database
+) -> None:
     erin = subject_digest(SUBJECT, "hooli", "erin")
     frank = subject_digest(SUBJECT, "hooli", "frank")
     first_id, first_key = await service.resolve("hooli", erin)
@@ -166,25 +186,37 @@ async def test_destroy_subject_zeroes_the_key_and_the_next_resolve_gets_a_new_on
     assert await service.destroy_subject("hooli", erin) == [first_id]
     assert await service.get(first_id) is None
     row = await _row(database, first_id)
-    assert row.destroyed_at is not None and row.wrapped_key == bytes(len(row.wrapped_key)) and len(row.wrapped_key) > 0
+    assert (
+        row.destroyed_at is not None
+        and row.wrapped_key == bytes(len(row.wrapped_key))
+        and len(row.wrapped_key) > 0
+    )
 
     second_id, second_key = await service.resolve("hooli", erin)
     ISSUED_KEYS.append(second_key)
     assert second_id != first_id and second_key != first_key
     destroyed_at = row.destroyed_at
-    assert await service.destroy_subject("hooli", erin) == sorted([first_id, second_id])  # a retry names every key
+    assert await service.destroy_subject("hooli", erin) == sorted(
+        [first_id, second_id]
+    )  # a retry names every key
     assert (await _row(database, first_id)).destroyed_at == destroyed_at
     assert await service.get(frank_id) == frank_key and await service.get(tenant_id) == tenant_key
     assert await service.destroy_subject("hooli", subject_digest(SUBJECT, "hooli", "nobody")) == []
 
-    assert await service.destroy_tenant("hooli") == sorted([first_id, second_id, frank_id, tenant_id])
+    assert await service.destroy_tenant("hooli") == sorted(
+        [first_id, second_id, frank_id, tenant_id]
+    )
     assert await service.get(frank_id) is None and await service.get(tenant_id) is None
 
 
 @pytest.mark.usefixtures("no_keys_in_logs")
-async def test_http_api(coordinator_url: str, service: KeyService, settings: CoordinatorSettings) -> None:
+async def test_http_api(
+    coordinator_url: str, service: KeyService, settings: CoordinatorSettings
+) -> None:
     async with httpx.AsyncClient(base_url=coordinator_url) as client:
-        resolved = await client.post("/v1/keys/resolve", json={"tenant_id": "acme", "subject_hash": BOB}, headers=_auth())
+        resolved = await client.post(
+            "/v1/keys/resolve", json={"tenant_id": "acme", "subject_hash": BOB}, headers=_auth()
+        )
         assert resolved.status_code == 200 and resolved.headers["cache-control"] == "no-store"
         key_id, key = resolved.json()["key_id"], base64.b64decode(resolved.json()["key"])
         ISSUED_KEYS.append(key)
@@ -203,25 +235,52 @@ async def test_http_api(coordinator_url: str, service: KeyService, settings: Coo
 
         assert error(await client.get(f"/v1/keys/{key_id}")) == (401, "missing_token")
         # A token minted with the end-user secret is no node credential, whatever roles it claims.
-        user = issue_token(tenant="kvledger-nodes", sub=NODE_ID, roles=["node", "admin"], ttl_s=60, secret=JWT_SECRET)
-        assert error(await client.get(f"/v1/keys/{key_id}", headers={"Authorization": f"Bearer {user}"})) == (
+        user = issue_token(
+            tenant="kvledger-nodes",
+            sub=NODE_ID,
+            roles=["node", "admin"],
+            ttl_s=60,
+            secret=JWT_SECRET,
+        )
+        assert error(
+            await client.get(f"/v1/keys/{key_id}", headers={"Authorization": f"Bearer {user}"})
+        ) == (
             401,
             "invalid_token",
         )
-        assert error(await client.get("/v1/keys/" + "0" * 32, headers=_auth())) == (404, "key_not_found")
+        assert error(await client.get("/v1/keys/" + "0" * 32, headers=_auth())) == (
+            404,
+            "key_not_found",
+        )
         assert error(await client.get("/v1/keys/not-a-key-id", headers=_auth()))[0] == 400
         bad = {"tenant_id": "acme", "subject_hash": "alice"}
-        assert error(await client.post("/v1/keys/resolve", json=bad, headers=_auth())) == (400, "invalid_parameter")
+        assert error(await client.post("/v1/keys/resolve", json=bad, headers=_auth())) == (
+            400,
+            "invalid_parameter",
+        )
 
         assert await service.destroy_subject("acme", BOB) == [key_id]
-        assert error(await client.get(f"/v1/keys/{key_id}", headers=_auth())) == (410, "key_destroyed")
+        assert error(await client.get(f"/v1/keys/{key_id}", headers=_auth())) == (
+            410,
+            "key_destroyed",
+        )
 
     # A coordinator without a master key refuses to serve keys, and says which setting is missing.
-    unkeyed = create_app(settings.model_copy(update={"keys": settings.keys.model_copy(update={"master_key": None})}))
+    unkeyed = create_app(
+        settings.model_copy(update={"keys": settings.keys.model_copy(update={"master_key": None})})
+    )
     transport = httpx.ASGITransport(app=unkeyed)
-    async with unkeyed.router.lifespan_context(unkeyed), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
-        response = await client.post("/v1/keys/resolve", json={"tenant_id": "acme"}, headers=_auth())
-        assert error(response) == (503, "keys_not_configured") and "KVLEDGER_MASTER_KEY" in response.json()["error"]["message"]
+    async with (
+        unkeyed.router.lifespan_context(unkeyed),
+        httpx.AsyncClient(transport=transport, base_url="http://c") as client,
+    ):
+        response = await client.post(
+            "/v1/keys/resolve", json={"tenant_id": "acme"}, headers=_auth()
+        )
+        assert (
+            error(response) == (503, "keys_not_configured")
+            and "KVLEDGER_MASTER_KEY" in response.json()["error"]["message"]
+        )
 
 
 def _user_key(i: int, subject: str) -> BlockKey:
@@ -235,7 +294,13 @@ def _user_key(i: int, subject: str) -> BlockKey:
         created_at=0.0,
     )
     block_hash = hashlib.sha256(f"keys-block-{i}".encode()).digest()
-    return BlockKey(block_hash, hashlib.sha256(f"keys-block-{i - 1}".encode()).digest(), i, SPEC.block_size, provenance)
+    return BlockKey(
+        block_hash,
+        hashlib.sha256(f"keys-block-{i - 1}".encode()).digest(),
+        i,
+        SPEC.block_size,
+        provenance,
+    )
 
 
 def _store(pool: BlockPool, key: BlockKey, value: float) -> None:
@@ -245,10 +310,19 @@ def _store(pool: BlockPool, key: BlockKey, value: float) -> None:
 
 
 @pytest.mark.usefixtures("no_keys_in_logs")
-async def test_node_pool_block_is_crypto_erased_with_its_subject(coordinator_url: str, service: KeyService, tmp_path) -> None:
+async def test_node_pool_block_is_crypto_erased_with_its_subject(
+    coordinator_url: str, service: KeyService, tmp_path
+) -> None:
     provider = CoordinatorKeyProvider(coordinator_url, _node_token, SUBJECT)
     fresh_node = CoordinatorKeyProvider(coordinator_url, _node_token, SUBJECT)
-    config = PoolConfig("ns-keys", num_device_blocks=1, num_host_blocks=0, max_disk_blocks=4, disk_dir=tmp_path / "disk", ttl_s=NO_TTL)
+    config = PoolConfig(
+        "ns-keys",
+        num_device_blocks=1,
+        num_host_blocks=0,
+        max_disk_blocks=4,
+        disk_dir=tmp_path / "disk",
+        ttl_s=NO_TTL,
+    )
     pool = BlockPool(SPEC, config, provider)
     alice_block, bob_block = _user_key(1, "alice"), _user_key(2, "bob")
     try:
@@ -258,10 +332,16 @@ async def test_node_pool_block_is_crypto_erased_with_its_subject(coordinator_url
         assert alice is not None and alice.tier is Tier.DISK
         key_id = provider.current_key_id("acme", "alice")
         assert key_id is not None and key_id == (await service.resolve("acme", ALICE))[0]
-        ISSUED_KEYS.extend(key for key in (provider.key_by_id(key_id), await service.get(key_id)) if key is not None)
+        ISSUED_KEYS.extend(
+            key
+            for key in (provider.key_by_id(key_id), await service.get(key_id))
+            if key is not None
+        )
         assert provider.current_key_id("acme", "carol") is None
         block_file = pool.disk_path(alice_block.block_hash)
-        assert key_id.encode() in block_file.read_bytes() and b"alice" not in block_file.read_bytes()
+        assert (
+            key_id.encode() in block_file.read_bytes() and b"alice" not in block_file.read_bytes()
+        )
         stolen = tmp_path / "copied-away.kvb"
         shutil.copyfile(block_file, stolen)
         # Before the erasure, a node with an empty cache fetches the key by id and opens the copy.
@@ -269,7 +349,9 @@ async def test_node_pool_block_is_crypto_erased_with_its_subject(coordinator_url
 
         assert await service.destroy_subject("acme", ALICE) == [key_id]
         assert provider.destroy(key_id) is True
-        assert provider.key_by_id(key_id) is None and provider.current_key_id("acme", "alice") is None
+        assert (
+            provider.key_by_id(key_id) is None and provider.current_key_id("acme", "alice") is None
+        )
 
         pool.inc_lock_ref([alice])
         try:
@@ -336,7 +418,9 @@ async def test_unreachable_coordinator_means_no_key() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         closed_port = sock.getsockname()[1]
-    provider = CoordinatorKeyProvider(f"http://127.0.0.1:{closed_port}", _node_token, SUBJECT, DataKeySettings(timeout_s=0.5))
+    provider = CoordinatorKeyProvider(
+        f"http://127.0.0.1:{closed_port}", _node_token, SUBJECT, DataKeySettings(timeout_s=0.5)
+    )
     try:
         assert provider.key_for(_user_key(3, "alice").provenance) is None
         assert provider.key_by_id("a" * 32) is None
@@ -347,10 +431,15 @@ async def test_unreachable_coordinator_means_no_key() -> None:
 
 def test_node_settings_choose_the_key_provider(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLEDGER_JWT_SECRET", raising=False)
-    local = NodeSettings(data_dir=tmp_path, auth=IssuerSettings(jwt_secret=JWT_SECRET), coordinator_url=None)
+    local = NodeSettings(
+        data_dir=tmp_path, auth=IssuerSettings(jwt_secret=JWT_SECRET), coordinator_url=None
+    )
     assert isinstance(data_key_provider(local, tmp_path), LocalKeyStore)
     remote = NodeSettings(
-        data_dir=tmp_path, auth=IssuerSettings(jwt_secret=JWT_SECRET), coordinator_url="http://c", subject_key=SUBJECT_KEY
+        data_dir=tmp_path,
+        auth=IssuerSettings(jwt_secret=JWT_SECRET),
+        coordinator_url="http://c",
+        subject_key=SUBJECT_KEY,
     )
     provider = data_key_provider(remote, tmp_path)
     assert isinstance(provider, CoordinatorKeyProvider)

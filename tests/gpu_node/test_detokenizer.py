@@ -27,7 +27,9 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer):
 
 
 def test_stop_string_across_tokens_cuts_the_text_before_it(tokenizer):
-    token_ids = tokenizer.encode("the handbook says each tenant keeps its own cache", add_special_tokens=False)
+    token_ids = tokenizer.encode(
+        "the handbook says each tenant keeps its own cache", add_special_tokens=False
+    )
     detokenizer = IncrementalDetokenizer(tokenizer, ("ten" + "ant keeps",))
     for token_id in token_ids:
         _, stopped = detokenizer.push(token_id)

@@ -25,7 +25,13 @@ from gpu_node.engine.async_engine import (
 )
 from gpu_node.metrics import MissReason
 from gpu_node.settings import CacheSettings, NodeSettings
-from prefix_keys.blocks import CacheScope, DocumentRef, Principal, compute_block_keys, num_cacheable_blocks
+from prefix_keys.blocks import (
+    CacheScope,
+    DocumentRef,
+    Principal,
+    compute_block_keys,
+    num_cacheable_blocks,
+)
 from prefix_keys.prompt import ChatMessage, render_prompt
 
 BLOCK = 16
@@ -58,11 +64,21 @@ def user(text: str) -> ChatMessage:
 
 
 def long_text(num_words: int, offset: int = 0) -> str:
-    return " ".join(WORDS[(offset + i) % len(WORDS)] + str((offset + i) % 97) for i in range(num_words))
+    return " ".join(
+        WORDS[(offset + i) % len(WORDS)] + str((offset + i) % 97) for i in range(num_words)
+    )
 
 
-async def complete(engine: AsyncEngine, messages, principal=ALICE, use_cache=True, max_tokens=6, **sampling) -> Completion:
-    request = GenerationRequest("test", tuple(messages), SamplingParams(max_tokens=max_tokens, **sampling), principal, use_cache)
+async def complete(
+    engine: AsyncEngine, messages, principal=ALICE, use_cache=True, max_tokens=6, **sampling
+) -> Completion:
+    request = GenerationRequest(
+        "test",
+        tuple(messages),
+        SamplingParams(max_tokens=max_tokens, **sampling),
+        principal,
+        use_cache,
+    )
     token_ids: list[int] = []
     text = ""
     stats = done = None
@@ -76,12 +92,15 @@ async def complete(engine: AsyncEngine, messages, principal=ALICE, use_cache=Tru
             assert isinstance(item, GenerationDone)
             done = item
     assert stats is not None and done is not None
-    return Completion(token_ids, text, stats.num_prompt_tokens, stats.num_cached_tokens, done.finish_reason)
+    return Completion(
+        token_ids, text, stats.num_prompt_tokens, stats.num_cached_tokens, done.finish_reason
+    )
 
 
 def node_settings(model_dir: Path, data_dir: Path, **cache) -> NodeSettings:
     cache_settings = CacheSettings(
-        block_size=BLOCK, **({"num_device_blocks": 256, "num_host_blocks": 256, "max_disk_blocks": 1024} | cache)
+        block_size=BLOCK,
+        **({"num_device_blocks": 256, "num_host_blocks": 256, "max_disk_blocks": 1024} | cache),
     )
     return NodeSettings(model_dir=model_dir, data_dir=data_dir, cache=cache_settings)
 
@@ -115,17 +134,26 @@ async def test_every_step_is_timed_outside_its_forward(engine):
     engine.step_sink = None
     assert len(done.token_ids) == 5
     # one step per token: the prefill yields the first, each decode one more
-    assert [(timing.num_seqs, timing.num_tokens > 1) for timing in timings] == [(1, True)] + [(1, False)] * 4
-    assert all(timing.forward_s > 0 and timing.overhead_s > 0 and timing.overhead_cpu_s >= 0 for timing in timings)
+    assert [(timing.num_seqs, timing.num_tokens > 1) for timing in timings] == [(1, True)] + [
+        (1, False)
+    ] * 4
+    assert all(
+        timing.forward_s > 0 and timing.overhead_s > 0 and timing.overhead_cpu_s >= 0
+        for timing in timings
+    )
     assert metric(engine, "kvledger_engine_step_overhead_seconds_count") == len(timings)
-    assert metric(engine, "kvledger_engine_step_overhead_seconds_sum") == pytest.approx(sum(timing.overhead_s for timing in timings))
+    assert metric(engine, "kvledger_engine_step_overhead_seconds_sum") == pytest.approx(
+        sum(timing.overhead_s for timing in timings)
+    )
 
 
 async def test_only_the_forward_runs_on_the_configured_intra_op_threads(engine, monkeypatch):
     """Scheduling, step tensors and sampling run at one torch thread; the model forward at the runner's count."""
     engine.runner.num_threads = 2
     seen = {"forward": [], "schedule": []}
-    hook = engine.runner.model.register_forward_pre_hook(lambda *_: seen["forward"].append(torch.get_num_threads()))
+    hook = engine.runner.model.register_forward_pre_hook(
+        lambda *_: seen["forward"].append(torch.get_num_threads())
+    )
     schedule = engine.scheduler.schedule
 
     def observed_schedule():
@@ -135,7 +163,9 @@ async def test_only_the_forward_runs_on_the_configured_intra_op_threads(engine, 
     monkeypatch.setattr(engine.scheduler, "schedule", observed_schedule)
     threads_before = torch.get_num_threads()
     try:
-        done = await complete(engine, [system(), user("Count my threads.")], max_tokens=3, ignore_eos=True)
+        done = await complete(
+            engine, [system(), user("Count my threads.")], max_tokens=3, ignore_eos=True
+        )
     finally:
         hook.remove()
     assert len(done.token_ids) == 3
@@ -146,7 +176,11 @@ async def test_only_the_forward_runs_on_the_configured_intra_op_threads(engine, 
 
 
 async def test_second_request_hits_every_full_block_and_matches_uncached(engine):
-    messages = [system(), document("handbook", 3, long_text(60)), user("What does the handbook say?")]
+    messages = [
+        system(),
+        document("handbook", 3, long_text(60)),
+        user("What does the handbook say?"),
+    ]
     uncached = await complete(engine, messages, use_cache=False)
     first = await complete(engine, messages)
     second = await complete(engine, messages)
@@ -172,7 +206,9 @@ message_strategy = st.one_of(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     messages=st.lists(message_strategy, min_size=1, max_size=4),
     principal=st.sampled_from([ALICE, CAROL, BOB_AT_GLOBEX]),
@@ -181,13 +217,18 @@ message_strategy = st.one_of(
 async def test_greedy_tokens_with_hits_equal_uncached(engine, messages, principal, tier):
     if principal is BOB_AT_GLOBEX:
         messages = [
-            m if m.document is None else dataclasses.replace(m, document=dataclasses.replace(m.document, auth_scope="hr")) for m in messages
+            m
+            if m.document is None
+            else dataclasses.replace(m, document=dataclasses.replace(m.document, auth_scope="hr"))
+            for m in messages
         ]
     uncached = await complete(engine, messages, principal, use_cache=False)
     first = await complete(engine, messages, principal)
     num_blocks = num_cacheable_blocks(first.num_prompt_tokens, BLOCK)
     prompt = render_prompt(engine.runner.tokenizer, messages)
-    keys = compute_block_keys(engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK)
+    keys = compute_block_keys(
+        engine.namespace.namespace, prompt.token_ids, prompt.segments, principal, BLOCK
+    )
     expected_blocks = num_blocks
     if tier in (Tier.HOST, Tier.DISK):
         for key in keys:
@@ -206,22 +247,38 @@ async def test_isolation_public_prefix_shared_tenant_and_user_parts_not(engine):
     public = system(long_text(40, 3))
     alice = await complete(engine, [public, document("handbook", 1, handbook), user("hi")], ALICE)
     assert alice.num_cached_tokens == 0
-    rendered = render_prompt(engine.runner.tokenizer, [public, document("handbook", 1, handbook), user("hi")])
+    rendered = render_prompt(
+        engine.runner.tokenizer, [public, document("handbook", 1, handbook), user("hi")]
+    )
     public_tokens = rendered.segments[0].end
-    misses_before = {reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason}) for reason in MissReason}
-    bob = await complete(engine, [public, document("handbook", 1, handbook), user("hi")], BOB_AT_GLOBEX)
+    misses_before = {
+        reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason})
+        for reason in MissReason
+    }
+    bob = await complete(
+        engine, [public, document("handbook", 1, handbook), user("hi")], BOB_AT_GLOBEX
+    )
     assert bob.num_cached_tokens == (public_tokens // BLOCK) * BLOCK
     # Acme's copy of the document is none of globex's business: the miss reads as if nobody had cached it.
-    misses_after = {reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason}) for reason in MissReason}
+    misses_after = {
+        reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason})
+        for reason in MissReason
+    }
     assert {
-        reason: misses_after[reason] - misses_before[reason] for reason in MissReason if misses_after[reason] != misses_before[reason]
+        reason: misses_after[reason] - misses_before[reason]
+        for reason in MissReason
+        if misses_after[reason] != misses_before[reason]
     } == {MissReason.NO_ENTRY: 1}
 
     # Two subjects of one tenant share the document blocks but never each other's user blocks.
     history = user(long_text(40, 9))
     await complete(engine, [public, document("handbook", 1, handbook), history], ALICE)
     carol = await complete(engine, [public, document("handbook", 1, handbook), history], CAROL)
-    user_start = render_prompt(engine.runner.tokenizer, [public, document("handbook", 1, handbook), history]).segments[2].start
+    user_start = (
+        render_prompt(engine.runner.tokenizer, [public, document("handbook", 1, handbook), history])
+        .segments[2]
+        .start
+    )
     assert carol.num_cached_tokens == (user_start // BLOCK) * BLOCK
 
 
@@ -232,7 +289,10 @@ async def test_same_tokens_under_the_callers_own_other_scope_is_an_auth_scope_mi
     before = metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"})
     shared = await complete(engine, [ChatMessage("user", text, CacheScope.TENANT)], ALICE)
     assert shared.num_cached_tokens == 0
-    assert metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"}) == before + 1
+    assert (
+        metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"})
+        == before + 1
+    )
 
 
 async def test_short_prompt_counts_prefix_too_short(engine):
@@ -245,12 +305,19 @@ async def test_concurrent_identical_new_prefix_is_built_once(engine):
     prompt_messages = prefix + [user("Summarise.")]
     builds_before = metric(engine, "kvledger_prefix_builds_total")
     blocks_before = metric(engine, "kvledger_blocks_built_total")
-    results = await asyncio.gather(*(complete(engine, prompt_messages, max_tokens=4) for _ in range(32)))
+    results = await asyncio.gather(
+        *(complete(engine, prompt_messages, max_tokens=4) for _ in range(32))
+    )
     assert results[0].num_prompt_tokens >= 1000
     assert metric(engine, "kvledger_prefix_builds_total") - builds_before == 1
-    assert metric(engine, "kvledger_blocks_built_total") - blocks_before == num_cacheable_blocks(results[0].num_prompt_tokens, BLOCK)
+    assert metric(engine, "kvledger_blocks_built_total") - blocks_before == num_cacheable_blocks(
+        results[0].num_prompt_tokens, BLOCK
+    )
     assert len({tuple(r.token_ids) for r in results}) == 1
-    assert sorted(r.num_cached_tokens for r in results)[1:] == [expected_cached(results[0].num_prompt_tokens)] * 31
+    assert (
+        sorted(r.num_cached_tokens for r in results)[1:]
+        == [expected_cached(results[0].num_prompt_tokens)] * 31
+    )
     assert metric(engine, "kvledger_singleflight_waiters") == 0
 
 
@@ -300,7 +367,9 @@ async def test_snapshot_warm_start_serves_hits(engine, tiny_model_dir, tmp_path)
     # for the tenant/user shards; here it is handed the key file.
     (tmp_path / "warm").mkdir()
     shutil.copy(tmp_path / "node" / "keys.json", tmp_path / "warm" / "keys.json")
-    warm_settings = node_settings(tiny_model_dir, tmp_path / "warm").model_copy(update={"warm_from": Path(summary["path"])})
+    warm_settings = node_settings(tiny_model_dir, tmp_path / "warm").model_copy(
+        update={"warm_from": Path(summary["path"])}
+    )
     warm = AsyncEngine.from_settings(warm_settings)
     await warm.start()
     try:
@@ -320,12 +389,16 @@ async def test_prompt_longer_than_context_is_refused(engine):
 # --------------------------------------------------------------------------- vLLM's stop extensions
 
 
-def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, min_new_tokens: int, stop_ids) -> list[int]:
+def reference_greedy(
+    model_dir: Path, prompt_ids: list[int], max_new_tokens: int, min_new_tokens: int, stop_ids
+) -> list[int]:
     """transformers' own greedy ``generate`` with the same stop rule: what the node must produce."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32
+    )
     output = model.generate(
         torch.tensor([prompt_ids]),
         do_sample=False,
@@ -357,8 +430,14 @@ HELLO = [user("hello there, what does the handbook say")]
 async def test_stop_token_ids_end_generation_before_the_token(engine):
     baseline = await complete(engine, HELLO, max_tokens=12)
     assert baseline.finish_reason == "length"
-    stop_at = next(index for index, token in enumerate(baseline.token_ids) if index > 0 and token != baseline.token_ids[0])
-    stopped = await complete(engine, HELLO, max_tokens=12, stop_token_ids=(baseline.token_ids[stop_at],))
+    stop_at = next(
+        index
+        for index, token in enumerate(baseline.token_ids)
+        if index > 0 and token != baseline.token_ids[0]
+    )
+    stopped = await complete(
+        engine, HELLO, max_tokens=12, stop_token_ids=(baseline.token_ids[stop_at],)
+    )
     assert (stopped.token_ids, stopped.finish_reason) == (baseline.token_ids[:stop_at], "stop")
 
 
@@ -366,8 +445,12 @@ async def test_min_tokens_masks_stop_tokens_like_transformers(engine, tiny_model
     baseline = await complete(engine, HELLO, max_tokens=12)
     stop_ids = {baseline.token_ids[0], baseline.token_ids[1]}
     prompt_ids = render_prompt(engine.runner.tokenizer, tuple(HELLO)).token_ids
-    expected = reference_greedy(tiny_model_dir, prompt_ids, 12, 5, stop_ids | engine.runner.eos_token_ids)
-    assert not stop_ids & set(expected[:5])  # the minimum changed the output: it is not the baseline's
+    expected = reference_greedy(
+        tiny_model_dir, prompt_ids, 12, 5, stop_ids | engine.runner.eos_token_ids
+    )
+    assert not stop_ids & set(
+        expected[:5]
+    )  # the minimum changed the output: it is not the baseline's
     got = await complete(engine, HELLO, max_tokens=12, min_tokens=5, stop_token_ids=tuple(stop_ids))
     assert got.token_ids == expected
     assert got.finish_reason == ("stop" if len(expected) < 12 else "length")
@@ -400,7 +483,9 @@ async def test_stop_strings_wait_for_min_tokens(engine):
     assert (await complete(engine, HELLO, max_tokens=8, stop=(first_text,))).token_ids == []
     late = await complete(engine, HELLO, max_tokens=8, stop=(first_text,), min_tokens=3)
     assert late.token_ids[:3] == baseline.token_ids[:3]
-    assert late.finish_reason == ("stop" if first_text in engine.runner.tokenizer.decode(baseline.token_ids[3:]) else "length")
+    assert late.finish_reason == (
+        "stop" if first_text in engine.runner.tokenizer.decode(baseline.token_ids[3:]) else "length"
+    )
 
 
 async def test_out_of_vocabulary_stop_token_is_refused(engine):

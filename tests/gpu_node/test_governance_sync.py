@@ -108,16 +108,24 @@ class GovNode(ServedNode):
 
     def holdings(self, tenant: str) -> set[tuple[str, str]]:
         return {
-            (entry.block_hash.hex(), entry.tier.value) for entry in self.engine.pool.ready_entries() if entry.provenance.tenant_id == tenant
+            (entry.block_hash.hex(), entry.tier.value)
+            for entry in self.engine.pool.ready_entries()
+            if entry.provenance.tenant_id == tenant
         }
 
 
 @pytest.fixture(scope="module")
-async def stack(ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[dict]:
+async def stack(
+    ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory
+) -> AsyncIterator[dict]:
     settings = coordinator_settings(
         ledger_url,
         kafka_bootstrap,
-        ledger={"erasure_verify_interval_s": 0.5, "command_resend_after_s": 3600, "command_resend_max_s": 3600},
+        ledger={
+            "erasure_verify_interval_s": 0.5,
+            "command_resend_after_s": 3600,
+            "command_resend_max_s": 3600,
+        },
         keys={"master_key": MASTER_KEY},
     )
     await ensure_topics(kafka_settings(settings))
@@ -128,7 +136,12 @@ async def stack(ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp
     await enroll_nodes(ledger_url, [node_id])
     cache = CacheSettings(num_device_blocks=64, num_host_blocks=16, max_disk_blocks=256)
     settings_of_node = node_settings(
-        node_id, tiny_model_dir, tmp_path_factory.mktemp("gov-node"), kafka_bootstrap, cache, coordinator_url=coordinator.url
+        node_id,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("gov-node"),
+        kafka_bootstrap,
+        cache,
+        coordinator_url=coordinator.url,
     )
     node = GovNode(settings_of_node)
     try:
@@ -136,12 +149,20 @@ async def stack(ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp
         await node.start()
 
         async def registered() -> bool:
-            async with httpx.AsyncClient(base_url=coordinator.url, headers=PLATFORM_ADMIN, timeout=30) as client:
+            async with httpx.AsyncClient(
+                base_url=coordinator.url, headers=PLATFORM_ADMIN, timeout=30
+            ) as client:
                 listed = (await client.get("/v1/nodes")).json()["nodes"]
             return node_id in {row["node_id"] for row in listed}
 
         await eventually(registered, timeout_s=TIMEOUT_S, what="the node registered in the ledger")
-        yield {"url": coordinator.url, "database_url": ledger_url, "database": database, "node": node, "kafka": kafka_bootstrap}
+        yield {
+            "url": coordinator.url,
+            "database_url": ledger_url,
+            "database": database,
+            "node": node,
+            "kafka": kafka_bootstrap,
+        }
     finally:
         await node.stop()
         await database.dispose()
@@ -152,28 +173,45 @@ async def stack(ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp
 
 
 def token(tenant: str, subject: str, pv: int) -> str:
-    return issue_token(tenant=tenant, sub=subject, scopes=["hr"], pv={"hr": pv}, ttl_s=600, secret=JWT_SECRET)
+    return issue_token(
+        tenant=tenant, sub=subject, scopes=["hr"], pv={"hr": pv}, ttl_s=600, secret=JWT_SECRET
+    )
 
 
 def messages(subject: str, version: int) -> list[dict]:
-    handbook = " ".join(f"handbook section {i} version {version}: staff rest on day {i}" for i in range(6))
+    handbook = " ".join(
+        f"handbook section {i} version {version}: staff rest on day {i}" for i in range(6)
+    )
     notes = " ".join(f"{subject} wrote note {i}: my leave started on day {i}" for i in range(6))
     return [
         {"role": "system", "content": SYSTEM, "cache_scope": "public"},
-        {"role": "user", "content": handbook, "document": {"id": "handbook", "version": version, "auth_scope": "hr"}},
+        {
+            "role": "user",
+            "content": handbook,
+            "document": {"id": "handbook", "version": version, "auth_scope": "hr"},
+        },
         {"role": "user", "content": notes},
     ]
 
 
 async def chat(node: GovNode, bearer: str, body_messages: list[dict]) -> httpx.Response:
-    body = {"model": node.engine.model_name, "messages": body_messages, "max_tokens": 1, "temperature": 0}
+    body = {
+        "model": node.engine.model_name,
+        "messages": body_messages,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
     async with httpx.AsyncClient(base_url=node.http.url, timeout=60) as client:
-        return await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {bearer}"})
+        return await client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {bearer}"}
+        )
 
 
 async def publish(kafka_bootstrap: str, payload, tenant: str | None) -> uuid.UUID:
     event = schema.make_event(payload, tenant_id=tenant)
-    async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap), sign=sign_customer_event) as producer:
+    async with EventProducer(
+        KafkaSettings(bootstrap=kafka_bootstrap), sign=sign_customer_event
+    ) as producer:
         await producer.send(event)
     return event.event_id
 
@@ -184,20 +222,32 @@ async def commands_end(kafka_bootstrap: str) -> dict[int, int]:
     await consumer.start()
     try:
         await consumer.topics()
-        partitions = [TopicPartition(topics.COMMANDS, p) for p in sorted(consumer.partitions_for_topic(topics.COMMANDS))]
-        return {tp.partition: offset for tp, offset in (await consumer.end_offsets(partitions)).items()}
+        partitions = [
+            TopicPartition(topics.COMMANDS, p)
+            for p in sorted(consumer.partitions_for_topic(topics.COMMANDS))
+        ]
+        return {
+            tp.partition: offset for tp, offset in (await consumer.end_offsets(partitions)).items()
+        }
     finally:
         await consumer.stop()
 
 
-async def command_offsets(kafka_bootstrap: str, command_ids: set[uuid.UUID]) -> list[tuple[int, int]]:
+async def command_offsets(
+    kafka_bootstrap: str, command_ids: set[uuid.UUID]
+) -> list[tuple[int, int]]:
     """(partition, offset) of every record on ``kvledger.commands`` carrying one of ``command_ids``, read to the end."""
     found: list[tuple[int, int]] = []
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka_bootstrap, group_id=None, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         await consumer.topics()
-        partitions = [TopicPartition(topics.COMMANDS, p) for p in sorted(consumer.partitions_for_topic(topics.COMMANDS))]
+        partitions = [
+            TopicPartition(topics.COMMANDS, p)
+            for p in sorted(consumer.partitions_for_topic(topics.COMMANDS))
+        ]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(partitions)
@@ -206,9 +256,14 @@ async def command_offsets(kafka_bootstrap: str, command_ids: set[uuid.UUID]) -> 
                 batch = await consumer.getmany(timeout_ms=300)
                 for tp, records in batch.items():
                     for record in records:
-                        if getattr(schema.parse_event(record.value).payload, "command_id", None) in command_ids:
+                        if (
+                            getattr(schema.parse_event(record.value).payload, "command_id", None)
+                            in command_ids
+                        ):
                             found.append((tp.partition, record.offset))
-                if not batch and all([await consumer.position(tp) >= end for tp, end in ends.items()]):
+                if not batch and all(
+                    [await consumer.position(tp) >= end for tp, end in ends.items()]
+                ):
                     return found
     finally:
         await consumer.stop()
@@ -216,23 +271,33 @@ async def command_offsets(kafka_bootstrap: str, command_ids: set[uuid.UUID]) -> 
 
 async def decisions_of(database: Database, event_ids: list[uuid.UUID]) -> list[Invalidation]:
     async with database.session() as session:
-        rows = (await session.scalars(select(Invalidation).where(Invalidation.source_event_id.in_(event_ids)))).all()
+        rows = (
+            await session.scalars(
+                select(Invalidation).where(Invalidation.source_event_id.in_(event_ids))
+            )
+        ).all()
     return list(rows)
 
 
 async def governance_get(base_url: str, headers: dict | None, **params) -> httpx.Response:
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-        return await client.get("/v1/governance", params={"nonce": "n" * 24} | params, headers=headers or {})
+        return await client.get(
+            "/v1/governance", params={"nonce": "n" * 24} | params, headers=headers or {}
+        )
 
 
 def node_credential(node_id: str, key: Ed25519PrivateKey | None = None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {issue_node_credential(key or node_key(node_id), node_id, 30)}"}
+    return {
+        "Authorization": f"Bearer {issue_node_credential(key or node_key(node_id), node_id, 30)}"
+    }
 
 
 # --------------------------------------------------------------------------- tests
 
 
-async def test_a_node_down_while_governance_changed_restarts_from_the_coordinators_state_alone(stack):
+async def test_a_node_down_while_governance_changed_restarts_from_the_coordinators_state_alone(
+    stack,
+):
     url, database, node, bootstrap = stack["url"], stack["database"], stack["node"], stack["kafka"]
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     alice = f"alice-{uuid.uuid4().hex[:8]}"
@@ -251,10 +316,17 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
         async with httpx.AsyncClient(base_url=url, headers=PLATFORM_ADMIN, timeout=30) as client:
             params = {"tenant": tenant, "node": node.node_id, "limit": 1000}
             blocks = (await client.get("/v1/ledger/blocks", params=params)).json()["blocks"]
-        live = {(b["block_hash"], p["tier"]) for b in blocks for p in b["placements"] if p["state"] == "live"}
+        live = {
+            (b["block_hash"], p["tier"])
+            for b in blocks
+            for p in b["placements"]
+            if p["state"] == "live"
+        }
         return live >= {(h, "disk") for h in disk}
 
-    await eventually(ledger_holds_disk, timeout_s=TIMEOUT_S, what="the ledger to hold the disk copies")
+    await eventually(
+        ledger_holds_disk, timeout_s=TIMEOUT_S, what="the ledger to hold the disk copies"
+    )
     first_epoch = node.publisher.epoch
     await node.stop()
 
@@ -264,7 +336,9 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
         session.add(Namespace(namespace=other_namespace))
     event_ids = [
         await publish(bootstrap, schema.DocumentUpdated(doc_id="handbook", version=2), tenant),
-        await publish(bootstrap, schema.PermissionRevoked(auth_scope="hr", policy_version=2), tenant),
+        await publish(
+            bootstrap, schema.PermissionRevoked(auth_scope="hr", policy_version=2), tenant
+        ),
     ]
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         erasure = await client.post(
@@ -273,7 +347,9 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
             headers=operator_headers("privacy-officer", tenant),
         )
         assert erasure.status_code == 202, erasure.text
-        retire = await client.post(f"/v1/namespaces/{other_namespace}/retire", headers=PLATFORM_ADMIN)
+        retire = await client.post(
+            f"/v1/namespaces/{other_namespace}/retire", headers=PLATFORM_ADMIN
+        )
         assert retire.status_code == 202, retire.text
     erasure_id = erasure.json()["id"]
 
@@ -283,10 +359,17 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
     await eventually(decided, timeout_s=TIMEOUT_S, what="the document and permission decisions")
     async with database.session() as session:
         erasure_command = await session.scalar(
-            select(Invalidation.command_id).where(Invalidation.kind == "subject", Invalidation.predicate["tenant"].astext == tenant)
+            select(Invalidation.command_id).where(
+                Invalidation.kind == "subject", Invalidation.predicate["tenant"].astext == tenant
+            )
         )
-        namespace_command = await session.scalar(select(Namespace.invalidation_id).where(Namespace.namespace == other_namespace))
-    missed = {row.command_id for row in await decisions_of(database, event_ids)} | {erasure_command, namespace_command}
+        namespace_command = await session.scalar(
+            select(Namespace.invalidation_id).where(Namespace.namespace == other_namespace)
+        )
+    missed = {row.command_id for row in await decisions_of(database, event_ids)} | {
+        erasure_command,
+        namespace_command,
+    }
     assert len(missed) == 4
 
     async def published() -> bool:
@@ -295,25 +378,37 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
     await eventually(published, timeout_s=TIMEOUT_S, what="the four commands on the topic")
     # A last record after them in their partition (addressed to no node), so the end the node notes lies past every
     # missed command (Tansu reports the end of a multi-record batch as its first offset).
-    marker = sign_command(schema.make_event(schema.InventoryRequested(node_id="nobody", request_id=uuid.uuid4())))
+    marker = sign_command(
+        schema.make_event(schema.InventoryRequested(node_id="nobody", request_id=uuid.uuid4()))
+    )
     async with EventProducer(KafkaSettings(bootstrap=bootstrap)) as producer:
         await producer.send(marker, key=topics.BROADCAST_TARGET)
     end_before_restart = await commands_end(bootstrap)
     missed_offsets = await command_offsets(bootstrap, missed)
-    assert missed_offsets and all(offset < end_before_restart[partition] for partition, offset in missed_offsets)
+    assert missed_offsets and all(
+        offset < end_before_restart[partition] for partition, offset in missed_offsets
+    )
     # What an expired retention leaves: nothing of the node's past position to go back to.
     await start_groups_at_end(bootstrap, {node.commands.group_id: [topics.COMMANDS]})
 
     node.assemble()
     await node.start()
     assert node.publisher.epoch > first_epoch
-    assert all(offset >= end_before_restart[partition] for partition, offset in node.read_offsets), "read a missed command"
+    assert all(
+        offset >= end_before_restart[partition] for partition, offset in node.read_offsets
+    ), "read a missed command"
 
     # It refuses what the decisions superseded ...
     stale_document = await chat(node, token(tenant, alice, 2), messages(alice, 1))
-    assert stale_document.status_code == 409 and stale_document.json()["error"]["code"] == "stale_document_version"
+    assert (
+        stale_document.status_code == 409
+        and stale_document.json()["error"]["code"] == "stale_document_version"
+    )
     stale_policy = await chat(node, token(tenant, alice, 1), messages(alice, 2))
-    assert stale_policy.status_code == 401 and stale_policy.json()["error"]["code"] == "stale_authorization"
+    assert (
+        stale_policy.status_code == 401
+        and stale_policy.json()["error"]["code"] == "stale_authorization"
+    )
     assert node.engine.versions.is_retired(other_namespace)
     assert not node.engine.versions.is_retired(node.engine.namespace.namespace)
     # ... removed what they cover from the disk tier it reloaded, and acked every one of them.
@@ -322,14 +417,26 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
 
     async def all_complete() -> bool:
         async with database.session() as session:
-            statuses = (await session.scalars(select(Invalidation.status).where(Invalidation.command_id.in_(missed)))).all()
+            statuses = (
+                await session.scalars(
+                    select(Invalidation.status).where(Invalidation.command_id.in_(missed))
+                )
+            ).all()
         return sorted(statuses) == ["complete"] * 4
 
     await eventually(all_complete, timeout_s=TIMEOUT_S, what="the four missed commands complete")
     async with database.session() as session:
-        targets = (await session.scalars(select(InvalidationTarget).where(InvalidationTarget.command_id.in_(missed)))).all()
-        namespace_status = await session.scalar(select(Namespace.status).where(Namespace.namespace == other_namespace))
-    assert {(t.node_id, t.status, t.epoch, t.resend_count) for t in targets} == {(node.node_id, "acked", node.publisher.epoch, 0)}
+        targets = (
+            await session.scalars(
+                select(InvalidationTarget).where(InvalidationTarget.command_id.in_(missed))
+            )
+        ).all()
+        namespace_status = await session.scalar(
+            select(Namespace.status).where(Namespace.namespace == other_namespace)
+        )
+    assert {(t.node_id, t.status, t.epoch, t.resend_count) for t in targets} == {
+        (node.node_id, "acked", node.publisher.epoch, 0)
+    }
     assert namespace_status == "retired"
 
     async def verified() -> bool:
@@ -369,7 +476,9 @@ class ManInTheMiddle(httpx.AsyncBaseTransport):
         response = await self._real.handle_async_request(request)
         body = json.loads(await response.aread())
         if fault == "tampered":
-            body["decisions"] = [item for item in body["decisions"] if item["predicate"]["kind"] != "policy"]
+            body["decisions"] = [
+                item for item in body["decisions"] if item["predicate"]["kind"] != "policy"
+            ]
         else:
             del body["signature"]
         return httpx.Response(200, json=body)
@@ -381,7 +490,9 @@ class ManInTheMiddle(httpx.AsyncBaseTransport):
 def governance_failures(node: GovNode) -> dict[str, float | None]:
     registry = node.engine.metrics.registry
     return {
-        reason: registry.get_sample_value("kvledger_governance_sync_failures_total", {"reason": reason})
+        reason: registry.get_sample_value(
+            "kvledger_governance_sync_failures_total", {"reason": reason}
+        )
         for reason in ("unavailable", "refused")
     }
 
@@ -422,7 +533,12 @@ async def test_only_an_enrolled_unrevoked_nodes_own_credential_gets_the_signed_s
     await publish(stack["kafka"], schema.DocumentUpdated(doc_id="memo", version=7), tenant)
 
     end_user = {"Authorization": f"Bearer {token(tenant, 'alice', 1)}"}
-    for headers in (None, end_user, PLATFORM_ADMIN, node_credential(node.node_id, Ed25519PrivateKey.generate())):
+    for headers in (
+        None,
+        end_user,
+        PLATFORM_ADMIN,
+        node_credential(node.node_id, Ed25519PrivateKey.generate()),
+    ):
         refused = await governance_get(url, headers)
         assert refused.status_code == 401, refused.text
         assert set(refused.json()["error"]) == {"message", "type", "code"}
@@ -432,29 +548,47 @@ async def test_only_an_enrolled_unrevoked_nodes_own_credential_gets_the_signed_s
         return node_credential(node.node_id)
 
     assert (await governance_get(url, mine(), nonce="short")).status_code == 400
-    forged = base64.urlsafe_b64encode(json.dumps({"section": 2, "after": [1, 2]}).encode()).decode().rstrip("=")
+    forged = (
+        base64.urlsafe_b64encode(json.dumps({"section": 2, "after": [1, 2]}).encode())
+        .decode()
+        .rstrip("=")
+    )
     for cursor in ("not-a-cursor", forged):
         refused_cursor = await governance_get(url, mine(), cursor=cursor)
-        assert refused_cursor.status_code == 400 and refused_cursor.json()["error"]["code"] == "invalid_parameter"
+        assert (
+            refused_cursor.status_code == 400
+            and refused_cursor.json()["error"]["code"] == "invalid_parameter"
+        )
 
     async def memo_listed() -> bool:
         body = (await governance_get(url, mine())).json()
-        return {"kind": "document", "tenant": tenant, "doc_id": "memo", "below_version": 7} in [d["predicate"] for d in body["decisions"]]
+        return {"kind": "document", "tenant": tenant, "doc_id": "memo", "below_version": 7} in [
+            d["predicate"] for d in body["decisions"]
+        ]
 
     await eventually(memo_listed, timeout_s=TIMEOUT_S, what="the memo decision in the state")
     response = await governance_get(url, mine(), nonce="a-fresh-nonce-0123456789")
     assert response.status_code == 200 and response.headers["cache-control"] == "no-store"
     body = response.json()
     signature = body.pop("signature")
-    assert document_signature_problem(body, signature, COMMAND_KEY.public_key(), GOVERNANCE_CONTEXT) is None
-    assert (body["node_id"], body["nonce"], body["next_cursor"]) == (node.node_id, "a-fresh-nonce-0123456789", None)
+    assert (
+        document_signature_problem(body, signature, COMMAND_KEY.public_key(), GOVERNANCE_CONTEXT)
+        is None
+    )
+    assert (body["node_id"], body["nonce"], body["next_cursor"]) == (
+        node.node_id,
+        "a-fresh-nonce-0123456789",
+        None,
+    )
     assert body["as_of_decision"] >= 1
 
     # Paged one entry at a time, the pages add up to the whole answer.
     paged: list[dict] = []
     cursor = None
     for _ in range(1000):
-        answer = await governance_get(url, mine(), limit=1, **({} if cursor is None else {"cursor": cursor}))
+        answer = await governance_get(
+            url, mine(), limit=1, **({} if cursor is None else {"cursor": cursor})
+        )
         assert answer.status_code == 200, answer.text
         page = answer.json()
         assert len(page["decisions"]) + len(page["pending_commands"]) <= 1

@@ -28,7 +28,14 @@ PUBLIC_PROVENANCE = CacheProvenance(NS, None, CacheScope.PUBLIC, (), None, (), 0
 
 @pytest.fixture
 def manager(tmp_path) -> KVCacheManager:
-    config = PoolConfig(namespace=NS, num_device_blocks=1, num_host_blocks=1, max_disk_blocks=0, disk_dir=None, ttl_s=NO_TTL)
+    config = PoolConfig(
+        namespace=NS,
+        num_device_blocks=1,
+        num_host_blocks=1,
+        max_disk_blocks=0,
+        disk_dir=None,
+        ttl_s=NO_TTL,
+    )
     pool = BlockPool(SPEC, config, LocalKeyStore(tmp_path / "keys.json"), clock=FakeClock(1000.0))
     return KVCacheManager(pool, NodeMetrics())
 
@@ -48,13 +55,21 @@ def churn(manager: KVCacheManager) -> list:
         MovedInPool(block_hash(0), Tier.DEVICE, Tier.HOST),
         StoredInPool(block_key(1, PUBLIC_PROVENANCE), Tier.DEVICE),
         RemovedFromPool(
-            block_hash(0), Tier.HOST, RemovalReason.EVICTED, RemovalEvidence(block_hash(0), Tier.HOST, METHOD_ZERO_FILL, False, True)
+            block_hash(0),
+            Tier.HOST,
+            RemovalReason.EVICTED,
+            RemovalEvidence(block_hash(0), Tier.HOST, METHOD_ZERO_FILL, False, True),
         ),
     ]
 
 
 def failures(manager: KVCacheManager, name: str) -> float:
-    return manager.metrics.registry.get_sample_value("kvledger_pool_event_subscriber_failures_total", {"subscriber": name}) or 0.0
+    return (
+        manager.metrics.registry.get_sample_value(
+            "kvledger_pool_event_subscriber_failures_total", {"subscriber": name}
+        )
+        or 0.0
+    )
 
 
 def test_every_subscriber_receives_the_same_batch_in_pool_order(manager):
@@ -93,7 +108,9 @@ def test_a_failing_subscriber_is_logged_and_counted_and_the_others_still_receive
 
     store(manager.pool, 2)
     manager.drain_events()
-    assert failures(manager, "broken") == 2.0, "a failing subscriber stays subscribed and is counted each time"
+    assert failures(manager, "broken") == 2.0, (
+        "a failing subscriber stays subscribed and is counted each time"
+    )
     assert received[-1] == StoredInPool(block_key(2, PUBLIC_PROVENANCE), Tier.DEVICE)
 
 

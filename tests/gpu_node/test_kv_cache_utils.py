@@ -31,7 +31,9 @@ ALICE = Principal("acme", "alice", frozenset({"hr"}), {"hr": 3})
 HANDBOOK = DocumentRef("handbook", 7, "hr")
 
 
-def layout(public: int = 8, tenant: int = 8, user: int = 9, document: DocumentRef | None = HANDBOOK) -> list[Segment]:
+def layout(
+    public: int = 8, tenant: int = 8, user: int = 9, document: DocumentRef | None = HANDBOOK
+) -> list[Segment]:
     """public system prompt, then a tenant document, then a user message."""
     segments = [Segment(0, public, CacheScope.PUBLIC)]
     segments.append(Segment(public, public + tenant, CacheScope.TENANT, document))
@@ -43,10 +45,17 @@ def tokens(n: int = 25, base: int = 100) -> list[int]:
     return list(range(base, base + n))
 
 
-def keys_for(principal: Principal = ALICE, token_ids: list[int] | None = None, segments: list[Segment] | None = None, **kwargs):
+def keys_for(
+    principal: Principal = ALICE,
+    token_ids: list[int] | None = None,
+    segments: list[Segment] | None = None,
+    **kwargs,
+):
     token_ids = tokens() if token_ids is None else token_ids
     segments = layout() if segments is None else segments
-    return compute_block_keys("ns-test", token_ids, segments, principal, block_size=BLOCK, now=0.0, **kwargs)
+    return compute_block_keys(
+        "ns-test", token_ids, segments, principal, block_size=BLOCK, now=0.0, **kwargs
+    )
 
 
 def hashes(keys) -> list[str]:
@@ -81,26 +90,34 @@ def test_hashes_follow_the_documented_encoding():
     keys = keys_for()
     root = hashlib.sha256(b"kvledger/ns/v1\x00ns-test").digest()
     no_adapter_no_docs = _field(_field(b"") + _field(b""))
-    block0 = hashlib.sha256(root + _field(b"") + _field(struct.pack("<4I", 100, 101, 102, 103)) + no_adapter_no_docs)
+    block0 = hashlib.sha256(
+        root + _field(b"") + _field(struct.pack("<4I", 100, 101, 102, 103)) + no_adapter_no_docs
+    )
     assert keys[0].block_hash == block0.digest()
     # Tenant salt format T2: policy versions as little-endian u64 (any version 0..2^53-1 a token may carry).
     salt = b"T2" + _field(b"acme") + _u32(1) + _field(b"hr") + struct.pack("<Q", 3)
     extra = _field(_field(b"") + _field(b"handbook@7"))
-    block2 = hashlib.sha256(keys[1].block_hash + _field(salt) + _field(struct.pack("<4I", 108, 109, 110, 111)) + extra)
+    block2 = hashlib.sha256(
+        keys[1].block_hash + _field(salt) + _field(struct.pack("<4I", 108, 109, 110, 111)) + extra
+    )
     assert keys[2].block_hash == block2.digest()
 
 
 def test_canonical_encoding_is_length_prefixed_little_endian():
     assert pack_token_ids([1, 258]) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
     parent = bytes(32)
-    assert hash_block(parent, b"", pack_token_ids([1, 23]), b"") != hash_block(parent, b"", pack_token_ids([12, 3]), b"")
+    assert hash_block(parent, b"", pack_token_ids([1, 23]), b"") != hash_block(
+        parent, b"", pack_token_ids([12, 3]), b""
+    )
     # moving a byte between salt and extra must change the hash
     assert hash_block(parent, b"ab", b"", b"c") != hash_block(parent, b"a", b"", b"bc")
 
 
 def test_scope_is_monotone_and_provenance_accumulates():
     keys = keys_for()
-    assert [key.provenance.scope for key in keys] == [CacheScope.PUBLIC] * 2 + [CacheScope.TENANT] * 2 + [CacheScope.USER] * 2
+    assert [key.provenance.scope for key in keys] == [CacheScope.PUBLIC] * 2 + [
+        CacheScope.TENANT
+    ] * 2 + [CacheScope.USER] * 2
     assert keys[0].provenance.tenant_id is None and keys[0].provenance.auth_scopes == ()
     assert keys[2].provenance.tenant_id == "acme"
     assert keys[2].provenance.auth_scopes == (("hr", 3),)
@@ -118,7 +135,11 @@ def test_scope_is_monotone_and_provenance_accumulates():
 def test_block_straddling_a_boundary_takes_the_stricter_scope():
     segments = [Segment(0, 6, CacheScope.PUBLIC), Segment(6, 13, CacheScope.USER)]
     keys = keys_for(token_ids=tokens(13), segments=segments)
-    assert [key.provenance.scope for key in keys] == [CacheScope.PUBLIC, CacheScope.USER, CacheScope.USER]
+    assert [key.provenance.scope for key in keys] == [
+        CacheScope.PUBLIC,
+        CacheScope.USER,
+        CacheScope.USER,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -156,7 +177,9 @@ def test_every_component_changes_the_affected_keys(change):
         segments = layout(document=DocumentRef("handbook", 8, "hr"))
     elif change == "adapter":
         kwargs["adapter"] = "legal-lora@sha256:1"
-    other = compute_block_keys(namespace, token_ids, segments, principal, block_size=BLOCK, now=0.0, **kwargs)
+    other = compute_block_keys(
+        namespace, token_ids, segments, principal, block_size=BLOCK, now=0.0, **kwargs
+    )
     changed = [a.block_hash != b.block_hash for a, b in zip(base, other, strict=True)]
     expected = {
         # public blocks depend only on namespace, tokens and adapter
@@ -218,7 +241,9 @@ def test_every_block_records_its_creator_in_every_scope_without_changing_its_has
     keys = keys_for(creator_subject_id=creator)
     assert {key.provenance.scope for key in keys} == set(CacheScope)
     assert all(key.provenance.creator_subject_id == creator for key in keys)
-    assert hashes(keys) == hashes(keys_for()), "who created a block is provenance, never part of its key"
+    assert hashes(keys) == hashes(keys_for()), (
+        "who created a block is provenance, never part of its key"
+    )
     provenance = keys[0].provenance
     assert CacheProvenance.from_dict(provenance.to_dict()) == provenance
     written_before = {k: v for k, v in provenance.to_dict().items() if k != "creator_subject_id"}
@@ -233,14 +258,22 @@ def test_a_block_with_more_documents_or_auth_scopes_than_a_kv_event_carries_is_r
         segments = []
         for i in range(count):
             # one document under many auth scopes, or many documents under one
-            document = DocumentRef("doc", 1, f"scope-{i}") if what == "auth scopes" else DocumentRef(f"doc-{i}", 1, "hr")
+            document = (
+                DocumentRef("doc", 1, f"scope-{i}")
+                if what == "auth scopes"
+                else DocumentRef(f"doc-{i}", 1, "hr")
+            )
             segments.append(Segment(i * BLOCK, (i + 1) * BLOCK, CacheScope.TENANT, document))
         segments.append(Segment(count * BLOCK, count * BLOCK + 1, CacheScope.USER))
         return Principal("acme", "alice", frozenset(), {}), tokens(count * BLOCK + 1), segments
 
     provenance = keys_for(*prompt(MAX_LIST_ITEMS))[-1].provenance
-    assert MAX_LIST_ITEMS == len(provenance.documents if what == "documents" else provenance.auth_scopes)
-    with pytest.raises(ValueError, match=f"{MAX_LIST_ITEMS + 1} {what}; .* at most {MAX_LIST_ITEMS}"):
+    assert MAX_LIST_ITEMS == len(
+        provenance.documents if what == "documents" else provenance.auth_scopes
+    )
+    with pytest.raises(
+        ValueError, match=f"{MAX_LIST_ITEMS + 1} {what}; .* at most {MAX_LIST_ITEMS}"
+    ):
         keys_for(*prompt(MAX_LIST_ITEMS + 1))
 
 
@@ -249,9 +282,21 @@ def test_segment_starting_exactly_at_a_block_boundary_sets_the_scope_of_the_bloc
     block of a segment that began on a block boundary, making tenant document blocks public."""
     segments = layout(public=4, tenant=8, user=5)
     keys = compute_block_keys("ns", tokens(17), segments, ALICE, block_size=4)
-    assert [key.provenance.scope for key in keys] == [CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.TENANT, CacheScope.USER]
-    assert [key.provenance.documents for key in keys] == [(), (HANDBOOK.tag,), (HANDBOOK.tag,), (HANDBOOK.tag,)]
-    other_tenant = compute_block_keys("ns", tokens(17), segments, dataclasses.replace(ALICE, tenant_id="globex"), block_size=4)
+    assert [key.provenance.scope for key in keys] == [
+        CacheScope.PUBLIC,
+        CacheScope.TENANT,
+        CacheScope.TENANT,
+        CacheScope.USER,
+    ]
+    assert [key.provenance.documents for key in keys] == [
+        (),
+        (HANDBOOK.tag,),
+        (HANDBOOK.tag,),
+        (HANDBOOK.tag,),
+    ]
+    other_tenant = compute_block_keys(
+        "ns", tokens(17), segments, dataclasses.replace(ALICE, tenant_id="globex"), block_size=4
+    )
     assert keys[0].block_hash == other_tenant[0].block_hash
     assert keys[1].block_hash != other_tenant[1].block_hash
 
@@ -271,13 +316,17 @@ def reference_keys(namespace, token_ids, segments, principal, block_size):
         in_block = [s.document.tag for s in prefix if s.document is not None and s.end > start]
         salt = scope_salt(scope, principal, tuple(sorted(auth.items())))
         extra = _field(_field(b"") + _field("\x00".join(in_block).encode()))
-        parent = hashlib.sha256(parent + _field(salt) + _field(pack_token_ids(token_ids[start:end])) + extra).digest()
+        parent = hashlib.sha256(
+            parent + _field(salt) + _field(pack_token_ids(token_ids[start:end])) + extra
+        ).digest()
         hashes.append(parent)
     return hashes
 
 
 segment_plan = st.lists(
-    st.tuples(st.integers(0, 9), st.sampled_from(["public", "tenant", "doc-a", "doc-b", "user"])), min_size=1, max_size=8
+    st.tuples(st.integers(0, 9), st.sampled_from(["public", "tenant", "doc-a", "doc-b", "user"])),
+    min_size=1,
+    max_size=8,
 )
 
 
@@ -292,4 +341,6 @@ def test_fast_path_equals_the_reference_definition(plan, block_size):
         position += length
     token_ids = tokens(position)
     keys = compute_block_keys("ns-prop", token_ids, segments, ALICE, block_size=block_size, now=0.0)
-    assert [key.block_hash for key in keys] == reference_keys("ns-prop", token_ids, segments, ALICE, block_size)
+    assert [key.block_hash for key in keys] == reference_keys(
+        "ns-prop", token_ids, segments, ALICE, block_size
+    )

@@ -21,7 +21,9 @@ from kvledger.cli import main
 
 METRICS_TOKEN = "layout-advice-metrics-token-0123456789"
 NUM_REQUESTS = 6
-DOCUMENT = " ".join(f"quartzmoon{i} clause about travel expenses and per diem rates" for i in range(12))
+DOCUMENT = " ".join(
+    f"quartzmoon{i} clause about travel expenses and per diem rates" for i in range(12)
+)
 QUESTION = "zebracorn: what does the travel policy allow for hotels?"
 CONTENT_WORDS = ("quartzmoon", "zebracorn", "timestamp", "12:00", "travel", "hotels")
 
@@ -57,43 +59,88 @@ async def node(tiny_model_dir, tmp_path):
 
 async def test_advise_names_the_timestamp_segment_and_the_sample_holds_no_text(node, capsys):
     engine, url = node
-    token = issue_token(tenant="acme", sub="alice", scopes=["finance"], pv={"finance": 1}, ttl_s=600, secret=JWT_SECRET)
+    token = issue_token(
+        tenant="acme",
+        sub="alice",
+        scopes=["finance"],
+        pv={"finance": 1},
+        ttl_s=600,
+        secret=JWT_SECRET,
+    )
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         for request in range(NUM_REQUESTS):
             response = await client.post(
                 "/v1/chat/completions",
-                json={"model": engine.model_name, "messages": _messages(request), "max_tokens": 1, "temperature": 0},
+                json={
+                    "model": engine.model_name,
+                    "messages": _messages(request),
+                    "max_tokens": 1,
+                    "temperature": 0,
+                },
                 headers={"Authorization": f"Bearer {token}"},
             )
             assert response.status_code == 200, response.text
         refused = await client.get("/v1/cache/layout")
         assert refused.status_code == 401
         assert refused.json()["error"]["code"] is not None
-        raw = await client.get("/v1/cache/layout", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+        raw = await client.get(
+            "/v1/cache/layout", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
+        )
     assert raw.status_code == 200
     body = raw.text
-    assert not [word for word in CONTENT_WORDS if word in body], "the layout sample must hold no prompt text"
+    assert not [word for word in CONTENT_WORDS if word in body], (
+        "the layout sample must hold no prompt text"
+    )
     assert "acme" not in body and "alice" not in body and "travel-policy" not in body
     layout = raw.json()
-    assert (layout["enabled"], layout["num_observed"], len(layout["samples"])) == (True, NUM_REQUESTS, NUM_REQUESTS)
+    assert (layout["enabled"], layout["num_observed"], len(layout["samples"])) == (
+        True,
+        NUM_REQUESTS,
+        NUM_REQUESTS,
+    )
     assert layout == layout_sampler(engine).snapshot()
-    assert [segment["role"] for segment in layout["samples"][0]["segments"]] == ["system", "system", "user", "generation"]
+    assert [segment["role"] for segment in layout["samples"][0]["segments"]] == [
+        "system",
+        "system",
+        "user",
+        "generation",
+    ]
 
     capsys.readouterr()
-    assert await asyncio.to_thread(main, ["advise", "--node", url, "--metrics-token", METRICS_TOKEN, "--json"]) == 0
+    assert (
+        await asyncio.to_thread(
+            main, ["advise", "--node", url, "--metrics-token", METRICS_TOKEN, "--json"]
+        )
+        == 0
+    )
     (report,) = json.loads(capsys.readouterr().out)
     advice = report["advice"]
     assert (report["node"], report["enabled"], advice["num_samples"]) == (url, True, NUM_REQUESTS)
     (breaking,) = advice["breaking"]
-    assert (breaking["segment_index"], breaking["role"], breaking["scope"]) == (0, "system", "public")
-    assert (breaking["num_requests"], breaking["num_distinct_hashes"]) == (NUM_REQUESTS, NUM_REQUESTS)
-    assert breaking["hit_ratio_gain"] > 0.5, "the document and question repeat on every later request"
+    assert (breaking["segment_index"], breaking["role"], breaking["scope"]) == (
+        0,
+        "system",
+        "public",
+    )
+    assert (breaking["num_requests"], breaking["num_distinct_hashes"]) == (
+        NUM_REQUESTS,
+        NUM_REQUESTS,
+    )
+    assert breaking["hit_ratio_gain"] > 0.5, (
+        "the document and question repeat on every later request"
+    )
     assert advice["hit_ratio_gain"] == breaking["hit_ratio_gain"]
     # every request after the first missed inside the system message, because of the timestamp
-    first_miss = {(point["segment_index"], point["role"]): point["num_requests"] for point in advice["divergence"]}
+    first_miss = {
+        (point["segment_index"], point["role"]): point["num_requests"]
+        for point in advice["divergence"]
+    }
     assert first_miss == {(0, "system"): NUM_REQUESTS}
     assert advice["observed_hit_ratio"] < 0.1
 
-    assert await asyncio.to_thread(main, ["advise", "--node", url, "--metrics-token", METRICS_TOKEN]) == 0
+    assert (
+        await asyncio.to_thread(main, ["advise", "--node", url, "--metrics-token", METRICS_TOKEN])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "segment 0 (system, public)" in text and "moved to the end" in text

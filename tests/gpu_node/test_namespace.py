@@ -40,7 +40,17 @@ def test_identity_shape_and_stability(model_copy):
     assert len(first.namespace) == 64 and int(first.namespace, 16) >= 0
     assert first.adapter_digest is None
     assert first.kv_format == KV
-    assert len({first.weights_digest, first.tokenizer_digest, first.template_digest, first.config_digest}) == 4
+    assert (
+        len(
+            {
+                first.weights_digest,
+                first.tokenizer_digest,
+                first.template_digest,
+                first.config_digest,
+            }
+        )
+        == 4
+    )
 
 
 def test_identical_builds_share_a_namespace(model_copy, tmp_path):
@@ -63,9 +73,18 @@ def _changed_component(model_copy: Path, change) -> set[str]:
     before = compute_namespace(model_copy, KV, "sdpa")
     result = change(model_copy)  # file edits return byte counts; argument changes return a dict
     kwargs = result if isinstance(result, dict) else {}
-    after = compute_namespace(model_copy, kwargs.get("kv_format", KV), kwargs.get("attn", "sdpa"), kwargs.get("adapter"))
+    after = compute_namespace(
+        model_copy, kwargs.get("kv_format", KV), kwargs.get("attn", "sdpa"), kwargs.get("adapter")
+    )
     assert after.namespace != before.namespace
-    fields = ("weights_digest", "tokenizer_digest", "template_digest", "adapter_digest", "config_digest", "kv_format")
+    fields = (
+        "weights_digest",
+        "tokenizer_digest",
+        "template_digest",
+        "adapter_digest",
+        "config_digest",
+        "kv_format",
+    )
     return {field for field in fields if getattr(before, field) != getattr(after, field)}
 
 
@@ -95,12 +114,28 @@ def _make_adapter(directory: Path) -> dict:
     ("change", "component"),
     [
         (_flip_weight_byte, "weights_digest"),
-        (lambda d: (d / "model-00002-of-00002.safetensors").write_bytes(b"extra shard"), "weights_digest"),
+        (
+            lambda d: (d / "model-00002-of-00002.safetensors").write_bytes(b"extra shard"),
+            "weights_digest",
+        ),
         (_edit_tokenizer_json, "tokenizer_digest"),
-        (lambda d: _rewrite_json(d / "tokenizer_config.json", eos_token="<|end|>"), "tokenizer_digest"),
-        (lambda d: (d / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}"), "template_digest"),
+        (
+            lambda d: _rewrite_json(d / "tokenizer_config.json", eos_token="<|end|>"),
+            "tokenizer_digest",
+        ),
+        (
+            lambda d: (d / "chat_template.jinja").write_text(
+                "{{ bos_token }}{{ messages[0]['content'] }}"
+            ),
+            "template_digest",
+        ),
         (_make_adapter, "adapter_digest"),
-        (lambda d: _rewrite_json(d / "config.json", rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}), "config_digest"),
+        (
+            lambda d: _rewrite_json(
+                d / "config.json", rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}
+            ),
+            "config_digest",
+        ),
         (lambda d: _rewrite_json(d / "config.json", max_position_embeddings=8192), "config_digest"),
         (lambda d: _rewrite_json(d / "config.json", num_hidden_layers=3), "config_digest"),
         (lambda d: _rewrite_json(d / "config.json", head_dim=16), "config_digest"),
@@ -115,7 +150,12 @@ def test_changing_one_component_changes_only_it_and_the_namespace(model_copy, ch
 
 def test_config_keys_without_kv_effect_do_not_split_namespaces(model_copy):
     before = compute_namespace(model_copy, KV, "sdpa")
-    _rewrite_json(model_copy / "config.json", transformers_version="9.9.9", use_cache=False, attn_implementation="eager")
+    _rewrite_json(
+        model_copy / "config.json",
+        transformers_version="9.9.9",
+        use_cache=False,
+        attn_implementation="eager",
+    )
     assert compute_namespace(model_copy, KV, "sdpa") == before
 
 
@@ -165,7 +205,9 @@ def test_touched_file_is_rehashed_and_cache_entry_refreshed(model_copy, monkeypa
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     hashed = []
     real_sha256 = ns._sha256_file
-    monkeypatch.setattr(ns, "_sha256_file", lambda path: hashed.append(path.name) or real_sha256(path))
+    monkeypatch.setattr(
+        ns, "_sha256_file", lambda path: hashed.append(path.name) or real_sha256(path)
+    )
     assert compute_namespace(model_copy, KV, "sdpa") == first
     assert hashed == ["model.safetensors"]
     cached = json.loads((model_copy / CACHE_FILE_NAME).read_text())["files"]["model.safetensors"]

@@ -14,7 +14,12 @@ def test_frames_round_trip_and_refuse_what_is_cut_oversized_or_too_many():
     data = encode_frames(records)
     assert decode_frames(data, 3, 300) == records
     assert decode_frames(b"", 3, 300) == []
-    for bad, max_records, max_record in ((data[:-1], 3, 300), (data[:2], 3, 300), (data, 2, 300), (data, 3, 299)):
+    for bad, max_records, max_record in (
+        (data[:-1], 3, 300),
+        (data[:2], 3, 300),
+        (data, 2, 300),
+        (data, 3, 299),
+    ):
         with pytest.raises(PullFailed) as failed:
             decode_frames(bad, max_records, max_record)
         assert failed.value.reason == "malformed"
@@ -22,7 +27,9 @@ def test_frames_round_trip_and_refuse_what_is_cut_oversized_or_too_many():
 
 
 def test_the_peer_list_takes_http_urls_only():
-    assert PeerSettings(urls={"node-1": "http://10.0.0.2:8100"}).urls == {"node-1": "http://10.0.0.2:8100"}
+    assert PeerSettings(urls={"node-1": "http://10.0.0.2:8100"}).urls == {
+        "node-1": "http://10.0.0.2:8100"
+    }
     for url in ("file:///etc/passwd", "gopher://x", "http://" + "x" * 2048):
         with pytest.raises(ValidationError):
             PeerSettings(urls={"node-1": url})

@@ -4,12 +4,20 @@ import pytest
 from transformers import AutoTokenizer
 
 from prefix_keys import prompt as prompt_module
-from prefix_keys.blocks import CacheScope, DocumentRef, Principal, compute_block_keys, validate_segments
+from prefix_keys.blocks import (
+    CacheScope,
+    DocumentRef,
+    Principal,
+    compute_block_keys,
+    validate_segments,
+)
 from prefix_keys.prompt import ChatMessage, RenderedPrompt, render_prompt
 
 HANDBOOK = DocumentRef(doc_id="handbook", version=3, auth_scope="staff")
 SYSTEM = ChatMessage("system", "You answer questions about the staff handbook.", CacheScope.PUBLIC)
-DOCUMENT = ChatMessage("user", "Expenses are reimbursed within thirty days.", CacheScope.TENANT, HANDBOOK)
+DOCUMENT = ChatMessage(
+    "user", "Expenses are reimbursed within thirty days.", CacheScope.TENANT, HANDBOOK
+)
 QUESTION = ChatMessage("user", "When are expenses paid?")
 
 
@@ -31,7 +39,9 @@ def test_segments_are_the_rendered_chunks_of_each_message(tokenizer):
         f"<|user|>\n{QUESTION.content}<|end|>\n",
         "<|assistant|>\n",
     ]
-    assert [segment.end - segment.start for segment in prompt.segments] == [_count(tokenizer, c) for c in chunks]
+    assert [segment.end - segment.start for segment in prompt.segments] == [
+        _count(tokenizer, c) for c in chunks
+    ]
     assert [(segment.scope, segment.document) for segment in prompt.segments] == [
         (CacheScope.PUBLIC, None),
         (CacheScope.TENANT, HANDBOOK),
@@ -39,7 +49,9 @@ def test_segments_are_the_rendered_chunks_of_each_message(tokenizer):
         (CacheScope.PUBLIC, None),
     ]
     validate_segments(prompt.segments, len(prompt.token_ids))
-    expected_ids = [token for chunk in chunks for token in tokenizer.encode(chunk, add_special_tokens=False)]
+    expected_ids = [
+        token for chunk in chunks for token in tokenizer.encode(chunk, add_special_tokens=False)
+    ]
     assert prompt.token_ids == expected_ids
     assert prompt.token_ids[0] == tokenizer.bos_token_id
     assert prompt.token_ids[-2:] == tokenizer.encode("<|assistant|>\n", add_special_tokens=False)
@@ -48,7 +60,9 @@ def test_segments_are_the_rendered_chunks_of_each_message(tokenizer):
 def test_tokens_match_the_template_for_this_tokenizer(tokenizer):
     messages = [SYSTEM, DOCUMENT, QUESTION]
     reference = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, return_dict=False
+        [{"role": m.role, "content": m.content} for m in messages],
+        add_generation_prompt=True,
+        return_dict=False,
     )
     assert render_prompt(tokenizer, messages).token_ids == reference
 
@@ -58,7 +72,11 @@ def test_public_system_prompt_tokens_do_not_depend_on_what_follows(tokenizer):
     followed = [
         render_prompt(tokenizer, [SYSTEM, QUESTION]),
         render_prompt(tokenizer, [SYSTEM, DOCUMENT, QUESTION]),
-        render_prompt(tokenizer, [SYSTEM, ChatMessage("assistant", "Sure.", CacheScope.USER)], add_generation_prompt=False),
+        render_prompt(
+            tokenizer,
+            [SYSTEM, ChatMessage("assistant", "Sure.", CacheScope.USER)],
+            add_generation_prompt=False,
+        ),
     ]
     for prompt in followed:
         span = prompt.segments[0]
@@ -75,7 +93,9 @@ def test_message_tokens_never_merge_with_the_next_message(tiny_model_dir):
     second = ChatMessage("user", "book")
     whole = tokenizer.encode("The staff handbook", add_special_tokens=False)
     alone = tokenizer.encode("The staff hand", add_special_tokens=False)
-    assert whole[: len(alone)] != alone, "corpus no longer merges across this boundary; pick another pair"
+    assert whole[: len(alone)] != alone, (
+        "corpus no longer merges across this boundary; pick another pair"
+    )
     prompt = render_prompt(tokenizer, [first, second], add_generation_prompt=False)
     assert prompt.token_ids == alone + tokenizer.encode("book", add_special_tokens=False)
     assert (prompt.segments[0].start, prompt.segments[0].end) == (0, len(alone))
@@ -105,7 +125,9 @@ def test_without_generation_prompt_there_is_one_segment_per_message(tokenizer):
 
 def test_segments_drive_block_scopes(tokenizer):
     prompt = render_prompt(tokenizer, [SYSTEM, DOCUMENT, QUESTION])
-    principal = Principal(tenant_id="acme", subject_id="u1", scopes=frozenset({"staff"}), default_policy_version=2)
+    principal = Principal(
+        tenant_id="acme", subject_id="u1", scopes=frozenset({"staff"}), default_policy_version=2
+    )
     keys = compute_block_keys("ns", prompt.token_ids, prompt.segments, principal, block_size=4)
     system_end, document_end = prompt.segments[0].end, prompt.segments[1].end
     for key in keys:
@@ -169,9 +191,16 @@ def _conversation(num_messages: int) -> list[ChatMessage]:
     messages = [SYSTEM]
     for index in range(1, num_messages):
         if index % 7 == 3:
-            messages.append(ChatMessage("user", f"Document part {index}.", CacheScope.TENANT, HANDBOOK))
+            messages.append(
+                ChatMessage("user", f"Document part {index}.", CacheScope.TENANT, HANDBOOK)
+            )
         else:
-            messages.append(ChatMessage("assistant" if index % 2 else "user", f"Turn {index}: the hand book says {index}"))
+            messages.append(
+                ChatMessage(
+                    "assistant" if index % 2 else "user",
+                    f"Turn {index}: the hand book says {index}",
+                )
+            )
     return messages
 
 
@@ -192,7 +221,9 @@ CHATML_TEMPLATE = (
 )
 
 
-@pytest.mark.parametrize("template", [None, PRESCAN_TEMPLATE, CHATML_TEMPLATE], ids=["model", "prescan", "chatml"])
+@pytest.mark.parametrize(
+    "template", [None, PRESCAN_TEMPLATE, CHATML_TEMPLATE], ids=["model", "prescan", "chatml"]
+)
 def test_long_conversation_renders_as_every_prefix_would(tiny_model_dir, monkeypatch, template):
     """The traced single rendering of a long conversation cuts exactly where rendering every prefix does."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -211,8 +242,15 @@ def test_template_that_cannot_be_traced_is_refused_only_for_long_conversations(t
     tokenizer.chat_template = "{%- for m in messages -%}{{- '' if loop.last else '' -}}<|{{ m['role'] }}|>{{ m['content'] }}{%- endfor -%}"
     short = _conversation(prompt_module.MAX_EXACT_MESSAGES)
     assert len(render_prompt(tokenizer, short, add_generation_prompt=False).segments) == len(short)
-    with pytest.raises(ValueError, match=f"cannot be split per message beyond {prompt_module.MAX_EXACT_MESSAGES} messages"):
-        render_prompt(tokenizer, _conversation(prompt_module.MAX_EXACT_MESSAGES + 1), add_generation_prompt=False)
+    with pytest.raises(
+        ValueError,
+        match=f"cannot be split per message beyond {prompt_module.MAX_EXACT_MESSAGES} messages",
+    ):
+        render_prompt(
+            tokenizer,
+            _conversation(prompt_module.MAX_EXACT_MESSAGES + 1),
+            add_generation_prompt=False,
+        )
 
 
 class CountingEncoder:

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.ledger import JWT_SECRET, coordinator_settings, enroll_nodes, eventually, fresh_database, node_key, operator_headers
+from helpers.ledger import (
+    JWT_SECRET,
+    coordinator_settings,
+    enroll_nodes,
+    eventually,
+    fresh_database,
+    node_key,
+    operator_headers,
+)
 from helpers.node import CoordinatorThread, RunningNode, node_settings
 
 from bench.common import start_groups_at_end
@@ -41,7 +49,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 BLOCK_SIZE = 16
 TIMEOUT_S = 30.0
 MASTER_KEY = base64.b64encode(os.urandom(32)).decode()
-HANDBOOK = "You are the assistant of the ACME handbook. Answer briefly, and only from the handbook text you are given below. " * 3
+HANDBOOK = (
+    "You are the assistant of the ACME handbook. Answer briefly, and only from the handbook text you are given below. "
+    * 3
+)
 
 
 class PeerLink:
@@ -71,11 +82,18 @@ class PeerLink:
         try:
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
             method, path, _ = head[0].split(" ")
-            headers = {name.lower(): value for name, _, value in (line.partition(": ") for line in head[1:] if line)}
+            headers = {
+                name.lower(): value
+                for name, _, value in (line.partition(": ") for line in head[1:] if line)
+            }
             body = await reader.readexactly(int(headers.get("content-length", "0")))
-            forwarded = {name: headers[name] for name in ("authorization", "content-type") if name in headers}
+            forwarded = {
+                name: headers[name] for name in ("authorization", "content-type") if name in headers
+            }
             async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
-                response = await client.request(method, self.target + path, content=body, headers=forwarded)
+                response = await client.request(
+                    method, self.target + path, content=body, headers=forwarded
+                )
             payload = bytearray(response.content)
             self.bodies.append(bytes(payload))
             if self.mode == "hold":
@@ -96,19 +114,29 @@ class PeerLink:
 
 @pytest.fixture(scope="module")
 async def stack(
-    database_url: str, ledger_template: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory
+    database_url: str,
+    ledger_template: str,
+    kafka_bootstrap: str,
+    tiny_model_dir: Path,
+    tmp_path_factory,
 ) -> AsyncIterator[dict]:
     """The coordinator (own thread), a holder, and a puller whose peer list names the holder behind a :class:`PeerLink`."""
     async with fresh_database(database_url, ledger_template) as url:
         group = f"replicas-{uuid.uuid4().hex[:8]}"
         settings = coordinator_settings(
-            url, kafka_bootstrap, kafka={"group_id": group}, ledger={"erasure_verify_interval_s": 0.5}, keys={"master_key": MASTER_KEY}
+            url,
+            kafka_bootstrap,
+            kafka={"group_id": group},
+            ledger={"erasure_verify_interval_s": 0.5},
+            keys={"master_key": MASTER_KEY},
         )
         await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(group))
         coordinator = await CoordinatorThread(settings).start()
         suffix = uuid.uuid4().hex[:6]
-        holder_id, puller_id, stranger_id = (f"replica-{name}-{suffix}" for name in ("holder", "puller", "stranger"))
+        holder_id, puller_id, stranger_id = (
+            f"replica-{name}-{suffix}" for name in ("holder", "puller", "stranger")
+        )
         await enroll_nodes(url, [holder_id, puller_id, stranger_id])
         root = tmp_path_factory.mktemp("replica-nodes")
         link = PeerLink()
@@ -116,7 +144,12 @@ async def stack(
         nodes: list[RunningNode] = []
         try:
             for node_id, peers in ((holder_id, {}), (puller_id, {holder_id: link_url})):
-                cache = CacheSettings(block_size=BLOCK_SIZE, num_device_blocks=128, num_host_blocks=0, max_disk_blocks=0)
+                cache = CacheSettings(
+                    block_size=BLOCK_SIZE,
+                    num_device_blocks=128,
+                    num_host_blocks=0,
+                    max_disk_blocks=0,
+                )
                 node = RunningNode(
                     node_settings(
                         node_id,
@@ -157,7 +190,9 @@ def link_passes(stack) -> None:
 
 
 def tenant_token(tenant: str, subject: str = "alice") -> str:
-    return issue_token(tenant=tenant, sub=subject, scopes=["hr"], pv=0, ttl_s=600, secret=JWT_SECRET)
+    return issue_token(
+        tenant=tenant, sub=subject, scopes=["hr"], pv=0, ttl_s=600, secret=JWT_SECRET
+    )
 
 
 def user_token(tenant: str, subject: str) -> str:
@@ -165,19 +200,30 @@ def user_token(tenant: str, subject: str) -> str:
 
 
 def handbook(question: str) -> list[dict]:
-    return [{"role": "system", "content": HANDBOOK, "cache_scope": "tenant"}, {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": HANDBOOK, "cache_scope": "tenant"},
+        {"role": "user", "content": question},
+    ]
 
 
 def private_chat(subject: str) -> list[dict]:
     """Every block after the public system prompt is the subject's (user scope)."""
-    text = " ".join(f"{subject} wrote note {i}: my sick leave started on day {i}" for i in range(10))
+    text = " ".join(
+        f"{subject} wrote note {i}: my sick leave started on day {i}" for i in range(10)
+    )
     return [
-        {"role": "system", "content": "You are the assistant of the people team.", "cache_scope": "public"},
+        {
+            "role": "system",
+            "content": "You are the assistant of the people team.",
+            "cache_scope": "public",
+        },
         {"role": "user", "content": text},
     ]
 
 
-async def ask(node: RunningNode, token: str, messages: list[dict], hint: tuple[str, int] | None = None) -> tuple[str, int]:
+async def ask(
+    node: RunningNode, token: str, messages: list[dict], hint: tuple[str, int] | None = None
+) -> tuple[str, int]:
     """(completion text, cached prompt tokens) of a greedy request, with a pull hint when given."""
     headers = {"Authorization": f"Bearer {token}"}
     if hint is not None:
@@ -185,23 +231,37 @@ async def ask(node: RunningNode, token: str, messages: list[dict], hint: tuple[s
     async with httpx.AsyncClient(base_url=node.http.url, timeout=120) as client:
         response = await client.post(
             "/v1/chat/completions",
-            json={"model": node.engine.model_name, "messages": messages, "max_tokens": 8, "temperature": 0},
+            json={
+                "model": node.engine.model_name,
+                "messages": messages,
+                "max_tokens": 8,
+                "temperature": 0,
+            },
             headers=headers,
         )
     assert response.status_code == 200, response.text
     body = response.json()
-    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"][
+        "cached_tokens"
+    ]
 
 
 def pulls(node: RunningNode, outcome: str) -> float:
-    return node.engine.metrics.registry.get_sample_value("kvledger_peer_pulls_total", {"outcome": outcome}) or 0.0
+    return (
+        node.engine.metrics.registry.get_sample_value(
+            "kvledger_peer_pulls_total", {"outcome": outcome}
+        )
+        or 0.0
+    )
 
 
 def full_blocks(node: RunningNode, messages: list[dict]) -> int:
     return node.prefix_tokens(messages)[0] // BLOCK_SIZE
 
 
-async def test_a_pulled_prefix_serves_the_same_greedy_output_as_recomputing_it_and_travels_sealed(stack) -> None:
+async def test_a_pulled_prefix_serves_the_same_greedy_output_as_recomputing_it_and_travels_sealed(
+    stack,
+) -> None:
     holder, puller, link = stack["holder"], stack["puller"], stack["link"]
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     messages = handbook("How many vacation days do I get?")
@@ -219,7 +279,10 @@ async def test_a_pulled_prefix_serves_the_same_greedy_output_as_recomputing_it_a
     assert len(records) == num_blocks
     # Tenant blocks cross the wire sealed, exactly as at rest: the clear header says so and holds no provenance.
     assert all(record[5] == FLAG_SEALED for record in records[1:])
-    assert all(tenant.encode() not in record and b"provenance" not in record[HEADER.size :] for record in records[1:])
+    assert all(
+        tenant.encode() not in record and b"provenance" not in record[HEADER.size :]
+        for record in records[1:]
+    )
     # The replica is a hit like any other block now.
     assert (await ask(puller, tenant_token(tenant), messages))[1] == num_blocks * BLOCK_SIZE
 
@@ -233,12 +296,19 @@ async def test_concurrent_requests_for_one_prefix_pull_it_once(stack) -> None:
     before = pulls(puller, "pulled")
     link.mode = "hold"
 
-    first = asyncio.create_task(ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks)))
+    first = asyncio.create_task(
+        ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks))
+    )
     await asyncio.wait_for(link.holding.wait(), TIMEOUT_S)
     # The second request finds the first's claims and waits on them, as on a build: it sends no pull of its own.
-    second = asyncio.create_task(ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks)))
+    second = asyncio.create_task(
+        ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks))
+    )
     await eventually(
-        lambda: (puller.engine.metrics.registry.get_sample_value("kvledger_singleflight_waiters") or 0) >= 1,
+        lambda: (
+            (puller.engine.metrics.registry.get_sample_value("kvledger_singleflight_waiters") or 0)
+            >= 1
+        ),
         timeout_s=TIMEOUT_S,
         what="a waiter",
     )
@@ -262,7 +332,9 @@ async def test_a_pull_brings_only_blocks_of_the_callers_own_scope(stack) -> None
 
     assert (text, cached) == (computed, 0)
     assert pulls(puller, "not_held") == before + 1
-    assert not [entry for entry in puller.engine.pool.ready_entries() if entry.provenance.tenant_id == owner]
+    assert not [
+        entry for entry in puller.engine.pool.ready_entries() if entry.provenance.tenant_id == owner
+    ]
 
 
 async def test_a_record_that_does_not_open_falls_back_to_recompute(stack) -> None:
@@ -273,7 +345,9 @@ async def test_a_record_that_does_not_open_falls_back_to_recompute(stack) -> Non
     before = pulls(puller, "decrypt_failed")
     link.mode = "corrupt"
 
-    text, cached = await ask(puller, tenant_token(tenant), messages, (holder.node_id, full_blocks(holder, messages)))
+    text, cached = await ask(
+        puller, tenant_token(tenant), messages, (holder.node_id, full_blocks(holder, messages))
+    )
 
     assert (text, cached) == (computed, 0)
     assert pulls(puller, "decrypt_failed") == before + 1
@@ -287,12 +361,16 @@ async def test_a_peer_dying_mid_transfer_falls_back_to_recompute(stack) -> None:
     before = pulls(puller, "unavailable")
     link.mode = "die"
 
-    text, cached = await ask(puller, tenant_token(tenant), messages, (holder.node_id, full_blocks(holder, messages)))
+    text, cached = await ask(
+        puller, tenant_token(tenant), messages, (holder.node_id, full_blocks(holder, messages))
+    )
 
     assert (text, cached) == (computed, 0)
     assert pulls(puller, "unavailable") == before + 1
     # The claims the pull held were released: the blocks are the request's own now, and hit next time.
-    assert (await ask(puller, tenant_token(tenant), messages))[1] == full_blocks(holder, messages) * BLOCK_SIZE
+    assert (await ask(puller, tenant_token(tenant), messages))[1] == full_blocks(
+        holder, messages
+    ) * BLOCK_SIZE
 
 
 async def test_a_hint_names_a_node_id_never_a_place_to_connect_to(stack) -> None:
@@ -301,32 +379,52 @@ async def test_a_hint_names_a_node_id_never_a_place_to_connect_to(stack) -> None
     messages = handbook("Can I work remotely?")
     before = pulls(puller, "unknown_peer")
 
-    _, cached = await ask(puller, tenant_token(tenant), messages, ("http://169.254.169.254/latest", 4))
+    _, cached = await ask(
+        puller, tenant_token(tenant), messages, ("http://169.254.169.254/latest", 4)
+    )
     assert cached == 0 and pulls(puller, "unknown_peer") == before + 1
     async with httpx.AsyncClient(base_url=puller.http.url, timeout=60) as client:
         response = await client.post(
             "/v1/chat/completions",
             json={"model": puller.engine.model_name, "messages": messages, "max_tokens": 1},
-            headers={"Authorization": f"Bearer {tenant_token(tenant)}", "X-KVLedger-Pull-From": "holder", "X-KVLedger-Pull-Blocks": "lots"},
+            headers={
+                "Authorization": f"Bearer {tenant_token(tenant)}",
+                "X-KVLedger-Pull-From": "holder",
+                "X-KVLedger-Pull-Blocks": "lots",
+            },
         )
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_pull_hint"
 
 
 async def pull_directly(
-    holder: RunningNode, signer: str, body: dict, *, audience: str | None = None, digest: str | None = None
+    holder: RunningNode,
+    signer: str,
+    body: dict,
+    *,
+    audience: str | None = None,
+    digest: str | None = None,
 ) -> httpx.Response:
     """A pull request to the holder signed with ``signer``'s test key (for ``audience``'s node, over ``digest``)."""
     content = json.dumps(body).encode()
-    credential = issue_peer_credential(node_key(signer), signer, audience or holder.node_id, digest or hashlib.sha256(content).hexdigest())
+    credential = issue_peer_credential(
+        node_key(signer),
+        signer,
+        audience or holder.node_id,
+        digest or hashlib.sha256(content).hexdigest(),
+    )
     async with httpx.AsyncClient(base_url=holder.http.url, timeout=30) as client:
-        return await client.post(PULL_PATH, content=content, headers={"Authorization": f"Bearer {credential}"})
+        return await client.post(
+            PULL_PATH, content=content, headers={"Authorization": f"Bearer {credential}"}
+        )
 
 
 def refusal(response: httpx.Response) -> tuple[int, str]:
     return response.status_code, response.json()["error"]["code"]
 
 
-async def test_the_holder_serves_only_signed_same_namespace_requests_of_enrolled_unrevoked_nodes(stack) -> None:
+async def test_the_holder_serves_only_signed_same_namespace_requests_of_enrolled_unrevoked_nodes(
+    stack,
+) -> None:
     holder, puller, stranger = stack["holder"], stack["puller"], stack["stranger"]
     namespace = holder.engine.namespace.namespace
     body = {"namespace": namespace, "block_hashes": ["00" * 32]}
@@ -334,10 +432,18 @@ async def test_the_holder_serves_only_signed_same_namespace_requests_of_enrolled
     assert (await pull_directly(holder, puller.node_id, body)).status_code == 200
     async with httpx.AsyncClient(base_url=holder.http.url) as client:
         assert refusal(await client.post(PULL_PATH, json=body)) == (401, "missing_token")
-    assert refusal(await pull_directly(holder, puller.node_id, body, audience="another-holder"))[0] == 401
+    assert (
+        refusal(await pull_directly(holder, puller.node_id, body, audience="another-holder"))[0]
+        == 401
+    )
     assert refusal(await pull_directly(holder, puller.node_id, body, digest="ab" * 32))[0] == 401
-    assert refusal(await pull_directly(holder, puller.node_id, {**body, "namespace": "another-model"})) == (403, "namespace_mismatch")
-    assert refusal(await pull_directly(holder, puller.node_id, {**body, "block_hashes": ["zz"]}))[0] == 400
+    assert refusal(
+        await pull_directly(holder, puller.node_id, {**body, "namespace": "another-model"})
+    ) == (403, "namespace_mismatch")
+    assert (
+        refusal(await pull_directly(holder, puller.node_id, {**body, "block_hashes": ["zz"]}))[0]
+        == 400
+    )
     assert refusal(await pull_directly(holder, "never-enrolled", body)) == (401, "unknown_node_key")
     # An enrolled node the ledger has never seen serve this namespace is not a peer of it.
     assert refusal(await pull_directly(holder, stranger, body)) == (403, "namespace_mismatch")
@@ -366,11 +472,15 @@ async def erasure_verified(stack: dict, erasure_id: str) -> dict:
     seen: dict = {}
 
     async def verified() -> bool:
-        async with httpx.AsyncClient(base_url=stack["url"], headers=operator_headers("platform-admin", "platform")) as client:
+        async with httpx.AsyncClient(
+            base_url=stack["url"], headers=operator_headers("platform-admin", "platform")
+        ) as client:
             seen.update((await client.get(f"/v1/erasures/{erasure_id}")).json())
         return seen.get("status") == "verified"
 
-    await eventually(verified, timeout_s=60, what=f"erasure {erasure_id} verified (last: {seen.get('status')})")
+    await eventually(
+        verified, timeout_s=60, what=f"erasure {erasure_id} verified (last: {seen.get('status')})"
+    )
     return seen
 
 
@@ -392,16 +502,28 @@ async def test_an_erasure_during_a_pull_leaves_no_live_copy_of_the_subjects_bloc
     before = pulls(puller, "discarded")
     link.mode = "hold"
 
-    asking = asyncio.create_task(ask(puller, user_token(tenant, subject), chat, (holder.node_id, full_blocks(holder, chat))))
-    await asyncio.wait_for(link.holding.wait(), TIMEOUT_S)  # the holder has served; the bytes are in flight
+    asking = asyncio.create_task(
+        ask(puller, user_token(tenant, subject), chat, (holder.node_id, full_blocks(holder, chat)))
+    )
+    await asyncio.wait_for(
+        link.holding.wait(), TIMEOUT_S
+    )  # the holder has served; the bytes are in flight
     erasure_id = await request_erasure(stack, tenant, subject)
 
     def claims_tombstoned() -> bool:
         entries = puller.engine.pool.state.entries.values()
-        claims = [entry for entry in entries if entry.state is BlockState.BUILDING and entry.provenance.subject_id is not None]
+        claims = [
+            entry
+            for entry in entries
+            if entry.state is BlockState.BUILDING and entry.provenance.subject_id is not None
+        ]
         return bool(claims) and all(entry.tombstoned for entry in claims)
 
-    await eventually(claims_tombstoned, timeout_s=TIMEOUT_S, what="the erasure reached the pull's claims on the puller")
+    await eventually(
+        claims_tombstoned,
+        timeout_s=TIMEOUT_S,
+        what="the erasure reached the pull's claims on the puller",
+    )
     link.release.set()
     text, cached = await asking
 
@@ -420,19 +542,25 @@ async def test_a_pull_after_the_holder_erased_brings_nothing(stack) -> None:
     assert held_by(holder, tenant) == set()
     before = pulls(puller, "not_held")
 
-    _, cached = await ask(puller, user_token(tenant, subject), chat, (holder.node_id, full_blocks(holder, chat)))
+    _, cached = await ask(
+        puller, user_token(tenant, subject), chat, (holder.node_id, full_blocks(holder, chat))
+    )
 
     assert pulls(puller, "not_held") == before + 1
     assert cached < full_blocks(holder, chat) * BLOCK_SIZE
 
 
-async def test_an_erasure_after_a_pull_removes_both_copies_and_its_receipt_lists_both_nodes(stack) -> None:
+async def test_an_erasure_after_a_pull_removes_both_copies_and_its_receipt_lists_both_nodes(
+    stack,
+) -> None:
     holder, puller = stack["holder"], stack["puller"]
     tenant, subject = f"acme-{uuid.uuid4().hex[:6]}", f"carol-{uuid.uuid4().hex[:6]}"
     chat = private_chat(subject)
     await ask(holder, user_token(tenant, subject), chat)
     before = pulls(puller, "pulled")
-    await ask(puller, user_token(tenant, subject), chat, (holder.node_id, full_blocks(holder, chat)))
+    await ask(
+        puller, user_token(tenant, subject), chat, (holder.node_id, full_blocks(holder, chat))
+    )
     assert pulls(puller, "pulled") == before + 1
     replicated = held_by(holder, tenant)
     assert replicated and held_by(puller, tenant) == replicated
@@ -440,8 +568,15 @@ async def test_an_erasure_after_a_pull_removes_both_copies_and_its_receipt_lists
         await node.publisher.flush()
 
     async def ledgered() -> dict[tuple[str, str], dict | None]:
-        async with httpx.AsyncClient(base_url=stack["url"], headers=operator_headers("privacy-officer", tenant)) as client:
-            page = (await client.get("/v1/ledger/blocks", params={"tenant": tenant, "subject": subject, "limit": 1000})).json()
+        async with httpx.AsyncClient(
+            base_url=stack["url"], headers=operator_headers("privacy-officer", tenant)
+        ) as client:
+            page = (
+                await client.get(
+                    "/v1/ledger/blocks",
+                    params={"tenant": tenant, "subject": subject, "limit": 1000},
+                )
+            ).json()
         return {
             (block["block_hash"], placement["node_id"]): placement["replica_of"]
             for block in page["blocks"]
@@ -449,21 +584,34 @@ async def test_an_erasure_after_a_pull_removes_both_copies_and_its_receipt_lists
         }
 
     async def both_copies_ledgered() -> bool:
-        return set(await ledgered()) == {(block, node.node_id) for block in replicated for node in (holder, puller)}
+        return set(await ledgered()) == {
+            (block, node.node_id) for block in replicated for node in (holder, puller)
+        }
 
-    await eventually(both_copies_ledgered, timeout_s=TIMEOUT_S, what="the ledger lists the copies on both nodes")
+    await eventually(
+        both_copies_ledgered, timeout_s=TIMEOUT_S, what="the ledger lists the copies on both nodes"
+    )
     # The pulled copies name their source; the holder's were computed there.
     for (_, node_id), replica_of in (await ledgered()).items():
         if node_id == holder.node_id:
             assert replica_of is None
         else:
-            assert replica_of is not None and replica_of["source_node_id"] == holder.node_id and replica_of["pulled_at"]
+            assert (
+                replica_of is not None
+                and replica_of["source_node_id"] == holder.node_id
+                and replica_of["pulled_at"]
+            )
 
     erasure_id = await request_erasure(stack, tenant, subject)
     done = await erasure_verified(stack, erasure_id)
 
     assert {row["node_id"] for row in done["nodes"]} == {holder.node_id, puller.node_id}
     assert held_by(puller, tenant) == set() and held_by(holder, tenant) == set()
-    async with httpx.AsyncClient(base_url=stack["url"], headers=operator_headers("privacy-officer", tenant)) as client:
+    async with httpx.AsyncClient(
+        base_url=stack["url"], headers=operator_headers("privacy-officer", tenant)
+    ) as client:
         receipt = (await client.get(f"/v1/erasures/{erasure_id}/receipt")).json()["receipt"]
-    assert {(tier["node_id"], tier["tier"]) for tier in receipt["tiers"]} == {(holder.node_id, "device"), (puller.node_id, "device")}
+    assert {(tier["node_id"], tier["tier"]) for tier in receipt["tiers"]} == {
+        (holder.node_id, "device"),
+        (puller.node_id, "device"),
+    }

@@ -99,13 +99,20 @@ def test_out_of_blocks_preempts_the_newest_and_recomputes_it_first():
     old, new = new_seq("old", 7), new_seq("new", 8)
     scheduler.add(old)
     scheduler.add(new)
-    assert plan(run_step(scheduler)) == [("old", 0, 7), ("new", 0, 8)]  # 2 + 2 blocks: the device is full
+    assert plan(run_step(scheduler)) == [
+        ("old", 0, 7),
+        ("new", 0, 8),
+    ]  # 2 + 2 blocks: the device is full
     # old's 8th token fits its 2nd block; new's 9th token needs a 5th block: new (the newest) is preempted
     step = run_step(scheduler)
     assert plan(step) == [("old", 7, 1)]
     assert [seq.seq_id for seq in step.preempted] == ["new"]
-    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.needs_prefix
-    assert new.num_tokens == 9 and new.num_preemptions == 1  # its sampled token is kept for the recompute
+    assert (
+        new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.needs_prefix
+    )
+    assert (
+        new.num_tokens == 9 and new.num_preemptions == 1
+    )  # its sampled token is kept for the recompute
     assert allocator.freed == ["new"]
     # old's 9th token needs a 3rd block (the last free one); new, first in line, needs 3 and waits
     assert plan(run_step(scheduler)) == [("old", 8, 1)]
@@ -156,9 +163,13 @@ def test_limits_must_fit_every_decode():
 def test_scheduler_settings_come_from_the_nested_environment(monkeypatch):
     monkeypatch.setenv("KVLEDGER_NODE_SCHEDULER__MAX_NUM_BATCHED_TOKENS", "256")
     monkeypatch.setenv("KVLEDGER_NODE_SCHEDULER__MAX_NUM_SEQS", "16")
-    assert NodeSettings().scheduler == SchedulerSettings(max_num_batched_tokens=256, max_num_seqs=16)
+    assert NodeSettings().scheduler == SchedulerSettings(
+        max_num_batched_tokens=256, max_num_seqs=16
+    )
     monkeypatch.setenv("KVLEDGER_NODE_SCHEDULER__MAX_NUM_SEQS", "512")
-    with pytest.raises(ValidationError, match="max_num_seqs must not exceed max_num_batched_tokens"):
+    with pytest.raises(
+        ValidationError, match="max_num_seqs must not exceed max_num_batched_tokens"
+    ):
         NodeSettings()
 
 
@@ -171,7 +182,9 @@ def test_only_the_head_of_the_queue_holds_blocks_while_waiting():
     head = new_seq("head", 6)
     allocator.prefix_tokens["head"] = 4  # its matched prefix holds one block while it waits
     scheduler.add(head)
-    assert plan(run_step(scheduler)) == [("running", 8, 1)]  # running took a 3rd block; head (2 blocks) does not fit
+    assert plan(run_step(scheduler)) == [
+        ("running", 8, 1)
+    ]  # running took a 3rd block; head (2 blocks) does not fit
     assert head.block_table == [0] and allocator.num_free == 0
     # running needs a 4th block... none is free: it is preempted itself, goes in front of head, and head lets go
     running.token_ids.extend([7] * 3)

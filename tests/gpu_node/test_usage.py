@@ -23,7 +23,9 @@ async def test_metered_streams_record_once_when_generation_is_done_and_pass_item
     items = ["stats", TokenDelta(5, "a", 1), TokenDelta(6, "b", 2), Done(7)]
     assert [item async for item in meter.metered(_stream(items), "acme", 40, 32)] == items
     unfinished = [TokenDelta(5, "a", 1)]
-    assert [item async for item in meter.metered(_stream(unfinished), "acme", 99, 0)] == unfinished  # never finished: not counted
+    assert [
+        item async for item in meter.metered(_stream(unfinished), "acme", 99, 0)
+    ] == unfinished  # never finished: not counted
     async for _ in meter.metered(_stream([Done(1)]), "globex", 10, 0):
         pass
     first = meter.drain()
@@ -39,11 +41,18 @@ def test_windows_are_contiguous_and_empty_ones_report_nothing():
     meter.record("acme", 5, 5, 2)
     (first,) = meter.drain()
     assert isinstance(first, TenantUsage)
-    assert (first.num_requests, first.num_prompt_tokens, first.num_cached_tokens, first.num_output_tokens) == (2, 10, 5, 3)
+    assert (
+        first.num_requests,
+        first.num_prompt_tokens,
+        first.num_cached_tokens,
+        first.num_output_tokens,
+    ) == (2, 10, 5, 3)
     assert meter.drain() == []
     meter.record("acme", 1, 0, 0)
     (third,) = meter.drain()
-    assert third.window_start >= first.window_end  # the empty second window lies between them, nothing is lost
+    assert (
+        third.window_start >= first.window_end
+    )  # the empty second window lies between them, nothing is lost
     with pytest.raises(AssertionError, match="cached 6 of 5"):
         meter.record("acme", 5, 6, 0)
 

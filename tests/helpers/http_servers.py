@@ -30,24 +30,35 @@ class ServerProcess:
     """``python -m kvledger.cli ARGS --port PORT`` with ``env``, its output in ``log_path``; ready once ``/readyz`` is 200.
     ``launcher``: how it is started (the session's ``fork_server`` fixture forks it from a preloaded process)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, launcher: Launcher = popen_cli) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], log_path: Path, launcher: Launcher = popen_cli
+    ) -> None:
         self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args, self.env, self.log_path, self.launcher = args, env, log_path, launcher
         self.process: Process | None = None
 
     async def start(self) -> ServerProcess:
-        self.process = spawn_cli([*self.args, "--port", str(self.port)], self.env, self.log_path, launcher=self.launcher)
+        self.process = spawn_cli(
+            [*self.args, "--port", str(self.port)], self.env, self.log_path, launcher=self.launcher
+        )
 
         async def ready() -> bool:
-            assert self.process.poll() is None, f"the server exited ({self.process.returncode}):\n{self.log()[-4000:]}"
+            assert self.process.poll() is None, (
+                f"the server exited ({self.process.returncode}):\n{self.log()[-4000:]}"
+            )
             try:
                 async with httpx.AsyncClient() as client:
                     return (await client.get(f"{self.url}/readyz", timeout=2)).status_code == 200
             except httpx.TransportError:
                 return False
 
-        await eventually(ready, timeout_s=STARTUP_TIMEOUT_S, what=f"{self.args[0]} on {self.url} to be ready", poll_s=0.2)
+        await eventually(
+            ready,
+            timeout_s=STARTUP_TIMEOUT_S,
+            what=f"{self.args[0]} on {self.url} to be ready",
+            poll_s=0.2,
+        )
         return self
 
     def log(self) -> str:
@@ -89,7 +100,10 @@ class RawConnection:
         """The next response with a ``Content-Length`` body: its status and body."""
         status = await self.status()
         length = 0
-        while (line := await asyncio.wait_for(self.reader.readline(), WAIT_S)) not in (b"\r\n", b""):
+        while (line := await asyncio.wait_for(self.reader.readline(), WAIT_S)) not in (
+            b"\r\n",
+            b"",
+        ):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-length":
                 length = int(value)
@@ -117,4 +131,10 @@ class RawConnection:
 
 def get(path: str, *headers: str) -> bytes:
     """A complete ``GET`` request head."""
-    return "".join([f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n", *(f"{header}\r\n" for header in headers), "\r\n"]).encode()
+    return "".join(
+        [
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n",
+            *(f"{header}\r\n" for header in headers),
+            "\r\n",
+        ]
+    ).encode()

@@ -35,7 +35,16 @@ from events.codec import DeadLetter, encode_event
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
-from events.schema import BlockStored, Envelope, EventPayload, EventValidationError, NodeStarted, StoredBlock, make_event, parse_event
+from events.schema import (
+    BlockStored,
+    Envelope,
+    EventPayload,
+    EventValidationError,
+    NodeStarted,
+    StoredBlock,
+    make_event,
+    parse_event,
+)
 from events.topics import COMMANDS, CUSTOMER_TOPICS, DEAD_LETTER, route
 from gpu_node.keys.node_identity import NODE_KEY_FILE
 from identity.signing import EnvelopeSigner, private_key_pem, public_key_pem, sign_envelope
@@ -47,7 +56,9 @@ JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
 """The end users' HS256 secret (the nodes' ``auth``); the coordinator accepts no token signed with it."""
 SUBJECT_KEY = "integration-test-subject-key"
 
-_OPERATOR_KEY = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"kvledger test operator issuer").digest())
+_OPERATOR_KEY = Ed25519PrivateKey.from_private_bytes(
+    hashlib.sha256(b"kvledger test operator issuer").digest()
+)
 OPERATOR_PRIVATE_KEY_PEM = _OPERATOR_KEY.private_bytes(
     serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
 )
@@ -71,9 +82,23 @@ OPERATOR_AUTH = {"jwt_public_key_file": OPERATOR_PUBLIC_KEY_FILE}
 """``CoordinatorSettings.operator_auth`` / ``NodeSettings.operator_auth`` of the tests."""
 
 
-def operator_token(role: str, tenant: str = "acme", *, sub: str = "operator-1", ttl_s: int = 3600, now: float | None = None) -> str:
+def operator_token(
+    role: str,
+    tenant: str = "acme",
+    *,
+    sub: str = "operator-1",
+    ttl_s: int = 3600,
+    now: float | None = None,
+) -> str:
     """A token of the tests' operator issuer: ``role`` acting for ``tenant``."""
-    return issue_token(tenant=tenant, sub=sub, roles=[role], ttl_s=ttl_s, private_key_pem=OPERATOR_PRIVATE_KEY_PEM, now=now)
+    return issue_token(
+        tenant=tenant,
+        sub=sub,
+        roles=[role],
+        ttl_s=ttl_s,
+        private_key_pem=OPERATOR_PRIVATE_KEY_PEM,
+        now=now,
+    )
 
 
 def operator_headers(role: str, tenant: str = "acme") -> dict[str, str]:
@@ -96,7 +121,9 @@ def command_public_key_file() -> Path:
 
 def node_key(node_id: str) -> Ed25519PrivateKey:
     """The test key of ``node_id``: derived from the id, so fake nodes, real nodes and enrollment agree on it."""
-    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"kvledger-test-node:{node_id}".encode()).digest())
+    return Ed25519PrivateKey.from_private_bytes(
+        hashlib.sha256(f"kvledger-test-node:{node_id}".encode()).digest()
+    )
 
 
 def install_node_key(data_dir: Path, node_id: str) -> None:
@@ -114,7 +141,9 @@ async def enroll_nodes(database_url: str, node_ids: Iterable[str]) -> None:
         await enroll_node_key(database_url, node_id, node_key(node_id).public_key())
 
 
-PRODUCER_KEY = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"kvledger test producer").digest())
+PRODUCER_KEY = Ed25519PrivateKey.from_private_bytes(
+    hashlib.sha256(b"kvledger test producer").digest()
+)
 """The tests' customer-event producer key, enrolled for every tenant in every test ledger (:func:`enroll_producer`)."""
 sign_customer_event = EnvelopeSigner(PRODUCER_KEY)
 
@@ -158,7 +187,11 @@ class SigningProducer(EventProducer):
         return await super().send_many([await self.signed(envelope) for envelope in envelopes])
 
 
-GROUP_TIMING: dict[str, int] = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 500, "fetch_max_wait_ms": 50}
+GROUP_TIMING: dict[str, int] = {
+    "session_timeout_ms": 2_000,
+    "heartbeat_interval_ms": 500,
+    "fetch_max_wait_ms": 50,
+}
 """Consumer timing (:class:`~events.kafka.settings.ConsumerGroupTiming`) of every test coordinator, node and
 :class:`~events.kafka.consumer.BatchConsumer`. The embedded broker holds each group join for half the session timeout:
 production's 10 s cost 5 s per group, 15 s per coordinator start (three groups), 5 s per node start. 2 s still
@@ -174,7 +207,9 @@ production's 5 s, so the tests that revoke one wait that much less."""
 
 
 GROUP_TIMING_ENV: dict[str, str] = {
-    f"KVLEDGER_{service}_KAFKA__{name.upper()}": str(value) for service in ("COORDINATOR", "NODE") for name, value in GROUP_TIMING.items()
+    f"KVLEDGER_{service}_KAFKA__{name.upper()}": str(value)
+    for service in ("COORDINATOR", "NODE")
+    for name, value in GROUP_TIMING.items()
 }
 """:data:`GROUP_TIMING` as the environment of coordinator and node processes (``kvledger coordinator``, ``kvledger node``,
 ``kvledger up``)."""
@@ -185,11 +220,15 @@ def _merged(defaults: Mapping[str, object], overrides: Mapping[str, object]) -> 
     merged = dict(defaults)
     for name, value in overrides.items():
         base = merged.get(name)
-        merged[name] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+        merged[name] = (
+            {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+        )
     return merged
 
 
-def coordinator_settings(database_url: str | None = None, bootstrap: str | None = None, **overrides) -> CoordinatorSettings:
+def coordinator_settings(
+    database_url: str | None = None, bootstrap: str | None = None, **overrides
+) -> CoordinatorSettings:
     """The tests' coordinator: ``database_url``'s ledger, the broker at ``bootstrap`` with a consumer group of its
     own and :data:`GROUP_TIMING`, the tests' end-user secret, operator issuer, command key and subject key, a
     fast outbox relay and the short node-key cache of :data:`NODE_KEY_CACHE_S`. ``overrides`` are CoordinatorSettings arguments; a group given as a dict (``ledger={...}``)
@@ -212,7 +251,9 @@ def coordinator_settings(database_url: str | None = None, bootstrap: str | None 
     return CoordinatorSettings(**_merged(defaults, overrides))
 
 
-def coordinator_env(database_url: str, bootstrap: str, group_id: str, **extra: str) -> dict[str, str]:
+def coordinator_env(
+    database_url: str, bootstrap: str, group_id: str, **extra: str
+) -> dict[str, str]:
     """The environment of a ``kvledger coordinator`` process configured as :func:`coordinator_settings` configures
     one in-process (``extra``: more variables, e.g. ``KVLEDGER_METRICS_TOKEN``)."""
     return {
@@ -231,7 +272,9 @@ def coordinator_env(database_url: str, bootstrap: str, group_id: str, **extra: s
 
 def kafka_client_settings(bootstrap: str, **fields) -> KafkaSettings:
     """Kafka settings of a test client of ``bootstrap`` (its own consumers join groups with :data:`GROUP_TIMING`)."""
-    return KafkaSettings(**{"bootstrap": bootstrap, "client_id": "kvledger-test", **GROUP_TIMING, **fields})
+    return KafkaSettings(
+        **{"bootstrap": bootstrap, "client_id": "kvledger-test", **GROUP_TIMING, **fields}
+    )
 
 
 class RunningConsumers:
@@ -254,7 +297,9 @@ class RunningConsumers:
     async def wait_assigned(self, timeout_s: float = 60.0) -> None:
         assert self.task is not None and self._assigned is not None, "launch() first"
         waiter = asyncio.create_task(self._assigned.wait())
-        await asyncio.wait({self.task, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {self.task, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
         waiter.cancel()
         if self.task.done():
             self.task.result()
@@ -277,13 +322,19 @@ class FakeNode:
     ``seq`` is the last one used; each epoch begins with ``NodeStarted`` at seq 0 (:meth:`start`), and every
     further event takes the next seq unless the test names one (a gap, a replay)."""
 
-    def __init__(self, producer: EventProducer, node_id: str, *, epoch: int = 0, namespace: str = "ns-test") -> None:
+    def __init__(
+        self, producer: EventProducer, node_id: str, *, epoch: int = 0, namespace: str = "ns-test"
+    ) -> None:
         self.producer, self.node_id, self.namespace = producer, node_id, namespace
         self.epoch, self.seq = epoch, -1
 
-    def event(self, payload_type: type[EventPayload], *, seq: int | None = None, **fields) -> Envelope:
+    def event(
+        self, payload_type: type[EventPayload], *, seq: int | None = None, **fields
+    ) -> Envelope:
         self.seq = self.seq + 1 if seq is None else seq
-        return make_event(payload_type(node_id=self.node_id, epoch=self.epoch, seq=self.seq, **fields))
+        return make_event(
+            payload_type(node_id=self.node_id, epoch=self.epoch, seq=self.seq, **fields)
+        )
 
     async def publish(self, payload_type: type[EventPayload], **fields) -> Envelope:
         envelope = self.event(payload_type, **fields)
@@ -327,7 +378,10 @@ async def connect(database_url: str) -> asyncpg.Connection:
 
 
 async def eventually(
-    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition", poll_s: float = 0.05
+    condition: Callable[[], bool | Awaitable[bool]],
+    timeout_s: float = 30.0,
+    what: str = "condition",
+    poll_s: float = 0.05,
 ) -> None:
     """Poll ``condition`` (plain or async) until it holds; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -375,12 +429,16 @@ def stored(
     )
 
 
-async def scan_topic(bootstrap: str, topic: str, visit: Callable[[ConsumerRecord], bool], timeout_s: float = 30.0) -> None:
+async def scan_topic(
+    bootstrap: str, topic: str, visit: Callable[[ConsumerRecord], bool], timeout_s: float = 30.0
+) -> None:
     """Read every partition of ``topic`` from the beginning, handing records to ``visit`` until it returns True.
 
     No consumer group (``group_id=None`` takes all partitions locally), so there is no group join to wait for.
     """
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         async with asyncio.timeout(timeout_s):
@@ -404,13 +462,21 @@ async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> lis
     that last fetch brought (the embedded broker reports the end of a multi-record batch as the batch's base
     offset + 1; the rest of the batch comes in the same fetch). No consumer group, so no join to wait for.
     """
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
     await consumer.start()
     records: list[ConsumerRecord] = []
     try:
         async with asyncio.timeout(timeout_s):
             await consumer.topics()
-            partitions = [TopicPartition(topic, partition) for partition in sorted(consumer.partitions_for_topic(topic) or ())]
+            partitions = [
+                TopicPartition(topic, partition)
+                for partition in sorted(consumer.partitions_for_topic(topic) or ())
+            ]
             assert partitions, f"topic {topic} does not exist"
             consumer.assign(partitions)
             await consumer.seek_to_beginning(*partitions)
@@ -425,7 +491,9 @@ async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> lis
     return records
 
 
-async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID], topic: str = DEAD_LETTER) -> dict[uuid.UUID, str]:
+async def dead_letters(
+    bootstrap: str, group_id: str, event_ids: set[uuid.UUID], topic: str = DEAD_LETTER
+) -> dict[uuid.UUID, str]:
     """The dead-letter error of each of ``event_ids`` that ``group_id`` dead-lettered on ``topic`` (waits for all of them).
 
     Nodes dead-letter on their own topic (``kvledger.node-dead-letter``), the coordinator on ``kvledger.dead-letter``."""
@@ -448,7 +516,9 @@ async def dead_letters(bootstrap: str, group_id: str, event_ids: set[uuid.UUID],
 
 
 @contextlib.asynccontextmanager
-async def own_broker(shared_bootstrap: str, service_mode: str, state_dir: Path) -> AsyncIterator[str]:
+async def own_broker(
+    shared_bootstrap: str, service_mode: str, state_dir: Path
+) -> AsyncIterator[str]:
     """A Kafka-protocol broker for one module (embedded mode; other modes keep the shared one).
 
     For modules that publish tens of megabytes (100,000-block erasures, acks near the record limit):

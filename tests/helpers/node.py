@@ -32,7 +32,15 @@ from gpu_node.engine.async_engine import AsyncEngine
 from gpu_node.entrypoints.routes import create_app as create_node_app
 from gpu_node.entrypoints.server import make_command_consumer, make_publisher
 from gpu_node.settings import CacheSettings, NodeSettings
-from helpers.ledger import GROUP_TIMING, JWT_SECRET, SUBJECT_KEY, RunningConsumers, command_public_key_file, eventually, install_node_key
+from helpers.ledger import (
+    GROUP_TIMING,
+    JWT_SECRET,
+    SUBJECT_KEY,
+    RunningConsumers,
+    command_public_key_file,
+    eventually,
+    install_node_key,
+)
 from identity.tokens import TokenVerifier
 from kvledger.net import loopback_listener
 from prefix_keys.blocks import CacheScope, DocumentRef, num_cacheable_blocks
@@ -41,7 +49,9 @@ from prefix_keys.prompt import ChatMessage, render_prompt
 TIMEOUT_S = 30.0
 
 
-async def demote_to_disk(engine: AsyncEngine, block_hash: str, timeout_s: float = TIMEOUT_S) -> None:
+async def demote_to_disk(
+    engine: AsyncEngine, block_hash: str, timeout_s: float = TIMEOUT_S
+) -> None:
     """Move a cached block to the disk tier, waiting until its scope's data key is in the node's memory.
 
     With the coordinator's key service, a request's prefetch waits at most ``prefetch_wait_s`` for
@@ -53,11 +63,15 @@ async def demote_to_disk(engine: AsyncEngine, block_hash: str, timeout_s: float 
     async def moved() -> bool:
         return await asyncio.to_thread(engine.pool.demote, bytes.fromhex(block_hash), Tier.DISK)
 
-    await eventually(moved, timeout_s=timeout_s, what=f"block {block_hash[:12]} sealed onto the disk tier")
+    await eventually(
+        moved, timeout_s=timeout_s, what=f"block {block_hash[:12]} sealed onto the disk tier"
+    )
 
 
 @contextmanager
-def node_on_thread(engine: AsyncEngine, app, name: str, start_timeout_s: float = 120.0) -> Iterator[str]:
+def node_on_thread(
+    engine: AsyncEngine, app, name: str, start_timeout_s: float = 120.0
+) -> Iterator[str]:
     """Serve ``app`` as ``gpu_node.entrypoints.server.serve`` does — the engine starts on the server's own event loop —
     in a thread of its own, for tests that call the node synchronously (or from another process); yields its URL."""
     sock = loopback_listener()
@@ -85,7 +99,14 @@ def node_on_thread(engine: AsyncEngine, app, name: str, start_timeout_s: float =
         sock.close()
 
 
-def node_settings(node_id: str, model_dir: Path, data_dir: Path, kafka_bootstrap: str, cache: CacheSettings, **extra) -> NodeSettings:
+def node_settings(
+    node_id: str,
+    model_dir: Path,
+    data_dir: Path,
+    kafka_bootstrap: str,
+    cache: CacheSettings,
+    **extra,
+) -> NodeSettings:
     """A node of the test session: its broker, the tests' subject key and JWT secret, a fast publisher, the tests'
     consumer timing (``helpers.ledger.GROUP_TIMING``), the test key of ``node_id`` as its own (enroll it with
     ``helpers.ledger.enroll_nodes`` where a coordinator checks it) and the tests' command key pinned."""
@@ -111,7 +132,9 @@ class Served:
     def __init__(self, app) -> None:
         self.sock = loopback_listener()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        )
         self.task: asyncio.Task | None = None
 
     async def start(self) -> Served:
@@ -154,7 +177,11 @@ class CoordinatorThread:
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         consumers = await RunningConsumers(self.settings).start()
-        server = uvicorn.Server(uvicorn.Config(create_coordinator_app(self.settings), log_level="warning", access_log=False))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_coordinator_app(self.settings), log_level="warning", access_log=False
+            )
+        )
         serving = asyncio.create_task(server.serve(sockets=[self.sock]))
         while not server.started:
             if serving.done():
@@ -168,7 +195,9 @@ class CoordinatorThread:
 
     async def start(self) -> CoordinatorThread:
         self._thread.start()
-        assert await asyncio.to_thread(self.ready.wait, 90), "the coordinator did not start within 90 s"
+        assert await asyncio.to_thread(self.ready.wait, 90), (
+            "the coordinator did not start within 90 s"
+        )
         if self.error is not None:
             raise self.error
         return self
@@ -209,15 +238,21 @@ class ServedNode(NodeServices):
     """A node whose OpenAI-compatible app listens on a real socket; requests go through the official client."""
 
     async def serve_http(self) -> None:
-        self.http = await Served(create_node_app(self.engine, TokenVerifier(self.settings.auth))).start()
+        self.http = await Served(
+            create_node_app(self.engine, TokenVerifier(self.settings.auth))
+        ).start()
 
     def client(self, token: str) -> openai.AsyncOpenAI:
         """No retries: a refusal must surface as it is."""
-        return openai.AsyncOpenAI(base_url=f"{self.http.url}/v1", api_key=token, max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.http.url}/v1", api_key=token, max_retries=0, timeout=60
+        )
 
     async def chat(self, token: str, messages: list[dict]):
         async with self.client(token) as client:
-            return await client.chat.completions.create(model=self.engine.model_name, messages=messages, max_tokens=1, temperature=0)
+            return await client.chat.completions.create(
+                model=self.engine.model_name, messages=messages, max_tokens=1, temperature=0
+            )
 
     async def cached(self, token: str, messages: list[dict]) -> int:
         return (await self.chat(token, messages)).usage.prompt_tokens_details.cached_tokens
@@ -280,4 +315,6 @@ def engine_message(message: dict) -> ChatMessage:
     if document is not None:
         ref = DocumentRef(document["id"], document["version"], document["auth_scope"])
         return ChatMessage(message["role"], message["content"], CacheScope.TENANT, ref)
-    return ChatMessage(message["role"], message["content"], CacheScope.parse(message.get("cache_scope", "user")))
+    return ChatMessage(
+        message["role"], message["content"], CacheScope.parse(message.get("cache_scope", "user"))
+    )

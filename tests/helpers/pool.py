@@ -49,10 +49,17 @@ def block_key(i: int, provenance: CacheProvenance) -> BlockKey:
 
 def make_kv(i: int) -> torch.Tensor:
     """KV of block ``i``: distinct per block and never all zeros (freed slots are)."""
-    return torch.arange(SPEC.num_elements, dtype=SPEC.dtype).reshape(SPEC.block_shape) + 1000.0 * (i + 1)
+    return torch.arange(SPEC.num_elements, dtype=SPEC.dtype).reshape(SPEC.block_shape) + 1000.0 * (
+        i + 1
+    )
 
 
-def scoped_key(i: int, scope: CacheScope = CacheScope.PUBLIC, tenant: str = "acme", documents: tuple[str, ...] = ()) -> BlockKey:
+def scoped_key(
+    i: int,
+    scope: CacheScope = CacheScope.PUBLIC,
+    tenant: str = "acme",
+    documents: tuple[str, ...] = (),
+) -> BlockKey:
     """Block ``i`` of namespace :data:`NS` in ``scope`` (tenant scope: auth scope ``*``; user scope: subject alice)."""
     provenance = CacheProvenance(
         namespace=NS,
@@ -67,7 +74,15 @@ def scoped_key(i: int, scope: CacheScope = CacheScope.PUBLIC, tenant: str = "acm
 
 
 def make_state(
-    tmp_path: Path, *, device: int = 4, host: int = 0, disk: int = 0, ttl=None, clock=None, wall_clock=None, keys=None
+    tmp_path: Path,
+    *,
+    device: int = 4,
+    host: int = 0,
+    disk: int = 0,
+    ttl=None,
+    clock=None,
+    wall_clock=None,
+    keys=None,
 ) -> PoolState:
     """A pool state alone; unless given, the wall clock runs 1,000,000 s ahead of the pool clock (1000.0)."""
     clock = clock or FakeClock(1000.0)
@@ -76,7 +91,14 @@ def make_state(
     return PoolState(SPEC, config, keys or LocalKeyStore(tmp_path / "keys.json"), clock, wall_clock)
 
 
-def put(state: PoolState, i: int, tier: Tier = Tier.DEVICE, *, key: BlockKey | None = None, ref_count: int = 0) -> CacheEntry:
+def put(
+    state: PoolState,
+    i: int,
+    tier: Tier = Tier.DEVICE,
+    *,
+    key: BlockKey | None = None,
+    ref_count: int = 0,
+) -> CacheEntry:
     """Block ``i`` (KV :func:`make_kv`) READY in ``tier``, which has room, as an import places it; no event."""
     entry = CacheEntry(key=key or scoped_key(i), state=BlockState.READY, last_access=state.clock())
     stored, slot = state.store_bytes(entry, tier, make_kv(i))
@@ -89,7 +111,9 @@ def put(state: PoolState, i: int, tier: Tier = Tier.DEVICE, *, key: BlockKey | N
 
 def building(state: PoolState, i: int, *, key: BlockKey | None = None) -> CacheEntry:
     """Block ``i`` claimed for building, as :meth:`gpu_node.pool.block_pool.BlockPool.begin_build` claims it."""
-    entry = CacheEntry(key=key or scoped_key(i), state=BlockState.BUILDING, last_access=state.clock())
+    entry = CacheEntry(
+        key=key or scoped_key(i), state=BlockState.BUILDING, last_access=state.clock()
+    )
     state.admit(entry)
     state.num_building += 1
     return entry
@@ -104,4 +128,8 @@ def lru_order(state: PoolState, tier: Tier) -> list[int]:
 def placed(state: PoolState) -> dict[int, tuple[Tier, int | None]]:
     """Block number → (tier, slot) of every placed entry."""
     numbers = {block_hash(i): i for i in range(-1, 64)}
-    return {numbers[entry.block_hash]: (entry.tier, entry.slot) for entry in state.entries.values() if entry.tier is not None}
+    return {
+        numbers[entry.block_hash]: (entry.tier, entry.slot)
+        for entry in state.entries.values()
+        if entry.tier is not None
+    }

@@ -70,8 +70,17 @@ class Up:
         state_dir, port, log = tmp_path / "state", free_port_pair(), tmp_path / "up.log"
         model = model_dir or tmp_path / "model"
         args = ["up", "--state-dir", str(state_dir), "--model", str(model), "--port", str(port)]
-        args.append("--tiny")  # what it builds when the directory is empty: tests run on the tiny model
-        process = spawn_cli(args, user_env() | GROUP_TIMING_ENV, log, errors_path=errors, new_session=True, dies_with_parent=False)
+        args.append(
+            "--tiny"
+        )  # what it builds when the directory is empty: tests run on the tiny model
+        process = spawn_cli(
+            args,
+            user_env() | GROUP_TIMING_ENV,
+            log,
+            errors_path=errors,
+            new_session=True,
+            dies_with_parent=False,
+        )
         return cls(process, state_dir, port, log)
 
     def wait_for(self, condition: Callable[[], T], what: str, timeout_s: float) -> T:
@@ -86,7 +95,9 @@ class Up:
                     f"kvledger up exited ({self.process.returncode}) while waiting for {what}:\n{self.log.read_text()[-4000:]}"
                 )
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}:\n{self.log.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"timed out waiting for {what}:\n{self.log.read_text()[-4000:]}"
+                )
             time.sleep(0.1)
 
     def stack_file(self) -> dict | None:

@@ -28,9 +28,15 @@ OTHER_SECRET = "another-secret-0123456789abcdef01234567"
 def ed25519_pem(tmp_path_factory) -> tuple[bytes, object]:
     """(private PEM, path of the public PEM file)."""
     key = Ed25519PrivateKey.generate()
-    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     public_path = tmp_path_factory.mktemp("keys") / "jwt.pub.pem"
-    public_path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    public_path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
     return private_pem, public_path
 
 
@@ -44,7 +50,13 @@ def raw(claims: dict, secret: str = SECRET) -> str:
 
 
 def base_claims(**overrides) -> dict:
-    claims = {"sub": "alice", "tenant": "acme", "scopes": ["hr"], "pv": 3, "exp": int(time.time()) + 600}
+    claims = {
+        "sub": "alice",
+        "tenant": "acme",
+        "scopes": ["hr"],
+        "pv": 3,
+        "exp": int(time.time()) + 600,
+    }
     claims.update(overrides)
     return claims
 
@@ -69,8 +81,14 @@ def test_end_user_principal_has_no_roles(hs_verifier):
 def test_eddsa_round_trip(ed25519_pem):
     private_pem, public_path = ed25519_pem
     verifier = TokenVerifier(IssuerSettings(jwt_public_key_file=public_path))
-    principal = verifier.verify(issue_token(tenant="acme", sub="bob", scopes=["eng"], private_key_pem=private_pem))
-    assert (principal.tenant_id, principal.subject_id, principal.scopes) == ("acme", "bob", frozenset({"eng"}))
+    principal = verifier.verify(
+        issue_token(tenant="acme", sub="bob", scopes=["eng"], private_key_pem=private_pem)
+    )
+    assert (principal.tenant_id, principal.subject_id, principal.scopes) == (
+        "acme",
+        "bob",
+        frozenset({"eng"}),
+    )
 
 
 def test_eddsa_verifier_rejects_other_key_and_hs256(ed25519_pem):
@@ -161,11 +179,20 @@ def test_malformed_claims_are_refused(hs_verifier, overrides):
 
 
 def test_claims_at_their_bounds_are_accepted(hs_verifier):
-    principal = hs_verifier.verify(raw(base_claims(tenant="t" * 256, sub="ü" * 256, scopes=["s"] * 256, pv=MAX_VERSION)))
-    assert (len(principal.tenant_id), len(principal.subject_id), principal.default_policy_version) == (256, 256, MAX_VERSION)
+    principal = hs_verifier.verify(
+        raw(base_claims(tenant="t" * 256, sub="ü" * 256, scopes=["s"] * 256, pv=MAX_VERSION))
+    )
+    assert (
+        len(principal.tenant_id),
+        len(principal.subject_id),
+        principal.default_policy_version,
+    ) == (256, 256, MAX_VERSION)
 
 
-@pytest.mark.parametrize("overrides", [{"roles": "admin"}, {"role": ["admin"]}, {"roles": ["x" * 257]}, {"roles": ["a\nb"]}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{"roles": "admin"}, {"role": ["admin"]}, {"roles": ["x" * 257]}, {"roles": ["a\nb"]}],
+)
 def test_malformed_operator_roles_are_refused(hs_verifier, overrides):
     with pytest.raises(AuthError) as excinfo:
         hs_verifier.verify_operator(raw(base_claims(**overrides)))
@@ -223,14 +250,24 @@ def test_configuration_errors(monkeypatch, ed25519_pem):
         TokenVerifier(IssuerSettings(jwt_secret="short"))
     with pytest.raises(ValueError, match="one key source per issuer"):
         TokenVerifier(IssuerSettings(jwt_secret=SECRET, jwt_public_key_file=ed25519_pem[1]))
-    with pytest.raises(ValueError, match="no JWT key configured: set jwt_secret, jwt_public_key_file, jwks_file or jwks_url$"):
+    with pytest.raises(
+        ValueError,
+        match="no JWT key configured: set jwt_secret, jwt_public_key_file, jwks_file or jwks_url$",
+    ):
         TokenVerifier(IssuerSettings(), secret_env=None)
     with pytest.raises(ValueError, match="exactly one"):
         issue_token(tenant="t", sub="u")
 
 
 def _token_args(**overrides) -> argparse.Namespace:
-    values = {"tenant": "acme", "sub": "alice", "scopes": "hr, eng", "pv": 2, "role": [], "ttl_s": 60}
+    values = {
+        "tenant": "acme",
+        "sub": "alice",
+        "scopes": "hr, eng",
+        "pv": 2,
+        "role": [],
+        "ttl_s": 60,
+    }
     values["private_key"] = None
     values["stack"] = None
     values.update(overrides)
@@ -247,7 +284,9 @@ def no_stack(monkeypatch, tmp_path):
 def test_token_cli_hs256(no_stack, monkeypatch, capsys):
     monkeypatch.setenv(JWT_SECRET_ENV, SECRET)
     assert tokens.cli(_token_args()) == 0
-    principal = TokenVerifier(IssuerSettings(jwt_secret=SECRET)).verify(capsys.readouterr().out.strip())
+    principal = TokenVerifier(IssuerSettings(jwt_secret=SECRET)).verify(
+        capsys.readouterr().out.strip()
+    )
     assert principal.scopes == frozenset({"hr", "eng"})
     assert principal.policy_version("hr") == 2
 
@@ -257,7 +296,9 @@ def test_token_cli_private_key(no_stack, capsys, ed25519_pem, tmp_path):
     key_file = tmp_path / "jwt.pem"
     key_file.write_bytes(private_pem)
     assert tokens.cli(_token_args(private_key=str(key_file))) == 0
-    principal = TokenVerifier(IssuerSettings(jwt_public_key_file=public_path)).verify(capsys.readouterr().out.strip())
+    principal = TokenVerifier(IssuerSettings(jwt_public_key_file=public_path)).verify(
+        capsys.readouterr().out.strip()
+    )
     assert principal.subject_id == "alice"
 
 
@@ -265,33 +306,52 @@ def test_token_cli_without_key_fails_clearly(no_stack, capsys):
     assert tokens.cli(_token_args()) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == (f"kvledger token: error: set {JWT_SECRET_ENV}, run `kvledger up` here, or pass --stack or --private-key\n")
+    assert captured.err == (
+        f"kvledger token: error: set {JWT_SECRET_ENV}, run `kvledger up` here, or pass --stack or --private-key\n"
+    )
 
 
 def _stack_dir(tmp_path, ed25519_pem) -> str:
     private_pem, _ = ed25519_pem
     key_file = tmp_path / "operator_key.pem"
     key_file.write_bytes(private_pem)
-    (tmp_path / "stack.json").write_text(json.dumps({"jwt_secret": SECRET, "operator_private_key_file": str(key_file)}))
+    (tmp_path / "stack.json").write_text(
+        json.dumps({"jwt_secret": SECRET, "operator_private_key_file": str(key_file)})
+    )
     return str(tmp_path)
 
 
-def test_token_cli_signs_operator_roles_with_the_stack_operator_key(no_stack, capsys, ed25519_pem, tmp_path):
+def test_token_cli_signs_operator_roles_with_the_stack_operator_key(
+    no_stack, capsys, ed25519_pem, tmp_path
+):
     stack = _stack_dir(tmp_path, ed25519_pem)
     assert tokens.cli(_token_args(role=["privacy-officer"], stack=stack)) == 0
     token = capsys.readouterr().out.strip()
-    operator = TokenVerifier(IssuerSettings(jwt_public_key_file=ed25519_pem[1])).verify_operator(token)
-    assert (operator.tenant_id, operator.subject_id, operator.roles) == ("acme", "alice", frozenset({"privacy-officer"}))
+    operator = TokenVerifier(IssuerSettings(jwt_public_key_file=ed25519_pem[1])).verify_operator(
+        token
+    )
+    assert (operator.tenant_id, operator.subject_id, operator.roles) == (
+        "acme",
+        "alice",
+        frozenset({"privacy-officer"}),
+    )
     # The end users' secret does not verify it: the two issuers are distinct.
     with pytest.raises(AuthError):
         TokenVerifier(IssuerSettings(jwt_secret=SECRET)).verify(token)
     # Without a role the same stack gives an end-user token under its jwt_secret.
     assert tokens.cli(_token_args(stack=stack)) == 0
-    assert TokenVerifier(IssuerSettings(jwt_secret=SECRET)).verify(capsys.readouterr().out.strip()).tenant_id == "acme"
+    assert (
+        TokenVerifier(IssuerSettings(jwt_secret=SECRET))
+        .verify(capsys.readouterr().out.strip())
+        .tenant_id
+        == "acme"
+    )
 
 
 @pytest.mark.parametrize("roles", [["node"], ["admin"], ["platform-admin", "node"]])
-def test_token_cli_refuses_roles_that_are_not_operator_roles(no_stack, capsys, ed25519_pem, tmp_path, roles):
+def test_token_cli_refuses_roles_that_are_not_operator_roles(
+    no_stack, capsys, ed25519_pem, tmp_path, roles
+):
     stack = _stack_dir(tmp_path, ed25519_pem)
     assert tokens.cli(_token_args(role=roles, stack=stack)) == 2
     captured = capsys.readouterr()
@@ -307,7 +367,9 @@ def test_token_cli_refuses_roles_that_are_not_operator_roles(no_stack, capsys, e
 def test_token_cli_operator_role_without_operator_key(no_stack, monkeypatch, capsys):
     monkeypatch.setenv(JWT_SECRET_ENV, SECRET)
     assert tokens.cli(_token_args(role=["platform-admin"])) == 2
-    assert capsys.readouterr().err == ("kvledger token: error: no operator key: run `kvledger up` in this directory or pass --stack\n")
+    assert capsys.readouterr().err == (
+        "kvledger token: error: no operator key: run `kvledger up` in this directory or pass --stack\n"
+    )
 
 
 def test_identity_imports_neither_side():
@@ -317,5 +379,7 @@ def test_identity_imports_neither_side():
         "import sys, identity.tokens, identity.settings, identity.roles; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'gpu_node', 'coordinator', 'kvledger'}))"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
     assert result.stdout.strip() == "[]"

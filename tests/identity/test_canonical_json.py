@@ -19,7 +19,11 @@ _scalars = (
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text()
 )
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5), max_leaves=40)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=40,
+)
 
 
 def _reference(value: object) -> bytes | type[Exception]:

@@ -42,7 +42,10 @@ from identity.signing import (
 
 def _command():
     predicate = DocumentPredicate(tenant="acme", doc_id="handbook", below_version=2)
-    return make_event(Invalidate(command_id=uuid.uuid4(), predicate=predicate, cutoff=datetime.now(UTC)), tenant_id="acme")
+    return make_event(
+        Invalidate(command_id=uuid.uuid4(), predicate=predicate, cutoff=datetime.now(UTC)),
+        tenant_id="acme",
+    )
 
 
 def test_a_key_file_is_created_owner_only_once_and_reloaded(tmp_path):
@@ -82,7 +85,9 @@ def test_a_signed_envelope_verifies_after_encoding_and_decoding():
 def test_tampered_unsigned_and_otherwise_signed_envelopes_are_refused():
     key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     signed = sign_envelope(_command(), key)
-    widened = signed.payload.model_copy(update={"predicate": DocumentPredicate(tenant="acme", doc_id="handbook", below_version=99)})
+    widened = signed.payload.model_copy(
+        update={"predicate": DocumentPredicate(tenant="acme", doc_id="handbook", below_version=99)}
+    )
     tampered = signed.model_copy(update={"payload": widened})
     assert signature_problem(tampered, key.public_key()) == BAD_SIGNATURE
     assert signature_problem(_command(), key.public_key()) == UNSIGNED
@@ -90,16 +95,36 @@ def test_tampered_unsigned_and_otherwise_signed_envelopes_are_refused():
     assert signature_problem(signed, None) == UNKNOWN_KEY
     # Someone else's signature relabelled with this key's id is still not this key's.
     forged = sign_envelope(_command(), other)
-    relabelled = forged.model_copy(update={"signature": forged.signature.model_copy(update={"kid": key_id(key.public_key())})})
+    relabelled = forged.model_copy(
+        update={"signature": forged.signature.model_copy(update={"kid": key_id(key.public_key())})}
+    )
     assert signature_problem(relabelled, key.public_key()) == BAD_SIGNATURE
 
 
 def test_a_relabelled_ack_no_longer_verifies():
     key = Ed25519PrivateKey.generate()
-    evidence = [TierEvidence(tier="device", removed=0, block_hashes=[], method="overwrite", post_check="readback_zero", verified=True)]
-    ack = sign_envelope(make_event(CommandAck(command_id=uuid.uuid4(), node_id="node-1", epoch=1, evidence=evidence)), key)
-    relabelled = ack.model_copy(update={"payload": ack.payload.model_copy(update={"node_id": "node-2"})})
-    assert verify_envelope(ack, key.public_key()) and not verify_envelope(relabelled, key.public_key())
+    evidence = [
+        TierEvidence(
+            tier="device",
+            removed=0,
+            block_hashes=[],
+            method="overwrite",
+            post_check="readback_zero",
+            verified=True,
+        )
+    ]
+    ack = sign_envelope(
+        make_event(
+            CommandAck(command_id=uuid.uuid4(), node_id="node-1", epoch=1, evidence=evidence)
+        ),
+        key,
+    )
+    relabelled = ack.model_copy(
+        update={"payload": ack.payload.model_copy(update={"node_id": "node-2"})}
+    )
+    assert verify_envelope(ack, key.public_key()) and not verify_envelope(
+        relabelled, key.public_key()
+    )
 
 
 def test_unsigned_envelopes_encode_as_before_and_the_signer_is_the_key_bound():
@@ -128,10 +153,14 @@ def test_node_credentials_are_short_lived():
     now = int(time.time())
     headers = {"kid": key_id(key.public_key())}
     claims = {"iss": NODE_ISSUER, "sub": "node-1", "aud": KEYS_AUDIENCE}
-    long_lived = jwt.encode({**claims, "iat": now, "exp": now + 3600}, key, algorithm="EdDSA", headers=headers)
+    long_lived = jwt.encode(
+        {**claims, "iat": now, "exp": now + 3600}, key, algorithm="EdDSA", headers=headers
+    )
     with pytest.raises(CredentialError, match="at most 60"):
         verify_node_credential(long_lived, key.public_key(), "node-1")
-    expired = jwt.encode({**claims, "iat": now - 120, "exp": now - 60}, key, algorithm="EdDSA", headers=headers)
+    expired = jwt.encode(
+        {**claims, "iat": now - 120, "exp": now - 60}, key, algorithm="EdDSA", headers=headers
+    )
     with pytest.raises(CredentialError) as raised:
         verify_node_credential(expired, key.public_key(), "node-1")
     assert raised.value.code == "token_expired"
@@ -139,7 +168,11 @@ def test_node_credentials_are_short_lived():
         partial = {**claims, "iat": now, "exp": now + 30}
         del partial[missing]
         with pytest.raises(CredentialError):
-            verify_node_credential(jwt.encode(partial, key, algorithm="EdDSA", headers=headers), key.public_key(), "node-1")
+            verify_node_credential(
+                jwt.encode(partial, key, algorithm="EdDSA", headers=headers),
+                key.public_key(),
+                "node-1",
+            )
 
 
 def test_a_shared_secret_token_is_not_a_node_credential():
@@ -153,16 +186,47 @@ def test_a_shared_secret_token_is_not_a_node_credential():
 
 def test_a_signed_document_verifies_only_unchanged_under_its_key_and_context():
     key = Ed25519PrivateKey.generate()
-    document = {"node_id": "node-1", "nonce": "n" * 24, "decisions": [{"predicate": {"kind": "namespace", "ns": "a"}}], "limit": 2**53 - 1}
+    document = {
+        "node_id": "node-1",
+        "nonce": "n" * 24,
+        "decisions": [{"predicate": {"kind": "namespace", "ns": "a"}}],
+        "limit": 2**53 - 1,
+    }
     signature = sign_document(document, key, GOVERNANCE_CONTEXT)
-    assert document_signature_problem(dict(document), signature, key.public_key(), GOVERNANCE_CONTEXT) is None
-    assert document_signature_problem(document | {"decisions": []}, signature, key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE
-    assert document_signature_problem(document, signature, key.public_key(), b"another context\x00") == BAD_SIGNATURE
-    assert document_signature_problem(document, signature, Ed25519PrivateKey.generate().public_key(), GOVERNANCE_CONTEXT) == UNKNOWN_KEY
-    assert document_signature_problem(document, None, key.public_key(), GOVERNANCE_CONTEXT) == UNSIGNED
+    assert (
+        document_signature_problem(dict(document), signature, key.public_key(), GOVERNANCE_CONTEXT)
+        is None
+    )
+    assert (
+        document_signature_problem(
+            document | {"decisions": []}, signature, key.public_key(), GOVERNANCE_CONTEXT
+        )
+        == BAD_SIGNATURE
+    )
+    assert (
+        document_signature_problem(document, signature, key.public_key(), b"another context\x00")
+        == BAD_SIGNATURE
+    )
+    assert (
+        document_signature_problem(
+            document, signature, Ed25519PrivateKey.generate().public_key(), GOVERNANCE_CONTEXT
+        )
+        == UNKNOWN_KEY
+    )
+    assert (
+        document_signature_problem(document, None, key.public_key(), GOVERNANCE_CONTEXT) == UNSIGNED
+    )
     garbled = {"kid": signature["kid"], "sig": "%%%"}
-    assert document_signature_problem(document, garbled, key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE
+    assert (
+        document_signature_problem(document, garbled, key.public_key(), GOVERNANCE_CONTEXT)
+        == BAD_SIGNATURE
+    )
     # A signed envelope's signature never passes for a document with the same content, nor the reverse.
     envelope = sign_envelope(_command(), key)
     as_document = envelope.model_dump(mode="json", exclude={"signature"})
-    assert document_signature_problem(as_document, envelope.signature.model_dump(), key.public_key(), GOVERNANCE_CONTEXT) == BAD_SIGNATURE
+    assert (
+        document_signature_problem(
+            as_document, envelope.signature.model_dump(), key.public_key(), GOVERNANCE_CONTEXT
+        )
+        == BAD_SIGNATURE
+    )

@@ -48,7 +48,10 @@ def test_token_file(monkeypatch, tmp_path: Path):
     ("fields", "message"),
     [
         ({"token": "t", "token_file": "FILE"}, "not both"),
-        ({"token_file": "/nonexistent/metrics_token"}, "cannot read the metrics token file /nonexistent/metrics_token"),
+        (
+            {"token_file": "/nonexistent/metrics_token"},
+            "cannot read the metrics token file /nonexistent/metrics_token",
+        ),
         ({"token_file": "EMPTY"}, "is empty"),
     ],
 )
@@ -65,7 +68,16 @@ def test_scrape_refusal():
     assert scrape_refusal("Bearer right", token) is None
     assert scrape_refusal("bearer  right ", token) is None
     refused = (401, "invalid_metrics_token", "this route needs the metrics bearer token")
-    for header in (None, "", "Bearer", "Bearer wrong", "Basic right", "right", "Bearer righ", "Bearer rightt"):
+    for header in (
+        None,
+        "",
+        "Bearer",
+        "Bearer wrong",
+        "Basic right",
+        "right",
+        "Bearer righ",
+        "Bearer rightt",
+    ):
         assert scrape_refusal(header, token) == refused
     assert scrape_refusal("Bearer right", None) == (
         404,

@@ -16,8 +16,22 @@ BLOCK_SIZE = 4
 ALICE = Principal("acme", "alice", frozenset({"hr"}), {"hr": 1})
 
 
-def segment(index: int, digest: str, num_tokens: int, role: str = "system", scope: str = "public", start: int = 0) -> dict:
-    return {"index": index, "role": role, "scope": scope, "start": start, "num_tokens": num_tokens, "hash": digest}
+def segment(
+    index: int,
+    digest: str,
+    num_tokens: int,
+    role: str = "system",
+    scope: str = "public",
+    start: int = 0,
+) -> dict:
+    return {
+        "index": index,
+        "role": role,
+        "scope": scope,
+        "start": start,
+        "num_tokens": num_tokens,
+        "hash": digest,
+    }
 
 
 def sample(segments: list[dict], num_hit_tokens: int = 0, divergence: dict | None = None) -> dict:
@@ -55,9 +69,10 @@ def test_a_varying_segment_before_a_stable_document_is_named_with_its_exact_gain
     assert advice.num_prompt_tokens == 4 * 52
     assert advice.observed_hit_ratio == 0.0
     assert advice.replayed_hit_ratio == 0.0
-    assert [(b.segment_index, b.role, b.scope, b.num_requests, b.num_distinct_hashes) for b in advice.breaking] == [
-        (0, "system", "public", 4, 4)
-    ]
+    assert [
+        (b.segment_index, b.role, b.scope, b.num_requests, b.num_distinct_hashes)
+        for b in advice.breaking
+    ] == [(0, "system", "public", 4, 4)]
     (breaking,) = advice.breaking
     assert breaking.top_hash_share == 0.25
     assert breaking.mean_tokens == 8.0
@@ -65,13 +80,19 @@ def test_a_varying_segment_before_a_stable_document_is_named_with_its_exact_gain
     assert breaking.hit_ratio_gain == 132 / 208
     assert advice.hit_ratio_after_moving_all == 132 / 208
     assert advice.hit_ratio_gain == 132 / 208
-    assert [(p.segment_index, p.role, p.scope, p.num_requests, p.share) for p in advice.divergence] == [(0, "system", "public", 4, 1.0)]
+    assert [
+        (p.segment_index, p.role, p.scope, p.num_requests, p.share) for p in advice.divergence
+    ] == [(0, "system", "public", 4, 1.0)]
 
 
 def test_a_stable_layout_has_nothing_to_move() -> None:
     stable = [
         sample(
-            [segment(0, "sys", 8), segment(1, "doc", 32, scope="tenant", start=8), segment(2, f"q{r}", 8, "user", "user", 40)],
+            [
+                segment(0, "sys", 8),
+                segment(1, "doc", 32, scope="tenant", start=8),
+                segment(2, f"q{r}", 8, "user", "user", 40),
+            ],
             num_hit_tokens=0 if r == 0 else 40,
             divergence={"segment_index": 2, "token_offset": 40, "role": "user", "scope": "user"},
         )
@@ -91,11 +112,16 @@ def test_hits_round_down_to_whole_blocks_and_stop_before_the_last_token() -> Non
     samples = [sample([segment(0, "a", 6), segment(1, "b", 3, start=6)]) for _ in range(2)]
     assert replay_hit_tokens(samples, BLOCK_SIZE) == 8
     short = [sample([segment(0, "a", 4)]) for _ in range(2)]
-    assert replay_hit_tokens(short, BLOCK_SIZE) == 0  # 4 tokens: the only block holds the last token
+    assert (
+        replay_hit_tokens(short, BLOCK_SIZE) == 0
+    )  # 4 tokens: the only block holds the last token
 
 
 def test_a_segment_stable_on_most_requests_is_not_breaking_and_min_share_is_checked() -> None:
-    samples = [sample([segment(0, "ts" if r < 3 else "other", 8), segment(1, "doc", 32, start=8)]) for r in range(4)]
+    samples = [
+        sample([segment(0, "ts" if r < 3 else "other", 8), segment(1, "doc", 32, start=8)])
+        for r in range(4)
+    ]
     assert analyze(samples, BLOCK_SIZE).breaking == []  # its most common hash is on 75% of requests
     with pytest.raises(ValueError, match="min_share"):
         analyze(samples, BLOCK_SIZE, min_share=0)
@@ -103,7 +129,12 @@ def test_a_segment_stable_on_most_requests_is_not_breaking_and_min_share_is_chec
 
 def test_an_empty_sample_advises_nothing() -> None:
     advice = analyze([], BLOCK_SIZE)
-    assert (advice.num_samples, advice.breaking, advice.divergence, advice.hit_ratio_gain) == (0, [], [], 0.0)
+    assert (advice.num_samples, advice.breaking, advice.divergence, advice.hit_ratio_gain) == (
+        0,
+        [],
+        [],
+        0.0,
+    )
 
 
 # --------------------------------------------------------------------------- the node's sampler
@@ -142,17 +173,33 @@ def test_the_sampler_records_layout_and_divergence_without_content() -> None:
         assert len(keys) == 8
         sampler.observe(request, prompt, keys, num_hit_blocks)
     snapshot = sampler.snapshot()
-    assert (snapshot["enabled"], snapshot["capacity"], snapshot["block_size"], snapshot["num_observed"]) == (True, 2, BLOCK_SIZE, 3)
+    assert (
+        snapshot["enabled"],
+        snapshot["capacity"],
+        snapshot["block_size"],
+        snapshot["num_observed"],
+    ) == (True, 2, BLOCK_SIZE, 3)
     first, second = snapshot["samples"]  # a ring: the oldest request fell out
-    assert [(s["index"], s["role"], s["scope"], s["start"], s["num_tokens"]) for s in first["segments"]] == [
+    assert [
+        (s["index"], s["role"], s["scope"], s["start"], s["num_tokens"]) for s in first["segments"]
+    ] == [
         (0, "system", "public", 0, 5),
         (1, "system", "tenant", 5, 20),
         (2, "user", "user", 25, 6),
         (3, "generation", "public", 31, 2),
     ]
     # 3 hit blocks: the first miss is token 12, inside the document segment
-    assert first["divergence"] == {"segment_index": 1, "token_offset": 12, "role": "system", "scope": "tenant"}
-    assert (first["num_prompt_tokens"], first["num_hit_tokens"], first["num_segments"]) == (33, 12, 4)
+    assert first["divergence"] == {
+        "segment_index": 1,
+        "token_offset": 12,
+        "role": "system",
+        "scope": "tenant",
+    }
+    assert (first["num_prompt_tokens"], first["num_hit_tokens"], first["num_segments"]) == (
+        33,
+        12,
+        4,
+    )
     assert second["divergence"] is None  # every cacheable block hit
     # the timestamp segment's hash changes, the document's does not
     assert first["segments"][0]["hash"] != second["segments"][0]["hash"]
@@ -171,8 +218,12 @@ def test_hashes_are_keyed_per_sampler_and_include_who_shares_the_segment() -> No
     bob = Principal("acme", "bob", frozenset({"hr"}), {"hr": 1})
     one.observe(Request(request.messages, bob), prompt, keys, 0)
     (a,), (b,) = one.snapshot()["samples"][:1], two.snapshot()["samples"]
-    assert [s["hash"] for s in a["segments"]] != [s["hash"] for s in b["segments"]]  # another node's key
-    alice_hashes, bob_hashes = ([s["hash"] for s in x["segments"]] for x in one.snapshot()["samples"])
+    assert [s["hash"] for s in a["segments"]] != [
+        s["hash"] for s in b["segments"]
+    ]  # another node's key
+    alice_hashes, bob_hashes = (
+        [s["hash"] for s in x["segments"]] for x in one.snapshot()["samples"]
+    )
     # public and tenant segments are shared with bob (same tenant); his user segment is his own
     assert alice_hashes[:2] == bob_hashes[:2] and alice_hashes[3] == bob_hashes[3]
     assert alice_hashes[2] != bob_hashes[2]
@@ -183,14 +234,28 @@ def test_the_sampler_is_off_by_default_bounded_per_request_and_skips_uncacheable
     keys = compute_block_keys("ns", prompt.token_ids, prompt.segments, ALICE, BLOCK_SIZE)
     off = LayoutSampler(0, BLOCK_SIZE)
     off.observe(request, prompt, keys, 0)
-    assert off.snapshot() == {"enabled": False, "capacity": 0, "block_size": BLOCK_SIZE, "num_observed": 0, "samples": []}
+    assert off.snapshot() == {
+        "enabled": False,
+        "capacity": 0,
+        "block_size": BLOCK_SIZE,
+        "num_observed": 0,
+        "samples": [],
+    }
     on = LayoutSampler(1, BLOCK_SIZE)
     on.observe(request, prompt, [], 0)
     assert on.snapshot()["num_observed"] == 0
     num_messages = MAX_SEGMENTS + 10
     many = Request(tuple(ChatMessage("user", "x") for _ in range(num_messages)), ALICE)
-    long_prompt = RenderedPrompt(list(range(num_messages * 2)), [Segment(2 * i, 2 * i + 2, CacheScope.USER) for i in range(num_messages)])
-    on.observe(many, long_prompt, compute_block_keys("ns", long_prompt.token_ids, long_prompt.segments, ALICE, BLOCK_SIZE), 0)
+    long_prompt = RenderedPrompt(
+        list(range(num_messages * 2)),
+        [Segment(2 * i, 2 * i + 2, CacheScope.USER) for i in range(num_messages)],
+    )
+    on.observe(
+        many,
+        long_prompt,
+        compute_block_keys("ns", long_prompt.token_ids, long_prompt.segments, ALICE, BLOCK_SIZE),
+        0,
+    )
     (recorded,) = on.snapshot()["samples"]
     assert (recorded["num_segments"], len(recorded["segments"])) == (num_messages, MAX_SEGMENTS)
     with pytest.raises(ValueError):

@@ -23,15 +23,27 @@ def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("kvledger",)
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help for choice in action._choices_actions}
             for name, subparser in action.choices.items():
-                yield (*path, name), argparse.Namespace(option_strings=[name], help=helps.get(name), dest=name)
+                yield (
+                    (*path, name),
+                    argparse.Namespace(option_strings=[name], help=helps.get(name), dest=name),
+                )
                 yield from _walk(subparser, (*path, name))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvledger.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
-def _assert_one_line_error(run: subprocess.CompletedProcess, exit_code: int, *fragments: str) -> str:
+def _assert_one_line_error(
+    run: subprocess.CompletedProcess, exit_code: int, *fragments: str
+) -> str:
     assert run.returncode == exit_code, run.stderr
     assert "Traceback" not in run.stderr
     lines = run.stderr.splitlines()
@@ -46,7 +58,8 @@ def test_every_command_and_option_has_help():
         f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}"
         for path, action in _walk(build_parser())
         # a subcommand group is checked through its commands, each of which must have help
-        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not (action.help or "").strip()
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        and not (action.help or "").strip()
     ]
     assert missing == []
 
@@ -54,7 +67,11 @@ def test_every_command_and_option_has_help():
 def test_the_walk_sees_nested_commands():
     """The help test above would pass vacuously if the walk missed subcommands."""
     paths = {path for path, _ in _walk(build_parser())}
-    assert {("kvledger", "cost", "model"), ("kvledger", "publish", "erasure-requested"), ("kvledger", "bench", "erasure")} <= paths
+    assert {
+        ("kvledger", "cost", "model"),
+        ("kvledger", "publish", "erasure-requested"),
+        ("kvledger", "bench", "erasure"),
+    } <= paths
 
 
 def test_version_is_the_installed_distributions(capsys):
@@ -66,17 +83,28 @@ def test_version_is_the_installed_distributions(capsys):
 
 def test_bad_flag_is_one_line_exit_2():
     line = _assert_one_line_error(
-        _run("cost", "model", "--prompt-tokens", "ten"), 2, "kvledger cost model: error:", "invalid int value: 'ten'"
+        _run("cost", "model", "--prompt-tokens", "ten"),
+        2,
+        "kvledger cost model: error:",
+        "invalid int value: 'ten'",
     )
     assert line.endswith("(see kvledger cost model --help)")
-    _assert_one_line_error(_run("no-such-command"), 2, "kvledger: error:", "invalid choice: 'no-such-command'")
-    _assert_one_line_error(_run("up", "--no-such-flag"), 2, "unrecognized arguments: --no-such-flag")
+    _assert_one_line_error(
+        _run("no-such-command"), 2, "kvledger: error:", "invalid choice: 'no-such-command'"
+    )
+    _assert_one_line_error(
+        _run("up", "--no-such-flag"), 2, "unrecognized arguments: --no-such-flag"
+    )
 
 
 def test_missing_receipt_file_is_one_line_exit_2(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text('{"keys": []}')
-    _assert_one_line_error(_run("verify-receipt", str(tmp_path / "absent.json"), "--public-key", str(keys)), 2, "absent.json")
+    _assert_one_line_error(
+        _run("verify-receipt", str(tmp_path / "absent.json"), "--public-key", str(keys)),
+        2,
+        "absent.json",
+    )
 
 
 def test_missing_stack_file_is_one_line_exit_2(tmp_path):
@@ -97,7 +125,10 @@ def _unused_port() -> int:
 def test_coordinator_nobody_listens_on_is_one_line_exit_1():
     url = f"http://127.0.0.1:{_unused_port()}"
     _assert_one_line_error(
-        _run("namespace", "retire", "ns-1", "--coordinator-url", url, "--token", "t"), 1, "kvledger: error: cannot reach", url
+        _run("namespace", "retire", "ns-1", "--coordinator-url", url, "--token", "t"),
+        1,
+        "kvledger: error: cannot reach",
+        url,
     )
 
 
@@ -116,7 +147,15 @@ def test_a_command_s_own_error_is_one_line_exit_2(tmp_path):
     """CliError raised in a command module reaches ``main()`` as the same class under ``python -m kvledger.cli``."""
     (tmp_path / "stack.json").write_text("{}")
     _assert_one_line_error(
-        _run("erasure", "status", "0d6c1c9e-8d5b-4a57-9d6c-2f1f5a0e5b00", "--tenant", "acme", "--stack", str(tmp_path)),
+        _run(
+            "erasure",
+            "status",
+            "0d6c1c9e-8d5b-4a57-9d6c-2f1f5a0e5b00",
+            "--tenant",
+            "acme",
+            "--stack",
+            str(tmp_path),
+        ),
         2,
         "kvledger: error: pass --coordinator-url",
     )

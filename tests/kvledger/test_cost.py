@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from kvledger.cli import main
-from kvledger.cost import Prices, estimate_cost, kv_shape, load_config, load_prices, parse_duration, served_cost
+from kvledger.cost import (
+    Prices,
+    estimate_cost,
+    kv_shape,
+    load_config,
+    load_prices,
+    parse_duration,
+    served_cost,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 WORKED_EXAMPLE = {
@@ -50,7 +58,9 @@ def test_cache_write_price_applies_to_the_prefix_the_first_request_writes():
 
 
 def test_storage_cost_is_subtracted_and_can_make_the_cache_a_loss():
-    assert estimate_cost(**WORKED_EXAMPLE, storage_cost_usd=0.5).net_saving_usd == pytest.approx(0.2128, abs=1e-12)
+    assert estimate_cost(**WORKED_EXAMPLE, storage_cost_usd=0.5).net_saving_usd == pytest.approx(
+        0.2128, abs=1e-12
+    )
     loss = estimate_cost(**WORKED_EXAMPLE, storage_cost_usd=1.0)
     assert loss.net_saving_usd == pytest.approx(-0.2872, abs=1e-12)
     assert loss.saving_ratio < 0
@@ -105,13 +115,20 @@ def test_cli_bad_input_is_one_line_and_exit_2():
         cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert run.returncode == 2
-    assert run.stderr == "kvledger: error: cached tokens (20000) cannot exceed prompt tokens (10000)\n"
+    assert (
+        run.stderr == "kvledger: error: cached tokens (20000) cannot exceed prompt tokens (10000)\n"
+    )
     assert run.stdout == ""
 
 
 def test_kv_worked_example():
     shape = kv_shape(LLAMA_7B_SHAPE)
-    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (32, 32, 128, 2)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (
+        32,
+        32,
+        128,
+        2,
+    )
     assert shape.bytes_per_token == 32 * 2 * 32 * 128 * 2 == 524_288
     assert shape.bytes_per_token * 10_000 == 5_242_880_000  # 5.24 GB
 
@@ -119,7 +136,12 @@ def test_kv_worked_example():
 def test_kv_fallbacks_and_overrides():
     # no KV heads: every attention head keeps its own K and V; no head_dim: hidden / heads; no dtype: half precision
     bare = kv_shape({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512})
-    assert (bare.num_kv_heads, bare.head_dim, bare.dtype, bare.dtype_bytes) == (8, 64, "bfloat16", 2)
+    assert (bare.num_kv_heads, bare.head_dim, bare.dtype, bare.dtype_bytes) == (
+        8,
+        64,
+        "bfloat16",
+        2,
+    )
     # GQA and an explicit head_dim that is not hidden / heads; dtype under its newer key
     gqa = kv_shape(
         {
@@ -141,10 +163,16 @@ def test_kv_fallbacks_and_overrides():
     ("config", "message"),
     [
         ({"hidden_size": 4096}, "no num_hidden_layers"),
-        ({**LLAMA_7B_SHAPE, "num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+        (
+            {**LLAMA_7B_SHAPE, "num_key_value_heads": 0},
+            "num_key_value_heads must be a positive integer",
+        ),
         ({"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 512}, "does not divide"),
         ({**LLAMA_7B_SHAPE, "torch_dtype": "float12"}, "unknown dtype 'float12'"),
-        ({**LLAMA_7B_SHAPE, "num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
+        (
+            {**LLAMA_7B_SHAPE, "num_hidden_layers": True},
+            "num_hidden_layers must be a positive integer",
+        ),
     ],
 )
 def test_kv_refuses_configs_it_cannot_size(config, message):
@@ -160,7 +188,10 @@ def test_kv_cli_with_a_config_file(tmp_path, capsys):
     assert "per token             524,288 bytes" in out
     assert "5,242,880,000 bytes = 5.24 GB = 4.88 GiB" in out
 
-    assert main(["cost", "kv", "--config", str(config), "--tokens", "10000", "--batch", "4", "--json"]) == 0
+    assert (
+        main(["cost", "kv", "--config", str(config), "--tokens", "10000", "--batch", "4", "--json"])
+        == 0
+    )
     sizes = json.loads(capsys.readouterr().out)
     assert sizes["bytes_per_token"] == 524_288
     assert sizes["total_bytes"] == 4 * 5_242_880_000
@@ -170,8 +201,14 @@ def test_kv_cli_with_the_tiny_model(tiny_model_dir, capsys):
     config = load_config(str(tiny_model_dir), None)
     assert main(["cost", "kv", "--model", str(tiny_model_dir), "--tokens", "1000", "--json"]) == 0
     sizes = json.loads(capsys.readouterr().out)
-    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
-    assert (sizes["dtype"], sizes["bytes_per_token"], sizes["total_bytes"]) == ("float32", per_token, per_token * 1000)
+    per_token = (
+        config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    )
+    assert (sizes["dtype"], sizes["bytes_per_token"], sizes["total_bytes"]) == (
+        "float32",
+        per_token,
+        per_token * 1000,
+    )
     assert per_token == 4 * 2 * 2 * 32 * 4
 
 
@@ -183,7 +220,14 @@ def test_kv_does_not_import_torch(tmp_path):
         f"code = main(['cost', 'kv', '--config', {str(config)!r}, '--tokens', '1']); "
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)"
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
 
 
@@ -220,11 +264,20 @@ def test_served_cost_prices_actual_usage_as_the_model_prices_a_later_request():
 def test_prices_come_from_a_file_and_flags_override_it(tmp_path):
     prices_file = tmp_path / "prices.json"
     prices_file.write_text(json.dumps({"input": 3, "cached_input": 0.3, "output": 15}))
-    assert load_prices(str(prices_file), {"input": None, "cached_input": None, "output": None}) == Prices(3, 0.3, 15)
-    assert load_prices(str(prices_file), {"input": 1.0, "cached_input": None, "output": None}) == Prices(1.0, 0.3, 15)
-    with pytest.raises(ValueError, match=r"missing prices: cached_input, output \(pass --price-cached-input, --price-output"):
+    assert load_prices(
+        str(prices_file), {"input": None, "cached_input": None, "output": None}
+    ) == Prices(3, 0.3, 15)
+    assert load_prices(
+        str(prices_file), {"input": 1.0, "cached_input": None, "output": None}
+    ) == Prices(1.0, 0.3, 15)
+    with pytest.raises(
+        ValueError,
+        match=r"missing prices: cached_input, output \(pass --price-cached-input, --price-output",
+    ):
         load_prices(None, {"input": 1.0, "cached_input": None, "output": None})
-    prices_file.write_text(json.dumps({"input": 3, "cached_input": 0.3, "output": 15, "storage": 1}))
+    prices_file.write_text(
+        json.dumps({"input": 3, "cached_input": 0.3, "output": 15, "storage": 1})
+    )
     with pytest.raises(ValueError, match="only the keys"):
         load_prices(str(prices_file), {})
     prices_file.write_text(json.dumps({"input": -1, "cached_input": 0.3, "output": 15}))
@@ -248,8 +301,23 @@ def test_bad_durations_are_refused(text):
 
 
 def test_cost_report_without_prices_is_one_line_and_exit_2(capsys):
-    assert main(["cost", "report", "--since", "1h", "--price-input", "1", "--coordinator-url", "http://127.0.0.1:9"]) == 2
+    assert (
+        main(
+            [
+                "cost",
+                "report",
+                "--since",
+                "1h",
+                "--price-input",
+                "1",
+                "--coordinator-url",
+                "http://127.0.0.1:9",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert (
-        err == "kvledger: error: missing prices: cached_input, output (pass --price-cached-input, --price-output or put them in --prices)\n"
+        err
+        == "kvledger: error: missing prices: cached_input, output (pass --price-cached-input, --price-output or put them in --prices)\n"
     )

@@ -33,6 +33,22 @@ def test_anything_else_is_refused(value: str) -> None:
         since_time(value, now=NOW)
 
 
-def test_a_bad_since_is_a_usage_error_before_any_request(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["dead-letters", "list", "--since", "yesterday", "--coordinator-url", "http://127.0.0.1:9", "--token", "t"]) == 2
+def test_a_bad_since_is_a_usage_error_before_any_request(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        main(
+            [
+                "dead-letters",
+                "list",
+                "--since",
+                "yesterday",
+                "--coordinator-url",
+                "http://127.0.0.1:9",
+                "--token",
+                "t",
+            ]
+        )
+        == 2
+    )
     assert "--since 'yesterday'" in capsys.readouterr().err

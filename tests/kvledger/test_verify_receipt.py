@@ -69,14 +69,18 @@ class Log:
     def __init__(self, signer: ReceiptSigner) -> None:
         self.signer = signer
         self.entries: list[dict] = []
-        self.heads: list[dict] = []  # heads[i] = the tree head signed right after entry i was appended
+        self.heads: list[
+            dict
+        ] = []  # heads[i] = the tree head signed right after entry i was appended
 
     @property
     def leaves(self) -> list[bytes]:
         return [audit_leaf_hash(entry) for entry in self.entries]
 
     def head(self, size: int, at: datetime | None = None) -> dict:
-        return sign_tree_head(size, merkle.root_hash(size, self.leaves), at or T0 + timedelta(hours=size), self.signer)
+        return sign_tree_head(
+            size, merkle.root_hash(size, self.leaves), at or T0 + timedelta(hours=size), self.signer
+        )
 
     def append(self, body: dict) -> int:
         self.entries.append(sign_receipt(body, self.signer))
@@ -124,13 +128,19 @@ def test_served_receipt_verifies(log, keys, index):
 def test_verification_names_the_node_keys_the_evidence_is_signed_with(log, keys):
     result = verify_served_receipt(log.serve(1), keys)
     (receipt_format,) = [check for check in result.checks if check.name == "receipt_format"]
-    assert receipt_format.ok and receipt_format.message.endswith("evidence signed by node-a (key " + "ab" * 16 + ")")
+    assert receipt_format.ok and receipt_format.message.endswith(
+        "evidence signed by node-a (key " + "ab" * 16 + ")"
+    )
 
 
 def test_served_receipt_verifies_against_matching_checkpoint(log, keys):
     result = verify_served_receipt(log.serve(2), keys, checkpoint=log.heads[-1])
     assert result.ok, failed(result)
-    assert [c.name for c in result.checks] == [*BASE_CHECKS, "checkpoint_signature", "checkpoint_matches"]
+    assert [c.name for c in result.checks] == [
+        *BASE_CHECKS,
+        "checkpoint_signature",
+        "checkpoint_matches",
+    ]
     assert result.warnings == ()
 
 
@@ -150,16 +160,27 @@ def test_verification_by_hand_as_documented(log, keys):
     raw = base64.b64decode(entry["public_key"])
     assert hashlib.sha256(raw).digest()[:16].hex() == entry["key_id"]
     public = Ed25519PublicKey.from_public_bytes(raw)
-    public.verify(base64.b64decode(document["signature"]["value"]), rfc8785.dumps(document["receipt"]))
+    public.verify(
+        base64.b64decode(document["signature"]["value"]), rfc8785.dumps(document["receipt"])
+    )
     audit = document["audit"]
     for head in (audit["tree_head_at_issue"], audit["tree_head"], checkpoint):
-        message = rfc8785.dumps({k: head[k] for k in ("tree_size", "root_hash", "timestamp", "key_id")})
+        message = rfc8785.dumps(
+            {k: head[k] for k in ("tree_size", "root_hash", "timestamp", "key_id")}
+        )
         public.verify(base64.b64decode(head["signature"]), message)
-    leaf = hashlib.sha256(b"\x00" + rfc8785.dumps({"receipt": document["receipt"], "signature": document["signature"]})).digest()
+    leaf = hashlib.sha256(
+        b"\x00"
+        + rfc8785.dumps({"receipt": document["receipt"], "signature": document["signature"]})
+    ).digest()
     at_issue, head = audit["tree_head_at_issue"], audit["tree_head"]
     assert audit["leaf_index"] < at_issue["tree_size"]
     assert merkle.verify_inclusion(
-        leaf, audit["leaf_index"], head["tree_size"], [bytes.fromhex(h) for h in audit["inclusion_proof"]], bytes.fromhex(head["root_hash"])
+        leaf,
+        audit["leaf_index"],
+        head["tree_size"],
+        [bytes.fromhex(h) for h in audit["inclusion_proof"]],
+        bytes.fromhex(head["root_hash"]),
     )
     assert merkle.verify_consistency(
         at_issue["tree_size"],
@@ -168,7 +189,10 @@ def test_verification_by_hand_as_documented(log, keys):
         bytes.fromhex(head["root_hash"]),
         [bytes.fromhex(h) for h in audit["consistency_proof"]],
     )
-    assert (checkpoint["tree_size"], checkpoint["root_hash"]) == (head["tree_size"], head["root_hash"])
+    assert (checkpoint["tree_size"], checkpoint["root_hash"]) == (
+        head["tree_size"],
+        head["root_hash"],
+    )
 
 
 # --- tampering and forgery ---------------------------------------------------------------------
@@ -206,7 +230,11 @@ def test_other_signed_object_cannot_pose_as_a_receipt(log, keys):
     head = log.heads[0]
     document = log.serve(0)
     document["receipt"] = {k: head[k] for k in ("tree_size", "root_hash", "timestamp", "key_id")}
-    document["signature"] = {"key_id": head["key_id"], "algorithm": "Ed25519", "value": head["signature"]}
+    document["signature"] = {
+        "key_id": head["key_id"],
+        "algorithm": "Ed25519",
+        "value": head["signature"],
+    }
     problems = failed(verify_served_receipt(document, keys))
     assert "receipt_format" in problems and "receipt_signature" in problems
 
@@ -227,7 +255,9 @@ def rewrite(log: Log, index: int) -> Log:
     rewritten = Log(log.signer)
     rewritten.entries = list(log.entries)
     rewritten.entries[index] = sign_receipt(receipt_body(index, count=99), log.signer)
-    rewritten.heads = list(log.heads[:index]) + [rewritten.head(size) for size in range(index + 1, len(log.entries) + 1)]
+    rewritten.heads = list(log.heads[:index]) + [
+        rewritten.head(size) for size in range(index + 1, len(log.entries) + 1)
+    ]
     return rewritten
 
 
@@ -324,7 +354,11 @@ def garbage(log: Log) -> list:
 
 def test_malformed_documents_fail_without_raising(log, keys):
     for document in garbage(log):
-        for keys_document in (keys, None, {"keys": [1, {"algorithm": "RSA"}, {"algorithm": "Ed25519", "public_key": "!"}]}):
+        for keys_document in (
+            keys,
+            None,
+            {"keys": [1, {"algorithm": "RSA"}, {"algorithm": "Ed25519", "public_key": "!"}]},
+        ):
             for checkpoint in (None, {"tree_size": "x"}, []):
                 result = verify_served_receipt(document, keys_document, checkpoint)
                 assert not result.ok
@@ -344,8 +378,20 @@ def test_cli_subprocess_verifies_and_rejects(log, keys, tmp_path):
     receipt = write(tmp_path, "receipt.json", log.serve(2))
     keys_file = write(tmp_path, "keys.json", keys)
     checkpoint = write(tmp_path, "checkpoint.json", log.heads[-1])
-    command = [sys.executable, "-m", "kvledger.cli", "verify-receipt", receipt, "--checkpoint", checkpoint, "--public-key", keys_file]
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120)
+    command = [
+        sys.executable,
+        "-m",
+        "kvledger.cli",
+        "verify-receipt",
+        receipt,
+        "--checkpoint",
+        checkpoint,
+        "--public-key",
+        keys_file,
+    ]
+    run = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "✓ inclusion:" in run.stdout and "✓ checkpoint_matches:" in run.stdout
     assert run.stdout.strip().endswith("receipt verified")
@@ -353,7 +399,9 @@ def test_cli_subprocess_verifies_and_rejects(log, keys, tmp_path):
     tampered = log.serve(2)
     tampered["receipt"]["tenant_id"] = "other"
     write(tmp_path, "receipt.json", tampered)
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120)
+    run = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120
+    )
     assert run.returncode == 1
     assert "✗ receipt_signature:" in run.stdout
 
@@ -377,10 +425,23 @@ def test_per_scope_coverage_is_signed_checked_and_printed(log, keys, tmp_path):
     assert coverage.message == "erased blocks by scope: public 0, tenant 1, user 0, unrecorded 0"
     receipt = write(tmp_path, "receipt.json", log.serve(index))
     keys_file = write(tmp_path, "keys.json", keys)
-    command = [sys.executable, "-m", "kvledger.cli", "verify-receipt", receipt, "--public-key", keys_file]
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120)
+    command = [
+        sys.executable,
+        "-m",
+        "kvledger.cli",
+        "verify-receipt",
+        receipt,
+        "--public-key",
+        keys_file,
+    ]
+    run = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, encoding="utf-8", timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "✓ scope_coverage: erased blocks by scope: public 0, tenant 1, user 0, unrecorded 0" in run.stdout
+    assert (
+        "✓ scope_coverage: erased blocks by scope: public 0, tenant 1, user 0, unrecorded 0"
+        in run.stdout
+    )
 
     # Altered after signing: the signature fails.
     tampered = log.serve(index)
@@ -420,12 +481,25 @@ def test_cli_without_public_key_cannot_verify(log, tmp_path, capsys):
 def test_cli_unreadable_documents_exit_2(keys, tmp_path, capsys, content):
     receipt = tmp_path / "receipt.json"
     receipt.write_text(content, encoding="utf-8")
-    assert main(["verify-receipt", str(receipt), "--public-key", write(tmp_path, "keys.json", keys)]) == 2
+    assert (
+        main(["verify-receipt", str(receipt), "--public-key", write(tmp_path, "keys.json", keys)])
+        == 2
+    )
     assert "cannot verify" in capsys.readouterr().err
 
 
 def test_cli_missing_file_exits_2(keys, tmp_path, capsys):
-    assert main(["verify-receipt", str(tmp_path / "absent.json"), "--public-key", write(tmp_path, "keys.json", keys)]) == 2
+    assert (
+        main(
+            [
+                "verify-receipt",
+                str(tmp_path / "absent.json"),
+                "--public-key",
+                write(tmp_path, "keys.json", keys),
+            ]
+        )
+        == 2
+    )
 
 
 def test_cli_reports_checkpoint_size_mismatch(log, keys, tmp_path, capsys):
@@ -450,16 +524,46 @@ def test_cli_json_reports_every_check(log, keys, tmp_path, capsys):
     receipt = write(tmp_path, "receipt.json", log.serve(2))
     keys_file = write(tmp_path, "keys.json", keys)
     checkpoint = write(tmp_path, "checkpoint.json", log.heads[-1])
-    assert main(["verify-receipt", receipt, "--checkpoint", checkpoint, "--public-key", keys_file, "--json"]) == 0
+    assert (
+        main(
+            [
+                "verify-receipt",
+                receipt,
+                "--checkpoint",
+                checkpoint,
+                "--public-key",
+                keys_file,
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is True
-    assert {"inclusion", "checkpoint_matches", "receipt_signature"} <= {check["name"] for check in report["checks"]}
+    assert {"inclusion", "checkpoint_matches", "receipt_signature"} <= {
+        check["name"] for check in report["checks"]
+    }
     assert all(check["ok"] for check in report["checks"])
 
     tampered = log.serve(2)
     tampered["receipt"]["tenant_id"] = "other"
     write(tmp_path, "receipt.json", tampered)
-    assert main(["verify-receipt", receipt, "--checkpoint", checkpoint, "--public-key", keys_file, "--json"]) == 1
+    assert (
+        main(
+            [
+                "verify-receipt",
+                receipt,
+                "--checkpoint",
+                checkpoint,
+                "--public-key",
+                keys_file,
+                "--json",
+            ]
+        )
+        == 1
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False
-    assert [check["name"] for check in report["checks"] if not check["ok"]][0] == "receipt_signature"
+    assert [check["name"] for check in report["checks"] if not check["ok"]][
+        0
+    ] == "receipt_signature"

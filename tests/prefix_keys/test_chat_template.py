@@ -59,9 +59,14 @@ def tokenizer(tiny_model_dir):
 def test_renders_as_transformers(tokenizer, name, add_generation_prompt):
     source = TEMPLATES[name]
     expected = tokenizer.apply_chat_template(
-        CONVERSATION, chat_template=source, tokenize=False, add_generation_prompt=add_generation_prompt
+        CONVERSATION,
+        chat_template=source,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
     )
-    variables = template_variables(CONVERSATION, add_generation_prompt, tokenizer.special_tokens_map)
+    variables = template_variables(
+        CONVERSATION, add_generation_prompt, tokenizer.special_tokens_map
+    )
     assert compile_chat_template(source).render(**variables) == expected
 
 

@@ -55,7 +55,9 @@ def model(request, tiny_model_dir, tmp_path_factory):
     if request.param == "tokenizer-config":
         directory = _config_template_dir(tiny_model_dir, tmp_path_factory.mktemp("layouts"))
     runner = ModelRunner(directory, block_size=BLOCK_SIZE)
-    namespace = compute_namespace(directory, runner.kv_spec.kv_format, runner.attn_implementation).namespace
+    namespace = compute_namespace(
+        directory, runner.kv_spec.kv_format, runner.attn_implementation
+    ).namespace
     return runner, load_chat_tokenizer(directory), namespace
 
 
@@ -68,8 +70,13 @@ def api_messages(draw) -> dict:
         message["content"] = text
     else:
         cut = draw(st.integers(0, len(text)))
-        message["content"] = [{"type": "text", "text": text[:cut]}, {"type": "text", "text": text[cut:]}]
-    document = draw(st.none() | st.tuples(st.sampled_from(["handbook", "policy"]), st.integers(0, 3)))
+        message["content"] = [
+            {"type": "text", "text": text[:cut]},
+            {"type": "text", "text": text[cut:]},
+        ]
+    document = draw(
+        st.none() | st.tuples(st.sampled_from(["handbook", "policy"]), st.integers(0, 3))
+    )
     if document is not None:
         auth_scope = draw(st.sampled_from(AUTH_SCOPES[:2]))
         message["document"] = {"id": document[0], "version": document[1], "auth_scope": auth_scope}
@@ -83,7 +90,9 @@ PRINCIPALS = st.builds(
     tenant_id=st.sampled_from(["acme", "globex"]),
     subject_id=st.sampled_from(["u1", "u2"]),
     scopes=st.just(frozenset(AUTH_SCOPES[:2])),
-    policy_versions=st.dictionaries(st.sampled_from(AUTH_SCOPES), st.integers(0, 2**53 - 1), max_size=3),
+    policy_versions=st.dictionaries(
+        st.sampled_from(AUTH_SCOPES), st.integers(0, 2**53 - 1), max_size=3
+    ),
     default_policy_version=st.integers(0, 5),
 )
 
@@ -106,21 +115,29 @@ def _router_messages(body: dict) -> list[ChatMessage]:
 def _prompt_and_keys(tokenizer, messages, principal, namespace):
     """What the engine computes on admission (render, then key every full block)."""
     prompt = render_prompt(tokenizer, messages)
-    keys = compute_block_keys(namespace, prompt.token_ids, prompt.segments, principal, BLOCK_SIZE, now=0.0)
+    keys = compute_block_keys(
+        namespace, prompt.token_ids, prompt.segments, principal, BLOCK_SIZE, now=0.0
+    )
     return prompt, keys
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(messages=st.lists(api_messages(), min_size=1, max_size=6), principal=PRINCIPALS)
 def test_router_computes_the_node_block_keys(model, messages, principal):
     runner, router_tokenizer, namespace = model
     body = {"model": "tiny", "messages": messages}
-    node_messages = _to_messages(ChatCompletionRequest.model_validate(body), principal, VersionRegistry())
+    node_messages = _to_messages(
+        ChatCompletionRequest.model_validate(body), principal, VersionRegistry()
+    )
     node_prompt, node_keys = _prompt_and_keys(runner.tokenizer, node_messages, principal, namespace)
 
     router_messages = _router_messages(body)
     assert tuple(router_messages) == node_messages
-    router_prompt, router_keys = _prompt_and_keys(router_tokenizer, router_messages, principal, namespace)
+    router_prompt, router_keys = _prompt_and_keys(
+        router_tokenizer, router_messages, principal, namespace
+    )
 
     assert router_prompt == node_prompt
     assert router_keys == node_keys
@@ -129,7 +146,10 @@ def test_router_computes_the_node_block_keys(model, messages, principal):
     conversation = [{"role": m.role, "content": m.content} for m in node_messages]
     hf = runner.tokenizer
     rendered = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    assert prompt_module._render(router_tokenizer, router_messages, add_generation_prompt=True) == rendered
+    assert (
+        prompt_module._render(router_tokenizer, router_messages, add_generation_prompt=True)
+        == rendered
+    )
     hf_ids = hf.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
     assert router_prompt.token_ids == hf_ids
 
@@ -137,8 +157,13 @@ def test_router_computes_the_node_block_keys(model, messages, principal):
 def test_router_tokenizer_names_the_node_special_tokens(model):
     runner, router_tokenizer, _ = model
     assert dict(router_tokenizer.special_tokens_map) == runner.tokenizer.special_tokens_map
-    assert sorted(router_tokenizer.all_special_tokens) == sorted(runner.tokenizer.all_special_tokens)
-    assert router_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True) == runner.tokenizer.get_vocab()
+    assert sorted(router_tokenizer.all_special_tokens) == sorted(
+        runner.tokenizer.all_special_tokens
+    )
+    assert (
+        router_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+        == runner.tokenizer.get_vocab()
+    )
 
 
 def test_content_spelling_a_control_token_is_refused_by_both(model):

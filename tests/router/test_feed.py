@@ -58,7 +58,9 @@ async def coordinator_url(settings) -> AsyncIterator[str]:
 
 @pytest.fixture(scope="module")
 async def producer(settings) -> AsyncIterator[SigningProducer]:
-    async with SigningProducer(kafka_settings(settings), settings.database.url.get_secret_value()) as producer:
+    async with SigningProducer(
+        kafka_settings(settings), settings.database.url.get_secret_value()
+    ) as producer:
         yield producer
 
 
@@ -66,12 +68,18 @@ class Replica:
     """One router replica's index and feed; restartable with the same consumer groups."""
 
     def __init__(self, kafka_bootstrap: str, coordinator_url: str, group_id: str) -> None:
-        self.kafka_bootstrap, self.coordinator_url, self.group_id = kafka_bootstrap, coordinator_url, group_id
+        self.kafka_bootstrap, self.coordinator_url, self.group_id = (
+            kafka_bootstrap,
+            coordinator_url,
+            group_id,
+        )
 
     async def start(self) -> Replica:
         self.index = PrefixIndex()
         self.metrics = RouterMetrics(self.index)
-        self.coordinator = CoordinatorClient(self.coordinator_url, lambda: operator_token("router", "platform"))
+        self.coordinator = CoordinatorClient(
+            self.coordinator_url, lambda: operator_token("router", "platform")
+        )
         self.feed = Feed(
             self.index,
             self.metrics,
@@ -90,7 +98,10 @@ class Replica:
         await self.coordinator.close()
 
     def route(self, labels: list[str], node_ids: list[str]) -> tuple[tuple[str, ...], str]:
-        decision = PrefixLoadStrategy().rank([Candidate(node_id, 0) for node_id in node_ids], self.index.match([key(x) for x in labels]))
+        decision = PrefixLoadStrategy().rank(
+            [Candidate(node_id, 0) for node_id in node_ids],
+            self.index.match([key(x) for x in labels]),
+        )
         return decision.ranked, decision.reason
 
 
@@ -100,7 +111,9 @@ def key(label: str) -> bytes:
 
 @pytest.fixture(scope="module")
 async def replica(kafka_bootstrap, coordinator_url) -> AsyncIterator[Replica]:
-    running = await Replica(kafka_bootstrap, coordinator_url, f"router-test-{uuid.uuid4().hex[:8]}").start()
+    running = await Replica(
+        kafka_bootstrap, coordinator_url, f"router-test-{uuid.uuid4().hex[:8]}"
+    ).start()
     try:
         yield running
     finally:
@@ -134,9 +147,16 @@ async def test_kv_events_route_to_the_node_holding_the_prefix_and_a_restart_rout
             await restarted.feed.rebuild()
             return restarted.route(labels, nodes) == ((a.node_id, b.node_id), PREFIX)
 
-        await eventually(rebuilt, timeout_s=30, what="the restarted router's index read from the ledger")
-        assert restarted.index.holders(key(labels[0])) == {a.node_id: Tier.DEVICE, b.node_id: Tier.HOST}
-        assert [restarted.index.holders(key(label)) for label in labels[1:]] == [{a.node_id: Tier.DEVICE}] * 2
+        await eventually(
+            rebuilt, timeout_s=30, what="the restarted router's index read from the ledger"
+        )
+        assert restarted.index.holders(key(labels[0])) == {
+            a.node_id: Tier.DEVICE,
+            b.node_id: Tier.HOST,
+        }
+        assert [restarted.index.holders(key(label)) for label in labels[1:]] == [
+            {a.node_id: Tier.DEVICE}
+        ] * 2
     finally:
         await restarted.stop()
         await replica.start()  # for the module's later tests
@@ -145,11 +165,19 @@ async def test_kv_events_route_to_the_node_holding_the_prefix_and_a_restart_rout
 async def test_an_unsigned_record_is_skipped(replica, settings):
     tag = uuid.uuid4().hex[:8]
     async with EventProducer(kafka_settings(settings)) as plain:
-        forged = make_event(BlockStored(node_id=f"rf-{tag}", epoch=1, seq=1, blocks=[stored(f"{tag}-forged", "device")]))
+        forged = make_event(
+            BlockStored(
+                node_id=f"rf-{tag}", epoch=1, seq=1, blocks=[stored(f"{tag}-forged", "device")]
+            )
+        )
         await plain.send(forged)
 
     async def counted() -> bool:
-        return (replica.metrics.unverified.labels(topic="kvledger.kv-events", reason="unsigned")._value.get()) >= 1
+        return (
+            replica.metrics.unverified.labels(
+                topic="kvledger.kv-events", reason="unsigned"
+            )._value.get()
+        ) >= 1
 
     await eventually(counted, timeout_s=30, what="the unsigned record counted")
     assert replica.index.holders(key(f"{tag}-forged")) == {}
@@ -164,7 +192,12 @@ async def test_a_seq_gap_is_repaired_from_the_ledger(replica, producer):
 
     async def repaired() -> bool:
         state = replica.index.node(node.node_id)
-        return state is not None and state.reread_reason is None and state.last_seq == node.seq and replica.metrics.rereads._value.get() > 0
+        return (
+            state is not None
+            and state.reread_reason is None
+            and state.last_seq == node.seq
+            and replica.metrics.rereads._value.get() > 0
+        )
 
     await eventually(repaired, timeout_s=30, what="the node re-read from the ledger after its gap")
     assert replica.index.holders(key(f"{tag}-after-gap")) == {node.node_id: Tier.DEVICE}
@@ -175,8 +208,22 @@ async def test_a_decision_stops_a_block_attracting_traffic_before_any_ack(replic
     tenant = f"t-{tag}"
     node = FakeNode(producer, f"ri-{tag}")
     await node.start()
-    v1 = stored(f"{tag}-v1", "device", tenant_id=tenant, scope="tenant", documents=["handbook@1"], auth_scopes=[("hr", 0)])
-    v2 = stored(f"{tag}-v2", "device", tenant_id=tenant, scope="tenant", documents=["handbook@2"], auth_scopes=[("hr", 0)])
+    v1 = stored(
+        f"{tag}-v1",
+        "device",
+        tenant_id=tenant,
+        scope="tenant",
+        documents=["handbook@1"],
+        auth_scopes=[("hr", 0)],
+    )
+    v2 = stored(
+        f"{tag}-v2",
+        "device",
+        tenant_id=tenant,
+        scope="tenant",
+        documents=["handbook@2"],
+        auth_scopes=[("hr", 0)],
+    )
     await node.store(v1, v2)
     await eventually(lambda: _held(replica, f"{tag}-v1"), timeout_s=30, what="both blocks indexed")
     await producer.send(make_event(DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant))
@@ -204,36 +251,57 @@ async def test_the_router_routes_of_the_coordinator_take_the_router_role_only(co
             return {"Authorization": f"Bearer {operator_token(role, tenant)}"}
 
         assert (await http.get("/v1/router/nodes", headers=as_role("router"))).status_code == 200
-        assert (await http.get("/v1/router/nodes", headers=as_role("platform-admin"))).status_code == 200
+        assert (
+            await http.get("/v1/router/nodes", headers=as_role("platform-admin"))
+        ).status_code == 200
         refused = await http.get("/v1/router/nodes", headers=as_role("tenant-admin", "acme"))
         assert (refused.status_code, refused.json()["error"]["code"]) == (403, "insufficient_role")
         ledger = await http.get("/v1/ledger/blocks", headers=as_role("router"))
         assert (ledger.status_code, ledger.json()["error"]["code"]) == (403, "insufficient_role")
-        unknown = await http.get("/v1/router/placements", params={"node": "no-such-node"}, headers=as_role("router"))
+        unknown = await http.get(
+            "/v1/router/placements", params={"node": "no-such-node"}, headers=as_role("router")
+        )
         assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "unknown_node")
         assert (await http.get("/v1/router/nodes")).status_code == 401
 
 
-async def test_a_starting_router_knows_the_versions_the_ledger_made_current(producer, kafka_bootstrap, coordinator_url):
+async def test_a_starting_router_knows_the_versions_the_ledger_made_current(
+    producer, kafka_bootstrap, coordinator_url
+):
     """Decided before the replica started (so never on its commands group): read from ``/v1/router/versions``."""
     tenant = f"versions-{uuid.uuid4().hex[:8]}"
     for doc_id, version in (("handbook", 3), ("policies", 2)):
-        await producer.send(make_event(DocumentUpdated(doc_id=doc_id, version=version), tenant_id=tenant))
+        await producer.send(
+            make_event(DocumentUpdated(doc_id=doc_id, version=version), tenant_id=tenant)
+        )
     headers = {"Authorization": f"Bearer {operator_token('router', 'platform')}"}
     async with httpx.AsyncClient(base_url=coordinator_url) as http:
 
         async def decided() -> bool:
             page = (await http.get("/v1/router/versions", headers=headers)).json()
-            return sum(entry["predicate"].get("tenant") == tenant for entry in page["decisions"]) == 2
+            return (
+                sum(entry["predicate"].get("tenant") == tenant for entry in page["decisions"]) == 2
+            )
 
         await eventually(decided, timeout_s=30, what="the coordinator's decision listed")
         first = await http.get("/v1/router/versions", params={"limit": 1}, headers=headers)
-        assert first.status_code == 200 and len(first.json()["decisions"]) == 1 and first.json()["next_cursor"] is not None
-        bad = await http.get("/v1/router/versions", params={"cursor": "not-a-cursor"}, headers=headers)
+        assert (
+            first.status_code == 200
+            and len(first.json()["decisions"]) == 1
+            and first.json()["next_cursor"] is not None
+        )
+        bad = await http.get(
+            "/v1/router/versions", params={"cursor": "not-a-cursor"}, headers=headers
+        )
         assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_parameter")
-        refused = await http.get("/v1/router/versions", headers={"Authorization": f"Bearer {operator_token('tenant-admin', tenant)}"})
+        refused = await http.get(
+            "/v1/router/versions",
+            headers={"Authorization": f"Bearer {operator_token('tenant-admin', tenant)}"},
+        )
         assert refused.status_code == 403
-    replica = await Replica(kafka_bootstrap, coordinator_url, f"router-versions-{uuid.uuid4().hex[:8]}").start()
+    replica = await Replica(
+        kafka_bootstrap, coordinator_url, f"router-versions-{uuid.uuid4().hex[:8]}"
+    ).start()
     try:
         assert replica.feed.versions.document_version(tenant, "handbook") == 3
         assert replica.feed.versions.document_version(tenant, "policies") == 2

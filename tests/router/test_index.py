@@ -27,7 +27,17 @@ from events.schema import (
 )
 from events.tiers import Tier
 from router import index as index_module
-from router.index import APPLIED, DUPLICATE, GAP, RESTARTED, STALE, BlockTags, PrefixIndex, PrefixMatch, TierWeights
+from router.index import (
+    APPLIED,
+    DUPLICATE,
+    GAP,
+    RESTARTED,
+    STALE,
+    BlockTags,
+    PrefixIndex,
+    PrefixMatch,
+    TierWeights,
+)
 from router.index import Placement as LedgerPlacement
 
 CUTOFF_S = datetime(2026, 11, 29, 13, 0, tzinfo=UTC).timestamp()
@@ -43,14 +53,24 @@ class Node:
 
     def __init__(self, index: PrefixIndex, node_id: str, epoch: int = 1) -> None:
         self.index, self.node_id, self.epoch, self.seq = index, node_id, epoch, 0
-        assert index.apply(NodeStarted(node_id=node_id, epoch=epoch, seq=0, namespace="ns-test"), now=0.0) == RESTARTED
+        assert (
+            index.apply(
+                NodeStarted(node_id=node_id, epoch=epoch, seq=0, namespace="ns-test"), now=0.0
+            )
+            == RESTARTED
+        )
 
     def send(self, payload_type, *, seq: int | None = None, **fields) -> str:
         self.seq = self.seq + 1 if seq is None else seq
-        return self.index.apply(payload_type(node_id=self.node_id, epoch=self.epoch, seq=self.seq, **fields), now=float(self.seq))
+        return self.index.apply(
+            payload_type(node_id=self.node_id, epoch=self.epoch, seq=self.seq, **fields),
+            now=float(self.seq),
+        )
 
     def store(self, tier: str, *labels: str, seq: int | None = None, **provenance) -> str:
-        return self.send(BlockStored, seq=seq, blocks=[stored(label, tier, **provenance) for label in labels])
+        return self.send(
+            BlockStored, seq=seq, blocks=[stored(label, tier, **provenance) for label in labels]
+        )
 
 
 def chain(prefix: str, count: int) -> list[str]:
@@ -83,7 +103,10 @@ def test_runs_are_weighted_by_the_tier_each_block_is_read_from():
     assert matches["a"] == PrefixMatch("a", 3, (4 + 2 + 1) / 4)
     assert matches["b"] == PrefixMatch("b", 3, (4 + 1 + 1) / 4)
     assert index.holders(key("p-0")) == {"a": Tier.DEVICE, "b": Tier.DEVICE}
-    assert index.num_blocks() == {"a": {Tier.DEVICE: 1, Tier.HOST: 1, Tier.DISK: 1}, "b": {Tier.DEVICE: 1, Tier.HOST: 0, Tier.DISK: 3}}
+    assert index.num_blocks() == {
+        "a": {Tier.DEVICE: 1, Tier.HOST: 1, Tier.DISK: 1},
+        "b": {Tier.DEVICE: 1, Tier.HOST: 0, Tier.DISK: 3},
+    }
 
 
 def test_many_nodes_leave_a_run_at_different_places(index):
@@ -91,15 +114,32 @@ def test_many_nodes_leave_a_run_at_different_places(index):
     for number, node in enumerate(nodes):
         node.store("device", *chain("p", number + 1))
     matches = index.match([key(label) for label in chain("p", 30)])
-    assert sorted((m.node_id, m.num_blocks, m.weighted_blocks) for m in matches) == [(f"n{n}", n + 1, float(n + 1)) for n in range(8)]
+    assert sorted((m.node_id, m.num_blocks, m.weighted_blocks) for m in matches) == [
+        (f"n{n}", n + 1, float(n + 1)) for n in range(8)
+    ]
 
 
 def test_removals_and_moves_update_the_run(index):
     a = Node(index, "a")
     a.store("device", *chain("p", 3))
-    assert a.send(BlockMoved, blocks=[MovedBlock(block_hash=block_hash("p-1"), from_tier="device", to_tier="disk")]) == APPLIED
-    assert index.match([key(label) for label in chain("p", 3)]) == [PrefixMatch("a", 3, (4 + 1 + 4) / 4)]
-    assert a.send(BlockRemoved, blocks=[RemovedBlock(block_hash=block_hash("p-1"), tier="disk")], reason="evicted") == APPLIED
+    assert (
+        a.send(
+            BlockMoved,
+            blocks=[MovedBlock(block_hash=block_hash("p-1"), from_tier="device", to_tier="disk")],
+        )
+        == APPLIED
+    )
+    assert index.match([key(label) for label in chain("p", 3)]) == [
+        PrefixMatch("a", 3, (4 + 1 + 4) / 4)
+    ]
+    assert (
+        a.send(
+            BlockRemoved,
+            blocks=[RemovedBlock(block_hash=block_hash("p-1"), tier="disk")],
+            reason="evicted",
+        )
+        == APPLIED
+    )
     assert index.match([key(label) for label in chain("p", 3)]) == [PrefixMatch("a", 1, 1.0)]
     assert index.holders(key("p-1")) == {}
     assert len(index) == 2
@@ -114,7 +154,15 @@ def test_snapshots_never_count_for_serving(index):
 def test_duplicates_and_older_epochs_are_skipped(index):
     a = Node(index, "a")
     a.store("device", "p-0")
-    assert a.send(BlockRemoved, seq=1, blocks=[RemovedBlock(block_hash=block_hash("p-0"), tier="device")], reason="evicted") == DUPLICATE
+    assert (
+        a.send(
+            BlockRemoved,
+            seq=1,
+            blocks=[RemovedBlock(block_hash=block_hash("p-0"), tier="device")],
+            reason="evicted",
+        )
+        == DUPLICATE
+    )
     stale = BlockStored(node_id="a", epoch=0, seq=9, blocks=[stored("old", "device")])
     assert index.apply(stale, now=2.0) == STALE
     assert index.holders(key("p-0")) == {"a": Tier.DEVICE}
@@ -137,7 +185,12 @@ def test_a_new_epoch_without_node_started_is_a_gap(index):
 
 
 def test_a_node_the_index_never_read_is_a_gap(index):
-    assert index.apply(BlockStored(node_id="new", epoch=1, seq=5, blocks=[stored("p-0", "device")]), now=1.0) == GAP
+    assert (
+        index.apply(
+            BlockStored(node_id="new", epoch=1, seq=5, blocks=[stored("p-0", "device")]), now=1.0
+        )
+        == GAP
+    )
     assert index.node("new").reread_reason == "first record of a node the index never read"
 
 
@@ -166,7 +219,15 @@ def test_a_complete_inventory_replaces_the_node_copies(index):
     a.store("device", "gone")
     request_id = uuid.uuid4()
     first = dict(request_id=request_id, chunks=2, blocks=[stored("x", "device")])
-    assert a.send(Inventory, chunk=0, placements=[Placement(block_hash=block_hash("x"), tier="host")], **first) == APPLIED
+    assert (
+        a.send(
+            Inventory,
+            chunk=0,
+            placements=[Placement(block_hash=block_hash("x"), tier="host")],
+            **first,
+        )
+        == APPLIED
+    )
     assert index.holders(key("gone")) == {"a": Tier.DEVICE}  # not before the last chunk
     second = dict(request_id=request_id, chunks=2, blocks=[stored("y", "device")])
     placements = [
@@ -174,11 +235,22 @@ def test_a_complete_inventory_replaces_the_node_copies(index):
         Placement(block_hash=block_hash("y"), tier="snapshot", snapshot_id="s"),
     ]
     assert a.send(Inventory, chunk=1, placements=placements, **second) == APPLIED
-    assert [index.holders(key(label)) for label in ("gone", "x", "y")] == [{}, {"a": Tier.HOST}, {"a": Tier.DISK}]
+    assert [index.holders(key(label)) for label in ("gone", "x", "y")] == [
+        {},
+        {"a": Tier.HOST},
+        {"a": Tier.DISK},
+    ]
 
 
 def _tags(**fields) -> BlockTags:
-    defaults = dict(namespace="ns-test", tenant_id=None, subject_id=None, documents=(), auth_scopes=(), created_at=0.0)
+    defaults = dict(
+        namespace="ns-test",
+        tenant_id=None,
+        subject_id=None,
+        documents=(),
+        auth_scopes=(),
+        created_at=0.0,
+    )
     return BlockTags(**(defaults | fields))
 
 
@@ -186,12 +258,23 @@ def test_a_ledger_read_replaces_the_node_and_replays_what_came_after_it(index):
     a = Node(index, "a")
     a.store("device", "p-0")  # seq 1
     a.store("device", "p-1", seq=3)  # a gap (seq 2 lost)
-    a.send(BlockRemoved, blocks=[RemovedBlock(block_hash=block_hash("p-0"), tier="device")], reason="evicted")  # seq 4
+    a.send(
+        BlockRemoved,
+        blocks=[RemovedBlock(block_hash=block_hash("p-0"), tier="device")],
+        reason="evicted",
+    )  # seq 4
     assert index.node("a").reread_reason is not None
     # The ledger holds seqs up to 2: p-0 and the lost record's p-9; seqs 3 and 4 are replayed on top.
-    ledger = [LedgerPlacement(key("p-0"), Tier.DEVICE, _tags()), LedgerPlacement(key("p-9"), Tier.HOST, _tags())]
+    ledger = [
+        LedgerPlacement(key("p-0"), Tier.DEVICE, _tags()),
+        LedgerPlacement(key("p-9"), Tier.HOST, _tags()),
+    ]
     assert index.replace_node("a", epoch=1, last_seq=2, placements=ledger) is None
-    assert [index.holders(key(label)) for label in ("p-0", "p-1", "p-9")] == [{}, {"a": Tier.DEVICE}, {"a": Tier.HOST}]
+    assert [index.holders(key(label)) for label in ("p-0", "p-1", "p-9")] == [
+        {},
+        {"a": Tier.DEVICE},
+        {"a": Tier.HOST},
+    ]
     assert (index.node("a").epoch, index.node("a").last_seq) == (1, 4)
 
 
@@ -201,7 +284,10 @@ def test_a_ledger_read_older_than_the_kept_records_stays_marked(index, monkeypat
     a = Node(index, "a")
     for label in ("p-0", "p-1", "p-2"):
         a.store("device", label)
-    assert index.replace_node("a", epoch=1, last_seq=0, placements=[]) == "seq 2 of epoch 1 follows 0 of epoch 1"
+    assert (
+        index.replace_node("a", epoch=1, last_seq=0, placements=[])
+        == "seq 2 of epoch 1 follows 0 of epoch 1"
+    )
 
 
 def test_an_invalidation_drops_the_matching_blocks_from_every_node_at_once(index):
@@ -212,10 +298,16 @@ def test_an_invalidation_drops_the_matching_blocks_from_every_node_at_once(index
         node.store("device", "v1", **v1)
         node.store("device", "v2", **v2)
         node.store("device", "globex", tenant_id="globex", scope="tenant", documents=["handbook@1"])
-    assert index.invalidate(DocumentPredicate(tenant="acme", doc_id="handbook", below_version=2), CUTOFF_S) == 1
-    assert [index.holders(key(label)) for label in ("v1", "v2", "globex")] == [{}, {"a": Tier.DEVICE, "b": Tier.DEVICE}] + [
-        {"a": Tier.DEVICE, "b": Tier.DEVICE}
-    ]
+    assert (
+        index.invalidate(
+            DocumentPredicate(tenant="acme", doc_id="handbook", below_version=2), CUTOFF_S
+        )
+        == 1
+    )
+    assert [index.holders(key(label)) for label in ("v1", "v2", "globex")] == [
+        {},
+        {"a": Tier.DEVICE, "b": Tier.DEVICE},
+    ] + [{"a": Tier.DEVICE, "b": Tier.DEVICE}]
     assert index.num_blocks()["a"][Tier.DEVICE] == 2
 
 
@@ -231,16 +323,30 @@ def test_policy_namespace_and_subject_decisions(index):
     a.store("device", "new-policy", tenant_id="acme", scope="tenant", auth_scopes=[("hr", 2)])
     a.store("device", "other-ns", namespace="ns-other")
     a.store("device", "user", tenant_id="acme", scope="user", subject_id="ab" * 32)
-    a.send(BlockStored, blocks=[stored("created", "device").model_copy(update={"creator_subject_id": "ab" * 32})])
-    assert index.invalidate(PolicyPredicate(tenant="acme", auth_scope="hr", below_version=2), CUTOFF_S) == 1
+    a.send(
+        BlockStored,
+        blocks=[stored("created", "device").model_copy(update={"creator_subject_id": "ab" * 32})],
+    )
+    assert (
+        index.invalidate(PolicyPredicate(tenant="acme", auth_scope="hr", below_version=2), CUTOFF_S)
+        == 1
+    )
     assert index.invalidate(SubjectPredicate(tenant="acme", subject_id="ab" * 32), CUTOFF_S) == 2
     assert index.invalidate(NamespacePredicate(ns="ns-other"), CUTOFF_S) == 1
-    assert [label for label in ("old-policy", "new-policy", "other-ns", "user", "created") if index.holders(key(label))] == ["new-policy"]
+    assert [
+        label
+        for label in ("old-policy", "new-policy", "other-ns", "user", "created")
+        if index.holders(key(label))
+    ] == ["new-policy"]
 
 
 def test_the_index_forgets_its_oldest_blocks_past_its_bound():
     index = PrefixIndex(max_blocks=2)
     Node(index, "a").store("device", "p-0", "p-1", "p-2")
-    assert [bool(index.holders(key(label))) for label in ("p-0", "p-1", "p-2")] == [False, True, True]
+    assert [bool(index.holders(key(label))) for label in ("p-0", "p-1", "p-2")] == [
+        False,
+        True,
+        True,
+    ]
     assert index.num_evicted == 1
     assert index.num_blocks()["a"][Tier.DEVICE] == 2

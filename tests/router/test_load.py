@@ -27,15 +27,21 @@ def test_an_answer_that_is_not_a_load_reports_nothing():
 def test_load_is_the_larger_of_the_routers_in_flight_and_the_nodes_queue():
     assert node_load(2, None) == 2.0
     assert node_load(2, 5) == 5.0  # other replicas' and direct clients' requests too
-    assert node_load(4, 1) == 4.0  # sent since the last poll: the node's answer does not show them yet
+    assert (
+        node_load(4, 1) == 4.0
+    )  # sent since the last poll: the node's answer does not show them yet
 
 
 def test_a_hot_prefix_moves_off_a_node_whose_own_queue_is_long():
     """Node a holds 10 device blocks of the prefix; the router has nothing in flight anywhere, but a reports a queue."""
     strategy = PrefixLoadStrategy(load_cost_blocks=4.0)
     matches = [PrefixMatch("a", 10, 10.0)]
-    quiet = strategy.rank([Candidate("a", node_load(0, 2)), Candidate("b", node_load(0, 0))], matches)
+    quiet = strategy.rank(
+        [Candidate("a", node_load(0, 2)), Candidate("b", node_load(0, 0))], matches
+    )
     assert (quiet.ranked, quiet.reason) == (("a", "b"), PREFIX)  # 10 - 8 > 0
-    busy = strategy.rank([Candidate("a", node_load(0, 3)), Candidate("b", node_load(0, 0))], matches)
+    busy = strategy.rank(
+        [Candidate("a", node_load(0, 3)), Candidate("b", node_load(0, 0))], matches
+    )
     assert (busy.ranked, busy.reason) == (("b", "a"), LOAD)  # 10 - 12 < 0
     assert busy.predicted_blocks == {"b": 0, "a": 10}

@@ -8,7 +8,8 @@ from router.scoring import Candidate, Decision, PrefixLoadStrategy, pull_hint
 
 def test_a_request_sent_past_an_overloaded_holder_names_the_holder_and_its_blocks():
     decision = PrefixLoadStrategy(load_cost_blocks=4.0).rank(
-        [Candidate("a", 3), Candidate("b", 0)], [PrefixMatch("a", 10, 10.0), PrefixMatch("b", 2, 2.0)]
+        [Candidate("a", 3), Candidate("b", 0)],
+        [PrefixMatch("a", 10, 10.0), PrefixMatch("b", 2, 2.0)],
     )
     assert decision.ranked[0] == "b"
     assert pull_hint(decision, "b") == ("a", 10)

@@ -57,15 +57,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 METRICS_TOKEN = "router-e2e-metrics-token"
 HEARTBEAT_S = 0.2
 HEARTBEAT_TIMEOUT_S = 4.0
-SYSTEM = "You are the assistant of the ACME handbook. Answer briefly, and only from the handbook text you are given below. " * 3
+SYSTEM = (
+    "You are the assistant of the ACME handbook. Answer briefly, and only from the handbook text you are given below. "
+    * 3
+)
 
 
 def token(tenant: str, scopes: tuple[str, ...] = ("hr",)) -> str:
-    return issue_token(tenant=tenant, sub="alice", scopes=list(scopes), pv=0, ttl_s=600, secret=JWT_SECRET)
+    return issue_token(
+        tenant=tenant, sub="alice", scopes=list(scopes), pv=0, ttl_s=600, secret=JWT_SECRET
+    )
 
 
 def messages(question: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM, "cache_scope": "tenant"}, {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": SYSTEM, "cache_scope": "tenant"},
+        {"role": "user", "content": question},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +92,9 @@ async def coordinator_url(settings) -> AsyncIterator[str]:
 
 
 @pytest.fixture(scope="module")
-async def nodes(coordinator_url, ledger_url, kafka_bootstrap, tiny_model_dir: Path, tmp_path_factory) -> AsyncIterator[list[RunningNode]]:
+async def nodes(
+    coordinator_url, ledger_url, kafka_bootstrap, tiny_model_dir: Path, tmp_path_factory
+) -> AsyncIterator[list[RunningNode]]:
     suffix = uuid.uuid4().hex[:6]
     node_ids = [f"route-{name}-{suffix}" for name in ("a", "b", "c")]
     await enroll_nodes(ledger_url, node_ids)
@@ -92,7 +102,9 @@ async def nodes(coordinator_url, ledger_url, kafka_bootstrap, tiny_model_dir: Pa
     started: list[RunningNode] = []
     try:
         for node_id in node_ids:
-            cache = CacheSettings(block_size=16, num_device_blocks=96, num_host_blocks=0, max_disk_blocks=0)
+            cache = CacheSettings(
+                block_size=16, num_device_blocks=96, num_host_blocks=0, max_disk_blocks=0
+            )
             settings = node_settings(
                 node_id,
                 tiny_model_dir,
@@ -112,7 +124,9 @@ async def nodes(coordinator_url, ledger_url, kafka_bootstrap, tiny_model_dir: Pa
 
 
 @pytest.fixture(scope="module")
-async def router(nodes, coordinator_url, kafka_bootstrap, tiny_model_dir) -> AsyncIterator[tuple[Router, str]]:
+async def router(
+    nodes, coordinator_url, kafka_bootstrap, tiny_model_dir
+) -> AsyncIterator[tuple[Router, str]]:
     settings = RouterSettings(
         router_id=f"router-e2e-{uuid.uuid4().hex[:6]}",
         nodes=[{"node_id": node.node_id, "url": node.http.url} for node in nodes],
@@ -141,14 +155,20 @@ async def router(nodes, coordinator_url, kafka_bootstrap, tiny_model_dir) -> Asy
                     return (await client.get(f"{served.url}/health")).status_code == 200
 
             await eventually(serving, timeout_s=60, what="the router ready to route")
-            await eventually(lambda: len(built.fleet.candidates(time.monotonic())) == len(nodes), timeout_s=60, what="every node routable")
+            await eventually(
+                lambda: len(built.fleet.candidates(time.monotonic())) == len(nodes),
+                timeout_s=60,
+                what="every node routable",
+            )
             yield built, served.url
     finally:
         await served.stop()
 
 
 def client(url: str, tenant: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=token(tenant), max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=token(tenant), max_retries=0, timeout=120
+    )
 
 
 async def ask(url: str, tenant: str, question: str) -> tuple[str, int]:
@@ -167,11 +187,16 @@ async def test_the_second_request_of_a_prefix_goes_to_the_node_holding_it_and_hi
     first_node, first_cached = await ask(url, tenant, "How many vacation days?")
     assert first_node in built.fleet.endpoints
     assert first_cached == 0
-    keys = built.fleet.keying.keys(_principal(tenant), request_messages({"messages": messages("How many vacation days?")}))
+    keys = built.fleet.keying.keys(
+        _principal(tenant), request_messages({"messages": messages("How many vacation days?")})
+    )
     (hashes,) = keys.values()
 
     def indexed() -> bool:
-        return any(match.node_id == first_node and match.num_blocks >= 4 for match in built.fleet.index.match(hashes))
+        return any(
+            match.node_id == first_node and match.num_blocks >= 4
+            for match in built.fleet.index.match(hashes)
+        )
 
     await eventually(indexed, timeout_s=30, what="the first request's blocks in the router's index")
     for question in ("How many vacation days?", "Who approves leave?"):
@@ -202,8 +227,14 @@ async def test_a_stream_through_the_router_is_the_node_stream(router, nodes):
     }
     headers = {"Authorization": f"Bearer {token(tenant)}"}
     async with httpx.AsyncClient(timeout=120) as http:
-        await http.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, headers=headers)  # warm one node
-        through = await http.post(f"{url}/v1/chat/completions", json=body, headers={**headers, "X-Request-Id": "router-stream-1"})
+        await http.post(
+            f"{url}/v1/chat/completions", json={**body, "stream": False}, headers=headers
+        )  # warm one node
+        through = await http.post(
+            f"{url}/v1/chat/completions",
+            json=body,
+            headers={**headers, "X-Request-Id": "router-stream-1"},
+        )
         node = next(node for node in nodes if node.node_id == through.headers[NODE_HEADER])
         direct = await http.post(f"{node.http.url}/v1/chat/completions", json=body, headers=headers)
     assert through.status_code == direct.status_code == 200
@@ -215,13 +246,18 @@ async def test_a_stream_through_the_router_is_the_node_stream(router, nodes):
 
 def _normalised(stream: bytes) -> bytes:
     """The stream with its completion id and creation time blanked: they differ between any two requests."""
-    return re.sub(rb'"created": \d+', b'"created": 0', re.sub(rb"chatcmpl-[0-9a-f]+", b"chatcmpl-x", stream))
+    return re.sub(
+        rb'"created": \d+', b'"created": 0', re.sub(rb"chatcmpl-[0-9a-f]+", b"chatcmpl-x", stream)
+    )
 
 
 async def test_the_router_refuses_as_the_node_refuses_before_anything_else(router, nodes):
     _, url = router
     async with httpx.AsyncClient(timeout=60) as http:
-        answers = [await http.post(f"{base}/v1/chat/completions", content=b"not json") for base in (url, nodes[0].http.url)]
+        answers = [
+            await http.post(f"{base}/v1/chat/completions", content=b"not json")
+            for base in (url, nodes[0].http.url)
+        ]
         assert [answer.status_code for answer in answers] == [401, 401]
         assert answers[0].json() == answers[1].json()
         assert answers[0].headers["www-authenticate"] == "Bearer"
@@ -230,8 +266,13 @@ async def test_the_router_refuses_as_the_node_refuses_before_anything_else(route
             json={"model": "gpt-4", "messages": messages("hi")},
             headers={"Authorization": f"Bearer {token('acme')}"},
         )
-        assert (wrong_model.status_code, wrong_model.json()["error"]["code"]) == (404, "model_not_found")
-        listed = await http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {token('acme')}"})
+        assert (wrong_model.status_code, wrong_model.json()["error"]["code"]) == (
+            404,
+            "model_not_found",
+        )
+        listed = await http.get(
+            f"{url}/v1/models", headers={"Authorization": f"Bearer {token('acme')}"}
+        )
         assert [card["id"] for card in listed.json()["data"]] == ["tiny"]
 
 
@@ -239,19 +280,30 @@ async def test_metrics_count_decisions_and_cached_tokens_behind_the_token(router
     _, url = router
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"{url}/metrics")).status_code == 401
-        text = (await http.get(f"{url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})).text
-    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+        text = (
+            await http.get(f"{url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+        ).text
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples['kvledger_router_decisions_total{reason="prefix"}'] >= 1
     assert samples["kvledger_router_served_cached_tokens_total"] > 0
     assert samples["kvledger_router_predicted_cached_tokens_total"] > 0
-    assert any(name.startswith("kvledger_router_index_blocks{") and value > 0 for name, value in samples.items())
+    assert any(
+        name.startswith("kvledger_router_index_blocks{") and value > 0
+        for name, value in samples.items()
+    )
 
 
 def _principal(tenant: str) -> Principal:
     return TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET)).verify(token(tenant))
 
 
-async def test_a_node_failing_before_its_first_byte_is_retried_once_on_the_next_best(router, nodes, tiny_model_dir):
+async def test_a_node_failing_before_its_first_byte_is_retried_once_on_the_next_best(
+    router, nodes, tiny_model_dir
+):
     """A second app over the same index type: a dead node holds the prompt's prefix, so it is tried first."""
     built, _ = router
     real = nodes[0]
@@ -259,18 +311,33 @@ async def test_a_node_failing_before_its_first_byte_is_retried_once_on_the_next_
     dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
     dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     keying = Keying(tiny_model_dir, "tiny")
-    keying.nodes = {"dead": built.fleet.keying.nodes[real.node_id], real.node_id: built.fleet.keying.nodes[real.node_id]}
+    keying.nodes = {
+        "dead": built.fleet.keying.nodes[real.node_id],
+        real.node_id: built.fleet.keying.nodes[real.node_id],
+    }
     index = PrefixIndex()
     now = time.monotonic()
     for node_id in ("dead", real.node_id):
         index.apply(NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns"), now)
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
-    (hashes,) = keying.keys(_principal(tenant), request_messages({"messages": messages("Retry me.")})).values()
-    blocks = [stored(f"retry-{position}", "device").model_copy(update={"block_hash": block.hex()}) for position, block in enumerate(hashes)]
+    (hashes,) = keying.keys(
+        _principal(tenant), request_messages({"messages": messages("Retry me.")})
+    ).values()
+    blocks = [
+        stored(f"retry-{position}", "device").model_copy(update={"block_hash": block.hex()})
+        for position, block in enumerate(hashes)
+    ]
     index.apply(BlockStored(node_id="dead", epoch=1, seq=1, blocks=blocks), now)
-    endpoints = {"dead": NodeEndpoint(node_id="dead", url=dead_url), real.node_id: NodeEndpoint(node_id=real.node_id, url=real.http.url)}
-    fleet = Fleet(endpoints, index, keying, Liveness(60.0), failure_threshold=3, breaker_open_s=10.0)
-    app = create_app(built.settings, fleet, None, TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET)))
+    endpoints = {
+        "dead": NodeEndpoint(node_id="dead", url=dead_url),
+        real.node_id: NodeEndpoint(node_id=real.node_id, url=real.http.url),
+    }
+    fleet = Fleet(
+        endpoints, index, keying, Liveness(60.0), failure_threshold=3, breaker_open_s=10.0
+    )
+    app = create_app(
+        built.settings, fleet, None, TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET))
+    )
     served = await Served(app).start()
     try:
         node, _ = await ask(served.url, tenant, "Retry me.")
@@ -288,7 +355,11 @@ async def test_a_balanced_workload_is_spread_and_every_repeat_hits(router):
     more than 60 % of the requests, and every request after a prefix's first is served from cache."""
     built, url = router
     suffix = uuid.uuid4().hex[:6]
-    workload = [(f"spread-{number}-{suffix}", question) for number in range(9) for question in ("Who?", "When?", "Where?")]
+    workload = [
+        (f"spread-{number}-{suffix}", question)
+        for number in range(9)
+        for question in ("Who?", "When?", "Where?")
+    ]
     random.Random(23).shuffle(workload)
     served: Counter[str] = Counter()
     first_node: dict[str, str] = {}
@@ -299,10 +370,15 @@ async def test_a_balanced_workload_is_spread_and_every_repeat_hits(router):
             assert cached >= 4 * 16, f"a repeat of {tenant}'s prefix missed on {node}"
         else:
             first_node[tenant] = node
-            (hashes,) = built.fleet.keying.keys(_principal(tenant), request_messages({"messages": messages(question)})).values()
+            (hashes,) = built.fleet.keying.keys(
+                _principal(tenant), request_messages({"messages": messages(question)})
+            ).values()
 
             def indexed(hashes: list[bytes] = hashes, node: str = node) -> bool:
-                return any(match.node_id == node and match.num_blocks >= 4 for match in built.fleet.index.match(hashes))
+                return any(
+                    match.node_id == node and match.num_blocks >= 4
+                    for match in built.fleet.index.match(hashes)
+                )
 
             await eventually(indexed, timeout_s=30, what=f"{tenant}'s blocks indexed on {node}")
     assert sum(served.values()) == len(workload)
@@ -323,16 +399,24 @@ async def silenced(node: RunningNode) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        publisher._tasks = [asyncio.create_task(publisher._flush_loop()), asyncio.create_task(publisher._heartbeat_loop())]
+        publisher._tasks = [
+            asyncio.create_task(publisher._flush_loop()),
+            asyncio.create_task(publisher._heartbeat_loop()),
+        ]
 
 
 async def test_a_paused_node_is_routed_around_and_taken_back_when_it_beats_again(router, nodes):
     built, url = router
     tenant = f"paused-{uuid.uuid4().hex[:6]}"
     holder, _ = await ask(url, tenant, "Where is the office?")
-    (hashes,) = built.fleet.keying.keys(_principal(tenant), request_messages({"messages": messages("Where is the office?")})).values()
+    (hashes,) = built.fleet.keying.keys(
+        _principal(tenant), request_messages({"messages": messages("Where is the office?")})
+    ).values()
     await eventually(
-        lambda: any(match.node_id == holder and match.num_blocks >= 4 for match in built.fleet.index.match(hashes)),
+        lambda: any(
+            match.node_id == holder and match.num_blocks >= 4
+            for match in built.fleet.index.match(hashes)
+        ),
         timeout_s=30,
         what="the prefix indexed on its node",
     )
@@ -342,7 +426,11 @@ async def test_a_paused_node_is_routed_around_and_taken_back_when_it_beats_again
         return {candidate.node_id for candidate in built.fleet.candidates(time.monotonic())}
 
     async with silenced(node):
-        await eventually(lambda: holder not in routable(), timeout_s=HEARTBEAT_TIMEOUT_S + 30, what=f"{holder} skipped")
+        await eventually(
+            lambda: holder not in routable(),
+            timeout_s=HEARTBEAT_TIMEOUT_S + 30,
+            what=f"{holder} skipped",
+        )
         assert len(routable()) == len(nodes) - 1
         for question in ("Where is the office?", "When does it open?"):
             served_by, _ = await ask(url, tenant, question)
@@ -353,12 +441,17 @@ async def test_a_paused_node_is_routed_around_and_taken_back_when_it_beats_again
 async def test_the_router_learns_every_nodes_own_queue(router, nodes):
     built, _ = router
     await eventually(
-        lambda: set(built.fleet.reported_queue) == {node.node_id for node in nodes}, timeout_s=30, what="every node's queue polled"
+        lambda: set(built.fleet.reported_queue) == {node.node_id for node in nodes},
+        timeout_s=30,
+        what="every node's queue polled",
     )
     assert all(queue >= 0 for queue in built.fleet.reported_queue.values())
     async with httpx.AsyncClient() as http:
         unauthenticated = await http.get(f"{nodes[0].http.url}/v1/kvledger/load")
-        answer = await http.get(f"{nodes[0].http.url}/v1/kvledger/load", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+        answer = await http.get(
+            f"{nodes[0].http.url}/v1/kvledger/load",
+            headers={"Authorization": f"Bearer {METRICS_TOKEN}"},
+        )
     assert unauthenticated.status_code == 401
     assert set(answer.json()) == {"num_requests_running", "num_requests_waiting"}
 
@@ -367,38 +460,67 @@ def document_messages(version: int) -> list[dict]:
     text = " ".join(f"handbook section {number} says staff rest" for number in range(12))
     return [
         {"role": "system", "content": SYSTEM, "cache_scope": "public"},
-        {"role": "user", "content": text, "document": {"id": "handbook", "version": version, "auth_scope": "hr"}},
+        {
+            "role": "user",
+            "content": text,
+            "document": {"id": "handbook", "version": version, "auth_scope": "hr"},
+        },
         {"role": "user", "content": "How long is the rest?"},
     ]
 
 
-async def test_a_stale_document_version_is_refused_at_the_router_with_the_nodes_answer(router, nodes, settings):
+async def test_a_stale_document_version_is_refused_at_the_router_with_the_nodes_answer(
+    router, nodes, settings
+):
     built, url = router
     tenant = f"stale-{uuid.uuid4().hex[:6]}"
     headers = {"Authorization": f"Bearer {token(tenant)}"}
-    stale_body = {"model": "tiny", "messages": document_messages(1), "max_tokens": 2, "temperature": 0}
-    async with SigningProducer(kafka_settings(settings), settings.database.url.get_secret_value()) as producer:
-        await producer.send(make_event(DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant))
+    stale_body = {
+        "model": "tiny",
+        "messages": document_messages(1),
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    async with SigningProducer(
+        kafka_settings(settings), settings.database.url.get_secret_value()
+    ) as producer:
+        await producer.send(
+            make_event(DocumentUpdated(doc_id="handbook", version=2), tenant_id=tenant)
+        )
     async with httpx.AsyncClient(timeout=120) as http:
         refusals: dict[str, httpx.Response] = {}
 
         async def refused(name: str, base: str) -> bool:
-            refusals[name] = await http.post(f"{base}/v1/chat/completions", json=stale_body, headers=headers)
+            refusals[name] = await http.post(
+                f"{base}/v1/chat/completions", json=stale_body, headers=headers
+            )
             return refusals[name].status_code == 409
 
-        await eventually(lambda: refused("router", url), timeout_s=60, what="the router refusing version 1")
-        await eventually(lambda: refused("node", nodes[0].http.url), timeout_s=60, what="the node refusing version 1")
+        await eventually(
+            lambda: refused("router", url), timeout_s=60, what="the router refusing version 1"
+        )
+        await eventually(
+            lambda: refused("node", nodes[0].http.url),
+            timeout_s=60,
+            what="the node refusing version 1",
+        )
         at_router, at_node = refusals["router"], refusals["node"]
         assert at_router.json() == at_node.json()
         assert at_router.json()["error"]["code"] == "stale_document_version"
         assert at_router.json()["error"]["param"] == "messages[1].document.version"
         assert NODE_HEADER not in at_router.headers  # refused before any node was asked
-        current = await http.post(f"{url}/v1/chat/completions", json={**stale_body, "messages": document_messages(2)}, headers=headers)
+        current = await http.post(
+            f"{url}/v1/chat/completions",
+            json={**stale_body, "messages": document_messages(2)},
+            headers=headers,
+        )
         assert current.status_code == 200
         assert current.headers[NODE_HEADER] in built.fleet.endpoints
         # A caller without the document's auth scope learns nothing of its versions: the node's 403, as sent straight.
         outsider = {"Authorization": f"Bearer {token(tenant, scopes=('sales',))}"}
         through = await http.post(f"{url}/v1/chat/completions", json=stale_body, headers=outsider)
-        direct = await http.post(f"{nodes[0].http.url}/v1/chat/completions", json=stale_body, headers=outsider)
+        direct = await http.post(
+            f"{nodes[0].http.url}/v1/chat/completions", json=stale_body, headers=outsider
+        )
     assert (through.status_code, through.json()) == (direct.status_code, direct.json())
     assert through.json()["error"]["code"] == "document_scope_forbidden"

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from router.health import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Liveness
 from router.index import PrefixMatch
-from router.scoring import FALLBACK, LOAD, PREFIX, Candidate, LeastLoadedStrategy, PrefixLoadStrategy, RoundRobinStrategy
+from router.scoring import (
+    FALLBACK,
+    LOAD,
+    PREFIX,
+    Candidate,
+    LeastLoadedStrategy,
+    PrefixLoadStrategy,
+    RoundRobinStrategy,
+)
 
 
 def test_the_longest_weighted_prefix_wins():
@@ -19,7 +27,9 @@ def test_the_longest_weighted_prefix_wins():
 def test_load_outweighs_a_prefix_once_it_costs_more_than_the_prefix_saves():
     strategy = PrefixLoadStrategy(load_cost_blocks=4.0)
     matches = [PrefixMatch("a", 10, 10.0)]
-    assert strategy.rank([Candidate("a", 2), Candidate("b", 0)], matches).ranked[0] == "a"  # 10 - 8 > 0
+    assert (
+        strategy.rank([Candidate("a", 2), Candidate("b", 0)], matches).ranked[0] == "a"
+    )  # 10 - 8 > 0
     decision = strategy.rank([Candidate("a", 3), Candidate("b", 0)], matches)  # 10 - 12 < 0
     assert (decision.ranked, decision.reason) == (("b", "a"), LOAD)
 

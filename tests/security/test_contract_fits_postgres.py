@@ -25,7 +25,18 @@ from coordinator.handlers.erasure import ErasureService
 from coordinator.handlers.ingest import LedgerIngest
 from coordinator.handlers.invalidation import InvalidationHandler
 from coordinator.ledger.db import Database
-from coordinator.ledger.models import Base, Block, BlockAuthScope, BlockCreator, BlockDocument, Document, Erasure, Node, Policy, Snapshot
+from coordinator.ledger.models import (
+    Base,
+    Block,
+    BlockAuthScope,
+    BlockCreator,
+    BlockDocument,
+    Document,
+    Erasure,
+    Node,
+    Policy,
+    Snapshot,
+)
 from coordinator.settings import DatabaseSettings
 from events.kafka.consumer import ConsumedEvent
 from events.schema import (
@@ -55,9 +66,11 @@ IDS = st.one_of(
 ).filter(str.strip)
 COUNTS = st.one_of(st.integers(0, MAX_SAFE_INT), st.just(MAX_SAFE_INT))
 DOCUMENT_VERSIONS = st.one_of(st.integers(0, MAX_DOCUMENT_VERSION), st.just(MAX_DOCUMENT_VERSION))
-REASONS = st.text(st.characters(exclude_categories=("Cc", "Cs")) | st.sampled_from("\t\n"), min_size=1, max_size=MAX_REASON_CHARS).filter(
-    str.strip
-)
+REASONS = st.text(
+    st.characters(exclude_categories=("Cc", "Cs")) | st.sampled_from("\t\n"),
+    min_size=1,
+    max_size=MAX_REASON_CHARS,
+).filter(str.strip)
 
 
 @st.composite
@@ -79,10 +92,14 @@ def ledger_cases(draw) -> dict:
 
 
 def _consumed(topic: str, envelope) -> ConsumedEvent:
-    return ConsumedEvent(topic=topic, partition=0, offset=0, key=None, timestamp_ms=0, envelope=envelope)
+    return ConsumedEvent(
+        topic=topic, partition=0, offset=0, key=None, timestamp_ms=0, envelope=envelope
+    )
 
 
-async def _round_trip(database: Database, ingest: LedgerIngest, decisions: InvalidationHandler, case: dict) -> None:
+async def _round_trip(
+    database: Database, ingest: LedgerIngest, decisions: InvalidationHandler, case: dict
+) -> None:
     tables = ", ".join(table.name for table in Base.metadata.sorted_tables)
     async with database.session() as session, session.begin():
         await session.execute(text(f"TRUNCATE {tables} CASCADE"))
@@ -100,71 +117,125 @@ async def _round_trip(database: Database, ingest: LedgerIngest, decisions: Inval
         token_offset=case["token_offset"],
         created_at=datetime(2026, 12, 1, tzinfo=UTC),
         tier="disk",
-        creator_subject_id=subject_digest(SUBJECT_KEY.encode(), case["tenant_id"], case["subject_id"]),
+        creator_subject_id=subject_digest(
+            SUBJECT_KEY.encode(), case["tenant_id"], case["subject_id"]
+        ),
     )
     await ingest(
         [
-            _consumed(KV_EVENTS, make_event(NodeStarted(**node, seq=0, namespace=case["namespace"]))),
+            _consumed(
+                KV_EVENTS, make_event(NodeStarted(**node, seq=0, namespace=case["namespace"]))
+            ),
             _consumed(KV_EVENTS, make_event(BlockStored(**node, seq=1, blocks=[block]))),
             _consumed(
                 KV_EVENTS,
-                make_event(SnapshotWritten(**node, seq=2, snapshot_id=case["snapshot_id"], block_hashes=[block_hash])),
+                make_event(
+                    SnapshotWritten(
+                        **node, seq=2, snapshot_id=case["snapshot_id"], block_hashes=[block_hash]
+                    )
+                ),
             ),
         ]
     )
     tenant = case["tenant_id"]
     await decisions(
         [
-            _consumed(DOCUMENTS, make_event(DocumentUpdated(doc_id=case["doc_id"], version=case["doc_version"]), tenant)),
+            _consumed(
+                DOCUMENTS,
+                make_event(
+                    DocumentUpdated(doc_id=case["doc_id"], version=case["doc_version"]), tenant
+                ),
+            ),
             _consumed(
                 PERMISSIONS,
-                make_event(PermissionRevoked(auth_scope=case["auth_scope"], policy_version=case["policy_version"]), tenant),
+                make_event(
+                    PermissionRevoked(
+                        auth_scope=case["auth_scope"], policy_version=case["policy_version"]
+                    ),
+                    tenant,
+                ),
             ),
-            _consumed(ERASURES, make_event(ErasureRequested(subject_id=case["subject_id"], reason=case["reason"]), tenant)),
+            _consumed(
+                ERASURES,
+                make_event(
+                    ErasureRequested(subject_id=case["subject_id"], reason=case["reason"]), tenant
+                ),
+            ),
         ]
     )
     async with database.session() as session:
         stored_node = await session.get(Node, case["node_id"])
         stored_block = await session.get(Block, bytes.fromhex(block_hash))
-        scopes = (await session.execute(select(BlockAuthScope.auth_scope, BlockAuthScope.policy_version))).all()
-        documents = (await session.execute(select(BlockDocument.doc_id, BlockDocument.version))).all()
+        scopes = (
+            await session.execute(select(BlockAuthScope.auth_scope, BlockAuthScope.policy_version))
+        ).all()
+        documents = (
+            await session.execute(select(BlockDocument.doc_id, BlockDocument.version))
+        ).all()
         creators = (await session.scalars(select(BlockCreator.subject_hash))).all()
         snapshot = await session.get(Snapshot, (case["node_id"], case["snapshot_id"]))
         document = await session.get(Document, (tenant, case["doc_id"]))
         policy = await session.get(Policy, (tenant, case["auth_scope"]))
         erasures = (await session.execute(select(Erasure.tenant_id, Erasure.reason))).all()
-    assert (stored_node.node_id, stored_node.epoch, stored_node.last_seq, stored_node.namespace) == (
+    assert (
+        stored_node.node_id,
+        stored_node.epoch,
+        stored_node.last_seq,
+        stored_node.namespace,
+    ) == (
         case["node_id"],
         case["epoch"],
         2,
         case["namespace"],
     )
-    assert (stored_block.namespace, stored_block.tenant_id, stored_block.token_offset) == (case["namespace"], tenant, case["token_offset"])
+    assert (stored_block.namespace, stored_block.tenant_id, stored_block.token_offset) == (
+        case["namespace"],
+        tenant,
+        case["token_offset"],
+    )
     assert [tuple(row) for row in scopes] == [(case["auth_scope"], case["policy_version"])]
     assert [tuple(row) for row in documents] == [(case["doc_id"], case["doc_version"])]
     assert [subject_hash.hex() for subject_hash in creators] == [block.creator_subject_id]
-    assert (snapshot.snapshot_id, snapshot.epoch, snapshot.num_blocks) == (case["snapshot_id"], case["epoch"], 1)
+    assert (snapshot.snapshot_id, snapshot.epoch, snapshot.num_blocks) == (
+        case["snapshot_id"],
+        case["epoch"],
+        1,
+    )
     assert (document.doc_id, document.version) == (case["doc_id"], case["doc_version"])
-    assert (policy.auth_scope, policy.policy_version) == (case["auth_scope"], case["policy_version"])
+    assert (policy.auth_scope, policy.policy_version) == (
+        case["auth_scope"],
+        case["policy_version"],
+    )
     assert [tuple(row) for row in erasures] == [(tenant, case["reason"])]
 
 
-async def test_whatever_the_contract_accepts_postgres_returns_unchanged(database_url: str, ledger_template: str) -> None:
+async def test_whatever_the_contract_accepts_postgres_returns_unchanged(
+    database_url: str, ledger_template: str
+) -> None:
     async with fresh_database(database_url, ledger_template) as url:
         database = Database(DatabaseSettings(url=url))
         ingest = LedgerIngest(database, inventory_retry_s=3600, command_signer=sign_command)
         erasures = ErasureService(
-            database, subject_key=SUBJECT_KEY.encode(), receipt_keys=ReceiptKeys(None, None), command_signer=sign_command
+            database,
+            subject_key=SUBJECT_KEY.encode(),
+            receipt_keys=ReceiptKeys(None, None),
+            command_signer=sign_command,
         )
         decisions = InvalidationHandler(database, erasures=erasures, command_signer=sign_command)
         loop = asyncio.get_running_loop()
 
         # Hypothesis drives a synchronous function: it runs in a worker thread and hands each
         # example to this event loop, where the database engine lives.
-        @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(
+            max_examples=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(case=ledger_cases())
         def check(case: dict) -> None:
-            asyncio.run_coroutine_threadsafe(_round_trip(database, ingest, decisions, case), loop).result(timeout=60)
+            asyncio.run_coroutine_threadsafe(
+                _round_trip(database, ingest, decisions, case), loop
+            ).result(timeout=60)
 
         try:
             await asyncio.to_thread(check)

@@ -28,15 +28,26 @@ from coordinator.settings import DatabaseSettings
 from identity.node_credentials import issue_node_credential
 from kvledger.nodes import enroll_node_key
 
-HOSTILE = {"NUL": "a\x00b", "newline": "a\nb", "DEL": "a\x7fb", "C1": "a\x9bb", "257 characters": "x" * 257}
+HOSTILE = {
+    "NUL": "a\x00b",
+    "newline": "a\nb",
+    "DEL": "a\x7fb",
+    "C1": "a\x9bb",
+    "257 characters": "x" * 257,
+}
 
 
 @pytest.fixture(scope="module")
 async def client(ledger_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    settings = coordinator_settings(ledger_url, keys={"master_key": base64.b64encode(os.urandom(32)).decode()})
+    settings = coordinator_settings(
+        ledger_url, keys={"master_key": base64.b64encode(os.urandom(32)).decode()}
+    )
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://c") as client,
+    ):
         yield client
 
 
@@ -44,7 +55,12 @@ async def row_counts(ledger_url: str) -> tuple[int, int, int]:
     database = Database(DatabaseSettings(url=ledger_url))
     try:
         async with database.session() as session:
-            return tuple([await session.scalar(select(func.count()).select_from(model)) for model in (Namespace, Invalidation, DataKey)])
+            return tuple(
+                [
+                    await session.scalar(select(func.count()).select_from(model))
+                    for model in (Namespace, Invalidation, DataKey)
+                ]
+            )
     finally:
         await database.dispose()
 
@@ -57,20 +73,30 @@ def assert_invalid(response: httpx.Response) -> None:
 
 @pytest.mark.parametrize("bad", HOSTILE.values(), ids=HOSTILE.keys())
 @pytest.mark.parametrize("parameter", ["tenant", "doc_id", "subject", "node"])
-async def test_a_hostile_ledger_filter_is_400(client: httpx.AsyncClient, parameter: str, bad: str) -> None:
+async def test_a_hostile_ledger_filter_is_400(
+    client: httpx.AsyncClient, parameter: str, bad: str
+) -> None:
     params = {"tenant": "acme", parameter: bad}
-    response = await client.get("/v1/ledger/blocks", params=params, headers=operator_headers("platform-admin", "platform"))
+    response = await client.get(
+        "/v1/ledger/blocks", params=params, headers=operator_headers("platform-admin", "platform")
+    )
     assert_invalid(response)
 
 
 @pytest.mark.parametrize("bad", HOSTILE.values(), ids=HOSTILE.keys())
 async def test_a_hostile_invalidation_filter_is_400(client: httpx.AsyncClient, bad: str) -> None:
-    response = await client.get("/v1/invalidations", params={"tenant": bad}, headers=operator_headers("platform-admin", "platform"))
+    response = await client.get(
+        "/v1/invalidations",
+        params={"tenant": bad},
+        headers=operator_headers("platform-admin", "platform"),
+    )
     assert_invalid(response)
 
 
 @pytest.mark.parametrize("bad", HOSTILE.values(), ids=HOSTILE.keys())
-async def test_a_hostile_namespace_is_400_and_retires_nothing(client: httpx.AsyncClient, ledger_url: str, bad: str) -> None:
+async def test_a_hostile_namespace_is_400_and_retires_nothing(
+    client: httpx.AsyncClient, ledger_url: str, bad: str
+) -> None:
     before = await row_counts(ledger_url)
     path = f"/v1/namespaces/{urllib.parse.quote(bad, safe='')}/retire"
     response = await client.post(path, headers=operator_headers("platform-admin", "platform"))
@@ -79,7 +105,9 @@ async def test_a_hostile_namespace_is_400_and_retires_nothing(client: httpx.Asyn
 
 
 @pytest.mark.parametrize("bad", HOSTILE.values(), ids=HOSTILE.keys())
-async def test_a_hostile_tenant_at_the_key_service_is_400_and_creates_no_key(client: httpx.AsyncClient, ledger_url: str, bad: str) -> None:
+async def test_a_hostile_tenant_at_the_key_service_is_400_and_creates_no_key(
+    client: httpx.AsyncClient, ledger_url: str, bad: str
+) -> None:
     key = Ed25519PrivateKey.generate()
     await enroll_node_key(ledger_url, "bounds-node", key.public_key())
     headers = {"Authorization": f"Bearer {issue_node_credential(key, 'bounds-node')}"}
@@ -87,4 +115,6 @@ async def test_a_hostile_tenant_at_the_key_service_is_400_and_creates_no_key(cli
     assert_invalid(await client.post("/v1/keys/resolve", json={"tenant_id": bad}, headers=headers))
     assert await row_counts(ledger_url) == before
     # Positive control: the same credential and a valid tenant get a key.
-    assert (await client.post("/v1/keys/resolve", json={"tenant_id": "acme"}, headers=headers)).status_code == 200
+    assert (
+        await client.post("/v1/keys/resolve", json={"tenant_id": "acme"}, headers=headers)
+    ).status_code == 200

@@ -73,7 +73,10 @@ async def consumers(settings: CoordinatorSettings) -> AsyncIterator[RunningConsu
 
 
 def by_reference_count(topic: str) -> float:
-    return REGISTRY.get_sample_value("kvledger_dead_letter_by_reference_total", {"topic": topic}) or 0.0
+    return (
+        REGISTRY.get_sample_value("kvledger_dead_letter_by_reference_total", {"topic": topic})
+        or 0.0
+    )
 
 
 async def letter_of(bootstrap: str, value: bytes) -> DeadLetter:
@@ -83,7 +86,9 @@ async def letter_of(bootstrap: str, value: bytes) -> DeadLetter:
     def visit(record) -> bool:
         letter = DeadLetter.model_validate_json(record.value)
         raw = letter.raw_value()
-        if letter.value_sha256 == digest or (raw is not None and hashlib.sha256(raw).hexdigest() == digest):
+        if letter.value_sha256 == digest or (
+            raw is not None and hashlib.sha256(raw).hexdigest() == digest
+        ):
             found.append(letter)
         return bool(found)
 
@@ -101,10 +106,19 @@ async def test_an_850_kb_invalid_erasure_is_dead_lettered_by_reference_and_later
 ) -> None:
     since = datetime.now(UTC).isoformat()
     marker = uuid.uuid4().hex
-    big = b'{"type": "ErasureRequested", "padding": "' + marker.encode() + b"x" * BIG_RECORD_BYTES + b'"}'
-    update = schema.make_event(schema.DocumentUpdated(doc_id=f"doc-{marker}", version=2), tenant_id="acme")
+    big = (
+        b'{"type": "ErasureRequested", "padding": "'
+        + marker.encode()
+        + b"x" * BIG_RECORD_BYTES
+        + b'"}'
+    )
+    update = schema.make_event(
+        schema.DocumentUpdated(doc_id=f"doc-{marker}", version=2), tenant_id="acme"
+    )
     counted_before = by_reference_count(ERASURES)
-    raw = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")  # 1 MiB max_request_size: the record fits
+    raw = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, acks="all"
+    )  # 1 MiB max_request_size: the record fits
     await raw.start()
     try:
         await raw.send_and_wait(ERASURES, big, key=f"acme:{marker}".encode())
@@ -115,25 +129,57 @@ async def test_an_850_kb_invalid_erasure_is_dead_lettered_by_reference_and_later
 
     async def decided() -> bool:
         async with database.session() as session:
-            return await session.scalar(select(Invalidation.command_id).where(Invalidation.source_event_id == update.event_id)) is not None
+            return (
+                await session.scalar(
+                    select(Invalidation.command_id).where(
+                        Invalidation.source_event_id == update.event_id
+                    )
+                )
+                is not None
+            )
 
-    await eventually(decided, timeout_s=60, what="the DocumentUpdated published after the 850 KB record decided")
+    await eventually(
+        decided, timeout_s=60, what="the DocumentUpdated published after the 850 KB record decided"
+    )
     letter = await letter_of(kafka_bootstrap, big)
     assert letter.by_reference and letter.value_b64 is None and letter.topic == ERASURES
-    assert (letter.num_value_bytes, letter.value_sha256) == (len(big), hashlib.sha256(big).hexdigest())
+    assert (letter.num_value_bytes, letter.value_sha256) == (
+        len(big),
+        hashlib.sha256(big).hexdigest(),
+    )
     assert letter.value_prefix_b64 is not None and len(letter.value_prefix_b64) < 2048
-    assert dead_letter_signature_problem(letter, COMMAND_KEY.public_key()) is None  # the coordinator's, replay can tell
+    assert (
+        dead_letter_signature_problem(letter, COMMAND_KEY.public_key()) is None
+    )  # the coordinator's, replay can tell
     assert by_reference_count(ERASURES) == counted_before + 1
     # Listed as held by reference; its replay is refused, saying why: the bytes are not held.
-    answer = await client.get("/v1/dead-letters", params={"since": since, "topic": ERASURES}, headers=ADMIN)
-    (listed,) = [each for each in answer.json()["dead_letters"] if each["value_sha256"] == letter.value_sha256]
-    assert listed["by_reference"] and listed["trusted"] and not listed["replayable"] and listed["num_value_bytes"] == len(big)
+    answer = await client.get(
+        "/v1/dead-letters", params={"since": since, "topic": ERASURES}, headers=ADMIN
+    )
+    (listed,) = [
+        each
+        for each in answer.json()["dead_letters"]
+        if each["value_sha256"] == letter.value_sha256
+    ]
+    assert (
+        listed["by_reference"]
+        and listed["trusted"]
+        and not listed["replayable"]
+        and listed["num_value_bytes"] == len(big)
+    )
     refused = await client.post(f"/v1/dead-letters/{listed['id']}/replay", headers=ADMIN)
     assert (refused.status_code, refused.json()["error"]["code"]) == (409, "held_by_reference")
     assert "bytes are not held" in refused.json()["error"]["message"]
     async with served_stack(settings, tmp_path) as stack:
-        status, _, err = await kvledger("dead-letters", "replay", listed["id"], "--stack", str(stack))
-    assert status != 0 and "HTTP 409" in err and "bytes are not held" in err and "cannot be replayed" in err
+        status, _, err = await kvledger(
+            "dead-letters", "replay", listed["id"], "--stack", str(stack)
+        )
+    assert (
+        status != 0
+        and "HTTP 409" in err
+        and "bytes are not held" in err
+        and "cannot be replayed" in err
+    )
 
 
 def _record(num_value_bytes: int) -> ConsumerRecord:
@@ -152,12 +198,16 @@ def _record(num_value_bytes: int) -> ConsumerRecord:
     )
 
 
-async def test_a_letter_that_just_fits_the_producers_limit_is_whole_and_one_byte_more_goes_by_reference(kafka_bootstrap: str) -> None:
+async def test_a_letter_that_just_fits_the_producers_limit_is_whole_and_one_byte_more_goes_by_reference(
+    kafka_bootstrap: str,
+) -> None:
     config = kafka_client_settings(kafka_bootstrap)
     seal = EnvelopeSigner(COMMAND_KEY).sign_dead_letter
 
     def goes_by_reference(num_value_bytes: int) -> bool:
-        return dead_letter_record(_record(num_value_bytes), "invalid", "g", MAX_REQUEST_BYTES, seal)[0].by_reference
+        return dead_letter_record(
+            _record(num_value_bytes), "invalid", "g", MAX_REQUEST_BYTES, seal
+        )[0].by_reference
 
     first_by_reference = bisect.bisect_left(range(MAX_REQUEST_BYTES), True, key=goes_by_reference)
     fits, too_large = _record(first_by_reference - 1), _record(first_by_reference)
@@ -186,7 +236,11 @@ async def test_a_letter_that_just_fits_the_producers_limit_is_whole_and_one_byte
     carried = await letter_of(kafka_bootstrap, fits.value)
     referred = await letter_of(kafka_bootstrap, too_large.value)
     assert not carried.by_reference and carried.raw_value() == fits.value
-    assert referred.by_reference and referred.raw_value() is None and referred.num_value_bytes == len(too_large.value)
+    assert (
+        referred.by_reference
+        and referred.raw_value() is None
+        and referred.num_value_bytes == len(too_large.value)
+    )
 
 
 async def test_a_consumer_whose_batch_keeps_failing_is_stalled_in_readiness_and_the_metric_until_it_passes(
@@ -201,7 +255,9 @@ async def test_a_consumer_whose_batch_keeps_failing_is_stalled_in_readiness_and_
         if failing.is_set():
             raise ConnectionError("the database is away")  # transient: retried, never dead-lettered
 
-    consumer = BatchConsumer(config, [unique_name], handler, group_id=unique_name, stall_after_s=1.0, max_backoff_s=0.2)
+    consumer = BatchConsumer(
+        config, [unique_name], handler, group_id=unique_name, stall_after_s=1.0, max_backoff_s=0.2
+    )
     readiness = ConsumerReadiness()
     app = create_ops_app(settings, readiness)
 
@@ -211,17 +267,29 @@ async def test_a_consumer_whose_batch_keeps_failing_is_stalled_in_readiness_and_
     async def ready(client: httpx.AsyncClient) -> httpx.Response:
         return await client.get("/readyz")
 
-    async with consumer, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ops") as client:
+    async with (
+        consumer,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ops") as client,
+    ):
         readiness.watch([consumer])
         running = asyncio.create_task(consumer.run())
         await eventually(lambda: consumer.consuming, what="the consumer joined")
         assert (await ready(client)).status_code == 200 and stalled_metric() == 0
         async with EventProducer(config) as producer:
-            await producer.send(schema.make_event(schema.DocumentUpdated(doc_id="stall", version=1), tenant_id="acme"), topic=unique_name)
+            await producer.send(
+                schema.make_event(
+                    schema.DocumentUpdated(doc_id="stall", version=1), tenant_id="acme"
+                ),
+                topic=unique_name,
+            )
 
         async def stalled_503() -> bool:
             answer = await ready(client)
-            return answer.status_code == 503 and "stalled" in answer.json()["reason"] and unique_name in answer.json()["reason"]
+            return (
+                answer.status_code == 503
+                and "stalled" in answer.json()["reason"]
+                and unique_name in answer.json()["reason"]
+            )
 
         await eventually(stalled_503, what="/readyz reporting the stalled group")
         assert stalled_metric() == 1
@@ -235,12 +303,19 @@ async def test_a_consumer_whose_batch_keeps_failing_is_stalled_in_readiness_and_
         await running
 
 
-def test_the_largest_record_with_the_largest_key_and_error_still_has_a_letter_that_fits_the_smallest_limit() -> None:
+def test_the_largest_record_with_the_largest_key_and_error_still_has_a_letter_that_fits_the_smallest_limit() -> (
+    None
+):
     huge = dataclasses.replace(_record(0), key=b"k" * 900_000, value=b"\x00" * 900_000)
     error = "\x00" * 100_000  # each NUL is six bytes of JSON (\u0000)
-    letter, value, key = dead_letter_record(huge, error, "g" * 256, MIN_REQUEST_BYTES, EnvelopeSigner(COMMAND_KEY).sign_dead_letter)
+    letter, value, key = dead_letter_record(
+        huge, error, "g" * 256, MIN_REQUEST_BYTES, EnvelopeSigner(COMMAND_KEY).sign_dead_letter
+    )
     assert letter.by_reference and request_bytes(key, value) <= MIN_REQUEST_BYTES
-    assert len(letter.error) == MAX_DEAD_LETTER_ERROR_CHARS and key == huge.key[:MAX_REFERENCE_PREFIX_BYTES]
+    assert (
+        len(letter.error) == MAX_DEAD_LETTER_ERROR_CHARS
+        and key == huge.key[:MAX_REFERENCE_PREFIX_BYTES]
+    )
 
 
 def test_a_letter_written_before_letters_were_signed_still_parses_and_is_unsigned() -> None:
@@ -253,7 +328,9 @@ def test_a_letter_written_before_letters_were_signed_still_parses_and_is_unsigne
     assert dead_letter_signature_problem(letter, COMMAND_KEY.public_key()) == "unsigned"
 
 
-async def test_a_letter_the_broker_refuses_for_its_size_is_sent_again_by_reference_not_retried(kafka_bootstrap: str) -> None:
+async def test_a_letter_the_broker_refuses_for_its_size_is_sent_again_by_reference_not_retried(
+    kafka_bootstrap: str,
+) -> None:
     """A broker whose message limit is below the producer's refuses a letter the producer let through; injected here
     (the embedded broker has no such limit): the refusal is permanent, so the letter goes by reference at once."""
     refused: list[int] = []

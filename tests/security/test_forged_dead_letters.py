@@ -19,7 +19,14 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from helpers.ledger import RunningConsumers, eventually, node_key, operator_headers, running_consumers, settings_at_topic_ends
+from helpers.ledger import (
+    RunningConsumers,
+    eventually,
+    node_key,
+    operator_headers,
+    running_consumers,
+    settings_at_topic_ends,
+)
 
 from coordinator.settings import CoordinatorSettings
 from events import schema
@@ -43,7 +50,12 @@ async def consumers(settings: CoordinatorSettings) -> AsyncIterator[RunningConsu
 
 def victim_erasure(marker: str) -> bytes:
     """What an attacker wants replayed: an erasure of another tenant's subject."""
-    return encode_event(schema.make_event(schema.ErasureRequested(subject_id=f"victim-{marker}", reason="planted"), tenant_id="victim"))
+    return encode_event(
+        schema.make_event(
+            schema.ErasureRequested(subject_id=f"victim-{marker}", reason="planted"),
+            tenant_id="victim",
+        )
+    )
 
 
 def planted(marker: str, value: bytes) -> DeadLetter:
@@ -60,24 +72,34 @@ def planted(marker: str, value: bytes) -> DeadLetter:
 
 
 async def erasures_end(bootstrap: str) -> dict[TopicPartition, int]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False
+    )
     await consumer.start()
     try:
         await consumer.topics()
-        partitions = [TopicPartition(ERASURES, p) for p in sorted(consumer.partitions_for_topic(ERASURES) or ())]
+        partitions = [
+            TopicPartition(ERASURES, p)
+            for p in sorted(consumer.partitions_for_topic(ERASURES) or ())
+        ]
         return await consumer.end_offsets(partitions)
     finally:
         await consumer.stop()
 
 
 async def listed(client: httpx.AsyncClient, since: str) -> list[dict]:
-    response = await client.get("/v1/dead-letters", params={"since": since, "limit": 1000}, headers=ADMIN)
+    response = await client.get(
+        "/v1/dead-letters", params={"since": since, "limit": 1000}, headers=ADMIN
+    )
     assert response.status_code == 200, response.text
     return response.json()["dead_letters"]
 
 
 async def test_planted_node_signed_and_tampered_letters_are_untrusted_and_never_replayed_a_genuine_one_is(
-    consumers: RunningConsumers, client: httpx.AsyncClient, settings: CoordinatorSettings, kafka_bootstrap: str
+    consumers: RunningConsumers,
+    client: httpx.AsyncClient,
+    settings: CoordinatorSettings,
+    kafka_bootstrap: str,
 ) -> None:
     since = datetime.now(UTC).isoformat()
     marker = uuid.uuid4().hex
@@ -91,14 +113,18 @@ async def test_planted_node_signed_and_tampered_letters_are_untrusted_and_never_
 
         async def genuine() -> list[dict]:
             digest = hashlib.sha256(poison).hexdigest()
-            return [letter for letter in await listed(client, since) if letter["value_sha256"] == digest]
+            return [
+                letter for letter in await listed(client, since) if letter["value_sha256"] == digest
+            ]
 
         await eventually(genuine, what="the coordinator's own dead letter listed")
         (real,) = await genuine()
         assert real["trusted"] and real["signature"] == "verified" and real["replayable"]
         # Copy the genuine letter's signature onto a different record: tampered.
         partition, offset = (int(part) for part in real["id"].split("-"))
-        consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=None, enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=kafka_bootstrap, group_id=None, enable_auto_commit=False
+        )
         await consumer.start()
         try:
             tp = TopicPartition(DEAD_LETTER, partition)
@@ -109,7 +135,9 @@ async def test_planted_node_signed_and_tampered_letters_are_untrusted_and_never_
             await consumer.stop()
         signed = DeadLetter.model_validate_json(record)
         tampered = planted(marker, erasure).model_copy(update={"signature": signed.signature})
-        by_node = sign_dead_letter(planted(marker, erasure), node_key("node-0"))  # a node principal signing with its own key
+        by_node = sign_dead_letter(
+            planted(marker, erasure), node_key("node-0")
+        )  # a node principal signing with its own key
         for letter in (planted(marker, erasure), by_node, tampered):
             await raw.send_and_wait(DEAD_LETTER, letter.encode(), key=letter.raw_key())
     finally:
@@ -118,11 +146,19 @@ async def test_planted_node_signed_and_tampered_letters_are_untrusted_and_never_
     victim_digest = hashlib.sha256(erasure).hexdigest()
 
     async def forged() -> list[dict]:
-        return [letter for letter in await listed(client, since) if letter["value_sha256"] == victim_digest]
+        return [
+            letter
+            for letter in await listed(client, since)
+            if letter["value_sha256"] == victim_digest
+        ]
 
     await eventually(lambda: _count(forged, 3), what="the three planted letters listed")
     letters = await forged()
-    assert sorted(letter["signature"] for letter in letters) == ["bad_signature", "unknown_key", "unsigned"]
+    assert sorted(letter["signature"] for letter in letters) == [
+        "bad_signature",
+        "unknown_key",
+        "unsigned",
+    ]
     assert not any(letter["trusted"] or letter["replayable"] for letter in letters)
 
     end_before = await erasures_end(kafka_bootstrap)
@@ -142,7 +178,9 @@ async def _count(probe, num_letters: int) -> bool:
     return len(await probe()) >= num_letters
 
 
-async def test_a_nodes_letter_is_listed_as_the_nodes_and_never_replayed(client: httpx.AsyncClient, kafka_bootstrap: str) -> None:
+async def test_a_nodes_letter_is_listed_as_the_nodes_and_never_replayed(
+    client: httpx.AsyncClient, kafka_bootstrap: str
+) -> None:
     since = datetime.now(UTC).isoformat()
     marker = uuid.uuid4().hex
     letter = planted(marker, victim_erasure(marker))
@@ -154,10 +192,19 @@ async def test_a_nodes_letter_is_listed_as_the_nodes_and_never_replayed(client: 
         await raw.stop()
 
     async def listed_node_letters() -> list[dict]:
-        return [each for each in await listed(client, since) if each["value_sha256"] == letter.value_sha256]
+        return [
+            each
+            for each in await listed(client, since)
+            if each["value_sha256"] == letter.value_sha256
+        ]
 
     await eventually(lambda: _count(listed_node_letters, 1), what="the node's letter listed")
     (found,) = await listed_node_letters()
-    assert found["source"] == "node" and found["id"].startswith("node-") and not found["trusted"] and not found["replayable"]
+    assert (
+        found["source"] == "node"
+        and found["id"].startswith("node-")
+        and not found["trusted"]
+        and not found["replayable"]
+    )
     refused = await client.post(f"/v1/dead-letters/{found['id']}/replay", headers=ADMIN)
     assert (refused.status_code, refused.json()["error"]["code"]) == (409, "not_replayable")

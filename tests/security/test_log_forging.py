@@ -24,7 +24,13 @@ from datetime import UTC, datetime
 import pytest
 from aiokafka import AIOKafkaProducer
 from helpers.cli import kvledger, served_stack
-from helpers.ledger import RunningConsumers, eventually, operator_headers, running_consumers, settings_at_topic_ends
+from helpers.ledger import (
+    RunningConsumers,
+    eventually,
+    operator_headers,
+    running_consumers,
+    settings_at_topic_ends,
+)
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from coordinator.settings import CoordinatorSettings
@@ -34,7 +40,9 @@ from events.topics import ERASURES
 
 ADMIN = operator_headers("platform-admin")
 FORGED_LINE = "INFO coordinator.handlers.erasure: verified"
-RAW_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+RAW_UNSAFE = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 """What must never appear in output (newline aside, which ends a line)."""
 
 
@@ -63,7 +71,9 @@ def text_log() -> Iterator[io.StringIO]:
 
 
 async def publish_forging_record(bootstrap: str, marker: str) -> None:
-    key_name = marker + "\x1b[8m\n" + FORGED_LINE + "\n\u2028\u202e"  # within MAX_LOCATION_PART_CHARS
+    key_name = (
+        marker + "\x1b[8m\n" + FORGED_LINE + "\n\u2028\u202e"
+    )  # within MAX_LOCATION_PART_CHARS
     value = json.dumps({key_name: 1}).encode()
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
@@ -74,12 +84,18 @@ async def publish_forging_record(bootstrap: str, marker: str) -> None:
 
 
 async def test_a_key_name_that_forges_a_line_yields_one_escaped_log_line_and_escaped_cli_output(
-    consumers: RunningConsumers, settings: CoordinatorSettings, text_log: io.StringIO, kafka_bootstrap: str, tmp_path
+    consumers: RunningConsumers,
+    settings: CoordinatorSettings,
+    text_log: io.StringIO,
+    kafka_bootstrap: str,
+    tmp_path,
 ) -> None:
     since = datetime.now(UTC).isoformat()
     marker = uuid.uuid4().hex[:12]
     await publish_forging_record(kafka_bootstrap, marker)
-    await eventually(lambda: marker in text_log.getvalue(), what="the record's dead-letter line logged")
+    await eventually(
+        lambda: marker in text_log.getvalue(), what="the record's dead-letter line logged"
+    )
 
     lines = [line for line in text_log.getvalue().splitlines() if marker in line]
     assert len(lines) == 1, lines  # exactly one line, the dead-letter one; nothing standalone
@@ -98,7 +114,9 @@ async def test_a_key_name_that_forges_a_line_yields_one_escaped_log_line_and_esc
 async def _cli_listing(settings: CoordinatorSettings, tmp_path, since: str) -> str:
     """``kvledger dead-letters list`` (text) against the coordinator's API over real HTTP."""
     async with served_stack(settings, tmp_path) as stack:
-        status, out, err = await kvledger("dead-letters", "list", "--topic", ERASURES, "--since", since, "--stack", str(stack))
+        status, out, err = await kvledger(
+            "dead-letters", "list", "--topic", ERASURES, "--since", since, "--stack", str(stack)
+        )
     assert status == 0, err
     return out
 
@@ -117,7 +135,9 @@ def test_validation_errors_bound_and_escape_the_senders_key_names() -> None:
     assert described.endswith(f"and {51 - MAX_DESCRIBED_ERRORS} more errors")
 
 
-def test_every_line_breaking_hiding_or_reordering_character_is_escaped_in_text_and_json_logs() -> None:
+def test_every_line_breaking_hiding_or_reordering_character_is_escaped_in_text_and_json_logs() -> (
+    None
+):
     hostile = "a\nb\rc\x1b[31md\x00e\x7ff\x85g\x9bh\u2028i\u2029j\u200ek\u200fl\u202am\u202en\u2066o\u2069p\ufeffq"
     escaped = escape_control(hostile)
     assert escaped == (
@@ -133,7 +153,9 @@ def test_every_line_breaking_hiding_or_reordering_character_is_escaped_in_text_a
         logger.exception("record %s refused", hostile)
     lines = stream.getvalue().splitlines()
     assert lines[0].endswith(f"record {escaped} refused")
-    assert all(line.startswith("    ") for line in lines[1:]) and not RAW_UNSAFE.search(stream.getvalue())
+    assert all(line.startswith("    ") for line in lines[1:]) and not RAW_UNSAFE.search(
+        stream.getvalue()
+    )
     record = logging.LogRecord("x", logging.INFO, __file__, 1, "%s", (hostile,), None)
     as_json = JsonFormatter().format(record)
     assert json.loads(as_json)["message"] == hostile and not RAW_UNSAFE.search(as_json)

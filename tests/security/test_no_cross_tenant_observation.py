@@ -33,7 +33,11 @@ METRICS_TOKEN = "cross-tenant-test-metrics-token"
 SCRAPER = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 _COUNTER = re.compile(r"^(kvledger_[a-z_]+_total)(\{[^}]*\})? ([0-9.e+]+)$", re.MULTILINE)
 # Headers that differ between any two responses (time, per-request ids, body size of ids).
-_VOLATILE_HEADERS = {"date", "content-length", "x-request-id"}  # x-request-id: fresh and random per request
+_VOLATILE_HEADERS = {
+    "date",
+    "content-length",
+    "x-request-id",
+}  # x-request-id: fresh and random per request
 
 
 @contextmanager
@@ -42,16 +46,22 @@ def served_node(model_dir: Path, data_dir: Path) -> Iterator[str]:
         model_dir=model_dir,
         data_dir=data_dir,
         auth=IssuerSettings(jwt_secret=SECRET),
-        cache=CacheSettings(block_size=16, num_device_blocks=256, num_host_blocks=256, max_disk_blocks=512),
+        cache=CacheSettings(
+            block_size=16, num_device_blocks=256, num_host_blocks=256, max_disk_blocks=512
+        ),
         metrics={"token": METRICS_TOKEN},
     )
     engine = AsyncEngine.from_settings(settings)
-    with node_on_thread(engine, create_app(engine, TokenVerifier(settings.auth)), "cross-tenant-test-node") as url:
+    with node_on_thread(
+        engine, create_app(engine, TokenVerifier(settings.auth)), "cross-tenant-test-node"
+    ) as url:
         yield url
 
 
 def _bearer(tenant: str, sub: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {issue_token(tenant=tenant, sub=sub, scopes=['hr'], pv=1, roles=[], ttl_s=600, secret=SECRET)}"}
+    return {
+        "Authorization": f"Bearer {issue_token(tenant=tenant, sub=sub, scopes=['hr'], pv=1, roles=[], ttl_s=600, secret=SECRET)}"
+    }
 
 
 def acme() -> dict[str, str]:
@@ -66,11 +76,17 @@ def globex() -> dict[str, str]:
 def _counters(http: httpx.Client) -> dict[str, float]:
     scrape = http.get("/metrics", headers=SCRAPER)
     assert scrape.status_code == 200
-    return {name + (labels or ""): float(value) for name, labels, value in _COUNTER.findall(scrape.text)}
+    return {
+        name + (labels or ""): float(value) for name, labels, value in _COUNTER.findall(scrape.text)
+    }
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {name: after[name] - before.get(name, 0.0) for name in after if after[name] != before.get(name, 0.0)}
+    return {
+        name: after[name] - before.get(name, 0.0)
+        for name in after
+        if after[name] != before.get(name, 0.0)
+    }
 
 
 def _observable(response: httpx.Response) -> tuple:
@@ -78,14 +94,20 @@ def _observable(response: httpx.Response) -> tuple:
     body = response.json()
     if "id" in body:
         body = body | {"id": "chatcmpl-…", "created": 0}
-    headers = {name: value for name, value in response.headers.items() if name not in _VOLATILE_HEADERS}
+    headers = {
+        name: value for name, value in response.headers.items() if name not in _VOLATILE_HEADERS
+    }
     return response.status_code, headers, body
 
 
 def _prompt(scope: str, tag: str) -> list[dict]:
     handbook = f"[{tag}] Salaries of the executive team: " + "confidential figures follow. " * 12
     if scope == "tenant":
-        first = {"role": "user", "content": handbook, "document": {"id": f"handbook-{tag}", "version": 1, "auth_scope": "hr"}}
+        first = {
+            "role": "user",
+            "content": handbook,
+            "document": {"id": f"handbook-{tag}", "version": 1, "auth_scope": "hr"},
+        }
     else:
         first = {"role": "user", "content": handbook, "cache_scope": "user"}
     return [first, {"role": "user", "content": "What does the CFO earn?"}]
@@ -99,7 +121,9 @@ def _what_globex_sees(url: str, messages: list[dict], acme_first: bool) -> dict:
             cached = http.post("/v1/chat/completions", json=body, headers=acme())
             assert cached.status_code == 200, cached.text
             again = http.post("/v1/chat/completions", json=body, headers=acme())
-            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "acme's prompt was not cached"
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, (
+                "acme's prompt was not cached"
+            )
         before = _counters(http)
         answer = http.post("/v1/chat/completions", json=body, headers=globex())
         after = _counters(http)
@@ -108,7 +132,11 @@ def _what_globex_sees(url: str, messages: list[dict], acme_first: bool) -> dict:
             "content": messages[0]["content"],
             "document": {"id": "payroll", "version": 1, "auth_scope": "finance"},
         }
-        forbidden = http.post("/v1/chat/completions", json=body | {"messages": [forbidden_document, *messages[1:]]}, headers=globex())
+        forbidden = http.post(
+            "/v1/chat/completions",
+            json=body | {"messages": [forbidden_document, *messages[1:]]},
+            headers=globex(),
+        )
         return {
             "answer": _observable(answer),
             "forbidden": _observable(forbidden),
@@ -121,12 +149,19 @@ def _what_globex_sees(url: str, messages: list[dict], acme_first: bool) -> dict:
 @pytest.mark.parametrize("scope", ["tenant", "user"])
 def test_another_tenants_cache_is_unobservable(tiny_model_dir: Path, tmp_path: Path, scope: str):
     messages = _prompt(scope, uuid.uuid4().hex[:8])
-    with served_node(tiny_model_dir, tmp_path / "cached") as cached_url, served_node(tiny_model_dir, tmp_path / "fresh") as fresh_url:
+    with (
+        served_node(tiny_model_dir, tmp_path / "cached") as cached_url,
+        served_node(tiny_model_dir, tmp_path / "fresh") as fresh_url,
+    ):
         after_acme = _what_globex_sees(cached_url, messages, acme_first=True)
         nobody_cached = _what_globex_sees(fresh_url, messages, acme_first=False)
     assert after_acme == nobody_cached
     # What the comparison covers: globex's miss (no reason naming acme's entry), no hit, refusals.
-    miss_deltas = {name: value for name, value in after_acme["counter_deltas"].items() if name.startswith("kvledger_cache_misses_total")}
+    miss_deltas = {
+        name: value
+        for name, value in after_acme["counter_deltas"].items()
+        if name.startswith("kvledger_cache_misses_total")
+    }
     assert miss_deltas == {f'kvledger_cache_misses_total{{reason="{MissReason.NO_ENTRY}"}}': 1.0}
     assert after_acme["answer"][2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert after_acme["forbidden"][0] == 403

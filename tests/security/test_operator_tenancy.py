@@ -38,13 +38,24 @@ from coordinator.ledger.models import Erasure
 from coordinator.ledger.transactions import begin_ledger_transaction, lock_decisions
 from coordinator.settings import CoordinatorSettings
 from events.kafka.consumer import ConsumedEvent
-from events.schema import BlockStored, DocumentPredicate, NamespacePredicate, NodeStarted, make_event, subject_digest
+from events.schema import (
+    BlockStored,
+    DocumentPredicate,
+    NamespacePredicate,
+    NodeStarted,
+    make_event,
+    subject_digest,
+)
 from events.topics import KV_EVENTS
 
 TENANT_A, TENANT_B = "tenant-a", "tenant-b"
 TENANT_ROLES = ("tenant-admin", "privacy-officer", "auditor")
 FORBIDDEN = {
-    "error": {"message": "operators act only inside the tenant of their token", "type": "permission_error", "code": "tenant_forbidden"}
+    "error": {
+        "message": "operators act only inside the tenant of their token",
+        "type": "permission_error",
+        "code": "tenant_forbidden",
+    }
 }
 
 ALICE_A = stored(
@@ -66,7 +77,9 @@ BOB_B = stored(
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         yield coordinator_settings(
             url,
@@ -91,12 +104,16 @@ async def _decide(database: Database, predicate) -> str:
     async with database.session() as session, session.begin():
         now = await begin_ledger_transaction(session)
         await lock_decisions(session)
-        decision = await decide(session, predicate, now=now, trigger="api", requested_at=now, signer=sign_command)
+        decision = await decide(
+            session, predicate, now=now, trigger="api", requested_at=now, signer=sign_command
+        )
     return str(decision.command_id)
 
 
 @pytest.fixture(scope="module")
-async def world(settings: CoordinatorSettings, database: Database, client: httpx.AsyncClient) -> AsyncIterator[dict]:
+async def world(
+    settings: CoordinatorSettings, database: Database, client: httpx.AsyncClient
+) -> AsyncIterator[dict]:
     """Tenant A's verified erasure (with receipt) and invalidation, a namespace-wide invalidation;
     then a node holding a user block of A and one of B, and a stale node on a namespace to retire."""
     consumers = await RunningConsumers(settings).start()
@@ -112,22 +129,36 @@ async def world(settings: CoordinatorSettings, database: Database, client: httpx
         admin = operator_headers("platform-admin", "platform")
 
         async def verified() -> bool:
-            return (await client.get(f"/v1/erasures/{erasure_id}", headers=admin)).json()["status"] == "verified"
+            return (await client.get(f"/v1/erasures/{erasure_id}", headers=admin)).json()[
+                "status"
+            ] == "verified"
 
         await eventually(verified, what="tenant A's erasure to be verified")
-        receipt_id = (await client.get(f"/v1/erasures/{erasure_id}", headers=admin)).json()["receipt_id"]
-        invalidation_id = await _decide(database, DocumentPredicate(tenant=TENANT_A, doc_id="handbook", below_version=2))
+        receipt_id = (await client.get(f"/v1/erasures/{erasure_id}", headers=admin)).json()[
+            "receipt_id"
+        ]
+        invalidation_id = await _decide(
+            database, DocumentPredicate(tenant=TENANT_A, doc_id="handbook", below_version=2)
+        )
         namespace_invalidation_id = await _decide(database, NamespacePredicate(ns="ns-gone"))
 
         hour_ago = datetime.now(UTC) - timedelta(hours=1)
         await LedgerIngest(database, inventory_retry_s=60, command_signer=sign_command)(
             [
-                _consumed(make_event(NodeStarted(node_id="node-live", epoch=1, seq=0, namespace="ns-live"))),
-                _consumed(make_event(BlockStored(node_id="node-live", epoch=1, seq=1, blocks=[ALICE_A, BOB_B]))),
                 _consumed(
-                    make_event(NodeStarted(node_id="node-stale", epoch=1, seq=0, namespace="ns-old")).model_copy(
-                        update={"occurred_at": hour_ago}
+                    make_event(
+                        NodeStarted(node_id="node-live", epoch=1, seq=0, namespace="ns-live")
                     )
+                ),
+                _consumed(
+                    make_event(
+                        BlockStored(node_id="node-live", epoch=1, seq=1, blocks=[ALICE_A, BOB_B])
+                    )
+                ),
+                _consumed(
+                    make_event(
+                        NodeStarted(node_id="node-stale", epoch=1, seq=0, namespace="ns-old")
+                    ).model_copy(update={"occurred_at": hour_ago})
                 ),
             ]
         )
@@ -156,7 +187,9 @@ def _paths(world: dict, *, missing: bool = False) -> list[str]:
 
 async def _erasures_of(database: Database, tenant: str) -> int:
     async with database.session() as session:
-        return await session.scalar(select(func.count()).select_from(Erasure).where(Erasure.tenant_id == tenant))
+        return await session.scalar(
+            select(func.count()).select_from(Erasure).where(Erasure.tenant_id == tenant)
+        )
 
 
 async def test_privacy_officer_of_b_cannot_erase_a_subject_of_a(world, client, database) -> None:
@@ -165,7 +198,10 @@ async def test_privacy_officer_of_b_cannot_erase_a_subject_of_a(world, client, d
         response = await client.post(
             "/v1/erasures",
             json={"tenant_id": TENANT_A, "subject_id": subject, "reason": "hostile"},
-            headers={**operator_headers("privacy-officer", TENANT_B), "Idempotency-Key": f"attack-{subject}"},
+            headers={
+                **operator_headers("privacy-officer", TENANT_B),
+                "Idempotency-Key": f"attack-{subject}",
+            },
         )
         assert (response.status_code, response.json()) == (403, FORBIDDEN)
     assert await _erasures_of(database, TENANT_A) == before
@@ -176,12 +212,17 @@ async def test_privacy_officer_of_b_cannot_erase_a_subject_of_a(world, client, d
             json={"tenant_id": TENANT_A, "subject_id": "alice", "reason": "not my job"},
             headers=operator_headers(role, TENANT_A),
         )
-        assert (response.status_code, response.json()["error"]["code"]) == (403, "insufficient_role")
+        assert (response.status_code, response.json()["error"]["code"]) == (
+            403,
+            "insufficient_role",
+        )
     assert await _erasures_of(database, TENANT_A) == before
 
 
 @pytest.mark.parametrize("role", TENANT_ROLES)
-async def test_operators_of_b_read_nothing_of_a_and_learn_nothing_from_ids(world, client, role) -> None:
+async def test_operators_of_b_read_nothing_of_a_and_learn_nothing_from_ids(
+    world, client, role
+) -> None:
     headers = operator_headers(role, TENANT_B)
     for existing, made_up in zip(_paths(world), _paths(world, missing=True), strict=True):
         real = await client.get(existing, headers=headers)
@@ -190,7 +231,9 @@ async def test_operators_of_b_read_nothing_of_a_and_learn_nothing_from_ids(world
         assert (fake.status_code, fake.json()) == (403, FORBIDDEN), made_up
         assert real.headers.get("content-length") == fake.headers.get("content-length")
     # A namespace-wide command belongs to no tenant: platform-admin only.
-    namespace_wide = await client.get(f"/v1/invalidations/{world['namespace_invalidation']}", headers=headers)
+    namespace_wide = await client.get(
+        f"/v1/invalidations/{world['namespace_invalidation']}", headers=headers
+    )
     assert (namespace_wide.status_code, namespace_wide.json()) == (403, FORBIDDEN)
 
 
@@ -198,9 +241,14 @@ async def test_operators_of_b_read_nothing_of_a_and_learn_nothing_from_ids(world
 async def test_no_subject_id_oracle_across_tenants(world, client, role) -> None:
     headers = operator_headers(role, TENANT_B)
     for subject in ("alice", "nobody-of-that-name"):
-        response = await client.get("/v1/ledger/blocks", params={"tenant": TENANT_A, "subject": subject}, headers=headers)
+        response = await client.get(
+            "/v1/ledger/blocks", params={"tenant": TENANT_A, "subject": subject}, headers=headers
+        )
         assert (response.status_code, response.json()) == (403, FORBIDDEN)
-    for params in ({"tenant": TENANT_A}, {"tenant": TENANT_A, "doc_id": "handbook", "include_deleted": "true"}):
+    for params in (
+        {"tenant": TENANT_A},
+        {"tenant": TENANT_A, "doc_id": "handbook", "include_deleted": "true"},
+    ):
         response = await client.get("/v1/ledger/blocks", params=params, headers=headers)
         assert (response.status_code, response.json()) == (403, FORBIDDEN)
     listing = await client.get("/v1/invalidations", params={"tenant": TENANT_A}, headers=headers)
@@ -216,9 +264,16 @@ async def test_no_subject_id_oracle_across_tenants(world, client, role) -> None:
 async def test_tenant_operators_cannot_retire_namespaces_or_list_nodes(world, client) -> None:
     for role in TENANT_ROLES:
         headers = operator_headers(role, TENANT_A)
-        for method, path in (("POST", "/v1/namespaces/ns-old/retire"), ("GET", "/v1/nodes"), ("GET", "/v1/namespaces")):
+        for method, path in (
+            ("POST", "/v1/namespaces/ns-old/retire"),
+            ("GET", "/v1/nodes"),
+            ("GET", "/v1/namespaces"),
+        ):
             response = await client.request(method, path, headers=headers)
-            assert (response.status_code, response.json()["error"]["code"]) == (403, "insufficient_role"), (role, path)
+            assert (response.status_code, response.json()["error"]["code"]) == (
+                403,
+                "insufficient_role",
+            ), (role, path)
     admin = operator_headers("platform-admin", "platform")
     nodes = await client.get("/v1/nodes", headers=admin)
     assert {node["node_id"] for node in nodes.json()["nodes"]} == {"node-live", "node-stale"}
@@ -238,11 +293,19 @@ async def test_same_tenant_operators_read_their_tenant(world, client, role) -> N
     proof = await client.get(f"/v1/audit/proof/{world['receipt']}", headers=headers)
     assert receipt.status_code == 200 and proof.json() == receipt.json()
     invalidation = await client.get(f"/v1/invalidations/{world['invalidation']}", headers=headers)
-    assert invalidation.status_code == 200 and invalidation.json()["predicate"]["tenant"] == TENANT_A
+    assert (
+        invalidation.status_code == 200 and invalidation.json()["predicate"]["tenant"] == TENANT_A
+    )
     listed = await client.get("/v1/invalidations", headers=headers)
-    assert {item["command_id"] for item in listed.json()["invalidations"]} >= {world["invalidation"]}
-    assert {item["predicate"].get("tenant") for item in listed.json()["invalidations"]} == {TENANT_A}
-    blocks = await client.get("/v1/ledger/blocks", params={"tenant": TENANT_A, "subject": "alice"}, headers=headers)
+    assert {item["command_id"] for item in listed.json()["invalidations"]} >= {
+        world["invalidation"]
+    }
+    assert {item["predicate"].get("tenant") for item in listed.json()["invalidations"]} == {
+        TENANT_A
+    }
+    blocks = await client.get(
+        "/v1/ledger/blocks", params={"tenant": TENANT_A, "subject": "alice"}, headers=headers
+    )
     assert [block["block_hash"] for block in blocks.json()["blocks"]] == [ALICE_A.block_hash]
     # An id that does not exist is the same 403 inside the own tenant: no id oracle at all.
     for path in _paths(world, missing=True):
@@ -254,15 +317,25 @@ async def test_platform_admin_sees_every_tenant_and_gets_404_for_missing_ids(wor
     admin = operator_headers("platform-admin", "platform")
     for path in _paths(world):
         assert (await client.get(path, headers=admin)).status_code == 200, path
-    assert (await client.get(f"/v1/invalidations/{world['namespace_invalidation']}", headers=admin)).status_code == 200
+    assert (
+        await client.get(f"/v1/invalidations/{world['namespace_invalidation']}", headers=admin)
+    ).status_code == 200
     codes = []
     for path in _paths(world, missing=True):
         response = await client.get(path, headers=admin)
         assert response.status_code == 404, path
         codes.append(response.json()["error"]["code"])
-    assert codes == ["erasure_not_found", "erasure_not_found", "receipt_not_found", "invalidation_not_found"]
+    assert codes == [
+        "erasure_not_found",
+        "erasure_not_found",
+        "receipt_not_found",
+        "invalidation_not_found",
+    ]
     everything = await client.get("/v1/ledger/blocks", headers=admin)
-    assert {block["block_hash"] for block in everything.json()["blocks"]} == {ALICE_A.block_hash, BOB_B.block_hash}
+    assert {block["block_hash"] for block in everything.json()["blocks"]} == {
+        ALICE_A.block_hash,
+        BOB_B.block_hash,
+    }
     erased = await client.post(
         "/v1/erasures",
         json={"tenant_id": TENANT_B, "subject_id": "dave", "reason": "platform request"},

@@ -39,8 +39,24 @@ from coordinator.ledger.db import Database
 from coordinator.ledger.models import Document, InboxEntry, Invalidation, Namespace, Node, Policy
 from coordinator.settings import CoordinatorSettings
 from events.codec import DeadLetter, encode_event, encode_key
-from events.schema import DocumentUpdated, ErasureRequested, EventPayload, NodeHeartbeat, NodeStarted, PermissionRevoked, make_event
-from events.topics import DEAD_LETTER, DOCUMENTS, ERASURES, KV_EVENTS, PERMISSIONS, document_key, route
+from events.schema import (
+    DocumentUpdated,
+    ErasureRequested,
+    EventPayload,
+    NodeHeartbeat,
+    NodeStarted,
+    PermissionRevoked,
+    make_event,
+)
+from events.topics import (
+    DEAD_LETTER,
+    DOCUMENTS,
+    ERASURES,
+    KV_EVENTS,
+    PERMISSIONS,
+    document_key,
+    route,
+)
 from identity.signing import sign_envelope
 
 BAD_IDS = {
@@ -56,7 +72,9 @@ BAD_COUNTS = {"2^53": 2**53, "2^63": 2**63, "-1": -1}
 
 
 @pytest.fixture(scope="module")
-async def settings(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def settings(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         yield coordinator_settings(url, kafka_bootstrap, ledger={"inventory_retry_s": 3600})
 
@@ -76,7 +94,9 @@ async def applied(database: Database, *event_ids: uuid.UUID) -> bool:
 
 
 @pytest.fixture(scope="module")
-async def coordinator(settings: CoordinatorSettings, database: Database, raw_producer: AIOKafkaProducer):
+async def coordinator(
+    settings: CoordinatorSettings, database: Database, raw_producer: AIOKafkaProducer
+):
     """The consumers, caught up: a marker event on every partition of every topic they read has been applied."""
     consumers = await RunningConsumers(settings).start()
     uid = uuid.uuid4().hex[:8]
@@ -94,7 +114,9 @@ async def coordinator(settings: CoordinatorSettings, database: Database, raw_pro
             value, key = await record_value(settings, envelope), encode_key(route(envelope)[1])
             await raw_producer.send_and_wait(topic, value, key=key, partition=partition)
             markers.append(envelope.event_id)
-    await eventually(lambda: applied(database, *markers), timeout_s=120, what="the consumers to catch up")
+    await eventually(
+        lambda: applied(database, *markers), timeout_s=120, what="the consumers to catch up"
+    )
     yield
     await consumers.stop()
 
@@ -114,7 +136,10 @@ def dead_letter_count(topic: str) -> float:
 
 
 def handler_failures(group: str) -> float:
-    return REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": group}) or 0.0
+    return (
+        REGISTRY.get_sample_value("kvledger_consumer_handler_failures_total", {"group": group})
+        or 0.0
+    )
 
 
 async def dead_letters_of(bootstrap: str, values: list[bytes]) -> list[DeadLetter]:
@@ -144,18 +169,41 @@ def _replace(envelope_json: dict, path: str, value) -> bytes:
 def _case(topic: str, uid: str) -> tuple[EventPayload, str | None, list[str], list[str]]:
     """A valid event of ``topic`` with the paths of its identifier and count fields."""
     if topic == KV_EVENTS:
-        return NodeHeartbeat(node_id=f"n-{uid}", epoch=1, seq=0), None, ["payload.node_id"], ["payload.epoch", "payload.seq"]
+        return (
+            NodeHeartbeat(node_id=f"n-{uid}", epoch=1, seq=0),
+            None,
+            ["payload.node_id"],
+            ["payload.epoch", "payload.seq"],
+        )
     if topic == DOCUMENTS:
-        return DocumentUpdated(doc_id=f"d-{uid}", version=1), f"t-{uid}", ["tenant_id", "payload.doc_id"], ["payload.version"]
+        return (
+            DocumentUpdated(doc_id=f"d-{uid}", version=1),
+            f"t-{uid}",
+            ["tenant_id", "payload.doc_id"],
+            ["payload.version"],
+        )
     if topic == PERMISSIONS:
-        return PermissionRevoked(auth_scope=f"s-{uid}", policy_version=1), f"t-{uid}", ["payload.auth_scope"], ["payload.policy_version"]
-    return ErasureRequested(subject_id=f"u-{uid}", reason="test"), f"t-{uid}", ["payload.subject_id", "tenant_id"], []
+        return (
+            PermissionRevoked(auth_scope=f"s-{uid}", policy_version=1),
+            f"t-{uid}",
+            ["payload.auth_scope"],
+            ["payload.policy_version"],
+        )
+    return (
+        ErasureRequested(subject_id=f"u-{uid}", reason="test"),
+        f"t-{uid}",
+        ["payload.subject_id", "tenant_id"],
+        [],
+    )
 
 
 BAD_RECORDS = [
     (topic, label, bad)
     for topic in (KV_EVENTS, DOCUMENTS, PERMISSIONS, ERASURES)
-    for label, bad in [*(("id", v) for v in BAD_IDS.values()), *(("count", v) for v in BAD_COUNTS.values())]
+    for label, bad in [
+        *(("id", v) for v in BAD_IDS.values()),
+        *(("count", v) for v in BAD_COUNTS.values()),
+    ]
     if not (topic == ERASURES and label == "count")
 ] + [(ERASURES, "reason", "a\x00b"), (ERASURES, "reason", "r" * 2001)]
 
@@ -183,17 +231,28 @@ async def test_a_hostile_value_is_dead_lettered_and_the_partition_keeps_flowing(
         for value in bad_values:
             await raw_producer.send_and_wait(topic, value, key=encode_key(key))
         # The same key, so the same partition: it is consumed only after the bad records.
-        metadata = await raw_producer.send_and_wait(topic, await record_value(settings, valid), key=encode_key(key))
-        await eventually(lambda: applied(database, valid.event_id), what="the valid event after the bad ones")
+        metadata = await raw_producer.send_and_wait(
+            topic, await record_value(settings, valid), key=encode_key(key)
+        )
+        await eventually(
+            lambda: applied(database, valid.event_id), what="the valid event after the bad ones"
+        )
         letters = await dead_letters_of(settings.kafka.bootstrap, bad_values)
     group = settings.kafka.group_id + ("" if topic == KV_EVENTS else INVALIDATION_GROUP_SUFFIX)
     for letter, path in zip(letters, paths, strict=True):
-        assert (letter.topic, letter.partition, letter.raw_key(), letter.group_id) == (topic, metadata.partition, key.encode(), group)
+        assert (letter.topic, letter.partition, letter.raw_key(), letter.group_id) == (
+            topic,
+            metadata.partition,
+            key.encode(),
+            group,
+        )
         assert letter.offset < metadata.offset
         assert letter.error.startswith(path)
     assert dead_letter_count(topic) - before == len(bad_values)
     alerts = [r for r in caplog.records if r.getMessage().startswith(f"dead-lettered {topic}")]
-    assert [r.levelno for r in alerts] == [logging.ERROR if topic in (PERMISSIONS, ERASURES) else logging.WARNING] * len(paths)
+    assert [r.levelno for r in alerts] == [
+        logging.ERROR if topic in (PERMISSIONS, ERASURES) else logging.WARNING
+    ] * len(paths)
     if topic == DOCUMENTS:
         async with database.session() as session:
             document = await session.get(Document, (tenant, f"d-{uid}"))
@@ -210,12 +269,18 @@ async def test_a_lone_surrogate_is_dead_lettered(
     coordinator, settings: CoordinatorSettings, database: Database, raw_producer: AIOKafkaProducer
 ) -> None:
     uid = uuid.uuid4().hex[:8]
-    valid = sign_customer_event(make_event(DocumentUpdated(doc_id=f"d-{uid}", version=1), tenant_id=f"t-{uid}"))
+    valid = sign_customer_event(
+        make_event(DocumentUpdated(doc_id=f"d-{uid}", version=1), tenant_id=f"t-{uid}")
+    )
     bad = encode_event(valid).replace(f"d-{uid}".encode(), b"d-\\ud800")
     before = dead_letter_count(DOCUMENTS)
     await raw_producer.send_and_wait(DOCUMENTS, bad, key=encode_key(f"t-{uid}:d-{uid}"))
-    await raw_producer.send_and_wait(DOCUMENTS, encode_event(valid), key=encode_key(f"t-{uid}:d-{uid}"))
-    await eventually(lambda: applied(database, valid.event_id), what="the valid event after the bad one")
+    await raw_producer.send_and_wait(
+        DOCUMENTS, encode_event(valid), key=encode_key(f"t-{uid}:d-{uid}")
+    )
+    await eventually(
+        lambda: applied(database, valid.event_id), what="the valid event after the bad one"
+    )
     (letter,) = await dead_letters_of(settings.kafka.bootstrap, [bad])
     assert letter.error.startswith("Invalid JSON")
     assert dead_letter_count(DOCUMENTS) - before == 1
@@ -230,7 +295,9 @@ async def _refuse(url: str, table: str, column: str, value: str) -> str:
     name = f"poison_{uuid.uuid4().hex[:8]}"
     connection = await connect(url)
     try:
-        await connection.execute(f"ALTER TABLE {table} ADD CONSTRAINT {name} CHECK ({column} <> '{value}') NOT VALID")
+        await connection.execute(
+            f"ALTER TABLE {table} ADD CONSTRAINT {name} CHECK ({column} <> '{value}') NOT VALID"
+        )
     finally:
         await connection.close()
     return name
@@ -249,14 +316,26 @@ async def test_a_document_the_database_refuses_is_isolated_and_the_rest_of_its_b
 ) -> None:
     uid = uuid.uuid4().hex[:8]
     tenant = f"t-{uid}"
-    constraint = await _refuse(settings.database.url.get_secret_value(), "documents", "doc_id", f"poison-{uid}")
+    constraint = await _refuse(
+        settings.database.url.get_secret_value(), "documents", "doc_id", f"poison-{uid}"
+    )
     try:
         names = [f"a-{uid}", f"b-{uid}", f"poison-{uid}", f"c-{uid}", f"d-{uid}"]
-        events = [sign_customer_event(make_event(DocumentUpdated(doc_id=name, version=3), tenant_id=tenant)) for name in names]
+        events = [
+            sign_customer_event(
+                make_event(DocumentUpdated(doc_id=name, version=3), tenant_id=tenant)
+            )
+            for name in names
+        ]
         before = dead_letter_count(DOCUMENTS)
         # One partition, so the consumer fetches them as one batch (and in this order); each under its own key.
         sent = [
-            await raw_producer.send(DOCUMENTS, encode_event(e), key=encode_key(document_key(tenant, e.payload.doc_id)), partition=0)
+            await raw_producer.send(
+                DOCUMENTS,
+                encode_event(e),
+                key=encode_key(document_key(tenant, e.payload.doc_id)),
+                partition=0,
+            )
             for e in events
         ]
         metadata = [await future for future in sent]
@@ -265,14 +344,23 @@ async def test_a_document_the_database_refuses_is_isolated_and_the_rest_of_its_b
         (letter,) = await dead_letters_of(settings.kafka.bootstrap, [encode_event(events[2])])
     finally:
         await _drop(settings.database.url.get_secret_value(), "documents", constraint)
-    assert (letter.topic, letter.partition, letter.offset) == (DOCUMENTS, metadata[2].partition, metadata[2].offset)
+    assert (letter.topic, letter.partition, letter.offset) == (
+        DOCUMENTS,
+        metadata[2].partition,
+        metadata[2].offset,
+    )
     assert letter.group_id == settings.kafka.group_id + INVALIDATION_GROUP_SUFFIX
     assert letter.error == (
         f"refused by the {settings.kafka.group_id}{INVALIDATION_GROUP_SUFFIX} handler: CheckViolationError (SQLSTATE 23514)"
     )
     assert dead_letter_count(DOCUMENTS) - before == 1
     async with database.session() as session:
-        documents = {d.doc_id: d.version for d in (await session.scalars(select(Document).where(Document.tenant_id == tenant))).all()}
+        documents = {
+            d.doc_id: d.version
+            for d in (
+                await session.scalars(select(Document).where(Document.tenant_id == tenant))
+            ).all()
+        }
         decided = (
             await session.execute(
                 select(Invalidation.source_event_id, func.count())
@@ -289,7 +377,9 @@ async def test_a_kv_event_the_database_refuses_is_isolated(
     coordinator, settings: CoordinatorSettings, database: Database, raw_producer: AIOKafkaProducer
 ) -> None:
     uid = uuid.uuid4().hex[:8]
-    constraint = await _refuse(settings.database.url.get_secret_value(), "namespaces", "namespace", f"ns-poison-{uid}")
+    constraint = await _refuse(
+        settings.database.url.get_secret_value(), "namespaces", "namespace", f"ns-poison-{uid}"
+    )
     try:
         events = [
             make_event(NodeStarted(node_id=f"n{i}-{uid}", epoch=1, seq=0, namespace=namespace))
@@ -298,14 +388,26 @@ async def test_a_kv_event_the_database_refuses_is_isolated(
         values = [await record_value(settings, e) for e in events]
         sent = [await raw_producer.send(KV_EVENTS, value, key=b"one-partition") for value in values]
         await asyncio.gather(*sent)
-        await eventually(lambda: applied(database, events[0].event_id, events[2].event_id), what="the good node events")
+        await eventually(
+            lambda: applied(database, events[0].event_id, events[2].event_id),
+            what="the good node events",
+        )
         (letter,) = await dead_letters_of(settings.kafka.bootstrap, [values[1]])
     finally:
         await _drop(settings.database.url.get_secret_value(), "namespaces", constraint)
-    assert letter.error == f"refused by the {settings.kafka.group_id} handler: CheckViolationError (SQLSTATE 23514)"
+    assert (
+        letter.error
+        == f"refused by the {settings.kafka.group_id} handler: CheckViolationError (SQLSTATE 23514)"
+    )
     async with database.session() as session:
-        nodes = (await session.scalars(select(Node.node_id).where(Node.node_id.like(f"%-{uid}")))).all()
-        namespaces = (await session.scalars(select(Namespace.namespace).where(Namespace.namespace.like(f"%{uid}")))).all()
+        nodes = (
+            await session.scalars(select(Node.node_id).where(Node.node_id.like(f"%-{uid}")))
+        ).all()
+        namespaces = (
+            await session.scalars(
+                select(Namespace.namespace).where(Namespace.namespace.like(f"%{uid}"))
+            )
+        ).all()
     assert sorted(nodes) == [f"n0-{uid}", f"n2-{uid}"]
     assert namespaces == [f"ns-{uid}"]
 
@@ -319,7 +421,9 @@ async def test_a_transient_failure_is_retried_and_nothing_is_dead_lettered(
     """The consumer's connection is killed mid-batch (pg_terminate_backend): the batch is retried, not dead-lettered."""
     uid = uuid.uuid4().hex[:8]
     tenant = f"t-{uid}"
-    event = sign_customer_event(make_event(DocumentUpdated(doc_id=f"d-{uid}", version=2), tenant_id=tenant))
+    event = sign_customer_event(
+        make_event(DocumentUpdated(doc_id=f"d-{uid}", version=2), tenant_id=tenant)
+    )
     group = settings.kafka.group_id + INVALIDATION_GROUP_SUFFIX
     failures_before, letters_before = handler_failures(group), dead_letter_count(DOCUMENTS)
     blocker = await connect(settings.database.url.get_secret_value())
@@ -327,7 +431,9 @@ async def test_a_transient_failure_is_retried_and_nothing_is_dead_lettered(
         async with blocker.transaction():
             # Hold the documents table: the consumer's transaction waits on this lock.
             await blocker.execute("LOCK TABLE documents IN ACCESS EXCLUSIVE MODE")
-            await raw_producer.send_and_wait(DOCUMENTS, encode_event(event), key=encode_key(f"{tenant}:d-{uid}"))
+            await raw_producer.send_and_wait(
+                DOCUMENTS, encode_event(event), key=encode_key(f"{tenant}:d-{uid}")
+            )
 
             async def waiting() -> list[int]:
                 return [

@@ -31,7 +31,9 @@ STARTUP_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def node_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer):
+def node_url(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
+):
     data_dir = tmp_path_factory.mktemp("dos-node")
     with loopback_listener() as probe:
         port = probe.getsockname()[1]
@@ -39,19 +41,33 @@ def node_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, for
     env.pop("KVLEDGER_KAFKA_BOOTSTRAP", None)
     env.pop("KVLEDGER_NODE_KAFKA_BOOTSTRAP", None)
     log_path = data_dir / "node.log"
-    args = ["node", "--model", str(tiny_model_dir), "--port", str(port), "--node-id", "dos-node", "--data-dir", str(data_dir)]
+    args = [
+        "node",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--node-id",
+        "dos-node",
+        "--data-dir",
+        str(data_dir),
+    ]
     process = spawn_cli(args, env, log_path, launcher=fork_server.launch)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
-            assert process.poll() is None, f"the node exited ({process.returncode}):\n{log_path.read_text()[-4000:]}"
+            assert process.poll() is None, (
+                f"the node exited ({process.returncode}):\n{log_path.read_text()[-4000:]}"
+            )
             try:
                 if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, f"the node was not ready after {STARTUP_TIMEOUT_S:.0f} s"
+            assert time.monotonic() < deadline, (
+                f"the node was not ready after {STARTUP_TIMEOUT_S:.0f} s"
+            )
             time.sleep(0.2)
         yield url
     finally:
@@ -75,13 +91,20 @@ async def _poll_health(client: httpx.AsyncClient, done: asyncio.Event) -> list[f
 
 
 async def test_node_stays_responsive_while_parsing_the_largest_request(node_url: str):
-    token = issue_token(tenant="acme", sub="mallory", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET)
+    token = issue_token(
+        tenant="acme", sub="mallory", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET
+    )
     messages = [
-        {"role": "user" if index % 2 == 0 else "assistant", "content": f"message {index}: all work and no play"}
+        {
+            "role": "user" if index % 2 == 0 else "assistant",
+            "content": f"message {index}: all work and no play",
+        }
         for index in range(NUM_MESSAGES)
     ]
     async with httpx.AsyncClient(base_url=node_url) as client:
-        model = (await client.get("/v1/models", headers={"Authorization": f"Bearer {token}"})).json()["data"][0]["id"]
+        model = (
+            await client.get("/v1/models", headers={"Authorization": f"Bearer {token}"})
+        ).json()["data"][0]["id"]
         done = asyncio.Event()
         poller = asyncio.create_task(_poll_health(client, done))
         started = time.perf_counter()
@@ -101,4 +124,6 @@ async def test_node_stays_responsive_while_parsing_the_largest_request(node_url:
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert latencies, "no health check ran while the request was parsed"
-    assert max(latencies) < MAX_HEALTH_LATENCY_S, f"/healthz took up to {max(latencies):.2f} s ({len(latencies)} polls)"
+    assert max(latencies) < MAX_HEALTH_LATENCY_S, (
+        f"/healthz took up to {max(latencies):.2f} s ({len(latencies)} polls)"
+    )

@@ -63,7 +63,12 @@ SYSTEM = "You answer questions from the tenant handbook, briefly."
 
 
 def unverified(topic: str, reason: str) -> float:
-    return REGISTRY.get_sample_value("kvledger_unverified_records_total", {"topic": topic, "reason": reason}) or 0.0
+    return (
+        REGISTRY.get_sample_value(
+            "kvledger_unverified_records_total", {"topic": topic, "reason": reason}
+        )
+        or 0.0
+    )
 
 
 async def acked(bootstrap: str, command_id: uuid.UUID, node_id: str) -> schema.CommandAck:
@@ -92,7 +97,9 @@ class Node(NodeServices):
         super().__init__(settings)
         self.assemble()
         app = create_app(self.engine, TokenVerifier(settings.auth))
-        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node", timeout=60)
+        self.http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://node", timeout=60
+        )
 
     async def start(self) -> Node:
         await self.engine.start(ready=False)
@@ -106,34 +113,64 @@ class Node(NodeServices):
         await self.engine.stop()
 
     async def chat(self, token: str, version: int) -> httpx.Response:
-        text = " ".join(f"handbook section {i} version {version} says staff rest" for i in range(10))
+        text = " ".join(
+            f"handbook section {i} version {version} says staff rest" for i in range(10)
+        )
         messages = [
             {"role": "system", "content": SYSTEM, "cache_scope": "public"},
-            {"role": "user", "content": text, "document": {"id": "handbook", "version": version, "auth_scope": "hr"}},
+            {
+                "role": "user",
+                "content": text,
+                "document": {"id": "handbook", "version": version, "auth_scope": "hr"},
+            },
             {"role": "user", "content": "What is the leave policy?"},
         ]
-        body = {"model": self.engine.model_name, "messages": messages, "max_tokens": 1, "temperature": 0}
-        return await self.http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
+        body = {
+            "model": self.engine.model_name,
+            "messages": messages,
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        return await self.http.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}
+        )
 
     def unverified(self, reason: str) -> float:
         """This node's count of commands dead-lettered for ``reason`` (as its /metrics reports it)."""
-        sample = self.engine.metrics.registry.get_sample_value("kvledger_unverified_commands_total", {"reason": reason})
+        sample = self.engine.metrics.registry.get_sample_value(
+            "kvledger_unverified_commands_total", {"reason": reason}
+        )
         return sample or 0.0
 
     def holdings(self, predicate) -> set[tuple[str, str]]:
-        return {(e.block_hash.hex(), e.tier.value) for e in self.engine.pool.ready_entries() if predicate(e.provenance)}
+        return {
+            (e.block_hash.hex(), e.tier.value)
+            for e in self.engine.pool.ready_entries()
+            if predicate(e.provenance)
+        }
 
 
-def _node_settings(name: str, tiny_model_dir, tmp_path, kafka_bootstrap: str, **extra) -> NodeSettings:
+def _node_settings(
+    name: str, tiny_model_dir, tmp_path, kafka_bootstrap: str, **extra
+) -> NodeSettings:
     cache = CacheSettings(num_device_blocks=64, num_host_blocks=64, max_disk_blocks=128)
-    return node_settings(f"{name}-{uuid.uuid4().hex[:6]}", tiny_model_dir, tmp_path / name, kafka_bootstrap, cache, **extra)
+    return node_settings(
+        f"{name}-{uuid.uuid4().hex[:6]}",
+        tiny_model_dir,
+        tmp_path / name,
+        kafka_bootstrap,
+        cache,
+        **extra,
+    )
 
 
 async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_never_applied_or_replayed(
     tiny_model_dir, tmp_path, kafka_bootstrap
 ):
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
-    alice = issue_token(tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": 1}, ttl_s=600, secret=JWT_SECRET)
+    alice = issue_token(
+        tenant=tenant, sub="alice", scopes=["hr"], pv={"hr": 1}, ttl_s=600, secret=JWT_SECRET
+    )
     settings = _node_settings("forged", tiny_model_dir, tmp_path, kafka_bootstrap)
     node = await Node(settings).start()
     try:
@@ -144,33 +181,58 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
         assert held
 
         def invalidate(on: schema.Predicate) -> schema.Envelope:
-            command = schema.Invalidate(command_id=uuid.uuid4(), predicate=on, cutoff=datetime.now(UTC))
+            command = schema.Invalidate(
+                command_id=uuid.uuid4(), predicate=on, cutoff=datetime.now(UTC)
+            )
             return schema.make_event(command, tenant_id=tenant)
 
         unsigned = invalidate(predicate)
-        decoy = sign_command(invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="decoy", below_version=2)))
-        tampered = decoy.model_copy(update={"payload": decoy.payload.model_copy(update={"predicate": predicate})})
+        decoy = sign_command(
+            invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="decoy", below_version=2))
+        )
+        tampered = decoy.model_copy(
+            update={"payload": decoy.payload.model_copy(update={"predicate": predicate})}
+        )
         wrong_key = forged_by(invalidate(predicate))
         # An unsigned inventory request would make the node publish its whole inventory on demand.
-        inventory = schema.make_event(schema.InventoryRequested(node_id=node.node_id, request_id=uuid.uuid4()))
-        reasons = [(unsigned, "unsigned"), (tampered, "bad_signature"), (wrong_key, "unknown_key"), (inventory, "unsigned")]
+        inventory = schema.make_event(
+            schema.InventoryRequested(node_id=node.node_id, request_id=uuid.uuid4())
+        )
+        reasons = [
+            (unsigned, "unsigned"),
+            (tampered, "bad_signature"),
+            (wrong_key, "unknown_key"),
+            (inventory, "unsigned"),
+        ]
         before = {reason: node.unverified(reason) for _, reason in reasons}
         # A customer event signed with the command key itself: the commands topic does not carry that type.
-        misplaced = sign_command(schema.make_event(schema.DocumentUpdated(doc_id="handbook", version=99), tenant_id=tenant))
+        misplaced = sign_command(
+            schema.make_event(
+                schema.DocumentUpdated(doc_id="handbook", version=99), tenant_id=tenant
+            )
+        )
         async with EventProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as plain:
             for envelope, _ in reasons:
                 await plain.send(envelope)
             await plain.send(misplaced, topic=topics.COMMANDS, key=topics.BROADCAST_TARGET)
         # Positive control, after them in the same partition: a command the coordinator really signed.
-        control = sign_command(invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="other", below_version=2)))
+        control = sign_command(
+            invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="other", below_version=2))
+        )
         async with SigningProducer(KafkaSettings(bootstrap=kafka_bootstrap)) as signing:
             await signing.send(control)
         await acked(kafka_bootstrap, control.payload.command_id, node.node_id)
 
         event_ids = {e.event_id for e, _ in reasons} | {misplaced.event_id}
-        letters = await dead_letters(kafka_bootstrap, node.commands.group_id, event_ids, topics.NODE_DEAD_LETTER)
-        assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons} | {misplaced.event_id: "routing: wrong_topic"}
-        misrouted = node.engine.metrics.registry.get_sample_value("kvledger_misrouted_commands_total", {"reason": "wrong_topic"})
+        letters = await dead_letters(
+            kafka_bootstrap, node.commands.group_id, event_ids, topics.NODE_DEAD_LETTER
+        )
+        assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons} | {
+            misplaced.event_id: "routing: wrong_topic"
+        }
+        misrouted = node.engine.metrics.registry.get_sample_value(
+            "kvledger_misrouted_commands_total", {"reason": "wrong_topic"}
+        )
         assert misrouted == 1
         assert {reason: node.unverified(reason) - before[reason] for reason in before} == {
             "unsigned": 2,
@@ -180,7 +242,9 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
         assert node.holdings(matches) == held
         assert (await node.chat(alice, 1)).status_code == 200
         # A copy on disk survives the restart, so the replay below has something it could wrongly delete.
-        assert node.engine.pool.demote(bytes.fromhex(sorted(node.holdings(matches))[0][0]), Tier.DISK)
+        assert node.engine.pool.demote(
+            bytes.fromhex(sorted(node.holdings(matches))[0][0]), Tier.DISK
+        )
         on_disk = {item for item in node.holdings(matches) if item[1] == "disk"}
         assert on_disk
     finally:
@@ -191,7 +255,9 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
     try:
         assert restarted.holdings(matches) == on_disk
         assert (await restarted.chat(alice, 1)).status_code == 200
-        assert {reason: restarted.unverified(reason) for reason in before} == dict.fromkeys(before, 0.0)
+        assert {reason: restarted.unverified(reason) for reason in before} == dict.fromkeys(
+            before, 0.0
+        )
 
         # The same predicate, genuinely signed: applied, acked, the old version refused.
         genuine = sign_command(invalidate(predicate))
@@ -205,7 +271,9 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
         await restarted.stop()
 
 
-async def test_a_node_on_kafka_without_a_pinned_command_key_refuses_to_start(tiny_model_dir, tmp_path, kafka_bootstrap):
+async def test_a_node_on_kafka_without_a_pinned_command_key_refuses_to_start(
+    tiny_model_dir, tmp_path, kafka_bootstrap
+):
     settings = _node_settings("unpinned", tiny_model_dir, tmp_path, kafka_bootstrap, identity={})
     with pytest.raises(ValueError, match="coordinator_public_key_file"):
         NodeServices(settings).assemble()
@@ -215,13 +283,17 @@ async def test_a_node_on_kafka_without_a_pinned_command_key_refuses_to_start(tin
 
 
 @pytest.fixture(scope="module")
-async def coordinator(database_url: str, ledger_template: str, kafka_bootstrap: str) -> AsyncIterator[CoordinatorSettings]:
+async def coordinator(
+    database_url: str, ledger_template: str, kafka_bootstrap: str
+) -> AsyncIterator[CoordinatorSettings]:
     async with fresh_database(database_url, ledger_template) as url:
         settings = coordinator_settings(
             url,
             kafka_bootstrap,
             ledger={"inventory_retry_s": 3600, "erasure_verify_interval_s": 0.2},
-            keys={"master_key": base64.b64encode(os.urandom(32)).decode()},  # receipts are signed with a stored key
+            keys={
+                "master_key": base64.b64encode(os.urandom(32)).decode()
+            },  # receipts are signed with a stored key
         )
         await ensure_topics(kafka_settings(settings))
         await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
@@ -246,19 +318,29 @@ async def _registered(database: Database, *node_ids: str) -> None:
 
     async def all_there() -> bool:
         async with database.session() as session:
-            rows = await session.scalars(select(NodeRow.node_id).where(NodeRow.node_id.in_(node_ids)))
+            rows = await session.scalars(
+                select(NodeRow.node_id).where(NodeRow.node_id.in_(node_ids))
+            )
             return set(rows) == set(node_ids)
 
     await eventually(all_there, what=f"nodes {node_ids} in the ledger")
 
 
-async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordinator, ledger, kafka_bootstrap):
+async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(
+    coordinator, ledger, kafka_bootstrap
+):
     uid = uuid.uuid4().hex[:6]
     one, two = f"node-1-{uid}", f"node-2-{uid}"
     tenant = f"t-{uid}"
-    async with SigningProducer(kafka_settings(coordinator), coordinator.database.url.get_secret_value()) as producer:
+    async with SigningProducer(
+        kafka_settings(coordinator), coordinator.database.url.get_secret_value()
+    ) as producer:
         for node_id in (one, two):
-            await producer.send(schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test")))
+            await producer.send(
+                schema.make_event(
+                    schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test")
+                )
+            )
         await _registered(ledger, one, two)
         # Started as the erasure API starts one (not via kvledger.erasures: other modules' coordinators read that topic).
         async with ledger.session() as session, session.begin():
@@ -285,7 +367,9 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
             return (await started()).status
 
         def ack(node_id: str) -> schema.Envelope:
-            return schema.make_event(schema.CommandAck(command_id=command_id, node_id=node_id, epoch=1, evidence=[]))
+            return schema.make_event(
+                schema.CommandAck(command_id=command_id, node_id=node_id, epoch=1, evidence=[])
+            )
 
         real = await producer.signed(ack(one))
         await producer.send(real)
@@ -296,10 +380,19 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
         await eventually(partial, what="node-1's ack to count")
 
         # node-1's real, signed ack copied with node-2's id (and a fresh event id, past the inbox).
-        relabelled = real.model_copy(update={"event_id": uuid.uuid4(), "payload": real.payload.model_copy(update={"node_id": two})})
+        relabelled = real.model_copy(
+            update={
+                "event_id": uuid.uuid4(),
+                "payload": real.payload.model_copy(update={"node_id": two}),
+            }
+        )
         unsigned = ack(two)
         signed_by_other = forged_by(ack(two))
-        reasons = [(relabelled, "wrong_node"), (unsigned, "unsigned"), (signed_by_other, "unknown_key")]
+        reasons = [
+            (relabelled, "wrong_node"),
+            (unsigned, "unsigned"),
+            (signed_by_other, "unknown_key"),
+        ]
         before = {reason: unverified(topics.ACKS, reason) for _, reason in reasons}
         async with EventProducer(kafka_settings(coordinator)) as plain:
             for envelope, _ in reasons:
@@ -310,13 +403,17 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
             await plain.send(misplaced, topic=topics.DOCUMENTS, key=f"{tenant}:doc")
 
         misplaced_letters = await dead_letters(
-            kafka_bootstrap, coordinator.kafka.group_id + INVALIDATION_GROUP_SUFFIX, {misplaced.event_id}
+            kafka_bootstrap,
+            coordinator.kafka.group_id + INVALIDATION_GROUP_SUFFIX,
+            {misplaced.event_id},
         )
         assert misplaced_letters == {misplaced.event_id: "routing: wrong_topic"}
         group = coordinator.kafka.group_id + ACK_GROUP_SUFFIX
         letters = await dead_letters(kafka_bootstrap, group, {e.event_id for e, _ in reasons})
         assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
-        assert {reason: unverified(topics.ACKS, reason) - before[reason] for reason in before} == dict.fromkeys(before, 1)
+        assert {
+            reason: unverified(topics.ACKS, reason) - before[reason] for reason in before
+        } == dict.fromkeys(before, 1)
         async with ledger.session() as session:
             target = await session.get(InvalidationTarget, (command_id, two))
             assert target.status == "pending" and target.evidence is None
@@ -337,19 +434,37 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(coordi
         ]
 
 
-async def test_unsigned_and_forged_kv_events_never_reach_the_ledger(coordinator, ledger, kafka_bootstrap):
+async def test_unsigned_and_forged_kv_events_never_reach_the_ledger(
+    coordinator, ledger, kafka_bootstrap
+):
     uid = uuid.uuid4().hex[:6]
     one, two = f"kv-1-{uid}", f"kv-2-{uid}"
-    async with SigningProducer(kafka_settings(coordinator), coordinator.database.url.get_secret_value()) as producer:
+    async with SigningProducer(
+        kafka_settings(coordinator), coordinator.database.url.get_secret_value()
+    ) as producer:
         for node_id in (one, two):
-            await producer.send(schema.make_event(schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test")))
+            await producer.send(
+                schema.make_event(
+                    schema.NodeStarted(node_id=node_id, epoch=1, seq=0, namespace="ns-test")
+                )
+            )
         await _registered(ledger, one, two)
 
         def block_stored(label: str) -> schema.Envelope:
-            return schema.make_event(schema.BlockStored(node_id=one, epoch=1, seq=1, blocks=[stored(f"{uid}/{label}", "device")]))
+            return schema.make_event(
+                schema.BlockStored(
+                    node_id=one, epoch=1, seq=1, blocks=[stored(f"{uid}/{label}", "device")]
+                )
+            )
 
-        unsigned, forged, by_other_node = block_stored("unsigned"), forged_by(block_stored("forged")), block_stored("other")
-        by_other_node = sign_envelope(by_other_node, node_key(two))  # node-2's enrolled key claiming to be node-1
+        unsigned, forged, by_other_node = (
+            block_stored("unsigned"),
+            forged_by(block_stored("forged")),
+            block_stored("other"),
+        )
+        by_other_node = sign_envelope(
+            by_other_node, node_key(two)
+        )  # node-2's enrolled key claiming to be node-1
         reasons = [(unsigned, "unsigned"), (forged, "unknown_key"), (by_other_node, "wrong_node")]
         before = {reason: unverified(topics.KV_EVENTS, reason) for _, reason in reasons}
         async with EventProducer(kafka_settings(coordinator)) as plain:
@@ -359,15 +474,23 @@ async def test_unsigned_and_forged_kv_events_never_reach_the_ledger(coordinator,
         genuine = block_stored("genuine")
         await producer.send(genuine)
 
-        letters = await dead_letters(kafka_bootstrap, coordinator.kafka.group_id, {e.event_id for e, _ in reasons})
+        letters = await dead_letters(
+            kafka_bootstrap, coordinator.kafka.group_id, {e.event_id for e, _ in reasons}
+        )
         assert letters == {e.event_id: f"signature: {reason}" for e, reason in reasons}
-        assert {reason: unverified(topics.KV_EVENTS, reason) - before[reason] for reason in before} == dict.fromkeys(before, 1)
+        assert {
+            reason: unverified(topics.KV_EVENTS, reason) - before[reason] for reason in before
+        } == dict.fromkeys(before, 1)
 
         genuine_hash = bytes.fromhex(genuine.payload.blocks[0].block_hash)
 
         async def placed() -> set[bytes]:
             async with ledger.session() as session:
-                rows = await session.scalars(select(Placement.block_hash).where(Placement.node_id == one, Placement.state == "live"))
+                rows = await session.scalars(
+                    select(Placement.block_hash).where(
+                        Placement.node_id == one, Placement.state == "live"
+                    )
+                )
                 return set(rows)
 
         async def genuine_applied() -> bool:

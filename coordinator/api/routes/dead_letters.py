@@ -86,10 +86,18 @@ def trust(record: ConsumerRecord, letter: DeadLetter, command_key: Ed25519Public
     return dead_letter_signature_problem(letter, command_key) or VERIFIED
 
 
-def describe(record: ConsumerRecord, letter: DeadLetter, command_key: Ed25519PublicKey | None) -> dict[str, Any]:
+def describe(
+    record: ConsumerRecord, letter: DeadLetter, command_key: Ed25519PublicKey | None
+) -> dict[str, Any]:
     """What the listing shows of one dead letter: never the record's content."""
     value = letter.raw_value()
-    num_value_bytes = letter.num_value_bytes if letter.num_value_bytes is not None else 0 if value is None else len(value)
+    num_value_bytes = (
+        letter.num_value_bytes
+        if letter.num_value_bytes is not None
+        else 0
+        if value is None
+        else len(value)
+    )
     sha256 = letter.value_sha256 or (None if value is None else hashlib.sha256(value).hexdigest())
     signature = trust(record, letter, command_key)
     return {
@@ -106,7 +114,9 @@ def describe(record: ConsumerRecord, letter: DeadLetter, command_key: Ed25519Pub
         "signature": signature,
         "trusted": signature == VERIFIED,
         "replayable": signature == VERIFIED and _replay_refusal(letter) is None,
-        "record_time": None if letter.timestamp_ms is None else datetime.fromtimestamp(letter.timestamp_ms / 1000, UTC).isoformat(),
+        "record_time": None
+        if letter.timestamp_ms is None
+        else datetime.fromtimestamp(letter.timestamp_ms / 1000, UTC).isoformat(),
         "dead_lettered_at": letter.dead_lettered_at.isoformat(),
     }
 
@@ -120,7 +130,9 @@ def _replay_refusal(letter: DeadLetter) -> tuple[str, str] | None:
         )
     if letter.topic not in _REPLAYABLE:
         return "not_replayable", "the dead letter's source is not a kvledger topic"
-    if letter.value_b64 is None:  # a report of a record that was never sent: there is nothing to publish
+    if (
+        letter.value_b64 is None
+    ):  # a report of a record that was never sent: there is nothing to publish
         return "not_replayable", "the dead letter holds no record"
     return None
 
@@ -139,7 +151,13 @@ router = APIRouter()
 def _unavailable(error: BaseException, settings: CoordinatorSettings) -> JSONResponse:
     log.warning("dead letters: broker unavailable (%s)", type(error.__cause__ or error).__name__)
     retry_after = {"Retry-After": str(settings.http.retry_after_s)}
-    return error_response(503, "server_error", "broker_unavailable", "the broker cannot be reached; retry later", retry_after)
+    return error_response(
+        503,
+        "server_error",
+        "broker_unavailable",
+        "the broker cannot be reached; retry later",
+        retry_after,
+    )
 
 
 @router.get("/v1/dead-letters")
@@ -154,7 +172,12 @@ async def list_dead_letters(
     """Dead letters, oldest first: of source ``topic``, whose reason contains ``reason`` (case-insensitive),
     dead-lettered at or after ``since``; at most ``limit``, ``truncated`` when more matched or time ran out."""
     if since is not None and since.tzinfo is None:
-        return error_response(400, "invalid_request_error", "invalid_parameter", "since: needs a time zone (e.g. 2026-12-01T10:00:00Z)")
+        return error_response(
+            400,
+            "invalid_request_error",
+            "invalid_parameter",
+            "since: needs a time zone (e.g. 2026-12-01T10:00:00Z)",
+        )
     needle = None if reason is None else reason.casefold()
 
     def wanted(letter: DeadLetter) -> bool:
@@ -165,7 +188,13 @@ async def list_dead_letters(
         )
 
     try:
-        found, truncated = await _scan(kafka_settings(settings), settings.kafka.connect_timeout_s, wanted, limit, _command_key(settings))
+        found, truncated = await _scan(
+            kafka_settings(settings),
+            settings.kafka.connect_timeout_s,
+            wanted,
+            limit,
+            _command_key(settings),
+        )
     except _BrokerUnavailable as error:
         return _unavailable(error, settings)
     return JSONResponse({"dead_letters": found, "truncated": truncated})
@@ -176,15 +205,30 @@ async def replay(dead_letter_id: str, _: PlatformAdmin, settings: Settings) -> J
     """Publish the dead letter's original record to its source topic once (see the module docstring)."""
     match = _ID.fullmatch(dead_letter_id)
     if match is None:
-        return error_response(400, "invalid_request_error", "invalid_parameter", "a dead letter id is [node-]<partition>-<offset>")
+        return error_response(
+            400,
+            "invalid_request_error",
+            "invalid_parameter",
+            "a dead letter id is [node-]<partition>-<offset>",
+        )
     if match[1]:
-        return error_response(409, "invalid_request_error", "not_replayable", "a node's dead letter is listed, never replayed")
+        return error_response(
+            409,
+            "invalid_request_error",
+            "not_replayable",
+            "a node's dead letter is listed, never replayed",
+        )
     partition, offset = int(match[2]), int(match[3])
     config, connect_timeout_s = kafka_settings(settings), settings.kafka.connect_timeout_s
     try:
         found = await _read_one(config, connect_timeout_s, partition, offset)
         if found is None:
-            return error_response(404, "invalid_request_error", "dead_letter_not_found", f"no dead letter {dead_letter_id}")
+            return error_response(
+                404,
+                "invalid_request_error",
+                "dead_letter_not_found",
+                f"no dead letter {dead_letter_id}",
+            )
         record, letter = found
         signature = trust(record, letter, _command_key(settings))
         if signature != VERIFIED:
@@ -200,8 +244,21 @@ async def replay(dead_letter_id: str, _: PlatformAdmin, settings: Settings) -> J
         metadata = await _publish(config, connect_timeout_s, letter)
     except _BrokerUnavailable as error:
         return _unavailable(error, settings)
-    log.info("dead letter %s replayed to %s[%d]@%d", dead_letter_id, letter.topic, metadata.partition, metadata.offset)
-    return JSONResponse({"id": dead_letter_id, "topic": letter.topic, "partition": metadata.partition, "offset": metadata.offset})
+    log.info(
+        "dead letter %s replayed to %s[%d]@%d",
+        dead_letter_id,
+        letter.topic,
+        metadata.partition,
+        metadata.offset,
+    )
+    return JSONResponse(
+        {
+            "id": dead_letter_id,
+            "topic": letter.topic,
+            "partition": metadata.partition,
+            "offset": metadata.offset,
+        }
+    )
 
 
 async def _bounded(awaitable, timeout_s: float):
@@ -218,11 +275,20 @@ async def _started_consumer(
 ) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
     # No group, so nothing is committed; a fresh assignment starts at the earliest record by
     # itself (seeking there after assigning raced aiokafka's own reset to "latest").
-    consumer = AIOKafkaConsumer(**kafka_client_kwargs(config), group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        **kafka_client_kwargs(config),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
     try:
         await _bounded(consumer.start(), connect_timeout_s)
         await _bounded(consumer.topics(), connect_timeout_s)
-        partitions = [TopicPartition(topic, each) for topic in topics for each in sorted(consumer.partitions_for_topic(topic) or ())]
+        partitions = [
+            TopicPartition(topic, each)
+            for topic in topics
+            for each in sorted(consumer.partitions_for_topic(topic) or ())
+        ]
     except BaseException:
         await consumer.stop()
         raise
@@ -233,7 +299,9 @@ def _letter(record: ConsumerRecord) -> DeadLetter | None:
     try:
         return DeadLetter.model_validate_json(record.value or b"")
     except ValidationError:
-        log.warning("%s[%d]@%d is not a dead letter; skipped", record.topic, record.partition, record.offset)
+        log.warning(
+            "%s[%d]@%d is not a dead letter; skipped", record.topic, record.partition, record.offset
+        )
         return None
 
 
@@ -243,7 +311,11 @@ def _oldest_first(item: tuple[ConsumerRecord, DeadLetter]) -> tuple:
 
 
 async def _scan(
-    config: KafkaSettings, connect_timeout_s: float, wanted, limit: int, command_key: Ed25519PublicKey | None
+    config: KafkaSettings,
+    connect_timeout_s: float,
+    wanted,
+    limit: int,
+    command_key: Ed25519PublicKey | None,
 ) -> tuple[list[dict[str, Any]], bool]:
     consumer, partitions = await _started_consumer(config, connect_timeout_s)
     try:
@@ -257,14 +329,25 @@ async def _scan(
         while not complete and time.monotonic() < deadline:
             batch = await _bounded(consumer.getmany(timeout_ms=200), connect_timeout_s)
             for records in batch.values():
-                found.extend((record, letter) for record in records if (letter := _letter(record)) is not None and wanted(letter))
+                found.extend(
+                    (record, letter)
+                    for record in records
+                    if (letter := _letter(record)) is not None and wanted(letter)
+                )
             if len(found) > 2 * (limit + 1):  # memory stays bounded by the page, not by the topic
                 found = heapq.nsmallest(limit + 1, found, key=_oldest_first)
             # The end is where a poll finds nothing more: the embedded broker may report an end
             # inside the last record batch (see ``bench.common.start_groups_at_end``).
-            complete = not batch and all([await _bounded(consumer.position(tp), connect_timeout_s) >= ends[tp] for tp in partitions])
+            complete = not batch and all(
+                [
+                    await _bounded(consumer.position(tp), connect_timeout_s) >= ends[tp]
+                    for tp in partitions
+                ]
+            )
         found.sort(key=_oldest_first)
-        return [describe(record, letter, command_key) for record, letter in found[:limit]], not complete or len(found) > limit
+        return [
+            describe(record, letter, command_key) for record, letter in found[:limit]
+        ], not complete or len(found) > limit
     finally:
         await consumer.stop()
 
@@ -290,7 +373,9 @@ async def _read_one(
                     return None if letter is None else (record, letter)
             if offset >= end:
                 return None  # nothing there, and the broker says the partition ends before it
-        raise _BrokerUnavailable from TimeoutError(f"kvledger.dead-letter[{partition}]@{offset} not fetched")
+        raise _BrokerUnavailable from TimeoutError(
+            f"kvledger.dead-letter[{partition}]@{offset} not fetched"
+        )
     finally:
         await consumer.stop()
 
@@ -299,6 +384,8 @@ async def _publish(config: KafkaSettings, connect_timeout_s: float, letter: Dead
     producer = EventProducer(config)
     try:
         await _bounded(producer.start(), connect_timeout_s)
-        return await _bounded(producer.send_raw(letter.topic, letter.raw_value(), letter.raw_key()), connect_timeout_s)
+        return await _bounded(
+            producer.send_raw(letter.topic, letter.raw_value(), letter.raw_key()), connect_timeout_s
+        )
     finally:
         await producer.stop()

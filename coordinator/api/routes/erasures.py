@@ -39,7 +39,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from coordinator.api.auth import require_tenant
 from coordinator.api.dependencies import CommandSigner, ErasureRequester, Reader, Session, Settings
 from coordinator.audit import receipts
-from coordinator.audit.audit_log import AuditLogCorrupted, latest_tree_head, leaf_hashes, tree_head_document
+from coordinator.audit.audit_log import (
+    AuditLogCorrupted,
+    latest_tree_head,
+    leaf_hashes,
+    tree_head_document,
+)
 from coordinator.handlers.erasure import IdempotencyConflict, Progress, progress, start_erasure
 from coordinator.http import error_response, iso
 from coordinator.ledger.models import Erasure, Receipt, ReceiptKey, TreeHead
@@ -84,9 +89,16 @@ async def request_erasure(
     subject_key = settings.ledger.subject_key
     if subject_key is None:
         return error_response(
-            503, "server_error", "subject_key_not_configured", "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)"
+            503,
+            "server_error",
+            "subject_key_not_configured",
+            "the coordinator has no subject key (KVLEDGER_SUBJECT_KEY)",
         )
-    if idempotency_key is not None and body.request_id is not None and idempotency_key != body.request_id:
+    if (
+        idempotency_key is not None
+        and body.request_id is not None
+        and idempotency_key != body.request_id
+    ):
         return error_response(
             400,
             "invalid_request_error",
@@ -129,7 +141,9 @@ async def get_erasures(
 ) -> Any:
     """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
     try:
-        return await list_erasures(session, reader, tenant=tenant, status=status, limit=limit, before=before)
+        return await list_erasures(
+            session, reader, tenant=tenant, status=status, limit=limit, before=before
+        )
     except ValueError as error:
         return error_response(400, "invalid_request_error", "invalid_parameter", str(error))
 
@@ -138,28 +152,43 @@ async def get_erasures(
 async def get_erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Any:
     erasure = await readable_erasure(session, reader, erasure_id)
     if erasure is None:
-        return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+        return error_response(
+            404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}"
+        )
     return await describe_erasure(session, erasure)
 
 
 @router.get("/v1/erasures/{erasure_id}/receipt")
-async def get_receipt(erasure_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+async def get_receipt(
+    erasure_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None
+) -> Any:
     erasure = await readable_erasure(session, reader, erasure_id)
     if erasure is None:
-        return error_response(404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}")
+        return error_response(
+            404, "invalid_request_error", "erasure_not_found", f"no erasure {erasure_id}"
+        )
     receipt = await session.scalar(select(Receipt).where(Receipt.erasure_id == erasure.id))
     if receipt is None:
-        return error_response(404, "invalid_request_error", "receipt_not_issued", f"the erasure is {erasure.status}; no receipt yet")
+        return error_response(
+            404,
+            "invalid_request_error",
+            "receipt_not_issued",
+            f"the erasure is {erasure.status}; no receipt yet",
+        )
     return await served_receipt(session, receipt, tree_size)
 
 
 @router.get("/v1/audit/proof/{receipt_id}")
-async def get_proof(receipt_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None) -> Any:
+async def get_proof(
+    receipt_id: uuid.UUID, reader: Reader, session: Session, tree_size: TreeSize = None
+) -> Any:
     receipt = await session.get(Receipt, receipt_id)
     erasure = None if receipt is None else await session.get(Erasure, receipt.erasure_id)
     require_tenant(reader, None if erasure is None else erasure.tenant_id)
     if receipt is None:
-        return error_response(404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}")
+        return error_response(
+            404, "invalid_request_error", "receipt_not_found", f"no receipt {receipt_id}"
+        )
     return await served_receipt(session, receipt, tree_size)
 
 
@@ -167,17 +196,25 @@ async def get_proof(receipt_id: uuid.UUID, reader: Reader, session: Session, tre
 async def checkpoint(session: Session) -> Any:
     head = await latest_tree_head(session)
     if head is None:
-        return error_response(404, "invalid_request_error", "audit_log_empty", "no receipt has been issued yet")
+        return error_response(
+            404, "invalid_request_error", "audit_log_empty", "no receipt has been issued yet"
+        )
     return tree_head_document(head)
 
 
 @router.get("/v1/receipts/keys")
 async def receipt_keys(session: Session) -> dict[str, Any]:
-    rows = (await session.scalars(select(ReceiptKey).order_by(ReceiptKey.created_at, ReceiptKey.key_id))).all()
-    return receipts.public_key_document(receipts.ReceiptPublicKey(row.public_key, receipts.rfc3339(row.created_at)) for row in rows)
+    rows = (
+        await session.scalars(select(ReceiptKey).order_by(ReceiptKey.created_at, ReceiptKey.key_id))
+    ).all()
+    return receipts.public_key_document(
+        receipts.ReceiptPublicKey(row.public_key, receipts.rfc3339(row.created_at)) for row in rows
+    )
 
 
-async def readable_erasure(session: AsyncSession, reader: Operator, erasure_id: uuid.UUID) -> Erasure | None:
+async def readable_erasure(
+    session: AsyncSession, reader: Operator, erasure_id: uuid.UUID
+) -> Erasure | None:
     """The erasure, None if there is none (only a platform admin learns that); another tenant's raises
     :class:`coordinator.api.auth.TenantForbiddenError`, as a missing one does for a tenant-bound reader."""
     erasure = await session.get(Erasure, erasure_id)
@@ -221,7 +258,11 @@ async def list_erasures(
     erasures = (await session.scalars(query)).all()
     receipt_ids = dict(
         (
-            await session.execute(select(Receipt.erasure_id, Receipt.receipt_id).where(Receipt.erasure_id.in_([e.id for e in erasures])))
+            await session.execute(
+                select(Receipt.erasure_id, Receipt.receipt_id).where(
+                    Receipt.erasure_id.in_([e.id for e in erasures])
+                )
+            )
         ).all()
     )
     return {
@@ -233,17 +274,23 @@ async def list_erasures(
                 "status": erasure.status,
                 "requested_at": iso(erasure.requested_at),
                 "verified_at": iso(erasure.verified_at),
-                "receipt_id": None if erasure.id not in receipt_ids else str(receipt_ids[erasure.id]),
+                "receipt_id": None
+                if erasure.id not in receipt_ids
+                else str(receipt_ids[erasure.id]),
             }
             for erasure in erasures
         ],
-        "next_cursor": _cursor(erasures[-1].requested_at, erasures[-1].id) if len(erasures) == limit else None,
+        "next_cursor": _cursor(erasures[-1].requested_at, erasures[-1].id)
+        if len(erasures) == limit
+        else None,
     }
 
 
 async def describe_erasure(session: AsyncSession, erasure: Erasure) -> dict[str, Any]:
     """What ``GET /v1/erasures/{id}`` answers: status, commands and per node × tier progress."""
-    receipt_id = await session.scalar(select(Receipt.receipt_id).where(Receipt.erasure_id == erasure.id))
+    receipt_id = await session.scalar(
+        select(Receipt.receipt_id).where(Receipt.erasure_id == erasure.id)
+    )
     return _describe(erasure, await progress(session, erasure), receipt_id)
 
 
@@ -251,9 +298,18 @@ async def served_receipt(session: AsyncSession, receipt: Receipt, tree_size: int
     """The served receipt with proofs into the latest tree head, or the one of ``tree_size``."""
     at_issue = await session.get(TreeHead, receipt.leaf_index + 1)
     assert at_issue is not None, f"receipt {receipt.receipt_id} without the tree head that added it"
-    head = await latest_tree_head(session) if tree_size is None else await session.get(TreeHead, tree_size)
+    head = (
+        await latest_tree_head(session)
+        if tree_size is None
+        else await session.get(TreeHead, tree_size)
+    )
     if head is None:
-        return error_response(404, "invalid_request_error", "tree_size_not_found", f"the audit log has no tree of size {tree_size}")
+        return error_response(
+            404,
+            "invalid_request_error",
+            "tree_size_not_found",
+            f"the audit log has no tree of size {tree_size}",
+        )
     if head.tree_size < at_issue.tree_size:
         return error_response(
             400,
@@ -263,15 +319,28 @@ async def served_receipt(session: AsyncSession, receipt: Receipt, tree_size: int
         )
     try:
         leaves = await leaf_hashes(session, head.tree_size)
-        return receipts.serve_receipt(receipt.document, receipt.leaf_index, tree_head_document(at_issue), tree_head_document(head), leaves)
+        return receipts.serve_receipt(
+            receipt.document,
+            receipt.leaf_index,
+            tree_head_document(at_issue),
+            tree_head_document(head),
+            leaves,
+        )
     except (AuditLogCorrupted, ValueError) as error:
         log.error("receipt %s cannot be served: %s", receipt.receipt_id, error)
-        return error_response(500, "server_error", "audit_log_inconsistent", "the stored audit log does not hold this receipt")
+        return error_response(
+            500,
+            "server_error",
+            "audit_log_inconsistent",
+            "the stored audit log does not hold this receipt",
+        )
 
 
 def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -> dict[str, Any]:
     """Status plus, per node × tier, what the nodes reported for every command and the ledger's live copies."""
-    reported: dict[str, dict[str, list[dict[str, Any]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    reported: dict[str, dict[str, list[dict[str, Any]]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
     node_status: dict[str, set[str]] = collections.defaultdict(set)
     for target in state.targets:
         node_status[target.node_id].add(target.status)
@@ -280,7 +349,14 @@ def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -
     nodes = []
     for node_id in sorted(set(node_status) | {node for node, _ in state.live}):
         statuses = node_status.get(node_id, set())
-        status = next((s for s in (TargetStatus.FAILED, TargetStatus.PENDING, TargetStatus.ACKED) if s in statuses), "not_targeted")
+        status = next(
+            (
+                s
+                for s in (TargetStatus.FAILED, TargetStatus.PENDING, TargetStatus.ACKED)
+                if s in statuses
+            ),
+            "not_targeted",
+        )
         tiers = {}
         for tier in Tier:
             items = reported[node_id][tier]
@@ -302,7 +378,10 @@ def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -
         "verified_at": iso(erasure.verified_at),
         "key_ids_destroyed": erasure.key_ids_destroyed,
         "receipt_id": None if receipt_id is None else str(receipt_id),
-        "commands": [{"command_id": str(c.command_id), "trigger": c.trigger, "status": c.status} for c in state.commands],
+        "commands": [
+            {"command_id": str(c.command_id), "trigger": c.trigger, "status": c.status}
+            for c in state.commands
+        ],
         "live_copies": sum(state.live.values()),
         "reported_key_ids_not_destroyed": state.contradicted_key_ids,
         "nodes": nodes,

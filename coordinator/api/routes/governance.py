@@ -55,7 +55,15 @@ from coordinator.handlers.decisions import parse_predicate
 from coordinator.http import error_response
 from coordinator.ledger.models import Document, Invalidation, InvalidationTarget, Namespace, Policy
 from coordinator.ledger.states import NamespaceStatus, TargetStatus
-from events.schema import ANY_VERSION, DocumentPredicate, Invalidate, NamespacePredicate, PolicyPredicate, Predicate, make_event
+from events.schema import (
+    ANY_VERSION,
+    DocumentPredicate,
+    Invalidate,
+    NamespacePredicate,
+    PolicyPredicate,
+    Predicate,
+    make_event,
+)
 from identity.signing import GOVERNANCE_CONTEXT, EnvelopeSigner, sign_document
 
 MAX_PAGE_ENTRIES = 1000
@@ -81,7 +89,9 @@ class Cursor(BaseModel):
     def decode(cls, text: str) -> Cursor:
         """ValueError for anything :meth:`encode` did not make."""
         try:
-            cursor = cls.model_validate_json(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+            cursor = cls.model_validate_json(
+                base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+            )
         except (ValidationError, binascii.Error, ValueError):
             raise ValueError("cursor: not a cursor this endpoint returned") from None
         # Per section: the key of its entries (names, or a decision's seq); an empty ``after`` starts the section.
@@ -90,7 +100,8 @@ class Cursor(BaseModel):
             raise ValueError("cursor: not a cursor this endpoint returned")
         shape = shapes[cursor.section]
         if cursor.after and (
-            len(cursor.after) != len(shape) or not all(type(value) is kind for value, kind in zip(cursor.after, shape, strict=True))
+            len(cursor.after) != len(shape)
+            or not all(type(value) is kind for value, kind in zip(cursor.after, shape, strict=True))
         ):
             raise ValueError("cursor: not a cursor this endpoint returned")
         return cursor
@@ -100,7 +111,9 @@ def _decision(predicate: Predicate, decided_at: datetime) -> dict:
     return {"predicate": predicate.model_dump(mode="json"), "decided_at": decided_at.isoformat()}
 
 
-async def namespace_decisions(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
+async def namespace_decisions(
+    session: AsyncSession, after: list, limit: int
+) -> list[tuple[list, dict]]:
     query = (
         select(Namespace.namespace, func.coalesce(Invalidation.cutoff, Namespace.updated_at))
         .outerjoin(Invalidation, Invalidation.command_id == Namespace.invalidation_id)
@@ -110,12 +123,22 @@ async def namespace_decisions(session: AsyncSession, after: list, limit: int) ->
     )
     if after:
         query = query.where(Namespace.namespace > after[0])
-    return [([name], _decision(NamespacePredicate(ns=name), at)) for name, at in await session.execute(query)]
+    return [
+        ([name], _decision(NamespacePredicate(ns=name), at))
+        for name, at in await session.execute(query)
+    ]
 
 
-async def policy_decisions(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
+async def policy_decisions(
+    session: AsyncSession, after: list, limit: int
+) -> list[tuple[list, dict]]:
     query = (
-        select(Policy.tenant_id, Policy.auth_scope, Policy.policy_version, func.coalesce(Invalidation.cutoff, Policy.updated_at))
+        select(
+            Policy.tenant_id,
+            Policy.auth_scope,
+            Policy.policy_version,
+            func.coalesce(Invalidation.cutoff, Policy.updated_at),
+        )
         .outerjoin(Invalidation, Invalidation.command_id == Policy.invalidation_id)
         .order_by(Policy.tenant_id, Policy.auth_scope)
         .limit(limit)
@@ -123,12 +146,17 @@ async def policy_decisions(session: AsyncSession, after: list, limit: int) -> li
     if after:
         query = query.where(tuple_(Policy.tenant_id, Policy.auth_scope) > tuple_(*after))
     return [
-        ([tenant, scope], _decision(PolicyPredicate(tenant=tenant, auth_scope=scope, below_version=version), at))
+        (
+            [tenant, scope],
+            _decision(PolicyPredicate(tenant=tenant, auth_scope=scope, below_version=version), at),
+        )
         for tenant, scope, version, at in await session.execute(query)
     ]
 
 
-async def document_decisions(session: AsyncSession, after: list, limit: int) -> list[tuple[list, dict]]:
+async def document_decisions(
+    session: AsyncSession, after: list, limit: int
+) -> list[tuple[list, dict]]:
     query = (
         select(
             Document.tenant_id,
@@ -146,7 +174,12 @@ async def document_decisions(session: AsyncSession, after: list, limit: int) -> 
     return [
         (
             [tenant, doc_id],
-            _decision(DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=ANY_VERSION if deleted else version), at),
+            _decision(
+                DocumentPredicate(
+                    tenant=tenant, doc_id=doc_id, below_version=ANY_VERSION if deleted else version
+                ),
+                at,
+            ),
         )
         for tenant, doc_id, version, deleted, at in await session.execute(query)
     ]
@@ -156,9 +189,13 @@ async def _commands(
     session: AsyncSession, node_id: str, after: list, limit: int, command_signer: EnvelopeSigner
 ) -> list[tuple[list, dict]]:
     query = (
-        select(Invalidation.seq, Invalidation.command_id, Invalidation.predicate, Invalidation.cutoff)
+        select(
+            Invalidation.seq, Invalidation.command_id, Invalidation.predicate, Invalidation.cutoff
+        )
         .join(InvalidationTarget, InvalidationTarget.command_id == Invalidation.command_id)
-        .where(InvalidationTarget.node_id == node_id, InvalidationTarget.status == TargetStatus.PENDING)
+        .where(
+            InvalidationTarget.node_id == node_id, InvalidationTarget.status == TargetStatus.PENDING
+        )
         .order_by(Invalidation.seq)
         .limit(limit)
     )
@@ -168,13 +205,18 @@ async def _commands(
     for seq, command_id, stored, cutoff in await session.execute(query):
         predicate = parse_predicate(stored)
         command = make_event(
-            Invalidate(command_id=command_id, predicate=predicate, cutoff=cutoff), tenant_id=getattr(predicate, "tenant", None)
+            Invalidate(command_id=command_id, predicate=predicate, cutoff=cutoff),
+            tenant_id=getattr(predicate, "tenant", None),
         )
         entries.append(([seq], command_signer(command).model_dump(mode="json")))
     return entries
 
 
-DECISION_READERS = {"namespaces": namespace_decisions, "policies": policy_decisions, "documents": document_decisions}
+DECISION_READERS = {
+    "namespaces": namespace_decisions,
+    "policies": policy_decisions,
+    "documents": document_decisions,
+}
 """Each registry section's reader: ``(session, after key, limit) -> [(key, decision)]`` in key order (also ``/v1/router/versions``)."""
 
 router = APIRouter()
@@ -193,7 +235,9 @@ async def governance(
     try:
         position = Cursor(section=0, after=[]) if cursor is None else Cursor.decode(cursor)
     except ValueError as error:
-        return error_response(400, "invalid_request_error", "invalid_parameter", str(error), _NO_STORE)
+        return error_response(
+            400, "invalid_request_error", "invalid_parameter", str(error), _NO_STORE
+        )
     as_of = await session.scalar(select(func.coalesce(func.max(Invalidation.seq), 0)))
     decisions: list[dict] = []
     commands: list[dict] = []
@@ -207,7 +251,9 @@ async def governance(
             reader = DECISION_READERS[SECTIONS[section]]
             entries = await reader(session, after, room + 1)
         page, more = entries[:room], len(entries) > room
-        (commands if SECTIONS[section] == "commands" else decisions).extend(entry for _, entry in page)
+        (commands if SECTIONS[section] == "commands" else decisions).extend(
+            entry for _, entry in page
+        )
         if more:
             # An empty page of a section (no room left) starts it again from the same key.
             next_cursor = Cursor(section=section, after=page[-1][0] if page else after).encode()

@@ -55,7 +55,9 @@ async def get_invalidation(command_id: uuid.UUID, reader: Reader, session: Sessi
     invalidation = await session.get(Invalidation, command_id)
     require_tenant(reader, None if invalidation is None else invalidation.predicate.get("tenant"))
     if invalidation is None:
-        return error_response(404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}")
+        return error_response(
+            404, "invalid_request_error", "invalidation_not_found", f"no invalidation {command_id}"
+        )
     return await describe_invalidation(session, invalidation)
 
 
@@ -71,7 +73,16 @@ async def get_invalidations(
     before: Annotated[int | None, Query(ge=1)] = None,
 ) -> dict[str, Any]:
     """Newest first; page with ``before=<next_cursor>``. ``tenant`` defaults to a tenant-bound caller's own."""
-    return await list_invalidations(session, reader, tenant=tenant, doc_id=doc_id, status=status, kind=kind, limit=limit, before=before)
+    return await list_invalidations(
+        session,
+        reader,
+        tenant=tenant,
+        doc_id=doc_id,
+        status=status,
+        kind=kind,
+        limit=limit,
+        before=before,
+    )
 
 
 @router.get("/v1/namespaces")
@@ -83,7 +94,11 @@ async def list_namespaces(_: PlatformAdmin, session: Session) -> dict[str, Any]:
 
 @router.post("/v1/namespaces/{namespace}/retire")
 async def retire_namespace(
-    namespace: Annotated[Name, Path()], _: PlatformAdmin, session: Session, settings: Settings, command_signer: CommandSigner
+    namespace: Annotated[Name, Path()],
+    _: PlatformAdmin,
+    session: Session,
+    settings: Settings,
+    command_signer: CommandSigner,
 ) -> JSONResponse:
     """Start draining ``namespace`` (202), or report the retirement already under way or done (200)."""
     async with session.begin():
@@ -91,7 +106,12 @@ async def retire_namespace(
         await lock_decisions(session)
         row = await session.get(Namespace, namespace, with_for_update=True)
         if row is None:
-            return error_response(404, "invalid_request_error", "namespace_not_found", "no such namespace in the ledger")
+            return error_response(
+                404,
+                "invalid_request_error",
+                "namespace_not_found",
+                "no such namespace in the ledger",
+            )
         serving = (await _serving_nodes(session))[namespace]
         if row.status != NamespaceStatus.ACTIVE:
             return JSONResponse(status_code=200, content=_namespace(row, serving))
@@ -99,7 +119,9 @@ async def retire_namespace(
             select(Node.node_id)
             .where(
                 Node.namespace == namespace,
-                func.extract("epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at))
+                func.extract(
+                    "epoch", func.now() - func.greatest(Node.last_heartbeat, Node.last_event_at)
+                )
                 < settings.ledger.heartbeat_timeout_s,
             )
             .order_by(Node.node_id)
@@ -173,7 +195,12 @@ async def list_invalidations(
     rows = (await session.execute(query)).all()
     return {
         "invalidations": [
-            {**_summary(row.Invalidation), "num_targets": row.num_targets or 0, "num_acked": row.num_acked or 0} for row in rows
+            {
+                **_summary(row.Invalidation),
+                "num_targets": row.num_targets or 0,
+                "num_acked": row.num_acked or 0,
+            }
+            for row in rows
         ],
         "next_cursor": rows[-1].Invalidation.seq if len(rows) == limit else None,
     }
@@ -182,7 +209,9 @@ async def list_invalidations(
 async def _serving_nodes(session: AsyncSession) -> collections.defaultdict[str, list[str]]:
     serving: collections.defaultdict[str, list[str]] = collections.defaultdict(list)
     for node_id, namespace in await session.execute(
-        select(Node.node_id, Node.namespace).where(Node.namespace.is_not(None)).order_by(Node.node_id)
+        select(Node.node_id, Node.namespace)
+        .where(Node.namespace.is_not(None))
+        .order_by(Node.node_id)
     ):
         serving[namespace].append(node_id)
     return serving
@@ -207,8 +236,12 @@ def _summary(invalidation: Invalidation) -> dict[str, Any]:
         "predicate": invalidation.predicate,
         "cutoff": iso(invalidation.cutoff),
         "trigger": invalidation.trigger,
-        "source_event_id": None if invalidation.source_event_id is None else str(invalidation.source_event_id),
-        "parent_command_id": None if invalidation.parent_command_id is None else str(invalidation.parent_command_id),
+        "source_event_id": None
+        if invalidation.source_event_id is None
+        else str(invalidation.source_event_id),
+        "parent_command_id": None
+        if invalidation.parent_command_id is None
+        else str(invalidation.parent_command_id),
         "status": invalidation.status,
         "requested_at": iso(invalidation.requested_at),
         "created_at": iso(invalidation.created_at),
@@ -218,18 +251,28 @@ def _summary(invalidation: Invalidation) -> dict[str, Any]:
     }
 
 
-async def describe_invalidation(session: AsyncSession, invalidation: Invalidation) -> dict[str, Any]:
+async def describe_invalidation(
+    session: AsyncSession, invalidation: Invalidation
+) -> dict[str, Any]:
     """The summary plus, per expected node × tier: status, evidence, and the ledger's live/deleted counts.
 
     ``latency_ms`` runs from the decision to completion (or to a node's ack);
     ``end_to_end_ms`` from ``requested_at`` (the user's event), which is on the publisher's clock.
     """
     predicate = parse_predicate(invalidation.predicate)
-    live = {(node_id, tier): count for node_id, tier, count in await session.execute(live_copies_matching(predicate))}
-    deleted = {(node_id, tier): count for node_id, tier, count in await session.execute(deleted_by(invalidation.command_id))}
+    live = {
+        (node_id, tier): count
+        for node_id, tier, count in await session.execute(live_copies_matching(predicate))
+    }
+    deleted = {
+        (node_id, tier): count
+        for node_id, tier, count in await session.execute(deleted_by(invalidation.command_id))
+    }
     targets = (
         await session.scalars(
-            select(InvalidationTarget).where(InvalidationTarget.command_id == invalidation.command_id).order_by(InvalidationTarget.node_id)
+            select(InvalidationTarget)
+            .where(InvalidationTarget.command_id == invalidation.command_id)
+            .order_by(InvalidationTarget.node_id)
         )
     ).all()
     described = []

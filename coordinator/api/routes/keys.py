@@ -49,13 +49,19 @@ class ResolveRequest(BaseModel):
 
 
 def _key_response(key_id: str, key: bytes) -> JSONResponse:
-    return JSONResponse(content={"key_id": key_id, "key": base64.b64encode(key).decode()}, headers=_NO_STORE)
+    return JSONResponse(
+        content={"key_id": key_id, "key": base64.b64encode(key).decode()}, headers=_NO_STORE
+    )
 
 
 def _master_key_mismatch(error: MasterKeyError) -> JSONResponse:
     log.error("%s", error)
     return error_response(
-        500, "server_error", "master_key_mismatch", "a stored data key does not unwrap with the configured master key", _NO_STORE
+        500,
+        "server_error",
+        "master_key_mismatch",
+        "a stored data key does not unwrap with the configured master key",
+        _NO_STORE,
     )
 
 
@@ -66,16 +72,25 @@ def _not_configured(settings: CoordinatorSettings) -> JSONResponse:
     """Names the settings the key service still needs (the service is None without both)."""
     missing = [
         name
-        for name, value in (("KVLEDGER_MASTER_KEY", settings.keys.master_key), ("KVLEDGER_SUBJECT_KEY", settings.ledger.subject_key))
+        for name, value in (
+            ("KVLEDGER_MASTER_KEY", settings.keys.master_key),
+            ("KVLEDGER_SUBJECT_KEY", settings.ledger.subject_key),
+        )
         if value is None
     ]
     return error_response(
-        503, "server_error", "keys_not_configured", f"this coordinator serves no data keys: set {' and '.join(missing)}", _NO_STORE
+        503,
+        "server_error",
+        "keys_not_configured",
+        f"this coordinator serves no data keys: set {' and '.join(missing)}",
+        _NO_STORE,
     )
 
 
 @router.post("/resolve")
-async def resolve(body: ResolveRequest, service: KeyServiceForNode, settings: Settings) -> JSONResponse:
+async def resolve(
+    body: ResolveRequest, service: KeyServiceForNode, settings: Settings
+) -> JSONResponse:
     """The live key of the tenant (or subject), created on first use; the same for every caller."""
     if service is None:
         return _not_configured(settings)
@@ -87,7 +102,11 @@ async def resolve(body: ResolveRequest, service: KeyServiceForNode, settings: Se
 
 
 @router.get("/{key_id}")
-async def get_key(key_id: Annotated[str, Path(pattern=KEY_ID_PATTERN)], service: KeyServiceForNode, settings: Settings) -> JSONResponse:
+async def get_key(
+    key_id: Annotated[str, Path(pattern=KEY_ID_PATTERN)],
+    service: KeyServiceForNode,
+    settings: Settings,
+) -> JSONResponse:
     """A key by id, to unseal a block file or snapshot shard that names it."""
     if service is None:
         return _not_configured(settings)
@@ -96,7 +115,15 @@ async def get_key(key_id: Annotated[str, Path(pattern=KEY_ID_PATTERN)], service:
     except MasterKeyError as error:
         return _master_key_mismatch(error)
     if record is None:
-        return error_response(404, "not_found_error", "key_not_found", "no data key was issued under this id", _NO_STORE)
+        return error_response(
+            404,
+            "not_found_error",
+            "key_not_found",
+            "no data key was issued under this id",
+            _NO_STORE,
+        )
     if record.key is None:
-        return error_response(410, "gone_error", "key_destroyed", "this data key has been destroyed", _NO_STORE)
+        return error_response(
+            410, "gone_error", "key_destroyed", "this data key has been destroyed", _NO_STORE
+        )
     return _key_response(key_id, record.key)

@@ -44,11 +44,18 @@ async def peer_key(
     registry: NodeKeyRegistry = request.app.state.node_keys
     enrolled = (await registry.lookup([key_id])).get(key_id)
     if enrolled is None:
-        raise ApiError(404, "invalid_request_error", "unknown_node_key", "no enrolled, unrevoked node key has this id")
+        raise ApiError(
+            404,
+            "invalid_request_error",
+            "unknown_node_key",
+            "no enrolled, unrevoked node key has this id",
+        )
     node = await session.get(Node, enrolled.node_id)
     return {
         "key_id": enrolled.key_id,
         "node_id": enrolled.node_id,
-        "public_key": base64.urlsafe_b64encode(raw_public_key(enrolled.public_key)).decode().rstrip("="),
+        "public_key": base64.urlsafe_b64encode(raw_public_key(enrolled.public_key))
+        .decode()
+        .rstrip("="),
         "namespace": None if node is None else node.namespace,
     }

@@ -68,7 +68,9 @@ def _as_seen_by(operator: Operator, key: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.post("/v1/producer-keys")
-async def enroll_producer_key(body: Enrollment, operator: ProducerKeyAdmin, session: Session) -> JSONResponse:
+async def enroll_producer_key(
+    body: Enrollment, operator: ProducerKeyAdmin, session: Session
+) -> JSONResponse:
     tenants = None if body.all_tenants else body.tenants
     _require_binding(operator, tenants)
     try:
@@ -77,7 +79,9 @@ async def enroll_producer_key(body: Enrollment, operator: ProducerKeyAdmin, sess
         return error_response(400, "invalid_request_error", "invalid_public_key", str(error))
     async with session.begin():
         try:
-            enrolled = await producer_keys.enroll(session, public_key, tenants, name=body.name, enrolled_by=operator.subject_id)
+            enrolled = await producer_keys.enroll(
+                session, public_key, tenants, name=body.name, enrolled_by=operator.subject_id
+            )
         except ValueError as error:
             return error_response(409, "invalid_request_error", "producer_key_conflict", str(error))
         described = await producer_keys.described(session, enrolled.key_id)
@@ -86,7 +90,9 @@ async def enroll_producer_key(body: Enrollment, operator: ProducerKeyAdmin, sess
 
 
 @router.get("/v1/producer-keys")
-async def list_producer_keys(operator: ProducerKeyAdmin, session: Session, tenant: Annotated[Name | None, Query()] = None) -> Any:
+async def list_producer_keys(
+    operator: ProducerKeyAdmin, session: Session, tenant: Annotated[Name | None, Query()] = None
+) -> Any:
     if not operator.is_platform_admin:
         tenant = tenant or operator.tenant_id
         require_tenant(operator, tenant)
@@ -96,13 +102,24 @@ async def list_producer_keys(operator: ProducerKeyAdmin, session: Session, tenan
 
 
 @router.post("/v1/producer-keys/{key_id}/revoke")
-async def revoke_producer_key(key_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")], operator: ProducerKeyAdmin, session: Session) -> Any:
+async def revoke_producer_key(
+    key_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
+    operator: ProducerKeyAdmin,
+    session: Session,
+) -> Any:
     async with session.begin():
         binding = await producer_keys.get(session, key_id)
         if not operator.is_platform_admin and (
-            binding is None or binding.all_tenants or binding.tenants != frozenset({operator.tenant_id})
+            binding is None
+            or binding.all_tenants
+            or binding.tenants != frozenset({operator.tenant_id})
         ):
             raise TenantForbiddenError()  # shared, another tenant's, or no such key: the same answer
         if binding is None or not await producer_keys.revoke(session, key_id):
-            return error_response(404, "invalid_request_error", "producer_key_not_found", f"no live producer key {key_id}")
+            return error_response(
+                404,
+                "invalid_request_error",
+                "producer_key_not_found",
+                f"no live producer key {key_id}",
+            )
     return {"key_id": key_id, "revoked": True}

@@ -36,7 +36,16 @@ from coordinator.api.dependencies import Session, Settings
 from coordinator.api.node_status import node_statuses
 from coordinator.api.routes.governance import DECISION_READERS, Cursor
 from coordinator.http import ApiError
-from coordinator.ledger.models import Block, BlockAuthScope, BlockCreator, BlockDocument, InvalidationTarget, Node, NodeKey, Placement
+from coordinator.ledger.models import (
+    Block,
+    BlockAuthScope,
+    BlockCreator,
+    BlockDocument,
+    InvalidationTarget,
+    Node,
+    NodeKey,
+    Placement,
+)
 from coordinator.ledger.states import PlacementState, TargetStatus
 from events.schema import Name
 from events.tiers import STORAGE_TIERS
@@ -52,14 +61,30 @@ RouterReader = Annotated[Operator, Depends(requires(ROUTER_READERS))]
 
 @router.get("/v1/router/nodes")
 async def router_nodes(_: RouterReader, session: Session, settings: Settings) -> dict[str, Any]:
-    keys = await session.scalars(select(NodeKey).where(NodeKey.revoked_at.is_(None)).order_by(NodeKey.key_id))
+    keys = await session.scalars(
+        select(NodeKey).where(NodeKey.revoked_at.is_(None)).order_by(NodeKey.key_id)
+    )
     return {
         "nodes": [
-            {name: status[name] for name in ("node_id", "epoch", "last_seq", "namespace", "alive", "last_seen_age_s")}
+            {
+                name: status[name]
+                for name in (
+                    "node_id",
+                    "epoch",
+                    "last_seq",
+                    "namespace",
+                    "alive",
+                    "last_seen_age_s",
+                )
+            }
             for status in await node_statuses(session, settings.ledger.heartbeat_timeout_s)
         ],
         "node_keys": [
-            {"key_id": key.key_id, "node_id": key.node_id, "public_key": base64.urlsafe_b64encode(key.public_key).decode().rstrip("=")}
+            {
+                "key_id": key.key_id,
+                "node_id": key.node_id,
+                "public_key": base64.urlsafe_b64encode(key.public_key).decode().rstrip("="),
+            }
             for key in keys
         ],
     }
@@ -85,7 +110,10 @@ async def router_versions(
         decisions.extend(decision for _, decision in entries[:room])
         if len(entries) > room:
             last = entries[room - 1][0] if room else after
-            return {"decisions": decisions, "next_cursor": Cursor(section=section, after=last).encode()}
+            return {
+                "decisions": decisions,
+                "next_cursor": Cursor(section=section, after=last).encode(),
+            }
         section, after = section + 1, []
     return {"decisions": decisions, "next_cursor": None}
 
@@ -127,7 +155,10 @@ async def router_placements(
         "node_id": node,
         "epoch": row.epoch,
         "last_seq": row.last_seq,
-        "placements": [{"block_hash": block_hash.hex(), "tier": tier, **provenance[block_hash]} for _, block_hash, tier in page],
+        "placements": [
+            {"block_hash": block_hash.hex(), "tier": tier, **provenance[block_hash]}
+            for _, block_hash, tier in page
+        ],
         "next_cursor": page[-1][0] if len(page) == limit else None,
     }
 
@@ -137,25 +168,33 @@ async def _provenance(session: AsyncSession, hashes: list[bytes]) -> dict[bytes,
         return {}
     documents: dict[bytes, list[list]] = collections.defaultdict(list)
     for block_hash, doc_id, version in await session.execute(
-        select(BlockDocument.block_hash, BlockDocument.doc_id, BlockDocument.version).where(BlockDocument.block_hash.in_(hashes))
+        select(BlockDocument.block_hash, BlockDocument.doc_id, BlockDocument.version).where(
+            BlockDocument.block_hash.in_(hashes)
+        )
     ):
         documents[block_hash].append([doc_id, version])
     auth_scopes: dict[bytes, list[list]] = collections.defaultdict(list)
     for block_hash, auth_scope, version in await session.execute(
-        select(BlockAuthScope.block_hash, BlockAuthScope.auth_scope, BlockAuthScope.policy_version).where(
-            BlockAuthScope.block_hash.in_(hashes)
-        )
+        select(
+            BlockAuthScope.block_hash, BlockAuthScope.auth_scope, BlockAuthScope.policy_version
+        ).where(BlockAuthScope.block_hash.in_(hashes))
     ):
         auth_scopes[block_hash].append([auth_scope, version])
     creators: dict[bytes, list[str]] = collections.defaultdict(list)
     for block_hash, subject_hash in await session.execute(
-        select(BlockCreator.block_hash, BlockCreator.subject_hash).where(BlockCreator.block_hash.in_(hashes))
+        select(BlockCreator.block_hash, BlockCreator.subject_hash).where(
+            BlockCreator.block_hash.in_(hashes)
+        )
     ):
         creators[block_hash].append(subject_hash.hex())
     blocks = await session.execute(
-        select(Block.block_hash, Block.namespace, Block.tenant_id, Block.subject_hash, func.extract("epoch", Block.created_at)).where(
-            Block.block_hash.in_(hashes)
-        )
+        select(
+            Block.block_hash,
+            Block.namespace,
+            Block.tenant_id,
+            Block.subject_hash,
+            func.extract("epoch", Block.created_at),
+        ).where(Block.block_hash.in_(hashes))
     )
     return {
         block_hash: {

@@ -37,7 +37,10 @@ async def usage(
     reader: Reader,
     session: Session,
     since: Annotated[AwareDatetime, Query(description="RFC 3339 start of the window (inclusive)")],
-    until: Annotated[AwareDatetime | None, Query(description="RFC 3339 end of the window (exclusive); default now")] = None,
+    until: Annotated[
+        AwareDatetime | None,
+        Query(description="RFC 3339 end of the window (exclusive); default now"),
+    ] = None,
     tenant: Annotated[Name | None, Query()] = None,
 ) -> Any:
     if not reader.is_platform_admin:
@@ -45,7 +48,9 @@ async def usage(
         require_tenant(reader, tenant)
     until = until or datetime.now(UTC)
     if until < since:
-        return error_response(400, "invalid_request_error", "bad_window", "until must not precede since")
+        return error_response(
+            400, "invalid_request_error", "bad_window", "until must not precede since"
+        )
     query = (
         select(
             UsageReport.tenant_id,
@@ -63,7 +68,8 @@ async def usage(
         "since": since.isoformat(),
         "until": until.isoformat(),
         "tenants": [
-            {"tenant_id": row.tenant_id, "num_reports": row.num_reports} | {name: int(getattr(row, name)) for name in COUNTS}
+            {"tenant_id": row.tenant_id, "num_reports": row.num_reports}
+            | {name: int(getattr(row, name)) for name in COUNTS}
             for row in rows
         ],
     }

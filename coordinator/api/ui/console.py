@@ -39,7 +39,12 @@ from coordinator import metrics
 from coordinator.api.auth import ForbiddenError, authorize, require_tenant
 from coordinator.api.dependencies import Session, Settings
 from coordinator.api.node_status import node_statuses
-from coordinator.api.routes.erasures import describe_erasure, list_erasures, readable_erasure, served_receipt
+from coordinator.api.routes.erasures import (
+    describe_erasure,
+    list_erasures,
+    readable_erasure,
+    served_receipt,
+)
 from coordinator.api.routes.invalidations import describe_invalidation, list_invalidations
 from coordinator.audit.audit_log import latest_tree_head, tree_head_document
 from coordinator.ledger.models import Invalidation, Receipt, ReceiptKey
@@ -62,7 +67,11 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 
-_templates = Environment(loader=PackageLoader("coordinator.api.ui", "templates"), autoescape=True, undefined=StrictUndefined)
+_templates = Environment(
+    loader=PackageLoader("coordinator.api.ui", "templates"),
+    autoescape=True,
+    undefined=StrictUndefined,
+)
 
 
 class _LoginRequired(Exception):
@@ -77,7 +86,10 @@ class _NotFound(Exception):
 
 def render(template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     context.setdefault("operator", None)
-    return HTMLResponse(_templates.get_template(template).render(tiers=list(Tier), **context), status_code=status_code)
+    return HTMLResponse(
+        _templates.get_template(template).render(tiers=list(Tier), **context),
+        status_code=status_code,
+    )
 
 
 class ConsoleRoute(APIRoute):
@@ -97,13 +109,25 @@ class ConsoleRoute(APIRoute):
                 if COOKIE in request.cookies:
                     response.delete_cookie(COOKIE, path="/ui")
             except ForbiddenError as error:
-                response = render("error.html", 403, title="Forbidden", code=error.code, message=error.message)
+                response = render(
+                    "error.html", 403, title="Forbidden", code=error.code, message=error.message
+                )
             except RequestValidationError as error:
                 # Name the parameter and the problem, never echo the input.
-                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
-                response = render("error.html", 400, title="Bad request", code="invalid_parameter", message=problems)
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
+                )
+                response = render(
+                    "error.html",
+                    400,
+                    title="Bad request",
+                    code="invalid_parameter",
+                    message=problems,
+                )
             except _NotFound as error:
-                response = render("error.html", 404, title="Not found", code="not_found", message=error.message)
+                response = render(
+                    "error.html", 404, title="Not found", code="not_found", message=error.message
+                )
             response.headers.update(SECURITY_HEADERS)
             return response
 
@@ -124,7 +148,9 @@ async def _operator(request: Request) -> Operator:
     if authorization is None:
         raise _LoginRequired()
     # verifying may fetch the issuer's JWKS: off the event loop, as coordinator.api.auth.requires does
-    return await run_in_threadpool(authorize, request.app.state.operator_verifier, authorization, LEDGER_READERS)
+    return await run_in_threadpool(
+        authorize, request.app.state.operator_verifier, authorization, LEDGER_READERS
+    )
 
 
 def _same_origin(request: Request) -> bool:
@@ -139,7 +165,9 @@ def _same_origin(request: Request) -> bool:
 
 def _refuse_cross_site(request: Request) -> None:
     if not _same_origin(request):
-        raise ForbiddenError("cross_site_request", "this form must be sent from the console's own pages")
+        raise ForbiddenError(
+            "cross_site_request", "this form must be sent from the console's own pages"
+        )
 
 
 def _optional(value: str | None) -> str | None:
@@ -156,11 +184,19 @@ def _ledger_figures() -> dict[str, Any]:
     """The backlog gauges as :func:`metrics.refresh_ledger_gauges` just set them, and this process's ingest lag."""
 
     def samples(metric: Any) -> list[tuple[str, dict[str, str], float]]:
-        return [(sample.name, sample.labels, sample.value) for family in metric.collect() for sample in family.samples]
+        return [
+            (sample.name, sample.labels, sample.value)
+            for family in metric.collect()
+            for sample in family.samples
+        ]
 
-    dead_letters = {labels["topic"]: int(value) for _, labels, value in samples(metrics.DEAD_LETTER_RECORDS)}
+    dead_letters = {
+        labels["topic"]: int(value) for _, labels, value in samples(metrics.DEAD_LETTER_RECORDS)
+    }
     nodes = {labels["liveness"]: int(value) for _, labels, value in samples(metrics.NODES)}
-    invalidations_open = {labels["status"]: int(value) for _, labels, value in samples(metrics.INVALIDATIONS_OPEN)}
+    invalidations_open = {
+        labels["status"]: int(value) for _, labels, value in samples(metrics.INVALIDATIONS_OPEN)
+    }
     erasures_unverified: dict[str, int] = collections.Counter()
     for _, labels, value in samples(metrics.ERASURES_UNVERIFIED):
         erasures_unverified[labels["status"]] += int(value)
@@ -174,7 +210,9 @@ def _ledger_figures() -> dict[str, Any]:
         "invalidations_open": invalidations_open,
         "erasures_unverified": dict(erasures_unverified),
         "num_ingested_events": num_lag_events,
-        "mean_ingest_lag_s": lag["kvledger_ledger_ingest_lag_seconds_sum"] / num_lag_events if num_lag_events else None,
+        "mean_ingest_lag_s": lag["kvledger_ledger_ingest_lag_seconds_sum"] / num_lag_events
+        if num_lag_events
+        else None,
     }
 
 
@@ -199,12 +237,23 @@ async def login(request: Request) -> Response:
     body = await request.body()
     if len(body) > MAX_LOGIN_BODY_BYTES:
         return render("login.html", 413, error="the form is too large for an operator token")
-    token = "".join(urllib.parse.parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].split())
+    token = "".join(
+        urllib.parse.parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].split()
+    )
     if not token:
         return render("login.html", 400, error="paste an operator token")
-    await run_in_threadpool(authorize, request.app.state.operator_verifier, f"Bearer {token}", LEDGER_READERS)
+    await run_in_threadpool(
+        authorize, request.app.state.operator_verifier, f"Bearer {token}", LEDGER_READERS
+    )
     response = RedirectResponse("/ui/", status_code=303)
-    response.set_cookie(COOKIE, token, path="/ui", httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    response.set_cookie(
+        COOKIE,
+        token,
+        path="/ui",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
     return response
 
 
@@ -247,7 +296,11 @@ async def invalidation(command_id: uuid.UUID, reader: Reader, session: Session) 
     require_tenant(reader, None if found is None else found.predicate.get("tenant"))
     if found is None:
         raise _NotFound(f"no invalidation {command_id}")
-    return render("invalidation.html", operator=reader, invalidation=await describe_invalidation(session, found))
+    return render(
+        "invalidation.html",
+        operator=reader,
+        invalidation=await describe_invalidation(session, found),
+    )
 
 
 @router.get("/erasures")
@@ -262,7 +315,14 @@ async def erasures(
     try:
         page = await list_erasures(session, reader, **filters, limit=PAGE_SIZE, before=before)
     except ValueError as error:
-        return render("error.html", 400, operator=reader, title="Bad request", code="invalid_parameter", message=str(error))
+        return render(
+            "error.html",
+            400,
+            operator=reader,
+            title="Bad request",
+            code="invalid_parameter",
+            message=str(error),
+        )
     return render("erasures.html", operator=reader, page=page, filters=filters)
 
 
@@ -275,13 +335,36 @@ async def erasure(erasure_id: uuid.UUID, reader: Reader, session: Session) -> HT
     receipt_file = f"receipt-{erasure_id}.json"
     commands = {
         "fetch": shlex.join(
-            ["kvledger", "erasure", "receipt", str(erasure_id), "--tenant", found.tenant_id, "--output", f"receipt-{erasure_id}"]
+            [
+                "kvledger",
+                "erasure",
+                "receipt",
+                str(erasure_id),
+                "--tenant",
+                found.tenant_id,
+                "--output",
+                f"receipt-{erasure_id}",
+            ]
         ),
         "verify": shlex.join(
-            ["kvledger", "verify-receipt", receipt_file, "--public-key", "receipt-keys.json", "--checkpoint", "checkpoint.json"]
+            [
+                "kvledger",
+                "verify-receipt",
+                receipt_file,
+                "--public-key",
+                "receipt-keys.json",
+                "--checkpoint",
+                "checkpoint.json",
+            ]
         ),
     }
-    return render("erasure.html", operator=reader, erasure=described, receipt_file=receipt_file, commands=commands)
+    return render(
+        "erasure.html",
+        operator=reader,
+        erasure=described,
+        receipt_file=receipt_file,
+        commands=commands,
+    )
 
 
 @router.get("/erasures/{erasure_id}/receipt.json")
@@ -304,4 +387,9 @@ async def receipt(erasure_id: uuid.UUID, reader: Reader, session: Session) -> Re
 async def audit(reader: Reader, session: Session) -> HTMLResponse:
     head = await latest_tree_head(session)
     num_keys = await session.scalar(select(func.count()).select_from(ReceiptKey))
-    return render("audit.html", operator=reader, checkpoint=None if head is None else tree_head_document(head), num_keys=num_keys)
+    return render(
+        "audit.html",
+        operator=reader,
+        checkpoint=None if head is None else tree_head_document(head),
+        num_keys=num_keys,
+    )

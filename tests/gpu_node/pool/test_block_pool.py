@@ -39,7 +39,12 @@ DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 
 
 def make_key(
-    i: int, scope: CacheScope = PUBLIC, tenant: str = "acme", subject: str = "alice", documents: tuple[str, ...] = (), namespace: str = NS
+    i: int,
+    scope: CacheScope = PUBLIC,
+    tenant: str = "acme",
+    subject: str = "alice",
+    documents: tuple[str, ...] = (),
+    namespace: str = NS,
 ) -> BlockKey:
     provenance = CacheProvenance(
         namespace=namespace,
@@ -53,7 +58,17 @@ def make_key(
     return block_key(i, provenance)
 
 
-def make_pool(tmp_path, *, device: int = 4, host: int = 0, disk: int = 0, ttl=None, clock=None, wall_clock=None, keys=None) -> BlockPool:
+def make_pool(
+    tmp_path,
+    *,
+    device: int = 4,
+    host: int = 0,
+    disk: int = 0,
+    ttl=None,
+    clock=None,
+    wall_clock=None,
+    keys=None,
+) -> BlockPool:
     config = PoolConfig(
         namespace=NS,
         num_device_blocks=device,
@@ -103,9 +118,13 @@ def test_spec_geometry():
     assert KVBlockSpec(1, 1, 1, 16, torch.bfloat16).kv_format == "bfloat16/L1/bs16"
 
 
-@pytest.mark.parametrize("fields", [dict(num_layers=0), dict(head_dim=-1), dict(block_size=0), dict(dtype=torch.int8)])
+@pytest.mark.parametrize(
+    "fields", [dict(num_layers=0), dict(head_dim=-1), dict(block_size=0), dict(dtype=torch.int8)]
+)
 def test_spec_rejects_bad_geometry(fields):
-    base = dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32) | fields
+    base = (
+        dict(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32) | fields
+    )
     with pytest.raises(ValueError):
         KVBlockSpec(**base)
 
@@ -132,7 +151,12 @@ def test_commit_makes_block_ready_on_device_with_exact_bytes(tmp_path):
     assert pool.longest_ready_prefix([block_hash(0)]) == []
 
     assert pool.commit_build(entry, make_kv(0)) is True
-    assert (entry.state, entry.tier, entry.slot, entry.ref_count) == (BlockState.READY, DEVICE, 0, 0)
+    assert (entry.state, entry.tier, entry.slot, entry.ref_count) == (
+        BlockState.READY,
+        DEVICE,
+        0,
+        0,
+    )
     assert pool.get_ready(block_hash(0)) is entry
     assert torch.equal(read(pool, [entry]), make_kv(0).unsqueeze(0))
     assert pool.take_events() == [StoredInPool(make_key(0), DEVICE)]
@@ -212,7 +236,10 @@ def test_longest_ready_prefix_stops_at_the_first_gap_and_updates_nothing(tmp_pat
     child = store(pool, 3)
     assert pool.take_events() == [
         RemovedFromPool(
-            block_hash(2), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True)
+            block_hash(2),
+            DEVICE,
+            RemovalReason.EVICTED,
+            RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True),
         ),
         StoredInPool(make_key(3), DEVICE),
     ]
@@ -280,9 +307,13 @@ def test_lru_demotes_device_to_host_to_disk_then_drops(tmp_path):
     ]
     stats = pool.stats()
     assert (stats.num_evictions, stats.num_demotions, stats.num_promotions) == (1, 5, 0)
-    assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [f"{block_hash(1).hex()}.kvb"]
+    assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [
+        f"{block_hash(1).hex()}.kvb"
+    ]
     for i in (1, 2, 3, 4):
-        assert torch.equal(read(pool, [pool.get_ready(block_hash(i))], promote=False)[0], make_kv(i))
+        assert torch.equal(
+            read(pool, [pool.get_ready(block_hash(i))], promote=False)[0], make_kv(i)
+        )
 
 
 def test_a_hit_refreshes_lru_order(tmp_path):
@@ -318,7 +349,10 @@ def test_host_hit_is_promoted_by_swapping_with_the_device_victim(tmp_path):
     assert torch.equal(read(pool, [entry])[0], make_kv(0))
     assert (entry.tier, entry.slot) == (DEVICE, 0)
     assert tiers(pool) == {0: DEVICE, 1: HOST}
-    assert pool.take_events() == [MovedInPool(block_hash(1), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DEVICE)]
+    assert pool.take_events() == [
+        MovedInPool(block_hash(1), DEVICE, HOST),
+        MovedInPool(block_hash(0), HOST, DEVICE),
+    ]
     assert pool.stats().num_promotions == 1
 
 
@@ -329,7 +363,9 @@ def test_no_promotion_when_every_device_slot_is_referenced(tmp_path):
     pool.take_events()
     host_entry = pool.get_ready(block_hash(0))
     pool.inc_lock_ref([device_entry, host_entry])
-    assert torch.equal(pool.read_blocks([device_entry, host_entry]), torch.stack([make_kv(1), make_kv(0)]))
+    assert torch.equal(
+        pool.read_blocks([device_entry, host_entry]), torch.stack([make_kv(1), make_kv(0)])
+    )
     pool.dec_lock_ref([device_entry, host_entry])
     assert tiers(pool) == {0: HOST, 1: DEVICE}
     assert pool.take_events() == []
@@ -341,7 +377,9 @@ def test_read_without_promotion_keeps_tiers(tmp_path):
         store(pool, i)
     pool.take_events()
     entries = [pool.get_ready(block_hash(i)) for i in range(3)]
-    assert torch.equal(read(pool, entries, promote=False), torch.stack([make_kv(i) for i in range(3)]))
+    assert torch.equal(
+        read(pool, entries, promote=False), torch.stack([make_kv(i) for i in range(3)])
+    )
     assert tiers(pool) == {0: DISK, 1: HOST, 2: DEVICE}
     assert pool.take_events() == []
 
@@ -357,7 +395,10 @@ def test_disk_hit_is_promoted_and_its_file_deleted(tmp_path):
     assert torch.equal(read(pool, [entry])[0], make_kv(0))
     assert entry.tier is DEVICE
     assert [path.name for path in disk.iterdir()] == [f"{block_hash(1).hex()}.kvb"]
-    assert pool.take_events() == [MovedInPool(block_hash(1), DEVICE, DISK), MovedInPool(block_hash(0), DISK, DEVICE)]
+    assert pool.take_events() == [
+        MovedInPool(block_hash(1), DEVICE, DISK),
+        MovedInPool(block_hash(0), DISK, DEVICE),
+    ]
 
 
 def test_explicit_demotion_zeroes_the_slot_it_leaves(tmp_path):
@@ -372,7 +413,10 @@ def test_explicit_demotion_zeroes_the_slot_it_leaves(tmp_path):
     assert pool.demote(block_hash(0), HOST) is False
     assert pool.demote(block_hash(0), DISK) is True
     assert torch.count_nonzero(pool.state.memory[HOST].table[0]) == 0
-    assert pool.take_events() == [MovedInPool(block_hash(0), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DISK)]
+    assert pool.take_events() == [
+        MovedInPool(block_hash(0), DEVICE, HOST),
+        MovedInPool(block_hash(0), HOST, DISK),
+    ]
     assert pool.stats().num_entries == {DEVICE: 0, HOST: 0, DISK: 1}
 
 
@@ -405,7 +449,12 @@ def test_ttl_is_checked_lazily_and_deletes_bytes(tmp_path):
     assert pool.take_events() == []
     assert pool.get_ready(block_hash(1)) is None
     assert pool.take_events() == [
-        RemovedFromPool(block_hash(1), DEVICE, RemovalReason.EXPIRED, RemovalEvidence(block_hash(1), DEVICE, METHOD_ZERO_FILL, False, True))
+        RemovedFromPool(
+            block_hash(1),
+            DEVICE,
+            RemovalReason.EXPIRED,
+            RemovalEvidence(block_hash(1), DEVICE, METHOD_ZERO_FILL, False, True),
+        )
     ]
     assert torch.count_nonzero(pool.state.memory[DEVICE].table[1]) == 0
     assert pool.get_ready(block_hash(0)) is public
@@ -424,17 +473,27 @@ def test_expire_sweeps_and_defers_referenced_blocks(tmp_path):
     clock.now = 10.0
     assert pool.expire() == 2
     zero = lambda i: RemovalEvidence(block_hash(i), DEVICE, METHOD_ZERO_FILL, False, True)  # noqa: E731
-    assert pool.take_events() == [RemovedFromPool(block_hash(1), DEVICE, RemovalReason.EXPIRED, zero(1))]
-    assert (held.state, held.tombstoned, other.state) == (BlockState.EVICTING, True, BlockState.EVICTING)
+    assert pool.take_events() == [
+        RemovedFromPool(block_hash(1), DEVICE, RemovalReason.EXPIRED, zero(1))
+    ]
+    assert (held.state, held.tombstoned, other.state) == (
+        BlockState.EVICTING,
+        True,
+        BlockState.EVICTING,
+    )
     assert pool.get_ready(block_hash(0)) is None
     assert pool.begin_build(make_key(0)) is None
     with pytest.raises(BlockRestoreError) as raised:
         pool.read_blocks([held])
     assert raised.value.reason == "expired"
-    assert torch.equal(pool.state.memory[DEVICE].table[0], make_kv(0))  # still referenced: not freed
+    assert torch.equal(
+        pool.state.memory[DEVICE].table[0], make_kv(0)
+    )  # still referenced: not freed
 
     pool.dec_lock_ref([held])
-    assert pool.take_events() == [RemovedFromPool(block_hash(0), DEVICE, RemovalReason.EXPIRED, zero(0))]
+    assert pool.take_events() == [
+        RemovedFromPool(block_hash(0), DEVICE, RemovalReason.EXPIRED, zero(0))
+    ]
     assert pool.expire() == 0
     assert pool.stats().num_expired == 2
     assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
@@ -456,11 +515,20 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
     disk_file = tmp_path / "disk" / f"{block_hash(0).hex()}.kvb"
     pool.take_events()
 
-    report = pool.remove_where(lambda provenance: provenance.subject_id == "alice", RemovalReason.INVALIDATED)
+    report = pool.remove_where(
+        lambda provenance: provenance.subject_id == "alice", RemovalReason.INVALIDATED
+    )
 
     evidence = (
         # the sealed file's key id, read from its header before the overwrite, names the key to crypto-erase
-        RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, True, True, pool.key_provider.current_key_id("acme", "alice")),
+        RemovalEvidence(
+            block_hash(0),
+            DISK,
+            METHOD_OVERWRITE_UNLINK,
+            True,
+            True,
+            pool.key_provider.current_key_id("acme", "alice"),
+        ),
         RemovalEvidence(block_hash(1), HOST, METHOD_ZERO_FILL, False, True),
     )
     assert report.num_removed == {DEVICE: 0, HOST: 1, DISK: 1}
@@ -486,7 +554,10 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
     pool.dec_lock_ref([held])
     assert pool.take_events() == [
         RemovedFromPool(
-            block_hash(2), DEVICE, RemovalReason.INVALIDATED, RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True)
+            block_hash(2),
+            DEVICE,
+            RemovalReason.INVALIDATED,
+            RemovalEvidence(block_hash(2), DEVICE, METHOD_ZERO_FILL, False, True),
         )
     ]
     assert pool.get_ready(block_hash(4)) is bob
@@ -550,7 +621,10 @@ def random_removal(draw):
         key = ("document", tenant, doc)
 
         def matches(p):
-            return p.tenant_id == tenant and any(t.rpartition("@")[0] == doc and int(t.rpartition("@")[2]) < below for t in p.documents)
+            return p.tenant_id == tenant and any(
+                t.rpartition("@")[0] == doc and int(t.rpartition("@")[2]) < below
+                for t in p.documents
+            )
     elif kind == "policy":
         scope, below = draw(st.sampled_from(["hr", "kb", "zz"])), draw(st.integers(1, 3))
         key = ("policy", tenant, scope)
@@ -567,7 +641,11 @@ def random_removal(draw):
 def pool_scenarios(draw):
     """Blocks with random provenances, each left BUILDING, on the device, host or disk, maybe referenced."""
     blocks = [
-        (random_provenance(draw), draw(st.sampled_from(["building", DEVICE, HOST, DISK])), draw(st.booleans()))
+        (
+            random_provenance(draw),
+            draw(st.sampled_from(["building", DEVICE, HOST, DISK])),
+            draw(st.booleans()),
+        )
         for _ in range(draw(st.integers(0, 12)))
     ]
     drops = draw(st.lists(st.integers(0, 11), max_size=4))
@@ -600,7 +678,10 @@ def test_narrowed_remove_where_removes_exactly_what_the_full_scan_removes(scenar
     with tempfile.TemporaryDirectory() as root:
         root = Path(root)
         keys = LocalKeyStore(root / "keys.json")
-        full, narrowed = (make_pool(root / name, device=16, host=16, disk=16, keys=keys) for name in ("full", "narrowed"))
+        full, narrowed = (
+            make_pool(root / name, device=16, host=16, disk=16, keys=keys)
+            for name in ("full", "narrowed")
+        )
         for pool in (full, narrowed):
             build_scenario(pool, blocks, drops)
             pool.take_events()
@@ -630,26 +711,45 @@ def test_remove_many_reports_and_deletes_exactly_what_removing_one_by_one_does(s
     with tempfile.TemporaryDirectory() as root:
         root = Path(root)
         keys = LocalKeyStore(root / "keys.json")
-        one_by_one, batched = (make_pool(root / name, device=16, host=16, disk=16, keys=keys) for name in ("seq", "batch"))
+        one_by_one, batched = (
+            make_pool(root / name, device=16, host=16, disk=16, keys=keys)
+            for name in ("seq", "batch")
+        )
         for pool in (one_by_one, batched):
             build_scenario(pool, blocks, drops)
             pool.take_events()
-        expected = [one_by_one.remove_where(predicate, RemovalReason.INVALIDATED, candidates=key) for key, predicate in removals]
-        reports = batched.remove_many([(predicate, key) for key, predicate in removals], RemovalReason.INVALIDATED)
+        expected = [
+            one_by_one.remove_where(predicate, RemovalReason.INVALIDATED, candidates=key)
+            for key, predicate in removals
+        ]
+        reports = batched.remove_many(
+            [(predicate, key) for key, predicate in removals], RemovalReason.INVALIDATED
+        )
         assert reports == expected
         assert batched.take_events() == one_by_one.take_events()
-        assert [(b, e.state, e.tombstoned, e.tier, e.slot) for b, e in batched.state.entries.items()] == [
+        assert [
+            (b, e.state, e.tombstoned, e.tier, e.slot) for b, e in batched.state.entries.items()
+        ] == [
             (b, e.state, e.tombstoned, e.tier, e.slot) for b, e in one_by_one.state.entries.items()
         ]
         for tier in (DEVICE, HOST):
             for slot in batched.state.memory[tier].free:
-                assert torch.count_nonzero(batched.state.memory[tier].table[slot]) == 0, f"freed {tier.value} slot {slot} still holds bytes"
+                assert torch.count_nonzero(batched.state.memory[tier].table[slot]) == 0, (
+                    f"freed {tier.value} slot {slot} still holds bytes"
+                )
         index_is_consistent(batched)
 
 
 def test_the_index_follows_every_admission_and_removal(tmp_path):
     clock = FakeClock(1000.0)
-    pool = make_pool(tmp_path, device=2, host=1, disk=2, ttl={PUBLIC: None, TENANT: 10.0, USER: None}, clock=clock)
+    pool = make_pool(
+        tmp_path,
+        device=2,
+        host=1,
+        disk=2,
+        ttl={PUBLIC: None, TENANT: 10.0, USER: None},
+        clock=clock,
+    )
     docs = ("handbook@7", "faq@1")
     for i in range(3):
         store(pool, i, scope=TENANT, documents=docs)
@@ -660,14 +760,23 @@ def test_the_index_follows_every_admission_and_removal(tmp_path):
     failing = pool.begin_build(make_key(4, scope=TENANT, documents=docs))
     pool.fail_build(failing)
     index_is_consistent(pool)
-    assert set(pool.state.index[("document", "acme", "handbook")]) == {block_hash(i) for i in range(4)}
+    assert set(pool.state.index[("document", "acme", "handbook")]) == {
+        block_hash(i) for i in range(4)
+    }
     assert pool.demote(block_hash(0), DISK) and pool.evict(block_hash(1))
     index_is_consistent(pool)
     read(pool, [pool.get_ready(block_hash(0))])  # promoted back from disk
     index_is_consistent(pool)
-    pool.remove_where(lambda p: "faq@1" in p.documents, RemovalReason.INVALIDATED, candidates=("document", "acme", "faq"))
+    pool.remove_where(
+        lambda p: "faq@1" in p.documents,
+        RemovalReason.INVALIDATED,
+        candidates=("document", "acme", "faq"),
+    )
     index_is_consistent(pool)
-    assert list(pool.state.index[("document", "acme", "faq")]) == [block_hash(2), block_hash(3)]  # held and building
+    assert list(pool.state.index[("document", "acme", "faq")]) == [
+        block_hash(2),
+        block_hash(3),
+    ]  # held and building
     assert pool.commit_build(building, make_kv(3)) is False
     pool.dec_lock_ref([held])
     index_is_consistent(pool)
@@ -690,9 +799,16 @@ def test_remove_where_refuses_an_unknown_index_key(tmp_path):
     pool = make_pool(tmp_path)
     store(pool, 0)
     with pytest.raises(ValueError):
-        pool.remove_where(lambda p: True, RemovalReason.INVALIDATED, candidates=("subject", "acme", "alice"))
+        pool.remove_where(
+            lambda p: True, RemovalReason.INVALIDATED, candidates=("subject", "acme", "alice")
+        )
     assert pool.get_ready(block_hash(0)) is not None
-    assert pool.remove_where(lambda p: True, RemovalReason.INVALIDATED, candidates=("namespace", "ns-other")).removed == ()
+    assert (
+        pool.remove_where(
+            lambda p: True, RemovalReason.INVALIDATED, candidates=("namespace", "ns-other")
+        ).removed
+        == ()
+    )
 
 
 # --- at rest ---------------------------------------------------------------------------------------
@@ -710,7 +826,11 @@ def test_disk_files_are_private_and_tenant_blocks_are_sealed(tmp_path):
     assert sorted(files) == sorted(f"{block_hash(i).hex()}.kvb" for i in range(3))
     for name, data in files.items():
         assert stat.S_IMODE(os.stat(disk / name).st_mode) == 0o600
-        assert b"acme-corp" not in data and b"alice@example.com" not in data and b"handbook" not in data
+        assert (
+            b"acme-corp" not in data
+            and b"alice@example.com" not in data
+            and b"handbook" not in data
+        )
     # Public blocks are stored in clear (with a checksum): their KV bytes appear verbatim.
     assert make_kv(2).numpy().tobytes() in files[f"{block_hash(2).hex()}.kvb"]
     assert make_kv(0).numpy().tobytes() not in files[f"{block_hash(0).hex()}.kvb"]
@@ -736,7 +856,10 @@ def test_tenant_block_without_a_data_key_is_dropped_not_written_in_clear(tmp_pat
     assert pool.take_events() == [
         StoredInPool(make_key(0, scope=TENANT), DEVICE),
         RemovedFromPool(
-            block_hash(0), DEVICE, RemovalReason.EVICTED, RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True)
+            block_hash(0),
+            DEVICE,
+            RemovalReason.EVICTED,
+            RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True),
         ),
         StoredInPool(make_key(1), DEVICE),
     ]
@@ -763,7 +886,10 @@ def test_corrupt_disk_block_raises_and_is_gone(tmp_path):
     assert not path.exists()
     assert pool.take_events() == [
         RemovedFromPool(
-            block_hash(0), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True)
+            block_hash(0),
+            DISK,
+            RemovalReason.RESTORE_FAILED,
+            RemovalEvidence(block_hash(0), DISK, METHOD_OVERWRITE_UNLINK, False, True),
         )
     ]
     assert pool.stats().num_restore_failures == 1
@@ -812,10 +938,15 @@ def test_restart_reindexes_the_disk_tier(tmp_path):
     assert restarted.load_disk_tier() == 2
     assert tiers(restarted) == {0: DISK, 1: DISK}
     assert restarted.get_ready(block_hash(0)).key == make_key(0, scope=USER, subject="s0")
-    assert torch.equal(read(restarted, [restarted.get_ready(block_hash(1))], promote=False)[0], make_kv(1))
+    assert torch.equal(
+        read(restarted, [restarted.get_ready(block_hash(1))], promote=False)[0], make_kv(1)
+    )
     assert restarted.take_events() == [
         RemovedFromPool(
-            block_hash(2), DISK, RemovalReason.RESTORE_FAILED, RemovalEvidence(block_hash(2), DISK, METHOD_OVERWRITE_UNLINK, False, True)
+            block_hash(2),
+            DISK,
+            RemovalReason.RESTORE_FAILED,
+            RemovalEvidence(block_hash(2), DISK, METHOD_OVERWRITE_UNLINK, False, True),
         )
     ]
     assert not corrupt.exists()
@@ -835,14 +966,19 @@ def test_restart_deletes_blocks_of_destroyed_keys_and_expired_blocks(tmp_path):
     keys.destroy(keys.current_key_id("acme", "alice"))
 
     wall.now = 5101.0
-    restarted = make_pool(tmp_path, device=1, disk=4, keys=keys, ttl=ttl, clock=FakeClock(0.0), wall_clock=wall)
+    restarted = make_pool(
+        tmp_path, device=1, disk=4, keys=keys, ttl=ttl, clock=FakeClock(0.0), wall_clock=wall
+    )
     assert restarted.load_disk_tier() == 1
     assert tiers(restarted) == {2: DISK}
     expected = sorted(
-        [(block_hash(0), RemovalReason.RESTORE_FAILED), (block_hash(1), RemovalReason.EXPIRED)], key=lambda item: item[0].hex()
+        [(block_hash(0), RemovalReason.RESTORE_FAILED), (block_hash(1), RemovalReason.EXPIRED)],
+        key=lambda item: item[0].hex(),
     )
     assert [(event.block_hash, event.reason) for event in restarted.take_events()] == expected
-    assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [f"{block_hash(2).hex()}.kvb"]
+    assert sorted(path.name for path in (tmp_path / "disk").iterdir()) == [
+        f"{block_hash(2).hex()}.kvb"
+    ]
 
 
 def test_export_and_import_records(tmp_path):
@@ -858,7 +994,9 @@ def test_export_and_import_records(tmp_path):
     assert target.import_record(record, HOST) is True
     assert target.import_record(record, HOST) is False
     assert target.take_events() == [StoredInPool(make_key(0, scope=USER), HOST)]
-    assert torch.equal(read(target, [target.get_ready(block_hash(0))], promote=False)[0], make_kv(0))
+    assert torch.equal(
+        read(target, [target.get_ready(block_hash(0))], promote=False)[0], make_kv(0)
+    )
     with pytest.raises(BlockRestoreError):
         target.import_record(record[:-1], HOST)
     stranger = make_pool(tmp_path / "c", device=1, host=1)
@@ -880,12 +1018,18 @@ def test_import_stores_into_every_tier_and_refuses_a_disk_copy_it_cannot_seal(tm
     tiers = (DEVICE, HOST, DISK)
     for i, tier in enumerate(tiers):
         assert target.import_record(records[i], tier) is True
-    assert target.take_events() == [StoredInPool(make_key(i, scope=USER), tier) for i, tier in enumerate(tiers)]
+    assert target.take_events() == [
+        StoredInPool(make_key(i, scope=USER), tier) for i, tier in enumerate(tiers)
+    ]
     entries = [target.get_ready(block_hash(i)) for i in range(3)]
     target.inc_lock_ref(entries)
-    assert all(torch.equal(kv, make_kv(i)) for i, kv in enumerate(read(target, entries, promote=False)))
+    assert all(
+        torch.equal(kv, make_kv(i)) for i, kv in enumerate(read(target, entries, promote=False))
+    )
     target.dec_lock_ref(entries)
-    assert is_sealed((tmp_path / "b" / "disk" / f"{block_hash(2).hex()}.kvb").read_bytes()), "the disk copy is sealed"
+    assert is_sealed((tmp_path / "b" / "disk" / f"{block_hash(2).hex()}.kvb").read_bytes()), (
+        "the disk copy is sealed"
+    )
 
     class ReadOnlyKeys:
         """Opens records sealed under existing keys but has no key to seal new ones."""
@@ -956,15 +1100,22 @@ def test_batched_promotion_of_host_blocks(tmp_path, order):
         store(pool, i)
         assert pool.demote(block_hash(i), HOST)
     pool.take_events()
-    assert pool.stats().num_entries[HOST] == BATCH and torch.count_nonzero(pool.state.memory[DEVICE].table) == 0
+    assert (
+        pool.stats().num_entries[HOST] == BATCH
+        and torch.count_nonzero(pool.state.memory[DEVICE].table) == 0
+    )
     indices = _batch_order(order)
     entries = [pool.get_ready(block_hash(i)) for i in indices]
     out = read(pool, entries)
     assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
     assert pool.take_events() == [MovedInPool(block_hash(i), HOST, DEVICE) for i in indices]
     for i, entry in zip(indices, entries, strict=True):
-        assert entry.tier is DEVICE and torch.equal(pool.state.memory[DEVICE].table[entry.slot], make_kv(i))
-    assert torch.count_nonzero(pool.state.memory[HOST].table) == 0  # every slot the blocks left is zeroed
+        assert entry.tier is DEVICE and torch.equal(
+            pool.state.memory[DEVICE].table[entry.slot], make_kv(i)
+        )
+    assert (
+        torch.count_nonzero(pool.state.memory[HOST].table) == 0
+    )  # every slot the blocks left is zeroed
     assert sorted(pool.state.memory[HOST].free) == list(range(BATCH))
     stats = pool.stats()
     assert stats.num_entries == {DEVICE: BATCH, HOST: 0, DISK: 0}
@@ -992,7 +1143,9 @@ def test_batched_promotion_of_disk_blocks(tmp_path, scope, order):
     assert torch.equal(out, torch.stack([make_kv(i) for i in indices]))
     assert pool.take_events() == [MovedInPool(block_hash(i), DISK, DEVICE) for i in indices]
     for i, entry in zip(indices, entries, strict=True):
-        assert entry.tier is DEVICE and torch.equal(pool.state.memory[DEVICE].table[entry.slot], make_kv(i))
+        assert entry.tier is DEVICE and torch.equal(
+            pool.state.memory[DEVICE].table[entry.slot], make_kv(i)
+        )
         assert not pool.disk_path(block_hash(i)).exists()
     assert list((tmp_path / "disk").iterdir()) == []
     stats = pool.stats()
@@ -1011,14 +1164,19 @@ def test_batched_read_mixes_tiers_and_repeated_entries(tmp_path):
     e0, e1, e2, e3 = (pool.get_ready(block_hash(i)) for i in range(4))
     entries = [e2, e0, e1, e2, e3]
     out = read(pool, entries)
-    assert torch.equal(out, torch.stack([make_kv(2), make_kv(0), make_kv(1), make_kv(2), make_kv(3)]))
+    assert torch.equal(
+        out, torch.stack([make_kv(2), make_kv(0), make_kv(1), make_kv(2), make_kv(3)])
+    )
     assert pool.take_events() == [
         MovedInPool(block_hash(2), DISK, DEVICE),
         MovedInPool(block_hash(1), HOST, DEVICE),
         MovedInPool(block_hash(3), DISK, DEVICE),
     ]
     assert tiers(pool) == {0: DEVICE, 1: DEVICE, 2: DEVICE, 3: DEVICE}
-    assert torch.count_nonzero(pool.state.memory[HOST].table) == 0 and list((tmp_path / "disk").iterdir()) == []
+    assert (
+        torch.count_nonzero(pool.state.memory[HOST].table) == 0
+        and list((tmp_path / "disk").iterdir()) == []
+    )
     assert e2.ref_count == 0
 
 
@@ -1037,10 +1195,15 @@ def test_batched_promotion_swaps_with_device_victims_and_stops_when_device_is_he
     assert torch.equal(out, torch.stack([make_kv(0), make_kv(1)]))
     # Block 0 takes the victim's device slot; the victim takes the host slot block 0 left (a swap);
     # block 1 finds no device slot and stays on the host, served from there.
-    assert pool.take_events() == [MovedInPool(block_hash(3), DEVICE, HOST), MovedInPool(block_hash(0), HOST, DEVICE)]
+    assert pool.take_events() == [
+        MovedInPool(block_hash(3), DEVICE, HOST),
+        MovedInPool(block_hash(0), HOST, DEVICE),
+    ]
     assert tiers(pool) == {0: DEVICE, 1: HOST, 2: DEVICE, 3: HOST}
     assert victim.slot == host_slots[0]
-    assert torch.equal(pool.state.memory[HOST].table[victim.slot], make_kv(3))  # the batched zero-fill ran before the swap
+    assert torch.equal(
+        pool.state.memory[HOST].table[victim.slot], make_kv(3)
+    )  # the batched zero-fill ran before the swap
     assert torch.equal(pool.state.memory[HOST].table[host_slots[1]], make_kv(1))
     assert torch.equal(pool.state.memory[DEVICE].table[entries[0].slot], make_kv(0))
     assert torch.count_nonzero(pool.state.memory[HOST].table[2:]) == 0

@@ -70,8 +70,17 @@ class PoolMachine(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="kvpool-"))
         self.clock = FakeClock()
         self.keys = LocalKeyStore(self.root / "keys.json")
-        config = PoolConfig(NS, num_device_blocks=2, num_host_blocks=2, max_disk_blocks=2, disk_dir=self.root / "disk", ttl_s=TTL_S)
-        self.pool = BlockPool(SPEC, config, self.keys, clock=self.clock, wall_clock=lambda: self.clock() + 1e6)
+        config = PoolConfig(
+            NS,
+            num_device_blocks=2,
+            num_host_blocks=2,
+            max_disk_blocks=2,
+            disk_dir=self.root / "disk",
+            ttl_s=TTL_S,
+        )
+        self.pool = BlockPool(
+            SPEC, config, self.keys, clock=self.clock, wall_clock=lambda: self.clock() + 1e6
+        )
         self.ledger: dict[bytes, Tier] = {}
         self.held: list = []
         self.building: list = []
@@ -163,7 +172,10 @@ class PoolMachine(RuleBasedStateMachine):
             return provenance.subject_id == what or what in provenance.documents
 
         # The documents and "public" removals go through the index (tenant None holds the public blocks).
-        candidates = {"handbook@1": ("document", "acme", "handbook"), "public": ("tenant", None)}.get(what)
+        candidates = {
+            "handbook@1": ("document", "acme", "handbook"),
+            "public": ("tenant", None),
+        }.get(what)
         report = self.pool.remove_where(matches, RemovalReason.INVALIDATED, candidates=candidates)
         assert report.all_verified
         assert len(report.evidence) == len(report.removed) == sum(report.num_removed.values())
@@ -215,14 +227,22 @@ class PoolMachine(RuleBasedStateMachine):
         counts = Counter(self.ledger.values())
         assert stats.num_entries == {tier: counts.get(tier, 0) for tier in STORAGE_TIERS}
         files = {path.name: path.stat().st_size for path in (self.root / "disk").iterdir()}
-        assert sorted(files) == sorted(f"{block.hex()}.kvb" for block, tier in self.ledger.items() if tier is Tier.DISK)
+        assert sorted(files) == sorted(
+            f"{block.hex()}.kvb" for block, tier in self.ledger.items() if tier is Tier.DISK
+        )
         assert stats.tier_bytes == {
             Tier.DEVICE: counts.get(Tier.DEVICE, 0) * SPEC.block_bytes,
             Tier.HOST: counts.get(Tier.HOST, 0) * SPEC.block_bytes,
             Tier.DISK: sum(files.values()),
         }
-        assert counts.get(Tier.DEVICE, 0) <= 2 and counts.get(Tier.HOST, 0) <= 2 and counts.get(Tier.DISK, 0) <= 2
-        assert stats.num_building == sum(entry.state is BlockState.BUILDING for entry in self.pool.state.entries.values())
+        assert (
+            counts.get(Tier.DEVICE, 0) <= 2
+            and counts.get(Tier.HOST, 0) <= 2
+            and counts.get(Tier.DISK, 0) <= 2
+        )
+        assert stats.num_building == sum(
+            entry.state is BlockState.BUILDING for entry in self.pool.state.entries.values()
+        )
 
     @invariant()
     def every_placed_block_holds_exactly_its_committed_kv(self) -> None:
@@ -230,7 +250,9 @@ class PoolMachine(RuleBasedStateMachine):
         for entry in self._placed():
             assert entry.state in (BlockState.READY, BlockState.EVICTING)
             assert (entry.state is BlockState.EVICTING) == entry.tombstoned
-            assert entry.state is BlockState.READY or entry.ref_count > 0, "an unreferenced tombstoned block kept its bytes"
+            assert entry.state is BlockState.READY or entry.ref_count > 0, (
+                "an unreferenced tombstoned block kept its bytes"
+            )
             expected = make_kv(HASH_INDEX[entry.block_hash])
             if entry.tier is Tier.DISK:
                 if entry.block_hash in self.unreadable:
@@ -245,7 +267,9 @@ class PoolMachine(RuleBasedStateMachine):
         for tier, slots in used.items():
             for slot in range(self.pool.state.memory[tier].table.shape[0]):
                 if slot not in slots:
-                    assert torch.count_nonzero(self.pool.state.memory[tier].table[slot]) == 0, f"free {tier} slot {slot} not zeroed"
+                    assert torch.count_nonzero(self.pool.state.memory[tier].table[slot]) == 0, (
+                        f"free {tier} slot {slot} not zeroed"
+                    )
 
     @invariant()
     def references_match_the_readers(self) -> None:
@@ -254,7 +278,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert entry.ref_count == held.get(id(entry), 0)
         for entry in self.held:
             assert entry.ref_count == held[id(entry)]
-            assert (entry.tier, entry.slot) == self.location[id(entry)], "the pool moved or freed a referenced block"
+            assert (entry.tier, entry.slot) == self.location[id(entry)], (
+                "the pool moved or freed a referenced block"
+            )
 
     @invariant()
     def provenance_index_files_exactly_the_entries(self) -> None:

@@ -38,7 +38,10 @@ def test_allocation_demotes_cached_blocks_in_lru_order_or_takes_nothing(tmp_path
     assert slots.allocate(3) is None  # block 1 is held: only two slots can be made
     assert placed(state) == {0: (DEVICE, 0), 1: (DEVICE, 1), 2: (DEVICE, 2)} and state.events == []
     assert slots.allocate(2) == [0, 2]
-    assert state.events == [MovedInPool(block_hash(0), DEVICE, HOST), MovedInPool(block_hash(2), DEVICE, HOST)]
+    assert state.events == [
+        MovedInPool(block_hash(0), DEVICE, HOST),
+        MovedInPool(block_hash(2), DEVICE, HOST),
+    ]
     assert placed(state) == {0: (HOST, 0), 1: (DEVICE, 1), 2: (HOST, 1)}
 
 
@@ -49,7 +52,10 @@ def test_freed_slots_are_zeroed_and_given_out_again(tmp_path):
     for slot in taken:
         state.memory[DEVICE].write(slot, make_kv(slot))
     slots.free([2, 0])
-    assert torch.count_nonzero(state.memory[DEVICE].table[0]) == 0 and torch.count_nonzero(state.memory[DEVICE].table[2]) == 0
+    assert (
+        torch.count_nonzero(state.memory[DEVICE].table[0]) == 0
+        and torch.count_nonzero(state.memory[DEVICE].table[2]) == 0
+    )
     assert torch.equal(state.memory[DEVICE].table[1], make_kv(1))
     assert slots.usage() == (1, 3) and slots.allocate(1) == [0]
 
@@ -61,7 +67,12 @@ def test_commit_makes_the_build_ready_in_the_callers_slot_with_its_reference(tmp
     state.memory[DEVICE].write(slot, make_kv(7))
     entry = building(state, 7)
     assert slots.commit(entry, slot) is True
-    assert (entry.state, entry.tier, entry.slot, entry.ref_count) == (BlockState.READY, DEVICE, slot, 1)
+    assert (entry.state, entry.tier, entry.slot, entry.ref_count) == (
+        BlockState.READY,
+        DEVICE,
+        slot,
+        1,
+    )
     assert torch.equal(state.memory[DEVICE].table[slot], make_kv(7))  # no copy, no zeroing
     assert state.events == [StoredInPool(entry.key, DEVICE)] and state.num_building == 0
 

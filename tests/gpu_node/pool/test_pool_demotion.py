@@ -22,7 +22,9 @@ def test_make_room_moves_the_least_recently_used_block_down_and_reports_it(tmp_p
     assert PoolDemoter(state).make_room(DEVICE) is True
     assert placed(state) == {0: (DEVICE, 0), 1: (HOST, 0)}
     assert torch.equal(state.memory[HOST].table[0], make_kv(1))
-    assert torch.count_nonzero(state.memory[DEVICE].table[1]) == 0 and state.memory[DEVICE].free == [1]
+    assert torch.count_nonzero(state.memory[DEVICE].table[1]) == 0 and state.memory[
+        DEVICE
+    ].free == [1]
     assert state.events == [MovedInPool(block_hash(1), DEVICE, HOST)]
     assert (state.num_demotions, lru_order(state, HOST)) == (1, [1])
 
@@ -85,7 +87,9 @@ def test_a_block_that_cannot_be_sealed_for_disk_is_dropped_instead(tmp_path):
     put(state, 0, key=scoped_key(0, CacheScope.TENANT))
     assert PoolDemoter(state).make_room(DEVICE) is True
     assert placed(state) == {} and list(state.disk.directory.iterdir()) == []
-    assert [(event.block_hash, event.tier, event.reason) for event in state.events] == [(block_hash(0), DEVICE, RemovalReason.EVICTED)]
+    assert [(event.block_hash, event.tier, event.reason) for event in state.events] == [
+        (block_hash(0), DEVICE, RemovalReason.EVICTED)
+    ]
 
 
 def test_demote_moves_an_unreferenced_block_down_only(tmp_path):

@@ -25,7 +25,9 @@ def test_device_hits_come_back_in_entry_order_and_become_most_recently_used(tmp_
     state.clock.now = 1005.0
     out = reader_of(state).read([entries[2], entries[0], entries[2]])
     assert torch.equal(out, torch.stack([make_kv(2), make_kv(0), make_kv(2)]))
-    assert out.data_ptr() != state.memory[DEVICE].table.data_ptr()  # fresh memory, never a slot view
+    assert (
+        out.data_ptr() != state.memory[DEVICE].table.data_ptr()
+    )  # fresh memory, never a slot view
     assert lru_order(state, DEVICE) == [1, 3, 0, 2]
     assert (entries[2].last_access, entries[1].last_access) == (1005.0, 1000.0)
     assert state.events == []
@@ -39,7 +41,10 @@ def test_host_and_disk_hits_are_promoted_to_the_device_in_order(tmp_path):
     out = reader_of(state).read([disk_hit, device_hit, host_hit])
     assert torch.equal(out, torch.stack([make_kv(2), make_kv(0), make_kv(1)]))
     assert placed(state) == {0: (DEVICE, 0), 1: (DEVICE, 2), 2: (DEVICE, 1)}
-    assert state.events == [MovedInPool(block_hash(2), DISK, DEVICE), MovedInPool(block_hash(1), HOST, DEVICE)]
+    assert state.events == [
+        MovedInPool(block_hash(2), DISK, DEVICE),
+        MovedInPool(block_hash(1), HOST, DEVICE),
+    ]
     assert torch.count_nonzero(state.memory[HOST].table) == 0 and state.memory[HOST].free == [0, 1]
     assert not state.disk.path(block_hash(2)).exists()
     assert state.num_promotions == 2 and lru_order(state, DEVICE) == [2, 0, 1]
@@ -59,8 +64,13 @@ def test_promotion_demotes_an_unreferenced_device_block_into_the_host_slot_just_
     out = reader_of(state).read([host_hit])
     assert torch.equal(out[0], make_kv(1))
     assert placed(state) == {0: (HOST, 0), 1: (DEVICE, 0)}  # a swap
-    assert torch.equal(state.memory[HOST].table[0], make_kv(0)) and torch.equal(state.memory[DEVICE].table[0], make_kv(1))
-    assert state.events == [MovedInPool(block_hash(0), DEVICE, HOST), MovedInPool(block_hash(1), HOST, DEVICE)]
+    assert torch.equal(state.memory[HOST].table[0], make_kv(0)) and torch.equal(
+        state.memory[DEVICE].table[0], make_kv(1)
+    )
+    assert state.events == [
+        MovedInPool(block_hash(0), DEVICE, HOST),
+        MovedInPool(block_hash(1), HOST, DEVICE),
+    ]
 
 
 def test_only_as_many_blocks_move_as_the_device_has_room_for(tmp_path):
@@ -92,5 +102,7 @@ def test_a_corrupt_disk_file_is_dropped_and_raised_before_anything_moves(tmp_pat
     with pytest.raises(BlockRestoreError):
         reader_of(state).read([host_hit, disk_hit])
     assert placed(state) == {0: (HOST, 0)} and not path.exists()
-    assert [(event.block_hash, event.tier, event.reason) for event in state.events] == [(block_hash(1), DISK, RemovalReason.RESTORE_FAILED)]
+    assert [(event.block_hash, event.tier, event.reason) for event in state.events] == [
+        (block_hash(1), DISK, RemovalReason.RESTORE_FAILED)
+    ]
     assert state.num_restore_failures == 1

@@ -8,7 +8,14 @@ from helpers.pool import FakeClock, block_hash, building, make_state, placed, pu
 
 from events.tiers import Tier
 from gpu_node.pool.removal import PoolRemover
-from gpu_node.pool.vocabulary import METHOD_OVERWRITE_UNLINK, METHOD_ZERO_FILL, BlockState, RemovalEvidence, RemovalReason, RemovedFromPool
+from gpu_node.pool.vocabulary import (
+    METHOD_OVERWRITE_UNLINK,
+    METHOD_ZERO_FILL,
+    BlockState,
+    RemovalEvidence,
+    RemovalReason,
+    RemovedFromPool,
+)
 from prefix_keys.blocks import CacheScope
 
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
@@ -35,15 +42,22 @@ def test_unreferenced_matches_go_now_held_ones_later_and_builds_at_commit(tmp_pa
     assert report.removed == (block_hash(0), block_hash(1), block_hash(2))
     assert report.num_removed == {DEVICE: 1, HOST: 1, DISK: 1}
     assert (report.deferred, report.discarded_building) == ((block_hash(3),), (block_hash(4),))
-    assert [(item.block_hash, item.tier, item.method, item.verified) for item in report.evidence] == [
+    assert [
+        (item.block_hash, item.tier, item.method, item.verified) for item in report.evidence
+    ] == [
         (block_hash(0), DEVICE, METHOD_ZERO_FILL, True),
         (block_hash(1), HOST, METHOD_ZERO_FILL, True),
         (block_hash(2), DISK, METHOD_OVERWRITE_UNLINK, True),
     ]
     assert report.all_verified
     assert [event.block_hash for event in state.events] == list(report.removed)
-    assert all(isinstance(event, RemovedFromPool) and event.reason is INVALIDATED for event in state.events)
-    assert torch.count_nonzero(state.memory[HOST].table) == 0 and not state.disk.path(block_hash(2)).exists()
+    assert all(
+        isinstance(event, RemovedFromPool) and event.reason is INVALIDATED for event in state.events
+    )
+    assert (
+        torch.count_nonzero(state.memory[HOST].table) == 0
+        and not state.disk.path(block_hash(2)).exists()
+    )
     assert placed(state) == {3: (DEVICE, 1), 5: (DEVICE, 2)}
     assert (held.state, held.tombstoned, claimed.tombstoned) == (BlockState.EVICTING, True, True)
 
@@ -54,7 +68,9 @@ def test_a_narrowed_removal_visits_only_the_candidates_and_still_applies_the_pre
         put(state, i, key=handbook(i, version=1 + i % 2))
     put(state, 3, key=scoped_key(3, CacheScope.TENANT, documents=("faq@v1",)))
     report = PoolRemover(state).remove_where(
-        lambda provenance: "handbook@v2" in provenance.documents, INVALIDATED, ("document", "acme", "handbook")
+        lambda provenance: "handbook@v2" in provenance.documents,
+        INVALIDATED,
+        ("document", "acme", "handbook"),
     )
     assert report.removed == (block_hash(1),)
     assert sorted(placed(state)) == [0, 2, 3]
@@ -64,7 +80,9 @@ def test_remove_many_reports_a_deleted_block_once_and_a_held_one_for_every_reque
     state = make_state(tmp_path, device=3)
     put(state, 0, key=handbook(0))
     put(state, 1, key=handbook(1), ref_count=1)
-    first, second = PoolRemover(state).remove_many([(cites_handbook, None), (cites_handbook, ("tenant", "acme"))], INVALIDATED)
+    first, second = PoolRemover(state).remove_many(
+        [(cites_handbook, None), (cites_handbook, ("tenant", "acme"))], INVALIDATED
+    )
     assert (first.removed, first.deferred) == ((block_hash(0),), (block_hash(1),))
     assert (second.removed, second.deferred) == ((), (block_hash(1),))
     assert [event.block_hash for event in state.events] == [block_hash(0)]
@@ -74,7 +92,9 @@ def test_bulk_removal_evidence_matches_the_one_by_one_drop(tmp_path):
     state = make_state(tmp_path, device=2)
     put(state, 0, key=handbook(0))
     (report,) = PoolRemover(state).remove_many([(cites_handbook, None)], INVALIDATED)
-    assert report.evidence == (RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True),)
+    assert report.evidence == (
+        RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True),
+    )
     assert state.memory[DEVICE].free == [0, 1] and state.num_entries[DEVICE] == 0
 
 

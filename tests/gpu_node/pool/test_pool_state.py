@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import torch
-from helpers.pool import SPEC, FakeClock, block_hash, building, lru_order, make_kv, make_state, placed, put, scoped_key
+from helpers.pool import (
+    SPEC,
+    FakeClock,
+    block_hash,
+    building,
+    lru_order,
+    make_kv,
+    make_state,
+    placed,
+    put,
+    scoped_key,
+)
 
 from events.tiers import STORAGE_TIERS, Tier
 from gpu_node.pool.memory_tier import MemoryTier
@@ -45,7 +56,10 @@ def test_a_memory_tier_writes_gathers_and_clears_slots():
     assert memory.clear(1) is True
     assert torch.count_nonzero(memory.table[1]) == 0 and memory.free == [1, 3]
     assert memory.zero_verified([0, 2]) == [True, True]
-    assert torch.count_nonzero(memory.table[:3]) == 0 and memory.free == [1, 3]  # zeroing frees nothing
+    assert torch.count_nonzero(memory.table[:3]) == 0 and memory.free == [
+        1,
+        3,
+    ]  # zeroing frees nothing
 
 
 # --- entries and the index ------------------------------------------------------------------
@@ -100,11 +114,21 @@ def test_has_room_reads_free_slots_for_memory_and_the_file_count_for_disk(tmp_pa
 
 def test_make_ready_starts_the_ttl_and_reports_the_block_stored_on_the_device(tmp_path):
     clock = FakeClock(50.0)
-    state = make_state(tmp_path, clock=clock, ttl={CacheScope.PUBLIC: 30.0, CacheScope.TENANT: None, CacheScope.USER: None})
+    state = make_state(
+        tmp_path,
+        clock=clock,
+        ttl={CacheScope.PUBLIC: 30.0, CacheScope.TENANT: None, CacheScope.USER: None},
+    )
     entry = building(state, 0)
     clock.now = 60.0
     state.make_ready(entry, state.memory[DEVICE].take())
-    assert (entry.state, entry.tier, entry.slot, entry.last_access, entry.expires_at) == (BlockState.READY, DEVICE, 0, 60.0, 90.0)
+    assert (entry.state, entry.tier, entry.slot, entry.last_access, entry.expires_at) == (
+        BlockState.READY,
+        DEVICE,
+        0,
+        60.0,
+        90.0,
+    )
     assert state.num_building == 0 and lru_order(state, DEVICE) == [0]
     assert state.events == [StoredInPool(entry.key, DEVICE)]
 
@@ -114,15 +138,26 @@ def test_tombstone_stops_hits_and_leaves_the_eviction_order(tmp_path):
     entry = put(state, 0, ref_count=1)
     put(state, 1)
     state.tombstone(entry, RemovalReason.INVALIDATED)
-    assert (entry.state, entry.tombstoned, entry.removal_reason) == (BlockState.EVICTING, True, RemovalReason.INVALIDATED)
-    assert lru_order(state, DEVICE) == [1] and entry.tier is DEVICE  # bytes stay until the last release
+    assert (entry.state, entry.tombstoned, entry.removal_reason) == (
+        BlockState.EVICTING,
+        True,
+        RemovalReason.INVALIDATED,
+    )
+    assert (
+        lru_order(state, DEVICE) == [1] and entry.tier is DEVICE
+    )  # bytes stay until the last release
 
 
 def test_discard_building_forgets_the_claim(tmp_path):
     state = make_state(tmp_path)
     entry = building(state, 0)
     state.discard_building(entry)
-    assert (entry.state, state.num_building, state.entries, state.index) == (BlockState.FAILED, 0, {}, {})
+    assert (entry.state, state.num_building, state.entries, state.index) == (
+        BlockState.FAILED,
+        0,
+        {},
+        {},
+    )
 
 
 def test_expire_entry_drops_an_unreferenced_entry_and_tombstones_a_referenced_one(tmp_path):
@@ -130,9 +165,15 @@ def test_expire_entry_drops_an_unreferenced_entry_and_tombstones_a_referenced_on
     held, free = put(state, 0, ref_count=2), put(state, 1)
     state.expire_entry(held)
     state.expire_entry(free)
-    assert (held.state, held.removal_reason, held.tier) == (BlockState.EVICTING, RemovalReason.EXPIRED, DEVICE)
+    assert (held.state, held.removal_reason, held.tier) == (
+        BlockState.EVICTING,
+        RemovalReason.EXPIRED,
+        DEVICE,
+    )
     assert list(state.entries) == [block_hash(0)] and state.num_expired == 1
-    assert [(event.block_hash, event.reason) for event in state.events] == [(block_hash(1), RemovalReason.EXPIRED)]
+    assert [(event.block_hash, event.reason) for event in state.events] == [
+        (block_hash(1), RemovalReason.EXPIRED)
+    ]
 
 
 # --- bytes -------------------------------------------------------------------------------------
@@ -153,10 +194,19 @@ def test_drop_zeroes_the_slot_frees_it_counts_and_reports_evidence(tmp_path):
     put(state, 1)
     evidence = state.drop(entry, RemovalReason.RESTORE_FAILED)
     assert evidence == RemovalEvidence(block_hash(0), DEVICE, METHOD_ZERO_FILL, False, True)
-    assert state.events == [RemovedFromPool(block_hash(0), DEVICE, RemovalReason.RESTORE_FAILED, evidence)]
-    assert torch.count_nonzero(state.memory[DEVICE].table[0]) == 0 and state.memory[DEVICE].free == [0]
+    assert state.events == [
+        RemovedFromPool(block_hash(0), DEVICE, RemovalReason.RESTORE_FAILED, evidence)
+    ]
+    assert torch.count_nonzero(state.memory[DEVICE].table[0]) == 0 and state.memory[
+        DEVICE
+    ].free == [0]
     assert (state.num_restore_failures, state.num_evictions, state.num_entries[DEVICE]) == (1, 0, 1)
-    assert (entry.state, entry.tier, entry.slot, list(state.entries)) == (BlockState.EVICTING, None, None, [block_hash(1)])
+    assert (entry.state, entry.tier, entry.slot, list(state.entries)) == (
+        BlockState.EVICTING,
+        None,
+        None,
+        [block_hash(1)],
+    )
 
 
 def test_drop_of_a_disk_block_overwrites_and_unlinks_its_file_and_names_its_key(tmp_path):
@@ -165,7 +215,12 @@ def test_drop_of_a_disk_block_overwrites_and_unlinks_its_file_and_names_its_key(
     path = state.disk.path(block_hash(0))
     assert path.exists()
     evidence = state.drop(sealed, RemovalReason.EVICTED)
-    assert (evidence.tier, evidence.method, evidence.encrypted, evidence.verified) == (DISK, METHOD_OVERWRITE_UNLINK, True, True)
+    assert (evidence.tier, evidence.method, evidence.encrypted, evidence.verified) == (
+        DISK,
+        METHOD_OVERWRITE_UNLINK,
+        True,
+        True,
+    )
     assert evidence.key_id is not None and not path.exists() and state.disk.num_bytes == 0
 
 
@@ -185,5 +240,12 @@ def test_a_record_carries_the_expiry_on_the_wall_clock_and_converts_back(tmp_pat
     entry = put(state, 0)
     entry.expires_at = 1030.0
     record = state.record(entry, make_kv(0))
-    assert (record.key, record.kv_format, record.expires_at_wall) == (entry.key, SPEC.kv_format, 1_001_030.0)
-    assert state.expiry_from_wall(record.expires_at_wall) == 1030.0 and state.expiry_from_wall(None) is None
+    assert (record.key, record.kv_format, record.expires_at_wall) == (
+        entry.key,
+        SPEC.kv_format,
+        1_001_030.0,
+    )
+    assert (
+        state.expiry_from_wall(record.expires_at_wall) == 1030.0
+        and state.expiry_from_wall(None) is None
+    )

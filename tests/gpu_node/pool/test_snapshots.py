@@ -30,7 +30,9 @@ DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 TENANT_ID, ALICE, BOB = "acme-corp", "alice@example.com", "bob@example.com"
 
 
-def make_key(i: int, scope: CacheScope = PUBLIC, subject: str = ALICE, namespace: str = NS) -> BlockKey:
+def make_key(
+    i: int, scope: CacheScope = PUBLIC, subject: str = ALICE, namespace: str = NS
+) -> BlockKey:
     provenance = CacheProvenance(
         namespace=namespace,
         tenant_id=None if scope == PUBLIC else TENANT_ID,
@@ -43,15 +45,27 @@ def make_key(i: int, scope: CacheScope = PUBLIC, subject: str = ALICE, namespace
     return block_key(i, provenance)
 
 
-def make_pool(root, keys, *, device=2, host=2, disk=2, namespace=NS, ttl=None, clock=None, wall_clock=None) -> BlockPool:
-    config = PoolConfig(namespace, device, host, disk, root / "disk", NO_TTL if ttl is None else ttl)
+def make_pool(
+    root, keys, *, device=2, host=2, disk=2, namespace=NS, ttl=None, clock=None, wall_clock=None
+) -> BlockPool:
+    config = PoolConfig(
+        namespace, device, host, disk, root / "disk", NO_TTL if ttl is None else ttl
+    )
     clock = clock or FakeClock()
-    return BlockPool(SPEC, config, keys, clock=clock, wall_clock=wall_clock or (lambda: 1e6 + clock()))
+    return BlockPool(
+        SPEC, config, keys, clock=clock, wall_clock=wall_clock or (lambda: 1e6 + clock())
+    )
 
 
 # Block 0: public, 1: tenant, 2: alice, 3: bob, 4: alice. With 2 device / 2 host / 2 disk
 # slots, blocks 0-1 end on disk, 2-3 on host, 4 on device (plus room for one more).
-LAYOUT = [(0, PUBLIC, ALICE), (1, TENANT, ALICE), (2, USER, ALICE), (3, USER, BOB), (4, USER, ALICE)]
+LAYOUT = [
+    (0, PUBLIC, ALICE),
+    (1, TENANT, ALICE),
+    (2, USER, ALICE),
+    (3, USER, BOB),
+    (4, USER, ALICE),
+]
 
 
 def populated_pool(tmp_path, keys) -> BlockPool:
@@ -74,7 +88,10 @@ def read_all(pool: BlockPool) -> dict[bytes, torch.Tensor]:
     entries = pool.ready_entries()
     pool.inc_lock_ref(entries)
     try:
-        return {entry.block_hash: kv for entry, kv in zip(entries, pool.read_blocks(entries, promote=False), strict=True)}
+        return {
+            entry.block_hash: kv
+            for entry, kv in zip(entries, pool.read_blocks(entries, promote=False), strict=True)
+        }
     finally:
         pool.dec_lock_ref(entries)
 
@@ -100,7 +117,9 @@ def test_write_snapshot_covers_every_tier_without_disturbing_the_pool(tmp_path):
     assert files == sorted([MANIFEST_NAME, *manifest.shards])
     for path in (tmp_path / "snap").iterdir():
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert manifest.num_bytes == sum((tmp_path / "snap" / shard).stat().st_size for shard in manifest.shards)
+    assert manifest.num_bytes == sum(
+        (tmp_path / "snap" / shard).stat().st_size for shard in manifest.shards
+    )
 
 
 def test_snapshot_names_nobody_and_seals_private_blocks(tmp_path):
@@ -113,7 +132,14 @@ def test_snapshot_names_nobody_and_seals_private_blocks(tmp_path):
         assert make_kv(i).numpy().tobytes() not in everything
     assert make_kv(0).numpy().tobytes() in everything  # public: plaintext with checksum
     manifest = json.loads((tmp_path / "snap" / MANIFEST_NAME).read_text())
-    assert set(manifest) == {"version", "snapshot_id", "created_at", "namespace", "kv_format", "blocks"}
+    assert set(manifest) == {
+        "version",
+        "snapshot_id",
+        "created_at",
+        "namespace",
+        "kv_format",
+        "blocks",
+    }
 
 
 def test_load_snapshot_warms_host_first_then_disk(tmp_path):
@@ -143,7 +169,9 @@ def test_destroyed_key_crypto_erases_a_subject_from_the_snapshot(tmp_path):
 
     target = make_pool(tmp_path / "warm", keys, device=1, host=3, disk=3)
     assert load_snapshot(target, tmp_path / "snap") == 3
-    assert sorted(entry.block_hash for entry in target.ready_entries()) == sorted([block_hash(0), block_hash(1), block_hash(3)])
+    assert sorted(entry.block_hash for entry in target.ready_entries()) == sorted(
+        [block_hash(0), block_hash(1), block_hash(3)]
+    )
 
 
 def test_remove_from_snapshot_rewrites_shards_without_matches(tmp_path):
@@ -151,7 +179,9 @@ def test_remove_from_snapshot_rewrites_shards_without_matches(tmp_path):
     old = write_snapshot(populated_pool(tmp_path, keys), tmp_path / "snap", max_shard_bytes=1)
     assert len(old.shards) == 5
     alice_records = [
-        (tmp_path / "snap" / block.shard).read_bytes() for block in old.blocks if block.block_hash in (block_hash(2), block_hash(4))
+        (tmp_path / "snap" / block.shard).read_bytes()
+        for block in old.blocks
+        if block.block_hash in (block_hash(2), block_hash(4))
     ]
 
     removed = remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys)
@@ -163,7 +193,9 @@ def test_remove_from_snapshot_rewrites_shards_without_matches(tmp_path):
     assert new.snapshot_id == old.snapshot_id
     assert sorted(new.block_hashes) == sorted([block_hash(0), block_hash(1), block_hash(3)])
     assert not set(old.shards) & set(new.shards)
-    assert sorted(path.name for path in (tmp_path / "snap").iterdir()) == sorted([MANIFEST_NAME, *new.shards])
+    assert sorted(path.name for path in (tmp_path / "snap").iterdir()) == sorted(
+        [MANIFEST_NAME, *new.shards]
+    )
     everything = snapshot_bytes(tmp_path / "snap")
     assert all(record not in everything for record in alice_records)
     assert remove_from_snapshot(tmp_path / "snap", lambda p: p.subject_id == ALICE, keys) == []
@@ -176,8 +208,13 @@ def test_remove_from_snapshot_drops_records_that_can_no_longer_be_read(tmp_path)
     keys = LocalKeyStore(tmp_path / "keys.json")
     write_snapshot(populated_pool(tmp_path, keys), tmp_path / "snap")
     keys.destroy(keys.current_key_id(TENANT_ID, BOB))
-    assert len(remove_from_snapshot(tmp_path / "snap", lambda p: "handbook@7" in p.documents, keys)) == 2
-    assert sorted(read_manifest(tmp_path / "snap").block_hashes) == sorted([block_hash(0), block_hash(2), block_hash(4)])
+    assert (
+        len(remove_from_snapshot(tmp_path / "snap", lambda p: "handbook@7" in p.documents, keys))
+        == 2
+    )
+    assert sorted(read_manifest(tmp_path / "snap").block_hashes) == sorted(
+        [block_hash(0), block_hash(2), block_hash(4)]
+    )
 
 
 def test_corrupt_shard_skips_only_its_blocks(tmp_path):
@@ -235,7 +272,9 @@ def test_delete_incomplete_removes_only_snapshots_without_a_manifest(tmp_path):
     write_snapshot(pool, root / "complete")
     write_snapshot(pool, root / "interrupted")
     (root / "interrupted" / MANIFEST_NAME).rename(root / "interrupted" / f"{MANIFEST_NAME}.tmp")
-    assert [path.name for path in (root / "interrupted").iterdir() if path.name.startswith("shard-")]
+    assert [
+        path.name for path in (root / "interrupted").iterdir() if path.name.startswith("shard-")
+    ]
     assert delete_incomplete(root) == 1
     assert sorted(path.name for path in root.iterdir()) == ["complete"]
     assert read_manifest(root / "complete").block_hashes
