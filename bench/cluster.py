@@ -1,15 +1,16 @@
 """A whole kvledger system as real processes, with the levers to break it: the fault-injection suite
 (``tests/faults``) and ``kvledger bench soak`` both run on it.
 
-:class:`Cluster` starts a private embedded PostgreSQL and Tansu broker, migrates the ledger, and runs
-M ``kvledger coordinator --role all`` processes (one by default; more share the consumer groups, so the
-broker splits the partitions between them and a survivor takes over a dead one's) and N ``kvledger node``
-processes set up as ``kvledger up`` sets them up (signed commands, enrolled node keys, data keys in the coordinator). Every process can be
-killed (``SIGKILL``), paused (``SIGSTOP``/``SIGCONT``) and restarted — a node with the same data
-directory — optionally armed with a fault point (``KVLEDGER_FAULT_POINT``, docs/operations.md "Fault
-points"). The broker can be paused and PostgreSQL restarted. :class:`EventTail` reads the node-side
-topics from the beginning for the whole run, so the invariant checker (:mod:`bench.invariants`) sees
-every record any node ever published.
+:class:`Cluster` starts a private embedded PostgreSQL and Tansu broker, migrates the ledger, and
+runs M ``kvledger coordinator --role all`` processes (one by default; more share the consumer
+groups, so the broker splits the partitions between them and a survivor takes over a dead one's) and
+N ``kvledger node`` processes set up as ``kvledger up`` sets them up (signed commands, enrolled node
+keys, data keys in the coordinator). Every process can be killed (``SIGKILL``), paused
+(``SIGSTOP``/``SIGCONT``) and restarted — a node with the same data directory — optionally armed
+with a fault point (``KVLEDGER_FAULT_POINT``, docs/operations.md "Fault points"). The broker can be
+paused and PostgreSQL restarted. :class:`EventTail` reads the node-side topics from the beginning
+for the whole run, so the invariant checker (:mod:`bench.invariants`) sees every record any node
+ever published.
 
 Everything a process writes goes to ``<work>/logs/<name>.log``.
 """
@@ -51,8 +52,8 @@ from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 from kvledger.stack import COORDINATOR_ONLY_ENV
 
 READY_TIMEOUT_S = 300.0
-"""How long a process may take to answer ready. Generous: several node processes importing torch at once on a
-machine shared with other work took over 120 s (4 nodes, 2 cores, load average 16)."""
+"""How long a process may take to answer ready. Generous: several node processes importing torch at
+once on a machine shared with other work took over 120 s (4 nodes, 2 cores, load average 16)."""
 SUBJECT_KEY = "kvledger-cluster-subject-key"
 PLATFORM_ADMIN = ("platform-admin", "platform")
 NUM_PARTITIONS = KafkaSettings.model_fields["num_partitions"].default
@@ -279,8 +280,9 @@ class EventTail:
 class ClusterConfig:
     num_nodes: int = 2
     num_coordinators: int = 1
-    """Coordinator processes, all ``--role all`` in the same consumer groups. Nodes and :meth:`Cluster.coordinator_api`
-    talk to the first one (the nodes' ``coordinator_url``) while it runs; the others consume and serve too."""
+    """Coordinator processes, all ``--role all`` in the same consumer groups. Nodes and
+    :meth:`Cluster.coordinator_api` talk to the first one (the nodes' ``coordinator_url``) while it
+    runs; the others consume and serve too."""
     num_device_blocks: int = 48
     num_host_blocks: int = 16
     """Small tiers, so the workload always spills blocks to disk (sealed files), the tier erasures must purge."""
@@ -294,23 +296,27 @@ class ClusterConfig:
     """The coordinators' and nodes' consumer-group timing: the broker holds a group join for half the session
     timeout and waits out a SIGKILLed member's whole session, so the production 10 s would cost most of every restart."""
     consumer_fetch_max_wait_ms: int = 5
-    """Every consumer's ``fetch_max_wait_ms``: the production default, which times hops as deployed; the fault
-    tests, which time nothing, take 50 ms (a tenth of the idle fetches, see ``events.kafka.settings.ConsumerGroupTiming``)."""
+    """Every consumer's ``fetch_max_wait_ms``: the production default, which times hops as deployed;
+    the fault tests, which time nothing, take 50 ms (a tenth of the idle fetches, see
+    ``events.kafka.settings.ConsumerGroupTiming``)."""
     ready_timeout_s: float = READY_TIMEOUT_S
     """How long each start (and restart) of a process may take to answer ready."""
     peers: bool = False
     """Every node lists every other in ``peers.urls`` (``KVLEDGER_NODE_PEERS__URLS``), so it may pull their blocks."""
     node_metrics_token: str | None = None
-    """The nodes' metrics token (``/metrics``, ``/v1/cache/stats``); unset, those views are disabled."""
+    """The nodes' metrics token (``/metrics``, ``/v1/cache/stats``); unset, those views are
+    disabled."""
     cache_ttl_s: float = 86400.0
     """Every scope's TTL. Longer than any run: a block that expires between the ledger's view and the node's
     inventory is published as removed only after that inventory, which the comparison cannot tell from a loss."""
     launcher: Launcher = popen_cli
-    """How each process (and restart) is started: a new interpreter; the tests pass their fork server."""
+    """How each process (and restart) is started: a new interpreter; the tests pass their fork
+    server."""
 
 
 class Cluster:
-    """The services and processes of one run (see the module docstring). Use as ``async with Cluster(...)``."""
+    """The services and processes of one run (see the module docstring). Use as ``async with
+    Cluster(...)``."""
 
     def __init__(
         self, work_dir: Path, model_dir: Path, config: ClusterConfig | None = None
@@ -521,8 +527,9 @@ class Cluster:
         index: int = 0,
         down_s: float = 0.0,
     ) -> None:
-        """Stop coordinator ``index`` (SIGTERM, or SIGKILL with ``kill``), leave it down ``down_s`` (the others, if
-        any, take its partitions over meanwhile), start it again, optionally armed with ``fault_point``."""
+        """Stop coordinator ``index`` (SIGTERM, or SIGKILL with ``kill``), leave it down ``down_s``
+        (the others, if any, take its partitions over meanwhile), start it again, optionally armed
+        with ``fault_point``."""
         coordinator = self.coordinators[index]
         if kill:
             await coordinator.kill()
@@ -556,8 +563,9 @@ class Cluster:
     async def start_armed(
         self, child: Child, fault_point: str, timeout_s: float = READY_TIMEOUT_S
     ) -> bool:
-        """Start ``child`` armed with ``fault_point``: True once it is ready; False when it already died at that point
-        while starting (a node replaying a command an earlier life left unacked reaches node points at start)."""
+        """Start ``child`` armed with ``fault_point``: True once it is ready; False when it already
+        died at that point while starting (a node replaying a command an earlier life left unacked
+        reaches node points at start)."""
         child.spawn(fault_point)
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
@@ -683,7 +691,8 @@ def private_chat(subject: str, turns: int = 6) -> list[dict]:
 
 
 def document_chat(doc_id: str, version: int, auth_scope: str = "hr") -> list[dict]:
-    """A question about version ``version`` of a tenant document (tenant-scope blocks tagged ``doc_id@version``)."""
+    """A question about version ``version`` of a tenant document (tenant-scope blocks tagged
+    ``doc_id@version``)."""
     text = " ".join(
         f"{doc_id} section {i} version {version} says staff rest on day {i}" for i in range(6)
     )

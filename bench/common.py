@@ -38,7 +38,8 @@ from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 
 def connect_kwargs(database_url: str) -> dict:
-    """``asyncpg.connect`` keyword arguments for a SQLAlchemy database URL (TCP host or a ``?host=`` socket dir)."""
+    """``asyncpg.connect`` keyword arguments for a SQLAlchemy database URL (TCP host or a ``?host=``
+    socket dir)."""
     url = make_url(database_url)
     kwargs = {"user": url.username or "postgres", "database": url.database}
     if url.query.get("host"):
@@ -53,7 +54,8 @@ def connect_kwargs(database_url: str) -> dict:
 
 @contextlib.asynccontextmanager
 async def fresh_database(server_url: str) -> AsyncIterator[str]:
-    """CREATE a uniquely named database on the server and migrate it; DROP it afterwards. Yields its URL."""
+    """CREATE a uniquely named database on the server and migrate it; DROP it afterwards. Yields its
+    URL."""
     name = f"kvl_bench_{uuid.uuid4().hex[:10]}"
     admin = create_async_engine(server_url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
     async with admin.connect() as connection:
@@ -88,8 +90,9 @@ def operator_headers(role: str, tenant: str) -> dict[str, str]:
 
 
 class BenchKeys:
-    """A run's command key (the coordinator signs with it, nodes pin it), its nodes' keys and its producer key
-    (customer events), enrolled in the ledger — what ``kvledger up`` sets up, so benchmarks measure the signed paths."""
+    """A run's command key (the coordinator signs with it, nodes pin it), its nodes' keys and its
+    producer key (customer events), enrolled in the ledger — what ``kvledger up`` sets up, so
+    benchmarks measure the signed paths."""
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -113,7 +116,8 @@ class BenchKeys:
         await enroll_producer_key(database_url, public_key, None, name="kvledger bench producer")
 
     async def enroll(self, database_url: str, node_id: str, data_dir: Path) -> Ed25519PrivateKey:
-        """The node's key (``node_key.pem`` in ``data_dir``, created if missing), enrolled for ``node_id``."""
+        """The node's key (``node_key.pem`` in ``data_dir``, created if missing), enrolled for
+        ``node_id``."""
         key = load_or_create_private_key(data_dir / NODE_KEY_FILE)
         await enroll_node_key(database_url, node_id, key.public_key())
         return key
@@ -156,8 +160,8 @@ async def kafka_broker(
 
 
 async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
-    """Commit each group's offsets at the end of its topics: a fresh coordinator group on a reused broker must not
-    ingest earlier runs' nodes (they would be targets forever).
+    """Commit each group's offsets at the end of its topics: a fresh coordinator group on a reused
+    broker must not ingest earlier runs' nodes (they would be targets forever).
 
     The end is found by reading, not by ``end_offsets`` alone: the embedded Tansu broker
     answers ListOffsets(latest) with the last record *batch's* base offset + 1, so after a

@@ -18,10 +18,9 @@ the engine's process, the padded batch made about half the tokens/s of an idle
 process of its own, and the engine beside it was slowed the same way
 (docs/benchmarks.md, "Why the floor was slow").
 
-The serving section drives the engine only through its public interface
-(``AsyncEngine.generate`` in process, the official ``openai`` client over HTTP from its own process),
-so it measures whatever engine the node runs.
-"""
+The serving section drives the engine only through its public interface (``AsyncEngine.generate`` in
+process, the official ``openai`` client over HTTP from its own process), so it measures whatever
+engine the node runs."""
 
 from __future__ import annotations
 
@@ -86,7 +85,8 @@ def _text(num_words: int, seed: int) -> str:
 def _messages_for(
     tokenizer, prefix_tokens: int, suffix_tokens: int, seed: int
 ) -> tuple[list[ChatMessage], int]:
-    """A public system prompt of about ``prefix_tokens`` then a user suffix of about ``suffix_tokens``."""
+    """A public system prompt of about ``prefix_tokens`` then a user suffix of about
+    ``suffix_tokens``."""
     words = max(prefix_tokens // 3, 1)
     for _ in range(8):
         system = ChatMessage("system", _text(words, seed), CacheScope.PUBLIC, None)
@@ -138,7 +138,8 @@ _FLOOR: dict = {}
 
 
 def _floor_init(model_dir: str, device: str, block_size: int, num_threads: int) -> None:
-    """Build the model directory if empty, load it, and warm ``generate`` up (the first call pays one-off costs)."""
+    """Build the model directory if empty, load it, and warm ``generate`` up (the first call pays
+    one-off costs)."""
     from gpu_node.engine.model_runner import ModelRunner
 
     torch.set_num_threads(num_threads)
@@ -149,7 +150,8 @@ def _floor_init(model_dir: str, device: str, block_size: int, num_threads: int) 
 
 
 def _floor_ttft(messages: list[ChatMessage], num_cached_tokens: int) -> tuple[float, float]:
-    """In the floor process: plain transformers' TTFT, then the held-cache floor's over the first ``num_cached_tokens``."""
+    """In the floor process: plain transformers' TTFT, then the held-cache floor's over the first
+    ``num_cached_tokens``."""
     runner = _FLOOR["runner"]
     plain_ms = _plain_ttft_ms(runner, messages)
     held = runner.new_cache()
@@ -181,7 +183,8 @@ class _FloorProcess:
         )
 
     async def start(self) -> None:
-        """Start the process: it builds the model directory when empty, so before the engine loads it."""
+        """Start the process: it builds the model directory when empty, so before the engine loads
+        it."""
         num_threads = await self(_floor_ready)
         assert num_threads == torch.get_num_threads(), (
             "the floor process runs on as many torch threads as the engine"
@@ -289,7 +292,8 @@ def _synthetic_keys(num_blocks: int, block_size: int) -> list[BlockKey]:
 
 
 def bench_restore(spec: KVBlockSpec, num_blocks: int, runs: int) -> list[RestoreRow]:
-    """Gather the same blocks from host and from disk (with promotion, as a hit does), vs memcpy and file reads.
+    """Gather the same blocks from host and from disk (with promotion, as a hit does), vs memcpy and
+    file reads.
 
     Baselines: a plain tensor copy of the same bytes for host; for disk both one
     sequential read of the same bytes from one file and the same bytes read as one
@@ -338,7 +342,8 @@ def bench_restore(spec: KVBlockSpec, num_blocks: int, runs: int) -> list[Restore
                     started = time.perf_counter()
                     target.copy_(source)
                     baseline.append(num_bytes / (time.perf_counter() - started) / 1e9)
-                    # a restore hands back new memory, so also: the same copy into a fresh allocation
+                    # a restore hands back new memory, so also: the same copy into a fresh
+                    # allocation
                     started = time.perf_counter()
                     torch.empty_like(source).copy_(source)
                     per_file.append(num_bytes / (time.perf_counter() - started) / 1e9)
@@ -444,7 +449,8 @@ class ServingRow:
 def _serving_prompts(
     tokenizer, num_prompts: int, prompt_tokens: int, system: ChatMessage | None
 ) -> list[list[ChatMessage]]:
-    """Distinct user prompts of about ``prompt_tokens``, after the shared public ``system`` message when given.
+    """Distinct user prompts of about ``prompt_tokens``, after the shared public ``system`` message
+    when given.
 
     A random tag leads each user message, so no two prompts (in any run or mode) share
     a user-scope block: what one request caches, no later one hits.
@@ -483,7 +489,8 @@ def _http_messages(messages: list[ChatMessage]) -> list[dict]:
 async def _http_request(
     client: openai.AsyncOpenAI, model: str, body: list[dict], max_tokens: int
 ) -> _Timed:
-    """A streamed chat completion; a token is a content chunk (the node sends one per token with text)."""
+    """A streamed chat completion; a token is a content chunk (the node sends one per token with
+    text)."""
     started = time.perf_counter()
     stamps: list[float] = []
     num_tokens = 0
@@ -504,7 +511,8 @@ async def _http_request(
 
 
 async def _concurrently(send: Callable[[Any], Awaitable[_Timed]], prompts: list) -> ModeSample:
-    """Start every prompt at once; aggregate tokens/s is all tokens over the time until the last one finished."""
+    """Start every prompt at once; aggregate tokens/s is all tokens over the time until the last one
+    finished."""
     started = time.perf_counter()
     results = await asyncio.gather(*(send(prompt) for prompt in prompts))
     elapsed_s = time.perf_counter() - started
@@ -516,11 +524,12 @@ async def _concurrently(send: Callable[[Any], Awaitable[_Timed]], prompts: list)
 
 
 def _generate_floor(runner, prompts: list[list[ChatMessage]], max_tokens: int) -> float:
-    """Hugging Face ``generate`` on the same prompts as one left-padded batch, greedy, exactly ``max_tokens`` each.
+    """Hugging Face ``generate`` on the same prompts as one left-padded batch, greedy, exactly
+    ``max_tokens`` each.
 
-    Timed from rendering the prompts (the engine renders them too) to the last token.
-    Run in the floor process (:class:`_FloorProcess`): same model, device and torch thread count as the engine; no prefix reuse.
-    """
+    Timed from rendering the prompts (the engine renders them too) to the last token. Run in the
+    floor process (:class:`_FloorProcess`): same model, device and torch thread count as the engine;
+    no prefix reuse."""
     tokenizer = runner.tokenizer
     started = time.perf_counter()
     token_ids = [render_prompt(tokenizer, prompt).token_ids for prompt in prompts]
@@ -554,7 +563,8 @@ _CLIENT: dict = {}
 def _client_level(
     url: str, token: str, model: str, bodies: list[list[dict]], max_tokens: int
 ) -> ModeSample:
-    """In the client process: start every request at once over HTTP and measure them as :func:`_concurrently` does."""
+    """In the client process: start every request at once over HTTP and measure them as
+    :func:`_concurrently` does."""
     # Imported here: the other sections run on the [node] extra alone; the client comes with [test].
     import openai
 
@@ -570,7 +580,8 @@ def _client_level(
 
     loop = _CLIENT["loop"]
     sample = loop.run_until_complete(_concurrently(send, bodies))
-    # The client's finished streams leave async generators to close: let their finalizers run now, not never.
+    # The client's finished streams leave async generators to close: let their finalizers run now,
+    # not never.
     loop.run_until_complete(asyncio.sleep(0))
     return sample
 
@@ -647,7 +658,8 @@ async def bench_serving(engine: AsyncEngine, floor: _FloorProcess, args) -> list
         async def in_process(prompt: list[ChatMessage]) -> _Timed:
             return await _in_process_request(engine, prompt, args.serving_tokens)
 
-        # warm-up at every level, both sides: allocator, kernels, the HTTP stack, generate's batch shapes
+        # warm-up at every level, both sides: allocator, kernels, the HTTP stack, generate's batch
+        # shapes
         for level in levels:
             warm = _serving_prompts(runner.tokenizer, level, args.serving_prompt, None)
             await floor(_floor_generate, warm, 4)
@@ -697,7 +709,8 @@ def _levels(value: str) -> list[int]:
 
 @dataclass
 class StepRow:
-    """Steady decode steps with ``num_running`` requests, over ``--runs`` runs: each step's :class:`StepTiming`."""
+    """Steady decode steps with ``num_running`` requests, over ``--runs`` runs: each step's
+    :class:`StepTiming`."""
 
     num_running: int
     steps: list[StepTiming] = field(default_factory=list)
@@ -941,7 +954,8 @@ async def run(args) -> str:
                 ns_per_token = bench_hashing(engine, 2048, args.runs)
             if "restore" in sections:
                 tiny = engine.runner.kv_spec
-                # On the model worker, as every torch operation of this process (see the module docstring).
+                # On the model worker, as every torch operation of this process (see the module
+                # docstring).
                 restore_rows = await engine.run_exclusive(bench_restore, tiny, 128, args.runs)
                 # a Llama-3-8B-shaped block (32 layers, 8 kv heads, 128 dim, bf16): 2 MiB per block
                 restore_rows += await engine.run_exclusive(

@@ -100,7 +100,8 @@ def peak_rss_bytes(pid: int) -> int:
 
 
 class BenchNode:
-    """Engine, publisher and command consumer, assembled as ``gpu_node.entrypoints.server.serve`` does."""
+    """Engine, publisher and command consumer, assembled as ``gpu_node.entrypoints.server.serve``
+    does."""
 
     def __init__(self, settings: NodeSettings) -> None:
         self.settings = settings
@@ -241,8 +242,8 @@ async def _run(args) -> list[ErasureRun]:
         keys = BenchKeys(work / "keys")
         runs = []
         for num_blocks in args.sweep or [args.blocks]:
-            # Every size gets a ledger, a coordinator and nodes of its own: every registered node is a
-            # target of every command, and a coordinator's peak memory is then the size's own.
+            # Every size gets a ledger, a coordinator and nodes of its own: every registered node is
+            # a target of every command, and a coordinator's peak memory is then the size's own.
             async with contextlib.AsyncExitStack() as size_stack:
                 database_url = await size_stack.enter_async_context(fresh_database(server_url))
                 coordinator = await _start_coordinator(size_stack, database_url, bootstrap, keys)
@@ -270,7 +271,8 @@ async def _run(args) -> list[ErasureRun]:
 async def _start_coordinator(
     stack: contextlib.AsyncExitStack, database_url: str, bootstrap: str, keys: BenchKeys
 ) -> Coordinator:
-    """``kvledger coordinator --role all`` on ``database_url``, its consumer groups starting at the topics' end, serving."""
+    """``kvledger coordinator --role all`` on ``database_url``, its consumer groups starting at the
+    topics' end, serving."""
     group = f"bench-erasure-{uuid.uuid4().hex[:8]}"
     await start_groups_at_end(bootstrap, consumer_groups(group))
     log = stack.enter_context(tempfile.TemporaryFile())
@@ -298,7 +300,8 @@ async def _start_nodes(
     coordinator: Coordinator,
     connection: asyncpg.Connection,
 ) -> list[BenchNode]:
-    """Two fresh nodes (new ids and data directories) whose tiers are sized for ``num_blocks``, registered in the ledger."""
+    """Two fresh nodes (new ids and data directories) whose tiers are sized for ``num_blocks``,
+    registered in the ledger."""
     per_node = -(-num_blocks // NUM_NODES)
     cache = CacheSettings(
         num_device_blocks=per_node // 3, num_host_blocks=per_node // 3, max_disk_blocks=per_node

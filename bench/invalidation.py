@@ -107,7 +107,8 @@ TARGET_P99_MS = 250.0
 
 
 class TimedHandler(InvalidationApplier):
-    """The node's handler, noting when each command's batch started and when the command was complete."""
+    """The node's handler, noting when each command's batch started and when the command was
+    complete."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -121,7 +122,8 @@ class TimedHandler(InvalidationApplier):
 
 
 class BenchNode:
-    """Engine, publisher, command consumer and HTTP app, assembled as ``gpu_node.entrypoints.server.serve`` does."""
+    """Engine, publisher, command consumer and HTTP app, assembled as
+    ``gpu_node.entrypoints.server.serve`` does."""
 
     def __init__(self, settings: NodeSettings) -> None:
         self.settings = settings
@@ -159,7 +161,8 @@ class BenchNode:
         await self.engine.stop()
 
     def fill(self, keys: list, kv: torch.Tensor) -> None:
-        """Commit every key as a READY block with synthetic KV; the pool's events go to the publisher."""
+        """Commit every key as a READY block with synthetic KV; the pool's events go to the
+        publisher."""
         pool = self.engine.pool
         for key in keys:
             entry = pool.begin_build(key)
@@ -183,7 +186,8 @@ def document_message(doc_id: str, version: int) -> dict:
 
 
 def document_keys(engine: AsyncEngine, principal: Principal, doc_id: str) -> list:
-    """The block keys a request for ``doc_id`` v1 computes: the same rendering and hashing as the engine."""
+    """The block keys a request for ``doc_id`` v1 computes: the same rendering and hashing as the
+    engine."""
     message = document_message(doc_id, 1)
     ref = DocumentRef(doc_id, 1, AUTH_SCOPE)
     prompt = render_prompt(
@@ -387,8 +391,9 @@ async def _publish_document_updates(
     published: list[Published],
     sign: EnvelopeSigner,
 ) -> None:
-    """Publish warm-up and measured DocumentUpdated events (signed with the run's producer key) at ``args.rate``
-    per second, round robin over the documents, recording each one's publish time in ``published``."""
+    """Publish warm-up and measured DocumentUpdated events (signed with the run's producer key) at
+    ``args.rate`` per second, round robin over the documents, recording each one's publish time in
+    ``published``."""
     versions = dict.fromkeys(documents, 1)
     producer = AIOKafkaProducer(
         **kafka_client_kwargs(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench")),
@@ -477,7 +482,8 @@ def _summarize(
 async def _wait_registered(
     connection: asyncpg.Connection, node_ids: list[str], consumers: subprocess.Popen, log: IO[bytes]
 ) -> None:
-    """Until the ledger knows every node; a consumer process that exits meanwhile fails the run with its log's tail."""
+    """Until the ledger knows every node; a consumer process that exits meanwhile fails the run with
+    its log's tail."""
 
     async def registered() -> bool:
         count = await connection.fetchval(
@@ -626,7 +632,8 @@ async def _run_once(
                 connection, published, acks, collector[0]
             )
         finally:
-            # Probers finish their request in flight (a cancelled one would be a client disconnect), the collector is cancelled.
+            # Probers finish their request in flight (a cancelled one would be a client disconnect),
+            # the collector is cancelled.
             done.set()
             if probers:
                 await asyncio.wait(probers, timeout=30)
@@ -663,7 +670,8 @@ async def _run_once(
 
 async def _run(args) -> list[InvalidationRun]:
     # The nodes' model runs share the machine with the database, the broker and the coordinator: a
-    # second intra-op thread only waits for a core (a full-hit probe: 12.2 → 11.1 ms even when idle).
+    # second intra-op thread only waits for a core (a full-hit probe: 12.2 → 11.1 ms even when
+    # idle).
     torch.set_num_threads(1)
     model_dir = build_tiny_model(Path(args.model_dir))
     async with contextlib.AsyncExitStack() as stack:
@@ -672,8 +680,8 @@ async def _run(args) -> list[InvalidationRun]:
         runs = []
         for index in range(args.runs):
             async with contextlib.AsyncExitStack() as per_run:
-                # A fresh broker per run (unless given one): nodes replay the whole command log at start,
-                # and earlier runs' commands would only add replay time.
+                # A fresh broker per run (unless given one): nodes replay the whole command log at
+                # start, and earlier runs' commands would only add replay time.
                 bootstrap = await kafka_broker(per_run, args, work / f"kafka-{index}")
                 await ensure_topics(KafkaSettings(bootstrap=bootstrap, client_id="kvledger-bench"))
                 database_url = await per_run.enter_async_context(fresh_database(server_url))

@@ -65,7 +65,8 @@ class Invariants:
     # -- settling ---------------------------------------------------------------------
 
     async def unsettled(self) -> list[str]:
-        """What is still in progress: open invalidations, unverified erasures, unpublished outbox rows."""
+        """What is still in progress: open invalidations, unverified erasures, unpublished outbox
+        rows."""
         rows = await self._query(
             "SELECT 'invalidation ' || status AS what, count(*) AS n FROM invalidations WHERE status <> 'complete' GROUP BY status"
             " UNION ALL SELECT 'erasure ' || status, count(*) FROM erasures WHERE status <> 'verified' GROUP BY status"
@@ -90,7 +91,8 @@ class Invariants:
     # -- 3. erasures ------------------------------------------------------------------
 
     async def live_replicas(self) -> int:
-        """Live placements whose node's copy was pulled from a peer (a ``replicas`` row names its source)."""
+        """Live placements whose node's copy was pulled from a peer (a ``replicas`` row names its
+        source)."""
         rows = await self._query(
             "SELECT count(*) AS n FROM placements p JOIN replicas r ON r.block_hash = p.block_hash AND r.node_id = p.node_id"
             " WHERE p.state = 'live'"
@@ -98,14 +100,15 @@ class Invariants:
         return int(rows[0]["n"])
 
     async def erased_copies_in_ledger(self) -> list[str]:
-        """Live placements of a verified erasure's subject whose copy was built before the erasure's cutoff.
+        """Live placements of a verified erasure's subject whose copy was built before the erasure's
+        cutoff.
 
         The ledger keeps a block's first ``created_at``; the same hash built again after the erasure
         (the subject came back) is a new copy, told apart by the build time its node reported. A
-        snapshot copy is a copy of what the pool held when the snapshot was written: excused only when
-        the node reported a build after the cutoff no later than it first announced that snapshot (its
-        ``SnapshotWritten``, or an inventory listing it) — a snapshot written before the rebuild is never.
-        """
+        snapshot copy is a copy of what the pool held when the snapshot was written: excused only
+        when the node reported a build after the cutoff no later than it first announced that
+        snapshot (its ``SnapshotWritten``, or an inventory listing it) — a snapshot written before
+        the rebuild is never."""
         rows = await self._query(
             "SELECT e.id, e.cutoff, p.node_id, p.tier, p.snapshot_id, encode(p.block_hash, 'hex') AS block, n.epoch, n.last_seq"
             " FROM erasures e"
@@ -116,8 +119,9 @@ class Invariants:
         )
         if not rows:
             return []
-        # The build times come from the tail, which reads the topic apart from the coordinator: a rebuild the ledger
-        # applied a moment ago may not be in the tail yet. Judge only once the tail read what the ledger applied.
+        # The build times come from the tail, which reads the topic apart from the coordinator: a
+        # rebuild the ledger applied a moment ago may not be in the tail yet. Judge only once the
+        # tail read what the ledger applied.
         await self._tail_caught_up(
             {(row["node_id"], row["epoch"]): row["last_seq"] for row in rows}
         )
@@ -170,8 +174,9 @@ class Invariants:
         return builds
 
     def _snapshots_announced(self) -> dict[tuple[str, str], int]:
-        """(node, snapshot id) → position in the tail of the first record naming it: its ``SnapshotWritten``, or the
-        first inventory listing it (a node killed before it published the ``SnapshotWritten`` lists it at restart)."""
+        """(node, snapshot id) → position in the tail of the first record naming it: its
+        ``SnapshotWritten``, or the first inventory listing it (a node killed before it published
+        the ``SnapshotWritten`` lists it at restart)."""
         announced: dict[tuple[str, str], int] = {}
         for index, record in enumerate(self.cluster.tail.kv_events):
             payload = record.envelope.payload
@@ -225,8 +230,8 @@ class Invariants:
     async def placements_match(
         self, node_id: str, attempts: int = 10
     ) -> tuple[list[str], list[schema.Envelope]]:
-        """Ledger placements of ``node_id`` == its inventory, taken when the ledger had applied everything before it.
-        Returns the violations and the inventory compared.
+        """Ledger placements of ``node_id`` == its inventory, taken when the ledger had applied
+        everything before it. Returns the violations and the inventory compared.
 
         Only records the node published between the ledger's last applied ``seq`` and the
         inventory may separate the two views; when any of them is more than a heartbeat,
@@ -326,7 +331,8 @@ class Invariants:
         return violations
 
     async def nothing_lost(self, timeout_s: float = 30.0) -> list[str]:
-        """Every kv-event and ack on the topics went through the inbox, or was dead-lettered and counted.
+        """Every kv-event and ack on the topics went through the inbox, or was dead-lettered and
+        counted.
 
         Waits up to ``timeout_s`` for the coordinator to consume what was published last (the
         inventories the checks themselves asked for among them).
@@ -359,14 +365,14 @@ class Invariants:
     async def taken_over(
         self, partitions: set[int], since_ms: int, until_ms: int, grace_ms: int = 5000
     ) -> tuple[int, list[str]]:
-        """Partition takeover: the coordinator that owned kv-events ``partitions`` was dead from ``since_ms`` to
-        ``until_ms`` (wall clock); on each of them, the first kv-event published in that window (up to ``grace_ms``
-        before its end: the survivor must notice the death, rejoin and catch up first) was applied before
-        ``until_ms`` — so by another member. That nothing was lost or applied twice is :meth:`nothing_lost`'s and
-        :meth:`kv_events_exact`'s.
+        """Partition takeover: the coordinator that owned kv-events ``partitions`` was dead from
+        ``since_ms`` to ``until_ms`` (wall clock); on each of them, the first kv-event published in
+        that window (up to ``grace_ms`` before its end: the survivor must notice the death, rejoin
+        and catch up first) was applied before ``until_ms`` — so by another member. That nothing was
+        lost or applied twice is :meth:`nothing_lost`'s and :meth:`kv_events_exact`'s.
 
-        Returns how many of the window's records on ``partitions`` were applied before ``until_ms``, and the violations.
-        """
+        Returns how many of the window's records on ``partitions`` were applied before ``until_ms``,
+        and the violations."""
         records = [
             record
             for record in self.cluster.tail.kv_events
@@ -404,7 +410,8 @@ class Invariants:
     async def probe_erased(
         self, node_index: int, tenant: str, subject: str, messages: list[dict]
     ) -> None:
-        """After ``subject``'s erasure verified: its request may hit no more than a never-seen subject's identical one."""
+        """After ``subject``'s erasure verified: its request may hit no more than a never-seen
+        subject's identical one."""
         cluster = self.cluster
         for _ in range(
             2
@@ -427,7 +434,8 @@ class Invariants:
     async def probe_stale_document(
         self, node_index: int, tenant: str, messages: list[dict], scopes: dict[str, int]
     ) -> None:
-        """After a document update completed: a request naming the old version is refused with 409 ``stale_document_version``."""
+        """After a document update completed: a request naming the old version is refused with 409
+        ``stale_document_version``."""
         cluster = self.cluster
         self.num_probes += 1
         try:
@@ -446,7 +454,8 @@ class Invariants:
     async def probe_stale_policy(
         self, node_index: int, tenant: str, messages: list[dict], stale_scopes: dict[str, int]
     ) -> None:
-        """After a revocation completed: a token of the old policy version is refused with 401 ``stale_authorization``."""
+        """After a revocation completed: a token of the old policy version is refused with 401
+        ``stale_authorization``."""
         cluster = self.cluster
         self.num_probes += 1
         try:

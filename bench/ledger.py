@@ -56,7 +56,8 @@ NUM_NODES = 4
 NAMESPACE = "bench-namespace"
 RECORDS_PER_SEND = 20
 CONSUMER_BATCH_RECORDS = CoordinatorKafkaSettings.model_fields["max_batch_records"].default
-"""The largest batch the coordinator's kv-events consumer hands over (its default ``kafka.max_batch_records``)."""
+"""The largest batch the coordinator's kv-events consumer hands over (its default
+``kafka.max_batch_records``)."""
 POLL_INTERVAL_S = 0.01
 TIMEOUT_S = 600.0
 
@@ -139,7 +140,8 @@ def _cpu_per_record(num_events: int, blocks_per_record: int) -> tuple[float, flo
     signed = [sign_envelope(schema.make_event(record), key) for record in records]
     sign_s = time.process_time() - started
     values = [encode_event(envelope) for envelope in signed]
-    # Each decoder is timed with only its own results alive: the collector's work grows with live objects.
+    # Each decoder is timed with only its own results alive: the collector's work grows with live
+    # objects.
     started = time.process_time()
     parsed = [schema.parse_event(value) for value in values]
     parse_s = time.process_time() - started
@@ -180,8 +182,8 @@ async def _end_to_end(
         return sign_envelope(envelope, node_keys[envelope.payload.node_id])
 
     group = f"bench-{run_id}"
-    # A fresh group would start at the beginning of the shared topic and re-read (and dead-letter: their
-    # nodes are not enrolled here) every earlier run's records while this run is measured.
+    # A fresh group would start at the beginning of the shared topic and re-read (and dead-letter:
+    # their nodes are not enrolled here) every earlier run's records while this run is measured.
     await start_groups_at_end(kafka.bootstrap, consumer_groups(group))
     env = coordinator_env(
         database_url,
@@ -221,9 +223,9 @@ async def _end_to_end(
             lags, pending = [], list(targets)
             deadline = time.perf_counter() + TIMEOUT_S
             while pending:
-                # A record's rows are committed with its node's last_seq (one transaction): watching 4 rows
-                # keeps the probe off the database the ingest is measured on (counting live placements
-                # every 10 ms took a large share of a core from it).
+                # A record's rows are committed with its node's last_seq (one transaction): watching
+                # 4 rows keeps the probe off the database the ingest is measured on (counting live
+                # placements every 10 ms took a large share of a core from it).
                 applied = await _applied_seqs(connection, list(workload))
                 now = time.perf_counter()
                 lags.extend(
@@ -440,7 +442,8 @@ async def _run(args) -> list[LedgerRun]:
 
 
 def _git_revision() -> str:
-    """The checkout's short commit (``+dirty`` with uncommitted changes); ``unknown`` outside a git checkout."""
+    """The checkout's short commit (``+dirty`` with uncommitted changes); ``unknown`` outside a git
+    checkout."""
     try:
         revision = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True

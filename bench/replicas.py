@@ -89,7 +89,8 @@ async def _metric(client: httpx.AsyncClient, url: str, name: str) -> float:
 
 
 async def _loopback_s(num_bytes: int) -> float:
-    """Seconds to send ``num_bytes`` over a loopback TCP connection and have the receiver read them all."""
+    """Seconds to send ``num_bytes`` over a loopback TCP connection and have the receiver read them
+    all."""
     received = asyncio.get_running_loop().create_future()
 
     async def receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -2,12 +2,12 @@
 
 * **lookups/s**: ``PrefixIndex.match`` over a prompt's block keys (``--blocks``, 30 by default)
   against an index of ``--nodes`` nodes (8) holding groups of prompts that share long prefixes
-  (every prompt's first two thirds are its group's), each prompt cached on two nodes up to a
-  random depth in a random tier: the runs of every node that holds the prompt's first block.
+  (every prompt's first two thirds are its group's), each prompt cached on two nodes up to a random
+  depth in a random tier: the runs of every node that holds the prompt's first block.
 * **decisions/s**: the lookup and ``PrefixLoadStrategy.rank`` over all nodes (what a request costs
   before it is proxied).
-* **events/s**: ``PrefixIndex.apply`` of verified ``BlockStored`` records of 50 blocks (block
-  events per second; signature checks and decoding are the consumer's, measured by ``bench ledger``).
+* **events/s**: ``PrefixIndex.apply`` of verified ``BlockStored`` records of 50 blocks (block events
+  per second; signature checks and decoding are the consumer's, measured by ``bench ledger``).
 
 CPU time of this process (``time.process_time``), so a busy machine's other work is not counted;
 one core. A reference row times a bare ``dict.get`` over the same keys, the floor of any exact
@@ -357,7 +357,8 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 
 async def _added_latency(stack: dict, run_id: str) -> dict[str, object]:
-    """A warm hit through the router against the same request straight to the node that served it, alternately."""
+    """A warm hit through the router against the same request straight to the node that served it,
+    alternately."""
     headers = {"Authorization": f"Bearer {_token(stack, f'{run_id}-router-g0', 'user-0')}"}
     body = _body(stack, 0, 0, 0, False) | {"max_tokens": 1}
     through, direct = [], []

@@ -1,26 +1,27 @@
-"""``kvledger bench soak``: a mixed workload with faults for a set duration, checking the invariants throughout.
+"""``kvledger bench soak``: a mixed workload with faults for a set duration, checking the invariants
+throughout.
 
 On a :class:`bench.cluster.Cluster` (private embedded PostgreSQL and broker, ``--coordinators``
 coordinator processes sharing the consumer groups, ``--nodes`` node processes), for ``--duration``:
 
-* **requests** — ``--concurrency`` workers send chat requests over real HTTP with the ``openai`` client,
-  from ``--tenants`` tenants and several users each: private chats and questions about each tenant's
-  document at its current version;
+* **requests** — ``--concurrency`` workers send chat requests over real HTTP with the ``openai``
+  client, from ``--tenants`` tenants and several users each: private chats and questions about each
+  tenant's document at its current version;
 * **governance** — every ``--action-interval-s`` one of: a document update, a permission revocation
   (readers move to the new policy version), an erasure of one of the users. Once its invalidation
-  completed (or the erasure verified) it is probed on every running node: the replaced document version
-  is refused (409), the revoked policy's token is refused (401), the erased user hits no more than a
-  stranger would (:class:`bench.invariants.Invariants`);
-* **faults** — node restarts (SIGKILL and SIGTERM in turn, each after the node wrote a snapshot, so every
-  restart starts with sealed snapshot copies to inventory) spread over the run, and coordinator
-  SIGKILLs (one at half time by default), each restarted after ``--coordinator-down-s``. With
-  ``--coordinators 2`` or more the kills take turns, the second process first: while one is dead the
-  others own its partitions and must apply what is published to them meanwhile, before it comes back
-  (partition takeover, :meth:`bench.invariants.Invariants.taken_over`);
-* **checks** — every ``--check-interval-s`` the cheap invariants (one content per seq and no seq hole,
-  no live copy of a verified erasure's subject, probe results); at the end, with the workload stopped,
-  all of them (:meth:`Invariants.check`, which also waits for everything to finish and compares the
-  ledger with every node's inventory).
+  completed (or the erasure verified) it is probed on every running node: the replaced document
+  version is refused (409), the revoked policy's token is refused (401), the erased user hits no
+  more than a stranger would (:class:`bench.invariants.Invariants`);
+* **faults** — node restarts (SIGKILL and SIGTERM in turn, each after the node wrote a snapshot, so
+  every restart starts with sealed snapshot copies to inventory) spread over the run, and
+  coordinator SIGKILLs (one at half time by default), each restarted after ``--coordinator-down-s``.
+  With ``--coordinators 2`` or more the kills take turns, the second process first: while one is
+  dead the others own its partitions and must apply what is published to them meanwhile, before it
+  comes back (partition takeover, :meth:`bench.invariants.Invariants.taken_over`);
+* **checks** — every ``--check-interval-s`` the cheap invariants (one content per seq and no seq
+  hole, no live copy of a verified erasure's subject, probe results); at the end, with the workload
+  stopped, all of them (:meth:`Invariants.check`, which also waits for everything to finish and
+  compares the ledger with every node's inventory).
 
 Reports counts (requests, kv-events, commands, erasures verified, faults injected, violations),
 resource growth between the end of the warm-up and the end of the run (RSS and open files of each
@@ -70,8 +71,9 @@ TABLES = (
 """Ledger tables whose growth the report shows."""
 NUM_USERS_PER_TENANT = 6
 SOAK_READY_TIMEOUT_S = 900.0
-"""A long run on a shared machine rides out a slow restart rather than abort: a node restarted while its
-coordinator's key service answered slowly (load 22 on 2 cores) was still re-indexing its disk tier after 300 s."""
+"""A long run on a shared machine rides out a slow restart rather than abort: a node restarted while
+its coordinator's key service answered slowly (load 22 on 2 cores) was still re-indexing its disk
+tier after 300 s."""
 
 
 def parse_duration(text: str) -> float:
@@ -103,7 +105,8 @@ class SoakOptions:
 
 @dataclass(frozen=True)
 class RssSample:
-    """One process's resident memory at ``at_s`` seconds into the run; ``pid`` tells its lives apart."""
+    """One process's resident memory at ``at_s`` seconds into the run; ``pid`` tells its lives
+    apart."""
 
     at_s: float
     name: str
@@ -149,8 +152,9 @@ class SoakReport:
     resources_start: dict[str, dict[str, int]] = field(default_factory=dict)
     resources_end: dict[str, dict[str, int]] = field(default_factory=dict)
     rss_samples: list[RssSample] = field(default_factory=list)
-    """Every running process's RSS every :attr:`SoakOptions.rss_sample_interval_s`: ``resources_*`` compare
-    whichever processes hold the names at the start and the end, different lives after a restart."""
+    """Every running process's RSS every :attr:`SoakOptions.rss_sample_interval_s`: ``resources_*``
+    compare whichever processes hold the names at the start and the end, different lives after a
+    restart."""
 
     @property
     def num_violations(self) -> int:
@@ -241,7 +245,8 @@ class Soak:
                 )
             except openai.APIStatusError as error:
                 if error.status_code in (401, 409) and index in self._running_nodes():
-                    # A governance action moved past what this worker read a moment ago; refused, never served.
+                    # A governance action moved past what this worker read a moment ago; refused,
+                    # never served.
                     self.counts["requests_refused_stale"] = (
                         self.counts.get("requests_refused_stale", 0) + 1
                     )
@@ -277,7 +282,8 @@ class Soak:
         try:
             await action(tenant)
         except (OSError, httpx.HTTPError, asyncpg.PostgresError, TimeoutError):
-            # The coordinator or the database is being restarted: a later action tries again, this probe is skipped.
+            # The coordinator or the database is being restarted: a later action tries again, this
+            # probe is skipped.
             self.counts["actions_deferred"] = self.counts.get("actions_deferred", 0) + 1
 
     async def _document(self, tenant: _Tenant) -> None:
@@ -342,7 +348,8 @@ class Soak:
             self._erasing.discard((tenant.name, user))
 
     async def _probe(self, probe: Coroutine[Any, Any, None]) -> None:
-        """Run one probe; a node restarted under it (no answer, or 503 while it replays) skips it, counted."""
+        """Run one probe; a node restarted under it (no answer, or 503 while it replays) skips it,
+        counted."""
         try:
             await probe
         except (openai.APIConnectionError, openai.InternalServerError):
@@ -404,8 +411,9 @@ class Soak:
         killed_ms = int(time.time() * 1000)
         await cluster.coordinators[index].kill()
         cluster.count("coordinator_sigkill")
-        # The whole time even past the end of the run: a window cut short by the stop gave the survivor too little
-        # time to notice the death and rejoin on a loaded machine, and the takeover check failed on the timing.
+        # The whole time even past the end of the run: a window cut short by the stop gave the
+        # survivor too little time to notice the death and rejoin on a loaded machine, and the
+        # takeover check failed on the timing.
         await asyncio.sleep(self.options.coordinator_down_s)
         restarted_ms = int(time.time() * 1000)
         await cluster.restart_coordinator(index=index)

@@ -3,12 +3,12 @@
 verifier, the command re-sender (``coordinator.handlers.resend``), the dead-letter tally and the
 inbox/outbox pruner (``coordinator.handlers.pruning``).
 
-kv-events and acks reach their handlers only through :class:`coordinator.keys.node_keys.VerifiedRecords`:
-a record not signed by a key enrolled for its node is dead-lettered, never applied. Customer events
-(documents, permissions, erasures) pass the same step with producer keys
-(``coordinator.keys.producer_keys``): one not signed by a key bound to its tenant is never decided.
-Every command is signed with the command key (``settings.command_signer()``) before it
-enters the outbox."""
+kv-events and acks reach their handlers only through
+:class:`coordinator.keys.node_keys.VerifiedRecords`: a record not signed by a key enrolled for its
+node is dead-lettered, never applied. Customer events (documents, permissions, erasures) pass the
+same step with producer keys (``coordinator.keys.producer_keys``): one not signed by a key bound to
+its tenant is never decided. Every command is signed with the command key
+(``settings.command_signer()``) before it enters the outbox."""
 
 from __future__ import annotations
 
@@ -94,11 +94,13 @@ async def run_consumers(
 
 
 class BrokerUnreachable(Exception):
-    """The consumers could not connect to the broker at start (the message names the error type only)."""
+    """The consumers could not connect to the broker at start (the message names the error type
+    only)."""
 
 
 async def _started(starting, timeout_s: float) -> None:
-    """Await one start step, bounded; a broker that is down or does not answer becomes :class:`BrokerUnreachable`."""
+    """Await one start step, bounded; a broker that is down or does not answer becomes
+    :class:`BrokerUnreachable`."""
     try:
         async with asyncio.timeout(timeout_s):
             await starting
@@ -259,7 +261,8 @@ async def _run_connected(
     assigned: asyncio.Event | None,
     readiness: ConsumerReadiness | None,
 ) -> None:
-    """One attempt of :func:`run_consumers`: BrokerUnreachable when the broker cannot be reached at start."""
+    """One attempt of :func:`run_consumers`: BrokerUnreachable when the broker cannot be reached at
+    start."""
     config = kafka_settings(settings)
     connect_timeout_s = settings.kafka.connect_timeout_s
     await _started(ensure_topics(config), connect_timeout_s)

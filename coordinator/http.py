@@ -21,7 +21,8 @@ from identity.tokens import AuthError
 
 
 class ApiError(Exception):
-    """An error answered with the JSON error shape; ``headers`` go out with it (e.g. ``Retry-After``)."""
+    """An error answered with the JSON error shape; ``headers`` go out with it (e.g.
+    ``Retry-After``)."""
 
     def __init__(
         self,
@@ -51,7 +52,8 @@ def error_response(
     message: str,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """The error as a response. A 401 names the scheme the caller must use (``WWW-Authenticate: Bearer``)."""
+    """The error as a response. A 401 names the scheme the caller must use (``WWW-Authenticate:
+    Bearer``)."""
     if status_code == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(

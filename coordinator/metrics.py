@@ -165,7 +165,8 @@ ERASURE_SECONDS = Histogram(
 
 
 async def exposition(session: AsyncSession, heartbeat_timeout_s: float) -> bytes:
-    """The ``/metrics`` body: the ledger gauges refreshed when the ledger answers, then every series."""
+    """The ``/metrics`` body: the ledger gauges refreshed when the ledger answers, then every
+    series."""
     try:
         await refresh_ledger_gauges(session, heartbeat_timeout_s)
     except Exception as exc:  # noqa: BLE001 - process metrics are still worth serving without the ledger

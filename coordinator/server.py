@@ -50,7 +50,8 @@ async def serve(
     consumers: bool,
     readiness: ConsumerReadiness | None = None,
 ) -> int:
-    """Run the HTTP ``app`` and, with ``consumers``, the consumers until SIGTERM/SIGINT; returns the exit status.
+    """Run the HTTP ``app`` and, with ``consumers``, the consumers until SIGTERM/SIGINT; returns the
+    exit status.
 
     ``readiness`` is handed to the consumers; the app's ``/readyz`` reads the same one (the
     API's with ``--role all``, :mod:`coordinator.api.ops_app`'s with ``--role consumers``).

@@ -6,13 +6,11 @@ Environment: prefix ``KVLEDGER_COORDINATOR_`` with ``__`` between groups, e.g.
 
 The stack-wide variables ``KVLEDGER_DATABASE_URL``, ``KVLEDGER_KAFKA_BOOTSTRAP``,
 ``KVLEDGER_JWT_SECRET``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_MASTER_KEY``,
-``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_COMMAND_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` (or ``_FILE``) and the Kafka security
-variables (``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_USERNAME`` …, see
-``events.kafka.settings.KAFKA_SHARED_ENV``) are honoured too, because
-one operator sets them once for every process (nodes, coordinator, tests); a
-coordinator-specific variable wins over the shared one, an explicit argument
-over both.
-"""
+``KVLEDGER_RECEIPT_SIGNING_KEY``, ``KVLEDGER_COMMAND_SIGNING_KEY``, ``KVLEDGER_METRICS_TOKEN`` (or
+``_FILE``) and the Kafka security variables (``KVLEDGER_KAFKA_SECURITY_PROTOCOL``,
+``KVLEDGER_KAFKA_SASL_USERNAME`` …, see ``events.kafka.settings.KAFKA_SHARED_ENV``) are honoured
+too, because one operator sets them once for every process (nodes, coordinator, tests); a
+coordinator-specific variable wins over the shared one, an explicit argument over both."""
 
 from __future__ import annotations
 
@@ -73,7 +71,8 @@ class DatabaseSettings(BaseModel):
 
 
 class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
-    """Kafka options (turned into :class:`events.kafka.settings.KafkaSettings` by ``coordinator.consumers``).
+    """Kafka options (turned into :class:`events.kafka.settings.KafkaSettings` by
+    ``coordinator.consumers``).
 
     Idempotence is off by default: the embedded Tansu broker rejects it. The security
     fields (SASL, TLS) come from :class:`events.kafka.settings.KafkaSecurity`, the consumer groups'
@@ -87,11 +86,11 @@ class CoordinatorKafkaSettings(KafkaSecurity, ConsumerGroupTiming):
     replication_factor: int = Field(1, ge=1)
     max_batch_records: int = Field(500, ge=1)
     ingest_fetch_max_wait_ms: int = Field(50, ge=1)
-    """How long the broker may hold an empty fetch of the kv-events consumer (the other
-    consumers: ``fetch_max_wait_ms``, 5 ms by default, see ``events.kafka.settings.ConsumerGroupTiming``). Node reports are
-    bulk and on no user's path; with 5 ms that consumer ran a transaction for every one or
-    two reports and took the CPU the decisions need (invalidation bench, 2 cores: last ack
-    p99 ~250–360 → ~150–200 ms). The ledger shows a node's changes up to this much later."""
+    """How long the broker may hold an empty fetch of the kv-events consumer (the other consumers:
+    ``fetch_max_wait_ms``, 5 ms by default, see ``events.kafka.settings.ConsumerGroupTiming``). Node
+    reports are bulk and on no user's path; with 5 ms that consumer ran a transaction for every one
+    or two reports and took the CPU the decisions need (invalidation bench, 2 cores: last ack p99
+    ~250–360 → ~150–200 ms). The ledger shows a node's changes up to this much later."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """The longest one attempt to reach the broker at start may take (a paused broker accepts
     connections and never answers)."""
@@ -152,18 +151,21 @@ class LedgerSettings(BaseModel):
     publishes them right after its commit; only if that process died first does the
     relay publish them, this much later."""
     command_resend_after_s: float = Field(10.0, gt=0)
-    """A target that has not acked its command this long after the decision gets the command
-    again (``coordinator.handlers.resend``); each further re-send waits twice as long as the one before…"""
+    """A target that has not acked its command this long after the decision gets the command again
+    (``coordinator.handlers.resend``); each further re-send waits twice as long as the one
+    before…"""
     command_resend_max_s: float = Field(120.0, gt=0)
     """…up to this long between two re-sends to one target."""
     command_resend_poll_s: float = Field(1.0, gt=0)
     """How often the consumers process looks for targets whose re-send is due."""
     deferred_ack_poll_s: float = Field(5.0, gt=0)
-    """How often the consumers process looks for deferred acks (``coordinator.handlers.acks``) to release without
-    being woken: every kv-events batch wakes it, so this only bounds a wake lost to a crash."""
+    """How often the consumers process looks for deferred acks (``coordinator.handlers.acks``) to
+    release without being woken: every kv-events batch wakes it, so this only bounds a wake lost to
+    a crash."""
     node_key_cache_s: float = Field(5.0, ge=0)
-    """How long a looked-up node key is trusted from memory (``coordinator.keys.node_keys``): the longest
-    a revoked node key keeps working at a replica, and the price of one key query per node per period."""
+    """How long a looked-up node key is trusted from memory (``coordinator.keys.node_keys``): the
+    longest a revoked node key keeps working at a replica, and the price of one key query per node
+    per period."""
 
     prune_interval_s: float = Field(3600.0, gt=0)
     """How often the consumers process deletes inbox and outbox rows that can no longer matter
@@ -244,11 +246,13 @@ class CoordinatorSettings(ServiceSettings):
     coordinator reads it only to refuse an ``operator_auth`` that shares its key."""
     http: HttpSettings = HttpSettings()
     http_limits: HttpServerLimits = HttpServerLimits()
-    """What one unauthenticated client may hold of the HTTP server (``KVLEDGER_COORDINATOR_HTTP_LIMITS__*``)."""
+    """What one unauthenticated client may hold of the HTTP server
+    (``KVLEDGER_COORDINATOR_HTTP_LIMITS__*``)."""
     ledger: LedgerSettings = LedgerSettings()
     keys: KeySettings = KeySettings()
     metrics: MetricsSettings = MetricsSettings()
-    """The bearer token of ``/metrics`` (``KVLEDGER_COORDINATOR_METRICS__TOKEN`` or ``KVLEDGER_METRICS_TOKEN``)."""
+    """The bearer token of ``/metrics`` (``KVLEDGER_COORDINATOR_METRICS__TOKEN`` or
+    ``KVLEDGER_METRICS_TOKEN``)."""
 
     SHARED_ENV = _SHARED_ENV
 
@@ -271,7 +275,8 @@ class CoordinatorSettings(ServiceSettings):
         return EnvelopeSigner(key)
 
     def subject_key_bytes(self) -> bytes:
-        """The subject digest key; ValueError when unset, because the ledger cannot match subjects without it."""
+        """The subject digest key; ValueError when unset, because the ledger cannot match subjects
+        without it."""
         if self.ledger.subject_key is None:
             raise ValueError(
                 "set KVLEDGER_SUBJECT_KEY (shared with the nodes) to query blocks by subject"
@@ -280,7 +285,8 @@ class CoordinatorSettings(ServiceSettings):
 
 
 def kafka_settings(settings: CoordinatorSettings) -> KafkaSettings:
-    """The shared Kafka helpers' settings for this coordinator: its client id, topics' shape, timing and security."""
+    """The shared Kafka helpers' settings for this coordinator: its client id, topics' shape, timing
+    and security."""
     return KafkaSettings(
         bootstrap=settings.kafka.bootstrap,
         client_id="kvledger-coordinator",

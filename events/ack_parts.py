@@ -1,4 +1,5 @@
-"""A command ack of any size: the node splits it into signed records that fit, the coordinator joins them.
+"""A command ack of any size: the node splits it into signed records that fit, the coordinator joins
+them.
 
 A node's evidence for one command lists every block it removed, per tier, and every data key
 it destroyed: an erasure of a large subject, a namespace retire or a tenant-wide revocation
@@ -118,7 +119,8 @@ def ack_parts(
 
 
 def _evidence(reports: Sequence[TierReport], run: Iterable[_Item]) -> list[TierEvidence]:
-    """The evidence entries of one part: per report the run touches, its slice of hashes and key ids."""
+    """The evidence entries of one part: per report the run touches, its slice of hashes and key
+    ids."""
     hashes: dict[int, list[str]] = {}
     key_ids: dict[int, list[str]] = {}
     for index, kind, value in run:

@@ -1,11 +1,14 @@
-"""Named fault points: test-only places where a process can be made to die by ``SIGKILL`` (docs/operations.md, "Fault points").
+"""Named fault points: test-only places where a process can be made to die by ``SIGKILL``
+(docs/operations.md, "Fault points").
 
-Code that must survive a crash at a precise step calls ``fault_point("coordinator.after_decision_commit")``
-there. Normally that call does nothing and costs one comparison: the environment is read once, at import.
-A process started with ``KVLEDGER_FAULT_POINT=<name>`` kills itself with ``SIGKILL`` the first time it
-reaches ``<name>``; ``KVLEDGER_FAULT_POINT=<name>:<n>`` waits for the ``n``-th time. ``SIGKILL`` rather than
-an exception or ``sys.exit``: nothing of the process (``finally`` blocks, atexit hooks, buffered writes,
-the Kafka client's pending sends) gets a chance to run, which is what a power cut or the OOM killer does.
+Code that must survive a crash at a precise step calls
+``fault_point("coordinator.after_decision_commit")`` there. Normally that call does nothing and
+costs one comparison: the environment is read once, at import. A process started with
+``KVLEDGER_FAULT_POINT=<name>`` kills itself with ``SIGKILL`` the first time it reaches ``<name>``;
+``KVLEDGER_FAULT_POINT=<name>:<n>`` waits for the ``n``-th time. ``SIGKILL`` rather than an
+exception or ``sys.exit``: nothing of the process (``finally`` blocks, atexit hooks, buffered
+writes, the Kafka client's pending sends) gets a chance to run, which is what a power cut or the OOM
+killer does.
 
 A few faults are not deaths: :func:`fault_triggered` names a point whose caller simulates the fault
 itself when it returns True (e.g. a send the broker took, reported to the client as timed out).
@@ -33,7 +36,8 @@ POINTS = frozenset(
         "node.during_snapshot_write",
     }
 )
-"""Every name passed to :func:`fault_point`; a setting naming anything else is a configuration error."""
+"""Every name passed to :func:`fault_point`; a setting naming anything else is a configuration
+error."""
 SIMULATED = frozenset({"node.kv_events_send_timed_out"})
 """Every name passed to :func:`fault_triggered`."""
 

@@ -96,7 +96,8 @@ class HttpServerLimits(BaseModel):
 
 
 def error_json(message: str, error_type: str, code: str) -> bytes:
-    """The body of a refusal: the ``{"error": {...}}`` shape of both servers' APIs (``param`` as OpenAI's has it)."""
+    """The body of a refusal: the ``{"error": {...}}`` shape of both servers' APIs (``param`` as
+    OpenAI's has it)."""
     body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -366,7 +367,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
 
 def bounded_protocol(limits: HttpServerLimits, max_connections: int) -> type[BoundedHttpProtocol]:
-    """The protocol class of one server: ``limits``, its connection bound, its own idle table and refusal log."""
+    """The protocol class of one server: ``limits``, its connection bound, its own idle table and
+    refusal log."""
     server_limits, bound = limits, max_connections
 
     class ServerProtocol(BoundedHttpProtocol):
@@ -434,8 +436,8 @@ def summarize_resource_errors(loop: asyncio.AbstractEventLoop) -> None:
 def server_config(app: ASGIApp, host: str, port: int, limits: HttpServerLimits) -> uvicorn.Config:
     """The uvicorn configuration of a kvledger server: ``app`` behind every bound of ``limits``.
 
-    Call it from the event loop the server will run on (it installs that loop's resource-error summary).
-    """
+    Call it from the event loop the server will run on (it installs that loop's resource-error
+    summary)."""
     max_connections = connection_bound(limits, raise_file_limit())
     summarize_resource_errors(asyncio.get_running_loop())
     protocol = bounded_protocol(limits, max_connections)

@@ -11,10 +11,10 @@ ledger handler — sees no difference and verifies the same bytes.
 The contract stays defined in one place, ``events.schema``: the structs are generated from the
 models' fields at import (:func:`_compiled`); what msgspec cannot check exactly is checked by the
 contract's own code — patterns and timestamps by pydantic's validator of the field's annotated type,
-``AfterValidator`` functions such as ``check_identifier`` called as they are, and the models' ``after``
-validators (scope consistency, part ranges, ...) run on the built objects; and the generator refuses (AssertionError at import) any
-annotation, constraint or validator it has no exact translation for, so a change to the contract
-cannot silently leave this decoder behind.
+``AfterValidator`` functions such as ``check_identifier`` called as they are, and the models'
+``after`` validators (scope consistency, part ranges, ...) run on the built objects; and the
+generator refuses (AssertionError at import) any annotation, constraint or validator it has no exact
+translation for, so a change to the contract cannot silently leave this decoder behind.
 
 The fast path only ever *accepts*: a record it does not accept — invalid, of another topic's
 type, or in a form it does not handle (a unix-number ``created_at``, which pydantic takes) — goes
@@ -101,7 +101,8 @@ def _chain(validators: list[Expression]) -> Expression | None:
 
 
 def _string(annotation: Any, metadata: list[Any]) -> tuple[Any, Expression | None]:
-    """A string field: msgspec checks its type and length; its pattern and validators are the contract's own.
+    """A string field: msgspec checks its type and length; its pattern and validators are the
+    contract's own.
 
     A pattern is checked by pydantic's validator of the annotated type itself (``TypeAdapter``, the
     regex engine the contract runs), not translated for Python's ``re``: the engines differ (``$``
@@ -157,7 +158,8 @@ def _integer(metadata: list[Any]) -> tuple[Any, Expression | None]:
         else:
             raise AssertionError(f"no compiled form for integer metadata {item!r}")
     # msgspec takes JSON integers only; a lax pydantic int would also take "3" (the fallback would
-    # decide those), but the contract keeps every integer strict, and a lax one is worth a look here.
+    # decide those), but the contract keeps every integer strict, and a lax one is worth a look
+    # here.
     assert strict, "a lax int field in the contract"
     return (Annotated[int, msgspec.Meta(**meta)] if meta else int), None
 
@@ -175,7 +177,8 @@ def _length(metadata: list[Any]) -> dict[str, Any]:
 
 
 def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expression | None]:
-    """The msgspec type that decodes what ``annotation`` (with ``metadata``) accepts, and the expression of its value.
+    """The msgspec type that decodes what ``annotation`` (with ``metadata``) accepts, and the
+    expression of its value.
 
     The msgspec type may be stricter than pydantic's (the fallback decides then), never looser.
     """
@@ -200,7 +203,8 @@ def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expressio
         return _integer(metadata)
     assert not metadata or origin is list, f"unsupported metadata {metadata!r} on {annotation!r}"
     if annotation is AwareDatetime:
-        # Text only (the fallback takes pydantic's unix numbers), parsed by the contract's own validator.
+        # Text only (the fallback takes pydantic's unix numbers), parsed by the contract's own
+        # validator.
         return str, _call(TypeAdapter(AwareDatetime).validate_python, "datetime")
     if annotation is uuid.UUID:
         return uuid.UUID, None
@@ -226,7 +230,8 @@ def _compiled_type(annotation: Any, metadata: list[Any]) -> tuple[Any, Expressio
         if item_value is None:
             return list_type, None
         each = f"item_{next(_variables)}"
-        # An empty list (the common case of a block's auth scopes or documents) skips the comprehension's call.
+        # An empty list (the common case of a block's auth scopes or documents) skips the
+        # comprehension's call.
         return (
             list_type,
             lambda value: f"([{item_value(each)} for {each} in {value}] if {value} else {value})",
@@ -259,7 +264,8 @@ _IMMUTABLE_DEFAULTS = (type(None), bool, int, str)
 def _after_validators(
     model: type[BaseModel], allowed_before: frozenset[str]
 ) -> list[Callable[[Any], Any]]:
-    """The ``after`` model validators of ``model``; AssertionError for any decorator the fast path cannot honour."""
+    """The ``after`` model validators of ``model``; AssertionError for any decorator the fast path
+    cannot honour."""
     decorators = model.__pydantic_decorators__
     assert model.model_config.get("extra") == "forbid", f"{model.__name__} must forbid extra fields"
     unsupported = {
@@ -289,13 +295,13 @@ def _after_validators(
 def _builder(
     model: type[BaseModel], overrides: dict[str, Any], allowed_before: frozenset[str] = frozenset()
 ) -> tuple[list[tuple[Any, ...]], Callable[[Any], Any]]:
-    """The struct fields of ``model`` and the generated function turning a decoded struct into ``model``'s instance.
+    """The struct fields of ``model`` and the generated function turning a decoded struct into
+    ``model``'s instance.
 
-    The instance is made as pydantic's validator makes it — every field in ``__dict__`` in declaration
-    order, ``__pydantic_fields_set__`` the fields the record named, no extra or private values — and
-    then passed through the model's ``after`` validators. Generated code (one function per model, no
-    loop over fields) because this runs for every block of every record.
-    """
+    The instance is made as pydantic's validator makes it — every field in ``__dict__`` in
+    declaration order, ``__pydantic_fields_set__`` the fields the record named, no extra or private
+    values — and then passed through the model's ``after`` validators. Generated code (one function
+    per model, no loop over fields) because this runs for every block of every record."""
     struct_fields: list[tuple[Any, ...]] = []
     required: list[str] = []
     lines: list[str] = []
@@ -372,8 +378,9 @@ def _compiled(model: type[BaseModel]) -> tuple[type[msgspec.Struct], Callable[[A
 
 ENVELOPE_BEFORE_VALIDATORS = frozenset({"_typed_payload", "_rfc3339_text"})
 """The envelope's ``before`` validators, which the fast path stands in for: ``_typed_payload`` (the
-payload is decoded with the model ``type`` names) and ``_rfc3339_text`` (``occurred_at`` must be text,
-and the compiled decoder takes only text for a timestamp). A new one fails the import until it is honoured here."""
+payload is decoded with the model ``type`` names) and ``_rfc3339_text`` (``occurred_at`` must be
+text, and the compiled decoder takes only text for a timestamp). A new one fails the import until it
+is honoured here."""
 
 
 def _envelope_decoder() -> tuple[msgspec.json.Decoder, Callable[[Any], Any]]:
@@ -401,7 +408,8 @@ _REFUSED = (msgspec.DecodeError, msgspec.ValidationError, ValueError, AssertionE
 
 
 def decode_fast(value: bytes) -> Envelope | None:
-    """The envelope of ``value`` if the compiled decoder accepts it, else None (``parse_event`` decides)."""
+    """The envelope of ``value`` if the compiled decoder accepts it, else None (``parse_event``
+    decides)."""
     try:
         decoded = _ENVELOPE.decode(value)
         payload_decoder = _PAYLOADS.get(decoded.type)

@@ -61,7 +61,8 @@ def _escaped(match: re.Match[str]) -> str:
 
 
 def escape_control(text: str) -> str:
-    """``text`` with every character of :data:`_UNSAFE_CHARS` written as a visible escape (``\\n``, ``\\x1b``, ``\\u2028``).
+    """``text`` with every character of :data:`_UNSAFE_CHARS` written as a visible escape (``\\n``,
+    ``\\x1b``, ``\\u2028``).
 
     The one escaping of text an outsider may have chosen before it is logged or printed on a
     terminal: log lines (:class:`SafeTextFormatter`), validation errors (``events.schema``) and the
@@ -73,7 +74,8 @@ def escape_control(text: str) -> str:
 _JSON_UNSAFE = re.compile(
     "[\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]"
 )
-"""What ``json.dumps(ensure_ascii=False)`` leaves raw of :data:`_UNSAFE_CHARS` (it escapes C0 itself)."""
+"""What ``json.dumps(ensure_ascii=False)`` leaves raw of :data:`_UNSAFE_CHARS` (it escapes C0
+itself)."""
 
 
 request_id_var: ContextVar[str] = ContextVar("kvledger_request_id", default=NO_REQUEST_ID)
@@ -100,7 +102,8 @@ class RequestIdFilter(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, request id, message (and the exception, when any)."""
+    """One JSON object per line: time, level, logger, request id, message (and the exception, when
+    any)."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -119,7 +122,8 @@ class JsonFormatter(logging.Formatter):
 
 
 class SafeTextFormatter(logging.Formatter):
-    """The text format, one line per record whatever the message and its arguments hold (:func:`escape_control`).
+    """The text format, one line per record whatever the message and its arguments hold
+    (:func:`escape_control`).
 
     A traceback keeps its lines, each indented and escaped, so none of them can pass for a
     record of its own (an exception message may quote what an outsider sent).
@@ -166,7 +170,8 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 
 def uvicorn_log_config() -> dict[str, Any]:
-    """``log_config`` for every uvicorn server: its loggers propagate to the root handler, no own handlers."""
+    """``log_config`` for every uvicorn server: its loggers propagate to the root handler, no own
+    handlers."""
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -205,8 +210,9 @@ class RequestIdMiddleware:
         observe: Observe | None = None,
         quiet_paths: frozenset[str] = frozenset(),
     ) -> None:
-        """``error_body``: the app's own JSON error for an unhandled exception (sent with the id); answered requests
-        to ``quiet_paths`` (polled by machines several times a second) are logged at DEBUG, refusals at INFO as any."""
+        """``error_body``: the app's own JSON error for an unhandled exception (sent with the id);
+        answered requests to ``quiet_paths`` (polled by machines several times a second) are logged
+        at DEBUG, refusals at INFO as any."""
         self.app = app
         self.quiet_paths = quiet_paths
         self.access_log = logging.getLogger(access_logger)

@@ -12,7 +12,8 @@ DEAD_LETTER_TOTAL = Counter(
     ["topic"],
 )
 for _topic in sorted(ALERT_TOPICS):
-    # Exported at 0 from the start, so the first dead letter on these topics is an increase an alert sees.
+    # Exported at 0 from the start, so the first dead letter on these topics is an increase an alert
+    # sees.
     DEAD_LETTER_TOTAL.labels(_topic)
 
 DEAD_LETTER_BY_REFERENCE_TOTAL = Counter(

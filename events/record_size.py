@@ -33,9 +33,10 @@ from events.schema import (
 T = TypeVar("T")
 
 MAX_REQUEST_BYTES = 1_048_576
-"""The producer's ``max_request_size`` (aiokafka's default, which :class:`events.kafka.producer.EventProducer`
-keeps): the largest record, key and framing included, it sends. The broker's default
-``message.max.bytes`` (1 MiB plus 12 bytes of batch framing) admits every such record."""
+"""The producer's ``max_request_size`` (aiokafka's default, which
+:class:`events.kafka.producer.EventProducer` keeps): the largest record, key and framing included,
+it sends. The broker's default ``message.max.bytes`` (1 MiB plus 12 bytes of batch framing) admits
+every such record."""
 
 MAX_KEY_BYTES = 4 * MAX_ID_CHARS
 """The longest record key this system writes: a node id (a ``Name``, at most 256 code points of

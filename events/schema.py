@@ -113,8 +113,9 @@ Name = Annotated[
     StringConstraints(min_length=1, max_length=MAX_ID_CHARS),
     AfterValidator(check_identifier),
 ]
-"""A non-empty identifier (tenant, document, auth scope, node, snapshot id, namespace ...):
-at most :data:`MAX_ID_CHARS` characters (code points), valid UTF-8, no control characters, not only whitespace."""
+"""A non-empty identifier (tenant, document, auth scope, node, snapshot id, namespace ...): at most
+:data:`MAX_ID_CHARS` characters (code points), valid UTF-8, no control characters, not only
+whitespace."""
 
 ReasonText = Annotated[
     str,
@@ -135,13 +136,15 @@ MAX_DOCUMENT_VERSION = MAX_SAFE_INT - 1
 """The largest document version: one below :data:`ANY_VERSION`, so a deletion matches every version."""
 
 DocumentVersion = Annotated[int, Strict(), Field(ge=0, le=MAX_DOCUMENT_VERSION)]
-"""A document's version: 0..2^53-2. One short of :data:`Count` because :data:`ANY_VERSION` must lie above
-every version and still be an integer RFC 8785 canonical JSON carries (what a command's signature covers)."""
+"""A document's version: 0..2^53-2. One short of :data:`Count` because :data:`ANY_VERSION` must lie
+above every version and still be an integer RFC 8785 canonical JSON carries (what a command's
+signature covers)."""
 
 VersionBound = Annotated[int, Strict(), Field(ge=0, le=MAX_SAFE_INT)]
 """An exclusive upper bound on a version (``below_version``), at most :data:`ANY_VERSION`."""
 ANY_VERSION = MAX_SAFE_INT
-"""``below_version`` of a deleted document: above every :data:`DocumentVersion`, so every version matches."""
+"""``below_version`` of a deleted document: above every :data:`DocumentVersion`, so every version
+matches."""
 
 SmallCount = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]
 """A count stored in a Postgres INTEGER column (token offset, inventory chunk number)."""
@@ -165,7 +168,8 @@ DocumentTag = Annotated[
     StringConstraints(pattern=r"^[\s\S]+@(?:0|[1-9][0-9]*)$", max_length=MAX_TAG_CHARS),
     AfterValidator(_check_document_tag),
 ]
-"""``doc_id@version`` as it appears in a block's prefix (a :data:`Name` and a :data:`DocumentVersion`)."""
+"""``doc_id@version`` as it appears in a block's prefix (a :data:`Name` and a
+:data:`DocumentVersion`)."""
 
 CacheScopeLabel = Literal["public", "tenant", "user"]
 RemovalReason = Literal["evicted", "expired", "invalidated", "restore_failed", "replaced"]
@@ -193,7 +197,8 @@ def subject_digest(key: bytes, tenant_id: str, subject_id: str) -> str:
 
 
 class _Model(BaseModel):
-    """Frozen, closed models: unknown fields are errors and a received event cannot be altered in place."""
+    """Frozen, closed models: unknown fields are errors and a received event cannot be altered in
+    place."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -331,7 +336,8 @@ class BlockProvenance(_Model):
 
 
 class ReplicaOrigin(_Model):
-    """Where a node's copy came from when it was pulled from a peer instead of computed (``gpu_node.cache.peers``)."""
+    """Where a node's copy came from when it was pulled from a peer instead of computed
+    (``gpu_node.cache.peers``)."""
 
     source_node_id: Name
     pulled_at: AwareDatetime
@@ -706,7 +712,8 @@ class Envelope(_Model):
     @model_validator(mode="before")
     @classmethod
     def _typed_payload(cls, data: Any) -> Any:
-        """Validate ``payload`` against the model that ``type`` names, reporting errors under ``payload``."""
+        """Validate ``payload`` against the model that ``type`` names, reporting errors under
+        ``payload``."""
         if not isinstance(data, dict):
             return data
         event_type = data.get("type")
@@ -778,7 +785,8 @@ def _location_part(part: str | int) -> str:
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    """Fields and problems of ``exc`` on one line, never the input values (safe to log and dead-letter).
+    """Fields and problems of ``exc`` on one line, never the input values (safe to log and
+    dead-letter).
 
     A location is made of the sender's key names, so each part is bounded and escaped
     (``events.logs.escape_control``): a key holding a newline or an ANSI sequence cannot

@@ -43,8 +43,9 @@ ACKS = "kvledger.acks"
 DEAD_LETTER = "kvledger.dead-letter"
 """Records the coordinator's consumers refused, each letter signed by the coordinator: the only topic replay reads."""
 NODE_DEAD_LETTER = "kvledger.node-dead-letter"
-"""Records GPU nodes refused or could not send. Nodes write here, never to :data:`DEAD_LETTER`, so a node's
-credentials cannot plant a letter that replay would republish with the coordinator's; listed, never replayed."""
+"""Records GPU nodes refused or could not send. Nodes write here, never to :data:`DEAD_LETTER`, so a
+node's credentials cannot plant a letter that replay would republish with the coordinator's; listed,
+never replayed."""
 DEAD_LETTER_TOPICS: tuple[str, ...] = (DEAD_LETTER, NODE_DEAD_LETTER)
 
 ALL_TOPICS: tuple[str, ...] = (
@@ -61,9 +62,9 @@ ALL_TOPICS: tuple[str, ...] = (
 _DAY_MS = 24 * 3600 * 1000
 
 TOPIC_CONFIGS: dict[str, dict[str, str]] = {
-    # Nodes rebuild their version registry and retired namespaces from this topic at every
-    # start, so a command must outlive any node's downtime: kept forever. Not compacted: every
-    # invalidation shares one key (one partition, one order), so compaction would keep only the last.
+    # Nodes rebuild their version registry and retired namespaces from this topic at every start, so
+    # a command must outlive any node's downtime: kept forever. Not compacted: every invalidation
+    # shares one key (one partition, one order), so compaction would keep only the last.
     COMMANDS: {"cleanup.policy": "delete", "retention.ms": "-1"},
     # Users' decisions: kept for the longest coordinator outage supported (30 days).
     DOCUMENTS: {"cleanup.policy": "delete", "retention.ms": str(30 * _DAY_MS)},
@@ -76,7 +77,8 @@ TOPIC_CONFIGS: dict[str, dict[str, str]] = {
     DEAD_LETTER: {"cleanup.policy": "delete", "retention.ms": str(90 * _DAY_MS)},
     NODE_DEAD_LETTER: {"cleanup.policy": "delete", "retention.ms": str(90 * _DAY_MS)},
 }
-"""The configs each topic is created with (``events.kafka.admin.ensure_topics``); see docs/operations.md, "Topics"."""
+"""The configs each topic is created with (``events.kafka.admin.ensure_topics``); see
+docs/operations.md, "Topics"."""
 
 ALERT_TOPICS: frozenset[str] = frozenset({ERASURES, PERMISSIONS})
 """Topics where a dead-lettered record is an alert, not just a count: dropping one would
@@ -119,12 +121,14 @@ CUSTOMER_TOPICS: frozenset[str] = frozenset({DOCUMENTS, PERMISSIONS, ERASURES})
 """Topics of customer events (users' decisions), whose record key starts with the envelope's tenant."""
 
 ROUTING_ERROR = "routing: "
-"""Prefix of the dead-letter error of a record refused by :func:`routing_problem`; a reason below follows."""
+"""Prefix of the dead-letter error of a record refused by :func:`routing_problem`; a reason below
+follows."""
 WRONG_TOPIC = "wrong_topic"
 """The record's event type is not one its topic carries (:data:`TYPES_BY_TOPIC`)."""
 KEY_TENANT_MISMATCH = "key_tenant_mismatch"
 """A customer event whose record key is not the one its envelope routes to (``tenant:…``): the key
-names one tenant and the envelope another, or the key is missing or for another document/scope/subject."""
+names one tenant and the envelope another, or the key is missing or for another
+document/scope/subject."""
 
 
 def routing_problem(topic: str, key: str | None, envelope: Envelope) -> str | None:

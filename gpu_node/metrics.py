@@ -14,7 +14,8 @@ from enum import StrEnum
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-# An engine step's work outside the model forward: ~0.1 ms is a small model's whole step on a GPU, 1 ms the target at 16 running.
+# An engine step's work outside the model forward: ~0.1 ms is a small model's whole step on a GPU, 1
+# ms the target at 16 running.
 _STEP_OVERHEAD_BUCKETS_S = (
     0.0001,
     0.00025,
@@ -172,7 +173,8 @@ class NodeMetrics:
             "Decode throughput of the last finished request",
             registry=r,
         )
-        # Continuous batching, named and shaped like vLLM's (gpu_node.engine.scheduler, gpu_node.engine.paged_kv).
+        # Continuous batching, named and shaped like vLLM's (gpu_node.engine.scheduler,
+        # gpu_node.engine.paged_kv).
         self.requests_running = Gauge(
             "kvledger_num_requests_running", "Requests in the running batch", registry=r
         )

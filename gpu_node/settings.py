@@ -1,14 +1,13 @@
 """GPU node settings (pydantic-settings, env prefix ``KVLEDGER_NODE_``, nested with ``__``).
 
-Stack-wide variables are honoured too, because one operator sets them once for every
-process: ``KVLEDGER_KAFKA_BOOTSTRAP``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_COORDINATOR_URL``,
-``KVLEDGER_METRICS_TOKEN`` (or ``KVLEDGER_METRICS_TOKEN_FILE``) and the Kafka security
-variables ``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_MECHANISM``,
+Stack-wide variables are honoured too, because one operator sets them once for every process:
+``KVLEDGER_KAFKA_BOOTSTRAP``, ``KVLEDGER_SUBJECT_KEY``, ``KVLEDGER_COORDINATOR_URL``,
+``KVLEDGER_METRICS_TOKEN`` (or ``KVLEDGER_METRICS_TOKEN_FILE``) and the Kafka security variables
+``KVLEDGER_KAFKA_SECURITY_PROTOCOL``, ``KVLEDGER_KAFKA_SASL_MECHANISM``,
 ``KVLEDGER_KAFKA_SASL_USERNAME``, ``KVLEDGER_KAFKA_SASL_PASSWORD``, ``KVLEDGER_KAFKA_SSL_CAFILE``,
-``KVLEDGER_KAFKA_SSL_CERTFILE``, ``KVLEDGER_KAFKA_SSL_KEYFILE``, ``KVLEDGER_KAFKA_SSL_CHECK_HOSTNAME``.
-A node-specific variable (``KVLEDGER_NODE_METRICS__TOKEN``, ``KVLEDGER_NODE_KAFKA__SASL_USERNAME``
-…) wins over the shared one.
-"""
+``KVLEDGER_KAFKA_SSL_CERTFILE``, ``KVLEDGER_KAFKA_SSL_KEYFILE``,
+``KVLEDGER_KAFKA_SSL_CHECK_HOSTNAME``. A node-specific variable (``KVLEDGER_NODE_METRICS__TOKEN``,
+``KVLEDGER_NODE_KAFKA__SASL_USERNAME`` …) wins over the shared one."""
 
 from __future__ import annotations
 
@@ -32,7 +31,8 @@ class CacheSettings(BaseModel):
 
     block_size: int = Field(16, gt=0)
     device_memory_fraction: float | None = Field(None, gt=0, le=0.95)
-    """Of the device memory left after the weights (CPU: of ``MemAvailable`` less the host tier); unset: 0.8 on CUDA, 0.4 on CPU."""
+    """Of the device memory left after the weights (CPU: of ``MemAvailable`` less the host tier);
+    unset: 0.8 on CUDA, 0.4 on CPU."""
     host_memory_bytes: int = Field(2 * 1024**3, ge=0)
     """Host tier (CPU RAM; pinned under CUDA)."""
     disk_bytes: int = Field(16 * 1024**3, ge=0)
@@ -46,7 +46,8 @@ class CacheSettings(BaseModel):
     singleflight_wait_s: float = 30.0
     enabled: bool = True
     layout_sample_size: int = Field(0, ge=0, le=100_000)
-    """Requests whose prompt layout (segment hashes, never text) is kept for ``kvledger advise``; 0: none (``gpu_node.cache.layout_sampler``)."""
+    """Requests whose prompt layout (segment hashes, never text) is kept for ``kvledger advise``; 0:
+    none (``gpu_node.cache.layout_sampler``)."""
 
     @model_validator(mode="after")
     def _one_device_size(self) -> CacheSettings:
@@ -121,7 +122,8 @@ class DataKeySettings(BaseModel):
     arrives later serves the next request (this one treats that scope's sealed blocks as misses)."""
     max_cached_keys: int = Field(1024, ge=1)
     negative_ttl_s: float = Field(30.0, ge=0)
-    """How long an answer "no such key" (404, unknown or refused scope) is remembered before asking again."""
+    """How long an answer "no such key" (404, unknown or refused scope) is remembered before asking
+    again."""
     max_negative_entries: int = Field(4096, ge=1)
 
 
@@ -173,7 +175,8 @@ class NodeSettings(ServiceSettings):
     node_id: Name = "node-0"
     """Travels in every kv-event and ledger row, so it obeys the event contract's identifier bounds."""
     model_dir: Path = Path(".kvledger/models/smollm2-135m-instruct")
-    """Where ``kvledger up`` builds the default model (SmolLM2-135M-Instruct, ``kvledger model init``)."""
+    """Where ``kvledger up`` builds the default model (SmolLM2-135M-Instruct, ``kvledger model
+    init``)."""
     model_name: str | None = None
     data_dir: Path = Path(".kvledger/node-0")
     device: str = "cpu"
@@ -182,15 +185,18 @@ class NodeSettings(ServiceSettings):
     port: int = 8100
     warm_from: Path | None = None
     auth: IssuerSettings = IssuerSettings()
-    """End users' tokens (the customer's identity provider; in the dev stack ``KVLEDGER_JWT_SECRET``)."""
+    """End users' tokens (the customer's identity provider; in the dev stack
+    ``KVLEDGER_JWT_SECRET``)."""
     operator_auth: IssuerSettings = IssuerSettings()
     """Operators' tokens (``platform-admin`` writes snapshots); unset, no operator endpoint answers."""
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
-    """``KVLEDGER_NODE_SCHEDULER__MAX_NUM_BATCHED_TOKENS``, ``KVLEDGER_NODE_SCHEDULER__MAX_NUM_SEQS``."""
+    """``KVLEDGER_NODE_SCHEDULER__MAX_NUM_BATCHED_TOKENS``,
+    ``KVLEDGER_NODE_SCHEDULER__MAX_NUM_SEQS``."""
     limits: RequestLimits = RequestLimits()
     http_limits: HttpServerLimits = HttpServerLimits()
-    """What one unauthenticated client may hold of the HTTP server (``KVLEDGER_NODE_HTTP_LIMITS__*``)."""
+    """What one unauthenticated client may hold of the HTTP server
+    (``KVLEDGER_NODE_HTTP_LIMITS__*``)."""
     identity: IdentitySettings = IdentitySettings()
     # The ledger hooks are optional: without a broker the node runs standalone.
     # The stack-wide variables are honoured because one operator sets them once
@@ -217,8 +223,9 @@ class NodeSettings(ServiceSettings):
     data_keys: DataKeySettings = DataKeySettings()
     peers: PeerSettings = PeerSettings()
     kafka: NodeKafkaSettings = NodeKafkaSettings()
-    """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared ``KVLEDGER_KAFKA_*``) and
-    its command consumer's group timing (``KVLEDGER_NODE_KAFKA__SESSION_TIMEOUT_MS``, ``…__FETCH_MAX_WAIT_MS``)."""
+    """How the node authenticates to the brokers (``KVLEDGER_NODE_KAFKA__*`` or the shared
+    ``KVLEDGER_KAFKA_*``) and its command consumer's group timing
+    (``KVLEDGER_NODE_KAFKA__SESSION_TIMEOUT_MS``, ``…__FETCH_MAX_WAIT_MS``)."""
     metrics: MetricsSettings = MetricsSettings()
     kafka_partitions: int = Field(4, ge=1)
     publish_interval_s: float = Field(0.05, gt=0)

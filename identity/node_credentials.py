@@ -27,8 +27,9 @@ from identity.signing import key_id
 NODE_ISSUER = "kvledger-node"
 KEYS_AUDIENCE = "kvledger-keys"
 PEER_AUDIENCE_PREFIX = "kvledger-peer:"
-"""A peer credential's audience is this prefix and the holder's node id: it is accepted by that one node only,
-and never by the key service (whose audience is :data:`KEYS_AUDIENCE`), so a holder cannot replay it there."""
+"""A peer credential's audience is this prefix and the holder's node id: it is accepted by that one
+node only, and never by the key service (whose audience is :data:`KEYS_AUDIENCE`), so a holder
+cannot replay it there."""
 MAX_TTL_S = 60
 DEFAULT_TTL_S = 30
 ALGORITHM = "EdDSA"
@@ -82,7 +83,8 @@ def issue_peer_credential(
     body_sha256: str,
     ttl_s: int = DEFAULT_TTL_S,
 ) -> str:
-    """A credential for one node-to-node request: ``node_id`` asks ``holder_id`` for the body whose sha256 is ``body_sha256``.
+    """A credential for one node-to-node request: ``node_id`` asks ``holder_id`` for the body whose
+    sha256 is ``body_sha256``.
 
     Bound to the holder (audience) and to the request body (claim ``req``), so it can
     neither be presented to another node nor carry another request.

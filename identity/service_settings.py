@@ -52,11 +52,13 @@ METRICS_AND_KAFKA_ENV: Mapping[str, tuple[str, ...]] = {
     "KVLEDGER_METRICS_TOKEN": ("metrics", "token"),
     "KVLEDGER_METRICS_TOKEN_FILE": ("metrics", "token_file"),
 } | {variable: ("kafka", name) for variable, name in KAFKA_SHARED_ENV.items()}
-"""The stack-wide variables every service reads: the metrics token and the broker's security settings."""
+"""The stack-wide variables every service reads: the metrics token and the broker's security
+settings."""
 
 
 class ServiceSettings(BaseSettings):
-    """Base of a service's settings: its own ``KVLEDGER_<SERVICE>_*`` variables, then the stack-wide ones of ``SHARED_ENV``."""
+    """Base of a service's settings: its own ``KVLEDGER_<SERVICE>_*`` variables, then the stack-wide
+    ones of ``SHARED_ENV``."""
 
     SHARED_ENV: ClassVar[Mapping[str, tuple[str, ...]]] = METRICS_AND_KAFKA_ENV
 

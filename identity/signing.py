@@ -35,10 +35,12 @@ from events.schema import Envelope, RecordSignature
 PUBLIC_KEY_BYTES = 32
 
 SIGNATURE_ERROR = "signature: "
-"""Prefix of the dead-letter error of a record refused for its signature; one of the reasons below follows."""
+"""Prefix of the dead-letter error of a record refused for its signature; one of the reasons below
+follows."""
 UNSIGNED = "unsigned"
 UNKNOWN_KEY = "unknown_key"
-"""Signed by a key the receiver does not trust for it (not enrolled, revoked, not the pinned command key)."""
+"""Signed by a key the receiver does not trust for it (not enrolled, revoked, not the pinned command
+key)."""
 WRONG_NODE = "wrong_node"
 """Signed by an enrolled key of another node than the one the record names (a relabelled copy)."""
 BAD_SIGNATURE = "bad_signature"
@@ -75,7 +77,8 @@ def public_key_pem(public_key: Ed25519PublicKey) -> bytes:
 
 
 def load_private_key_pem(data: bytes) -> Ed25519PrivateKey:
-    """An Ed25519 private key from unencrypted PEM; ValueError (never echoing the material) otherwise."""
+    """An Ed25519 private key from unencrypted PEM; ValueError (never echoing the material)
+    otherwise."""
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
@@ -136,7 +139,8 @@ _SAFE_INTEGER = 2**53 - 1
 
 
 def _same_as_stdlib_json(value: object) -> bool:
-    """Whether :func:`json.dumps` (sorted keys, no whitespace, no ASCII escaping) writes ``value`` exactly as RFC 8785 does.
+    """Whether :func:`json.dumps` (sorted keys, no whitespace, no ASCII escaping) writes ``value``
+    exactly as RFC 8785 does.
 
     Both escape the same characters the same way (``"``, ``\\``, the C0 controls; short forms for
     ``\\b\\f\\n\\r\\t``, else lowercase ``\\u00xx``) and write strings and safe integers alike. They
@@ -214,7 +218,8 @@ def verify_envelope(envelope: Envelope, public_key: Ed25519PublicKey) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class EnrolledKey:
-    """A node key enrolled at the coordinator (``coordinator.keys.node_keys``): what that node's records are checked against."""
+    """A node key enrolled at the coordinator (``coordinator.keys.node_keys``): what that node's
+    records are checked against."""
 
     key_id: str
     node_id: str
@@ -270,7 +275,8 @@ class EnvelopeSigner:
 
 
 GOVERNANCE_CONTEXT = b"kvledger/governance-state/v1\x00"
-"""The context of the command key's signature over a governance state answer (``coordinator.api.routes.governance``)."""
+"""The context of the command key's signature over a governance state answer
+(``coordinator.api.routes.governance``)."""
 
 
 DEAD_LETTER_CONTEXT = b"kvledger/dead-letter/v1\x00"
@@ -284,13 +290,15 @@ state's."""
 
 
 def sign_dead_letter(letter: DeadLetter, private_key: Ed25519PrivateKey) -> DeadLetter:
-    """A copy of ``letter`` carrying ``private_key``'s signature over its content (:data:`DEAD_LETTER_CONTEXT`)."""
+    """A copy of ``letter`` carrying ``private_key``'s signature over its content
+    (:data:`DEAD_LETTER_CONTEXT`)."""
     signature = sign_document(letter.signed_content(), private_key, DEAD_LETTER_CONTEXT)
     return letter.model_copy(update={"signature": LetterSignature(**signature)})
 
 
 def dead_letter_signature_problem(letter: DeadLetter, public_key: Ed25519PublicKey) -> str | None:
-    """Why ``letter`` is not signed by ``public_key`` (a reason constant: unsigned, by another key, tampered); None when it is."""
+    """Why ``letter`` is not signed by ``public_key`` (a reason constant: unsigned, by another key,
+    tampered); None when it is."""
     signature = None if letter.signature is None else letter.signature.model_dump()
     return document_signature_problem(
         letter.signed_content(), signature, public_key, DEAD_LETTER_CONTEXT
@@ -311,7 +319,8 @@ def sign_document(document: dict, private_key: Ed25519PrivateKey, context: bytes
 def document_signature_problem(
     document: dict, signature: object, public_key: Ed25519PublicKey, context: bytes
 ) -> str | None:
-    """Why ``signature`` (as received) is not ``public_key``'s :func:`sign_document` signature of ``document``; None when it is."""
+    """Why ``signature`` (as received) is not ``public_key``'s :func:`sign_document` signature of
+    ``document``; None when it is."""
     if not isinstance(signature, dict) or not isinstance(signature.get("sig"), str):
         return UNSIGNED
     if signature.get("kid") != key_id(public_key):

@@ -57,8 +57,9 @@ MIN_SECRET_BYTES = 32
 MAX_CLAIM_CHARS = MAX_ID_CHARS
 MAX_CLAIM_ITEMS = 256
 MAX_VERSION = MAX_SAFE_INT
-"""The largest policy version a token may carry: the event contract's (``events.schema.Count``), so every version a
-token holds is one a ``PermissionRevoked`` can name, the ledger can store and the node's key derivation can pack."""
+"""The largest policy version a token may carry: the event contract's (``events.schema.Count``), so
+every version a token holds is one a ``PermissionRevoked`` can name, the ledger can store and the
+node's key derivation can pack."""
 
 _REQUIRED_CLAIMS = ("exp", "sub", "tenant")
 
@@ -117,7 +118,8 @@ class Operator:
         return PLATFORM_ADMIN in self.roles
 
     def may_act_on(self, tenant_id: str | None) -> bool:
-        """A platform admin acts on every tenant and on what has none; everyone else only on their own."""
+        """A platform admin acts on every tenant and on what has none; everyone else only on their
+        own."""
         return self.is_platform_admin or (tenant_id is not None and tenant_id == self.tenant_id)
 
 
@@ -187,7 +189,8 @@ class JwksKeys:
         return str(self._url or self._file)
 
     def key(self, kid: str) -> JwksKey | None:
-        """The key named ``kid``, refetching the document if it is stale or lacks it; None if still unknown."""
+        """The key named ``kid``, refetching the document if it is stale or lacks it; None if still
+        unknown."""
         with self._lock:
             assert self._fetched_at is not None, "fetched at construction"
             age_s = time.monotonic() - self._fetched_at
@@ -359,7 +362,8 @@ class TokenVerifier:
 
 
 def principal_from_claims(claims: Mapping) -> Principal:
-    """Build a Principal from already-verified claims, refusing any malformed field. Roles are not read."""
+    """Build a Principal from already-verified claims, refusing any malformed field. Roles are not
+    read."""
     scopes = _string_list(claims.get("scopes", []), "scopes")
     pv = claims.get("pv", 0)
     policy_versions: dict[str, int] = {}

@@ -1,4 +1,5 @@
-"""``kvledger advise``: which prompt segments break an otherwise stable prefix, and what moving them gains.
+"""``kvledger advise``: which prompt segments break an otherwise stable prefix, and what moving them
+gains.
 
 Reads each node's layout sample (``GET /v1/cache/layout`` with the metrics token;
 nodes sample only with ``cache.layout_sample_size`` > 0, see :mod:`gpu_node.cache.layout_sampler`)
@@ -14,8 +15,8 @@ and, per node (segment hashes are keyed per node, so samples are never mixed):
   cacheable part of its prompt (the last token is always computed). The replay assumes an
   unbounded cache, so it shows what the layout allows, not what eviction leaves.
 
-Pure functions carry the analysis (unit tests pin exact numbers); :func:`cli` only fetches and prints.
-"""
+Pure functions carry the analysis (unit tests pin exact numbers); :func:`cli` only fetches and
+prints."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ class Coordinator:
         )
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """The successful response to ``method path``; CliError with the coordinator's message otherwise."""
+        """The successful response to ``method path``; CliError with the coordinator's message
+        otherwise."""
         headers = {"Authorization": f"Bearer {self.token}"} | kwargs.pop("headers", {})
         response = httpx.request(
             method, f"{self.url}{path}", headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs

@@ -203,7 +203,8 @@ def _add_node_key_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_producer_key_commands(commands: argparse._SubParsersAction) -> None:
-    """``kvledger producers``: customer-event producer keys and their tenant bindings at the coordinator."""
+    """``kvledger producers``: customer-event producer keys and their tenant bindings at the
+    coordinator."""
     producers = commands.add_parser(
         "producers", help="producer keys that sign customer events, bound to tenants"
     ).add_subparsers(dest="producers_command", required=True, metavar="COMMAND")
@@ -1009,8 +1010,9 @@ def _expected_failure(error: BaseException) -> tuple[str, int] | None:
 
 
 def _configure_logging() -> None:
-    """Warnings of the libraries a command uses (aiokafka, the Kafka settings) go through the same escaping
-    formatter as every service's log; a service command configures its own level and format."""
+    """Warnings of the libraries a command uses (aiokafka, the Kafka settings) go through the same
+    escaping formatter as every service's log; a service command configures its own level and
+    format."""
     try:
         configure_logging(logging.WARNING)
     except (
@@ -1020,7 +1022,8 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. Expected failures end as one ``kvledger: error: …`` line on stderr and a non-zero exit."""
+    """Run one command. Expected failures end as one ``kvledger: error: …`` line on stderr and a
+    non-zero exit."""
     args = build_parser().parse_args(argv)
     _configure_logging()
     try:

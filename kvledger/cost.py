@@ -65,7 +65,8 @@ class CostEstimate:
     cost_with_cache_usd: float
     storage_cost_usd: float
     net_saving_usd: float
-    """Without minus with minus storage: the effective saving; positive means the cache pays for itself."""
+    """Without minus with minus storage: the effective saving; positive means the cache pays for
+    itself."""
     saving_ratio: float
     """Net saving as a share of the cost without cache."""
     reusable_token_ratio: float
@@ -79,7 +80,8 @@ def _usd(tokens: float, price_per_million: float) -> float:
 def prompt_cost_usd(
     num_uncached_tokens: int, num_cached_tokens: int, price_input: float, price_cached_input: float
 ) -> float:
-    """What prompt tokens cost: the uncached ones at the input price, the cached ones at the cached price."""
+    """What prompt tokens cost: the uncached ones at the input price, the cached ones at the cached
+    price."""
     return _usd(num_uncached_tokens, price_input) + _usd(num_cached_tokens, price_cached_input)
 
 

@@ -1,4 +1,5 @@
-"""``kvledger dead-letters list|replay``: inspect and replay refused records through the coordinator API.
+"""``kvledger dead-letters list|replay``: inspect and replay refused records through the coordinator
+API.
 
 * ``list [--topic T] [--reason TEXT] [--since WHEN] [--limit N] [--json]``:
   ``GET /v1/dead-letters`` with a ``platform-admin`` token. One line per dead letter: its
@@ -33,7 +34,8 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def since_time(value: str, now: datetime | None = None) -> str:
-    """``--since`` as the ISO time the API takes; ValueError (a usage error) when it is neither form."""
+    """``--since`` as the ISO time the API takes; ValueError (a usage error) when it is neither
+    form."""
     age = _AGE.fullmatch(value)
     if age is not None:
         moment = (now or datetime.now(UTC)) - timedelta(seconds=int(age[1]) * _UNIT_S[age[2]])

@@ -51,7 +51,8 @@ ANSWER_TOKENS = 12
 
 
 class StepFailed(Exception):
-    """An expectation of the demo did not hold: the message says what was expected and what was seen."""
+    """An expectation of the demo did not hold: the message says what was expected and what was
+    seen."""
 
 
 def say(line: str) -> None:
@@ -59,7 +60,8 @@ def say(line: str) -> None:
 
 
 def _until(check: Callable[[], Any], what: str, timeout_s: float = EXPECTATION_TIMEOUT_S) -> Any:
-    """Poll ``check`` until it returns something truthy; StepFailed naming ``what`` after ``timeout_s``."""
+    """Poll ``check`` until it returns something truthy; StepFailed naming ``what`` after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
@@ -78,7 +80,8 @@ def _ready(client: httpx.Client, url: str) -> bool:
 
 
 class Stack:
-    """The stack the demo runs on: reused from a stack file, or started with ``kvledger up`` and stopped afterwards."""
+    """The stack the demo runs on: reused from a stack file, or started with ``kvledger up`` and
+    stopped afterwards."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -129,7 +132,8 @@ class Stack:
         shown = 0
 
         def relay_progress() -> None:
-            """Echo ``kvledger up``'s timed progress lines (``[  3.2s] postgres ready``), not its warnings."""
+            """Echo ``kvledger up``'s timed progress lines (``[  3.2s] postgres ready``), not its
+            warnings."""
             nonlocal shown
             lines = log.read_text(errors="replace").splitlines()
             for line in lines[shown:]:
@@ -198,11 +202,12 @@ class Story:
         return {"Authorization": f"Bearer {token}"}
 
     def messages(self, document_version: int) -> list[dict[str, Any]]:
-        # Worded for the real model (SmolLM2-135M-Instruct): with the question in the same message as the
-        # user's introduction and a system prompt that asks for one sentence, it answers from the handbook
-        # ("You have 21 vacation days.", then 22 for version 2).
+        # Worded for the real model (SmolLM2-135M-Instruct): with the question in the same message
+        # as the user's introduction and a system prompt that asks for one sentence, it answers from
+        # the handbook ("You have 21 vacation days.", then 22 for version 2).
         return [
-            # the tenant's name keeps the public prefix this run's own: an earlier run cached the same words
+            # the tenant's name keeps the public prefix this run's own: an earlier run cached the
+            # same words
             {
                 "role": "system",
                 "content": f"You are the HR assistant of {self.tenant}. Answer the employee's question from the handbook in one sentence. "
@@ -255,7 +260,8 @@ class Story:
     def refused(
         self, token: str, document_version: int, status_code: int, code: str, label: str
     ) -> float:
-        """Seconds until a request is refused with ``status_code``/``code`` (the command reaches the node)."""
+        """Seconds until a request is refused with ``status_code``/``code`` (the command reaches the
+        node)."""
         started = time.monotonic()
 
         def refused_now() -> httpx.Response | None:
@@ -418,7 +424,8 @@ STEPS: tuple[tuple[str, Callable[[Story], None]], ...] = (
 
 
 def cli(args: argparse.Namespace) -> int:
-    """0 when every step saw what it expected; 1 at the first that did not (the stack it started is stopped)."""
+    """0 when every step saw what it expected; 1 at the first that did not (the stack it started is
+    stopped)."""
     began = time.monotonic()
     num_steps = len(STEPS) + 1
     stack = Stack(args)

@@ -1,4 +1,5 @@
-"""``kvledger erasure request|status|receipt``: a privacy officer's erasures through the coordinator API.
+"""``kvledger erasure request|status|receipt``: a privacy officer's erasures through the coordinator
+API.
 
 * ``request --tenant T --subject S --reason R [--request-id ID]``: ``POST /v1/erasures``
   with a ``privacy-officer`` token of T; a retry with the same ``--request-id`` answers
@@ -56,7 +57,8 @@ def status_cli(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(erasure)
         return 0
-    # The reason and node ids come from records and nodes: printed escaped (events.logs.escape_control).
+    # The reason and node ids come from records and nodes: printed escaped
+    # (events.logs.escape_control).
     print(
         escape_control(
             f"erasure {erasure['id']} ({erasure['tenant_id']}, reason {erasure['reason']}): {erasure['status']}"

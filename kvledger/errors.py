@@ -13,7 +13,8 @@ EXIT_USAGE = 2
 
 
 class CliError(Exception):
-    """An expected failure whose message is the whole story: printed as one line, exit ``exit_status``."""
+    """An expected failure whose message is the whole story: printed as one line, exit
+    ``exit_status``."""
 
     def __init__(self, message: str, exit_status: int = EXIT_USAGE) -> None:
         super().__init__(message)

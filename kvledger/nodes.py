@@ -37,7 +37,8 @@ def _database_url(args: argparse.Namespace) -> str:
 
 
 async def enroll_node_key(database_url: str, node_id: str, public_key: Ed25519PublicKey) -> str:
-    """Enroll ``public_key`` for ``node_id`` in the registry at ``database_url``; returns its key id."""
+    """Enroll ``public_key`` for ``node_id`` in the registry at ``database_url``; returns its key
+    id."""
     from coordinator.keys.node_keys import enroll
     from coordinator.ledger.db import Database
     from coordinator.settings import DatabaseSettings

@@ -1,12 +1,13 @@
-"""How a ``kvledger`` command becomes a child process: the one place every node, coordinator, router and
-``kvledger up`` child is started from (``kvledger up``, ``kvledger demo``, the benchmarks' clusters, the tests).
+"""How a ``kvledger`` command becomes a child process: the one place every node, coordinator, router
+and ``kvledger up`` child is started from (``kvledger up``, ``kvledger demo``, the benchmarks'
+clusters, the tests).
 
-:func:`spawn_cli` runs ``python -m kvledger.cli ARGS`` with stdin closed and stdout and stderr appended to a
-log, asking Linux to end the child when its parent goes away. It returns a :class:`Process` — what callers
-use of ``subprocess.Popen`` — made by a :class:`Launcher`: :func:`popen_cli` (a new interpreter) unless the
-caller passes another. The test suite passes its fork server (``tests/helpers/fork_server.py``), which has
-the ML stack imported once and forks each node from it; what runs in the child is the same command.
-"""
+:func:`spawn_cli` runs ``python -m kvledger.cli ARGS`` with stdin closed and stdout and stderr
+appended to a log, asking Linux to end the child when its parent goes away. It returns a
+:class:`Process` — what callers use of ``subprocess.Popen`` — made by a :class:`Launcher`:
+:func:`popen_cli` (a new interpreter) unless the caller passes another. The test suite passes its
+fork server (``tests/helpers/fork_server.py``), which has the ML stack imported once and forks each
+node from it; what runs in the child is the same command."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ class Process(Protocol):
 
 
 class Launcher(Protocol):
-    """Starts ``python -m kvledger.cli CLI_ARGS`` with ``env``, stdin closed, stdout to ``stdout``, stderr to
-    ``stderr`` (None: with stdout); ``new_session``: in a session of its own; ``dies_with_parent``: SIGTERM
-    when the parent goes away."""
+    """Starts ``python -m kvledger.cli CLI_ARGS`` with ``env``, stdin closed, stdout to ``stdout``,
+    stderr to ``stderr`` (None: with stdout); ``new_session``: in a session of its own;
+    ``dies_with_parent``: SIGTERM when the parent goes away."""
 
     def __call__(
         self,
@@ -101,10 +102,10 @@ def spawn_cli(
     dies_with_parent: bool = True,
     launcher: Launcher = popen_cli,
 ) -> Process:
-    """Start ``kvledger CLI_ARGS`` as a child process, its output appended to ``log_path`` (None: discarded) and
-    its stderr to ``errors_path`` when given. ``new_session``: its own session (a terminal's Ctrl-C does not
-    reach it; ``os.killpg`` ends it and its children); ``dies_with_parent=False`` for a child meant to be
-    stopped by its caller alone."""
+    """Start ``kvledger CLI_ARGS`` as a child process, its output appended to ``log_path`` (None:
+    discarded) and its stderr to ``errors_path`` when given. ``new_session``: its own session (a
+    terminal's Ctrl-C does not reach it; ``os.killpg`` ends it and its children);
+    ``dies_with_parent=False`` for a child meant to be stopped by its caller alone."""
     with open(log_path or os.devnull, "ab") as log, open(errors_path or os.devnull, "ab") as errors:
         return launcher(
             cli_args,

@@ -1,4 +1,5 @@
-"""``kvledger producers key|enroll|list|revoke``: customer-event producer keys (docs/security.md, "Signed customer events").
+"""``kvledger producers key|enroll|list|revoke``: customer-event producer keys (docs/security.md,
+"Signed customer events").
 
 * ``key --key-file F`` prints the public key (PEM, stdout) of the producer key in ``F``, creating
   it (mode 0600) first if missing, and its key id (stderr) — what ``kvledger publish
@@ -27,18 +28,21 @@ from kvledger.api import Coordinator
 from kvledger.own_key import print_public_key
 
 DIRECT_ENROLLMENT = "database"
-"""``enrolled_by`` of a key enrolled straight into the database (``kvledger up``, benchmarks), not through the API."""
+"""``enrolled_by`` of a key enrolled straight into the database (``kvledger up``, benchmarks), not
+through the API."""
 PLATFORM_TENANT = "platform"
-"""The ``tenant`` claim of the platform-admin tokens these commands mint (a platform-admin acts on every tenant)."""
+"""The ``tenant`` claim of the platform-admin tokens these commands mint (a platform-admin acts on
+every tenant)."""
 
 
 async def enroll_producer_key(
     database_url: str, public_key: Ed25519PublicKey, tenants: list[str] | None, name: str
 ) -> str:
-    """Enroll ``public_key`` for ``tenants`` (None: all) straight into the registry at ``database_url``; its key id.
+    """Enroll ``public_key`` for ``tenants`` (None: all) straight into the registry at
+    ``database_url``; its key id.
 
-    For ``kvledger up`` and the benchmarks, which own their database; operators use the API (``enroll``).
-    """
+    For ``kvledger up`` and the benchmarks, which own their database; operators use the API
+    (``enroll``)."""
     from coordinator.keys.producer_keys import enroll
     from coordinator.ledger.db import Database
     from coordinator.settings import DatabaseSettings

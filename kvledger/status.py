@@ -35,7 +35,8 @@ def _unescape(value: str) -> str:
 
 
 def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample in a Prometheus text exposition; comments and bad lines skipped."""
+    """(name, labels, value) of every sample in a Prometheus text exposition; comments and bad lines
+    skipped."""
     samples = []
     for line in text.splitlines():
         match = _SAMPLE.match(line)

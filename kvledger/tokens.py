@@ -27,7 +27,8 @@ STACK_FILE = Path(".kvledger") / "stack.json"
 
 
 def load_stack(path: str | None) -> dict[str, Any]:
-    """The dev stack's ``stack.json``: ``path`` (the file or its directory) or ``.kvledger/stack.json``; {} if absent.
+    """The dev stack's ``stack.json``: ``path`` (the file or its directory) or
+    ``.kvledger/stack.json``; {} if absent.
 
     ValueError if a given path has none, or the file is unreadable.
     """

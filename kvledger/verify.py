@@ -1,4 +1,5 @@
-"""``kvledger verify-receipt RECEIPT --public-key KEYS [--checkpoint CHECKPOINT] [--json]``: offline receipt verification.
+"""``kvledger verify-receipt RECEIPT --public-key KEYS [--checkpoint CHECKPOINT] [--json]``: offline
+receipt verification.
 
 Reads the documents exactly as the coordinator serves them (``GET
 /v1/erasures/{id}/receipt``, ``GET /v1/receipts/keys``, ``GET /v1/audit/checkpoint``)
@@ -35,7 +36,8 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _load(path: str) -> Any:
-    """The JSON document in ``path``; ValueError naming the file when it cannot be read as strict JSON."""
+    """The JSON document in ``path``; ValueError naming the file when it cannot be read as strict
+    JSON."""
     try:
         text = Path(path).read_text(encoding="utf-8")
         return json.loads(

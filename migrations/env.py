@@ -26,7 +26,8 @@ config = context.config
 target_metadata = Base.metadata
 
 if config.cmd_opts is not None and config.config_file_name is not None:
-    # Only when run as the alembic CLI: fileConfig would otherwise reconfigure the host app's logging.
+    # Only when run as the alembic CLI: fileConfig would otherwise reconfigure the host app's
+    # logging.
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 

@@ -1,8 +1,8 @@
 """Pure cache-identity types and block hashing.
 
-This module is the vLLM ``kv_cache_utils.py`` of kvledger: it knows nothing of
-torch, storage or HTTP, so a node and a router derive the very same keys from it. Everything that decides *whether two requests may share
-a block* lives here, so it can be unit-tested with exact hash values and so the
+This module is the vLLM ``kv_cache_utils.py`` of kvledger: it knows nothing of torch, storage or
+HTTP, so a node and a router derive the very same keys from it. Everything that decides *whether two
+requests may share a block* lives here, so it can be unit-tested with exact hash values and so the
 rest of the node cannot accidentally derive a key from client-supplied data.
 
 Key derivation (docs/design.md §2)::
@@ -10,11 +10,10 @@ Key derivation (docs/design.md §2)::
     h_0 = H(namespace)
     h_i = H(h_{i-1} ‖ scope_salt_i ‖ token_ids_i ‖ extra_i)
 
-Every field is length-prefixed, token ids are packed as little-endian u32 and policy
-versions as little-endian u64 (:data:`TENANT_SALT_TAG`), so the byte encoding is canonical (no str/pickle ambiguity between ``[1, 23]`` and
-``[12, 3]``). The salt is derived from :class:`Principal`, which is only ever
-built from a verified JWT.
-"""
+Every field is length-prefixed, token ids are packed as little-endian u32 and policy versions as
+little-endian u64 (:data:`TENANT_SALT_TAG`), so the byte encoding is canonical (no str/pickle
+ambiguity between ``[1, 23]`` and ``[12, 3]``). The salt is derived from :class:`Principal`, which
+is only ever built from a verified JWT."""
 
 from __future__ import annotations
 
@@ -255,7 +254,8 @@ def validate_segments(segments: Sequence[Segment], num_tokens: int) -> None:
 
 
 def num_cacheable_blocks(num_tokens: int, block_size: int) -> int:
-    """Full blocks that may be cached: the last prompt token is always recomputed (its logits are needed)."""
+    """Full blocks that may be cached: the last prompt token is always recomputed (its logits are
+    needed)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     return max(num_tokens - 1, 0) // block_size

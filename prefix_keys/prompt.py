@@ -249,7 +249,8 @@ def _exact_cuts(
     messages: Sequence[ChatMessage],
     rendered: str,
 ) -> list[int]:
-    """Cut points of ``rendered`` from rendering every proper prefix (quadratic: short conversations only)."""
+    """Cut points of ``rendered`` from rendering every proper prefix (quadratic: short conversations
+    only)."""
     cuts = []
     for count in range(1, len(messages)):
         prefix = _render(tokenizer, messages[:count], add_generation_prompt=False)

@@ -1,4 +1,5 @@
-"""What a node (and a fleet router) knows about current document and policy versions (docs/design.md §4, §5).
+"""What a node (and a fleet router) knows about current document and policy versions (docs/design.md
+§4, §5).
 
 The coordinator turns ``DocumentUpdated``/``DocumentDeleted``/``PermissionRevoked``
 into ``Invalidate`` commands; every node applies them in command order. Deleting
@@ -41,7 +42,8 @@ from prefix_keys.prompt import ChatMessage
 
 @dataclass(frozen=True, slots=True)
 class Staleness:
-    """Why a request may not be served: ``name`` (a doc id or auth scope) at ``requested`` < ``current``."""
+    """Why a request may not be served: ``name`` (a doc id or auth scope) at ``requested`` <
+    ``current``."""
 
     kind: Literal["document", "policy"]
     message_index: int
@@ -51,7 +53,8 @@ class Staleness:
 
     @property
     def status_code(self) -> int:
-        """401 for a token issued under a superseded policy (a new token fixes it), 409 for a superseded document."""
+        """401 for a token issued under a superseded policy (a new token fixes it), 409 for a
+        superseded document."""
         return 401 if self.kind == "policy" else 409
 
     @property
@@ -86,7 +89,8 @@ class VersionRegistry:
         self._retired: set[str] = set()
 
     def apply(self, predicate: schema.Predicate, decided_at: datetime) -> None:
-        """Record what an ``Invalidate`` predicate decided at ``decided_at`` (the command's cutoff) says is current.
+        """Record what an ``Invalidate`` predicate decided at ``decided_at`` (the command's cutoff)
+        says is current.
 
         A decision older than the one recorded for the same document or policy is
         ignored; one at the same time or later replaces it. Subject and tenant
@@ -125,7 +129,8 @@ class VersionRegistry:
         return namespace in self._retired
 
     def check(self, principal: Principal, messages: Sequence[ChatMessage]) -> Staleness | None:
-        """The first reason ``principal`` may not be served ``messages``; None when everything is current.
+        """The first reason ``principal`` may not be served ``messages``; None when everything is
+        current.
 
         Authorization is checked before documents, over all messages: a caller
         whose token is stale learns nothing about document versions. The auth

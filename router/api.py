@@ -1,4 +1,5 @@
-"""The router's OpenAI-compatible front door: ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+"""The router's OpenAI-compatible front door: ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/metrics``.
 
 Order of a chat request: the end user's bearer token is verified first, exactly as a node
 verifies it (``identity.tokens.TokenVerifier`` over the same ``auth`` settings, the node's 401
@@ -11,11 +12,12 @@ connection, a timeout, 502/503/504) is sent once more to the next-best node; any
 of the node is the caller's, including governance refusals (409 ``stale_document_version``, 401
 ``stale_authorization``), which another node would give too.
 
-A request naming a document version (or carrying a token policy version) that the ledger's
-decisions made stale (read at start, then followed on ``kvledger.commands``: ``router.feed``)
-is refused here with the node's very answer (``prefix_keys.versions.Staleness``), never sent on. It is checked only when the caller
-holds the auth scope of every document it names: a node answers 403 ``document_scope_forbidden``
-first otherwise, and the router must not tell such a caller a document's current version.
+A request naming a document version (or carrying a token policy version) that the ledger's decisions
+made stale (read at start, then followed on ``kvledger.commands``: ``router.feed``) is refused here
+with the node's very answer (``prefix_keys.versions.Staleness``), never sent on. It is checked only
+when the caller holds the auth scope of every document it names: a node answers 403
+``document_scope_forbidden`` first otherwise, and the router must not tell such a caller a
+document's current version.
 
 Nothing about other tenants leaks: keys are salted by the caller's verified scopes, so its
 lookup only ever matches its own and public blocks, and no answer says what the index holds.
@@ -71,7 +73,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 MAX_USAGE_BYTES = 1 << 20
-"""How much of an answer is kept to read the node's usage from (a non-streamed body, a stream's tail)."""
+"""How much of an answer is kept to read the node's usage from (a non-streamed body, a stream's
+tail)."""
 
 
 class RouterError(Exception):
@@ -122,7 +125,8 @@ class Fleet:
     reported_queue: dict[str, int] = field(default_factory=dict)
     """Each node's own queue, as last polled (``router.load.QueuePoller``)."""
     versions: VersionRegistry = field(default_factory=VersionRegistry)
-    """Current document and policy versions, as the feed reads and follows them (stale requests are refused)."""
+    """Current document and policy versions, as the feed reads and follows them (stale requests are
+    refused)."""
     in_flight: dict[str, int] = field(default_factory=dict)
     breakers: dict[str, CircuitBreaker] = field(default_factory=dict)
 
@@ -376,7 +380,8 @@ class _State:
         )
 
     def _messages(self, body: Any) -> list[ChatMessage] | None:
-        """The body's messages as the node maps them; None for a body the node refuses with its own error."""
+        """The body's messages as the node maps them; None for a body the node refuses with its own
+        error."""
         if not isinstance(body, dict):
             return None
         try:
@@ -386,7 +391,8 @@ class _State:
         return messages if 0 < len(messages) <= self.settings.limits.max_messages else None
 
     def _refuse_stale(self, principal: Principal, messages: list[ChatMessage]) -> None:
-        """The node's refusal of a stale document or policy version, when the caller may learn it (module docstring)."""
+        """The node's refusal of a stale document or policy version, when the caller may learn it
+        (module docstring)."""
         if not all(
             principal.holds(message.document.auth_scope)
             for message in messages
@@ -499,7 +505,8 @@ class _State:
         return StreamingResponse(relay(), status_code=answer.status_code, headers=headers)
 
     def _served(self, kept: bytes, streamed: bool) -> None:
-        """Count the cached tokens the node reported (its ``usage``; a stream's only with ``include_usage``)."""
+        """Count the cached tokens the node reported (its ``usage``; a stream's only with
+        ``include_usage``)."""
         usage = None
         try:
             if streamed:

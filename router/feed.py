@@ -1,21 +1,21 @@
 """What keeps the router's index exact: kv-events, the coordinator's decisions, and the ledger.
 
-* kv-events: a consumer group of this replica's own (``kvledger-router-<id>-kv-events``,
-  offsets committed only after the batch is applied) reads ``kvledger.kv-events``; every record
-  is verified as the coordinator verifies it (``identity.signing.record_problem`` over the node
-  keys enrolled at the coordinator, fetched from ``GET /v1/router/nodes`` and trusted for
-  ``routing.node_keys_cache_s``) and applied (``router.index.PrefixIndex.apply``). A record
-  that fails is skipped and counted (``kvledger_router_unverified_records_total``): the
-  coordinator's own consumer dead-letters the same record, once for the operator.
-* decisions: a second group reads ``kvledger.commands``; an ``Invalidate`` signed by the
-  pinned command key drops its matches from the index at once, before any node acks it, and
-  moves the router's version registry (``prefix_keys.versions``), so a request naming a
-  version it made stale is refused at the router as the node would refuse it.
-* the ledger: at start — once both groups are consuming, so nothing falls between the read and
-  the topics — the decisions a version registry holds (``GET /v1/router/versions``, what a
-  starting node gets from ``/v1/governance``), and for every node the index marks (a seq gap, a new epoch without
-  ``NodeStarted``), the node's live placements are read (``GET /v1/router/placements``) and
-  replace what the index holds for it; at most once per node per ``routing.reread_interval_s``.
+* kv-events: a consumer group of this replica's own (``kvledger-router-<id>-kv-events``, offsets
+  committed only after the batch is applied) reads ``kvledger.kv-events``; every record is verified
+  as the coordinator verifies it (``identity.signing.record_problem`` over the node keys enrolled at
+  the coordinator, fetched from ``GET /v1/router/nodes`` and trusted for
+  ``routing.node_keys_cache_s``) and applied (``router.index.PrefixIndex.apply``). A record that
+  fails is skipped and counted (``kvledger_router_unverified_records_total``): the coordinator's own
+  consumer dead-letters the same record, once for the operator.
+* decisions: a second group reads ``kvledger.commands``; an ``Invalidate`` signed by the pinned
+  command key drops its matches from the index at once, before any node acks it, and moves the
+  router's version registry (``prefix_keys.versions``), so a request naming a version it made stale
+  is refused at the router as the node would refuse it.
+* the ledger: at start — once both groups are consuming, so nothing falls between the read and the
+  topics — the decisions a version registry holds (``GET /v1/router/versions``, what a starting node
+  gets from ``/v1/governance``), and for every node the index marks (a seq gap, a new epoch without
+  ``NodeStarted``), the node's live placements are read (``GET /v1/router/placements``) and replace
+  what the index holds for it; at most once per node per ``routing.reread_interval_s``.
 
 Both groups start, when new, at the topics' ends: what came before is in the ledger.
 """
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 MIN_REFETCH_S = 1.0
 """The shortest interval between two fetches of the node keys for unknown key ids."""
 MAX_PLACEMENT_PAGES = 100_000
-"""A bound on one node's read (5000 placements a page): a coordinator that never ends its pages is refused."""
+"""A bound on one node's read (5000 placements a page): a coordinator that never ends its pages is
+refused."""
 MAX_VERSION_PAGES = 10_000
 """A bound on the version read (1000 decisions a page), for the same reason."""
 _PREDICATE: TypeAdapter[Predicate] = TypeAdapter(Predicate)
@@ -109,7 +110,8 @@ class CoordinatorClient:
         raise ValueError(f"the coordinator's versions did not end within {MAX_VERSION_PAGES} pages")
 
     async def placements(self, node_id: str) -> tuple[int, int, list[Placement]]:
-        """``(epoch, last_seq, live copies)`` of ``node_id``, every page; the first page's epoch and seq."""
+        """``(epoch, last_seq, live copies)`` of ``node_id``, every page; the first page's epoch and
+        seq."""
         placements: list[Placement] = []
         after, first = 0, None
         for _ in range(MAX_PLACEMENT_PAGES):
@@ -147,7 +149,8 @@ class CoordinatorClient:
 
 
 class NodeKeys:
-    """Enrolled node keys from the coordinator, trusted for ``cache_s`` (the router's revocation bound).
+    """Enrolled node keys from the coordinator, trusted for ``cache_s`` (the router's revocation
+    bound).
 
     A batch naming a key id not held refetches them, at most once per :data:`MIN_REFETCH_S`
     (waiting out the rest of it), so a node enrolled a moment ago is verified, and made-up key
@@ -176,7 +179,8 @@ class NodeKeys:
 
 
 class Feed:
-    """The two consumer groups and the ledger reads of one router replica (see the module docstring)."""
+    """The two consumer groups and the ledger reads of one router replica (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -224,7 +228,8 @@ class Feed:
         return self.kv_events.consuming and self.commands.consuming
 
     async def start(self, timeout_s: float = 60.0) -> None:
-        """Join both groups, wait until they know their positions, then build the index from the ledger."""
+        """Join both groups, wait until they know their positions, then build the index from the
+        ledger."""
         await ensure_topics(self._config)
         await self.kv_events.start()
         await self.commands.start()

@@ -1,4 +1,5 @@
-"""The router's exact block index: block hash → {node: tier}, fed by kv-events, rebuilt from the ledger.
+"""The router's exact block index: block hash → {node: tier}, fed by kv-events, rebuilt from the
+ledger.
 
 Pure (no I/O, no clock of its own: callers pass ``now``), so every update and every lookup is
 unit-tested with exact expectations (tests/router/test_index.py).
@@ -66,11 +67,13 @@ from events.schema import (
 from events.tiers import Tier
 
 LANE_BITS = 32
-"""Bits of one node's lane in an entry's packed weights: room for 2^32 / the device weight blocks in one run."""
+"""Bits of one node's lane in an entry's packed weights: room for 2^32 / the device weight blocks in
+one run."""
 _LANE_MASK = (1 << LANE_BITS) - 1
 
 MAX_NODES = 4096
-"""Nodes one index tracks (each takes a bit and a lane for good): far more than a fleet, a bound on hostile ids."""
+"""Nodes one index tracks (each takes a bit and a lane for good): far more than a fleet, a bound on
+hostile ids."""
 MAX_CACHED_MASKS = 65_536
 """Node masks whose bit positions a lookup remembers (``PrefixIndex._bits``)."""
 RECENT_EVENTS = 4096
@@ -327,7 +330,8 @@ class PrefixIndex:
     # -- node events ------------------------------------------------------------
 
     def apply(self, event: NodeEvent | NodeHeartbeat, now: float) -> str:
-        """Apply one verified kv-event; returns how it was taken (``APPLIED``, ``DUPLICATE``, ``STALE``, ``GAP``, ``RESTARTED``)."""
+        """Apply one verified kv-event; returns how it was taken (``APPLIED``, ``DUPLICATE``,
+        ``STALE``, ``GAP``, ``RESTARTED``)."""
         node = self._node(event.node_id)
         if node is None:
             return STALE
@@ -401,7 +405,8 @@ class PrefixIndex:
             self._inventory_chunk(node, event)
 
     def _inventory_chunk(self, node: NodeState, inventory: Inventory) -> None:
-        """A complete set of chunks replaces the node's copies (what the ledger's reconciliation does)."""
+        """A complete set of chunks replaces the node's copies (what the ledger's reconciliation
+        does)."""
         chunks = node._inventory.setdefault((inventory.request_id, inventory.epoch), {})
         chunks[inventory.chunk] = inventory
         if len(chunks) < inventory.chunks or inventory.chunk != inventory.chunks - 1:
@@ -435,8 +440,9 @@ class PrefixIndex:
         placements: Iterable[Placement],
         now: float | None = None,
     ) -> str | None:
-        """Make ``node_id``'s copies exactly ``placements`` (the ledger's live ones as of ``(epoch, last_seq)``),
-        then replay its records consumed after that; returns the node's new re-read reason (None: exact)."""
+        """Make ``node_id``'s copies exactly ``placements`` (the ledger's live ones as of ``(epoch,
+        last_seq)``), then replay its records consumed after that; returns the node's new re-read
+        reason (None: exact)."""
         node = self._node(node_id)
         if node is None:
             return None
@@ -463,7 +469,8 @@ class PrefixIndex:
     # -- decisions --------------------------------------------------------------
 
     def invalidate(self, predicate: Predicate, cutoff_s: float) -> int:
-        """Drop every block ``predicate`` matches that was created before ``cutoff_s``; returns how many blocks went."""
+        """Drop every block ``predicate`` matches that was created before ``cutoff_s``; returns how
+        many blocks went."""
         matches = _matcher(predicate)
         if isinstance(predicate, NamespacePredicate):
             candidates: Iterable[bytes] = self._by_namespace.get(predicate.ns, ())
@@ -589,7 +596,8 @@ def _discard(index: dict[str, set[bytes]], key: str, block_hash: bytes) -> None:
 
 
 def _matcher(predicate: Predicate) -> Callable[[BlockTags, set[str]], bool]:
-    """``(tags, creators) -> bool`` for ``predicate``, matching what a node removes for it (``gpu_node.governance.commands``)."""
+    """``(tags, creators) -> bool`` for ``predicate``, matching what a node removes for it
+    (``gpu_node.governance.commands``)."""
     match predicate:
         case DocumentPredicate(tenant=tenant, doc_id=doc_id, below_version=below):
             return lambda tags, _: (

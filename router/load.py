@@ -33,7 +33,8 @@ MAX_QUEUE = 1_000_000
 
 
 def reported_queue(answer: Any) -> int | None:
-    """Running plus waiting requests of a node's ``/v1/kvledger/load`` answer; None when it is not one."""
+    """Running plus waiting requests of a node's ``/v1/kvledger/load`` answer; None when it is not
+    one."""
     if not isinstance(answer, dict):
         return None
     counts = [answer.get("num_requests_running"), answer.get("num_requests_waiting")]
@@ -48,7 +49,8 @@ def node_load(in_flight: int, reported: int | None) -> float:
 
 
 class QueuePoller:
-    """Polls every node's queue every ``interval_s`` into ``reported`` (node id → its latest queue; absent: unknown)."""
+    """Polls every node's queue every ``interval_s`` into ``reported`` (node id → its latest queue;
+    absent: unknown)."""
 
     def __init__(
         self,

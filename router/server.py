@@ -157,7 +157,8 @@ async def serve(settings: RouterSettings) -> None:
 def cli(args: argparse.Namespace) -> int:
     try:
         configure_logging()
-        # httpx logs every request at INFO: each proxied request and each queue poll would be a line.
+        # httpx logs every request at INFO: each proxied request and each queue poll would be a
+        # line.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         settings = RouterSettings()
         updates = {

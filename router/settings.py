@@ -40,16 +40,19 @@ class RoutingSettings(BaseModel):
     breaker_open_s: float = Field(10.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(600.0, gt=0)
-    """Between two bytes of a node's answer (a long generation streams; a non-streamed one waits for its end)."""
+    """Between two bytes of a node's answer (a long generation streams; a non-streamed one waits for
+    its end)."""
     max_index_blocks: int = Field(10_000_000, ge=1)
     reread_interval_s: float = Field(1.0, gt=0)
     """At most one ledger re-read of a node per this interval, however many gaps it shows."""
     node_keys_cache_s: float = Field(5.0, ge=0)
-    """How long enrolled node keys fetched from the coordinator are trusted: the router's revocation bound."""
+    """How long enrolled node keys fetched from the coordinator are trusted: the router's revocation
+    bound."""
     queue_poll_interval_s: float = Field(0.5, gt=0)
     """How often each node's own queue (running + waiting requests, its ``/v1/kvledger/load``) is read (``router.load``)."""
     keying_refresh_s: float = Field(10.0, gt=0)
-    """How often the nodes' keying (model, namespace, block size, tokenizer digest) is fetched again."""
+    """How often the nodes' keying (model, namespace, block size, tokenizer digest) is fetched
+    again."""
 
 
 class RouterLimits(BaseModel):
@@ -101,7 +104,8 @@ class RouterSettings(ServiceSettings):
     coordinator_token_file: Path | None = None
     """The same token in a file, read again for every request (so it can be rotated underneath)."""
     coordinator_public_key_file: Path | None = None
-    """The coordinator's command key (PEM), pinned as nodes pin it: only decisions it signed drop blocks."""
+    """The coordinator's command key (PEM), pinned as nodes pin it: only decisions it signed drop
+    blocks."""
 
     @model_validator(mode="after")
     def _one_token(self) -> RouterSettings:

@@ -20,9 +20,9 @@ Waiting is kept short by sharing: services start once per session, every module 
 migrated database (``ledger_template``), and the tests' consumer groups join in about a second
 (``GROUP_TIMING``; the embedded broker holds each join for half the session timeout).
 
-``./run test`` runs the suite on pytest-xdist workers (``-n 4 --dist loadfile``; ``-n 0`` runs it serially):
-each worker is a session of its own, so it starts its own services; a test file, or all of ``tests/faults``,
-runs whole on one worker (``pytest_xdist_make_scheduler`` below).
+``./run test`` runs the suite on pytest-xdist workers (``-n 4 --dist loadfile``; ``-n 0`` runs it
+serially): each worker is a session of its own, so it starts its own services; a test file, or all
+of ``tests/faults``, runs whole on one worker (``pytest_xdist_make_scheduler`` below).
 
 Every test that asks (directly or through its fixtures) for PostgreSQL or the broker is marked
 ``integration`` automatically, so ``pytest -m "not integration"`` runs the CPU-only suite. The
@@ -60,8 +60,9 @@ from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 _SERVICE_FIXTURES = frozenset({"database_url", "kafka_bootstrap"})
 
-# CI draws the same examples every run (KVLEDGER_HYPOTHESIS_PROFILE=ci, set by .ci/run), so a red CI is a change's
-# doing; a developer's run draws new ones, so random runs keep looking for failing examples.
+# CI draws the same examples every run (KVLEDGER_HYPOTHESIS_PROFILE=ci, set by .ci/run), so a red CI
+# is a change's doing; a developer's run draws new ones, so random runs keep looking for failing
+# examples.
 hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
 hypothesis_settings.load_profile(os.environ.get("KVLEDGER_HYPOTHESIS_PROFILE", "default"))
 _MODES = ("embedded", "containers", "external")
@@ -71,10 +72,11 @@ _SHARED_SESSION_DIRS = ("tests/faults/",)
 """Directories whose test files share a session fixture of their own (``tests/faults``: one cluster of real
 processes): a parallel run hands each out as one unit, to one worker, so it is set up once."""
 _OWN_UNITS = ("tests/faults/test_takeover.py", "tests/faults/test_soak.py")
-"""Files inside :data:`_SHARED_SESSION_DIRS` that are a unit by themselves, so they run beside the shared
-cluster's tests instead of after them: the takeover test starts a cluster of its own (two coordinators); the
-two-minute soak would add its minutes to the shared cluster's unit, the longest of the run, so its worker starts
-a cluster for it alone (in a serial run it shares the one cluster)."""
+"""Files inside :data:`_SHARED_SESSION_DIRS` that are a unit by themselves, so they run beside the
+shared cluster's tests instead of after them: the takeover test starts a cluster of its own (two
+coordinators); the two-minute soak would add its minutes to the shared cluster's unit, the longest
+of the run, so its worker starts a cluster for it alone (in a serial run it shares the one
+cluster)."""
 _LONGEST_FIRST = (
     "tests/faults/test_takeover.py",
     "tests/faults/test_soak.py",
@@ -92,12 +94,12 @@ _LONGEST_FIRST = (
     "tests/security/test_prompt_dos.py",
     "tests/browser/",
 )
-"""Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest first
-(the sums of ``--durations`` per file: the fault suite's shared cluster several minutes on 2 cores, the e2e
-files start ``kvledger up`` stacks, the base install builds a virtualenv, the real-model tests build SmolLM2
-twice and generate on it on CPU, the others run real nodes and
-coordinators through whole stories or hundreds of requests): a
-parallel run hands them out first, so none of them starts late while the other workers are running out of work."""
+"""Units of work (files, or directories of :data:`_SHARED_SESSION_DIRS`) that take longest, longest
+first (the sums of ``--durations`` per file: the fault suite's shared cluster several minutes on 2
+cores, the e2e files start ``kvledger up`` stacks, the base install builds a virtualenv, the
+real-model tests build SmolLM2 twice and generate on it on CPU, the others run real nodes and
+coordinators through whole stories or hundreds of requests): a parallel run hands them out first, so
+none of them starts late while the other workers are running out of work."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -155,7 +157,8 @@ def service_mode() -> str:
 def _docker_or_skip() -> None:
     from helpers.containers import EngineUnavailable, prepare_engine
 
-    # looked up, not imported: testcontainers reads TESTCONTAINERS_RYUK_DISABLED (set by prepare_engine) at import
+    # looked up, not imported: testcontainers reads TESTCONTAINERS_RYUK_DISABLED (set by
+    # prepare_engine) at import
     if importlib.util.find_spec("testcontainers") is None:
         pytest.skip(
             "KVLEDGER_TEST_SERVICES=containers needs testcontainers: pip install -e '.[test]'"
@@ -316,8 +319,9 @@ def unique_name(request: pytest.FixtureRequest) -> str:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def ledger_template(database_url: str) -> AsyncIterator[str]:
-    """Name of a database migrated to head once per session: ``fresh_database(database_url, ledger_template)``
-    copies it (``CREATE DATABASE … TEMPLATE``), the same schema without running the migrations again."""
+    """Name of a database migrated to head once per session: ``fresh_database(database_url,
+    ledger_template)`` copies it (``CREATE DATABASE … TEMPLATE``), the same schema without running
+    the migrations again."""
     async with fresh_database(database_url) as url:
         await asyncio.to_thread(migrate.upgrade, url)
         await enroll_producer(
@@ -333,8 +337,9 @@ async def ledger_url(database_url: str, ledger_template: str) -> AsyncIterator[s
         yield url
 
 
-# Coordinator-side fixtures shared by the ledger test modules. Each module that uses them
-# defines its own module-scoped ``settings`` (usually ``helpers.ledger.coordinator_settings`` over ``ledger_url``).
+# Coordinator-side fixtures shared by the ledger test modules. Each module that uses them defines
+# its own module-scoped ``settings`` (usually ``helpers.ledger.coordinator_settings`` over
+# ``ledger_url``).
 
 
 @pytest.fixture(scope="module")
@@ -367,9 +372,10 @@ async def client(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncClie
 
 @pytest.fixture(scope="session")
 def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
-    """This session's fork server (``helpers.fork_server``): torch, transformers and the other libraries of a node
-    imported once, so a node or coordinator process it starts pays none of those imports. Pass ``fork_server.launch``
-    as the ``launcher`` of ``helpers.http_servers.ServerProcess``, ``bench.cluster.ClusterConfig`` or
+    """This session's fork server (``helpers.fork_server``): torch, transformers and the other
+    libraries of a node imported once, so a node or coordinator process it starts pays none of those
+    imports. Pass ``fork_server.launch`` as the ``launcher`` of
+    ``helpers.http_servers.ServerProcess``, ``bench.cluster.ClusterConfig`` or
     ``kvledger.processes.spawn_cli``."""
     server = ForkServer(tmp_path_factory.mktemp("fork-server")).start()
     _FORK_SERVERS.append(server)
@@ -381,5 +387,6 @@ def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A complete tiny Llama checkpoint (seed 0) loadable with ``from_pretrained``. Treat it as read-only."""
+    """A complete tiny Llama checkpoint (seed 0) loadable with ``from_pretrained``. Treat it as
+    read-only."""
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -27,7 +27,8 @@ class ForbiddenError(ApiError):
 
 
 class TenantForbiddenError(ForbiddenError):
-    """A tenant-bound operator reaching outside its tenant, or for something that may lie outside it."""
+    """A tenant-bound operator reaching outside its tenant, or for something that may lie outside
+    it."""
 
     def __init__(self) -> None:
         super().__init__("tenant_forbidden", "operators act only inside the tenant of their token")
@@ -52,7 +53,8 @@ def authorize(
 
 
 def require_tenant(operator: Operator, tenant_id: str | None) -> None:
-    """Raise :class:`TenantForbiddenError` unless ``operator`` may act on ``tenant_id`` (None: no tenant)."""
+    """Raise :class:`TenantForbiddenError` unless ``operator`` may act on ``tenant_id`` (None: no
+    tenant)."""
     if not operator.may_act_on(tenant_id):
         raise TenantForbiddenError()
 

@@ -1,10 +1,10 @@
 """What the coordinator's route handlers get from their app, as FastAPI dependencies.
 
-The routers (``coordinator.api.app``, the ``*_api`` modules, ``coordinator.api.ops_app``, the console)
-are module-level: nothing is captured when an app is built. :func:`provide_api` (or, for the
-consumers-only ops app, :func:`provide`) puts what the process was configured with on
-``app.state`` once, when the app is created, so a bad configuration still fails at start-up;
-the database itself is on ``app.state.database`` from the app's lifespan
+The routers (``coordinator.api.app``, the ``*_api`` modules, ``coordinator.api.ops_app``, the
+console) are module-level: nothing is captured when an app is built. :func:`provide_api` (or, for
+the consumers-only ops app, :func:`provide`) puts what the process was configured with on
+``app.state`` once, when the app is created, so a bad configuration still fails at start-up; the
+database itself is on ``app.state.database`` from the app's lifespan
 (:func:`coordinator.ledger.db.database_lifespan`). Handlers ask for what they need with the
 ``Annotated`` aliases below, which read it back per request.
 
@@ -36,7 +36,8 @@ from identity.tokens import Operator, TokenVerifier
 def provide(
     app: FastAPI, settings: CoordinatorSettings, readiness: ConsumerReadiness | None
 ) -> None:
-    """What every coordinator app serves from: its settings and the readiness of this process's consumers (None: none run here)."""
+    """What every coordinator app serves from: its settings and the readiness of this process's
+    consumers (None: none run here)."""
     app.state.settings = settings
     app.state.readiness = readiness
 
@@ -78,14 +79,16 @@ Session = Annotated[AsyncSession, Depends(request_session)]
 """A session of the ledger database for this request; the handler commits what it changes."""
 
 Reader = Annotated[Operator, Depends(requires(LEDGER_READERS))]
-"""An operator of any role (tenant-bound ones still see only their tenant: ``coordinator.api.auth.require_tenant``)."""
+"""An operator of any role (tenant-bound ones still see only their tenant:
+``coordinator.api.auth.require_tenant``)."""
 PlatformAdmin = Annotated[Operator, Depends(requires(PLATFORM_ADMINS))]
 ErasureRequester = Annotated[Operator, Depends(requires(ERASURE_REQUESTERS))]
 ProducerKeyAdmin = Annotated[Operator, Depends(requires(PRODUCER_KEY_ADMINS))]
 
 
 def require_scraper(request: Request, settings: Settings) -> None:
-    """The metrics bearer token, checked before the database session is opened: an unauthenticated scrape costs nothing."""
+    """The metrics bearer token, checked before the database session is opened: an unauthenticated
+    scrape costs nothing."""
     refusal = scrape_refusal(request.headers.get("authorization"), settings.metrics.token)
     if refusal is not None:
         status_code, code, message = refusal
@@ -121,4 +124,5 @@ async def _key_service(
 GovernanceCaller = Annotated[EnrolledKey, Depends(_governance_caller)]
 """The enrolled node that made the request's bearer credential (401 for anyone else)."""
 KeyServiceForNode = Annotated[KeyService | None, Depends(_key_service)]
-"""The key service once the caller is authenticated as an enrolled node (401 for anyone else); None without keys."""
+"""The key service once the caller is authenticated as an enrolled node (401 for anyone else); None
+without keys."""

@@ -1,9 +1,9 @@
 """The HTTP face of ``kvledger coordinator --role consumers``: health, readiness, metrics.
 
-A consumers-only process serves no ledger API, but the operator still has to scrape it
-and a supervisor still has to probe it: ``/healthz`` (the process answers), ``/readyz``
-(its consumer groups hold their partitions and know their positions, so records are being ingested) and ``/metrics``
-behind the metrics bearer token, exactly as on the API (docs/operations.md).
+A consumers-only process serves no ledger API, but the operator still has to scrape it and a
+supervisor still has to probe it: ``/healthz`` (the process answers), ``/readyz`` (its consumer
+groups hold their partitions and know their positions, so records are being ingested) and
+``/metrics`` behind the metrics bearer token, exactly as on the API (docs/operations.md).
 :data:`probes` (``/healthz``, ``/metrics``) is the same on both apps; each has its own ``/readyz``.
 """
 
@@ -28,7 +28,8 @@ router = APIRouter()
 
 
 def create_ops_app(settings: CoordinatorSettings, readiness: ConsumerReadiness) -> FastAPI:
-    """``readiness`` is the one the process's consumers report to: ``/readyz`` is 200 once they consume."""
+    """``readiness`` is the one the process's consumers report to: ``/readyz`` is 200 once they
+    consume."""
     app = FastAPI(
         title="kvledger coordinator consumers",
         lifespan=database_lifespan(settings.database),

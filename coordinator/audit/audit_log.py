@@ -1,4 +1,5 @@
-"""The erasure audit log's storage: receipt signing keys, receipts as leaves, signed tree heads (docs/design.md §6).
+"""The erasure audit log's storage: receipt signing keys, receipts as leaves, signed tree heads
+(docs/design.md §6).
 
 Beside :mod:`coordinator.audit.receipts` (the receipt and tree-head documents, signing and
 offline verification) and :mod:`coordinator.audit.merkle` (the tree and its proofs), this
@@ -67,7 +68,8 @@ class ReceiptKeys:
                 .values(key_id=public.key_id, public_key=public.raw)
                 .on_conflict_do_nothing()
             )
-            # A configured key takes over from any key generated before it; retired keys stay listed.
+            # A configured key takes over from any key generated before it; retired keys stay
+            # listed.
             await session.execute(
                 update(ReceiptKey)
                 .where(ReceiptKey.key_id != public.key_id, ReceiptKey.retired_at.is_(None))
@@ -120,7 +122,8 @@ class ReceiptKeys:
 
 
 def tree_head_document(head: TreeHead) -> dict[str, Any]:
-    """A stored tree head in the shape ``sign_tree_head`` made it (and ``verify_served_receipt`` takes)."""
+    """A stored tree head in the shape ``sign_tree_head`` made it (and ``verify_served_receipt``
+    takes)."""
     return {
         "tree_size": head.tree_size,
         "root_hash": head.root_hash.hex(),

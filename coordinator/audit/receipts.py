@@ -1,4 +1,5 @@
-"""Signed erasure receipts and signed tree heads of the audit log (verified offline by ``coordinator.audit.verifier``).
+"""Signed erasure receipts and signed tree heads of the audit log (verified offline by
+``coordinator.audit.verifier``).
 
 A person's erasure ends with a *receipt*: a small JSON document holding only ids,
 hashes and counts (never the subject in clear), signed with the coordinator's
@@ -114,7 +115,8 @@ SCOPE_COVERAGE_CAVEAT = (
 OPTIONAL_RECEIPT_FIELDS = ("blocks_by_scope",)
 """Fields a receipt may lack: receipts issued before them stay valid (the signature covers whatever the body holds)."""
 SCOPE_COVERAGE_KEYS = ("public", "tenant", "user", "unrecorded")
-"""``blocks_by_scope``: erased blocks per cache scope, and ``unrecorded`` ones the ledger held no provenance for."""
+"""``blocks_by_scope``: erased blocks per cache scope, and ``unrecorded`` ones the ledger held no
+provenance for."""
 TREE_HEAD_FIELDS = ("tree_size", "root_hash", "timestamp", "key_id", "signature")
 AUDIT_FIELDS = (
     "leaf_index",
@@ -196,7 +198,8 @@ def block_commitment(block_hashes: Iterable[str]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ReceiptPublicKey:
-    """A verification key as the key document lists it; also how retired keys stay listed after rotation."""
+    """A verification key as the key document lists it; also how retired keys stay listed after
+    rotation."""
 
     raw: bytes
     created_at: str
@@ -288,7 +291,8 @@ def public_key_document(
 
 @dataclass(frozen=True)
 class TierErasure:
-    """What one node did in one tier for an erasure. Only the digest of ``evidence`` enters the receipt."""
+    """What one node did in one tier for an erasure. Only the digest of ``evidence`` enters the
+    receipt."""
 
     node_id: str
     tier: str
@@ -298,7 +302,8 @@ class TierErasure:
 
 
 def receipt_method(node_erase_method: str) -> str:
-    """The receipt's NIST 800-88 term for a node's ``EraseMethod`` (see ``METHOD_FOR_NODE_ERASE_METHOD``)."""
+    """The receipt's NIST 800-88 term for a node's ``EraseMethod`` (see
+    ``METHOD_FOR_NODE_ERASE_METHOD``)."""
     try:
         return METHOD_FOR_NODE_ERASE_METHOD[node_erase_method]
     except KeyError:
@@ -421,7 +426,8 @@ def _scope_coverage(counts: Mapping[str, int], num_blocks: int) -> dict[str, int
 
 
 def sign_receipt(body: Mapping[str, Any], signer: ReceiptSigner) -> dict[str, Any]:
-    """``{"receipt": body, "signature": {key_id, algorithm, value}}``; the signature covers canonical(body)."""
+    """``{"receipt": body, "signature": {key_id, algorithm, value}}``; the signature covers
+    canonical(body)."""
     if not isinstance(body, Mapping) or body.get("schema") != RECEIPT_SCHEMA:
         raise ValueError(f"not a {RECEIPT_SCHEMA} body")
     body = dict(body)
@@ -494,7 +500,8 @@ def serve_receipt(
     sth_now: Mapping[str, Any],
     leaf_hash_at: merkle.LeafSource,
 ) -> dict[str, Any]:
-    """The body of ``GET /v1/erasures/{id}/receipt``: the signed receipt plus the proofs to check it offline.
+    """The body of ``GET /v1/erasures/{id}/receipt``: the signed receipt plus the proofs to check it
+    offline.
 
     ``sth_at_issue`` is the first tree head that contained the receipt; ``sth_now`` the
     latest one (or the one at the client's ``?tree_size=``). The inclusion proof is for

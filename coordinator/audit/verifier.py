@@ -75,7 +75,8 @@ def _run(checks: list[Check], name: str, check: Callable[[], str]) -> bool:
 
 
 def _node_keys_text(value: Any) -> str:
-    """The receipt's ``node_keys`` as ``node (key id), …``; _Invalid unless a list of {node_id, key_id}."""
+    """The receipt's ``node_keys`` as ``node (key id), …``; _Invalid unless a list of {node_id,
+    key_id}."""
     if not isinstance(value, list):
         raise _Invalid("node_keys is not a JSON array")
     named = []

@@ -5,11 +5,11 @@ marks the node's target row ``acked`` and the node's removed copies ``deleted``;
 an unverified post-check marks it ``failed``. A command is ``complete`` once every
 expected node acked (a namespace it drained becomes ``retired``).
 
-An ack too large for one record arrives as parts (``events.ack_parts``): each part is staged
-in ``ack_parts`` and counts for nothing until every part of that ack is in; then the parts'
-evidence is merged into one entry per tier and the ack is applied like an ack of one record.
-A lost part leaves the target pending, so the command is re-sent (``coordinator.handlers.resend``) and
-the node re-sends every part of the same ack: the staged ones are duplicates.
+An ack too large for one record arrives as parts (``events.ack_parts``): each part is staged in
+``ack_parts`` and counts for nothing until every part of that ack is in; then the parts' evidence is
+merged into one entry per tier and the ack is applied like an ack of one record. A lost part leaves
+the target pending, so the command is re-sent (``coordinator.handlers.resend``) and the node
+re-sends every part of the same ack: the staged ones are duplicates.
 
 An ack names the last kv-event ``seq`` the node had published when it built it (its fence,
 ``CommandAck.after_seq``). Acks and kv-events travel on different topics to different consumer
@@ -70,7 +70,8 @@ UNVERIFIED = "unverified"
 PART_STAGED = "part_staged"
 """Outcome of an ack part that was staged while other parts of its ack are still missing."""
 DEFERRED = "deferred"
-"""Outcome of an ack held in ``deferred_acks`` until the ledger has its node's events up to its fence."""
+"""Outcome of an ack held in ``deferred_acks`` until the ledger has its node's events up to its
+fence."""
 RELEASED = "released"
 """Outcome of a deferred ack applied once its node's events caught up."""
 
@@ -112,11 +113,12 @@ _UPDATE_TARGETS = text(
     bindparam("key_ids", type_=_TEXTS),
 )
 _DELETE_COPIES = text(
-    # A copy listed by several acks of the batch is deleted by the first, as applying them in turn does.
-    # Each copy is probed by its hash alone (a LATERAL lookup behind an ``OFFSET 0`` fence), which only
-    # the (block_hash, ...) unique index serves. Without statistics (right after a fill) the planner
-    # otherwise chose badly: given node, tier and state too, the (node, tier, state) index, reading
-    # every live placement of the node; given ``block_hash = ANY(...)``, a scan of the whole table.
+    # A copy listed by several acks of the batch is deleted by the first, as applying them in turn
+    # does. Each copy is probed by its hash alone (a LATERAL lookup behind an ``OFFSET 0`` fence),
+    # which only the (block_hash, ...) unique index serves. Without statistics (right after a fill)
+    # the planner otherwise chose badly: given node, tier and state too, the (node, tier, state)
+    # index, reading every live placement of the node; given ``block_hash = ANY(...)``, a scan of
+    # the whole table.
     "UPDATE placements p SET state = 'deleted', reason = 'invalidated',"
     " invalidation_id = m.command_id, updated_at = :now"
     " FROM (SELECT DISTINCT ON (d.node_id, d.tier, d.block_hash) d.node_id, d.tier, d.block_hash, d.command_id"
@@ -161,7 +163,8 @@ _RETIRE_NAMESPACES = text(
 
 @dataclass(slots=True)
 class Finished:
-    """What :func:`finish_if_acked` found: latencies of the commands completed now, and the erasure commands."""
+    """What :func:`finish_if_acked` found: latencies of the commands completed now, and the erasure
+    commands."""
 
     completed_s: list[float] = field(default_factory=list)
     subject_command_ids: list[uuid.UUID] = field(default_factory=list)
@@ -217,7 +220,8 @@ async def finish_if_acked(
 
 @dataclass(frozen=True, slots=True)
 class _WholeAck:
-    """One node's whole answer to one command: an ack of one record, or the merge of every part of one."""
+    """One node's whole answer to one command: an ack of one record, or the merge of every part of
+    one."""
 
     event_type: str
     command_id: uuid.UUID
@@ -254,7 +258,8 @@ class _WholeAck:
         return epoch > self.epoch or (epoch == self.epoch and last_seq >= self.after_seq)
 
     def deletes(self, tier: str) -> bool:
-        """Whether applying this ack deletes its verified copies in ``tier`` (see the module docstring)."""
+        """Whether applying this ack deletes its verified copies in ``tier`` (see the module
+        docstring)."""
         return self.after_seq is None or tier == Tier.SNAPSHOT
 
 
@@ -344,7 +349,8 @@ async def _complete_parts(
         staged[(row.command_id, row.node_id, row.ack_id)].append(row)
     complete = {}
     for key, parts in staged.items():
-        # Complete: parts 0..n-1 all staged, all saying n (a node that said otherwise never completes).
+        # Complete: parts 0..n-1 all staged, all saying n (a node that said otherwise never
+        # completes).
         if [row.part for row in parts] == list(range(parts[0].num_parts)) and {
             row.num_parts for row in parts
         } == {len(parts)}:
@@ -362,7 +368,8 @@ async def _complete_parts(
 
 @dataclass(slots=True)
 class AppliedAcks:
-    """What :func:`apply_acks` or :func:`release_deferred_acks` did: the copies deleted and the commands completed."""
+    """What :func:`apply_acks` or :func:`release_deferred_acks` did: the copies deleted and the
+    commands completed."""
 
     num_copies_deleted: int = 0
     finished: Finished = field(default_factory=Finished)
@@ -469,7 +476,8 @@ async def _record(
     now: datetime,
     outcomes: collections.Counter[tuple[str, str]],
 ) -> AppliedAcks:
-    """Fold ``whole`` into the locked targets in order, defer what is not caught up, write the rest, complete commands."""
+    """Fold ``whole`` into the locked targets in order, defer what is not caught up, write the rest,
+    complete commands."""
     updates: dict[tuple[uuid.UUID, str], tuple[str, int, str, str | None]] = {}
     deferred: dict[tuple[uuid.UUID, str], _WholeAck] = {}
     copies: dict[str, list] = collections.defaultdict(list)
@@ -515,7 +523,8 @@ async def _record(
                 "key_ids": [v[3] for v in updates.values()],
             },
         )
-        # Staged parts and deferred acks of a target now recorded are spent: its ack is on the target row.
+        # Staged parts and deferred acks of a target now recorded are spent: its ack is on the
+        # target row.
         await session.execute(
             delete(AckPart).where(tuple_(AckPart.command_id, AckPart.node_id).in_(sorted(updates)))
         )

@@ -103,7 +103,8 @@ _PREDICATE = TypeAdapter(Predicate)
 APPLIED = "applied"
 SUPERSEDED = "superseded"
 
-# --------------------------------------------------------------------------- the bulk statements (one per batch)
+# --------------------------------------------------------------------------- the bulk statements
+# (one per batch)
 #
 # Fixed SQL text with array parameters: one prepared statement whatever the batch size (no
 # per-size compilation, no bind-count limit), one round trip per step instead of one per event.
@@ -126,9 +127,9 @@ _DECIDE = (
     text(
         # Every write of a batch of document/permission decisions in one statement (one round trip,
         # not six, inside the transaction every invalidation waits for). Data-modifying CTEs all run
-        # to completion on one snapshot; the foreign keys to the new invalidations are checked at the
-        # end of the statement, when they exist. A decision with no registered node to wait for is
-        # complete at once.
+        # to completion on one snapshot; the foreign keys to the new invalidations are checked at
+        # the end of the statement, when they exist. A decision with no registered node to wait for
+        # is complete at once.
         "WITH decided AS ("
         "  INSERT INTO invalidations (command_id, kind, predicate, cutoff, trigger, source_event_id,"
         "  requested_at, created_at, status, completed_at)"
@@ -325,15 +326,14 @@ async def decide(
 ) -> Decision:
     """Record an invalidation, its expected nodes and marked placements, and queue the command.
 
-    The cutoff is ``now`` (the deciding transaction's database time, the same clock
-    for every coordinator replica); it dates and orders the decision, and no node
-    compares its own blocks' times with it (a node removes what it holds when it
-    applies the command). Expected nodes are all nodes registered now:
-    one that is down keeps the command pending until it returns, replays and acks.
-    With no node registered the command is complete at once (nothing can hold a copy).
-    The caller owns the transaction and the locking (:func:`coordinator.ledger.transactions.lock_decisions`); the command
-    is signed with ``signer`` (the coordinator's command key) before it enters the outbox.
-    """
+    The cutoff is ``now`` (the deciding transaction's database time, the same clock for every
+    coordinator replica); it dates and orders the decision, and no node compares its own blocks'
+    times with it (a node removes what it holds when it applies the command). Expected nodes are all
+    nodes registered now: one that is down keeps the command pending until it returns, replays and
+    acks. With no node registered the command is complete at once (nothing can hold a copy). The
+    caller owns the transaction and the locking
+    (:func:`coordinator.ledger.transactions.lock_decisions`); the command is signed with ``signer``
+    (the coordinator's command key) before it enters the outbox."""
     command_id = uuid.uuid4()
     await session.execute(
         pg_insert(Invalidation).values(
@@ -522,7 +522,8 @@ class BulkDecisions:
 
     decisions: list[Decision] = field(default_factory=list)
     queued: list[tuple[int, Envelope]] = field(default_factory=list)
-    """(outbox id, signed command) of each decision: a caller that leased them publishes them itself after the commit."""
+    """(outbox id, signed command) of each decision: a caller that leased them publishes them itself
+    after the commit."""
 
 
 async def decide_many(
@@ -609,7 +610,8 @@ _Decided = list[tuple[Envelope, Predicate, uuid.UUID]]
 async def _current_versions(
     session: AsyncSession, envelopes: list[Envelope]
 ) -> tuple[dict[tuple[str, str], tuple[int, bool]], dict[tuple[str, str], int]]:
-    """The recorded (version, deleted) of every document and the policy version of every scope the batch names."""
+    """The recorded (version, deleted) of every document and the policy version of every scope the
+    batch names."""
     doc_keys = sorted(
         {
             (e.tenant_id, e.payload.doc_id)
@@ -737,7 +739,8 @@ def _mark_arrays(decided: _Decided) -> dict[str, list]:
 
 
 def live_copies_matching(predicate: Predicate) -> Select:
-    """(node, tier, count) of live placements of blocks ``predicate`` covers — what the ledger says remains."""
+    """(node, tier, count) of live placements of blocks ``predicate`` covers — what the ledger says
+    remains."""
     return (
         select(Placement.node_id, Placement.tier, func.count())
         .where(

@@ -72,7 +72,8 @@ _MAX_ID_CHARS = 512
 _MAX_REASON_CHARS = 2000
 
 _METHOD_STRENGTH = {"clear-unlink": 0, "clear": 1, "purge-crypto-erase": 2}
-"""When one node × tier was erased by several commands with different methods the receipt names the weakest."""
+"""When one node × tier was erased by several commands with different methods the receipt names the
+weakest."""
 
 POSTGRES_KEY_CAVEAT = (
     "Destroyed data keys were zero-filled in the coordinator database; PostgreSQL keeps superseded row versions "
@@ -199,7 +200,8 @@ class Progress:
     targets: list[InvalidationTarget]
     live: dict[tuple[str, str], int]
     contradicted_key_ids: list[str] = field(default_factory=list)
-    """Key ids a node reported destroying that the coordinator still holds live: not a cryptographic erase."""
+    """Key ids a node reported destroying that the coordinator still holds live: not a cryptographic
+    erase."""
     resend_needed: bool = False
     """Every command is complete, yet a live copy was recorded after the newest one was decided (a node that
     registered later, a snapshot or inventory listing the subject's blocks): the subject command must go out again."""
@@ -214,7 +216,8 @@ def subject_predicate(erasure: Erasure) -> SubjectPredicate:
 
 
 async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
-    """The erasure's commands (the subject command and its late-block re-sends), targets and live copies."""
+    """The erasure's commands (the subject command and its late-block re-sends), targets and live
+    copies."""
     commands = list(
         (
             await session.scalars(
@@ -241,11 +244,12 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
         ).all(),
         key=lambda target: (order[target.command_id], target.node_id),
     )
-    # The copies the erasure waits for, by the ledger's own order (docs/design.md §6, "Erasure"): every live copy of
-    # the subject's user blocks on a node that has not acked, and on a node that has, those recorded no later than its
-    # ack. A copy recorded after the node's ack is one it built after applying the command: the subject's new data.
-    # A shared (public or tenant) block the subject created is waited for on every node until that node acks: the
-    # ledger knows who created *a* copy of it, not which node's copy (each node's own may be another subject's, and
+    # The copies the erasure waits for, by the ledger's own order (docs/design.md §6, "Erasure"):
+    # every live copy of the subject's user blocks on a node that has not acked, and on a node that
+    # has, those recorded no later than its ack. A copy recorded after the node's ack is one it
+    # built after applying the command: the subject's new data. A shared (public or tenant) block
+    # the subject created is waited for on every node until that node acks: the ledger knows who
+    # created *a* copy of it, not which node's copy (each node's own may be another subject's, and
     # stays), so past its ack the node's evidence says which of its copies were the subject's.
     predicate = subject_predicate(erasure)
     acked = exists().where(
@@ -314,7 +318,8 @@ async def progress(session: AsyncSession, erasure: Erasure) -> Progress:
 def receipt_tiers(
     targets: Iterable[InvalidationTarget],
 ) -> tuple[list[receipts.TierErasure], set[str], set[str]]:
-    """Per node × tier entries, the removed block hashes and the key ids nodes reported, from acked evidence.
+    """Per node × tier entries, the removed block hashes and the key ids nodes reported, from acked
+    evidence.
 
     A node × tier touched by several commands (the subject command and late-block
     re-sends) is one entry: counts add up, the evidence digest covers the list of
@@ -345,7 +350,8 @@ def receipt_tiers(
 
 
 async def blocks_by_scope(session: AsyncSession, block_hashes: set[str]) -> dict[str, int]:
-    """How many of the erased blocks (hex hashes) the ledger records in each cache scope (``receipts.SCOPE_COVERAGE_KEYS``).
+    """How many of the erased blocks (hex hashes) the ledger records in each cache scope
+    (``receipts.SCOPE_COVERAGE_KEYS``).
 
     ``unrecorded``: blocks a node removed that the ledger holds no provenance for (their
     ``BlockStored`` not ingested yet, or never sent); their scope is not known here.
@@ -368,7 +374,8 @@ async def blocks_by_scope(session: AsyncSession, block_hashes: set[str]) -> dict
 
 
 class ErasureService:
-    """Starts erasures from events and verifies erasures; shared by the consumers of one coordinator process."""
+    """Starts erasures from events and verifies erasures; shared by the consumers of one coordinator
+    process."""
 
     def __init__(
         self,
@@ -458,7 +465,8 @@ class ErasureService:
             await self.verify(erasure_id)
 
     async def verify_unfinished(self) -> None:
-        """Verify every erasure not yet verified (the periodic pass; also what finishes a crashed replica's work)."""
+        """Verify every erasure not yet verified (the periodic pass; also what finishes a crashed
+        replica's work)."""
         async with self._database.session() as session:
             erasure_ids = (
                 await session.scalars(
@@ -550,7 +558,8 @@ class ErasureService:
                 erasure.status = state.status
                 erasure.updated_at = now
                 return state.status
-            # Keys created before the cutoff by a resolve that committed after the start are destroyed too.
+            # Keys created before the cutoff by a resolve that committed after the start are
+            # destroyed too.
             key_ids = await destroy_keys(
                 session,
                 and_(

@@ -129,7 +129,8 @@ _PLACEMENT_COLUMNS = ("block_hash", "node_id", "tier", "snapshot_id", "state", "
 _KNOWN_BLOCKS = text(
     "SELECT block_hash FROM blocks WHERE block_hash = ANY(CAST(:block_hashes AS bytea[]))"
 )
-"""Which of a batch's blocks the ledger already has (a raw array parameter: no per-element bind processing)."""
+"""Which of a batch's blocks the ledger already has (a raw array parameter: no per-element bind
+processing)."""
 
 _INSERT_BLOCKS = text(
     """
@@ -143,8 +144,8 @@ _INSERT_BLOCKS = text(
     RETURNING block_hash
     """
 )
-"""The fallback of :meth:`_BatchApplier._write_blocks` when another transaction inserted one of the batch's new blocks
-meanwhile: returns the hashes this statement inserted."""
+"""The fallback of :meth:`_BatchApplier._write_blocks` when another transaction inserted one of the
+batch's new blocks meanwhile: returns the hashes this statement inserted."""
 
 _UPSERT_PLACEMENTS = text(
     f"""
@@ -179,7 +180,8 @@ PlacementRef = tuple[bytes, str, str | None]
 
 
 def _placement_params(node: Node, refs: list[PlacementRef], epoch: int, reason: str | None) -> dict:
-    """Parameters of the bulk placement statements: ``refs`` as parallel arrays, the rest as scalars."""
+    """Parameters of the bulk placement statements: ``refs`` as parallel arrays, the rest as
+    scalars."""
     return {
         "block_hashes": [block_hash for block_hash, _, _ in refs],
         "tiers": [tier for _, tier, _ in refs],
@@ -255,7 +257,8 @@ class _BatchApplier:
             await self.session.execute(pg_insert(OutboxEntry), self.outbox)
 
     async def _write_replicas(self) -> None:
-        """Record where the batch's pulled copies came from (the latest pull of a block onto a node wins)."""
+        """Record where the batch's pulled copies came from (the latest pull of a block onto a node
+        wins)."""
         statement = pg_insert(Replica).values(
             [
                 {
@@ -423,7 +426,8 @@ class _BatchApplier:
                 raise AssertionError(f"unhandled node event {type(payload).__name__}")
 
     def _describe(self, block_hash: bytes, block: BlockProvenance) -> None:
-        """Keep a block's provenance for :meth:`_write_blocks`, and its creator (every one reported)."""
+        """Keep a block's provenance for :meth:`_write_blocks`, and its creator (every one
+        reported)."""
         self.blocks[block_hash] = block
         if block.creator_subject_id is not None:
             self.creators.add((block_hash, bytes.fromhex(block.creator_subject_id)))
@@ -607,7 +611,8 @@ class _BatchApplier:
         )
 
     async def _reconcile(self, node: Node, listed: set[PlacementRef], epoch: int) -> None:
-        """Make the node's live placements exactly ``listed`` (all blocks are already in ``blocks``)."""
+        """Make the node's live placements exactly ``listed`` (all blocks are already in
+        ``blocks``)."""
         snapshot_sizes = collections.Counter(
             snapshot_id for _, tier, snapshot_id in listed if tier == "snapshot"
         )
@@ -671,7 +676,8 @@ class _BatchApplier:
     async def _mark_deleted(
         self, node: Node, refs: Iterable[PlacementRef], epoch: int, reason: str, cause: str
     ) -> None:
-        """Flip the node's live copies among ``refs`` to deleted (absent ones are already gone: no-op)."""
+        """Flip the node's live copies among ``refs`` to deleted (absent ones are already gone:
+        no-op)."""
         refs = list(refs)
         if not refs:
             return
@@ -689,13 +695,15 @@ class _BatchApplier:
         state: str = PlacementState.LIVE,
         reason: str | None = None,
     ) -> None:
-        """Insert or overwrite the node's placements ``refs`` with ``state`` (blocks must be in ``blocks``)."""
+        """Insert or overwrite the node's placements ``refs`` with ``state`` (blocks must be in
+        ``blocks``)."""
         refs = list(refs)
         if not refs:
             return
         # One statement over unnest()ed arrays: the per-row work happens in Postgres, not in
-        # SQLAlchemy's multi-VALUES rendering, which dominated batch time at 10k+ rows.
-        # A plain str: SQLAlchemy types a raw statement's parameter by the value's class, and an enum member is untyped.
+        # SQLAlchemy's multi-VALUES rendering, which dominated batch time at 10k+ rows. A plain str:
+        # SQLAlchemy types a raw statement's parameter by the value's class, and an enum member is
+        # untyped.
         await self.session.execute(
             _UPSERT_PLACEMENTS,
             {**_placement_params(node, refs, epoch, reason), "state": str(state)},
@@ -721,7 +729,8 @@ class _BatchApplier:
         )
         epochs: dict[str, int] = {}
         for (block_hash, node_id, tier), change in pending.items():
-            # A new epoch is a barrier (_restart flushes first), so one node's pending changes share one epoch.
+            # A new epoch is a barrier (_restart flushes first), so one node's pending changes share
+            # one epoch.
             assert epochs.setdefault(node_id, change.epoch) == change.epoch, (
                 "pending placements span epochs"
             )
@@ -732,8 +741,8 @@ class _BatchApplier:
         unknown = await self._unknown_blocks(
             {ref[0] for groups in upserts.values() for refs in groups.values() for ref in refs}
         )
-        # The upserts' per-row foreign-key checks want cached plans too; the upsert itself (rows from
-        # unnest(), no join) has one plan either way. The removals below join: custom plans.
+        # The upserts' per-row foreign-key checks want cached plans too; the upsert itself (rows
+        # from unnest(), no join) has one plan either way. The removals below join: custom plans.
         async with generic_plans(self.session) if upserts else contextlib.nullcontext():
             for node_id, groups in upserts.items():
                 node = self.nodes[node_id]
@@ -750,13 +759,12 @@ class _BatchApplier:
                 )
 
     async def _copy_placements(self, inserted: set[bytes]) -> None:
-        """Copy the accumulated placements of blocks in ``inserted`` (just inserted by this flush) straight
-        into ``placements``, and take them off the accumulated changes.
+        """Copy the accumulated placements of blocks in ``inserted`` (just inserted by this flush)
+        straight into ``placements``, and take them off the accumulated changes.
 
-        Such a placement cannot exist yet (a placement references its block), and one flush writes each
-        (block, node, tier) once, so the copied rows collide with nothing; every other change goes
-        through the upsert / update statements, which settle conflicts with existing rows.
-        """
+        Such a placement cannot exist yet (a placement references its block), and one flush writes
+        each (block, node, tier) once, so the copied rows collide with nothing; every other change
+        goes through the upsert / update statements, which settle conflicts with existing rows."""
         copied = [
             (block_hash, node_id, tier, None, str(change.state), change.epoch, change.reason)
             for (block_hash, node_id, tier), change in self.placements.items()

@@ -1,21 +1,22 @@
-"""The decisions consumer's batch handler: user events become decisions, acks complete them (docs/design.md §5, §6).
+"""The decisions consumer's batch handler: user events become decisions, acks complete them
+(docs/design.md §5, §6).
 
 Users publish ``DocumentUpdated``/``DocumentDeleted`` (``kvledger.documents``),
-``PermissionRevoked`` (``kvledger.permissions``) and ``ErasureRequested``
-(``kvledger.erasures``). For each batch, one database transaction claims the events in
-the inbox and decides them in order (:mod:`coordinator.handlers.decisions`; an erasure request
-through :meth:`coordinator.handlers.erasure.ErasureService.start_from_event`), so redelivery is a
-no-op. Nodes answer on ``kvledger.acks``; a second transaction applies the acks
-(:mod:`coordinator.handlers.acks`), and the erasure service then verifies the erasures they advanced.
-An ack that overtook its node's kv-events is deferred there; :meth:`InvalidationHandler.run_releases`
-applies it once the kv-events consumer, which wakes it after every batch, has caught the node up.
+``PermissionRevoked`` (``kvledger.permissions``) and ``ErasureRequested`` (``kvledger.erasures``).
+For each batch, one database transaction claims the events in the inbox and decides them in order
+(:mod:`coordinator.handlers.decisions`; an erasure request through
+:meth:`coordinator.handlers.erasure.ErasureService.start_from_event`), so redelivery is a no-op.
+Nodes answer on ``kvledger.acks``; a second transaction applies the acks
+(:mod:`coordinator.handlers.acks`), and the erasure service then verifies the erasures they
+advanced. An ack that overtook its node's kv-events is deferred there;
+:meth:`InvalidationHandler.run_releases` applies it once the kv-events consumer, which wakes it
+after every batch, has caught the node up.
 
 Dependencies point one way: this handler composes decisions, erasures and acks; none of
 them imports it (an import-linter contract in ``pyproject.toml`` keeps it so).
 
-Locking: a decision holds the ledger's decision lock exclusively, so no kv-events or
-ack batch interleaves with it (:mod:`coordinator.ledger.transactions` states the lock order and why).
-"""
+Locking: a decision holds the ledger's decision lock exclusively, so no kv-events or ack batch
+interleaves with it (:mod:`coordinator.ledger.transactions` states the lock order and why)."""
 
 from __future__ import annotations
 
@@ -205,7 +206,8 @@ class InvalidationHandler:
         self._release_wanted.set()
 
     async def run_releases(self, stop: asyncio.Event, poll_s: float) -> None:
-        """Release deferred acks when woken (:meth:`wake_releases`) and every ``poll_s`` until ``stop``.
+        """Release deferred acks when woken (:meth:`wake_releases`) and every ``poll_s`` until
+        ``stop``.
 
         The poll covers a wake lost to a crash between a kv-events commit and the release; the
         kv-events consumer of any replica wakes its own process, and any process may release
@@ -223,7 +225,8 @@ class InvalidationHandler:
     async def _decide_run(
         self, session: AsyncSession, run: list[Envelope], now: datetime, result: _BatchResult
     ) -> None:
-        """Decide consecutive document/permission events at once; lease their commands when this process publishes them."""
+        """Decide consecutive document/permission events at once; lease their commands when this
+        process publishes them."""
         lease_until = None if self._publish_leased is None else now + self._outbox_lease
         bulk = await decide_many(
             session, run, now, signer=self._sign, lease_until=lease_until, outcomes=result.outcomes

@@ -101,7 +101,8 @@ class OutboxRelay:
         return len(rows)
 
     def publish_leased(self, rows: list[tuple[int, Envelope]]) -> None:
-        """Publish (id, envelope) rows a transaction of this process leased and committed, in the background.
+        """Publish (id, envelope) rows a transaction of this process leased and committed, in the
+        background.
 
         Each call's rows go out after the previous call's, so commands keep their
         decision order. A failure only logs: the rows stay unsent and the relay

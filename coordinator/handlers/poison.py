@@ -1,4 +1,5 @@
-"""Which handler failures are the data's fault: the input to :class:`events.kafka.consumer.BatchConsumer`'s bisection.
+"""Which handler failures are the data's fault: the input to
+:class:`events.kafka.consumer.BatchConsumer`'s bisection.
 
 A record the database refuses *as data* fails the same way on every retry, so retrying
 it would stall its partition forever; it is isolated and dead-lettered instead. Every
@@ -26,8 +27,8 @@ DATA_SQLSTATE_CLASSES = frozenset({"22", "23"})
 def _chain(exc: BaseException):
     """``exc``, the DBAPI error SQLAlchemy wraps (``.orig``) and their explicit causes, each once.
 
-    Not ``__context__``: an unrelated error handled earlier must not make a transient failure look like data.
-    """
+    Not ``__context__``: an unrelated error handled earlier must not make a transient failure look
+    like data."""
     seen: set[int] = set()
     pending = [exc]
     while pending:
@@ -40,7 +41,8 @@ def _chain(exc: BaseException):
 
 
 def refused_as_data(exc: BaseException) -> str | None:
-    """A reason when ``exc`` means the database (or its driver) refused the events' data; else ``None``."""
+    """A reason when ``exc`` means the database (or its driver) refused the events' data; else
+    ``None``."""
     for error in _chain(exc):
         sqlstate = getattr(error, "sqlstate", None)
         if isinstance(sqlstate, str) and sqlstate[:2] in DATA_SQLSTATE_CLASSES:

@@ -86,7 +86,8 @@ class Pruner:
                 return num_deleted
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Prune now and every ``interval_s`` until ``stop``; failures (database down) wait for the next round."""
+        """Prune now and every ``interval_s`` until ``stop``; failures (database down) wait for the
+        next round."""
         while not stop.is_set():
             try:
                 pruned = await self.prune_once()

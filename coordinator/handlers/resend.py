@@ -1,4 +1,5 @@
-"""Command re-send: an ``Invalidate`` goes out again to nodes that have not acked it (docs/operations.md).
+"""Command re-send: an ``Invalidate`` goes out again to nodes that have not acked it
+(docs/operations.md).
 
 A command is published once by the outbox; a node that misses it (its consumer was
 positioned past it, a record was lost) or whose ack was lost would keep the command
@@ -63,7 +64,8 @@ _CLAIM_DUE = (
     )
     .columns(command_id=Uuid(), node_id=Text(), resend_count=Integer())
 )
-"""Claims the due pending targets and moves each one's next re-send out (doubling, capped) in one statement."""
+"""Claims the due pending targets and moves each one's next re-send out (doubling, capped) in one
+statement."""
 
 
 class CommandResender:

@@ -199,7 +199,8 @@ class KeyService:
         )
 
     async def find(self, key_id: str) -> KeyRecord | None:
-        """The key under ``key_id`` (``key`` None once destroyed); None when no such key was ever issued."""
+        """The key under ``key_id`` (``key`` None once destroyed); None when no such key was ever
+        issued."""
         _check_key_id(key_id)
         async with self._database.session() as session:
             row = (
@@ -230,7 +231,8 @@ class KeyService:
         return await self._destroy(subject_keys(tenant_id, subject_hash))
 
     async def destroy_tenant(self, tenant_id: str) -> list[str]:
-        """Destroy every key of a tenant: its tenant-scope keys and all of its subjects' keys. Ids, sorted."""
+        """Destroy every key of a tenant: its tenant-scope keys and all of its subjects' keys. Ids,
+        sorted."""
         _check_tenant(tenant_id)
         return await self._destroy(DataKey.tenant_id == tenant_id)
 
@@ -240,7 +242,8 @@ class KeyService:
 
 
 def wrap_secret(master: AESGCM, label: bytes, secret: bytes) -> bytes:
-    """``nonce ‖ AES-256-GCM(master, secret, aad=label)``: the label binds the ciphertext to its row."""
+    """``nonce ‖ AES-256-GCM(master, secret, aad=label)``: the label binds the ciphertext to its
+    row."""
     nonce = os.urandom(NONCE_BYTES)
     return nonce + master.encrypt(nonce, secret, label)
 
@@ -256,7 +259,8 @@ def unwrap_secret(master: AESGCM, label: bytes, wrapped: bytes, what: str) -> by
 
 
 def subject_keys(tenant_id: str, subject_hash: str) -> ColumnElement[bool]:
-    """Every data key of one subject in a tenant (the condition :func:`destroy_keys` takes for an erasure)."""
+    """Every data key of one subject in a tenant (the condition :func:`destroy_keys` takes for an
+    erasure)."""
     _check_tenant(tenant_id)
     return and_(
         DataKey.tenant_id == tenant_id, DataKey.subject_hash == _subject_bytes(subject_hash)

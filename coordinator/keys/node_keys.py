@@ -62,7 +62,8 @@ the nodes of a deployment, so a full cache only means one more query per lookup.
 
 
 async def enroll(session: AsyncSession, node_id: str, public_key: Ed25519PublicKey) -> EnrolledKey:
-    """Enroll ``public_key`` for ``node_id`` (idempotent). ValueError when the key is revoked or another node's."""
+    """Enroll ``public_key`` for ``node_id`` (idempotent). ValueError when the key is revoked or
+    another node's."""
     if not node_id or len(node_id) > 256 or not node_id.isprintable():
         raise ValueError("a node id is 1..256 printable characters")
     kid = key_id(public_key)
@@ -82,7 +83,8 @@ async def enroll(session: AsyncSession, node_id: str, public_key: Ed25519PublicK
 
 
 async def revoke(session: AsyncSession, node_id: str, kid: str | None = None) -> list[str]:
-    """Revoke ``node_id``'s key ``kid`` (every live key of the node when None); returns the key ids revoked."""
+    """Revoke ``node_id``'s key ``kid`` (every live key of the node when None); returns the key ids
+    revoked."""
     statement = update(NodeKey).where(NodeKey.node_id == node_id, NodeKey.revoked_at.is_(None))
     if kid is not None:
         statement = statement.where(NodeKey.key_id == kid)
@@ -128,8 +130,9 @@ class KeyCache(Generic[K]):
             async with self.database.session() as session:
                 found.update(await self._load(session, missing))
             for kid in missing:
-                # A known key's revocation must show within the bound, so it is re-read then; an unknown
-                # id is not cached at all (enrolling it must work at once, and nobody can sign with it).
+                # A known key's revocation must show within the bound, so it is re-read then; an
+                # unknown id is not cached at all (enrolling it must work at once, and nobody can
+                # sign with it).
                 if kid in found:
                     self._cached[kid] = (now, found[kid])
                     self._cached.move_to_end(kid)
@@ -151,7 +154,8 @@ async def _live_node_keys(session: AsyncSession, key_ids: set[str]) -> dict[str,
 
 
 class NodeKeyRegistry(KeyCache[EnrolledKey]):
-    """Enrolled, unrevoked node keys by id, cached for ``ledger.node_key_cache_s`` (:class:`KeyCache`)."""
+    """Enrolled, unrevoked node keys by id, cached for ``ledger.node_key_cache_s``
+    (:class:`KeyCache`)."""
 
     def __init__(
         self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS
@@ -171,19 +175,19 @@ class NodeKeyRegistry(KeyCache[EnrolledKey]):
 
 
 class VerifiedRecords:
-    """A consumer handler that passes on only records signed by their party; the rest are dead-lettered.
+    """A consumer handler that passes on only records signed by their party; the rest are
+    dead-lettered.
 
     Wraps the kv-events handler (``coordinator.handlers.ingest``) and the ack handler
     (``coordinator.handlers.invalidation``), whose records must be signed by their node
     (:func:`record_problem`, the default ``problem``), and the decisions handler, whose customer
     events must be signed by a producer key bound to their tenant
     (``coordinator.keys.producer_keys.producer_record_problem`` over a ``ProducerKeyRegistry``):
-    verification is its own step between decoding and applying. A rejected record goes to ``kvledger.dead-letter`` with its reason (the
-    envelope re-encoded: the consumer hands over decoded records) and is counted in
-    ``kvledger_unverified_records_total`` and the dead-letter tally. Offsets already
-    dead-lettered are remembered, so a batch redelivered after a handler failure does
-    not dead-letter or count twice.
-    """
+    verification is its own step between decoding and applying. A rejected record goes to
+    ``kvledger.dead-letter`` with its reason (the envelope re-encoded: the consumer hands over
+    decoded records) and is counted in ``kvledger_unverified_records_total`` and the dead-letter
+    tally. Offsets already dead-lettered are remembered, so a batch redelivered after a handler
+    failure does not dead-letter or count twice."""
 
     def __init__(
         self,
@@ -196,7 +200,8 @@ class VerifiedRecords:
         seal: Seal | None = None,
         problem: Callable[[Envelope, dict[str, Any]], str | None] = record_problem,
     ) -> None:
-        """``seal`` signs the dead letters (the coordinator's command key, see ``coordinator.consumers``)."""
+        """``seal`` signs the dead letters (the coordinator's command key, see
+        ``coordinator.consumers``)."""
         self._handler = handler
         self._seal = seal
         self._registry = registry

@@ -161,7 +161,8 @@ async def described(session: AsyncSession, kid: str) -> dict[str, Any] | None:
 
 
 async def listed(session: AsyncSession, tenant_id: str | None) -> list[dict[str, Any]]:
-    """Every enrolled key (``tenant_id`` given: those that may publish for it, all-tenant keys included), oldest first."""
+    """Every enrolled key (``tenant_id`` given: those that may publish for it, all-tenant keys
+    included), oldest first."""
     query = select(ProducerKey).order_by(ProducerKey.enrolled_at, ProducerKey.key_id)
     if tenant_id is not None:
         query = query.where(ProducerKey.all_tenants | ProducerKey.tenants.contains([tenant_id]))
@@ -169,13 +170,15 @@ async def listed(session: AsyncSession, tenant_id: str | None) -> list[dict[str,
 
 
 async def _producer_keys(session: AsyncSession, key_ids: set[str]) -> dict[str, ProducerBinding]:
-    """Enrolled keys among ``key_ids``, revoked ones included: a revoked key's records get their own reason."""
+    """Enrolled keys among ``key_ids``, revoked ones included: a revoked key's records get their own
+    reason."""
     rows = await session.scalars(select(ProducerKey).where(ProducerKey.key_id.in_(key_ids)))
     return {row.key_id: _binding(row) for row in rows}
 
 
 class ProducerKeyRegistry(KeyCache[ProducerBinding]):
-    """Enrolled producer keys by id, cached for ``ledger.node_key_cache_s`` (``coordinator.keys.node_keys.KeyCache``)."""
+    """Enrolled producer keys by id, cached for ``ledger.node_key_cache_s``
+    (``coordinator.keys.node_keys.KeyCache``)."""
 
     def __init__(
         self, database: Database, cache_s: float, max_cached: int = MAX_CACHED_KEYS

@@ -42,7 +42,8 @@ class DatabaseUnavailable(Exception):
 
 
 def is_unavailable(error: BaseException) -> bool:
-    """Whether ``error`` (or what caused it) means the database is out of reach, not that a query is wrong.
+    """Whether ``error`` (or what caused it) means the database is out of reach, not that a query is
+    wrong.
 
     Connect failures arrive as :class:`DatabaseUnavailable`; a server that went away under
     an open connection or stopped answering arrives as a driver error SQLAlchemy marks as a
@@ -100,7 +101,8 @@ class Database:
 
 
 def _connect_or_unavailable(dialect: Any, _record: Any, cargs: tuple, cparams: dict) -> Any:
-    """The dialect's own connect, with "cannot reach the server" raised as :class:`DatabaseUnavailable`.
+    """The dialect's own connect, with "cannot reach the server" raised as
+    :class:`DatabaseUnavailable`.
 
     asyncpg reports a refused connection, a missing unix socket or a connect timeout as a
     bare ``OSError``/``TimeoutError``, which SQLAlchemy passes through unwrapped; naming it
@@ -120,7 +122,8 @@ def _connect_or_unavailable(dialect: Any, _record: Any, cargs: tuple, cparams: d
 
 
 class DatabaseUnavailableMiddleware:
-    """ASGI middleware: a request that failed because the database is out of reach gets 503 with ``Retry-After``.
+    """ASGI middleware: a request that failed because the database is out of reach gets 503 with
+    ``Retry-After``.
 
     The API's error shape, code ``database_unavailable``; the failure's text is not echoed.
     Sits inside :class:`events.logs.RequestIdMiddleware` (which adds the request id) and

@@ -78,7 +78,8 @@ INVALIDATION_TRIGGERS = ("event", "api", "late_block")
 
 
 def _one_of(column: str, values: Iterable[str]) -> str:
-    """The CHECK text for an enumeration; ``str()`` keeps an enum member's value, so the text is the migrated one."""
+    """The CHECK text for an enumeration; ``str()`` keeps an enum member's value, so the text is the
+    migrated one."""
     return f"{column} IN ({', '.join(repr(str(value)) for value in values)})"
 
 
@@ -132,7 +133,8 @@ class Node(Base):
 
 
 class Block(Base):
-    """One KV block and its provenance: whose data it holds. Immutable once written (content-addressed)."""
+    """One KV block and its provenance: whose data it holds. Immutable once written
+    (content-addressed)."""
 
     __tablename__ = "blocks"
     __table_args__ = (
@@ -237,7 +239,8 @@ class Replica(Base):
 
 
 class Placement(Base):
-    """A copy of a block on one node in one tier (and snapshot); ``state`` says whether it still exists."""
+    """A copy of a block on one node in one tier (and snapshot); ``state`` says whether it still
+    exists."""
 
     __tablename__ = "placements"
     __table_args__ = (
@@ -360,7 +363,8 @@ class InventoryChunk(Base):
 
 
 class Invalidation(Base):
-    """One ``Invalidate`` command: the decision, its predicate and cutoff, and whether every node acked.
+    """One ``Invalidate`` command: the decision, its predicate and cutoff, and whether every node
+    acked.
 
     ``seq`` orders decisions for listing and paging (many share one ``created_at``: it is
     the deciding transaction's time). ``requested_at`` is when the user asked (the
@@ -419,7 +423,8 @@ class InvalidationTarget(Base):
     ack_key_id: Mapped[str | None]
     """The enrolled node key that signed the ack recorded here; an erasure receipt names it."""
     resend_count: Mapped[int] = mapped_column(Integer, server_default=text("0"))
-    """How often the command went out again because this node had not acked (``coordinator.handlers.resend``)."""
+    """How often the command went out again because this node had not acked
+    (``coordinator.handlers.resend``)."""
     last_resent_at: Mapped[datetime | None]
     next_resend_at: Mapped[datetime | None]
     """When the next re-send is due; NULL: ``command_resend_after_s`` after the decision."""
@@ -567,8 +572,9 @@ class TreeHead(Base):
 
 
 class NodeKey(Base):
-    """A node's enrolled Ed25519 public key (``coordinator.keys.node_keys``): what its key-service credentials,
-    kv-events and acks are checked against. A key belongs to one node for good; revocation is final."""
+    """A node's enrolled Ed25519 public key (``coordinator.keys.node_keys``): what its key-service
+    credentials, kv-events and acks are checked against. A key belongs to one node for good;
+    revocation is final."""
 
     __tablename__ = "node_keys"
     __table_args__ = (Index(None, "node_id"),)

@@ -37,10 +37,9 @@ class TargetStatus(StrEnum):
 class ErasureStatus(StrEnum):
     """Progress of one privacy erasure.
 
-    ``PARTIAL``: some expected node acked, not all; ``FAILED``: a node reported a post-check that did
-    not verify (a later verified ack can still lead to ``VERIFIED``); ``VERIFIED`` is final and has
-    exactly one receipt.
-    """
+    ``PARTIAL``: some expected node acked, not all; ``FAILED``: a node reported a post-check that
+    did not verify (a later verified ack can still lead to ``VERIFIED``); ``VERIFIED`` is final and
+    has exactly one receipt."""
 
     PENDING = "pending"
     PARTIAL = "partial"
@@ -49,7 +48,8 @@ class ErasureStatus(StrEnum):
 
 
 class NamespaceStatus(StrEnum):
-    """Lifecycle of a cache namespace: served, being drained by its namespace-wide invalidation, gone."""
+    """Lifecycle of a cache namespace: served, being drained by its namespace-wide invalidation,
+    gone."""
 
     ACTIVE = "active"
     DRAINING = "draining"

@@ -1,4 +1,5 @@
-"""Ledger transactions and their locks: how every ledger-writing transaction starts, and the lock order.
+"""Ledger transactions and their locks: how every ledger-writing transaction starts, and the lock
+order.
 
 Every transaction that writes the ledger (a kv-events batch, a batch of user events or
 acks, an erasure, an API decision) begins with :func:`begin_ledger_transaction`, which
@@ -70,7 +71,8 @@ async def generic_plans(session: AsyncSession) -> AsyncIterator[None]:
 
 
 async def lock_decisions(session: AsyncSession) -> None:
-    """Exclusive: no kv-events or ack batch is between its start and commit while this transaction decides."""
+    """Exclusive: no kv-events or ack batch is between its start and commit while this transaction
+    decides."""
     await session.execute(_LOCK_DECISIONS, {"key": _DECISION_LOCK_KEY})
 
 

@@ -15,7 +15,8 @@ from events.topics import ALL_TOPICS, TOPIC_CONFIGS
 def new_topics(
     settings: KafkaSettings, names: Iterable[str], configs: Mapping[str, Mapping[str, str]]
 ) -> list[NewTopic]:
-    """The creation requests of ``names``, each with its configs (none for a name ``configs`` lacks)."""
+    """The creation requests of ``names``, each with its configs (none for a name ``configs``
+    lacks)."""
     return [
         NewTopic(
             name=name,
@@ -62,7 +63,8 @@ async def ensure_topics(
 
 
 async def _wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float) -> None:
-    """Poll metadata until every topic reports partitions without error (creation is asynchronous in Kafka)."""
+    """Poll metadata until every topic reports partitions without error (creation is asynchronous in
+    Kafka)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:

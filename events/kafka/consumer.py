@@ -1,4 +1,5 @@
-"""The batch consumer every coordinator consumer runs on: validate, hand over, commit after the handler's commit.
+"""The batch consumer every coordinator consumer runs on: validate, hand over, commit after the
+handler's commit.
 
 Also :class:`StallClock` (how a consumer that stopped advancing becomes visible) and
 :func:`get_fresh_batch` (the poll that does not leave newly arrived records a batch behind).
@@ -61,8 +62,9 @@ async def get_fresh_batch(
 
 
 class StallClock:
-    """How long a consumer's fetched records have waited without it committing past them: when that exceeds
-    ``stall_after_s`` the consumer is *stalled* (its partitions do not advance; every later record waits).
+    """How long a consumer's fetched records have waited without it committing past them: when that
+    exceeds ``stall_after_s`` the consumer is *stalled* (its partitions do not advance; every later
+    record waits).
 
     The consumer calls :meth:`waiting` when it takes records in hand and :meth:`advanced` once it
     committed past them (or gave them up to another member). A batch that keeps failing is
@@ -77,7 +79,8 @@ class StallClock:
         self._since: float | None = None
 
     def waiting(self) -> None:
-        """Records are in hand; the clock runs from the first such call since the last :meth:`advanced`."""
+        """Records are in hand; the clock runs from the first such call since the last
+        :meth:`advanced`."""
         if self._since is None:
             self._since = time.monotonic()
 
@@ -168,26 +171,26 @@ class BatchConsumer:
     * offsets are committed (``offset + 1`` per partition) only after ``handler`` returned;
       ``handler`` must commit its database transaction before returning;
     * a record that fails validation is published to ``kvledger.dead-letter`` (raw bytes,
-      coordinates, error) and counted, then skipped — one bad record never blocks a
-      partition; on :data:`events.topics.ALERT_TOPICS` it is also logged as an error;
-    * a handler exception that ``is_poison`` classifies as caused by the data (the database
-      refused a value) is narrowed down by bisection — the handler is called on halves of
-      the batch, in order, until the single refused event is isolated; that record goes to
-      the dead-letter topic with the reason, the others are applied once — so one poison
-      record never blocks its partition;
-    * any other handler exception re-delivers the whole batch (the consumer seeks back) after
-      an exponential, jittered backoff (``initial_backoff_s`` doubling up to ``max_backoff_s``):
+      coordinates, error) and counted, then skipped — one bad record never blocks a partition; on
+      :data:`events.topics.ALERT_TOPICS` it is also logged as an error;
+    * a handler exception that ``is_poison`` classifies as caused by the data (the database refused
+      a value) is narrowed down by bisection — the handler is called on halves of the batch, in
+      order, until the single refused event is isolated; that record goes to the dead-letter topic
+      with the reason, the others are applied once — so one poison record never blocks its
+      partition;
+    * any other handler exception re-delivers the whole batch (the consumer seeks back) after an
+      exponential, jittered backoff (``initial_backoff_s`` doubling up to ``max_backoff_s``):
       nothing is skipped and the process keeps running;
-    * on a rebalance the revoke callback waits for the in-flight batch and commits what
-      was processed, so the next owner does not replay more than necessary;
-    * batches are handled one at a time, in order, but the next one is polled and decoded
-      while the handler runs (:meth:`run`); a failed batch takes the prefetched one back
-      with it (both rewound), so nothing after a failure is handled before it;
-    * a member whose fetched records stay uncommitted for longer than ``stall_after_s`` (a
-      batch that keeps failing or never returns) is stalled (:attr:`stall`, a :class:`StallClock`): the
+    * on a rebalance the revoke callback waits for the in-flight batch and commits what was
+      processed, so the next owner does not replay more than necessary;
+    * batches are handled one at a time, in order, but the next one is polled and decoded while the
+      handler runs (:meth:`run`); a failed batch takes the prefetched one back with it (both
+      rewound), so nothing after a failure is handled before it;
+    * a member whose fetched records stay uncommitted for longer than ``stall_after_s`` (a batch
+      that keeps failing or never returns) is stalled (:attr:`stall`, a :class:`StallClock`): the
       ``kvledger_consumer_stalled{group}`` gauge and the coordinator's ``/readyz`` say so;
-    * dead letters are sealed with ``seal`` (the coordinator signs its own), so that replay
-      can tell them from letters anyone else wrote.
+    * dead letters are sealed with ``seal`` (the coordinator signs its own), so that replay can tell
+      them from letters anyone else wrote.
 
     A batch may mix partitions; order is kept within each partition (i.e. per key). The
     handler must return within the group's ``max_poll_interval_ms`` (aiokafka default
@@ -252,7 +255,8 @@ class BatchConsumer:
         # Offsets already dead-lettered and not yet committed past: a re-delivered batch skips them.
         self._dead_lettered: dict[TopicPartition, set[int]] = {}
         self._assigned = asyncio.Event()
-        # Generation of the current assignment, and whether its positions are known (see ``consuming``).
+        # Generation of the current assignment, and whether its positions are known (see
+        # ``consuming``).
         self._generation = 0
         self._positioned_generation: int | None = None
         self._positioning: asyncio.Task | None = None
@@ -264,7 +268,8 @@ class BatchConsumer:
     # -- lifecycle --------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect the dead-letter producer and join the group (assignment completes asynchronously)."""
+        """Connect the dead-letter producer and join the group (assignment completes
+        asynchronously)."""
         await self._dead_letters.start()
         try:
             self._consumer.subscribe(self._topics, listener=_CommitOnRevoke(self))
@@ -304,14 +309,15 @@ class BatchConsumer:
                         finally:
                             handled.set()
                 except Exception as exc:  # noqa: BLE001 - any failure means: back off, re-deliver, keep running
-                    # Nothing after the failed batch may be handled before it: the prefetched batch is
-                    # dropped and every partition of both goes back to its first unhandled record.
+                    # Nothing after the failed batch may be handled before it: the prefetched batch
+                    # is dropped and every partition of both goes back to its first unhandled
+                    # record.
                     dropped = await self._settle(prefetch)
                     prefetch = None
                     self._rewind(*(each.batch for each in (fetched, dropped) if each is not None))
                     HANDLER_FAILURES_TOTAL.labels(group=self.group_id).inc()
-                    # The exception text may quote record data; log only its type here.
-                    # Full jitter on the upper half: replicas that failed together do not retry together.
+                    # The exception text may quote record data; log only its type here. Full jitter
+                    # on the upper half: replicas that failed together do not retry together.
                     delay = random.uniform(backoff / 2, backoff)
                     log.warning(
                         "consumer group %s: batch failed (%s); retrying in %.2fs",
@@ -333,18 +339,20 @@ class BatchConsumer:
             task.uncancel()
         finally:
             if prefetch is not None:
-                # Records a dropped prefetch took are not handled, so their offsets are not committed:
-                # the group's next owner of their partitions (or this member, restarted) reads them again.
+                # Records a dropped prefetch took are not handled, so their offsets are not
+                # committed: the group's next owner of their partitions (or this member, restarted)
+                # reads them again.
                 prefetch.cancel()
                 await asyncio.gather(prefetch, return_exceptions=True)
             self._run_task = None
 
     async def _fetch(self, handled: asyncio.Event | None) -> _Fetched:
-        """The next batch, polled while the previous one is handled (until ``handled`` is set; None: nothing
-        in flight), each chunk decoded on a worker thread as it arrives: the decoding overlaps the
-        handler's database waits, and the batch takes what reached the broker meanwhile (up to
-        ``max_records``), as a poll after the handler would. With nothing in flight it is one poll, as
-        before; ``top_up_ms`` 0 takes the first records that come, without collecting more."""
+        """The next batch, polled while the previous one is handled (until ``handled`` is set; None:
+        nothing in flight), each chunk decoded on a worker thread as it arrives: the decoding
+        overlaps the handler's database waits, and the batch takes what reached the broker meanwhile
+        (up to ``max_records``), as a poll after the handler would. With nothing in flight it is one
+        poll, as before; ``top_up_ms`` 0 takes the first records that come, without collecting
+        more."""
         batch: dict[TopicPartition, list[ConsumerRecord]] = {}
         decoded: dict[tuple[TopicPartition, int], ConsumedEvent | str] = {}
         num_records = 0
@@ -403,7 +411,8 @@ class BatchConsumer:
             return None
 
     def _rewind(self, *batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
-        """Seek every still-assigned partition of ``batches`` back to its earliest record among them."""
+        """Seek every still-assigned partition of ``batches`` back to its earliest record among
+        them."""
         first: dict[TopicPartition, int] = {}
         for batch in batches:
             for tp, records in batch.items():
@@ -470,7 +479,8 @@ class BatchConsumer:
         return self._positioned_generation == self._generation
 
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
-        # Which member owns which partitions: how an operator (and the takeover test) sees a rebalance.
+        # Which member owns which partitions: how an operator (and the takeover test) sees a
+        # rebalance.
         log.info(
             "consumer group %s: assigned %s",
             self.group_id,
@@ -479,7 +489,8 @@ class BatchConsumer:
         if assigned:
             self._assigned.set()
         self._generation += 1
-        # Resolving positions waits for the committed offsets, which the rebalance callback must not.
+        # Resolving positions waits for the committed offsets, which the rebalance callback must
+        # not.
         self._positioning = asyncio.create_task(self._find_positions(self._generation, assigned))
 
     async def _find_positions(self, generation: int, assigned: set[TopicPartition]) -> None:
@@ -569,7 +580,8 @@ class BatchConsumer:
         return events
 
     async def _dead_letter(self, tp: TopicPartition, record: ConsumerRecord, error: str) -> None:
-        """Publish (and wait for the broker's ack) before the offset can be committed past the record."""
+        """Publish (and wait for the broker's ack) before the offset can be committed past the
+        record."""
         await send_to_dead_letter(
             self._dead_letters,
             record,

@@ -1,4 +1,5 @@
-"""Dead letters: how a record that cannot be processed is set aside, whole or by reference, and counted.
+"""Dead letters: how a record that cannot be processed is set aside, whole or by reference, and
+counted.
 
 A letter always fits the transport (by reference when the record's own bytes would not), so a
 bad record can never stall its partition by failing to be dead-lettered.
@@ -34,14 +35,14 @@ def dead_letter_record(
     *,
     by_reference: bool = False,
 ) -> tuple[DeadLetter, bytes, bytes | None]:
-    """The dead letter of ``record``, its encoded value and its key: whole when it fits ``max_request_size``.
+    """The dead letter of ``record``, its encoded value and its key: whole when it fits
+    ``max_request_size``.
 
-    A letter carries the record's bytes base64-encoded (a third larger) plus metadata, so a
-    record well under the limit can have a letter over it; such a record, or one whose
-    letter the broker refused for size (``by_reference``), is dead-lettered *by reference*:
-    coordinates, size, SHA-256 and bounded prefixes, which always fit (:data:`MIN_REQUEST_BYTES`).
-    The size checked is the producer's own (:func:`~events.record_size.request_bytes`), signature included.
-    """
+    A letter carries the record's bytes base64-encoded (a third larger) plus metadata, so a record
+    well under the limit can have a letter over it; such a record, or one whose letter the broker
+    refused for size (``by_reference``), is dead-lettered *by reference*: coordinates, size, SHA-256
+    and bounded prefixes, which always fit (:data:`MIN_REQUEST_BYTES`). The size checked is the
+    producer's own (:func:`~events.record_size.request_bytes`), signature included."""
 
     def encoded(reference: bool) -> tuple[DeadLetter, bytes, bytes | None]:
         letter = DeadLetter.of(

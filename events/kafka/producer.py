@@ -1,4 +1,5 @@
-"""The one producer every component publishes through: routed topic and key, ``acks=all``, sizes checked first."""
+"""The one producer every component publishes through: routed topic and key, ``acks=all``, sizes
+checked first."""
 
 from __future__ import annotations
 

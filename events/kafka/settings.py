@@ -110,8 +110,8 @@ def _is_loopback(host: str) -> bool:
 
 
 class ConsumerGroupTiming(BaseModel):
-    """How group members stay alive and how long their fetches wait: the settings of every service whose
-    consumers join a group."""
+    """How group members stay alive and how long their fetches wait: the settings of every service
+    whose consumers join a group."""
 
     session_timeout_ms: int = Field(default=10_000, ge=1)
     """How long the group coordinator waits for a :class:`BatchConsumer`'s heartbeat before it
@@ -139,8 +139,8 @@ class ConsumerGroupTiming(BaseModel):
         return self
 
     def timing_fields(self) -> dict[str, int]:
-        """These fields and their values: another service's settings, or an ``AIOKafkaConsumer``'s keyword
-        arguments of the same names."""
+        """These fields and their values: another service's settings, or an ``AIOKafkaConsumer``'s
+        keyword arguments of the same names."""
         return {name: getattr(self, name) for name in ConsumerGroupTiming.model_fields}
 
 

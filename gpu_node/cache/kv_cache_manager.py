@@ -60,7 +60,8 @@ _REMOVAL_TO_MISS = {
 
 
 Audience = tuple
-"""Who could be served a block: ``(PUBLIC,)``, ``(TENANT, tenant, auth scope names)`` or ``(USER, tenant, subject)``."""
+"""Who could be served a block: ``(PUBLIC,)``, ``(TENANT, tenant, auth scope names)`` or ``(USER,
+tenant, subject)``."""
 
 
 def _audience(provenance: CacheProvenance) -> Audience:
@@ -77,7 +78,8 @@ def _audience(provenance: CacheProvenance) -> Audience:
 
 
 def _audiences_of(missing: BlockKey, principal: Principal) -> list[Audience]:
-    """Audiences whose entries ``principal`` could have been served in place of ``missing``, most specific first."""
+    """Audiences whose entries ``principal`` could have been served in place of ``missing``, most
+    specific first."""
     audiences = [
         _audience(missing.provenance),
         (CacheScope.USER, principal.tenant_id, principal.subject_id),
@@ -106,9 +108,9 @@ class PrefixPlan:
     """What one request gets from the cache and what it promised to build.
 
     ``hit_entries`` are locked (ref-counted) until the request's sequence is freed
-    (``gpu_node.engine.paged_kv``) or, for a plan no sequence took over, :meth:`KVCacheManager.finish`;
-    ``claimed`` are BUILDING entries this request leads and must commit or fail.
-    """
+    (``gpu_node.engine.paged_kv``) or, for a plan no sequence took over,
+    :meth:`KVCacheManager.finish`; ``claimed`` are BUILDING entries this request leads and must
+    commit or fail."""
 
     keys: list[BlockKey]
     hit_entries: list[CacheEntry] = field(default_factory=list)
@@ -219,7 +221,8 @@ class KVCacheManager:
         return MissReason.NO_ENTRY
 
     def commit_slot(self, plan: PrefixPlan, entry: CacheEntry, slot: int) -> bool:
-        """Commit one claimed block whose KV the builder wrote into its own device ``slot`` (worker thread).
+        """Commit one claimed block whose KV the builder wrote into its own device ``slot`` (worker
+        thread).
 
         False when the pool discarded it (tombstoned while building). The
         builder keeps the entry's one reference (:meth:`BlockPool.commit_slot`);
@@ -262,7 +265,8 @@ class KVCacheManager:
         return len(adopted)
 
     def wake(self, block_hashes: Sequence[bytes]) -> None:
-        """Release the waiters of builds that ended (event loop thread): they look the prefix up again."""
+        """Release the waiters of builds that ended (event loop thread): they look the prefix up
+        again."""
         for block_hash in block_hashes:
             future = self._inflight.pop(block_hash, None)
             if future is not None and not future.done():

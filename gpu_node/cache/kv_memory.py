@@ -80,7 +80,8 @@ class TierPlan:
         }
 
     def max_concurrency(self, context_tokens: int) -> float:
-        """How many requests of ``context_tokens`` tokens the device tier holds at once (vLLM's "maximum concurrency")."""
+        """How many requests of ``context_tokens`` tokens the device tier holds at once (vLLM's
+        "maximum concurrency")."""
         return self.num_device_blocks / math.ceil(context_tokens / self.block_size)
 
     def describe(self, context_tokens: int) -> str:
@@ -100,7 +101,8 @@ def _gib(num_bytes: int) -> str:
 
 
 def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """``MemAvailable`` of ``/proc/meminfo``: the kernel's estimate of RAM a new workload can take without swapping."""
+    """``MemAvailable`` of ``/proc/meminfo``: the kernel's estimate of RAM a new workload can take
+    without swapping."""
     for line in meminfo.read_text().splitlines():
         name, _, value = line.partition(":")
         if name == "MemAvailable":
@@ -122,14 +124,16 @@ def measure_available(device: str) -> AvailableMemory:
 def plan_tiers(
     cache: CacheSettings, spec: KVBlockSpec, available: AvailableMemory, device_type: str
 ) -> TierPlan:
-    """Block counts for ``cache`` on a machine with ``available`` memory; KVMemoryError when they cannot fit."""
+    """Block counts for ``cache`` on a machine with ``available`` memory; KVMemoryError when they
+    cannot fit."""
     block_bytes = spec.block_bytes
     num_host_blocks = (
         cache.num_host_blocks
         if cache.num_host_blocks is not None
         else cache.host_memory_bytes // block_bytes
     )
-    # On a CPU device both memory tiers are RAM: the device tier gets a share of what the host tier leaves.
+    # On a CPU device both memory tiers are RAM: the device tier gets a share of what the host tier
+    # leaves.
     device_free = available.device_bytes - (
         num_host_blocks * block_bytes if available.device_is_ram else 0
     )

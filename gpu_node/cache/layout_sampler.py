@@ -73,7 +73,8 @@ class LayoutSample:
 
 
 class LayoutSampler:
-    """A ring of the last ``capacity`` requests' layouts; ``capacity`` 0 keeps nothing (the default)."""
+    """A ring of the last ``capacity`` requests' layouts; ``capacity`` 0 keeps nothing (the
+    default)."""
 
     def __init__(self, capacity: int, block_size: int) -> None:
         if capacity < 0 or block_size < 1:
@@ -89,8 +90,9 @@ class LayoutSampler:
         return self.capacity > 0
 
     def observe(self, request, prompt, keys: Sequence[BlockKey], num_hit_blocks: int) -> None:
-        """Record one request's layout: ``request`` a ``GenerationRequest`` (messages, principal), ``prompt`` its
-        ``RenderedPrompt`` (token ids, segments), ``keys`` its block keys of which the first ``num_hit_blocks`` were hits.
+        """Record one request's layout: ``request`` a ``GenerationRequest`` (messages, principal),
+        ``prompt`` its ``RenderedPrompt`` (token ids, segments), ``keys`` its block keys of which
+        the first ``num_hit_blocks`` were hits.
 
         A no-op when sampling is off or nothing of the prompt is cacheable.
         """

@@ -1,4 +1,5 @@
-"""Replicas: a node pulls the cached blocks of a prefix from the peer that holds them instead of recomputing them.
+"""Replicas: a node pulls the cached blocks of a prefix from the peer that holds them instead of
+recomputing them.
 
 Why: a prefix computed on one node is worth nothing to another that misses it, yet the
 KV of a long prompt crosses a network in a fraction of its prefill. Why not simply copy:
@@ -84,7 +85,8 @@ MAX_PEER_KEYS_CACHED = 1024
 
 @dataclass(frozen=True, slots=True)
 class PullHint:
-    """A router's advice: ``node_id`` holds the first ``num_blocks`` blocks of this request's prefix."""
+    """A router's advice: ``node_id`` holds the first ``num_blocks`` blocks of this request's
+    prefix."""
 
     node_id: str
     num_blocks: int
@@ -127,7 +129,8 @@ def encode_frames(records: Sequence[bytes]) -> bytes:
 
 
 def decode_frames(data: bytes, max_records: int, max_record: int) -> list[bytes]:
-    """The records of a pull response; :class:`PullFailed` ``malformed`` when it is not whole frames within bounds."""
+    """The records of a pull response; :class:`PullFailed` ``malformed`` when it is not whole frames
+    within bounds."""
     records: list[bytes] = []
     offset = 0
     while offset < len(data):
@@ -153,7 +156,8 @@ class PeerKey:
 
 
 class PeerKeys:
-    """Enrolled, unrevoked peer keys by id, as the coordinator's registry answers, each trusted for ``cache_s``.
+    """Enrolled, unrevoked peer keys by id, as the coordinator's registry answers, each trusted for
+    ``cache_s``.
 
     Unknown and revoked ids are never cached (a new enrollment works at once; a revoked
     key is asked about again). ``credential`` makes this node's own key-service credential.
@@ -171,7 +175,8 @@ class PeerKeys:
         await self._client.aclose()
 
     async def lookup(self, key_id: str) -> PeerKey | None:
-        """The key, or None when the registry has no live key of that id; PullRefused 503 when it cannot be asked."""
+        """The key, or None when the registry has no live key of that id; PullRefused 503 when it
+        cannot be asked."""
         now = time.monotonic()
         cached = self._cached.get(key_id)
         if cached is not None and now - cached[0] < self._cache_s:
@@ -223,7 +228,8 @@ async def authorize_pull(
     namespace: str,
     retired: bool,
 ) -> tuple[str, list[bytes]]:
-    """``(puller node id, asked block hashes)`` of a pull request this holder may serve; :class:`PullRefused` otherwise."""
+    """``(puller node id, asked block hashes)`` of a pull request this holder may serve;
+    :class:`PullRefused` otherwise."""
     if peer_keys is None:
         raise PullRefused(
             503,
@@ -269,7 +275,8 @@ async def authorize_pull(
 
 
 def export_prefix(pool: BlockPool, block_hashes: Sequence[bytes]) -> list[bytes]:
-    """At-rest records of the READY, unexpired run of ``block_hashes`` from the first (model worker thread).
+    """At-rest records of the READY, unexpired run of ``block_hashes`` from the first (model worker
+    thread).
 
     Referenced while exported, so no byte is moved or freed meanwhile; a block
     tombstoned in between, or whose scope has no data key here, ends the run.
@@ -316,7 +323,8 @@ class PeerPuller:
     async def fetch(
         self, peer_id: str, namespace: str, block_hashes: Sequence[bytes], spec: KVBlockSpec
     ) -> list[bytes]:
-        """The records the peer serves for ``block_hashes`` (a prefix of them); :class:`PullFailed` when it serves none."""
+        """The records the peer serves for ``block_hashes`` (a prefix of them); :class:`PullFailed`
+        when it serves none."""
         url = self._urls.get(peer_id)
         if url is None or peer_id == self._node_id:
             raise PullFailed("unknown_peer")

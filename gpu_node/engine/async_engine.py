@@ -76,11 +76,13 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    """Tokens that end generation like end of sequence does (vLLM's ``stop_token_ids``); not part of the output."""
+    """Tokens that end generation like end of sequence does (vLLM's ``stop_token_ids``); not part of
+    the output."""
     min_tokens: int = 0
     """No stop (end of sequence, stop token or stop string) before this many generated tokens (vLLM's ``min_tokens``)."""
     ignore_eos: bool = False
-    """Generate past the model's end-of-sequence tokens (they then count as output), up to ``max_tokens``."""
+    """Generate past the model's end-of-sequence tokens (they then count as output), up to
+    ``max_tokens``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,8 @@ class TokenDelta:
     token_id: int
     text: str
     num_completion_tokens: int
-    """The request's completion tokens so far, this one included when it counts (an end-of-sequence token does not)."""
+    """The request's completion tokens so far, this one included when it counts (an end-of-sequence
+    token does not)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +137,8 @@ class StepTiming:
     forward_s: float
     """The model forward alone (:meth:`ModelRunner.forward`)."""
     overhead_s: float
-    """The rest of the step on the worker: inbox, scheduling, step tensors, sampling, detokenizing, hand-off to the loop."""
+    """The rest of the step on the worker: inbox, scheduling, step tensors, sampling, detokenizing,
+    hand-off to the loop."""
     overhead_cpu_s: float
     """The worker thread's CPU time in that rest: ``overhead_s`` less waits (for the interpreter lock, for a core)."""
 
@@ -188,8 +192,9 @@ class AsyncEngine:
         self.block_size = runner.kv_spec.block_size
         self.model_name = settings.model_name or runner.model_dir.name
         self.max_context_tokens = runner.max_context_tokens
-        # A sequence must fit the device tier alone, or preemption could not make it progress: on a node whose
-        # device tier holds fewer tokens than the model's context, this is the node's context length.
+        # A sequence must fit the device tier alone, or preemption could not make it progress: on a
+        # node whose device tier holds fewer tokens than the model's context, this is the node's
+        # context length.
         self.max_sequence_tokens = min(
             self.max_context_tokens, pool.config.num_device_blocks * self.block_size
         )
@@ -220,7 +225,8 @@ class AsyncEngine:
         self._num_snapshot_writes = 0
         self._sweeper: asyncio.Task | None = None
         self._stepper: asyncio.Task | None = None
-        # Filled on the loop, drained by the worker at the start of each step (deque appends/pops are atomic).
+        # Filled on the loop, drained by the worker at the start of each step (deque appends/pops
+        # are atomic).
         self._inbox: deque[tuple[str, _Request]] = deque()
         self._requests: dict[str, _Request] = {}  # worker thread only
         # Worker jobs queued by _run and not yet started (deque appends/pops are atomic): a burst of
@@ -228,11 +234,11 @@ class AsyncEngine:
         self._jobs_waiting: deque = deque()
         self._gauges_refreshed_at = 0.0
         self._work = asyncio.Event()
-        # Set by a step (worker) that could schedule nothing because the device tier is referenced by requests
-        # not yet in the inbox; read by the step loop between bursts. See _step.
+        # Set by a step (worker) that could schedule nothing because the device tier is referenced
+        # by requests not yet in the inbox; read by the step loop between bursts. See _step.
         self._stalled = False
-        # The last step's forward (worker only): set by _execute, read and cleared by _step_burst; its
-        # overhead_cpu_s holds the forward's CPU time on this thread until then.
+        # The last step's forward (worker only): set by _execute, read and cleared by _step_burst;
+        # its overhead_cpu_s holds the forward's CPU time on this thread until then.
         self._last_timing: StepTiming | None = None
         self.metrics.kv_blocks_total.set(pool.config.num_device_blocks)
 
@@ -407,7 +413,8 @@ class AsyncEngine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; this node's device KV memory holds {self.max_sequence_tokens} tokens per request"
             )
-        # Capped like at the model's context: the request ends with finish_reason "length" where the device tier is full.
+        # Capped like at the model's context: the request ends with finish_reason "length" where the
+        # device tier is full.
         max_new_tokens = min(request.sampling.max_tokens, self.max_sequence_tokens - len(token_ids))
         if max_new_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -451,7 +458,8 @@ class AsyncEngine:
         )
         self._submit("add", handle)
         try:
-            # Inside the try: the engine owns the plan now, so a failure here still aborts and releases it.
+            # Inside the try: the engine owns the plan now, so a failure here still aborts and
+            # releases it.
             layout_sampler(self).observe(request, prompt, keys, plan.num_hit_blocks)
             loop = asyncio.get_running_loop()
             outbox = handle.outbox
@@ -470,7 +478,8 @@ class AsyncEngine:
                 self._submit("abort", handle)
 
     async def _pull_prefix(self, plan: PrefixPlan, request: GenerationRequest) -> None:
-        """Pull the claimed blocks the hinted peer holds into the pool, so the request computes only the rest.
+        """Pull the claimed blocks the hinted peer holds into the pool, so the request computes only
+        the rest.
 
         Only the claimed run right after the hit is asked for (blocks another request is
         building are its to build). Whatever fails falls back to computing them, counted
@@ -502,7 +511,8 @@ class AsyncEngine:
         hint: PullHint,
         targets: list[CacheEntry],
     ) -> str:
-        """Pull ``targets`` from the hinted peer and adopt what arrived into ``plan``; the outcome's label."""
+        """Pull ``targets`` from the hinted peer and adopt what arrived into ``plan``; the outcome's
+        label."""
         if self.peer_puller is None or not self.peer_puller.knows(hint.node_id):
             return "unknown_peer"
         namespace = self.namespace.namespace
@@ -518,7 +528,8 @@ class AsyncEngine:
         kvs, failure_reason = await asyncio.to_thread(
             open_pulled, records, targets, self.pool.key_provider, namespace, self.runner.kv_spec
         )
-        # Checked again now that the pull is over: a command that arrived meanwhile moved the registry.
+        # Checked again now that the pull is over: a command that arrived meanwhile moved the
+        # registry.
         if (
             self.versions.is_retired(namespace)
             or self.versions.check(request.principal, request.messages) is not None
@@ -529,7 +540,8 @@ class AsyncEngine:
         source = ReplicaSource(hint.node_id, self.pool.wall_time())
         committed = await self._run(self._commit_pulled, targets[: len(kvs)], kvs, source)
         if len(committed) < len(kvs):
-            # commit_build discarded this claim (tombstoned during the pull): nothing is built into it any more.
+            # commit_build discarded this claim (tombstoned during the pull): nothing is built into
+            # it any more.
             discarded = targets[len(committed)]
             plan.claimed.remove(discarded)
             self.manager.wake([discarded.block_hash])
@@ -538,7 +550,8 @@ class AsyncEngine:
         self.metrics.peer_pulled_blocks.inc(num_adopted)
         if num_adopted < len(kvs):
             return "discarded"
-        # A holder that held only part of the run served that part: the rest is computed, as any miss.
+        # A holder that held only part of the run served that part: the rest is computed, as any
+        # miss.
         return failure_reason or "pulled"
 
     def _commit_pulled(
@@ -557,14 +570,16 @@ class AsyncEngine:
         self._work.set()
 
     def _can_step(self) -> bool:
-        """Whether a step has work: requests to take in, or scheduled sequences that are not stalled waiting for them."""
+        """Whether a step has work: requests to take in, or scheduled sequences that are not stalled
+        waiting for them."""
         return bool(self._inbox) or (self.scheduler.has_work and not self._stalled)
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if self._stalled:
-                # The next request's arrival ends a stall; retrying after a while covers references released otherwise.
+                # The next request's arrival ends a stall; retrying after a while covers references
+                # released otherwise.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._work.wait(), _STALL_RETRY_S)
                 self._stalled = False
@@ -576,7 +591,8 @@ class AsyncEngine:
                     # Not through _run: a burst is not a job that other bursts would wait for.
                     await loop.run_in_executor(self._worker, self._step_burst, loop)
                 except Exception as exc:  # noqa: BLE001 - whatever broke, no stream may be left waiting
-                    # A broken step (an invariant, not a model error) must not leave every stream hanging.
+                    # A broken step (an invariant, not a model error) must not leave every stream
+                    # hanging.
                     log.error("engine step failed outside the model: %s", type(exc).__name__)
                     deliveries, woken = await self._run(
                         self._fail_all, GenerationError("generation failed")
@@ -586,7 +602,8 @@ class AsyncEngine:
                     )
 
     def _step_burst(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Run steps back to back on the worker while there is work and no other worker job waits (model worker).
+        """Run steps back to back on the worker while there is work and no other worker job waits
+        (model worker).
 
         Each step's outputs go to the loop as soon as the step ends, and the next
         step starts at once: a round trip through the event loop per token would
@@ -638,7 +655,8 @@ class AsyncEngine:
                 handle.wake = None
         self.manager.drain_events()
         now = time.monotonic()
-        # The tier gauges take the pool's lock: at most every _GAUGE_REFRESH_S while busy, and always once idle.
+        # The tier gauges take the pool's lock: at most every _GAUGE_REFRESH_S while busy, and
+        # always once idle.
         if now >= self._gauges_refreshed_at + _GAUGE_REFRESH_S or not (num_running or num_waiting):
             self._gauges_refreshed_at = now
             self._refresh_tier_gauges()
@@ -657,7 +675,8 @@ class AsyncEngine:
         return list(deliveries.items()), woken
 
     def _step(self) -> tuple[list[tuple[_Request, list]], list[bytes]]:
-        """One engine step; everything but the model forward on one intra-op thread (:func:`intra_op_threads`)."""
+        """One engine step; everything but the model forward on one intra-op thread
+        (:func:`intra_op_threads`)."""
         with intra_op_threads(1):
             return self._step_single_threaded()
 
@@ -667,11 +686,12 @@ class AsyncEngine:
         output = self.scheduler.schedule()
         if output.preempted:
             self.metrics.preemptions.inc(len(output.preempted))
-        # Nothing runs and the head of the queue cannot get its blocks although every other scheduled sequence let
-        # go of its own (Scheduler.schedule): the rest of the device tier is referenced by requests the event loop
-        # admitted after this step took the inbox (a request references its hits before it is handed over). The
-        # engine waits for them instead of failing the head: once queued they let go too, and the head, which fits
-        # the device tier alone (max_sequence_tokens), starts. No request fails for lack of device blocks.
+        # Nothing runs and the head of the queue cannot get its blocks although every other
+        # scheduled sequence let go of its own (Scheduler.schedule): the rest of the device tier is
+        # referenced by requests the event loop admitted after this step took the inbox (a request
+        # references its hits before it is handed over). The engine waits for them instead of
+        # failing the head: once queued they let go too, and the head, which fits the device tier
+        # alone (max_sequence_tokens), starts. No request fails for lack of device blocks.
         self._stalled = (
             output.is_empty
             and not output.preempted
@@ -734,7 +754,8 @@ class AsyncEngine:
             self.metrics.prefill_latency.observe(forward_s)
         block_size = self.block_size
         for chunk in chunks:
-            # A claimed block can only have become complete in a step whose chunk reached a block boundary.
+            # A claimed block can only have become complete in a step whose chunk reached a block
+            # boundary.
             if (chunk.start + chunk.num_tokens) // block_size != chunk.start // block_size:
                 self.paged_kv.commit_computed(chunk.seq)
         now = time.perf_counter()
@@ -786,7 +807,8 @@ class AsyncEngine:
         last: GenerationDone | BaseException | None,
         deliveries: dict[_Request, list],
     ) -> None:
-        """End a request: free its slot and blocks now; ``last`` (None for an abort) goes to its stream."""
+        """End a request: free its slot and blocks now; ``last`` (None for an abort) goes to its
+        stream."""
         handle.finished = True
         self.scheduler.finish([handle.seq])
         self.paged_kv.forget(handle.seq)
@@ -839,7 +861,8 @@ class AsyncEngine:
         return Path(self.settings.data_dir) / "snapshots"
 
     def snapshot_inventory(self) -> dict[str, list[BlockKey]]:
-        """Readable blocks of every snapshot this node holds, by snapshot id (blocking: reads shards)."""
+        """Readable blocks of every snapshot this node holds, by snapshot id (blocking: reads
+        shards)."""
         inventory = {}
         for directory in snapshots.complete_snapshots(self.snapshot_root):
             manifest = snapshots.read_manifest(directory)

@@ -34,7 +34,8 @@ class IncrementalDetokenizer:
         self.text = ""  # emitted so far
 
     def push(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
-        """Text to emit after this token, and whether a stop string was reached (the text then ends before it).
+        """Text to emit after this token, and whether a stop string was reached (the text then ends
+        before it).
 
         ``check_stop`` false (the request is short of its ``min_tokens``): stop strings are not
         looked for in this token's text, nor held back, as vLLM does.

@@ -43,7 +43,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @contextlib.contextmanager
 def intra_op_threads(num_threads: int) -> Iterator[None]:
-    """torch's intra-op thread count for the calling thread's operations inside the block (restored after).
+    """torch's intra-op thread count for the calling thread's operations inside the block (restored
+    after).
 
     The engine runs a step's bookkeeping (scheduling, step tensors, sampling) at one
     thread and only the model forward at the configured count: an operation on a few
@@ -93,7 +94,8 @@ def check_supported(config) -> None:
 
 @dataclass(frozen=True, slots=True)
 class PreparedStep:
-    """A step's model inputs, built by :meth:`ModelRunner.prepare` and run by :meth:`ModelRunner.forward`."""
+    """A step's model inputs, built by :meth:`ModelRunner.prepare` and run by
+    :meth:`ModelRunner.forward`."""
 
     input_ids: torch.Tensor  # [1, num_tokens]
     position_ids: torch.Tensor  # [1, num_tokens]
@@ -105,7 +107,8 @@ class PreparedStep:
 
 @dataclass(frozen=True, slots=True)
 class StepChunk:
-    """Tokens of one sequence computed in a step: ``token_ids`` at positions ``start ..``, KV in ``block_table``'s slots."""
+    """Tokens of one sequence computed in a step: ``token_ids`` at positions ``start ..``, KV in
+    ``block_table``'s slots."""
 
     token_ids: Sequence[int]
     start: int
@@ -141,8 +144,9 @@ class ModelRunner:
             model_dir, local_files_only=True, dtype=self.dtype
         ).to(self.device)
         self.model.eval()
-        # Attention reads and writes the pool's device tier (gpu_node.engine.paged_attention); it is SDPA
-        # underneath, and plain SDPA for forwards without a paged step (HF generate, DynamicCache).
+        # Attention reads and writes the pool's device tier (gpu_node.engine.paged_attention); it is
+        # SDPA underneath, and plain SDPA for forwards without a paged step (HF generate,
+        # DynamicCache).
         paged_attention.register()
         self.model.set_attn_implementation(paged_attention.PAGED_ATTENTION)
         self.config = self.model.config
@@ -181,7 +185,8 @@ class ModelRunner:
         return output.logits[0, -1].float()
 
     def execute(self, chunks: Sequence[StepChunk], kv_table: torch.Tensor) -> torch.Tensor:
-        """One forward over every chunk of a step; logits ``[num sampling chunks, vocab]`` in ``chunks`` order.
+        """One forward over every chunk of a step; logits ``[num sampling chunks, vocab]`` in
+        ``chunks`` order.
 
         Keys and values are written into ``kv_table`` (the pool's device tier) at
         each chunk's block table, and attention reads them back from there
@@ -306,7 +311,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> torch.Tensor:
-        """The model over a prepared step, on :attr:`num_threads` intra-op threads; logits ``[num sampling chunks, vocab]``."""
+        """The model over a prepared step, on :attr:`num_threads` intra-op threads; logits ``[num
+        sampling chunks, vocab]``."""
         with intra_op_threads(self.num_threads):
             output = self.model(
                 input_ids=step.input_ids,
@@ -319,14 +325,16 @@ class ModelRunner:
         return output.logits[0].float()
 
     def _row_index(self, kv_table: torch.Tensor) -> RowIndex:
-        """The :class:`RowIndex` of ``kv_table``'s shape (the pool's device tier: one per runner in practice)."""
+        """The :class:`RowIndex` of ``kv_table``'s shape (the pool's device tier: one per runner in
+        practice)."""
         if self._rows is None or not self._rows.fits(kv_table):
             self._rows = RowIndex(kv_table)
         return self._rows
 
 
 def _num_common_leading(tables: list[Sequence[int]], max_blocks: int) -> int:
-    """How many leading blocks (at most ``max_blocks``) every table has in common: a prefix all sequences read in place."""
+    """How many leading blocks (at most ``max_blocks``) every table has in common: a prefix all
+    sequences read in place."""
     first = list(tables[0])
     num_common = max(max_blocks, 0)
     for table in tables[1:]:

@@ -39,7 +39,8 @@ PAGED_ATTENTION = "kvledger_paged_sdpa"
 
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
-    """Query rows ``[first_row, first_row + num_tokens)`` of one sequence whose context is ``num_context_tokens`` long."""
+    """Query rows ``[first_row, first_row + num_tokens)`` of one sequence whose context is
+    ``num_context_tokens`` long."""
 
     first_row: int
     num_tokens: int
@@ -77,7 +78,8 @@ class PagedStep:
 
 
 def row_view(kv_table: torch.Tensor) -> torch.Tensor:
-    """``kv_table`` ``[slots, layers, 2, kv_heads, block_size, head_dim]`` as rows of ``head_dim`` values, without a copy."""
+    """``kv_table`` ``[slots, layers, 2, kv_heads, block_size, head_dim]`` as rows of ``head_dim``
+    values, without a copy."""
     return kv_table.view(-1, kv_table.shape[-1])
 
 
@@ -125,7 +127,8 @@ class RowIndex:
         return self.positions[:num_positions]
 
     def slot_rows(self, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Rows ``[layers, ..., 2, kv_heads, T]`` of the keys and values at ``offsets`` of device ``slots`` (both ``[..., T]``).
+        """Rows ``[layers, ..., 2, kv_heads, T]`` of the keys and values at ``offsets`` of device
+        ``slots`` (both ``[..., T]``).
 
         One ``index_select`` of a layer's rows lays the tokens' keys and values
         out as ``[..., kv_heads, T, head_dim]``, ready for attention: a single
@@ -154,7 +157,8 @@ def _gather(step: PagedStep, rows: torch.Tensor, layer: int) -> tuple[torch.Tens
 def _decodes_over_shared_prefix(
     query: torch.Tensor, step: PagedStep, layer: int, scaling: float | None
 ) -> torch.Tensor:
-    """Attention ``[S, H, D]`` of ``S`` decode queries whose contexts all start with the tokens at ``step.decode_shared_rows``.
+    """Attention ``[S, H, D]`` of ``S`` decode queries whose contexts all start with the tokens at
+    ``step.decode_shared_rows``.
 
     The shared tokens (a common system prompt, say) are gathered once and
     scored by every query in one matmul, instead of being copied once per
@@ -210,7 +214,8 @@ def paged_attention_forward(
         )
     step = paged_step
     layer = module.layer_idx
-    # [1, H, T, D] x2 -> rows in write_rows' [2, H, T] order; the new tokens' KV goes into their blocks before anything reads them
+    # [1, H, T, D] x2 -> rows in write_rows' [2, H, T] order; the new tokens' KV goes into their
+    # blocks before anything reads them
     new_kv = torch.stack((key[0], value[0])).to(step.kv_rows.dtype)
     step.kv_rows.index_copy_(
         0, step.write_rows[layer].reshape(-1), new_kv.view(-1, new_kv.shape[-1])
@@ -218,7 +223,8 @@ def paged_attention_forward(
     num_heads = query.shape[1]
     out = query.new_empty((query.shape[2], num_heads, query.shape[3]))
     if step.num_decodes == 1:
-        # One decode: its rows are exactly its context, so it needs no mask (the fused kernel, no padding).
+        # One decode: its rows are exactly its context, so it needs no mask (the fused kernel, no
+        # padding).
         k, v = _gather(step, step.decode_rows, layer)
         attended = functional.scaled_dot_product_attention(
             query[:, :, :1], k[None], v[None], scale=scaling, enable_gqa=True

@@ -1,4 +1,5 @@
-"""Paged KV over the block pool's device tier: the scheduler's :class:`~gpu_node.engine.scheduler.BlockAllocator`.
+"""Paged KV over the block pool's device tier: the scheduler's
+:class:`~gpu_node.engine.scheduler.BlockAllocator`.
 
 A running sequence's block table lists device slots of two kinds:
 
@@ -139,14 +140,16 @@ class PagedKV:
     # --- internals ------------------------------------------------------------------------------
 
     def _rematch(self, plan: PrefixPlan) -> list[CacheEntry]:
-        """A preempted sequence's cached prefix now: whatever is READY (its own commits included), referenced."""
+        """A preempted sequence's cached prefix now: whatever is READY (its own commits included),
+        referenced."""
         with self.pool.lock:
             hits = self.pool.longest_ready_prefix([key.block_hash for key in plan.keys])
             self.pool.inc_lock_ref(hits)
         return hits
 
     def _resident_prefix(self, hits: list[CacheEntry]) -> list[CacheEntry]:
-        """The leading hits usable in place on the device; the rest are released (their tokens get recomputed).
+        """The leading hits usable in place on the device; the rest are released (their tokens get
+        recomputed).
 
         Host and disk hits are promoted first (as many as the device can take).
         A hit tombstoned since the lookup, or whose file is corrupt or cannot be
@@ -166,7 +169,8 @@ class PagedKV:
             try:
                 self.pool.read_blocks(lower, promote=True)
             except BlockRestoreError:
-                # the pool removed the failing block (tier None) or it was tombstoned: cut there and retry
+                # the pool removed the failing block (tier None) or it was tombstoned: cut there and
+                # retry
                 assert any(entry.tombstoned or entry.tier is None for entry in hits[:usable]), (
                     "a failed read names a removed block"
                 )

@@ -77,8 +77,8 @@ def _mask_early_stops(
 ) -> torch.Tensor:
     """``logits`` with the stop tokens at -inf in every row still short of its ``min_tokens``.
 
-    A copy when any row is masked: the model's logits are an inference-mode tensor, not to be written.
-    """
+    A copy when any row is masked: the model's logits are an inference-mode tensor, not to be
+    written."""
     rows = [
         row
         for row, state in enumerate(states)
@@ -119,7 +119,8 @@ def sample_batch(
     nucleus_rows = top_p < 1.0
     if bool(nucleus_rows.any()):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep a token while the probability mass strictly before it is under top_p (the top token always stays)
+        # keep a token while the probability mass strictly before it is under top_p (the top token
+        # always stays)
         keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p[:, None]) | ~nucleus_rows[
             :, None
         ]

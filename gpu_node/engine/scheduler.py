@@ -67,7 +67,8 @@ class Sequence:
 
 
 class BlockAllocator(Protocol):
-    """Device KV memory as the scheduler sees it (implemented over the block pool by ``gpu_node.engine.paged_kv``)."""
+    """Device KV memory as the scheduler sees it (implemented over the block pool by
+    ``gpu_node.engine.paged_kv``)."""
 
     def prepare_prefix(self, seq: Sequence) -> None:
         """Make the sequence's cached prefix resident on the device and set ``num_computed_tokens`` to it."""
@@ -81,7 +82,8 @@ class BlockAllocator(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``seq`` from ``start`` are computed this step; ``samples``: the step yields its next token."""
+    """``num_tokens`` tokens of ``seq`` from ``start`` are computed this step; ``samples``: the step
+    yields its next token."""
 
     seq: Sequence
     start: int
@@ -161,7 +163,8 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chunks.append(ScheduledChunk.of(seq, num_tokens))
                 budget -= num_tokens
-        # No admission in a step that had to preempt: memory is short, and the preempted go first next time.
+        # No admission in a step that had to preempt: memory is short, and the preempted go first
+        # next time.
         while (
             self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
         ):
@@ -192,8 +195,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.waiting and self.waiting[0].block_table:
-            # Only the head of the queue may hold blocks (its matched prefix) while it waits: the head
-            # can then always be admitted once the running sequences are gone.
+            # Only the head of the queue may hold blocks (its matched prefix) while it waits: the
+            # head can then always be admitted once the running sequences are gone.
             self._release(self.waiting[0])
         self.waiting.appendleft(seq)
 
@@ -205,7 +208,8 @@ class Scheduler:
         seq.needs_prefix = True
 
     def advance(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record a finished step: chunks' tokens are computed; ``sampled`` appends each sampling chunk's token.
+        """Record a finished step: chunks' tokens are computed; ``sampled`` appends each sampling
+        chunk's token.
 
         A chunk whose sequence left the scheduler during the step (aborted) is skipped.
         """
@@ -221,7 +225,8 @@ class Scheduler:
                 seq.token_ids.append(sampled[seq.seq_id])
 
     def finish(self, seqs: Iterable[Sequence]) -> None:
-        """Remove finished or aborted sequences (running or waiting) and free their blocks at once. Idempotent."""
+        """Remove finished or aborted sequences (running or waiting) and free their blocks at once.
+        Idempotent."""
         for seq in seqs:
             if seq.status is SequenceStatus.FINISHED:
                 continue

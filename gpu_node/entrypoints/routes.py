@@ -151,7 +151,8 @@ _CODE_BY_FIELD = {
     "max_completion_tokens": "invalid_max_tokens",
     "seed": "invalid_seed",
 }
-"""Fields whose refusal has a code of its own (they reach the ledger or the sampler); others: ``invalid_value``."""
+"""Fields whose refusal has a code of its own (they reach the ledger or the sampler); others:
+``invalid_value``."""
 
 
 def _field_code(loc: tuple) -> str:
@@ -304,7 +305,8 @@ async def _bounded_body(request: Request, limits: RequestLimits) -> bytes:
 
 
 async def _read_body(request: Request, limits: RequestLimits) -> ChatCompletionRequest:
-    """Parse the body only after the caller is authenticated, and only once its size is known to be bounded.
+    """Parse the body only after the caller is authenticated, and only once its size is known to be
+    bounded.
 
     A ``body: Model`` parameter would make FastAPI parse JSON before running the
     auth dependency, answering unauthenticated callers with 400 instead of 401.
@@ -397,7 +399,8 @@ def _to_messages(
 
 
 def _stale_error(stale: Staleness) -> ApiError | AuthError:
-    """The refusal :class:`Staleness` describes (a fleet router answers the same from its own registry)."""
+    """The refusal :class:`Staleness` describes (a fleet router answers the same from its own
+    registry)."""
     if stale.kind == "policy":
         return AuthError(stale.code, stale.message)
     return ApiError(stale.status_code, stale.message, code=stale.code, param=stale.param)
@@ -486,7 +489,8 @@ async def _start(
             param="messages",
         ) from None
     except ValueError as exc:
-        # The engine's contract: bad caller input surfaces as ValueError (a SamplingError names its field).
+        # The engine's contract: bad caller input surfaces as ValueError (a SamplingError names its
+        # field).
         raise ApiError(
             400, str(exc), code="invalid_value", param=getattr(exc, "param", None)
         ) from None
@@ -497,7 +501,8 @@ async def _start(
 
 
 def _usage(stats: PromptStats, num_completion_tokens: int, details: bool = True) -> dict:
-    """A response's usage; ``details`` false for vLLM's per-chunk usage, which has only the three counts."""
+    """A response's usage; ``details`` false for vLLM's per-chunk usage, which has only the three
+    counts."""
     usage: dict = {
         "prompt_tokens": stats.num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
@@ -681,7 +686,8 @@ def _require_scraper(request: Request, engine: Engine) -> None:
 
 
 router = APIRouter()
-"""The node's own routes; vLLM's operational routes are :func:`gpu_node.entrypoints.vllm_routes.vllm_router`."""
+"""The node's own routes; vLLM's operational routes are
+:func:`gpu_node.entrypoints.vllm_routes.vllm_router`."""
 
 
 @router.get("/healthz")
@@ -717,9 +723,10 @@ async def cache_stats(engine: Engine) -> dict:
 
 @router.get("/v1/kvledger/keying", dependencies=[Depends(_require_scraper)])
 async def keying(request: Request, engine: Engine) -> dict:
-    """What a fleet router needs to compute this node's block keys (``kvledger router``): the model name,
-    namespace and block size, and the digest of the tokenizer and chat template files
-    (:func:`prefix_keys.model_files.keying_digest`), which the router compares with its own copy's."""
+    """What a fleet router needs to compute this node's block keys (``kvledger router``): the model
+    name, namespace and block size, and the digest of the tokenizer and chat template files
+    (:func:`prefix_keys.model_files.keying_digest`), which the router compares with its own
+    copy's."""
     digest = getattr(request.app.state, "keying_digest", None)
     if digest is None:
         digest = request.app.state.keying_digest = await asyncio.to_thread(
@@ -793,7 +800,8 @@ def _pull_hint(request: Request) -> PullHint | None:
 
 @router.post(PULL_PATH)
 async def serve_pull(http_request: Request, engine: Engine) -> Response:
-    """A peer node pulls the blocks of a prefix this node holds (``gpu_node.cache.peers``): signed, same namespace, sealed records."""
+    """A peer node pulls the blocks of a prefix this node holds (``gpu_node.cache.peers``): signed,
+    same namespace, sealed records."""
     _require_ready(engine)
     body = await _bounded_body(http_request, engine.settings.limits)
     namespace = engine.namespace.namespace
@@ -992,7 +1000,8 @@ async def _sse_events(
 
 
 _CONTENT_MARK = "\x00content\x00"
-"""Stands for a content chunk's text while its template is built; its JSON form (with ``\\u0000``) cannot occur in the rest."""
+"""Stands for a content chunk's text while its template is built; its JSON form (with ``\\u0000``)
+cannot occur in the rest."""
 
 
 def _sse(data: str) -> str:

@@ -25,7 +25,8 @@ from fastapi import APIRouter, Depends, Response
 
 
 def node_version() -> str:
-    """The installed ``kvledger`` distribution's version ("unknown" when run from an uninstalled tree)."""
+    """The installed ``kvledger`` distribution's version ("unknown" when run from an uninstalled
+    tree)."""
     try:
         return version("kvledger")
     except PackageNotFoundError:

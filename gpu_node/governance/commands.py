@@ -1,4 +1,5 @@
-"""The node's side of ``kvledger.commands``: invalidations in, verified deletions and acks out (docs/design.md §5).
+"""The node's side of ``kvledger.commands``: invalidations in, verified deletions and acks out
+(docs/design.md §5).
 
 For every ``Invalidate`` the node
 
@@ -43,14 +44,13 @@ to the end offsets it saw at start, so a node that was down applies what it miss
 before it serves.
 
 Re-sent commands. The coordinator re-sends a command to a node that has not acked it
-(``coordinator.handlers.resend``): a new record, same ``command_id``. A command this node
-already applied in this run is not applied again: its ack — the same envelope, same
-``event_id`` and evidence, every part of it — is published again, so a lost ack is recovered and an ack
-that did arrive is a duplicate the coordinator's inbox drops. A command applied in an
-earlier life (its ack and evidence are gone with the process) is applied again: that is
-idempotent, removes what matches now, and acks that. The registry keeps, per document and
-policy, the latest decision by its time (:mod:`prefix_keys.versions`), so a re-sent older
-command never moves it back.
+(``coordinator.handlers.resend``): a new record, same ``command_id``. A command this node already
+applied in this run is not applied again: its ack — the same envelope, same ``event_id`` and
+evidence, every part of it — is published again, so a lost ack is recovered and an ack that did
+arrive is a duplicate the coordinator's inbox drops. A command applied in an earlier life (its ack
+and evidence are gone with the process) is applied again: that is idempotent, removes what matches
+now, and acks that. The registry keeps, per document and policy, the latest decision by its time
+(:mod:`prefix_keys.versions`), so a re-sent older command never moves it back.
 
 Trust. Only commands signed by the coordinator's command key, which the node pins
 (``identity.coordinator_public_key_file``), are applied, remembered or answered —
@@ -128,7 +128,8 @@ applied: a request claims its blocks at most the singleflight wait after it comp
 def block_predicate(
     predicate: schema.Predicate, keyed_before: datetime | None, subject_key: bytes
 ) -> Callable[[CacheProvenance], bool]:
-    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` (and was keyed before ``keyed_before``).
+    """Which blocks an ``Invalidate`` names: provenance matches ``predicate`` (and was keyed before
+    ``keyed_before``).
 
     The handler removes with ``keyed_before=None``: every matching block that
     exists when it applies the command, by the pool's order, whatever anyone's
@@ -202,7 +203,8 @@ def block_predicate(
 
 
 def predicate_index_key(predicate: schema.Predicate) -> IndexKey | None:
-    """The pool's provenance index key whose entries include every block :func:`block_predicate` can match.
+    """The pool's provenance index key whose entries include every block :func:`block_predicate` can
+    match.
 
     Only narrows the scan (:meth:`BlockPool.remove_where`); the block predicate
     still decides each candidate. A subject predicate has none (``None``: the whole
@@ -405,7 +407,8 @@ class InvalidationApplier:
         self.subject_key = subject_key
         self.deferred_wait_s = deferred_wait_s
         self._progress: dict[uuid.UUID, _Progress] = {}
-        # Removals observed while any command is in progress: block hash → (sequence number, evidence).
+        # Removals observed while any command is in progress: block hash → (sequence number,
+        # evidence).
         self._seen: dict[bytes, tuple[int, RemovalEvidence]] = {}
         self._num_seen = 0
         engine.manager.subscribe(EVIDENCE_SUBSCRIBER, self._on_pool_events)
@@ -415,7 +418,8 @@ class InvalidationApplier:
         self.remember_decision(command.predicate, command.cutoff)
 
     def remember_decision(self, predicate: schema.Predicate, decided_at: datetime) -> None:
-        """Registry only: a decision of the governance state, or a command's (decided at its cutoff)."""
+        """Registry only: a decision of the governance state, or a command's (decided at its
+        cutoff)."""
         self.engine.versions.apply(predicate, decided_at)
         if (
             isinstance(predicate, schema.NamespacePredicate)
@@ -426,7 +430,8 @@ class InvalidationApplier:
             )
 
     async def apply(self, command: schema.Invalidate) -> list[TierReport]:
-        """Apply one command fully; returns the ack's evidence (a batch of one, see :meth:`apply_batch`)."""
+        """Apply one command fully; returns the ack's evidence (a batch of one, see
+        :meth:`apply_batch`)."""
         async with contextlib.aclosing(self.apply_batch([command])) as applied:
             async for _, evidence in applied:
                 return evidence
@@ -451,7 +456,8 @@ class InvalidationApplier:
             self.remember(command)
             matches = block_predicate(command.predicate, None, self.subject_key)
             if isinstance(command.predicate, schema.SubjectPredicate):
-                # Erasures only: they are rare, and every guard is checked at every build while it lasts.
+                # Erasures only: they are rare, and every guard is checked at every build while it
+                # lasts.
                 keyed_before = block_predicate(command.predicate, applied_at, self.subject_key)
                 pool.guard_builds(
                     keyed_before, self.engine.manager.singleflight_wait_s + BUILD_GUARD_MARGIN_S
@@ -499,7 +505,8 @@ class InvalidationApplier:
             yield plan.command, _evidence(plan.progress, erasure)
 
     def _finish(self, command_id: uuid.UUID) -> None:
-        # pop: a command delivered twice in one batch (a re-published outbox row) shares one progress.
+        # pop: a command delivered twice in one batch (a re-published outbox row) shares one
+        # progress.
         self._progress.pop(command_id, None)
         if not self._progress:
             self._seen.clear()
@@ -606,7 +613,8 @@ def _evidence(progress: _Progress, erasure: CryptoErasure | None) -> list[TierRe
 
 
 AckRecords = tuple[schema.Envelope, ...]
-"""One command's ack as the records that carry it: one, or the parts of :func:`events.ack_parts.ack_parts`."""
+"""One command's ack as the records that carry it: one, or the parts of
+:func:`events.ack_parts.ack_parts`."""
 
 
 def ack_records(
@@ -674,7 +682,8 @@ class CommandConsumer:
         self._max_records = max_records
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
-        # Commands that keep failing are retried forever (never skipped): the clock makes that visible.
+        # Commands that keep failing are retried forever (never skipped): the clock makes that
+        # visible.
         self.stall = StallClock(stall_after_s)
         self.engine.metrics.consumer_stalled.labels(group=self.group_id).set_function(
             lambda: float(self.stall.stalled)
@@ -688,9 +697,11 @@ class CommandConsumer:
         )
         self._producer = EventProducer(kafka, sign=publisher.signer)
         self._committed: dict[TopicPartition, int] = {}
-        # Records handled in this run whose offsets are not committed yet → the ack's parts to publish (None: no ack).
+        # Records handled in this run whose offsets are not committed yet → the ack's parts to
+        # publish (None: no ack).
         self._unacked: dict[tuple[TopicPartition, int], AckRecords | None] = {}
-        # command_id → its ack's parts, for commands applied in this run (a re-send is re-acked, not re-applied).
+        # command_id → its ack's parts, for commands applied in this run (a re-send is re-acked, not
+        # re-applied).
         self._acks: collections.OrderedDict[uuid.UUID, AckRecords] = collections.OrderedDict()
         self._end_offsets: dict[TopicPartition, int] = {}
         # Per partition, the offset after the last record handled in this run (see _rewind).
@@ -700,7 +711,8 @@ class CommandConsumer:
         self._flushing: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Assign every partition, note what was applied before and where the log ends, start consuming.
+        """Assign every partition, note what was applied before and where the log ends, start
+        consuming.
 
         The topic must exist (the publisher's start creates it).
         """
@@ -724,8 +736,9 @@ class CommandConsumer:
                 await self._consumer.seek_to_beginning(*assigned)
                 self._handled_upto = await self._consumer.beginning_offsets(assigned)
             else:
-                # Read before the governance state is fetched (in _run): every decision whose command lies
-                # below these offsets is in that state, so the records below them are never read.
+                # Read before the governance state is fetched (in _run): every decision whose
+                # command lies below these offsets is in that state, so the records below them are
+                # never read.
                 for tp, end in self._end_offsets.items():
                     self._consumer.seek(tp, end)
                     self._committed[tp] = max(self._committed[tp], end)
@@ -865,7 +878,8 @@ class CommandConsumer:
         log.info("node %s: commands replayed; ready", self.node_id)
 
     async def _handle(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
-        """Apply a batch in order per partition, publishing each ack once its command is applied; commit once.
+        """Apply a batch in order per partition, publishing each ack once its command is applied;
+        commit once.
 
         Consecutive commands to apply are applied together
         (:meth:`InvalidationApplier.apply_batch`). An ack is handed to the
@@ -929,9 +943,10 @@ class CommandConsumer:
         for record in records:
             envelope, error = self._verified(record)
             key = (tp, record.offset)
-            # A command already waiting in ``to_apply`` (re-sent while this node was down or slow, so several copies
-            # arrive in one batch) is not applied twice: the commands before it are applied first, then this copy is
-            # answered with that application's ack (_handle_record).
+            # A command already waiting in ``to_apply`` (re-sent while this node was down or slow,
+            # so several copies arrive in one batch) is not applied twice: the commands before it
+            # are applied first, then this copy is answered with that application's ack
+            # (_handle_record).
             if (
                 envelope is not None
                 and isinstance(envelope.payload, schema.Invalidate)
@@ -953,7 +968,8 @@ class CommandConsumer:
         await self._apply(tp, to_apply, handled, sending)
 
     def _verified(self, record: ConsumerRecord) -> tuple[schema.Envelope | None, str | None]:
-        """(envelope, None) for a valid command signed by the pinned coordinator key; (None, why) otherwise."""
+        """(envelope, None) for a valid command signed by the pinned coordinator key; (None, why)
+        otherwise."""
         try:
             envelope = decode_event(record.value)
             key = decode_key(record.key)
@@ -974,7 +990,8 @@ class CommandConsumer:
         handled: dict[TopicPartition, int],
         sending: list[asyncio.Task],
     ) -> None:
-        """Apply consecutive commands of ``tp`` (offset, command) together, handing each ack to the producer as it completes."""
+        """Apply consecutive commands of ``tp`` (offset, command) together, handing each ack to the
+        producer as it completes."""
         if not commands:
             return
         offsets = iter(commands)
@@ -1019,7 +1036,8 @@ class CommandConsumer:
         sending: list[asyncio.Task],
         handled: dict[TopicPartition, int],
     ) -> None:
-        """:meth:`_flush` once ``previous`` (the flush of the batch before) succeeded; its failure fails this one too."""
+        """:meth:`_flush` once ``previous`` (the flush of the batch before) succeeded; its failure
+        fails this one too."""
         if previous is not None:
             try:
                 await previous
@@ -1052,7 +1070,8 @@ class CommandConsumer:
         envelope: schema.Envelope | None,
         error: str | None,
     ) -> AckRecords | None:
-        """Everything but applying a command: dead letters, replays, acks to resend, inventory requests.
+        """Everything but applying a command: dead letters, replays, acks to resend, inventory
+        requests.
 
         Returns the ack's parts to publish (None when there is none). Commits nothing.
         """
@@ -1067,8 +1086,9 @@ class CommandConsumer:
             f"routing admits only commands on this topic, got {envelope.type}"
         )
         if isinstance(payload, schema.Invalidate):
-            # Applied in an earlier life, or in this run with its ack not yet published, or a re-send of a
-            # command applied in this run: remember, never apply again; a re-send gets the command's ack again.
+            # Applied in an earlier life, or in this run with its ack not yet published, or a
+            # re-send of a command applied in this run: remember, never apply again; a re-send gets
+            # the command's ack again.
             self.handler.remember(payload)
             if applied_before:
                 return None
@@ -1094,7 +1114,8 @@ class CommandConsumer:
         return None
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
-        # The node's own topic: nodes never write kvledger.dead-letter, whose letters replay republishes.
+        # The node's own topic: nodes never write kvledger.dead-letter, whose letters replay
+        # republishes.
         await send_to_dead_letter(
             self._producer, record, error, self.group_id, topic=topics.NODE_DEAD_LETTER
         )

@@ -11,16 +11,15 @@ epoch and a full inventory; :class:`gpu_node.governance.commands.CommandConsumer
 Subjects never leave the node in clear: provenance carries the keyed
 :func:`events.schema.subject_digest` shared with the coordinator.
 
-No event can wedge the publisher (docs/security.md, "Bounded input and poison
-records"): a block whose provenance the contract refuses, a record larger than
-:data:`~events.record_size.MAX_RECORD_BYTES`, or a record the broker refuses for good is *dead-lettered
-locally* — counted in ``kvledger_node_dead_letters``, logged without content and
-reported on ``kvledger.node-dead-letter`` — and everything else keeps flowing. A record
-left out before it was stamped consumes no ``seq``, so the sequence stays gap-free;
-one the broker refused after later records were stamped leaves a gap, which the
-coordinator notices and answers with an ``InventoryRequested``. A send whose outcome is
-unknown (timeout, lost connection) is retried with the *same bytes*: a seq the broker
-may already hold is never reused for different content.
+No event can wedge the publisher (docs/security.md, "Bounded input and poison records"): a block
+whose provenance the contract refuses, a record larger than
+:data:`~events.record_size.MAX_RECORD_BYTES`, or a record the broker refuses for good is
+*dead-lettered locally* — counted in ``kvledger_node_dead_letters``, logged without content and
+reported on ``kvledger.node-dead-letter`` — and everything else keeps flowing. A record left out
+before it was stamped consumes no ``seq``, so the sequence stays gap-free; one the broker refused
+after later records were stamped leaves a gap, which the coordinator notices and answers with an
+``InventoryRequested``. A send whose outcome is unknown (timeout, lost connection) is retried with
+the *same bytes*: a seq the broker may already hold is never reused for different content.
 
 A served block must never be one the contract refuses, since the ledger would never know
 it: a block with more documents or auth scopes than a kv-event lists is refused where its
@@ -73,8 +72,9 @@ from prefix_keys.blocks import BlockKey, CacheProvenance
 log = logging.getLogger(__name__)
 
 MAX_BLOCKS_PER_RECORD = schema.MAX_BLOCKS_PER_EVENT
-"""Most blocks one record lists; a record is also cut short of :data:`~events.record_size.MAX_RECORD_BYTES`
-(one block's provenance may name 256 auth scopes and 256 documents: 1000 such blocks are far over it)."""
+"""Most blocks one record lists; a record is also cut short of
+:data:`~events.record_size.MAX_RECORD_BYTES` (one block's provenance may name 256 auth scopes and
+256 documents: 1000 such blocks are far over it)."""
 PERMANENT_SEND_ERRORS = (
     MessageSizeTooLargeError,
     RecordListTooLargeError,
@@ -109,7 +109,8 @@ def next_epoch(data_dir: Path) -> int:
 
 
 KV_EVENTS_SUBSCRIBER = "kv-events"
-"""The publisher's name among the cache manager's pool-event subscribers (:meth:`NodePublisher.on_pool_events`)."""
+"""The publisher's name among the cache manager's pool-event subscribers
+(:meth:`NodePublisher.on_pool_events`)."""
 
 
 class NodePublisher:
@@ -161,8 +162,9 @@ class NodePublisher:
                 )
             ]
         )
-        # The ledger replaces the node's placements with an inventory: one that left out a snapshot's sealed
-        # blocks because their keys could not be asked for would make it drop copies still on disk.
+        # The ledger replaces the node's placements with an inventory: one that left out a
+        # snapshot's sealed blocks because their keys could not be asked for would make it drop
+        # copies still on disk.
         await until_key_service_answers(
             lambda: self.publish_inventory(request_id=None), f"node {self.node_id}: start inventory"
         )
@@ -180,7 +182,8 @@ class NodePublisher:
         await self._producer.stop()
 
     def on_pool_events(self, events: Sequence[vocabulary.PoolEvent]) -> None:
-        """The cache manager's ``kv-events`` subscriber (:meth:`KVCacheManager.subscribe`); on the event loop, never blocks."""
+        """The cache manager's ``kv-events`` subscriber (:meth:`KVCacheManager.subscribe`); on the
+        event loop, never blocks."""
         self._pending.extend(events)
 
     def on_snapshot_written(self, snapshot_id: str, block_hashes: Iterable[bytes]) -> None:
@@ -380,7 +383,8 @@ class NodePublisher:
             raise failed
 
     def _dead_letter_locally(self, event_type: str, cause: str, error: str) -> None:
-        """Count, log (no content: the error names fields, never values) and report a record that cannot be sent."""
+        """Count, log (no content: the error names fields, never values) and report a record that
+        cannot be sent."""
         self.engine.metrics.dead_letters.labels(type=event_type, cause=cause).inc()
         log.error(
             "node %s: %s record dead-lettered locally (%s): %s",
@@ -461,10 +465,11 @@ class NodePublisher:
         async with self._send_lock:
             pool = self.engine.pool
             with pool.lock:
-                # The pool's events and the state they led to, taken at one instant: every change the inventory
-                # shows goes out before it (lower seq), none after. A step's changes are in the pool before its
-                # events are drained on this loop; an inventory read between the two showed moves whose
-                # records followed it, and the ledger, read before the inventory, looked stale.
+                # The pool's events and the state they led to, taken at one instant: every change
+                # the inventory shows goes out before it (lower seq), none after. A step's changes
+                # are in the pool before its events are drained on this loop; an inventory read
+                # between the two showed moves whose records followed it, and the ledger, read
+                # before the inventory, looked stale.
                 self.engine.manager.drain_events()
                 held: list[tuple[BlockKey, str, str | None]] = [
                     (e.key, e.tier.value, None) for e in pool.ready_entries()

@@ -1,4 +1,5 @@
-"""A starting node fetches the governance state it must enforce from the coordinator (docs/design.md §6).
+"""A starting node fetches the governance state it must enforce from the coordinator (docs/design.md
+§6).
 
 ``GET /v1/governance`` (``coordinator.api.routes.governance``) answers, page by page, the
 decisions the node's version registry must hold (retired namespaces, current policy
@@ -39,8 +40,8 @@ from identity.signing import (
 
 DEFAULT_TIMEOUT_S = 10.0
 MAX_PAGES = 10_000
-"""Pages one fetch follows (10 million entries at the coordinator's page size): a coordinator that keeps
-answering with a next page is refused rather than followed forever."""
+"""Pages one fetch follows (10 million entries at the coordinator's page size): a coordinator that
+keeps answering with a next page is refused rather than followed forever."""
 
 _PREDICATE = TypeAdapter(schema.Predicate)
 _DECIDED_AT = TypeAdapter(datetime)
@@ -65,7 +66,8 @@ class GovernanceState:
 
 
 class GovernanceClient:
-    """Fetches :class:`GovernanceState` for ``node_id`` from ``coordinator_url``; see the module docstring.
+    """Fetches :class:`GovernanceState` for ``node_id`` from ``coordinator_url``; see the module
+    docstring.
 
     ``token_factory`` returns a fresh node credential (called per request).
     """
@@ -88,7 +90,8 @@ class GovernanceClient:
         self._transport = transport
 
     async def fetch(self) -> GovernanceState:
-        """Every page, checked; :class:`GovernanceUnavailable` or :class:`GovernanceRefused` otherwise."""
+        """Every page, checked; :class:`GovernanceUnavailable` or :class:`GovernanceRefused`
+        otherwise."""
         state = GovernanceState()
         cursor: str | None = None
         async with httpx.AsyncClient(

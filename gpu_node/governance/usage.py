@@ -53,7 +53,8 @@ class UsageMeter:
         totals[3] += num_output_tokens
 
     def drain(self) -> list[TenantUsage]:
-        """The totals since the last drain, one per tenant that was served; the next window starts now."""
+        """The totals since the last drain, one per tenant that was served; the next window starts
+        now."""
         window_start, window_end = self._window_start, datetime.now(UTC)
         totals, self._totals = self._totals, {}
         self._window_start = window_end
@@ -65,7 +66,8 @@ class UsageMeter:
     async def metered(
         self, stream: AsyncIterator, tenant_id: str, num_prompt_tokens: int, num_cached_tokens: int
     ) -> AsyncIterator:
-        """``stream`` (an engine's generation) unchanged, recording its usage when its ``GenerationDone`` passes.
+        """``stream`` (an engine's generation) unchanged, recording its usage when its
+        ``GenerationDone`` passes.
 
         Duck-typed on ``finish_reason`` so this module does not import the engine (and torch): every
         streamed token carries its running ``num_completion_tokens`` too, only the end has a reason.

@@ -52,18 +52,20 @@ class KeyServiceUnavailable(Exception):
 
 
 KEY_SERVICE_RETRY_S = (0.5, 5.0)
-"""First and longest wait between attempts at start-up work that needs the key service to answer for sealed copies
-(the longest: :data:`gpu_node.keys.remote_keys.UNREACHABLE_RETRY_S`, how long an unanswered key is not asked for again)."""
+"""First and longest wait between attempts at start-up work that needs the key service to answer for
+sealed copies (the longest: :data:`gpu_node.keys.remote_keys.UNREACHABLE_RETRY_S`, how long an
+unanswered key is not asked for again)."""
 
 
 async def until_key_service_answers(attempt: Callable[[], Awaitable[T]], what: str) -> T:
-    """``attempt()`` retried with capped backoff for as long as it raises :class:`KeyServiceUnavailable`.
+    """``attempt()`` retried with capped backoff for as long as it raises
+    :class:`KeyServiceUnavailable`.
 
-    For start-up work that must not mistake "cannot ask" for "destroyed" and has nothing better to do than wait:
-    re-indexing the disk tier (a file whose key cannot be asked for would be deleted as unreadable) and the start
-    inventory (it would tell the ledger a snapshot's sealed copies are gone). The node is not ready meanwhile, as
-    while it fetches its governance state from the same coordinator.
-    """
+    For start-up work that must not mistake "cannot ask" for "destroyed" and has nothing better to
+    do than wait: re-indexing the disk tier (a file whose key cannot be asked for would be deleted
+    as unreadable) and the start inventory (it would tell the ledger a snapshot's sealed copies are
+    gone). The node is not ready meanwhile, as while it fetches its governance state from the same
+    coordinator."""
     wait_s, max_wait_s = KEY_SERVICE_RETRY_S
     while True:
         try:
@@ -278,13 +280,15 @@ class LocalKeyStore:
         return self
 
     def current_key_id(self, tenant_id: str, subject_id: str | None = None) -> str | None:
-        """Id of the live key of a tenant (or of one subject in it), for erasure to destroy; None if none."""
+        """Id of the live key of a tenant (or of one subject in it), for erasure to destroy; None if
+        none."""
         with self._lock:
             _, key_id = self._current_key_id(scope_label(tenant_id, subject_id))
             return key_id if key_id in self._keys else None
 
     def subject_key_ids(self, tenant_id: str, subject_hash: str) -> list[str]:
-        """The subject's live key id (a list of at most one); [] if none or the store has no subject key."""
+        """The subject's live key id (a list of at most one); [] if none or the store has no subject
+        key."""
         with self._lock:
             label_digest = self._subjects.get(self._subject_index(tenant_id, subject_hash))
             if label_digest is None:

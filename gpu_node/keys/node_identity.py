@@ -1,4 +1,5 @@
-"""The node's own signing key and the coordinator's pinned command key, from ``NodeSettings.identity``."""
+"""The node's own signing key and the coordinator's pinned command key, from
+``NodeSettings.identity``."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ def node_key_path(settings: NodeSettings) -> Path:
 
 
 def node_signing_key(settings: NodeSettings) -> Ed25519PrivateKey:
-    """The node's Ed25519 key: the configured file, else ``node_key.pem`` in the data dir, created (0600) if missing."""
+    """The node's Ed25519 key: the configured file, else ``node_key.pem`` in the data dir, created
+    (0600) if missing."""
     return load_or_create_private_key(node_key_path(settings))
 
 
 def pinned_command_key(settings: NodeSettings) -> Ed25519PublicKey:
-    """The coordinator's command public key; ValueError when none is pinned — a node never applies unverified commands."""
+    """The coordinator's command public key; ValueError when none is pinned — a node never applies
+    unverified commands."""
     path = settings.identity.coordinator_public_key_file
     if path is None:
         raise ValueError(

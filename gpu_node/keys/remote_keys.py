@@ -8,21 +8,19 @@ node forgetting its cached copy (the erasure's command) leaves no way to open
 any copy of the data sealed under it: block files, snapshot shards, or files
 copied off the node.
 
-The pool calls ``key_for``/``key_by_id`` under its lock, so once the node serves
-they never touch the network: they answer from memory, and a key not held is
-fetched in the background (the caller gets None: the block stays out of the disk
-tier, or a sealed block counts as a ``key_unavailable`` miss). The network happens
-ahead of the lock: :meth:`CoordinatorKeyProvider.prefetch` fetches a request's
-tenant and user keys before its prefix lookup, waiting at most ``prefetch_wait_s``.
-Before the first request (start-up re-index, warm start: nobody waits on the pool
-yet) and through :meth:`CoordinatorKeyProvider.blocking` (callers outside the
-lock), a missing key is fetched on the spot, each request bounded by ``timeout_s``.
-An answer "no such key" is remembered for ``negative_ttl_s``, a request that failed in
-transit (or got an error answer) for :data:`UNREACHABLE_RETRY_S`; every cache is an LRU of bounded size
+The pool calls ``key_for``/``key_by_id`` under its lock, so once the node serves they never touch
+the network: they answer from memory, and a key not held is fetched in the background (the caller
+gets None: the block stays out of the disk tier, or a sealed block counts as a ``key_unavailable``
+miss). The network happens ahead of the lock: :meth:`CoordinatorKeyProvider.prefetch` fetches a
+request's tenant and user keys before its prefix lookup, waiting at most ``prefetch_wait_s``. Before
+the first request (start-up re-index, warm start: nobody waits on the pool yet) and through
+:meth:`CoordinatorKeyProvider.blocking` (callers outside the lock), a missing key is fetched on the
+spot, each request bounded by ``timeout_s``. An answer "no such key" is remembered for
+``negative_ttl_s``, a request that failed in transit (or got an error answer) for
+:data:`UNREACHABLE_RETRY_S`; every cache is an LRU of bounded size
 (``gpu_node.settings.DataKeySettings``). The two stay apart: the blocking view raises
-:class:`gpu_node.keys.crypto.KeyServiceUnavailable` for the second, so a snapshot's inventory never reports
-a copy as gone because the coordinator was down or slow at that moment.
-"""
+:class:`gpu_node.keys.crypto.KeyServiceUnavailable` for the second, so a snapshot's inventory never
+reports a copy as gone because the coordinator was down or slow at that moment."""
 
 from __future__ import annotations
 
@@ -72,7 +70,8 @@ V = TypeVar("V")
 
 
 class _Lru(Generic[K, V]):  # noqa: UP046 - Python 3.11 has no type parameter syntax
-    """A dict of at most ``max_entries`` entries; the least recently used leaves first. Not thread-safe."""
+    """A dict of at most ``max_entries`` entries; the least recently used leaves first. Not
+    thread-safe."""
 
     def __init__(self, max_entries: int) -> None:
         if max_entries < 1:
@@ -106,7 +105,8 @@ class _Lru(Generic[K, V]):  # noqa: UP046 - Python 3.11 has no type parameter sy
 
 
 class CoordinatorKeyProvider:
-    """A :class:`gpu_node.keys.crypto.DataKeyProvider` backed by the coordinator; see the module docstring.
+    """A :class:`gpu_node.keys.crypto.DataKeyProvider` backed by the coordinator; see the module
+    docstring.
 
     ``token_factory`` returns the node's bearer credential; it is called per
     request, so a short credential lifetime costs nothing. ``subject_key`` is
@@ -181,7 +181,8 @@ class CoordinatorKeyProvider:
     # -- ahead of the lock ------------------------------------------------------------------
 
     async def prefetch(self, principal: Principal) -> None:
-        """Fetch the keys of ``principal``'s tenant and user scopes, waiting at most ``prefetch_wait_s``.
+        """Fetch the keys of ``principal``'s tenant and user scopes, waiting at most
+        ``prefetch_wait_s``.
 
         From the first call on, the pool's look-ups never fetch themselves. A fetch still
         running when the wait ends goes on in the background and serves later requests.
@@ -269,7 +270,8 @@ class CoordinatorKeyProvider:
         return False, None
 
     def _in_doubt(self, want: tuple[str, Hashable]) -> bool:
-        """Whether memory answers None for ``want`` only because the key service could not answer lately."""
+        """Whether memory answers None for ``want`` only because the key service could not answer
+        lately."""
         with self._lock:
             if want[0] == "id" and want[1] in self._destroyed:
                 return False
@@ -315,7 +317,8 @@ class CoordinatorKeyProvider:
                 self._negative.put(want, (self._clock() + self._settings.negative_ttl_s, False))
 
     def _remember_unanswered(self, want: tuple[str, Hashable]) -> None:
-        """The key service could not say (unreachable, an error answer): not asked again for :data:`UNREACHABLE_RETRY_S`."""
+        """The key service could not say (unreachable, an error answer): not asked again for
+        :data:`UNREACHABLE_RETRY_S`."""
         with self._lock:
             self._negative.put(want, (self._clock() + UNREACHABLE_RETRY_S, True))
 
@@ -336,7 +339,8 @@ class CoordinatorKeyProvider:
                 return None
             with self._lock:
                 # A resolve answered just before an erasure destroyed the key may arrive after this
-                # node was told to forget it: never reuse such a key, ask again for the scope's next one.
+                # node was told to forget it: never reuse such a key, ask again for the scope's next
+                # one.
                 if resolved[0] not in self._destroyed:
                     self._by_scope.put(scope, resolved)
                     self._by_id.put(resolved[0], resolved[1])
@@ -364,7 +368,8 @@ class CoordinatorKeyProvider:
         return fetched[1]
 
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response | None:
-        """One request with a fresh node credential; None when the coordinator is unreachable. Logs failures, never keys."""
+        """One request with a fresh node credential; None when the coordinator is unreachable. Logs
+        failures, never keys."""
         try:
             response = self._client.request(
                 method, path, headers={"Authorization": f"Bearer {self._token_factory()}"}, **kwargs
@@ -402,7 +407,8 @@ class _Blocking:
 
     def key_by_id(self, key_id: str) -> bytes | None:
         """The key; None when it is gone (destroyed, never issued, a malformed id); raises
-        :class:`KeyServiceUnavailable` when the key service could not say (see :meth:`CoordinatorKeyProvider._in_doubt`)."""
+        :class:`KeyServiceUnavailable` when the key service could not say (see
+        :meth:`CoordinatorKeyProvider._in_doubt`)."""
         if not _KEY_ID.fullmatch(key_id):
             return None
         want = ("id", key_id)

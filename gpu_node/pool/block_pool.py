@@ -89,7 +89,8 @@ from prefix_keys.blocks import HASH_BYTES, BlockKey, CacheProvenance
 
 
 class BlockPool:
-    """Three-tier block store with the entry state machine of docs/design.md §3 (see module docstring)."""
+    """Three-tier block store with the entry state machine of docs/design.md §3 (see module
+    docstring)."""
 
     def __init__(
         self,
@@ -111,7 +112,8 @@ class BlockPool:
 
     @property
     def state(self) -> PoolState:
-        """The pool's state, for inspection (tests, diagnostics); change it only through the pool's methods."""
+        """The pool's state, for inspection (tests, diagnostics); change it only through the pool's
+        methods."""
         return self._state
 
     @property
@@ -124,8 +126,9 @@ class BlockPool:
         return self._state.spec
 
     def wall_time(self) -> float:
-        """Now on the pool's wall clock (seconds since the epoch): the one clock block keys' ``created_at`` and the
-        application of invalidation commands are read from, so a node compares its blocks only with its own clock."""
+        """Now on the pool's wall clock (seconds since the epoch): the one clock block keys'
+        ``created_at`` and the application of invalidation commands are read from, so a node
+        compares its blocks only with its own clock."""
         return self._state.wall_clock()
 
     @property
@@ -158,7 +161,8 @@ class BlockPool:
             return entry
 
     def longest_ready_prefix(self, block_hashes: Sequence[bytes]) -> list[CacheEntry]:
-        """The consecutive READY, unexpired run from index 0. Takes no references and updates nothing."""
+        """The consecutive READY, unexpired run from index 0. Takes no references and updates
+        nothing."""
         state = self._state
         with state.lock:
             now = state.clock()
@@ -189,7 +193,8 @@ class BlockPool:
     # --- references --------------------------------------------------------------------
 
     def inc_lock_ref(self, entries: Iterable[CacheEntry]) -> None:
-        """Reference READY entries so their bytes are neither freed, overwritten nor moved by the pool."""
+        """Reference READY entries so their bytes are neither freed, overwritten nor moved by the
+        pool."""
         entries = list(entries)
         state = self._state
         with state.lock:
@@ -228,7 +233,8 @@ class BlockPool:
     # --- building --------------------------------------------------------------------------
 
     def guard_builds(self, predicate: Callable[[CacheProvenance], bool], duration_s: float) -> None:
-        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (why: :meth:`PoolRemover.guard_builds`)."""
+        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (why:
+        :meth:`PoolRemover.guard_builds`)."""
         self._remover.guard_builds(predicate, duration_s)
 
     def begin_build(self, key: BlockKey) -> CacheEntry | None:
@@ -306,7 +312,8 @@ class BlockPool:
             ), "fail_build takes the BUILDING entry begin_build returned"
             state.discard_building(entry)
 
-    # --- paged KV: device slots owned by running sequences (gpu_node.engine.paged_kv) ---------------
+    # --- paged KV: device slots owned by running sequences (gpu_node.engine.paged_kv)
+    # ---------------
 
     @property
     def device_kv(self) -> torch.Tensor:
@@ -314,7 +321,8 @@ class BlockPool:
         return self._state.memory[Tier.DEVICE].table
 
     def device_usage(self) -> tuple[int, int]:
-        """``(slots in use, slots in total)`` of the device tier: cached entries plus sequences' own slots."""
+        """``(slots in use, slots in total)`` of the device tier: cached entries plus sequences' own
+        slots."""
         return self._device_slots.usage()
 
     def allocate_device_slots(self, num_slots: int) -> list[int] | None:
@@ -340,7 +348,8 @@ class BlockPool:
         return self._warm_start.export_record(entry)
 
     def import_record(self, data: bytes, tier: Tier) -> bool:
-        """Warm one READY block into a free slot of ``tier`` (never evicting); see :meth:`PoolWarmStart.import_record`."""
+        """Warm one READY block into a free slot of ``tier`` (never evicting); see
+        :meth:`PoolWarmStart.import_record`."""
         if tier not in STORAGE_TIERS:
             raise ValueError(
                 f"blocks are imported into one of {[tier.value for tier in STORAGE_TIERS]}, not {tier}"
@@ -348,17 +357,20 @@ class BlockPool:
         return self._warm_start.import_record(data, tier)
 
     def load_disk_tier(self) -> int:
-        """Re-index block files left by an earlier run; returns how many became READY (:class:`PoolWarmStart`)."""
+        """Re-index block files left by an earlier run; returns how many became READY
+        (:class:`PoolWarmStart`)."""
         return self._warm_start.load_disk_tier()
 
     # --- tier management ---------------------------------------------------------------
 
     def demote(self, block_hash: bytes, to_tier: Tier) -> bool:
-        """Move an unreferenced READY block down to ``to_tier``; False when not possible now (:class:`PoolDemoter`)."""
+        """Move an unreferenced READY block down to ``to_tier``; False when not possible now
+        (:class:`PoolDemoter`)."""
         return self._demoter.demote(block_hash, to_tier)
 
     def evict(self, block_hash: bytes) -> bool:
-        """Drop an unreferenced READY block from whatever tier holds it; False when not possible now."""
+        """Drop an unreferenced READY block from whatever tier holds it; False when not possible
+        now."""
         state = self._state
         with state.lock:
             entry = state.entries.get(block_hash)
@@ -374,7 +386,8 @@ class BlockPool:
         return disk.path(block_hash)
 
     def expire(self) -> int:
-        """Expire every READY entry past its TTL; returns how many (referenced ones are deleted on release)."""
+        """Expire every READY entry past its TTL; returns how many (referenced ones are deleted on
+        release)."""
         state = self._state
         with state.lock:
             now = state.clock()
@@ -395,7 +408,8 @@ class BlockPool:
         reason: RemovalReason,
         candidates: IndexKey | None = None,
     ) -> RemovalReport:
-        """Delete every block whose provenance matches, in every tier, with evidence (:meth:`PoolRemover.remove_where`)."""
+        """Delete every block whose provenance matches, in every tier, with evidence
+        (:meth:`PoolRemover.remove_where`)."""
         return self._remover.remove_where(predicate, reason, candidates)
 
     def remove_many(
@@ -403,7 +417,8 @@ class BlockPool:
         requests: Sequence[tuple[Callable[[CacheProvenance], bool], IndexKey | None]],
         reason: RemovalReason,
     ) -> list[RemovalReport]:
-        """:meth:`remove_where` for each ``(predicate, candidates)``, with one bulk deletion (:class:`PoolRemover`)."""
+        """:meth:`remove_where` for each ``(predicate, candidates)``, with one bulk deletion
+        (:class:`PoolRemover`)."""
         return self._remover.remove_many(requests, reason)
 
     # --- events and stats ------------------------------------------------------------------

@@ -191,7 +191,8 @@ def open_record(
 def parse_record_body(
     block_hash: bytes, flags: int, body: bytes | memoryview
 ) -> tuple[BlockRecord, bytes]:
-    """The record in an authenticated body and its raw meta bytes; checks hash and scope against the header."""
+    """The record in an authenticated body and its raw meta bytes; checks hash and scope against the
+    header."""
     try:
         (meta_len,) = META_LENGTH.unpack_from(body)
         meta_bytes = bytes(body[4 : 4 + meta_len])
@@ -214,13 +215,15 @@ def parse_record_body(
 
 
 def decode_block_record(data: bytes, key_provider: DataKeyProvider) -> BlockRecord:
-    """Parse and authenticate a record; raises :class:`BlockRestoreError` with the reason it is unusable."""
+    """Parse and authenticate a record; raises :class:`BlockRestoreError` with the reason it is
+    unusable."""
     block_hash, flags, body = open_record(data, key_provider)
     return parse_record_body(block_hash, flags, body)[0]
 
 
 def check_record(record: BlockRecord, block_hash: bytes, namespace: str, spec: KVBlockSpec) -> None:
-    """Raise :class:`BlockRestoreError` unless ``record`` is ``block_hash`` of ``namespace`` in ``spec``'s KV format."""
+    """Raise :class:`BlockRestoreError` unless ``record`` is ``block_hash`` of ``namespace`` in
+    ``spec``'s KV format."""
     if record.key.block_hash != block_hash:
         raise BlockRestoreError(block_hash, "hash_mismatch")
     if record.key.provenance.namespace != namespace:

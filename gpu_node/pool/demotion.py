@@ -19,7 +19,8 @@ from gpu_node.pool.state import PoolState
 from gpu_node.pool.vocabulary import BlockState, CacheEntry, MovedInPool, RemovalReason
 
 TIER_DEPTH = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
-"""How far down each tier lies: blocks only ever move down by demotion (and up to the device by promotion)."""
+"""How far down each tier lies: blocks only ever move down by demotion (and up to the device by
+promotion)."""
 
 
 class PoolDemoter:

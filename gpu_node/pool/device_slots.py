@@ -26,7 +26,8 @@ class DeviceSlots:
         self._demoter = demoter
 
     def usage(self) -> tuple[int, int]:
-        """``(slots in use, slots in total)`` of the device tier: cached entries plus sequences' own slots."""
+        """``(slots in use, slots in total)`` of the device tier: cached entries plus sequences' own
+        slots."""
         state = self._state
         with state.lock:
             device = state.memory[Tier.DEVICE]
@@ -62,7 +63,8 @@ class DeviceSlots:
             return slots
 
     def free(self, slots: Sequence[int]) -> None:
-        """Zero and return slots taken with :meth:`BlockPool.allocate_device_slots`: a request's KV never outlives it in a free slot."""
+        """Zero and return slots taken with :meth:`BlockPool.allocate_device_slots`: a request's KV
+        never outlives it in a free slot."""
         state = self._state
         if not slots:
             return
@@ -85,7 +87,8 @@ class DeviceSlots:
             assert (
                 state.entries.get(entry.block_hash) is entry and entry.state is BlockState.BUILDING
             ), "commit_slot takes the BUILDING entry begin_build returned"
-            # Range only: a membership scan of the free-slot heap cost ~20 µs per committed block, on every miss.
+            # Range only: a membership scan of the free-slot heap cost ~20 µs per committed block,
+            # on every miss.
             assert 0 <= slot < state.memory[Tier.DEVICE].capacity, (
                 "the slot must be a device slot the caller allocated"
             )

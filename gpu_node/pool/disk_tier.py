@@ -89,13 +89,15 @@ class DiskTier:
             self._key_ids[block_hash] = key_id
 
     def forget(self, block_hash: bytes) -> str | None:
-        """Drop what is known of a block's file (it is gone or going); returns the data key id it named."""
+        """Drop what is known of a block's file (it is gone or going); returns the data key id it
+        named."""
         self.num_bytes -= self._file_bytes.pop(block_hash, 0)
         self.known_meta.pop(block_hash, None)
         return self._key_ids.pop(block_hash, None)
 
     def read_record(self, block_hash: bytes) -> BlockRecord:
-        """The checked record of a block's file; :class:`BlockRestoreError` when it is missing or unusable."""
+        """The checked record of a block's file; :class:`BlockRestoreError` when it is missing or
+        unusable."""
         try:
             data = self.path(block_hash).read_bytes()
         except FileNotFoundError:
@@ -105,7 +107,8 @@ class DiskTier:
         return record
 
     def payload(self, key: BlockKey, aeads: dict[str, tuple[bytes, AESGCM]]) -> bytes | memoryview:
-        """The authenticated KV bytes of a block's file; :class:`BlockRestoreError` when missing or unusable.
+        """The authenticated KV bytes of a block's file; :class:`BlockRestoreError` when missing or
+        unusable.
 
         When the authenticated meta equals the bytes this pool wrote for the
         block, the header hash, the scope flag and the payload length are
@@ -144,8 +147,8 @@ class DiskTier:
     def unlink_promoted(self, block_hash: bytes) -> None:
         """Unlink the file a block promoted out of the disk tier left, without the overwrite.
 
-        The pool's promotion explains why no overwrite (``PoolReader._promote_batch`` in :mod:`gpu_node.pool.reads`).
-        """
+        The pool's promotion explains why no overwrite (``PoolReader._promote_batch`` in
+        :mod:`gpu_node.pool.reads`)."""
         try:
             os.unlink(self._prefix + block_hash.hex() + ".kvb")
         except FileNotFoundError:
@@ -172,7 +175,8 @@ class DiskTier:
             return list(executor.map(overwrite_and_unlink, paths))
 
     def stored_files(self) -> Iterator[tuple[Path, bytes]]:
-        """``(path, block hash)`` of every block file, in name order (files with other names are not blocks)."""
+        """``(path, block hash)`` of every block file, in name order (files with other names are not
+        blocks)."""
         for path in sorted(self.directory.glob("*.kvb")):
             block_hash = _hash_from_name(path.stem)
             if block_hash is not None:

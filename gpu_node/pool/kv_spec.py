@@ -36,7 +36,8 @@ class KVBlockSpec:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """``(layers, 2 [k|v], kv_heads, block_size, head_dim)``: the layout of pool slots and block files."""
+        """``(layers, 2 [k|v], kv_heads, block_size, head_dim)``: the layout of pool slots and block
+        files."""
         return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     @property

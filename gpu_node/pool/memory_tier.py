@@ -1,4 +1,5 @@
-"""A memory tier of the block pool (device or host): one preallocated slot table, its free slots, batched slot I/O.
+"""A memory tier of the block pool (device or host): one preallocated slot table, its free slots,
+batched slot I/O.
 
 The device and host tiers differ only in where their table lives (the model's
 device; CPU memory, pinned under CUDA), so both are this one type. It knows
@@ -25,7 +26,8 @@ from gpu_node.pool.slot_io import gather_slots, scatter_slots, zero_slots, zero_
 
 
 class MemoryTier:
-    """``table[slot]`` is one block's KV; ``free`` the slots holding no block (a heap, lowest first)."""
+    """``table[slot]`` is one block's KV; ``free`` the slots holding no block (a heap, lowest
+    first)."""
 
     __slots__ = ("capacity", "flat", "free", "table")
 
@@ -35,7 +37,8 @@ class MemoryTier:
         )
         self.table = table
         self.capacity = table.shape[0]
-        # A two-dimensional view ``[slots, block_elements]`` of the same storage, for batched slot I/O.
+        # A two-dimensional view ``[slots, block_elements]`` of the same storage, for batched slot
+        # I/O.
         self.flat = table.view(self.capacity, spec.num_elements)
         # A sorted list is a valid heap.
         self.free = list(range(self.capacity))
@@ -85,7 +88,8 @@ class MemoryTier:
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor whose pages are backed only once written (an anonymous private mapping).
+    """A zero-filled CPU tensor whose pages are backed only once written (an anonymous private
+    mapping).
 
     Zero on every read of a page never written, guaranteed by the kernel (unlike
     ``torch.empty``, which may hand back reused memory).

@@ -79,8 +79,8 @@ class PoolReader:
                 else:
                     lower.append(entry)
                     lower_rows.append(row)
-            # Stage every host/disk hit in one CPU tensor (row order). Disk files are decoded first, so a
-            # corrupt one is removed and raised before anything moves.
+            # Stage every host/disk hit in one CPU tensor (row order). Disk files are decoded first,
+            # so a corrupt one is removed and raised before anything moves.
             lower_kv = None
             if lower:
                 lower_kv = torch.empty(
@@ -145,7 +145,8 @@ class PoolReader:
     def _disk_payload(
         self, entry: CacheEntry, aeads: dict[str, tuple[bytes, AESGCM]]
     ) -> bytes | memoryview:
-        """The authenticated KV bytes of a disk entry's file; a missing or bad file is dropped and raised."""
+        """The authenticated KV bytes of a disk entry's file; a missing or bad file is dropped and
+        raised."""
         state = self._state
         try:
             return state.disk.payload(entry.key, aeads)
@@ -154,7 +155,8 @@ class PoolReader:
             raise BlockRestoreError(entry.block_hash, error.reason) from None
 
     def _promote_batch(self, lower: Sequence[CacheEntry], staged: torch.Tensor) -> None:
-        """Move the leading host/disk entries of ``lower`` to device slots; ``staged[i]`` is ``lower[i]``'s KV.
+        """Move the leading host/disk entries of ``lower`` to device slots; ``staged[i]`` is
+        ``lower[i]``'s KV.
 
         As many move as there are free device slots plus unreferenced READY
         device entries to demote (every entry read is referenced, so none of

@@ -1,4 +1,5 @@
-"""Governed removal: predicate matches tombstoned first, their bytes deleted in bulk, with per-block evidence.
+"""Governed removal: predicate matches tombstoned first, their bytes deleted in bulk, with per-block
+evidence.
 
 Its own part of the pool because removal is what an invalidation or erasure
 command acks on: its ordering (every match tombstoned before any byte is
@@ -34,7 +35,8 @@ class PoolRemover:
         self._state = state
 
     def guard_builds(self, predicate: Callable[[CacheProvenance], bool], duration_s: float) -> None:
-        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see :meth:`gpu_node.pool.block_pool.BlockPool.begin_build`).
+        """Refuse to build blocks matching ``predicate`` for ``duration_s`` (see
+        :meth:`gpu_node.pool.block_pool.BlockPool.begin_build`).
 
         :meth:`remove_where` tombstones the matching builds it finds, but a
         request whose keys were computed before an invalidation's cutoff may
@@ -116,7 +118,8 @@ class PoolRemover:
     def _report_removal(
         self, matches: list[CacheEntry], reason: RemovalReason, cleared: dict[CacheEntry, bool]
     ) -> RemovalReport:
-        """Drop the unreferenced ``matches`` whose bytes :meth:`_clear_bytes` deleted; report all of them."""
+        """Drop the unreferenced ``matches`` whose bytes :meth:`_clear_bytes` deleted; report all of
+        them."""
         state = self._state
         num_removed = dict.fromkeys(STORAGE_TIERS, 0)
         removed: list[bytes] = []

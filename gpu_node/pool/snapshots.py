@@ -116,7 +116,8 @@ def read_manifest(directory: Path) -> SnapshotManifest:
 
 
 def _new_shard_name() -> str:
-    # Fresh names on every write: a rewritten shard never replaces the one the live manifest points at.
+    # Fresh names on every write: a rewritten shard never replaces the one the live manifest points
+    # at.
     return f"shard-{secrets.token_hex(8)}.bin"
 
 
@@ -142,7 +143,8 @@ def _write_manifest(directory: Path, manifest: SnapshotManifest) -> None:
 
 
 class _ShardWriter:
-    """Appends records to shard files of at most ``max_shard_bytes`` (one record may exceed it alone)."""
+    """Appends records to shard files of at most ``max_shard_bytes`` (one record may exceed it
+    alone)."""
 
     def __init__(self, directory: Path, max_shard_bytes: int) -> None:
         self._directory = directory
@@ -166,7 +168,8 @@ class _ShardWriter:
         self._name, self._chunks, self._size = None, [], 0
 
     def discard(self) -> None:
-        """Overwrite and unlink the shards written so far: a rewrite that failed leaves no file no manifest names."""
+        """Overwrite and unlink the shards written so far: a rewrite that failed leaves no file no
+        manifest names."""
         self._name, self._chunks, self._size = None, [], 0
         for name in dict.fromkeys(block.shard for block in self.blocks):
             path = self._directory / name
@@ -178,7 +181,8 @@ class _ShardWriter:
 def write_snapshot(
     pool: BlockPool, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> SnapshotManifest:
-    """Write every READY block of the pool to a new snapshot directory; the manifest is written last."""
+    """Write every READY block of the pool to a new snapshot directory; the manifest is written
+    last."""
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
         raise ValueError("snapshot directory must be new or empty")
@@ -215,7 +219,8 @@ def write_snapshot(
 def _iter_records(
     directory: Path, manifest: SnapshotManifest
 ) -> Iterator[tuple[SnapshotBlock, bytes | None]]:
-    """Every block's record bytes in manifest order, one shard in memory at a time; None where unreadable."""
+    """Every block's record bytes in manifest order, one shard in memory at a time; None where
+    unreadable."""
     shard_name: str | None = None
     shard: bytes | None = None
     for block in manifest.blocks:
@@ -280,7 +285,8 @@ def readable_blocks(directory: Path, key_provider: DataKeyProvider) -> list[Bloc
 
 
 def sealing_key_ids(directory: Path) -> set[str]:
-    """Ids of the data keys that sealed a snapshot's records, from their clear headers (no record is read whole).
+    """Ids of the data keys that sealed a snapshot's records, from their clear headers (no record is
+    read whole).
 
     Lets a caller fetch those keys outside the model worker before a pass that
     unseals every record (:func:`remove_from_snapshot`), so the pass finds them
@@ -386,7 +392,8 @@ def delete_snapshot(directory: Path) -> bool:
 
 
 def complete_snapshots(root: Path) -> list[Path]:
-    """Every snapshot directory under ``root`` whose manifest is written, in name order (none if ``root`` is absent).
+    """Every snapshot directory under ``root`` whose manifest is written, in name order (none if
+    ``root`` is absent).
 
     The manifest is written last: a directory without one is a write in progress or one a crash
     interrupted (:func:`delete_incomplete`), which nothing reads.

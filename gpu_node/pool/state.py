@@ -209,7 +209,8 @@ class PoolState:
     # --- bytes ---------------------------------------------------------------------------------
 
     def read_payload(self, entry: CacheEntry) -> torch.Tensor:
-        """The entry's KV: a view of its slot, or the decoded file (a corrupt one is dropped and raises)."""
+        """The entry's KV: a view of its slot, or the decoded file (a corrupt one is dropped and
+        raises)."""
         if entry.tier is not Tier.DISK:
             return self.memory[entry.tier].table[entry.slot]
         try:
@@ -222,7 +223,8 @@ class PoolState:
     def store_bytes(
         self, entry: CacheEntry, tier: Tier, kv: torch.Tensor
     ) -> tuple[bool, int | None]:
-        """Write ``kv`` into ``tier``, which has room: a free device/host slot (the lowest) or the block's file.
+        """Write ``kv`` into ``tier``, which has room: a free device/host slot (the lowest) or the
+        block's file.
 
         Returns ``(stored, slot)``: ``slot`` is the slot taken (None on disk); not
         stored only when the disk tier cannot seal the block (its scope has no
@@ -238,7 +240,8 @@ class PoolState:
     def drop(
         self, entry: CacheEntry, reason: RemovalReason, cleared: bool | None = None
     ) -> RemovalEvidence:
-        """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING → ABSENT).
+        """Delete the bytes of an entry in its tier, forget it, count it and report it (EVICTING →
+        ABSENT).
 
         ``cleared``: see :meth:`delete_bytes`.
         """
@@ -269,7 +272,8 @@ class PoolState:
             self.num_restore_failures += 1
 
     def delete_bytes(self, entry: CacheEntry, cleared: bool | None = None) -> RemovalEvidence:
-        """Zero the entry's slot (read back as zero) and free it, or zero+unlink its file (checked absent).
+        """Zero the entry's slot (read back as zero) and free it, or zero+unlink its file (checked
+        absent).
 
         ``cleared`` is the outcome of that deletion when the caller already did
         it (a batch removal, :class:`gpu_node.pool.removal.PoolRemover`); None: delete now.
@@ -291,7 +295,8 @@ class PoolState:
     # --- at-rest records and the two clocks ------------------------------------------------------
 
     def record(self, entry: CacheEntry, kv: torch.Tensor) -> BlockRecord:
-        """``entry`` with KV ``kv`` as an at-rest record (snapshot shards and the disk tier's files alike)."""
+        """``entry`` with KV ``kv`` as an at-rest record (snapshot shards and the disk tier's files
+        alike)."""
         return BlockRecord(
             entry.key, self.spec.kv_format, self.wall_expiry(entry), tensor_bytes(kv)
         )
@@ -305,7 +310,8 @@ class PoolState:
         )
 
     def expiry_from_wall(self, expires_at_wall: float | None) -> float | None:
-        """A record's wall-clock expiry on the pool's monotonic clock (the inverse of :meth:`wall_expiry`)."""
+        """A record's wall-clock expiry on the pool's monotonic clock (the inverse of
+        :meth:`wall_expiry`)."""
         return (
             None
             if expires_at_wall is None

@@ -112,11 +112,12 @@ class RemovalEvidence:
     key_id: str | None = None
 
 
-# Pool events: what :meth:`BlockPool.take_events` reports, one per change of bytes, in order. They are
-# named apart from the kv-events records of :mod:`events.schema` (``BlockStored``, ``BlockRemoved``,
-# ``BlockMoved``) on purpose: a pool event is one block, in-process, with raw provenance and removal
-# evidence; a record batches many blocks and carries only what the ledger may see. The one translation
-# (pool event → record) is :meth:`gpu_node.governance.publisher.NodePublisher._payload`.
+# Pool events: what :meth:`BlockPool.take_events` reports, one per change of bytes, in order. They
+# are named apart from the kv-events records of :mod:`events.schema` (``BlockStored``,
+# ``BlockRemoved``, ``BlockMoved``) on purpose: a pool event is one block, in-process, with raw
+# provenance and removal evidence; a record batches many blocks and carries only what the ledger may
+# see. The one translation (pool event → record) is
+# :meth:`gpu_node.governance.publisher.NodePublisher._payload`.
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +135,14 @@ class StoredInPool:
     key: BlockKey
     tier: Tier
     source: ReplicaSource | None = None
-    """Set for a replica pulled from a peer (``gpu_node.cache.peers``); None for a block computed or warmed here."""
+    """Set for a replica pulled from a peer (``gpu_node.cache.peers``); None for a block computed or
+    warmed here."""
 
 
 @dataclass(frozen=True, slots=True)
 class RemovedFromPool:
-    """Bytes of a block were deleted; ``evidence`` is set by the pool for every removal. Becomes a ``BlockRemoved`` record."""
+    """Bytes of a block were deleted; ``evidence`` is set by the pool for every removal. Becomes a
+    ``BlockRemoved`` record."""
 
     block_hash: bytes
     tier: Tier
@@ -149,7 +152,8 @@ class RemovedFromPool:
 
 @dataclass(frozen=True, slots=True)
 class MovedInPool:
-    """A READY block's bytes moved between tiers (demotion or promotion); becomes a ``BlockMoved`` record."""
+    """A READY block's bytes moved between tiers (demotion or promotion); becomes a ``BlockMoved``
+    record."""
 
     block_hash: bytes
     from_tier: Tier
@@ -159,7 +163,8 @@ class MovedInPool:
 PoolEvent = StoredInPool | RemovedFromPool | MovedInPool
 
 IndexKey = tuple
-"""Names the entries that may match a removal predicate (:meth:`BlockPool.remove_where`'s ``candidates``).
+"""Names the entries that may match a removal predicate (:meth:`BlockPool.remove_where`'s
+``candidates``).
 
 One of ``("tenant", tenant_id)``, ``("document", tenant_id, doc_id)`` (any
 version of the document), ``("policy", tenant_id, auth_scope)`` (any policy
@@ -171,7 +176,8 @@ INDEX_KINDS = frozenset({"tenant", "document", "policy", "namespace"})
 
 
 def provenance_index_keys(provenance: CacheProvenance) -> list[IndexKey]:
-    """The provenance index keys a block is filed under (every key but ``namespace``, which is the whole pool)."""
+    """The provenance index keys a block is filed under (every key but ``namespace``, which is the
+    whole pool)."""
     tenant = provenance.tenant_id
     keys: list[IndexKey] = [("tenant", tenant)]
     for tag in provenance.documents:

@@ -1,4 +1,5 @@
-"""Warm start: blocks in and out of the pool as at-rest records (snapshots) and re-indexing the disk tier.
+"""Warm start: blocks in and out of the pool as at-rest records (snapshots) and re-indexing the disk
+tier.
 
 Its own part of the pool because it is the one path where blocks enter the
 pool READY without being built (snapshot import, files left by an earlier run)
@@ -89,14 +90,12 @@ class PoolWarmStart:
     def load_disk_tier(self) -> int:
         """Re-index block files left by an earlier run; returns how many became READY.
 
-        Corrupt, undecryptable, foreign-namespace and expired files are deleted
-        (and reported as removed), as are files beyond ``max_disk_blocks``.
-        Re-indexed blocks changed no bytes, so they produce no event; the node
-        reports them in its inventory. Raises
-        :class:`gpu_node.keys.crypto.KeyServiceUnavailable` when a file's key can be
-        neither found nor known destroyed now; the files indexed until then stay
-        indexed, so calling again resumes (see :meth:`gpu_node.engine.async_engine.AsyncEngine.start`).
-        """
+        Corrupt, undecryptable, foreign-namespace and expired files are deleted (and reported as
+        removed), as are files beyond ``max_disk_blocks``. Re-indexed blocks changed no bytes, so
+        they produce no event; the node reports them in its inventory. Raises
+        :class:`gpu_node.keys.crypto.KeyServiceUnavailable` when a file's key can be neither found
+        nor known destroyed now; the files indexed until then stay indexed, so calling again resumes
+        (see :meth:`gpu_node.engine.async_engine.AsyncEngine.start`)."""
         state = self._state
         if state.disk is None:
             return 0
@@ -132,7 +131,8 @@ class PoolWarmStart:
     def _delete_stray_file(
         self, path: Path, block_hash: bytes, encrypted: bool, reason: RemovalReason
     ) -> None:
-        """Delete an unindexed block file found at start and report it, so the ledger drops its placement."""
+        """Delete an unindexed block file found at start and report it, so the ledger drops its
+        placement."""
         state = self._state
         verified = overwrite_and_unlink(path)
         evidence = RemovalEvidence(

@@ -25,7 +25,8 @@ depends_on: str | Sequence[str] | None = None
 
 TIMESTAMP = sa.DateTime(timezone=True)
 LINKED_TABLES = ("namespaces", "placements", "documents", "policies")
-"""Tables that get an ``invalidation_id`` pointing at the command that enforces (or enforced) their state."""
+"""Tables that get an ``invalidation_id`` pointing at the command that enforces (or enforced) their
+state."""
 
 
 def upgrade() -> None:

@@ -1,4 +1,5 @@
-"""``kvledger bench ledger``'s report: the COPY ratio is the headline, taken per run, with the lag percentiles."""
+"""``kvledger bench ledger``'s report: the COPY ratio is the headline, taken per run, with the lag
+percentiles."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _run(end_to_end: float, copy: float, apply: float, lag_p99_ms: float) -> Led
 
 def test_headline_is_the_median_of_per_run_copy_ratios() -> None:
     args = argparse.Namespace(runs=3, events=50000, blocks_per_record=50)
-    # Ratios 50 %, 80 %, 60 %: the median of the ratios (60 %), not the ratio of the medians (30,000 / 40,000 = 75 %).
+    # Ratios 50 %, 80 %, 60 %: the median of the ratios (60 %), not the ratio of the medians (30,000
+    # / 40,000 = 75 %).
     runs = [
         _run(20000, 40000, 30000, 900),
         _run(40000, 50000, 45000, 1200),

@@ -1,4 +1,5 @@
-"""``kvledger bench soak``'s pieces that need no services: durations, the report, refusing a bad duration."""
+"""``kvledger bench soak``'s pieces that need no services: durations, the report, refusing a bad
+duration."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The web console in a real browser: headless Chromium (the distribution's package) driven by Playwright.
+"""The web console in a real browser: headless Chromium (the distribution's package) driven by
+Playwright.
 
 A real coordinator — its consumers and its HTTP app on uvicorn — over a fresh database and
 the session's broker. Two nodes are played by this module (signed kv-events and acks, as
@@ -156,7 +157,8 @@ async def _complete(client: httpx.AsyncClient, doc_id: str) -> dict:
 
 @pytest.fixture(scope="module")
 async def story(console: str, producer: EventProducer) -> dict:
-    """Two nodes' blocks, a document update and an invalidation of an id holding ``<script>``, all acked; a verified erasure."""
+    """Two nodes' blocks, a document update and an invalidation of an id holding ``<script>``, all
+    acked; a verified erasure."""
     user = {
         "tenant_id": TENANT_A,
         "scope": "user",
@@ -283,7 +285,8 @@ async def browser() -> AsyncIterator[object]:
 
 
 async def _logged_in(browser, url: str, role: str, tenant: str):
-    """A fresh browser context (its own cookie jar) logged in through the form as ``role`` of ``tenant``."""
+    """A fresh browser context (its own cookie jar) logged in through the form as ``role`` of
+    ``tenant``."""
     context = await browser.new_context(
         accept_downloads=True, viewport={"width": 1400, "height": 900}
     )
@@ -316,7 +319,8 @@ async def _cells(page, selector: str) -> list[list[str]]:
 
 
 async def test_login_overview_and_logout(story: dict, browser) -> None:
-    """Login form → cookie (HttpOnly, SameSite=Strict, not Secure over http) → overview with exact nodes, tiers, backlog → logout."""
+    """Login form → cookie (HttpOnly, SameSite=Strict, not Secure over http) → overview with exact
+    nodes, tiers, backlog → logout."""
     url = story["url"]
     context, page = await _logged_in(browser, url, "platform-admin", "platform")
     (cookie,) = await context.cookies()
@@ -364,7 +368,8 @@ async def test_login_overview_and_logout(story: dict, browser) -> None:
 
 
 async def test_invalidations_list_filter_and_detail(story: dict, browser) -> None:
-    """The list (newest first), the document filter, and the per node × tier timings and evidence of one command."""
+    """The list (newest first), the document filter, and the per node × tier timings and evidence of
+    one command."""
     url = story["url"]
     context, page = await _logged_in(browser, url, "platform-admin", "platform")
     await page.click("header >> text=Invalidations")
@@ -424,7 +429,8 @@ async def test_invalidations_list_filter_and_detail(story: dict, browser) -> Non
 
 
 async def test_an_id_holding_a_script_is_shown_as_text(story: dict, browser) -> None:
-    """``<script>`` in a document id and an erasure reason is rendered escaped: visible as text, no element, no dialog."""
+    """``<script>`` in a document id and an erasure reason is rendered escaped: visible as text, no
+    element, no dialog."""
     url = story["url"]
     context, page = await _logged_in(browser, url, "auditor", TENANT_A)
     escaped = {

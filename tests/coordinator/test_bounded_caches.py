@@ -1,4 +1,5 @@
-"""The coordinator's node key cache is bounded: least recently used keys leave memory first (real ledger)."""
+"""The coordinator's node key cache is bounded: least recently used keys leave memory first (real
+ledger)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,6 @@ async def test_the_node_key_cache_keeps_only_the_most_recently_used_keys(
     async with database.session() as session, session.begin():
         for node_id in ("node-a", "node-b", "node-c"):
             await revoke(session, node_id)
-    # Cached keys are trusted from memory for cache_s; the evicted one is read again and found revoked.
+    # Cached keys are trusted from memory for cache_s; the evicted one is read again and found
+    # revoked.
     assert set(await registry.lookup(kids)) == {kids[1], kids[2]}

@@ -1,4 +1,5 @@
-"""Command re-send (``coordinator.handlers.resend``): a target that has not acked gets its command again, with backoff.
+"""Command re-send (``coordinator.handlers.resend``): a target that has not acked gets its command
+again, with backoff.
 
 Two levels, both on real services:
 
@@ -59,7 +60,8 @@ MAX_S = 0.8
 TIMEOUT_S = 30.0
 
 
-# --------------------------------------------------------------------------- the re-sender on its own
+# --------------------------------------------------------------------------- the re-sender on its
+# own
 
 
 @pytest.fixture
@@ -154,7 +156,8 @@ async def test_resends_pending_targets_with_capped_exponential_backoff_and_stops
     )
     await set_acked(ledger, command_id, ["n1"])
 
-    # Two replicas at once: every due target is claimed by exactly one of them, each command re-sent once.
+    # Two replicas at once: every due target is claimed by exactly one of them, each command re-sent
+    # once.
     async def due() -> bool:
         async with ledger.session() as session:
             created_at = await session.scalar(
@@ -217,7 +220,8 @@ async def test_settings_refuse_a_maximum_below_the_first_wait() -> None:
         CoordinatorSettings(ledger={"command_resend_after_s": 30, "command_resend_max_s": 10})
 
 
-# --------------------------------------------------------------------------- end to end with a real node
+# --------------------------------------------------------------------------- end to end with a real
+# node
 
 
 class ChatNode(RunningNode):
@@ -308,7 +312,8 @@ class Ledger:
 async def coordinator(
     database_url: str, ledger_template: str, kafka_bootstrap: str
 ) -> AsyncIterator[Ledger]:
-    """The coordinator's consumers with fast re-sends, on a fresh ledger whose groups start at the topics' ends."""
+    """The coordinator's consumers with fast re-sends, on a fresh ledger whose groups start at the
+    topics' ends."""
     async with fresh_database(database_url, ledger_template) as url:
         group = f"resend-{uuid.uuid4().hex[:8]}"
         settings = coordinator_settings(

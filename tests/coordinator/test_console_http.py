@@ -1,4 +1,5 @@
-"""The console's HTTP behaviour without a browser: authentication, the login form's CSRF defence, escaping.
+"""The console's HTTP behaviour without a browser: authentication, the login form's CSRF defence,
+escaping.
 
 The coordinator's app over ASGI (base URL ``http://c``) on a fresh database; the pages
 themselves are read in a real browser by ``tests/browser/test_console.py``.

@@ -372,7 +372,8 @@ async def test_nodes_liveness(client: httpx.AsyncClient) -> None:
 
 
 async def test_metrics_need_the_metrics_token(client: httpx.AsyncClient) -> None:
-    """Ledger gauges span every tenant: an operator's JWT, even a platform admin's, is not the scraper's token."""
+    """Ledger gauges span every tenant: an operator's JWT, even a platform admin's, is not the
+    scraper's token."""
     for headers in ({}, token("admin"), {"Authorization": f"Bearer {METRICS_TOKEN}x"}):
         response = await client.get("/metrics", headers=headers)
         assert response.status_code == 401
@@ -452,7 +453,8 @@ async def test_metrics_report_stale_nodes_and_open_erasures_from_the_ledger(
     assert 0 <= value("kvledger_ledger_oldest_unverified_erasure_age_seconds") < 300
     assert value("kvledger_ledger_invalidations_open", status="pending") >= 1
     assert 0 <= value("kvledger_ledger_oldest_open_invalidation_age_seconds") < 300
-    # node-b's events were an hour old when ingested: they are in the ingest-lag histogram's +Inf bucket only.
+    # node-b's events were an hour old when ingested: they are in the ingest-lag histogram's +Inf
+    # bucket only.
     assert (
         value("kvledger_ledger_ingest_lag_seconds_bucket", le="+Inf")
         - value("kvledger_ledger_ingest_lag_seconds_bucket", le="900.0")

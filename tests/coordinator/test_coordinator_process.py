@@ -156,7 +156,8 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(
 async def test_consumers_only_process_serves_health_readiness_and_metrics(
     ledger_url: str, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    """``--role consumers`` has no ledger API, but is probed and scraped like the API; its logs are JSON lines."""
+    """``--role consumers`` has no ledger API, but is probed and scraped like the API; its logs are
+    JSON lines."""
     log_path = tmp_path / "consumers.log"
     metrics_token = "consumers-metrics-token"
     coordinator = CoordinatorProcess(

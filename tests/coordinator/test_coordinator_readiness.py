@@ -1,4 +1,5 @@
-"""``/readyz`` means consuming: a coordinator running consumers is ready only once they hold their partitions.
+"""``/readyz`` means consuming: a coordinator running consumers is ready only once they hold their
+partitions.
 
 Before, ``/readyz`` checked the database alone, so ``kvledger up`` reported the stack ready
 seconds before the consumer groups were joined, and a document update published right

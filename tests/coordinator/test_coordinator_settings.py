@@ -1,4 +1,5 @@
-"""Coordinator settings: nested KVLEDGER_COORDINATOR_* groups, the shared KVLEDGER_* variables and their precedence."""
+"""Coordinator settings: nested KVLEDGER_COORDINATOR_* groups, the shared KVLEDGER_* variables and
+their precedence."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_shared_variables(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """explicit argument > KVLEDGER_COORDINATOR_* > shared KVLEDGER_* > default; groups merge, not replace."""
+    """explicit argument > KVLEDGER_COORDINATOR_* > shared KVLEDGER_* > default; groups merge, not
+    replace."""
     for name, value in SHARED.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("KVLEDGER_COORDINATOR_KAFKA__BOOTSTRAP", "kafka-coordinator:9092")
@@ -82,7 +84,8 @@ def test_command_signer_is_required_and_must_be_an_ed25519_pem(
 
 
 def test_consumer_group_timing_reaches_every_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Production keeps aiokafka's 10 s session; a deployment (or a test) sets its own, and the consumers get it."""
+    """Production keeps aiokafka's 10 s session; a deployment (or a test) sets its own, and the
+    consumers get it."""
     from coordinator.consumers import kafka_settings
 
     defaults = kafka_settings(CoordinatorSettings())

@@ -126,7 +126,8 @@ async def test_a_poison_record_is_listed_without_its_content_and_a_still_invalid
             replayed.json()["topic"] == DOCUMENTS
             and replayed.json()["partition"] == written.partition
         )
-        # A valid event on the same partition after the replay: once it is decided, the replay was handled.
+        # A valid event on the same partition after the replay: once it is decided, the replay was
+        # handled.
         await producer.send(update)
 
     async def decided() -> bool:
@@ -219,7 +220,8 @@ async def test_only_platform_admins_read_or_replay_and_bad_ids_are_refused(
 async def test_the_cli_lists_and_replays(
     client: httpx.AsyncClient, settings: CoordinatorSettings, tmp_path, consumers: RunningConsumers
 ) -> None:
-    """``kvledger dead-letters`` against the coordinator over real HTTP, with the stack's operator key."""
+    """``kvledger dead-letters`` against the coordinator over real HTTP, with the stack's operator
+    key."""
     import uvicorn
 
     from coordinator.api.app import create_app

@@ -1,16 +1,17 @@
 """Property: the decision rule's two implementations mark exactly the same placements.
 
-The rule "which live copies does a decision cover" exists twice in ``coordinator.handlers.decisions``:
-:func:`~coordinator.handlers.decisions.decide` with :func:`~coordinator.handlers.decisions.matching_blocks` (SQLAlchemy,
-one decision at a time: late re-sends, erasures, namespace retirement, the API) and the bulk ``_DECIDE``
-statement of :func:`~coordinator.handlers.decisions.decide_many` (every document/permission event of a batch at once).
-A rule change made in one of them only would silently diverge, so for random ledgers — blocks of a few
-tenants, namespaces and subjects, with documents and auth scopes at several versions, copies on a few nodes
-in every tier, live or deleted — and random event sequences (documents updated or deleted, permissions
-revoked; some superseded by the recorded version or by an earlier event of the batch) this test runs
-both on the same ledger (real Postgres, each in a savepoint that is rolled back) and compares everything
-they write: which decision marks each placement, each decision's kind, predicate, targets and status,
-the recorded current versions, and the commands queued.
+The rule "which live copies does a decision cover" exists twice in
+``coordinator.handlers.decisions``: :func:`~coordinator.handlers.decisions.decide` with
+:func:`~coordinator.handlers.decisions.matching_blocks` (SQLAlchemy, one decision at a time: late
+re-sends, erasures, namespace retirement, the API) and the bulk ``_DECIDE`` statement of
+:func:`~coordinator.handlers.decisions.decide_many` (every document/permission event of a batch at
+once). A rule change made in one of them only would silently diverge, so for random ledgers — blocks
+of a few tenants, namespaces and subjects, with documents and auth scopes at several versions,
+copies on a few nodes in every tier, live or deleted — and random event sequences (documents updated
+or deleted, permissions revoked; some superseded by the recorded version or by an earlier event of
+the batch) this test runs both on the same ledger (real Postgres, each in a savepoint that is rolled
+back) and compares everything they write: which decision marks each placement, each decision's kind,
+predicate, targets and status, the recorded current versions, and the commands queued.
 
 Both are also held against the rule as stated in docs/design.md §5 and written here in Python over
 the generated ledger, which covers the kinds only ``decide()`` serves (subject, namespace, tenant).
@@ -79,7 +80,8 @@ NODE_IDS = ("node-1", "node-2", "node-3")
 SNAPSHOT_ID = "snap-1"
 VERSIONS = st.integers(0, 4)
 PRIOR_COMMAND = uuid.UUID(int=1)
-"""An earlier command already marking some copies: a decision that does not cover them must leave it."""
+"""An earlier command already marking some copies: a decision that does not cover them must leave
+it."""
 OCCURRED_BY = datetime(2026, 1, 1, tzinfo=UTC)
 """The generated events happened in the hour before this (``requested_at`` of their decisions)."""
 
@@ -200,7 +202,8 @@ def user_events(draw, ledger: Ledger) -> list[Envelope]:
             else DocumentDeleted(doc_id=doc_id)
         )
         payloads.append((payload, tenant))
-    # Every part of an envelope is drawn (no fresh uuid4 or clock reading), so an example replays exactly.
+    # Every part of an envelope is drawn (no fresh uuid4 or clock reading), so an example replays
+    # exactly.
     event_ids = draw(
         st.lists(st.uuids(version=4), min_size=len(payloads), max_size=len(payloads), unique=True)
     )
@@ -252,7 +255,8 @@ PREDICATES = st.lists(
 
 
 def covers(predicate: Predicate, block: GenBlock) -> bool:
-    """The decision rule, stated over one block (docs/design.md §5): whether ``predicate`` covers it."""
+    """The decision rule, stated over one block (docs/design.md §5): whether ``predicate`` covers
+    it."""
     match predicate:
         case DocumentPredicate():
             return block.tenant == predicate.tenant and any(
@@ -280,8 +284,8 @@ def covers(predicate: Predicate, block: GenBlock) -> bool:
 def expected_marks(
     ledger: Ledger, predicates: list[Predicate]
 ) -> dict[tuple[bytes, str, str], object]:
-    """Each placement's mark after deciding ``predicates`` in turn: the last covering decision's ordinal for a
-    live copy; a deleted copy, or a live one nothing covers, keeps what it had."""
+    """Each placement's mark after deciding ``predicates`` in turn: the last covering decision's
+    ordinal for a live copy; a deleted copy, or a live one nothing covers, keeps what it had."""
     by_hash = {block.block_hash: block for block in ledger.blocks}
     marks: dict[tuple[bytes, str, str], object] = {}
     for placement in ledger.placements:
@@ -388,7 +392,8 @@ async def _build(session: AsyncSession, ledger: Ledger, now: datetime) -> None:
 
 
 async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dict[str, object]:
-    """Everything a decision writes, with command ids replaced by the decision's ordinal (ids are random)."""
+    """Everything a decision writes, with command ids replaced by the decision's ordinal (ids are
+    random)."""
 
     def ordinal(command_id: uuid.UUID | None) -> object:
         if command_id is None:
@@ -474,8 +479,9 @@ async def _written(session: AsyncSession, ordinals: dict[uuid.UUID, int]) -> dic
 async def _decide_in_turn(
     session: AsyncSession, events: list[Envelope], now: datetime
 ) -> tuple[list[uuid.UUID], Counter]:
-    """The per-event semantics ``decide_many`` promises: each event, in order, is ignored when the recorded version
-    supersedes it, else decided with ``decide()`` and recorded as the new current version."""
+    """The per-event semantics ``decide_many`` promises: each event, in order, is ignored when the
+    recorded version supersedes it, else decided with ``decide()`` and recorded as the new current
+    version."""
     command_ids: list[uuid.UUID] = []
     outcomes: Counter = Counter()
     for envelope in events:

@@ -52,7 +52,8 @@ def _free_port() -> int:
 async def coordinator(
     database_url: str, bootstrap: str, log_path: Path
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """``kvledger coordinator --role all`` as a child process; a client of its HTTP port. SIGTERM at exit."""
+    """``kvledger coordinator --role all`` as a child process; a client of its HTTP port. SIGTERM at
+    exit."""
     port = _free_port()
     env = coordinator_env(
         database_url,
@@ -142,7 +143,8 @@ async def test_the_api_answers_while_the_broker_is_down_and_consumes_once_it_sta
             )
             assert (nodes.status_code, nodes.json()) == (200, {"nodes": []})
             assert seconds < BOUNDED_S
-            # A write needs only the database: the outbox holds its commands until the broker is back.
+            # A write needs only the database: the outbox holds its commands until the broker is
+            # back.
             erasure = await client.post(
                 "/v1/erasures",
                 json={"tenant_id": "acme", "subject_id": "alice", "reason": "GDPR art. 17 request"},

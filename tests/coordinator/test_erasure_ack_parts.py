@@ -69,7 +69,8 @@ TIMEOUT_S = 240.0
 async def kafka_bootstrap(
     kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
-    """This module's own broker: what it publishes is too large to leave on the shared one (``helpers.ledger.own_broker``)."""
+    """This module's own broker: what it publishes is too large to leave on the shared one
+    (``helpers.ledger.own_broker``)."""
     async with own_broker(
         kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")
     ) as bootstrap:
@@ -105,7 +106,8 @@ async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[RunningCon
 async def command_copies(
     bootstrap: str, command_id: uuid.UUID, num_copies: int
 ) -> list[Invalidate]:
-    """The first ``num_copies`` records of ``command_id`` on the commands topic (the original, then re-sends)."""
+    """The first ``num_copies`` records of ``command_id`` on the commands topic (the original, then
+    re-sends)."""
     found: list[Invalidate] = []
 
     def visit(record) -> bool:
@@ -186,7 +188,8 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
     command_id = uuid.UUID((await status_of(client, erasure_id))["commands"][0]["command_id"])
     (command,) = await command_copies(settings.kafka.bootstrap, command_id, 1)
 
-    # The node's own ack: its real splitter, each part signed with its enrolled key and within the limit.
+    # The node's own ack: its real splitter, each part signed with its enrolled key and within the
+    # limit.
     reports = [
         TierReport(Tier.DEVICE, hashes["device"], "overwrite", "readback_zero", True),
         TierReport(Tier.HOST, hashes["host"], "overwrite", "readback_zero", True),
@@ -195,7 +198,8 @@ async def test_an_erasure_of_100k_blocks_acked_in_parts_verifies_after_a_lost_pa
             Tier.SNAPSHOT, hashes["snapshot"], "crypto_erase", "key_destroyed", True, [data_key_id]
         ),
     ]
-    # As the node does: its removals go out as block events first, and the ack is fenced behind them.
+    # As the node does: its removals go out as block events first, and the ack is fenced behind
+    # them.
     await producer.send_many(
         [
             node.event(

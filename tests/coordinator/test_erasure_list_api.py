@@ -1,4 +1,5 @@
-"""``GET /v1/erasures`` (the list the console shows) and ``GET /v1/invalidations?doc_id=``: tenancy, order, paging, bad input.
+"""``GET /v1/erasures`` (the list the console shows) and ``GET /v1/invalidations?doc_id=``: tenancy,
+order, paging, bad input.
 
 Real Postgres (a database of this module) and the coordinator's app over ASGI; erasures are
 started through ``POST /v1/erasures`` (no node is needed to list them).
@@ -106,7 +107,8 @@ async def test_erasure_list_refuses_other_tenants_and_bad_input(client: httpx.As
 
 
 async def test_invalidations_filter_by_document(client: httpx.AsyncClient) -> None:
-    """The erasures above decided subject invalidations only: a document filter matches none of them."""
+    """The erasures above decided subject invalidations only: a document filter matches none of
+    them."""
     auditor = operator_headers("auditor", TENANT_A)
     every = (await client.get("/v1/invalidations", headers=auditor)).json()["invalidations"]
     assert len(every) == 3 and {item["kind"] for item in every} == {"subject"}

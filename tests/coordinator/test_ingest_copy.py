@@ -49,7 +49,8 @@ def _ingest(database: Database) -> LedgerIngest:
 
 
 async def _ledger(database: Database) -> tuple:
-    """Placement and block rows and node positions, comparable across databases (ids and times left out)."""
+    """Placement and block rows and node positions, comparable across databases (ids and times left
+    out)."""
     async with database.session() as session:
         placement_rows = await session.execute(
             select(
@@ -75,9 +76,10 @@ async def _ledger(database: Database) -> tuple:
 
 
 def _history(node_ids: tuple[str, str]) -> tuple[list[Envelope], list[Envelope]]:
-    """(prelude, batch): the prelude stores blocks on the first node; the batch stores them again on the second
-    node (known blocks) together with new ones, repeats one record (a duplicate within the batch), skips a seq
-    (a gap: the node is asked for an inventory) and removes a block it stored in the same batch."""
+    """(prelude, batch): the prelude stores blocks on the first node; the batch stores them again on
+    the second node (known blocks) together with new ones, repeats one record (a duplicate within
+    the batch), skips a seq (a gap: the node is asked for an inventory) and removes a block it
+    stored in the same batch."""
     first, second = (FakeNode(None, node_id, epoch=1) for node_id in node_ids)  # type: ignore[arg-type]  # builds envelopes only
     known = [stored(f"{node_ids[0]}/known-{i}", "device") for i in range(3)]
     new = [stored(f"{node_ids[1]}/new-{i}", "device") for i in range(3)]
@@ -106,8 +108,9 @@ def _history(node_ids: tuple[str, str]) -> tuple[list[Envelope], list[Envelope]]
 async def test_known_and_new_blocks_in_one_batch_build_the_ledger_of_one_event_per_batch(
     database_url: str, ledger_template: str
 ) -> None:
-    """New blocks take the copy path, known ones the upsert; a duplicate, a gap and a removal of a block stored in
-    the same batch are in the batch too. Batch boundaries must not change a single row."""
+    """New blocks take the copy path, known ones the upsert; a duplicate, a gap and a removal of a
+    block stored in the same batch are in the batch too. Batch boundaries must not change a single
+    row."""
     node_ids = (f"node-{uuid.uuid4().hex[:8]}", f"node-{uuid.uuid4().hex[:8]}")
     prelude, batch = _history(node_ids)
     results = []

@@ -1,4 +1,5 @@
-"""Privacy erasure, coordinator side: request → subject Invalidate → node acks → verified → signed receipt.
+"""Privacy erasure, coordinator side: request → subject Invalidate → node acks → verified → signed
+receipt.
 
 Real Postgres (a database for this module) and the real broker; the coordinator's
 consumers run in-process and the HTTP API is the app a coordinator serves. Nodes are
@@ -100,7 +101,8 @@ async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[RunningCon
 
 @pytest.fixture(scope="module")
 def receipts_seen() -> list[str]:
-    """Erasure ids whose receipts earlier tests of this module verified (the tamper test re-fetches them)."""
+    """Erasure ids whose receipts earlier tests of this module verified (the tamper test re-fetches
+    them)."""
     return []
 
 
@@ -255,7 +257,8 @@ async def test_erasure_across_nodes_tiers_and_snapshot_with_restart(
     data_key_id, _ = await keys.resolve(TENANT, mine)
 
     async def ledger_has_blocks() -> bool:
-        # Both nodes: their records lie on different partitions, which the consumer may reach at different times.
+        # Both nodes: their records lie on different partitions, which the consumer may reach at
+        # different times.
         async with database.session() as session:
             placed_on_a = await session.scalar(
                 select(func.count())
@@ -436,10 +439,11 @@ async def test_erasure_requested_event_late_block_and_idempotency(
     erasure = await status_of(client, str(erasure_id))
     assert erasure["subject_hash"] == mine and erasure["status"] == "pending"
     command_id = uuid.UUID(erasure["commands"][0]["command_id"])
-    # The node registers after the erasure was decided, so it is not a target of the subject command: its
-    # copies are covered by nothing it acked until the re-sends reach it. (Registered before the decision, its
-    # ack of the subject command would cover everything it holds, and a copy recorded after that ack counts
-    # as data built after the erasure: docs/design.md §6, "Erasure".)
+    # The node registers after the erasure was decided, so it is not a target of the subject
+    # command: its copies are covered by nothing it acked until the re-sends reach it. (Registered
+    # before the decision, its ack of the subject command would cover everything it holds, and a
+    # copy recorded after that ack counts as data built after the erasure: docs/design.md §6,
+    # "Erasure".)
     await node.start()
     assert node.node_id not in await targets(database, command_id)
 
@@ -477,8 +481,9 @@ async def test_erasure_requested_event_late_block_and_idempotency(
         "status"
     ] == "partial"  # the re-send is not acked yet
 
-    # Meanwhile the ledger records the block moving to host, after the re-send was decided: when every
-    # command is complete and that copy is still live, the verifier sends the subject command once more.
+    # Meanwhile the ledger records the block moving to host, after the re-send was decided: when
+    # every command is complete and that copy is still live, the verifier sends the subject command
+    # once more.
     late = block_hash(f"{uid}-late")
     await node.publish(
         BlockMoved, blocks=[MovedBlock(block_hash=late, from_tier="device", to_tier="host")]
@@ -712,7 +717,8 @@ def ack_outcomes() -> tuple[float, float]:
 async def erasure_command(
     client: httpx.AsyncClient, settings: CoordinatorSettings, subject: str
 ) -> tuple[str, uuid.UUID]:
-    """Start an erasure of ``subject``; (erasure id, its command id) once the command is on the topic."""
+    """Start an erasure of ``subject``; (erasure id, its command id) once the command is on the
+    topic."""
     body = {"tenant_id": TENANT, "subject_id": subject, "reason": "GDPR art. 17 request"}
     started = await client.post("/v1/erasures", json=body, headers=OFFICER)
     assert started.status_code == 202, started.text
@@ -734,9 +740,10 @@ async def test_an_ack_that_overtakes_its_nodes_kv_events_waits_for_them(
     client: httpx.AsyncClient,
     settings: CoordinatorSettings,
 ) -> None:
-    """The node wrote a snapshot, then the erasure removed the subject's blocks and rewrote the snapshot. Its ack,
-    fenced behind those events, reaches the coordinator before them (another topic, another consumer group):
-    applied then, it would delete nothing and the snapshot copy would arrive afterwards, live for good."""
+    """The node wrote a snapshot, then the erasure removed the subject's blocks and rewrote the
+    snapshot. Its ack, fenced behind those events, reaches the coordinator before them (another
+    topic, another consumer group): applied then, it would delete nothing and the snapshot copy
+    would arrive afterwards, live for good."""
     uid = uuid.uuid4().hex[:8]
     subject = f"carol-{uid}@example.com"
     user = {"tenant_id": TENANT, "scope": "user", "subject_id": digest(subject)}

@@ -1,4 +1,5 @@
-"""kv-events published to a real broker end up as exact ledger rows (real Postgres, real consumer group).
+"""kv-events published to a real broker end up as exact ledger rows (real Postgres, real consumer
+group).
 
 The coordinator's consumers run in-process (``run_consumers``) against a database
 created for this module; every test uses its own node ids, so tests are independent
@@ -118,7 +119,8 @@ def counter(name: str, **labels: str) -> float:
 
 
 async def first_record(topic: str, bootstrap: str, match, timeout_s: float = 30.0):
-    """Read ``topic`` from the beginning until a record satisfies ``match``; returns ``match``'s result."""
+    """Read ``topic`` from the beginning until a record satisfies ``match``; returns ``match``'s
+    result."""
     found = []
 
     def visit(record) -> bool:
@@ -429,7 +431,8 @@ async def test_seq_gap_requests_inventory_and_inventory_reconciles(
 
     await eventually(outbox_sent, what="the outbox row to be marked sent")
 
-    # The node's truth: a is still on device, d (never reported) on disk and in a snapshot; b and c are gone.
+    # The node's truth: a is still on device, d (never reported) on disk and in a snapshot; b and c
+    # are gone.
     d = stored(f"{node_id}/d", "disk", tenant_id="acme", scope="tenant", auth_scopes=[("*", 0)])
     await node.publish(
         Inventory,
@@ -496,7 +499,8 @@ async def test_holes_without_seq_gap_request_inventory(
     settings: CoordinatorSettings,
     node_id: str,
 ) -> None:
-    """A never-seen node, and a heartbeat announcing events we never got, both mean the ledger is incomplete."""
+    """A never-seen node, and a heartbeat announcing events we never got, both mean the ledger is
+    incomplete."""
     node = FakeNode(producer, node_id, epoch=4)
     await node.publish(
         BlockMoved,
@@ -533,9 +537,10 @@ async def _status_is(database: Database, node_id: str, status: str) -> bool:
 
 
 def _mixed_history(node_id: str) -> tuple[list[Envelope], list[Envelope]]:
-    """(prelude, mixed): the prelude stores blocks in an earlier batch; ``mixed`` stores, moves and removes
-    the same blocks again and again, places a block it never stored, writes a snapshot and restarts the
-    node between its block events (both flush what is accumulated), so every write path of a batch runs."""
+    """(prelude, mixed): the prelude stores blocks in an earlier batch; ``mixed`` stores, moves and
+    removes the same blocks again and again, places a block it never stored, writes a snapshot and
+    restarts the node between its block events (both flush what is accumulated), so every write path
+    of a batch runs."""
     node = FakeNode(None, node_id)  # type: ignore[arg-type]  # builds envelopes only
     a, b, c, d, e, old, early = (
         stored(f"{node_id}/{label}", "device")
@@ -630,7 +635,8 @@ def _consumed(envelopes: Sequence[Envelope], first_offset: int = 0) -> list[Cons
 async def _ingest_batches(
     database_url: str, ledger_template: str, batches: Sequence[Sequence[Envelope]]
 ) -> tuple:
-    """Apply ``batches`` (each one handler call, offsets continuing) to a fresh ledger; returns its rows."""
+    """Apply ``batches`` (each one handler call, offsets continuing) to a fresh ledger; returns its
+    rows."""
     async with fresh_database(database_url, ledger_template) as url:
         database = Database(DatabaseSettings(url=url))
         try:
@@ -745,7 +751,8 @@ async def test_one_batch_builds_the_ledger_that_one_event_per_batch_builds(
         (e, "host", None, "live", 2, None),
     }
     assert as_one[3] == [(node_id, "snap-1", "live", 3)]
-    # The move of a block never stored is a hole: the node is reconciling, asked once for an inventory.
+    # The move of a block never stored is a hole: the node is reconciling, asked once for an
+    # inventory.
     assert as_one[2] == [(node_id, 2, 3, "reconciling", "ns-test")] and as_one[5] == [node_id]
     assert as_one[4] == len(prelude) + len(mixed)
 
@@ -754,7 +761,8 @@ async def test_redelivered_batch_after_a_crash_applies_nothing_twice(
     database_url: str, ledger_template: str
 ) -> None:
     """A coordinator that dies after its database commit but before the offset commit gets its batch
-    again, possibly with newer records behind it: the applied part must be a no-op, the rest applied once."""
+    again, possibly with newer records behind it: the applied part must be a no-op, the rest applied
+    once."""
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     prelude, mixed = _mixed_history(node_id)
     applied_once = await _ingest_batches(database_url, ledger_template, [prelude, mixed])

@@ -1,4 +1,5 @@
-"""Invalidation, coordinator side: user events → ledger decision → Invalidate command → acks → complete.
+"""Invalidation, coordinator side: user events → ledger decision → Invalidate command → acks →
+complete.
 
 Real Postgres (a database for this module) and the real broker; the coordinator's
 consumers run in-process (``run_consumers``) and the HTTP API is served by the same
@@ -241,7 +242,8 @@ async def test_document_update_from_a_plain_producer(
     await b.store(old, old_disk)
     await _nodes_applied(database, a, b)
 
-    # A user's system: a plain producer, JSON bytes built by hand (then signed with its producer key).
+    # A user's system: a plain producer, JSON bytes built by hand (then signed with its producer
+    # key).
     event_id = str(uuid.uuid4())
     value = signed_customer_value(
         json.dumps(
@@ -453,7 +455,8 @@ async def test_permission_revocation_invalidates_the_whole_scope(
     )
     await producer.send(event)
     invalidation = await _one_invalidation(database, source_event_id=event.event_id)
-    # Narrowed to one subject, yet the whole scope below the new version goes (tenant blocks name no subject).
+    # Narrowed to one subject, yet the whole scope below the new version goes (tenant blocks name no
+    # subject).
     assert invalidation.predicate == {
         "kind": "policy",
         "tenant": tenant,

@@ -1,4 +1,5 @@
-"""The ledger schema exists only through Alembic: upgrade from empty, downgrade to base, upgrade again."""
+"""The ledger schema exists only through Alembic: upgrade from empty, downgrade to base, upgrade
+again."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ async def test_concurrent_upgrades_serialize(empty_url: str) -> None:
 
 
 async def test_cli(empty_url: str) -> None:
-    """`kvledger migrate` blocks (it runs its own event loop), so it is driven from a worker thread here."""
+    """`kvledger migrate` blocks (it runs its own event loop), so it is driven from a worker thread
+    here."""
 
     def run(**overrides) -> int:
         args = {"database_url": empty_url, "revision": "head", "downgrade": False, **overrides}

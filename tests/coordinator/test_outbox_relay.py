@@ -40,7 +40,8 @@ async def settings(
 
 
 class _LostMidBatch(EventProducer):
-    """Publishes a batch's first envelope, then fails as a connection lost in the middle of a batch does."""
+    """Publishes a batch's first envelope, then fails as a connection lost in the middle of a batch
+    does."""
 
     async def send_many(self, envelopes):
         await super().send_many(list(envelopes)[:1])
@@ -105,7 +106,8 @@ async def test_a_batch_that_cannot_be_published_stays_unsent_and_is_relayed_in_o
     def visit(record) -> bool:
         envelope = decode_event(record.value)
         if isinstance(envelope.payload, Invalidate) and envelope.payload.command_id in command_ids:
-            # The relay publishes the signed bytes the decision wrote; nodes verify them against the pinned key.
+            # The relay publishes the signed bytes the decision wrote; nodes verify them against the
+            # pinned key.
             assert verify_envelope(envelope, COMMAND_KEY.public_key())
             published.append(envelope.payload.command_id)
         return len(published) == len(expected)
@@ -186,6 +188,7 @@ async def test_a_leased_row_its_process_failed_to_publish_is_relayed_once_the_le
             )
         assert await relay.relay_once() == 1
     assert None not in await _sent_at(database, ids)
-    # The failing producer got the record out before failing: published twice, absorbed by command id.
+    # The failing producer got the record out before failing: published twice, absorbed by command
+    # id.
     published = await _published_in_order(settings, [command.payload.command_id] * 2)
     assert published == [command.payload.command_id] * 2

@@ -1,12 +1,11 @@
 """One vocabulary: the enums code uses are exactly what the ledger's CHECK constraints allow.
 
-``coordinator.ledger.states`` and ``events.tiers`` name every value a state, status or tier column may
-hold, and ``coordinator.ledger.models`` builds its CHECK constraints from them. The schema itself exists
-only through the migrations, so an enum whose spelling drifted from a migrated constraint would
-pass every test on the models and fail on a real ledger: here the constraints of a migrated
-database are held against those ``create_all`` makes from the models, one by one, as Postgres
-itself prints them.
-"""
+``coordinator.ledger.states`` and ``events.tiers`` name every value a state, status or tier column
+may hold, and ``coordinator.ledger.models`` builds its CHECK constraints from them. The schema
+itself exists only through the migrations, so an enum whose spelling drifted from a migrated
+constraint would pass every test on the models and fail on a real ledger: here the constraints of a
+migrated database are held against those ``create_all`` makes from the models, one by one, as
+Postgres itself prints them."""
 
 from __future__ import annotations
 

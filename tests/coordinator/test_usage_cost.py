@@ -1,5 +1,6 @@
-"""``kvledger cost report`` from what real nodes served: responses' ``usage`` → signed ``UsageReported``
-kv-events → the ledger → ``GET /v1/usage`` → per-tenant costs under the model's formula.
+"""``kvledger cost report`` from what real nodes served: responses' ``usage`` → signed
+``UsageReported`` kv-events → the ledger → ``GET /v1/usage`` → per-tenant costs under the model's
+formula.
 
 Two real nodes (engine, publisher, command consumer, OpenAI-compatible app on uvicorn) serve two
 tenants through the official client, streamed and not; the coordinator's consumers and HTTP API
@@ -57,7 +58,8 @@ class Node(ServedNode):
 async def stack(database_url, ledger_template, kafka_bootstrap, tiny_model_dir, tmp_path):
     suffix = uuid.uuid4().hex[:6]
     async with fresh_database(database_url, ledger_template) as url:
-        # At the topics' ends: re-reading what earlier modules left on the worker's broker is not this test's to wait for.
+        # At the topics' ends: re-reading what earlier modules left on the worker's broker is not
+        # this test's to wait for.
         settings = await settings_at_topic_ends(url, kafka_bootstrap)
         node_ids = [f"usage-{i}-{suffix}" for i in range(2)]
         await enroll_nodes(url, node_ids)
@@ -135,8 +137,8 @@ async def test_cost_report_equals_what_the_responses_said(stack, capsys):
     url, nodes, suffix = stack
     tenants = [f"fin-{suffix}", f"ops-{suffix}"]
     expected: dict[str, Counter] = {tenant: Counter() for tenant in tenants}
-    # tenant 0: 3 requests on node 0 (the shared public system prompt is hit after the first), 1 streamed on node 1;
-    # tenant 1: 2 requests on node 1
+    # tenant 0: 3 requests on node 0 (the shared public system prompt is hit after the first), 1
+    # streamed on node 1; tenant 1: 2 requests on node 1
     plan = [(0, 0, False), (0, 0, False), (0, 0, False), (0, 1, True), (1, 1, False), (1, 1, True)]
     for number, (tenant_index, node_index, streamed) in enumerate(plan):
         tenant = tenants[tenant_index]

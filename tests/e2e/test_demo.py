@@ -1,4 +1,5 @@
-"""`kvledger demo` as a user runs it: it starts the embedded stack, tells the story, checks the receipt, stops the stack."""
+"""`kvledger demo` as a user runs it: it starts the embedded stack, tells the story, checks the
+receipt, stops the stack."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ DEMO_TIMEOUT_S = 420
 
 
 def _kvledger(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """``kvledger ARGS`` from a user's shell; the stack it starts joins its consumer groups with the tests' timing."""
+    """``kvledger ARGS`` from a user's shell; the stack it starts joins its consumer groups with the
+    tests' timing."""
     return subprocess.run(
         [sys.executable, "-m", "kvledger.cli", *args],
         capture_output=True,

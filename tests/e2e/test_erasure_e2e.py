@@ -88,7 +88,8 @@ class Node(RunningNode):
             self.engine.pool.key_provider.close()
 
     async def holdings(self, tenant: str, subject: str) -> set[tuple[str, str]]:
-        """(block hash, tier) of the subject's blocks this node holds, snapshots as tier ``snapshot``."""
+        """(block hash, tier) of the subject's blocks this node holds, snapshots as tier
+        ``snapshot``."""
 
         def mine(provenance) -> bool:
             return provenance.tenant_id == tenant and provenance.subject_id == subject
@@ -256,7 +257,8 @@ def user_token(tenant: str, subject: str) -> str:
 
 
 def history(subject: str, turns: int = 12) -> list[dict]:
-    """A user's private chat: a public system prompt, then user-scope turns (every block after it is the user's)."""
+    """A user's private chat: a public system prompt, then user-scope turns (every block after it is
+    the user's)."""
     text = " ".join(
         f"{subject} wrote note {i}: my sick leave started on day {i}" for i in range(turns)
     )
@@ -416,7 +418,8 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
             await node.cached(user_token(tenant, "carol"), public_chat)
             == node.prefix_tokens(public_chat)[0]
         )
-    # alice's next key (issued after the erasure) is live at the coordinator: a node never destroys or reports it.
+    # alice's next key (issued after the erasure) is live at the coordinator: a node never destroys
+    # or reports it.
     provider = nodes[0].engine.pool.key_provider.blocking()
     provenance = CacheProvenance(
         nodes[0].engine.namespace.namespace, tenant, CacheScope.USER, (), alice, (), time.time()
@@ -426,7 +429,8 @@ async def test_erasure_removes_the_subject_everywhere_and_issues_a_verifiable_re
     assert await asyncio.to_thread(provider.destroy, newer_id) is False
     assert await asyncio.to_thread(provider.key_by_id, newer_id) == newer_key
 
-    # The test's own HTTP clients log the URLs it asks for (?subject=...); every other record is the system's.
+    # The test's own HTTP clients log the URLs it asks for (?subject=...); every other record is the
+    # system's.
     client_loggers = ("httpx", "httpcore", "openai")
     logged = "\n".join(
         r.getMessage() for r in caplog.records if not r.name.startswith(client_loggers)
@@ -447,7 +451,8 @@ async def test_erasure_during_a_streaming_generation_lets_it_finish_and_leaves_n
     await node.cached(user_token(tenant, alice), history(alice))
     await ledger_knows(stack, tenant, alice)
 
-    # Hold the node's model worker: the next request claims its new blocks (BUILDING) and waits to prefill.
+    # Hold the node's model worker: the next request claims its new blocks (BUILDING) and waits to
+    # prefill.
     gate = threading.Event()
     held = asyncio.ensure_future(node.engine.run_exclusive(gate.wait, 60))
     longer = history(alice) + [
@@ -499,7 +504,8 @@ async def test_erasure_during_a_streaming_generation_lets_it_finish_and_leaves_n
     users = [key.block_hash for key in keys if key.provenance.scope is CacheScope.USER]
 
     async def tombstoned() -> bool:
-        # The request holds its hits (READY) and builds the rest: once removed, none of them is READY any more.
+        # The request holds its hits (READY) and builds the rest: once removed, none of them is
+        # READY any more.
         return not any(node.engine.pool.state_of(block) is BlockState.READY for block in users)
 
     await eventually(
@@ -552,7 +558,8 @@ async def test_a_node_down_keeps_the_erasure_partial_until_it_replays_and_acks(s
 
 
 async def creators_in_ledger(database_url: str, tenant: str, subject: str) -> dict[str, int]:
-    """Scope → how many blocks the ledger records the subject's requests created (``block_creators``)."""
+    """Scope → how many blocks the ledger records the subject's requests created
+    (``block_creators``)."""
     connection = await connect(database_url)
     try:
         rows = await connection.fetch(

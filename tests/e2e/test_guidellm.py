@@ -39,8 +39,9 @@ NUM_REQUESTS = 6
 PROMPT_TOKENS = 48
 OUTPUT_TOKENS = 8
 GUIDELLM_TIMEOUT_S = 300
-"""Only a bound on a hung run: guidellm's own start (its imports, a worker process) and its six requests took
-over 120 s on 2 loaded cores (a full parallel run beside other work) while everything answered."""
+"""Only a bound on a hung run: guidellm's own start (its imports, a worker process) and its six
+requests took over 120 s on 2 loaded cores (a full parallel run beside other work) while everything
+answered."""
 
 
 @dataclass
@@ -77,8 +78,8 @@ def _token() -> str:
 
 
 def _num_answered(node: Node, timeout_s: float = 30.0) -> int:
-    """Chat completions the node streamed to the end with status 200 (its HTTP histogram counts a response once
-    its last byte is sent), once no request is running or waiting any more."""
+    """Chat completions the node streamed to the end with status 200 (its HTTP histogram counts a
+    response once its last byte is sent), once no request is running or waiting any more."""
     registry = node.engine.metrics.registry
     deadline = time.monotonic() + timeout_s
     while registry.get_sample_value("kvledger_num_requests_running") or registry.get_sample_value(
@@ -123,7 +124,8 @@ def test_guidellm_with_its_defaults_completes_every_request(node, tiny_model_dir
         "HF_HOME": str(tmp_path / "hf"),
         "NO_COLOR": "1",
     }
-    # A token on the command line is visible to other local users; here it is a short-lived test token.
+    # A token on the command line is visible to other local users; here it is a short-lived test
+    # token.
     result = subprocess.run(
         [
             guidellm,
@@ -152,16 +154,18 @@ def test_guidellm_with_its_defaults_completes_every_request(node, tiny_model_dir
         state["errored_requests"],
         state["cancelled_requests"],
     ) == (0, 0, 0, 0)
-    # guidellm 0.8 may close a synchronous run before its worker process has reported the last request back (seen
-    # on 2 loaded cores: 5 successful, 1 still "processing", none errored), so its report holds all of them or all
-    # but that one; the node's own count below says every one was answered.
+    # guidellm 0.8 may close a synchronous run before its worker process has reported the last
+    # request back (seen on 2 loaded cores: 5 successful, 1 still "processing", none errored), so
+    # its report holds all of them or all but that one; the node's own count below says every one
+    # was answered.
     assert state["created_requests"] == NUM_REQUESTS
     assert (
         totals["successful"] + state["processing_requests"] == NUM_REQUESTS
         and state["processing_requests"] <= 1
     )
     assert _num_answered(node) == NUM_REQUESTS
-    # Token counts come from the node's streamed usage chunk; the tiny model's greedy output does not hit EOS early.
+    # Token counts come from the node's streamed usage chunk; the tiny model's greedy output does
+    # not hit EOS early.
     assert (
         metrics["output_token_count"]["successful"]["total_sum"]
         == totals["successful"] * OUTPUT_TOKENS

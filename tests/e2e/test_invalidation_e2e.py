@@ -75,7 +75,8 @@ class Node(RunningNode):
     """One GPU node as ``serve`` runs it (``helpers.node.RunningNode``), and what it holds."""
 
     def holdings(self, tenant: str, doc_id: str | None = None) -> set[tuple[str, str]]:
-        """(block hash, tier) of the tenant's READY blocks (holding ``doc_id`` at any version, when given)."""
+        """(block hash, tier) of the tenant's READY blocks (holding ``doc_id`` at any version, when
+        given)."""
         return {
             (entry.block_hash.hex(), entry.tier.value)
             for entry in self.engine.pool.ready_entries()
@@ -113,7 +114,8 @@ async def coordinator(ledger_url: str, kafka_bootstrap: str) -> AsyncIterator[st
 async def nodes(
     coordinator: str, ledger_url: str, kafka_bootstrap: str, tiny_model_dir: Path, tmp_path_factory
 ) -> AsyncIterator[list[Node]]:
-    """Two nodes, enrolled, ready, and registered in the coordinator's ledger (so every decision targets both)."""
+    """Two nodes, enrolled, ready, and registered in the coordinator's ledger (so every decision
+    targets both)."""
     suffix = uuid.uuid4().hex[:6]
     root = tmp_path_factory.mktemp("e2e-nodes")
     await enroll_nodes(ledger_url, [f"e2e-{name}-{suffix}" for name in ("a", "b")])
@@ -172,7 +174,8 @@ async def ledger_get(base_url: str, path: str, **params) -> dict:
 
 
 async def ledger_blocks(base_url: str, tenant: str, doc_id: str) -> list[dict]:
-    """Every block of the tenant's document the ledger ever recorded, with every placement (all pages)."""
+    """Every block of the tenant's document the ledger ever recorded, with every placement (all
+    pages)."""
     blocks, after = [], None
     while True:
         params = {"tenant": tenant, "doc_id": doc_id, "include_deleted": "true", "limit": 1000}
@@ -188,7 +191,8 @@ async def ledger_blocks(base_url: str, tenant: str, doc_id: str) -> list[dict]:
 def placements(
     blocks: list[dict], *, state: str, reason: str | None = None, version: int | None = None
 ) -> set[tuple[str, str, str]]:
-    """(block hash, node, tier) of placements in ``state`` (and ``reason``) of blocks holding the document at ``version``."""
+    """(block hash, node, tier) of placements in ``state`` (and ``reason``) of blocks holding the
+    document at ``version``."""
     return {
         (block["block_hash"], placement["node_id"], placement["tier"])
         for block in blocks
@@ -292,7 +296,8 @@ def by_node(held: set[tuple[str, str, str]], node_id: str, tier: str) -> set[str
 async def spread_document(
     node: Node, token: str, tenant: str, doc_id: str
 ) -> set[tuple[str, str, str]]:
-    """Cache the document on ``node`` over device, host and disk; returns its (hash, node, tier) holdings.
+    """Cache the document on ``node`` over device, host and disk; returns its (hash, node, tier)
+    holdings.
 
     The first request builds it on the device, the second hits the full prefix;
     then its later blocks move down as LRU pressure would move them: the last
@@ -399,7 +404,8 @@ async def test_document_update_deletes_the_old_version_everywhere_and_nothing_el
             await node.cached(alice, document_chat("handbook", 1))
         assert (refused.value.status_code, refused.value.code) == (409, "stale_document_version")
         assert refused.value.param == "messages[1].document.version"
-        # The same text under the new version reuses only the public system prompt, never an old block.
+        # The same text under the new version reuses only the public system prompt, never an old
+        # block.
         full, public = node.prefix_tokens(document_chat("handbook", 2))
         assert await node.cached(alice, document_chat("handbook", 2)) == public
         assert await node.cached(alice, document_chat("handbook", 2)) == full

@@ -165,15 +165,16 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         )
         assert snapshot.status_code == 201, snapshot.text
 
-        # Every process got the stack's metrics token: scrapes need it, and nothing else opens /metrics.
+        # Every process got the stack's metrics token: scrapes need it, and nothing else opens
+        # /metrics.
         scraper = {"Authorization": f"Bearer {stack['metrics_token']}"}
         for url in (stack["coordinator_url"], stack["node_urls"][0], stack["router_url"]):
             assert httpx.get(f"{url}/metrics").status_code == 401
             assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401
             assert httpx.get(f"{url}/metrics", headers=scraper).status_code == 200
 
-        # The node proves who it is with its own key (its kv-events reached the ledger above, so it is
-        # enrolled), pins the command key, and holds none of the coordinator's secrets.
+        # The node proves who it is with its own key (its kv-events reached the ledger above, so it
+        # is enrolled), pins the command key, and holds none of the coordinator's secrets.
         for key_file in (state_dir / "node-0" / "node_key.pem", state_dir / "command_key.pem"):
             assert key_file.stat().st_mode & 0o777 == 0o600
         assert (state_dir / "command_key.pub").read_text().startswith("-----BEGIN PUBLIC KEY-----")
@@ -183,7 +184,8 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
         assert node_env["KVLEDGER_NODE_IDENTITY__COORDINATOR_PUBLIC_KEY_FILE"] == str(
             state_dir / "command_key.pub"
         )
-        # Its peer list (where a pull hint may send it) is the stack's own nodes, nothing a request names.
+        # Its peer list (where a pull hint may send it) is the stack's own nodes, nothing a request
+        # names.
         assert json.loads(node_env["KVLEDGER_NODE_PEERS__URLS"]) == {
             "node-0": stack["node_urls"][0]
         }

@@ -53,8 +53,8 @@ def test_an_update_published_as_soon_as_the_stack_is_up_is_decided_at_once(
         ready = httpx.get(f"{stack['coordinator_url']}/readyz")
         assert ready.status_code == 200, ready.text
 
-        # Minted in-process from the stack's operator key: a CLI start (seconds on a loaded machine) would count
-        # against the decision time (test_stack covers ``kvledger token``).
+        # Minted in-process from the stack's operator key: a CLI start (seconds on a loaded machine)
+        # would count against the decision time (test_stack covers ``kvledger token``).
         operator_key = Path(stack["operator_private_key_file"]).read_bytes()
         admin = issue_token(
             tenant="platform",

@@ -1,4 +1,5 @@
-"""The event contract: exact round trips for every type, and every malformed input rejected the same way."""
+"""The event contract: exact round trips for every type, and every malformed input rejected the same
+way."""
 
 from __future__ import annotations
 
@@ -231,7 +232,8 @@ def _valid() -> dict:
 
 
 def _with(path: str, value, base: dict | None = None) -> bytes:
-    """Copy of a valid record with ``path`` (dot-separated) set to ``value``, or removed if value is ``...``."""
+    """Copy of a valid record with ``path`` (dot-separated) set to ``value``, or removed if value is
+    ``...``."""
     raw = base or _valid()
     *parents, last = path.split(".")
     node = raw
@@ -640,18 +642,21 @@ def test_usage_reports_are_bounded_counts(overrides: dict, problem: str) -> None
 #
 # The wire models type tiers with the one enum, ``events.tiers.Tier``. Signatures cover the RFC 8785
 # canonical JSON of a record, so a tier must serialize as its value (``"device"``, never
-# ``"Tier.DEVICE"``) or every signature made before would stop verifying. ``wire_records_with_tiers.jsonl``
-# holds the records :func:`_records_with_tiers` built, encoded and signed when the models still spelled
-# tiers as string literals, one per line: today's models must produce them byte for byte.
+# ``"Tier.DEVICE"``) or every signature made before would stop verifying.
+# ``wire_records_with_tiers.jsonl`` holds the records :func:`_records_with_tiers` built, encoded and
+# signed when the models still spelled tiers as string literals, one per line: today's models must
+# produce them byte for byte.
 
 WIRE_RECORDS = (Path(__file__).parent / "wire_records_with_tiers.jsonl").read_bytes().splitlines()
 
 WIRE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-"""A fixed key: Ed25519 signatures are deterministic, so a record signs to the same bytes every time."""
+"""A fixed key: Ed25519 signatures are deterministic, so a record signs to the same bytes every
+time."""
 
 
 def _records_with_tiers(tier: Callable[[str], str]) -> list[Envelope]:
-    """One signed record of each model that names a tier, every tier value included, spelled ``tier(value)``."""
+    """One signed record of each model that names a tier, every tier value included, spelled
+    ``tier(value)``."""
     user = provenance(H2, scope="user", subject_id=SUBJECT)
     payloads: list[tuple[schema.EventPayload, str | None]] = [
         (

@@ -1,5 +1,6 @@
-"""The pieces of ``events.http_server`` a process test cannot reach: settings checks, the file descriptor
-budget, and how refusals and out-of-resource loop errors reach the log (counted, never a traceback each)."""
+"""The pieces of ``events.http_server`` a process test cannot reach: settings checks, the file
+descriptor budget, and how refusals and out-of-resource loop errors reach the log (counted, never a
+traceback each)."""
 
 from __future__ import annotations
 

@@ -372,8 +372,8 @@ async def test_settings_validation() -> None:
 
 
 class PoisonRefuser:
-    """A handler that refuses (ValueError, as the database refusing a value) every batch holding ``poison``;
-    records each batch it applied (returned without error)."""
+    """A handler that refuses (ValueError, as the database refusing a value) every batch holding
+    ``poison``; records each batch it applied (returned without error)."""
 
     def __init__(self, poison: str) -> None:
         self.poison = poison
@@ -447,7 +447,8 @@ async def test_a_failure_that_is_not_the_datas_is_retried_whole(
         await eventually(
             lambda: len(recorder.delivered()) == 4, what="the batch after two transient failures"
         )
-    # RuntimeError is not the data's: no bisection, the same records came back until they went through.
+    # RuntimeError is not the data's: no bisection, the same records came back until they went
+    # through.
     assert [e.envelope.event_id for e in recorder.delivered()] == [e.event_id for e in events]
     assert recorder.calls[0][0].offset == recorder.calls[1][0].offset == recorder.calls[2][0].offset
     assert REGISTRY.get_sample_value("kvledger_dead_letter_total", {"topic": unique_name}) is None
@@ -470,8 +471,9 @@ def _keys_on_two_partitions() -> tuple[str, str]:
 async def test_a_failed_batch_also_rewinds_the_batch_prefetched_meanwhile(
     settings: KafkaSettings, producer: EventProducer, unique_name: str
 ) -> None:
-    """The consumer polls the next batch while the handler runs. When the handler fails, the records that
-    prefetch took — here on another partition than the failed batch — must come back too, in order."""
+    """The consumer polls the next batch while the handler runs. When the handler fails, the records
+    that prefetch took — here on another partition than the failed batch — must come back too, in
+    order."""
     first_key, later_key = _keys_on_two_partitions()
     first = document_events(1)[0]
     later = document_events(3, tenant="later")

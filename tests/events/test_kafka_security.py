@@ -1,4 +1,5 @@
-"""Kafka authentication and TLS settings: validation, the aiokafka arguments they become, and that every client uses them.
+"""Kafka authentication and TLS settings: validation, the aiokafka arguments they become, and that
+every client uses them.
 
 The embedded Tansu broker cannot serve SASL or TLS to these tests (``--cert`` does not
 turn TLS on, and ``--authentication`` needs SCRAM users that only an authenticated
@@ -285,7 +286,8 @@ def test_invalid_environment_fails_at_startup(monkeypatch):
 
 
 def _client_constructions(path: Path) -> list[tuple[int, str, bool]]:
-    """(line, class, passes **kafka_client_kwargs(...)) for every aiokafka client constructed in ``path``."""
+    """(line, class, passes **kafka_client_kwargs(...)) for every aiokafka client constructed in
+    ``path``."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call):
@@ -312,7 +314,8 @@ def _client_constructions(path: Path) -> list[tuple[int, str, bool]]:
 
 
 def test_every_kafka_client_is_built_with_the_security_kwargs():
-    """No producer, consumer or admin client of the code base connects around the configured SASL/TLS."""
+    """No producer, consumer or admin client of the code base connects around the configured
+    SASL/TLS."""
     sources = [
         path
         for package in ("events", "gpu_node", "coordinator", "kvledger", "bench")

@@ -430,7 +430,8 @@ STORED = make_event(
 
 
 def test_forms_only_pydantic_reads_fall_back_to_it_and_decode_alike() -> None:
-    """A unix-number timestamp and a duplicated key are the contract's; the fast path leaves them to it."""
+    """A unix-number timestamp and a duplicated key are the contract's; the fast path leaves them to
+    it."""
     for raw in (
         _with(STORED, ("payload", "blocks", 0, "created_at"), 1_764_547_200),
         encode_event(STORED).replace(b'"seq":1', b'"seq":"x","seq":1'),
@@ -495,6 +496,7 @@ class _Stripped(BaseModel):
 def test_a_contract_construct_without_an_exact_compiled_form_fails_the_generator(
     model: type[BaseModel],
 ) -> None:
-    """A change to the contract that the decoder could not honour exactly stops the import, not a record."""
+    """A change to the contract that the decoder could not honour exactly stops the import, not a
+    record."""
     with pytest.raises(AssertionError):
         kv_decoder._compiled(model)

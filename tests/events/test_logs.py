@@ -157,7 +157,8 @@ async def test_unhandled_errors_answer_500_with_the_request_id(json_lines: io.St
 async def test_answered_requests_to_a_quiet_path_are_not_access_lines_at_info(
     json_lines: io.StringIO,
 ) -> None:
-    """A path machines poll several times a second: its answers go to DEBUG, its refusals and every other path to INFO."""
+    """A path machines poll several times a second: its answers go to DEBUG, its refusals and every
+    other path to INFO."""
     app = FastAPI()
 
     @app.get("/load")

@@ -1,4 +1,5 @@
-"""Record size limits (``events.record_size``) and ack parts (``events.ack_parts``) at the exact boundary.
+"""Record size limits (``events.record_size``) and ack parts (``events.ack_parts``) at the exact
+boundary.
 
 The limit is the producer's own check: a record value of :data:`MAX_RECORD_BYTES` under the
 longest key goes through a real producer to the real broker and back; one byte more is
@@ -118,7 +119,8 @@ def test_envelope_bytes_is_the_signed_record_at_its_longest():
 
 
 def sizes_of(items: list[int], overhead: int):
-    """A record whose encoding is ``overhead`` bytes plus each item's size plus a comma between items."""
+    """A record whose encoding is ``overhead`` bytes plus each item's size plus a comma between
+    items."""
 
     def size_of(run) -> int:
         return overhead + sum(run) + max(len(run) - 1, 0)
@@ -148,7 +150,8 @@ def test_an_item_larger_than_the_limit_alone_is_a_run_of_its_own_for_the_writer_
 
 
 def test_every_run_is_the_longest_that_fits():
-    """Against brute force: random item sizes, limits and caps; the runs are greedy-longest, each within both limits."""
+    """Against brute force: random item sizes, limits and caps; the runs are greedy-longest, each
+    within both limits."""
     rng = random.Random(7)
     for _ in range(300):
         items = [rng.choice((1, 2, 3, 50, 400, 3000)) for _ in range(rng.randrange(0, 200))]
@@ -223,7 +226,8 @@ def test_an_ack_of_100k_hashes_is_split_into_parts_that_fit_and_merge_back():
 
 
 def test_when_the_bytes_bind_every_part_is_as_full_as_the_limit_allows():
-    """64-byte digests (128 hex characters): 12,000 would be 1.6 MB, so parts are cut by size, each within one hash of the limit."""
+    """64-byte digests (128 hex characters): 12,000 would be 1.6 MB, so parts are cut by size, each
+    within one hash of the limit."""
     listed = hashes(30_000, hashlib.sha512)
     parts = ack_parts(
         uuid.uuid4(),
@@ -298,7 +302,8 @@ def largest_block(i: int) -> StoredBlock:
 
 
 def test_block_events_of_the_largest_provenance_are_cut_to_fit():
-    """1000 such blocks are hundreds of MB as one record; cut by size, each record is as full as the limit allows."""
+    """1000 such blocks are hundreds of MB as one record; cut by size, each record is as full as the
+    limit allows."""
     blocks = [largest_block(i) for i in range(12)]
     fields = {"node_id": "n" * MAX_ID_CHARS, "epoch": MAX_SAFE_INT, "seq": 0}
 

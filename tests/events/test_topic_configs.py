@@ -1,4 +1,5 @@
-"""Topics are created with the configs chosen for each (``events.topics.TOPIC_CONFIGS``), on the session's broker.
+"""Topics are created with the configs chosen for each (``events.topics.TOPIC_CONFIGS``), on the
+session's broker.
 
 The embedded broker (Tansu) reports a topic's configs through DescribeConfigs, so the
 test reads back what the broker stored, not only what was asked for.

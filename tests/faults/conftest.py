@@ -1,11 +1,12 @@
-"""The fault-injection suite's system: one :class:`bench.cluster.Cluster` (private PostgreSQL and broker, a
-coordinator process, two node processes) shared by every scenario, and the invariant checker.
+"""The fault-injection suite's system: one :class:`bench.cluster.Cluster` (private PostgreSQL and
+broker, a coordinator process, two node processes) shared by every scenario, and the invariant
+checker.
 
 Scenarios break the system in their own tenants and leave it running; the next scenario starts by
 bringing back any process a failed one left dead. Every test here is marked ``faults`` (and
-``integration``, so ``-m "not integration"`` still means "CPU only") and runs in a plain ``./run test``: on
-one of its parallel workers, the whole directory as one unit, so the cluster starts once (``tests/conftest.py``).
-"""
+``integration``, so ``-m "not integration"`` still means "CPU only") and runs in a plain ``./run
+test``: on one of its parallel workers, the whole directory as one unit, so the cluster starts once
+(``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ _HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark everything here ``faults`` and ``integration`` (``-m faults`` runs just this suite). The whole
-    directory takes about 2.5 minutes on 2 cores: the coordinators' and nodes' consumer groups use a 2 s session
-    (``ClusterConfig``), so a restart no longer waits out 5 s joins and a killed member's 10 s session."""
+    """Mark everything here ``faults`` and ``integration`` (``-m faults`` runs just this suite). The
+    whole directory takes about 2.5 minutes on 2 cores: the coordinators' and nodes' consumer groups
+    use a 2 s session (``ClusterConfig``), so a restart no longer waits out 5 s joins and a killed
+    member's 10 s session."""
     for item in items:
         if item.path.is_relative_to(_HERE):
             item.add_marker(pytest.mark.faults)
@@ -36,8 +38,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 async def fault_cluster(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer
 ) -> AsyncIterator[Cluster]:
-    # the tests' fetch wait, not production's: these tests time nothing, and idle consumers cost a tenth of the CPU;
-    # every start and restart forked from the session's fork server, without the ML imports
+    # the tests' fetch wait, not production's: these tests time nothing, and idle consumers cost a
+    # tenth of the CPU; every start and restart forked from the session's fork server, without the
+    # ML imports
     config = ClusterConfig(
         num_nodes=2,
         consumer_fetch_max_wait_ms=GROUP_TIMING["fetch_max_wait_ms"],

@@ -1,14 +1,15 @@
-"""SIGKILL of a node process between tombstone and delete, between delete and ack, and during a snapshot
-write; each time the node comes back with the same data directory (a new epoch), then the invariants.
+"""SIGKILL of a node process between tombstone and delete, between delete and ack, and during a
+snapshot write; each time the node comes back with the same data directory (a new epoch), then the
+invariants.
 
 A chain on one node, each restart armed with the next fault point:
 
-1. ``between_tombstone_and_delete`` — a document update's matches tombstoned, no byte deleted (or, when a
-   command an earlier life left unacked is replayed at start, that command's);
+1. ``between_tombstone_and_delete`` — a document update's matches tombstoned, no byte deleted (or,
+   when a command an earlier life left unacked is replayed at start, that command's);
 2. ``between_delete_and_ack`` — the restarted node replays the unacked command (its offset was never
    committed), deletes and dies before the ack leaves;
-3. ``during_snapshot_write`` — the next life replays and acks; a snapshot's shards are written and the
-   process dies before the manifest;
+3. ``during_snapshot_write`` — the next life replays and acks; a snapshot's shards are written and
+   the process dies before the manifest;
 4. ``kv_events_send_timed_out`` — an ambiguous producer failure: the broker took the node's third
    kv-events send of its new life, the publisher was told it timed out, and must resend the *same
    bytes* under the same ``seq`` (no gap, no second content, applied once through the inbox).

@@ -1,6 +1,7 @@
-"""The CI variant of ``kvledger bench soak``: two minutes of mixed workload with two node restarts (each after a
-snapshot) and a coordinator restart on the fault suite's cluster (one of its own in a parallel run, see
-tests/conftest.py); no invariant violated, and every kind of work actually happened."""
+"""The CI variant of ``kvledger bench soak``: two minutes of mixed workload with two node restarts
+(each after a snapshot) and a coordinator restart on the fault suite's cluster (one of its own in a
+parallel run, see tests/conftest.py); no invariant violated, and every kind of work actually
+happened."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from bench.soak import SoakOptions, process_lives, render_markdown, run_soak
 
 SOAK_S = 120.0
 """Two minutes: room for two node restarts and a coordinator SIGKILL (each 10-30 s on a loaded CI
-machine) with requests and governance actions flowing around them. The restarts (at 40 s and 80 s) and the
-coordinator's (at 60 s) overlap on a slow machine: a node then takes its start inventory while the key service
-is down, the case that once reported a node's snapshot placements missing from the ledger
-(docs/benchmarks.md, "Soak")."""
+machine) with requests and governance actions flowing around them. The restarts (at 40 s and 80 s)
+and the coordinator's (at 60 s) overlap on a slow machine: a node then takes its start inventory
+while the key service is down, the case that once reported a node's snapshot placements missing from
+the ledger (docs/benchmarks.md, "Soak")."""
 
 
 async def test_a_short_soak_keeps_every_invariant(cluster: Cluster) -> None:
@@ -45,7 +46,8 @@ async def test_a_short_soak_keeps_every_invariant(cluster: Cluster) -> None:
         report.faults.get("node_restart") == 2 and report.faults.get("coordinator_sigkill") == 1
     ), report.faults
     assert set(report.resources_end) == set(report.resources_start)
-    # Every process is sampled throughout, and each restart starts a new life: 2 nodes + 2 restarts, 1 coordinator + 1.
+    # Every process is sampled throughout, and each restart starts a new life: 2 nodes + 2 restarts,
+    # 1 coordinator + 1.
     lives = process_lives(report.rss_samples)
     assert {life.name for life in lives} == {child.name for child in cluster.children}
     assert len(lives) == len(cluster.children) + 2 + 1, [(life.name, life.pid) for life in lives]

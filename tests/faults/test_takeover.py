@@ -1,18 +1,17 @@
 """Partition takeover under load: two coordinator processes in the same consumer groups, two nodes.
 
 The broker splits every coordinator topic's partitions between the two processes (the nodes' ids are
-spread over the kv-events partitions, so each process ingests one node's events). The recorded run with
-four nodes is ``kvledger bench soak --coordinators 2 --nodes 4`` (docs/benchmarks.md); here two nodes keep
-the start short. A soak runs chats on
-every node, document updates, revocations and erasures; half-way the second coordinator is SIGKILLed,
-stays dead for :data:`DOWN_S` — longer than the consumer session, so the broker expires it and the
-survivor takes its partitions over — then is restarted and rejoins (a second rebalance).
+spread over the kv-events partitions, so each process ingests one node's events). The recorded run
+with four nodes is ``kvledger bench soak --coordinators 2 --nodes 4`` (docs/benchmarks.md); here two
+nodes keep the start short. A soak runs chats on every node, document updates, revocations and
+erasures; half-way the second coordinator is SIGKILLed, stays dead for :data:`DOWN_S` — longer than
+the consumer session, so the broker expires it and the survivor takes its partitions over — then is
+restarted and rejoins (a second rebalance).
 
-Nothing may be lost or doubled: the survivor applies kv-events of the dead process's partitions while it
-is down (:meth:`Invariants.taken_over`), every kv-event on the topic is in the ledger's inbox with one
-content per seq and no hole, every command completes,
-every erasure verifies, and the ledger equals each node's inventory (:meth:`Invariants.check`).
-"""
+Nothing may be lost or doubled: the survivor applies kv-events of the dead process's partitions
+while it is down (:meth:`Invariants.taken_over`), every kv-event on the topic is in the ledger's
+inbox with one content per seq and no hole, every command completes, every erasure verifies, and the
+ledger equals each node's inventory (:meth:`Invariants.check`)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ NUM_HOST_BLOCKS = 8_000
 async def kafka_bootstrap(
     kafka_bootstrap: str, service_mode: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
-    """This module's own broker: what it publishes is too large to leave on the shared one (``helpers.ledger.own_broker``)."""
+    """This module's own broker: what it publishes is too large to leave on the shared one
+    (``helpers.ledger.own_broker``)."""
     async with own_broker(
         kafka_bootstrap, service_mode, tmp_path_factory.mktemp("kafka")
     ) as bootstrap:
@@ -68,7 +69,8 @@ def fill(node: Node, tenant: str, subject: str) -> set[tuple[str, str]]:
 async def ack_records_of(
     bootstrap: str, command_id: uuid.UUID, node_id: str, num_copies: int
 ) -> list:
-    """Every ``kvledger.acks`` record of ``command_id`` by ``node_id`` once each part arrived ``num_copies`` times."""
+    """Every ``kvledger.acks`` record of ``command_id`` by ``node_id`` once each part arrived
+    ``num_copies`` times."""
     found: list = []
 
     def visit(record) -> bool:
@@ -127,7 +129,8 @@ async def test_an_erasure_too_large_for_one_ack_record_is_acked_in_signed_parts(
         assert all(item.verified for envelope in envelopes for item in envelope.payload.evidence)
         assert node.holdings(lambda provenance: provenance.tenant_id == tenant) == set()
 
-        # A re-sent command (new record, same command): the node publishes the same parts again, byte for byte.
+        # A re-sent command (new record, same command): the node publishes the same parts again,
+        # byte for byte.
         await publish_again(kafka_bootstrap, command, tenant)
         again = await ack_records_of(kafka_bootstrap, command.command_id, node_id, 2)
         by_event: dict[str, set[bytes]] = {}

@@ -59,7 +59,8 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(tiny_model_dir, tmp_path_factory):
-    """Serve like ``gpu_node.entrypoints.server.serve``: the engine starts on the server's own event loop."""
+    """Serve like ``gpu_node.entrypoints.server.serve``: the engine starts on the server's own event
+    loop."""
     settings = NodeSettings(
         model_dir=tiny_model_dir,
         data_dir=tmp_path_factory.mktemp("api-node"),
@@ -95,7 +96,8 @@ def unique(text: str) -> str:
 
 
 def cacheable(num_prompt_tokens: int) -> int:
-    """Tokens a fully cached prompt reports: full blocks only, and the last prompt token is always recomputed."""
+    """Tokens a fully cached prompt reports: full blocks only, and the last prompt token is always
+    recomputed."""
     return (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
@@ -105,7 +107,8 @@ def greedy(client: openai.OpenAI, model: str, messages: list[dict], **kwargs):
     )
 
 
-# --------------------------------------------------------------------------- openai client, happy paths
+# --------------------------------------------------------------------------- openai client, happy
+# paths
 
 
 def test_models_list(node):
@@ -579,7 +582,8 @@ def test_health_ready_metrics(node):
 
 
 def test_access_line_has_the_request_id_and_no_prompt_or_caller(node):
-    """Every response echoes X-Request-Id; the node's lines for it carry the id, never the prompt, tenant or subject."""
+    """Every response echoes X-Request-Id; the node's lines for it carry the id, never the prompt,
+    tenant or subject."""
     stream = io.StringIO()
     handler = make_handler("json", stream)
     root = logging.getLogger()
@@ -613,8 +617,9 @@ def test_access_line_has_the_request_id_and_no_prompt_or_caller(node):
                 if line["logger"].startswith("gpu_node")
             ]
 
-        # Only this test's requests, and only once both are written: a request's access line is written after its
-        # response went out (its time includes sending), so it may land after the client has the response.
+        # Only this test's requests, and only once both are written: a request's access line is
+        # written after its response went out (its time includes sending), so it may land after the
+        # client has the response.
         def access() -> list[tuple[str, str]]:
             return [
                 (line["request_id"], line["message"].rsplit(" ", 1)[0])
@@ -754,7 +759,8 @@ def test_snapshot_requires_a_platform_admin_operator(node):
     assert isinstance(created.json(), dict)
 
 
-# --------------------------------------------------------------------------- isolation, as the caller sees it
+# --------------------------------------------------------------------------- isolation, as the
+# caller sees it
 
 
 def render(node: Node, messages: list[dict]):

@@ -84,7 +84,8 @@ async def engines(tiny_model_dir, tmp_path):
 
 
 def assert_released(engine: AsyncEngine) -> None:
-    """No request holds anything: no references, no device slots outside cached entries, nothing scheduled."""
+    """No request holds anything: no references, no device slots outside cached entries, nothing
+    scheduled."""
     assert not engine.scheduler.has_work
     assert [entry for entry in engine.pool.ready_entries() if entry.ref_count] == []
     num_used, _ = engine.pool.device_usage()
@@ -102,7 +103,8 @@ def block_hashes(engine: AsyncEngine, messages, principal: Principal) -> list[by
 
 
 def place(engine: AsyncEngine, messages, principal: Principal, tier: Tier) -> None:
-    """Move a cached prompt's blocks down to ``tier`` (those still cached: a tight pool may have dropped some)."""
+    """Move a cached prompt's blocks down to ``tier`` (those still cached: a tight pool may have
+    dropped some)."""
     for block_hash in block_hashes(engine, messages, principal):
         engine.pool.demote(block_hash, tier)
 
@@ -128,8 +130,9 @@ request_strategy = st.tuples(
 )
 
 
-# A 345-token prompt asking for 40 tokens on the tight node (24 blocks of 16: 384 tokens per request), beside a
-# short one: the node's device tier caps it at 39 (finish "length"), and so must the reference it is compared with.
+# A 345-token prompt asking for 40 tokens on the tight node (24 blocks of 16: 384 tokens per
+# request), beside a short one: the node's device tier caps it at 39 (finish "length"), and so must
+# the reference it is compared with.
 LONGEST_ON_THE_TIGHT_NODE = [
     ((), [system(long_text(1, 0))], ALICE, "miss", 1),
     (
@@ -224,7 +227,8 @@ async def test_tight_device_tier_preempts_and_recomputes_without_changing_output
 
 
 async def test_a_request_may_grow_to_what_the_device_tier_holds_for_it_alone_or_batched(engines):
-    """The tight node holds 384 tokens per request: max_tokens is capped to the room left (finish "length"), a longer prompt is refused."""
+    """The tight node holds 384 tokens per request: max_tokens is capped to the room left (finish
+    "length"), a longer prompt is refused."""
     engine = engines["tight"]
     assert engine.max_sequence_tokens == 24 * BLOCK
     prefix, own = LONGEST_ON_THE_TIGHT_NODE[1][:2]
@@ -235,7 +239,8 @@ async def test_a_request_may_grow_to_what_the_device_tier_holds_for_it_alone_or_
         39,
         "length",
     )
-    # beside requests that grow into new blocks: preempted and recomputed, it still ends exactly at the device tier's room
+    # beside requests that grow into new blocks: preempted and recomputed, it still ends exactly at
+    # the device tier's room
     preemptions_before = metric(engine, "kvledger_num_preemptions_total")
     together = await asyncio.gather(
         complete(engine, messages, max_tokens=40),
@@ -279,7 +284,8 @@ async def test_the_head_of_the_queue_waits_for_requests_being_admitted_instead_o
         acquire = engine.manager.acquire
 
         async def acquire_then_hold(*args):
-            """The real admission, then a pause before the request is handed to the engine (its hits referenced)."""
+            """The real admission, then a pause before the request is handed to the engine (its hits
+            referenced)."""
             del engine.manager.acquire  # only this request's admission pauses
             plan = await acquire(*args)
             admitted.set()
@@ -332,7 +338,8 @@ async def test_isolation_under_batching_every_caller_is_served_only_its_scopes(e
         *(complete(engine, messages, who) for who in (ALICE, CAROL, BOB_AT_GLOBEX, DAVE_AT_GLOBEX))
     )
     full = expected_cached(alice.num_prompt_tokens)
-    # own blocks for the warmed callers; the tenant's document (not the other user's history) for their colleagues
+    # own blocks for the warmed callers; the tenant's document (not the other user's history) for
+    # their colleagues
     assert (alice.num_cached_tokens, bob.num_cached_tokens) == (full, full)
     assert (carol.num_cached_tokens, dave.num_cached_tokens) == ((user_start // BLOCK) * BLOCK,) * 2
     assert public_end < user_start

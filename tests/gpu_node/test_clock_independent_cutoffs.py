@@ -1,4 +1,5 @@
-"""Erasure cutoffs do not depend on node clocks agreeing with the database (docs/design.md §5, "Cutoffs").
+"""Erasure cutoffs do not depend on node clocks agreeing with the database (docs/design.md §5,
+"Cutoffs").
 
 A node whose clock runs 60 s ahead of or behind the ledger database (injected as the
 pool's wall clock, the clock its blocks' ``created_at`` and its command application are
@@ -63,7 +64,8 @@ PLATFORM_ADMIN = operator_headers("platform-admin", "platform")
 
 
 class SkewedNode(ServedNode):
-    """A node as ``serve`` assembles it whose pool reads a wall clock ``skew_s`` away from the real one."""
+    """A node as ``serve`` assembles it whose pool reads a wall clock ``skew_s`` away from the real
+    one."""
 
     def __init__(self, settings, skew_s: float) -> None:
         super().__init__(settings)
@@ -227,7 +229,8 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
 
             await eventually(verified, timeout_s=TIMEOUT_S, what="the erasure verified")
 
-        # Verified only with every block built before the request gone, from the node and the ledger, and acked as such.
+        # Verified only with every block built before the request gone, from the node and the
+        # ledger, and acked as such.
         assert node.holdings(tenant, alice) == set()
         assert await live_in_ledger(database, node_id, digest) == {}
         assert not any(
@@ -246,7 +249,8 @@ async def test_an_erasure_removes_every_block_built_before_it_and_spares_those_b
             (block, item["tier"]) for item in target.evidence for block in item["block_hashes"]
         } == before | shared
 
-        # Built after the node applied the command: cached, recorded, never re-sent against, still served from the cache.
+        # Built after the node applied the command: cached, recorded, never re-sent against, still
+        # served from the cache.
         await node.cached(user_token(tenant, alice), history(alice, "summer"))
         built_after = {block for block, _ in node.holdings(tenant, alice)}
         assert built_after and not built_after & built_before

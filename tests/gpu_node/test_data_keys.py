@@ -362,12 +362,13 @@ async def test_node_pool_block_is_crypto_erased_with_its_subject(
             pool.dec_lock_ref([alice])
         assert pool.get_ready(alice_block.block_hash) is None and not block_file.exists()
 
-        # A node that cached the key keeps it until the erasure's command reaches it (and it forgets it):
-        # that is why an erasure is verified only when every node has acked.
+        # A node that cached the key keeps it until the erasure's command reaches it (and it forgets
+        # it): that is why an erasure is verified only when every node has acked.
         assert decode_block_record(stolen.read_bytes(), fresh_node).key == alice_block
         assert fresh_node.destroy(key_id) is True
 
-        # Then the copy opens with no key any node can get: not by id (410, remembered), not the subject's new key.
+        # Then the copy opens with no key any node can get: not by id (410, remembered), not the
+        # subject's new key.
         another_node = CoordinatorKeyProvider(coordinator_url, _node_token, SUBJECT)
         for node in (provider, fresh_node, another_node):
             with pytest.raises(BlockRestoreError):

@@ -1,4 +1,5 @@
-"""Engine behaviour on the tiny model: exactness of hits, isolation, singleflight, faults, snapshots."""
+"""Engine behaviour on the tiny model: exactness of hits, isolation, singleflight, faults,
+snapshots."""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ async def test_every_step_is_timed_outside_its_forward(engine):
     timings: list[StepTiming] = []
     engine.step_sink = timings.append
     done = await complete(engine, [system(), user("Time my steps.")], max_tokens=5, ignore_eos=True)
-    # The last step hands its token over before it is timed: a job on the worker runs after that step has finished.
+    # The last step hands its token over before it is timed: a job on the worker runs after that
+    # step has finished.
     await engine.run_exclusive(lambda: None)
     engine.step_sink = None
     assert len(done.token_ids) == 5
@@ -259,7 +261,8 @@ async def test_isolation_public_prefix_shared_tenant_and_user_parts_not(engine):
         engine, [public, document("handbook", 1, handbook), user("hi")], BOB_AT_GLOBEX
     )
     assert bob.num_cached_tokens == (public_tokens // BLOCK) * BLOCK
-    # Acme's copy of the document is none of globex's business: the miss reads as if nobody had cached it.
+    # Acme's copy of the document is none of globex's business: the miss reads as if nobody had
+    # cached it.
     misses_after = {
         reason: metric(engine, "kvledger_cache_misses_total", {"reason": reason})
         for reason in MissReason
@@ -283,7 +286,8 @@ async def test_isolation_public_prefix_shared_tenant_and_user_parts_not(engine):
 
 
 async def test_same_tokens_under_the_callers_own_other_scope_is_an_auth_scope_mismatch(engine):
-    """A reason may compare with entries the caller could have been served: here its own user-scope copy."""
+    """A reason may compare with entries the caller could have been served: here its own user-scope
+    copy."""
     text = long_text(40, 21)
     await complete(engine, [user(text)], ALICE)
     before = metric(engine, "kvledger_cache_misses_total", {"reason": "AUTH_SCOPE_MISMATCH"})
@@ -412,8 +416,9 @@ def reference_greedy(
 
 
 def model_with_eos(tiny_model_dir: Path, directory: Path, eos_token_id: int) -> Path:
-    """A copy of the tiny model whose end-of-sequence token is ``eos_token_id`` (the tiny model's greedy output never
-    reaches its own), so that stopping at it, and not stopping, can be observed."""
+    """A copy of the tiny model whose end-of-sequence token is ``eos_token_id`` (the tiny model's
+    greedy output never reaches its own), so that stopping at it, and not stopping, can be
+    observed."""
     import json
 
     shutil.copytree(tiny_model_dir, directory)

@@ -157,13 +157,15 @@ async def test_subject_erasure_clears_memory_and_crypto_erases_disk_and_snapshot
     assert undecryptable.value.reason == "key_unavailable"
     assert alice_key not in (tmp_path / "node" / "keys.json").read_text()
     assert store.current_key_id(tenant, alice.subject_id) is None
-    # alice's request created the public system block bob shares, so it went with her: bob's next request
-    # recomputes it (nothing before it cached, so nothing after it either) and the one after hits everything again.
+    # alice's request created the public system block bob shares, so it went with her: bob's next
+    # request recomputes it (nothing before it cached, so nothing after it either) and the one after
+    # hits everything again.
     assert await run(engine, bob) == 0
     assert await run(engine, bob) == bob_hit
     assert await run(engine, alice) == BLOCK  # only the public system block (bob's now) is shared
-    # A command removes what the node holds when it applies it, whatever its cutoff (docs/design.md §5, "Cutoffs"):
-    # the same erasure applied again, with a cutoff long past, removes the blocks alice's request since then built.
+    # A command removes what the node holds when it applies it, whatever its cutoff (docs/design.md
+    # §5, "Cutoffs"): the same erasure applied again, with a cutoff long past, removes the blocks
+    # alice's request since then built.
     rebuilt = holdings(engine, of_subject(tenant, alice.subject_id))
     assert rebuilt and {tier for _, tier in rebuilt} == {"device"}
     again = await handler.apply(
@@ -180,8 +182,9 @@ async def test_subject_erasure_clears_memory_and_crypto_erases_disk_and_snapshot
 async def test_a_cutoff_ahead_of_the_node_clock_refuses_nothing_built_after_the_command_was_applied(
     node,
 ):
-    """The node compares its blocks only with its own clock at application: a command's cutoff (the coordinator's
-    database time, here 30 s ahead) neither spares blocks built before it is applied nor refuses blocks built after."""
+    """The node compares its blocks only with its own clock at application: a command's cutoff (the
+    coordinator's database time, here 30 s ahead) neither spares blocks built before it is applied
+    nor refuses blocks built after."""
     engine, handler = node
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     alice, bob = (
@@ -232,7 +235,8 @@ async def test_generation_streaming_while_the_subject_is_erased_completes_and_le
     alice = Principal(tenant, "alice", frozenset(), {})
     await run(engine, alice)
     await engine.write_snapshot()
-    # Hold the model worker so the next request's prefill (and its claimed BUILDING blocks) wait behind it.
+    # Hold the model worker so the next request's prefill (and its claimed BUILDING blocks) wait
+    # behind it.
     gate = threading.Event()
     held = asyncio.ensure_future(engine.run_exclusive(gate.wait, 30))
     longer = history("alice") + [

@@ -1,10 +1,11 @@
-"""A starting node takes the governance state it must enforce from the coordinator (``GET /v1/governance``).
+"""A starting node takes the governance state it must enforce from the coordinator (``GET
+/v1/governance``).
 
-Everything is real: the coordinator's consumers and HTTP API (uvicorn, in its own thread:
-nodes fetch data keys from it synchronously) on a freshly migrated database, a node as
-``gpu_node.entrypoints.server.serve`` assembles it with ``coordinator_url`` set, the session's broker
-and Postgres. Command re-sends are effectively off (one hour), so a command a node
-missed can only reach it through the governance state.
+Everything is real: the coordinator's consumers and HTTP API (uvicorn, in its own thread: nodes
+fetch data keys from it synchronously) on a freshly migrated database, a node as
+``gpu_node.entrypoints.server.serve`` assembles it with ``coordinator_url`` set, the session's
+broker and Postgres. Command re-sends are effectively off (one hour), so a command a node missed can
+only reach it through the governance state.
 
 * A node down while a document update, a permission revocation, an erasure and a
   namespace retirement were decided restarts and reads none of the commands' records
@@ -70,7 +71,8 @@ PLATFORM_ADMIN = operator_headers("platform-admin", "platform")
 
 
 class GovNode(ServedNode):
-    """A node as ``serve`` assembles it, with ``coordinator_url``; ``read_offsets`` lists every commands record it read."""
+    """A node as ``serve`` assembles it, with ``coordinator_url``; ``read_offsets`` lists every
+    commands record it read."""
 
     def __init__(self, settings) -> None:
         super().__init__(settings)
@@ -236,7 +238,8 @@ async def commands_end(kafka_bootstrap: str) -> dict[int, int]:
 async def command_offsets(
     kafka_bootstrap: str, command_ids: set[uuid.UUID]
 ) -> list[tuple[int, int]]:
-    """(partition, offset) of every record on ``kvledger.commands`` carrying one of ``command_ids``, read to the end."""
+    """(partition, offset) of every record on ``kvledger.commands`` carrying one of ``command_ids``,
+    read to the end."""
     found: list[tuple[int, int]] = []
     consumer = AIOKafkaConsumer(
         bootstrap_servers=kafka_bootstrap, group_id=None, auto_offset_reset="earliest"
@@ -303,7 +306,8 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
     alice = f"alice-{uuid.uuid4().hex[:8]}"
     response = await chat(node, token(tenant, alice, 1), messages(alice, 1))
     assert response.status_code == 200, response.text
-    # Push the tenant's blocks (handbook v1 under hr pv 1, and alice's) down to disk: they survive the restart.
+    # Push the tenant's blocks (handbook v1 under hr pv 1, and alice's) down to disk: they survive
+    # the restart.
     held = sorted(block for block, tier in node.holdings(tenant) if tier == "device")
     assert len(held) >= 4
     for block in held:
@@ -330,7 +334,8 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
     first_epoch = node.publisher.epoch
     await node.stop()
 
-    # While it is down: a document update, a permission revocation, an erasure and a namespace retirement.
+    # While it is down: a document update, a permission revocation, an erasure and a namespace
+    # retirement.
     other_namespace = f"ns-old-{uuid.uuid4().hex[:8]}"
     async with database.session() as session, session.begin():
         session.add(Namespace(namespace=other_namespace))
@@ -376,8 +381,9 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
         return len({offset for offset in await command_offsets(bootstrap, missed)}) >= 4
 
     await eventually(published, timeout_s=TIMEOUT_S, what="the four commands on the topic")
-    # A last record after them in their partition (addressed to no node), so the end the node notes lies past every
-    # missed command (Tansu reports the end of a multi-record batch as its first offset).
+    # A last record after them in their partition (addressed to no node), so the end the node notes
+    # lies past every missed command (Tansu reports the end of a multi-record batch as its first
+    # offset).
     marker = sign_command(
         schema.make_event(schema.InventoryRequested(node_id="nobody", request_id=uuid.uuid4()))
     )
@@ -449,10 +455,11 @@ async def test_a_node_down_while_governance_changed_restarts_from_the_coordinato
 
 
 class ManInTheMiddle(httpx.AsyncBaseTransport):
-    """Sits between the node and the coordinator: each request is answered by the next fault of ``faults``
-    (``unreachable``, ``tampered``: one decision relaxed with the signature kept, ``unsigned``), then passed through.
-    ``ready_when_asked`` records whether the node was ready at each request; the request of fault number
-    ``hold_at`` waits for ``release`` (``holding`` is set meanwhile), so the test can look at the node then."""
+    """Sits between the node and the coordinator: each request is answered by the next fault of
+    ``faults`` (``unreachable``, ``tampered``: one decision relaxed with the signature kept,
+    ``unsigned``), then passed through. ``ready_when_asked`` records whether the node was ready at
+    each request; the request of fault number ``hold_at`` waits for ``release`` (``holding`` is set
+    meanwhile), so the test can look at the node then."""
 
     def __init__(self, node: GovNode, faults: list[str], hold_at: int) -> None:
         self.node = node

@@ -1,4 +1,5 @@
-"""Invalidation on one engine, no broker: the command handler, the version registry and the pool together.
+"""Invalidation on one engine, no broker: the command handler, the version registry and the pool
+together.
 
 The property (docs/design.md §4, §5): across random interleavings of requests, document
 updates and policy revocations, no served response reports cached tokens from a
@@ -115,7 +116,8 @@ def prompt_keys(engine: AsyncEngine, messages: list[ChatMessage], principal: Pri
 
 
 async def cache_document(engine: AsyncEngine, principal: Principal, doc_id: str) -> list:
-    """Serve one question on version 1 of ``doc_id`` (its blocks are cached then); returns the request's block keys."""
+    """Serve one question on version 1 of ``doc_id`` (its blocks are cached then); returns the
+    request's block keys."""
     messages = messages_for(doc_id, 1, 0)
     await cached_tokens(engine, messages, principal)
     return prompt_keys(engine, messages, principal)
@@ -299,7 +301,8 @@ async def test_update_removes_old_version_everywhere_and_keeps_the_rest_cached(n
 
 
 async def test_a_batch_attributes_each_block_to_the_commands_that_match_it(node):
-    """One pass for three commands: each ack carries exactly its own blocks, in every tier and the snapshot."""
+    """One pass for three commands: each ack carries exactly its own blocks, in every tier and the
+    snapshot."""
     engine, handler = node
     principal = new_reader()
     tenant = principal.tenant_id
@@ -323,7 +326,8 @@ async def test_a_batch_attributes_each_block_to_the_commands_that_match_it(node)
 
     d0 = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d0", below_version=2))
     d1 = invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="d1", below_version=2))
-    # The policy revocation also covers d0's and d1's blocks, already gone when it runs: it keeps d2's alone.
+    # The policy revocation also covers d0's and d1's blocks, already gone when it runs: it keeps
+    # d2's alone.
     policy = invalidate(schema.PolicyPredicate(tenant=tenant, auth_scope="hr", below_version=2))
     applied = [
         (command, evidence) async for command, evidence in handler.apply_batch([d0, d1, policy])
@@ -344,8 +348,9 @@ async def test_a_batch_attributes_each_block_to_the_commands_that_match_it(node)
         "disk": {hashes["d1"][1].hex()},
         "snapshot": {h.hex() for h in hashes["d1"]},
     }
-    # The pool pass runs command by command, so the revocation finds d0's and d1's blocks gone; the snapshot pass
-    # sees all three predicates at once, so it claims d0's and d1's snapshot copies too.
+    # The pool pass runs command by command, so the revocation finds d0's and d1's blocks gone; the
+    # snapshot pass sees all three predicates at once, so it claims d0's and d1's snapshot copies
+    # too.
     earlier = {h.hex() for h in hashes["d0"] + hashes["d1"]}
     assert {h.hex() for h in hashes["d2"]} <= under_policy_1
     assert blocks(policy_evidence) == {
@@ -390,7 +395,8 @@ async def test_a_failing_subscriber_ahead_of_the_applier_does_not_keep_deferred_
     node,
 ):
     engine, _ = node
-    # The applier subscribes after a subscriber that always raises: construction order does not matter.
+    # The applier subscribes after a subscriber that always raises: construction order does not
+    # matter.
     engine.manager.unsubscribe(EVIDENCE_SUBSCRIBER)
 
     batches_refused: list[tuple] = []
@@ -541,7 +547,8 @@ def test_every_block_a_predicate_matches_is_filed_under_its_index_key(predicate,
 
 
 async def test_a_command_delivered_twice_in_one_batch_is_applied_once_and_acked_twice(node):
-    """A re-published outbox row reaches the node twice; both records get the same evidence, nothing fails."""
+    """A re-published outbox row reaches the node twice; both records get the same evidence, nothing
+    fails."""
     engine, handler = node
     principal = new_reader()
     tenant = principal.tenant_id

@@ -1,4 +1,5 @@
-"""The cache manager's pool-event fan-out: named subscribers, one batch for all, in order, failures isolated."""
+"""The cache manager's pool-event fan-out: named subscribers, one batch for all, in order, failures
+isolated."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def store(pool: BlockPool, i: int) -> None:
 
 
 def churn(manager: KVCacheManager) -> list:
-    """Store block 0, store block 1 (demoting 0 to host), evict 0: the pool events that causes, in order."""
+    """Store block 0, store block 1 (demoting 0 to host), evict 0: the pool events that causes, in
+    order."""
     store(manager.pool, 0)
     store(manager.pool, 1)
     assert manager.pool.evict(block_hash(0))

@@ -86,7 +86,8 @@ def _field(data: bytes) -> bytes:
 
 
 def test_hashes_follow_the_documented_encoding():
-    """Recompute blocks 0 and 2 from docs/design.md §2 with raw hashlib, independent of the implementation."""
+    """Recompute blocks 0 and 2 from docs/design.md §2 with raw hashlib, independent of the
+    implementation."""
     keys = keys_for()
     root = hashlib.sha256(b"kvledger/ns/v1\x00ns-test").digest()
     no_adapter_no_docs = _field(_field(b"") + _field(b""))
@@ -94,7 +95,8 @@ def test_hashes_follow_the_documented_encoding():
         root + _field(b"") + _field(struct.pack("<4I", 100, 101, 102, 103)) + no_adapter_no_docs
     )
     assert keys[0].block_hash == block0.digest()
-    # Tenant salt format T2: policy versions as little-endian u64 (any version 0..2^53-1 a token may carry).
+    # Tenant salt format T2: policy versions as little-endian u64 (any version 0..2^53-1 a token may
+    # carry).
     salt = b"T2" + _field(b"acme") + _u32(1) + _field(b"hr") + struct.pack("<Q", 3)
     extra = _field(_field(b"") + _field(b"handbook@7"))
     block2 = hashlib.sha256(
@@ -302,7 +304,8 @@ def test_segment_starting_exactly_at_a_block_boundary_sets_the_scope_of_the_bloc
 
 
 def reference_keys(namespace, token_ids, segments, principal, block_size):
-    """docs/design.md §2 computed the slow, obvious way: per block, scan every segment of the prefix."""
+    """docs/design.md §2 computed the slow, obvious way: per block, scan every segment of the
+    prefix."""
     parent = namespace_root(namespace)
     hashes = []
     for index in range(num_cacheable_blocks(len(token_ids), block_size)):

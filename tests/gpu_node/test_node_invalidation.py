@@ -1,4 +1,5 @@
-"""Invalidation end to end on the node side: real nodes, real broker, commands published as the coordinator would.
+"""Invalidation end to end on the node side: real nodes, real broker, commands published as the
+coordinator would.
 
 Each node is what ``gpu_node.entrypoints.server.serve`` runs — engine, publisher, command
 consumer — in-process, with its HTTP app driven over ASGI. Commands are written
@@ -76,7 +77,8 @@ class Node(NodeServices):
         return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     def holdings(self, predicate) -> set[tuple[str, str]]:
-        """(block hash, tier) of every matching block the node holds, snapshots as tier ``snapshot``."""
+        """(block hash, tier) of every matching block the node holds, snapshots as tier
+        ``snapshot``."""
         held = {
             (entry.block_hash.hex(), entry.tier.value)
             for entry in self.engine.pool.ready_entries()
@@ -388,7 +390,8 @@ async def test_a_command_that_fails_is_retried_and_nothing_after_it_is_skipped(
     failures: list[str] = []
 
     async def apply_batch_failing_once(commands):
-        """The real handler, except that the first batch reaching tenants[1]'s command fails there, before applying it."""
+        """The real handler, except that the first batch reaching tenants[1]'s command fails there,
+        before applying it."""
         failing = [
             i for i, command in enumerate(commands) if command.predicate.tenant == tenants[1]
         ]
@@ -480,8 +483,9 @@ async def test_an_ack_that_could_not_be_published_is_sent_again_without_applying
 async def test_copies_of_a_command_in_one_batch_are_applied_once_and_acked_with_the_same_ack(
     make_settings, kafka_bootstrap
 ):
-    """A node that was down while the coordinator re-sent a command finds several records of it past its
-    committed offset, fetched in one batch: the first is applied, the others are answered with its ack."""
+    """A node that was down while the coordinator re-sent a command finds several records of it past
+    its committed offset, fetched in one batch: the first is applied, the others are answered with
+    its ack."""
     tenant = f"acme-{uuid.uuid4().hex[:6]}"
     settings = make_settings("c")
     await (
@@ -535,7 +539,8 @@ async def test_copies_of_a_command_in_one_batch_are_applied_once_and_acked_with_
 async def test_a_command_that_keeps_failing_marks_the_command_consumer_stalled_until_it_passes(
     make_settings, kafka_bootstrap
 ):
-    """The node retries a failing command forever (never skipping it); ``kvledger_consumer_stalled`` makes that visible."""
+    """The node retries a failing command forever (never skipping it); ``kvledger_consumer_stalled``
+    makes that visible."""
     node = await Node(make_settings("s")).start()
     node.commands.stall.stall_after_s = 0.5
     real_apply_batch = node.commands.handler.apply_batch

@@ -116,7 +116,8 @@ async def ledger_placements(database_url: str, node_id: str) -> set[tuple[str, s
 
 @pytest.fixture(scope="module")
 async def coordinator(database_url, ledger_template, kafka_bootstrap):
-    """One coordinator for the module's tests (each plays nodes of its own); yields its ledger's URL."""
+    """One coordinator for the module's tests (each plays nodes of its own); yields its ledger's
+    URL."""
     async with fresh_database(database_url, ledger_template) as url:
         settings = coordinator_settings(url, kafka_bootstrap)
         consumers = await RunningConsumers(settings).start()

@@ -64,7 +64,8 @@ def test_decodes_sharing_leading_blocks_equal_each_decode_alone(runner):
 
 
 def test_lone_decode_equals_the_same_decode_in_a_padded_batch(runner):
-    """The unmasked lone-decode path against the masked padded batch (distinct tables, different lengths)."""
+    """The unmasked lone-decode path against the masked padded batch (distinct tables, different
+    lengths)."""
     table = fresh_table(runner)
     generator = torch.Generator().manual_seed(1)
     chunks = []
@@ -105,7 +106,8 @@ async def test_a_worker_job_runs_between_steps_while_requests_decode(engine: Asy
 
 
 def test_row_index_names_each_tokens_key_and_value_in_every_layer(runner):
-    """The rows of (block table, position) are the table's own [slot, layer, k/v, head, offset] elements."""
+    """The rows of (block table, position) are the table's own [slot, layer, k/v, head, offset]
+    elements."""
     table = torch.randn(12, *fresh_table(runner, 1).shape[1:])
     rows = RowIndex(table)
     block_table = torch.tensor([[7, 2, 11], [3, 0, 5]])

@@ -1,4 +1,5 @@
-"""The pull wire format and the peer list's bounds (``gpu_node.cache.peers``, ``gpu_node.settings.PeerSettings``)."""
+"""The pull wire format and the peer list's bounds (``gpu_node.cache.peers``,
+``gpu_node.settings.PeerSettings``)."""
 
 from __future__ import annotations
 

@@ -205,7 +205,8 @@ def _conversation(num_messages: int) -> list[ChatMessage]:
 
 
 PRESCAN_TEMPLATE = (
-    # Reads every message once before writing any (as Llama 3.1 / Mistral templates do to find the system prompt).
+    # Reads every message once before writing any (as Llama 3.1 / Mistral templates do to find the
+    # system prompt).
     "{%- set ns = namespace(system='') -%}"
     "{%- for m in messages -%}{%- if m['role'] == 'system' -%}{%- set ns.system = m['content'] -%}{%- endif -%}{%- endfor -%}"
     "{{- bos_token -}}[{{ ns.system | length }}]"
@@ -215,7 +216,8 @@ PRESCAN_TEMPLATE = (
 
 
 CHATML_TEMPLATE = (
-    # Literal chrome before the role (ChatML, as Qwen writes it); loop.last asked after the message is written.
+    # Literal chrome before the role (ChatML, as Qwen writes it); loop.last asked after the message
+    # is written.
     "{%- for message in messages[0:] -%}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
     "{%- if loop.last and add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}{%- endfor -%}"
 )
@@ -225,7 +227,8 @@ CHATML_TEMPLATE = (
     "template", [None, PRESCAN_TEMPLATE, CHATML_TEMPLATE], ids=["model", "prescan", "chatml"]
 )
 def test_long_conversation_renders_as_every_prefix_would(tiny_model_dir, monkeypatch, template):
-    """The traced single rendering of a long conversation cuts exactly where rendering every prefix does."""
+    """The traced single rendering of a long conversation cuts exactly where rendering every prefix
+    does."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     if template is not None:
         tokenizer.chat_template = template

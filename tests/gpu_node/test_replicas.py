@@ -56,7 +56,8 @@ HANDBOOK = (
 
 
 class PeerLink:
-    """A real TCP hop between puller and holder: forwards each pull and answers with the holder's response, as set by ``mode``.
+    """A real TCP hop between puller and holder: forwards each pull and answers with the holder's
+    response, as set by ``mode``.
 
     ``pass`` as it is; ``corrupt`` one byte flipped inside the first record (its ciphertext);
     ``die`` the headers and half the body, then the connection closes; ``hold`` waits for
@@ -277,7 +278,8 @@ async def test_a_pulled_prefix_serves_the_same_greedy_output_as_recomputing_it_a
     assert pulls(puller, "pulled") == before + 1
     records = decode_frames(link.bodies[-1], num_blocks, 1 << 30)
     assert len(records) == num_blocks
-    # Tenant blocks cross the wire sealed, exactly as at rest: the clear header says so and holds no provenance.
+    # Tenant blocks cross the wire sealed, exactly as at rest: the clear header says so and holds no
+    # provenance.
     assert all(record[5] == FLAG_SEALED for record in records[1:])
     assert all(
         tenant.encode() not in record and b"provenance" not in record[HEADER.size :]
@@ -300,7 +302,8 @@ async def test_concurrent_requests_for_one_prefix_pull_it_once(stack) -> None:
         ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks))
     )
     await asyncio.wait_for(link.holding.wait(), TIMEOUT_S)
-    # The second request finds the first's claims and waits on them, as on a build: it sends no pull of its own.
+    # The second request finds the first's claims and waits on them, as on a build: it sends no pull
+    # of its own.
     second = asyncio.create_task(
         ask(puller, tenant_token(tenant), messages, (holder.node_id, num_blocks))
     )
@@ -367,7 +370,8 @@ async def test_a_peer_dying_mid_transfer_falls_back_to_recompute(stack) -> None:
 
     assert (text, cached) == (computed, 0)
     assert pulls(puller, "unavailable") == before + 1
-    # The claims the pull held were released: the blocks are the request's own now, and hit next time.
+    # The claims the pull held were released: the blocks are the request's own now, and hit next
+    # time.
     assert (await ask(puller, tenant_token(tenant), messages))[1] == full_blocks(
         holder, messages
     ) * BLOCK_SIZE
@@ -404,7 +408,8 @@ async def pull_directly(
     audience: str | None = None,
     digest: str | None = None,
 ) -> httpx.Response:
-    """A pull request to the holder signed with ``signer``'s test key (for ``audience``'s node, over ``digest``)."""
+    """A pull request to the holder signed with ``signer``'s test key (for ``audience``'s node, over
+    ``digest``)."""
     content = json.dumps(body).encode()
     credential = issue_peer_credential(
         node_key(signer),

@@ -63,7 +63,8 @@ def test_decodes_first_then_prefill_chunks_under_the_token_budget():
     assert (a.num_tokens, b.num_tokens) == (4, 3)  # each sampled its first token
     long = new_seq("long", 20)
     scheduler.add(long)
-    # every step: one decode token per running request first, the long prompt in chunks of what is left
+    # every step: one decode token per running request first, the long prompt in chunks of what is
+    # left
     assert plan(run_step(scheduler)) == [("a", 3, 1), ("b", 2, 1), ("long", 0, 6)]
     assert plan(run_step(scheduler)) == [("a", 4, 1), ("b", 3, 1), ("long", 6, 6)]
     assert plan(run_step(scheduler)) == [("a", 5, 1), ("b", 4, 1), ("long", 12, 6)]
@@ -103,7 +104,8 @@ def test_out_of_blocks_preempts_the_newest_and_recomputes_it_first():
         ("old", 0, 7),
         ("new", 0, 8),
     ]  # 2 + 2 blocks: the device is full
-    # old's 8th token fits its 2nd block; new's 9th token needs a 5th block: new (the newest) is preempted
+    # old's 8th token fits its 2nd block; new's 9th token needs a 5th block: new (the newest) is
+    # preempted
     step = run_step(scheduler)
     assert plan(step) == [("old", 7, 1)]
     assert [seq.seq_id for seq in step.preempted] == ["new"]
@@ -130,8 +132,9 @@ def test_preempting_a_sequence_already_scheduled_this_step_takes_its_chunk_back(
     new = Sequence("new", [1, 2], 1, num_computed_tokens=1, status=SequenceStatus.RUNNING)
     assert allocator.allocate(old, 8) and allocator.allocate(new, 1)
     scheduler.running = [old, new]
-    # new's decode is scheduled first (it fits its block); old's prompt chunk needs a 3rd block: none is free,
-    # so the newest running sequence — new, already in this step — is preempted and its chunk taken back
+    # new's decode is scheduled first (it fits its block); old's prompt chunk needs a 3rd block:
+    # none is free, so the newest running sequence — new, already in this step — is preempted and
+    # its chunk taken back
     step = scheduler.schedule()
     assert plan(step) == [("old", 8, 4)]
     assert [seq.seq_id for seq in step.preempted] == ["new"]
@@ -186,7 +189,8 @@ def test_only_the_head_of_the_queue_holds_blocks_while_waiting():
         ("running", 8, 1)
     ]  # running took a 3rd block; head (2 blocks) does not fit
     assert head.block_table == [0] and allocator.num_free == 0
-    # running needs a 4th block... none is free: it is preempted itself, goes in front of head, and head lets go
+    # running needs a 4th block... none is free: it is preempted itself, goes in front of head, and
+    # head lets go
     running.token_ids.extend([7] * 3)
     step = scheduler.schedule()
     assert [seq.seq_id for seq in step.preempted] == ["running"]

@@ -1,4 +1,5 @@
-"""The node's usage meter: per-tenant counts of finished completions, drained into contiguous windows."""
+"""The node's usage meter: per-tenant counts of finished completions, drained into contiguous
+windows."""
 
 from __future__ import annotations
 

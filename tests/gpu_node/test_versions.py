@@ -182,7 +182,8 @@ def test_registry_tracks_the_latest_decision_not_the_maximum():
 
 
 def test_an_older_decision_arriving_later_never_moves_the_registry_back():
-    """A re-sent command (or the governance state) can arrive after a newer decision about the same document."""
+    """A re-sent command (or the governance state) can arrive after a newer decision about the same
+    document."""
     registry = VersionRegistry()
     handbook = schema.DocumentPredicate(tenant="acme", doc_id="handbook", below_version=4)
     registry.apply(
@@ -267,7 +268,8 @@ def test_check_refuses_tokens_under_superseded_policy_versions_before_looking_at
         schema.PolicyPredicate(tenant="acme", auth_scope="finance", below_version=2),
         next_decision(),
     )
-    # finance comes from the default pv (1) < 2; reported even though message 0 names a stale document
+    # finance comes from the default pv (1) < 2; reported even though message 0 names a stale
+    # document
     assert registry.check(ALICE, [doc("handbook", 3), doc("ledger", 1, "finance")]) == Staleness(
         "policy", 1, "finance", 1, 2
     )

@@ -18,8 +18,8 @@ from helpers.ledger import OPERATOR_PRIVATE_KEY_PEM, eventually
 
 @contextlib.asynccontextmanager
 async def served_stack(settings: CoordinatorSettings, stack_dir: Path) -> AsyncIterator[Path]:
-    """The coordinator's API on a free local port and ``stack_dir`` holding the stack file the CLI reads
-    (its URL and the tests' operator key); yields ``stack_dir``."""
+    """The coordinator's API on a free local port and ``stack_dir`` holding the stack file the CLI
+    reads (its URL and the tests' operator key); yields ``stack_dir``."""
     key_file = stack_dir / "operator_key.pem"
     key_file.write_bytes(OPERATOR_PRIVATE_KEY_PEM)
     server = uvicorn.Server(

@@ -74,7 +74,8 @@ def image_exists(tag: str) -> bool:
 
 
 def build(dockerfile: Path, tag: str, context: Path, **build_args: str) -> str:
-    """``docker build`` on the local base (``BASE_IMAGE`` build argument); raises with the build's output tail."""
+    """``docker build`` on the local base (``BASE_IMAGE`` build argument); raises with the build's
+    output tail."""
     args = {"BASE_IMAGE": BASE_IMAGE, **build_args}
     command = ["docker", "build", "--quiet", "--file", str(dockerfile), "--tag", tag]
     for name, value in args.items():

@@ -1,12 +1,14 @@
-"""A fork server for the tests' node and coordinator processes: the ML stack imported once, each process forked.
+"""A fork server for the tests' node and coordinator processes: the ML stack imported once, each
+process forked.
 
-A ``kvledger node`` process spends most of its start importing torch and transformers (about 6 CPU-seconds
-on the CI machine); the suite starts dozens. :class:`ForkServer` runs this file as a long-lived process that
-imports the third-party libraries the node and the coordinator use — and nothing of this project — then
-forks one child per start, which runs ``python -m kvledger.cli ARGS`` as a new interpreter would, with the
-caller's environment, stdio and working directory. :meth:`ForkServer.launch` is a
-``kvledger.processes.Launcher``; the handle it returns behaves as ``subprocess.Popen`` (pid, poll/wait and
-returncode, signals), so ``SIGKILL``, ``SIGSTOP`` and restarts of the fault suite see a plain child.
+A ``kvledger node`` process spends most of its start importing torch and transformers (about 6
+CPU-seconds on the CI machine); the suite starts dozens. :class:`ForkServer` runs this file as a
+long-lived process that imports the third-party libraries the node and the coordinator use — and
+nothing of this project — then forks one child per start, which runs ``python -m kvledger.cli ARGS``
+as a new interpreter would, with the caller's environment, stdio and working directory.
+:meth:`ForkServer.launch` is a ``kvledger.processes.Launcher``; the handle it returns behaves as
+``subprocess.Popen`` (pid, poll/wait and returncode, signals), so ``SIGKILL``, ``SIGSTOP`` and
+restarts of the fault suite see a plain child.
 
 Why it is the same process as a fresh start:
 
@@ -74,7 +76,8 @@ PROJECT_PACKAGES = (
 )
 """Never imported by the server (their import-time reads of the environment must see the child's)."""
 OWN_PREFIX = "KVLEDGER_"
-"""Variables only the project reads (at import in the child, or later): a child may differ from the server in these."""
+"""Variables only the project reads (at import in the child, or later): a child may differ from the
+server in these."""
 UNREAD = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
 """Variables no preloaded library reads at import, which the tests' process sets while it runs: pytest the running
 test's name, torch its compile cache's default directory the first time it compiles (read when compiling)."""
@@ -94,7 +97,8 @@ def _libraries_differences(env: Mapping[str, str], server_env: Mapping[str, str]
 
 
 class ForkedProcess:
-    """A child of the fork server, driven as ``subprocess.Popen``: its exit status arrives on ``connection``."""
+    """A child of the fork server, driven as ``subprocess.Popen``: its exit status arrives on
+    ``connection``."""
 
     def __init__(self, args: list[str], pid: int, pidfd: int, connection: socket.socket) -> None:
         self.args = args
@@ -152,7 +156,8 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The server process (started by :meth:`start`, stopped by :meth:`stop`) and the client side of its socket."""
+    """The server process (started by :meth:`start`, stopped by :meth:`stop`) and the client side of
+    its socket."""
 
     def __init__(self, work_dir: Path) -> None:
         self.socket_path = work_dir / "fork-server.sock"
@@ -194,7 +199,8 @@ class ForkServer:
         new_session: bool,
         dies_with_parent: bool,
     ):
-        """A ``kvledger.processes.Launcher``: forked from the server, or a new interpreter where forking would differ."""
+        """A ``kvledger.processes.Launcher``: forked from the server, or a new interpreter where
+        forking would differ."""
         from kvledger.processes import popen_cli
 
         differences = _libraries_differences(env, self.env)
@@ -238,7 +244,8 @@ class ForkServer:
         )
 
 
-# -- the server process ---------------------------------------------------------------------------------
+# -- the server process
+# ---------------------------------------------------------------------------------
 
 
 def _num_threads() -> int:
@@ -248,9 +255,9 @@ def _num_threads() -> int:
 def _preload() -> int:
     """Import :data:`PRELOADED`; the number of OS threads the server may have when it forks.
 
-    numpy's OpenBLAS starts its worker threads at import (as in every node process); OpenBLAS stops them
-    before a fork (``pthread_atfork``) and starts them again on demand. Nothing imported after numpy may
-    start a thread of its own."""
+    numpy's OpenBLAS starts its worker threads at import (as in every node process); OpenBLAS stops
+    them before a fork (``pthread_atfork``) and starts them again on demand. Nothing imported after
+    numpy may start a thread of its own."""
     import importlib
 
     importlib.import_module(PRELOADED[0])
@@ -362,7 +369,8 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 def _become_child(request: dict) -> None:
-    """In the forked child: the caller's session, parent-death signal, stdio, directory and environment."""
+    """In the forked child: the caller's session, parent-death signal, stdio, directory and
+    environment."""
     if request["new_session"]:
         os.setsid()
     stdout_fd, stderr_fd = request["fds"]

@@ -110,7 +110,8 @@ class RawConnection:
         return status, await asyncio.wait_for(self.reader.readexactly(length), WAIT_S)
 
     async def closed_by_server(self, timeout_s: float) -> bool:
-        """Whether the server closes the connection within ``timeout_s`` (whatever it still sends is read and dropped)."""
+        """Whether the server closes the connection within ``timeout_s`` (whatever it still sends is
+        read and dropped)."""
         try:
             async with asyncio.timeout(timeout_s):
                 while await self.reader.read(65536):

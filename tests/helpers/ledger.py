@@ -53,7 +53,8 @@ from kvledger.nodes import enroll_node_key
 from kvledger.producers import enroll_producer_key
 
 JWT_SECRET = "integration-test-secret-of-at-least-32-bytes"
-"""The end users' HS256 secret (the nodes' ``auth``); the coordinator accepts no token signed with it."""
+"""The end users' HS256 secret (the nodes' ``auth``); the coordinator accepts no token signed with
+it."""
 SUBJECT_KEY = "integration-test-subject-key"
 
 _OPERATOR_KEY = Ed25519PrivateKey.from_private_bytes(
@@ -113,7 +114,8 @@ sign_command = EnvelopeSigner(COMMAND_KEY)
 
 @functools.cache
 def command_public_key_file() -> Path:
-    """The command public key as a PEM file, for ``NodeSettings.identity.coordinator_public_key_file``."""
+    """The command public key as a PEM file, for
+    ``NodeSettings.identity.coordinator_public_key_file``."""
     path = Path(tempfile.mkdtemp(prefix="kvledger-command-key-")) / "command_key.pub"
     path.write_bytes(public_key_pem(COMMAND_KEY.public_key()))
     return path
@@ -144,7 +146,8 @@ async def enroll_nodes(database_url: str, node_ids: Iterable[str]) -> None:
 PRODUCER_KEY = Ed25519PrivateKey.from_private_bytes(
     hashlib.sha256(b"kvledger test producer").digest()
 )
-"""The tests' customer-event producer key, enrolled for every tenant in every test ledger (:func:`enroll_producer`)."""
+"""The tests' customer-event producer key, enrolled for every tenant in every test ledger
+(:func:`enroll_producer`)."""
 sign_customer_event = EnvelopeSigner(PRODUCER_KEY)
 
 
@@ -159,9 +162,10 @@ def signed_customer_value(value: bytes) -> bytes:
 
 
 class SigningProducer(EventProducer):
-    """The tests' producer: signs what the real party would — commands with :data:`COMMAND_KEY`, kv-events
-    and acks with their node's :func:`node_key` (enrolled in ``database_url`` on first use), customer events
-    with :data:`PRODUCER_KEY`. Tests of unsigned or forged records use a plain :class:`EventProducer`."""
+    """The tests' producer: signs what the real party would — commands with :data:`COMMAND_KEY`,
+    kv-events and acks with their node's :func:`node_key` (enrolled in ``database_url`` on first
+    use), customer events with :data:`PRODUCER_KEY`. Tests of unsigned or forged records use a plain
+    :class:`EventProducer`."""
 
     def __init__(self, settings: KafkaSettings, database_url: str | None = None) -> None:
         super().__init__(settings)
@@ -192,18 +196,19 @@ GROUP_TIMING: dict[str, int] = {
     "heartbeat_interval_ms": 500,
     "fetch_max_wait_ms": 50,
 }
-"""Consumer timing (:class:`~events.kafka.settings.ConsumerGroupTiming`) of every test coordinator, node and
-:class:`~events.kafka.consumer.BatchConsumer`. The embedded broker holds each group join for half the session timeout:
-production's 10 s cost 5 s per group, 15 s per coordinator start (three groups), 5 s per node start. 2 s still
-survives a loaded machine's event-loop stalls between heartbeats. The embedded broker answers a waiting fetch
-only when its wait expires, so every idle consumer fetches once per wait: at the default 5 ms an idle
-coordinator and the broker burnt about a third of a core between them, most of the suite's time on 2 cores;
-50 ms costs a tenth of that and adds at most 50 ms per hop to what a test waits for."""
+"""Consumer timing (:class:`~events.kafka.settings.ConsumerGroupTiming`) of every test coordinator,
+node and :class:`~events.kafka.consumer.BatchConsumer`. The embedded broker holds each group join
+for half the session timeout: production's 10 s cost 5 s per group, 15 s per coordinator start
+(three groups), 5 s per node start. 2 s still survives a loaded machine's event-loop stalls between
+heartbeats. The embedded broker answers a waiting fetch only when its wait expires, so every idle
+consumer fetches once per wait: at the default 5 ms an idle coordinator and the broker burnt about a
+third of a core between them, most of the suite's time on 2 cores; 50 ms costs a tenth of that and
+adds at most 50 ms per hop to what a test waits for."""
 
 
 NODE_KEY_CACHE_S = 1.0
-"""``ledger.node_key_cache_s`` of every test coordinator: a revoked node key is refused within a second, not
-production's 5 s, so the tests that revoke one wait that much less."""
+"""``ledger.node_key_cache_s`` of every test coordinator: a revoked node key is refused within a
+second, not production's 5 s, so the tests that revoke one wait that much less."""
 
 
 GROUP_TIMING_ENV: dict[str, str] = {
@@ -271,7 +276,8 @@ def coordinator_env(
 
 
 def kafka_client_settings(bootstrap: str, **fields) -> KafkaSettings:
-    """Kafka settings of a test client of ``bootstrap`` (its own consumers join groups with :data:`GROUP_TIMING`)."""
+    """Kafka settings of a test client of ``bootstrap`` (its own consumers join groups with
+    :data:`GROUP_TIMING`)."""
     return KafkaSettings(
         **{"bootstrap": bootstrap, "client_id": "kvledger-test", **GROUP_TIMING, **fields}
     )
@@ -317,10 +323,11 @@ class RunningConsumers:
 
 
 class FakeNode:
-    """One GPU node as the ledger sees it: its kv-events with a running ``seq``, through a (signing) producer.
+    """One GPU node as the ledger sees it: its kv-events with a running ``seq``, through a (signing)
+    producer.
 
-    ``seq`` is the last one used; each epoch begins with ``NodeStarted`` at seq 0 (:meth:`start`), and every
-    further event takes the next seq unless the test names one (a gap, a replay)."""
+    ``seq`` is the last one used; each epoch begins with ``NodeStarted`` at seq 0 (:meth:`start`),
+    and every further event takes the next seq unless the test names one (a gap, a replay)."""
 
     def __init__(
         self, producer: EventProducer, node_id: str, *, epoch: int = 0, namespace: str = "ns-test"
@@ -342,7 +349,8 @@ class FakeNode:
         return envelope
 
     async def start(self, epoch: int | None = None, namespace: str | None = None) -> Envelope:
-        """A new epoch (the next one unless ``epoch`` is given) announced by ``NodeStarted`` at seq 0."""
+        """A new epoch (the next one unless ``epoch`` is given) announced by ``NodeStarted`` at seq
+        0."""
         self.epoch = self.epoch + 1 if epoch is None else epoch
         self.seq = -1
         self.namespace = namespace or self.namespace
@@ -373,7 +381,8 @@ async def fresh_database(server_url: str, template: str | None = None) -> AsyncI
 
 
 async def connect(database_url: str) -> asyncpg.Connection:
-    """A plain asyncpg connection to a test database (a TCP URL, or the embedded server's ``?host=`` socket dir)."""
+    """A plain asyncpg connection to a test database (a TCP URL, or the embedded server's ``?host=``
+    socket dir)."""
     return await asyncpg.connect(**connect_kwargs(database_url))
 
 
@@ -432,10 +441,11 @@ def stored(
 async def scan_topic(
     bootstrap: str, topic: str, visit: Callable[[ConsumerRecord], bool], timeout_s: float = 30.0
 ) -> None:
-    """Read every partition of ``topic`` from the beginning, handing records to ``visit`` until it returns True.
+    """Read every partition of ``topic`` from the beginning, handing records to ``visit`` until it
+    returns True.
 
-    No consumer group (``group_id=None`` takes all partitions locally), so there is no group join to wait for.
-    """
+    No consumer group (``group_id=None`` takes all partitions locally), so there is no group join to
+    wait for."""
     consumer = AIOKafkaConsumer(
         topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest"
     )
@@ -458,10 +468,10 @@ async def scan_topic(
 async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[ConsumerRecord]:
     """Every record of ``topic`` that the broker acknowledged before the call, from every partition.
 
-    Reads until each partition's position reaches the end the broker reported at the start, then drains what
-    that last fetch brought (the embedded broker reports the end of a multi-record batch as the batch's base
-    offset + 1; the rest of the batch comes in the same fetch). No consumer group, so no join to wait for.
-    """
+    Reads until each partition's position reaches the end the broker reported at the start, then
+    drains what that last fetch brought (the embedded broker reports the end of a multi-record batch
+    as the batch's base offset + 1; the rest of the batch comes in the same fetch). No consumer
+    group, so no join to wait for."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         group_id=None,
@@ -494,9 +504,11 @@ async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> lis
 async def dead_letters(
     bootstrap: str, group_id: str, event_ids: set[uuid.UUID], topic: str = DEAD_LETTER
 ) -> dict[uuid.UUID, str]:
-    """The dead-letter error of each of ``event_ids`` that ``group_id`` dead-lettered on ``topic`` (waits for all of them).
+    """The dead-letter error of each of ``event_ids`` that ``group_id`` dead-lettered on ``topic``
+    (waits for all of them).
 
-    Nodes dead-letter on their own topic (``kvledger.node-dead-letter``), the coordinator on ``kvledger.dead-letter``."""
+    Nodes dead-letter on their own topic (``kvledger.node-dead-letter``), the coordinator on
+    ``kvledger.dead-letter``."""
     found: dict[uuid.UUID, str] = {}
 
     def visit(record) -> bool:

@@ -52,7 +52,8 @@ TIMEOUT_S = 30.0
 async def demote_to_disk(
     engine: AsyncEngine, block_hash: str, timeout_s: float = TIMEOUT_S
 ) -> None:
-    """Move a cached block to the disk tier, waiting until its scope's data key is in the node's memory.
+    """Move a cached block to the disk tier, waiting until its scope's data key is in the node's
+    memory.
 
     With the coordinator's key service, a request's prefetch waits at most ``prefetch_wait_s`` for
     its keys and the fetch finishes in the background; on a loaded machine that can be after the
@@ -155,7 +156,8 @@ class Served:
 
 
 class CoordinatorThread:
-    """``run_consumers`` and the HTTP API of one coordinator, on an event loop of their own in a thread."""
+    """``run_consumers`` and the HTTP API of one coordinator, on an event loop of their own in a
+    thread."""
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
@@ -235,7 +237,8 @@ class NodeServices:
 
 
 class ServedNode(NodeServices):
-    """A node whose OpenAI-compatible app listens on a real socket; requests go through the official client."""
+    """A node whose OpenAI-compatible app listens on a real socket; requests go through the official
+    client."""
 
     async def serve_http(self) -> None:
         self.http = await Served(
@@ -298,7 +301,8 @@ class RunningNode(ServedNode):
             return (await client.get("/readyz")).status_code == 200
 
     async def stop(self) -> None:
-        """Idempotent, so a test that failed while the node was down leaves its fixture's teardown working."""
+        """Idempotent, so a test that failed while the node was down leaves its fixture's teardown
+        working."""
         if not self.running:
             return
         self.running = False

@@ -60,7 +60,8 @@ def scoped_key(
     tenant: str = "acme",
     documents: tuple[str, ...] = (),
 ) -> BlockKey:
-    """Block ``i`` of namespace :data:`NS` in ``scope`` (tenant scope: auth scope ``*``; user scope: subject alice)."""
+    """Block ``i`` of namespace :data:`NS` in ``scope`` (tenant scope: auth scope ``*``; user scope:
+    subject alice)."""
     provenance = CacheProvenance(
         namespace=NS,
         tenant_id=None if scope == CacheScope.PUBLIC else tenant,
@@ -84,7 +85,8 @@ def make_state(
     wall_clock=None,
     keys=None,
 ) -> PoolState:
-    """A pool state alone; unless given, the wall clock runs 1,000,000 s ahead of the pool clock (1000.0)."""
+    """A pool state alone; unless given, the wall clock runs 1,000,000 s ahead of the pool clock
+    (1000.0)."""
     clock = clock or FakeClock(1000.0)
     config = PoolConfig(NS, device, host, disk, tmp_path / "disk", NO_TTL if ttl is None else ttl)
     wall_clock = wall_clock or (lambda: clock() + 1_000_000.0)
@@ -110,7 +112,8 @@ def put(
 
 
 def building(state: PoolState, i: int, *, key: BlockKey | None = None) -> CacheEntry:
-    """Block ``i`` claimed for building, as :meth:`gpu_node.pool.block_pool.BlockPool.begin_build` claims it."""
+    """Block ``i`` claimed for building, as :meth:`gpu_node.pool.block_pool.BlockPool.begin_build`
+    claims it."""
     entry = CacheEntry(
         key=key or scoped_key(i), state=BlockState.BUILDING, last_access=state.clock()
     )

@@ -1,4 +1,5 @@
-"""Bearer-token verification: the principal it yields is what salts cache keys, so every malformed token must fail.
+"""Bearer-token verification: the principal it yields is what salts cache keys, so every malformed
+token must fail.
 
 JWKS verification over real HTTP, key rotation and the end-user/operator split are in
 tests/security/test_end_user_tokens.py."""
@@ -276,7 +277,8 @@ def _token_args(**overrides) -> argparse.Namespace:
 
 @pytest.fixture()
 def no_stack(monkeypatch, tmp_path):
-    """Run the CLI where there is no ``.kvledger/stack.json`` and no end-user secret in the environment."""
+    """Run the CLI where there is no ``.kvledger/stack.json`` and no end-user secret in the
+    environment."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(JWT_SECRET_ENV, raising=False)
 

@@ -221,7 +221,8 @@ def test_a_signed_document_verifies_only_unchanged_under_its_key_and_context():
         document_signature_problem(document, garbled, key.public_key(), GOVERNANCE_CONTEXT)
         == BAD_SIGNATURE
     )
-    # A signed envelope's signature never passes for a document with the same content, nor the reverse.
+    # A signed envelope's signature never passes for a document with the same content, nor the
+    # reverse.
     envelope = sign_envelope(_command(), key)
     as_document = envelope.model_dump(mode="json", exclude={"signature"})
     assert (

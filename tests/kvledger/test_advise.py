@@ -45,7 +45,8 @@ def sample(segments: list[dict], num_hit_tokens: int = 0, divergence: dict | Non
 
 
 def timestamp_first(request: int) -> dict:
-    """8 tokens of timestamp (new every request), a 32-token document, an 8-token question, 4 of generation prompt: 52."""
+    """8 tokens of timestamp (new every request), a 32-token document, an 8-token question, 4 of
+    generation prompt: 52."""
     return sample(
         [
             segment(0, f"ts{request}", 8),
@@ -108,7 +109,8 @@ def test_a_stable_layout_has_nothing_to_move() -> None:
 
 
 def test_hits_round_down_to_whole_blocks_and_stop_before_the_last_token() -> None:
-    # 6 + 3 tokens repeat: 9 matched → 8 in whole blocks; a 9-token prompt caches at most 8 (the last is computed)
+    # 6 + 3 tokens repeat: 9 matched → 8 in whole blocks; a 9-token prompt caches at most 8 (the
+    # last is computed)
     samples = [sample([segment(0, "a", 6), segment(1, "b", 3, start=6)]) for _ in range(2)]
     assert replay_hit_tokens(samples, BLOCK_SIZE) == 8
     short = [sample([segment(0, "a", 4)]) for _ in range(2)]

@@ -1,4 +1,5 @@
-"""The ``kvledger`` command line as a user meets it: help everywhere, a version, and one-line errors."""
+"""The ``kvledger`` command line as a user meets it: help everywhere, a version, and one-line
+errors."""
 
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
 
 
 def test_a_command_s_own_error_is_one_line_exit_2(tmp_path):
-    """CliError raised in a command module reaches ``main()`` as the same class under ``python -m kvledger.cli``."""
+    """CliError raised in a command module reaches ``main()`` as the same class under ``python -m
+    kvledger.cli``."""
     (tmp_path / "stack.json").write_text("{}")
     _assert_one_line_error(
         _run(

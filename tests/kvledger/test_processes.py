@@ -92,8 +92,9 @@ async def test_a_forked_node_is_driven_as_a_popen(
 
 
 def test_the_environment_read_at_import_is_the_childs(fork_server: ForkServer, tmp_path: Path):
-    """``KVLEDGER_FAULT_POINT`` is parsed when ``events.fault_points`` is imported: a value given to the child alone
-    must reach that import, so a bad one fails the forked node at its start, as it fails a new interpreter."""
+    """``KVLEDGER_FAULT_POINT`` is parsed when ``events.fault_points`` is imported: a value given to
+    the child alone must reach that import, so a bad one fails the forked node at its start, as it
+    fails a new interpreter."""
     log = tmp_path / "node.log"
     env = _node_env() | {FAULT_POINT_ENV: "no.such.fault.point"}
     forked_before = fork_server.num_forked

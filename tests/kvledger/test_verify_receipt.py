@@ -44,7 +44,8 @@ BASE_CHECKS = [
 
 
 def receipt_body(i: int, count: int = 3, blocks_by_scope: dict | None = None) -> dict:
-    """Receipts 0..5 of the log are of the format before per-scope coverage (no ``blocks_by_scope``)."""
+    """Receipts 0..5 of the log are of the format before per-scope coverage (no
+    ``blocks_by_scope``)."""
     return build_receipt(
         receipt_id=f"receipt-{i}",
         erasure_id=f"erasure-{i}",
@@ -154,7 +155,8 @@ def test_verification_survives_a_json_round_trip_with_other_formatting(log, keys
 
 
 def test_verification_by_hand_as_documented(log, keys):
-    """docs/receipts.md "Verifying by hand", with only hashlib, base64, rfc8785, cryptography and an RFC 9162 verifier."""
+    """docs/receipts.md "Verifying by hand", with only hashlib, base64, rfc8785, cryptography and an
+    RFC 9162 verifier."""
     document, checkpoint = json.loads(json.dumps(log.serve(3))), log.heads[-1]
     entry = next(k for k in keys["keys"] if k["key_id"] == document["signature"]["key_id"])
     raw = base64.b64decode(entry["public_key"])
@@ -251,7 +253,8 @@ def test_key_document_with_a_mislabelled_key_fails(log, keys):
 
 
 def rewrite(log: Log, index: int) -> Log:
-    """The operator edits entry ``index`` after the fact, re-signs it and every tree head from there on."""
+    """The operator edits entry ``index`` after the fact, re-signs it and every tree head from there
+    on."""
     rewritten = Log(log.signer)
     rewritten.entries = list(log.entries)
     rewritten.entries[index] = sign_receipt(receipt_body(index, count=99), log.signer)
@@ -269,7 +272,8 @@ def test_rewritten_entry_fails_against_the_old_checkpoint(log, keys):
     # The rewritten receipt alone looks fine: every signature is genuine.
     assert verify_served_receipt(evil.serve(2), keys).ok
 
-    # Against the checkpoint: first the size differs, and the verifier says how to ask for the right one...
+    # Against the checkpoint: first the size differs, and the verifier says how to ask for the right
+    # one...
     problems = failed(verify_served_receipt(evil.serve(2), keys, checkpoint=checkpoint))
     assert set(problems) == {"checkpoint_matches"}
     assert "?tree_size=5" in problems["checkpoint_matches"]
@@ -281,7 +285,8 @@ def test_rewritten_entry_fails_against_the_old_checkpoint(log, keys):
 
 def test_rewritten_earlier_entry_breaks_consistency_for_later_receipts(log, keys):
     evil = rewrite(log, 2)
-    # Receipt 4 was issued under the original head of size 5 (kept in its row); the log now differs below it.
+    # Receipt 4 was issued under the original head of size 5 (kept in its row); the log now differs
+    # below it.
     document = serve_receipt(evil.entries[4], 4, log.heads[4], evil.heads[-1], evil.leaves)
     problems = failed(verify_served_receipt(document, keys))
     assert set(problems) == {"consistency"}
@@ -320,7 +325,8 @@ def test_checkpoint_signed_by_an_unknown_key_fails(log, keys):
     assert "not in the key document" in problems["checkpoint_signature"]
 
 
-# --- garbage in: failed checks, never exceptions ---------------------------------------------------
+# --- garbage in: failed checks, never exceptions
+# ---------------------------------------------------
 
 
 def garbage(log: Log) -> list:

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the base profile serves, every module imported at its top level: the coordinator's
-# processes and migrations, the event contract, identity, the fleet router, and the CLI commands that need no extra.
+# What the base profile serves, every module imported at its top level: the coordinator's processes
+# and migrations, the event contract, identity, the fleet router, and the CLI commands that need no
+# extra.
 BASE_MODULES = (
     "coordinator.api.app",
     "coordinator.consumers",
@@ -54,7 +55,8 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtualenv holding ``pip install <working tree>`` and nothing else."""
     scratch = tmp_path_factory.mktemp("base-install")
     source = scratch / "src"
-    # a copy, so setuptools' build/ and egg-info never mix stale files of the checkout into the wheel
+    # a copy, so setuptools' build/ and egg-info never mix stale files of the checkout into the
+    # wheel
     shutil.copytree(
         ROOT,
         source,

@@ -95,7 +95,8 @@ def test_node_image_builds_on_the_local_base_with_the_cpu_torch(
             "the node image (torch, ~1.7 GB, ~5 min to build) is built only with KVLEDGER_TEST_NODE_IMAGE=1"
         )
     context = _context(tmp_path / "context")
-    # pip's own sources decide where the wheel comes from (a local wheel directory where the machine has one)
+    # pip's own sources decide where the wheel comes from (a local wheel directory where the machine
+    # has one)
     download = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--dest", str(context / "docker" / "wheels"), TORCH],
         capture_output=True, text=True, timeout=1800, check=False,

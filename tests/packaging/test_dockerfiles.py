@@ -51,7 +51,8 @@ def test_images_take_their_base_image_as_a_build_argument() -> None:
 
 
 def test_images_build_without_buildkit() -> None:
-    """The legacy builder (the only one where buildx is not installed) rejects ``COPY --chmod`` and ``RUN --mount``."""
+    """The legacy builder (the only one where buildx is not installed) rejects ``COPY --chmod`` and
+    ``RUN --mount``."""
     for dockerfile in ("Dockerfile", "Dockerfile.gpu", "Dockerfile.postgres", "Dockerfile.tansu"):
         for line in _instructions(dockerfile):
             assert not re.match(r"(COPY|ADD|RUN) --(chmod|chown|mount|link)", line), (
@@ -163,7 +164,8 @@ def test_make_secrets_writes_every_compose_secret_once(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     secrets = docker / "secrets"
-    # The router's operator token comes from the operator issuer, which the script cannot mint (the router service's comment).
+    # The router's operator token comes from the operator issuer, which the script cannot mint (the
+    # router service's comment).
     assert {path.name for path in secrets.iterdir()} == set(compose["secrets"]) - {"router_token"}
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
     assert {stat.S_IMODE(path.stat().st_mode) for path in secrets.iterdir()} == {0o644}

@@ -2,12 +2,11 @@
 
 The router side loads the model directory with ``tokenizers`` and jinja2 only
 (:func:`prefix_keys.model_files.load_chat_tokenizer`) and maps request messages with
-:func:`prefix_keys.prompt.request_message`. The node side is the node's own path: the
-tokenizer its :class:`gpu_node.engine.model_runner.ModelRunner` loads through transformers, the
-messages its API validates and maps (``gpu_node.entrypoints.routes``), its namespace digest. Both directory
-layouts transformers reads a template from are covered: ``chat_template.jinja`` (what
-``kvledger model init`` writes) and ``tokenizer_config.json``'s ``chat_template``.
-"""
+:func:`prefix_keys.prompt.request_message`. The node side is the node's own path: the tokenizer its
+:class:`gpu_node.engine.model_runner.ModelRunner` loads through transformers, the messages its API
+validates and maps (``gpu_node.entrypoints.routes``), its namespace digest. Both directory layouts
+transformers reads a template from are covered: ``chat_template.jinja`` (what ``kvledger model
+init`` writes) and ``tokenizer_config.json``'s ``chat_template``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""kv-events → the router's index → a routing decision, on real PostgreSQL, a real broker and the coordinator's HTTP API.
+"""kv-events → the router's index → a routing decision, on real PostgreSQL, a real broker and the
+coordinator's HTTP API.
 
 The nodes are :class:`helpers.ledger.FakeNode`s publishing signed kv-events; the coordinator's
 consumers ingest them into the ledger while the router's own consumer groups feed its index.
@@ -138,7 +139,8 @@ async def test_kv_events_route_to_the_node_holding_the_prefix_and_a_restart_rout
     await eventually(routed_to_a, timeout_s=30, what="the router's index fed by kv-events")
     assert replica.index.holders(key(labels[0])) == {a.node_id: Tier.DEVICE, b.node_id: Tier.HOST}
 
-    # The ledger has it all too; a restarted replica (same groups, resuming past these records) builds from it.
+    # The ledger has it all too; a restarted replica (same groups, resuming past these records)
+    # builds from it.
     await replica.stop()
     restarted = await Replica(kafka_bootstrap, coordinator_url, replica.group_id).start()
     try:
@@ -234,7 +236,8 @@ async def test_a_decision_stops_a_block_attracting_traffic_before_any_ack(replic
     await eventually(dropped, timeout_s=30, what="the decided block dropped from the index")
     assert replica.index.holders(key(f"{tag}-v2")) == {node.node_id: Tier.DEVICE}
     assert replica.route([f"{tag}-v1"], [node.node_id])[1] != PREFIX
-    # The fake node never acks: the ledger still lists the copy live, pending its deletion; a re-read leaves it out.
+    # The fake node never acks: the ledger still lists the copy live, pending its deletion; a
+    # re-read leaves it out.
     await replica.feed.rebuild()
     assert replica.index.holders(key(f"{tag}-v1")) == {}
     assert replica.index.holders(key(f"{tag}-v2")) == {node.node_id: Tier.DEVICE}
@@ -268,7 +271,8 @@ async def test_the_router_routes_of_the_coordinator_take_the_router_role_only(co
 async def test_a_starting_router_knows_the_versions_the_ledger_made_current(
     producer, kafka_bootstrap, coordinator_url
 ):
-    """Decided before the replica started (so never on its commands group): read from ``/v1/router/versions``."""
+    """Decided before the replica started (so never on its commands group): read from
+    ``/v1/router/versions``."""
     tenant = f"versions-{uuid.uuid4().hex[:8]}"
     for doc_id, version in (("handbook", 3), ("policies", 2)):
         await producer.send(

@@ -1,4 +1,5 @@
-"""The router's block index: updates from kv-events, gaps, ledger re-reads, decisions and lookups, exactly."""
+"""The router's block index: updates from kv-events, gaps, ledger re-reads, decisions and lookups,
+exactly."""
 
 from __future__ import annotations
 
@@ -264,7 +265,8 @@ def test_a_ledger_read_replaces_the_node_and_replays_what_came_after_it(index):
         reason="evicted",
     )  # seq 4
     assert index.node("a").reread_reason is not None
-    # The ledger holds seqs up to 2: p-0 and the lost record's p-9; seqs 3 and 4 are replayed on top.
+    # The ledger holds seqs up to 2: p-0 and the lost record's p-9; seqs 3 and 4 are replayed on
+    # top.
     ledger = [
         LedgerPlacement(key("p-0"), Tier.DEVICE, _tags()),
         LedgerPlacement(key("p-9"), Tier.HOST, _tags()),

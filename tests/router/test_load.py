@@ -33,7 +33,8 @@ def test_load_is_the_larger_of_the_routers_in_flight_and_the_nodes_queue():
 
 
 def test_a_hot_prefix_moves_off_a_node_whose_own_queue_is_long():
-    """Node a holds 10 device blocks of the prefix; the router has nothing in flight anywhere, but a reports a queue."""
+    """Node a holds 10 device blocks of the prefix; the router has nothing in flight anywhere, but a
+    reports a queue."""
     strategy = PrefixLoadStrategy(load_cost_blocks=4.0)
     matches = [PrefixMatch("a", 10, 10.0)]
     quiet = strategy.rank(

@@ -1,13 +1,14 @@
-"""The router in front of three real tiny-model nodes: affinity, load spread, a paused node routed around,
-streaming, isolation, a stale document refused as the node refuses it, authentication, metrics.
+"""The router in front of three real tiny-model nodes: affinity, load spread, a paused node routed
+around, streaming, isolation, a stale document refused as the node refuses it, authentication,
+metrics.
 
 Everything is real and talks over real transports: the coordinator's consumers and API on a fresh
-ledger, three nodes as ``gpu_node.entrypoints.server.serve`` runs them (``helpers.node.RunningNode``), and the
-router (``router.server.Router``) served by uvicorn, fed by its own consumer groups. Requests go
-through the official ``openai`` client. One cluster for the whole module (each node start costs
-seconds of CPU); nodes beat every :data:`HEARTBEAT_S` and the router takes one unheard for
-:data:`HEARTBEAT_TIMEOUT_S` as gone, so a paused node is noticed within seconds.
-"""
+ledger, three nodes as ``gpu_node.entrypoints.server.serve`` runs them
+(``helpers.node.RunningNode``), and the router (``router.server.Router``) served by uvicorn, fed by
+its own consumer groups. Requests go through the official ``openai`` client. One cluster for the
+whole module (each node start costs seconds of CPU); nodes beat every :data:`HEARTBEAT_S` and the
+router takes one unheard for :data:`HEARTBEAT_TIMEOUT_S` as gone, so a paused node is noticed within
+seconds."""
 
 from __future__ import annotations
 
@@ -245,7 +246,8 @@ async def test_a_stream_through_the_router_is_the_node_stream(router, nodes):
 
 
 def _normalised(stream: bytes) -> bytes:
-    """The stream with its completion id and creation time blanked: they differ between any two requests."""
+    """The stream with its completion id and creation time blanked: they differ between any two
+    requests."""
     return re.sub(
         rb'"created": \d+', b'"created": 0', re.sub(rb"chatcmpl-[0-9a-f]+", b"chatcmpl-x", stream)
     )
@@ -304,7 +306,8 @@ def _principal(tenant: str) -> Principal:
 async def test_a_node_failing_before_its_first_byte_is_retried_once_on_the_next_best(
     router, nodes, tiny_model_dir
 ):
-    """A second app over the same index type: a dead node holds the prompt's prefix, so it is tried first."""
+    """A second app over the same index type: a dead node holds the prompt's prefix, so it is tried
+    first."""
     built, _ = router
     real = nodes[0]
     dead = socket.socket()
@@ -351,8 +354,9 @@ async def test_a_node_failing_before_its_first_byte_is_retried_once_on_the_next_
 
 
 async def test_a_balanced_workload_is_spread_and_every_repeat_hits(router):
-    """Nine tenants' prompts (nine distinct prefixes), three questions each, in a shuffled order: no node takes
-    more than 60 % of the requests, and every request after a prefix's first is served from cache."""
+    """Nine tenants' prompts (nine distinct prefixes), three questions each, in a shuffled order: no
+    node takes more than 60 % of the requests, and every request after a prefix's first is served
+    from cache."""
     built, url = router
     suffix = uuid.uuid4().hex[:6]
     workload = [
@@ -516,7 +520,8 @@ async def test_a_stale_document_version_is_refused_at_the_router_with_the_nodes_
         )
         assert current.status_code == 200
         assert current.headers[NODE_HEADER] in built.fleet.endpoints
-        # A caller without the document's auth scope learns nothing of its versions: the node's 403, as sent straight.
+        # A caller without the document's auth scope learns nothing of its versions: the node's 403,
+        # as sent straight.
         outsider = {"Authorization": f"Bearer {token(tenant, scopes=('sales',))}"}
         through = await http.post(f"{url}/v1/chat/completions", json=stale_body, headers=outsider)
         direct = await http.post(

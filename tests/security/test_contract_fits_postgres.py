@@ -1,13 +1,11 @@
 """Property: whatever the event contract accepts, Postgres stores and returns unchanged.
 
-Values are generated from the contract's bounded types — identifiers of any Unicode
-except control characters and surrogates, up to the length limit; counts up to
-2^53-1 (document versions 2^53-2); token offsets up to 2^31-1 — wrapped in the contract's models, and ingested
-by the coordinator's real handlers (kv-events ingest, decisions, erasures) into a
-migrated database. Every row then holds exactly the values sent. A value the contract
-accepts but the database refuses would stall a consumer, so this is the property that
-keeps "bounded input" honest.
-"""
+Values are generated from the contract's bounded types — identifiers of any Unicode except control
+characters and surrogates, up to the length limit; counts up to 2^53-1 (document versions 2^53-2);
+token offsets up to 2^31-1 — wrapped in the contract's models, and ingested by the coordinator's
+real handlers (kv-events ingest, decisions, erasures) into a migrated database. Every row then holds
+exactly the values sent. A value the contract accepts but the database refuses would stall a
+consumer, so this is the property that keeps "bounded input" honest."""
 
 from __future__ import annotations
 

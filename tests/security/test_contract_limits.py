@@ -1,4 +1,5 @@
-"""The node's API enforces the wire contract's list limits, so every block it serves reaches the ledger.
+"""The node's API enforces the wire contract's list limits, so every block it serves reaches the
+ledger.
 
 A block's provenance lists every document and auth scope before it, and a kv-event carries at
 most ``MAX_LIST_ITEMS`` of each (``events.schema.BlockProvenance``). A prompt past that limit was
@@ -42,13 +43,15 @@ from identity.tokens import issue_token
 
 TENANT = f"limits-{uuid.uuid4().hex[:6]}"
 SCOPES = [f"scope-{i}" for i in range(MAX_LIST_ITEMS)]
-"""As many auth scopes as a token may carry (``identity.tokens.MAX_CLAIM_ITEMS``), every one granted."""
+"""As many auth scopes as a token may carry (``identity.tokens.MAX_CLAIM_ITEMS``), every one
+granted."""
 TOKEN = issue_token(tenant=TENANT, sub="alice", scopes=SCOPES, secret=JWT_SECRET)
 TIMEOUT_S = 60.0
 
 
 class Cluster:
-    """A node and the coordinator's consumers on an event loop of their own in a thread; :meth:`run` waits on it."""
+    """A node and the coordinator's consumers on an event loop of their own in a thread; :meth:`run`
+    waits on it."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -87,7 +90,8 @@ def cluster(
     consumers = cluster.run(RunningConsumers(coordinator_settings(url, kafka_bootstrap)).start())
     node_id = f"limits-{uuid.uuid4().hex[:6]}"
     cluster.run(enroll_nodes(url, [node_id]))
-    # A device tier that holds the model's whole context: a prompt of 257 documents must fit to be served.
+    # A device tier that holds the model's whole context: a prompt of 257 documents must fit to be
+    # served.
     cache = CacheSettings(num_device_blocks=320, num_host_blocks=64, max_disk_blocks=64)
     node = cluster.run(
         Node(
@@ -197,7 +201,8 @@ def test_documents_at_the_contract_limit_are_served_and_recorded_one_more_is_ref
         block_hash
         for block_hash, _ in cluster["run"](ledger_knows_everything_held(cluster["url"], node))
     }
-    # The blocks after the last document list all of them, and the ledger records every one (the user's too).
+    # The blocks after the last document list all of them, and the ledger records every one (the
+    # user's too).
     entries = [
         e for e in node.engine.pool.ready_entries() if f"{tag}-0@1" in e.provenance.documents
     ]
@@ -232,7 +237,8 @@ def test_auth_scopes_at_the_contract_limit_are_served_one_more_is_refused(cluste
     )
     cluster["run"](ledger_knows_everything_held(cluster["url"], node))
     before = node.holdings()
-    # A tenant-wide message adds the tenant-wide auth scope "*": one more than a block's provenance carries.
+    # A tenant-wide message adds the tenant-wide auth scope "*": one more than a block's provenance
+    # carries.
     tenant_wide = {"role": "user", "content": f"shared note {tag}", "cache_scope": "tenant"}
     refused = post(
         cluster,

@@ -1,4 +1,5 @@
-"""Every identifier an operator or a node sends to the coordinator's HTTP API obeys the contract's bounds.
+"""Every identifier an operator or a node sends to the coordinator's HTTP API obeys the contract's
+bounds.
 
 A NUL byte, a control character or an over-long identifier in a query, path or body
 parameter is a 400 ``invalid_parameter`` in the error shape — never a database error

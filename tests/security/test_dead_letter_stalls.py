@@ -1,7 +1,8 @@
-"""No record stalls governance: a record too large for its dead letter goes by reference, a consumer that cannot
-advance says so.
+"""No record stalls governance: a record too large for its dead letter goes by reference, a consumer
+that cannot advance says so.
 
-Real broker (the session's), real Postgres, the coordinator's consumers in-process (``run_consumers``).
+Real broker (the session's), real Postgres, the coordinator's consumers in-process
+(``run_consumers``).
 
 * The dead letter of a record carries its bytes base64-encoded (a third larger) plus metadata: an ~850 KB record
   fits a 1 MiB producer request, its letter does not. Such a letter used to be refused by the producer on every
@@ -213,7 +214,8 @@ async def test_a_letter_that_just_fits_the_producers_limit_is_whole_and_one_byte
     fits, too_large = _record(first_by_reference - 1), _record(first_by_reference)
     whole, whole_value, key = dead_letter_record(fits, "invalid", "g", MAX_REQUEST_BYTES, seal)
     assert not whole.by_reference and whole.raw_value() == fits.value
-    # The whole letter of one byte more: over the limit by the producer's own measure, refused by the producer.
+    # The whole letter of one byte more: over the limit by the producer's own measure, refused by
+    # the producer.
     r = too_large
     over = seal(
         DeadLetter.of(

@@ -63,8 +63,8 @@ DATA_KEY_ROUTES = {
     ("GET", "/v1/governance"),
 }
 """The nodes' endpoints (data keys, governance state): they take only node credentials
-(tests/security/test_node_enrollment.py, tests/gpu_node/test_governance_sync.py), so operators are refused
-there too; end users get the same 401 as everywhere else."""
+(tests/security/test_node_enrollment.py, tests/gpu_node/test_governance_sync.py), so operators are
+refused there too; end users get the same 401 as everywhere else."""
 CONSOLE_PREFIX = "/ui"
 CONSOLE_OPEN_ROUTES = {("GET", "/ui/login"), ("GET", "/ui/static/console.css")}
 """The console answers in HTML, not the API's JSON error shape: it is checked on its own below."""
@@ -103,7 +103,8 @@ def _error(response: httpx.Response) -> tuple[int, str]:
 
 
 def _walk(routes, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(method, path) of every route, into included routers; an unknown kind of route fails the test."""
+    """(method, path) of every route, into included routers; an unknown kind of route fails the
+    test."""
     for route in routes:
         if isinstance(route, Route):
             yield from (
@@ -226,7 +227,8 @@ async def test_console_pages_need_an_operator_token(
                 assert admitted.status_code not in (401, 403), (path, admitted.text)
 
 
-# --------------------------------------------------------------------------- the node's operator endpoint
+# --------------------------------------------------------------------------- the node's operator
+# endpoint
 
 
 async def test_node_snapshot_endpoint_refuses_end_user_tokens(tiny_model_dir, tmp_path) -> None:
@@ -408,7 +410,8 @@ def test_jwks_unknown_kid_refetches_once_per_interval_then_401(jwks_server) -> N
     verifier = TokenVerifier(IssuerSettings(jwks_url=jwks_server.url, jwks_refetch_interval_s=3600))
     assert verifier.verify(_user_token(pem, "k1", issuer=None, audience=None)).subject_id == "alice"
     assert jwks_server.num_fetches == 1
-    # The cache is fresh, but kid k9 is unknown... and the refetch interval has not passed: no flood.
+    # The cache is fresh, but kid k9 is unknown... and the refetch interval has not passed: no
+    # flood.
     assert _refused(verifier, _user_token(pem, "k9", issuer=None, audience=None)).endswith(
         "unknown key id (kid)"
     )

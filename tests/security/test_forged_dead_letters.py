@@ -1,10 +1,11 @@
-"""Replay republishes only dead letters the coordinator wrote: planted, node-signed and tampered letters are refused.
+"""Replay republishes only dead letters the coordinator wrote: planted, node-signed and tampered
+letters are refused.
 
-Replay publishes a letter's bytes to its source topic with the coordinator's credentials. Anyone who could write
-``kvledger.dead-letter`` (every node principal did, nodes dead-lettered bad commands there) could plant a letter
-naming any topic and bytes — e.g. an erasure of another tenant's subject — and have an operator replay it. Now the
-coordinator signs its letters with its command key, replay verifies that signature, and nodes write
-``kvledger.node-dead-letter``, which replay never reads.
+Replay publishes a letter's bytes to its source topic with the coordinator's credentials. Anyone who
+could write ``kvledger.dead-letter`` (every node principal did, nodes dead-lettered bad commands
+there) could plant a letter naming any topic and bytes — e.g. an erasure of another tenant's subject
+— and have an operator replay it. Now the coordinator signs its letters with its command key, replay
+verifies that signature, and nodes write ``kvledger.node-dead-letter``, which replay never reads.
 
 Real Postgres, the session's broker, the coordinator's consumers in-process and its app over ASGI.
 """

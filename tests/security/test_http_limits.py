@@ -30,7 +30,8 @@ KEEP_ALIVE_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 8
 NUM_PROBE_CONNECTIONS = 2
 CLOSE_DEADLINE_S = 20.0
-"""How long a test waits for a connection the server should close after about a second (a loaded machine)."""
+"""How long a test waits for a connection the server should close after about a second (a loaded
+machine)."""
 DEFAULTS = HttpServerLimits()
 
 
@@ -163,8 +164,9 @@ async def test_idle_keep_alive_connection_is_closed(node: ServerProcess):
 
 
 async def test_pipelined_requests_are_answered_and_bounded_alike(node: ServerProcess):
-    """Requests sent back to back are each answered; an endless head behind them is still cut off (a pipelined
-    head is counted from the slice after the previous request's end, so it may pass the bound by one slice)."""
+    """Requests sent back to back are each answered; an endless head behind them is still cut off (a
+    pipelined head is counted from the slice after the previous request's end, so it may pass the
+    bound by one slice)."""
     async with connections(node.port, 1) as (connection,):
         endless = b"GET /healthz HTTP/1.1\r\nX-Fill: " + b"a" * (3 * DEFAULTS.max_header_bytes)
         await connection.send(get("/healthz") + get("/readyz") + endless)
@@ -180,8 +182,8 @@ async def test_pipelined_requests_are_answered_and_bounded_alike(node: ServerPro
 
 
 async def test_connection_bound_answers_503_while_probes_answer(node: ServerProcess):
-    """Requests held open (bodies never finished) fill what other requests may use; the next one is 503,
-    ``/healthz`` still 200, also once idle connections fill the rest of the bound."""
+    """Requests held open (bodies never finished) fill what other requests may use; the next one is
+    503, ``/healthz`` still 200, also once idle connections fill the rest of the bound."""
     token = issue_token(
         tenant="acme", sub="mallory", scopes=(), pv=1, roles=(), ttl_s=600, secret=SECRET
     )

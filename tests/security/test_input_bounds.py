@@ -1,4 +1,5 @@
-"""Hostile request fields are refused with 400 over HTTP before anything is cached, published or stored.
+"""Hostile request fields are refused with 400 over HTTP before anything is cached, published or
+stored.
 
 A real node (engine, publisher, command consumer, uvicorn) publishes to the real broker
 and a real coordinator ingests into a migrated Postgres. Each refused request leaves the

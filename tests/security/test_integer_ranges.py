@@ -1,11 +1,11 @@
 """One declared range per integer quantity, the same in every layer it crosses.
 
-Policy versions, counts, epochs and seqs: 0..2^53-1 (``events.schema.Count``, ``MAX_SAFE_INT``); document versions:
-0..2^53-2 (``DocumentVersion``); token offsets and inventory chunks: 0..2^31-1 (``SmallCount``). The boundary
-values below go through every layer — the JWT verifier, the event contract, the node's key derivation, the
-ledger's columns, the Kafka consumers and the node's HTTP API — and each layer accepts exactly the declared range
-and refuses the rest with its own error (401/400 on HTTP, a dead letter on Kafka), never a crash or a 500.
-"""
+Policy versions, counts, epochs and seqs: 0..2^53-1 (``events.schema.Count``, ``MAX_SAFE_INT``);
+document versions: 0..2^53-2 (``DocumentVersion``); token offsets and inventory chunks: 0..2^31-1
+(``SmallCount``). The boundary values below go through every layer — the JWT verifier, the event
+contract, the node's key derivation, the ledger's columns, the Kafka consumers and the node's HTTP
+API — and each layer accepts exactly the declared range and refuses the rest with its own error
+(401/400 on HTTP, a dead letter on Kafka), never a crash or a 500."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ from identity.tokens import AuthError, TokenVerifier
 from prefix_keys.blocks import CacheScope, scope_salt
 
 BOUNDARIES = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 - 2, 2**53 - 1, 2**53, -1]
-"""Where the layers used to disagree: int32, uint32, the largest document version, the largest safe integer."""
+"""Where the layers used to disagree: int32, uint32, the largest document version, the largest safe
+integer."""
 
 RANGES = {
     "count": (0, MAX_SAFE_INT),
@@ -76,7 +77,8 @@ def within(quantity: str, value: int) -> bool:
     return low <= value <= high
 
 
-# --- the JWT verifier, the event contract and the key derivation: pure, so hypothesis drives them ----------------
+# --- the JWT verifier, the event contract and the key derivation: pure, so hypothesis drives them
+# ----------------
 
 VERIFIER = TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET))
 
@@ -166,7 +168,8 @@ def test_the_models_and_the_tokens_name_one_range() -> None:
 
 
 def test_each_ledger_column_holds_its_quantity_s_whole_range() -> None:
-    """Counts and versions are BIGINT (2^53-1 fits); only the small counts are INTEGER (2^31-1 fits)."""
+    """Counts and versions are BIGINT (2^53-1 fits); only the small counts are INTEGER (2^31-1
+    fits)."""
     from coordinator.ledger.models import Base
 
     small = {
@@ -194,7 +197,8 @@ def test_each_ledger_column_holds_its_quantity_s_whole_range() -> None:
         )
 
 
-# --- the ledger and the Kafka consumers: what the contract accepts is stored exactly, the rest dead-lettered ------
+# --- the ledger and the Kafka consumers: what the contract accepts is stored exactly, the rest
+# dead-lettered ------
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +300,8 @@ def _quantity(topic: str) -> str:
     return "count" if topic == topics.PERMISSIONS else "document_version"
 
 
-# --- the node's HTTP API: a real server, a tenant-scope request ----------------------------------------------------
+# --- the node's HTTP API: a real server, a tenant-scope request
+# ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")

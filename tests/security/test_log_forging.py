@@ -8,8 +8,8 @@ ANSI, line-separator and bidi characters, the validation error bounds and escape
 and the CLI prints record-derived fields escaped.
 
 Real Postgres, the session's broker, the coordinator's consumers in-process logging through the
-processes' own handler (``events.logs.make_handler``), its API over real HTTP and ``kvledger`` as a process.
-"""
+processes' own handler (``events.logs.make_handler``), its API over real HTTP and ``kvledger`` as a
+process."""
 
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ def _bearer(tenant: str, sub: str) -> dict[str, str]:
 
 
 def acme() -> dict[str, str]:
-    """Alice of acme, minted per request: a token minted at import would expire during a slow session."""
+    """Alice of acme, minted per request: a token minted at import would expire during a slow
+    session."""
     return _bearer("acme", "alice")
 
 

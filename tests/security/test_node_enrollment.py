@@ -72,7 +72,8 @@ async def test_an_unenrolled_key_is_refused_and_an_enrolled_one_served(client, l
     )
     await enroll_node_key(ledger_url, "node-enroll", key.public_key())
     assert await resolve(client, issue_node_credential(key, "node-enroll")) == (200, None)
-    # The credential must name the node its key is enrolled for: the key cannot speak for another node.
+    # The credential must name the node its key is enrolled for: the key cannot speak for another
+    # node.
     assert await resolve(client, issue_node_credential(key, "node-other")) == (401, "invalid_token")
 
 
@@ -105,7 +106,8 @@ async def test_end_user_and_operator_tokens_are_no_node_credentials(client, ledg
     assert await resolve(client, end_user) == (401, "invalid_token")
     for role in ("platform-admin", "privacy-officer", "tenant-admin"):
         assert await resolve(client, operator_token(role, "acme")) == (401, "invalid_token")
-    # Signed by an enrolled node key, but an end-user token's shape (no node issuer or key-service audience).
+    # Signed by an enrolled node key, but an end-user token's shape (no node issuer or key-service
+    # audience).
     key = Ed25519PrivateKey.generate()
     await enroll_node_key(ledger_url, "node-shape", key.public_key())
     now = int(time.time())

@@ -97,7 +97,8 @@ async def applied(database: Database, *event_ids: uuid.UUID) -> bool:
 async def coordinator(
     settings: CoordinatorSettings, database: Database, raw_producer: AIOKafkaProducer
 ):
-    """The consumers, caught up: a marker event on every partition of every topic they read has been applied."""
+    """The consumers, caught up: a marker event on every partition of every topic they read has been
+    applied."""
     consumers = await RunningConsumers(settings).start()
     uid = uuid.uuid4().hex[:8]
     markers = []
@@ -122,8 +123,8 @@ async def coordinator(
 
 
 async def record_value(settings: CoordinatorSettings, envelope) -> bytes:
-    """The bytes a real producer would send: node events signed with their node's enrolled test key, customer
-    events with the tests' producer key."""
+    """The bytes a real producer would send: node events signed with their node's enrolled test key,
+    customer events with the tests' producer key."""
     if route(envelope)[0] != KV_EVENTS:
         return encode_event(sign_customer_event(envelope))
     node_id = envelope.payload.node_id
@@ -143,7 +144,8 @@ def handler_failures(group: str) -> float:
 
 
 async def dead_letters_of(bootstrap: str, values: list[bytes]) -> list[DeadLetter]:
-    """The dead letters wrapping ``values`` (each found once; raises TimeoutError if one never appears)."""
+    """The dead letters wrapping ``values`` (each found once; raises TimeoutError if one never
+    appears)."""
     found: dict[bytes, DeadLetter] = {}
 
     def visit(record) -> bool:
@@ -290,8 +292,8 @@ async def test_a_lone_surrogate_is_dead_lettered(
 
 
 async def _refuse(url: str, table: str, column: str, value: str) -> str:
-    """A CHECK constraint of this module's database that refuses ``value``: the lowest-level way to make
-    Postgres refuse one record that satisfies the contract. Returns the constraint's name."""
+    """A CHECK constraint of this module's database that refuses ``value``: the lowest-level way to
+    make Postgres refuse one record that satisfies the contract. Returns the constraint's name."""
     name = f"poison_{uuid.uuid4().hex[:8]}"
     connection = await connect(url)
     try:
@@ -328,7 +330,8 @@ async def test_a_document_the_database_refuses_is_isolated_and_the_rest_of_its_b
             for name in names
         ]
         before = dead_letter_count(DOCUMENTS)
-        # One partition, so the consumer fetches them as one batch (and in this order); each under its own key.
+        # One partition, so the consumer fetches them as one batch (and in this order); each under
+        # its own key.
         sent = [
             await raw_producer.send(
                 DOCUMENTS,

@@ -86,7 +86,8 @@ async def publish_then_marker(
     records: list[tuple[Envelope, str]],
     marker: EventPayload,
 ) -> None:
-    """``records`` (envelope, record key) on partition 0 of ``topic``, then a valid signed marker; waits until it is applied."""
+    """``records`` (envelope, record key) on partition 0 of ``topic``, then a valid signed marker;
+    waits until it is applied."""
     for envelope, key in records:
         await raw_producer.send_and_wait(
             topic, encode_event(envelope), key=encode_key(key), partition=0
@@ -110,7 +111,8 @@ async def num_rows(database: Database, model, **equal) -> int:
         return await session.scalar(select(func.count()).select_from(model).where(*where))
 
 
-# --- 1. every topic carries only its types ------------------------------------------------------------------------
+# --- 1. every topic carries only its types
+# ------------------------------------------------------------------------
 
 
 def test_every_event_type_has_one_topic_and_every_other_topic_refuses_it() -> None:
@@ -210,7 +212,8 @@ async def test_a_record_keyed_for_one_tenant_whose_envelope_names_another_is_dea
     assert await num_rows(database, Erasure, tenant_id=globex) == 0
 
 
-# --- 2. customer events are signed by a producer key bound to their tenant -----------------------------------------
+# --- 2. customer events are signed by a producer key bound to their tenant
+# -----------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -373,8 +376,9 @@ async def test_tenant_admins_bind_keys_to_their_own_tenant_only_and_platform_adm
 
 
 def test_an_event_signed_without_kvledger_code_as_docs_events_md_shows_is_trusted() -> None:
-    """The recipe of docs/events.md ("Publishing without kvledger code"): sign the JSON you send, written as
-    kvledger reads it back (every payload field, UTC ``Z`` time), with rfc8785 and cryptography only."""
+    """The recipe of docs/events.md ("Publishing without kvledger code"): sign the JSON you send,
+    written as kvledger reads it back (every payload field, UTC ``Z`` time), with rfc8785 and
+    cryptography only."""
     import base64
     import hashlib
     import json

@@ -120,7 +120,8 @@ async def test_node_stays_responsive_while_parsing_the_largest_request(node_url:
             done.set()
             latencies = await poller
     assert elapsed_s < MAX_REQUEST_S
-    # The tiny model's context is far shorter than 10,000 messages: a clear refusal, after rendering them all.
+    # The tiny model's context is far shorter than 10,000 messages: a clear refusal, after rendering
+    # them all.
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert latencies, "no health check ran while the request was parsed"

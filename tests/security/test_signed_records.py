@@ -89,7 +89,8 @@ def forged_by(envelope: schema.Envelope) -> schema.Envelope:
     return sign_envelope(envelope, Ed25519PrivateKey.generate())
 
 
-# --------------------------------------------------------------------------- the node refuses forged commands
+# --------------------------------------------------------------------------- the node refuses
+# forged commands
 
 
 class Node(NodeServices):
@@ -205,7 +206,8 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
             (inventory, "unsigned"),
         ]
         before = {reason: node.unverified(reason) for _, reason in reasons}
-        # A customer event signed with the command key itself: the commands topic does not carry that type.
+        # A customer event signed with the command key itself: the commands topic does not carry
+        # that type.
         misplaced = sign_command(
             schema.make_event(
                 schema.DocumentUpdated(doc_id="handbook", version=99), tenant_id=tenant
@@ -215,7 +217,8 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
             for envelope, _ in reasons:
                 await plain.send(envelope)
             await plain.send(misplaced, topic=topics.COMMANDS, key=topics.BROADCAST_TARGET)
-        # Positive control, after them in the same partition: a command the coordinator really signed.
+        # Positive control, after them in the same partition: a command the coordinator really
+        # signed.
         control = sign_command(
             invalidate(schema.DocumentPredicate(tenant=tenant, doc_id="other", below_version=2))
         )
@@ -241,7 +244,8 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
         }
         assert node.holdings(matches) == held
         assert (await node.chat(alice, 1)).status_code == 200
-        # A copy on disk survives the restart, so the replay below has something it could wrongly delete.
+        # A copy on disk survives the restart, so the replay below has something it could wrongly
+        # delete.
         assert node.engine.pool.demote(
             bytes.fromhex(sorted(node.holdings(matches))[0][0]), Tier.DISK
         )
@@ -250,7 +254,8 @@ async def test_forged_tampered_and_wrongly_keyed_commands_are_dead_lettered_neve
     finally:
         await node.stop()
 
-    # The replay at start reads the forged records again: still not applied, not remembered, not dead-lettered again.
+    # The replay at start reads the forged records again: still not applied, not remembered, not
+    # dead-lettered again.
     restarted = await Node(settings).start()
     try:
         assert restarted.holdings(matches) == on_disk
@@ -279,7 +284,8 @@ async def test_a_node_on_kafka_without_a_pinned_command_key_refuses_to_start(
         NodeServices(settings).assemble()
 
 
-# --------------------------------------------------------------------------- the coordinator refuses forged node records
+# --------------------------------------------------------------------------- the coordinator
+# refuses forged node records
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +348,8 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(
                 )
             )
         await _registered(ledger, one, two)
-        # Started as the erasure API starts one (not via kvledger.erasures: other modules' coordinators read that topic).
+        # Started as the erasure API starts one (not via kvledger.erasures: other modules'
+        # coordinators read that topic).
         async with ledger.session() as session, session.begin():
             now = await begin_ledger_transaction(session)
             await lock_decisions(session)
@@ -397,8 +404,8 @@ async def test_a_relabelled_ack_is_no_evidence_until_the_node_really_acks(
         async with EventProducer(kafka_settings(coordinator)) as plain:
             for envelope, _ in reasons:
                 await plain.send(envelope)
-            # The same forgery on a customer topic: an ack is not a type that topic carries, so the decisions
-            # consumer refuses it before anything looks at it.
+            # The same forgery on a customer topic: an ack is not a type that topic carries, so the
+            # decisions consumer refuses it before anything looks at it.
             misplaced = ack(two)
             await plain.send(misplaced, topic=topics.DOCUMENTS, key=f"{tenant}:doc")
 

@@ -1,4 +1,5 @@
-"""``GET /v1/dead-letters`` and ``POST /v1/dead-letters/{id}/replay``: the operator's view of the dead-letter topics.
+"""``GET /v1/dead-letters`` and ``POST /v1/dead-letters/{id}/replay``: the operator's view of the
+dead-letter topics.
 
 A record a coordinator consumer refused (contract violation, unverified signature, a value
 the database refused) is put on ``kvledger.dead-letter`` with its source coordinates, its raw
@@ -138,7 +139,8 @@ def _replay_refusal(letter: DeadLetter) -> tuple[str, str] | None:
 
 
 def _command_key(settings: CoordinatorSettings) -> Ed25519PublicKey | None:
-    """The key this coordinator signs its dead letters with (None when unset: then no letter is trusted)."""
+    """The key this coordinator signs its dead letters with (None when unset: then no letter is
+    trusted)."""
     try:
         return settings.command_signer().private_key.public_key()
     except ValueError:
@@ -169,8 +171,9 @@ async def list_dead_letters(
     since: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 100,
 ) -> JSONResponse:
-    """Dead letters, oldest first: of source ``topic``, whose reason contains ``reason`` (case-insensitive),
-    dead-lettered at or after ``since``; at most ``limit``, ``truncated`` when more matched or time ran out."""
+    """Dead letters, oldest first: of source ``topic``, whose reason contains ``reason``
+    (case-insensitive), dead-lettered at or after ``since``; at most ``limit``, ``truncated`` when
+    more matched or time ran out."""
     if since is not None and since.tzinfo is None:
         return error_response(
             400,
@@ -202,7 +205,8 @@ async def list_dead_letters(
 
 @router.post("/v1/dead-letters/{dead_letter_id}/replay")
 async def replay(dead_letter_id: str, _: PlatformAdmin, settings: Settings) -> JSONResponse:
-    """Publish the dead letter's original record to its source topic once (see the module docstring)."""
+    """Publish the dead letter's original record to its source topic once (see the module
+    docstring)."""
     match = _ID.fullmatch(dead_letter_id)
     if match is None:
         return error_response(
@@ -262,7 +266,8 @@ async def replay(dead_letter_id: str, _: PlatformAdmin, settings: Settings) -> J
 
 
 async def _bounded(awaitable, timeout_s: float):
-    """``awaitable`` within ``timeout_s``; a broker that fails or does not answer is :class:`_BrokerUnavailable`."""
+    """``awaitable`` within ``timeout_s``; a broker that fails or does not answer is
+    :class:`_BrokerUnavailable`."""
     try:
         async with asyncio.timeout(timeout_s):
             return await awaitable

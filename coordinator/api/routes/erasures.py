@@ -1,19 +1,20 @@
-"""HTTP API of privacy erasures, receipts and the audit log (docs/design.md §6; documents in docs/receipts.md).
+"""HTTP API of privacy erasures, receipts and the audit log (docs/design.md §6; documents in
+docs/receipts.md).
 
-* ``POST /v1/erasures {tenant_id, subject_id, reason[, request_id]}`` (role
-  ``privacy-officer`` of that tenant, or ``platform-admin``) → 202 ``{id, status}``. Idempotent on the
-  ``Idempotency-Key`` header or the body's ``request_id``: a retry returns the same
-  erasure and starts nothing (409 ``idempotency_conflict`` if the key named another
-  subject). Without either, every call is a new erasure. The body is never logged or
-  echoed in an error: ``subject_id`` is a person's identifier.
+* ``POST /v1/erasures {tenant_id, subject_id, reason[, request_id]}`` (role ``privacy-officer`` of
+  that tenant, or ``platform-admin``) → 202 ``{id, status}``. Idempotent on the ``Idempotency-Key``
+  header or the body's ``request_id``: a retry returns the same erasure and starts nothing (409
+  ``idempotency_conflict`` if the key named another subject). Without either, every call is a new
+  erasure. The body is never logged or echoed in an error: ``subject_id`` is a person's identifier.
 * ``GET /v1/erasures?tenant=&status=&limit=&before=`` (any operator role; ``tenant`` defaults to a
   tenant-bound caller's own) — newest first, paged with ``before=<next_cursor>``.
-* ``GET /v1/erasures/{id}`` (any operator role of the erasure's tenant, or ``platform-admin``) — status and
-  per node × tier progress: what each node reported (removed, method, verified) and
-  the subject's live copies the ledger still shows.
-* ``GET /v1/erasures/{id}/receipt[?tree_size=N]`` and ``GET /v1/audit/proof/{receipt_id}[?tree_size=N]``
-  (same roles) — the served receipt: the signed receipt, its inclusion proof in the
-  latest (or size-N) signed tree head and the consistency proof from the tree head at issue.
+* ``GET /v1/erasures/{id}`` (any operator role of the erasure's tenant, or ``platform-admin``) —
+  status and per node × tier progress: what each node reported (removed, method, verified) and the
+  subject's live copies the ledger still shows.
+* ``GET /v1/erasures/{id}/receipt[?tree_size=N]`` and ``GET
+  /v1/audit/proof/{receipt_id}[?tree_size=N]`` (same roles) — the served receipt: the signed
+  receipt, its inclusion proof in the latest (or size-N) signed tree head and the consistency proof
+  from the tree head at issue.
 * ``GET /v1/audit/checkpoint`` (open) — the latest signed tree head.
 * ``GET /v1/receipts/keys`` (open) — every key that ever signed a receipt or tree head.
 
@@ -235,7 +236,8 @@ async def list_erasures(
     limit: int = 100,
     before: str | None = None,
 ) -> dict[str, Any]:
-    """Erasures newest first, as ``GET /v1/erasures`` and the console list them; ``before`` is a ``next_cursor``.
+    """Erasures newest first, as ``GET /v1/erasures`` and the console list them; ``before`` is a
+    ``next_cursor``.
 
     ``tenant`` defaults to a tenant-bound ``reader``'s own; another tenant raises
     :class:`coordinator.api.auth.TenantForbiddenError`. ValueError for a malformed cursor.
@@ -337,7 +339,8 @@ async def served_receipt(session: AsyncSession, receipt: Receipt, tree_size: int
 
 
 def _describe(erasure: Erasure, state: Progress, receipt_id: uuid.UUID | None) -> dict[str, Any]:
-    """Status plus, per node × tier, what the nodes reported for every command and the ledger's live copies."""
+    """Status plus, per node × tier, what the nodes reported for every command and the ledger's live
+    copies."""
     reported: dict[str, dict[str, list[dict[str, Any]]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )

@@ -1,4 +1,5 @@
-"""The governance state a node must enforce, for a starting node (docs/design.md §6, "Governance state").
+"""The governance state a node must enforce, for a starting node (docs/design.md §6, "Governance
+state").
 
 ``GET /v1/governance?nonce=…[&cursor=…][&limit=…]`` answers, for the calling node:
 
@@ -67,7 +68,8 @@ from events.schema import (
 from identity.signing import GOVERNANCE_CONTEXT, EnvelopeSigner, sign_document
 
 MAX_PAGE_ENTRIES = 1000
-"""Entries (decisions and commands together) in one answer: bounds its size (a command is under 2 KiB)."""
+"""Entries (decisions and commands together) in one answer: bounds its size (a command is under 2
+KiB)."""
 NONCE_PATTERN = r"^[A-Za-z0-9_-]{16,128}$"
 SECTIONS = ("namespaces", "policies", "documents", "commands")
 _RETIRED = (NamespaceStatus.DRAINING, NamespaceStatus.RETIRED)
@@ -94,7 +96,8 @@ class Cursor(BaseModel):
             )
         except (ValidationError, binascii.Error, ValueError):
             raise ValueError("cursor: not a cursor this endpoint returned") from None
-        # Per section: the key of its entries (names, or a decision's seq); an empty ``after`` starts the section.
+        # Per section: the key of its entries (names, or a decision's seq); an empty ``after``
+        # starts the section.
         shapes = ((str,), (str, str), (str, str), (int,))
         if not 0 <= cursor.section < len(SECTIONS):
             raise ValueError("cursor: not a cursor this endpoint returned")
@@ -217,7 +220,8 @@ DECISION_READERS = {
     "policies": policy_decisions,
     "documents": document_decisions,
 }
-"""Each registry section's reader: ``(session, after key, limit) -> [(key, decision)]`` in key order (also ``/v1/router/versions``)."""
+"""Each registry section's reader: ``(session, after key, limit) -> [(key, decision)]`` in key order
+(also ``/v1/router/versions``)."""
 
 router = APIRouter()
 
@@ -231,7 +235,8 @@ async def governance(
     cursor: Annotated[str | None, Query(max_length=2048)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ENTRIES)] = MAX_PAGE_ENTRIES,
 ) -> JSONResponse:
-    """One signed page of the governance state the calling node must enforce (see the module docstring)."""
+    """One signed page of the governance state the calling node must enforce (see the module
+    docstring)."""
     try:
         position = Cursor(section=0, after=[]) if cursor is None else Cursor.decode(cursor)
     except ValueError as error:

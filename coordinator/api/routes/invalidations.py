@@ -1,14 +1,15 @@
 """HTTP API of invalidations and namespace rollout.
 
-* ``GET /v1/invalidations/{command_id}`` — one command: predicate, cutoff, status,
-  timings and, per expected node × tier, the node's evidence and what the ledger
-  shows (live copies the predicate still covers, copies the command deleted).
-* ``GET /v1/invalidations?tenant=&doc_id=&status=&kind=&limit=&before=`` — newest first, paged by ``seq``.
+* ``GET /v1/invalidations/{command_id}`` — one command: predicate, cutoff, status, timings and, per
+  expected node × tier, the node's evidence and what the ledger shows (live copies the predicate
+  still covers, copies the command deleted).
+* ``GET /v1/invalidations?tenant=&doc_id=&status=&kind=&limit=&before=`` — newest first, paged by
+  ``seq``.
 * ``GET /v1/namespaces`` (``platform-admin``) — namespaces, lifecycle status, nodes serving each.
-* ``POST /v1/namespaces/{namespace}/retire`` (``platform-admin``) — the namespace turns
-  ``draining`` and a namespace-wide ``Invalidate`` goes out through the outbox; it is
-  ``retired`` once every node acked. Refused (409 ``namespace_in_use``) while a live
-  node still serves it: that node would keep rebuilding what is being deleted.
+* ``POST /v1/namespaces/{namespace}/retire`` (``platform-admin``) — the namespace turns ``draining``
+  and a namespace-wide ``Invalidate`` goes out through the outbox; it is ``retired`` once every node
+  acked. Refused (409 ``namespace_in_use``) while a live node still serves it: that node would keep
+  rebuilding what is being deleted.
 
 Invalidation reads take any operator role; a tenant-bound operator sees only the
 commands whose predicate names its tenant and gets 403 ``tenant_forbidden`` for any
@@ -254,7 +255,8 @@ def _summary(invalidation: Invalidation) -> dict[str, Any]:
 async def describe_invalidation(
     session: AsyncSession, invalidation: Invalidation
 ) -> dict[str, Any]:
-    """The summary plus, per expected node × tier: status, evidence, and the ledger's live/deleted counts.
+    """The summary plus, per expected node × tier: status, evidence, and the ledger's live/deleted
+    counts.
 
     ``latency_ms`` runs from the decision to completion (or to a node's ack);
     ``end_to_end_ms`` from ``requested_at`` (the user's event), which is on the publisher's clock.

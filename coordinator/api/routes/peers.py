@@ -4,12 +4,12 @@
 unrevoked node key (raw Ed25519, base64url) and the namespace its node last reported (``null``
 before its first kv-event). 404 ``unknown_node_key`` for a key never enrolled or revoked.
 
-Only enrolled nodes may ask, with their own node credential (``coordinator.keys.node_keys.authenticate_node``):
-a holder checks a puller's signed request against the very registry the key service and the
-consumers trust, read through the same cache, so a revocation reaches peer pulls within
-``ledger.node_key_cache_s`` here plus the holder's own cache of the answer (``cache.peer_key_cache_s``,
-the same default). The answer holds public keys and node ids only.
-"""
+Only enrolled nodes may ask, with their own node credential
+(``coordinator.keys.node_keys.authenticate_node``): a holder checks a puller's signed request
+against the very registry the key service and the consumers trust, read through the same cache, so a
+revocation reaches peer pulls within ``ledger.node_key_cache_s`` here plus the holder's own cache of
+the answer (``cache.peer_key_cache_s``, the same default). The answer holds public keys and node ids
+only."""
 
 from __future__ import annotations
 

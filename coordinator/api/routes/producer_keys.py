@@ -1,15 +1,17 @@
-"""HTTP API of customer-event producer keys (``coordinator.keys.producer_keys``; docs/security.md, "Signed customer events").
+"""HTTP API of customer-event producer keys (``coordinator.keys.producer_keys``; docs/security.md,
+"Signed customer events").
 
 * ``POST /v1/producer-keys {public_key_pem, name, tenants | all_tenants}`` → 201 the key as listed.
   A ``tenant-admin`` enrolls keys bound to its own tenant only (``tenants: [own]``); a
   ``platform-admin`` binds any tenants, or ``all_tenants: true``. Enrolling the same key with the
   same binding again answers the same key; another binding, or a revoked key, is 409.
-* ``GET /v1/producer-keys[?tenant=T]`` — the keys that may publish for ``T`` (a tenant-admin: its own
-  tenant, always), all-tenant keys included; a platform-admin without ``tenant`` sees every key.
-  A tenant-admin sees of each key's binding only whether it includes its own tenant, never the others.
-* ``POST /v1/producer-keys/{key_id}/revoke`` → 200 ``{key_id, revoked: true}``. A tenant-admin revokes
-  only keys bound to its own tenant alone (revoking a shared key would cut off other tenants'
-  producers); anything else is 403 ``tenant_forbidden``, whether the key exists or not.
+* ``GET /v1/producer-keys[?tenant=T]`` — the keys that may publish for ``T`` (a tenant-admin: its
+  own tenant, always), all-tenant keys included; a platform-admin without ``tenant`` sees every key.
+  A tenant-admin sees of each key's binding only whether it includes its own tenant, never the
+  others.
+* ``POST /v1/producer-keys/{key_id}/revoke`` → 200 ``{key_id, revoked: true}``. A tenant-admin
+  revokes only keys bound to its own tenant alone (revoking a shared key would cut off other
+  tenants' producers); anything else is 403 ``tenant_forbidden``, whether the key exists or not.
 
 A revocation takes effect at every coordinator replica within ``ledger.node_key_cache_s``.
 """
@@ -61,7 +63,8 @@ def _require_binding(operator: Operator, tenants: list[str] | None) -> None:
 
 
 def _as_seen_by(operator: Operator, key: dict[str, Any]) -> dict[str, Any]:
-    """A tenant-admin learns of a key's other tenants nothing: only its own tenant stays in the binding."""
+    """A tenant-admin learns of a key's other tenants nothing: only its own tenant stays in the
+    binding."""
     if operator.is_platform_admin:
         return key
     return {**key, "tenants": [tenant for tenant in key["tenants"] if tenant == operator.tenant_id]}

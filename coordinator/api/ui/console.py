@@ -62,7 +62,8 @@ SECURITY_HEADERS = {
     "frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
-    # same-origin, not no-referrer: with no-referrer a browser sends "Origin: null" on the login POST
+    # same-origin, not no-referrer: with no-referrer a browser sends "Origin: null" on the login
+    # POST
     "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
@@ -147,7 +148,8 @@ async def _operator(request: Request) -> Operator:
     authorization = _authorization(request)
     if authorization is None:
         raise _LoginRequired()
-    # verifying may fetch the issuer's JWKS: off the event loop, as coordinator.api.auth.requires does
+    # verifying may fetch the issuer's JWKS: off the event loop, as coordinator.api.auth.requires
+    # does
     return await run_in_threadpool(
         authorize, request.app.state.operator_verifier, authorization, LEDGER_READERS
     )
@@ -181,7 +183,8 @@ Filter = Annotated[str | None, Query(max_length=MAX_ID_CHARS)]
 
 
 def _ledger_figures() -> dict[str, Any]:
-    """The backlog gauges as :func:`metrics.refresh_ledger_gauges` just set them, and this process's ingest lag."""
+    """The backlog gauges as :func:`metrics.refresh_ledger_gauges` just set them, and this process's
+    ingest lag."""
 
     def samples(metric: Any) -> list[tuple[str, dict[str, str], float]]:
         return [
@@ -267,7 +270,8 @@ async def logout(request: Request) -> Response:
 
 @router.get("/")
 async def overview(reader: Reader, session: Session, settings: Settings) -> HTMLResponse:
-    """Nodes and the backlog for a platform admin (what ``/v1/nodes`` and ``/metrics`` show); a tenant's operators see their counts."""
+    """Nodes and the backlog for a platform admin (what ``/v1/nodes`` and ``/metrics`` show); a
+    tenant's operators see their counts."""
     if not reader.is_platform_admin:
         return render("overview.html", operator=reader, nodes=None, figures=None)
     heartbeat_timeout_s = settings.ledger.heartbeat_timeout_s

@@ -499,7 +499,8 @@ def test_expire_sweeps_and_defers_referenced_blocks(tmp_path):
     assert pool.stats().num_entries == {DEVICE: 1, HOST: 0, DISK: 0}
 
 
-# --- governed removal ------------------------------------------------------------------------------
+# --- governed removal
+# ------------------------------------------------------------------------------
 
 
 def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_path):
@@ -520,7 +521,8 @@ def test_remove_where_tombstones_first_and_deletes_every_tier_with_evidence(tmp_
     )
 
     evidence = (
-        # the sealed file's key id, read from its header before the overwrite, names the key to crypto-erase
+        # the sealed file's key id, read from its header before the overwrite, names the key to
+        # crypto-erase
         RemovalEvidence(
             block_hash(0),
             DISK,
@@ -577,11 +579,13 @@ def test_remove_where_on_a_referenced_entry_twice_reports_it_deferred_once_delet
     assert [event.reason for event in pool.take_events()] == [RemovalReason.INVALIDATED]
 
 
-# --- provenance index -------------------------------------------------------------------------------
+# --- provenance index
+# -------------------------------------------------------------------------------
 
 
 def index_is_consistent(pool: BlockPool) -> None:
-    """The provenance index files exactly the pool's entries under their keys, in ``_entries`` order."""
+    """The provenance index files exactly the pool's entries under their keys, in ``_entries``
+    order."""
     expected: dict = {}
     for block, entry in pool.state.entries.items():
         for key in provenance_index_keys(entry.provenance):
@@ -610,7 +614,8 @@ def random_provenance(draw) -> CacheProvenance:
 
 
 def random_removal(draw):
-    """An index key and a predicate whose matches are all filed under it (plus a random extra condition)."""
+    """An index key and a predicate whose matches are all filed under it (plus a random extra
+    condition)."""
     kind = draw(st.sampled_from(["tenant", "document", "policy", "namespace"]))
     tenant = draw(st.sampled_from(TENANTS))
     cutoff = draw(st.integers(0, 4))
@@ -639,7 +644,8 @@ def random_removal(draw):
 
 @st.composite
 def pool_scenarios(draw):
-    """Blocks with random provenances, each left BUILDING, on the device, host or disk, maybe referenced."""
+    """Blocks with random provenances, each left BUILDING, on the device, host or disk, maybe
+    referenced."""
     blocks = [
         (
             random_provenance(draw),
@@ -706,7 +712,8 @@ def batched_removals(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=batched_removals())
 def test_remove_many_reports_and_deletes_exactly_what_removing_one_by_one_does(scenario):
-    """Bulk byte deletion changes nothing observable: same reports, events, entries, and every freed slot is zero."""
+    """Bulk byte deletion changes nothing observable: same reports, events, entries, and every freed
+    slot is zero."""
     blocks, drops, removals = scenario
     with tempfile.TemporaryDirectory() as root:
         root = Path(root)
@@ -811,7 +818,8 @@ def test_remove_where_refuses_an_unknown_index_key(tmp_path):
     )
 
 
-# --- at rest ---------------------------------------------------------------------------------------
+# --- at rest
+# ---------------------------------------------------------------------------------------
 
 
 def test_disk_files_are_private_and_tenant_blocks_are_sealed(tmp_path):

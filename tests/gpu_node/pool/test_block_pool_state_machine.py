@@ -1,4 +1,5 @@
-"""Model-based test of the storage pool: random insert/hit/release/evict/expire/demote/promote/invalidate.
+"""Model-based test of the storage pool: random
+insert/hit/release/evict/expire/demote/promote/invalidate.
 
 Invariants held after every step:
 * the ledger rebuilt from ``take_events()`` alone equals where the pool holds
@@ -47,7 +48,8 @@ HASH_INDEX = {block_hash(i): i for i in range(NUM_KEYS)}
 
 
 def make_key(i: int) -> BlockKey:
-    """Block i has a fixed scope (public, tenant with a document, user) and subject, so its hash is stable."""
+    """Block i has a fixed scope (public, tenant with a document, user) and subject, so its hash is
+    stable."""
     scope = (CacheScope.PUBLIC, CacheScope.TENANT, CacheScope.USER)[i % 3]
     provenance = CacheProvenance(
         namespace=NS,
@@ -84,7 +86,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.ledger: dict[bytes, Tier] = {}
         self.held: list = []
         self.building: list = []
-        # Where each held entry's bytes were when its reader last read them: the pool must not move them.
+        # Where each held entry's bytes were when its reader last read them: the pool must not move
+        # them.
         self.location: dict[int, tuple[Tier | None, int | None]] = {}
         # Disk blocks sealed under a key destroyed since: the only blocks allowed to fail restoring.
         self.unreadable: set[bytes] = set()
@@ -171,7 +174,8 @@ class PoolMachine(RuleBasedStateMachine):
                 return provenance.scope == CacheScope.PUBLIC
             return provenance.subject_id == what or what in provenance.documents
 
-        # The documents and "public" removals go through the index (tenant None holds the public blocks).
+        # The documents and "public" removals go through the index (tenant None holds the public
+        # blocks).
         candidates = {
             "handbook@1": ("document", "acme", "handbook"),
             "public": ("tenant", None),

@@ -1,4 +1,5 @@
-"""Sequences' own device slots alone: allocation (making room), freeing (zeroed) and committing in place."""
+"""Sequences' own device slots alone: allocation (making room), freeing (zeroed) and committing in
+place."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Demotion alone: the LRU unreferenced victim moves one tier down, the chain device → host → disk → drop."""
+"""Demotion alone: the LRU unreferenced victim moves one tier down, the chain device → host → disk →
+drop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The batched read path alone: rows in entry order, LRU touches, promotion of host/disk hits, refusals."""
+"""The batched read path alone: rows in entry order, LRU touches, promotion of host/disk hits,
+refusals."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Governed removal alone: what is removed now, deferred to the last reader or discarded at commit, with evidence."""
+"""Governed removal alone: what is removed now, deferred to the last reader or discarded at commit,
+with evidence."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The pool state alone: the memory tier's slots, the provenance index, placement, byte deletion and records."""
+"""The pool state alone: the memory tier's slots, the provenance index, placement, byte deletion and
+records."""
 
 from __future__ import annotations
 

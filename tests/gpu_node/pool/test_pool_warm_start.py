@@ -20,7 +20,8 @@ def test_a_record_exported_from_one_state_is_imported_ready_into_another(tmp_pat
     entry = put(source, 0, key=scoped_key(0, CacheScope.USER), ref_count=1)
     entry.expires_at = 1060.0
     record = PoolWarmStart(source).export_record(entry)
-    # The record says "until wall time 1,001,060"; the target's clock reads 50.0 at wall time 1,001,000.
+    # The record says "until wall time 1,001,060"; the target's clock reads 50.0 at wall time
+    # 1,001,000.
     target = make_state(
         tmp_path / "b",
         host=2,

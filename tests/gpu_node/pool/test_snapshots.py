@@ -265,7 +265,8 @@ def test_delete_snapshot_removes_every_file(tmp_path):
 
 
 def test_delete_incomplete_removes_only_snapshots_without_a_manifest(tmp_path):
-    """A write killed before its manifest (the ``node.during_snapshot_write`` fault point) leaves shards nothing reads."""
+    """A write killed before its manifest (the ``node.during_snapshot_write`` fault point) leaves
+    shards nothing reads."""
     keys = LocalKeyStore(tmp_path / "keys.json")
     pool = populated_pool(tmp_path, keys)
     root = tmp_path / "snapshots"
