@@ -78,7 +78,8 @@ from events.kafka.settings import KafkaSettings, kafka_client_kwargs
 from gpu_node.engine.async_engine import AsyncEngine
 from gpu_node.entrypoints.routes import create_app
 from gpu_node.entrypoints.server import kafka_settings, make_publisher, tune_interpreter
-from gpu_node.governance.commands import CommandConsumer, InvalidationApplier
+from gpu_node.governance.applier import InvalidationApplier
+from gpu_node.governance.commands import CommandConsumer
 from gpu_node.keys.node_identity import pinned_command_key
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.signing import EnvelopeSigner

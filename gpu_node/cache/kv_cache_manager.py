@@ -309,7 +309,7 @@ class KVCacheManager:
         does not keep the batch from the others: the failure is logged (type only —
         events name blocks) and counted under its name, and the batch is not delivered
         to it again. That loses nothing silently for governance: the command
-        evidence collector (:class:`gpu_node.governance.commands.InvalidationApplier`) only ever
+        evidence collector (:class:`gpu_node.governance.applier.InvalidationApplier`) only ever
         *adds* evidence, so a removal it missed leaves its command waiting and
         unacknowledged (a ``DeferredRemovalTimeout``, retried) — an ack is never sent
         without the evidence. The publisher's subscriber only queues the batch.

@@ -17,7 +17,8 @@ from events.logs import configure_logging
 from gpu_node.cache.kv_memory import KVMemoryError
 from gpu_node.engine.async_engine import AsyncEngine
 from gpu_node.entrypoints.routes import create_app
-from gpu_node.governance.commands import CommandConsumer, InvalidationApplier
+from gpu_node.governance.applier import InvalidationApplier
+from gpu_node.governance.commands import CommandConsumer
 from gpu_node.governance.publisher import KV_EVENTS_SUBSCRIBER, NodePublisher
 from gpu_node.governance.sync import GovernanceClient
 from gpu_node.keys.node_identity import node_signing_key, pinned_command_key

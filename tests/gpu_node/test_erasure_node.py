@@ -22,7 +22,8 @@ from gpu_node.engine.async_engine import (
     SamplingParams,
     TokenDelta,
 )
-from gpu_node.governance.commands import InvalidationApplier, block_predicate
+from gpu_node.governance.applier import InvalidationApplier
+from gpu_node.governance.predicates import block_predicate
 from gpu_node.keys.crypto import LocalKeyStore
 from gpu_node.pool.block_records import BlockRestoreError, decode_block_record
 from gpu_node.pool.vocabulary import BlockState

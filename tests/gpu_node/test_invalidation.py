@@ -24,12 +24,8 @@ from events import schema
 from events.tiers import Tier
 from gpu_node.engine.async_engine import AsyncEngine, GenerationRequest, PromptStats, SamplingParams
 from gpu_node.entrypoints.routes import CACHE_BYPASS_HEADER, create_app
-from gpu_node.governance.commands import (
-    EVIDENCE_SUBSCRIBER,
-    InvalidationApplier,
-    block_predicate,
-    predicate_index_key,
-)
+from gpu_node.governance.applier import EVIDENCE_SUBSCRIBER, InvalidationApplier
+from gpu_node.governance.predicates import block_predicate, predicate_index_key
 from gpu_node.pool.vocabulary import RemovalReason, provenance_index_keys
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token

@@ -24,7 +24,7 @@ from events import schema, topics
 from events.kafka.settings import KafkaSettings
 from events.tiers import Tier
 from gpu_node.entrypoints.routes import create_app
-from gpu_node.governance.commands import block_predicate
+from gpu_node.governance.predicates import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.tokens import TokenVerifier, issue_token
 

@@ -30,11 +30,8 @@ from events.topics import KV_EVENTS, node_key
 from gpu_node.engine.async_engine import AsyncEngine, GenerationRequest, SamplingParams
 from gpu_node.entrypoints.routes import create_app
 from gpu_node.entrypoints.server import make_publisher
-from gpu_node.governance.commands import (
-    InvalidationApplier,
-    fetch_snapshot_keys,
-    remove_from_snapshots,
-)
+from gpu_node.governance.applier import InvalidationApplier
+from gpu_node.governance.erasure import fetch_snapshot_keys, remove_from_snapshots
 from gpu_node.keys.crypto import KeyServiceUnavailable
 from gpu_node.keys.remote_keys import UNREACHABLE_RETRY_S, CoordinatorKeyProvider
 from gpu_node.pool import snapshots

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from events import schema
-from gpu_node.governance.commands import block_predicate
+from gpu_node.governance.predicates import block_predicate
 from prefix_keys.blocks import (
     TENANT_WIDE_AUTH_SCOPE,
     CacheProvenance,

@@ -50,7 +50,7 @@ from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
 from events.tiers import Tier
 from gpu_node.entrypoints.routes import create_app
-from gpu_node.governance.commands import block_predicate
+from gpu_node.governance.predicates import block_predicate
 from gpu_node.settings import CacheSettings, NodeSettings
 from identity.signing import key_id, sign_envelope
 from identity.tokens import TokenVerifier, issue_token
