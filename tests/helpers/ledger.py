@@ -550,13 +550,15 @@ async def own_broker(
         await kafka.stop()
 
 
-async def settings_at_topic_ends(ledger_url: str, kafka_bootstrap: str) -> CoordinatorSettings:
+async def settings_at_topic_ends(
+    ledger_url: str, kafka_bootstrap: str, **overrides
+) -> CoordinatorSettings:
     """A module's coordinator settings, its consumer groups positioned at the end of every topic.
 
     The worker's broker is shared by the modules it runs: what earlier modules published is not
     this module's to consume (and some of it is garbage on purpose).
     """
-    settings = coordinator_settings(ledger_url, kafka_bootstrap)
+    settings = coordinator_settings(ledger_url, kafka_bootstrap, **overrides)
     await ensure_topics(kafka_settings(settings))
     await start_groups_at_end(kafka_bootstrap, consumer_groups(settings.kafka.group_id))
     return settings

@@ -61,9 +61,11 @@ DATA_KEY_ROUTES = {
     ("POST", "/v1/keys/resolve"),
     ("GET", "/v1/keys/{key_id}"),
     ("GET", "/v1/governance"),
+    ("GET", "/v1/nodes/peer-keys/{key_id}"),
 }
-"""The nodes' endpoints (data keys, governance state): they take only node credentials
-(tests/security/test_node_enrollment.py, tests/gpu_node/test_governance_sync.py), so operators are
+"""The nodes' endpoints (data keys, governance state, a peer's key): they take only node credentials
+(tests/security/test_node_enrollment.py, tests/gpu_node/test_governance_sync.py,
+tests/gpu_node/test_replicas.py), so operators are
 refused there too; end users get the same 401 as everywhere else."""
 CONSOLE_PREFIX = "/ui"
 CONSOLE_OPEN_ROUTES = {("GET", "/ui/login"), ("GET", "/ui/static/console.css")}
