@@ -38,15 +38,23 @@ record that does not open — falls back to recompute, counted in
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
+import http.client
 import json
 import logging
+import socket
+import ssl
 import struct
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -56,9 +64,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpu_node.keys.crypto import DataKeyProvider
 from gpu_node.pool.block_pool import BlockPool
 from gpu_node.pool.block_records import (
+    BlockRecord,
     BlockRestoreError,
     check_record,
-    decode_block_record,
+    encode_block_record,
+    open_record,
+    parse_record_body,
     payload_tensor,
 )
 from gpu_node.pool.kv_spec import KVBlockSpec
@@ -123,26 +134,56 @@ def max_record_bytes(spec: KVBlockSpec) -> int:
     return spec.block_bytes + MAX_RECORD_OVERHEAD_BYTES
 
 
-def encode_frames(records: Sequence[bytes]) -> bytes:
-    """``len ‖ record`` for each record: the body of a pull response."""
-    return b"".join(FRAME_LENGTH.pack(len(record)) + record for record in records)
+def frame_chunks(records: Sequence[bytes | bytearray]) -> Iterator[bytes | memoryview]:
+    """``len ‖ record`` for each record, as the pieces a pull response is written in.
+
+    Pieces, not one joined body: a prefix of a real model is tens to hundreds of MB, and
+    joining it would copy every byte once more before the first one is sent. Records are
+    handed out as views (what an ASGI body may be besides bytes), never copied.
+    """
+    for record in records:
+        yield FRAME_LENGTH.pack(len(record))
+        yield memoryview(record)
 
 
-def decode_frames(data: bytes, max_records: int, max_record: int) -> list[bytes]:
-    """The records of a pull response; :class:`PullFailed` ``malformed`` when it is not whole frames
-    within bounds."""
-    records: list[bytes] = []
-    offset = 0
-    while offset < len(data):
-        if len(records) == max_records or offset + FRAME_LENGTH.size > len(data):
+def frames_length(records: Sequence[bytes | bytearray]) -> int:
+    """The byte length of :func:`frame_chunks` of ``records`` (the response's Content-Length)."""
+    return sum(FRAME_LENGTH.size + len(record) for record in records)
+
+
+class _ReadInto(Protocol):
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def _read_into(stream: _ReadInto, view: memoryview) -> int:
+    """Fill ``view`` from ``stream``; how many bytes arrived (fewer only at the end of the stream)."""
+    num_read = 0
+    while num_read < len(view):
+        got = stream.readinto(view[num_read:])
+        if not got:
+            break
+        num_read += got
+    return num_read
+
+
+def read_frames(stream: _ReadInto, max_records: int, max_record: int) -> list[bytearray]:
+    """The records of a pull response, each read straight into a buffer of its own size;
+    :class:`PullFailed` ``malformed`` when the stream is not whole frames within bounds."""
+    records: list[bytearray] = []
+    length = bytearray(FRAME_LENGTH.size)
+    while True:
+        num_read = _read_into(stream, memoryview(length))
+        if num_read == 0:
+            return records
+        if num_read < FRAME_LENGTH.size or len(records) == max_records:
             raise PullFailed("malformed")
-        (length,) = FRAME_LENGTH.unpack_from(data, offset)
-        offset += FRAME_LENGTH.size
-        if length > max_record or offset + length > len(data):
+        (num_bytes,) = FRAME_LENGTH.unpack(length)
+        if num_bytes > max_record:
             raise PullFailed("malformed")
-        records.append(data[offset : offset + length])
-        offset += length
-    return records
+        record = bytearray(num_bytes)
+        if _read_into(stream, memoryview(record)) < num_bytes:
+            raise PullFailed("malformed")
+        records.append(record)
 
 
 # --- holder --------------------------------------------------------------------------------
@@ -274,29 +315,39 @@ async def authorize_pull(
     return key.node_id, hashes
 
 
-def export_prefix(pool: BlockPool, block_hashes: Sequence[bytes]) -> list[bytes]:
-    """At-rest records of the READY, unexpired run of ``block_hashes`` from the first (model worker
-    thread).
+def read_prefix(pool: BlockPool, block_hashes: Sequence[bytes]) -> list[BlockRecord]:
+    """The READY, unexpired run of ``block_hashes`` from the first, copied out (model worker thread).
 
-    Referenced while exported, so no byte is moved or freed meanwhile; a block
-    tombstoned in between, or whose scope has no data key here, ends the run.
+    Referenced while copied, so no byte is moved or freed meanwhile; a block tombstoned in
+    between ends the run. Only the copy runs on the worker: :func:`seal_records` seals
+    elsewhere, so a pull holds the worker about as long as a memory copy of its bytes.
     """
     with pool.lock:
         entries = pool.longest_ready_prefix(block_hashes)
         pool.inc_lock_ref(entries)
-    records: list[bytes] = []
+    records: list[BlockRecord] = []
     try:
         for entry in entries:
             try:
-                record = pool.export_record(entry)
+                records.append(pool.read_record(entry))
             except BlockRestoreError:
                 break
-            if record is None:
-                break
-            records.append(record)
     finally:
         pool.dec_lock_ref(entries)
     return records
+
+
+def seal_records(
+    records: Sequence[BlockRecord], key_provider: DataKeyProvider
+) -> list[bytes | bytearray]:
+    """The at-rest form of each record, up to the first whose scope has no data key here."""
+    sealed: list[bytes | bytearray] = []
+    for record in records:
+        data = encode_block_record(record, key_provider)
+        if data is None:
+            break
+        sealed.append(data)
+    return sealed
 
 
 # --- puller --------------------------------------------------------------------------------
@@ -312,17 +363,13 @@ class PeerPuller:
         self._signing_key = signing_key
         self._urls = dict(settings.urls)
         self.settings = settings
-        self._client = httpx.AsyncClient(timeout=settings.pull_timeout_s)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
 
     def knows(self, node_id: str) -> bool:
         return node_id in self._urls and node_id != self._node_id
 
     async def fetch(
         self, peer_id: str, namespace: str, block_hashes: Sequence[bytes], spec: KVBlockSpec
-    ) -> list[bytes]:
+    ) -> list[bytearray]:
         """The records the peer serves for ``block_hashes`` (a prefix of them); :class:`PullFailed`
         when it serves none."""
         url = self._urls.get(peer_id)
@@ -341,34 +388,95 @@ class PeerPuller:
             hashlib.sha256(body).hexdigest(),
             PEER_CREDENTIAL_TTL_S,
         )
-        max_bytes = len(block_hashes) * (max_record_bytes(spec) + FRAME_LENGTH.size)
         headers = {"Authorization": f"Bearer {credential}", "Content-Type": "application/json"}
-        try:
-            async with self._client.stream(
-                "POST", url.rstrip("/") + PULL_PATH, content=body, headers=headers
-            ) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise PullFailed("refused")
-                chunks: list[bytes] = []
-                num_bytes = 0
-                async for chunk in response.aiter_raw():
-                    num_bytes += len(chunk)
-                    if num_bytes > max_bytes:
-                        raise PullFailed("malformed")
-                    chunks.append(chunk)
-        except httpx.TimeoutException:
-            raise PullFailed("timeout") from None
-        except httpx.HTTPError:
-            raise PullFailed("unavailable") from None
-        records = decode_frames(b"".join(chunks), len(block_hashes), max_record_bytes(spec))
+        records = await asyncio.to_thread(
+            post_for_frames,
+            url,
+            body,
+            headers,
+            self.settings.pull_timeout_s,
+            len(block_hashes),
+            max_record_bytes(spec),
+        )
         if not records:
             raise PullFailed("not_held")
         return records
 
 
+def post_for_frames(
+    base_url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    max_records: int,
+    max_record: int,
+) -> list[bytearray]:
+    """POST a pull to ``base_url`` and read the framed records it answers (blocking; a thread).
+
+    Why not the node's ``httpx`` client: it reads a body 64 KiB at a time through its own
+    parser and hands out chunks that must then be joined and sliced, which for a real
+    model's prefix cost more than the transfer itself. Here each record is read straight
+    into a buffer of its own size. The whole pull — connect, request, every byte — is bounded
+    by ``timeout_s``: past it a timer shuts the socket down, whatever the peer sends.
+    https peers are verified against the system's trust store.
+    """
+    parts = urlsplit(base_url)
+    connection: http.client.HTTPConnection
+    if parts.scheme == "https":
+        connection = http.client.HTTPSConnection(
+            parts.hostname or "",
+            parts.port,
+            timeout=timeout_s,
+            context=ssl.create_default_context(),
+        )
+    else:
+        connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    watchdog: threading.Timer | None = None
+    try:
+        connection.connect()
+        watchdog = threading.Timer(
+            max(deadline - time.monotonic(), 0.0), _shut_down, (connection.sock,)
+        )
+        watchdog.start()
+        connection.request("POST", parts.path.rstrip("/") + PULL_PATH, body=body, headers=headers)
+        response = connection.getresponse()
+        if response.status != 200:
+            raise PullFailed("refused")
+        try:
+            records = read_frames(response, max_records, max_record)
+        except PullFailed:
+            if response.isclosed() and response.length:
+                # The body ended before its Content-Length: the connection was cut (or shut down
+                # at the deadline), not the frames malformed.
+                raise PullFailed(_cut_reason(deadline)) from None
+            raise
+        if response.length:
+            # Cut between two frames: whole records, but not the whole answer. http.client reports
+            # a short body as its end, so the count it still expected tells.
+            raise PullFailed(_cut_reason(deadline))
+        return records
+    except (OSError, http.client.HTTPException):
+        raise PullFailed(_cut_reason(deadline)) from None
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        connection.close()
+
+
+def _cut_reason(deadline: float) -> str:
+    """Why a pull's connection failed: its deadline passed (the watchdog shut it), or the peer."""
+    return "timeout" if time.monotonic() >= deadline else "unavailable"
+
+
+def _shut_down(sock: socket.socket | None) -> None:
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 def open_pulled(
-    records: Sequence[bytes],
+    records: Sequence[bytes | bytearray],
     targets: Sequence[CacheEntry],
     key_provider: DataKeyProvider,
     namespace: str,
@@ -381,9 +489,10 @@ def open_pulled(
     provenance, so a record of the asked hash that opens under its scope's key is that block.
     """
     kvs: list[torch.Tensor] = []
+    aeads: dict = {}
     for record, target in zip(records, targets, strict=False):
         try:
-            opened = decode_block_record(record, key_provider)
+            opened, _ = parse_record_body(*open_record(record, key_provider, aeads))
             check_record(opened, target.block_hash, namespace, spec)
         except BlockRestoreError as error:
             return kvs, "decrypt_failed" if error.reason in (

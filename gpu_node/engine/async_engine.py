@@ -339,9 +339,8 @@ class AsyncEngine:
             self._after_step(deliveries, woken, 0, 0)
         self._worker.shutdown(wait=True)
         self._prompt_worker.shutdown(wait=True)
-        for client in (self.peer_puller, self.peer_keys):
-            if client is not None:
-                await client.aclose()
+        if self.peer_keys is not None:
+            await self.peer_keys.aclose()
 
     async def _run(self, function, *args):
         """Queue ``function`` on the model worker; a burst of steps running there yields to it at the next step boundary."""
@@ -525,8 +524,15 @@ class AsyncEngine:
             )
         except PullFailed as failure:
             return failure.reason
+        # Off the pool's lock, so a key this node does not hold yet (a tenant it never served) is
+        # fetched here rather than failing the pull.
         kvs, failure_reason = await asyncio.to_thread(
-            open_pulled, records, targets, self.pool.key_provider, namespace, self.runner.kv_spec
+            open_pulled,
+            records,
+            targets,
+            self.pool.key_provider.blocking(),
+            namespace,
+            self.runner.kv_spec,
         )
         # Checked again now that the pull is over: a command that arrived meanwhile moved the
         # registry.

@@ -63,8 +63,10 @@ from gpu_node.cache.peers import (
     PullHint,
     PullRefused,
     authorize_pull,
-    encode_frames,
-    export_prefix,
+    frame_chunks,
+    frames_length,
+    read_prefix,
+    seal_records,
 )
 from gpu_node.engine.async_engine import (
     AsyncEngine,
@@ -822,11 +824,22 @@ async def serve_pull(http_request: Request, engine: Engine) -> Response:
             status_code=refusal.status,
         )
     records = await engine.run_exclusive(
-        export_prefix, engine.pool, block_hashes[: engine.settings.peers.max_pull_blocks]
+        read_prefix, engine.pool, block_hashes[: engine.settings.peers.max_pull_blocks]
     )
     engine.manager.drain_events()
+    # Sealed off the worker and off the lock (a key not held yet is fetched, not a short run).
+    sealed = await asyncio.to_thread(seal_records, records, engine.pool.key_provider.blocking())
     engine.metrics.peer_serves.labels("served").inc()
-    return Response(encode_frames(records), media_type="application/octet-stream")
+
+    async def frames() -> AsyncIterator[bytes]:
+        for chunk in frame_chunks(sealed):
+            yield chunk
+
+    return StreamingResponse(
+        frames(),
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(frames_length(sealed))},
+    )
 
 
 @router.post("/v1/chat/completions")

@@ -128,12 +128,24 @@ def _aad(block_hash: bytes, key_id: str) -> bytes:
     return _U32.pack(len(block_hash)) + block_hash + key_id.encode("ascii")
 
 
-def seal(key: bytes, key_id: str, block_hash: bytes, plaintext: bytes) -> bytes:
-    """``nonce ‖ ciphertext ‖ tag`` under a fresh random 96-bit nonce."""
+def seal(
+    key: bytes, key_id: str, block_hash: bytes, plaintext: bytes, header: bytes = b""
+) -> bytearray:
+    """``header ‖ nonce ‖ ciphertext ‖ tag`` under a fresh random 96-bit nonce.
+
+    Encrypted straight into the one buffer it returns: a block's KV is hundreds of KB for a
+    real model, and concatenating nonce, ciphertext and a caller's header afterwards would
+    copy all of it twice more.
+    """
     if len(key) != KEY_BYTES:
         raise ValueError(f"data keys are {KEY_BYTES} bytes, got {len(key)}")
     nonce = os.urandom(NONCE_BYTES)
-    return nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(block_hash, key_id))
+    start = len(header) + NONCE_BYTES
+    sealed = bytearray(start + len(plaintext) + TAG_BYTES)
+    sealed[: len(header)] = header
+    sealed[len(header) : start] = nonce
+    AESGCM(key).encrypt_into(nonce, plaintext, _aad(block_hash, key_id), memoryview(sealed)[start:])
+    return sealed
 
 
 def unseal(

@@ -67,6 +67,7 @@ import torch
 
 from events.tiers import STORAGE_TIERS, Tier
 from gpu_node.keys.crypto import DataKeyProvider
+from gpu_node.pool.block_records import BlockRecord
 from gpu_node.pool.demotion import PoolDemoter
 from gpu_node.pool.device_slots import DeviceSlots
 from gpu_node.pool.kv_spec import KVBlockSpec
@@ -343,9 +344,13 @@ class BlockPool:
         """KV of referenced entries as ``[n, *block_shape]`` (fresh memory), promoting host/disk hits (:class:`PoolReader`)."""
         return self._reader.read(entries, promote)
 
-    def export_record(self, entry: CacheEntry) -> bytes | None:
+    def export_record(self, entry: CacheEntry) -> bytes | bytearray | None:
         """A referenced entry as an at-rest record (snapshots); None if its scope has no data key."""
         return self._warm_start.export_record(entry)
+
+    def read_record(self, entry: CacheEntry) -> BlockRecord:
+        """A referenced entry's record before sealing (:meth:`PoolWarmStart.read_record`)."""
+        return self._warm_start.read_record(entry)
 
     def import_record(self, data: bytes, tier: Tier) -> bool:
         """Warm one READY block into a free slot of ``tier`` (never evicting); see

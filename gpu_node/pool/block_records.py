@@ -93,7 +93,7 @@ def record_meta(record: BlockRecord) -> bytes:
 
 def encode_block_record(
     record: BlockRecord, key_provider: DataKeyProvider, meta: bytes | None = None
-) -> bytes | None:
+) -> bytes | bytearray | None:
     """Serialize a block for disk or a snapshot; None when its scope has no data key available.
 
     Layout: ``KVLB ‖ version ‖ flags ‖ block_hash ‖ …``. Sealed (tenant/user):
@@ -119,7 +119,7 @@ def encode_block_record(
         + bytes([len(key_id_bytes)])
         + key_id_bytes
     )
-    return header + seal(key, key_id, block_hash, body)
+    return seal(key, key_id, block_hash, body, header)
 
 
 def record_key_id(data: bytes) -> str | None:
@@ -135,7 +135,7 @@ def record_key_id(data: bytes) -> str | None:
         return None
 
 
-def record_block_hash(data: bytes) -> bytes | None:
+def record_block_hash(data: bytes | bytearray) -> bytes | None:
     """The block hash in a record's clear header; None if the header is malformed."""
     if len(data) < HEADER.size:
         return None
@@ -144,7 +144,9 @@ def record_block_hash(data: bytes) -> bytes | None:
 
 
 def open_record(
-    data: bytes, key_provider: DataKeyProvider, aeads: dict[str, tuple[bytes, AESGCM]] | None = None
+    data: bytes | bytearray,
+    key_provider: DataKeyProvider,
+    aeads: dict[str, tuple[bytes, AESGCM]] | None = None,
 ) -> tuple[bytes, int, bytes | memoryview]:
     """Authenticate a record: ``(header block hash, flags, body)``; raises :class:`BlockRestoreError`.
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from events.tiers import Tier
 from gpu_node.keys.crypto import overwrite_and_unlink
 from gpu_node.pool.block_records import (
+    BlockRecord,
     BlockRestoreError,
     check_record,
     decode_block_record,
@@ -42,18 +43,27 @@ class PoolWarmStart:
     def __init__(self, state: PoolState) -> None:
         self._state = state
 
-    def export_record(self, entry: CacheEntry) -> bytes | None:
+    def export_record(self, entry: CacheEntry) -> bytes | bytearray | None:
         """A referenced entry as an at-rest record (snapshots); None if its scope has no data key."""
         state = self._state
         with state.lock:
+            return encode_block_record(self.read_record(entry), state.key_provider)
+
+    def read_record(self, entry: CacheEntry) -> BlockRecord:
+        """A referenced entry's identity and a copy of its KV, not yet sealed.
+
+        Apart from :meth:`export_record` so that a caller holding the model worker (a peer
+        pull) copies the bytes there and seals them elsewhere.
+        """
+        state = self._state
+        with state.lock:
             if entry.ref_count <= 0:
-                raise ValueError("export_record needs an entry referenced with inc_lock_ref")
+                raise ValueError("a record is read from an entry referenced with inc_lock_ref")
             if entry.tombstoned or entry.tier is None:
                 raise BlockRestoreError(
                     entry.block_hash, str(entry.removal_reason or RemovalReason.INVALIDATED)
                 )
-            kv = state.read_payload(entry)
-            return encode_block_record(state.record(entry, kv), state.key_provider)
+            return state.record(entry, state.read_payload(entry))
 
     def import_record(self, data: bytes, tier: Tier) -> bool:
         """Warm one READY block into a free slot of ``tier`` (never evicting).

@@ -38,6 +38,13 @@ def test_seal_round_trip_and_layout():
     assert unseal(KEY, KEY_ID, BLOCK_HASH, sealed) == b"kv bytes"
 
 
+def test_a_header_goes_before_the_nonce_and_is_not_sealed():
+    sealed = seal(KEY, KEY_ID, BLOCK_HASH, b"kv bytes", header=b"HEAD")
+    assert sealed[:4] == b"HEAD"
+    assert len(sealed) == 4 + NONCE_BYTES + len(b"kv bytes") + TAG_BYTES
+    assert unseal(KEY, KEY_ID, BLOCK_HASH, sealed[4:]) == b"kv bytes"
+
+
 def test_each_seal_uses_a_fresh_nonce():
     first, second = seal(KEY, KEY_ID, BLOCK_HASH, b"same"), seal(KEY, KEY_ID, BLOCK_HASH, b"same")
     assert first[:NONCE_BYTES] != second[:NONCE_BYTES]

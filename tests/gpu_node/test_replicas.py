@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
 import json
 import os
 import uuid
@@ -36,7 +37,7 @@ from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups
 from coordinator.settings import kafka_settings
 from events.kafka.admin import ensure_topics
-from gpu_node.cache.peers import PULL_PATH, decode_frames
+from gpu_node.cache.peers import PULL_PATH, read_frames
 from gpu_node.pool.block_records import FLAG_SEALED, HEADER
 from gpu_node.pool.vocabulary import BlockState
 from gpu_node.settings import CacheSettings
@@ -276,7 +277,7 @@ async def test_a_pulled_prefix_serves_the_same_greedy_output_as_recomputing_it_a
     assert pulled == computed, "greedy output over pulled KV equals the output over computed KV"
     assert cached == num_blocks * BLOCK_SIZE
     assert pulls(puller, "pulled") == before + 1
-    records = decode_frames(link.bodies[-1], num_blocks, 1 << 30)
+    records = read_frames(io.BytesIO(link.bodies[-1]), num_blocks, 1 << 30)
     assert len(records) == num_blocks
     # Tenant blocks cross the wire sealed, exactly as at rest: the clear header says so and holds no
     # provenance.
