@@ -23,6 +23,10 @@ requests in flight), a fixed node per group (client affinity, the reference) and
 Reported per strategy: the share of prompt tokens served from cache, TTFT p50/p90, requests and
 output tokens per second, requests per node; then the router's own cost: a warm hit through the
 router against the same request straight to the node that served it, alternately, p50/p99.
+The stack's nodes list each other as peers, so a request the router sends past an overloaded
+holder carries a pull hint and the node pulls the prefix (prefix-aware load balancing with
+transfer): each strategy's row counts the fleet's pulls, the blocks they brought, and the pulls that
+fell back to computing.
 """
 
 from __future__ import annotations
@@ -334,9 +338,11 @@ async def _strategy_run(
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        pulls_before = await _pull_counts(http, stack)
         started = time.perf_counter()
         await asyncio.gather(*(one(http, *request, started) for request in workload))
         elapsed_s = time.perf_counter() - started
+        pulls_after = await _pull_counts(http, stack)
     ttfts = sorted(result[0] for result in results)
     per_node: dict[str, int] = {}
     for result in results:
@@ -349,7 +355,33 @@ async def _strategy_run(
         "requests_per_s": len(results) / elapsed_s,
         "output_tokens_per_s": sum(result[3] for result in results) / elapsed_s,
         "requests_per_node": dict(sorted(per_node.items())),
+        "pulls": {name: pulls_after[name] - pulls_before[name] for name in pulls_after},
     }
+
+
+PULL_SAMPLES = {
+    "pulled": 'kvledger_peer_pulls_total{outcome="pulled"}',
+    "blocks": "kvledger_peer_pulled_blocks_total",
+}
+
+
+async def _pull_counts(http: httpx.AsyncClient, stack: dict) -> dict[str, float]:
+    """Every node's successful pulls and pulled blocks, and its pulls that fell back to computing
+    (any other outcome), summed over the fleet (the nodes' ``/metrics``)."""
+    counts = {"pulled": 0.0, "blocks": 0.0, "fell_back": 0.0}
+    headers = {"Authorization": f"Bearer {stack['metrics_token']}"}
+    for url in stack["node_urls"]:
+        answer = await http.get(f"{url}/metrics", headers=headers)
+        answer.raise_for_status()
+        for line in answer.text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == PULL_SAMPLES["pulled"]:
+                counts["pulled"] += float(value)
+            elif name == PULL_SAMPLES["blocks"]:
+                counts["blocks"] += float(value)
+            elif name.startswith("kvledger_peer_pulls_total{"):
+                counts["fell_back"] += float(value)
+    return counts
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -422,14 +454,16 @@ def _render_fleet(args: argparse.Namespace, runs: list[dict[str, object]]) -> st
         f"{args.groups} groups × {args.users} users sharing a group prefix of about 500 tokens, {args.questions} questions each "
         f"({num_requests} requests), Poisson arrivals at {args.rate:g} requests/s, streamed, 8 output tokens",
         "",
-        "| client | prompt tokens cached | TTFT p50 | TTFT p90 | requests/s | output tokens/s | requests per node |",
-        "|---|---|---|---|---|---|---|",
+        "| client | prompt tokens cached | TTFT p50 | TTFT p90 | requests/s | output tokens/s | requests per node | pulls (blocks) / fell back |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in strategies:
         spread = ", ".join(f"{node} {count}" for node, count in run["requests_per_node"].items())  # type: ignore[union-attr]
+        pulls = run["pulls"]
         lines.append(
             f"| {run['client']} | {run['hit_ratio']:.0%} | {run['ttft_p50_s'] * 1000:.0f} ms | {run['ttft_p90_s'] * 1000:.0f} ms | "
-            f"{run['requests_per_s']:.2f} | {run['output_tokens_per_s']:.1f} | {spread} |"
+            f"{run['requests_per_s']:.2f} | {run['output_tokens_per_s']:.1f} | {spread} | "
+            f"{pulls['pulled']:.0f} ({pulls['blocks']:.0f}) / {pulls['fell_back']:.0f} |"  # type: ignore[index]
         )
     lines += [
         "",

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,15 +24,18 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.ledger import (
+    GROUP_TIMING,
     JWT_SECRET,
+    command_public_key_file,
     coordinator_settings,
     enroll_nodes,
     eventually,
     fresh_database,
     node_key,
     operator_headers,
+    operator_token,
 )
-from helpers.node import CoordinatorThread, RunningNode, node_settings
+from helpers.node import CoordinatorThread, RunningNode, Served, node_settings
 
 from bench.common import start_groups_at_end
 from coordinator.consumers import consumer_groups
@@ -42,12 +46,18 @@ from gpu_node.pool.block_records import FLAG_SEALED, HEADER
 from gpu_node.pool.vocabulary import BlockState
 from gpu_node.settings import CacheSettings
 from identity.node_credentials import issue_peer_credential
-from identity.tokens import issue_token
+from identity.settings import IssuerSettings
+from identity.tokens import TokenVerifier, issue_token
 from kvledger.nodes import revoke_node_keys
+from router.api import NODE_HEADER
+from router.keying import request_messages
+from router.server import Router
+from router.settings import RouterSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
 BLOCK_SIZE = 16
+METRICS_TOKEN = "replicas-metrics-token"
 TIMEOUT_S = 30.0
 MASTER_KEY = base64.b64encode(os.urandom(32)).decode()
 HANDBOOK = (
@@ -161,6 +171,10 @@ async def stack(
                         cache,
                         coordinator_url=coordinator.url,
                         peers={"urls": peers, "key_cache_s": 1.0},
+                        # For the router of the routed test: it asks how a node keys, and takes
+                        # a node whose beat it has not heard as gone.
+                        metrics={"token": METRICS_TOKEN},
+                        heartbeat_interval_s=0.5,
                     )
                 )
                 nodes.append(await node.start())
@@ -621,3 +635,93 @@ async def test_an_erasure_after_a_pull_removes_both_copies_and_its_receipt_lists
         (holder.node_id, "device"),
         (puller.node_id, "device"),
     }
+
+
+@pytest.fixture(scope="module")
+async def routed(stack, kafka_bootstrap: str, tiny_model_dir: Path) -> AsyncIterator[dict]:
+    """A router over the holder and the puller; it reaches the holder through a :class:`PeerLink`
+    of its own (``front``), whose ``hold`` keeps one of the holder's answers in flight."""
+    holder, puller = stack["holder"], stack["puller"]
+    front = PeerLink()
+    front.target = holder.http.url
+    front_url = await front.start()
+    settings = RouterSettings(
+        router_id=f"router-replicas-{uuid.uuid4().hex[:6]}",
+        nodes=[
+            {"node_id": holder.node_id, "url": front_url},
+            {"node_id": puller.node_id, "url": puller.http.url},
+        ],
+        model_dir=tiny_model_dir,
+        auth={"jwt_secret": JWT_SECRET},
+        metrics={"token": METRICS_TOKEN},
+        kafka_bootstrap=kafka_bootstrap,
+        kafka=GROUP_TIMING,
+        coordinator_url=stack["url"],
+        coordinator_token=operator_token("router", "platform"),
+        coordinator_public_key_file=command_public_key_file(),
+        # One request in flight outweighs any prefix: the holder, once busy, is passed over.
+        routing={"load_cost_blocks": 1000.0, "reread_interval_s": 0.2},
+    )
+    built = Router.build(settings)
+    served = await Served(built.app).start()
+    try:
+        async with built.running():
+            await eventually(
+                lambda: len(built.fleet.candidates(time.monotonic())) == 2,
+                timeout_s=60,
+                what="both nodes routable",
+            )
+            yield {"router": built, "url": served.url, "front": front}
+    finally:
+        front.release.set()
+        await served.stop()
+        await front.stop()
+
+
+async def ask_router(url: str, token: str, messages: list[dict]) -> tuple[str, int]:
+    """(serving node, cached prompt tokens) of a greedy request through the router."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    return response.headers[NODE_HEADER], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_the_router_sends_a_request_past_its_busy_holder_with_a_hint_and_the_node_pulls(
+    stack, routed
+) -> None:
+    holder, puller, built = stack["holder"], stack["puller"], routed["router"]
+    front: PeerLink = routed["front"]
+    tenant = f"acme-{uuid.uuid4().hex[:6]}"
+    messages = handbook("Who approves leave?")
+    num_blocks = full_blocks(holder, messages)
+    await ask(holder, tenant_token(tenant), messages)
+    principal = TokenVerifier(IssuerSettings(jwt_secret=JWT_SECRET)).verify(tenant_token(tenant))
+    (hashes,) = built.fleet.keying.keys(
+        principal, request_messages({"messages": messages})
+    ).values()
+
+    def indexed() -> bool:
+        return any(
+            match.node_id == holder.node_id and match.num_blocks >= num_blocks
+            for match in built.fleet.index.match(hashes)
+        )
+
+    await eventually(indexed, timeout_s=30, what="the holder's blocks in the router's index")
+    # The same prefix goes to its holder, whose answer the front link then holds: one in flight.
+    front.mode = "hold"
+    busy = asyncio.create_task(ask_router(routed["url"], tenant_token(tenant), messages))
+    await asyncio.wait_for(front.holding.wait(), TIMEOUT_S)
+    before = pulls(puller, "pulled")
+
+    node, cached = await ask_router(routed["url"], tenant_token(tenant), messages)
+
+    assert node == puller.node_id
+    assert cached == num_blocks * BLOCK_SIZE
+    assert pulls(puller, "pulled") == before + 1
+    front.release.set()
+    assert await asyncio.wait_for(busy, TIMEOUT_S) == (holder.node_id, num_blocks * BLOCK_SIZE)
