@@ -149,6 +149,7 @@ class Placement:
     tier: Tier
     tags: BlockTags
     creators: tuple[str, ...] = ()
+    parent_hash: bytes | None = None
 
 
 class PrefixMatch(NamedTuple):
@@ -163,21 +164,50 @@ class PrefixMatch(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("mask", "packed", "tiers", "tags", "creators")
+    __slots__ = (
+        "block_hash",
+        "mask",
+        "packed",
+        "tiers",
+        "tags",
+        "creators",
+        "parent_hash",
+        "parent",
+        "run",
+        "below",
+        "cum",
+        "groups",
+    )
 
-    def __init__(self, tags: BlockTags) -> None:
+    def __init__(self, block_hash: bytes, tags: BlockTags, parent_hash: bytes | None) -> None:
+        self.block_hash = block_hash
         self.mask = 0
         self.packed = 0
         self.tiers: dict[int, int] = {}
         """Node index → tier bits held there."""
         self.tags = tags
         self.creators: set[str] = set()
+        self.parent_hash = parent_hash
+        """The parent the block's first ``BlockStored`` named (None: not known)."""
+        self.parent: _Entry | None = None
+        """The entry of ``parent_hash`` while the index holds it (None: this entry starts a chain)."""
+        self.run = 0
+        """Nodes holding every block of the chain from its start to this one (``mask`` AND the parent's ``run``)."""
+        self.below = 0
+        """``-run``: ascending along a chain, so a lookup bisects the entries themselves."""
+        self.cum = 0
+        """The tier weights of the chain up to this block, a lane per node of ``run`` (other lanes 0)."""
+        self.groups: dict[int, tuple[PrefixMatch, ...]] | None = None
+        """The matches of the nodes of a mask whose run ends here, built by a lookup; dropped when
+        ``run`` or ``cum`` change."""
 
 
 _new_match = tuple.__new__
 """Builds a :class:`PrefixMatch` without the Python-level ``__new__`` of a NamedTuple (a lookup builds one per node)."""
 _MASK = attrgetter("mask")
 _PACKED = attrgetter("packed")
+_PARENT = attrgetter("parent")
+_BELOW = attrgetter("below")
 
 
 class NodeState:
@@ -245,6 +275,8 @@ class PrefixIndex:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.weights = weights or TierWeights()
+        if max_blocks * self.weights.device > _LANE_MASK:
+            raise ValueError("max_blocks × the device weight must fit a lane (a chain's weight)")
         self.max_blocks = max_blocks
         self.eviction = eviction or OldestFirstEviction()
         self._blocks: dict[bytes, _Entry] = {}
@@ -253,8 +285,13 @@ class PrefixIndex:
         self._by_tenant: dict[str, set[bytes]] = collections.defaultdict(set)
         self._by_namespace: dict[str, set[bytes]] = collections.defaultdict(set)
         self._by_creator: dict[str, set[bytes]] = collections.defaultdict(set)
+        self._children: dict[bytes, set[_Entry]] = {}
+        """Parent hash → the entries that named it, whether the index holds the parent or not."""
         self._indexes: dict[int, tuple[int, ...]] = {}
+        self._lanes: dict[int, int] = {}
         self.num_evicted = 0
+        self.num_walks = 0
+        """Lookups whose keys were not a recorded chain, counted along the keys instead."""
 
     # -- reading ----------------------------------------------------------------
 
@@ -276,8 +313,13 @@ class PrefixIndex:
         return {self._node_ids[index]: _best_tier(bits) for index, bits in entry.tiers.items()}
 
     def match(self, keys: Sequence[bytes]) -> list[PrefixMatch]:
-        """Every node's run over ``keys`` (nodes with a run of at least one block), shortest first."""
-        assert len(keys) * self.weights.device <= _LANE_MASK, "a run's weight must fit its lane"
+        """Every node's run over ``keys`` (nodes with a run of at least one block), shortest first.
+
+        When ``keys`` follow the chain the index recorded (the first starts a chain, each next
+        one's parent is the one before: what ``prefix_keys`` computes), every entry already carries
+        its chain's runs and weights, and only the points where a run ends are visited; otherwise
+        the runs are counted along the keys (:attr:`num_walks`). Both answer the same.
+        """
         entries = list(map(self._blocks.get, keys))
         try:
             end = entries.index(None)
@@ -286,6 +328,48 @@ class PrefixIndex:
         if end == 0:
             return []
         del entries[end:]
+        if entries[0].parent is None and list(map(_PARENT, entries[1:])) == entries[:-1]:
+            return self._match_chain(entries, end)
+        self.num_walks += 1
+        return self._match_walk(entries, end)
+
+    def _match_chain(self, entries: list[_Entry], end: int) -> list[PrefixMatch]:
+        """The runs of a recorded chain: each entry's ``run`` is the AND of the masks up to it, so
+        bisection finds where runs end, and ``cum`` holds the weights up to there."""
+        matches: list[PrefixMatch] = []
+        value = entries[0].run
+        start = 0
+        while value:
+            # ``below`` (-run) only grows along a chain: the first entry past ``value``'s stretch.
+            stop = bisect.bisect_right(entries, -value, start, end, key=_BELOW)
+            last = entries[stop - 1]
+            following = entries[stop].run if stop < end else 0
+            leaving = value & ~following
+            groups = last.groups
+            if groups is None:
+                groups = last.groups = {}
+            group = groups.get(leaving)
+            if group is None:
+                group = groups[leaving] = self._group(leaving, stop, last.cum)
+            matches += group
+            value, start = following, stop
+        return matches
+
+    def _group(self, leaving: int, num_blocks: int, cum: int) -> tuple[PrefixMatch, ...]:
+        """The matches of the nodes of ``leaving``, whose runs end after ``num_blocks`` with lanes
+        ``cum``."""
+        node_ids, device = self._node_ids, self.weights.device
+        return tuple(
+            _new_match(
+                PrefixMatch,
+                (node_ids[index], num_blocks, (cum >> index * LANE_BITS & _LANE_MASK) / device),
+            )
+            for index in self._indexes.get(leaving) or self._bits(leaving)
+        )
+
+    def _match_walk(self, entries: list[_Entry], end: int) -> list[PrefixMatch]:
+        """The runs counted along the caller's entries, whatever chain they belong to."""
+        assert end * self.weights.device <= _LANE_MASK, "a run's weight must fit its lane"
         masks = list(accumulate(map(_MASK, entries), and_))
         totals = list(accumulate(map(_PACKED, entries)))
         ascending = masks[::-1]
@@ -390,6 +474,7 @@ class PrefixIndex:
                     block.tier,
                     BlockTags.of(block),
                     block.creator_subject_id,
+                    parent_hash=_parent_of(block),
                 )
         elif isinstance(event, BlockRemoved):
             for removed in event.blocks:
@@ -428,6 +513,7 @@ class PrefixIndex:
                     placement.tier,
                     BlockTags.of(block),
                     block.creator_subject_id,
+                    parent_hash=_parent_of(block),
                 )
 
     # -- the ledger -------------------------------------------------------------
@@ -461,6 +547,7 @@ class PrefixIndex:
                     placement.tags,
                     None,
                     placement.creators,
+                    placement.parent_hash,
                 )
         for event in list(node.recent):
             self._take(node, event)
@@ -509,8 +596,10 @@ class PrefixIndex:
         tags: BlockTags,
         creator: str | None,
         creators: Iterable[str] = (),
+        parent_hash: bytes | None = None,
     ) -> None:
         entry = self._blocks.get(block_hash)
+        adopted: Iterable[_Entry] = ()
         if entry is None:
             if len(self._blocks) >= self.max_blocks:
                 for victim in self.eviction.victims(
@@ -518,10 +607,13 @@ class PrefixIndex:
                 ):
                     self._forget(victim)
                     self.num_evicted += 1
-            entry = self._blocks[block_hash] = _Entry(tags)
+            entry = self._blocks[block_hash] = _Entry(block_hash, tags, None)
             if tags.tenant_id is not None:
                 self._by_tenant[tags.tenant_id].add(block_hash)
             self._by_namespace[tags.namespace].add(block_hash)
+            adopted = self._adopt(entry)
+        if parent_hash is not None and entry.parent_hash is None:
+            self._name_parent(entry, parent_hash)
         for digest in (creator, *creators):
             if digest is not None and digest not in entry.creators:
                 entry.creators.add(digest)
@@ -534,6 +626,8 @@ class PrefixIndex:
         node.blocks.add(block_hash)
         node.num_blocks[tier] += 1
         self._refresh(entry)
+        for child in adopted:
+            self._settle(child)
 
     def _remove(self, node: NodeState, block_hash: bytes, tier: Tier) -> None:
         entry = self._blocks.get(block_hash)
@@ -560,6 +654,14 @@ class PrefixIndex:
 
     def _forget(self, block_hash: bytes) -> None:
         entry = self._blocks.pop(block_hash)
+        if entry.parent_hash is not None:
+            siblings = self._children[entry.parent_hash]
+            siblings.discard(entry)
+            if not siblings:
+                del self._children[entry.parent_hash]
+        for child in self._children.get(block_hash, ()):
+            child.parent = None  # it starts a chain until its parent is stored again
+            self._settle(child)
         for index, bits in entry.tiers.items():
             node = self._nodes[self._node_ids[index]]
             node.blocks.discard(block_hash)
@@ -577,6 +679,73 @@ class PrefixIndex:
             mask |= 1 << index
             packed |= self.weights.of_bits(bits) << (index * LANE_BITS)
         entry.mask, entry.packed = mask, packed
+        self._settle(entry)
+
+    # -- chains -----------------------------------------------------------------
+
+    def _adopt(self, entry: _Entry) -> list[_Entry]:
+        """Link a new entry's waiting children to it (they started chains of their own); returns
+        them, to be settled once the entry's own run is."""
+        children = self._children.get(entry.block_hash)
+        if not children:
+            return []
+        for child in children:
+            child.parent = entry
+        return list(children)
+
+    def _name_parent(self, entry: _Entry, parent_hash: bytes) -> None:
+        """Record the parent a ``BlockStored`` names for ``entry`` (the first one named stays) and
+        link it if the index holds it; a parent that would close a loop of entries is not
+        recorded (chained hashes cannot form one: only a wrong record can)."""
+        if parent_hash == entry.block_hash:
+            return
+        parent = self._blocks.get(parent_hash)
+        if self._children.get(entry.block_hash):  # only an entry with children can close a loop
+            ancestor = parent
+            while ancestor is not None:
+                if ancestor is entry:
+                    return
+                ancestor = ancestor.parent
+        entry.parent_hash = parent_hash
+        self._children.setdefault(parent_hash, set()).add(entry)
+        if parent is not None:
+            entry.parent = parent
+            self._settle(entry)
+
+    def _settle(self, start: _Entry) -> None:
+        """Recompute ``run`` and ``cum`` of ``start``, then of the children of every entry whose
+        values changed (a node's run only changes below where it changed)."""
+        pending = [start]
+        lanes, children = self._lanes, self._children
+        while pending:
+            entry = pending.pop()
+            parent = entry.parent
+            if parent is None:
+                run, cum = entry.mask, entry.packed
+            else:
+                run = entry.mask & parent.run
+                lane_mask = lanes.get(run)
+                if lane_mask is None:
+                    lane_mask = self._lane_mask(run)
+                # Lanes never carry: each holds at most max_blocks × the device weight.
+                cum = (parent.cum + entry.packed) & lane_mask
+            if run == entry.run and cum == entry.cum:
+                continue
+            entry.run, entry.below, entry.cum, entry.groups = run, -run, cum, None
+            pending.extend(children.get(entry.block_hash, ()))
+
+    def _lane_mask(self, mask: int) -> int:
+        """All bits of the lanes of ``mask``'s nodes, remembered like :meth:`_bits`."""
+        lane_mask = 0
+        for index in self._indexes.get(mask) or self._bits(mask):
+            lane_mask |= _LANE_MASK << index * LANE_BITS
+        if len(self._lanes) < MAX_CACHED_MASKS:
+            self._lanes[mask] = lane_mask
+        return lane_mask
+
+
+def _parent_of(block: BlockProvenance) -> bytes | None:
+    return None if block.parent_hash is None else bytes.fromhex(block.parent_hash)
 
 
 def _tiers_of(bits: int) -> Iterator[Tier]:
