@@ -320,22 +320,21 @@ class PrefixIndex:
         its chain's runs and weights, and only the points where a run ends are visited; otherwise
         the runs are counted along the keys (:attr:`num_walks`). Both answer the same.
         """
-        entries = list(map(self._blocks.get, keys))
+        # Entries up to the first missing key; what follows it (None included) is cut at once.
+        entries: list[_Entry] = list(map(self._blocks.get, keys))  # type: ignore[arg-type]
         try:
-            end = entries.index(None)
+            end = entries.index(None)  # type: ignore[arg-type]
+            del entries[end:]
         except ValueError:
             end = len(entries)
         if end == 0:
             return []
-        del entries[end:]
-        if entries[0].parent is None and list(map(_PARENT, entries[1:])) == entries[:-1]:
-            return self._match_chain(entries, end)
-        self.num_walks += 1
-        return self._match_walk(entries, end)
-
-    def _match_chain(self, entries: list[_Entry], end: int) -> list[PrefixMatch]:
-        """The runs of a recorded chain: each entry's ``run`` is the AND of the masks up to it, so
-        bisection finds where runs end, and ``cum`` holds the weights up to there."""
+        parents = list(map(_PARENT, entries))
+        if parents[0] is not None or parents[1:] != entries[:-1]:
+            self.num_walks += 1
+            return self._match_walk(entries, end)
+        # A recorded chain: each entry's ``run`` is the AND of the masks up to it, so bisection
+        # finds where runs end, and ``cum`` holds the weights up to there.
         matches: list[PrefixMatch] = []
         value = entries[0].run
         start = 0
