@@ -30,11 +30,21 @@ until its own ``BlockRemoved`` arrives — a wasted routing choice, never a serv
 enforces every decision itself). Keys are salted by scope (``prefix_keys.blocks.scope_salt``), so
 a caller's keys can only ever match blocks of its own scopes and public ones.
 
-**Why lookups are cheap.** An entry keeps a bit mask of the nodes holding it and their tier
-weights packed into one integer, a :data:`LANE_BITS`-bit lane per node. Along the caller's keys
-the running AND of masks only loses bits, so it is a non-increasing sequence of integers: its
-change points are found by bisection, and each node's weighted run is one lane of a sum over the
-entries before its change point — the per-key work is C-level ``map``/``accumulate``/``sum``.
+**Why lookups are cheap.** Block keys are chained: each commits to its parent, and every
+``BlockStored`` names the parent it was chained from. So each entry keeps, along the parents the
+index holds, its chain's *run* (the bit mask of the nodes holding every block from the chain's
+start to it: its own mask AND its parent's run) and the chain's tier weights for those nodes, packed
+into one integer, a :data:`LANE_BITS`-bit lane per node. A change to one node's copy recomputes the
+entries below it only as far as their values change (a node's run changes only below where it
+changed), so a store at the end of a chain costs one entry. A lookup fetches the caller's entries up
+to the first missing key (the floor of any exact index kept in a Python dict), checks that each
+one's recorded parent is the key before it, and, along the run masks (which only lose bits down a
+chain), bisects to each point where some nodes' runs end; the matches ending at an entry are built
+once and kept on it until its values change. Keys that are not a recorded chain (a parent the
+first ``BlockStored`` did not name, a ledger read that carries none, keys that do not start a
+chain) are counted along the keys instead (:attr:`PrefixIndex.num_walks`): the same answer, one AND
+and one sum per key. Both are checked against a naive count over random event sequences
+(tests/router/test_index_chains.py).
 """
 
 from __future__ import annotations
@@ -143,7 +153,9 @@ class BlockTags:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """One live copy as the ledger lists it (:meth:`PrefixIndex.replace_node`)."""
+    """One live copy as the ledger lists it (:meth:`PrefixIndex.replace_node`); ``parent_hash``
+    links it into its chain (None: its entry is looked up by walking until a ``BlockStored`` names
+    its parent)."""
 
     block_hash: bytes
     tier: Tier
