@@ -479,11 +479,12 @@ class PrefixIndex:
     def _apply_body(self, node: NodeState, event: NodeEvent) -> None:
         if isinstance(event, BlockStored):
             for block in event.blocks:
+                block_hash = bytes.fromhex(block.block_hash)
                 self._add(
                     node,
-                    bytes.fromhex(block.block_hash),
+                    block_hash,
                     block.tier,
-                    BlockTags.of(block),
+                    self._tags(block_hash, block),
                     block.creator_subject_id,
                     parent_hash=_parent_of(block),
                 )
@@ -518,11 +519,12 @@ class PrefixIndex:
                 if placement.tier == Tier.SNAPSHOT:
                     continue
                 block = provenance[placement.block_hash]
+                block_hash = bytes.fromhex(placement.block_hash)
                 self._add(
                     node,
-                    bytes.fromhex(placement.block_hash),
+                    block_hash,
                     placement.tier,
-                    BlockTags.of(block),
+                    self._tags(block_hash, block),
                     block.creator_subject_id,
                     parent_hash=_parent_of(block),
                 )
@@ -599,6 +601,12 @@ class PrefixIndex:
             self._node_ids.append(node_id)
         return node
 
+    def _tags(self, block_hash: bytes, block: BlockProvenance) -> BlockTags:
+        """The tags of a block the index holds stay its first record's (only a new entry reads
+        ``block``'s)."""
+        entry = self._blocks.get(block_hash)
+        return BlockTags.of(block) if entry is None else entry.tags
+
     def _add(
         self,
         node: NodeState,
@@ -636,7 +644,7 @@ class PrefixIndex:
         entry.tiers[node.index] = bits | bit
         node.blocks.add(block_hash)
         node.num_blocks[tier] += 1
-        self._refresh(entry)
+        self._refresh(entry, node)
         for child in adopted:
             self._settle(child)
 
@@ -655,7 +663,7 @@ class PrefixIndex:
         else:
             entry.tiers[node.index] = bits & ~bit
         if entry.tiers:
-            self._refresh(entry)
+            self._refresh(entry, node)
         else:
             self._forget(block_hash)
 
@@ -684,13 +692,14 @@ class PrefixIndex:
         for digest in entry.creators:
             _discard(self._by_creator, digest, block_hash)
 
-    def _refresh(self, entry: _Entry) -> None:
+    def _refresh(self, entry: _Entry, node: NodeState) -> None:
+        """Recompute ``entry``'s mask and weights after ``node``'s copy of it changed."""
         mask = packed = 0
         for index, bits in entry.tiers.items():
             mask |= 1 << index
             packed |= self.weights.of_bits(bits) << (index * LANE_BITS)
         entry.mask, entry.packed = mask, packed
-        self._settle(entry)
+        self._settle(entry, 1 << node.index)
 
     # -- chains -----------------------------------------------------------------
 
@@ -721,11 +730,17 @@ class PrefixIndex:
         self._children.setdefault(parent_hash, set()).add(entry)
         if parent is not None:
             entry.parent = parent
-            self._settle(entry)
+            if entry.mask:  # a new entry (no holder yet) is settled once it has one
+                self._settle(entry)
 
-    def _settle(self, start: _Entry) -> None:
+    def _settle(self, start: _Entry, nodes: int = -1) -> None:
         """Recompute ``run`` and ``cum`` of ``start``, then of the children of every entry whose
-        values changed (a node's run only changes below where it changed)."""
+        values changed (a node's run only changes below where it changed).
+
+        ``nodes``: the nodes whose bits and lanes may have changed at ``start`` (-1: any, when its
+        parent changed). Below it only theirs can change, so a child none of them holds keeps its
+        values and is not visited.
+        """
         pending = [start]
         lanes, children = self._lanes, self._children
         while pending:
@@ -743,7 +758,9 @@ class PrefixIndex:
             if run == entry.run and cum == entry.cum:
                 continue
             entry.run, entry.below, entry.cum, entry.groups = run, -run, cum, None
-            pending.extend(children.get(entry.block_hash, ()))
+            below = children.get(entry.block_hash)
+            if below:
+                pending.extend([child for child in below if child.mask & nodes])
 
     def _lane_mask(self, mask: int) -> int:
         """All bits of the lanes of ``mask``'s nodes, remembered like :meth:`_bits`."""
