@@ -349,10 +349,14 @@ class PrefixIndex:
         # finds where runs end, and ``cum`` holds the weights up to there.
         matches: list[PrefixMatch] = []
         value = entries[0].run
+        deepest = entries[-1].run
         start = 0
         while value:
-            # ``below`` (-run) only grows along a chain: the first entry past ``value``'s stretch.
-            stop = bisect.bisect_right(entries, -value, start, end, key=_BELOW)
+            if value == deepest:  # these runs reach the last key (often all of them)
+                stop = end
+            else:
+                # ``below`` (-run) only grows along a chain: the first entry past the stretch.
+                stop = bisect.bisect_right(entries, -value, start, end, key=_BELOW)
             last = entries[stop - 1]
             following = entries[stop].run if stop < end else 0
             leaving = value & ~following
