@@ -648,7 +648,8 @@ class PrefixIndex:
         entry.tiers[node.index] = bits | bit
         node.blocks.add(block_hash)
         node.num_blocks[tier] += 1
-        self._refresh(entry, node)
+        # Adopted children have a new parent: every node's values below them may change.
+        self._refresh(entry, -1 if adopted else 1 << node.index)
         for child in adopted:
             self._settle(child)
 
@@ -667,7 +668,7 @@ class PrefixIndex:
         else:
             entry.tiers[node.index] = bits & ~bit
         if entry.tiers:
-            self._refresh(entry, node)
+            self._refresh(entry, 1 << node.index)
         else:
             self._forget(block_hash)
 
@@ -696,14 +697,14 @@ class PrefixIndex:
         for digest in entry.creators:
             _discard(self._by_creator, digest, block_hash)
 
-    def _refresh(self, entry: _Entry, node: NodeState) -> None:
-        """Recompute ``entry``'s mask and weights after ``node``'s copy of it changed."""
+    def _refresh(self, entry: _Entry, nodes: int) -> None:
+        """Recompute ``entry``'s mask and weights after the copies of ``nodes`` (bits) changed."""
         mask = packed = 0
         for index, bits in entry.tiers.items():
             mask |= 1 << index
             packed |= self.weights.of_bits(bits) << (index * LANE_BITS)
         entry.mask, entry.packed = mask, packed
-        self._settle(entry, 1 << node.index)
+        self._settle(entry, nodes)
 
     # -- chains -----------------------------------------------------------------
 

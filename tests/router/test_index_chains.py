@@ -164,6 +164,16 @@ def test_a_parent_outside_a_run_ends_the_runs_of_the_children_it_links():
     assert index.num_walks == 0
 
 
+def test_a_parent_linked_below_a_run_ends_it_for_every_node():
+    index = PrefixIndex()
+    n0, n1 = Node(index, "n0"), Node(index, "n1")
+    n0.store("device", "p-2", "p-3")  # p-2 starts a chain: p-1 is not held
+    n1.store("device", "p-2")
+    n1.store("device", "p-1")  # n0's run no longer starts at p-2, nor reaches p-3
+    assert index.match(keys("p-1", "p-2", "p-3")) == [PrefixMatch("n1", 2, 2.0)]
+    assert index.num_walks == 0
+
+
 def test_a_move_between_tiers_reweights_the_rest_of_the_chain():
     index = PrefixIndex(TierWeights(device=4, host=2, disk=1))
     a, b = Node(index, "a"), Node(index, "b")
