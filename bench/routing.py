@@ -3,7 +3,9 @@
 * **lookups/s**: ``PrefixIndex.match`` over a prompt's block keys (``--blocks``, 30 by default)
   against an index of ``--nodes`` nodes (8) holding groups of prompts that share long prefixes
   (every prompt's first two thirds are its group's), each prompt cached on two nodes up to a random
-  depth in a random tier: the runs of every node that holds the prompt's first block.
+  depth in a random tier: the runs of every node that holds the prompt's first block. Keys are
+  chained as ``prefix_keys`` chains them (each block's ``BlockStored`` names its parent), so the
+  index looks them up along its recorded chains.
 * **decisions/s**: the lookup and ``PrefixLoadStrategy.rank`` over all nodes (what a request costs
   before it is proxied).
 * **events/s**: ``PrefixIndex.apply`` of verified ``BlockStored`` records of 50 blocks (block events
