@@ -332,13 +332,12 @@ class PrefixIndex:
         its chain's runs and weights, and only the points where a run ends are visited; otherwise
         the runs are counted along the keys (:attr:`num_walks`). Both answer the same.
         """
-        # Entries up to the first missing key; what follows it (None included) is cut at once.
+        # Entries up to the first missing key (a None appended ends every list): what follows it,
+        # None included, is cut at once.
         entries: list[_Entry] = list(map(self._blocks.get, keys))  # type: ignore[arg-type]
-        try:
-            end = entries.index(None)  # type: ignore[arg-type]
-            del entries[end:]
-        except ValueError:
-            end = len(entries)
+        entries.append(None)  # type: ignore[arg-type]
+        end = entries.index(None)  # type: ignore[arg-type]
+        del entries[end:]
         if end == 0:
             return []
         parents = list(map(_PARENT, entries))
