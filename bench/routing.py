@@ -3,7 +3,9 @@
 * **lookups/s**: ``PrefixIndex.match`` over a prompt's block keys (``--blocks``, 30 by default)
   against an index of ``--nodes`` nodes (8) holding groups of prompts that share long prefixes
   (every prompt's first two thirds are its group's), each prompt cached on two nodes up to a random
-  depth in a random tier: the runs of every node that holds the prompt's first block.
+  depth in a random tier: the runs of every node that holds the prompt's first block. Keys are
+  chained as ``prefix_keys`` chains them (each block's ``BlockStored`` names its parent), so the
+  index looks them up along its recorded chains.
 * **decisions/s**: the lookup and ``PrefixLoadStrategy.rank`` over all nodes (what a request costs
   before it is proxied).
 * **events/s**: ``PrefixIndex.apply`` of verified ``BlockStored`` records of 50 blocks (block events
@@ -58,16 +60,18 @@ CREATED_AT = datetime(2026, 1, 1, tzinfo=UTC)
 NUM_PROMPTS = 2000
 NUM_GROUPS = 50
 NUM_QUERIES = 1000
+NAMESPACE_ROOT = hashlib.sha256(b"bench-namespace").hexdigest()
+"""The parent of every prompt's first block (a real chain starts at its namespace's root)."""
 
 
 def _hash(*parts: object) -> str:
     return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()
 
 
-def _block(block_hash: str, tier: str) -> StoredBlock:
+def _block(block_hash: str, parent_hash: str, tier: str) -> StoredBlock:
     return StoredBlock(
         block_hash=block_hash,
-        parent_hash=None,
+        parent_hash=parent_hash,
         namespace="ns",
         tenant_id=None,
         scope="public",
@@ -86,13 +90,16 @@ def _fill(
     """The index, the queries, and the block events/s of filling it."""
     index = PrefixIndex()
     shared = args.blocks * 2 // 3
-    prompts = [
-        [
-            _hash("g", p % NUM_GROUPS, i) if i < shared else _hash("p", p, i)
-            for i in range(args.blocks)
-        ]
-        for p in range(NUM_PROMPTS)
-    ]
+    prompts = []
+    for p in range(NUM_PROMPTS):
+        keys = [NAMESPACE_ROOT]  # chained as prefix_keys chains them: each key names its parent
+        for i in range(args.blocks):
+            keys.append(
+                _hash(keys[-1], "g", p % NUM_GROUPS, i)
+                if i < shared
+                else _hash(keys[-1], "p", p, i)
+            )
+        prompts.append(keys)
     for node in range(args.nodes):
         index.apply(NodeStarted(node_id=f"node-{node}", epoch=1, seq=0, namespace="ns"), 0.0)
     seqs = [0] * args.nodes
@@ -100,9 +107,8 @@ def _fill(
     for keys in prompts:
         for node in rng.sample(range(args.nodes), 2):
             tier = rng.choice(["device", "device", "host", "disk"])
-            blocks = [
-                _block(block_hash, tier) for block_hash in keys[: rng.randint(1, args.blocks)]
-            ]
+            depth = rng.randint(1, args.blocks)
+            blocks = [_block(keys[i + 1], keys[i], tier) for i in range(depth)]
             for start in range(0, len(blocks), 50):
                 seqs[node] += 1
                 records.append(
@@ -118,7 +124,7 @@ def _fill(
         index.apply(record, 0.0)
     events_per_s = sum(len(record.blocks) for record in records) / (time.process_time() - started)
     queries = [
-        [bytes.fromhex(block_hash) for block_hash in rng.choice(prompts)]
+        [bytes.fromhex(block_hash) for block_hash in rng.choice(prompts)[1:]]
         for _ in range(NUM_QUERIES)
     ]
     return index, queries, events_per_s

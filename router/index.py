@@ -30,11 +30,21 @@ until its own ``BlockRemoved`` arrives — a wasted routing choice, never a serv
 enforces every decision itself). Keys are salted by scope (``prefix_keys.blocks.scope_salt``), so
 a caller's keys can only ever match blocks of its own scopes and public ones.
 
-**Why lookups are cheap.** An entry keeps a bit mask of the nodes holding it and their tier
-weights packed into one integer, a :data:`LANE_BITS`-bit lane per node. Along the caller's keys
-the running AND of masks only loses bits, so it is a non-increasing sequence of integers: its
-change points are found by bisection, and each node's weighted run is one lane of a sum over the
-entries before its change point — the per-key work is C-level ``map``/``accumulate``/``sum``.
+**Why lookups are cheap.** Block keys are chained: each commits to its parent, and every
+``BlockStored`` names the parent it was chained from. So each entry keeps, along the parents the
+index holds, its chain's *run* (the bit mask of the nodes holding every block from the chain's
+start to it: its own mask AND its parent's run) and the chain's tier weights for those nodes, packed
+into one integer, a :data:`LANE_BITS`-bit lane per node. A change to one node's copy recomputes the
+entries below it only as far as their values change (a node's run changes only below where it
+changed), so a store at the end of a chain costs one entry. A lookup fetches the caller's entries up
+to the first missing key (the floor of any exact index kept in a Python dict), checks that each
+one's recorded parent is the key before it, and, along the run masks (which only lose bits down a
+chain), bisects to each point where some nodes' runs end; the matches ending at an entry are built
+once and kept on it until its values change. Keys that are not a recorded chain (a parent the
+first ``BlockStored`` did not name, a ledger read that carries none, keys that do not start a
+chain) are counted along the keys instead (:attr:`PrefixIndex.num_walks`): the same answer, one AND
+and one sum per key. Both are checked against a naive count over random event sequences
+(tests/router/test_index_chains.py).
 """
 
 from __future__ import annotations
@@ -143,12 +153,15 @@ class BlockTags:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """One live copy as the ledger lists it (:meth:`PrefixIndex.replace_node`)."""
+    """One live copy as the ledger lists it (:meth:`PrefixIndex.replace_node`); ``parent_hash``
+    links it into its chain (None: its entry is looked up by walking until a ``BlockStored`` names
+    its parent)."""
 
     block_hash: bytes
     tier: Tier
     tags: BlockTags
     creators: tuple[str, ...] = ()
+    parent_hash: bytes | None = None
 
 
 class PrefixMatch(NamedTuple):
@@ -163,21 +176,50 @@ class PrefixMatch(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("mask", "packed", "tiers", "tags", "creators")
+    __slots__ = (
+        "block_hash",
+        "mask",
+        "packed",
+        "tiers",
+        "tags",
+        "creators",
+        "parent_hash",
+        "parent",
+        "run",
+        "below",
+        "cum",
+        "groups",
+    )
 
-    def __init__(self, tags: BlockTags) -> None:
+    def __init__(self, block_hash: bytes, tags: BlockTags, parent_hash: bytes | None) -> None:
+        self.block_hash = block_hash
         self.mask = 0
         self.packed = 0
         self.tiers: dict[int, int] = {}
         """Node index → tier bits held there."""
         self.tags = tags
         self.creators: set[str] = set()
+        self.parent_hash = parent_hash
+        """The parent the block's first ``BlockStored`` named (None: not known)."""
+        self.parent: _Entry | None = None
+        """The entry of ``parent_hash`` while the index holds it (None: this entry starts a chain)."""
+        self.run = 0
+        """Nodes holding every block of the chain from its start to this one (``mask`` AND the parent's ``run``)."""
+        self.below = 0
+        """``-run``: ascending along a chain, so a lookup bisects the entries themselves."""
+        self.cum = 0
+        """The tier weights of the chain up to this block, a lane per node of ``run`` (other lanes 0)."""
+        self.groups: dict[int, tuple[PrefixMatch, ...]] | None = None
+        """The matches of the nodes of a mask whose run ends here, built by a lookup; dropped when
+        ``run`` or ``cum`` change."""
 
 
 _new_match = tuple.__new__
 """Builds a :class:`PrefixMatch` without the Python-level ``__new__`` of a NamedTuple (a lookup builds one per node)."""
 _MASK = attrgetter("mask")
 _PACKED = attrgetter("packed")
+_PARENT = attrgetter("parent")
+_BELOW = attrgetter("below")
 
 
 class NodeState:
@@ -245,6 +287,8 @@ class PrefixIndex:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.weights = weights or TierWeights()
+        if max_blocks * self.weights.device > _LANE_MASK:
+            raise ValueError("max_blocks × the device weight must fit a lane (a chain's weight)")
         self.max_blocks = max_blocks
         self.eviction = eviction or OldestFirstEviction()
         self._blocks: dict[bytes, _Entry] = {}
@@ -253,8 +297,13 @@ class PrefixIndex:
         self._by_tenant: dict[str, set[bytes]] = collections.defaultdict(set)
         self._by_namespace: dict[str, set[bytes]] = collections.defaultdict(set)
         self._by_creator: dict[str, set[bytes]] = collections.defaultdict(set)
+        self._children: dict[bytes, set[_Entry]] = {}
+        """Parent hash → the entries that named it, whether the index holds the parent or not."""
         self._indexes: dict[int, tuple[int, ...]] = {}
+        self._lanes: dict[int, int] = {}
         self.num_evicted = 0
+        self.num_walks = 0
+        """Lookups whose keys were not a recorded chain, counted along the keys instead."""
 
     # -- reading ----------------------------------------------------------------
 
@@ -276,16 +325,65 @@ class PrefixIndex:
         return {self._node_ids[index]: _best_tier(bits) for index, bits in entry.tiers.items()}
 
     def match(self, keys: Sequence[bytes]) -> list[PrefixMatch]:
-        """Every node's run over ``keys`` (nodes with a run of at least one block), shortest first."""
-        assert len(keys) * self.weights.device <= _LANE_MASK, "a run's weight must fit its lane"
-        entries = list(map(self._blocks.get, keys))
-        try:
-            end = entries.index(None)
-        except ValueError:
-            end = len(entries)
+        """Every node's run over ``keys`` (nodes with a run of at least one block), shortest first.
+
+        When ``keys`` follow the chain the index recorded (the first starts a chain, each next
+        one's parent is the one before: what ``prefix_keys`` computes), every entry already carries
+        its chain's runs and weights, and only the points where a run ends are visited; otherwise
+        the runs are counted along the keys (:attr:`num_walks`). Both answer the same.
+        """
+        # Entries up to the first missing key (a None appended ends every list): what follows it,
+        # None included, is cut at once.
+        entries: list[_Entry] = list(map(self._blocks.get, keys))  # type: ignore[arg-type]
+        entries.append(None)  # type: ignore[arg-type]
+        end = entries.index(None)  # type: ignore[arg-type]
+        del entries[end:]
         if end == 0:
             return []
-        del entries[end:]
+        parents = list(map(_PARENT, entries))
+        if parents[0] is not None or parents[1:] != entries[:-1]:
+            self.num_walks += 1
+            return self._match_walk(entries, end)
+        # A recorded chain: each entry's ``run`` is the AND of the masks up to it, so bisection
+        # finds where runs end, and ``cum`` holds the weights up to there.
+        matches: list[PrefixMatch] = []
+        value = entries[0].run
+        deepest = entries[-1].run
+        start = 0
+        while value:
+            if value == deepest:  # these runs reach the last key (often all of them)
+                stop = end
+            else:
+                # ``below`` (-run) only grows along a chain: the first entry past the stretch.
+                stop = bisect.bisect_right(entries, -value, start, end, key=_BELOW)
+            last = entries[stop - 1]
+            following = entries[stop].run if stop < end else 0
+            leaving = value & ~following
+            groups = last.groups
+            if groups is None:
+                groups = last.groups = {}
+            group = groups.get(leaving)
+            if group is None:
+                group = groups[leaving] = self._group(leaving, stop, last.cum)
+            matches += group
+            value, start = following, stop
+        return matches
+
+    def _group(self, leaving: int, num_blocks: int, cum: int) -> tuple[PrefixMatch, ...]:
+        """The matches of the nodes of ``leaving``, whose runs end after ``num_blocks`` with lanes
+        ``cum``."""
+        node_ids, device = self._node_ids, self.weights.device
+        return tuple(
+            _new_match(
+                PrefixMatch,
+                (node_ids[index], num_blocks, (cum >> index * LANE_BITS & _LANE_MASK) / device),
+            )
+            for index in self._indexes.get(leaving) or self._bits(leaving)
+        )
+
+    def _match_walk(self, entries: list[_Entry], end: int) -> list[PrefixMatch]:
+        """The runs counted along the caller's entries, whatever chain they belong to."""
+        assert end * self.weights.device <= _LANE_MASK, "a run's weight must fit its lane"
         masks = list(accumulate(map(_MASK, entries), and_))
         totals = list(accumulate(map(_PACKED, entries)))
         ascending = masks[::-1]
@@ -384,12 +482,14 @@ class PrefixIndex:
     def _apply_body(self, node: NodeState, event: NodeEvent) -> None:
         if isinstance(event, BlockStored):
             for block in event.blocks:
+                block_hash = bytes.fromhex(block.block_hash)
                 self._add(
                     node,
-                    bytes.fromhex(block.block_hash),
+                    block_hash,
                     block.tier,
-                    BlockTags.of(block),
+                    self._tags(block_hash, block),
                     block.creator_subject_id,
+                    parent_hash=_parent_of(block),
                 )
         elif isinstance(event, BlockRemoved):
             for removed in event.blocks:
@@ -422,12 +522,14 @@ class PrefixIndex:
                 if placement.tier == Tier.SNAPSHOT:
                     continue
                 block = provenance[placement.block_hash]
+                block_hash = bytes.fromhex(placement.block_hash)
                 self._add(
                     node,
-                    bytes.fromhex(placement.block_hash),
+                    block_hash,
                     placement.tier,
-                    BlockTags.of(block),
+                    self._tags(block_hash, block),
                     block.creator_subject_id,
+                    parent_hash=_parent_of(block),
                 )
 
     # -- the ledger -------------------------------------------------------------
@@ -461,6 +563,7 @@ class PrefixIndex:
                     placement.tags,
                     None,
                     placement.creators,
+                    placement.parent_hash,
                 )
         for event in list(node.recent):
             self._take(node, event)
@@ -501,6 +604,12 @@ class PrefixIndex:
             self._node_ids.append(node_id)
         return node
 
+    def _tags(self, block_hash: bytes, block: BlockProvenance) -> BlockTags:
+        """The tags of a block the index holds stay its first record's (only a new entry reads
+        ``block``'s)."""
+        entry = self._blocks.get(block_hash)
+        return BlockTags.of(block) if entry is None else entry.tags
+
     def _add(
         self,
         node: NodeState,
@@ -509,8 +618,10 @@ class PrefixIndex:
         tags: BlockTags,
         creator: str | None,
         creators: Iterable[str] = (),
+        parent_hash: bytes | None = None,
     ) -> None:
         entry = self._blocks.get(block_hash)
+        adopted: Iterable[_Entry] = ()
         if entry is None:
             if len(self._blocks) >= self.max_blocks:
                 for victim in self.eviction.victims(
@@ -518,10 +629,13 @@ class PrefixIndex:
                 ):
                     self._forget(victim)
                     self.num_evicted += 1
-            entry = self._blocks[block_hash] = _Entry(tags)
+            entry = self._blocks[block_hash] = _Entry(block_hash, tags, None)
             if tags.tenant_id is not None:
                 self._by_tenant[tags.tenant_id].add(block_hash)
             self._by_namespace[tags.namespace].add(block_hash)
+            adopted = self._adopt(entry)
+        if parent_hash is not None and entry.parent_hash is None:
+            self._name_parent(entry, parent_hash)
         for digest in (creator, *creators):
             if digest is not None and digest not in entry.creators:
                 entry.creators.add(digest)
@@ -533,7 +647,10 @@ class PrefixIndex:
         entry.tiers[node.index] = bits | bit
         node.blocks.add(block_hash)
         node.num_blocks[tier] += 1
-        self._refresh(entry)
+        # Adopted children have a new parent: every node's values below them may change.
+        self._refresh(entry, -1 if adopted else 1 << node.index)
+        for child in adopted:
+            self._settle(child)
 
     def _remove(self, node: NodeState, block_hash: bytes, tier: Tier) -> None:
         entry = self._blocks.get(block_hash)
@@ -550,7 +667,7 @@ class PrefixIndex:
         else:
             entry.tiers[node.index] = bits & ~bit
         if entry.tiers:
-            self._refresh(entry)
+            self._refresh(entry, 1 << node.index)
         else:
             self._forget(block_hash)
 
@@ -560,6 +677,14 @@ class PrefixIndex:
 
     def _forget(self, block_hash: bytes) -> None:
         entry = self._blocks.pop(block_hash)
+        if entry.parent_hash is not None:
+            siblings = self._children[entry.parent_hash]
+            siblings.discard(entry)
+            if not siblings:
+                del self._children[entry.parent_hash]
+        for child in self._children.get(block_hash, ()):
+            child.parent = None  # it starts a chain until its parent is stored again
+            self._settle(child)
         for index, bits in entry.tiers.items():
             node = self._nodes[self._node_ids[index]]
             node.blocks.discard(block_hash)
@@ -571,12 +696,88 @@ class PrefixIndex:
         for digest in entry.creators:
             _discard(self._by_creator, digest, block_hash)
 
-    def _refresh(self, entry: _Entry) -> None:
+    def _refresh(self, entry: _Entry, nodes: int) -> None:
+        """Recompute ``entry``'s mask and weights after the copies of ``nodes`` (bits) changed."""
         mask = packed = 0
         for index, bits in entry.tiers.items():
             mask |= 1 << index
             packed |= self.weights.of_bits(bits) << (index * LANE_BITS)
         entry.mask, entry.packed = mask, packed
+        self._settle(entry, nodes)
+
+    # -- chains -----------------------------------------------------------------
+
+    def _adopt(self, entry: _Entry) -> list[_Entry]:
+        """Link a new entry's waiting children to it (they started chains of their own); returns
+        them, to be settled once the entry's own run is."""
+        children = self._children.get(entry.block_hash)
+        if not children:
+            return []
+        for child in children:
+            child.parent = entry
+        return list(children)
+
+    def _name_parent(self, entry: _Entry, parent_hash: bytes) -> None:
+        """Record the parent a ``BlockStored`` names for ``entry`` (the first one named stays) and
+        link it if the index holds it; a parent that would close a loop of entries is not
+        recorded (chained hashes cannot form one: only a wrong record can)."""
+        if parent_hash == entry.block_hash:
+            return
+        parent = self._blocks.get(parent_hash)
+        if self._children.get(entry.block_hash):  # only an entry with children can close a loop
+            ancestor = parent
+            while ancestor is not None:
+                if ancestor is entry:
+                    return
+                ancestor = ancestor.parent
+        entry.parent_hash = parent_hash
+        self._children.setdefault(parent_hash, set()).add(entry)
+        if parent is not None:
+            entry.parent = parent
+            if entry.mask:  # a new entry (no holder yet) is settled once it has one
+                self._settle(entry)
+
+    def _settle(self, start: _Entry, nodes: int = -1) -> None:
+        """Recompute ``run`` and ``cum`` of ``start``, then of the children of every entry whose
+        values changed (a node's run only changes below where it changed).
+
+        ``nodes``: the nodes whose bits and lanes may have changed at ``start`` (-1: any, when its
+        parent changed). Below it only theirs can change, so a child none of them holds keeps its
+        values and is not visited.
+        """
+        pending = [start]
+        lanes, children = self._lanes, self._children
+        while pending:
+            entry = pending.pop()
+            parent = entry.parent
+            if parent is None:
+                run, cum = entry.mask, entry.packed
+            else:
+                run = entry.mask & parent.run
+                lane_mask = lanes.get(run)
+                if lane_mask is None:
+                    lane_mask = self._lane_mask(run)
+                # Lanes never carry: each holds at most max_blocks × the device weight.
+                cum = (parent.cum + entry.packed) & lane_mask
+            if run == entry.run and cum == entry.cum:
+                continue
+            entry.run, entry.below, entry.cum, entry.groups = run, -run, cum, None
+            below = children.get(entry.block_hash)
+            if below:
+                pending.extend([child for child in below if child.mask & nodes])
+
+    def _lane_mask(self, mask: int) -> int:
+        """All bits of the lanes of ``mask``'s nodes, remembered like :meth:`_bits`."""
+        lane_mask = 0
+        for index in self._indexes.get(mask) or self._bits(mask):
+            lane_mask |= _LANE_MASK << index * LANE_BITS
+        if len(self._lanes) < MAX_CACHED_MASKS:
+            self._lanes[mask] = lane_mask
+        return lane_mask
+
+
+def _parent_of(block: BlockProvenance) -> bytes | None:
+    return None if block.parent_hash is None else bytes.fromhex(block.parent_hash)
 
 
 def _tiers_of(bits: int) -> Iterator[Tier]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 from events.pull_hint import MAX_HINT_BLOCKS
@@ -25,6 +26,9 @@ FALLBACK = "fallback"
 RETRY = "retry"
 """The next-best node, after the first failed before its first byte."""
 DECISION_REASONS = (PREFIX, LOAD, FALLBACK, RETRY)
+
+_NODE_ID = itemgetter(3)
+_NODE_AND_BLOCKS = itemgetter(3, 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,29 +89,34 @@ class PrefixLoadStrategy:
         by_node = {match.node_id: match for match in matches}
         turn = next(self._turn)
         count = len(candidates)
-
-        def key(item: tuple[int, Candidate]) -> tuple[float, float, int]:
-            position, candidate = item
-            match = by_node.get(candidate.node_id)
-            weighted = match.weighted_blocks if match is not None else 0.0
-            return (
-                -(weighted - self.load_cost_blocks * candidate.load),
+        cost = self.load_cost_blocks
+        # One sort key per candidate, built in one pass (a key function is a call per candidate):
+        # the best score, then the less loaded, then in turn; positions differ, so no tie reaches
+        # the node id and the cached blocks that follow.
+        get = by_node.get
+        keyed = [
+            (
+                -(match.weighted_blocks - cost * candidate.load)
+                if (match := get(candidate.node_id)) is not None
+                else -(0.0 - cost * candidate.load),
                 candidate.load,
                 (position - turn) % count,
+                candidate.node_id,
+                0 if match is None else match.num_blocks,
             )
-
-        ordered = [candidate for _, candidate in sorted(enumerate(candidates), key=key)]
-        predicted = {
-            c.node_id: by_node[c.node_id].num_blocks if c.node_id in by_node else 0 for c in ordered
-        }
+            for position, candidate in enumerate(candidates)
+        ]
+        keyed.sort()
+        ranked = tuple(map(_NODE_ID, keyed))
+        predicted = dict(map(_NODE_AND_BLOCKS, keyed))
         best_cached = max(predicted.values())
         if best_cached == 0:
             reason = FALLBACK
-        elif predicted[ordered[0].node_id] == best_cached:
+        elif keyed[0][4] == best_cached:
             reason = PREFIX
         else:
             reason = LOAD
-        return Decision(tuple(c.node_id for c in ordered), reason, predicted)
+        return Decision(ranked, reason, predicted)
 
 
 class RoundRobinStrategy:
