@@ -9,7 +9,7 @@ and holds the decision lock (:func:`coordinator.ledger.transactions.lock_decisio
 One rule, two paths: :func:`decide` records one predicate (API decisions, erasures,
 namespace retirement, late-block re-sends), matching blocks with :func:`matching_blocks`;
 :func:`decide_many` records a batch of document/permission events in one statement. A
-property test (``tests/coordinator/test_decision_equivalence.py``) holds them to the same rows.
+property test (``tests/coordinator/handlers/test_decision_equivalence.py``) holds them to the same rows.
 
 Versions only move forward: an update to a version not above the recorded one is
 ignored (it is a replay or arrived out of order), so a late, older event can never

@@ -3,7 +3,7 @@ Playwright.
 
 A real coordinator — its consumers and its HTTP app on uvicorn — over a fresh database and
 the session's broker. Two nodes are played by this module (signed kv-events and acks, as
-in ``tests/coordinator/test_ledger_erasure.py``): they hold blocks in several tiers, a
+in ``tests/coordinator/handlers/test_ledger_erasure.py``): they hold blocks in several tiers, a
 document update invalidates some, an erasure removes a person's and gets its receipt. The
 browser then logs in through the form and reads every page; each test asserts what the page
 shows (exact node ids, states, counts) and writes a screenshot to ``$KVLEDGER_SCREENSHOT_DIR``

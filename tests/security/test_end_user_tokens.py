@@ -64,8 +64,8 @@ DATA_KEY_ROUTES = {
     ("GET", "/v1/nodes/peer-keys/{key_id}"),
 }
 """The nodes' endpoints (data keys, governance state, a peer's key): they take only node credentials
-(tests/security/test_node_enrollment.py, tests/gpu_node/test_governance_sync.py,
-tests/gpu_node/test_replicas.py), so operators are
+(tests/security/test_node_enrollment.py, tests/gpu_node/governance/test_governance_sync.py,
+tests/gpu_node/cache/test_replicas.py), so operators are
 refused there too; end users get the same 401 as everywhere else."""
 CONSOLE_PREFIX = "/ui"
 CONSOLE_OPEN_ROUTES = {("GET", "/ui/login"), ("GET", "/ui/static/console.css")}
