@@ -7,11 +7,18 @@ appended to a log, asking Linux to end the child when its parent goes away. It r
 :class:`Process` — what callers use of ``subprocess.Popen`` — made by a :class:`Launcher`:
 :func:`popen_cli` (a new interpreter) unless the caller passes another. The test suite passes its
 fork server (``tests/helpers/fork_server.py``), which has the ML stack imported once and forks each
-node from it; what runs in the child is the same command."""
+node from it; what runs in the child is the same command.
+
+A caller that passes no launcher (``kvledger up``, ``kvledger demo``) gets :func:`popen_cli`, unless
+its own environment has :data:`TEST_LAUNCHER_ENV`: the tests set it on the stacks they start, so the
+stack's coordinator, nodes and router are forked from the tests' fork server too. Nothing else sets
+it; a user's ``kvledger up`` starts new interpreters."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib.util
 import os
 import signal
 import subprocess
@@ -21,6 +28,9 @@ from pathlib import Path
 from typing import IO, Protocol
 
 _PR_SET_PDEATHSIG = 1
+TEST_LAUNCHER_ENV = "KVLEDGER_TEST_LAUNCHER"
+"""Tests only: a Python file whose ``launcher()`` returns the :class:`Launcher` that
+:func:`spawn_cli` uses when its caller passes none (the tests' ``helpers/fork_server.py``)."""
 
 
 def die_with_parent() -> None:
@@ -92,6 +102,22 @@ def popen_cli(
     )
 
 
+@functools.cache
+def _test_launcher(path: str) -> Launcher:
+    spec = importlib.util.spec_from_file_location("kvledger_test_launcher", path)
+    assert spec is not None and spec.loader is not None, f"{TEST_LAUNCHER_ENV}={path}: not a file"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.launcher()
+
+
+def default_launcher() -> Launcher:
+    """:func:`popen_cli`, or in a process the tests started with :data:`TEST_LAUNCHER_ENV` the
+    launcher that file provides."""
+    path = os.environ.get(TEST_LAUNCHER_ENV)
+    return popen_cli if not path else _test_launcher(path)
+
+
 def spawn_cli(
     cli_args: list[str],
     env: Mapping[str, str],
@@ -100,12 +126,14 @@ def spawn_cli(
     errors_path: Path | None = None,
     new_session: bool = False,
     dies_with_parent: bool = True,
-    launcher: Launcher = popen_cli,
+    launcher: Launcher | None = None,
 ) -> Process:
     """Start ``kvledger CLI_ARGS`` as a child process, its output appended to ``log_path`` (None:
     discarded) and its stderr to ``errors_path`` when given. ``new_session``: its own session (a
     terminal's Ctrl-C does not reach it; ``os.killpg`` ends it and its children);
-    ``dies_with_parent=False`` for a child meant to be stopped by its caller alone."""
+    ``dies_with_parent=False`` for a child meant to be stopped by its caller alone; ``launcher``:
+    how (None: :func:`default_launcher`)."""
+    launcher = launcher or default_launcher()
     with open(log_path or os.devnull, "ab") as log, open(errors_path or os.devnull, "ab") as errors:
         return launcher(
             cli_args,

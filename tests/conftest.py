@@ -189,13 +189,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
         text = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in _TIMINGS.items())
         terminalreporter.write_line(f"integration services ready in: {text}")
     for server in _FORK_SERVERS:
+        num_forked, num_fresh = server.starts()
         fresh = (
-            f" (last because of {', '.join(sorted(server.fresh_because))})"
+            f" (the tests' last because of {', '.join(sorted(server.fresh_because))})"
             if server.num_fresh
             else ""
         )
         terminalreporter.write_line(
-            f"fork server: {server.num_forked} processes forked, {server.num_fresh} in a new interpreter{fresh}"
+            f"fork server: {num_forked} processes forked ({server.num_forked} by the tests, the rest by the"
+            f" stacks they started), {num_fresh} in a new interpreter{fresh}"
         )
 
 
@@ -376,7 +378,8 @@ def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer
     libraries of a node imported once, so a node or coordinator process it starts pays none of those
     imports. Pass ``fork_server.launch`` as the ``launcher`` of
     ``helpers.http_servers.ServerProcess``, ``bench.cluster.ClusterConfig`` or
-    ``kvledger.processes.spawn_cli``."""
+    ``kvledger.processes.spawn_cli``, or ``fork_server`` to ``helpers.stack.Up.start`` (a ``kvledger up``
+    whose children are forked too: ``fork_server.hook_env()``)."""
     server = ForkServer(tmp_path_factory.mktemp("fork-server")).start()
     _FORK_SERVERS.append(server)
     try:

@@ -11,11 +11,11 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 import uuid
 from pathlib import Path
 
 import httpx
+from helpers.fork_server import ForkServer
 from helpers.ledger import SigningProducer, coordinator_env, eventually, stored
 from sqlalchemy import func, select
 
@@ -24,6 +24,7 @@ from coordinator.ledger.models import InboxEntry, Node, Placement
 from coordinator.settings import CoordinatorSettings
 from events.kafka.settings import KafkaSettings
 from events.schema import BlockStored, NodeStarted, make_event
+from kvledger.processes import Launcher, Process, spawn_cli
 
 NUM_EVENTS = 300
 
@@ -41,6 +42,7 @@ class CoordinatorProcess:
         kafka_bootstrap: str,
         group_id: str,
         log_path: Path,
+        launcher: Launcher,
         role: str = "all",
         **extra_env: str,
     ) -> None:
@@ -54,20 +56,19 @@ class CoordinatorProcess:
             **extra_env,
         )
         self.log_path = log_path
-        self.process: asyncio.subprocess.Process | None = None
+        self.launcher = launcher
+        self.process: Process | None = None
 
     async def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed right after spawning
-        try:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvledger.cli", "coordinator", "--role", self.role, "--port", str(self.port),
-                env=self.env, stdout=log, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
-        finally:
-            log.close()
+        self.process = spawn_cli(
+            ["coordinator", "--role", self.role, "--port", str(self.port)],
+            self.env,
+            self.log_path,
+            launcher=self.launcher,
+        )
 
         async def ready() -> bool:
-            assert self.process.returncode is None, (
+            assert self.process.poll() is None, (
                 f"coordinator exited; log: {self.log_path.read_text()[-2000:]}"
             )
             try:
@@ -82,11 +83,11 @@ class CoordinatorProcess:
 
     async def signal(self, signum: int, timeout_s: float = 60) -> int:
         self.process.send_signal(signum)
-        return await asyncio.wait_for(self.process.wait(), timeout_s)
+        return await asyncio.to_thread(self.process.wait, timeout_s)
 
 
 async def test_sigkill_mid_stream_then_restart_ends_exact(
-    ledger_url: str, kafka_bootstrap: str, tmp_path: Path
+    ledger_url: str, kafka_bootstrap: str, tmp_path: Path, fork_server: ForkServer
 ) -> None:
     group_id = f"process-{uuid.uuid4().hex[:8]}"
     node_id = f"proc-{uuid.uuid4().hex[:8]}"
@@ -103,7 +104,7 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(
             return -1 if node is None else node.last_seq
 
     coordinator = CoordinatorProcess(
-        ledger_url, kafka_bootstrap, group_id, tmp_path / "coordinator.log"
+        ledger_url, kafka_bootstrap, group_id, tmp_path / "coordinator.log", fork_server.launch
     )
     try:
         await coordinator.start()
@@ -147,14 +148,14 @@ async def test_sigkill_mid_stream_then_restart_ends_exact(
 
         assert await coordinator.signal(signal.SIGTERM) == 0
     finally:
-        if coordinator.process is not None and coordinator.process.returncode is None:
+        if coordinator.process is not None and coordinator.process.poll() is None:
             coordinator.process.kill()
-            await coordinator.process.wait()
+            await asyncio.to_thread(coordinator.process.wait)
         await database.dispose()
 
 
 async def test_consumers_only_process_serves_health_readiness_and_metrics(
-    ledger_url: str, kafka_bootstrap: str, tmp_path: Path
+    ledger_url: str, kafka_bootstrap: str, tmp_path: Path, fork_server: ForkServer
 ) -> None:
     """``--role consumers`` has no ledger API, but is probed and scraped like the API; its logs are
     JSON lines."""
@@ -165,6 +166,7 @@ async def test_consumers_only_process_serves_health_readiness_and_metrics(
         kafka_bootstrap,
         f"consumers-{uuid.uuid4().hex[:8]}",
         log_path,
+        fork_server.launch,
         role="consumers",
         KVLEDGER_METRICS_TOKEN=metrics_token,
         KVLEDGER_LOG_FORMAT="json",
@@ -200,9 +202,9 @@ async def test_consumers_only_process_serves_health_readiness_and_metrics(
         assert 'kvledger_ledger_ingest_lag_seconds_bucket{le="+Inf"}' in scrape.text
         assert await coordinator.signal(signal.SIGTERM) == 0
     finally:
-        if coordinator.process is not None and coordinator.process.returncode is None:
+        if coordinator.process is not None and coordinator.process.poll() is None:
             coordinator.process.kill()
-            await coordinator.process.wait()
+            await asyncio.to_thread(coordinator.process.wait)
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     access = [
         line

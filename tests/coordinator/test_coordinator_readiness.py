@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.fork_server import ForkServer
 from helpers.ledger import (
     coordinator_env,
     coordinator_settings,
@@ -41,6 +41,7 @@ from events import schema
 from events.kafka.admin import ensure_topics
 from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
+from kvledger.processes import spawn_cli
 
 DECIDED_WITHIN_S = 3.0
 """An update published once ``/readyz`` said ready is decided this fast (the group join alone took ~5 s)."""
@@ -142,23 +143,24 @@ def _free_port() -> int:
 
 
 async def test_a_consumers_only_process_serves_readyz_and_is_consuming_when_ready(
-    settings: CoordinatorSettings, tmp_path: Path
+    settings: CoordinatorSettings, tmp_path: Path, fork_server: ForkServer
 ) -> None:
     port = _free_port()
     env = coordinator_env(
         settings.database.url.get_secret_value(), settings.kafka.bootstrap, settings.kafka.group_id
     )
     log_path = tmp_path / "consumers.log"
-    with open(log_path, "ab") as log:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "consumers", "--port", str(port),
-            env=env, stdout=log, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+    process = spawn_cli(
+        ["coordinator", "--role", "consumers", "--port", str(port)],
+        env,
+        log_path,
+        launcher=fork_server.launch,
+    )
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
 
             async def ready() -> bool:
-                assert process.returncode is None, (
+                assert process.poll() is None, (
                     f"the consumers exited; log: {log_path.read_text()[-2000:]}"
                 )
                 try:
@@ -175,8 +177,8 @@ async def test_a_consumers_only_process_serves_readyz_and_is_consuming_when_read
             )
             assert await decided_after(settings, f"acme-{uuid.uuid4().hex[:6]}") < DECIDED_WITHIN_S
         process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 60) == 0
+        assert await asyncio.to_thread(process.wait, 60) == 0
     finally:
-        if process.returncode is None:
+        if process.poll() is None:
             process.kill()
-            await process.wait()
+            await asyncio.to_thread(process.wait)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+from helpers.fork_server import ForkServer
 from helpers.ledger import (
     SUBJECT_KEY,
     coordinator_env,
@@ -35,6 +35,7 @@ from coordinator.settings import DatabaseSettings
 from events import schema
 from events.kafka.producer import EventProducer
 from events.kafka.settings import KafkaSettings
+from kvledger.processes import Launcher, spawn_cli
 from kvledger.services import EmbeddedKafka, EmbeddedPostgres
 
 BOUNDED_S = 5.0
@@ -50,10 +51,10 @@ def _free_port() -> int:
 
 @asynccontextmanager
 async def coordinator(
-    database_url: str, bootstrap: str, log_path: Path
+    database_url: str, bootstrap: str, log_path: Path, launcher: Launcher
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """``kvledger coordinator --role all`` as a child process; a client of its HTTP port. SIGTERM at
-    exit."""
+    """``kvledger coordinator --role all`` as a child process (started by ``launcher``: the session's
+    fork server); a client of its HTTP port. SIGTERM at exit."""
     port = _free_port()
     env = coordinator_env(
         database_url,
@@ -64,16 +65,14 @@ async def coordinator(
         KVLEDGER_COORDINATOR_KAFKA__RECONNECT_MAX_S="1",
         KVLEDGER_COORDINATOR_HTTP__RETRY_AFTER_S=str(RETRY_AFTER_S),
     )
-    with open(log_path, "ab") as log:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvledger.cli", "coordinator", "--role", "all", "--port", str(port),
-            env=env, stdout=log, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+    process = spawn_cli(
+        ["coordinator", "--role", "all", "--port", str(port)], env, log_path, launcher=launcher
+    )
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
 
             async def answers() -> bool:
-                assert process.returncode is None, (
+                assert process.poll() is None, (
                     f"the coordinator exited: {log_path.read_text()[-3000:]}"
                 )
                 try:
@@ -84,9 +83,9 @@ async def coordinator(
             await eventually(answers, timeout_s=60, what="the coordinator's /healthz")
             yield client
     finally:
-        if process.returncode is None:
+        if process.poll() is None:
             process.terminate()
-            await asyncio.wait_for(process.wait(), 60)
+            await asyncio.to_thread(process.wait, 60)
 
 
 async def timed(request) -> tuple[httpx.Response, float]:
@@ -128,12 +127,14 @@ async def update_is_decided(database_url: str, bootstrap: str) -> None:
 
 
 async def test_the_api_answers_while_the_broker_is_down_and_consumes_once_it_starts(
-    database_url: str, ledger_template: str, tmp_path: Path
+    database_url: str, ledger_template: str, tmp_path: Path, fork_server: ForkServer
 ) -> None:
     port = _free_port()
     broker = EmbeddedKafka(port=port, state_dir=tmp_path / "kafka")  # not started yet
     async with fresh_database(database_url, ledger_template) as url:
-        async with coordinator(url, f"127.0.0.1:{port}", tmp_path / "coordinator.log") as client:
+        async with coordinator(
+            url, f"127.0.0.1:{port}", tmp_path / "coordinator.log", fork_server.launch
+        ) as client:
             readyz = await client.get("/readyz")
             assert readyz.status_code == 503
             assert readyz.json()["status"] == "not_ready"
@@ -161,7 +162,7 @@ async def test_the_api_answers_while_the_broker_is_down_and_consumes_once_it_sta
 
 
 async def test_the_api_answers_503_while_postgres_is_down_and_recovers_when_it_returns(
-    kafka_bootstrap: str, tmp_path: Path
+    kafka_bootstrap: str, tmp_path: Path, fork_server: ForkServer
 ) -> None:
     postgres = EmbeddedPostgres(tmp_path / "pg" / "data")
     await postgres.start()
@@ -171,7 +172,9 @@ async def test_the_api_answers_503_while_postgres_is_down_and_recovers_when_it_r
             migrate.upgrade, url
         )  # a server of its own (the test stops it): the session's template is not there
         await enroll_producer(url)
-        async with coordinator(url, kafka_bootstrap, tmp_path / "coordinator.log") as client:
+        async with coordinator(
+            url, kafka_bootstrap, tmp_path / "coordinator.log", fork_server.launch
+        ) as client:
             await wait_ready(client)
             await postgres.stop()
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.fork_server import ForkServer
 from helpers.ledger import GROUP_TIMING_ENV
 from helpers.stack import free_port_pair, port_is_free, user_env
 
@@ -20,20 +21,22 @@ pytestmark = pytest.mark.e2e
 DEMO_TIMEOUT_S = 420
 
 
-def _kvledger(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+def _kvledger(
+    *args: str, timeout_s: float, fork_server: ForkServer | None = None
+) -> subprocess.CompletedProcess[str]:
     """``kvledger ARGS`` from a user's shell; the stack it starts joins its consumer groups with the
-    tests' timing."""
+    tests' timing, and with ``fork_server`` is forked from it (``kvledger up`` and its children)."""
     return subprocess.run(
         [sys.executable, "-m", "kvledger.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env=user_env() | GROUP_TIMING_ENV,
+        env=user_env() | GROUP_TIMING_ENV | ({} if fork_server is None else fork_server.hook_env()),
     )
 
 
 def test_demo_tells_the_whole_story_and_stops_its_stack(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, fork_server: ForkServer
 ) -> None:
     port = free_port_pair()
     state_dir, output = tmp_path / "state", tmp_path / "receipt"
@@ -48,6 +51,7 @@ def test_demo_tells_the_whole_story_and_stops_its_stack(
         "--output",
         str(output),
         timeout_s=DEMO_TIMEOUT_S,
+        fork_server=fork_server,
     )
     print(demo.stdout)
     assert demo.returncode == 0, demo.stdout + demo.stderr

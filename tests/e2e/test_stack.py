@@ -41,8 +41,11 @@ def _environment_of(argv_items: list[str]) -> dict[str, str]:
     return found[0]
 
 
-def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, tmp_path):
-    up = Up.start(tmp_path, tiny_model_dir)
+def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(
+    tiny_model_dir, tmp_path, fork_server
+):
+    # its children as new interpreters: the test reads their command lines and environments in /proc
+    up = Up.start(tmp_path, tiny_model_dir, fork_server=fork_server, fork_children=False)
     state_dir, port = up.state_dir, up.port
     try:
         stack = up.wait_ready()
@@ -204,9 +207,9 @@ def test_kvledger_up_serves_the_openai_client_and_stops_cleanly(tiny_model_dir, 
     assert port_is_free(port) and port_is_free(port - 100) and port_is_free(port + 100)
 
 
-def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_path):
+def test_kvledger_up_reports_progress_and_exits_non_zero_when_a_child_dies(tmp_path, fork_server):
     errors = tmp_path / "up.err"
-    up = Up.start(tmp_path, errors=errors)
+    up = Up.start(tmp_path, errors=errors, fork_server=fork_server)
     state_dir, port, process = up.state_dir, up.port, up.process
     try:
         stack = up.wait_ready()

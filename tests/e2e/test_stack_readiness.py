@@ -40,9 +40,9 @@ async def _publish_update(bootstrap: str, tenant: str, producer_key_file: str) -
 
 
 def test_an_update_published_as_soon_as_the_stack_is_up_is_decided_at_once(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, fork_server
 ):
-    up = Up.start(tmp_path, tiny_model_dir)
+    up = Up.start(tmp_path, tiny_model_dir, fork_server=fork_server)
     try:
         stack = up.wait_ready()
         published = time.monotonic()

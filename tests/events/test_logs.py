@@ -7,14 +7,14 @@ import json
 import logging
 import logging.config
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from helpers.fork_server import ForkServer
 
 from events.logs import (
     MAX_REQUEST_ID_CHARS,
@@ -245,16 +245,11 @@ def test_text_format_carries_the_request_id() -> None:
 
 
 @pytest.mark.parametrize("command", ["node", "coordinator"])
-def test_a_bad_log_format_is_a_one_line_configuration_error(command: str) -> None:
+def test_a_bad_log_format_is_a_one_line_configuration_error(
+    command: str, fork_server: ForkServer, tmp_path: Path
+) -> None:
     env = {**os.environ, "KVLEDGER_LOG_FORMAT": "xml"}
-    result = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", command],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = fork_server.run([command], env, tmp_path, timeout_s=120)
     assert result.returncode == 2
     assert (
         result.stderr

@@ -20,6 +20,9 @@ Why it is the same process as a fresh start:
 * nothing runs in the server that starts a thread (no torch op, no event loop, no CUDA): it asserts before
   every fork that no Python thread runs and that no import but numpy's (OpenBLAS, fork-aware) started one. Python reseeds ``random`` in a forked child; numpy's global generator is
   reseeded here.
+* the child exits as the interpreter would, short of tearing down the preloaded libraries (which would
+  write to nearly every page it shares with the server: 1.6 CPU-seconds a process): non-daemon threads
+  joined, ``atexit`` handlers run, stdio flushed, then ``os._exit`` with the same status.
 * the exit status comes from the server, which reaps its children, over the connection that asked for the
   start; signals go through a pidfd the server opened at the fork, so they never reach a recycled pid.
 """
@@ -81,9 +84,15 @@ server in these."""
 UNREAD = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
 """Variables no preloaded library reads at import, which the tests' process sets while it runs: pytest the running
 test's name, torch its compile cache's default directory the first time it compiles (read when compiling)."""
+SOCKET_ENV = "KVLEDGER_TEST_FORK_SERVER"
+"""The server's socket, in the environment of a process that starts its children through it
+(:meth:`ForkServer.hook_env`)."""
 START_TIMEOUT_S = 300.0
 MAX_REQUEST_BYTES = 1 << 20
+MAX_REPLY_BYTES = 1 << 16
 _READY = b"ready\n"
+_FORKED_LINE = "forked "
+_FRESH_LINE = "new interpreter for "
 
 
 def _libraries_differences(env: Mapping[str, str], server_env: Mapping[str, str]) -> set[str]:
@@ -155,20 +164,99 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class ForkServer:
-    """The server process (started by :meth:`start`, stopped by :meth:`stop`) and the client side of
-    its socket."""
+class ForkServerClient:
+    """Starts processes through a running fork server's socket: :meth:`launch` is a
+    ``kvledger.processes.Launcher``. The tests' process has one (:class:`ForkServer`); a ``kvledger up``
+    or ``kvledger demo`` the tests start gets one from :func:`launcher` (:data:`HOOK_ENV`)."""
 
-    def __init__(self, work_dir: Path) -> None:
-        self.socket_path = work_dir / "fork-server.sock"
-        self.log_path = work_dir / "fork-server.log"
-        self.env = dict(os.environ)
-        self.process: subprocess.Popen | None = None
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
         self.num_forked = 0
         self.num_fresh = 0
         """Starts handed to a new interpreter (an environment the server's imports did not see)."""
         self.fresh_because: set[str] = set()
         """The variables that made the last such start differ."""
+
+    def launch(
+        self,
+        cli_args: list[str],
+        env: Mapping[str, str],
+        stdout: IO[bytes],
+        stderr: IO[bytes] | None,
+        *,
+        new_session: bool,
+        dies_with_parent: bool,
+    ):
+        """A ``kvledger.processes.Launcher``: forked from the server, or a new interpreter where
+        forking would differ (the server answers which variables differ instead of forking)."""
+        from kvledger.processes import popen_cli
+
+        request = {
+            "args": cli_args,
+            "env": dict(env),
+            "cwd": os.getcwd(),
+            "new_session": new_session,
+            "dies_with_parent": dies_with_parent,
+        }
+        fds = [stdout.fileno(), (stderr or stdout).fileno()]
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        connection.settimeout(START_TIMEOUT_S)
+        try:
+            connection.connect(str(self.socket_path))
+            socket.send_fds(connection, [json.dumps(request).encode()], fds)
+            message, pidfds, _, _ = socket.recv_fds(connection, MAX_REPLY_BYTES, 1)
+        except BaseException:
+            connection.close()
+            raise
+        assert message, f"the fork server did not start {cli_args[0]} (see its log)"
+        reply = json.loads(message)
+        if "fresh" in reply:
+            connection.close()
+            self.num_fresh += 1
+            self.fresh_because = set(reply["fresh"])
+            return popen_cli(
+                cli_args,
+                env,
+                stdout,
+                stderr,
+                new_session=new_session,
+                dies_with_parent=dies_with_parent,
+            )
+        assert len(pidfds) == 1, f"the fork server sent no pidfd for {cli_args[0]}"
+        self.num_forked += 1
+        return ForkedProcess(
+            [sys.executable, "-m", "kvledger.cli", *cli_args], reply["pid"], pidfds[0], connection
+        )
+
+    def run(
+        self, cli_args: list[str], env: Mapping[str, str], work_dir: Path, timeout_s: float
+    ) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run(["python", "-m", "kvledger.cli", *cli_args], capture_output=True,
+        text=True)`` through :meth:`launch`: its output captured in files under ``work_dir``."""
+        work_dir.mkdir(parents=True, exist_ok=True)
+        out_path, err_path = work_dir / "cli.out", work_dir / "cli.err"
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            process = self.launch(cli_args, env, out, err, new_session=False, dies_with_parent=True)
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        return subprocess.CompletedProcess(
+            process.args, returncode, out_path.read_text(), err_path.read_text()
+        )
+
+
+class ForkServer(ForkServerClient):
+    """The server process (started by :meth:`start`, stopped by :meth:`stop`) and the client side of
+    its socket."""
+
+    def __init__(self, work_dir: Path) -> None:
+        super().__init__(work_dir / "fork-server.sock")
+        self.log_path = work_dir / "fork-server.log"
+        self.env = dict(os.environ)
+        self.process: subprocess.Popen | None = None
 
     def start(self) -> ForkServer:
         from kvledger.processes import die_with_parent
@@ -189,59 +277,27 @@ class ForkServer:
             self.process.terminate()
             self.process.wait(timeout=30)
 
-    def launch(
-        self,
-        cli_args: list[str],
-        env: Mapping[str, str],
-        stdout: IO[bytes],
-        stderr: IO[bytes] | None,
-        *,
-        new_session: bool,
-        dies_with_parent: bool,
-    ):
-        """A ``kvledger.processes.Launcher``: forked from the server, or a new interpreter where
-        forking would differ."""
-        from kvledger.processes import popen_cli
+    def hook_env(self) -> dict[str, str]:
+        """The variables that make a ``kvledger up`` (or ``kvledger demo``) start its own children
+        through this server (``kvledger.processes.TEST_LAUNCHER_ENV``)."""
+        from kvledger.processes import TEST_LAUNCHER_ENV
 
-        differences = _libraries_differences(env, self.env)
-        if differences:
-            self.num_fresh += 1
-            self.fresh_because = differences
-            return popen_cli(
-                cli_args,
-                env,
-                stdout,
-                stderr,
-                new_session=new_session,
-                dies_with_parent=dies_with_parent,
-            )
-        request = {
-            "args": cli_args,
-            "env": dict(env),
-            "cwd": os.getcwd(),
-            "new_session": new_session,
-            "dies_with_parent": dies_with_parent,
-        }
-        fds = [stdout.fileno(), (stderr or stdout).fileno()]
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        connection.settimeout(START_TIMEOUT_S)
-        try:
-            connection.connect(str(self.socket_path))
-            socket.send_fds(connection, [json.dumps(request).encode()], fds)
-            message, pidfds, _, _ = socket.recv_fds(connection, 256, 1)
-        except BaseException:
-            connection.close()
-            raise
-        assert message and len(pidfds) == 1, (
-            f"the fork server did not start {cli_args[0]} (see {self.log_path})"
+        return {TEST_LAUNCHER_ENV: str(Path(__file__).resolve()), SOCKET_ENV: str(self.socket_path)}
+
+    def starts(self) -> tuple[int, int]:
+        """(forked, new interpreters) of every start the server was asked for, its hooked ``kvledger
+        up`` stacks' included: the server logs one line per start."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return (
+            sum(line.startswith(_FORKED_LINE) for line in lines),
+            sum(line.startswith(_FRESH_LINE) for line in lines),
         )
-        self.num_forked += 1
-        return ForkedProcess(
-            [sys.executable, "-m", "kvledger.cli", *cli_args],
-            json.loads(message)["pid"],
-            pidfds[0],
-            connection,
-        )
+
+
+def launcher():
+    """The ``kvledger.processes.Launcher`` of a process the tests started with
+    :meth:`ForkServer.hook_env`: the session's fork server, named by :data:`SOCKET_ENV`."""
+    return ForkServerClient(Path(os.environ[SOCKET_ENV])).launch
 
 
 # -- the server process
@@ -274,8 +330,22 @@ def _preload() -> int:
     return num_threads
 
 
-def _serve(socket_path: str, num_threads: int) -> dict:
-    """Fork a child per request until killed; returns only in a child, with its request."""
+class _Child:
+    """A forked child the server has not reaped: the connection its exit status goes to, and
+    whether it ends when that connection's other side goes away."""
+
+    def __init__(self, connection: socket.socket, dies_with_requester: bool) -> None:
+        self.connection: socket.socket | None = connection
+        self.dies_with_requester = dies_with_requester
+
+
+def _serve(socket_path: str, num_threads: int, server_env: Mapping[str, str]) -> dict:
+    """Fork a child per request until killed; returns only in a child, with its request.
+
+    A child started with ``dies_with_parent`` is sent SIGTERM when the process that asked for it
+    closes its end of the connection (exits, or is killed), as a child of that process would be by
+    ``PR_SET_PDEATHSIG``: a ``kvledger up`` whose children the server forks takes them down with
+    it, even when killed."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if os.path.exists(socket_path):
         os.unlink(socket_path)
@@ -289,7 +359,7 @@ def _serve(socket_path: str, num_threads: int) -> dict:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)
-    children: dict[int, socket.socket] = {}
+    children: dict[int, _Child] = {}
     sys.stdout.buffer.write(_READY)
     sys.stdout.flush()
     while True:
@@ -297,27 +367,36 @@ def _serve(socket_path: str, num_threads: int) -> dict:
             if key.fileobj is listener:
                 connection, _ = listener.accept()
                 request = _fork(
-                    connection, listener, children, (wake_read, wake_write), selector, num_threads
+                    connection,
+                    listener,
+                    children,
+                    (wake_read, wake_write),
+                    selector,
+                    num_threads,
+                    server_env,
                 )
                 if request is not None:
                     return request
-            else:
+            elif key.fileobj is wake_read:
                 while True:
                     try:
                         if not os.read(wake_read, 4096):
                             break
                     except BlockingIOError:
                         break
-                _reap(children)
+                _reap(children, selector)
+            else:
+                _requester_gone(key.data, children, selector)
 
 
 def _fork(
     connection: socket.socket,
     listener: socket.socket,
-    children: dict[int, socket.socket],
+    children: dict[int, _Child],
     wake: tuple[int, int],
-    selector,
+    selector: selectors.BaseSelector,
     num_threads: int,
+    server_env: Mapping[str, str],
 ) -> dict | None:
     message, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST_BYTES, 2)
     if not message or len(fds) != 2:
@@ -326,6 +405,16 @@ def _fork(
         connection.close()
         return None
     request = json.loads(message)
+    differences = _libraries_differences(request["env"], server_env)
+    if differences:
+        for fd in fds:
+            os.close(fd)
+        _log(f"{_FRESH_LINE}{request['args'][:1]}: {sorted(differences)}")
+        try:
+            connection.send(json.dumps({"fresh": sorted(differences)}).encode())
+        finally:
+            connection.close()
+        return None
     assert threading.active_count() == 1 and _num_threads() <= num_threads, (
         f"a thread was started in the fork server ({threading.active_count()} Python, {_num_threads()} in all): it cannot fork safely"
     )
@@ -334,8 +423,9 @@ def _fork(
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         selector.close()
-        for other in children.values():
-            other.close()
+        for child in children.values():
+            if child.connection is not None:
+                child.connection.close()
         listener.close()
         connection.close()
         for fd in wake:
@@ -349,23 +439,47 @@ def _fork(
         socket.send_fds(connection, [json.dumps({"pid": pid}).encode()], [pidfd])
     finally:
         os.close(pidfd)
-    children[pid] = connection
+    _log(f"{_FORKED_LINE}pid {pid}: {request['args'][:1]}")
+    children[pid] = _Child(connection, request["dies_with_parent"])
+    selector.register(connection, selectors.EVENT_READ, pid)
     return None
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _log(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _requester_gone(
+    pid: int, children: dict[int, _Child], selector: selectors.BaseSelector
+) -> None:
+    """The connection of child ``pid`` is readable: the requester never sends after its request,
+    so its side closed. The child, not reaped yet, cannot be a recycled pid."""
+    child = children[pid]
+    assert child.connection is not None
+    selector.unregister(child.connection)
+    child.connection.close()
+    child.connection = None
+    if child.dies_with_requester:
+        os.kill(pid, signal.SIGTERM)
+
+
+def _reap(children: dict[int, _Child], selector: selectors.BaseSelector) -> None:
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             return
-        connection = children.pop(pid, None)
-        if connection is None:
+        child = children.pop(pid, None)
+        if child is None or child.connection is None:
             continue
+        selector.unregister(child.connection)
         try:
-            connection.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+            child.connection.send(
+                json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode()
+            )
         except OSError:  # the caller is gone: nobody to tell
             pass
-        connection.close()
+        child.connection.close()
 
 
 def _become_child(request: dict) -> None:
@@ -387,15 +501,50 @@ def _become_child(request: dict) -> None:
         sys.modules["numpy"].random.seed()
     sys.path[0] = request["cwd"]
     sys.argv = [sys.argv[0], *request["args"]]
-    if request["dies_with_parent"]:  # the parent is this server, which dies with the tests' process
+    if request["dies_with_parent"]:
+        # the parent is this server, which dies with the tests' process; the requester's exit is
+        # the server's to act on (_requester_gone)
         from kvledger.processes import die_with_parent
 
         die_with_parent()
 
 
-if __name__ == "__main__":
-    child_request = _serve(sys.argv[1], _preload())
-    _become_child(child_request)
+def _exit_status(exit_: SystemExit) -> int:
+    """The status the interpreter exits with for ``exit_``, printing a non-integer code as it does."""
+    if exit_.code is None or isinstance(exit_.code, int):
+        return exit_.code or 0
+    print(exit_.code, file=sys.stderr)
+    return 1
+
+
+def _run_child() -> None:
+    """Run ``kvledger.cli`` as ``python -m`` would, then exit as the interpreter does up to its
+    teardown: non-daemon threads joined, ``atexit`` handlers run (logging's flush among them), stdio
+    flushed — and no more. Tearing down the preloaded torch and transformers (module dicts, objects'
+    reference counts) writes to nearly every page the child shares with the server, about 1.6
+    CPU-seconds a process on the CI machine, more than a short command runs; a new interpreter
+    exiting frees its memory without touching it either. An exception other than ``SystemExit``
+    takes the interpreter's own path (its traceback, status 1)."""
+    import atexit
     import runpy
 
-    runpy.run_module("kvledger.cli", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("kvledger.cli", run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as exit_:
+        status = _exit_status(exit_)
+    threading._shutdown()  # type: ignore[attr-defined] # what the interpreter calls first at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: the interpreter ignores it too
+            pass
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    environment_at_start = dict(os.environ)  # what the preloaded libraries read at import
+    child_request = _serve(sys.argv[1], _preload(), environment_at_start)
+    _become_child(child_request)
+    _run_child()

@@ -1,5 +1,11 @@
 """``kvledger up`` as a user runs it, for the e2e tests: a child process in its own session, with none of the
-caller's ``KVLEDGER_*`` variables, only the tests' consumer-group timing (``helpers.ledger.GROUP_TIMING_ENV``)."""
+caller's ``KVLEDGER_*`` variables, only the tests' consumer-group timing (``helpers.ledger.GROUP_TIMING_ENV``).
+
+Given the session's fork server, ``kvledger up`` is forked from it, and so are its coordinator, nodes and
+router (``ForkServer.hook_env``): the same commands with the same environments, without each paying
+its torch and transformers imports. A test that reads the children's ``/proc`` (command line,
+environment: a forked child shows the server's) starts them as new interpreters
+(``fork_children=False``)."""
 
 from __future__ import annotations
 
@@ -15,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from helpers.fork_server import ForkServer
 from helpers.ledger import GROUP_TIMING_ENV
-from kvledger.processes import Process, spawn_cli
+from kvledger.processes import Process, popen_cli, spawn_cli
 
 STARTUP_TIMEOUT_S = 240
 T = TypeVar("T")
@@ -62,24 +69,38 @@ class Up:
     log: Path
 
     @classmethod
-    def start(cls, tmp_path: Path, model_dir: Path | None = None, errors: Path | None = None) -> Up:
+    def start(
+        cls,
+        tmp_path: Path,
+        model_dir: Path | None = None,
+        errors: Path | None = None,
+        *,
+        fork_server: ForkServer | None = None,
+        fork_children: bool = True,
+    ) -> Up:
         """Start one node's stack in ``tmp_path`` (state and log there); ``errors`` separates stderr.
 
         ``model_dir``: a model already built (the session's ``tiny_model_dir``, found, not built again: about
-        4 s of CPU saved); by default ``kvledger up`` builds one in ``tmp_path / "model"``, as on a first start."""
+        4 s of CPU saved); by default ``kvledger up`` builds one in ``tmp_path / "model"``, as on a first start.
+        ``fork_server``: ``kvledger up`` forked from it, and its children too unless ``fork_children`` is
+        False."""
         state_dir, port, log = tmp_path / "state", free_port_pair(), tmp_path / "up.log"
         model = model_dir or tmp_path / "model"
         args = ["up", "--state-dir", str(state_dir), "--model", str(model), "--port", str(port)]
         args.append(
             "--tiny"
         )  # what it builds when the directory is empty: tests run on the tiny model
+        env = user_env() | GROUP_TIMING_ENV
+        if fork_server is not None and fork_children:
+            env |= fork_server.hook_env()
         process = spawn_cli(
             args,
-            user_env() | GROUP_TIMING_ENV,
+            env,
             log,
             errors_path=errors,
             new_session=True,
             dies_with_parent=False,
+            launcher=popen_cli if fork_server is None else fork_server.launch,
         )
         return cls(process, state_dir, port, log)
 

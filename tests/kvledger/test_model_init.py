@@ -147,8 +147,13 @@ def _kvledger(*args: str, env: dict | None = None) -> subprocess.CompletedProces
     )
 
 
-def test_model_init_tiny_builds_the_tiny_model(tmp_path):
-    result = _kvledger("model", "init", "--tiny", str(tmp_path / "tiny"))
+def test_model_init_tiny_builds_the_tiny_model(tmp_path, fork_server):
+    result = fork_server.run(
+        ["model", "init", "--tiny", str(tmp_path / "tiny")],
+        dict(os.environ),
+        tmp_path / "cli",
+        timeout_s=300,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"built tiny model in {tmp_path / 'tiny'}"
     assert (
@@ -157,8 +162,13 @@ def test_model_init_tiny_builds_the_tiny_model(tmp_path):
     )
 
 
-def test_model_import_refuses_a_missing_file_in_one_line(tmp_path):
-    result = _kvledger("model", "import", str(tmp_path / "nothing.gguf"), str(tmp_path / "out"))
+def test_model_import_refuses_a_missing_file_in_one_line(tmp_path, fork_server):
+    result = fork_server.run(
+        ["model", "import", str(tmp_path / "nothing.gguf"), str(tmp_path / "out")],
+        dict(os.environ),
+        tmp_path / "cli",
+        timeout_s=300,
+    )
     assert result.returncode == 2
     assert (
         result.stderr.strip()

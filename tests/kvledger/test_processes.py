@@ -1,6 +1,7 @@
 """``kvledger.processes.spawn_cli`` through the tests' fork server (``helpers.fork_server``): a forked node is
 driven exactly as a ``subprocess.Popen`` (the fault suite's kills, pauses and restarts rely on it), reads its
-environment after the fork, and a start the server's imports would not match runs in a new interpreter."""
+environment after the fork, a start the server's imports would not match runs in a new interpreter, and a
+process the tests hook (a ``kvledger up``) forks its own children, which end with it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from helpers.fork_server import ForkServer
-from helpers.http_servers import ServerProcess
+from helpers.http_servers import ServerProcess, free_loopback_port
 from helpers.ledger import eventually
 
 from events.fault_points import ENV_VAR as FAULT_POINT_ENV
@@ -123,3 +125,47 @@ def test_a_different_library_environment_gets_a_new_interpreter(
     assert (fork_server.num_fresh, fork_server.num_forked) == (fresh_before + 1, forked_before)
     assert fork_server.fresh_because == {"OMP_NUM_THREADS"}
     assert log.read_text().startswith("kvledger ")
+
+
+_REQUESTER = """
+import os, sys, time
+from pathlib import Path
+from kvledger.processes import spawn_cli
+node = spawn_cli(sys.argv[2:], os.environ, Path(sys.argv[1]))
+print(node.pid, flush=True)
+time.sleep(600)
+"""
+"""A process that starts a node as ``kvledger up`` does (no launcher passed) and outlives it."""
+
+
+async def test_a_hooked_process_forks_its_children_and_they_end_with_it(
+    fork_server: ForkServer, tiny_model_dir: Path, tmp_path: Path
+):
+    """``kvledger up`` in the tests (``ForkServer.hook_env``): ``spawn_cli`` without a launcher forks
+    from the session's server, and a child started ``dies_with_parent`` is ended when the process that
+    asked for it dies, SIGKILL included, as its own child would be by ``PR_SET_PDEATHSIG``."""
+    args = ["node", "--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data")]
+    args += ["--port", str(free_loopback_port())]
+    env = _node_env() | fork_server.hook_env()
+    forked_before = fork_server.starts()[0]
+    requester = subprocess.Popen(
+        [sys.executable, "-c", _REQUESTER, str(tmp_path / "node.log"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        node_pid = int(await asyncio.wait_for(asyncio.to_thread(requester.stdout.readline), 120))
+        assert _parent(node_pid) == fork_server.process.pid
+        assert fork_server.starts()[0] == forked_before + 1
+        assert requester.poll() is None
+        requester.kill()
+        requester.wait(timeout=30)
+        await eventually(
+            lambda: not Path(f"/proc/{node_pid}").exists(),
+            timeout_s=30,
+            what="the node ended and reaped after its requester was killed",
+        )
+    finally:
+        if requester.poll() is None:
+            requester.kill()
+            requester.wait()

@@ -20,6 +20,7 @@ import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers.fork_server import ForkServer
 from helpers.ledger import (
     JWT_SECRET,
     NODE_KEY_CACHE_S,
@@ -124,15 +125,18 @@ async def test_end_user_and_operator_tokens_are_no_node_credentials(client, ledg
     assert response.status_code == 401 and response.json()["error"]["code"] == "missing_token"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", *args], capture_output=True, text=True, timeout=120
-    )
+def _cli(fork_server: ForkServer, work_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """``kvledger ARGS`` as a process of its own, forked from the session's fork server."""
+    return fork_server.run(list(args), dict(os.environ), work_dir, timeout_s=120)
 
 
-async def test_the_enroll_and_revoke_cli_end_to_end(client, ledger_url, tmp_path: Path):
+async def test_the_enroll_and_revoke_cli_end_to_end(
+    client, ledger_url, tmp_path: Path, fork_server: ForkServer
+):
     data_dir = tmp_path / "node-cli"
-    made = await asyncio.to_thread(_cli, "nodes", "key", "--data-dir", str(data_dir))
+    made = await asyncio.to_thread(
+        _cli, fork_server, tmp_path / "cli", "nodes", "key", "--data-dir", str(data_dir)
+    )
     assert made.returncode == 0, made.stderr
     key = load_or_create_private_key(data_dir / "node_key.pem")
     assert (data_dir / "node_key.pem").stat().st_mode & 0o777 == 0o600
@@ -147,6 +151,8 @@ async def test_the_enroll_and_revoke_cli_end_to_end(client, ledger_url, tmp_path
 
     enrolled = await asyncio.to_thread(
         _cli,
+        fork_server,
+        tmp_path / "cli",
         "nodes",
         "enroll",
         "--node-id",
@@ -161,6 +167,8 @@ async def test_the_enroll_and_revoke_cli_end_to_end(client, ledger_url, tmp_path
     assert await resolve(client, issue_node_credential(key, "node-cli")) == (200, None)
     taken = await asyncio.to_thread(
         _cli,
+        fork_server,
+        tmp_path / "cli",
         "nodes",
         "enroll",
         "--node-id",
@@ -174,6 +182,8 @@ async def test_the_enroll_and_revoke_cli_end_to_end(client, ledger_url, tmp_path
 
     revoked = await asyncio.to_thread(
         _cli,
+        fork_server,
+        tmp_path / "cli",
         "nodes",
         "revoke",
         "--node-id",
@@ -194,7 +204,15 @@ async def test_the_enroll_and_revoke_cli_end_to_end(client, ledger_url, tmp_path
 
     await eventually(refused, timeout_s=NODE_KEY_CACHE_S + 2, what="the revoked key to be refused")
     again = await asyncio.to_thread(
-        _cli, "nodes", "revoke", "--node-id", "node-cli", "--database-url", ledger_url
+        _cli,
+        fork_server,
+        tmp_path / "cli",
+        "nodes",
+        "revoke",
+        "--node-id",
+        "node-cli",
+        "--database-url",
+        ledger_url,
     )
     assert again.returncode == 1 and "no such live key" in again.stderr
     nowhere = await asyncio.to_thread(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -116,20 +114,14 @@ def test_mem_available_is_read_from_proc_meminfo(tmp_path):
     assert mem_available_bytes(meminfo) == 24185304 * 1024
 
 
-def test_node_that_cannot_fit_refuses_to_start_with_one_line(tiny_model_dir, tmp_path):
+def test_node_that_cannot_fit_refuses_to_start_with_one_line(tiny_model_dir, tmp_path, fork_server):
     tiers = {
         "KVLEDGER_NODE_CACHE__NUM_DEVICE_BLOCKS": "64",
         "KVLEDGER_NODE_CACHE__HOST_MEMORY_BYTES": str(2**50),
     }
     env = os.environ | tiers | {"KVLEDGER_JWT_SECRET": "x" * 40}
     args = ["--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "node"), "--port", "0"]
-    result = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "node", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = fork_server.run(["node", *args], env, tmp_path / "cli", timeout_s=300)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1, result.stderr
